@@ -1,0 +1,297 @@
+"""Typed, validated configuration.
+
+Config files are ml_collections ConfigDicts (``get_config()``); at entry they become the frozen
+dataclasses below, which are the single source of field names, types and defaults. A config file
+only sets what differs from these defaults. Every problem is a ``ConfigError`` with one sentence
+that names the field and the fix.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import typing
+from typing import Any, Mapping
+
+
+class ConfigError(ValueError):
+    """Bad user configuration; the message is one sentence naming the field and the fix."""
+
+
+def _check(ok: bool, field: str, problem: str, fix: str) -> None:
+    if not ok:
+        raise ConfigError(f"config field '{field}' {problem}; {fix}.")
+
+
+def _positive(value: float, field: str) -> None:
+    _check(value > 0, field, f"must be positive (got {value})", f"set --config.{field} to a value > 0")
+
+
+def _non_negative(value: float, field: str) -> None:
+    _check(value >= 0, field, f"must be >= 0 (got {value})", f"set --config.{field} to a value >= 0")
+
+
+def _choice(value: str, field: str, choices: tuple[str, ...]) -> None:
+    _check(value in choices, field, f"is {value!r}, which is not one of {', '.join(map(repr, choices))}",
+           f"set --config.{field} to one of those")
+
+
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """Decoder-only transformer (Llama-3 family by default)."""
+
+    name: str = "llama"
+    vocab_size: int = 256
+    embed_dim: int = 256
+    num_layers: int = 4
+    num_heads: int = 8
+    num_kv_heads: int = 4
+    head_dim: int = 0  # 0 means embed_dim // num_heads
+    mlp_dim: int = 768
+    activation: str = "swiglu"  # swiglu (gated, 3 matrices) | gelu (plain, 2 matrices)
+    norm: str = "rmsnorm"  # rmsnorm | layernorm
+    norm_eps: float = 1e-5
+    position_embedding: str = "rope"  # rope | learned
+    max_seq_len: int = 8192  # positions the model supports (size of learned position table)
+    rope_theta: float = 500_000.0
+    rope_scaling_factor: float = 1.0  # Llama-3.1 frequency scaling; 1.0 disables it
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_max_len: int = 8192
+    tie_embeddings: bool = False
+    init_std: float = 0.02
+    dtype: str = "float32"  # compute dtype; parameters are always float32
+    remat: str = "none"  # none | full | save_dots
+    attention: str = "auto"  # auto | xla | cudnn
+
+    def __post_init__(self):
+        for name in ("vocab_size", "embed_dim", "num_layers", "num_heads", "num_kv_heads", "mlp_dim",
+                     "max_seq_len", "rope_original_max_len"):
+            _positive(getattr(self, name), f"model.{name}")
+        _non_negative(self.head_dim, "model.head_dim")
+        for name in ("norm_eps", "rope_theta", "init_std", "rope_scaling_factor", "rope_low_freq_factor"):
+            _positive(getattr(self, name), f"model.{name}")
+        _check(self.rope_high_freq_factor > self.rope_low_freq_factor, "model.rope_high_freq_factor",
+               f"({self.rope_high_freq_factor}) must exceed model.rope_low_freq_factor ({self.rope_low_freq_factor})",
+               "raise it or lower model.rope_low_freq_factor")
+        _check(self.num_heads % self.num_kv_heads == 0, "model.num_kv_heads",
+               f"({self.num_kv_heads}) must divide model.num_heads ({self.num_heads}) for grouped-query attention",
+               "choose a divisor of model.num_heads")
+        _check(self.head_dim > 0 or self.embed_dim % self.num_heads == 0, "model.head_dim",
+               f"is 0 (derived) but model.embed_dim ({self.embed_dim}) is not divisible by model.num_heads "
+               f"({self.num_heads})", "set model.head_dim explicitly")
+        _choice(self.activation, "model.activation", ("swiglu", "gelu"))
+        _choice(self.norm, "model.norm", ("rmsnorm", "layernorm"))
+        _choice(self.position_embedding, "model.position_embedding", ("rope", "learned"))
+        _choice(self.dtype, "model.dtype", DTYPES)
+        _choice(self.remat, "model.remat", ("none", "full", "save_dots"))
+        _choice(self.attention, "model.attention", ("auto", "xla", "cudnn"))
+
+    @property
+    def resolved_head_dim(self) -> int:
+        return self.head_dim or self.embed_dim // self.num_heads
+
+
+MESH_AXES = ("data", "fsdp", "sequence", "expert", "tensor")  # outermost to innermost device order
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshConfig:
+    """Degrees of parallelism; -1 on one axis means 'all remaining devices'."""
+
+    data: int = 1
+    fsdp: int = -1
+    sequence: int = 1
+    expert: int = 1
+    tensor: int = 1
+
+    def __post_init__(self):
+        for name in MESH_AXES:
+            value = getattr(self, name)
+            _check(value == -1 or value >= 1, f"mesh.{name}", f"is {value}",
+                   "use a positive size or -1 for 'the rest of the devices'")
+        rest = [n for n in MESH_AXES if getattr(self, n) == -1]
+        _check(len(rest) <= 1, f"mesh.{rest[-1] if rest else ''}",
+               f"is -1 but so is mesh.{rest[0] if rest else ''}", "at most one mesh axis may be -1")
+
+    def resolve(self, num_devices: int) -> dict[str, int]:
+        """Axis sizes (outermost first) whose product equals ``num_devices``."""
+        sizes = {n: getattr(self, n) for n in MESH_AXES}
+        fixed = math.prod(v for v in sizes.values() if v != -1)
+        rest = [n for n, v in sizes.items() if v == -1]
+        if rest:
+            _check(num_devices % fixed == 0, f"mesh.{rest[0]}",
+                   f"is -1 but the other axes multiply to {fixed}, which does not divide the {num_devices} devices",
+                   "choose axis sizes whose product divides the device count")
+            sizes[rest[0]] = num_devices // fixed
+        else:
+            _check(fixed == num_devices, "mesh", f"sizes multiply to {fixed} but there are {num_devices} devices",
+                   "make data*fsdp*sequence*expert*tensor equal the device count or set one axis to -1")
+        return sizes
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    steps: int = 1000
+    seed: int = 0
+    global_batch_size: int = 32
+    microbatches: int = 1  # gradient accumulation: the global batch is split into this many parts
+    log_every: int = 10
+    z_loss: float = 0.0  # coefficient of the logsumexp^2 auxiliary loss
+    eval_batches: int = 4  # held-out batches evaluated at the end of the run (0: none)
+
+    def __post_init__(self):
+        for name in ("steps", "global_batch_size", "microbatches", "log_every"):
+            _positive(getattr(self, name), f"train.{name}")
+        _non_negative(self.seed, "train.seed")
+        _non_negative(self.z_loss, "train.z_loss")
+        _non_negative(self.eval_batches, "train.eval_batches")
+        _check(self.global_batch_size % self.microbatches == 0, "train.microbatches",
+               f"({self.microbatches}) must divide train.global_batch_size ({self.global_batch_size})",
+               "choose a divisor of the global batch size")
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimizerConfig:
+    """AdamW with linear warmup then cosine decay to ``min_lr_ratio * learning_rate``."""
+
+    learning_rate: float = 3e-4
+    warmup_steps: int = 100
+    decay_steps: int = 0  # 0 means train.steps
+    min_lr_ratio: float = 0.1
+    weight_decay: float = 0.1
+    b1: float = 0.9
+    b2: float = 0.95
+    eps: float = 1e-8
+    clip_norm: float = 1.0  # global gradient norm clipping; 0 disables it
+
+    def __post_init__(self):
+        _positive(self.learning_rate, "optimizer.learning_rate")
+        _positive(self.eps, "optimizer.eps")
+        for name in ("warmup_steps", "decay_steps", "weight_decay", "clip_norm"):
+            _non_negative(getattr(self, name), f"optimizer.{name}")
+        for name in ("b1", "b2", "min_lr_ratio"):
+            value = getattr(self, name)
+            _check(0 <= value < 1 or (name == "min_lr_ratio" and value == 1), f"optimizer.{name}",
+                   f"must lie in [0, 1) (got {value})", f"set --config.optimizer.{name} inside that range")
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+    source: str = "stdlib"  # stdlib (byte tokens of Python's own library) | synthetic (random tokens, no I/O)
+    seq_len: int = 256
+
+    def __post_init__(self):
+        _choice(self.source, "data.source", ("stdlib", "synthetic"))
+        _positive(self.seq_len, "data.seq_len")
+
+
+SECTIONS = {"model": ModelConfig, "mesh": MeshConfig, "train": TrainConfig, "optimizer": OptimizerConfig,
+            "data": DataConfig}
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
+    mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
+    train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
+    optimizer: OptimizerConfig = dataclasses.field(default_factory=OptimizerConfig)
+    data: DataConfig = dataclasses.field(default_factory=DataConfig)
+
+    def __post_init__(self):
+        m, d = self.model, self.data
+        _check(d.seq_len <= m.max_seq_len, "data.seq_len",
+               f"({d.seq_len}) exceeds model.max_seq_len ({m.max_seq_len})",
+               "shorten the sequence or raise model.max_seq_len")
+        _check(d.source != "stdlib" or m.vocab_size >= 256, "model.vocab_size",
+               f"({m.vocab_size}) is too small for byte tokens of data.source='stdlib'", "use at least 256")
+
+    def to_dict(self) -> dict[str, dict[str, Any]]:
+        return {name: dataclasses.asdict(getattr(self, name)) for name in SECTIONS}
+
+    def check_devices(self, num_devices: int) -> dict[str, int]:
+        """Checks everything that depends on the device count; returns the resolved mesh sizes."""
+        sizes = self.mesh.resolve(num_devices)
+        m, t = self.model, self.train
+        tp = sizes["tensor"]
+        for name, value in (("num_heads", m.num_heads), ("num_kv_heads", m.num_kv_heads),
+                            ("mlp_dim", m.mlp_dim), ("vocab_size", m.vocab_size)):
+            _check(value % tp == 0, f"model.{name}", f"({value}) is not divisible by mesh.tensor ({tp})",
+                   f"choose a mesh.tensor that divides {value}")
+        fsdp = sizes["fsdp"]
+        _check(m.embed_dim % fsdp == 0, "model.embed_dim", f"({m.embed_dim}) is not divisible by mesh.fsdp ({fsdp})",
+               f"choose a mesh.fsdp that divides {m.embed_dim}")
+        dp = sizes["data"] * sizes["fsdp"] * sizes["expert"]
+        micro = t.global_batch_size // t.microbatches
+        _check(micro % dp == 0, "train.global_batch_size",
+               f"({t.global_batch_size}, {micro} per microbatch) is not divisible by the data-parallel size "
+               f"data*fsdp*expert = {dp}", f"use a multiple of {dp * t.microbatches}")
+        sp = sizes["sequence"]
+        _check(self.data.seq_len % sp == 0, "data.seq_len",
+               f"({self.data.seq_len}) is not divisible by mesh.sequence ({sp})", f"use a multiple of {sp}")
+        return sizes
+
+
+def _field_types(cls) -> dict[str, type]:
+    hints = typing.get_type_hints(cls)
+    return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
+
+
+def parse_value(field: str, kind: type, text: str) -> Any:
+    """Parses a command-line override string into the field's type."""
+    try:
+        if kind is bool:
+            lowered = text.strip().lower()
+            if lowered in ("true", "1", "yes"):
+                return True
+            if lowered in ("false", "0", "no"):
+                return False
+            raise ValueError
+        if kind is int:
+            return int(text)
+        if kind is float:
+            return float(text)
+        return text
+    except ValueError:
+        raise ConfigError(f"config field '{field}' expects {kind.__name__} but got {text!r}; "
+                          f"pass a valid {kind.__name__} to --config.{field}.") from None
+
+
+def field_type(path: str) -> type:
+    """The type of a dotted field path such as 'train.steps'; ConfigError if it does not exist."""
+    section, _, name = path.partition(".")
+    if section not in SECTIONS:
+        raise ConfigError(f"config section '{section}' does not exist; use one of {', '.join(SECTIONS)}.")
+    types = _field_types(SECTIONS[section])
+    if name not in types:
+        raise ConfigError(f"config field '{path}' does not exist; fields of '{section}' are "
+                          f"{', '.join(sorted(types))}.")
+    return types[name]
+
+
+def _coerce(path: str, kind: type, value: Any) -> Any:
+    if kind is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if kind is bool and isinstance(value, bool) or kind is not bool and type(value) is kind:
+        return value
+    raise ConfigError(f"config field '{path}' must be {kind.__name__} but is {type(value).__name__} "
+                      f"({value!r}); fix it in the config file or with --config.{path}.")
+
+
+def from_mapping(values: Mapping[str, Any]) -> Config:
+    """Builds and validates a Config from a nested mapping (e.g. ``ConfigDict.to_dict()``)."""
+    sections = {}
+    for section, content in values.items():
+        if section not in SECTIONS:
+            raise ConfigError(f"config section '{section}' does not exist; use one of {', '.join(SECTIONS)}.")
+        if not isinstance(content, Mapping):
+            raise ConfigError(f"config section '{section}' must be a group of fields, not {content!r}.")
+        kwargs = {}
+        for name, value in content.items():
+            path = f"{section}.{name}"
+            kwargs[name] = _coerce(path, field_type(path), value)
+        sections[section] = SECTIONS[section](**kwargs)
+    return Config(**sections)

@@ -1,0 +1,82 @@
+"""Loads an ml_collections config file and applies ``--config.<path>=<value>`` overrides.
+
+The syntax is the one of ml_collections' config_flags (``--config=FILE[:ARG]``), parsed here so that
+every mistake becomes one ConfigError sentence instead of a flags traceback.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from typing import Any, Sequence
+
+import ml_collections
+
+from jaxtron.config import Config, ConfigError, field_type, from_mapping, parse_value
+
+
+def load_config_file(spec: str) -> ml_collections.ConfigDict:
+    """Runs ``get_config(arg)`` of ``FILE[:ARG]`` and returns its ConfigDict."""
+    path, _, arg = spec.partition(":")
+    if not os.path.isfile(path):
+        raise ConfigError(f"config file '{path}' does not exist; pass --config=configs/<name>.py.")
+    module_spec = importlib.util.spec_from_file_location("jaxtron_user_config", path)
+    module = importlib.util.module_from_spec(module_spec)
+    try:
+        module_spec.loader.exec_module(module)
+    except Exception as e:  # a user's file may raise anything; report it in one sentence
+        raise ConfigError(f"config file '{path}' failed to load ({type(e).__name__}: {e}); fix the file.") from None
+    if not hasattr(module, "get_config"):
+        raise ConfigError(f"config file '{path}' defines no get_config(); add one returning a ConfigDict.")
+    try:
+        config = module.get_config(arg) if arg else module.get_config()
+    except TypeError as e:
+        raise ConfigError(f"config file '{path}' get_config() rejected the argument {arg!r} ({e}); "
+                          "check the ':ARG' part of --config.") from None
+    if not isinstance(config, (ml_collections.ConfigDict, dict)):
+        raise ConfigError(f"config file '{path}' get_config() returned {type(config).__name__}; return a ConfigDict.")
+    return ml_collections.ConfigDict(config)
+
+
+def apply_overrides(config: ml_collections.ConfigDict, overrides: Sequence[tuple[str, str]]) -> dict[str, Any]:
+    """Applies (dotted path, string value) pairs; returns the resulting nested dict."""
+    values = config.to_dict()
+    for path, text in overrides:
+        kind = field_type(path)  # raises for unknown sections and fields
+        section, name = path.split(".", 1)
+        values.setdefault(section, {})[name] = parse_value(path, kind, text)
+    return values
+
+
+def split_overrides(argv: Sequence[str]) -> tuple[str | None, list[tuple[str, str]], list[str]]:
+    """Separates ``--config=``, ``--config.x.y=v`` and the remaining arguments."""
+    config_spec, overrides, rest = None, [], []
+    args = list(argv)
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        if arg.startswith("--config.") or arg.startswith("--config="):
+            key, eq, value = arg[2:].partition("=")
+            if not eq:  # "--config.x.y v" form
+                if i + 1 >= len(args):
+                    raise ConfigError(f"option '--{key}' has no value; write --{key}=VALUE.")
+                value = args[i + 1]
+                i += 1
+            if key == "config":
+                config_spec = value
+            else:
+                overrides.append((key[len("config."):], value))
+        elif arg == "--config":
+            if i + 1 >= len(args):
+                raise ConfigError("option '--config' has no value; write --config=configs/<name>.py.")
+            config_spec = args[i + 1]
+            i += 1
+        else:
+            rest.append(arg)
+        i += 1
+    return config_spec, overrides, rest
+
+
+def load_config(spec: str, overrides: Sequence[tuple[str, str]] = ()) -> Config:
+    """Config file + overrides -> validated, frozen Config."""
+    return from_mapping(apply_overrides(load_config_file(spec), overrides))

@@ -1,0 +1,1 @@
+"""FLOP counting, hardware peaks and MFU, and metric sinks (JSONL, TensorBoard, console)."""

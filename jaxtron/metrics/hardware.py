@@ -1,0 +1,79 @@
+"""Dense datasheet peaks per device and MFU.
+
+Only DENSE tensor-core peaks are MFU denominators (DESIGN.md): the 1979 / 3958 TFLOP/s H100 figures
+are with 2:4 structured sparsity and never appear here. Nothing is guessed: a device or precision
+without a datasheet number in this table gets ``None`` and MFU is reported as null.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+
+# Dense peak TFLOP/s per GPU (bf16 == fp16 on these parts). None: the part has no such mode or we have
+# no checked datasheet number for it.
+# "float32" is the CUDA-core (non-tensor-core) FP32 peak, listed only where checked; XLA may run fp32
+# matmuls as TF32 on tensor cores, in which case MFU against it overstates utilisation (even > 100%).
+DENSE_PEAK_TFLOPS: dict[str, dict[str, float | None]] = {
+    "H100 SXM": {"bfloat16": 989.4, "float16": 989.4, "fp8": 1978.9, "float32": 66.9},
+    "H200 SXM": {"bfloat16": 989.4, "float16": 989.4, "fp8": 1978.9, "float32": None},
+    "H100 PCIe": {"bfloat16": 756.0, "float16": 756.0, "fp8": 1513.0, "float32": None},
+    "A100": {"bfloat16": 312.0, "float16": 312.0, "fp8": None, "float32": 19.5},
+    "B200": {"bfloat16": 2250.0, "float16": 2250.0, "fp8": 4500.0, "float32": None},
+}
+
+_DTYPE_ALIASES = {
+    "float32": "float32", "fp32": "float32", "f32": "float32",
+    "bfloat16": "bfloat16", "bf16": "bfloat16",
+    "float16": "float16", "fp16": "float16", "f16": "float16", "half": "float16",
+    "fp8": "fp8", "float8": "fp8", "float8_e4m3fn": "fp8", "float8_e5m2": "fp8",
+}
+
+
+def _word(name: str, text: str) -> bool:
+    return re.search(rf"(?<![a-z0-9]){name}(?![a-z0-9])", text) is not None
+
+
+def device_model(device_kind: str) -> str | None:
+    """Maps a jax ``device.device_kind`` (e.g. 'NVIDIA H100 80GB HBM3') to a key of the peak table.
+
+    Variants with different clocks or power and no checked number here (H100/H200 NVL, GH200, GB200,
+    H800, A800, ...) map to None rather than to their nearest relative.
+    """
+    kind = device_kind.strip().lower()
+    if _word("nvl", kind):
+        return None  # NVL cards run at lower power and clocks than SXM parts
+    if _word("h100", kind):
+        return "H100 PCIe" if "pcie" in kind else "H100 SXM"
+    if _word("h200", kind):  # 'gh200' does not match: the word check needs a boundary before 'h'
+        return "H200 SXM"
+    if _word("a100", kind):  # SXM4 and PCIe A100 share the 312 TFLOP/s dense peak
+        return "A100"
+    if _word("b200", kind):  # 'gb200' does not match
+        return "B200"
+    return None
+
+
+def peak_flops(device_kind: str, dtype: str) -> tuple[float | None, str]:
+    """Dense peak FLOP/s of one device at ``dtype`` ('float32', 'bfloat16', 'float16', 'fp8').
+
+    Returns (peak or None, a one-line note saying where the number came from or why there is none).
+    """
+    precision = _DTYPE_ALIASES.get(dtype.strip().lower())
+    model = device_model(device_kind)
+    if precision is None or model is None:
+        return None, f"no dense peak known for device {device_kind!r} at {dtype}; mfu is null"
+    tflops = DENSE_PEAK_TFLOPS[model][precision]
+    if tflops is None:
+        return None, f"no dense peak known for device {device_kind!r} ({model}) at {dtype}; mfu is null"
+    note = f"{model} dense {precision} datasheet peak {tflops:g} TFLOP/s per device"
+    if precision == "float32":
+        note += " (CUDA-core FP32; if XLA uses TF32 tensor cores this MFU is overstated)"
+    return tflops * 1e12, note
+
+
+def mfu(flops_per_sec_per_device: float, peak: float | None) -> float | None:
+    """Model FLOPs utilisation as a fraction of ``peak`` (None when the peak is unknown)."""
+    if peak is None or peak <= 0 or not math.isfinite(flops_per_sec_per_device):
+        return None
+    return flops_per_sec_per_device / peak

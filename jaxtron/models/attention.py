@@ -1,0 +1,39 @@
+"""Grouped-query self-attention with rotary positions."""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxtron.config import ModelConfig
+from jaxtron.models.layers import apply_rope, compute_dtype, param, rope_frequencies
+from jaxtron.ops import attention as attention_ops
+
+
+class Attention(nnx.Module):
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, implementation: str):
+        d, n, g, h = cfg.embed_dim, cfg.num_heads, cfg.num_kv_heads, cfg.resolved_head_dim
+        out_std = cfg.init_std / math.sqrt(2 * cfg.num_layers)
+        self.wq = param(rngs, (d, n, h), ("embed", "heads", "head_dim"), cfg.init_std)
+        self.wk = param(rngs, (d, g, h), ("embed", "kv_heads", "head_dim"), cfg.init_std)
+        self.wv = param(rngs, (d, g, h), ("embed", "kv_heads", "head_dim"), cfg.init_std)
+        self.wo = param(rngs, (n, h, d), ("heads", "head_dim", "embed"), out_std)
+        self.cfg = cfg
+        self.dtype = compute_dtype(cfg)
+        self.implementation = implementation
+
+    def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array | None) -> jax.Array:
+        dt = self.dtype
+        q = jnp.einsum("btd,dnh->btnh", x, self.wq[...].astype(dt))
+        k = jnp.einsum("btd,dnh->btnh", x, self.wk[...].astype(dt))
+        v = jnp.einsum("btd,dnh->btnh", x, self.wv[...].astype(dt))
+        if self.cfg.position_embedding == "rope":
+            inv_freq = rope_frequencies(self.cfg)
+            q = apply_rope(q, positions, inv_freq)
+            k = apply_rope(k, positions, inv_freq)
+        out = attention_ops.dot_product_attention(q, k, v, implementation=self.implementation,
+                                                  segment_ids=segment_ids)
+        return jnp.einsum("btnh,nhd->btd", out, self.wo[...].astype(dt))

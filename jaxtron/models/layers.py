@@ -1,0 +1,71 @@
+"""Small building blocks: parameters with logical names, norms, embeddings, rotary positions."""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxtron.config import ModelConfig
+
+
+def param(rngs: nnx.Rngs, shape: Sequence[int], names: Sequence[str], std: float) -> nnx.Param:
+    """A float32 parameter drawn from N(0, std^2), annotated with one logical name per dimension."""
+    value = std * jax.random.normal(rngs.params(), tuple(shape), jnp.float32)
+    return nnx.Param(value, out_sharding=tuple(names))
+
+
+def compute_dtype(cfg: ModelConfig) -> jnp.dtype:
+    return jnp.dtype(cfg.dtype)
+
+
+class Norm(nnx.Module):
+    """RMSNorm (scale only) or LayerNorm (scale and bias); statistics in float32."""
+
+    def __init__(self, cfg: ModelConfig):
+        self.eps = cfg.norm_eps
+        self.dtype = compute_dtype(cfg)
+        self.scale = nnx.Param(jnp.ones((cfg.embed_dim,), jnp.float32), out_sharding=("norm",))
+        self.bias = nnx.Param(jnp.zeros((cfg.embed_dim,), jnp.float32), out_sharding=("norm",)) \
+            if cfg.norm == "layernorm" else None
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x = x.astype(jnp.float32)
+        if self.bias is not None:
+            x = x - jnp.mean(x, axis=-1, keepdims=True)
+        x = x * jax.lax.rsqrt(jnp.mean(jnp.square(x), axis=-1, keepdims=True) + self.eps)
+        x = x * self.scale[...]
+        if self.bias is not None:
+            x = x + self.bias[...]
+        return x.astype(self.dtype)
+
+
+def rope_frequencies(cfg: ModelConfig) -> jax.Array:
+    """Inverse frequencies of rotary embeddings, with Llama-3.1 scaling when its factor is > 1."""
+    dim = cfg.resolved_head_dim
+    inv_freq = 1.0 / (cfg.rope_theta ** (jnp.arange(0, dim, 2, dtype=jnp.float32) / dim))
+    factor = cfg.rope_scaling_factor
+    if factor == 1.0:
+        return inv_freq
+    wavelen = 2 * math.pi / inv_freq
+    low_freq_wavelen = cfg.rope_original_max_len / cfg.rope_low_freq_factor
+    high_freq_wavelen = cfg.rope_original_max_len / cfg.rope_high_freq_factor
+    # Long wavelengths are divided by the factor, short ones kept, the band between interpolated.
+    smooth = (cfg.rope_original_max_len / wavelen - cfg.rope_low_freq_factor) / (
+        cfg.rope_high_freq_factor - cfg.rope_low_freq_factor)
+    interpolated = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+    scaled = jnp.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    middle = (wavelen <= low_freq_wavelen) & (wavelen >= high_freq_wavelen)
+    return jnp.where(middle, interpolated, scaled)
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array:
+    """Rotates [batch, length, heads, head_dim] by position (rotate-half layout, as in HF Llama)."""
+    angles = positions[:, :, None, None].astype(jnp.float32) * inv_freq  # [b, t, 1, d/2]
+    sin, cos = jnp.sin(angles), jnp.cos(angles)
+    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+    rotated = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return rotated.astype(x.dtype)

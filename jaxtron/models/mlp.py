@@ -1,0 +1,36 @@
+"""Feed-forward blocks: SwiGLU (Llama) or plain GELU (GPT)."""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxtron.config import ModelConfig
+from jaxtron.models.layers import compute_dtype, param
+from jaxtron.sharding import constrain
+
+HIDDEN_AXES = ("activation_batch", "activation_length", "activation_mlp")
+
+
+class MLP(nnx.Module):
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        d, f = cfg.embed_dim, cfg.mlp_dim
+        self.gated = cfg.activation == "swiglu"
+        self.wi_gate = param(rngs, (d, f), ("embed", "mlp"), cfg.init_std) if self.gated else None
+        self.wi_up = param(rngs, (d, f), ("embed", "mlp"), cfg.init_std)
+        self.wo = param(rngs, (f, d), ("mlp", "embed"), cfg.init_std / math.sqrt(2 * cfg.num_layers))
+        self.dtype = compute_dtype(cfg)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        dt = self.dtype
+        up = jnp.einsum("btd,df->btf", x, self.wi_up[...].astype(dt))
+        if self.gated:
+            gate = jnp.einsum("btd,df->btf", x, self.wi_gate[...].astype(dt))
+            hidden = jax.nn.silu(gate) * up
+        else:
+            hidden = jax.nn.gelu(up)
+        hidden = constrain(hidden, HIDDEN_AXES)
+        return jnp.einsum("btf,fd->btd", hidden, self.wo[...].astype(dt))

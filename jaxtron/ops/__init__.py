@@ -1,0 +1,1 @@
+"""Kernels chosen in one place: attention implementations and matmul precision."""

@@ -1,0 +1,108 @@
+"""THE logical-axis rules table and the helpers that turn logical names into shardings.
+
+Models name the axes of every parameter and activation with logical names; this module alone
+decides which mesh axes shard them. Changing data/fsdp/tensor/sequence/expert degrees is a
+config change, never a model change.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import jax
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+# logical axis name -> mesh axis (or axes, outermost first), None = replicated.
+# A mesh axis already used by an earlier dimension of the same array is skipped for later ones.
+RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
+    # parameters
+    ("vocab", "tensor"),
+    ("embed", "fsdp"),
+    ("heads", "tensor"),
+    ("kv_heads", "tensor"),
+    ("head_dim", None),
+    ("mlp", "tensor"),
+    ("experts", "expert"),
+    ("layers", None),
+    ("norm", None),
+    ("position", None),
+    # activations
+    ("activation_batch", ("data", "fsdp", "expert")),
+    ("activation_length", "sequence"),
+    ("activation_kv_length", None),  # keys/values are gathered over the sequence axis for attention
+    ("activation_embed", None),
+    ("activation_heads", "tensor"),
+    ("activation_kv_heads", "tensor"),
+    ("activation_head_dim", None),
+    ("activation_mlp", "tensor"),
+    ("activation_vocab", "tensor"),
+)
+
+_RULES = dict(RULES)
+
+BATCH_AXES = ("activation_batch", "activation_length")
+
+
+def logical_to_spec(names: Sequence[str | None]) -> PartitionSpec:
+    """PartitionSpec for an array whose dimensions carry the given logical names."""
+    used: set[str] = set()
+    spec = []
+    for name in names:
+        if name is None:
+            spec.append(None)
+            continue
+        if name not in _RULES:
+            raise KeyError(f"logical axis {name!r} has no rule in jaxtron.sharding.RULES")
+        target = _RULES[name]
+        axes = (target,) if isinstance(target, str) else tuple(target or ())
+        axes = tuple(a for a in axes if a not in used)
+        used.update(axes)
+        spec.append(None if not axes else axes[0] if len(axes) == 1 else axes)
+    return PartitionSpec(*spec)
+
+
+def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
+    """Constrains an activation to the sharding its logical names map to (no-op without a mesh)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return x
+    return jax.lax.with_sharding_constraint(x, logical_to_spec(names))
+
+
+def _is_variable(x: Any) -> bool:
+    return isinstance(x, nnx.Variable)
+
+
+def logical_names(variable: nnx.Variable) -> tuple[str | None, ...]:
+    names = variable.get_metadata().get("out_sharding")
+    return tuple(names) if names else (None,) * variable.get_value().ndim
+
+
+def tree_shardings(mesh: Mesh, tree: Any) -> Any:
+    """NamedShardings for a tree of nnx Variables (by their logical names) and plain arrays (replicated)."""
+
+    def one(x):
+        if _is_variable(x):
+            return NamedSharding(mesh, logical_to_spec(logical_names(x)))
+        return NamedSharding(mesh, PartitionSpec())
+
+    return jax.tree.map(one, tree, is_leaf=_is_variable)
+
+
+def batch_sharding(mesh: Mesh) -> NamedSharding:
+    """Sharding of a [batch, length] token array: batch over data/fsdp/expert, length over sequence."""
+    return NamedSharding(mesh, logical_to_spec(BATCH_AXES))
+
+
+def describe(mesh: Mesh, params: Any) -> str:
+    """The rules table and every parameter's shape, logical names and physical sharding."""
+    lines = ["mesh: " + ", ".join(f"{a}={s}" for a, s in mesh.shape.items()), "", "rules (logical -> mesh):"]
+    lines += [f"  {name:<22} -> {target}" for name, target in RULES]
+    lines += ["", f"{'parameter':<40} {'shape':<22} {'logical':<40} physical"]
+    for path, var in nnx.to_flat_state(params):
+        names = logical_names(var)
+        key = ".".join(str(p) for p in path)
+        shape = str(tuple(var.get_value().shape))
+        lines.append(f"{key:<40} {shape:<22} {str(names):<40} {logical_to_spec(names)}")
+    return "\n".join(lines)

@@ -1,0 +1,1 @@
+"""Train state, optimizer, the pure train step and the loop around it."""

@@ -1,0 +1,149 @@
+"""The training loop: the only place with side effects (data, logging, metrics files)."""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import os
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxtron.config import Config, ConfigError
+from jaxtron.data.loader import global_batch, make_sources
+from jaxtron.mesh import make_mesh
+from jaxtron.metrics import flops as flops_lib
+from jaxtron.metrics import hardware
+from jaxtron.metrics.writers import MetricsWriter
+from jaxtron.ops.attention import resolve_implementation
+from jaxtron.sharding import batch_sharding, describe
+from jaxtron.training import state as state_lib
+from jaxtron.training.step import eval_step, train_step
+
+log = logging.getLogger(__name__)
+
+
+def _check_workdir(workdir: str) -> None:
+    try:
+        os.makedirs(workdir, exist_ok=True)
+        probe = os.path.join(workdir, ".write_test")
+        with open(probe, "w") as f:
+            f.write("ok")
+        os.remove(probe)
+    except OSError as e:
+        raise ConfigError(f"workdir '{workdir}' is not writable ({e.strerror}); pass a writable --workdir.") from None
+
+
+class Throughput:
+    """Turns a wall-clock interval of steps into step time, tokens/s, TFLOP/s per device and MFU/HFU."""
+
+    def __init__(self, cfg: Config, num_devices: int, device_kind: str):
+        tokens = cfg.train.global_batch_size * cfg.data.seq_len
+        self.tokens_per_step = tokens
+        self.model_flops = flops_lib.flops_per_token(cfg.model, cfg.data.seq_len) * tokens
+        self.hardware_flops = flops_lib.hardware_flops_per_token(cfg.model, cfg.data.seq_len) * tokens
+        self.num_devices = num_devices
+        self.peak, self.peak_note = hardware.peak_flops(device_kind, cfg.model.dtype)
+
+    def __call__(self, seconds: float, steps: int) -> dict[str, Any]:
+        step_time = seconds / steps
+        per_device = self.model_flops / step_time / self.num_devices
+        return {"step_time_s": step_time, "tokens_per_sec": self.tokens_per_step / step_time,
+                "tflops_per_device": per_device / 1e12, "mfu": hardware.mfu(per_device, self.peak),
+                "hfu": hardware.mfu(self.hardware_flops / step_time / self.num_devices, self.peak)}
+
+
+def evaluate(cfg: Config, setup, params, source, mesh, shardings) -> float | None:
+    """Mean cross-entropy over ``train.eval_batches`` held-out batches."""
+    if source is None or cfg.train.eval_batches == 0:
+        return None
+    fn = jax.jit(functools.partial(eval_step, setup), in_shardings=(shardings.params, batch_sharding(mesh)))
+    total, count = 0.0, 0.0
+    for i in range(cfg.train.eval_batches):
+        out = jax.device_get(fn(params, global_batch(source, i, mesh, cfg.train.global_batch_size)))
+        total, count = total + float(out["ce_sum"]), count + float(out["count"])
+    return total / count
+
+
+def run(cfg: Config, workdir: str, *, print_sharding: bool = False, use_tqdm: bool | None = None) -> dict[str, Any]:
+    """Trains ``cfg`` and writes metrics into ``workdir``; returns a summary of the run."""
+    devices = jax.devices()
+    sizes = cfg.check_devices(len(devices))
+    mesh = make_mesh(sizes, devices)
+    implementation = resolve_implementation(cfg.model.attention, jnp.dtype(cfg.model.dtype))
+    with jax.set_mesh(mesh):
+        setup = state_lib.setup(cfg, implementation)
+        shardings = state_lib.state_shardings(mesh, setup.abstract_state)
+        if print_sharding:
+            print(describe(mesh, setup.abstract_state.params))
+            return {}
+        _check_workdir(workdir)
+        return _train(cfg, workdir, mesh, setup, shardings, implementation, use_tqdm)
+
+
+def _train(cfg, workdir, mesh, setup, shardings, implementation, use_tqdm) -> dict[str, Any]:
+    t = cfg.train
+    is_main = jax.process_index() == 0
+    train_source, held_out, facts = make_sources(cfg)
+    n_params = flops_lib.param_count(cfg.model)
+    log.info("model %s: %.4gM parameters; mesh %s; attention %s; compute %s", cfg.model.name, n_params / 1e6,
+             dict(mesh.shape), implementation, cfg.model.dtype)
+    if "unigram_entropy" in facts:
+        log.info("data: %d train / %d held-out byte tokens; unigram entropy of the training text %.4f nats/token",
+                 facts["train_tokens"], facts["held_out_tokens"], facts["unigram_entropy"])
+    if is_main:
+        with open(os.path.join(workdir, "config.json"), "w") as f:
+            json.dump(cfg.to_dict(), f, indent=2)
+
+    state = state_lib.init_state(cfg, implementation, shardings)
+    step_fn = jax.jit(functools.partial(train_step, setup), in_shardings=(shardings, batch_sharding(mesh)),
+                      out_shardings=(shardings, None), donate_argnums=0)
+    batch = global_batch(train_source, 0, mesh, t.global_batch_size)
+    start = time.perf_counter()
+    compiled = step_fn.lower(state, batch).compile()
+    compile_s = time.perf_counter() - start
+    throughput = Throughput(cfg, mesh.size, jax.devices()[0].device_kind)
+    log.info("compiled the train step in %.1f s; %.4g model TFLOP per step; %s", compile_s,
+             throughput.model_flops / 1e12, throughput.peak_note or f"peak {throughput.peak / 1e12:.1f} TFLOP/s")
+
+    writer = MetricsWriter(workdir, t.steps, use_tqdm=use_tqdm) if is_main else None
+    last: dict[str, Any] = {}
+    interval_start, interval_steps = time.perf_counter(), 0
+    try:
+        for step in range(t.steps):
+            state, metrics = compiled(state, batch)
+            interval_steps += 1
+            if step + 1 < t.steps:  # the next batch loads while the device works on this step
+                batch = global_batch(train_source, step + 1, mesh, t.global_batch_size)
+            if (step + 1) % t.log_every == 0 or step + 1 == t.steps:
+                values = {k: float(v) for k, v in jax.device_get(metrics).items()}  # waits for the step
+                values.update(throughput(time.perf_counter() - interval_start, interval_steps))
+                if writer:
+                    writer.write(step + 1, values)
+                last = values
+                interval_start, interval_steps = time.perf_counter(), 0
+        held_out_loss = evaluate(cfg, setup, state.params, held_out, mesh, shardings)
+        summary = {"final_loss": last.get("loss"), "held_out_loss": held_out_loss, "compile_time_s": compile_s,
+                   **facts, **{k: last.get(k) for k in ("tokens_per_sec", "tflops_per_device", "mfu")}}
+        if writer:
+            if held_out_loss is not None:
+                writer.write(t.steps, {"eval/loss": held_out_loss})
+            writer.log(_summary_line(summary))
+    finally:
+        if writer:
+            writer.close()
+    summary["state"] = state
+    return summary
+
+
+def _summary_line(summary: dict[str, Any]) -> str:
+    parts = [f"final train loss {summary['final_loss']:.4f} nats/token"]
+    if summary.get("held_out_loss") is not None:
+        parts.append(f"held-out loss {summary['held_out_loss']:.4f}")
+    if summary.get("unigram_entropy") is not None:
+        parts.append(f"unigram entropy of the text {summary['unigram_entropy']:.4f}")
+    return "done: " + "; ".join(parts)

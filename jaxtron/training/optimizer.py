@@ -1,0 +1,45 @@
+"""AdamW with linear warmup and cosine decay, global-norm clipping, no weight decay on norms."""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+from jaxtron.config import OptimizerConfig
+from jaxtron.sharding import logical_names
+
+
+def learning_rate_schedule(cfg: OptimizerConfig, total_steps: int) -> Callable[[jax.Array], jax.Array]:
+    """lr(step): (step+1)/warmup * peak during warmup, then cosine down to min_lr_ratio * peak."""
+    peak, floor = cfg.learning_rate, cfg.learning_rate * cfg.min_lr_ratio
+    warmup = cfg.warmup_steps
+    decay_end = cfg.decay_steps or total_steps
+
+    def schedule(step):
+        step = jnp.asarray(step, jnp.float32)
+        warm = peak * (step + 1) / max(warmup, 1)
+        progress = jnp.clip((step - warmup) / max(decay_end - warmup, 1), 0.0, 1.0)
+        cosine = floor + (peak - floor) * 0.5 * (1 + jnp.cos(math.pi * progress))
+        return jnp.where(step < warmup, warm, cosine)
+
+    return schedule
+
+
+def decay_mask(params: Any) -> Any:
+    """True for parameters that get weight decay: everything but norm scales and biases."""
+    return jax.tree.map(lambda v: "norm" not in logical_names(v), params,
+                        is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
+def make_optimizer(cfg: OptimizerConfig, total_steps: int, params: Any) -> optax.GradientTransformation:
+    schedule = learning_rate_schedule(cfg, total_steps)
+    adamw = optax.adamw(schedule, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay,
+                        mask=decay_mask(params))
+    if cfg.clip_norm > 0:
+        return optax.chain(optax.clip_by_global_norm(cfg.clip_norm), adamw)
+    return adamw

@@ -1,0 +1,78 @@
+"""The pure train step: loss, gradients (with microbatch accumulation), optimizer update. No I/O."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+from jaxtron.sharding import BATCH_AXES, constrain
+from jaxtron.training.state import Setup, TrainState
+
+Batch = dict[str, jax.Array]
+
+
+def loss_sums(params: Any, graphdef: Any, batch: Batch, z_loss: float) -> tuple[jax.Array, tuple]:
+    """(objective summed over tokens, (cross-entropy sum, token count)).
+
+    Sums rather than means so microbatches add up exactly to the large batch.
+    """
+    model = nnx.merge(graphdef, params)
+    logits = model(batch["inputs"], batch.get("positions"), batch.get("segment_ids")).astype(jnp.float32)
+    log_z = jax.nn.logsumexp(logits, axis=-1)
+    # one-hot product instead of a gather keeps the vocabulary axis sharded
+    target_logit = jnp.sum(logits * jax.nn.one_hot(batch["targets"], logits.shape[-1], dtype=logits.dtype), -1)
+    weights = batch.get("loss_mask")
+    weights = jnp.ones_like(log_z) if weights is None else weights.astype(jnp.float32)
+    ce_sum = jnp.sum((log_z - target_logit) * weights)
+    objective = ce_sum + z_loss * jnp.sum(jnp.square(log_z) * weights) if z_loss else ce_sum
+    return objective, (ce_sum, jnp.sum(weights))
+
+
+def split_microbatches(batch: Batch, k: int) -> Batch:
+    """[B, ...] -> [k, B/k, ...]; microbatch j takes rows j, j+k, ... so no data crosses devices."""
+    def split(x):
+        x = x.reshape(x.shape[0] // k, k, *x.shape[1:])
+        return jnp.swapaxes(x, 0, 1)
+    return jax.tree.map(split, batch)
+
+
+def gradients(setup: Setup, params: Any, batch: Batch):
+    """Summed gradients and sums over the whole batch, accumulated over microbatches in float32."""
+    microbatches, z_loss = setup.microbatches, setup.z_loss
+    grad_fn = jax.value_and_grad(loss_sums, has_aux=True)
+    if microbatches == 1:
+        (_, (ce_sum, count)), grads = grad_fn(params, setup.graphdef, batch, z_loss)
+        return grads, ce_sum, count
+
+    def body(carry, micro):
+        acc, ce_acc, count_acc = carry
+        micro = {k: constrain(v, BATCH_AXES) for k, v in micro.items()}
+        (_, (ce_sum, count)), grads = grad_fn(params, setup.graphdef, micro, z_loss)
+        acc = jax.tree.map(jnp.add, acc, grads)
+        return (acc, ce_acc + ce_sum, count_acc + count), None
+
+    zeros = jax.tree.map(jnp.zeros_like, params)
+    init = (zeros, jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32))
+    (grads, ce_sum, count), _ = jax.lax.scan(body, init, split_microbatches(batch, microbatches))
+    return grads, ce_sum, count
+
+
+def train_step(setup: Setup, state: TrainState, batch: Batch) -> tuple[TrainState, dict[str, jax.Array]]:
+    """One optimizer update on one global batch; returns the new state and scalar metrics."""
+    grads, ce_sum, count = gradients(setup, state.params, batch)
+    grads = jax.tree.map(lambda g: g / count, grads)
+    updates, opt_state = setup.tx.update(grads, state.opt_state, state.params)
+    params = optax.apply_updates(state.params, updates)
+    metrics = {"loss": ce_sum / count, "grad_norm": optax.global_norm(grads),
+               "learning_rate": setup.schedule(state.step)}
+    return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
+
+
+def eval_step(setup: Setup, params: Any, batch: Batch) -> dict[str, jax.Array]:
+    """Summed cross-entropy and token count of a batch (no gradients)."""
+    _, (ce_sum, count) = loss_sums(params, setup.graphdef, batch, 0.0)
+    return {"ce_sum": ce_sum, "count": count}

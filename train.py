@@ -1,0 +1,49 @@
+"""Train a model: python train.py --config=configs/X.py --workdir=DIR [--config.section.field=value ...]"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs", "default.py")
+
+
+def parse_args(argv: list[str]):
+    from jaxtron.config_loader import load_config, split_overrides
+
+    spec, overrides, rest = split_overrides(argv)
+    parser = argparse.ArgumentParser(
+        prog="train.py", description="Train a jaxtron model. Any config field can be overridden with "
+        "--config.<section>.<field>=<value>.")
+    parser.add_argument("--workdir", default=None, help="directory for metrics, TensorBoard events and checkpoints "
+                        "(default: runs/<config file name>)")
+    parser.add_argument("--print_sharding", action="store_true",
+                        help="print the logical-axis rules and every parameter's sharding, then exit")
+    args = parser.parse_args(rest)
+    spec = spec or DEFAULT_CONFIG
+    if args.workdir is None:
+        args.workdir = os.path.join("runs", os.path.splitext(os.path.basename(spec.partition(":")[0]))[0])
+    return load_config(spec, overrides), args
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S")
+    from jaxtron.config import ConfigError
+
+    try:
+        cfg, args = parse_args(sys.argv[1:] if argv is None else argv)
+        import jax
+        if jax.process_index() != 0:
+            logging.getLogger().setLevel(logging.WARNING)
+        from jaxtron.training.loop import run
+        run(cfg, args.workdir, print_sharding=args.print_sharding)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
