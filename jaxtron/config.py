@@ -9,6 +9,7 @@ that names the field and the fix.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import math
 import typing
 from typing import Any, Mapping
@@ -115,7 +116,8 @@ class MeshConfig:
                    "use a positive size or -1 for 'the rest of the devices'")
         rest = [n for n in MESH_AXES if getattr(self, n) == -1]
         _check(len(rest) <= 1, f"mesh.{rest[-1] if rest else ''}",
-               f"is -1 but so is mesh.{rest[0] if rest else ''}", "at most one mesh axis may be -1")
+               f"is -1 but so is mesh.{rest[0] if rest else ''}",
+               "give a positive size to all but one of them, since only one axis can take 'the rest'")
 
     def resolve(self, num_devices: int) -> dict[str, int]:
         """Axis sizes (outermost first) whose product equals ``num_devices``."""
@@ -128,8 +130,11 @@ class MeshConfig:
                    "choose axis sizes whose product divides the device count")
             sizes[rest[0]] = num_devices // fixed
         else:
-            _check(fixed == num_devices, "mesh", f"sizes multiply to {fixed} but there are {num_devices} devices",
-                   "make data*fsdp*sequence*expert*tensor equal the device count or set one axis to -1")
+            if fixed != num_devices:
+                axes = ", ".join(f"{n}={v}" for n, v in sizes.items())
+                raise ConfigError(f"config fields 'mesh.*' ({axes}) multiply to {fixed} but there are {num_devices} "
+                                  "devices; make data*fsdp*sequence*expert*tensor equal the device count or set one "
+                                  "axis to -1.")
         return sizes
 
 
@@ -175,8 +180,9 @@ class OptimizerConfig:
             _non_negative(getattr(self, name), f"optimizer.{name}")
         for name in ("b1", "b2", "min_lr_ratio"):
             value = getattr(self, name)
+            top = "]" if name == "min_lr_ratio" else ")"  # a ratio of 1 (constant rate) is allowed
             _check(0 <= value < 1 or (name == "min_lr_ratio" and value == 1), f"optimizer.{name}",
-                   f"must lie in [0, 1) (got {value})", f"set --config.optimizer.{name} inside that range")
+                   f"must lie in [0, 1{top} (got {value})", f"set --config.optimizer.{name} inside that range")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -242,14 +248,15 @@ def _field_types(cls) -> dict[str, type]:
 
 def parse_value(field: str, kind: type, text: str) -> Any:
     """Parses a command-line override string into the field's type."""
+    if kind is bool:
+        lowered = text.strip().lower()
+        if lowered in ("true", "1", "yes"):
+            return True
+        if lowered in ("false", "0", "no"):
+            return False
+        raise ConfigError(f"config field '{field}' expects bool but got {text!r}; "
+                          f"pass true or false to --config.{field}.")
     try:
-        if kind is bool:
-            lowered = text.strip().lower()
-            if lowered in ("true", "1", "yes"):
-                return True
-            if lowered in ("false", "0", "no"):
-                return False
-            raise ValueError
         if kind is int:
             return int(text)
         if kind is float:
@@ -266,8 +273,13 @@ def field_type(path: str) -> type:
     if section not in SECTIONS:
         raise ConfigError(f"config section '{section}' does not exist; use one of {', '.join(SECTIONS)}.")
     types = _field_types(SECTIONS[section])
+    if not name:
+        raise ConfigError(f"config section '{section}' cannot be set as a whole; set one of its fields with "
+                          f"--config.{section}.<field>=VALUE.")
     if name not in types:
-        raise ConfigError(f"config field '{path}' does not exist; fields of '{section}' are "
+        close = difflib.get_close_matches(name, types, n=1)
+        guess = f"'{section}.{close[0]}' (closest match) or another field" if close else "one of the fields"
+        raise ConfigError(f"config field '{path}' does not exist; use {guess} of '{section}': "
                           f"{', '.join(sorted(types))}.")
     return types[name]
 
@@ -288,7 +300,8 @@ def from_mapping(values: Mapping[str, Any]) -> Config:
         if section not in SECTIONS:
             raise ConfigError(f"config section '{section}' does not exist; use one of {', '.join(SECTIONS)}.")
         if not isinstance(content, Mapping):
-            raise ConfigError(f"config section '{section}' must be a group of fields, not {content!r}.")
+            raise ConfigError(f"config section '{section}' must be a group of fields, not {content!r}; "
+                              "make it a dict of fields in the config file.")
         kwargs = {}
         for name, value in content.items():
             path = f"{section}.{name}"

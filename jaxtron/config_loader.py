@@ -25,17 +25,25 @@ def load_config_file(spec: str) -> ml_collections.ConfigDict:
     try:
         module_spec.loader.exec_module(module)
     except Exception as e:  # a user's file may raise anything; report it in one sentence
-        raise ConfigError(f"config file '{path}' failed to load ({type(e).__name__}: {e}); fix the file.") from None
+        raise ConfigError(f"config file '{path}' failed to load ({_one_line(e)}); fix the file.") from None
     if not hasattr(module, "get_config"):
         raise ConfigError(f"config file '{path}' defines no get_config(); add one returning a ConfigDict.")
     try:
         config = module.get_config(arg) if arg else module.get_config()
-    except TypeError as e:
-        raise ConfigError(f"config file '{path}' get_config() rejected the argument {arg!r} ({e}); "
-                          "check the ':ARG' part of --config.") from None
+    except Exception as e:  # as above: the user's get_config() may raise anything
+        if isinstance(e, TypeError) and arg:
+            raise ConfigError(f"config file '{path}' get_config() rejected the argument {arg!r} ({_one_line(e)}); "
+                              "check the ':ARG' part of --config.") from None
+        raise ConfigError(f"config file '{path}' get_config() raised {_one_line(e)}; fix the file.") from None
     if not isinstance(config, (ml_collections.ConfigDict, dict)):
         raise ConfigError(f"config file '{path}' get_config() returned {type(config).__name__}; return a ConfigDict.")
     return ml_collections.ConfigDict(config)
+
+
+def _one_line(e: Exception) -> str:
+    """'Type: message' with the message's line breaks folded, so the error stays one sentence."""
+    message = " ".join(str(e).split()).rstrip(".")  # a trailing period would end the sentence early
+    return f"{type(e).__name__}: {message}" if message else type(e).__name__
 
 
 def apply_overrides(config: ml_collections.ConfigDict, overrides: Sequence[tuple[str, str]]) -> dict[str, Any]:
@@ -44,7 +52,11 @@ def apply_overrides(config: ml_collections.ConfigDict, overrides: Sequence[tuple
     for path, text in overrides:
         kind = field_type(path)  # raises for unknown sections and fields
         section, name = path.split(".", 1)
-        values.setdefault(section, {})[name] = parse_value(path, kind, text)
+        value = parse_value(path, kind, text)
+        if not isinstance(values.setdefault(section, {}), dict):
+            raise ConfigError(f"config section '{section}' must be a group of fields, not {values[section]!r}; "
+                              "make it a dict of fields in the config file.")
+        values[section][name] = value
     return values
 
 

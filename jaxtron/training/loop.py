@@ -69,9 +69,13 @@ def evaluate(cfg: Config, setup, params, source, mesh, shardings) -> float | Non
     return total / count
 
 
-def run(cfg: Config, workdir: str, *, print_sharding: bool = False, use_tqdm: bool | None = None) -> dict[str, Any]:
-    """Trains ``cfg`` and writes metrics into ``workdir``; returns a summary of the run."""
-    devices = jax.devices()
+def run(cfg: Config, workdir: str, *, print_sharding: bool = False, use_tqdm: bool | None = None,
+        devices: list[jax.Device] | None = None) -> dict[str, Any]:
+    """Trains ``cfg`` on ``devices`` (default: all) and writes metrics into ``workdir``.
+
+    Returns a summary of the run: final and held-out loss, throughput, the logged history and the state.
+    """
+    devices = list(devices) if devices is not None else jax.devices()
     sizes = cfg.check_devices(len(devices))
     mesh = make_mesh(sizes, devices)
     implementation = resolve_implementation(cfg.model.attention, jnp.dtype(cfg.model.dtype))
@@ -106,12 +110,12 @@ def _train(cfg, workdir, mesh, setup, shardings, implementation, use_tqdm) -> di
     start = time.perf_counter()
     compiled = step_fn.lower(state, batch).compile()
     compile_s = time.perf_counter() - start
-    throughput = Throughput(cfg, mesh.size, jax.devices()[0].device_kind)
+    throughput = Throughput(cfg, mesh.size, mesh.devices.flat[0].device_kind)
     log.info("compiled the train step in %.1f s; %.4g model TFLOP per step; %s", compile_s,
              throughput.model_flops / 1e12, throughput.peak_note or f"peak {throughput.peak / 1e12:.1f} TFLOP/s")
 
     writer = MetricsWriter(workdir, t.steps, use_tqdm=use_tqdm) if is_main else None
-    last: dict[str, Any] = {}
+    history: list[dict[str, Any]] = []
     interval_start, interval_steps = time.perf_counter(), 0
     try:
         for step in range(t.steps):
@@ -124,8 +128,9 @@ def _train(cfg, workdir, mesh, setup, shardings, implementation, use_tqdm) -> di
                 values.update(throughput(time.perf_counter() - interval_start, interval_steps))
                 if writer:
                     writer.write(step + 1, values)
-                last = values
+                history.append({"step": step + 1, **values})
                 interval_start, interval_steps = time.perf_counter(), 0
+        last = history[-1]
         held_out_loss = evaluate(cfg, setup, state.params, held_out, mesh, shardings)
         summary = {"final_loss": last.get("loss"), "held_out_loss": held_out_loss, "compile_time_s": compile_s,
                    **facts, **{k: last.get(k) for k in ("tokens_per_sec", "tflops_per_device", "mfu")}}
@@ -136,7 +141,7 @@ def _train(cfg, workdir, mesh, setup, shardings, implementation, use_tqdm) -> di
     finally:
         if writer:
             writer.close()
-    summary["state"] = state
+    summary.update(history=history, state=state)
     return summary
 
 

@@ -67,7 +67,7 @@ def train_step(setup: Setup, state: TrainState, batch: Batch) -> tuple[TrainStat
     grads = jax.tree.map(lambda g: g / count, grads)
     updates, opt_state = setup.tx.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
-    metrics = {"loss": ce_sum / count, "grad_norm": optax.global_norm(grads),
+    metrics = {"loss": ce_sum / count, "grad_norm": optax.tree.norm(grads),
                "learning_rate": setup.schedule(state.step)}
     return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
 

@@ -1,0 +1,353 @@
+"""Bad input -> one ConfigError sentence naming the field and the fix; the CLI prints it and exits 2.
+
+Also checks that valid input of every kind lands, typed, in the frozen dataclasses.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import subprocess
+import sys
+import textwrap
+
+import jax.numpy as jnp
+import pytest
+
+from jaxtron.config import (Config, ConfigError, DataConfig, MeshConfig, ModelConfig, OptimizerConfig, TrainConfig,
+                            parse_value)
+from jaxtron.config_loader import load_config, split_overrides
+from jaxtron.ops.attention import resolve_implementation
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DEFAULT = os.path.join(REPO, "configs", "default.py")
+
+
+def cli(*argv: str) -> Config:
+    """Parses arguments the way train.py does (default config file unless --config is given)."""
+    spec, overrides, _ = split_overrides(argv)
+    return load_config(spec or DEFAULT, overrides)
+
+
+def config_file(directory, body: str, name: str = "user_config.py") -> str:
+    path = os.path.join(str(directory), name)
+    with open(path, "w") as f:
+        f.write(textwrap.dedent(body))
+    return path
+
+
+def file_setting_path(directory, *lines: str) -> str:
+    """A config file whose get_config() runs ``lines`` on top of an empty ConfigDict ``c``."""
+    body = "import ml_collections\n\ndef get_config():\n    c = ml_collections.ConfigDict()\n"
+    body += "".join(f"    {line}\n" for line in lines) + "    return c\n"
+    return config_file(directory, body)
+
+
+def file_setting(directory, *lines: str) -> Config:
+    return load_config(file_setting_path(directory, *lines))
+
+
+def assert_one_sentence(message: str) -> None:
+    assert message, "empty error message"
+    assert "\n" not in message, f"message spans lines: {message!r}"
+    assert message.endswith("."), f"message does not end with a period: {message!r}"
+    assert not re.search(r"[.!?]\s+[A-Z]", message), f"two sentences: {message!r}"
+    assert "Traceback" not in message
+
+
+def mesh(**sizes) -> MeshConfig:
+    return MeshConfig(**{"fsdp": -1, **sizes})
+
+
+# (id, call that must raise given a temp dir, text naming the field, text of the fix)
+BAD = [
+    # --- command-line overrides: names and types
+    ("unknown_field", lambda d: cli("--config.train.stepz=5"),
+     "'train.stepz'", "use 'train.steps' (closest match) or another field of 'train'"),
+    ("unknown_field_no_close_match", lambda d: cli("--config.model.qqqqqq=5"),
+     "'model.qqqqqq'", "use one of the fields of 'model': activation, attention"),
+    ("unknown_section", lambda d: cli("--config.trian.steps=5"),
+     "'trian'", "use one of model, mesh, train, optimizer, data"),
+    ("whole_section", lambda d: cli("--config.train=5"),
+     "'train'", "set one of its fields with --config.train.<field>=VALUE"),
+    ("override_without_value", lambda d: cli("--config.train.steps"),
+     "'--config.train.steps'", "write --config.train.steps=VALUE"),
+    ("int_from_word", lambda d: cli("--config.train.steps=abc"),
+     "'train.steps' expects int but got 'abc'", "pass a valid int to --config.train.steps"),
+    ("int_from_float", lambda d: cli("--config.train.steps=1.5"),
+     "'train.steps' expects int but got '1.5'", "pass a valid int to --config.train.steps"),
+    ("float_from_word", lambda d: cli("--config.optimizer.learning_rate=fast"),
+     "'optimizer.learning_rate' expects float", "pass a valid float to --config.optimizer.learning_rate"),
+    ("bool_maybe", lambda d: cli("--config.model.tie_embeddings=maybe"),
+     "'model.tie_embeddings' expects bool but got 'maybe'", "pass true or false to --config.model.tie_embeddings"),
+    # --- config files
+    ("file_str_for_int", lambda d: file_setting(d, "c.train = dict(steps='10')"),
+     "'train.steps' must be int but is str ('10')", "fix it in the config file or with --config.train.steps"),
+    ("file_bool_for_int", lambda d: file_setting(d, "c.train = dict(steps=True)"),
+     "'train.steps' must be int but is bool", "fix it in the config file or with --config.train.steps"),
+    ("file_str_for_float", lambda d: file_setting(d, "c.optimizer = dict(learning_rate='3e-4')"),
+     "'optimizer.learning_rate' must be float but is str", "--config.optimizer.learning_rate"),
+    ("file_unknown_field", lambda d: file_setting(d, "c.model = dict(widthh=5)"),
+     "'model.widthh'", "use one of the fields of 'model'"),
+    ("file_unknown_section", lambda d: file_setting(d, "c.trainer = dict(steps=5)"),
+     "'trainer'", "use one of model, mesh, train, optimizer, data"),
+    ("file_section_not_group", lambda d: file_setting(d, "c.train = 5"),
+     "'train' must be a group of fields, not 5", "make it a dict of fields in the config file"),
+    ("file_section_not_group_overridden",
+     lambda d: load_config(file_setting_path(d, "c.train = 5"), [("train.steps", "3")]),
+     "'train' must be a group of fields, not 5", "make it a dict of fields in the config file"),
+    ("missing_file", lambda d: load_config(os.path.join(str(d), "nope.py")),
+     "nope.py' does not exist", "pass --config=configs/<name>.py"),
+    ("file_without_get_config", lambda d: load_config(config_file(d, "X = 1\n")),
+     "user_config.py' defines no get_config()", "add one returning a ConfigDict"),
+    ("file_raises_on_import", lambda d: load_config(config_file(d, "raise RuntimeError('broken import')\n")),
+     "user_config.py' failed to load (RuntimeError: broken import)", "fix the file"),
+    ("get_config_raises", lambda d: load_config(config_file(d, """\
+         def get_config():
+             raise ValueError("bad value\\non two lines.")
+         """)),
+     "user_config.py' get_config() raised ValueError: bad value on two lines", "fix the file"),
+    ("get_config_bug_type_error", lambda d: load_config(config_file(d, "def get_config():\n    return len(3)\n")),
+     "get_config() raised TypeError", "fix the file"),
+    ("get_config_rejects_arg", lambda d: load_config(config_file(d, "def get_config():\n    return {}\n") + ":big"),
+     "get_config() rejected the argument 'big'", "check the ':ARG' part of --config"),
+    ("get_config_returns_none", lambda d: load_config(config_file(d, "def get_config():\n    return None\n")),
+     "get_config() returned NoneType", "return a ConfigDict"),
+    # --- values of single fields
+    ("zero_steps", lambda d: cli("--config.train.steps=0"),
+     "'train.steps' must be positive (got 0)", "set --config.train.steps to a value > 0"),
+    ("microbatches_not_dividing", lambda d: cli("--config.train.microbatches=3"),
+     "'train.microbatches' (3) must divide train.global_batch_size (16)", "choose a divisor of the global batch size"),
+    ("zero_learning_rate", lambda d: cli("--config.optimizer.learning_rate=0"),
+     "'optimizer.learning_rate' must be positive", "set --config.optimizer.learning_rate to a value > 0"),
+    ("negative_learning_rate", lambda d: cli("--config.optimizer.learning_rate=-1e-3"),
+     "'optimizer.learning_rate' must be positive (got -0.001)", "to a value > 0"),
+    ("negative_warmup", lambda d: cli("--config.optimizer.warmup_steps=-5"),
+     "'optimizer.warmup_steps' must be >= 0 (got -5)", "set --config.optimizer.warmup_steps to a value >= 0"),
+    ("b2_one", lambda d: cli("--config.optimizer.b2=1.0"),
+     "'optimizer.b2' must lie in [0, 1) (got 1.0)", "set --config.optimizer.b2 inside that range"),
+    ("min_lr_ratio_above_one", lambda d: cli("--config.optimizer.min_lr_ratio=1.5"),
+     "'optimizer.min_lr_ratio' must lie in [0, 1] (got 1.5)", "set --config.optimizer.min_lr_ratio inside"),
+    ("unknown_remat", lambda d: cli("--config.model.remat=everything"),
+     "'model.remat' is 'everything', which is not one of 'none', 'full', 'save_dots'",
+     "set --config.model.remat to one of those"),
+    ("unknown_dtype", lambda d: cli("--config.model.dtype=bf16"),
+     "'model.dtype' is 'bf16'", "set --config.model.dtype to one of those"),
+    ("unknown_attention", lambda d: cli("--config.model.attention=flash"),
+     "'model.attention' is 'flash', which is not one of 'auto', 'xla', 'cudnn'",
+     "set --config.model.attention to one of those"),
+    ("unknown_data_source", lambda d: cli("--config.data.source=web"),
+     "'data.source' is 'web'", "set --config.data.source to one of those"),
+    ("kv_heads_not_dividing_heads", lambda d: cli("--config.model.num_kv_heads=4"),
+     "'model.num_kv_heads' (4) must divide model.num_heads (6)", "choose a divisor of model.num_heads"),
+    ("head_dim_underivable", lambda d: ModelConfig(embed_dim=100, num_heads=6, num_kv_heads=2),
+     "'model.head_dim' is 0 (derived) but model.embed_dim (100)", "set model.head_dim explicitly"),
+    ("seq_len_over_max", lambda d: cli("--config.data.seq_len=2048"),
+     "'data.seq_len' (2048) exceeds model.max_seq_len (1024)", "shorten the sequence or raise model.max_seq_len"),
+    ("vocab_too_small_for_bytes", lambda d: cli("--config.model.vocab_size=100"),
+     "'model.vocab_size' (100) is too small", "use at least 256"),
+    ("rope_factors_inverted", lambda d: ModelConfig(rope_low_freq_factor=4.0, rope_high_freq_factor=2.0),
+     "'model.rope_high_freq_factor' (2.0) must exceed model.rope_low_freq_factor (4.0)", "raise it or lower"),
+    # --- the mesh and everything that depends on the device count
+    ("mesh_zero_axis", lambda d: MeshConfig(data=0),
+     "'mesh.data' is 0", "use a positive size or -1"),
+    ("mesh_two_rest_axes", lambda d: MeshConfig(fsdp=-1, tensor=-1),
+     "'mesh.tensor' is -1 but so is mesh.fsdp", "give a positive size to all but one of them"),
+    ("mesh_rest_not_dividing", lambda d: mesh(tensor=3).resolve(8),
+     "'mesh.fsdp' is -1 but the other axes multiply to 3", "choose axis sizes whose product divides the device count"),
+    ("mesh_product_not_device_count", lambda d: Config(mesh=MeshConfig(fsdp=3)).check_devices(8),
+     "'mesh.*' (data=1, fsdp=3, sequence=1, expert=1, tensor=1) multiply to 3 but there are 8 devices",
+     "make data*fsdp*sequence*expert*tensor equal the device count or set one axis to -1"),
+    ("heads_not_divisible_by_tensor",
+     lambda d: Config(model=ModelConfig(embed_dim=192, num_heads=6, num_kv_heads=2),
+                      mesh=mesh(tensor=4)).check_devices(8),
+     "'model.num_heads' (6) is not divisible by mesh.tensor (4)", "choose a mesh.tensor that divides 6"),
+    ("kv_heads_not_divisible_by_tensor",
+     lambda d: Config(model=ModelConfig(num_heads=8, num_kv_heads=2), mesh=mesh(tensor=4)).check_devices(8),
+     "'model.num_kv_heads' (2) is not divisible by mesh.tensor (4)", "choose a mesh.tensor that divides 2"),
+    ("embed_not_divisible_by_fsdp",
+     lambda d: Config(model=ModelConfig(embed_dim=100, num_heads=4, num_kv_heads=2)).check_devices(8),
+     "'model.embed_dim' (100) is not divisible by mesh.fsdp (8)", "choose a mesh.fsdp that divides 100"),
+    ("batch_not_divisible_by_data_parallel",
+     lambda d: Config(train=TrainConfig(global_batch_size=12)).check_devices(8),
+     "'train.global_batch_size' (12, 12 per microbatch) is not divisible by the data-parallel size "
+     "data*fsdp*expert = 8", "use a multiple of 8"),
+    ("batch_with_microbatches_not_divisible",
+     lambda d: Config(train=TrainConfig(global_batch_size=24, microbatches=2),
+                      mesh=mesh(data=2, expert=2)).check_devices(8),
+     "'train.global_batch_size' (24, 12 per microbatch) is not divisible by the data-parallel size "
+     "data*fsdp*expert = 8", "use a multiple of 16"),
+    ("seq_len_not_divisible_by_sequence",
+     lambda d: Config(data=DataConfig(seq_len=250), mesh=mesh(sequence=4)).check_devices(8),
+     "'data.seq_len' (250) is not divisible by mesh.sequence (4)", "use a multiple of 4"),
+    ("cudnn_on_cpu", lambda d: resolve_implementation("cudnn", jnp.bfloat16, backend="cpu"),
+     "'model.attention' is 'cudnn' but the backend is cpu", "use 'auto' or 'xla'"),
+    ("cudnn_in_float32", lambda d: resolve_implementation("cudnn", jnp.float32, backend="gpu"),
+     "'model.attention' is 'cudnn' but the backend is gpu with compute dtype float32", "use 'auto' or 'xla'"),
+]
+
+
+def test_enough_distinct_bad_cases():
+    ids = [case[0] for case in BAD]
+    assert len(ids) == len(set(ids)) and len(ids) >= 20
+
+
+@pytest.mark.parametrize("call, field, fix", [case[1:] for case in BAD], ids=[case[0] for case in BAD])
+def test_bad_input_is_one_sentence_naming_field_and_fix(tmp_path, call, field, fix):
+    with pytest.raises(ConfigError) as info:
+        call(tmp_path)
+    message = str(info.value)
+    assert field in message, f"{field!r} not named in {message!r}"
+    assert fix in message, f"fix {fix!r} missing from {message!r}"
+    assert_one_sentence(message)
+    problem, _, remedy = message.partition("; ")  # shape: "<what is wrong>; <what to do>."
+    assert field in problem and fix in remedy, f"not '<problem naming {field}>; <fix>.': {message!r}"
+
+
+def test_bad_config_error_has_no_chained_traceback(tmp_path):
+    """Errors from a user's file are re-raised 'from None', so nothing else is printed with them."""
+    with pytest.raises(ConfigError) as info:
+        load_config(config_file(tmp_path, "def get_config():\n    raise KeyError('x')\n"))
+    assert info.value.__cause__ is None and info.value.__suppress_context__
+
+
+# ------------------------------------------------------------------------------------------- valid input
+
+
+def test_overrides_of_each_type_land_typed_in_the_frozen_config():
+    cfg = cli("--config.train.steps=7", "--config.optimizer.learning_rate=1e-3", "--config.optimizer.b1=0.8",
+              "--config.model.rope_theta=2", "--config.model.tie_embeddings=false", "--config.data.source=synthetic",
+              "--config.model.remat", "save_dots")  # the '--flag value' form too
+    assert cfg.train.steps == 7 and type(cfg.train.steps) is int
+    assert cfg.optimizer.learning_rate == 1e-3 and type(cfg.optimizer.learning_rate) is float
+    assert cfg.optimizer.b1 == 0.8
+    assert cfg.model.rope_theta == 2.0 and type(cfg.model.rope_theta) is float  # '2' for a float field
+    assert cfg.model.tie_embeddings is False  # the default config file sets it True
+    assert cfg.data.source == "synthetic" and cfg.model.remat == "save_dots"
+    # untouched values keep what the config file set
+    assert cfg.model.embed_dim == 192 and cfg.train.global_batch_size == 16 and cfg.optimizer.warmup_steps == 40
+
+
+def test_later_override_wins_and_true_parses():
+    cfg = cli("--config.model.tie_embeddings=false", "--config.model.tie_embeddings=true")
+    assert cfg.model.tie_embeddings is True
+
+
+@pytest.mark.parametrize("text, expected", [("true", True), ("True", True), ("1", True), ("yes", True),
+                                            ("false", False), ("FALSE", False), ("0", False), ("no", False)])
+def test_bool_spellings(text, expected):
+    assert parse_value("model.tie_embeddings", bool, text) is expected
+
+
+def test_explicit_config_file_and_sections_absent_from_it(tmp_path):
+    path = file_setting_path(tmp_path, "c.train = dict(steps=3)")
+    cfg = cli(f"--config={path}", "--config.mesh.tensor=2")  # 'mesh' is not in the file: defaults + override
+    assert cfg.train.steps == 3 and cfg.mesh == MeshConfig(tensor=2)
+    assert cfg.model == ModelConfig() and cfg.optimizer == OptimizerConfig()
+
+
+def test_int_for_float_field_in_a_config_file_is_accepted(tmp_path):
+    cfg = file_setting(tmp_path, "c.optimizer = dict(learning_rate=1, weight_decay=0)",
+                       "c.model = dict(rope_theta=10000)")
+    assert cfg.optimizer.learning_rate == 1.0 and type(cfg.optimizer.learning_rate) is float
+    assert type(cfg.optimizer.weight_decay) is float and type(cfg.model.rope_theta) is float
+
+
+def test_mesh_rest_axis_resolves():
+    assert MeshConfig(fsdp=-1).resolve(8) == dict(data=1, fsdp=8, sequence=1, expert=1, tensor=1)
+    assert MeshConfig(data=2, fsdp=-1, tensor=2).resolve(8)["fsdp"] == 2
+    assert MeshConfig(fsdp=4, tensor=2).resolve(8) == dict(data=1, fsdp=4, sequence=1, expert=1, tensor=2)
+    sizes = Config(mesh=MeshConfig(fsdp=-1, tensor=2)).check_devices(8)
+    assert sizes == dict(data=1, fsdp=4, sequence=1, expert=1, tensor=2)
+
+
+def test_attention_choice_resolves():
+    assert resolve_implementation("auto", jnp.bfloat16, backend="cpu") == "xla"
+    assert resolve_implementation("auto", jnp.bfloat16, backend="gpu") == "cudnn"
+    assert resolve_implementation("auto", jnp.float32, backend="gpu") == "xla"
+    assert resolve_implementation("cudnn", jnp.bfloat16, backend="gpu") == "cudnn"
+    assert resolve_implementation("xla", jnp.bfloat16, backend="cpu") == "xla"
+
+
+@pytest.mark.parametrize("obj, field, value", [
+    (Config(), "train", TrainConfig()),
+    (ModelConfig(), "embed_dim", 64),
+    (MeshConfig(), "fsdp", 2),
+    (TrainConfig(), "steps", 5),
+    (OptimizerConfig(), "learning_rate", 1.0),
+    (DataConfig(), "seq_len", 8),
+])
+def test_dataclasses_are_frozen(obj, field, value):
+    before = getattr(obj, field)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        setattr(obj, field, value)
+    assert getattr(obj, field) == before
+
+
+def test_loaded_config_is_frozen():
+    cfg = cli()
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.train.steps = 5
+
+
+# ------------------------------------------------------------------------------------------- train.py
+
+
+def test_main_reports_errors_found_after_jax_starts(capsys, tmp_path):
+    """cuDNN on the CPU is found in the loop (after the config is built); main prints it and returns 2."""
+    import train
+
+    code = train.main(["--config.model.attention=cudnn", "--config.model.dtype=bfloat16", f"--workdir={tmp_path}"])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert err.startswith("error: config field 'model.attention' is 'cudnn' but the backend is cpu"), err
+    assert err.count("\n") == 1 and "Traceback" not in err
+
+
+def test_main_reports_bad_config_file(capsys, tmp_path):
+    import train
+
+    path = config_file(tmp_path, "def get_config():\n    raise ValueError('nope')\n")
+    assert train.main([f"--config={path}", f"--workdir={tmp_path}"]) == 2
+    err = capsys.readouterr().err
+    assert err == f"error: config file '{path}' get_config() raised ValueError: nope; fix the file.\n"
+
+
+def run_train(tmp_path, *args: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+    return subprocess.run([sys.executable, "train.py", *args, f"--workdir={tmp_path / 'run'}"], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_cli_unknown_field_exits_2_without_traceback(tmp_path):
+    proc = run_train(tmp_path, "--config.train.stepz=5")
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.startswith("error: config field 'train.stepz' does not exist; use 'train.steps'"), proc.stderr
+    assert "Traceback" not in proc.stderr and proc.stderr.count("\n") == 1
+
+
+def test_cli_mesh_mismatch_exits_2_without_traceback(tmp_path):
+    proc = run_train(tmp_path, "--config.mesh.fsdp=3")
+    assert proc.returncode == 2, proc.stderr
+    error_lines = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert error_lines == ["error: config fields 'mesh.*' (data=1, fsdp=3, sequence=1, expert=1, tensor=1) multiply "
+                           "to 3 but there are 8 devices; make data*fsdp*sequence*expert*tensor equal the device count "
+                           "or set one axis to -1."], proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert not os.path.exists(tmp_path / "run")  # nothing was written
+
+
+def test_cli_print_sharding(tmp_path):
+    proc = run_train(tmp_path, "--print_sharding", "--config.mesh.fsdp=4", "--config.mesh.tensor=2")
+    assert proc.returncode == 0, proc.stderr
+    assert "Traceback" not in proc.stderr
+    lines = proc.stdout.splitlines()
+    assert "mesh: data=1, fsdp=4, sequence=1, expert=1, tensor=2" in lines
+    params = {line.split()[0]: line for line in lines if line.startswith(("layers.", "embedding", "final_norm"))}
+    assert params["layers.attn.wq"].endswith("P(None, 'fsdp', 'tensor', None)"), params["layers.attn.wq"]
+    assert "('layers', 'embed', 'heads', 'head_dim')" in params["layers.attn.wq"]
+    assert params["layers.attn.wo"].endswith("P(None, 'tensor', None, 'fsdp')")
+    assert params["layers.mlp.wo"].endswith("P(None, 'tensor', 'fsdp')")
+    assert params["embedding"].endswith("P('tensor', 'fsdp')")
+    assert not os.path.exists(tmp_path / "run")  # printing the sharding trains nothing

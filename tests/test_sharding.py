@@ -1,0 +1,95 @@
+"""Every parameter (and optimizer moment) is sharded exactly as the rules table says, from init on."""
+
+import math
+
+import jax
+import pytest
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from helpers import MESHES, tiny_config
+from jaxtron import sharding
+from jaxtron.mesh import make_mesh
+from jaxtron.training import state as state_lib
+
+# Written out by hand from the rules: which mesh axis shards each dimension of each parameter.
+EXPECTED = {
+    "embedding": P("tensor", "fsdp"),
+    "head": P("fsdp", "tensor"),
+    "final_norm.scale": P(None),
+    "layers.attn.wq": P(None, "fsdp", "tensor", None),
+    "layers.attn.wk": P(None, "fsdp", "tensor", None),
+    "layers.attn.wv": P(None, "fsdp", "tensor", None),
+    "layers.attn.wo": P(None, "tensor", None, "fsdp"),
+    "layers.attn_norm.scale": P(None, None),
+    "layers.mlp_norm.scale": P(None, None),
+    "layers.mlp.wi_gate": P(None, "fsdp", "tensor"),
+    "layers.mlp.wi_up": P(None, "fsdp", "tensor"),
+    "layers.mlp.wo": P(None, "tensor", "fsdp"),
+}
+
+
+def _flat(tree):
+    return {".".join(map(str, path)): v for path, v in nnx.to_flat_state(tree)}
+
+
+@pytest.mark.parametrize("mesh_name", list(MESHES))
+def test_parameters_are_sharded_by_the_rules_from_init(mesh_name):
+    cfg = tiny_config(MESHES[mesh_name])
+    sizes = cfg.check_devices(8)
+    mesh = make_mesh(sizes)
+    with jax.set_mesh(mesh):
+        setup = state_lib.setup(cfg, "xla")
+        shardings = state_lib.state_shardings(mesh, setup.abstract_state)
+        state = state_lib.init_state(cfg, "xla", shardings)
+    params = _flat(state.params)
+    assert set(params) == set(EXPECTED)
+    adam = state.opt_state[1][0]  # chain(clip, adamw) -> adamw = (scale_by_adam, ...)
+    moments = {"mu": _flat(adam.mu), "nu": _flat(adam.nu)}
+    for name, var in params.items():
+        array = var.get_value()
+        spec = EXPECTED[name]
+        assert array.sharding.is_equivalent_to(NamedSharding(mesh, spec), array.ndim), (name, array.sharding)
+        # each device holds only its shard: the global shape divided by the sizes of the sharding axes
+        shard_shape = tuple(dim // (sizes[axis] if axis else 1) for dim, axis in
+                            zip(array.shape, tuple(spec) + (None,) * (array.ndim - len(spec))))
+        assert {s.data.shape for s in array.addressable_shards} == {shard_shape}, name
+        for moment in moments.values():
+            other = moment[name].get_value()
+            assert other.sharding.is_equivalent_to(array.sharding, array.ndim), name
+
+
+def test_logical_rules_never_reuse_a_mesh_axis():
+    # batch takes data, fsdp and expert; an 'embed' dimension later in the same array must not take fsdp again
+    assert sharding.logical_to_spec(("activation_batch", "embed")) == P(("data", "fsdp", "expert"), None)
+    assert sharding.logical_to_spec(("activation_batch", "activation_length", "activation_vocab")) == \
+        P(("data", "fsdp", "expert"), "sequence", "tensor")
+    with pytest.raises(KeyError, match="no rule"):
+        sharding.logical_to_spec(("not_a_logical_axis",))
+
+
+def test_every_logical_name_used_by_the_model_has_a_rule():
+    cfg = tiny_config()
+    setup = state_lib.setup(cfg, "xla")
+    names = {n for _, v in nnx.to_flat_state(setup.abstract_state.params) for n in sharding.logical_names(v)}
+    assert names <= {name for name, _ in sharding.RULES}
+    assert {"layers", "embed", "heads", "kv_heads", "mlp", "vocab", "norm"} <= names
+
+
+def test_batch_is_sharded_over_data_fsdp_expert_and_length_over_sequence():
+    mesh = make_mesh(dict(data=2, fsdp=1, sequence=2, expert=2, tensor=1))
+    spec = sharding.batch_sharding(mesh).spec
+    assert spec == P(("data", "fsdp", "expert"), "sequence")
+    x = jax.device_put(jax.numpy.zeros((8, 16)), sharding.batch_sharding(mesh))
+    assert {s.data.shape for s in x.addressable_shards} == {(8 // 4, 16 // 2)}
+
+
+def test_describe_lists_every_parameter_with_its_physical_sharding():
+    cfg = tiny_config(dict(fsdp=4, tensor=2))
+    mesh = make_mesh(cfg.check_devices(8))
+    setup = state_lib.setup(cfg, "xla")
+    text = sharding.describe(mesh, setup.abstract_state.params)
+    for name, spec in EXPECTED.items():
+        line = next(l for l in text.splitlines() if l.startswith(name + " "))
+        assert line.rstrip().endswith(str(spec)), line
+    assert math.prod(mesh.shape.values()) == 8

@@ -1,0 +1,105 @@
+"""Training is the same computation on every mesh, and microbatch accumulation equals one large batch."""
+
+import json
+import os
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from helpers import MESHES, tiny_config
+from jaxtron.training.loop import run
+
+
+def _losses(summary):
+    return np.array([h["loss"] for h in summary["history"]])
+
+
+@pytest.fixture(scope="module")
+def single_device_run(tmp_path_factory):
+    cfg = tiny_config(dict(fsdp=1))
+    return run(cfg, str(tmp_path_factory.mktemp("single")), use_tqdm=False, devices=jax.devices()[:1])
+
+
+@pytest.mark.parametrize("mesh_name", list(MESHES))
+def test_losses_match_single_device(mesh_name, single_device_run, tmp_path):
+    summary = run(tiny_config(MESHES[mesh_name]), str(tmp_path), use_tqdm=False)
+    expected = _losses(single_device_run)
+    assert len(expected) == 3 and np.all(np.diff(expected) != 0)
+    np.testing.assert_allclose(_losses(summary), expected, rtol=1e-5)
+    # the run really used all 8 devices
+    wq = summary["state"].params["layers"]["attn"]["wq"].get_value()
+    assert len(wq.sharding.device_set) == 8
+
+
+def test_microbatches_equal_one_large_batch(single_device_run, tmp_path):
+    cfg = tiny_config(dict(fsdp=1), train=dict(microbatches=4))
+    summary = run(cfg, str(tmp_path), use_tqdm=False, devices=jax.devices()[:1])
+    np.testing.assert_allclose(_losses(summary), _losses(single_device_run), rtol=1e-5)
+    got = jax.tree.leaves(nnx.to_pure_dict(summary["state"].params))
+    want = jax.tree.leaves(nnx.to_pure_dict(single_device_run["state"].params))
+    for a, b in zip(got, want):  # Adam divides by sqrt(v): near-zero gradients amplify rounding a little
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-4)  # 1% of one lr=1e-2 update
+
+
+def test_accumulated_gradients_equal_large_batch_gradients():
+    from jaxtron.data.loader import SyntheticSource
+    from jaxtron.training import state as state_lib
+    from jaxtron.training.step import gradients
+    cfg = tiny_config(dict(fsdp=1))
+    batch = {k: jax.numpy.asarray(v) for k, v in SyntheticSource(256, 32, 8, 0).local_batch(0, slice(0, 8)).items()}
+    results = []
+    for k in (1, 4):
+        setup = state_lib.setup(tiny_config(dict(fsdp=1), train=dict(microbatches=k)), "xla")
+        state = state_lib.init_state(cfg, "xla", None)
+        grads, ce_sum, count = jax.jit(lambda p, b: gradients(setup, p, b))(state.params, batch)
+        results.append((nnx.to_pure_dict(grads), float(ce_sum), float(count)))
+    (g1, ce1, n1), (g4, ce4, n4) = results
+    assert n1 == n4 == 8 * 32 and ce1 == pytest.approx(ce4, rel=1e-6)
+    for a, b in zip(jax.tree.leaves(g4), jax.tree.leaves(g1)):  # float32 sums: error relative to the tensor's scale
+        a, b = np.asarray(a), np.asarray(b)
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5 * np.abs(b).max())
+
+
+def test_microbatches_on_a_sharded_mesh(single_device_run, tmp_path):
+    cfg = tiny_config(dict(data=2, fsdp=2, tensor=2), train=dict(microbatches=2))
+    np.testing.assert_allclose(_losses(run(cfg, str(tmp_path), use_tqdm=False)), _losses(single_device_run),
+                               rtol=1e-5)
+
+
+def test_metrics_file_has_the_contract_fields(single_device_run, tmp_path):
+    summary = run(tiny_config(dict(fsdp=8)), str(tmp_path), use_tqdm=False)
+    lines = [json.loads(l) for l in open(os.path.join(tmp_path, "metrics.jsonl"))]
+    assert [l["step"] for l in lines] == [1, 2, 3]
+    for line in lines:
+        for key in ("step", "loss", "grad_norm", "learning_rate", "step_time_s", "tokens_per_sec",
+                    "tflops_per_device", "mfu"):
+            assert key in line, key
+        assert line["mfu"] is None  # a CPU has no dense peak: null, never a made-up number
+        assert line["tokens_per_sec"] == pytest.approx(8 * 32 / line["step_time_s"], rel=1e-6)
+    # learning rate: linear warmup over 1 step, then cosine from the peak
+    assert lines[0]["learning_rate"] == pytest.approx(1e-2)
+    assert lines[1]["learning_rate"] == pytest.approx(1e-2)
+    assert lines[2]["learning_rate"] == pytest.approx(1e-3 + 0.5 * 9e-3 * (1 + np.cos(np.pi * 0.5)), rel=1e-5)
+    assert any(f.startswith("events.out.tfevents") for f in os.listdir(tmp_path))
+    assert json.load(open(os.path.join(tmp_path, "config.json")))["mesh"]["fsdp"] == 8
+
+
+def test_z_loss_changes_the_update_but_not_the_reported_loss(single_device_run, tmp_path):
+    cfg = tiny_config(dict(fsdp=1), train=dict(z_loss=1e-1))
+    losses = _losses(run(cfg, str(tmp_path), use_tqdm=False, devices=jax.devices()[:1]))
+    expected = _losses(single_device_run)
+    assert losses[0] == pytest.approx(expected[0], rel=1e-6)  # same params, z-loss not in the logged loss
+    assert abs(losses[2] - expected[2]) > 1e-6  # but it changed the gradients
+
+
+def test_no_weight_decay_on_norms(tmp_path):
+    cfg = tiny_config(dict(fsdp=1), optimizer=dict(learning_rate=1e-9, warmup_steps=0, weight_decay=0.5))
+    from jaxtron.training.optimizer import decay_mask
+    from jaxtron.training import state as state_lib
+    setup = state_lib.setup(cfg, "xla")
+    mask = {".".join(map(str, k)): v for k, v in jax.tree_util.tree_flatten_with_path(
+        decay_mask(setup.abstract_state.params))[0] for k in [tuple(getattr(p, "key", p) for p in k)]}
+    assert not any(v for k, v in mask.items() if "norm" in k)
+    assert all(v for k, v in mask.items() if "norm" not in k)
