@@ -1,0 +1,145 @@
+"""The Llama-3 decoder: published sizes, RoPE (with Llama-3.1 scaling), causality, GQA, remat, dtypes."""
+
+import math
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from conftest import REPO
+from helpers import tiny_config
+from jaxtron.config import ModelConfig
+from jaxtron.config_loader import load_config
+from jaxtron.data.loader import SyntheticSource
+from jaxtron.mesh import make_mesh
+from jaxtron.metrics.flops import param_count
+from jaxtron.models import build_model
+from jaxtron.models.layers import apply_rope, rope_frequencies
+from jaxtron.ops.attention import dot_product_attention
+from jaxtron.training import state as state_lib
+from jaxtron.training.step import loss_sums
+
+PUBLISHED = {"llama3_8b": 8.03e9, "llama3_70b": 70.55e9, "llama3_405b": 405.85e9, "gpt3_175b": 175e9}
+
+
+@pytest.mark.parametrize("name", list(PUBLISHED))
+def test_config_parameter_counts_match_published(name):
+    cfg = load_config(os.path.join(REPO, "configs", f"{name}.py"))
+    abstract = nnx.eval_shape(lambda: build_model(cfg.model, 0))  # no memory is allocated
+    counted = sum(math.prod(x.shape) for x in jax.tree.leaves(nnx.state(abstract, nnx.Param)))
+    assert counted == param_count(cfg.model)
+    assert counted == pytest.approx(PUBLISHED[name], rel=5e-3)
+
+
+def test_rope_frequencies_plain_and_llama31_scaled():
+    plain = ModelConfig(embed_dim=1024, num_heads=8, head_dim=128, rope_theta=500_000.0)
+    freq = np.asarray(rope_frequencies(plain))
+    np.testing.assert_allclose(freq, [500_000.0 ** (-2 * i / 128) for i in range(64)], rtol=1e-6)
+    scaled_cfg = ModelConfig(embed_dim=1024, num_heads=8, head_dim=128, rope_theta=500_000.0,
+                             rope_scaling_factor=8.0, rope_low_freq_factor=1.0, rope_high_freq_factor=4.0,
+                             rope_original_max_len=8192)
+    scaled = np.asarray(rope_frequencies(scaled_cfg))
+    for f, s in zip(freq, scaled):
+        wavelength = 2 * math.pi / f
+        if wavelength < 8192 / 4:  # high frequencies: unchanged
+            assert s == pytest.approx(f, rel=1e-6)
+        elif wavelength > 8192 / 1:  # low frequencies: divided by the factor
+            assert s == pytest.approx(f / 8, rel=1e-6)
+        else:  # in between: a blend of the two, weighted by how many wavelengths fit the original context
+            w = (8192 / wavelength - 1) / (4 - 1)
+            assert s == pytest.approx((1 - w) * f / 8 + w * f, rel=1e-5)
+            assert f / 8 < s < f
+    assert (scaled < freq).sum() > 0 and (scaled == freq).sum() > 0
+
+
+def test_rope_scores_depend_only_on_relative_position():
+    cfg = ModelConfig(embed_dim=64, num_heads=2, num_kv_heads=2, head_dim=32, rope_theta=10_000.0)
+    inv = rope_frequencies(cfg)
+    q, k = jax.random.normal(jax.random.key(0), (2, 1, 1, 1, 32))
+    score = lambda i, j: float(jnp.sum(apply_rope(q, jnp.array([[i]]), inv) * apply_rope(k, jnp.array([[j]]), inv)))
+    assert score(5, 3) == pytest.approx(score(105, 103), rel=1e-4)
+    assert score(5, 3) != pytest.approx(score(5, 4), rel=1e-3)
+
+
+def _model_and_tokens(**model):
+    cfg = tiny_config(model=model)
+    params_model = build_model(cfg.model, 0)
+    tokens = jnp.asarray(SyntheticSource(256, 16, 2, 0).local_batch(0, slice(0, 2))["inputs"])
+    return cfg, params_model, tokens
+
+
+@pytest.mark.parametrize("variant", [{}, dict(activation="gelu", norm="layernorm", position_embedding="learned",
+                                               tie_embeddings=True, num_kv_heads=4)])
+def test_causal_no_token_sees_the_future(variant):
+    _, model, tokens = _model_and_tokens(**variant)
+    logits = model(tokens)
+    changed = tokens.at[:, 10:].set((tokens[:, 10:] + 1) % 256)
+    other = model(changed)
+    np.testing.assert_allclose(logits[:, :10], other[:, :10], rtol=1e-5, atol=1e-6)
+    assert not np.allclose(logits[:, 10:], other[:, 10:])
+
+
+def test_segments_do_not_attend_across_documents():
+    _, model, tokens = _model_and_tokens()
+    segments = jnp.array([[0] * 6 + [1] * 10, [0] * 16])
+    positions = jnp.array([list(range(6)) + list(range(10)), list(range(16))])
+    base = model(tokens, positions, segments)
+    changed = tokens.at[0, :6].set((tokens[0, :6] + 7) % 256)  # edit the first document only
+    other = model(changed, positions, segments)
+    np.testing.assert_allclose(base[0, 6:], other[0, 6:], rtol=1e-5, atol=1e-6)  # the second one cannot see it
+    # the second document alone, from position 0, gives the same logits
+    alone = model(tokens[:1, 6:], positions[:1, 6:], jnp.zeros((1, 10), jnp.int32))
+    np.testing.assert_allclose(base[0, 6:], alone[0], rtol=1e-4, atol=1e-5)
+
+
+def test_sequence_sharded_attention_equals_unsharded():
+    b, t, n, g, h = 2, 32, 4, 2, 16
+    q = jax.random.normal(jax.random.key(1), (b, t, n, h))
+    k, v = jax.random.normal(jax.random.key(2), (2, b, t, g, h))
+    segments = jnp.array([[0] * 20 + [1] * 12, [0] * 32])
+    want = dot_product_attention(q, k, v, segment_ids=segments)
+    mesh = make_mesh(dict(data=1, fsdp=1, sequence=8, expert=1, tensor=1))
+    with jax.set_mesh(mesh):
+        got = jax.jit(lambda *a: dot_product_attention(*a, segment_ids=segments))(q, k, v)
+        assert got.sharding.spec[1] == "sequence"  # queries stay sharded by position
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    # GQA reference: repeat each key/value head for its group of query heads, plain softmax attention
+    kr, vr = jnp.repeat(k, n // g, axis=2), jnp.repeat(v, n // g, axis=2)
+    scores = jnp.einsum("bqnh,bknh->bnqk", q, kr) / math.sqrt(h)
+    allowed = jnp.tril(jnp.ones((t, t), bool)) & (segments[:, None, :, None] == segments[:, None, None, :])
+    ref = jnp.einsum("bnqk,bknh->bqnh", jax.nn.softmax(jnp.where(allowed, scores, -1e30), -1), vr)
+    np.testing.assert_allclose(want, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_remat_policies_change_memory_not_results():
+    tokens = SyntheticSource(256, 32, 4, 0).local_batch(0, slice(0, 4))
+    batch = {k: jnp.asarray(v) for k, v in tokens.items()}
+    results = {}
+    for remat in ("none", "full", "save_dots"):
+        cfg = tiny_config(model=dict(remat=remat))
+        setup = state_lib.setup(cfg, "xla")
+        params = state_lib.init_state(cfg, "xla", None).params
+        fn = jax.jit(jax.value_and_grad(lambda p: loss_sums(p, setup.graphdef, batch, 0.0)[0]))
+        loss, grads = fn(params)
+        results[remat] = (float(loss), jax.tree.leaves(nnx.to_pure_dict(grads)))
+    for remat in ("full", "save_dots"):
+        assert results[remat][0] == pytest.approx(results["none"][0], rel=1e-6)
+        for a, b in zip(results[remat][1], results["none"][1]):
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_bf16_compute_keeps_fp32_parameters():
+    cfg = tiny_config(model=dict(dtype="bfloat16"))
+    model = build_model(cfg.model, 0)
+    logits = model(jnp.zeros((1, 8), jnp.int32))
+    assert logits.dtype == jnp.bfloat16
+    assert {x.dtype for x in jax.tree.leaves(nnx.state(model, nnx.Param))} == {jnp.dtype(jnp.float32)}
+
+
+def test_tied_embeddings_have_no_output_head():
+    tied = nnx.state(build_model(tiny_config(model=dict(tie_embeddings=True)).model, 0), nnx.Param)
+    untied = nnx.state(build_model(tiny_config().model, 0), nnx.Param)
+    assert "head" not in tied and "head" in untied
