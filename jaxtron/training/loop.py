@@ -116,23 +116,24 @@ def _train(cfg, workdir, mesh, setup, shardings, implementation, use_tqdm) -> di
 
     writer = MetricsWriter(workdir, t.steps, use_tqdm=use_tqdm) if is_main else None
     history: list[dict[str, Any]] = []
-    interval_start, interval_steps = time.perf_counter(), 0
+    interval_start, interval_losses = time.perf_counter(), []
     try:
         for step in range(t.steps):
             state, metrics = compiled(state, batch)
-            interval_steps += 1
+            interval_losses.append(metrics["loss"])  # stays on device until the log step
             if step + 1 < t.steps:  # the next batch loads while the device works on this step
                 batch = global_batch(train_source, step + 1, mesh, t.global_batch_size)
             if (step + 1) % t.log_every == 0 or step + 1 == t.steps:
                 values = {k: float(v) for k, v in jax.device_get(metrics).items()}  # waits for the step
-                values.update(throughput(time.perf_counter() - interval_start, interval_steps))
+                values["loss_avg"] = float(np.mean(jax.device_get(interval_losses)))  # since the last log line
+                values.update(throughput(time.perf_counter() - interval_start, len(interval_losses)))
                 if writer:
                     writer.write(step + 1, values)
                 history.append({"step": step + 1, **values})
-                interval_start, interval_steps = time.perf_counter(), 0
+                interval_start, interval_losses = time.perf_counter(), []
         last = history[-1]
         held_out_loss = evaluate(cfg, setup, state.params, held_out, mesh, shardings)
-        summary = {"final_loss": last.get("loss"), "held_out_loss": held_out_loss, "compile_time_s": compile_s,
+        summary = {"final_loss": last.get("loss_avg"), "held_out_loss": held_out_loss, "compile_time_s": compile_s,
                    **facts, **{k: last.get(k) for k in ("tokens_per_sec", "tflops_per_device", "mfu")}}
         if writer:
             if held_out_loss is not None:
@@ -146,7 +147,7 @@ def _train(cfg, workdir, mesh, setup, shardings, implementation, use_tqdm) -> di
 
 
 def _summary_line(summary: dict[str, Any]) -> str:
-    parts = [f"final train loss {summary['final_loss']:.4f} nats/token"]
+    parts = [f"train loss {summary['final_loss']:.4f} nats/token (mean of the last log interval)"]
     if summary.get("held_out_loss") is not None:
         parts.append(f"held-out loss {summary['held_out_loss']:.4f}")
     if summary.get("unigram_entropy") is not None:
