@@ -226,7 +226,10 @@ def test_overrides_of_each_type_land_typed_in_the_frozen_config():
     assert cfg.model.tie_embeddings is False  # the default config file sets it True
     assert cfg.data.source == "synthetic" and cfg.model.remat == "save_dots"
     # untouched values keep what the config file set
-    assert cfg.model.embed_dim == 192 and cfg.train.global_batch_size == 16 and cfg.optimizer.warmup_steps == 40
+    base = cli()
+    assert (cfg.model.embed_dim, cfg.train.global_batch_size, cfg.optimizer.warmup_steps) == \
+        (base.model.embed_dim, base.train.global_batch_size, base.optimizer.warmup_steps)
+    assert base.model.tie_embeddings is True and base.train.steps != 7
 
 
 def test_later_override_wins_and_true_parses():
