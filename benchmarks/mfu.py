@@ -1,0 +1,152 @@
+"""Throughput and MFU of the real train step, on synthetic tokens, for one or several configs.
+
+    python benchmarks/mfu.py configs/default.py [configs/llama3_8b.py ...] [--steps 10] [--warmup 2]
+        [--output results.json] [--config.<section>.<field>=<value> ...]
+
+Overrides apply to every config. Each config is compiled, warmed up, then timed step by step
+(each step waits for the device); the table reports the median step time and its spread
+(min-max), tokens/s, model TFLOP/s per device, MFU against the dense peak, the fraction of a
+matmul ceiling measured in the same process, and peak device memory where the backend reports it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import functools
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from jaxtron.config import ConfigError  # noqa: E402
+from jaxtron.config_loader import load_config, split_overrides  # noqa: E402
+from jaxtron.data.loader import SyntheticSource, global_batch  # noqa: E402
+from jaxtron.mesh import make_mesh  # noqa: E402
+from jaxtron.metrics.flops import param_count  # noqa: E402
+from jaxtron.metrics.throughput import Throughput  # noqa: E402
+from jaxtron.ops.attention import resolve_implementation  # noqa: E402
+from jaxtron.sharding import batch_sharding  # noqa: E402
+from jaxtron.training import state as state_lib  # noqa: E402
+from jaxtron.training.step import train_step  # noqa: E402
+
+
+def matmul_ceiling(dtype: str, size: int, repeats: int = 5) -> float:
+    """Best TFLOP/s of a square matmul on one device: what this device can do at best right now."""
+    a, b = (jax.random.normal(k, (size, size), jnp.dtype(dtype)) for k in jax.random.split(jax.random.key(0)))
+    mm = jax.jit(jnp.matmul)
+    mm(a, b).block_until_ready()
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        mm(a, b).block_until_ready()
+        best = min(best, time.perf_counter() - start)
+    return 2 * size ** 3 / best / 1e12
+
+
+def peak_memory_bytes(devices) -> int | None:
+    stats = [d.memory_stats() for d in devices]
+    if not all(stats):
+        return None
+    return max(s.get("peak_bytes_in_use", 0) for s in stats)
+
+
+def bench_one(spec: str, overrides, steps: int, warmup: int) -> dict:
+    cfg = load_config(spec, overrides)
+    cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, source="synthetic"))
+    devices = jax.devices()
+    sizes = cfg.check_devices(len(devices))
+    mesh = make_mesh(sizes, devices)
+    impl = resolve_implementation(cfg.model.attention, jnp.dtype(cfg.model.dtype))
+    t = cfg.train
+    source = SyntheticSource(cfg.model.vocab_size, cfg.data.seq_len, t.global_batch_size, t.seed)
+    with jax.set_mesh(mesh):
+        setup = state_lib.setup(cfg, impl)
+        shardings = state_lib.state_shardings(mesh, setup.abstract_state)
+        state = state_lib.init_state(cfg, impl, shardings)
+        step_fn = jax.jit(functools.partial(train_step, setup), in_shardings=(shardings, batch_sharding(mesh)),
+                          out_shardings=(shardings, None), donate_argnums=0)
+        batches = [global_batch(source, i, mesh, t.global_batch_size) for i in range(min(steps + warmup, 4))]
+        start = time.perf_counter()
+        compiled = step_fn.lower(state, batches[0]).compile()
+        compile_s = time.perf_counter() - start
+        times = []
+        for i in range(warmup + steps):
+            start = time.perf_counter()
+            state, metrics = compiled(state, batches[i % len(batches)])
+            jax.block_until_ready((state, metrics))
+            if i >= warmup:
+                times.append(time.perf_counter() - start)
+        loss = float(metrics["loss"])
+    median = float(np.median(times))
+    throughput = Throughput(cfg, mesh.size, devices[0].device_kind)
+    result = throughput(median, 1)
+    ceiling = matmul_ceiling(cfg.model.dtype, 8192 if jax.default_backend() == "gpu" else 1024)
+    return {
+        "config": spec, "overrides": [f"--config.{k}={v}" for k, v in overrides], "mesh": dict(mesh.shape),
+        "dtype": cfg.model.dtype, "attention": impl, "remat": cfg.model.remat, "seq_len": cfg.data.seq_len,
+        "global_batch_size": t.global_batch_size, "params": param_count(cfg.model), "compile_s": compile_s,
+        "step_time_median_s": median, "step_time_min_s": min(times), "step_time_max_s": max(times),
+        "steps_timed": len(times), "last_loss": loss, **result, "peak_note": throughput.peak_note,
+        "matmul_ceiling_tflops": ceiling, "fraction_of_matmul_ceiling": result["tflops_per_device"] / ceiling,
+        "peak_memory_bytes": peak_memory_bytes(devices),
+    }
+
+
+def table(rows: list[dict]) -> str:
+    head = ("config", "mesh", "dtype", "seq", "batch", "step s (min-max)", "tok/s", "TFLOP/s/dev", "MFU",
+            "of ceiling", "peak mem")
+    lines = [" | ".join(head), " | ".join("---" for _ in head)]
+    for r in rows:
+        mesh = "x".join(f"{k}{v}" for k, v in r["mesh"].items() if v > 1) or "1 device"
+        mem = "n/a" if r["peak_memory_bytes"] is None else f"{r['peak_memory_bytes'] / 2**30:.1f} GiB"
+        mfu = "n/a" if r["mfu"] is None else f"{100 * r['mfu']:.1f}%"
+        lines.append(" | ".join([
+            os.path.basename(r["config"]), mesh, r["dtype"], str(r["seq_len"]), str(r["global_batch_size"]),
+            f"{r['step_time_median_s']:.4f} ({r['step_time_min_s']:.4f}-{r['step_time_max_s']:.4f})",
+            f"{r['tokens_per_sec']:.4g}", f"{r['tflops_per_device']:.4g}", mfu,
+            f"{100 * r['fraction_of_matmul_ceiling']:.1f}%", mem]))
+    return "\n".join(lines)
+
+
+def main(argv: list[str]) -> int:
+    try:
+        _, overrides, rest = split_overrides(argv)
+        parser = argparse.ArgumentParser(prog="benchmarks/mfu.py", description=__doc__.split("\n")[0])
+        parser.add_argument("configs", nargs="+", help="config files (FILE[:ARG])")
+        parser.add_argument("--steps", type=int, default=10, help="timed steps (default 10)")
+        parser.add_argument("--warmup", type=int, default=2, help="untimed steps after compiling (default 2)")
+        parser.add_argument("--output", default=None, help="JSON file for the full results")
+        args = parser.parse_args(rest)
+        if args.steps < 1 or args.warmup < 0:
+            raise ConfigError("--steps must be >= 1 and --warmup >= 0; pass sensible counts.")
+        rows = [bench_one(spec, overrides, args.steps, args.warmup) for spec in args.configs]
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                            cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip() or None
+    report = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+              "command": " ".join([os.path.basename(sys.executable), "benchmarks/mfu.py", *argv]), "commit": commit,
+              "device_kind": jax.devices()[0].device_kind, "device_count": jax.device_count(),
+              "jax": jax.__version__, "python": platform.python_version(), "results": rows}
+    if args.output:
+        with open(args.output, "w") as f:
+            json.dump(report, f, indent=2)
+    print(f"{report['command']}  (commit {commit}, {report['device_count']}x {report['device_kind']}, jax {jax.__version__})")
+    print("timing: median of per-step wall times after compile and warm-up, each step waited for")
+    print(table(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
