@@ -7,6 +7,7 @@ config change, never a model change.
 
 from __future__ import annotations
 
+import math
 from typing import Any, Sequence
 
 import jax
@@ -96,13 +97,20 @@ def batch_sharding(mesh: Mesh) -> NamedSharding:
 
 
 def describe(mesh: Mesh, params: Any) -> str:
-    """The rules table and every parameter's shape, logical names and physical sharding."""
+    """The rules table and every parameter's shape, logical names, per-device shard and physical sharding."""
     lines = ["mesh: " + ", ".join(f"{a}={s}" for a, s in mesh.shape.items()), "", "rules (logical -> mesh):"]
     lines += [f"  {name:<22} -> {target}" for name, target in RULES]
-    lines += ["", f"{'parameter':<40} {'shape':<22} {'logical':<40} physical"]
+    lines += ["", f"{'parameter':<28} {'shape':<22} {'logical':<44} {'per device':<22} physical"]
+    total = per_device = 0
     for path, var in nnx.to_flat_state(params):
         names = logical_names(var)
+        value = var.get_value()
+        spec = logical_to_spec(names)
+        shard = NamedSharding(mesh, spec).shard_shape(value.shape)
+        total += math.prod(value.shape) * value.dtype.itemsize
+        per_device += math.prod(shard) * value.dtype.itemsize
         key = ".".join(str(p) for p in path)
-        shape = str(tuple(var.get_value().shape))
-        lines.append(f"{key:<40} {shape:<22} {str(names):<40} {logical_to_spec(names)}")
+        lines.append(f"{key:<28} {str(tuple(value.shape)):<22} {str(names):<44} {str(shard):<22} {spec}")
+    lines += ["", f"parameters: {total / 2**20:.1f} MiB in all, {per_device / 2**20:.1f} MiB per device "
+                  "(AdamW keeps two more copies of the same shape and sharding)"]
     return "\n".join(lines)
