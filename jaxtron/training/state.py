@@ -65,7 +65,12 @@ def state_shardings(mesh: Mesh, abstract_state: TrainState) -> TrainState:
     return tree_shardings(mesh, abstract_state)
 
 
-def init_state(cfg: Config, attention_impl: str, shardings: TrainState) -> TrainState:
-    """Initialises directly into the target shardings: no device ever holds the full model."""
+def sharded_init(cfg: Config, attention_impl: str, shardings: TrainState | None):
+    """The jitted initialiser: each device computes only its own shards (partitionable RNG)."""
     init = _init_fn(cfg, attention_impl)
-    return jax.jit(lambda: init()[2], out_shardings=shardings)()
+    return jax.jit(lambda: init()[2], out_shardings=shardings)
+
+
+def init_state(cfg: Config, attention_impl: str, shardings: TrainState | None) -> TrainState:
+    """Initialises directly into the target shardings: no device ever holds the full model."""
+    return sharded_init(cfg, attention_impl, shardings)()
