@@ -103,3 +103,30 @@ def test_no_weight_decay_on_norms(tmp_path):
         decay_mask(setup.abstract_state.params))[0] for k in [tuple(getattr(p, "key", p) for p in k)]}
     assert not any(v for k, v in mask.items() if "norm" in k)
     assert all(v for k, v in mask.items() if "norm" not in k)
+
+
+def test_a_model_too_large_for_the_devices_is_refused_before_allocating(tmp_path):
+    from jaxtron.config import ConfigError
+    from jaxtron.config_loader import load_config
+    from conftest import REPO
+    cfg = load_config(os.path.join(REPO, "configs", "llama3_70b.py"))  # ~790 GiB of fp32 state on a CPU host
+    with pytest.raises(ConfigError, match=r"config field 'mesh' leaves \d+\.\d GiB of parameters and optimizer "
+                                          r"state in all but this host has"):
+        run(cfg, str(tmp_path / "w"), use_tqdm=False)
+    assert not os.path.exists(tmp_path / "w")  # refused before touching the workdir
+
+
+def test_state_bytes_per_device_follow_the_shardings():
+    from jaxtron.mesh import make_mesh
+    from jaxtron.training import state as state_lib
+    cfg = tiny_config(dict(fsdp=8))
+    setup = state_lib.setup(cfg, "xla")
+    total = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(setup.abstract_state))
+    one = state_lib.state_bytes_per_device(setup.abstract_state, state_lib.state_shardings(
+        make_mesh(tiny_config().check_devices(1), jax.devices()[:1]), setup.abstract_state))
+    eight = state_lib.state_bytes_per_device(setup.abstract_state, state_lib.state_shardings(
+        make_mesh(cfg.check_devices(8)), setup.abstract_state))
+    assert one == total
+    norms = sum(x.size * 4 for p, x in jax.tree_util.tree_flatten_with_path(setup.abstract_state)[0]
+                if "norm" in jax.tree_util.keystr(p))  # replicated, so every device holds them whole
+    assert eight == pytest.approx((total - norms) / 8 + norms, rel=1e-3)

@@ -66,6 +66,7 @@ def run(cfg: Config, workdir: str, *, print_sharding: bool = False, use_tqdm: bo
         if print_sharding:
             print(describe(mesh, setup.abstract_state.params))
             return {}
+        state_lib.check_fits(setup.abstract_state, shardings, devices)
         _check_workdir(workdir)
         return _train(cfg, workdir, mesh, setup, shardings, implementation, use_tqdm)
 

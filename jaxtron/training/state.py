@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+import os
 from typing import Any
 
 import jax
@@ -9,7 +11,7 @@ import optax
 from flax import nnx, struct
 from jax.sharding import Mesh
 
-from jaxtron.config import Config
+from jaxtron.config import Config, ConfigError
 from jaxtron.models import build_model
 from jaxtron.sharding import tree_shardings
 from jaxtron.training.optimizer import learning_rate_schedule, make_optimizer
@@ -63,6 +65,30 @@ def setup(cfg: Config, attention_impl: str) -> Setup:
 def state_shardings(mesh: Mesh, abstract_state: TrainState) -> TrainState:
     """Params and optimizer moments follow the parameters' logical names; scalars are replicated."""
     return tree_shardings(mesh, abstract_state)
+
+
+def state_bytes_per_device(abstract_state: TrainState, shardings: TrainState) -> int:
+    """Bytes of parameters and optimizer state that each device holds (the largest shard set)."""
+    leaves = jax.tree.leaves(abstract_state)
+    specs = jax.tree.leaves(shardings, is_leaf=lambda x: isinstance(x, jax.sharding.Sharding))
+    return sum(math.prod(sh.shard_shape(x.shape)) * x.dtype.itemsize for x, sh in zip(leaves, specs))
+
+
+def check_fits(abstract_state: TrainState, shardings: TrainState, devices: list) -> None:
+    """ConfigError when the state alone (activations not counted) cannot fit the devices' memory."""
+    need = state_bytes_per_device(abstract_state, shardings)
+    stats = devices[0].memory_stats() or {}
+    if "bytes_limit" in stats:
+        have, where = stats["bytes_limit"], f"per device but each {devices[0].device_kind} has"
+    elif devices[0].platform == "cpu":  # CPU devices share the host's memory
+        need *= len(devices)
+        have, where = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "in all but this host has"
+    else:
+        return
+    if need > have:
+        raise ConfigError(f"config field 'mesh' leaves {need / 2**30:.1f} GiB of parameters and optimizer state "
+                          f"{where} {have / 2**30:.1f} GiB (activations not counted); use more devices, "
+                          "a larger mesh.fsdp or a smaller model.")
 
 
 def sharded_init(cfg: Config, attention_impl: str, shardings: TrainState | None):
