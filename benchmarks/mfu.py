@@ -54,7 +54,7 @@ def matmul_ceiling(dtype: str, size: int, repeats: int = 5) -> float:
 
 
 def peak_memory_bytes(devices) -> int | None:
-    stats = [d.memory_stats() for d in devices]
+    stats = [d.memory_stats() for d in devices if d.process_index == jax.process_index()]
     if not all(stats):
         return None
     return max(s.get("peak_bytes_in_use", 0) for s in stats)
@@ -66,7 +66,8 @@ def bench_one(spec: str, overrides, steps: int, warmup: int) -> dict:
     devices = jax.devices()
     sizes = cfg.check_devices(len(devices))
     mesh = make_mesh(sizes, devices)
-    impl = resolve_implementation(cfg.model.attention, jnp.dtype(cfg.model.dtype))
+    impl = resolve_implementation(cfg.model.attention, jnp.dtype(cfg.model.dtype),
+                                            cfg.model.resolved_head_dim, sizes["sequence"])
     t = cfg.train
     source = SyntheticSource(cfg.model.vocab_size, cfg.data.seq_len, t.global_batch_size, t.seed)
     with jax.set_mesh(mesh):

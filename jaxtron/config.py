@@ -37,7 +37,7 @@ def _choice(value: str, field: str, choices: tuple[str, ...]) -> None:
            f"set --config.{field} to one of those")
 
 
-DTYPES = ("float32", "bfloat16", "float16")
+DTYPES = ("float32", "bfloat16")  # float16 would need loss scaling, which bfloat16 does not
 
 
 @dataclasses.dataclass(frozen=True)
@@ -178,6 +178,9 @@ class OptimizerConfig:
         _positive(self.eps, "optimizer.eps")
         for name in ("warmup_steps", "decay_steps", "weight_decay", "clip_norm"):
             _non_negative(getattr(self, name), f"optimizer.{name}")
+        _check(self.decay_steps == 0 or self.decay_steps > self.warmup_steps, "optimizer.decay_steps",
+               f"({self.decay_steps}) must exceed optimizer.warmup_steps ({self.warmup_steps}) or be 0 for train.steps",
+               "raise it or set it to 0")
         for name in ("b1", "b2", "min_lr_ratio"):
             value = getattr(self, name)
             top = "]" if name == "min_lr_ratio" else ")"  # a ratio of 1 (constant rate) is allowed

@@ -184,7 +184,14 @@ BAD = [
     ("cudnn_on_cpu", lambda d: resolve_implementation("cudnn", jnp.bfloat16, backend="cpu"),
      "'model.attention' is 'cudnn' but the backend is cpu", "use 'auto' or 'xla'"),
     ("cudnn_in_float32", lambda d: resolve_implementation("cudnn", jnp.float32, backend="gpu"),
-     "'model.attention' is 'cudnn' but the backend is gpu with compute dtype float32", "use 'auto' or 'xla'"),
+     "'model.attention' is 'cudnn' but compute dtype float32 is not 16-bit", "use 'auto' or 'xla'"),
+    ("cudnn_with_sharded_sequence", lambda d: resolve_implementation("cudnn", jnp.bfloat16, 128, 2, backend="gpu"),
+     "'model.attention' is 'cudnn' but the sequence is sharded 2 ways (mesh.sequence)", "use 'auto' or 'xla'"),
+    ("cudnn_with_odd_head_dim", lambda d: resolve_implementation("cudnn", jnp.bfloat16, 100, 1, backend="gpu"),
+     "'model.attention' is 'cudnn' but head_dim 100 is not a multiple of 8 up to 128", "use 'auto' or 'xla'"),
+    ("float16_compute", lambda d: ModelConfig(dtype="float16"), "'model.dtype'", "set --config.model.dtype"),
+    ("decay_not_after_warmup", lambda d: OptimizerConfig(warmup_steps=100, decay_steps=50),
+     "'optimizer.decay_steps' (50) must exceed optimizer.warmup_steps (100)", "raise it or set it to 0"),
 ]
 
 
@@ -269,6 +276,10 @@ def test_attention_choice_resolves():
     assert resolve_implementation("auto", jnp.bfloat16, backend="cpu") == "xla"
     assert resolve_implementation("auto", jnp.bfloat16, backend="gpu") == "cudnn"
     assert resolve_implementation("auto", jnp.float32, backend="gpu") == "xla"
+    # cuDNN cannot take a sharded sequence or an unusual head size: auto falls back to the XLA path
+    assert resolve_implementation("auto", jnp.bfloat16, 128, 2, backend="gpu") == "xla"
+    assert resolve_implementation("auto", jnp.bfloat16, 256, 1, backend="gpu") == "xla"
+    assert resolve_implementation("auto", jnp.bfloat16, 64, 1, backend="gpu") == "cudnn"
     assert resolve_implementation("cudnn", jnp.bfloat16, backend="gpu") == "cudnn"
     assert resolve_implementation("xla", jnp.bfloat16, backend="cpu") == "xla"
 

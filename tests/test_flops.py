@@ -160,7 +160,6 @@ def test_hardware_flops_remat_policies():
     ("NVIDIA H200", "fp8", 1978.9e12),
     ("NVIDIA A100-SXM4-80GB", "bfloat16", 312e12),
     ("NVIDIA A100-PCIE-40GB", "float16", 312e12),
-    ("NVIDIA A100-SXM4-40GB", "float32", 19.5e12),
     ("NVIDIA B200", "bfloat16", 2250e12),
     ("NVIDIA B200", "fp8", 4500e12),
 ])
@@ -180,6 +179,12 @@ def test_peak_flops_unknown(kind, dtype):
     assert peak is None
     assert repr(kind) in note and "mfu is null" in note
     assert hardware.mfu(1e12, peak) is None
+
+
+@pytest.mark.parametrize("kind", ["NVIDIA H100 80GB HBM3", "NVIDIA A100-SXM4-40GB", "NVIDIA H200"])
+def test_float32_has_no_peak_because_tf32_or_fp32_depends_on_precision(kind):
+    peak, note = hardware.peak_flops(kind, "float32")
+    assert peak is None and "TF32" in note and "mfu is null" in note
 
 
 def test_never_sparse_peaks():

@@ -9,6 +9,9 @@ import pytest
 from flax import nnx
 
 from helpers import MESHES, tiny_config
+from jax.sharding import NamedSharding
+
+from jaxtron.sharding import logical_to_spec
 from jaxtron.training.loop import run
 
 
@@ -28,9 +31,12 @@ def test_losses_match_single_device(mesh_name, single_device_run, tmp_path):
     expected = _losses(single_device_run)
     assert len(expected) == 3 and np.all(np.diff(expected) != 0)
     np.testing.assert_allclose(_losses(summary), expected, rtol=1e-5)
-    # the run really used all 8 devices
+    # the run really used the requested mesh and the rules' sharding
     wq = summary["state"].params["layers"]["attn"]["wq"].get_value()
-    assert len(wq.sharding.device_set) == 8
+    mesh = wq.sharding.mesh
+    assert {a: s for a, s in mesh.shape.items() if s > 1} == {a: s for a, s in MESHES[mesh_name].items() if s > 1}
+    assert wq.sharding.is_equivalent_to(
+        NamedSharding(mesh, logical_to_spec(("layers", "embed", "heads", "head_dim"))), wq.ndim)
 
 
 def test_microbatches_equal_one_large_batch(single_device_run, tmp_path):
@@ -78,10 +84,11 @@ def test_metrics_file_has_the_contract_fields(single_device_run, tmp_path):
             assert key in line, key
         assert line["mfu"] is None  # a CPU has no dense peak: null, never a made-up number
         assert line["tokens_per_sec"] == pytest.approx(8 * 32 / line["step_time_s"], rel=1e-6)
-    # learning rate: linear warmup over 1 step, then cosine from the peak
+    # learning rate: warmup reaches the peak at its last step (here the first), then the cosine
+    # comes down to min_lr_ratio * peak exactly at the last step
     assert lines[0]["learning_rate"] == pytest.approx(1e-2)
-    assert lines[1]["learning_rate"] == pytest.approx(1e-2)
-    assert lines[2]["learning_rate"] == pytest.approx(1e-3 + 0.5 * 9e-3 * (1 + np.cos(np.pi * 0.5)), rel=1e-5)
+    assert lines[1]["learning_rate"] == pytest.approx(1e-3 + 0.5 * 9e-3 * (1 + np.cos(np.pi * 0.5)), rel=1e-5)
+    assert lines[2]["learning_rate"] == pytest.approx(1e-3, rel=1e-5)
     assert any(f.startswith("events.out.tfevents") for f in os.listdir(tmp_path))
     assert json.load(open(os.path.join(tmp_path, "config.json")))["mesh"]["fsdp"] == 8
 
@@ -94,15 +101,34 @@ def test_z_loss_changes_the_update_but_not_the_reported_loss(single_device_run, 
     assert abs(losses[2] - expected[2]) > 1e-6  # but it changed the gradients
 
 
-def test_no_weight_decay_on_norms(tmp_path):
-    cfg = tiny_config(dict(fsdp=1), optimizer=dict(learning_rate=1e-9, warmup_steps=0, weight_decay=0.5))
-    from jaxtron.training.optimizer import decay_mask
+def _optimizer_and_params(**optimizer):
     from jaxtron.training import state as state_lib
+    cfg = tiny_config(dict(fsdp=1), optimizer=dict(warmup_steps=0, **optimizer))
     setup = state_lib.setup(cfg, "xla")
-    mask = {".".join(map(str, k)): v for k, v in jax.tree_util.tree_flatten_with_path(
-        decay_mask(setup.abstract_state.params))[0] for k in [tuple(getattr(p, "key", p) for p in k)]}
-    assert not any(v for k, v in mask.items() if "norm" in k)
-    assert all(v for k, v in mask.items() if "norm" not in k)
+    return setup.tx, state_lib.init_state(cfg, "xla", None).params
+
+
+def test_weight_decay_shrinks_matrices_but_never_norms():
+    tx, params = _optimizer_and_params(learning_rate=1e-2, weight_decay=0.5)
+    zeros = jax.tree.map(jax.numpy.zeros_like, params)
+    updates, _ = tx.update(zeros, tx.init(params), params)
+    flat = {jax.tree_util.keystr(k): np.asarray(v) for k, v in jax.tree_util.tree_flatten_with_path(updates)[0]}
+    values = {jax.tree_util.keystr(k): np.asarray(v) for k, v in jax.tree_util.tree_flatten_with_path(params)[0]}
+    assert any("norm" in k for k in flat) and any("norm" not in k for k in flat)
+    for key, update in flat.items():
+        if "norm" in key:
+            assert not update.any(), key
+        else:  # decoupled decay: the update is -lr * wd * param
+            np.testing.assert_allclose(update, -1e-2 * 0.5 * values[key], rtol=1e-5, atol=1e-12)
+
+
+def test_gradients_are_clipped_to_the_global_norm():
+    tx, params = _optimizer_and_params(clip_norm=1.0)
+    huge = jax.tree.map(lambda p: jax.numpy.full_like(p, 1000.0), params)
+    _, opt_state = tx.update(huge, tx.init(params), params)
+    adam = opt_state[1][0]  # chain(clip, adamw): after one step mu = (1 - b1) * clipped gradient
+    import optax
+    assert float(optax.tree.norm(adam.mu)) == pytest.approx((1 - 0.9) * 1.0, rel=1e-5)
 
 
 def test_a_model_too_large_for_the_devices_is_refused_before_allocating(tmp_path):
@@ -130,3 +156,16 @@ def test_state_bytes_per_device_follow_the_shardings():
     norms = sum(x.size * 4 for p, x in jax.tree_util.tree_flatten_with_path(setup.abstract_state)[0]
                 if "norm" in jax.tree_util.keystr(p))  # replicated, so every device holds them whole
     assert eight == pytest.approx((total - norms) / 8 + norms, rel=1e-3)
+
+
+def test_learning_rate_schedule_hits_peak_and_floor_exactly():
+    from jaxtron.config import OptimizerConfig
+    from jaxtron.training.optimizer import learning_rate_schedule
+    lr = learning_rate_schedule(OptimizerConfig(learning_rate=1.0, warmup_steps=10, min_lr_ratio=0.1), 100)
+    values = np.array([float(lr(s)) for s in range(100)])
+    np.testing.assert_allclose(values[:10], np.arange(1, 11) / 10, rtol=1e-6)  # no step wasted at lr 0
+    assert values[9] == pytest.approx(1.0) and values[99] == pytest.approx(0.1)
+    assert np.all(np.diff(values[9:]) < 0) and values[54] == pytest.approx(0.55, rel=1e-6)  # cosine midpoint
+    assert float(lr(150)) == pytest.approx(0.1)  # past the end: stays at the floor
+    no_warmup = learning_rate_schedule(OptimizerConfig(learning_rate=1.0, warmup_steps=0, min_lr_ratio=0.0), 11)
+    assert float(no_warmup(0)) == pytest.approx(1.0) and float(no_warmup(10)) == pytest.approx(0.0, abs=1e-7)

@@ -17,7 +17,10 @@ from jaxtron.sharding import batch_sharding
 
 
 class Source(Protocol):
-    def local_batch(self, step: int, rows: slice) -> dict[str, np.ndarray]: ...
+    seq_len: int
+
+    def local_batch(self, step: int, rows: np.ndarray | slice) -> dict[str, np.ndarray]:
+        """The given rows (indices into the global batch) of batch ``step``."""
 
 
 class WindowSource:
@@ -29,7 +32,7 @@ class WindowSource:
                               "shorten --config.data.seq_len.")
         self.tokens, self.seq_len, self.global_batch, self.seed = tokens, seq_len, global_batch, seed
 
-    def local_batch(self, step: int, rows: slice) -> dict[str, np.ndarray]:
+    def local_batch(self, step: int, rows: np.ndarray | slice) -> dict[str, np.ndarray]:
         rng = np.random.default_rng([self.seed, step])
         starts = rng.integers(0, self.tokens.size - self.seq_len - 1, size=self.global_batch)[rows]
         windows = np.stack([self.tokens[s:s + self.seq_len + 1] for s in starts]).astype(np.int32)
@@ -42,24 +45,30 @@ class SyntheticSource:
     def __init__(self, vocab_size: int, seq_len: int, global_batch: int, seed: int):
         self.vocab_size, self.seq_len, self.global_batch, self.seed = vocab_size, seq_len, global_batch, seed
 
-    def local_batch(self, step: int, rows: slice) -> dict[str, np.ndarray]:
+    def local_batch(self, step: int, rows: np.ndarray | slice) -> dict[str, np.ndarray]:
         rng = np.random.default_rng([self.seed, step])
         windows = rng.integers(0, self.vocab_size, size=(self.global_batch, self.seq_len + 1), dtype=np.int32)[rows]
         return {"inputs": windows[:, :-1], "targets": windows[:, 1:]}
 
 
-def process_rows(global_batch: int) -> slice:
-    """The contiguous rows of the global batch that this process loads."""
-    per_process = global_batch // jax.process_count()
-    start = jax.process_index() * per_process
-    return slice(start, start + per_process)
+def _local_indices(sharding, shape: tuple[int, ...], dim: int) -> np.ndarray:
+    """Indices along ``dim`` that this process's devices hold, in order, each once."""
+    spans = sorted({(i[dim].start or 0, shape[dim] if i[dim].stop is None else i[dim].stop)
+                    for i in sharding.addressable_devices_indices_map(shape).values()})
+    return np.concatenate([np.arange(a, b) for a, b in spans])
 
 
 def global_batch(source: Source, step: int, mesh: Mesh, batch_size: int) -> dict[str, jax.Array]:
-    """Loads this process's rows of batch ``step`` and assembles the sharded global arrays."""
-    local = source.local_batch(step, process_rows(batch_size))
+    """Loads only this process's part of batch ``step`` and assembles the sharded global arrays.
+
+    Which rows (and sequence positions) a process needs follows from the batch sharding, so it is
+    right for any mesh, including tensor or sequence parallelism across processes.
+    """
     sharding = batch_sharding(mesh)
-    return {k: jax.make_array_from_process_local_data(sharding, v, (batch_size, v.shape[1]))
+    shape = (batch_size, source.seq_len)
+    rows, cols = _local_indices(sharding, shape, 0), _local_indices(sharding, shape, 1)
+    local = source.local_batch(step, rows)
+    return {k: jax.make_array_from_process_local_data(sharding, np.ascontiguousarray(v[:, cols]), shape)
             for k, v in local.items()}
 
 

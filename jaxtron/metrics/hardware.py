@@ -12,13 +12,13 @@ import re
 
 # Dense peak TFLOP/s per GPU (bf16 == fp16 on these parts). None: the part has no such mode or we have
 # no checked datasheet number for it.
-# "float32" is the CUDA-core (non-tensor-core) FP32 peak, listed only where checked; XLA may run fp32
-# matmuls as TF32 on tensor cores, in which case MFU against it overstates utilisation (even > 100%).
+# "float32" has no entry: XLA runs fp32 matmuls on GPUs as TF32 on tensor cores by default and as true
+# FP32 on CUDA cores at 'highest' precision, so no single datasheet number is an honest denominator.
 DENSE_PEAK_TFLOPS: dict[str, dict[str, float | None]] = {
-    "H100 SXM": {"bfloat16": 989.4, "float16": 989.4, "fp8": 1978.9, "float32": 66.9},
+    "H100 SXM": {"bfloat16": 989.4, "float16": 989.4, "fp8": 1978.9, "float32": None},
     "H200 SXM": {"bfloat16": 989.4, "float16": 989.4, "fp8": 1978.9, "float32": None},
     "H100 PCIe": {"bfloat16": 756.0, "float16": 756.0, "fp8": 1513.0, "float32": None},
-    "A100": {"bfloat16": 312.0, "float16": 312.0, "fp8": None, "float32": 19.5},
+    "A100": {"bfloat16": 312.0, "float16": 312.0, "fp8": None, "float32": None},
     "B200": {"bfloat16": 2250.0, "float16": 2250.0, "fp8": 4500.0, "float32": None},
 }
 
@@ -64,11 +64,12 @@ def peak_flops(device_kind: str, dtype: str) -> tuple[float | None, str]:
     if precision is None or model is None:
         return None, f"no dense peak known for device {device_kind!r} at {dtype}; mfu is null"
     tflops = DENSE_PEAK_TFLOPS[model][precision]
+    if tflops is None and precision == "float32":
+        return None, (f"no single dense peak for float32 on {model} (TF32 or CUDA-core FP32 depending on the "
+                      "matmul precision); mfu is null")
     if tflops is None:
         return None, f"no dense peak known for device {device_kind!r} ({model}) at {dtype}; mfu is null"
     note = f"{model} dense {precision} datasheet peak {tflops:g} TFLOP/s per device"
-    if precision == "float32":
-        note += " (CUDA-core FP32; if XLA uses TF32 tensor cores this MFU is overstated)"
     return tflops * 1e12, note
 
 

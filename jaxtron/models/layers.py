@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Sequence
 
@@ -10,6 +11,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxtron.config import ModelConfig
+from jaxtron.sharding import constrain
 
 
 def param(rngs: nnx.Rngs, shape: Sequence[int], names: Sequence[str], std: float) -> nnx.Param:
@@ -20,6 +22,30 @@ def param(rngs: nnx.Rngs, shape: Sequence[int], names: Sequence[str], std: float
 
 def compute_dtype(cfg: ModelConfig) -> jnp.dtype:
     return jnp.dtype(cfg.dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def embed_lookup(table: jax.Array, ids: jax.Array, dtype: jnp.dtype, row_axis: str = "vocab") -> jax.Array:
+    """Rows ``table[ids]`` in the compute dtype; the gradient is accumulated in float32.
+
+    A plain gather in bf16 would sum the gradient rows of a frequent token in bf16 (the
+    scatter-add runs in the gathered array's dtype) and lose most of it.
+    """
+    # gathered over fsdp like any weight, in the compute dtype, so the lookup partitions per vocab shard
+    return jnp.take(constrain(table.astype(dtype), (row_axis, None)), ids, axis=0)
+
+
+def _embed_fwd(table, ids, dtype, row_axis):
+    return embed_lookup(table, ids, dtype, row_axis), (ids, jnp.zeros((0,) + table.shape, table.dtype))
+
+
+def _embed_bwd(dtype, row_axis, residuals, g):
+    ids, like = residuals
+    grad = jnp.zeros(like.shape[1:], jnp.float32).at[ids].add(g.astype(jnp.float32))
+    return grad.astype(like.dtype), None
+
+
+embed_lookup.defvjp(_embed_fwd, _embed_bwd)
 
 
 class Norm(nnx.Module):

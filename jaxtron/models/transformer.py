@@ -8,7 +8,7 @@ from flax import nnx
 
 from jaxtron.config import ModelConfig
 from jaxtron.models.attention import Attention
-from jaxtron.models.layers import Norm, compute_dtype, param
+from jaxtron.models.layers import Norm, compute_dtype, embed_lookup, param
 from jaxtron.models.mlp import MLP
 from jaxtron.sharding import constrain
 
@@ -56,15 +56,13 @@ class Transformer(nnx.Module):
 
     def __call__(self, tokens: jax.Array, positions: jax.Array | None = None,
                  segment_ids: jax.Array | None = None) -> jax.Array:
-        """tokens: int [batch, length] -> logits [batch, length, vocab] in the compute dtype."""
+        """tokens: int [batch, length] -> float32 logits [batch, length, vocab]."""
         dt = compute_dtype(self.cfg)
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
-        # gathered over fsdp like any weight, so the lookup partitions as a masked per-shard gather
-        table = constrain(self.embedding[...].astype(dt), ("vocab", None))
-        x = jnp.take(table, tokens, axis=0)
+        x = embed_lookup(self.embedding[...], tokens, dt)
         if self.positions is not None:
-            x = x + jnp.take(self.positions[...].astype(dt), positions, axis=0)
+            x = x + embed_lookup(self.positions[...], positions, dt, "position")
         x = constrain(x, EMBED_AXES)
 
         graphdef, stacked = nnx.split(self.layers)
@@ -79,5 +77,6 @@ class Transformer(nnx.Module):
 
         x = self.final_norm(x)
         head = self.embedding[...].T if self.head is None else self.head[...]
-        logits = jnp.einsum("btd,dv->btv", x, head.astype(dt))
+        # float32 straight out of the matmul: the loss needs it and no 16-bit copy is kept besides
+        logits = jnp.einsum("btd,dv->btv", x, head.astype(dt), preferred_element_type=jnp.float32)
         return constrain(logits, LOGIT_AXES)

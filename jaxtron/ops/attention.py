@@ -17,15 +17,30 @@ Q_AXES = ("activation_batch", "activation_length", "activation_heads", "activati
 KV_AXES = ("activation_batch", "activation_kv_length", "activation_kv_heads", "activation_head_dim")
 
 
-def resolve_implementation(choice: str, dtype: jnp.dtype, backend: str | None = None) -> str:
-    """'auto' -> 'cudnn' on GPU for 16-bit compute, else 'xla'. 'cudnn' off GPU is a ConfigError."""
-    backend = backend or jax.default_backend()
-    half = jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+def cudnn_unsupported(dtype: jnp.dtype, head_dim: int, sequence_shards: int, backend: str) -> str | None:
+    """Why JAX's cuDNN flash attention cannot run this configuration, or None when it can."""
+    if backend != "gpu":
+        return f"the backend is {backend}, not a GPU"
+    if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+        return f"compute dtype {jnp.dtype(dtype).name} is not 16-bit"
+    if head_dim % 8 or head_dim > 128:
+        return f"head_dim {head_dim} is not a multiple of 8 up to 128"
+    if sequence_shards > 1:  # JAX's cuDNN partitioner refuses a sharded sequence axis
+        return f"the sequence is sharded {sequence_shards} ways (mesh.sequence)"
+    return None
+
+
+def resolve_implementation(choice: str, dtype: jnp.dtype, head_dim: int = 128, sequence_shards: int = 1,
+                           backend: str | None = None) -> str:
+    """'auto' -> 'cudnn' where JAX's cuDNN kernel supports the configuration, else 'xla'.
+
+    An explicit 'cudnn' that cannot run is a ConfigError naming the reason.
+    """
+    reason = cudnn_unsupported(dtype, head_dim, sequence_shards, backend or jax.default_backend())
     if choice == "auto":
-        return "cudnn" if backend == "gpu" and half else "xla"
-    if choice == "cudnn" and (backend != "gpu" or not half):
-        raise ConfigError(f"config field 'model.attention' is 'cudnn' but the backend is {backend} with compute "
-                          f"dtype {jnp.dtype(dtype).name}; cuDNN needs a GPU and bfloat16/float16, so use 'auto' or 'xla'.")
+        return "xla" if reason else "cudnn"
+    if choice == "cudnn" and reason:
+        raise ConfigError(f"config field 'model.attention' is 'cudnn' but {reason}; use 'auto' or 'xla'.")
     return choice
 
 

@@ -30,7 +30,7 @@ log = logging.getLogger(__name__)
 def _check_workdir(workdir: str) -> None:
     try:
         os.makedirs(workdir, exist_ok=True)
-        probe = os.path.join(workdir, ".write_test")
+        probe = os.path.join(workdir, f".write_test.{jax.process_index()}")
         with open(probe, "w") as f:
             f.write("ok")
         os.remove(probe)
@@ -59,7 +59,8 @@ def run(cfg: Config, workdir: str, *, print_sharding: bool = False, use_tqdm: bo
     devices = list(devices) if devices is not None else jax.devices()
     sizes = cfg.check_devices(len(devices))
     mesh = make_mesh(sizes, devices)
-    implementation = resolve_implementation(cfg.model.attention, jnp.dtype(cfg.model.dtype))
+    implementation = resolve_implementation(cfg.model.attention, jnp.dtype(cfg.model.dtype),
+                                            cfg.model.resolved_head_dim, sizes["sequence"])
     with jax.set_mesh(mesh):
         setup = state_lib.setup(cfg, implementation)
         shardings = state_lib.state_shardings(mesh, setup.abstract_state)

@@ -15,15 +15,18 @@ from jaxtron.sharding import logical_names
 
 
 def learning_rate_schedule(cfg: OptimizerConfig, total_steps: int) -> Callable[[jax.Array], jax.Array]:
-    """lr(step): (step+1)/warmup * peak during warmup, then cosine down to min_lr_ratio * peak."""
+    """lr(step) for step = 0, 1, ...: linear warmup reaching the peak at step warmup-1, then a cosine that
+    reaches min_lr_ratio * peak at the last step (decay_steps - 1, by default train.steps - 1)."""
     peak, floor = cfg.learning_rate, cfg.learning_rate * cfg.min_lr_ratio
     warmup = cfg.warmup_steps
     decay_end = cfg.decay_steps or total_steps
 
+    top, bottom = max(warmup - 1, 0), decay_end - 1  # the steps that use the peak and the floor
+
     def schedule(step):
         step = jnp.asarray(step, jnp.float32)
         warm = peak * (step + 1) / max(warmup, 1)
-        progress = jnp.clip((step - warmup) / max(decay_end - warmup, 1), 0.0, 1.0)
+        progress = jnp.clip((step - top) / max(bottom - top, 1), 0.0, 1.0)
         cosine = floor + (peak - floor) * 0.5 * (1 + jnp.cos(math.pi * progress))
         return jnp.where(step < warmup, warm, cosine)
 

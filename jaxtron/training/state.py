@@ -77,11 +77,12 @@ def state_bytes_per_device(abstract_state: TrainState, shardings: TrainState) ->
 def check_fits(abstract_state: TrainState, shardings: TrainState, devices: list) -> None:
     """ConfigError when the state alone (activations not counted) cannot fit the devices' memory."""
     need = state_bytes_per_device(abstract_state, shardings)
-    stats = devices[0].memory_stats() or {}
+    local = [d for d in devices if d.process_index == jax.process_index()]
+    stats = local[0].memory_stats() or {}
     if "bytes_limit" in stats:
-        have, where = stats["bytes_limit"], f"per device but each {devices[0].device_kind} has"
-    elif devices[0].platform == "cpu":  # CPU devices share the host's memory
-        need *= len(devices)
+        have, where = stats["bytes_limit"], f"per device but each {local[0].device_kind} has"
+    elif local[0].platform == "cpu":  # a process's CPU devices share its host's memory
+        need *= len(local)
         have, where = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "in all but this host has"
     else:
         return

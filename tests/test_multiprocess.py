@@ -1,0 +1,60 @@
+"""Two real processes (4 CPU devices each, gloo collectives) train exactly like one process with 8 devices."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from conftest import REPO
+
+TINY = ["--config.data.source=synthetic", "--config.model.num_layers=1", "--config.model.embed_dim=64",
+        "--config.model.num_heads=4", "--config.model.num_kv_heads=4", "--config.model.mlp_dim=128",
+        "--config.data.seq_len=32", "--config.train.global_batch_size=8", "--config.train.steps=3",
+        "--config.train.log_every=1", "--config.train.eval_batches=0"]
+
+
+def _env(devices: int, **extra) -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_")}
+    env.update(XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", JAX_PLATFORMS="cpu", **extra)
+    return env
+
+
+def _losses(workdir) -> list[float]:
+    return [json.loads(line)["loss"] for line in open(os.path.join(workdir, "metrics.jsonl"))]
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory):
+    workdir = str(tmp_path_factory.mktemp("one"))
+    subprocess.run([sys.executable, "train.py", *TINY, "--config.mesh.fsdp=8", f"--workdir={workdir}"],
+                   cwd=REPO, env=_env(8), check=True, capture_output=True, timeout=300)
+    return _losses(workdir)
+
+
+@pytest.mark.parametrize("mesh", [["--config.mesh.sequence=2", "--config.mesh.tensor=4", "--config.mesh.fsdp=1"],
+                                  ["--config.mesh.data=2", "--config.mesh.fsdp=2", "--config.mesh.tensor=2"]],
+                         ids=["sequence_across_processes", "data_across_processes"])
+def test_two_processes_equal_one(mesh, one_process, tmp_path):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = [subprocess.Popen([sys.executable, "train.py", *TINY, *mesh, f"--workdir={tmp_path}"], cwd=REPO,
+                              env=_env(4, JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}", JAX_NUM_PROCESSES="2",
+                                       JAX_PROCESS_ID=str(i)),
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(2)]
+    outputs = [p.communicate(timeout=300)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outputs
+    assert "process 1 of 2 joined" in outputs[1]
+    np.testing.assert_allclose(_losses(tmp_path), one_process, rtol=1e-5)  # written once, by process 0
+    assert sorted(f for f in os.listdir(tmp_path) if not f.startswith("events")) == ["config.json", "metrics.jsonl"]
+
+
+def test_partial_coordinator_environment_is_an_error(tmp_path):
+    out = subprocess.run([sys.executable, "train.py", *TINY, f"--workdir={tmp_path}"], cwd=REPO, text=True,
+                         env=_env(8, JAX_COORDINATOR_ADDRESS="127.0.0.1:1"), capture_output=True, timeout=120)
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert out.stderr.startswith("error: JAX_COORDINATOR_ADDRESS set but JAX_NUM_PROCESSES, JAX_PROCESS_ID not")
