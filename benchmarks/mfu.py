@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
-import functools
 import json
 import os
 import platform
@@ -37,7 +36,7 @@ from jaxtron.metrics.throughput import Throughput  # noqa: E402
 from jaxtron.ops.attention import resolve_implementation  # noqa: E402
 from jaxtron.sharding import batch_sharding  # noqa: E402
 from jaxtron.training import state as state_lib  # noqa: E402
-from jaxtron.training.step import train_step  # noqa: E402
+from jaxtron.training.step import compile_train_step  # noqa: E402
 
 
 def matmul_ceiling(dtype: str, size: int, repeats: int = 5) -> float:
@@ -74,12 +73,8 @@ def bench_one(spec: str, overrides, steps: int, warmup: int) -> dict:
         setup = state_lib.setup(cfg, impl)
         shardings = state_lib.state_shardings(mesh, setup.abstract_state)
         state = state_lib.init_state(cfg, impl, shardings)
-        step_fn = jax.jit(functools.partial(train_step, setup), in_shardings=(shardings, batch_sharding(mesh)),
-                          out_shardings=(shardings, None), donate_argnums=0)
         batches = [global_batch(source, i, mesh, t.global_batch_size) for i in range(min(steps + warmup, 4))]
-        start = time.perf_counter()
-        compiled = step_fn.lower(state, batches[0]).compile()
-        compile_s = time.perf_counter() - start
+        compiled, compile_s = compile_train_step(setup, shardings, batch_sharding(mesh), state, batches[0])
         times = []
         for i in range(warmup + steps):
             start = time.perf_counter()

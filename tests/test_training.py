@@ -78,6 +78,8 @@ def test_metrics_file_has_the_contract_fields(single_device_run, tmp_path):
     summary = run(tiny_config(dict(fsdp=8)), str(tmp_path), use_tqdm=False)
     lines = [json.loads(l) for l in open(os.path.join(tmp_path, "metrics.jsonl"))]
     assert [l["step"] for l in lines] == [1, 2, 3]
+    assert lines[0]["compile_time_s"] == summary["compile_time_s"] > 0  # logged once, with the first step
+    assert "compile_time_s" not in lines[1]
     for line in lines:
         for key in ("step", "loss", "grad_norm", "learning_rate", "step_time_s", "tokens_per_sec",
                     "tflops_per_device", "mfu"):

@@ -22,7 +22,7 @@ from jaxtron.metrics.writers import MetricsWriter
 from jaxtron.ops.attention import resolve_implementation
 from jaxtron.sharding import batch_sharding, describe
 from jaxtron.training import state as state_lib
-from jaxtron.training.step import eval_step, train_step
+from jaxtron.training.step import compile_train_step, eval_step
 
 log = logging.getLogger(__name__)
 
@@ -87,12 +87,8 @@ def _train(cfg, workdir, mesh, setup, shardings, implementation, use_tqdm) -> di
             json.dump(cfg.to_dict(), f, indent=2)
 
     state = state_lib.init_state(cfg, implementation, shardings)
-    step_fn = jax.jit(functools.partial(train_step, setup), in_shardings=(shardings, batch_sharding(mesh)),
-                      out_shardings=(shardings, None), donate_argnums=0)
     batch = global_batch(train_source, 0, mesh, t.global_batch_size)
-    start = time.perf_counter()
-    compiled = step_fn.lower(state, batch).compile()
-    compile_s = time.perf_counter() - start
+    compiled, compile_s = compile_train_step(setup, shardings, batch_sharding(mesh), state, batch)
     throughput = Throughput(cfg, mesh.size, mesh.devices.flat[0].device_kind)
     log.info("compiled the train step in %.1f s; %.4g model TFLOP per step; %s", compile_s,
              throughput.model_flops / 1e12, throughput.peak_note or f"peak {throughput.peak / 1e12:.1f} TFLOP/s")
@@ -110,6 +106,8 @@ def _train(cfg, workdir, mesh, setup, shardings, implementation, use_tqdm) -> di
                 values = {k: float(v) for k, v in jax.device_get(metrics).items()}  # waits for the step
                 values["loss_avg"] = float(np.mean(jax.device_get(interval_losses)))  # since the last log line
                 values.update(throughput(time.perf_counter() - interval_start, len(interval_losses)))
+                if not history:
+                    values["compile_time_s"] = compile_s
                 if writer:
                     writer.write(step + 1, values)
                 history.append({"step": step + 1, **values})
