@@ -68,7 +68,7 @@ def bench_one(spec: str, overrides, steps: int, warmup: int) -> dict:
     impl = resolve_implementation(cfg.model.attention, jnp.dtype(cfg.model.dtype),
                                             cfg.model.resolved_head_dim, sizes["sequence"])
     t = cfg.train
-    source = SyntheticSource(cfg.model.vocab_size, cfg.data.seq_len, t.global_batch_size, t.seed)
+    source = SyntheticSource(cfg.model.vocab_size, cfg.data.seq_len, t.seed)
     with jax.set_mesh(mesh):
         setup = state_lib.setup(cfg, impl)
         shardings = state_lib.state_shardings(mesh, setup.abstract_state)

@@ -146,7 +146,8 @@ class TrainConfig:
     microbatches: int = 1  # gradient accumulation: the global batch is split into this many parts
     log_every: int = 10
     z_loss: float = 0.0  # coefficient of the logsumexp^2 auxiliary loss
-    eval_batches: int = 4  # held-out batches evaluated at the end of the run (0: none)
+    eval_every: int = 0  # steps between validation losses (0: only at the end)
+    eval_batches: int = 4  # validation batches per evaluation (0: no validation)
 
     def __post_init__(self):
         for name in ("steps", "global_batch_size", "microbatches", "log_every"):
@@ -154,6 +155,7 @@ class TrainConfig:
         _non_negative(self.seed, "train.seed")
         _non_negative(self.z_loss, "train.z_loss")
         _non_negative(self.eval_batches, "train.eval_batches")
+        _non_negative(self.eval_every, "train.eval_every")
         _check(self.global_batch_size % self.microbatches == 0, "train.microbatches",
                f"({self.microbatches}) must divide train.global_batch_size ({self.global_batch_size})",
                "choose a divisor of the global batch size")
@@ -190,12 +192,33 @@ class OptimizerConfig:
 
 @dataclasses.dataclass(frozen=True)
 class DataConfig:
-    source: str = "stdlib"  # stdlib (byte tokens of Python's own library) | synthetic (random tokens, no I/O)
+    source: str = "synthetic"  # store (prepared token stores) | synthetic (random tokens, no I/O)
+    path: str = ""  # store directory; several comma-separated directories make a mixture
+    weights: str = ""  # comma-separated mixture weights, one per path ('' = equal)
+    prepare: str = ""  # a built-in corpus ('stdlib') prepared into data.path on first use
     seq_len: int = 256
+    validation_fraction: float = 0.05  # documents at the end of each store held out for validation
+    verify: bool = True  # check shard checksums when opening a store
+    workers: int = 0  # loader processes; 0 loads in a background thread of the training process
 
     def __post_init__(self):
-        _choice(self.source, "data.source", ("stdlib", "synthetic"))
+        _choice(self.source, "data.source", ("store", "synthetic"))
         _positive(self.seq_len, "data.seq_len")
+        _check(self.source != "store" or bool(self.path.strip()), "data.path",
+               "is empty but data.source is 'store'", "set it to a prepared store's directory")
+        _choice(self.prepare, "data.prepare", ("", "stdlib"))
+        _check(0 <= self.validation_fraction < 1, "data.validation_fraction",
+               f"must lie in [0, 1) (got {self.validation_fraction})", "set it inside that range")
+        _non_negative(self.workers, "data.workers")
+        paths = [p for p in self.path.split(",") if p.strip()]
+        if self.weights.strip():
+            try:
+                weights = [float(w) for w in self.weights.split(",")]
+            except ValueError:
+                weights = []
+            _check(len(weights) == len(paths) and all(w > 0 for w in weights), "data.weights",
+                   f"({self.weights!r}) must be {len(paths)} positive comma-separated numbers, one per data.path entry",
+                   "fix the list or leave it empty for equal weights")
 
 
 SECTIONS = {"model": ModelConfig, "mesh": MeshConfig, "train": TrainConfig, "optimizer": OptimizerConfig,
@@ -215,8 +238,8 @@ class Config:
         _check(d.seq_len <= m.max_seq_len, "data.seq_len",
                f"({d.seq_len}) exceeds model.max_seq_len ({m.max_seq_len})",
                "shorten the sequence or raise model.max_seq_len")
-        _check(d.source != "stdlib" or m.vocab_size >= 256, "model.vocab_size",
-               f"({m.vocab_size}) is too small for byte tokens of data.source='stdlib'", "use at least 256")
+        _check(d.source != "store" or not d.prepare or m.vocab_size >= 256, "model.vocab_size",
+               f"({m.vocab_size}) is too small for the byte tokens of data.prepare={d.prepare!r}", "use at least 256")
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         return {name: dataclasses.asdict(getattr(self, name)) for name in SECTIONS}

@@ -67,7 +67,7 @@ def test_rope_scores_depend_only_on_relative_position():
 def _model_and_tokens(**model):
     cfg = tiny_config(model=model)
     params_model = build_model(cfg.model, 0)
-    tokens = jnp.asarray(SyntheticSource(256, 16, 2, 0).local_batch(0, slice(0, 2))["inputs"])
+    tokens = jnp.asarray(SyntheticSource(256, 16, 0).rows(np.arange(2))["inputs"])
     return cfg, params_model, tokens
 
 
@@ -115,7 +115,7 @@ def test_sequence_sharded_attention_equals_unsharded():
 
 
 def test_remat_policies_change_memory_not_results():
-    tokens = SyntheticSource(256, 64, 8, 0).local_batch(0, slice(0, 8))
+    tokens = SyntheticSource(256, 64, 0).rows(np.arange(8))
     batch = {k: jnp.asarray(v) for k, v in tokens.items()}
     results, temp = {}, {}
     for remat in ("none", "full", "save_dots"):

@@ -54,7 +54,7 @@ def test_accumulated_gradients_equal_large_batch_gradients():
     from jaxtron.training import state as state_lib
     from jaxtron.training.step import gradients
     cfg = tiny_config(dict(fsdp=1))
-    batch = {k: jax.numpy.asarray(v) for k, v in SyntheticSource(256, 32, 8, 0).local_batch(0, slice(0, 8)).items()}
+    batch = {k: jax.numpy.asarray(v) for k, v in SyntheticSource(256, 32, 0).rows(np.arange(8)).items()}
     results = []
     for k in (1, 4):
         setup = state_lib.setup(tiny_config(dict(fsdp=1), train=dict(microbatches=k)), "xla")

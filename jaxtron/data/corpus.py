@@ -1,48 +1,56 @@
-"""An offline text corpus present on every machine: the Python standard library's own source."""
+"""Built-in offline corpora, prepared into a token store on first use."""
 
 from __future__ import annotations
 
-import dataclasses
+import logging
 import os
 import sysconfig
 
 import numpy as np
 
-from jaxtron.config import ConfigError
+from jaxtron.data.errors import DataError
+from jaxtron.data.store import MANIFEST
 
-HELD_OUT_EVERY = 20  # every 20th file (in sorted order) is held out for evaluation
-
-
-@dataclasses.dataclass(frozen=True)
-class ByteCorpus:
-    train: np.ndarray  # uint8 tokens
-    held_out: np.ndarray
-    files: int
+log = logging.getLogger(__name__)
 
 
 def stdlib_files(root: str | None = None) -> list[str]:
-    """Sorted paths of the standard library's .py files, without tests and installed packages."""
+    """Sorted UTF-8 .py files of the Python standard library, without tests and installed packages."""
     root = root or sysconfig.get_paths()["stdlib"]
     found = []
     for directory, subdirs, names in os.walk(root):
         subdirs[:] = sorted(d for d in subdirs if d not in ("site-packages", "dist-packages", "test", "tests",
                                                             "idlelib", "__pycache__"))
-        found += [os.path.join(directory, n) for n in names if n.endswith(".py")]
+        for name in names:
+            path = os.path.join(directory, name)
+            if name.endswith(".py") and _is_utf8(path):
+                found.append(path)
     return sorted(found)
 
 
-def load_stdlib_bytes(root: str | None = None) -> ByteCorpus:
-    """Byte-level tokens (0..255) of the standard library, split by file into train and held-out."""
-    files = stdlib_files(root)
-    if not files:
-        raise ConfigError(f"no Python source files were found under {root or sysconfig.get_paths()['stdlib']}; "
-                          "use --config.data.source=synthetic on this machine.")
-    train, held_out = [], []
-    for i, path in enumerate(files):
+def _is_utf8(path: str) -> bool:
+    try:
         with open(path, "rb") as f:
-            (held_out if i % HELD_OUT_EVERY == 0 else train).append(f.read())
-    as_array = lambda parts: np.frombuffer(b"".join(parts), dtype=np.uint8)
-    return ByteCorpus(train=as_array(train), held_out=as_array(held_out), files=len(files))
+            f.read().decode("utf-8")
+        return True
+    except (UnicodeDecodeError, OSError):
+        return False
+
+
+def ensure_builtin(name: str, path: str) -> None:
+    """Prepares built-in corpus ``name`` into ``path`` unless a complete store is already there."""
+    if os.path.isfile(os.path.join(path, MANIFEST)):
+        return
+    if name != "stdlib":
+        raise DataError(f"built-in corpus '{name}' does not exist; use data.prepare='stdlib' or ''.")
+    from jaxtron.data.prepare import prepare
+    files = stdlib_files()
+    if not files:
+        raise DataError("no Python source files were found in the standard library; use "
+                        "--config.data.source=synthetic on this machine.")
+    log.info("preparing the standard library's %d source files as byte tokens into %s (once)", len(files), path)
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    prepare(files, "byte", path)
 
 
 def unigram_entropy(tokens: np.ndarray, vocab_size: int) -> float:

@@ -1,54 +1,46 @@
-"""Batch sources and the assembly of global jax.Arrays from process-local data.
+"""Batch sources and the iterator that assembles global jax.Arrays from process-local data.
 
-A batch is a dict of int32 [global_batch, seq_len] arrays: 'inputs' and 'targets' (inputs shifted
-by one). Batch ``i`` depends only on (seed, i), so a resumed run sees the same batches.
+A batch is a dict of int32 [global_batch, seq_len] arrays: 'inputs', 'targets' (inputs shifted by
+one), 'segment_ids' (documents inside a packed row, from 1), 'positions' (restarting at each
+document) and 'loss_mask'. Batch ``step`` depends only on (seed, step): the iterator's whole state
+is the next step number, and a resumed run sees exactly the batches it would have seen.
 """
 
 from __future__ import annotations
 
-from typing import Protocol
+import concurrent.futures
+import os
+from typing import Any, Protocol
 
 import jax
 import numpy as np
 from jax.sharding import Mesh
 
-from jaxtron.config import Config, ConfigError
+from jaxtron.config import Config
+from jaxtron.data.errors import DataError
 from jaxtron.sharding import batch_sharding
 
 
 class Source(Protocol):
     seq_len: int
 
-    def local_batch(self, step: int, rows: np.ndarray | slice) -> dict[str, np.ndarray]:
-        """The given rows (indices into the global batch) of batch ``step``."""
-
-
-class WindowSource:
-    """Random fixed-length windows of one token array (seeded per step)."""
-
-    def __init__(self, tokens: np.ndarray, seq_len: int, global_batch: int, seed: int):
-        if tokens.size < seq_len + 2:
-            raise ConfigError(f"the corpus has {tokens.size} tokens, fewer than data.seq_len + 2 = {seq_len + 2}; "
-                              "shorten --config.data.seq_len.")
-        self.tokens, self.seq_len, self.global_batch, self.seed = tokens, seq_len, global_batch, seed
-
-    def local_batch(self, step: int, rows: np.ndarray | slice) -> dict[str, np.ndarray]:
-        rng = np.random.default_rng([self.seed, step])
-        starts = rng.integers(0, self.tokens.size - self.seq_len - 1, size=self.global_batch)[rows]
-        windows = np.stack([self.tokens[s:s + self.seq_len + 1] for s in starts]).astype(np.int32)
-        return {"inputs": windows[:, :-1], "targets": windows[:, 1:]}
+    def rows(self, samples: np.ndarray) -> dict[str, np.ndarray]:
+        """The rows of global samples ``samples`` (sample = step * global_batch + row)."""
 
 
 class SyntheticSource:
-    """Uniformly random tokens: the same batch format with no I/O, for benchmarks."""
+    """Uniformly random tokens in the same batch format, with no I/O: for benchmarks."""
 
-    def __init__(self, vocab_size: int, seq_len: int, global_batch: int, seed: int):
-        self.vocab_size, self.seq_len, self.global_batch, self.seed = vocab_size, seq_len, global_batch, seed
+    def __init__(self, vocab_size: int, seq_len: int, seed: int):
+        self.vocab_size, self.seq_len, self.seed = vocab_size, seq_len, seed
 
-    def local_batch(self, step: int, rows: np.ndarray | slice) -> dict[str, np.ndarray]:
-        rng = np.random.default_rng([self.seed, step])
-        windows = rng.integers(0, self.vocab_size, size=(self.global_batch, self.seq_len + 1), dtype=np.int32)[rows]
-        return {"inputs": windows[:, :-1], "targets": windows[:, 1:]}
+    def rows(self, samples: np.ndarray) -> dict[str, np.ndarray]:
+        tokens = np.stack([np.random.default_rng([self.seed, int(g)]).integers(
+            0, self.vocab_size, self.seq_len + 1, dtype=np.int32) for g in samples])
+        ones = np.ones((len(samples), self.seq_len), np.int32)
+        return {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "segment_ids": ones,
+                "positions": np.broadcast_to(np.arange(self.seq_len, dtype=np.int32), ones.shape).copy(),
+                "loss_mask": ones}
 
 
 def _local_indices(sharding, shape: tuple[int, ...], dim: int) -> np.ndarray:
@@ -58,29 +50,115 @@ def _local_indices(sharding, shape: tuple[int, ...], dim: int) -> np.ndarray:
     return np.concatenate([np.arange(a, b) for a, b in spans])
 
 
-def global_batch(source: Source, step: int, mesh: Mesh, batch_size: int) -> dict[str, jax.Array]:
-    """Loads only this process's part of batch ``step`` and assembles the sharded global arrays.
+class LocalBatch:
+    """This process's part of batch ``step``: the rows and sequence positions its devices hold."""
 
-    Which rows (and sequence positions) a process needs follows from the batch sharding, so it is
-    right for any mesh, including tensor or sequence parallelism across processes.
+    def __init__(self, source: Source, rows: np.ndarray, cols: np.ndarray, batch_size: int):
+        self.source, self.rows, self.cols, self.batch_size = source, rows, cols, batch_size
+
+    def __call__(self, step: int) -> dict[str, np.ndarray]:
+        local = self.source.rows(step * self.batch_size + self.rows)
+        if len(self.cols) == self.source.seq_len:
+            return local
+        return {k: np.ascontiguousarray(v[:, self.cols]) for k, v in local.items()}
+
+
+class BatchIterator:
+    """Global batches for steps ``step, step+1, ...``, loaded ahead while the device computes.
+
+    workers=0 loads in one background thread; workers>0 uses that many grain worker processes.
     """
+
+    def __init__(self, source: Source, mesh: Mesh, batch_size: int, step: int = 0, workers: int = 0,
+                 prefetch: int = 2):
+        self.sharding = batch_sharding(mesh)
+        self.shape = (batch_size, source.seq_len)
+        self.local = LocalBatch(source, _local_indices(self.sharding, self.shape, 0),
+                                _local_indices(self.sharding, self.shape, 1), batch_size)
+        self.step, self.workers, self.prefetch = step, workers, prefetch
+        self._start()
+
+    def _start(self) -> None:
+        if self.workers:
+            import grain
+            dataset = grain.MapDataset.range(self.step, 1 << 62).map(self.local).to_iter_dataset()
+            self._it = iter(dataset.mp_prefetch(grain.MultiprocessingOptions(num_workers=self.workers)))
+        else:
+            self._pool = concurrent.futures.ThreadPoolExecutor(1)
+            self._queue = [self._pool.submit(self.local, self.step + i) for i in range(self.prefetch)]
+
+    def next_local(self) -> dict[str, np.ndarray]:
+        if self.workers:
+            local = next(self._it)
+        else:
+            local = self._queue.pop(0).result()
+            self._queue.append(self._pool.submit(self.local, self.step + self.prefetch))
+        self.step += 1
+        return local
+
+    def __next__(self) -> dict[str, jax.Array]:
+        local = self.next_local()
+        return {k: jax.make_array_from_process_local_data(self.sharding, v, self.shape) for k, v in local.items()}
+
+    def __iter__(self):
+        return self
+
+    def get_state(self) -> dict[str, int]:
+        """A few numbers that resume the iterator exactly: the next step."""
+        return {"step": self.step}
+
+    def close(self) -> None:
+        if not self.workers:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def global_batch(source: Source, step: int, mesh: Mesh, batch_size: int) -> dict[str, jax.Array]:
+    """Batch ``step`` alone (for evaluation and tests), assembled from this process's part."""
     sharding = batch_sharding(mesh)
     shape = (batch_size, source.seq_len)
-    rows, cols = _local_indices(sharding, shape, 0), _local_indices(sharding, shape, 1)
-    local = source.local_batch(step, rows)
-    return {k: jax.make_array_from_process_local_data(sharding, np.ascontiguousarray(v[:, cols]), shape)
-            for k, v in local.items()}
+    local = LocalBatch(source, _local_indices(sharding, shape, 0), _local_indices(sharding, shape, 1), batch_size)
+    return {k: jax.make_array_from_process_local_data(sharding, v, shape) for k, v in local(step).items()}
+
+
+def _open_split(cfg: Config, split: str) -> tuple[Source, list]:
+    from jaxtron.data.packing import Mixture, PackedSplit
+    from jaxtron.data.store import TokenStore
+    d = cfg.data
+    paths = [os.path.expanduser(p.strip()) for p in d.path.split(",") if p.strip()]
+    stores = [TokenStore(p, verify=d.verify and split == "train") for p in paths]
+    for store in stores:
+        if store.vocab_size > cfg.model.vocab_size:
+            raise DataError(f"store '{store.path}' has a vocabulary of {store.vocab_size} tokens but "
+                            f"model.vocab_size is {cfg.model.vocab_size}; use a model vocabulary of at least "
+                            f"{store.vocab_size} or a store made with the model's tokenizer.")
+    seed = cfg.train.seed if split == "train" else cfg.train.seed + 1
+    parts = [PackedSplit(s, d.seq_len, split, d.validation_fraction, seed + i) for i, s in enumerate(stores)]
+    if len(parts) == 1:
+        return parts[0], stores
+    weights = [float(w) for w in d.weights.split(",")] if d.weights.strip() else [1.0] * len(parts)
+    mixture = Mixture(parts, weights)
+    mixture.seq_len = d.seq_len
+    return mixture, stores
 
 
 def make_sources(cfg: Config) -> tuple[Source, Source | None, dict[str, float]]:
-    """Train source, held-out source (or None) and facts about the data to log."""
+    """Train source, validation source (or None) and facts about the data to log."""
     d, t = cfg.data, cfg.train
     if d.source == "synthetic":
-        return SyntheticSource(cfg.model.vocab_size, d.seq_len, t.global_batch_size, t.seed), None, {}
-    from jaxtron.data.corpus import load_stdlib_bytes, unigram_entropy
-    corpus = load_stdlib_bytes()
-    facts = {"train_tokens": float(corpus.train.size), "held_out_tokens": float(corpus.held_out.size),
-             "unigram_entropy": unigram_entropy(corpus.train, 256)}
-    train = WindowSource(corpus.train, d.seq_len, t.global_batch_size, t.seed)
-    held_out = WindowSource(corpus.held_out, d.seq_len, t.global_batch_size, t.seed + 1)
-    return train, held_out, facts
+        return SyntheticSource(cfg.model.vocab_size, d.seq_len, t.seed), None, {}
+    if d.prepare:
+        from jaxtron.data.corpus import ensure_builtin
+        if jax.process_index() == 0:
+            ensure_builtin(d.prepare, os.path.expanduser(d.path))
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+            multihost_utils.sync_global_devices("token store prepared")
+    train, stores = _open_split(cfg, "train")
+    validation = _open_split(cfg, "validation")[0] if d.validation_fraction > 0 and t.eval_batches else None
+    facts: dict[str, Any] = {"train_tokens": float(sum(s.num_tokens for s in stores))}
+    if len(stores) == 1 and stores[0].vocab_size <= 1 << 16:  # the loss a context-free model would reach
+        from jaxtron.data.corpus import unigram_entropy
+        train_end = train.begin + train.num_windows * d.seq_len + 1
+        facts["unigram_entropy"] = unigram_entropy(stores[0].read(train.begin, min(train_end, 1 << 26)),
+                                                   stores[0].vocab_size)
+    return train, validation, facts

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxtron.config import Config, ConfigError
-from jaxtron.data.loader import global_batch, make_sources
+from jaxtron.data.loader import BatchIterator, global_batch, make_sources
 from jaxtron.mesh import make_mesh
 from jaxtron.metrics import flops as flops_lib
 from jaxtron.metrics.throughput import Throughput
@@ -38,14 +38,13 @@ def _check_workdir(workdir: str) -> None:
         raise ConfigError(f"workdir '{workdir}' is not writable ({e.strerror}); pass a writable --workdir.") from None
 
 
-def evaluate(cfg: Config, setup, params, source, mesh, shardings) -> float | None:
-    """Mean cross-entropy over ``train.eval_batches`` held-out batches."""
+def evaluate(cfg: Config, eval_fn, params, source, mesh) -> float | None:
+    """Mean cross-entropy over the same ``train.eval_batches`` validation batches every time."""
     if source is None or cfg.train.eval_batches == 0:
         return None
-    fn = jax.jit(functools.partial(eval_step, setup), in_shardings=(shardings.params, batch_sharding(mesh)))
     total, count = 0.0, 0.0
     for i in range(cfg.train.eval_batches):
-        out = jax.device_get(fn(params, global_batch(source, i, mesh, cfg.train.global_batch_size)))
+        out = jax.device_get(eval_fn(params, global_batch(source, i, mesh, cfg.train.global_batch_size)))
         total, count = total + float(out["ce_sum"]), count + float(out["count"])
     return total / count
 
@@ -75,24 +74,26 @@ def run(cfg: Config, workdir: str, *, print_sharding: bool = False, use_tqdm: bo
 def _train(cfg, workdir, mesh, setup, shardings, implementation, use_tqdm) -> dict[str, Any]:
     t = cfg.train
     is_main = jax.process_index() == 0
-    train_source, held_out, facts = make_sources(cfg)
+    train_source, validation, facts = make_sources(cfg)
     n_params = flops_lib.param_count(cfg.model)
     log.info("model %s: %.4gM parameters; mesh %s; attention %s; compute %s", cfg.model.name, n_params / 1e6,
              dict(mesh.shape), implementation, cfg.model.dtype)
     if "unigram_entropy" in facts:
-        log.info("data: %d train / %d held-out byte tokens; unigram entropy of the training text %.4f nats/token",
-                 facts["train_tokens"], facts["held_out_tokens"], facts["unigram_entropy"])
+        log.info("data: %d tokens; unigram entropy of the training text %.4f nats/token (the loss of the best "
+                 "context-free model)", facts["train_tokens"], facts["unigram_entropy"])
     if is_main:
         with open(os.path.join(workdir, "config.json"), "w") as f:
             json.dump(cfg.to_dict(), f, indent=2)
 
     state = state_lib.init_state(cfg, implementation, shardings)
-    batch = global_batch(train_source, 0, mesh, t.global_batch_size)
+    batches = BatchIterator(train_source, mesh, t.global_batch_size, step=0, workers=cfg.data.workers)
+    batch = next(batches)
     compiled, compile_s = compile_train_step(setup, shardings, batch_sharding(mesh), state, batch)
     throughput = Throughput(cfg, mesh.size, mesh.devices.flat[0].device_kind)
     log.info("compiled the train step in %.1f s; %.4g model TFLOP per step; %s", compile_s,
              throughput.model_flops / 1e12, throughput.peak_note or f"peak {throughput.peak / 1e12:.1f} TFLOP/s")
 
+    eval_fn = jax.jit(functools.partial(eval_step, setup), in_shardings=(shardings.params, batch_sharding(mesh)))
     writer = MetricsWriter(workdir, t.steps, use_tqdm=use_tqdm) if is_main else None
     history: list[dict[str, Any]] = []
     interval_start, interval_losses = time.perf_counter(), []
@@ -100,8 +101,8 @@ def _train(cfg, workdir, mesh, setup, shardings, implementation, use_tqdm) -> di
         for step in range(t.steps):
             state, metrics = compiled(state, batch)
             interval_losses.append(metrics["loss"])  # stays on device until the log step
-            if step + 1 < t.steps:  # the next batch loads while the device works on this step
-                batch = global_batch(train_source, step + 1, mesh, t.global_batch_size)
+            if step + 1 < t.steps:  # loaded ahead by the iterator while the device works on this step
+                batch = next(batches)
             if (step + 1) % t.log_every == 0 or step + 1 == t.steps:
                 values = {k: float(v) for k, v in jax.device_get(metrics).items()}  # waits for the step
                 values["loss_avg"] = float(np.mean(jax.device_get(interval_losses)))  # since the last log line
@@ -112,15 +113,21 @@ def _train(cfg, workdir, mesh, setup, shardings, implementation, use_tqdm) -> di
                     writer.write(step + 1, values)
                 history.append({"step": step + 1, **values})
                 interval_start, interval_losses = time.perf_counter(), []
+            if t.eval_every and (step + 1) % t.eval_every == 0 and step + 1 < t.steps:
+                loss = evaluate(cfg, eval_fn, state.params, validation, mesh)
+                if writer and loss is not None:
+                    writer.write(step + 1, {"eval/loss": loss})
+                interval_start = time.perf_counter()  # evaluation time is not training time
         last = history[-1]
-        held_out_loss = evaluate(cfg, setup, state.params, held_out, mesh, shardings)
-        summary = {"final_loss": last.get("loss_avg"), "held_out_loss": held_out_loss, "compile_time_s": compile_s,
+        validation_loss = evaluate(cfg, eval_fn, state.params, validation, mesh)
+        summary = {"final_loss": last.get("loss_avg"), "validation_loss": validation_loss, "compile_time_s": compile_s,
                    **facts, **{k: last.get(k) for k in ("tokens_per_sec", "tflops_per_device", "mfu")}}
         if writer:
-            if held_out_loss is not None:
-                writer.write(t.steps, {"eval/loss": held_out_loss})
+            if validation_loss is not None:
+                writer.write(t.steps, {"eval/loss": validation_loss})
             writer.log(_summary_line(summary))
     finally:
+        batches.close()
         if writer:
             writer.close()
     summary.update(history=history, state=state)
@@ -129,8 +136,8 @@ def _train(cfg, workdir, mesh, setup, shardings, implementation, use_tqdm) -> di
 
 def _summary_line(summary: dict[str, Any]) -> str:
     parts = [f"train loss {summary['final_loss']:.4f} nats/token (mean of the last log interval)"]
-    if summary.get("held_out_loss") is not None:
-        parts.append(f"held-out loss {summary['held_out_loss']:.4f}")
+    if summary.get("validation_loss") is not None:
+        parts.append(f"validation loss {summary['validation_loss']:.4f}")
     if summary.get("unigram_entropy") is not None:
         parts.append(f"unigram entropy of the text {summary['unigram_entropy']:.4f}")
     return "done: " + "; ".join(parts)

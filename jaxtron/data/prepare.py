@@ -1,0 +1,193 @@
+"""Tokenize text files into a token store.
+
+    python -m jaxtron.data.prepare --input 'corpus/**/*.txt' [--input 'more/*.jsonl' ...] \\
+        --tokenizer byte|tokenizer.json|sp.model --output DIR [--text-field text] [--workers N]
+
+Plain-text files are one document each; JSONL files hold one document per line in --text-field.
+Inputs are taken in sorted order and tokenized by all cores; results are written in input order, so
+the same inputs always give the same store. Memory stays flat: at most a few batches are in flight.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import glob
+import json
+import logging
+import multiprocessing
+import os
+import sys
+from typing import Iterator, Sequence
+
+import numpy as np
+
+from jaxtron.data.errors import DataError
+from jaxtron.data.store import StoreWriter
+from jaxtron.data.tokenizers import Tokenizer, load_tokenizer
+
+log = logging.getLogger(__name__)
+
+JSONL_SUFFIXES = (".jsonl", ".ndjson")
+LINES_PER_UNIT = 512
+FILES_PER_UNIT = 32
+
+_worker_tokenizer: Tokenizer | None = None
+
+
+def expand_inputs(patterns: Sequence[str]) -> list[str]:
+    files = set()
+    for pattern in patterns:
+        pattern = os.path.expanduser(pattern)
+        if os.path.isfile(pattern):  # a plain path, even one with glob characters in it
+            files.add(pattern)
+            continue
+        matched = [p for p in glob.glob(pattern, recursive=True) if os.path.isfile(p)]
+        if not matched:
+            raise DataError(f"--input '{pattern}' matches no files; check the path or quote the glob.")
+        files.update(matched)
+    return sorted(files)
+
+
+def _units(files: list[str], text_field: str) -> Iterator[tuple[str, list, int]]:
+    """Work units: (kind, payload, input bytes). Text files travel as paths, JSONL as lines of text."""
+    batch, size = [], 0
+    for path in files:
+        if not path.endswith(JSONL_SUFFIXES):
+            batch.append(path)
+            size += os.path.getsize(path)
+            if len(batch) == FILES_PER_UNIT:
+                yield "text", batch, size
+                batch, size = [], 0
+            continue
+        if batch:
+            yield "text", batch, size
+            batch, size = [], 0
+        lines, nbytes = [], 0
+        with open(path, "rb") as f:
+            for number, line in enumerate(f, 1):
+                lines.append((path, number, line))
+                nbytes += len(line)
+                if len(lines) == LINES_PER_UNIT:
+                    yield "jsonl", [text_field, lines], nbytes
+                    lines, nbytes = [], 0
+        if lines:
+            yield "jsonl", [text_field, lines], nbytes
+    if batch:
+        yield "text", batch, size
+
+
+def _init_worker(tokenizer: Tokenizer) -> None:
+    global _worker_tokenizer
+    _worker_tokenizer = tokenizer
+
+
+def _decode(data: bytes, where: str) -> str:
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise DataError(f"{where} is not UTF-8 text (byte {e.start}); convert it or leave it out.") from None
+
+
+def _tokenize_unit(unit: tuple[str, list, int]) -> list[np.ndarray]:
+    kind, payload, _ = unit
+    if kind == "text":
+        texts = []
+        for path in payload:
+            with open(path, "rb") as f:
+                texts.append(_decode(f.read(), f"input file '{path}'"))
+    else:
+        field, lines = payload
+        texts = []
+        for path, number, line in lines:
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except ValueError:
+                raise DataError(f"line {number} of '{path}' is not valid JSON; fix or remove it.") from None
+            if not isinstance(record, dict) or not isinstance(record.get(field), str):
+                raise DataError(f"line {number} of '{path}' has no text field '{field}'; "
+                                "pass the right --text-field.") from None
+            texts.append(record[field])
+    encode_batch = getattr(_worker_tokenizer, "encode_batch", None)
+    return encode_batch(texts) if encode_batch else [_worker_tokenizer.encode(t) for t in texts]
+
+
+def prepare(inputs: Sequence[str], tokenizer: Tokenizer | str, output: str, text_field: str = "text",
+            workers: int | None = None, progress: bool = False, shard_tokens: int = 1 << 28,
+            dtype: str = "auto") -> dict:
+    """Builds the store in ``output`` and returns its manifest."""
+    tokenizer = load_tokenizer(tokenizer) if isinstance(tokenizer, str) else tokenizer
+    files = expand_inputs(inputs)
+    total = sum(os.path.getsize(p) for p in files)
+    writer = StoreWriter(output, tokenizer.vocab_size, shard_tokens, dtype)
+    workers = workers or os.cpu_count() or 1
+    bar = None
+    if progress:
+        from tqdm import tqdm
+        bar = tqdm(total=total, unit="B", unit_scale=True, desc="tokenizing")
+    try:
+        units = _units(files, text_field)
+        if workers == 1:
+            _init_worker(tokenizer)
+            results = ((_tokenize_unit(u), u[2]) for u in units)
+            for docs, size in results:
+                for doc in docs:
+                    writer.add(doc)
+                if bar:
+                    bar.update(size)
+        else:
+            with multiprocessing.get_context("spawn").Pool(workers, _init_worker, (tokenizer,)) as pool:
+                pending: collections.deque = collections.deque()
+                for unit in units:  # keep at most 2 units per worker in flight: memory stays flat
+                    pending.append((pool.apply_async(_tokenize_unit, (unit,)), unit[2]))
+                    while len(pending) >= 2 * workers:
+                        _drain_one(pending, writer, bar)
+                while pending:
+                    _drain_one(pending, writer, bar)
+        sources = [{"path": p, "bytes": os.path.getsize(p)} for p in files]
+        return writer.finish(tokenizer.describe(), sources)
+    except BaseException:
+        writer.abort()
+        raise
+    finally:
+        if bar:
+            bar.close()
+
+
+def _drain_one(pending: collections.deque, writer: StoreWriter, bar) -> None:
+    result, size = pending.popleft()
+    for doc in result.get():
+        writer.add(doc)
+    if bar:
+        bar.update(size)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S")
+    parser = argparse.ArgumentParser(prog="python -m jaxtron.data.prepare", description=__doc__.split("\n")[0])
+    parser.add_argument("--input", action="append", required=True, help="file or glob (repeatable; ** recurses)")
+    parser.add_argument("--tokenizer", required=True, help="'byte', a tokenizer.json, or a SentencePiece .model")
+    parser.add_argument("--output", required=True, help="directory of the token store")
+    parser.add_argument("--text-field", default="text", help="JSONL field holding the text (default: text)")
+    parser.add_argument("--workers", type=int, default=None, help="tokenizing processes (default: all cores)")
+    parser.add_argument("--shard-tokens", type=int, default=1 << 28, help="tokens per shard file")
+    parser.add_argument("--dtype", default="auto", help="token dtype: auto (smallest that fits), uint16, uint32")
+    args = parser.parse_args(argv)
+    try:
+        if args.workers is not None and args.workers < 1:
+            raise DataError("--workers must be at least 1; pass a positive count.")
+        manifest = prepare(args.input, args.tokenizer, args.output, args.text_field, args.workers,
+                           progress=sys.stderr.isatty(), shard_tokens=args.shard_tokens, dtype=args.dtype)
+    except DataError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    log.info("wrote %s: %d documents, %d tokens (%s, vocabulary %d) in %d shard(s)", args.output,
+             manifest["num_documents"], manifest["num_tokens"], manifest["dtype"], manifest["vocab_size"],
+             len(manifest["shards"]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
