@@ -4,7 +4,8 @@
         --tokenizer byte|tokenizer.json|sp.model --output DIR [--text-field text] [--workers N]
 
 Plain-text files are one document each; JSONL files hold one document per line in --text-field.
-Inputs are taken in sorted order and tokenized by all cores; results are written in input order, so
+Inputs are taken in sorted order and tokenized on all cores (worker processes for SentencePiece, the
+multi-threaded encoder of the tokenizers library for tokenizer.json); results are written in input order, so
 the same inputs always give the same store. Memory stays flat: at most a few batches are in flight.
 """
 
@@ -122,7 +123,8 @@ def prepare(inputs: Sequence[str], tokenizer: Tokenizer | str, output: str, text
     files = expand_inputs(inputs)
     total = sum(os.path.getsize(p) for p in files)
     writer = StoreWriter(output, tokenizer.vocab_size, shard_tokens, dtype)
-    workers = workers or os.cpu_count() or 1
+    if workers is None:  # byte tokens cost nothing and tokenizers' Rust batch encoder already uses every core
+        workers = 1 if tokenizer.kind in ("byte", "huggingface") else os.cpu_count() or 1
     bar = None
     if progress:
         from tqdm import tqdm
@@ -171,7 +173,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--tokenizer", required=True, help="'byte', a tokenizer.json, or a SentencePiece .model")
     parser.add_argument("--output", required=True, help="directory of the token store")
     parser.add_argument("--text-field", default="text", help="JSONL field holding the text (default: text)")
-    parser.add_argument("--workers", type=int, default=None, help="tokenizing processes (default: all cores)")
+    parser.add_argument("--workers", type=int, default=None,
+                        help="tokenizing processes (default: all cores for SentencePiece; one process for byte and "
+                             "tokenizer.json, whose encoder is already multi-threaded)")
     parser.add_argument("--shard-tokens", type=int, default=1 << 28, help="tokens per shard file")
     parser.add_argument("--dtype", default="auto", help="token dtype: auto (smallest that fits), uint16, uint32")
     args = parser.parse_args(argv)
