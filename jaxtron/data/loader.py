@@ -81,6 +81,9 @@ class BatchIterator:
     def _start(self) -> None:
         if self.workers:
             import grain
+            from absl import flags
+            if not flags.FLAGS.is_parsed():  # grain reads its absl flags (google/grain#1355); train.py parses them
+                flags.FLAGS.mark_as_parsed()
             dataset = grain.MapDataset.range(self.step, 1 << 62).map(self.local).to_iter_dataset()
             self._it = iter(dataset.mp_prefetch(grain.MultiprocessingOptions(num_workers=self.workers)))
         else:
@@ -108,7 +111,9 @@ class BatchIterator:
         return {"step": self.step}
 
     def close(self) -> None:
-        if not self.workers:
+        if self.workers:
+            self._it.close()  # stops grain's worker processes now, not whenever the iterator is collected
+        else:
             self._pool.shutdown(wait=False, cancel_futures=True)
 
 
