@@ -4,8 +4,8 @@ A store's tokens form one stream; window ``i`` of a split is the stream's tokens
 [begin + i*L, begin + i*L + L + 1), so every token is a target once per epoch. A window may hold
 the end of one document and the start of others: segment ids number the documents inside it,
 positions restart at 0 for each document, and the loss mask drops targets that begin a new
-document. Sample ``g`` of the run maps, through grain's seeded global shuffle (a new permutation
-each epoch), to a window. Everything is a pure function of (seed, g): any process can build any
+document. Sample ``g`` of the run maps, through a seeded global shuffle (a new permutation each
+epoch, jaxtron.data.shuffle), to a window. Everything is a pure function of (seed, g): any process can build any
 row, and a run resumes from a step number.
 """
 
@@ -16,6 +16,7 @@ import math
 import numpy as np
 
 from jaxtron.data.errors import DataError
+from jaxtron.data.shuffle import EpochPermutation
 from jaxtron.data.store import TokenStore
 
 
@@ -23,8 +24,6 @@ class PackedSplit:
     """The windows of one split ('train' or 'validation') of a store."""
 
     def __init__(self, store: TokenStore, seq_len: int, split: str, validation_fraction: float, seed: int):
-        import grain  # the shuffle is grain's: a seeded permutation per epoch without materialising it
-
         self.store, self.seq_len = store, seq_len
         begin, end = 0, store.num_tokens
         if validation_fraction > 0:
@@ -39,16 +38,16 @@ class PackedSplit:
         if self.num_windows < 1:
             raise DataError(f"the {split} split of store '{store.path}' has {end - begin} tokens, fewer than one "
                             f"sequence of data.seq_len + 1 = {seq_len + 1}; use more data or a shorter sequence.")
-        self._order = grain.MapDataset.range(self.num_windows).shuffle(seed=seed)
+        self._order = EpochPermutation(self.num_windows, seed)
 
     def windows(self, samples: np.ndarray) -> np.ndarray:
-        return np.fromiter((self._order[int(g)] for g in samples), dtype=np.int64, count=len(samples))
+        return self._order(samples)
 
     def rows(self, samples: np.ndarray) -> dict[str, np.ndarray]:
         """The packed sequences of global samples ``samples``."""
         L = self.seq_len
         starts = self.begin + self.windows(samples) * L
-        tokens = np.stack([self.store.read(int(s), L + 1) for s in starts]).astype(np.int32)
+        tokens = self.store.gather(starts, L + 1).astype(np.int32)
         where = starts[:, None] + np.arange(L + 1)
         doc = np.searchsorted(self.store.doc_starts, where, side="right") - 1
         positions = (where - self.store.doc_starts[doc]).astype(np.int32)

@@ -150,6 +150,21 @@ class TokenStore:
         self.num_tokens = int(starts[-1])
         self.num_documents = int(self.doc_starts.size)
 
+    def gather(self, starts: np.ndarray, length: int) -> np.ndarray:
+        """Rows ``[s, s + length)`` for every s in ``starts``: one vectorised read per shard."""
+        starts = np.asarray(starts, dtype=np.int64)
+        out = np.empty((len(starts), length), dtype=self.dtype)
+        first = np.searchsorted(self.shard_starts, starts, side="right") - 1
+        last = np.searchsorted(self.shard_starts, starts + length - 1, side="right") - 1
+        for shard in np.unique(first):
+            rows = np.nonzero((first == shard) & (last == shard))[0]
+            if rows.size:
+                local = starts[rows] - self.shard_starts[shard]
+                out[rows] = self._tokens[shard][local[:, None] + np.arange(length)]
+        for row in np.nonzero(first != last)[0]:  # rows that cross a shard boundary
+            out[row] = self.read(int(starts[row]), length)
+        return out
+
     def read(self, start: int, length: int) -> np.ndarray:
         """Tokens [start, start + length) of the whole store, across shard boundaries."""
         if len(self._tokens) == 1:
