@@ -39,9 +39,21 @@ class PackedSplit:
             raise DataError(f"the {split} split of store '{store.path}' has {end - begin} tokens, fewer than one "
                             f"sequence of data.seq_len + 1 = {seq_len + 1}; use more data or a shorter sequence.")
         self._order = EpochPermutation(self.num_windows, seed)
+        self._blocks: dict[int, np.ndarray] = {}
+
+    BLOCK = 1 << 16  # samples whose windows are computed together: steps read neighbouring samples
 
     def windows(self, samples: np.ndarray) -> np.ndarray:
-        return self._order(samples)
+        samples = np.asarray(samples, dtype=np.int64)
+        block = samples // self.BLOCK
+        for b in np.unique(block):
+            if int(b) not in self._blocks:
+                if len(self._blocks) >= 4:
+                    self._blocks.pop(next(iter(self._blocks)))
+                self._blocks[int(b)] = self._order(np.arange(b * self.BLOCK, (b + 1) * self.BLOCK))
+        if (block == block[0]).all():
+            return self._blocks[int(block[0])][samples - block[0] * self.BLOCK]
+        return np.array([self._blocks[int(b)][g - b * self.BLOCK] for g, b in zip(samples, block)], np.int64)
 
     def rows(self, samples: np.ndarray) -> dict[str, np.ndarray]:
         """The packed sequences of global samples ``samples``."""
