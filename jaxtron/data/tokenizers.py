@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from typing import Protocol
@@ -10,6 +9,7 @@ from typing import Protocol
 import numpy as np
 
 from jaxtron.data.errors import DataError
+from jaxtron.data.store import file_sha256
 
 
 class Tokenizer(Protocol):
@@ -39,14 +39,6 @@ class ByteTokenizer:
         return {"kind": self.kind, "vocab_size": self.vocab_size}
 
 
-def _sha256(path: str) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
 class HFTokenizer:
     """A Hugging Face ``tokenizer.json`` through the tokenizers library (no special tokens added)."""
 
@@ -72,7 +64,7 @@ class HFTokenizer:
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
 
     def describe(self) -> dict:
-        return {"kind": self.kind, "path": os.path.abspath(self.path), "sha256": _sha256(self.path),
+        return {"kind": self.kind, "path": os.path.abspath(self.path), "sha256": file_sha256(self.path),
                 "vocab_size": self.vocab_size}
 
     def __getstate__(self):  # worker processes reload the file instead of pickling the Rust object
@@ -105,7 +97,7 @@ class SentencePieceTokenizer:
         return self._sp.DecodeIds([int(i) for i in ids])
 
     def describe(self) -> dict:
-        return {"kind": self.kind, "path": os.path.abspath(self.path), "sha256": _sha256(self.path),
+        return {"kind": self.kind, "path": os.path.abspath(self.path), "sha256": file_sha256(self.path),
                 "vocab_size": self.vocab_size}
 
     def __getstate__(self):
