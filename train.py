@@ -31,6 +31,7 @@ def parse_args(argv: list[str]):
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S")
     logging.getLogger("jax._src.xla_bridge").setLevel(logging.WARNING)  # "no TPU found" is not news
+    logging.getLogger("absl").setLevel(logging.WARNING)  # orbax logs every file operation at INFO
     from jaxtron.config import ConfigError
 
     try:
@@ -41,7 +42,10 @@ def main(argv: list[str] | None = None) -> int:
         if jax.process_index() != 0:
             logging.getLogger().setLevel(logging.WARNING)
         from jaxtron.training.loop import run
-        run(cfg, args.workdir, print_sharding=args.print_sharding)
+        from jaxtron.training.preemption import PREEMPTED_EXIT_CODE
+        summary = run(cfg, args.workdir, print_sharding=args.print_sharding)
+        if summary.get("preempted"):
+            return PREEMPTED_EXIT_CODE
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

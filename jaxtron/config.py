@@ -221,8 +221,21 @@ class DataConfig:
                    "fix the list or leave it empty for equal weights")
 
 
+@dataclasses.dataclass(frozen=True)
+class CheckpointConfig:
+    every: int = 1000  # steps between saves (0: only at the end and on preemption)
+    keep: int = 3  # most recent checkpoints kept
+    keep_every: int = 0  # also keep every checkpoint whose step is a multiple of this, forever (0: none)
+    async_save: bool = True  # write in the background while training goes on
+
+    def __post_init__(self):
+        _non_negative(self.every, "checkpoint.every")
+        _positive(self.keep, "checkpoint.keep")
+        _non_negative(self.keep_every, "checkpoint.keep_every")
+
+
 SECTIONS = {"model": ModelConfig, "mesh": MeshConfig, "train": TrainConfig, "optimizer": OptimizerConfig,
-            "data": DataConfig}
+            "data": DataConfig, "checkpoint": CheckpointConfig}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -232,6 +245,7 @@ class Config:
     train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
     optimizer: OptimizerConfig = dataclasses.field(default_factory=OptimizerConfig)
     data: DataConfig = dataclasses.field(default_factory=DataConfig)
+    checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
 
     def __post_init__(self):
         m, d = self.model, self.data

@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxtron.config import Config, ConfigError
+from jaxtron.checkpoint import Checkpointer
 from jaxtron.data.loader import BatchIterator, global_batch, make_sources
 from jaxtron.mesh import make_mesh
 from jaxtron.metrics import flops as flops_lib
@@ -22,6 +23,7 @@ from jaxtron.metrics.writers import MetricsWriter
 from jaxtron.ops.attention import resolve_implementation
 from jaxtron.sharding import batch_sharding, describe
 from jaxtron.training import state as state_lib
+from jaxtron.training.preemption import PreemptionWatcher
 from jaxtron.training.step import compile_train_step, eval_step
 
 log = logging.getLogger(__name__)
@@ -85,8 +87,18 @@ def _train(cfg, workdir, mesh, setup, shardings, implementation, use_tqdm) -> di
         with open(os.path.join(workdir, "config.json"), "w") as f:
             json.dump(cfg.to_dict(), f, indent=2)
 
-    state = state_lib.init_state(cfg, implementation, shardings)
-    batches = BatchIterator(train_source, mesh, t.global_batch_size, step=0, workers=cfg.data.workers)
+    c = cfg.checkpoint
+    checkpointer = Checkpointer(workdir, c.every, c.keep, c.keep_every, c.async_save)
+    latest = checkpointer.latest_step()
+    if latest is None:
+        state, start = state_lib.init_state(cfg, implementation, shardings), 0
+    else:
+        state, data_state = checkpointer.restore(latest, setup.abstract_state, shardings, cfg)
+        start = int(data_state["step"])
+        log.info("resumed from the checkpoint of step %d in %s", start, checkpointer.directory)
+        if is_main:
+            _drop_metrics_after(workdir, start)
+    batches = BatchIterator(train_source, mesh, t.global_batch_size, step=start, workers=cfg.data.workers)
     batch = next(batches)
     compiled, compile_s = compile_train_step(setup, shardings, batch_sharding(mesh), state, batch)
     throughput = Throughput(cfg, mesh.size, mesh.devices.flat[0].device_kind)
@@ -97,8 +109,10 @@ def _train(cfg, workdir, mesh, setup, shardings, implementation, use_tqdm) -> di
     writer = MetricsWriter(workdir, t.steps, use_tqdm=use_tqdm) if is_main else None
     history: list[dict[str, Any]] = []
     interval_start, interval_losses = time.perf_counter(), []
+    preemption = PreemptionWatcher()
+    summary: dict[str, Any] = {"preempted": None}
     try:
-        for step in range(t.steps):
+        for step in range(start, t.steps):
             state, metrics = compiled(state, batch)
             interval_losses.append(metrics["loss"])  # stays on device until the log step
             if step + 1 < t.steps:  # loaded ahead by the iterator while the device works on this step
@@ -118,20 +132,46 @@ def _train(cfg, workdir, mesh, setup, shardings, implementation, use_tqdm) -> di
                 if writer and loss is not None:
                     writer.write(step + 1, {"eval/loss": loss})
                 interval_start = time.perf_counter()  # evaluation time is not training time
+            if preemption.requested and step + 1 < t.steps:
+                checkpointer.save(step + 1, state, {"step": step + 1}, cfg.to_dict(), force=True)
+                checkpointer.wait()
+                log.warning("checkpointed step %d after %s; exiting", step + 1, preemption.requested)
+                summary.update(preempted=preemption.requested, history=history, state=state)
+                return summary
+            checkpointer.save(step + 1, state, {"step": step + 1}, cfg.to_dict(),
+                              force=step + 1 == t.steps)  # periodic saves, and always the last step
+        if not history:  # resumed at or after the last step: nothing left to train
+            summary.update(history=history, state=state, final_loss=None, validation_loss=None)
+            return summary
         last = history[-1]
         validation_loss = evaluate(cfg, eval_fn, state.params, validation, mesh)
-        summary = {"final_loss": last.get("loss_avg"), "validation_loss": validation_loss, "compile_time_s": compile_s,
-                   **facts, **{k: last.get(k) for k in ("tokens_per_sec", "tflops_per_device", "mfu")}}
+        summary.update({"final_loss": last.get("loss_avg"), "validation_loss": validation_loss,
+                        "compile_time_s": compile_s, **facts,
+                        **{k: last.get(k) for k in ("tokens_per_sec", "tflops_per_device", "mfu")}})
         if writer:
             if validation_loss is not None:
                 writer.write(t.steps, {"eval/loss": validation_loss})
             writer.log(_summary_line(summary))
     finally:
+        preemption.close()
+        checkpointer.close()  # waits for a save in flight
         batches.close()
         if writer:
             writer.close()
     summary.update(history=history, state=state)
     return summary
+
+
+def _drop_metrics_after(workdir: str, step: int) -> None:
+    """Keeps metrics.jsonl consistent with the resumed state: lines of steps after it are re-logged."""
+    path = os.path.join(workdir, "metrics.jsonl")
+    if not os.path.exists(path):
+        return
+    with open(path) as f:
+        lines = [line for line in f if line.strip() and json.loads(line).get("step", 0) <= step]
+    with open(path + ".tmp", "w") as f:
+        f.writelines(lines)
+    os.replace(path + ".tmp", path)
 
 
 def _summary_line(summary: dict[str, Any]) -> str:

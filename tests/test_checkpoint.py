@@ -1,0 +1,135 @@
+"""Checkpoints: exact resume (also after SIGKILL of a real process), preemption, resharding, bad checkpoints."""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from conftest import REPO
+from helpers import tiny_config
+from jaxtron.checkpoint import CHECKPOINT_DIR, Checkpointer, CheckpointError
+from jaxtron.mesh import make_mesh
+from jaxtron.training import state as state_lib
+from jaxtron.training.loop import run
+from jaxtron.training.preemption import PREEMPTED_EXIT_CODE
+from test_multiprocess import TINY, _env
+
+
+def _leaves(state):
+    return [np.asarray(x) for x in jax.tree.leaves(nnx.to_pure_dict(state.params))] + \
+        [np.asarray(x) for x in jax.tree.leaves(state.opt_state)]
+
+
+def test_resume_from_an_earlier_checkpoint_is_bit_exact(tmp_path):
+    cfg = tiny_config(dict(fsdp=4, tensor=2), train=dict(steps=6), checkpoint=dict(every=2))
+    first = run(cfg, str(tmp_path), use_tqdm=False)
+    assert sorted(os.listdir(tmp_path / CHECKPOINT_DIR)) == ["2", "4", "6"]
+    for step in ("4", "6"):  # as if the run had died right after saving step 2
+        shutil.rmtree(tmp_path / CHECKPOINT_DIR / step)
+    second = run(cfg, str(tmp_path), use_tqdm=False)
+    assert [h["step"] for h in second["history"]] == [3, 4, 5, 6]
+    assert [h["loss"] for h in second["history"]] == [h["loss"] for h in first["history"][2:]]
+    for a, b in zip(_leaves(second["state"]), _leaves(first["state"])):
+        np.testing.assert_array_equal(a, b)
+    lines = [json.loads(l) for l in open(tmp_path / "metrics.jsonl")]
+    assert [l["step"] for l in lines] == [1, 2, 3, 4, 5, 6]  # the lost steps were logged again, once
+
+
+def test_a_finished_run_is_not_trained_again(tmp_path):
+    cfg = tiny_config(train=dict(steps=2), checkpoint=dict(every=0))
+    run(cfg, str(tmp_path), use_tqdm=False, devices=jax.devices()[:1])
+    again = run(cfg, str(tmp_path), use_tqdm=False, devices=jax.devices()[:1])
+    assert again["history"] == [] and sorted(os.listdir(tmp_path / CHECKPOINT_DIR)) == ["2"]
+
+
+def test_a_checkpoint_restores_onto_other_meshes_with_identical_values(tmp_path):
+    cfg = tiny_config(dict(fsdp=8))
+    mesh = make_mesh(cfg.check_devices(8))
+    setup = state_lib.setup(cfg, "xla")
+    with jax.set_mesh(mesh):
+        state = state_lib.init_state(cfg, "xla", state_lib.state_shardings(mesh, setup.abstract_state))
+    ckpt = Checkpointer(str(tmp_path), every=1, keep=1, async_save=False)
+    ckpt.save(1, state, {"step": 1}, cfg.to_dict(), force=True)
+    ckpt.close()
+    for sizes, devices in ((dict(data=2, fsdp=2, tensor=2), jax.devices()), (dict(fsdp=4), jax.devices()[:4])):
+        other = tiny_config(sizes)
+        mesh2 = make_mesh(other.check_devices(len(devices)), devices)
+        shardings = state_lib.state_shardings(mesh2, setup.abstract_state)
+        restored, data = Checkpointer(str(tmp_path), every=1, keep=1).restore(1, setup.abstract_state, shardings, other)
+        assert data == {"step": 1}
+        wq = restored.params["layers"]["attn"]["wq"].get_value()
+        assert wq.sharding.is_equivalent_to(shardings.params["layers"]["attn"]["wq"], wq.ndim)
+        assert len(wq.sharding.device_set) == len(devices)
+        for a, b in zip(_leaves(restored), _leaves(state)):
+            np.testing.assert_array_equal(a, b)
+
+
+def test_a_checkpoint_of_another_model_shape_is_refused(tmp_path):
+    run(tiny_config(train=dict(steps=1)), str(tmp_path), use_tqdm=False, devices=jax.devices()[:1])
+    other = tiny_config(train=dict(steps=2), model=dict(num_layers=3))
+    with pytest.raises(CheckpointError, match=r"another model shape \(model.num_layers 2 != 3\); use the config"):
+        run(other, str(tmp_path), use_tqdm=False, devices=jax.devices()[:1])
+
+
+ARGS = [*TINY, "--config.train.steps=12", "--config.checkpoint.every=3", "--config.checkpoint.keep=2"]
+
+
+def _train(workdir, *extra) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "train.py", *ARGS, *extra, f"--workdir={workdir}"], cwd=REPO,
+                            env=_env(8), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+
+
+def _wait_for_step(workdir, step, proc, timeout=240):
+    deadline = time.time() + timeout
+    path = os.path.join(workdir, "metrics.jsonl")
+    while time.time() < deadline and proc.poll() is None:
+        if os.path.exists(path):
+            steps = [json.loads(l)["step"] for l in open(path) if l.strip()]
+            if steps and max(steps) >= step:
+                return
+        time.sleep(0.02)
+    raise AssertionError(f"the run did not reach step {step}: {proc.poll()} {proc.stderr.read()[-2000:]}")
+
+
+def _final_state(workdir):
+    import orbax.checkpoint as ocp
+    tree = ocp.PyTreeCheckpointer().restore(os.path.join(workdir, CHECKPOINT_DIR, "12", "state"))
+    return [np.asarray(x) for x in jax.tree.leaves(tree)]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    workdir = str(tmp_path_factory.mktemp("whole"))
+    assert _train(workdir).wait(timeout=300) == 0
+    return workdir
+
+
+@pytest.mark.parametrize("kill_at", [4, 8])
+def test_sigkill_then_restart_ends_bit_exact(kill_at, uninterrupted, tmp_path):
+    proc = _train(tmp_path, "--config.checkpoint.async_save=true")
+    _wait_for_step(tmp_path, kill_at, proc)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=60)
+    assert _train(tmp_path).wait(timeout=300) == 0
+    for a, b in zip(_final_state(tmp_path), _final_state(uninterrupted)):
+        np.testing.assert_array_equal(a, b)
+    losses = lambda w: {l["step"]: l["loss"] for l in map(json.loads, open(os.path.join(w, "metrics.jsonl")))}
+    assert losses(tmp_path) == losses(uninterrupted)
+
+
+def test_sigterm_checkpoints_at_the_next_step_and_exits_with_the_preemption_code(tmp_path):
+    proc = _train(tmp_path, "--config.train.steps=100000", "--config.checkpoint.every=0")
+    _wait_for_step(tmp_path, 2, proc)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=120) == PREEMPTED_EXIT_CODE
+    saved = [int(s) for s in os.listdir(tmp_path / CHECKPOINT_DIR) if s.isdigit()]
+    logged = max(json.loads(l)["step"] for l in open(tmp_path / "metrics.jsonl"))
+    assert len(saved) == 1 and saved[0] >= logged >= 2
