@@ -41,9 +41,13 @@ def main(argv: list[str] | None = None) -> int:
         import jax
         if jax.process_index() != 0:
             logging.getLogger().setLevel(logging.WARNING)
-        from jaxtron.training.loop import run
+        from jaxtron.training.loop import NONFINITE_EXIT_CODE, NonFiniteError, run
         from jaxtron.training.preemption import PREEMPTED_EXIT_CODE
-        summary = run(cfg, args.workdir, print_sharding=args.print_sharding)
+        try:
+            summary = run(cfg, args.workdir, print_sharding=args.print_sharding)
+        except NonFiniteError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return NONFINITE_EXIT_CODE
         if summary.get("preempted"):
             return PREEMPTED_EXIT_CODE
     except ConfigError as e:

@@ -146,6 +146,7 @@ class TrainConfig:
     microbatches: int = 1  # gradient accumulation: the global batch is split into this many parts
     log_every: int = 10
     z_loss: float = 0.0  # coefficient of the logsumexp^2 auxiliary loss
+    max_nonfinite_in_row: int = 0  # stop after this many skipped (non-finite) updates in a row (0: never)
     eval_every: int = 0  # steps between validation losses (0: only at the end)
     eval_batches: int = 4  # validation batches per evaluation (0: no validation)
 
@@ -156,6 +157,7 @@ class TrainConfig:
         _non_negative(self.z_loss, "train.z_loss")
         _non_negative(self.eval_batches, "train.eval_batches")
         _non_negative(self.eval_every, "train.eval_every")
+        _non_negative(self.max_nonfinite_in_row, "train.max_nonfinite_in_row")
         _check(self.global_batch_size % self.microbatches == 0, "train.microbatches",
                f"({self.microbatches}) must divide train.global_batch_size ({self.global_batch_size})",
                "choose a divisor of the global batch size")

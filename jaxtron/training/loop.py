@@ -28,6 +28,17 @@ from jaxtron.training.step import compile_train_step, eval_step
 
 log = logging.getLogger(__name__)
 
+NONFINITE_EXIT_CODE = 3
+
+
+class NonFiniteError(RuntimeError):
+    """Training stopped: too many non-finite steps in a row, or a non-finite state about to be saved."""
+
+
+def _all_finite(state) -> jax.Array:
+    leaves = [x for x in jax.tree.leaves((state.params, state.opt_state)) if jnp.issubdtype(x.dtype, jnp.floating)]
+    return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves]))
+
 
 def _check_workdir(workdir: str) -> None:
     try:
@@ -110,6 +121,15 @@ def _train(cfg, workdir, mesh, setup, shardings, implementation, use_tqdm) -> di
     history: list[dict[str, Any]] = []
     interval_start, interval_losses = time.perf_counter(), []
     preemption = PreemptionWatcher()
+    all_finite = jax.jit(_all_finite)
+
+    def save(step_done: int, force: bool) -> None:
+        if not (force or (c.every and step_done % c.every == 0)):
+            return
+        if not bool(all_finite(state)):  # never write a non-finite state
+            raise NonFiniteError(f"the state is not finite at step {step_done}; it was not saved.")
+        checkpointer.save(step_done, state, {"step": step_done}, cfg.to_dict(), force=True)
+
     summary: dict[str, Any] = {"preempted": None}
     try:
         for step in range(start, t.steps):
@@ -117,8 +137,13 @@ def _train(cfg, workdir, mesh, setup, shardings, implementation, use_tqdm) -> di
             interval_losses.append(metrics["loss"])  # stays on device until the log step
             if step + 1 < t.steps:  # loaded ahead by the iterator while the device works on this step
                 batch = next(batches)
+            if (step + 1) % t.log_every == 0 or step + 1 == t.steps or (c.every and (step + 1) % c.every == 0):
+                stopped = int(jax.device_get(state.nonfinite)[2])  # waits for the step
+                if stopped >= 0:
+                    raise NonFiniteError(f"{t.max_nonfinite_in_row} non-finite steps in a row, the last at step "
+                                         f"{stopped}; their updates were skipped and training stopped.")
             if (step + 1) % t.log_every == 0 or step + 1 == t.steps:
-                values = {k: float(v) for k, v in jax.device_get(metrics).items()}  # waits for the step
+                values = {k: float(v) for k, v in jax.device_get(metrics).items()}
                 values["loss_avg"] = float(np.mean(jax.device_get(interval_losses)))  # since the last log line
                 values.update(throughput(time.perf_counter() - interval_start, len(interval_losses)))
                 if not history:
@@ -133,13 +158,12 @@ def _train(cfg, workdir, mesh, setup, shardings, implementation, use_tqdm) -> di
                     writer.write(step + 1, {"eval/loss": loss})
                 interval_start = time.perf_counter()  # evaluation time is not training time
             if preemption.requested and step + 1 < t.steps:
-                checkpointer.save(step + 1, state, {"step": step + 1}, cfg.to_dict(), force=True)
+                save(step + 1, force=True)
                 checkpointer.wait()
                 log.warning("checkpointed step %d after %s; exiting", step + 1, preemption.requested)
                 summary.update(preempted=preemption.requested, history=history, state=state)
                 return summary
-            checkpointer.save(step + 1, state, {"step": step + 1}, cfg.to_dict(),
-                              force=step + 1 == t.steps)  # periodic saves, and always the last step
+            save(step + 1, force=step + 1 == t.steps)  # periodic saves, and always the last step
         if not history:  # resumed at or after the last step: nothing left to train
             summary.update(history=history, state=state, final_loss=None, validation_loss=None)
             return summary

@@ -22,6 +22,7 @@ class TrainState:
     step: jax.Array
     params: Any  # nnx.State of Params (each carries its logical axis names)
     opt_state: Any
+    nonfinite: jax.Array  # int32 [total skipped steps, skipped in a row, first step that hit the limit or -1]
 
 
 @struct.dataclass
@@ -33,6 +34,7 @@ class Setup:
     abstract_state: TrainState = struct.field(pytree_node=False)
     schedule: Any = struct.field(pytree_node=False)
     microbatches: int = struct.field(pytree_node=False, default=1)
+    max_nonfinite_in_row: int = struct.field(pytree_node=False, default=0)
     z_loss: float = struct.field(pytree_node=False, default=0.0)
 
 
@@ -42,7 +44,8 @@ def _init_fn(cfg: Config, attention_impl: str):
         graphdef, params = nnx.split(model, nnx.Param)
         tx = make_optimizer(cfg.optimizer, cfg.train.steps, params)
         return graphdef, tx, TrainState(step=jax.numpy.zeros((), jax.numpy.int32), params=params,
-                                        opt_state=tx.init(params))
+                                        opt_state=tx.init(params),
+                                        nonfinite=jax.numpy.array([0, 0, -1], jax.numpy.int32))
     return init
 
 
@@ -59,7 +62,8 @@ def setup(cfg: Config, attention_impl: str) -> Setup:
     state = jax.eval_shape(abstract)
     return Setup(graphdef=holder["graphdef"], tx=holder["tx"], abstract_state=state,
                  schedule=learning_rate_schedule(cfg.optimizer, cfg.train.steps),
-                 microbatches=cfg.train.microbatches, z_loss=cfg.train.z_loss)
+                 microbatches=cfg.train.microbatches, z_loss=cfg.train.z_loss,
+                 max_nonfinite_in_row=cfg.train.max_nonfinite_in_row)
 
 
 def state_shardings(mesh: Mesh, abstract_state: TrainState) -> TrainState:

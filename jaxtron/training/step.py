@@ -67,11 +67,22 @@ def train_step(setup: Setup, state: TrainState, batch: Batch) -> tuple[TrainStat
     """One optimizer update on one global batch; returns the new state and scalar metrics."""
     grads, ce_sum, count = gradients(setup, state.params, batch)
     grads = jax.tree.map(lambda g: g / count, grads)
+    loss, grad_norm = ce_sum / count, optax.tree.norm(grads)
     updates, opt_state = setup.tx.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
-    metrics = {"loss": ce_sum / count, "grad_norm": optax.tree.norm(grads),
-               "learning_rate": setup.schedule(state.step)}
-    return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
+    # a non-finite loss or gradient skips this update: the state stays as it was, and is counted
+    finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+    keep = lambda new, old: jnp.where(finite, new, old)
+    params, opt_state = jax.tree.map(keep, params, state.params), jax.tree.map(keep, opt_state, state.opt_state)
+    total, in_row, stopped = state.nonfinite[0], state.nonfinite[1], state.nonfinite[2]
+    total, in_row = total + (~finite), jnp.where(finite, 0, in_row + 1)
+    limit = setup.max_nonfinite_in_row
+    if limit:
+        stopped = jnp.where((stopped < 0) & (in_row >= limit), state.step + 1, stopped)
+    metrics = {"loss": loss, "grad_norm": grad_norm, "learning_rate": setup.schedule(state.step),
+               "nonfinite_steps": total}
+    nonfinite = jnp.stack([total, in_row, stopped]).astype(jnp.int32)
+    return TrainState(step=state.step + 1, params=params, opt_state=opt_state, nonfinite=nonfinite), metrics
 
 
 def eval_step(setup: Setup, params: Any, batch: Batch) -> dict[str, jax.Array]:
