@@ -41,6 +41,10 @@ class Checkpointer:
             save_interval_steps=1, max_to_keep=keep, keep_period=keep_every or None,
             enable_async_checkpointing=async_save, create=True)
         self.manager = ocp.CheckpointManager(self.directory, options=options)
+        incomplete = sorted(n for n in os.listdir(self.directory) if "tmp" in n) if os.path.isdir(self.directory) else []
+        if incomplete:  # a save cut off midway (the process died while writing): never loaded
+            log.warning("ignoring incomplete checkpoint(s) %s, cut off while being written; the latest complete "
+                        "one is step %s", ", ".join(incomplete), self.manager.latest_step())
 
     def latest_step(self) -> int | None:
         return self.manager.latest_step()
