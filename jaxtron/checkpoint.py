@@ -34,9 +34,8 @@ def _abstract_with_shardings(abstract_state: Any, shardings: Any) -> Any:
 
 
 class Checkpointer:
-    def __init__(self, workdir: str, every: int, keep: int, keep_every: int = 0, async_save: bool = True):
+    def __init__(self, workdir: str, keep: int, keep_every: int = 0, async_save: bool = True):
         self.directory = os.path.join(os.path.abspath(workdir), CHECKPOINT_DIR)
-        self.every = every  # 0: no periodic saves
         options = ocp.CheckpointManagerOptions(
             save_interval_steps=1, max_to_keep=keep, keep_period=keep_every or None,
             enable_async_checkpointing=async_save, create=True)
@@ -49,14 +48,12 @@ class Checkpointer:
     def latest_step(self) -> int | None:
         return self.manager.latest_step()
 
-    def save(self, step: int, state: Any, data_state: dict, config: dict, force: bool = False) -> bool:
-        """Saves every ``every`` steps, or now with ``force``; returns once the arrays are copied off the
-        devices (the files are written in the background when asynchronous). False when not saved."""
-        if not force and not (self.every and step % self.every == 0):
-            return False
+    def save(self, step: int, state: Any, data_state: dict, config: dict) -> None:
+        """Saves now (the loop decides when); returns once the arrays are copied off the devices, and the
+        files are written in the background when asynchronous."""
         args = ocp.args.Composite(state=ocp.args.StandardSave(state), data=ocp.args.JsonSave(data_state),
                                   config=ocp.args.JsonSave(config))
-        return self.manager.save(step, args=args, force=True)
+        self.manager.save(step, args=args, force=True)
 
     def restore(self, step: int, abstract_state: Any, shardings: Any, cfg: Config) -> tuple[Any, dict]:
         """The state (in ``shardings``) and data-iterator state saved at ``step``."""

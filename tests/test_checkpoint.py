@@ -56,14 +56,14 @@ def test_a_checkpoint_restores_onto_other_meshes_with_identical_values(tmp_path)
     setup = state_lib.setup(cfg, "xla")
     with jax.set_mesh(mesh):
         state = state_lib.init_state(cfg, "xla", state_lib.state_shardings(mesh, setup.abstract_state))
-    ckpt = Checkpointer(str(tmp_path), every=1, keep=1, async_save=False)
-    ckpt.save(1, state, {"step": 1}, cfg.to_dict(), force=True)
+    ckpt = Checkpointer(str(tmp_path), keep=1, async_save=False)
+    ckpt.save(1, state, {"step": 1}, cfg.to_dict())
     ckpt.close()
     for sizes, devices in ((dict(data=2, fsdp=2, tensor=2), jax.devices()), (dict(fsdp=4), jax.devices()[:4])):
         other = tiny_config(sizes)
         mesh2 = make_mesh(other.check_devices(len(devices)), devices)
         shardings = state_lib.state_shardings(mesh2, setup.abstract_state)
-        restored, data = Checkpointer(str(tmp_path), every=1, keep=1).restore(1, setup.abstract_state, shardings, other)
+        restored, data = Checkpointer(str(tmp_path), keep=1).restore(1, setup.abstract_state, shardings, other)
         assert data == {"step": 1}
         wq = restored.params["layers"]["attn"]["wq"].get_value()
         assert wq.sharding.is_equivalent_to(shardings.params["layers"]["attn"]["wq"], wq.ndim)

@@ -99,7 +99,7 @@ def _train(cfg, workdir, mesh, setup, shardings, implementation, use_tqdm) -> di
             json.dump(cfg.to_dict(), f, indent=2)
 
     c = cfg.checkpoint
-    checkpointer = Checkpointer(workdir, c.every, c.keep, c.keep_every, c.async_save)
+    checkpointer = Checkpointer(workdir, c.keep, c.keep_every, c.async_save)
     latest = checkpointer.latest_step()
     if latest is None:
         state, start = state_lib.init_state(cfg, implementation, shardings), 0
@@ -109,6 +109,10 @@ def _train(cfg, workdir, mesh, setup, shardings, implementation, use_tqdm) -> di
         log.info("resumed from the checkpoint of step %d in %s", start, checkpointer.directory)
         if is_main:
             _drop_metrics_after(workdir, start)
+    if start >= t.steps:  # a finished run: nothing left to train
+        checkpointer.close()
+        log.info("the run already reached train.steps = %d; raise it to train further", t.steps)
+        return {"preempted": None, "history": [], "state": state, "final_loss": None, "validation_loss": None}
     batches = BatchIterator(train_source, mesh, t.global_batch_size, step=start, workers=cfg.data.workers)
     batch = next(batches)
     compiled, compile_s = compile_train_step(setup, shardings, batch_sharding(mesh), state, batch)
@@ -128,7 +132,7 @@ def _train(cfg, workdir, mesh, setup, shardings, implementation, use_tqdm) -> di
             return
         if not bool(all_finite(state)):  # never write a non-finite state
             raise NonFiniteError(f"the state is not finite at step {step_done}; it was not saved.")
-        checkpointer.save(step_done, state, {"step": step_done}, cfg.to_dict(), force=True)
+        checkpointer.save(step_done, state, {"step": step_done}, cfg.to_dict())
 
     summary: dict[str, Any] = {"preempted": None}
     try:
@@ -164,9 +168,6 @@ def _train(cfg, workdir, mesh, setup, shardings, implementation, use_tqdm) -> di
                 summary.update(preempted=preemption.requested, history=history, state=state)
                 return summary
             save(step + 1, force=step + 1 == t.steps)  # periodic saves, and always the last step
-        if not history:  # resumed at or after the last step: nothing left to train
-            summary.update(history=history, state=state, final_loss=None, validation_loss=None)
-            return summary
         last = history[-1]
         validation_loss = evaluate(cfg, eval_fn, state.params, validation, mesh)
         summary.update({"final_loss": last.get("loss_avg"), "validation_loss": validation_loss,
