@@ -36,6 +36,7 @@ from jaxtron.metrics.throughput import Throughput  # noqa: E402
 from jaxtron.ops.attention import resolve_implementation  # noqa: E402
 from jaxtron.sharding import batch_sharding  # noqa: E402
 from jaxtron.training import state as state_lib  # noqa: E402
+from jaxtron.training.preemption import StopVotes  # noqa: E402
 from jaxtron.training.step import compile_train_step  # noqa: E402
 
 
@@ -74,11 +75,12 @@ def bench_one(spec: str, overrides, steps: int, warmup: int) -> dict:
         shardings = state_lib.state_shardings(mesh, setup.abstract_state)
         state = state_lib.init_state(cfg, impl, shardings)
         batches = [global_batch(source, i, mesh, t.global_batch_size) for i in range(min(steps + warmup, 4))]
-        compiled, compile_s = compile_train_step(setup, shardings, batch_sharding(mesh), state, batches[0])
+        votes = StopVotes(mesh)(False)
+        compiled, compile_s = compile_train_step(setup, shardings, batch_sharding(mesh), state, batches[0], votes)
         times = []
         for i in range(warmup + steps):
             start = time.perf_counter()
-            state, metrics = compiled(state, batches[i % len(batches)])
+            state, metrics = compiled(state, batches[i % len(batches)], votes)
             jax.block_until_ready((state, metrics))
             if i >= warmup:
                 times.append(time.perf_counter() - start)

@@ -149,6 +149,7 @@ class TrainConfig:
     max_nonfinite_in_row: int = 0  # stop after this many skipped (non-finite) updates in a row (0: never)
     eval_every: int = 0  # steps between validation losses (0: only at the end)
     eval_batches: int = 4  # validation batches per evaluation (0: no validation)
+    watchdog_factor: float = 5.0  # warn when a step takes this many times the recent median (0: off)
 
     def __post_init__(self):
         for name in ("steps", "global_batch_size", "microbatches", "log_every"):
@@ -158,6 +159,8 @@ class TrainConfig:
         _non_negative(self.eval_batches, "train.eval_batches")
         _non_negative(self.eval_every, "train.eval_every")
         _non_negative(self.max_nonfinite_in_row, "train.max_nonfinite_in_row")
+        _check(self.watchdog_factor == 0 or self.watchdog_factor > 1, "train.watchdog_factor",
+               f"is {self.watchdog_factor}", "use 0 to turn the watchdog off or a factor above 1, e.g. 5")
         _check(self.global_batch_size % self.microbatches == 0, "train.microbatches",
                f"({self.microbatches}) must divide train.global_batch_size ({self.global_batch_size})",
                "choose a divisor of the global batch size")

@@ -55,6 +55,11 @@ def test_a_nan_step_is_skipped_and_counted():
     for _ in range(3):
         state, _ = step(state, bad)
     assert state.nonfinite.tolist() == [4, 3, 6]  # the third in a row, at step 6, reached the limit
+    stopped_at = _params(state)
+    state, metrics = step(state, good)  # the run has stopped: not even a finite step changes the state
+    assert int(metrics["nonfinite_stopped"]) == 6 and int(metrics["stop_requested"]) == 0
+    for a, b in zip(_params(state), stopped_at):
+        np.testing.assert_array_equal(a, b)
 
 
 def test_too_many_nonfinite_steps_stop_the_run_and_no_bad_state_is_saved(tmp_path, monkeypatch):
@@ -77,3 +82,98 @@ def test_skipping_without_a_limit_trains_on(tmp_path, monkeypatch):
     cfg = tiny_config(train=dict(steps=4, eval_batches=0), checkpoint=dict(every=0))
     summary = loop_lib.run(cfg, str(tmp_path), use_tqdm=False, devices=jax.devices()[:1])
     assert [h["nonfinite_steps"] for h in summary["history"]] == [0, 1, 2, 3]
+
+
+class FakeClock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self):
+        return self.now
+
+
+def _watchdog(clock, **kw):
+    from jaxtron.training.watchdog import Watchdog
+    return Watchdog(5.0, 3, min_steps=4, clock=clock, thread=False, **kw)
+
+
+def test_the_watchdog_names_a_slow_step_and_the_process(caplog):
+    clock = FakeClock()
+    dog = _watchdog(clock)
+    dog.start(0)
+    for step in range(1, 9):  # steady 0.1 s steps; the 6th takes 0.45 s, below 5 times the median
+        clock.now += 0.45 if step == 6 else 0.1
+        dog.completed(step)
+    assert dog.slow_steps == 0 and not caplog.records
+    clock.now += 0.7  # a pause (evaluation, a save) is not counted
+    dog.pause()
+    clock.now += 30
+    dog.resume()
+    clock.now += 0.1
+    dog.completed(9)
+    assert dog.slow_steps == 0
+    clock.now += 2.0
+    with caplog.at_level("WARNING"):
+        dog.completed(10)
+    assert dog.slow_steps == 1
+    assert caplog.messages == ["watchdog: step 10 took 2 s on process 3, 20.0 times the median of the last 9 "
+                               "steps (0.1 s)"]
+
+
+def test_the_watchdog_reports_a_hang_once_and_an_input_wait_by_its_step(caplog):
+    clock = FakeClock()
+    dog = _watchdog(clock)
+    dog.start(0)
+    assert not dog.check()  # too few steps to know what is normal
+    for step in range(1, 6):
+        clock.now += 0.2
+        dog.completed(step)
+    clock.now += 0.9
+    assert not dog.check()
+    with caplog.at_level("WARNING"):
+        clock.now += 0.2
+        assert dog.check()
+        clock.now += 5
+        assert not dog.check()  # once per step
+    assert caplog.messages == ["watchdog: step 6 has run for 1.1 s on process 3 and has not finished, 5.5 times "
+                               "the median of the last 5 steps (0.2 s); a peer process may be stuck or gone"]
+    dog.completed(6)
+    caplog.clear()
+    with caplog.at_level("WARNING"):
+        clock.now += 0.1
+        with dog.input(8):  # 3 s waiting for the input of step 8: step 7 itself takes 0.2 s
+            clock.now += 2.0
+            assert dog.check()
+            clock.now += 1.0
+        clock.now += 0.1
+        assert not dog.check()
+        dog.completed(7)
+    assert caplog.messages == [
+        "watchdog: the input batch of step 8 has not arrived after 2 s on process 3, 10.0 times the median step "
+        "(0.2 s); the input pipeline may be stuck",
+        "watchdog: the input batch of step 8 took 3 s to arrive on process 3, 15.0 times the median step (0.2 s)"]
+    assert list(dog.durations)[-1] == pytest.approx(0.2)
+
+
+class SlowAt(SyntheticSource):
+    """Synthetic rows that take ``seconds`` to produce for one sample: a stalled input pipeline."""
+
+    def __init__(self, sample: int, seconds: float):
+        super().__init__(256, 32, 0)
+        self.sample, self.seconds = sample, seconds
+
+    def rows(self, samples):
+        if self.sample in np.asarray(samples):
+            import time
+            time.sleep(self.seconds)
+        return super().rows(samples)
+
+
+def test_a_stalled_input_batch_is_reported_in_a_real_run(tmp_path, monkeypatch, caplog):
+    monkeypatch.setattr(loop_lib, "make_sources", lambda cfg: (SlowAt(sample=14 * 8, seconds=3.0), None, {}))
+    cfg = tiny_config(train=dict(steps=18, eval_batches=0, log_every=100), checkpoint=dict(every=0))
+    with caplog.at_level("WARNING"):
+        summary = loop_lib.run(cfg, str(tmp_path), use_tqdm=False, devices=jax.devices()[:1])
+    watchdog = [m for m in caplog.messages if m.startswith("watchdog:")]
+    assert watchdog and all(m.startswith("watchdog: the input batch of step 15 ") for m in watchdog), watchdog
+    assert "took" in watchdog[-1] and "on process 0" in watchdog[-1] and summary["slow_steps"] == 1

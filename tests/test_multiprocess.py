@@ -60,3 +60,30 @@ def test_partial_coordinator_environment_is_an_error(tmp_path):
                          env=_env(8, JAX_COORDINATOR_ADDRESS="127.0.0.1:1"), capture_output=True, timeout=120)
     assert out.returncode == 2 and "Traceback" not in out.stderr
     assert out.stderr.startswith("error: JAX_COORDINATOR_ADDRESS set but JAX_NUM_PROCESSES, JAX_PROCESS_ID not")
+
+
+def test_a_signal_to_one_process_stops_both_after_the_same_step(tmp_path):
+    import re
+    import signal
+    import time
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    args = [*TINY, "--config.train.steps=100000", "--config.checkpoint.every=0", "--config.mesh.data=2",
+            "--config.mesh.fsdp=4"]
+    procs = [subprocess.Popen([sys.executable, "train.py", *args, f"--workdir={tmp_path}"], cwd=REPO,
+                              env=_env(4, JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}", JAX_NUM_PROCESSES="2",
+                                       JAX_PROCESS_ID=str(i)),
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(2)]
+    metrics = tmp_path / "metrics.jsonl"
+    deadline = time.time() + 240
+    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3) and time.time() < deadline:
+        assert all(p.poll() is None for p in procs)
+        time.sleep(0.05)
+    procs[1].send_signal(signal.SIGTERM)  # only one of them: like a signal that reaches the nodes at different steps
+    outputs = [p.communicate(timeout=120)[0] for p in procs]
+    assert [p.returncode for p in procs] == [75, 75], outputs
+    stopped = [re.findall(r"checkpointed step (\d+) after (.+?); exiting", out) for out in outputs]
+    assert stopped[1][0][1] == "SIGTERM" and stopped[0][0][1] == "a stop request from another process", stopped
+    assert stopped[0][0][0] == stopped[1][0][0]
+    assert os.listdir(tmp_path / "checkpoints") == [stopped[0][0][0]]  # written once, by both together

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import functools
 import json
 import logging
@@ -23,12 +24,14 @@ from jaxtron.metrics.writers import MetricsWriter
 from jaxtron.ops.attention import resolve_implementation
 from jaxtron.sharding import batch_sharding, describe
 from jaxtron.training import state as state_lib
-from jaxtron.training.preemption import PreemptionWatcher
+from jaxtron.training.preemption import PREEMPTED_EXIT_CODE, PreemptionWatcher, StopVotes
 from jaxtron.training.step import compile_train_step, eval_step
+from jaxtron.training.watchdog import Watchdog
 
 log = logging.getLogger(__name__)
 
 NONFINITE_EXIT_CODE = 3
+STEP_FLAGS = ("stop_requested", "nonfinite_stopped")  # step outputs for the loop, not metrics
 
 
 class NonFiniteError(RuntimeError):
@@ -115,7 +118,8 @@ def _train(cfg, workdir, mesh, setup, shardings, implementation, use_tqdm) -> di
         return {"preempted": None, "history": [], "state": state, "final_loss": None, "validation_loss": None}
     batches = BatchIterator(train_source, mesh, t.global_batch_size, step=start, workers=cfg.data.workers)
     batch = next(batches)
-    compiled, compile_s = compile_train_step(setup, shardings, batch_sharding(mesh), state, batch)
+    votes = StopVotes(mesh)
+    compiled, compile_s = compile_train_step(setup, shardings, batch_sharding(mesh), state, batch, votes(False))
     throughput = Throughput(cfg, mesh.size, mesh.devices.flat[0].device_kind)
     log.info("compiled the train step in %.1f s; %.4g model TFLOP per step; %s", compile_s,
              throughput.model_flops / 1e12, throughput.peak_note or f"peak {throughput.peak / 1e12:.1f} TFLOP/s")
@@ -125,59 +129,86 @@ def _train(cfg, workdir, mesh, setup, shardings, implementation, use_tqdm) -> di
     history: list[dict[str, Any]] = []
     interval_start, interval_losses = time.perf_counter(), []
     preemption = PreemptionWatcher()
+    watchdog = Watchdog(t.watchdog_factor, jax.process_index())
     all_finite = jax.jit(_all_finite)
+    # (step, stop_requested, nonfinite_stopped) of dispatched steps whose flags were not read yet. A flag is
+    # read one step late, so reading it never stalls the device; every process reads the same flags after
+    # the same steps, so all of them take the same decisions.
+    unread: collections.deque = collections.deque()
 
     def save(step_done: int, force: bool) -> None:
         if not (force or (c.every and step_done % c.every == 0)):
             return
         if not bool(all_finite(state)):  # never write a non-finite state
             raise NonFiniteError(f"the state is not finite at step {step_done}; it was not saved.")
+        watchdog.pause()
         checkpointer.save(step_done, state, {"step": step_done}, cfg.to_dict())
+        watchdog.resume()
+
+    def read_flags(upto: int) -> bool:
+        """Reads the flags of steps up to ``upto``; raises if the run must stop; True if a stop was asked."""
+        requested = False
+        while unread and unread[0][0] <= upto:
+            step_done, *flags = unread.popleft()
+            stop_requested, stopped = (int(x) for x in jax.device_get(flags))  # waits for that step
+            watchdog.completed(step_done)
+            if stopped >= 0:
+                raise NonFiniteError(f"{t.max_nonfinite_in_row} non-finite steps in a row, the last at step "
+                                     f"{stopped}; their updates were skipped and training stopped.")
+            requested |= bool(stop_requested)
+        return requested
 
     summary: dict[str, Any] = {"preempted": None}
+    watchdog.start(start)
     try:
         for step in range(start, t.steps):
-            state, metrics = compiled(state, batch)
+            done = step + 1
+            state, metrics = compiled(state, batch, votes(preemption.requested is not None))
+            unread.append((done, metrics["stop_requested"], metrics["nonfinite_stopped"]))
             interval_losses.append(metrics["loss"])  # stays on device until the log step
-            if step + 1 < t.steps:  # loaded ahead by the iterator while the device works on this step
-                batch = next(batches)
-            if (step + 1) % t.log_every == 0 or step + 1 == t.steps or (c.every and (step + 1) % c.every == 0):
-                stopped = int(jax.device_get(state.nonfinite)[2])  # waits for the step
-                if stopped >= 0:
-                    raise NonFiniteError(f"{t.max_nonfinite_in_row} non-finite steps in a row, the last at step "
-                                         f"{stopped}; their updates were skipped and training stopped.")
-            if (step + 1) % t.log_every == 0 or step + 1 == t.steps:
-                values = {k: float(v) for k, v in jax.device_get(metrics).items()}
+            if done < t.steps:  # loaded ahead by the iterator while the device works on this step
+                with watchdog.input(done + 1):
+                    batch = next(batches)
+            log_now = done % t.log_every == 0 or done == t.steps
+            save_now = c.every and done % c.every == 0
+            stop = read_flags(done if log_now or save_now else done - 1)  # these steps wait for the device anyway
+            if log_now:
+                values = {k: float(v) for k, v in jax.device_get(metrics).items() if k not in STEP_FLAGS}
                 values["loss_avg"] = float(np.mean(jax.device_get(interval_losses)))  # since the last log line
                 values.update(throughput(time.perf_counter() - interval_start, len(interval_losses)))
                 if not history:
                     values["compile_time_s"] = compile_s
                 if writer:
-                    writer.write(step + 1, values)
-                history.append({"step": step + 1, **values})
+                    writer.write(done, values)
+                history.append({"step": done, **values})
                 interval_start, interval_losses = time.perf_counter(), []
-            if t.eval_every and (step + 1) % t.eval_every == 0 and step + 1 < t.steps:
+            if t.eval_every and done % t.eval_every == 0 and done < t.steps:
+                watchdog.pause()
                 loss = evaluate(cfg, eval_fn, state.params, validation, mesh)
                 if writer and loss is not None:
-                    writer.write(step + 1, {"eval/loss": loss})
+                    writer.write(done, {"eval/loss": loss})
                 interval_start = time.perf_counter()  # evaluation time is not training time
-            if preemption.requested and step + 1 < t.steps:
-                save(step + 1, force=True)
+                watchdog.resume()
+            if stop and done < t.steps:
+                read_flags(done)  # no step may be left unchecked before the state is saved
+                save(done, force=True)
                 checkpointer.wait()
-                log.warning("checkpointed step %d after %s; exiting", step + 1, preemption.requested)
-                summary.update(preempted=preemption.requested, history=history, state=state)
+                why = preemption.requested or "a stop request from another process"
+                log.warning("checkpointed step %d after %s; exiting with %d", done, why, PREEMPTED_EXIT_CODE)
+                summary.update(preempted=why, stopped_at=done, history=history, state=state)
                 return summary
-            save(step + 1, force=step + 1 == t.steps)  # periodic saves, and always the last step
+            save(done, force=done == t.steps)  # periodic saves, and always the last step
         last = history[-1]
         validation_loss = evaluate(cfg, eval_fn, state.params, validation, mesh)
         summary.update({"final_loss": last.get("loss_avg"), "validation_loss": validation_loss,
-                        "compile_time_s": compile_s, **facts,
+                        "compile_time_s": compile_s, "slow_steps": watchdog.slow_steps, **facts,
                         **{k: last.get(k) for k in ("tokens_per_sec", "tflops_per_device", "mfu")}})
         if writer:
             if validation_loss is not None:
                 writer.write(t.steps, {"eval/loss": validation_loss})
             writer.log(_summary_line(summary))
     finally:
+        watchdog.close()
         preemption.close()
         checkpointer.close()  # waits for a save in flight
         batches.close()

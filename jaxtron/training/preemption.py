@@ -1,6 +1,8 @@
 """Preemption: SIGTERM or SIGUSR1 (what Slurm sends before preemption or the time limit, e.g.
 ``#SBATCH --signal=USR1@120``) asks the loop to checkpoint at the next step boundary and exit with
 PREEMPTED_EXIT_CODE, so a job script can tell "stopped early, requeue me" from success or failure.
+With several processes, the request travels inside the train step (``StopVotes``), so all of them stop after
+the same step even when the signal reaches only one, or reaches them at different steps.
 """
 
 from __future__ import annotations
@@ -8,6 +10,10 @@ from __future__ import annotations
 import logging
 import signal
 import threading
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 log = logging.getLogger(__name__)
 
@@ -33,3 +39,20 @@ class PreemptionWatcher:
     def close(self) -> None:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
+
+
+class StopVotes:
+    """The ``stop_votes`` input of the train step: one int32 flag per device, each process setting its own.
+
+    The step returns their maximum, so a signal that reached any one process is seen by all of them in the
+    output of the same step, and every process stops after the same step. Both variants are built once.
+    """
+
+    def __init__(self, mesh: Mesh):
+        sharding = NamedSharding(mesh, PartitionSpec(mesh.axis_names))
+        self._arrays = [jax.make_array_from_callback((mesh.size,), sharding,
+                                                     lambda index, v=v: np.full((1,), v, np.int32))
+                        for v in (0, 1)]
+
+    def __call__(self, requested: bool) -> jax.Array:
+        return self._arrays[int(requested)]

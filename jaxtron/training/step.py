@@ -63,8 +63,15 @@ def gradients(setup: Setup, params: Any, batch: Batch):
     return grads, ce_sum, count
 
 
-def train_step(setup: Setup, state: TrainState, batch: Batch) -> tuple[TrainState, dict[str, jax.Array]]:
-    """One optimizer update on one global batch; returns the new state and scalar metrics."""
+def train_step(setup: Setup, state: TrainState, batch: Batch,
+               stop_votes: jax.Array | None = None) -> tuple[TrainState, dict[str, jax.Array]]:
+    """One optimizer update on one global batch; returns the new state and scalar metrics.
+
+    ``stop_votes`` holds one flag per device (each process sets those of its own devices); their maximum comes
+    back as ``metrics["stop_requested"]``, the same value on every process, so all processes agree on when to
+    stop. ``metrics["nonfinite_stopped"]`` is the step that reached ``max_nonfinite_in_row`` (-1: none); from
+    then on no update is applied.
+    """
     grads, ce_sum, count = gradients(setup, state.params, batch)
     grads = jax.tree.map(lambda g: g / count, grads)
     loss, grad_norm = ce_sum / count, optax.tree.norm(grads)
@@ -72,15 +79,17 @@ def train_step(setup: Setup, state: TrainState, batch: Batch) -> tuple[TrainStat
     params = optax.apply_updates(state.params, updates)
     # a non-finite loss or gradient skips this update: the state stays as it was, and is counted
     finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-    keep = lambda new, old: jnp.where(finite, new, old)
-    params, opt_state = jax.tree.map(keep, params, state.params), jax.tree.map(keep, opt_state, state.opt_state)
     total, in_row, stopped = state.nonfinite[0], state.nonfinite[1], state.nonfinite[2]
     total, in_row = total + (~finite), jnp.where(finite, 0, in_row + 1)
     limit = setup.max_nonfinite_in_row
     if limit:
         stopped = jnp.where((stopped < 0) & (in_row >= limit), state.step + 1, stopped)
+    apply = finite & (stopped < 0)  # a stopped run changes no more, however late the loop reads the flag
+    keep = lambda new, old: jnp.where(apply, new, old)
+    params, opt_state = jax.tree.map(keep, params, state.params), jax.tree.map(keep, opt_state, state.opt_state)
+    votes = jnp.zeros((), jnp.int32) if stop_votes is None else jnp.max(stop_votes)
     metrics = {"loss": loss, "grad_norm": grad_norm, "learning_rate": setup.schedule(state.step),
-               "nonfinite_steps": total}
+               "nonfinite_steps": total, "nonfinite_stopped": stopped.astype(jnp.int32), "stop_requested": votes}
     nonfinite = jnp.stack([total, in_row, stopped]).astype(jnp.int32)
     return TrainState(step=state.step + 1, params=params, opt_state=opt_state, nonfinite=nonfinite), metrics
 
@@ -91,10 +100,12 @@ def eval_step(setup: Setup, params: Any, batch: Batch) -> dict[str, jax.Array]:
     return {"ce_sum": ce_sum, "count": count}
 
 
-def compile_train_step(setup: Setup, shardings: TrainState, batch_sharding, state: TrainState, batch: Batch):
+def compile_train_step(setup: Setup, shardings: TrainState, batch_sharding, state: TrainState, batch: Batch,
+                       stop_votes: jax.Array):
     """Ahead-of-time compiled ``train_step`` (state donated); returns (compiled, seconds spent compiling)."""
-    step_fn = jax.jit(functools.partial(train_step, setup), in_shardings=(shardings, batch_sharding),
+    step_fn = jax.jit(functools.partial(train_step, setup), in_shardings=(shardings, batch_sharding,
+                                                                          stop_votes.sharding),
                       out_shardings=(shardings, None), donate_argnums=0)
     start = time.perf_counter()
-    compiled = step_fn.lower(state, batch).compile()
+    compiled = step_fn.lower(state, batch, stop_votes).compile()
     return compiled, time.perf_counter() - start
