@@ -22,7 +22,7 @@ from jaxtron.ops.attention import dot_product_attention
 from jaxtron.training import state as state_lib
 from jaxtron.training.step import loss_sums
 
-PUBLISHED = {"llama3_8b": 8.03e9, "llama3_70b": 70.55e9, "llama3_405b": 405.85e9, "gpt3_175b": 175e9}
+PUBLISHED = {"llama3_1b": 1.24e9, "llama3_8b": 8.03e9, "llama3_70b": 70.55e9, "llama3_405b": 405.85e9, "gpt3_175b": 175e9}
 
 
 @pytest.mark.parametrize("name", list(PUBLISHED))

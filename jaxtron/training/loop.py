@@ -38,9 +38,17 @@ class NonFiniteError(RuntimeError):
     """Training stopped: too many non-finite steps in a row, or a non-finite state about to be saved."""
 
 
+@jax.jit
 def _all_finite(state) -> jax.Array:
     leaves = [x for x in jax.tree.leaves((state.params, state.opt_state)) if jnp.issubdtype(x.dtype, jnp.floating)]
     return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves]))
+
+
+def save_checkpoint(checkpointer: Checkpointer, step: int, state, cfg: Config) -> None:
+    """What the loop does to save: refuse a non-finite state, then save (asynchronously if so configured)."""
+    if not bool(_all_finite(state)):  # never write a non-finite state
+        raise NonFiniteError(f"the state is not finite at step {step}; it was not saved.")
+    checkpointer.save(step, state, {"step": step}, cfg.to_dict())
 
 
 def _check_workdir(workdir: str) -> None:
@@ -130,7 +138,6 @@ def _train(cfg, workdir, mesh, setup, shardings, implementation, use_tqdm) -> di
     interval_start, interval_losses = time.perf_counter(), []
     preemption = PreemptionWatcher()
     watchdog = Watchdog(t.watchdog_factor, jax.process_index())
-    all_finite = jax.jit(_all_finite)
     # (step, stop_requested, nonfinite_stopped) of dispatched steps whose flags were not read yet. A flag is
     # read one step late, so reading it never stalls the device; every process reads the same flags after
     # the same steps, so all of them take the same decisions.
@@ -139,10 +146,8 @@ def _train(cfg, workdir, mesh, setup, shardings, implementation, use_tqdm) -> di
     def save(step_done: int, force: bool) -> None:
         if not (force or (c.every and step_done % c.every == 0)):
             return
-        if not bool(all_finite(state)):  # never write a non-finite state
-            raise NonFiniteError(f"the state is not finite at step {step_done}; it was not saved.")
         watchdog.pause()
-        checkpointer.save(step_done, state, {"step": step_done}, cfg.to_dict())
+        save_checkpoint(checkpointer, step_done, state, cfg)
         watchdog.resume()
 
     def read_flags(upto: int) -> bool:

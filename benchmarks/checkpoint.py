@@ -1,0 +1,165 @@
+"""Checkpoint throughput: save and restore GB/s of a whole train state, and how long a save blocks the loop.
+
+    python benchmarks/checkpoint.py [CONFIG] [--config.a.b=v ...] [--repeats 2] [--dir DIR] [--output FILE]
+
+The state (fp32 parameters plus AdamW moments, step, counters) of CONFIG (default: configs/llama3_1b.py,
+1.24B parameters) is filled with random values on one device and saved with the same Checkpointer the training loop
+uses, synchronously and asynchronously. "blocked" is how long saving kept the training loop waiting (the
+finiteness check of the state, then handing it to orbax); "total" is until the files are complete. Restores are timed cold (the page cache dropped first,
+when this process may) and warm (files still in the page cache).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from jaxtron.checkpoint import Checkpointer  # noqa: E402
+from jaxtron.config import ConfigError  # noqa: E402
+from jaxtron.config_loader import load_config, split_overrides  # noqa: E402
+from jaxtron.mesh import make_mesh  # noqa: E402
+from jaxtron.metrics.flops import param_count  # noqa: E402
+from jaxtron.training import state as state_lib  # noqa: E402
+from jaxtron.training.loop import _all_finite, save_checkpoint  # noqa: E402
+
+DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs",
+                              "llama3_1b.py")
+
+
+def drop_page_cache() -> bool:
+    """Flushes dirty pages and drops the page cache (needs root); False where not allowed."""
+    os.sync()
+    try:
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("3\n")
+        return True
+    except OSError:
+        return False
+
+
+def random_state(abstract_state, shardings):
+    """A train state of the config's shapes filled with random values, one array at a time (a model's init
+    needs twice the memory). Fresh AdamW moments are zeros, which compress to nothing and would flatter every
+    number; after some training they are as incompressible as the parameters."""
+    def fill(i, leaf, sharding):
+        if not jnp.issubdtype(leaf.dtype, jnp.floating):
+            return jax.jit(lambda: jnp.zeros(leaf.shape, leaf.dtype), out_shardings=sharding)()
+        make = lambda key: jnp.abs(jax.random.normal(key, leaf.shape, leaf.dtype)) * 0.02
+        return jax.jit(make, out_shardings=sharding)(jax.random.key(i))
+
+    leaves, treedef = jax.tree.flatten(abstract_state)
+    sharding_leaves = jax.tree.leaves(jax.tree.map(
+        lambda sh, sub: jax.tree.map(lambda _: sh, sub), shardings, abstract_state,
+        is_leaf=lambda x: isinstance(x, jax.sharding.Sharding)))
+    return jax.tree.unflatten(treedef, [jax.block_until_ready(fill(i, leaf, sh))
+                                        for i, (leaf, sh) in enumerate(zip(leaves, sharding_leaves))])
+
+
+def directory_bytes(path: str) -> int:
+    return sum(os.path.getsize(os.path.join(root, f)) for root, _, files in os.walk(path) for f in files)
+
+
+def bench(cfg, directory: str, repeats: int) -> dict:
+    devices = jax.devices()[:1]
+    mesh = make_mesh(cfg.check_devices(1), devices)
+    with jax.set_mesh(mesh):
+        setup = state_lib.setup(cfg, "xla")
+        shardings = state_lib.state_shardings(mesh, setup.abstract_state)
+        start = time.perf_counter()
+        state = random_state(setup.abstract_state, shardings)
+        init_s = time.perf_counter() - start
+    state_bytes = sum(x.nbytes for x in jax.tree.leaves(state))
+    finite_s = []
+    for _ in range(3):  # the part of "blocked" that checks the state is finite (the first call compiles)
+        start = time.perf_counter()
+        bool(_all_finite(state))
+        finite_s.append(time.perf_counter() - start)
+    saves, restores, step = [], [], 0
+    for mode in ("sync", "async") * repeats:
+        step += 1
+        ckpt = Checkpointer(directory, keep=1, async_save=mode == "async")
+        drop_page_cache()  # the previous save's dirty pages are not this save's work
+        start = time.perf_counter()
+        save_checkpoint(ckpt, step, state, cfg)  # exactly what the training loop runs
+        blocked = time.perf_counter() - start
+        ckpt.wait()
+        os.sync()  # on disk, not only in the page cache
+        total = time.perf_counter() - start
+        ckpt.close()
+        saves.append({"mode": mode, "blocked_s": blocked, "total_s": total, "gb_per_s": state_bytes / total / 1e9})
+        print(f"save {mode}: blocked {blocked:.3f} s, total {total:.2f} s, {state_bytes / total / 1e9:.2f} GB/s",
+              flush=True)
+    files = directory_bytes(os.path.join(directory, "checkpoints", str(step)))
+    del state
+    for cache in ("cold", "warm") * repeats:
+        dropped = drop_page_cache() if cache == "cold" else None
+        ckpt = Checkpointer(directory, keep=1)
+        start = time.perf_counter()
+        restored, _ = ckpt.restore(step, setup.abstract_state, shardings, cfg)
+        jax.block_until_ready(restored)
+        seconds = time.perf_counter() - start
+        ckpt.close()
+        del restored
+        if cache == "cold" and not dropped:
+            cache = "cold (page cache could not be dropped)"
+        restores.append({"cache": cache, "seconds": seconds, "gb_per_s": state_bytes / seconds / 1e9})
+        print(f"restore {cache}: {seconds:.2f} s, {state_bytes / seconds / 1e9:.2f} GB/s", flush=True)
+    return {"params": param_count(cfg.model), "state_bytes": state_bytes, "checkpoint_file_bytes": files,
+            "fill_s": init_s, "finite_check_s": float(np.median(finite_s[1:])), "saves": saves, "restores": restores}
+
+
+def summarize(rows: list[dict], key: str) -> dict:
+    return {"median": float(np.median([r[key] for r in rows])), "min": min(r[key] for r in rows),
+            "max": max(r[key] for r in rows)}
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="benchmarks/checkpoint.py", description=__doc__.split("\n")[0])
+    parser.add_argument("config", nargs="?", default=DEFAULT_CONFIG)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--dir", default=None, help="where to write (default: a temporary directory)")
+    parser.add_argument("--output", default=None)
+    try:
+        spec, overrides, rest = split_overrides(argv)
+        args = parser.parse_args(rest)
+        args.config = spec or args.config
+        cfg = load_config(args.config, overrides)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    directory = tempfile.mkdtemp(prefix="ckpt-bench-", dir=args.dir)
+    try:
+        result = bench(cfg, directory, args.repeats)
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+    for mode in ("sync", "async"):
+        rows = [s for s in result["saves"] if s["mode"] == mode]
+        result[f"save_{mode}"] = {k: summarize(rows, k) for k in ("blocked_s", "total_s", "gb_per_s")}
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                            cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
+    report = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "commit": commit,
+              "config": args.config, "overrides": [f"--config.{k}={v}" for k, v in overrides],
+              "jax": jax.__version__, "cpus": os.cpu_count(), "python": platform.python_version(), **result}
+    print(json.dumps({k: v for k, v in report.items() if k not in ("saves", "restores")}, indent=1))
+    if args.output:
+        with open(args.output, "w") as f:
+            json.dump(report, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
