@@ -69,6 +69,22 @@ def random_state(abstract_state, shardings):
                                         for i, (leaf, sh) in enumerate(zip(leaves, sharding_leaves))])
 
 
+def reset_peak_memory() -> None:
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5\n")  # resets the peak resident set size (Linux)
+    except OSError:
+        pass
+
+
+def peak_memory_gb() -> float | None:
+    try:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) * 1024 / 1e9 for line in f if line.startswith("VmHWM:"))
+    except (OSError, StopIteration):
+        return None
+
+
 def directory_bytes(path: str) -> int:
     return sum(os.path.getsize(os.path.join(root, f)) for root, _, files in os.walk(path) for f in files)
 
@@ -93,6 +109,7 @@ def bench(cfg, directory: str, repeats: int) -> dict:
         step += 1
         ckpt = Checkpointer(directory, keep=1, async_save=mode == "async")
         drop_page_cache()  # the previous save's dirty pages are not this save's work
+        reset_peak_memory()
         start = time.perf_counter()
         save_checkpoint(ckpt, step, state, cfg)  # exactly what the training loop runs
         blocked = time.perf_counter() - start
@@ -100,14 +117,16 @@ def bench(cfg, directory: str, repeats: int) -> dict:
         os.sync()  # on disk, not only in the page cache
         total = time.perf_counter() - start
         ckpt.close()
-        saves.append({"mode": mode, "blocked_s": blocked, "total_s": total, "gb_per_s": state_bytes / total / 1e9})
-        print(f"save {mode}: blocked {blocked:.3f} s, total {total:.2f} s, {state_bytes / total / 1e9:.2f} GB/s",
-              flush=True)
+        saves.append({"mode": mode, "blocked_s": blocked, "total_s": total, "gb_per_s": state_bytes / total / 1e9,
+                      "peak_host_gb": peak_memory_gb()})
+        print(f"save {mode}: blocked {blocked:.3f} s, total {total:.2f} s, {state_bytes / total / 1e9:.2f} GB/s, "
+              f"peak host memory {saves[-1]['peak_host_gb']} GB", flush=True)
     files = directory_bytes(os.path.join(directory, "checkpoints", str(step)))
     del state
     for cache in ("cold", "warm") * repeats:
         dropped = drop_page_cache() if cache == "cold" else None
         ckpt = Checkpointer(directory, keep=1)
+        reset_peak_memory()
         start = time.perf_counter()
         restored, _ = ckpt.restore(step, setup.abstract_state, shardings, cfg)
         jax.block_until_ready(restored)
@@ -116,8 +135,10 @@ def bench(cfg, directory: str, repeats: int) -> dict:
         del restored
         if cache == "cold" and not dropped:
             cache = "cold (page cache could not be dropped)"
-        restores.append({"cache": cache, "seconds": seconds, "gb_per_s": state_bytes / seconds / 1e9})
-        print(f"restore {cache}: {seconds:.2f} s, {state_bytes / seconds / 1e9:.2f} GB/s", flush=True)
+        restores.append({"cache": cache, "seconds": seconds, "gb_per_s": state_bytes / seconds / 1e9,
+                         "peak_host_gb": peak_memory_gb()})
+        print(f"restore {cache}: {seconds:.2f} s, {state_bytes / seconds / 1e9:.2f} GB/s, "
+              f"peak host memory {restores[-1]['peak_host_gb']} GB", flush=True)
     return {"params": param_count(cfg.model), "state_bytes": state_bytes, "checkpoint_file_bytes": files,
             "fill_s": init_s, "finite_check_s": float(np.median(finite_s[1:])), "saves": saves, "restores": restores}
 

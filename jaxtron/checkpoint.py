@@ -20,6 +20,7 @@ from jaxtron.config import Config, ConfigError
 log = logging.getLogger(__name__)
 
 CHECKPOINT_DIR = "checkpoints"
+RESTORE_BUFFER_GB = 4
 
 
 class CheckpointError(ConfigError):
@@ -40,8 +41,10 @@ class Checkpointer:
             save_interval_steps=1, max_to_keep=keep, keep_period=keep_every or None,
             enable_async_checkpointing=async_save, create=True)
         # zstd (orbax's default) shrinks fp32 weights and moments by about 10% but halves save and restore speed
-        # (benchmarks/README.md), so arrays are written uncompressed
-        handlers = {"state": ocp.PyTreeCheckpointHandler(use_compression=False),
+        # (benchmarks/README.md), so arrays are written uncompressed. Restores read at most RESTORE_BUFFER_GB at
+        # a time: unbounded, the host holds a second copy of the whole state while restoring.
+        handlers = {"state": ocp.PyTreeCheckpointHandler(use_zarr3=True, use_compression=False,
+                                                          restore_concurrent_gb=RESTORE_BUFFER_GB),
                     "data": ocp.JsonCheckpointHandler(), "config": ocp.JsonCheckpointHandler()}
         self.manager = ocp.CheckpointManager(self.directory, options=options, item_handlers=handlers)
         incomplete = sorted(n for n in os.listdir(self.directory) if "tmp" in n) if os.path.isdir(self.directory) else []
