@@ -31,22 +31,17 @@ from jaxtron.training.watchdog import Watchdog
 log = logging.getLogger(__name__)
 
 NONFINITE_EXIT_CODE = 3
-STEP_FLAGS = ("stop_requested", "nonfinite_stopped")  # step outputs for the loop, not metrics
+STEP_FLAGS = ("stop_requested", "nonfinite_stopped", "state_finite")  # step outputs for the loop, not metrics
 
 
 class NonFiniteError(RuntimeError):
     """Training stopped: too many non-finite steps in a row, or a non-finite state about to be saved."""
 
 
-@jax.jit
-def _all_finite(state) -> jax.Array:
-    leaves = [x for x in jax.tree.leaves((state.params, state.opt_state)) if jnp.issubdtype(x.dtype, jnp.floating)]
-    return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves]))
-
-
-def save_checkpoint(checkpointer: Checkpointer, step: int, state, cfg: Config) -> None:
-    """What the loop does to save: refuse a non-finite state, then save (asynchronously if so configured)."""
-    if not bool(_all_finite(state)):  # never write a non-finite state
+def save_checkpoint(checkpointer: Checkpointer, step: int, state, cfg: Config, state_finite: bool) -> None:
+    """What the loop does to save: refuse a non-finite state (``state_finite`` comes from the train step that
+    produced it), then save (asynchronously if so configured)."""
+    if not state_finite:  # never write a non-finite state
         raise NonFiniteError(f"the state is not finite at step {step}; it was not saved.")
     checkpointer.save(step, state, {"step": step}, cfg.to_dict())
 
@@ -138,16 +133,18 @@ def _train(cfg, workdir, mesh, setup, shardings, implementation, use_tqdm) -> di
     interval_start, interval_losses = time.perf_counter(), []
     preemption = PreemptionWatcher()
     watchdog = Watchdog(t.watchdog_factor, jax.process_index())
-    # (step, stop_requested, nonfinite_stopped) of dispatched steps whose flags were not read yet. A flag is
-    # read one step late, so reading it never stalls the device; every process reads the same flags after
-    # the same steps, so all of them take the same decisions.
+    # (step, *STEP_FLAGS) of dispatched steps whose flags were not read yet. A flag is read one step late, so
+    # reading it never stalls the device; every process reads the same flags after the same steps, so all of
+    # them take the same decisions.
     unread: collections.deque = collections.deque()
+    finite = [1]  # state_finite of the last step read
 
     def save(step_done: int, force: bool) -> None:
         if not (force or (c.every and step_done % c.every == 0)):
             return
+        read_flags(step_done)  # a state is saved only once its step's flags were read
         watchdog.pause()
-        save_checkpoint(checkpointer, step_done, state, cfg)
+        save_checkpoint(checkpointer, step_done, state, cfg, finite[0])
         watchdog.resume()
 
     def read_flags(upto: int) -> bool:
@@ -155,7 +152,7 @@ def _train(cfg, workdir, mesh, setup, shardings, implementation, use_tqdm) -> di
         requested = False
         while unread and unread[0][0] <= upto:
             step_done, *flags = unread.popleft()
-            stop_requested, stopped = (int(x) for x in jax.device_get(flags))  # waits for that step
+            stop_requested, stopped, finite[0] = (int(x) for x in jax.device_get(flags))  # waits for that step
             watchdog.completed(step_done)
             if stopped >= 0:
                 raise NonFiniteError(f"{t.max_nonfinite_in_row} non-finite steps in a row, the last at step "
@@ -169,7 +166,7 @@ def _train(cfg, workdir, mesh, setup, shardings, implementation, use_tqdm) -> di
         for step in range(start, t.steps):
             done = step + 1
             state, metrics = compiled(state, batch, votes(preemption.requested is not None))
-            unread.append((done, metrics["stop_requested"], metrics["nonfinite_stopped"]))
+            unread.append((done, *(metrics[k] for k in STEP_FLAGS)))
             interval_losses.append(metrics["loss"])  # stays on device until the log step
             if done < t.steps:  # loaded ahead by the iterator while the device works on this step
                 with watchdog.input(done + 1):
@@ -195,7 +192,6 @@ def _train(cfg, workdir, mesh, setup, shardings, implementation, use_tqdm) -> di
                 interval_start = time.perf_counter()  # evaluation time is not training time
                 watchdog.resume()
             if stop and done < t.steps:
-                read_flags(done)  # no step may be left unchecked before the state is saved
                 save(done, force=True)
                 checkpointer.wait()
                 why = preemption.requested or "a stop request from another process"

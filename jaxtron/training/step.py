@@ -63,6 +63,12 @@ def gradients(setup: Setup, params: Any, batch: Batch):
     return grads, ce_sum, count
 
 
+def all_finite(tree: Any) -> jax.Array:
+    """Whether every floating-point value in ``tree`` is finite (one boolean)."""
+    leaves = [x for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.floating)]
+    return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves]))
+
+
 def train_step(setup: Setup, state: TrainState, batch: Batch,
                stop_votes: jax.Array | None = None) -> tuple[TrainState, dict[str, jax.Array]]:
     """One optimizer update on one global batch; returns the new state and scalar metrics.
@@ -70,7 +76,8 @@ def train_step(setup: Setup, state: TrainState, batch: Batch,
     ``stop_votes`` holds one flag per device (each process sets those of its own devices); their maximum comes
     back as ``metrics["stop_requested"]``, the same value on every process, so all processes agree on when to
     stop. ``metrics["nonfinite_stopped"]`` is the step that reached ``max_nonfinite_in_row`` (-1: none); from
-    then on no update is applied.
+    then on no update is applied. ``metrics["state_finite"]`` tells whether the new state may be saved (checked
+    here, where the state is read anyway, rather than by reading it again at save time).
     """
     grads, ce_sum, count = gradients(setup, state.params, batch)
     grads = jax.tree.map(lambda g: g / count, grads)
@@ -89,7 +96,8 @@ def train_step(setup: Setup, state: TrainState, batch: Batch,
     params, opt_state = jax.tree.map(keep, params, state.params), jax.tree.map(keep, opt_state, state.opt_state)
     votes = jnp.zeros((), jnp.int32) if stop_votes is None else jnp.max(stop_votes)
     metrics = {"loss": loss, "grad_norm": grad_norm, "learning_rate": setup.schedule(state.step),
-               "nonfinite_steps": total, "nonfinite_stopped": stopped.astype(jnp.int32), "stop_requested": votes}
+               "nonfinite_steps": total, "nonfinite_stopped": stopped.astype(jnp.int32), "stop_requested": votes,
+               "state_finite": all_finite((params, opt_state))}
     nonfinite = jnp.stack([total, in_row, stopped]).astype(jnp.int32)
     return TrainState(step=state.step + 1, params=params, opt_state=opt_state, nonfinite=nonfinite), metrics
 
