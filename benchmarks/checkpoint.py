@@ -1,6 +1,6 @@
 """Checkpoint throughput: save and restore GB/s of a whole train state, and how long a save blocks the loop.
 
-    python benchmarks/checkpoint.py [CONFIG] [--config.a.b=v ...] [--repeats 2] [--dir DIR] [--output FILE]
+    python benchmarks/checkpoint.py [CONFIG] [--config.a.b=v ...] [--repeats 3] [--zstd] [--dir DIR] [--output FILE]
 
 The state (fp32 parameters plus AdamW moments, step, counters) of CONFIG (default: configs/llama3_1b.py,
 1.24B parameters) is filled with random values on one device and saved the way the training loop saves,
@@ -89,7 +89,7 @@ def directory_bytes(path: str) -> int:
     return sum(os.path.getsize(os.path.join(root, f)) for root, _, files in os.walk(path) for f in files)
 
 
-def bench(cfg, directory: str, repeats: int) -> dict:
+def bench(cfg, directory: str, repeats: int, compress: bool) -> dict:
     devices = jax.devices()[:1]
     mesh = make_mesh(cfg.check_devices(1), devices)
     with jax.set_mesh(mesh):
@@ -103,7 +103,7 @@ def bench(cfg, directory: str, repeats: int) -> dict:
     saves, restores, step = [], [], 0
     for mode in ("sync", "async") * repeats:
         step += 1
-        ckpt = Checkpointer(directory, keep=1, async_save=mode == "async")
+        ckpt = Checkpointer(directory, keep=1, async_save=mode == "async", compress=compress)
         drop_page_cache()  # the previous save's dirty pages are not this save's work
         reset_peak_memory()
         start = time.perf_counter()
@@ -149,6 +149,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("config", nargs="?", default=DEFAULT_CONFIG)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--dir", default=None, help="where to write (default: a temporary directory)")
+    parser.add_argument("--zstd", action="store_true", help="compress as orbax does by default (the loop does not)")
     parser.add_argument("--output", default=None)
     try:
         spec, overrides, rest = split_overrides(argv)
@@ -160,16 +161,19 @@ def main(argv: list[str]) -> int:
         return 2
     directory = tempfile.mkdtemp(prefix="ckpt-bench-", dir=args.dir)
     try:
-        result = bench(cfg, directory, args.repeats)
+        result = bench(cfg, directory, args.repeats, args.zstd)
     finally:
         shutil.rmtree(directory, ignore_errors=True)
     for mode in ("sync", "async"):
         rows = [s for s in result["saves"] if s["mode"] == mode]
         result[f"save_{mode}"] = {k: summarize(rows, k) for k in ("blocked_s", "total_s", "gb_per_s")}
+    for cache in ("cold", "warm"):
+        rows = [r for r in result["restores"] if r["cache"].startswith(cache)]
+        result[f"restore_{cache}"] = {k: summarize(rows, k) for k in ("seconds", "gb_per_s")}
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                             cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
     report = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "commit": commit,
-              "config": args.config, "overrides": [f"--config.{k}={v}" for k, v in overrides],
+              "config": args.config, "zstd": args.zstd, "overrides": [f"--config.{k}={v}" for k, v in overrides],
               "jax": jax.__version__, "cpus": os.cpu_count(), "python": platform.python_version(), **result}
     print(json.dumps({k: v for k, v in report.items() if k not in ("saves", "restores")}, indent=1))
     if args.output:

@@ -35,7 +35,8 @@ def _abstract_with_shardings(abstract_state: Any, shardings: Any) -> Any:
 
 
 class Checkpointer:
-    def __init__(self, workdir: str, keep: int, keep_every: int = 0, async_save: bool = True):
+    def __init__(self, workdir: str, keep: int, keep_every: int = 0, async_save: bool = True,
+                 compress: bool = False):
         self.directory = os.path.join(os.path.abspath(workdir), CHECKPOINT_DIR)
         options = ocp.CheckpointManagerOptions(
             save_interval_steps=1, max_to_keep=keep, keep_period=keep_every or None,
@@ -43,7 +44,7 @@ class Checkpointer:
         # zstd (orbax's default) shrinks fp32 weights and moments by about 10% but halves save and restore speed
         # (benchmarks/README.md), so arrays are written uncompressed. Restores read at most RESTORE_BUFFER_GB at
         # a time: unbounded, the host holds a second copy of the whole state while restoring.
-        handlers = {"state": ocp.PyTreeCheckpointHandler(use_zarr3=True, use_compression=False,
+        handlers = {"state": ocp.PyTreeCheckpointHandler(use_zarr3=True, use_compression=compress,
                                                           restore_concurrent_gb=RESTORE_BUFFER_GB),
                     "data": ocp.JsonCheckpointHandler(), "config": ocp.JsonCheckpointHandler()}
         self.manager = ocp.CheckpointManager(self.directory, options=options, item_handlers=handlers)
