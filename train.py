@@ -37,7 +37,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg, args = parse_args(sys.argv[1:] if argv is None else argv)
         from jaxtron import distributed
-        distributed.initialize()  # before anything asks jax about devices
+        distributed.initialize(cfg.distributed)  # before anything asks jax about devices
         import jax
         if jax.process_index() != 0:
             logging.getLogger().setLevel(logging.WARNING)

@@ -239,8 +239,36 @@ class CheckpointConfig:
         _non_negative(self.keep_every, "checkpoint.keep_every")
 
 
+@dataclasses.dataclass(frozen=True)
+class DistributedConfig:
+    """How processes find each other. Empty fields are taken from the environment (JAX_COORDINATOR_ADDRESS,
+    JAX_NUM_PROCESSES, JAX_PROCESS_ID), else from an srun step or Open MPI, else the run is one process."""
+
+    coordinator_address: str = ""  # host:port of process 0
+    num_processes: int = 0  # 0: from the environment
+    process_id: int = -1  # -1: from the environment
+    port: int = 0  # coordinator port when the address comes from Slurm (0: derived from the job and step ids)
+    initialization_timeout_s: int = 300  # how long processes wait for each other at start
+    heartbeat_timeout_s: int = 60  # a process silent this long is declared dead and the others stop
+
+    def __post_init__(self):
+        _non_negative(self.num_processes, "distributed.num_processes")
+        _check(self.process_id >= -1, "distributed.process_id", f"is {self.process_id}",
+               "use -1 (from the environment) or the index of this process")
+        _check(0 <= self.port < 65536, "distributed.port", f"is {self.port}", "use 0 (derived) or a TCP port")
+        _positive(self.initialization_timeout_s, "distributed.initialization_timeout_s")
+        _positive(self.heartbeat_timeout_s, "distributed.heartbeat_timeout_s")
+        given = [bool(self.coordinator_address), self.num_processes > 0, self.process_id >= 0]
+        _check(all(given) or not any(given), "distributed.coordinator_address",
+               "is set with only some of distributed.num_processes and distributed.process_id",
+               "set all three or none")
+        _check(not all(given) or self.process_id < self.num_processes, "distributed.process_id",
+               f"({self.process_id}) is not below distributed.num_processes ({self.num_processes})",
+               "number processes from 0")
+
+
 SECTIONS = {"model": ModelConfig, "mesh": MeshConfig, "train": TrainConfig, "optimizer": OptimizerConfig,
-            "data": DataConfig, "checkpoint": CheckpointConfig}
+            "data": DataConfig, "checkpoint": CheckpointConfig, "distributed": DistributedConfig}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -251,6 +279,7 @@ class Config:
     optimizer: OptimizerConfig = dataclasses.field(default_factory=OptimizerConfig)
     data: DataConfig = dataclasses.field(default_factory=DataConfig)
     checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
+    distributed: DistributedConfig = dataclasses.field(default_factory=DistributedConfig)
 
     def __post_init__(self):
         m, d = self.model, self.data

@@ -1,0 +1,95 @@
+"""Deciding how a process joins a run: config, JAX_* variables, srun steps, partial Slurm environments."""
+
+import pytest
+
+from jaxtron.config import ConfigError, DistributedConfig
+from jaxtron.distributed import _slurm_port, detect, expand_hostlist
+
+# what srun -n 2 sets on the local test cluster (a subset), and what an salloc shell or a batch script has
+SRUN = {"SLURM_JOB_ID": "41", "SLURM_STEP_ID": "0", "SLURM_STEP_NUM_TASKS": "2", "SLURM_PROCID": "1",
+        "SLURM_LOCALID": "1", "SLURM_NTASKS": "2", "SLURM_STEP_NODELIST": "gpu[007-008]",
+        "SLURM_STEP_TASKS_PER_NODE": "1(x2)"}
+SALLOC = {"SLURM_JOB_ID": "42", "SLURM_NTASKS": "2", "SLURM_NODELIST": "vm", "SLURM_JOB_NUM_NODES": "1"}
+BATCH = {**SALLOC, "SLURM_PROCID": "0", "SLURM_LOCALID": "0", "SLURM_NODEID": "0"}
+
+
+@pytest.mark.parametrize("text,hosts", [
+    ("vm", ["vm"]),
+    ("node001,login2", ["node001", "login2"]),
+    ("gpu[007-009]", ["gpu007", "gpu008", "gpu009"]),
+    ("gpu[1,3-4],cpu[09-10]-ib", ["gpu1", "gpu3", "gpu4", "cpu09-ib", "cpu10-ib"]),
+    ("a[098-101]", ["a098", "a099", "a100", "a101"]),
+])
+def test_slurm_host_lists_expand(text, hosts):
+    assert expand_hostlist(text) == hosts
+
+
+def test_no_launcher_is_one_process():
+    launch = detect(DistributedConfig(), {})
+    assert (launch.source, launch.num_processes, launch.multi_process) == ("single", 1, False)
+
+
+def test_the_config_and_the_environment_name_the_coordinator():
+    cfg = DistributedConfig(coordinator_address="h:1234", num_processes=4, process_id=3)
+    assert detect(cfg, SRUN).source == "config"  # the config wins over everything
+    env = {"JAX_COORDINATOR_ADDRESS": "h:9", "JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": "1", **SRUN}
+    launch = detect(DistributedConfig(), env)
+    assert (launch.source, launch.coordinator_address, launch.num_processes, launch.process_id) == \
+        ("environment", "h:9", 2, 1)
+
+
+@pytest.mark.parametrize("env,message", [
+    ({"JAX_COORDINATOR_ADDRESS": "h:9"}, "JAX_COORDINATOR_ADDRESS set but JAX_NUM_PROCESSES, JAX_PROCESS_ID not; "),
+    ({"JAX_COORDINATOR_ADDRESS": "h:9", "JAX_NUM_PROCESSES": "two", "JAX_PROCESS_ID": "0"},
+     "environment variable JAX_NUM_PROCESSES is 'two', not an integer"),
+    ({"JAX_COORDINATOR_ADDRESS": "h:9", "JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": "2"},
+     r"process index 2 is not in \[0, 2\) \(JAX_PROCESS_ID\)"),
+    ({**SRUN, "SLURM_PROCID": "5"}, r"process index 5 is not in \[0, 2\) \(SLURM_PROCID\)"),
+    ({k: v for k, v in SRUN.items() if k != "SLURM_STEP_NODELIST"}, "srun step of 2 tasks without SLURM_STEP_NODELIST"),
+])
+def test_bad_launch_environments_are_one_sentence_errors(env, message):
+    with pytest.raises(ConfigError, match=message):
+        detect(DistributedConfig(), env)
+
+
+def test_an_srun_step_is_detected():
+    launch = detect(DistributedConfig(), SRUN)
+    assert (launch.source, launch.num_processes, launch.process_id) == ("slurm", 2, 1)
+    assert launch.coordinator_address == f"gpu007:{_slurm_port(SRUN, 0)}"  # the step's first node
+    assert detect(DistributedConfig(port=6000), SRUN).coordinator_address == "gpu007:6000"
+    assert launch.local_device_ids is None  # one task per node: it uses all of the node's devices
+    second_step = detect(DistributedConfig(), {**SRUN, "SLURM_STEP_ID": "1"})
+    assert second_step.coordinator_address != launch.coordinator_address
+
+
+def test_one_process_per_gpu_takes_its_local_gpu():
+    env = {**SRUN, "SLURM_STEP_NUM_TASKS": "16", "SLURM_PROCID": "11", "SLURM_LOCALID": "3",
+           "SLURM_STEP_TASKS_PER_NODE": "8(x2)"}
+    assert detect(DistributedConfig(), env).local_device_ids == (3,)
+    bound = {**env, "CUDA_VISIBLE_DEVICES": "3"}  # srun --gpus-per-task=1 already gave it one GPU
+    assert detect(DistributedConfig(), bound).local_device_ids is None
+
+
+@pytest.mark.parametrize("env", [SALLOC, BATCH, {**SRUN, "SLURM_STEP_NUM_TASKS": "1", "SLURM_PROCID": "0"}],
+                         ids=["salloc_shell", "batch_script", "srun_one_task"])
+def test_a_partial_slurm_environment_runs_alone_and_says_why(env):
+    launch = detect(DistributedConfig(), env)
+    assert not launch.multi_process and launch.source == "single"
+    assert launch.note.startswith("Slurm job 4")
+    if env is not SRUN:
+        assert "not started by srun" in launch.note or "has one task" in launch.note
+
+
+def test_open_mpi_is_left_to_jax():
+    launch = detect(DistributedConfig(), {"OMPI_COMM_WORLD_SIZE": "4", "OMPI_COMM_WORLD_RANK": "2"})
+    assert (launch.source, launch.num_processes, launch.process_id) == ("openmpi", 4, 2)
+
+
+@pytest.mark.parametrize("fields,message", [
+    (dict(coordinator_address="h:1"), "is set with only some of distributed.num_processes"),
+    (dict(coordinator_address="h:1", num_processes=2, process_id=2), r"distributed.process_id' \(2\) is not below"),
+    (dict(port=70000), "distributed.port' is 70000"),
+])
+def test_bad_distributed_configs(fields, message):
+    with pytest.raises(ConfigError, match=message):
+        DistributedConfig(**fields)
