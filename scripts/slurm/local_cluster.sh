@@ -31,6 +31,8 @@ for tool in slurmctld slurmd sinfo munged; do
 done
 
 node=$(hostname -s)
+# processes reach the coordinator by the node's name (the first of SLURM_STEP_NODELIST)
+getent hosts "$node" >/dev/null || echo "127.0.0.1 $node" >>/etc/hosts
 cpus=$(nproc)
 memory_mb=$(( $(awk '/MemTotal/ {print $2}' /proc/meminfo) / 1024 - 1024 ))
 

@@ -1,0 +1,113 @@
+"""A real Slurm cluster (scripts/slurm/local_cluster.sh): srun -n 2, 2 processes x 4 CPU devices.
+
+The processes find each other from srun's environment alone, train like one process with 8 devices, write
+each checkpoint once, and the run resumes under another process count. When one task is killed, the other
+exits by itself (no hang) and a new srun resumes from the last checkpoint. CI starts the cluster and sets
+JAXTRON_REQUIRE_SLURM=1, so there these tests cannot be skipped.
+"""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from conftest import REPO
+from test_multiprocess import TINY, _env, _losses
+
+REQUIRED = os.environ.get("JAXTRON_REQUIRE_SLURM") == "1"
+
+
+def _slurm_up() -> bool:
+    if not shutil.which("srun") or not shutil.which("sinfo"):
+        return False
+    out = subprocess.run(["sinfo", "-h", "-o", "%T"], capture_output=True, text=True, timeout=30)
+    return out.returncode == 0 and any(s in ("idle", "mixed", "allocated") for s in out.stdout.split())
+
+
+pytestmark = pytest.mark.skipif(not REQUIRED and not _slurm_up(),
+                                reason="no local Slurm cluster; start one with sudo scripts/slurm/local_cluster.sh")
+
+ARGS = [*TINY, "--config.train.steps=5", "--config.checkpoint.every=3"]
+TWO_PROCESSES = ["--config.mesh.data=2", "--config.mesh.fsdp=4"]
+
+
+def _srun(workdir, *extra, **popen):
+    env = {k: v for k, v in _env(4).items() if not k.startswith("SLURM_")}
+    command = ["srun", "-n", "2", "--overcommit", "--kill-on-bad-exit=0", "--time=10", sys.executable, "-u",
+               "train.py", *ARGS, *TWO_PROCESSES, *extra, f"--workdir={workdir}"]
+    return subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            **popen)
+
+
+def _one_process(workdir, *extra):
+    return subprocess.run([sys.executable, "train.py", *ARGS, "--config.mesh.fsdp=8", *extra, f"--workdir={workdir}"],
+                          cwd=REPO, env=_env(8), capture_output=True, text=True, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    workdir = tmp_path_factory.mktemp("one")
+    out = _one_process(workdir)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return _losses(workdir)
+
+
+def test_srun_trains_like_one_process_and_resumes_on_another_count(reference, tmp_path):
+    proc = _srun(tmp_path)
+    output = proc.communicate(timeout=400)[0]
+    assert proc.returncode == 0, output[-4000:]
+    assert "process 1 of 2 joined the run at" in output and "(slurm: Slurm job" in output
+    np.testing.assert_allclose(_losses(tmp_path), reference, rtol=1e-5)
+    assert sorted(os.listdir(tmp_path / "checkpoints")) == ["3", "5"]  # each written once, by both together
+    shutil.rmtree(tmp_path / "checkpoints" / "5")  # as if the job had died after step 3
+    again = _one_process(tmp_path)  # now one process with 8 devices
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "resumed from the checkpoint of step 3" in again.stderr
+    lines = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+    assert [line["step"] for line in lines] == [1, 2, 3, 4, 5]
+    np.testing.assert_allclose([line["loss"] for line in lines], reference, rtol=1e-5)
+
+
+def _task_pid(workdir, rank: int, timeout=60) -> int:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        for pid in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                cmdline = open(f"/proc/{pid}/cmdline", "rb").read().split(b"\0")
+                environ = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
+            except OSError:
+                continue
+            if f"--workdir={workdir}".encode() in cmdline and b"train.py" in cmdline and \
+                    f"SLURM_PROCID={rank}".encode() in environ and cmdline[0] != b"srun":
+                return int(pid)
+        time.sleep(0.5)
+    raise AssertionError(f"no task {rank} of the srun step found")
+
+
+def test_a_killed_task_ends_the_step_and_a_new_srun_resumes(tmp_path):
+    proc = _srun(tmp_path, "--config.train.steps=100000", "--config.checkpoint.every=4")
+    deadline = time.time() + 300
+    while not (tmp_path / "checkpoints" / "4").exists():
+        assert proc.poll() is None and time.time() < deadline, proc.communicate()[0][-4000:]
+        time.sleep(0.2)
+    time.sleep(3)
+    os.kill(_task_pid(tmp_path, 1), signal.SIGKILL)
+    killed = time.time()
+    output = proc.communicate(timeout=180)[0]
+    assert time.time() - killed < 120, "the surviving process did not stop within 2 minutes"
+    assert proc.returncode != 0
+    assert "a peer process may be stuck or gone" in output  # the watchdog of process 0, while it waits
+    assert "another task died" in output  # jax's coordination service: process 1 stopped sending heartbeats
+    saved = max(int(s) for s in os.listdir(tmp_path / "checkpoints") if s.isdigit())
+    again = _srun(tmp_path)  # the requeued job: train.steps=5 from ARGS
+    output = again.communicate(timeout=400)[0]
+    if saved >= 5:
+        assert again.returncode == 0 and "already reached train.steps" in output, output[-3000:]
+    else:
+        assert again.returncode == 0 and f"resumed from the checkpoint of step {saved}" in output, output[-3000:]
