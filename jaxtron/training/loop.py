@@ -137,6 +137,7 @@ def _train(cfg, workdir, mesh, setup, shardings, implementation, use_tqdm) -> di
     # reading it never stalls the device; every process reads the same flags after the same steps, so all of
     # them take the same decisions.
     unread: collections.deque = collections.deque()
+    single_process = jax.process_count() == 1
     finite = [1]  # state_finite of the last step read
 
     def save(step_done: int, force: bool) -> None:
@@ -174,6 +175,8 @@ def _train(cfg, workdir, mesh, setup, shardings, implementation, use_tqdm) -> di
             log_now = done % t.log_every == 0 or done == t.steps
             save_now = c.every and done % c.every == 0
             stop = read_flags(done if log_now or save_now else done - 1)  # these steps wait for the device anyway
+            # one process alone needs no agreement: it stops at the first step boundary after the signal
+            stop |= single_process and preemption.requested is not None
             if log_now:
                 values = {k: float(v) for k, v in jax.device_get(metrics).items() if k not in STEP_FLAGS}
                 values["loss_avg"] = float(np.mean(jax.device_get(interval_losses)))  # since the last log line
