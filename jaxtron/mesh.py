@@ -1,29 +1,78 @@
-"""Device mesh construction with axes (data, fsdp, sequence, expert, tensor)."""
+"""Device mesh construction with axes (data, fsdp, sequence, expert, tensor).
+
+Axes go outermost to innermost in MESH_AXES order. Across several nodes, each axis is split into an
+inter-node part (outer) and an intra-node part (inner): the node count is spread over the outermost axes
+first (data, then fsdp, ...), so tensor- and expert-parallel groups stay inside a node (NVLink) and only
+data and fsdp traffic crosses the network.
+"""
 
 from __future__ import annotations
 
-from typing import Sequence
+import math
+import socket
+from typing import Hashable, Sequence
 
 import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh
 
-from jaxtron.config import MESH_AXES, MeshConfig
+from jaxtron.config import MESH_AXES, ConfigError
 
 
-def make_mesh(sizes: dict[str, int], devices: Sequence[jax.Device] | None = None) -> Mesh:
+def split_over_nodes(sizes: dict[str, int], nodes: int) -> dict[str, int]:
+    """How many nodes each axis spans: the node count spread over the outermost axes first."""
+    left, across = nodes, {}
+    for axis in MESH_AXES:
+        across[axis] = math.gcd(sizes[axis], left)
+        left //= across[axis]
+    if left != 1:
+        raise ConfigError(f"the mesh {sizes} cannot be laid over {nodes} nodes of equal parts; make the product of "
+                          f"the outer axes (data, fsdp, ...) a multiple of {nodes}.")
+    return across
+
+
+def arrange(devices: Sequence, sizes: dict[str, int], node_of: Sequence[Hashable]) -> np.ndarray:
+    """``devices`` as an array of the mesh's shape, node by node (``node_of[i]`` is device i's node)."""
+    groups: dict[Hashable, list] = {}
+    for device, node in zip(devices, node_of):
+        groups.setdefault(node, []).append(device)
+    per_node = {len(g) for g in groups.values()}
+    if len(per_node) != 1:
+        counts = ", ".join(f"{node}: {len(g)}" for node, g in groups.items())
+        raise ConfigError(f"nodes have different device counts ({counts}); give every node the same number.")
+    across = split_over_nodes(sizes, len(groups))
+    inside = {a: sizes[a] // across[a] for a in MESH_AXES}
+    grid = np.empty((len(groups), per_node.pop()), dtype=object)
+    for i, group in enumerate(groups.values()):
+        grid[i, :] = group
+    n = len(MESH_AXES)
+    grid = grid.reshape([across[a] for a in MESH_AXES] + [inside[a] for a in MESH_AXES])
+    grid = grid.transpose([k for i in range(n) for k in (i, n + i)])  # (across_0, inside_0, across_1, ...)
+    return grid.reshape([sizes[a] for a in MESH_AXES])
+
+
+def node_names() -> list[str]:
+    """The node (host name) of every process, by process index; every process must call this together."""
+    if jax.process_count() == 1:
+        return [socket.gethostname()]
+    from jax._src import distributed
+    client = distributed.global_state.client
+    client.key_value_set(f"jaxtron/node/{jax.process_index()}", socket.gethostname())
+    return [client.blocking_key_value_get(f"jaxtron/node/{p}", 120_000) for p in range(jax.process_count())]
+
+
+def make_mesh(sizes: dict[str, int], devices: Sequence[jax.Device] | None = None,
+              node_of: Sequence[Hashable] | None = None) -> Mesh:
     """A mesh over ``devices`` (default: all) with every axis in Auto (compiler-propagated) mode.
 
-    Axes go outermost to innermost in MESH_AXES order, so tensor-parallel groups are neighbouring
-    devices (inside a node) and data-parallel groups are the farthest apart.
+    ``node_of`` names each device's node (default: all on one node, which keeps the device order).
     """
-    shape = tuple(sizes[a] for a in MESH_AXES)
-    if devices is None:
-        return jax.make_mesh(shape, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
-    grid = np.asarray(devices, dtype=object).reshape(shape)
-    return Mesh(grid, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
-
-
-def mesh_from_config(cfg: MeshConfig, devices: Sequence[jax.Device] | None = None) -> Mesh:
     devices = list(devices) if devices is not None else jax.devices()
-    return make_mesh(cfg.resolve(len(devices)), devices)
+    node_of = [0] * len(devices) if node_of is None else node_of
+    return Mesh(arrange(devices, sizes, node_of), MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
+
+
+def process_aware_mesh(sizes: dict[str, int], devices: Sequence[jax.Device]) -> Mesh:
+    """The training mesh: devices grouped by the node their process runs on."""
+    names = node_names()
+    return make_mesh(sizes, devices, [names[d.process_index] for d in devices])

@@ -3,6 +3,7 @@
 import math
 
 import jax
+import numpy as np
 import pytest
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
@@ -108,3 +109,37 @@ def test_initialisation_never_materialises_the_full_state_on_one_device():
     assert sharded.output_size_in_bytes < 0.15 * total  # ~1/8 of params + moments
     assert per_device < 0.25 * total  # working memory included: nothing close to a full copy
     assert replicated.output_size_in_bytes >= total  # the check can fail: without shardings it is all there
+
+
+def _nodes_of(mesh_devices, node_of):
+    return np.vectorize(lambda d: node_of[d])(mesh_devices)
+
+
+@pytest.mark.parametrize("order", ["block", "cyclic"])
+def test_across_nodes_tensor_stays_inside_a_node_and_data_crosses(order):
+    from jaxtron.mesh import arrange
+    nodes, per_node = 4, 8
+    devices = list(range(nodes * per_node))
+    # block: processes 0-7 on node 0, ...; cyclic: consecutive processes on different nodes
+    node_of = [d // per_node if order == "block" else d % nodes for d in devices]
+    grid = arrange(devices, dict(data=2, fsdp=4, sequence=1, expert=1, tensor=4), node_of)
+    assert sorted(grid.flatten().tolist()) == devices
+    where = _nodes_of(grid, node_of)
+    for d in range(2):  # every tensor group lies inside one node
+        for f in range(4):
+            assert len(set(where[d, f, 0, 0, :].tolist())) == 1
+    assert set(where[0].flatten().tolist()).isdisjoint(where[1].flatten().tolist())  # data replicas: other nodes
+    assert len(set(where[0, :, 0, 0, 0].tolist())) == 2  # fsdp spans 2 nodes within a replica
+
+
+def test_one_node_keeps_the_device_order_and_bad_layouts_are_errors():
+    from jaxtron.config import ConfigError
+    from jaxtron.mesh import arrange, split_over_nodes
+    sizes = dict(data=2, fsdp=2, sequence=1, expert=1, tensor=2)
+    assert arrange(list(range(8)), sizes, [0] * 8).flatten().tolist() == list(range(8))
+    assert split_over_nodes(dict(data=2, fsdp=8, sequence=1, expert=1, tensor=8), 4) == \
+        dict(data=2, fsdp=2, sequence=1, expert=1, tensor=1)
+    with pytest.raises(ConfigError, match="cannot be laid over 3 nodes"):
+        split_over_nodes(sizes, 3)
+    with pytest.raises(ConfigError, match=r"nodes have different device counts \(a: 5, b: 3\)"):
+        arrange(list(range(8)), sizes, ["a"] * 5 + ["b"] * 3)

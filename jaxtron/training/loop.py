@@ -17,7 +17,7 @@ import numpy as np
 from jaxtron.config import Config, ConfigError
 from jaxtron.checkpoint import Checkpointer
 from jaxtron.data.loader import BatchIterator, global_batch, make_sources
-from jaxtron.mesh import make_mesh
+from jaxtron.mesh import make_mesh, process_aware_mesh
 from jaxtron.metrics import flops as flops_lib
 from jaxtron.metrics.throughput import Throughput
 from jaxtron.metrics.writers import MetricsWriter
@@ -76,7 +76,7 @@ def run(cfg: Config, workdir: str, *, print_sharding: bool = False, use_tqdm: bo
     """
     devices = list(devices) if devices is not None else jax.devices()
     sizes = cfg.check_devices(len(devices))
-    mesh = make_mesh(sizes, devices)
+    mesh = process_aware_mesh(sizes, devices) if jax.process_count() > 1 else make_mesh(sizes, devices)
     implementation = resolve_implementation(cfg.model.attention, jnp.dtype(cfg.model.dtype),
                                             cfg.model.resolved_head_dim, sizes["sequence"])
     with jax.set_mesh(mesh):
