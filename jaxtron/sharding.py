@@ -96,6 +96,11 @@ def batch_sharding(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, logical_to_spec(BATCH_AXES))
 
 
+def per_device_sharding(mesh: Mesh) -> NamedSharding:
+    """Sharding of a [mesh.size] array with one element on each device (per-device flags)."""
+    return NamedSharding(mesh, PartitionSpec(mesh.axis_names))
+
+
 def describe(mesh: Mesh, params: Any) -> str:
     """The rules table and every parameter's shape, logical names, per-device shard and physical sharding."""
     lines = ["mesh: " + ", ".join(f"{a}={s}" for a, s in mesh.shape.items()), "", "rules (logical -> mesh):"]

@@ -13,7 +13,9 @@ import threading
 
 import jax
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import Mesh
+
+from jaxtron.sharding import per_device_sharding
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +51,7 @@ class StopVotes:
     """
 
     def __init__(self, mesh: Mesh):
-        sharding = NamedSharding(mesh, PartitionSpec(mesh.axis_names))
+        sharding = per_device_sharding(mesh)
         self._arrays = [jax.make_array_from_callback((mesh.size,), sharding,
                                                      lambda index, v=v: np.full((1,), v, np.int32))
                         for v in (0, 1)]
