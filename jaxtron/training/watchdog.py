@@ -32,7 +32,7 @@ class Watchdog:
         self._lock = threading.Lock()
         self._last_step: int | None = None  # the last step that ended
         self._since: float | None = None  # when it ended (None: paused)
-        self._hang_reported: int | None = None
+        self._hang_reported: tuple[str, int] | None = None  # ("step" or "input", step) last reported hung
         self._input_s = 0.0  # input waits since the last step ended, not part of any step's duration
         self._input_since: float | None = None  # when the loop began waiting for an input batch
         self._input_step = 0
@@ -56,10 +56,11 @@ class Watchdog:
         with self._lock:
             self._since = self.clock()
 
-    def _threshold(self) -> float | None:
+    def _median(self) -> float | None:
+        """The median recent step duration, once there are enough steps to trust it (None: too few or off)."""
         if not self.factor or len(self.durations) < self.min_steps:
             return None
-        return self.factor * statistics.median(self.durations)
+        return statistics.median(self.durations)
 
     def completed(self, step: int) -> None:
         """Step ``step`` has ended (its result was read)."""
@@ -69,10 +70,9 @@ class Watchdog:
             input_s, self._input_s = self._input_s, 0.0
             if since is None:
                 return
-            duration, threshold = now - since - input_s, self._threshold()
-            if threshold is not None and duration > threshold:
+            duration, median = now - since - input_s, self._median()
+            if median is not None and duration > self.factor * median:
                 self.slow_steps += 1
-                median = statistics.median(self.durations)
                 log.warning("watchdog: step %d took %.3g s on process %d, %.1f times the median of the last %d "
                             "steps (%.3g s)", step, duration, self.process, duration / median,
                             len(self.durations), median)
@@ -90,11 +90,10 @@ class Watchdog:
                 seconds, self._input_since = self.clock() - self._input_since, None
                 if self._since is not None:
                     self._input_s += seconds
-                threshold = self._threshold()
-                slow = threshold is not None and seconds > threshold
+                median = self._median()
+                slow = median is not None and seconds > self.factor * median
                 if slow:
                     self.slow_steps += 1
-                    median = statistics.median(self.durations)
             if slow:
                 log.warning("watchdog: the input batch of step %d took %.3g s to arrive on process %d, %.1f times "
                             "the median step (%.3g s)", step, seconds, self.process, seconds / median, median)
@@ -103,17 +102,16 @@ class Watchdog:
         """Reports a step (or an input batch) still running past the threshold, once; True when it did."""
         now = self.clock()
         with self._lock:
-            threshold = self._threshold()
-            if self._since is None or self._last_step is None or threshold is None:
+            median = self._median()
+            if self._since is None or self._last_step is None or median is None:
                 return False
             if self._input_since is not None:
                 what, step, running = "input", self._input_step, now - self._input_since
             else:
                 what, step, running = "step", self._last_step + 1, now - self._since - self._input_s
-            if running <= threshold or self._hang_reported == (what, step):
+            if running <= self.factor * median or self._hang_reported == (what, step):
                 return False
             self._hang_reported = (what, step)
-            median = statistics.median(self.durations)
         if what == "input":
             log.warning("watchdog: the input batch of step %d has not arrived after %.3g s on process %d, %.1f "
                         "times the median step (%.3g s); the input pipeline may be stuck", step, running,
