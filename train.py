@@ -48,6 +48,8 @@ def main(argv: list[str] | None = None) -> int:
         except NonFiniteError as e:
             print(f"error: {e}", file=sys.stderr)
             return NONFINITE_EXIT_CODE
+        finally:
+            distributed.finish()  # all processes leave together
         if summary.get("preempted"):
             return PREEMPTED_EXIT_CODE
     except ConfigError as e:

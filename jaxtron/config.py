@@ -250,6 +250,7 @@ class DistributedConfig:
     port: int = 0  # coordinator port when the address comes from Slurm (0: derived from the job and step ids)
     initialization_timeout_s: int = 300  # how long processes wait for each other at start
     heartbeat_timeout_s: int = 60  # a process silent this long is declared dead and the others stop
+    peer_check_s: float = 5.0  # how often each process asks which peers are alive (0: leave it to jax, see below)
 
     def __post_init__(self):
         _non_negative(self.num_processes, "distributed.num_processes")
@@ -258,6 +259,7 @@ class DistributedConfig:
         _check(0 <= self.port < 65536, "distributed.port", f"is {self.port}", "use 0 (derived) or a TCP port")
         _positive(self.initialization_timeout_s, "distributed.initialization_timeout_s")
         _positive(self.heartbeat_timeout_s, "distributed.heartbeat_timeout_s")
+        _non_negative(self.peer_check_s, "distributed.peer_check_s")
         given = [bool(self.coordinator_address), self.num_processes > 0, self.process_id >= 0]
         _check(all(given) or not any(given), "distributed.coordinator_address",
                "is set with only some of distributed.num_processes and distributed.process_id",

@@ -12,6 +12,16 @@ order:
 
 A Slurm environment without an srun step (an salloc shell, the batch script itself) is not a launch: the
 run is one process, and the log says what was found. Every decision is logged with what it was based on.
+
+When a process of a running job dies, the others cannot finish their next collective and would wait for it
+forever. jax's coordination service notices the silence after ``distributed.heartbeat_timeout_s``. With
+``distributed.peer_check_s`` > 0 (the default) a ``PeerMonitor`` thread in every process asks the service
+which processes are alive; when one is gone, the process writes one sentence naming it and exits with
+``PEER_LOST_EXIT_CODE``, and the job can be restarted from the last checkpoint. (For that the service runs in
+jax's "recoverable" mode, in which it does not end the survivors itself; the processes then leave together
+through ``finish``, process 0, which hosts the service, last.) If process 0 itself dies, the service dies with
+it and jax ends the others at once with its own message. With ``peer_check_s = 0``, jax ends every survivor
+with its message ("...another task died...") and a stack dump.
 """
 
 from __future__ import annotations
@@ -20,13 +30,17 @@ import dataclasses
 import logging
 import os
 import re
-from typing import Mapping
+import sys
+import threading
+import time
+from typing import Callable, Mapping
 
 from jaxtron.config import ConfigError, DistributedConfig
 
 log = logging.getLogger(__name__)
 
 ENV = ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID")
+PEER_LOST_EXIT_CODE = 76  # another process of the run died; restart the job to resume from the last checkpoint
 
 
 @dataclasses.dataclass(frozen=True)
@@ -143,6 +157,8 @@ def initialize(cfg: DistributedConfig | None = None, env: Mapping[str, str] | No
     import jax
     # CPU collectives across processes need gloo; the setting does not affect GPU backends
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    # the service then leaves the survivors of a dead process running, for the PeerMonitor to end them
+    jax.config.update("jax_enable_recoverability", cfg.peer_check_s > 0)
     options = dict(initialization_timeout=cfg.initialization_timeout_s,
                    heartbeat_timeout_seconds=cfg.heartbeat_timeout_s)
     if launch.source == "openmpi":
@@ -155,4 +171,104 @@ def initialize(cfg: DistributedConfig | None = None, env: Mapping[str, str] | No
     log.info("process %d of %d joined the run at %s (%s%s)", launch.process_id, launch.num_processes,
              launch.coordinator_address or "the coordinator mpirun named", launch.source,
              f": {launch.note}" if launch.note else "")
+    if cfg.peer_check_s > 0:
+        global _monitor
+        from jax._src.distributed import global_state  # the client: jax has no public handle on it
+        _monitor = PeerMonitor(global_state.client, launch.process_id, launch.num_processes, cfg.peer_check_s,
+                               finish_timeout_s=cfg.heartbeat_timeout_s)
     return launch
+
+
+_monitor: PeerMonitor | None = None
+
+
+def report_step(step: int) -> None:
+    """Tells the peer monitor (if any) the last step this process finished, for its message."""
+    if _monitor is not None:
+        _monitor.last_step = step
+
+
+def finish() -> None:
+    """Leaves a multi-process run (with a peer monitor) in step with the others; nothing for one process."""
+    global _monitor
+    monitor, _monitor = _monitor, None
+    if monitor is not None:
+        monitor.finish()
+
+
+class PeerMonitor:
+    """Ends this process with one sentence when another process of the run is gone.
+
+    A background thread asks the coordination service every ``poll_s`` seconds which processes are alive.
+    The service answers once every live process has asked (the calls pair up across processes), and a process
+    that stopped sending heartbeats for ``distributed.heartbeat_timeout_s`` is no longer alive.
+    """
+
+    def __init__(self, client, process_id: int, num_processes: int, poll_s: float, *,
+                 finish_timeout_s: float = 60.0, exit: Callable[[int], None] = os._exit, thread: bool = True):
+        self.client, self.process_id, self.num_processes = client, process_id, num_processes
+        self.poll_s, self.finish_timeout_s, self.exit = poll_s, finish_timeout_s, exit
+        self.last_step: int | None = None
+        self._leaving = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="jaxtron-peers", daemon=True) if thread else None
+        if self._thread is not None:
+            self._thread.start()
+
+    def check(self) -> bool:
+        """Asks once; True while every process is alive (or this one is leaving); else reports and exits."""
+        ids = list(range(self.num_processes))
+        try:
+            live = set(self.client.get_live_nodes(ids))
+        except Exception as e:  # noqa: BLE001 - the service is unreachable: process 0 is gone
+            if self._leaving.is_set():
+                return False
+            return self._lost(f"the coordination service on process 0 is unreachable ({str(e).splitlines()[0][:200]})")
+        if self._leaving.is_set():
+            return False
+        gone = sorted(set(ids) - live)
+        if not gone:
+            return True
+        names = ", ".join(map(str, gone))
+        return self._lost(f"process{'es' if len(gone) > 1 else ''} {names} of {self.num_processes} "
+                          f"stopped sending heartbeats (it died, was killed, or its host failed)")
+
+    def _lost(self, what: str) -> bool:
+        where = "before its first step" if self.last_step is None else f"after step {self.last_step}"
+        sys.stderr.write(f"error: {what}; process {self.process_id} stops {where} with exit code "
+                         f"{PEER_LOST_EXIT_CODE} so that the job can be restarted from the last checkpoint.\n")
+        sys.stderr.flush()
+        self.exit(PEER_LOST_EXIT_CODE)  # the main thread may be stuck in a collective: end the whole process
+        return False
+
+    def _watch(self) -> None:
+        while not self._leaving.is_set() and self.check():
+            self._leaving.wait(self.poll_s)
+
+    def finish(self) -> None:
+        """Leaves the run together: every process waits here for the others (for at most
+        ``finish_timeout_s``), then disconnects; process 0, which hosts the coordination service, shuts it
+        down only once the others have disconnected, since a process that loses the service is aborted."""
+        import jax
+        together = True
+        try:
+            self.client.wait_at_barrier("jaxtron_finished", int(self.finish_timeout_s * 1000))
+        except Exception as e:  # noqa: BLE001
+            together = False
+            log.warning("process %d: the other processes did not all finish within %g s (%s); leaving without them",
+                        self.process_id, self.finish_timeout_s, str(e).splitlines()[0][:200])
+        self._leaving.set()
+        if self.process_id == 0 and together:
+            waiter = threading.Thread(target=self._wait_for_others, daemon=True)
+            waiter.start()
+            waiter.join(self.finish_timeout_s)
+        jax.distributed.shutdown()
+
+    def _wait_for_others(self) -> None:
+        if self._thread is not None:
+            self._thread.join()  # its call in flight, if any, pairs with one of another process
+        ids = list(range(self.num_processes))
+        try:
+            while len(self.client.get_live_nodes(ids)) > 1:  # returns once the others asked too or disconnected
+                time.sleep(0.05)
+        except Exception:  # noqa: BLE001 - nothing left to wait for
+            pass

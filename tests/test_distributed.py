@@ -3,7 +3,7 @@
 import pytest
 
 from jaxtron.config import ConfigError, DistributedConfig
-from jaxtron.distributed import _slurm_port, detect, expand_hostlist
+from jaxtron.distributed import PEER_LOST_EXIT_CODE, PeerMonitor, _slurm_port, detect, expand_hostlist
 
 # what srun -n 2 sets on the local test cluster (a subset), and what an salloc shell or a batch script has
 SRUN = {"SLURM_JOB_ID": "41", "SLURM_STEP_ID": "0", "SLURM_STEP_NUM_TASKS": "2", "SLURM_PROCID": "1",
@@ -89,7 +89,73 @@ def test_open_mpi_is_left_to_jax():
     (dict(coordinator_address="h:1"), "is set with only some of distributed.num_processes"),
     (dict(coordinator_address="h:1", num_processes=2, process_id=2), r"distributed.process_id' \(2\) is not below"),
     (dict(port=70000), "distributed.port' is 70000"),
+    (dict(peer_check_s=-1), "distributed.peer_check_s' must be >= 0"),
 ])
 def test_bad_distributed_configs(fields, message):
     with pytest.raises(ConfigError, match=message):
         DistributedConfig(**fields)
+
+
+class FakeClient:
+    """The two calls of jax's coordination-service client the peer monitor makes."""
+
+    def __init__(self, live, barrier_error=None):
+        self.live, self.barrier_error, self.asked = live, barrier_error, 0
+
+    def get_live_nodes(self, ids):
+        self.asked += 1
+        live = self.live(self.asked) if callable(self.live) else self.live
+        if isinstance(live, Exception):
+            raise live
+        return {i: 1000 + i for i in ids if i in live}
+
+    def wait_at_barrier(self, name, timeout_ms):
+        if self.barrier_error:
+            raise self.barrier_error
+
+
+def _monitor(client, process_id=0, n=4):
+    exits = []
+    monitor = PeerMonitor(client, process_id, n, 0.01, finish_timeout_s=5, exit=exits.append, thread=False)
+    return monitor, exits
+
+
+def test_the_peer_monitor_is_quiet_while_every_process_is_alive(capsys):
+    monitor, exits = _monitor(FakeClient({0, 1, 2, 3}))
+    assert monitor.check() and monitor.check()
+    assert exits == [] and capsys.readouterr().err == ""
+
+
+def test_a_dead_peer_ends_the_process_with_one_sentence(capsys):
+    monitor, exits = _monitor(FakeClient({0, 2}), process_id=2)
+    monitor.last_step = 57
+    assert not monitor.check()
+    assert exits == [PEER_LOST_EXIT_CODE]
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("error: processes 1, 3 of 4 stopped sending heartbeats")
+    assert "process 2 stops after step 57 with exit code 76" in err
+
+
+def test_a_lost_coordinator_is_named(capsys):
+    monitor, exits = _monitor(FakeClient(RuntimeError("UNAVAILABLE: Failed to send RPC\nmore detail")), 1)
+    assert not monitor.check() and exits == [PEER_LOST_EXIT_CODE]
+    err = capsys.readouterr().err
+    assert "coordination service on process 0 is unreachable (UNAVAILABLE: Failed to send RPC)" in err
+    assert "before its first step" in err and "more detail" not in err
+
+
+def test_leaving_processes_are_not_reported(capsys):
+    # at the end, the processes leave one by one; process 0 waits until the others are gone
+    client = FakeClient(lambda asked: {0, 1, 2, 3} if asked < 3 else {0})
+    monitor, exits = _monitor(client)
+    monitor.finish()
+    assert client.asked == 3 and exits == []
+    assert not monitor.check() and exits == [] and capsys.readouterr().err == ""
+
+
+def test_a_process_that_never_reaches_the_end_does_not_hold_the_others(caplog):
+    client = FakeClient({0, 1, 2, 3}, barrier_error=RuntimeError("DEADLINE_EXCEEDED: barrier timed out"))
+    monitor, exits = _monitor(client)
+    monitor.finish()  # process 0 leaves without waiting for the others to disconnect
+    assert client.asked == 0 and exits == []
+    assert "did not all finish within 5 s (DEADLINE_EXCEEDED: barrier timed out)" in caplog.text

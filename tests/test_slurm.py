@@ -2,8 +2,9 @@
 
 The processes find each other from srun's environment alone, train like one process with 8 devices, write
 each checkpoint once, and the run resumes under another process count. When one task is killed, the other
-exits by itself (no hang) and a new srun resumes from the last checkpoint. CI starts the cluster and sets
-JAXTRON_REQUIRE_SLURM=1, so there these tests cannot be skipped.
+exits by itself (no hang) and a new srun resumes from the last checkpoint; under sbatch, the job script
+requeues the job and it resumes. CI starts the cluster and sets JAXTRON_REQUIRE_SLURM=1, so there these tests
+cannot be skipped.
 """
 
 import json
@@ -18,6 +19,7 @@ import numpy as np
 import pytest
 
 from conftest import REPO
+from jaxtron.distributed import PEER_LOST_EXIT_CODE
 from test_multiprocess import TINY, _env, _losses
 
 REQUIRED = os.environ.get("JAXTRON_REQUIRE_SLURM") == "1"
@@ -39,8 +41,10 @@ TWO_PROCESSES = ["--config.mesh.data=2", "--config.mesh.fsdp=4"]
 
 def _srun(workdir, *extra, **popen):
     env = {k: v for k, v in _env(4).items() if not k.startswith("SLURM_")}
+    # --kill-on-bad-exit=0: Slurm leaves the survivors of a dead task running, for jaxtron to end them
     command = ["srun", "-n", "2", "--overcommit", "--kill-on-bad-exit=0", "--time=10", sys.executable, "-u",
-               "train.py", *ARGS, *TWO_PROCESSES, *extra, f"--workdir={workdir}"]
+               "train.py", *ARGS, *TWO_PROCESSES, "--config.distributed.heartbeat_timeout_s=20", *extra,
+               f"--workdir={workdir}"]
     return subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             **popen)
 
@@ -83,7 +87,7 @@ def _task_pid(workdir, rank: int, timeout=60) -> int:
                 environ = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
             except OSError:
                 continue
-            if f"--workdir={workdir}".encode() in cmdline and b"train.py" in cmdline and \
+            if f"--workdir={workdir}".encode() in cmdline and any(a.endswith(b"train.py") for a in cmdline) and \
                     f"SLURM_PROCID={rank}".encode() in environ and cmdline[0] != b"srun":
                 return int(pid)
         time.sleep(0.5)
@@ -101,11 +105,16 @@ def test_a_killed_task_ends_the_step_and_a_new_srun_resumes(tmp_path):
     killed = time.time()
     output = proc.communicate(timeout=180)[0]
     assert time.time() - killed < 120, "the surviving process did not stop within 2 minutes"
-    assert proc.returncode != 0
-    # jax's coordination service: process 1 stopped sending heartbeats, so process 0 is terminated (its
-    # watchdog also warns, unless the kill caught it inside a checkpoint save, where the watchdog is paused)
-    assert "Terminating process because the JAX distributed service detected fatal errors" in output
-    assert "another task died" in output
+    if "gloo::EnforceNotMet" in output:
+        # about one kill in seven lands while gloo (the CPU collectives; GPUs use NCCL) is mid-transfer with
+        # the dead process, and gloo aborts the survivor on the spot, before anything else can notice
+        assert "task 0: Aborted" in output, output[-4000:]
+    else:
+        # process 0's peer monitor: one sentence naming the dead process, and the exit code for "restart me"
+        assert f"task 0: Exited with exit code {PEER_LOST_EXIT_CODE}" in output, output[-4000:]
+        lines = [line for line in output.splitlines() if line.startswith("error:")]
+        assert len(lines) == 1 and "error: process 1 of 2 stopped sending heartbeats" in lines[0], output[-4000:]
+        assert "process 0 stops after step" in lines[0] and "Traceback" not in output and "Fatal" not in output
     saved = max(int(s) for s in os.listdir(tmp_path / "checkpoints") if s.isdigit())
     again = _srun(tmp_path)  # the requeued job: train.steps=5 from ARGS
     output = again.communicate(timeout=400)[0]
@@ -113,3 +122,48 @@ def test_a_killed_task_ends_the_step_and_a_new_srun_resumes(tmp_path):
         assert again.returncode == 0 and "already reached train.steps" in output, output[-3000:]
     else:
         assert again.returncode == 0 and f"resumed from the checkpoint of step {saved}" in output, output[-3000:]
+
+
+def _job_field(job: str, field: str) -> str:
+    out = subprocess.run(["scontrol", "show", "job", job], capture_output=True, text=True, timeout=30).stdout
+    for token in out.split():
+        if token.startswith(field + "="):
+            return token.split("=", 1)[1]
+    return ""
+
+
+def test_sbatch_requeues_a_job_that_lost_a_process_and_it_resumes(tmp_path):
+    """scripts/slurm/train.sbatch as users run it: a task dies, the job is requeued and resumes."""
+    env = {k: v for k, v in _env(4).items() if not k.startswith("SLURM_")}
+    env.update(JAXTRON_REPO=str(REPO), JAXTRON_MAX_RESTARTS="1")
+    workdir = tmp_path / "run"
+    submit = subprocess.run(
+        ["sbatch", "--parsable", "--ntasks-per-node=2", "--gpus-per-node=0", "--overcommit", "--time=15",
+         f"--chdir={tmp_path}", os.path.join(REPO, "scripts", "slurm", "train.sbatch"), *ARGS, *TWO_PROCESSES,
+         "--config.train.steps=40", "--config.checkpoint.every=4", f"--workdir={workdir}"],
+        env=env, capture_output=True, text=True, timeout=60)
+    assert submit.returncode == 0, submit.stderr
+    job = submit.stdout.strip().split(";")[0]
+    try:
+        deadline = time.time() + 300
+        while not (workdir / "checkpoints" / "4").exists():
+            assert time.time() < deadline and _job_field(job, "JobState") in ("PENDING", "RUNNING"), \
+                _job_field(job, "JobState")
+            time.sleep(0.5)
+        os.kill(_task_pid(workdir, 1), signal.SIGKILL)
+        # the script requeues the job; Slurm starts it again once its credentials expired (cred_expire=20 on
+        # the local cluster, 120 s by default)
+        while _job_field(job, "JobState") not in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"):
+            assert time.time() < deadline + 300, _job_field(job, "JobState")
+            time.sleep(1)
+    finally:
+        subprocess.run(["scancel", job], timeout=30)
+    log = (tmp_path / f"jaxtron-{job}.out").read_text()
+    assert _job_field(job, "JobState") == "COMPLETED", log[-4000:]
+    assert "attempt 1," in log and f"requeueing job {job}" in log and "attempt 2," in log, log[-4000:]
+    resumed = [int(line.rsplit("resumed from the checkpoint of step ", 1)[1].split()[0])
+               for line in log.splitlines() if "resumed from the checkpoint of step" in line]
+    assert resumed and resumed[0] >= 4, log[-4000:]
+    assert log.rstrip().splitlines()[-1].startswith("jaxtron: train.py exited with 0"), log[-4000:]
+    steps = [json.loads(line)["step"] for line in open(workdir / "metrics.jsonl")]
+    assert steps == list(range(1, 41))  # the lines after the checkpoint were dropped and written again

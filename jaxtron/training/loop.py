@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxtron import distributed
 from jaxtron.config import Config, ConfigError
 from jaxtron.checkpoint import Checkpointer
 from jaxtron.data.loader import BatchIterator, global_batch, make_sources
@@ -155,6 +156,7 @@ def _train(cfg, workdir, mesh, setup, shardings, implementation, use_tqdm) -> di
             step_done, *flags = unread.popleft()
             stop_requested, stopped, finite[0] = (int(x) for x in jax.device_get(flags))  # waits for that step
             watchdog.completed(step_done)
+            distributed.report_step(step_done)
             if stopped >= 0:
                 raise NonFiniteError(f"{t.max_nonfinite_in_row} non-finite steps in a row, the last at step "
                                      f"{stopped}; their updates were skipped and training stopped.")

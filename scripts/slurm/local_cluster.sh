@@ -55,6 +55,9 @@ ClusterName=jaxtron-local
 SlurmctldHost=${node}
 SlurmUser=root
 AuthType=auth/munge
+# a requeued job may start again only once its old credentials have expired (default 120 s); a one-node
+# test cluster needs far less than that
+AuthInfo=cred_expire=20
 ProctrackType=proctrack/linuxproc
 TaskPlugin=task/none
 SelectType=select/cons_tres
