@@ -65,12 +65,15 @@ class ModelConfig:
     tie_embeddings: bool = False
     init_std: float = 0.02
     dtype: str = "float32"  # compute dtype; parameters are always float32
-    remat: str = "none"  # none | full | save_dots
+    remat: str = "none"  # none | full | save_dots | save_attention | save_dots_attention
     attention: str = "auto"  # auto | xla | cudnn
+    attention_max_segments: int = 64  # cuDNN: most documents a packed row may hold (a batch with more is refused)
+    fp8: bool = False  # FP8 matmuls (current scaling) in every projection of the blocks; see jaxtron/ops/fp8.py
+    fp8_skip_layers: int = 0  # with fp8: the first and the last this many blocks keep 16-bit matmuls
 
     def __post_init__(self):
         for name in ("vocab_size", "embed_dim", "num_layers", "num_heads", "num_kv_heads", "mlp_dim",
-                     "max_seq_len", "rope_original_max_len"):
+                     "max_seq_len", "rope_original_max_len", "attention_max_segments"):
             _positive(getattr(self, name), f"model.{name}")
         _non_negative(self.head_dim, "model.head_dim")
         for name in ("norm_eps", "rope_theta", "init_std", "rope_scaling_factor", "rope_low_freq_factor"):
@@ -88,7 +91,11 @@ class ModelConfig:
         _choice(self.norm, "model.norm", ("rmsnorm", "layernorm"))
         _choice(self.position_embedding, "model.position_embedding", ("rope", "learned"))
         _choice(self.dtype, "model.dtype", DTYPES)
-        _choice(self.remat, "model.remat", ("none", "full", "save_dots"))
+        _choice(self.remat, "model.remat", ("none", "full", "save_dots", "save_attention", "save_dots_attention"))
+        _non_negative(self.fp8_skip_layers, "model.fp8_skip_layers")
+        _check(not self.fp8 or 2 * self.fp8_skip_layers < self.num_layers, "model.fp8_skip_layers",
+               f"({self.fp8_skip_layers}) leaves no FP8 block among model.num_layers ({self.num_layers})",
+               "lower it, or set model.fp8=False")
         _choice(self.attention, "model.attention", ("auto", "xla", "cudnn"))
 
     @property

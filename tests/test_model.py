@@ -170,3 +170,16 @@ def test_bf16_embedding_gradient_is_accumulated_in_float32():
     top = counts.argmax()
     err = np.linalg.norm(grads["bfloat16"][top] - grads["float32"][top]) / np.linalg.norm(grads["float32"][top])
     assert err < 0.01, err  # bf16 compute noise only; a bf16 scatter-add gives tens of percent here
+
+
+@pytest.mark.parametrize("remat,count", [("full", 0), ("save_dots", 1), ("save_attention", 1),
+                                         ("save_dots_attention", 2)])
+def test_remat_policies_that_keep_the_attention_output(remat, count, capsys):
+    cfg = tiny_config(model=dict(remat=remat, num_layers=2)).model
+    graphdef, params = nnx.split(build_model(cfg, 0))
+    tokens = jnp.zeros((2, 16), jnp.int32)
+    jax.ad_checkpoint.print_saved_residuals(lambda p: jnp.sum(nnx.merge(graphdef, p)(tokens)), params)
+    # residuals of the layer scan shaped [layers, batch, length, heads, head_dim]: the query projection (a
+    # dot) and the attention output
+    shape = f"[2,2,16,{cfg.num_heads},{cfg.resolved_head_dim}] output of scan"
+    assert capsys.readouterr().out.count(shape) == count

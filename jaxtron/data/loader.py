@@ -50,14 +50,30 @@ def _local_indices(sharding, shape: tuple[int, ...], dim: int) -> np.ndarray:
     return np.concatenate([np.arange(a, b) for a, b in spans])
 
 
-class LocalBatch:
-    """This process's part of batch ``step``: the rows and sequence positions its devices hold."""
+def check_segments(local: dict[str, np.ndarray], max_segments: int | None, step: int) -> None:
+    """Refuses a batch with a row of more documents than the attention kernel was built for."""
+    if max_segments and "segment_ids" in local and local["segment_ids"].size:
+        most = int(local["segment_ids"].max())  # documents are numbered 1, 2, ... inside each row
+        if most > max_segments:
+            raise DataError(f"a row of batch {step} packs {most} documents, more than "
+                              f"model.attention_max_segments ({max_segments}) that the cuDNN attention is built "
+                              "for; raise model.attention_max_segments.")
 
-    def __init__(self, source: Source, rows: np.ndarray, cols: np.ndarray, batch_size: int):
+
+class LocalBatch:
+    """This process's part of batch ``step``: the rows and sequence positions its devices hold.
+
+    ``max_segments``: the most documents a row may pack (cuDNN attention), None for no limit.
+    """
+
+    def __init__(self, source: Source, rows: np.ndarray, cols: np.ndarray, batch_size: int,
+                 max_segments: int | None = None):
         self.source, self.rows, self.cols, self.batch_size = source, rows, cols, batch_size
+        self.max_segments = max_segments
 
     def __call__(self, step: int) -> dict[str, np.ndarray]:
         local = self.source.rows(step * self.batch_size + self.rows)
+        check_segments(local, self.max_segments, step)
         if len(self.cols) == self.source.seq_len:
             return local
         return {k: np.ascontiguousarray(v[:, self.cols]) for k, v in local.items()}
@@ -70,11 +86,11 @@ class BatchIterator:
     """
 
     def __init__(self, source: Source, mesh: Mesh, batch_size: int, step: int = 0, workers: int = 0,
-                 prefetch: int = 2):
+                 prefetch: int = 2, max_segments: int | None = None):
         self.sharding = batch_sharding(mesh)
         self.shape = (batch_size, source.seq_len)
         self.local = LocalBatch(source, _local_indices(self.sharding, self.shape, 0),
-                                _local_indices(self.sharding, self.shape, 1), batch_size)
+                                _local_indices(self.sharding, self.shape, 1), batch_size, max_segments)
         self.step, self.workers, self.prefetch = step, workers, prefetch
         self._start()
 
@@ -117,11 +133,13 @@ class BatchIterator:
             self._pool.shutdown(wait=False, cancel_futures=True)
 
 
-def global_batch(source: Source, step: int, mesh: Mesh, batch_size: int) -> dict[str, jax.Array]:
+def global_batch(source: Source, step: int, mesh: Mesh, batch_size: int,
+                 max_segments: int | None = None) -> dict[str, jax.Array]:
     """Batch ``step`` alone (for evaluation and tests), assembled from this process's part."""
     sharding = batch_sharding(mesh)
     shape = (batch_size, source.seq_len)
-    local = LocalBatch(source, _local_indices(sharding, shape, 0), _local_indices(sharding, shape, 1), batch_size)
+    local = LocalBatch(source, _local_indices(sharding, shape, 0), _local_indices(sharding, shape, 1), batch_size,
+                       max_segments)
     return {k: jax.make_array_from_process_local_data(sharding, v, shape) for k, v in local(step).items()}
 
 

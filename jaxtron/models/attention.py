@@ -5,12 +5,12 @@ from __future__ import annotations
 import math
 
 import jax
-import jax.numpy as jnp
 from flax import nnx
 
 from jaxtron.config import ModelConfig
 from jaxtron.models.layers import apply_rope, compute_dtype, param, rope_frequencies
 from jaxtron.ops import attention as attention_ops
+from jaxtron.ops import fp8 as fp8_ops
 
 
 class Attention(nnx.Module):
@@ -25,15 +25,17 @@ class Attention(nnx.Module):
         self.dtype = compute_dtype(cfg)
         self.implementation = implementation
 
-    def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array | None) -> jax.Array:
-        dt = self.dtype
-        q = jnp.einsum("btd,dnh->btnh", x, self.wq[...].astype(dt))
-        k = jnp.einsum("btd,dnh->btnh", x, self.wk[...].astype(dt))
-        v = jnp.einsum("btd,dnh->btnh", x, self.wv[...].astype(dt))
+    def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array | None,
+                 fp8: bool = False) -> jax.Array:
+        dt, einsum = self.dtype, fp8_ops.projection(fp8)
+        q = einsum("btd,dnh->btnh", x, self.wq[...].astype(dt))
+        k = einsum("btd,dnh->btnh", x, self.wk[...].astype(dt))
+        v = einsum("btd,dnh->btnh", x, self.wv[...].astype(dt))
         if self.cfg.position_embedding == "rope":
             inv_freq = rope_frequencies(self.cfg)
             q = apply_rope(q, positions, inv_freq)
             k = apply_rope(k, positions, inv_freq)
         out = attention_ops.dot_product_attention(q, k, v, implementation=self.implementation,
-                                                  segment_ids=segment_ids)
-        return jnp.einsum("btnh,nhd->btd", out, self.wo[...].astype(dt))
+                                                  segment_ids=segment_ids,
+                                                  max_segments=self.cfg.attention_max_segments)
+        return einsum("btnh,nhd->btd", out, self.wo[...].astype(dt))

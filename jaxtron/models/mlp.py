@@ -5,11 +5,11 @@ from __future__ import annotations
 import math
 
 import jax
-import jax.numpy as jnp
 from flax import nnx
 
 from jaxtron.config import ModelConfig
 from jaxtron.models.layers import compute_dtype, param
+from jaxtron.ops import fp8 as fp8_ops
 from jaxtron.sharding import constrain
 
 HIDDEN_AXES = ("activation_batch", "activation_length", "activation_mlp")
@@ -24,13 +24,13 @@ class MLP(nnx.Module):
         self.wo = param(rngs, (f, d), ("mlp", "embed"), cfg.init_std / math.sqrt(2 * cfg.num_layers))
         self.dtype = compute_dtype(cfg)
 
-    def __call__(self, x: jax.Array) -> jax.Array:
-        dt = self.dtype
-        up = jnp.einsum("btd,df->btf", x, self.wi_up[...].astype(dt))
+    def __call__(self, x: jax.Array, fp8: bool = False) -> jax.Array:
+        dt, einsum = self.dtype, fp8_ops.projection(fp8)
+        up = einsum("btd,df->btf", x, self.wi_up[...].astype(dt))
         if self.gated:
-            gate = jnp.einsum("btd,df->btf", x, self.wi_gate[...].astype(dt))
+            gate = einsum("btd,df->btf", x, self.wi_gate[...].astype(dt))
             hidden = jax.nn.silu(gate) * up
         else:
             hidden = jax.nn.gelu(up)
         hidden = constrain(hidden, HIDDEN_AXES)
-        return jnp.einsum("btf,fd->btd", hidden, self.wo[...].astype(dt))
+        return einsum("btf,fd->btd", hidden, self.wo[...].astype(dt))

@@ -10,16 +10,40 @@ from jaxtron.config import ModelConfig
 from jaxtron.models.attention import Attention
 from jaxtron.models.layers import Norm, compute_dtype, embed_lookup, param
 from jaxtron.models.mlp import MLP
+from jaxtron.ops import attention as attention_ops
 from jaxtron.sharding import constrain
 
 EMBED_AXES = ("activation_batch", "activation_length", "activation_embed")
 LOGIT_AXES = ("activation_batch", "activation_length", "activation_vocab")
 
+
+def _attention_saveable(prim, *_, **__) -> bool:
+    """The outputs of the attention kernel: the output and, for cuDNN's flash kernel, its softmax statistics
+    (both needed by the backward kernel; saving only the output would rerun the forward kernel)."""
+    return prim.name.startswith("dot_product_attention_fwd")
+
+
+_save_attention = jax.checkpoint_policies.save_from_both_policies(
+    jax.checkpoint_policies.save_only_these_names(attention_ops.OUTPUT_NAME), _attention_saveable)
+
 REMAT_POLICIES = {
     "full": jax.checkpoint_policies.nothing_saveable,
     # keep every weight matmul's output; recompute only elementwise ops and attention scores
     "save_dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    # keep the attention output, so a flash-attention kernel runs once forward and once backward
+    "save_attention": _save_attention,
+    "save_dots_attention": jax.checkpoint_policies.save_from_both_policies(
+        jax.checkpoint_policies.dots_with_no_batch_dims_saveable, _save_attention),
 }
+
+
+def layer_groups(cfg: ModelConfig) -> list[tuple[int, int, bool]]:
+    """(first, end, fp8) of each run of blocks scanned together: with model.fp8_skip_layers, the first and
+    last blocks keep 16-bit matmuls and the ones between use FP8."""
+    n, skip = cfg.num_layers, cfg.fp8_skip_layers if cfg.fp8 else 0
+    if not skip:
+        return [(0, n, cfg.fp8)]
+    return [(0, skip, False), (skip, n - skip, True), (n - skip, n, False)]
 
 
 class Block(nnx.Module):
@@ -31,9 +55,10 @@ class Block(nnx.Module):
         self.mlp_norm = Norm(cfg)
         self.mlp = MLP(cfg, rngs)
 
-    def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array | None) -> jax.Array:
-        x = x + self.attn(self.attn_norm(x), positions, segment_ids)
-        x = x + self.mlp(self.mlp_norm(x))
+    def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array | None,
+                 fp8: bool = False) -> jax.Array:
+        x = x + self.attn(self.attn_norm(x), positions, segment_ids, fp8)
+        x = x + self.mlp(self.mlp_norm(x), fp8)
         return constrain(x, EMBED_AXES)
 
 
@@ -66,14 +91,16 @@ class Transformer(nnx.Module):
         x = constrain(x, EMBED_AXES)
 
         graphdef, stacked = nnx.split(self.layers)
+        for start, stop, fp8 in layer_groups(self.cfg):
+            def body(h, layer_state, fp8=fp8):
+                layer = nnx.merge(graphdef, layer_state)
+                return layer(h, positions, segment_ids, fp8), None
 
-        def body(h, layer_state):
-            layer = nnx.merge(graphdef, layer_state)
-            return layer(h, positions, segment_ids), None
-
-        if self.cfg.remat != "none":
-            body = jax.checkpoint(body, policy=REMAT_POLICIES[self.cfg.remat], prevent_cse=False)
-        x, _ = jax.lax.scan(body, x, stacked)
+            if self.cfg.remat != "none":
+                body = jax.checkpoint(body, policy=REMAT_POLICIES[self.cfg.remat], prevent_cse=False)
+            group = stacked if (start, stop) == (0, self.cfg.num_layers) else \
+                jax.tree.map(lambda a, start=start, stop=stop: a[start:stop], stacked)
+            x, _ = jax.lax.scan(body, x, group)
 
         x = self.final_norm(x)
         head = self.embedding[...].T if self.head is None else self.head[...]

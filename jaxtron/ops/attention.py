@@ -7,12 +7,16 @@ correct when the sequence axis is sharded: keys and values are gathered over the
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 from jaxtron.config import ConfigError
 from jaxtron.sharding import constrain
 
+OUTPUT_NAME = "attention_out"  # checkpoint name of the attention output (remat policies can keep it)
 Q_AXES = ("activation_batch", "activation_length", "activation_heads", "activation_head_dim")
 KV_AXES = ("activation_batch", "activation_kv_length", "activation_kv_heads", "activation_head_dim")
 
@@ -44,19 +48,55 @@ def resolve_implementation(choice: str, dtype: jnp.dtype, head_dim: int = 128, s
     return choice
 
 
+def segment_layout(segment_ids: jax.Array, max_segments: int) -> tuple[jax.Array, jax.Array]:
+    """Packed rows as cuDNN's ragged attention wants them: [batch, M] document lengths and [batch, M+1]
+    document start offsets (the last one the row's end), both padded with -1, M = ``max_segments``.
+
+    ``segment_ids`` [batch, length] numbers the documents of each row 1, 2, ... in order (jaxtron's loader);
+    a row of more than M documents must be refused before it gets here (the loader does, see
+    ``check_segments``): its extra documents would be left out of the layout.
+    """
+    batch, length = segment_ids.shape
+    starts = jnp.concatenate([jnp.ones((batch, 1), bool), segment_ids[:, 1:] != segment_ids[:, :-1]], axis=1)
+    first = jnp.sort(jnp.where(starts, jnp.arange(length), length), axis=1)  # starts, then `length`s
+    if first.shape[1] < max_segments + 1:
+        first = jnp.pad(first, ((0, 0), (0, max_segments + 1 - first.shape[1])), constant_values=length)
+    bounds = first[:, :max_segments + 1]  # s_0 < s_1 < ... < s_{c-1} < length = length ...
+    count = jnp.sum(starts, axis=1, keepdims=True)  # documents per row
+    j = jnp.arange(max_segments + 1)[None, :]
+    offsets = jnp.where(j <= count, bounds, -1).astype(jnp.int32)
+    lengths = jnp.where(j[:, :-1] < count, bounds[:, 1:] - bounds[:, :-1], -1).astype(jnp.int32)
+    return lengths, offsets
+
+
+def _cudnn_packed(q, k, v, segment_ids, max_segments: int) -> jax.Array:
+    """cuDNN flash attention over packed documents: each document is its own causal sequence inside the
+    kernel (ragged offsets), so no [length, length] mask is built and nothing attends across documents."""
+    from jax._src.cudnn import fused_attention_stablehlo as cudnn  # JAX exposes offsets only here
+
+    lengths, offsets = segment_layout(segment_ids, max_segments)
+    return cudnn.dot_product_attention(
+        q, k, v, q_seqlen=lengths, kv_seqlen=lengths, q_offsets=offsets, kv_offsets=offsets,
+        scale=1.0 / math.sqrt(q.shape[-1]), mask_type=cudnn.MaskType.PADDING_CAUSAL, qkv_layout="BTNH")
+
+
 def dot_product_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, implementation: str = "xla",
-                          segment_ids: jax.Array | None = None) -> jax.Array:
+                          segment_ids: jax.Array | None = None, max_segments: int = 64) -> jax.Array:
     """Causal grouped-query attention.
 
     q: [batch, length, heads, head_dim]; k, v: [batch, length, kv_heads, head_dim] with kv_heads
     dividing heads (keys/values are never repeated in memory). segment_ids: optional [batch, length]
-    document ids; tokens attend only within their own document.
+    document ids; tokens attend only within their own document. With cuDNN, packed documents go to the
+    kernel as per-document lengths and offsets (at most ``max_segments`` per row).
     """
     q = constrain(q, Q_AXES)
     k = constrain(k, KV_AXES)
     v = constrain(v, KV_AXES)
-    mask = None
-    if segment_ids is not None:
-        mask = segment_ids[:, None, :, None] == segment_ids[:, None, None, :]
-    out = jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=True, implementation=implementation)
-    return constrain(out, Q_AXES)
+    if implementation == "cudnn" and segment_ids is not None:
+        out = _cudnn_packed(q, k, v, segment_ids, max_segments)
+    else:
+        mask = None
+        if segment_ids is not None:
+            mask = segment_ids[:, None, :, None] == segment_ids[:, None, None, :]
+        out = jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=True, implementation=implementation)
+    return checkpoint_name(constrain(out, Q_AXES), OUTPUT_NAME)

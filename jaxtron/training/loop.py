@@ -58,13 +58,19 @@ def _check_workdir(workdir: str) -> None:
         raise ConfigError(f"workdir '{workdir}' is not writable ({e.strerror}); pass a writable --workdir.") from None
 
 
-def evaluate(cfg: Config, eval_fn, params, source, mesh) -> float | None:
+def max_segments(cfg: Config, implementation: str) -> int | None:
+    """The most documents a packed row may hold: cuDNN's packed attention is built for a fixed number."""
+    return cfg.model.attention_max_segments if implementation == "cudnn" else None
+
+
+def evaluate(cfg: Config, eval_fn, params, source, mesh, implementation: str = "xla") -> float | None:
     """Mean cross-entropy over the same ``train.eval_batches`` validation batches every time."""
     if source is None or cfg.train.eval_batches == 0:
         return None
     total, count = 0.0, 0.0
     for i in range(cfg.train.eval_batches):
-        out = jax.device_get(eval_fn(params, global_batch(source, i, mesh, cfg.train.global_batch_size)))
+        batch = global_batch(source, i, mesh, cfg.train.global_batch_size, max_segments(cfg, implementation))
+        out = jax.device_get(eval_fn(params, batch))
         total, count = total + float(out["ce_sum"]), count + float(out["count"])
     return total / count
 
@@ -120,7 +126,8 @@ def _train(cfg, workdir, mesh, setup, shardings, implementation, use_tqdm) -> di
         checkpointer.close()
         log.info("the run already reached train.steps = %d; raise it to train further", t.steps)
         return {"preempted": None, "history": [], "state": state, "final_loss": None, "validation_loss": None}
-    batches = BatchIterator(train_source, mesh, t.global_batch_size, step=start, workers=cfg.data.workers)
+    batches = BatchIterator(train_source, mesh, t.global_batch_size, step=start, workers=cfg.data.workers,
+                            max_segments=max_segments(cfg, implementation))
     batch = next(batches)
     votes = StopVotes(mesh)
     compiled, compile_s = compile_train_step(setup, shardings, batch_sharding(mesh), state, batch, votes(False))
@@ -191,7 +198,7 @@ def _train(cfg, workdir, mesh, setup, shardings, implementation, use_tqdm) -> di
                 interval_start, interval_losses = time.perf_counter(), []
             if t.eval_every and done % t.eval_every == 0 and done < t.steps:
                 watchdog.pause()
-                loss = evaluate(cfg, eval_fn, state.params, validation, mesh)
+                loss = evaluate(cfg, eval_fn, state.params, validation, mesh, implementation)
                 if writer and loss is not None:
                     writer.write(done, {"eval/loss": loss})
                 interval_start = time.perf_counter()  # evaluation time is not training time
@@ -205,7 +212,7 @@ def _train(cfg, workdir, mesh, setup, shardings, implementation, use_tqdm) -> di
                 return summary
             save(done, force=done == t.steps)  # periodic saves, and always the last step
         last = history[-1]
-        validation_loss = evaluate(cfg, eval_fn, state.params, validation, mesh)
+        validation_loss = evaluate(cfg, eval_fn, state.params, validation, mesh, implementation)
         summary.update({"final_loss": last.get("loss_avg"), "validation_loss": validation_loss,
                         "compile_time_s": compile_s, "slow_steps": watchdog.slow_steps, **facts,
                         **{k: last.get(k) for k in ("tokens_per_sec", "tflops_per_device", "mfu")}})

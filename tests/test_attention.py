@@ -1,0 +1,78 @@
+"""Attention paths: the packed-document layout handed to cuDNN (CPU), and cuDNN against XLA (GPU only)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxtron.data.errors import DataError
+from jaxtron.data.loader import check_segments
+from jaxtron.ops.attention import dot_product_attention, segment_layout
+
+RNG = np.random.default_rng(0)
+
+
+def _packed_segment_ids(batch: int, length: int, documents: list[int]) -> np.ndarray:
+    """Rows of ``documents[i]`` documents of random lengths, numbered 1, 2, ... like the loader does."""
+    rows = []
+    for n in documents:
+        cuts = np.sort(RNG.choice(np.arange(1, length), n - 1, replace=False))
+        rows.append(np.searchsorted(cuts, np.arange(length), side="right") + 1)
+    return np.stack(rows[:batch]).astype(np.int32)
+
+
+def _mask_from_layout(lengths: np.ndarray, offsets: np.ndarray, length: int) -> np.ndarray:
+    """Which key each query may see, rebuilt from lengths and offsets alone (causal within a document)."""
+    mask = np.zeros((len(lengths), length, length), bool)
+    for b in range(len(lengths)):
+        for j, n in enumerate(lengths[b]):
+            if n < 0:
+                assert np.all(lengths[b, j:] == -1) and np.all(offsets[b, j + 1:] == -1)
+                break
+            start = offsets[b, j]
+            assert offsets[b, j + 1] == start + n  # contiguous documents
+            mask[b, start:start + n, start:start + n] = np.tril(np.ones((n, n), bool))
+    return mask
+
+
+@pytest.mark.parametrize("documents,max_segments", [([1, 3, 7, 2], 8), ([8, 8], 8), ([5, 1], 64), ([40], 40)])
+def test_segment_layout_describes_exactly_the_documents(documents, max_segments):
+    length = 48
+    ids = _packed_segment_ids(len(documents), length, documents)
+    lengths, offsets = map(np.asarray, jax.jit(segment_layout, static_argnums=1)(jnp.asarray(ids), max_segments))
+    assert lengths.shape == (len(documents), max_segments) and offsets.shape == (len(documents), max_segments + 1)
+    want = (ids[:, :, None] == ids[:, None, :]) & np.tril(np.ones((length, length), bool))
+    np.testing.assert_array_equal(_mask_from_layout(lengths, offsets, length), want)
+    assert [int((n > 0).sum()) for n in lengths] == documents
+
+
+def test_rows_with_more_documents_than_the_kernel_takes_are_refused():
+    ids = _packed_segment_ids(2, 32, [3, 9])
+    check_segments({"segment_ids": ids}, 9, step=5)
+    check_segments({"segment_ids": ids}, None, step=5)
+    with pytest.raises(DataError, match=r"a row of batch 5 packs 9 documents, more than "
+                                        r"model.attention_max_segments \(8\)"):
+        check_segments({"segment_ids": ids}, 8, step=5)
+
+
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="cuDNN flash attention needs an NVIDIA GPU")
+@pytest.mark.parametrize("packed", [False, True])
+def test_cudnn_matches_the_xla_reference_on_a_gpu(packed):
+    b, t, n, g, h = 2, 512, 8, 2, 128
+    q, k, v = (jax.random.normal(key, (b, t, heads, h), jnp.float32)
+               for key, heads in zip(jax.random.split(jax.random.key(0), 3), (n, g, g)))
+    ids = jnp.asarray(_packed_segment_ids(b, t, [5, 17])) if packed else None
+    reference = dot_product_attention(q, k, v, implementation="xla", segment_ids=ids)  # float32
+    bf = [x.astype(jnp.bfloat16) for x in (q, k, v)]
+    out = jax.jit(lambda *a: dot_product_attention(*a, implementation="cudnn", segment_ids=ids))(*bf)
+    err = jnp.linalg.norm((out.astype(jnp.float32) - reference).ravel()) / jnp.linalg.norm(reference.ravel())
+    assert float(err) < 1e-2
+
+    def loss(impl, *a):
+        return jnp.sum(dot_product_attention(*a, implementation=impl, segment_ids=ids).astype(jnp.float32) ** 2)
+
+    want = jax.grad(lambda *a: loss("xla", *a), argnums=(0, 1, 2))(q, k, v)
+    got = jax.jit(jax.grad(lambda *a: loss("cudnn", *a), argnums=(0, 1, 2)))(*bf)
+    for w, gr in zip(want, got):
+        rel = jnp.linalg.norm((gr.astype(jnp.float32) - w).ravel()) / jnp.linalg.norm(w.ravel())
+        assert float(rel) < 2e-2

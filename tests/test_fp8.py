@@ -1,0 +1,142 @@
+"""FP8 matmuls (jaxtron/ops/fp8.py) against a reference built from ml_dtypes' FP8 rounding, and in the model.
+
+On a GPU, XLA must turn the quantize/dequantize/dot pattern into FP8 GEMMs; that check runs only there.
+"""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+from jaxtron.config import ConfigError, ModelConfig
+from jaxtron.ops import fp8
+
+RNG = np.random.default_rng(0)
+
+
+def _reference_qdq(x: np.ndarray, dtype) -> np.ndarray:
+    """Rounding to the FP8 grid of the tensor's own absolute maximum, computed in numpy."""
+    limit = float(ml_dtypes.finfo(dtype).max)
+    amax = np.abs(x).max()
+    scale = np.float32(amax / limit) if amax > 0 else np.float32(1)
+    q = np.clip(x.astype(np.float32) / scale, -limit, limit).astype(dtype)
+    return q.astype(np.float32) * scale
+
+
+@pytest.mark.parametrize("dtype", [fp8.E4M3, fp8.E5M2])
+def test_quantize_dequantize_matches_the_reference(dtype):
+    x = (RNG.standard_normal((64, 48)) * np.exp(RNG.uniform(-4, 4, (64, 48)))).astype(np.float32)
+    got = np.asarray(fp8.quantize_dequantize(jnp.asarray(x), dtype))
+    np.testing.assert_array_equal(got, _reference_qdq(x, dtype))
+    # the largest magnitude is exact, and normal values keep 3 (e4m3) or 2 (e5m2) mantissa bits
+    assert np.abs(got).max() == pytest.approx(np.abs(x).max(), rel=1e-6)
+    bits = 3 if dtype == fp8.E4M3 else 2
+    normal = np.abs(x) > np.abs(x).max() * 2.0 ** -6
+    assert np.max(np.abs(got - x)[normal] / np.abs(x)[normal]) <= 2.0 ** -(bits + 1) * 1.0001
+
+
+def test_scales_follow_the_tensor():
+    big = jnp.full((4, 4), 3.0e4)
+    assert np.asarray(fp8.quantize_dequantize(big, fp8.E4M3)) == pytest.approx(3.0e4)  # no saturation at 448
+    assert np.all(np.asarray(fp8.quantize_dequantize(jnp.zeros((4, 4)), fp8.E4M3)) == 0)  # no 0/0
+    inf = jnp.array([[1.0, jnp.inf]])
+    assert not np.all(np.isfinite(np.asarray(fp8.quantize_dequantize(inf, fp8.E4M3))))  # not clipped away
+
+
+def test_fp8_einsum_forward_and_gradients_match_the_reference():
+    x = RNG.standard_normal((2, 8, 32)).astype(np.float32)
+    w = (RNG.standard_normal((32, 4, 8)) * 0.05).astype(np.float32)
+    dy = RNG.standard_normal((2, 8, 4, 8)).astype(np.float32) * 1e-3
+    eq = "btd,dnh->btnh"
+    y, vjp = jax.vjp(lambda a, b: fp8.einsum(eq, a, b), jnp.asarray(x), jnp.asarray(w))
+    dx, dw = vjp(jnp.asarray(dy))
+    xq, wq, dyq = _reference_qdq(x, ml_dtypes.float8_e4m3fn), _reference_qdq(w, ml_dtypes.float8_e4m3fn), \
+        _reference_qdq(dy, ml_dtypes.float8_e5m2)
+    np.testing.assert_allclose(np.asarray(y), np.einsum(eq, xq, wq), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(dx), np.einsum("btnh,dnh->btd", dyq, wq), rtol=1e-5, atol=1e-9)
+    np.testing.assert_allclose(np.asarray(dw), np.einsum("btd,btnh->dnh", xq, dyq), rtol=1e-5, atol=1e-9)
+    # and FP8 stays close to the exact product: a few percent of its scale
+    exact = np.einsum(eq, x, w)
+    assert np.abs(np.asarray(y) - exact).max() < 0.06 * np.abs(exact).max()
+
+
+def _tiny(**fields) -> ModelConfig:
+    base = dict(name="tiny", vocab_size=64, embed_dim=64, num_layers=4, num_heads=4, num_kv_heads=2, mlp_dim=128,
+                max_seq_len=32, dtype="float32", attention="xla")
+    return ModelConfig(**{**base, **fields})
+
+
+def _loss_and_grads(cfg: ModelConfig, tokens):
+    from flax import nnx
+
+    from jaxtron.models import build_model
+    graphdef, params = nnx.split(build_model(cfg, 0))
+
+    def loss(p):
+        logits = nnx.merge(graphdef, p)(tokens[:, :-1])
+        return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), tokens[:, 1:, None], -1))
+
+    return jax.jit(jax.value_and_grad(loss))(params)
+
+
+def test_an_fp8_model_tracks_the_exact_one_and_keeps_chosen_layers_exact():
+    tokens = jnp.asarray(RNG.integers(0, 64, (4, 17)), jnp.int32)
+    exact_loss, exact_grads = _loss_and_grads(_tiny(), tokens)
+    fp8_loss, fp8_grads = _loss_and_grads(_tiny(fp8=True), tokens)
+    skip_loss, _ = _loss_and_grads(_tiny(fp8=True, fp8_skip_layers=1), tokens)
+    assert float(fp8_loss) != float(exact_loss)  # FP8 really ran
+    assert abs(float(fp8_loss) - float(exact_loss)) < 2e-3 * float(exact_loss)
+    assert abs(float(skip_loss) - float(exact_loss)) < abs(float(fp8_loss) - float(exact_loss))
+    leaves = zip(jax.tree.leaves(exact_grads), jax.tree.leaves(fp8_grads))
+    for a, b in leaves:  # e5m2 keeps 2 mantissa bits: about 10% noise per gradient, same direction
+        a, b = np.asarray(a).ravel(), np.asarray(b).ravel()
+        assert np.all(np.isfinite(b))
+        assert np.linalg.norm(a - b) <= 0.15 * np.linalg.norm(a)
+        assert a @ b >= 0.99 * np.linalg.norm(a) * np.linalg.norm(b)
+
+
+def test_fp8_trains_inside_scanned_layers_with_remat_and_gradient_accumulation(tmp_path):
+    from conftest import REPO
+    from jaxtron.config_loader import load_config
+    from jaxtron.training.loop import run
+    common = dict(data__source="synthetic", model__num_layers="2", model__embed_dim="64", model__num_heads="4",
+                  model__num_kv_heads="2", model__mlp_dim="128", data__seq_len="32", train__global_batch_size="16",
+                  train__steps="12", train__log_every="4", train__eval_batches="0", checkpoint__every="0",
+                  model__remat="full", train__microbatches="2")
+    losses = {}
+    for name, extra in (("exact", {}), ("fp8", {"model__fp8": "True"})):
+        overrides = [(k.replace("__", "."), v) for k, v in {**common, **extra}.items()]
+        cfg = load_config(f"{REPO}/configs/default.py", overrides)
+        summary = run(cfg, str(tmp_path / name), use_tqdm=False)
+        losses[name] = [h["loss"] for h in summary["history"]]
+    assert losses["exact"][-1] < losses["exact"][0]  # it learns
+    np.testing.assert_allclose(losses["fp8"], losses["exact"], rtol=1e-2)
+    assert losses["fp8"] != losses["exact"]
+
+
+def test_fp8_config_errors():
+    with pytest.raises(ConfigError, match="model.fp8_skip_layers' .2. leaves no FP8 block among model.num_layers .4."):
+        _tiny(fp8=True, fp8_skip_layers=2)
+    with pytest.raises(ConfigError, match="model.fp8_skip_layers' must be >= 0"):
+        _tiny(fp8_skip_layers=-1)
+
+
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU: XLA rewrites FP8 GEMMs only there")
+def test_xla_emits_fp8_gemms_for_every_projection_on_a_gpu():
+    cfg = dataclasses.replace(_tiny(fp8=True, dtype="bfloat16", num_layers=2), embed_dim=128, mlp_dim=256)
+    tokens = jnp.asarray(RNG.integers(0, 64, (4, 129)), jnp.int32)
+    from flax import nnx
+
+    from jaxtron.models import build_model
+    graphdef, params = nnx.split(build_model(cfg, 0, "cudnn"))
+
+    def loss(p):
+        return jnp.mean(nnx.merge(graphdef, p)(tokens[:, :-1]))
+
+    hlo = jax.jit(jax.grad(loss)).lower(params).compile().as_text()
+    # 7 projections per block (q, k, v, o, gate, up, down), each with one forward and two backward GEMMs; the
+    # scanned blocks share one loop body
+    assert hlo.count('custom_call_target="__cublas$lt$matmul$f8"') >= 21, hlo[:2000]
