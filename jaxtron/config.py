@@ -153,13 +153,14 @@ class TrainConfig:
     microbatches: int = 1  # gradient accumulation: the global batch is split into this many parts
     log_every: int = 10
     z_loss: float = 0.0  # coefficient of the logsumexp^2 auxiliary loss
+    logit_chunks: int = 1  # logits and loss in this many slices of the sequence: never all float32 logits at once
     max_nonfinite_in_row: int = 0  # stop after this many skipped (non-finite) updates in a row (0: never)
     eval_every: int = 0  # steps between validation losses (0: only at the end)
     eval_batches: int = 4  # validation batches per evaluation (0: no validation)
     watchdog_factor: float = 5.0  # warn when a step takes this many times the recent median (0: off)
 
     def __post_init__(self):
-        for name in ("steps", "global_batch_size", "microbatches", "log_every"):
+        for name in ("steps", "global_batch_size", "microbatches", "log_every", "logit_chunks"):
             _positive(getattr(self, name), f"train.{name}")
         _non_negative(self.seed, "train.seed")
         _non_negative(self.z_loss, "train.z_loss")
@@ -297,6 +298,8 @@ class Config:
                "shorten the sequence or raise model.max_seq_len")
         _check(d.source != "store" or not d.prepare or m.vocab_size >= 256, "model.vocab_size",
                f"({m.vocab_size}) is too small for the byte tokens of data.prepare={d.prepare!r}", "use at least 256")
+        _check(d.seq_len % self.train.logit_chunks == 0, "train.logit_chunks",
+               f"({self.train.logit_chunks}) must divide data.seq_len ({d.seq_len})", "choose a divisor of it")
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         return {name: dataclasses.asdict(getattr(self, name)) for name in SECTIONS}

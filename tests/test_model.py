@@ -183,3 +183,27 @@ def test_remat_policies_that_keep_the_attention_output(remat, count, capsys):
     # dot) and the attention output
     shape = f"[2,2,16,{cfg.num_heads},{cfg.resolved_head_dim}] output of scan"
     assert capsys.readouterr().out.count(shape) == count
+
+
+def test_logits_in_chunks_give_the_same_loss_and_gradients_in_less_memory():
+    tokens = SyntheticSource(4096, 64, 0).rows(np.arange(8))
+    batch = {k: jnp.asarray(v) for k, v in tokens.items()}
+    batch["loss_mask"] = jnp.asarray(np.random.default_rng(0).random((8, 64)) < 0.8, jnp.float32)
+    results, temp = {}, {}
+    mesh = make_mesh(dict(data=1, fsdp=2, sequence=2, expert=1, tensor=2))
+    for chunks in (1, 8):
+        cfg = tiny_config(model=dict(vocab_size=4096, num_layers=1, max_seq_len=64), data=dict(seq_len=64),
+                          train=dict(logit_chunks=chunks, z_loss=1e-3))
+        setup = state_lib.setup(cfg, "xla")
+        params = state_lib.init_state(cfg, "xla", None).params
+        fn = jax.jit(jax.value_and_grad(lambda p: loss_sums(p, setup.graphdef, batch, 1e-3, setup.logit_chunks)[0]))
+        temp[chunks] = fn.lower(params).compile().memory_analysis().temp_size_in_bytes
+        with jax.set_mesh(mesh):  # the same on a mesh that shards the sequence and the vocabulary
+            shardings = state_lib.state_shardings(mesh, setup.abstract_state).params
+            loss, grads = jax.jit(fn)(jax.device_put(params, shardings))
+        results[chunks] = (float(loss), jax.tree.leaves(nnx.to_pure_dict(grads)))
+    # [8, 64, 4096] float32 logits are 8 MiB, their one-hot product and gradient as much again
+    assert temp[8] < temp[1] / 3, temp
+    assert results[8][0] == pytest.approx(results[1][0], rel=1e-6)
+    for a, b in zip(results[8][1], results[1][1]):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)  # float32 sums in another order

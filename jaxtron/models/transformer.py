@@ -82,6 +82,11 @@ class Transformer(nnx.Module):
     def __call__(self, tokens: jax.Array, positions: jax.Array | None = None,
                  segment_ids: jax.Array | None = None) -> jax.Array:
         """tokens: int [batch, length] -> float32 logits [batch, length, vocab]."""
+        return logits_of(self.hidden(tokens, positions, segment_ids), self.output_head())
+
+    def hidden(self, tokens: jax.Array, positions: jax.Array | None = None,
+               segment_ids: jax.Array | None = None) -> jax.Array:
+        """tokens: int [batch, length] -> the final normed hidden states [batch, length, embed]."""
         dt = compute_dtype(self.cfg)
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
@@ -101,9 +106,16 @@ class Transformer(nnx.Module):
             group = stacked if (start, stop) == (0, self.cfg.num_layers) else \
                 jax.tree.map(lambda a, start=start, stop=stop: a[start:stop], stacked)
             x, _ = jax.lax.scan(body, x, group)
+        return self.final_norm(x)
 
-        x = self.final_norm(x)
+    def output_head(self) -> jax.Array:
+        """The [embed, vocab] output matrix in the compute dtype (the embedding's transpose when tied)."""
         head = self.embedding[...].T if self.head is None else self.head[...]
-        # float32 straight out of the matmul: the loss needs it and no 16-bit copy is kept besides
-        logits = jnp.einsum("btd,dv->btv", x, head.astype(dt), preferred_element_type=jnp.float32)
-        return constrain(logits, LOGIT_AXES)
+        return head.astype(compute_dtype(self.cfg))
+
+
+def logits_of(x: jax.Array, head: jax.Array) -> jax.Array:
+    """[batch, length, embed] x [embed, vocab] -> float32 logits, straight out of the matmul (the loss needs
+    float32 and no 16-bit copy is kept besides)."""
+    logits = jnp.einsum("btd,dv->btv", x, head, preferred_element_type=jnp.float32)
+    return constrain(logits, LOGIT_AXES)

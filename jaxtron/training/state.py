@@ -36,6 +36,7 @@ class Setup:
     microbatches: int = struct.field(pytree_node=False, default=1)
     max_nonfinite_in_row: int = struct.field(pytree_node=False, default=0)
     z_loss: float = struct.field(pytree_node=False, default=0.0)
+    logit_chunks: int = struct.field(pytree_node=False, default=1)
 
 
 def _init_fn(cfg: Config, attention_impl: str):
@@ -62,7 +63,7 @@ def setup(cfg: Config, attention_impl: str) -> Setup:
     state = jax.eval_shape(abstract)
     return Setup(graphdef=holder["graphdef"], tx=holder["tx"], abstract_state=state,
                  schedule=learning_rate_schedule(cfg.optimizer, cfg.train.steps),
-                 microbatches=cfg.train.microbatches, z_loss=cfg.train.z_loss,
+                 microbatches=cfg.train.microbatches, z_loss=cfg.train.z_loss, logit_chunks=cfg.train.logit_chunks,
                  max_nonfinite_in_row=cfg.train.max_nonfinite_in_row)
 
 

@@ -11,26 +11,56 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
+from jaxtron.models.transformer import logits_of
 from jaxtron.sharding import BATCH_AXES, constrain
 from jaxtron.training.state import Setup, TrainState
 
 Batch = dict[str, jax.Array]
 
 
-def loss_sums(params: Any, graphdef: Any, batch: Batch, z_loss: float) -> tuple[jax.Array, tuple]:
+def _token_sums(x: jax.Array, head: jax.Array, targets: jax.Array, weights: jax.Array) -> tuple[jax.Array, ...]:
+    """(cross-entropy, squared log-partition) summed over the given positions, from hidden states."""
+    logits = logits_of(x, head)
+    log_z = jax.nn.logsumexp(logits, axis=-1)
+    # one-hot product instead of a gather keeps the vocabulary axis sharded
+    target_logit = jnp.sum(logits * jax.nn.one_hot(targets, logits.shape[-1], dtype=logits.dtype), -1)
+    return jnp.sum((log_z - target_logit) * weights), jnp.sum(jnp.square(log_z) * weights)
+
+
+def _chunked_token_sums(x, head, targets, weights, chunks: int) -> tuple[jax.Array, ...]:
+    """``_token_sums`` over ``chunks`` slices of the sequence, one at a time, each slice's logits recomputed in
+    the backward pass: only [batch, length / chunks, vocab] float32 logits exist at once. Slice j holds
+    positions j, j + chunks, ...: a sequence axis sharded in contiguous blocks stays sharded inside a slice."""
+    def split(a):
+        a = a.reshape(a.shape[0], a.shape[1] // chunks, chunks, *a.shape[2:])
+        return jnp.moveaxis(a, 2, 0)
+
+    sums = jax.checkpoint(_token_sums, policy=jax.checkpoint_policies.nothing_saveable)
+
+    def body(carry, part):
+        ce, zz = sums(part[0], head, part[1], part[2])
+        return (carry[0] + ce, carry[1] + zz), None
+
+    zero = jnp.zeros((), jnp.float32)
+    (ce, zz), _ = jax.lax.scan(body, (zero, zero), (split(x), split(targets), split(weights)))
+    return ce, zz
+
+
+def loss_sums(params: Any, graphdef: Any, batch: Batch, z_loss: float,
+              logit_chunks: int = 1) -> tuple[jax.Array, tuple]:
     """(objective summed over tokens, (cross-entropy sum, token count)).
 
     Sums rather than means so microbatches add up exactly to the large batch.
     """
     model = nnx.merge(graphdef, params)
-    logits = model(batch["inputs"], batch.get("positions"), batch.get("segment_ids")).astype(jnp.float32)
-    log_z = jax.nn.logsumexp(logits, axis=-1)
-    # one-hot product instead of a gather keeps the vocabulary axis sharded
-    target_logit = jnp.sum(logits * jax.nn.one_hot(batch["targets"], logits.shape[-1], dtype=logits.dtype), -1)
+    x = model.hidden(batch["inputs"], batch.get("positions"), batch.get("segment_ids"))
     weights = batch.get("loss_mask")
-    weights = jnp.ones_like(log_z) if weights is None else weights.astype(jnp.float32)
-    ce_sum = jnp.sum((log_z - target_logit) * weights)
-    objective = ce_sum + z_loss * jnp.sum(jnp.square(log_z) * weights) if z_loss else ce_sum
+    weights = jnp.ones(batch["targets"].shape, jnp.float32) if weights is None else weights.astype(jnp.float32)
+    if logit_chunks == 1:
+        ce_sum, z_sum = _token_sums(x, model.output_head(), batch["targets"], weights)
+    else:
+        ce_sum, z_sum = _chunked_token_sums(x, model.output_head(), batch["targets"], weights, logit_chunks)
+    objective = ce_sum + z_loss * z_sum if z_loss else ce_sum
     return objective, (ce_sum, jnp.sum(weights))
 
 
@@ -47,13 +77,13 @@ def gradients(setup: Setup, params: Any, batch: Batch):
     microbatches, z_loss = setup.microbatches, setup.z_loss
     grad_fn = jax.value_and_grad(loss_sums, has_aux=True)
     if microbatches == 1:
-        (_, (ce_sum, count)), grads = grad_fn(params, setup.graphdef, batch, z_loss)
+        (_, (ce_sum, count)), grads = grad_fn(params, setup.graphdef, batch, z_loss, setup.logit_chunks)
         return grads, ce_sum, count
 
     def body(carry, micro):
         acc, ce_acc, count_acc = carry
         micro = {k: constrain(v, BATCH_AXES) for k, v in micro.items()}
-        (_, (ce_sum, count)), grads = grad_fn(params, setup.graphdef, micro, z_loss)
+        (_, (ce_sum, count)), grads = grad_fn(params, setup.graphdef, micro, z_loss, setup.logit_chunks)
         acc = jax.tree.map(jnp.add, acc, grads)
         return (acc, ce_acc + ce_sum, count_acc + count), None
 
@@ -104,7 +134,7 @@ def train_step(setup: Setup, state: TrainState, batch: Batch,
 
 def eval_step(setup: Setup, params: Any, batch: Batch) -> dict[str, jax.Array]:
     """Summed cross-entropy and token count of a batch (no gradients)."""
-    _, (ce_sum, count) = loss_sums(params, setup.graphdef, batch, 0.0)
+    _, (ce_sum, count) = loss_sums(params, setup.graphdef, batch, 0.0, setup.logit_chunks)
     return {"ce_sum": ce_sum, "count": count}
 
 
