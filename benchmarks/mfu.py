@@ -27,6 +27,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from jaxtron import gpu_preset  # noqa: E402
 from jaxtron.config import ConfigError  # noqa: E402
 from jaxtron.config_loader import load_config, split_overrides  # noqa: E402
 from jaxtron.data.loader import SyntheticSource, global_batch  # noqa: E402
@@ -141,7 +142,9 @@ def main(argv: list[str]) -> int:
     report = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               "command": " ".join([os.path.basename(sys.executable), "benchmarks/mfu.py", *argv]), "commit": commit,
               "device_kind": jax.devices()[0].device_kind, "device_count": jax.device_count(),
-              "jax": jax.__version__, "python": platform.python_version(), "results": rows}
+              "jax": jax.__version__, "python": platform.python_version(),
+              "xla_flags": os.environ.get("XLA_FLAGS", ""),
+              "environment": {name: os.environ.get(name) for name in gpu_preset.ENV}, "results": rows}
     if args.output:
         with open(args.output, "w") as f:
             json.dump(report, f, indent=2)

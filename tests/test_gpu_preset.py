@@ -1,0 +1,38 @@
+"""The GPU preset (jaxtron/gpu_preset.py): its flags are accepted by the installed jaxlib, env.sh exports it."""
+
+import os
+import subprocess
+
+from conftest import REPO
+from jaxtron import gpu_preset
+
+
+def test_the_preset_is_accepted_by_the_installed_jaxlib_and_every_setting_has_a_reason():
+    assert gpu_preset.unknown_flags(gpu_preset.xla_flags()) == []
+    for value, reason in [*gpu_preset.ENV.values(), *gpu_preset.XLA_FLAGS.values()]:
+        assert value and len(reason) > 20
+
+
+def test_a_flag_the_jaxlib_does_not_know_is_named():
+    # a GPU scheduler flag is known to every jaxlib (GPU flags are parsed on any platform); the other is not
+    flags = "--xla_gpu_enable_latency_hiding_scheduler=true --xla_gpu_no_such_flag=1"
+    assert gpu_preset.unknown_flags(flags) == ["--xla_gpu_no_such_flag=1"]
+
+
+def test_check_refuses_an_unknown_flag_in_one_sentence(monkeypatch, capsys):
+    monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_no_such_flag=1")
+    assert gpu_preset.main(["--check"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("error: the installed jaxlib does not know --xla_gpu_no_such_flag=1")
+
+
+def test_env_sh_exports_the_preset_and_keeps_what_was_set_before():
+    script = 'source scripts/slurm/env.sh && echo "$XLA_PYTHON_CLIENT_MEM_FRACTION|$NCCL_DEBUG|$XLA_FLAGS"'
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "NCCL_DEBUG")}
+    env["XLA_PYTHON_CLIENT_MEM_FRACTION"] = "0.5"
+    env["XLA_FLAGS"] = "--xla_dump_to=/tmp/somewhere"
+    out = subprocess.run(["bash", "-c", script], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    mem, nccl, flags = out.stdout.strip().split("|")
+    assert (mem, nccl) == ("0.5", gpu_preset.ENV["NCCL_DEBUG"][0])
+    assert flags.endswith("--xla_dump_to=/tmp/somewhere") and flags.startswith(gpu_preset.xla_flags())
