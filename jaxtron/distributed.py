@@ -215,7 +215,7 @@ class PeerMonitor:
             self._thread.start()
 
     def check(self) -> bool:
-        """Asks once; True while every process is alive (or this one is leaving); else reports and exits."""
+        """Asks once: True while every process is alive; False once this one is leaving; else reports, exits."""
         ids = list(range(self.num_processes))
         try:
             live = set(self.client.get_live_nodes(ids))
