@@ -56,8 +56,8 @@ def check_segments(local: dict[str, np.ndarray], max_segments: int | None, step:
         most = int(local["segment_ids"].max())  # documents are numbered 1, 2, ... inside each row
         if most > max_segments:
             raise DataError(f"a row of batch {step} packs {most} documents, more than "
-                              f"model.attention_max_segments ({max_segments}) that the cuDNN attention is built "
-                              "for; raise model.attention_max_segments.")
+                            f"model.attention_max_segments ({max_segments}) that the cuDNN attention is built "
+                            "for; raise model.attention_max_segments.")
 
 
 class LocalBatch:

@@ -61,7 +61,7 @@ def segment_layout(segment_ids: jax.Array, max_segments: int) -> tuple[jax.Array
     first = jnp.sort(jnp.where(starts, jnp.arange(length), length), axis=1)  # starts, then `length`s
     if first.shape[1] < max_segments + 1:
         first = jnp.pad(first, ((0, 0), (0, max_segments + 1 - first.shape[1])), constant_values=length)
-    bounds = first[:, :max_segments + 1]  # s_0 < s_1 < ... < s_{c-1} < length = length ...
+    bounds = first[:, :max_segments + 1]  # the c document starts in order, then `length` repeated
     count = jnp.sum(starts, axis=1, keepdims=True)  # documents per row
     j = jnp.arange(max_segments + 1)[None, :]
     offsets = jnp.where(j <= count, bounds, -1).astype(jnp.int32)
