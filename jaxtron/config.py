@@ -70,6 +70,15 @@ class ModelConfig:
     attention_max_segments: int = 64  # cuDNN: most documents a packed row may hold (a batch with more is refused)
     fp8: bool = False  # FP8 matmuls (current scaling) in every projection of the blocks; see jaxtron/ops/fp8.py
     fp8_skip_layers: int = 0  # with fp8: the first and the last this many blocks keep 16-bit matmuls
+    # mixture of experts (jaxtron/models/moe.py); num_experts = 0 is a dense model
+    num_experts: int = 0  # experts per MoE block, each a SwiGLU of width mlp_dim
+    experts_per_token: int = 2  # top-k: experts each token is sent to
+    moe_every: int = 1  # every this many blocks, the last one is MoE (1: all); the others keep the dense MLP
+    moe_mode: str = "dropless"  # dropless (grouped GEMM over all routed tokens) | capacity (per-row expert capacity)
+    capacity_factor: float = 1.25  # capacity mode: slots per expert and row = ceil(factor * length * k / experts)
+    router_renormalize: bool = True  # rescale the top-k router weights of a token to sum to 1 (Mixtral)
+    router_aux_loss: float = 0.01  # coefficient of the load-balancing loss (mean over MoE blocks)
+    router_z_loss: float = 0.001  # coefficient of the router's squared log-partition (mean over MoE blocks)
 
     def __post_init__(self):
         for name in ("vocab_size", "embed_dim", "num_layers", "num_heads", "num_kv_heads", "mlp_dim",
@@ -97,6 +106,30 @@ class ModelConfig:
                f"({self.fp8_skip_layers}) leaves no FP8 block among model.num_layers ({self.num_layers})",
                "lower it, or set model.fp8=False")
         _choice(self.attention, "model.attention", ("auto", "xla", "cudnn"))
+        _non_negative(self.num_experts, "model.num_experts")
+        if self.num_experts:
+            self._check_moe()
+
+    def _check_moe(self) -> None:
+        _check(self.activation == "swiglu", "model.activation", f"is {self.activation!r} but experts are SwiGLU",
+               "set model.activation='swiglu' or model.num_experts=0")
+        _check(1 <= self.experts_per_token <= self.num_experts, "model.experts_per_token",
+               f"({self.experts_per_token}) must lie between 1 and model.num_experts ({self.num_experts})",
+               "choose a top-k in that range")
+        _positive(self.moe_every, "model.moe_every")
+        _check(self.num_layers % self.moe_every == 0, "model.moe_every",
+               f"({self.moe_every}) must divide model.num_layers ({self.num_layers})", "choose a divisor of it")
+        _check(not self.fp8 or self.fp8_skip_layers % self.moe_every == 0, "model.fp8_skip_layers",
+               f"({self.fp8_skip_layers}) must be a multiple of model.moe_every ({self.moe_every})",
+               "round it to a multiple")
+        _choice(self.moe_mode, "model.moe_mode", ("dropless", "capacity"))
+        _positive(self.capacity_factor, "model.capacity_factor")
+        _non_negative(self.router_aux_loss, "model.router_aux_loss")
+        _non_negative(self.router_z_loss, "model.router_z_loss")
+
+    @property
+    def num_moe_layers(self) -> int:
+        return self.num_layers // self.moe_every if self.num_experts else 0
 
     @property
     def resolved_head_dim(self) -> int:
@@ -313,6 +346,10 @@ class Config:
                             ("mlp_dim", m.mlp_dim), ("vocab_size", m.vocab_size)):
             _check(value % tp == 0, f"model.{name}", f"({value}) is not divisible by mesh.tensor ({tp})",
                    f"choose a mesh.tensor that divides {value}")
+        ep = sizes["expert"]
+        _check(m.num_experts == 0 or m.num_experts % ep == 0, "model.num_experts",
+               f"({m.num_experts}) is not divisible by mesh.expert ({ep})",
+               f"choose a mesh.expert that divides {m.num_experts}")
         fsdp = sizes["fsdp"]
         _check(m.embed_dim % fsdp == 0, "model.embed_dim", f"({m.embed_dim}) is not divisible by mesh.fsdp ({fsdp})",
                f"choose a mesh.fsdp that divides {m.embed_dim}")

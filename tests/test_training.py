@@ -59,7 +59,7 @@ def test_accumulated_gradients_equal_large_batch_gradients():
     for k in (1, 4):
         setup = state_lib.setup(tiny_config(dict(fsdp=1), train=dict(microbatches=k)), "xla")
         state = state_lib.init_state(cfg, "xla", None)
-        grads, ce_sum, count = jax.jit(lambda p, b: gradients(setup, p, b))(state.params, batch)
+        grads, ce_sum, count, _ = jax.jit(lambda p, b: gradients(setup, p, b))(state.params, batch)
         results.append((nnx.to_pure_dict(grads), float(ce_sum), float(count)))
     (g1, ce1, n1), (g4, ce4, n4) = results
     assert n1 == n4 == 8 * 32 and ce1 == pytest.approx(ce4, rel=1e-6)

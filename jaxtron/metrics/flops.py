@@ -5,6 +5,7 @@ forward, 2 FLOPs per multiply-add) of the matrix multiplies only, in the Megatro
 
     attention per layer  6 * [h*(q + 2k) + q*s + q*h]     (q*s: QK^T and AV, causal half)
     MLP per layer        6 * h * f * e                    (e = 3 SwiGLU, 2 GELU)
+    MoE per MoE layer    6 * h * f * 3 * k + 6 * h * E    (the k experts a token visits, and the router)
     logits               6 * h * V
 
 Embedding lookups, norms, softmax and activations are not counted, nor is recompute. HARDWARE FLOPs
@@ -20,16 +21,19 @@ def _mlp_matrices(cfg: ModelConfig) -> int:
     return 3 if cfg.activation == "swiglu" else 2
 
 
-def param_count(cfg: ModelConfig) -> int:
-    """Exact number of parameters of the model (no biases except LayerNorm's)."""
+def param_count(cfg: ModelConfig, active: bool = False) -> int:
+    """Exact number of parameters of the model (no biases except LayerNorm's). ``active``: only those one token
+    uses, i.e. the k experts it is routed to (plus the router) in each MoE block."""
     h, f = cfg.embed_dim, cfg.mlp_dim
     q = cfg.num_heads * cfg.resolved_head_dim
     k = cfg.num_kv_heads * cfg.resolved_head_dim
     norm = h if cfg.norm == "rmsnorm" else 2 * h  # scale (+ bias for LayerNorm)
     attention = h * q + 2 * h * k + q * h  # wq, wk, wv, wo
     mlp = _mlp_matrices(cfg) * h * f
-    per_layer = 2 * norm + attention + mlp
-    total = cfg.num_layers * per_layer
+    experts = cfg.experts_per_token if active else cfg.num_experts
+    moe = experts * mlp + h * cfg.num_experts  # experts and router
+    moe_layers = cfg.num_moe_layers
+    total = (cfg.num_layers - moe_layers) * (2 * norm + attention + mlp) + moe_layers * (2 * norm + attention + moe)
     total += cfg.vocab_size * h + norm  # token embedding, final norm
     if not cfg.tie_embeddings:
         total += cfg.vocab_size * h  # output head
@@ -39,18 +43,22 @@ def param_count(cfg: ModelConfig) -> int:
 
 
 def flops_breakdown(cfg: ModelConfig, seq_len: int, causal: bool = True) -> dict[str, float]:
-    """Model training FLOPs per token split into 'attention_proj', 'attention_scores', 'mlp', 'logits'.
+    """Model training FLOPs per token split into 'attention_proj', 'attention_scores', 'mlp', 'router',
+    'logits'.
 
-    The first three are summed over all layers.
+    All but the logits are summed over all layers; 'mlp' counts only the experts a token is routed to.
     """
     h, s, L = cfg.embed_dim, seq_len, cfg.num_layers
     q = cfg.num_heads * cfg.resolved_head_dim
     k = cfg.num_kv_heads * cfg.resolved_head_dim
     scores = q * s if causal else 2 * q * s  # QK^T + AV; causal attention touches half the keys
+    moe = cfg.num_moe_layers
+    mlp_passes = (L - moe) + moe * cfg.experts_per_token  # dense MLPs plus k experts per MoE layer
     return {
         "attention_proj": 6.0 * L * (h * (q + 2 * k) + q * h),
         "attention_scores": 6.0 * L * scores,
-        "mlp": 6.0 * L * h * cfg.mlp_dim * _mlp_matrices(cfg),
+        "mlp": 6.0 * mlp_passes * h * cfg.mlp_dim * _mlp_matrices(cfg),
+        "router": 6.0 * moe * h * cfg.num_experts,
         "logits": 6.0 * h * cfg.vocab_size,
     }
 
@@ -70,7 +78,7 @@ def hardware_flops_per_token(cfg: ModelConfig, seq_len: int, causal: bool = True
     terms = flops_breakdown(cfg, seq_len, causal)
     total = sum(terms.values())
     if cfg.remat == "full":
-        layers = terms["attention_proj"] + terms["attention_scores"] + terms["mlp"]
+        layers = terms["attention_proj"] + terms["attention_scores"] + terms["mlp"] + terms["router"]
         total += layers / 3.0
     elif cfg.remat == "save_dots":
         total += terms["attention_scores"] / 3.0

@@ -36,6 +36,7 @@ _CONSOLE: tuple[tuple[str, Callable[[float], str], str], ...] = (
     ("step_time_s", lambda v: f"{v:.3f} s/step", "n/a s/step"),
 )
 _CONSOLE_KEYS = {key for key, _, _ in _CONSOLE}
+_FILE_ONLY = ("expert_load/",)  # one value per expert: in metrics.jsonl and TensorBoard, not on the console
 
 
 def _plain(key: str, value: Any) -> Any:
@@ -73,7 +74,7 @@ def format_line(step: int, total_steps: int, metrics: Mapping[str, Any]) -> str:
             value = metrics[key]
             parts.append(missing if value is None else fmt(value))
     for key, value in metrics.items():
-        if key not in _CONSOLE_KEYS:
+        if key not in _CONSOLE_KEYS and not key.startswith(_FILE_ONLY):
             parts.append(f"{key} {_fmt(value)}")
     return " | ".join(parts)
 

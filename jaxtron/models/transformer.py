@@ -10,6 +10,7 @@ from jaxtron.config import ModelConfig
 from jaxtron.models.attention import Attention
 from jaxtron.models.layers import Norm, compute_dtype, embed_lookup, param
 from jaxtron.models.mlp import MLP
+from jaxtron.models.moe import MoE
 from jaxtron.ops import attention as attention_ops
 from jaxtron.sharding import constrain
 
@@ -39,7 +40,7 @@ REMAT_POLICIES = {
 
 def layer_groups(cfg: ModelConfig) -> list[tuple[int, int, bool]]:
     """(first, end, fp8) of each run of blocks scanned together: with model.fp8_skip_layers, the first and
-    last blocks keep 16-bit matmuls and the ones between use FP8."""
+    last blocks keep 16-bit matmuls and the ones between use FP8 (expert GEMMs stay 16-bit)."""
     n, skip = cfg.num_layers, cfg.fp8_skip_layers if cfg.fp8 else 0
     if not skip:
         return [(0, n, cfg.fp8)]
@@ -47,19 +48,37 @@ def layer_groups(cfg: ModelConfig) -> list[tuple[int, int, bool]]:
 
 
 class Block(nnx.Module):
-    """Pre-norm residual block: attention then MLP."""
+    """Pre-norm residual block: attention then a dense MLP or a mixture of experts."""
 
-    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, attention_impl: str):
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, attention_impl: str, moe: bool = False):
         self.attn_norm = Norm(cfg)
         self.attn = Attention(cfg, rngs, attention_impl)
         self.mlp_norm = Norm(cfg)
-        self.mlp = MLP(cfg, rngs)
+        self.mlp = MoE(cfg, rngs) if moe else MLP(cfg, rngs)
 
     def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array | None,
-                 fp8: bool = False) -> jax.Array:
+                 fp8: bool = False) -> tuple[jax.Array, dict[str, jax.Array]]:
+        """-> (output, routing stats of the MoE block, empty for a dense one)."""
         x = x + self.attn(self.attn_norm(x), positions, segment_ids, fp8)
-        x = x + self.mlp(self.mlp_norm(x), fp8)
-        return constrain(x, EMBED_AXES)
+        stats = {}
+        if isinstance(self.mlp, MoE):
+            y, stats = self.mlp(self.mlp_norm(x))
+        else:
+            y = self.mlp(self.mlp_norm(x), fp8)
+        return constrain(x + y, EMBED_AXES), stats
+
+
+def _stack(cfg: ModelConfig, rngs: nnx.Rngs, attention_impl: str, count: int, moe: bool) -> Block | None:
+    """``count`` blocks with parameters stacked along the logical axis ``layers`` (None for zero)."""
+    if not count:
+        return None
+
+    @nnx.split_rngs(splits=count)
+    @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
+    def make(rngs: nnx.Rngs) -> Block:
+        return Block(cfg, rngs, attention_impl, moe)
+
+    return make(rngs)
 
 
 class Transformer(nnx.Module):
@@ -69,13 +88,10 @@ class Transformer(nnx.Module):
         self.embedding = param(rngs, (v, d), ("vocab", "embed"), cfg.init_std)
         self.positions = param(rngs, (cfg.max_seq_len, d), ("position", "embed"), cfg.init_std) \
             if cfg.position_embedding == "learned" else None
-
-        @nnx.split_rngs(splits=cfg.num_layers)
-        @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
-        def make_layers(rngs: nnx.Rngs) -> Block:
-            return Block(cfg, rngs, attention_impl)
-
-        self.layers = make_layers(rngs)
+        # dense blocks in `layers`, MoE blocks in `moe_layers`; block i is MoE when (i + 1) % moe_every == 0
+        moe = cfg.num_moe_layers
+        self.layers = _stack(cfg, rngs, attention_impl, cfg.num_layers - moe, False)
+        self.moe_layers = _stack(cfg, rngs, attention_impl, moe, True)
         self.final_norm = Norm(cfg)
         self.head = None if cfg.tie_embeddings else param(rngs, (d, v), ("embed", "vocab"), cfg.init_std)
 
@@ -87,7 +103,14 @@ class Transformer(nnx.Module):
     def hidden(self, tokens: jax.Array, positions: jax.Array | None = None,
                segment_ids: jax.Array | None = None) -> jax.Array:
         """tokens: int [batch, length] -> the final normed hidden states [batch, length, embed]."""
-        dt = compute_dtype(self.cfg)
+        return self.hidden_and_stats(tokens, positions, segment_ids)[0]
+
+    def hidden_and_stats(self, tokens: jax.Array, positions: jax.Array | None = None,
+                         segment_ids: jax.Array | None = None) -> tuple[jax.Array, dict[str, jax.Array]]:
+        """Hidden states and the routing stats of the MoE blocks, each stacked [moe blocks, ...] (empty for a
+        dense model; see ``jaxtron.models.moe.route``)."""
+        cfg = self.cfg
+        dt = compute_dtype(cfg)
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
         x = embed_lookup(self.embedding[...], tokens, dt)
@@ -95,18 +118,51 @@ class Transformer(nnx.Module):
             x = x + embed_lookup(self.positions[...], positions, dt, "position")
         x = constrain(x, EMBED_AXES)
 
-        graphdef, stacked = nnx.split(self.layers)
-        for start, stop, fp8 in layer_groups(self.cfg):
-            def body(h, layer_state, fp8=fp8):
-                layer = nnx.merge(graphdef, layer_state)
-                return layer(h, positions, segment_ids, fp8), None
+        # The scan runs periods of `moe_every` blocks (one block for a dense model): the dense ones, then MoE.
+        period = cfg.moe_every if cfg.num_experts else 1
+        dense_per_period = period - 1 if cfg.num_experts else 1
+        dense_def, dense = nnx.split(self.layers) if self.layers is not None else (None, None)
+        moe_def, moe = nnx.split(self.moe_layers) if self.moe_layers is not None else (None, None)
+        stats = []
+        for start, stop, fp8 in layer_groups(cfg):
+            first, end = start // period, stop // period
 
-            if self.cfg.remat != "none":
-                body = jax.checkpoint(body, policy=REMAT_POLICIES[self.cfg.remat], prevent_cse=False)
-            group = stacked if (start, stop) == (0, self.cfg.num_layers) else \
-                jax.tree.map(lambda a, start=start, stop=stop: a[start:stop], stacked)
-            x, _ = jax.lax.scan(body, x, group)
-        return self.final_norm(x)
+            run_dense, run_moe = (self._runner(g, positions, segment_ids, fp8) for g in (dense_def, moe_def))
+
+            def body(h, xs):
+                dense_part, moe_part = xs
+                if dense_per_period == 1 and dense_part is not None:
+                    h, _ = run_dense(h, dense_part)
+                elif dense_part is not None:
+                    for j in range(dense_per_period):
+                        h, _ = run_dense(h, jax.tree.map(lambda a, j=j: a[j], dense_part))
+                return (h, {}) if moe_part is None else run_moe(h, moe_part)
+
+            def periods(tree, per):
+                """The blocks of periods first..end-1: [periods, per, ...] (per > 1) or [periods, ...]."""
+                if tree is None or not per:
+                    return None
+                if per == 1:
+                    return tree if (first, end) == (0, cfg.num_layers // period) else \
+                        jax.tree.map(lambda a: a[first:end], tree)
+                return jax.tree.map(lambda a: a[first * per:end * per].reshape(end - first, per, *a.shape[1:]), tree)
+
+            x, group_stats = jax.lax.scan(body, x, (periods(dense, dense_per_period), periods(moe, 1)))
+            stats.append(group_stats)
+        stats = {k: jnp.concatenate([s[k] for s in stats]) for k in stats[0]} if stats and stats[0] else {}
+        return self.final_norm(x), stats
+
+    def _runner(self, graphdef, positions, segment_ids, fp8: bool):
+        """block state -> (new hidden, stats) for blocks of ``graphdef``, rematerialised per ``model.remat``."""
+        if graphdef is None:
+            return None
+
+        def run(h, layer_state):
+            return nnx.merge(graphdef, layer_state)(h, positions, segment_ids, fp8)
+
+        if self.cfg.remat == "none":
+            return run
+        return jax.checkpoint(run, policy=REMAT_POLICIES[self.cfg.remat], prevent_cse=False)
 
     def output_head(self) -> jax.Array:
         """The [embed, vocab] output matrix in the compute dtype (the embedding's transpose when tied)."""

@@ -58,6 +58,20 @@ def _check_workdir(workdir: str) -> None:
         raise ConfigError(f"workdir '{workdir}' is not writable ({e.strerror}); pass a writable --workdir.") from None
 
 
+def scalar_metrics(metrics: dict[str, Any]) -> dict[str, float]:
+    """Step metrics as floats; a vector such as ``expert_load`` becomes one key per entry (expert_load/0, ...)."""
+    values = {}
+    for key, value in metrics.items():
+        if key in STEP_FLAGS:
+            continue
+        value = np.asarray(value)
+        if value.ndim:
+            values.update({f"{key}/{i}": float(v) for i, v in enumerate(value.reshape(-1))})
+        else:
+            values[key] = float(value)
+    return values
+
+
 def max_segments(cfg: Config, implementation: str) -> int | None:
     """The most documents a packed row may hold: cuDNN's packed attention is built for a fixed number."""
     return cfg.model.attention_max_segments if implementation == "cudnn" else None
@@ -102,8 +116,10 @@ def _train(cfg, workdir, mesh, setup, shardings, implementation, use_tqdm) -> di
     is_main = jax.process_index() == 0
     train_source, validation, facts = make_sources(cfg)
     n_params = flops_lib.param_count(cfg.model)
-    log.info("model %s: %.4gM parameters; mesh %s; attention %s; compute %s", cfg.model.name, n_params / 1e6,
-             dict(mesh.shape), implementation, cfg.model.dtype)
+    active = f" ({flops_lib.param_count(cfg.model, active=True) / 1e6:.4g}M active per token)" \
+        if cfg.model.num_experts else ""
+    log.info("model %s: %.4gM parameters%s; mesh %s; attention %s; compute %s", cfg.model.name, n_params / 1e6,
+             active, dict(mesh.shape), implementation, cfg.model.dtype)
     if "unigram_entropy" in facts:
         log.info("data: %d tokens; unigram entropy of the training text %.4f nats/token (the loss of the best "
                  "context-free model)", facts["train_tokens"], facts["unigram_entropy"])
@@ -187,7 +203,7 @@ def _train(cfg, workdir, mesh, setup, shardings, implementation, use_tqdm) -> di
             # one process alone needs no agreement: it stops at the first step boundary after the signal
             stop |= single_process and preemption.requested is not None
             if log_now:
-                values = {k: float(v) for k, v in jax.device_get(metrics).items() if k not in STEP_FLAGS}
+                values = scalar_metrics(jax.device_get(metrics))
                 values["loss_avg"] = float(np.mean(jax.device_get(interval_losses)))  # since the last log line
                 values.update(throughput(time.perf_counter() - interval_start, len(interval_losses)))
                 if not history:

@@ -46,14 +46,23 @@ def _chunked_token_sums(x, head, targets, weights, chunks: int) -> tuple[jax.Arr
     return ce, zz
 
 
+def moe_metrics(stats: dict[str, jax.Array]) -> dict[str, jax.Array]:
+    """Routing stats stacked over MoE blocks -> their means over blocks (empty for a dense model)."""
+    if not stats:
+        return {}
+    return {"moe_aux_loss": jnp.mean(stats["aux_loss"]), "moe_z_loss": jnp.mean(stats["z_loss"]),
+            "moe_dropped_fraction": jnp.mean(stats["dropped"]), "expert_load": jnp.mean(stats["load"], axis=0)}
+
+
 def loss_sums(params: Any, graphdef: Any, batch: Batch, z_loss: float,
               logit_chunks: int = 1) -> tuple[jax.Array, tuple]:
-    """(objective summed over tokens, (cross-entropy sum, token count)).
+    """(objective summed over tokens, (cross-entropy sum, token count, MoE metrics of ``moe_metrics``)).
 
-    Sums rather than means so microbatches add up exactly to the large batch.
+    Sums rather than means so microbatches add up exactly to the large batch. The MoE auxiliary losses are
+    means over the batch, so they enter the objective multiplied by the token count.
     """
     model = nnx.merge(graphdef, params)
-    x = model.hidden(batch["inputs"], batch.get("positions"), batch.get("segment_ids"))
+    x, stats = model.hidden_and_stats(batch["inputs"], batch.get("positions"), batch.get("segment_ids"))
     weights = batch.get("loss_mask")
     weights = jnp.ones(batch["targets"].shape, jnp.float32) if weights is None else weights.astype(jnp.float32)
     if logit_chunks == 1:
@@ -61,7 +70,12 @@ def loss_sums(params: Any, graphdef: Any, batch: Batch, z_loss: float,
     else:
         ce_sum, z_sum = _chunked_token_sums(x, model.output_head(), batch["targets"], weights, logit_chunks)
     objective = ce_sum + z_loss * z_sum if z_loss else ce_sum
-    return objective, (ce_sum, jnp.sum(weights))
+    count = jnp.sum(weights)
+    moe = moe_metrics(stats)
+    if moe:
+        m = model.cfg
+        objective += count * (m.router_aux_loss * moe["moe_aux_loss"] + m.router_z_loss * moe["moe_z_loss"])
+    return objective, (ce_sum, count, moe)
 
 
 def split_microbatches(batch: Batch, k: int) -> Batch:
@@ -73,24 +87,25 @@ def split_microbatches(batch: Batch, k: int) -> Batch:
 
 
 def gradients(setup: Setup, params: Any, batch: Batch):
-    """Summed gradients and sums over the whole batch, accumulated over microbatches in float32."""
+    """(summed gradients, cross-entropy sum, token count, MoE metrics) of the whole batch; gradients and sums are
+    accumulated over microbatches in float32, the MoE metrics averaged over them."""
     microbatches, z_loss = setup.microbatches, setup.z_loss
     grad_fn = jax.value_and_grad(loss_sums, has_aux=True)
     if microbatches == 1:
-        (_, (ce_sum, count)), grads = grad_fn(params, setup.graphdef, batch, z_loss, setup.logit_chunks)
-        return grads, ce_sum, count
+        (_, (ce_sum, count, moe)), grads = grad_fn(params, setup.graphdef, batch, z_loss, setup.logit_chunks)
+        return grads, ce_sum, count, moe
 
     def body(carry, micro):
-        acc, ce_acc, count_acc = carry
         micro = {k: constrain(v, BATCH_AXES) for k, v in micro.items()}
-        (_, (ce_sum, count)), grads = grad_fn(params, setup.graphdef, micro, z_loss, setup.logit_chunks)
-        acc = jax.tree.map(jnp.add, acc, grads)
-        return (acc, ce_acc + ce_sum, count_acc + count), None
+        (_, sums), grads = grad_fn(params, setup.graphdef, micro, z_loss, setup.logit_chunks)
+        return jax.tree.map(jnp.add, carry, (grads, *sums)), None
 
-    zeros = jax.tree.map(jnp.zeros_like, params)
-    init = (zeros, jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32))
-    (grads, ce_sum, count), _ = jax.lax.scan(body, init, split_microbatches(batch, microbatches))
-    return grads, ce_sum, count
+    micro_batches = split_microbatches(batch, microbatches)
+    first = jax.tree.map(lambda a: a[0], micro_batches)
+    (_, sums), grads = jax.eval_shape(lambda: grad_fn(params, setup.graphdef, first, z_loss, setup.logit_chunks))
+    init = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), (grads, *sums))
+    (grads, ce_sum, count, moe), _ = jax.lax.scan(body, init, micro_batches)
+    return grads, ce_sum, count, jax.tree.map(lambda a: a / microbatches, moe)
 
 
 def all_finite(tree: Any) -> jax.Array:
@@ -109,7 +124,7 @@ def train_step(setup: Setup, state: TrainState, batch: Batch,
     then on no update is applied. ``metrics["state_finite"]`` tells whether the new state may be saved (checked
     here, where the state is read anyway, rather than by reading it again at save time).
     """
-    grads, ce_sum, count = gradients(setup, state.params, batch)
+    grads, ce_sum, count, moe = gradients(setup, state.params, batch)
     grads = jax.tree.map(lambda g: g / count, grads)
     loss, grad_norm = ce_sum / count, optax.tree.norm(grads)
     updates, opt_state = setup.tx.update(grads, state.opt_state, state.params)
@@ -127,14 +142,16 @@ def train_step(setup: Setup, state: TrainState, batch: Batch,
     votes = jnp.zeros((), jnp.int32) if stop_votes is None else jnp.max(stop_votes)
     metrics = {"loss": loss, "grad_norm": grad_norm, "learning_rate": setup.schedule(state.step),
                "nonfinite_steps": total, "nonfinite_stopped": stopped.astype(jnp.int32), "stop_requested": votes,
-               "state_finite": all_finite((params, opt_state))}
+               "state_finite": all_finite((params, opt_state)), **moe}
+    if moe:  # the most loaded expert's share relative to a perfectly balanced one (1: balanced)
+        metrics["moe_max_load"] = jnp.max(moe["expert_load"]) * moe["expert_load"].shape[0]
     nonfinite = jnp.stack([total, in_row, stopped]).astype(jnp.int32)
     return TrainState(step=state.step + 1, params=params, opt_state=opt_state, nonfinite=nonfinite), metrics
 
 
 def eval_step(setup: Setup, params: Any, batch: Batch) -> dict[str, jax.Array]:
     """Summed cross-entropy and token count of a batch (no gradients)."""
-    _, (ce_sum, count) = loss_sums(params, setup.graphdef, batch, 0.0, setup.logit_chunks)
+    _, (ce_sum, count, _) = loss_sums(params, setup.graphdef, batch, 0.0, setup.logit_chunks)
     return {"ce_sum": ce_sum, "count": count}
 
 
