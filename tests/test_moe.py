@@ -1,0 +1,330 @@
+"""Mixture of experts: routing, dropless and capacity execution against a loop over experts, expert parallelism
+on every mesh, auxiliary losses, parameter and FLOP counts of the Mixtral configs."""
+
+import json
+import math
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from conftest import REPO
+from helpers import tiny_config
+from jaxtron.config import ConfigError, ModelConfig
+from jaxtron.config_loader import load_config
+from jaxtron.data.loader import SyntheticSource
+from jaxtron.mesh import make_mesh
+from jaxtron.metrics import flops
+from jaxtron.models import build_model
+from jaxtron.models.moe import MoE, capacity, route
+from jaxtron.training import state as state_lib
+from jaxtron.training.loop import run
+from jaxtron.training.step import gradients, train_step
+
+E, K = 8, 2
+LAYER_MESHES = {
+    "fsdp8": dict(fsdp=8),
+    "fsdp2_expert2_tensor2": dict(fsdp=2, expert=2, tensor=2),
+    "data2_expert4": dict(data=2, fsdp=1, expert=4),
+    "sequence2_expert2_tensor2": dict(fsdp=1, sequence=2, expert=2, tensor=2),
+    "expert8": dict(fsdp=1, expert=8),
+}
+
+
+def _layer_cfg(**kw) -> ModelConfig:
+    # init_std 0.3 makes outputs O(1), so the tolerances below are relative ones
+    base = dict(embed_dim=32, num_layers=2, num_heads=4, num_kv_heads=2, mlp_dim=48, init_std=0.3,
+                num_experts=E, experts_per_token=K)
+    return ModelConfig(**{**base, **kw})
+
+
+def _layer(cfg: ModelConfig):
+    with nnx.use_eager_sharding(False):
+        return nnx.split(MoE(cfg, nnx.Rngs(params=0)))
+
+
+def _mesh(sizes):
+    return make_mesh(tiny_config(sizes).mesh.resolve(8))
+
+
+def _reference(graphdef, state, x, keep=None, renormalize=True):
+    """A plain loop over all experts: every expert runs on every token, weighted by the token's routing."""
+    m = nnx.merge(graphdef, state)
+    probs = jax.nn.softmax(x @ m.router[...], axis=-1)
+    top = jnp.argsort(-probs, axis=-1)[..., :K]  # [b, t, k]
+    w = jnp.take_along_axis(probs, top, axis=-1)
+    if renormalize:
+        w = w / jnp.sum(w, axis=-1, keepdims=True)
+    if keep is not None:
+        w = w * keep
+    combine = jnp.sum(jax.nn.one_hot(top, E) * w[..., None], axis=2)  # [b, t, E]
+    out = jnp.zeros_like(x)
+    for e in range(E):
+        hidden = jax.nn.silu(x @ m.wi_gate[...][e]) * (x @ m.wi_up[...][e])
+        out = out + combine[..., e:e + 1] * (hidden @ m.wo[...][e])
+    return out
+
+
+def _apply(graphdef, mesh, state, x):
+    """(output, stats) of the MoE layer under jit, on ``mesh`` or without one."""
+    fn = jax.jit(lambda s, x: nnx.merge(graphdef, s)(x))
+    if mesh is None:
+        return fn(state, x)
+    with jax.set_mesh(mesh):
+        return fn(state, x)
+
+
+def _close(a, b, rtol):
+    a, b = np.asarray(a), np.asarray(b)
+    scale = np.abs(b).max()
+    assert scale > 0.1  # the comparison is not between two near-zero arrays
+    np.testing.assert_allclose(a, b, rtol=0, atol=rtol * scale)
+
+
+@pytest.mark.parametrize("mesh_name", [None] + list(LAYER_MESHES))
+def test_dropless_equals_loop_over_experts_with_gradients(mesh_name):
+    graphdef, state = _layer(_layer_cfg())
+    x = jax.random.normal(jax.random.key(1), (8, 16, 32))
+    mesh = _mesh(LAYER_MESHES[mesh_name]) if mesh_name else None
+    y, stats = _apply(graphdef, mesh, state, x)
+    _close(y, _reference(graphdef, state, x), 1e-5)
+    assert float(stats["dropped"]) == 0.0
+
+    def loss(fn):
+        return lambda s, x: jnp.sum(jnp.sin(fn(s, x)))  # a loss whose gradient depends on every output
+
+    ours = loss(lambda s, x: nnx.merge(graphdef, s)(x)[0])
+    if mesh is None:
+        got = jax.jit(jax.grad(ours, argnums=(0, 1)))(state, x)
+    else:
+        with jax.set_mesh(mesh):
+            got = jax.jit(jax.grad(ours, argnums=(0, 1)))(state, x)
+    want = jax.grad(loss(lambda s, x: _reference(graphdef, s, x)), argnums=(0, 1))(state, x)
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        _close(g, w, 1e-5)
+
+
+def _collectives(mesh, graphdef, state, x) -> str:
+    with jax.set_mesh(mesh):
+        fn = jax.jit(jax.grad(lambda s, x: jnp.sum(nnx.merge(graphdef, s)(x)[0] ** 2), argnums=(0, 1)))
+        return fn.lower(state, x).compile().as_text()
+
+
+def test_expert_axis_exchanges_tokens_by_all_to_all():
+    graphdef, state = _layer(_layer_cfg())
+    x = jax.random.normal(jax.random.key(1), (8, 16, 32))
+    hlo = _collectives(_mesh(dict(data=2, fsdp=1, expert=4)), graphdef, state, x)
+    # forward: rows out, per-expert counts, outputs back; backward: the two row exchanges transposed
+    exchanges = [line for line in hlo.splitlines() if "all-to-all(" in line]
+    assert len(exchanges) == 5
+    # each device sends each of the 4 expert shards a fixed buffer of (its 1 row x 16 tokens x top-2) rows
+    assert sum("f32[1,32,32]" in line for line in exchanges) == 4
+    assert "all-to-all(" not in _collectives(_mesh(dict(fsdp=8)), graphdef, state, x)
+
+
+def _keep_reference(ids: np.ndarray, slots: int) -> np.ndarray:
+    """Capacity rule by hand: per row, first choices in token order, then second choices, each expert
+    taking at most ``slots``."""
+    b, t, k = ids.shape
+    keep = np.zeros(ids.shape, bool)
+    for row in range(b):
+        used = np.zeros(E, int)
+        for choice in range(k):
+            for tok in range(t):
+                e = ids[row, tok, choice]
+                keep[row, tok, choice] = used[e] < slots
+                used[e] += 1
+    return keep
+
+
+def test_capacity_mode_with_room_for_every_token_equals_dropless():
+    x = jax.random.normal(jax.random.key(2), (8, 16, 32))
+    graphdef, state = _layer(_layer_cfg())
+    dropless, _ = _apply(graphdef, None, state, x)
+    roomy = _layer_cfg(moe_mode="capacity", capacity_factor=E / K)  # capacity = the whole row
+    assert capacity(roomy, 16) == 16
+    graphdef_c, state_c = _layer(roomy)
+    for mesh in (None, _mesh(dict(data=2, fsdp=1, expert=4))):
+        y, stats = _apply(graphdef_c, mesh, state_c, x)
+        np.testing.assert_allclose(np.asarray(y), np.asarray(dropless), rtol=0, atol=1e-5)
+        assert float(stats["dropped"]) == 0.0
+
+
+@pytest.mark.parametrize("mesh_name", [None, "sequence2_expert2_tensor2", "expert8"])
+def test_capacity_mode_drops_by_priority_and_dropped_tokens_pass_through(mesh_name):
+    cfg = _layer_cfg(moe_mode="capacity", capacity_factor=0.25)
+    slots = capacity(cfg, 16)
+    assert slots == 1  # ceil(0.25 * 16 * 2 / 8): one token per expert and row
+    graphdef, state = _layer(cfg)
+    x = jax.random.normal(jax.random.key(3), (8, 16, 32))
+    y, stats = _apply(graphdef, _mesh(LAYER_MESHES[mesh_name]) if mesh_name else None, state, x)
+    m = nnx.merge(graphdef, state)
+    probs = jax.nn.softmax(x @ m.router[...], axis=-1)
+    ids = np.asarray(jnp.argsort(-probs, axis=-1)[..., :K])
+    keep = _keep_reference(ids, slots)
+    assert 0.75 <= 1 - keep.mean() < 1  # 8 slots per row for 32 assignments
+    assert float(stats["dropped"]) == pytest.approx(1 - keep.mean(), abs=1e-7)
+    _close(y, _reference(graphdef, state, x, keep=jnp.asarray(keep, jnp.float32)), 1e-5)
+    fully_dropped = ~keep.any(-1)
+    assert fully_dropped.any()
+    assert np.all(np.asarray(y)[fully_dropped] == 0.0)  # the block adds nothing: the residual carries them
+
+
+def test_router_weights_and_auxiliary_losses():
+    logits = jax.random.normal(jax.random.key(4), (4, 8, E)) * 3
+    probs = np.asarray(jax.nn.softmax(logits, axis=-1), np.float64)
+    top = np.argsort(-probs, axis=-1)[..., :K]
+    picked = np.take_along_axis(probs, top, -1)
+    for renormalize in (True, False):
+        ids, w, stats = route(_layer_cfg(router_renormalize=renormalize), logits)
+        np.testing.assert_array_equal(np.asarray(ids), top)
+        want = picked / picked.sum(-1, keepdims=True) if renormalize else picked
+        np.testing.assert_allclose(np.asarray(w), want, rtol=1e-6)
+    load = np.bincount(top.reshape(-1), minlength=E) / top.size
+    np.testing.assert_allclose(np.asarray(stats["load"]), load, rtol=1e-6)
+    assert float(stats["aux_loss"]) == pytest.approx(E * np.sum(load * probs.mean((0, 1))), rel=1e-5)
+    log_z = np.log(np.exp(np.asarray(logits, np.float64)).sum(-1))
+    assert float(stats["z_loss"]) == pytest.approx(np.mean(log_z ** 2), rel=1e-5)
+    # a router that sends every token to the same two experts has the largest loss: experts / k
+    skewed = jnp.zeros((4, 8, E)).at[..., :K].set(30.0)
+    assert float(route(_layer_cfg(), skewed)[2]["aux_loss"]) == pytest.approx(E / K, rel=1e-4)
+
+
+def test_moe_every_second_block_runs_blocks_in_order():
+    cfg = tiny_config(model=dict(num_layers=4, num_experts=4, experts_per_token=2, moe_every=2, init_std=0.2)).model
+    model = build_model(cfg, 0)
+    params = nnx.state(model, nnx.Param)
+    assert params["layers"]["mlp"]["wi_up"].get_value().shape == (2, 64, 128)  # blocks 0 and 2: dense
+    assert params["moe_layers"]["mlp"]["wi_up"].get_value().shape == (2, 4, 64, 128)  # blocks 1 and 3: MoE
+    assert sum(math.prod(x.shape) for x in jax.tree.leaves(params)) == flops.param_count(cfg)
+    tokens = jax.random.randint(jax.random.key(5), (2, 16), 0, cfg.vocab_size)
+    x_model, stats = jax.jit(lambda t: model.hidden_and_stats(t))(tokens)
+    assert stats["load"].shape == (2, 4)
+    # by hand: dense 0, MoE 0, dense 1, MoE 1
+    dense_def, dense = nnx.split(model.layers)
+    moe_def, moe = nnx.split(model.moe_layers)
+    positions = jnp.broadcast_to(jnp.arange(16), tokens.shape)
+    x = jnp.take(model.embedding[...], tokens, axis=0)
+    for i in range(2):
+        x, _ = nnx.merge(dense_def, jax.tree.map(lambda a: a[i], dense))(x, positions, None)
+        x, _ = nnx.merge(moe_def, jax.tree.map(lambda a: a[i], moe))(x, positions, None)
+    np.testing.assert_allclose(np.asarray(x_model), np.asarray(model.final_norm(x)), atol=2e-5)
+
+
+MIXTRAL = {"mixtral_8x7b": (46.7e9, 12.9e9), "mixtral_8x22b": (140.6e9, 39e9)}
+
+
+@pytest.mark.parametrize("name", list(MIXTRAL))
+def test_mixtral_parameter_counts_match_published(name):
+    cfg = load_config(os.path.join(REPO, "configs", f"{name}.py"))
+    abstract = nnx.eval_shape(lambda: build_model(cfg.model, 0))
+    counted = sum(math.prod(x.shape) for x in jax.tree.leaves(nnx.state(abstract, nnx.Param)))
+    total, active = MIXTRAL[name]
+    assert counted == flops.param_count(cfg.model) == pytest.approx(total, rel=5e-3)
+    assert flops.param_count(cfg.model, active=True) == pytest.approx(active, rel=1e-2)
+    cfg.check_devices(64)  # the config's own mesh is valid on 64 devices
+
+
+def test_flops_count_only_the_active_experts_and_the_router():
+    cfg = load_config(os.path.join(REPO, "configs", "mixtral_8x7b.py")).model
+    h, f, L = 4096, 14336, 32
+    terms = flops.flops_breakdown(cfg, 4096)
+    assert terms["mlp"] == 6.0 * L * 2 * 3 * h * f  # top-2 of 8 experts
+    assert terms["router"] == 6.0 * L * h * 8
+    import dataclasses
+    dense = dataclasses.replace(cfg, num_experts=0)  # the same model with one MLP per block
+    assert flops.flops_per_token(cfg, 4096) - flops.flops_per_token(dense, 4096) == \
+        pytest.approx(6.0 * L * (3 * h * f + 8 * h))
+    # 6 * active parameters (without the embedding) is the matmul part, as for a dense model
+    no_attention = flops.flops_per_token(cfg, 4096) - terms["attention_scores"]
+    active_matmul = flops.param_count(cfg, active=True) - cfg.vocab_size * h - (2 * L + 1) * h
+    assert no_attention == pytest.approx(6.0 * active_matmul)
+
+
+@pytest.mark.parametrize("change, field", [
+    (dict(num_experts=6), "model.num_experts"),  # mesh.expert = 4 does not divide 6
+    (dict(moe_every=3), "model.moe_every"),
+    (dict(experts_per_token=9), "model.experts_per_token"),
+    (dict(moe_mode="token_choice"), "model.moe_mode"),
+    (dict(activation="gelu"), "model.activation"),
+    (dict(capacity_factor=0.0), "model.capacity_factor"),
+])
+def test_bad_moe_config_names_the_field(change, field):
+    with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
+        cfg = tiny_config(dict(fsdp=2, expert=4), model={**dict(num_layers=4, num_experts=8), **change})
+        cfg.check_devices(8)
+
+
+def _losses(summary):
+    return np.array([h["loss"] for h in summary["history"]])
+
+
+MOE = dict(num_experts=4, experts_per_token=2)
+
+
+@pytest.fixture(scope="module")
+def single_device_moe_run(tmp_path_factory):
+    workdir = str(tmp_path_factory.mktemp("moe_single"))
+    return workdir, run(tiny_config(dict(fsdp=1), model=MOE), workdir, use_tqdm=False, devices=jax.devices()[:1])
+
+
+@pytest.mark.parametrize("mesh", [dict(data=2, fsdp=2, tensor=2), dict(data=2, fsdp=1, expert=2, tensor=2),
+                                  dict(fsdp=2, expert=4)], ids=["expert1", "expert2", "expert4"])
+def test_training_losses_are_the_same_on_every_mesh(mesh, single_device_moe_run, tmp_path):
+    summary = run(tiny_config(mesh, model=MOE), str(tmp_path), use_tqdm=False)
+    expected = _losses(single_device_moe_run[1])
+    assert len(expected) == 3 and np.all(np.diff(expected) != 0)
+    np.testing.assert_allclose(_losses(summary), expected, rtol=1e-5)
+    wi = summary["state"].params["moe_layers"]["mlp"]["wi_up"].get_value()
+    assert wi.sharding.shard_shape(wi.shape)[1] == 4 // mesh.get("expert", 1)  # experts really split
+
+
+def test_routing_metrics_are_logged(single_device_moe_run):
+    workdir, _ = single_device_moe_run
+    lines = [json.loads(line) for line in open(os.path.join(workdir, "metrics.jsonl"))]
+    last = [line for line in lines if "loss" in line][-1]
+    load = [last[f"expert_load/{e}"] for e in range(4)]
+    assert sum(load) == pytest.approx(1.0) and min(load) > 0
+    assert last["moe_max_load"] == pytest.approx(4 * max(load))
+    assert last["moe_dropped_fraction"] == 0.0 and last["moe_aux_loss"] >= 1.0 and last["moe_z_loss"] > 0
+    assert "expert_load/4" not in last
+
+
+def _skewed_state(cfg):
+    """A fresh state whose tokens share one embedding direction that the router sends to expert 0."""
+    state = state_lib.init_state(cfg, "xla", None)
+    params = nnx.to_pure_dict(state.params)
+    u = jax.random.normal(jax.random.key(7), (cfg.model.embed_dim,))
+    params["embedding"] = params["embedding"] + 0.01 * u  # about half of each token's embedding (std 0.02)
+    router = params["moe_layers"]["mlp"]["router"]
+    params["moe_layers"]["mlp"]["router"] = router.at[:, :, 0].add(u / jnp.linalg.norm(u))
+    nnx.replace_by_pure_dict(state.params, params)
+    return state
+
+
+def _max_loads(coefficient: float, steps: int) -> list[float]:
+    cfg = tiny_config(model=dict(MOE, router_aux_loss=coefficient, router_z_loss=0.0), train=dict(steps=steps),
+                      optimizer=dict(learning_rate=1e-3, warmup_steps=1, min_lr_ratio=1.0))
+    setup = state_lib.setup(cfg, "xla")
+    step = jax.jit(lambda s, b: train_step(setup, s, b))
+    source = SyntheticSource(256, 32, 0)
+    state, loads = _skewed_state(cfg), []
+    for i in range(steps):
+        batch = {k: jnp.asarray(v) for k, v in source.rows(np.arange(8 * i, 8 * i + 8)).items()}
+        if i == 0:
+            grads = jax.jit(lambda p, b: gradients(setup, p, b)[0])(state.params, batch)
+            router_grad = np.asarray(grads["moe_layers"]["mlp"]["router"].get_value())
+            assert np.all(np.isfinite(router_grad)) and np.abs(router_grad).max() > 0
+        state, metrics = step(state, batch)
+        loads.append(float(metrics["moe_max_load"]))
+    return loads
+
+
+def test_auxiliary_loss_moves_the_load_toward_balance():
+    with_aux, without = _max_loads(1.0, 20), _max_loads(0.0, 20)
+    assert with_aux[0] == without[0] == 2.0  # the skewed start: expert 0 is one of the two choices of every token
+    # moe_max_load: the busiest expert's share relative to a balanced one; averaged over the last 10 steps
+    assert np.mean(with_aux[10:]) < 1.35 and np.mean(without[10:]) > 1.9
