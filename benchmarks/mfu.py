@@ -1,9 +1,9 @@
 """Throughput and MFU of the real train step, on synthetic tokens, for one or several configs.
 
     python benchmarks/mfu.py configs/default.py [configs/llama3_8b.py ...] [--steps 10] [--warmup 2]
-        [--output results.json] [--config.<section>.<field>=<value> ...]
+        [--output results.json] [--sweep mesh.expert=1,2,4,8] [--config.<section>.<field>=<value> ...]
 
-Overrides apply to every config. Each config is compiled, warmed up, then timed step by step
+Overrides apply to every config; ``--sweep FIELD=V1,V2,...`` runs every config once per value of FIELD. Each config is compiled, warmed up, then timed step by step
 (each step waits for the device); the table reports the median step time and its spread
 (min-max), tokens/s, model TFLOP/s per device, MFU against the dense peak, the fraction of a
 matmul ceiling measured in the same process, and peak device memory where the backend reports it.
@@ -130,10 +130,17 @@ def main(argv: list[str]) -> int:
         parser.add_argument("--steps", type=int, default=10, help="timed steps (default 10)")
         parser.add_argument("--warmup", type=int, default=2, help="untimed steps after compiling (default 2)")
         parser.add_argument("--output", default=None, help="JSON file for the full results")
+        parser.add_argument("--sweep", default=None, help="FIELD=V1,V2,...: one run per value of a config field")
         args = parser.parse_args(rest)
         if args.steps < 1 or args.warmup < 0:
             raise ConfigError("--steps must be >= 1 and --warmup >= 0; pass sensible counts.")
-        rows = [bench_one(spec, overrides, args.steps, args.warmup) for spec in args.configs]
+        variants = [overrides]
+        if args.sweep:
+            field, _, values = args.sweep.partition("=")
+            if not field or not values:
+                raise ConfigError(f"--sweep {args.sweep!r} is not FIELD=V1,V2,...; write e.g. --sweep mesh.expert=1,2,4.")
+            variants = [[*overrides, (field, v)] for v in values.split(",")]
+        rows = [bench_one(spec, v, args.steps, args.warmup) for spec in args.configs for v in variants]
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -328,3 +328,16 @@ def test_auxiliary_loss_moves_the_load_toward_balance():
     assert with_aux[0] == without[0] == 2.0  # the skewed start: expert 0 is one of the two choices of every token
     # moe_max_load: the busiest expert's share relative to a balanced one; averaged over the last 10 steps
     assert np.mean(with_aux[10:]) < 1.35 and np.mean(without[10:]) > 1.9
+
+
+def test_mixtral_tiny_learns_text_with_experts_split_over_two_devices(tmp_path):
+    overrides = [("data.path", str(tmp_path / "stdlib-store")), ("train.steps", "60"), ("train.log_every", "20"),
+                 ("train.eval_batches", "2"), ("mesh.expert", "2"), ("mesh.fsdp", "1")]
+    cfg = load_config(os.path.join(REPO, "configs", "mixtral_tiny.py"), overrides)
+    summary = run(cfg, str(tmp_path / "run"), use_tqdm=False, devices=jax.devices()[:2])
+    wi = summary["state"].params["moe_layers"]["mlp"]["wi_up"].get_value()
+    assert wi.sharding.shard_shape(wi.shape)[1] == 4  # 8 experts, 4 on each device
+    entropy = summary["unigram_entropy"]
+    assert summary["final_loss"] < entropy - 0.5 and summary["validation_loss"] < entropy - 0.5
+    last = summary["history"][-1]
+    assert 1.0 <= last["moe_max_load"] < 8.0 / 2 and last["moe_dropped_fraction"] == 0.0
