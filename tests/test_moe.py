@@ -114,15 +114,20 @@ def _collectives(mesh, graphdef, state, x) -> str:
 
 
 def test_expert_axis_exchanges_tokens_by_all_to_all():
-    graphdef, state = _layer(_layer_cfg())
     x = jax.random.normal(jax.random.key(1), (8, 16, 32))
+    graphdef, state = _layer(_layer_cfg())
     hlo = _collectives(_mesh(dict(data=2, fsdp=1, expert=4)), graphdef, state, x)
-    # forward: rows out, per-expert counts, outputs back; backward: the two row exchanges transposed
+    # dropless, forward: rows out, per-expert counts, outputs back; backward: the two row exchanges transposed
     exchanges = [line for line in hlo.splitlines() if "all-to-all(" in line]
     assert len(exchanges) == 5
     # each device sends each of the 4 expert shards a fixed buffer of (its 1 row x 16 tokens x top-2) rows
     assert sum("f32[1,32,32]" in line for line in exchanges) == 4
     assert "all-to-all(" not in _collectives(_mesh(dict(fsdp=8)), graphdef, state, x)
+    # capacity: slots out and back, and both transposed; per shard 2 local experts x 1 row x 5 slots
+    graphdef, state = _layer(_layer_cfg(moe_mode="capacity"))
+    hlo = _collectives(_mesh(dict(data=2, fsdp=1, expert=4)), graphdef, state, x)
+    exchanges = [line for line in hlo.splitlines() if "all-to-all(" in line]
+    assert len(exchanges) == 4 and all(line.count("f32[1,2,5,32]") == 4 for line in exchanges)
 
 
 def _keep_reference(ids: np.ndarray, slots: int) -> np.ndarray:

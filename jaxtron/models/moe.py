@@ -6,15 +6,19 @@ fit. Those are means over the global batch, so they do not depend on the mesh.
 
 The experts run inside ``shard_map`` over every mesh axis. Each device holds the tokens of its batch and
 sequence shard and the experts of its ``expert`` shard (gathered over ``fsdp``, split over ``tensor`` like
-a dense MLP). It sorts its token-expert assignments by expert. With ``mesh.expert`` > 1 it sends each
-expert shard its rows by ``all_to_all`` over the expert axis, in a buffer of fixed size per destination.
-It runs the grouped GEMMs of its local experts with ``jax.lax.ragged_dot`` and sends the outputs back the
-same way. Then it weights and sums each token's k outputs and sums the ``tensor`` partial products.
+a dense MLP). With ``mesh.expert`` > 1, rows travel to the shard that owns their expert and back by
+``all_to_all`` over the expert axis, in buffers of a fixed size per destination. At the end each token's k
+outputs are weighted and summed, and the ``tensor`` partial products are summed.
 
-Buffer size per destination shard: dropless mode has to allow for every local assignment going to one
-shard (tokens * k rows). Capacity mode needs at most rows * capacity * local experts. The grouped GEMM
-multiplies only the rows that were routed (rows past the group sizes are skipped), so the padding costs
-memory and exchange bandwidth but no FLOPs.
+- dropless: a device sorts its assignments by expert and runs one grouped GEMM per matrix
+  (``jax.lax.ragged_dot``) over its experts' rows. Each destination's buffer holds all of the device's
+  assignments, the worst case, because nothing may be dropped.
+- capacity: every expert has ``capacity`` fixed slots per batch row; kept assignments are scattered into
+  them, and each expert runs one dense batched GEMM over its slots. Buffers and FLOPs are
+  ``capacity_factor`` times the routed work, on any backend.
+
+How fast ``ragged_dot`` is depends on the backend. XLA:CPU expands it to a dense GEMM of every row with
+every local expert (E_local times the routed FLOPs); a GPU can run it as a grouped GEMM.
 """
 
 from __future__ import annotations
@@ -69,14 +73,20 @@ def route(cfg: ModelConfig, logits: jax.Array) -> tuple[jax.Array, jax.Array, di
     return ids, weights, stats
 
 
-def _within_capacity(chosen: jax.Array, slots: int) -> jax.Array:
-    """Which assignments [b, t, k] fit their expert's ``slots`` in their row. First choices of the whole row
-    come before second choices, each in token order (so a token loses its second expert before another
-    token loses its first)."""
+def _rank_in_row(chosen: jax.Array) -> jax.Array:
+    """Index of each assignment [b, t, k] among the assignments of the same expert in its row (``chosen``:
+    one-hot [b, t, k, E], zero rows for dropped ones). Order: the first choices of the whole row, then the
+    second choices, each in token order."""
     b, t, k, e = chosen.shape
     ordered = jnp.swapaxes(chosen, 1, 2).reshape(b, k * t, e)  # [b, (choice, token), E]
-    position = jnp.sum((jnp.cumsum(ordered, axis=1) - 1.0) * ordered, axis=-1)  # index among the same expert
-    return jnp.swapaxes((position < slots).reshape(b, k, t), 1, 2)
+    rank = jnp.sum((jnp.cumsum(ordered, axis=1) - 1) * ordered, axis=-1)
+    return jnp.swapaxes(rank.reshape(b, k, t), 1, 2)
+
+
+def _within_capacity(chosen: jax.Array, slots: int) -> jax.Array:
+    """Which assignments [b, t, k] fit their expert's ``slots`` in their row: a token loses its second expert
+    before another token loses its first."""
+    return _rank_in_row(chosen) < slots
 
 
 def _swiglu_grouped(rows: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array,
@@ -86,62 +96,99 @@ def _swiglu_grouped(rows: jax.Array, gate: jax.Array, up: jax.Array, down: jax.A
     return jax.lax.ragged_dot(h, down, group_sizes)
 
 
+def _swiglu_batched(slots: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array) -> jax.Array:
+    """Fixed slots of each expert [E, m, d] -> outputs [E, m, d]: one batched GEMM per matrix."""
+    h = jax.nn.silu(jnp.einsum("emd,edf->emf", slots, gate)) * jnp.einsum("emd,edf->emf", slots, up)
+    return jnp.einsum("emf,efd->emd", h, down)
+
+
 def experts_local(x: jax.Array, ids: jax.Array, weights: jax.Array, gate: jax.Array, up: jax.Array,
-                  down: jax.Array, num_experts: int, max_rows: int | None, mesh_axes: bool) -> jax.Array:
+                  down: jax.Array, num_experts: int, row_capacity: int | None, mesh_axes: bool) -> jax.Array:
     """One device's part of the expert computation (called inside shard_map, or alone without a mesh).
 
     x [b, t, d], ids/weights [b, t, k] (id ``num_experts`` = dropped); gate/up [E_local, d_shard, f_shard],
-    down [E_local, f_shard, d_shard]. ``max_rows`` bounds what one expert shard can receive from this device
-    (None: every assignment of this device).
+    down [E_local, f_shard, d_shard]. ``row_capacity``: slots per expert and row (capacity mode) or None
+    (dropless).
     """
     b, t, d = x.shape
-    k = ids.shape[-1]
     if mesh_axes:  # weights: gathered over fsdp (their gradients are reduce-scattered back)
         gate, up = (jax.lax.all_gather(w, "fsdp", axis=1, tiled=True) for w in (gate, up))
         down = jax.lax.all_gather(down, "fsdp", axis=2, tiled=True)
     ep = jax.lax.axis_size("expert") if mesh_axes else 1
-    local_experts = num_experts // ep
-    ids, weights = ids.reshape(b * t * k), weights.reshape(b * t * k)
-    order = jnp.argsort(ids, stable=True)  # assignments sorted by expert; dropped ones last
-    sorted_ids = ids[order]
-    rows = x.reshape(b * t, d)[order // k]
-    counts = jnp.sum(jax.nn.one_hot(ids, num_experts, dtype=jnp.int32), axis=0)  # dropped ids count nowhere
-    if ep == 1:
-        out_sorted = _swiglu_grouped(rows, gate, up, down, counts)
+    if row_capacity is None:
+        out = _dropless(x.reshape(b * t, d), ids.reshape(-1), gate, up, down, num_experts, ep)
     else:
-        out_sorted = _exchange_and_compute(rows, sorted_ids, counts, gate, up, down, ep, local_experts,
-                                           min(max_rows or b * t * k, b * t * k))
-    out = out_sorted[jnp.argsort(order)].reshape(b * t, k, d)  # back to (token, choice) order
-    y = jnp.einsum("nkd,nk->nd", out, weights.reshape(b * t, k).astype(out.dtype))
+        out = _with_capacity(x, ids, gate, up, down, num_experts, min(row_capacity, t), ep)
+    out = out.reshape(b * t, ids.shape[-1], d)  # [token, choice, d]
+    y = jnp.einsum("nkd,nk->nd", out, weights.reshape(b * t, -1).astype(out.dtype))
     if mesh_axes:
         y = jax.lax.psum(y, "tensor")  # each tensor shard summed over its slice of the hidden width
     return y.reshape(b, t, d)
 
 
-def _exchange_and_compute(rows, sorted_ids, counts, gate, up, down, ep: int, local_experts: int, slots: int):
-    """Sends sorted rows to the expert shards that own their experts (``slots`` rows per shard, fixed size),
-    runs the local experts on what arrives, and returns each row's output in the sorted order."""
+def _dropless(tokens, ids, gate, up, down, num_experts: int, ep: int) -> jax.Array:
+    """Assignments sorted by expert, one grouped GEMM (ragged_dot) per matrix; -> outputs [n * k, d] in
+    assignment order. With ep > 1 each destination shard gets a buffer of all n * k rows (the worst case)."""
+    k = ids.shape[0] // tokens.shape[0]
+    order = jnp.argsort(ids, stable=True)  # dropped ids (none in dropless mode) would sort last
+    sorted_ids = ids[order]
+    rows = tokens[order // k]
+    counts = jnp.sum(jax.nn.one_hot(ids, num_experts, dtype=jnp.int32), axis=0)
+    if ep == 1:
+        out_sorted = _swiglu_grouped(rows, gate, up, down, counts)
+    else:
+        out_sorted = _exchange_sorted(rows, sorted_ids, counts, gate, up, down, ep, num_experts // ep)
+    return out_sorted[jnp.argsort(order)]
+
+
+def _exchange_sorted(rows, sorted_ids, counts, gate, up, down, ep: int, local_experts: int):
+    """Sends sorted rows to the expert shards that own their experts (a fixed buffer of all the rows per
+    shard), runs the local experts on what arrives, and returns each row's output in the sorted order."""
     m, d = rows.shape
     per_shard = counts.reshape(ep, local_experts)
     sent = jnp.sum(per_shard, axis=1)  # rows for each destination shard
     starts = jnp.cumsum(sent) - sent
-    slot = jnp.arange(slots)
-    valid = slot[None, :] < sent[:, None]  # [ep, slots]
-    source_row = jnp.where(valid, starts[:, None] + slot[None, :], 0)
-    send = jnp.where(valid[..., None], rows[source_row], 0)  # [ep, slots, d]
+    slot = jnp.arange(m)
+    valid = slot[None, :] < sent[:, None]  # [ep, m]
+    send = jnp.where(valid[..., None], rows[jnp.where(valid, starts[:, None] + slot[None, :], 0)], 0)
     recv = jax.lax.all_to_all(send, "expert", 0, 0, tiled=True)  # recv[j]: rows from shard j
     recv_counts = jax.lax.all_to_all(per_shard, "expert", 0, 0, tiled=True)  # [ep sources, local experts]
     # each source's rows arrive sorted by expert; regroup all of them by local expert for the grouped GEMM
     bounds = jnp.cumsum(recv_counts, axis=1)  # [ep, local_experts]
-    local_id = jax.vmap(lambda bound: jnp.searchsorted(bound, slot, side="right"))(bounds)  # [ep, slots]
-    regroup = jnp.argsort(local_id.reshape(ep * slots), stable=True)  # unused slots (id local_experts) last
-    computed = _swiglu_grouped(recv.reshape(ep * slots, d)[regroup], gate, up, down, jnp.sum(recv_counts, 0))
-    back = computed[jnp.argsort(regroup)].reshape(ep, slots, d)
+    local_id = jax.vmap(lambda bound: jnp.searchsorted(bound, slot, side="right"))(bounds)  # [ep, m]
+    regroup = jnp.argsort(local_id.reshape(ep * m), stable=True)  # unused slots (id local_experts) last
+    computed = _swiglu_grouped(recv.reshape(ep * m, d)[regroup], gate, up, down, jnp.sum(recv_counts, 0))
+    back = computed[jnp.argsort(regroup)].reshape(ep, m, d)
     back = jax.lax.all_to_all(back, "expert", 0, 0, tiled=True)  # back[j, s]: output of send[j, s]
     shard = jnp.minimum(sorted_ids // local_experts, ep - 1)
-    index = jnp.arange(m) - starts[shard]
-    kept = sorted_ids < local_experts * ep
-    return jnp.where(kept[:, None], back[shard, jnp.clip(index, 0, slots - 1)], 0)
+    index = jnp.clip(jnp.arange(m) - starts[shard], 0, m - 1)
+    return jnp.where((sorted_ids < local_experts * ep)[:, None], back[shard, index], 0)
+
+
+def _with_capacity(x, ids, gate, up, down, num_experts: int, slots: int, ep: int) -> jax.Array:
+    """Capacity mode: every expert has ``slots`` fixed places per local row; kept assignments are scattered
+    into them, the slots of each expert shard are exchanged as one block, and each expert runs one dense
+    batched GEMM over its slots. -> outputs [b * t * k, d] in assignment order (zeros for dropped ones)."""
+    b, t, d = x.shape
+    k = ids.shape[-1]
+    kept = ids < num_experts
+    # rank within this device's part of the row: at most min(capacity, t) since the router kept at most
+    # capacity per row and a token visits an expert once
+    rank = _rank_in_row(jax.nn.one_hot(ids, num_experts, dtype=jnp.int32))
+    place = ids * (b * slots) + jnp.arange(b)[:, None, None] * slots + rank  # [b, t, k] in [E * b * slots]
+    place = jnp.where(kept, place, num_experts * b * slots).reshape(-1)  # dropped: outside the buffer
+    rows = jnp.broadcast_to(x[:, :, None, :], (b, t, k, d)).reshape(-1, d)
+    buffer = jnp.zeros((num_experts * b * slots, d), x.dtype).at[place].set(rows, mode="drop")
+    local_experts = num_experts // ep
+    buffer = buffer.reshape(ep, local_experts, b * slots, d)
+    if ep > 1:
+        buffer = jax.lax.all_to_all(buffer, "expert", 0, 0, tiled=True)  # [source shard, local expert, ...]
+    grouped = jnp.swapaxes(buffer, 0, 1).reshape(local_experts, ep * b * slots, d)
+    out = _swiglu_batched(grouped, gate, up, down).reshape(local_experts, ep, b * slots, d)
+    out = jnp.swapaxes(out, 0, 1)
+    if ep > 1:
+        out = jax.lax.all_to_all(out, "expert", 0, 0, tiled=True)  # back to the shard the rows came from
+    return out.reshape(num_experts * b * slots, d).at[place].get(mode="fill", fill_value=0)
 
 
 class MoE(nnx.Module):
@@ -160,20 +207,16 @@ class MoE(nnx.Module):
         cfg, dt = self.cfg, compute_dtype(self.cfg)
         logits = jnp.einsum("btd,de->bte", x.astype(jnp.float32), self.router[...])
         ids, weights, stats = route(cfg, logits)
+        row_capacity = capacity(cfg, x.shape[1]) if cfg.moe_mode == "capacity" else None
         x = constrain(x, TOKEN_AXES)
         ids, weights = constrain(ids, ROUTE_AXES), constrain(weights, ROUTE_AXES)
         gate, up, down = (w[...].astype(dt) for w in (self.wi_gate, self.wi_up, self.wo))
-        mesh = jax.sharding.get_abstract_mesh()
-        if mesh.empty:
-            return experts_local(x, ids, weights, gate, up, down, cfg.num_experts, None, False), stats
-        max_rows = None
-        if cfg.moe_mode == "capacity":  # a device's rows fill at most `capacity` slots of each expert of a shard
-            rows_per_device = x.shape[0] // math.prod(mesh.shape[a] for a in ("data", "fsdp", "expert"))
-            max_rows = rows_per_device * capacity(cfg, x.shape[1]) * cfg.num_experts // mesh.shape["expert"]
+        if jax.sharding.get_abstract_mesh().empty:
+            return experts_local(x, ids, weights, gate, up, down, cfg.num_experts, row_capacity, False), stats
         token_spec, route_spec = logical_to_spec(TOKEN_AXES), logical_to_spec(ROUTE_AXES)
 
         def local(x, ids, weights, gate, up, down):
-            return experts_local(x, ids, weights, gate, up, down, cfg.num_experts, max_rows, True)
+            return experts_local(x, ids, weights, gate, up, down, cfg.num_experts, row_capacity, True)
 
         y = jax.shard_map(local, in_specs=(token_spec, route_spec, route_spec, logical_to_spec(GATE_UP_AXES),
                                            logical_to_spec(GATE_UP_AXES), logical_to_spec(DOWN_AXES)),
