@@ -336,8 +336,9 @@ def test_auxiliary_loss_moves_the_load_toward_balance():
 
 
 def test_mixtral_tiny_learns_text_with_experts_split_over_two_devices(tmp_path):
+    # capacity mode: on a CPU its dense slots cost a fraction of dropless's expanded ragged_dot
     overrides = [("data.path", str(tmp_path / "stdlib-store")), ("train.steps", "60"), ("train.log_every", "20"),
-                 ("train.eval_batches", "2"), ("mesh.expert", "2"), ("mesh.fsdp", "1")]
+                 ("train.eval_batches", "2"), ("mesh.expert", "2"), ("mesh.fsdp", "1"), ("model.moe_mode", "capacity")]
     cfg = load_config(os.path.join(REPO, "configs", "mixtral_tiny.py"), overrides)
     summary = run(cfg, str(tmp_path / "run"), use_tqdm=False, devices=jax.devices()[:2])
     wi = summary["state"].params["moe_layers"]["mlp"]["wi_up"].get_value()
@@ -345,4 +346,4 @@ def test_mixtral_tiny_learns_text_with_experts_split_over_two_devices(tmp_path):
     entropy = summary["unigram_entropy"]
     assert summary["final_loss"] < entropy - 0.5 and summary["validation_loss"] < entropy - 0.5
     last = summary["history"][-1]
-    assert 1.0 <= last["moe_max_load"] < 8.0 / 2 and last["moe_dropped_fraction"] == 0.0
+    assert 1.0 <= last["moe_max_load"] < 8.0 / 2 and 0.0 < last["moe_dropped_fraction"] < 0.25
