@@ -43,21 +43,22 @@ def param_count(cfg: ModelConfig, active: bool = False) -> int:
 
 
 def flops_breakdown(cfg: ModelConfig, seq_len: int, causal: bool = True) -> dict[str, float]:
-    """Model training FLOPs per token split into 'attention_proj', 'attention_scores', 'mlp', 'router',
-    'logits'.
+    """Model training FLOPs per token split into 'attention_proj', 'attention_scores', 'mlp' (dense blocks),
+    'experts' (the k experts a token visits in each MoE block), 'router' and 'logits'.
 
-    All but the logits are summed over all layers; 'mlp' counts only the experts a token is routed to.
+    All but the logits are summed over all layers.
     """
     h, s, L = cfg.embed_dim, seq_len, cfg.num_layers
     q = cfg.num_heads * cfg.resolved_head_dim
     k = cfg.num_kv_heads * cfg.resolved_head_dim
     scores = q * s if causal else 2 * q * s  # QK^T + AV; causal attention touches half the keys
     moe = cfg.num_moe_layers
-    mlp_passes = (L - moe) + moe * cfg.experts_per_token  # dense MLPs plus k experts per MoE layer
+    mlp = 6.0 * h * cfg.mlp_dim * _mlp_matrices(cfg)  # one MLP or one expert
     return {
         "attention_proj": 6.0 * L * (h * (q + 2 * k) + q * h),
         "attention_scores": 6.0 * L * scores,
-        "mlp": 6.0 * mlp_passes * h * cfg.mlp_dim * _mlp_matrices(cfg),
+        "mlp": (L - moe) * mlp,
+        "experts": moe * cfg.experts_per_token * mlp,
         "router": 6.0 * moe * h * cfg.num_experts,
         "logits": 6.0 * h * cfg.vocab_size,
     }
@@ -72,16 +73,16 @@ def hardware_flops_per_token(cfg: ModelConfig, seq_len: int, causal: bool = True
     """Model FLOPs plus the forward recompute implied by ``cfg.remat``; the HFU numerator.
 
     'full' re-runs every layer's forward once (+1/3 of the layer FLOPs; the logits are outside the
-    scanned layers and not recomputed). 'save_dots' keeps the projection/MLP matmul outputs and re-runs
-    only the attention-score matmuls (QK^T, AV), whose forward is 1/3 of their training FLOPs.
+    scanned layers and not recomputed). 'save_dots' keeps the outputs of weight matmuls without batch
+    dimensions and re-runs the rest: the attention-score matmuls (QK^T, AV) and the expert GEMMs (grouped
+    or batched over experts); a forward is 1/3 of their training FLOPs.
     """
     terms = flops_breakdown(cfg, seq_len, causal)
     total = sum(terms.values())
     if cfg.remat == "full":
-        layers = terms["attention_proj"] + terms["attention_scores"] + terms["mlp"] + terms["router"]
-        total += layers / 3.0
+        total += (total - terms["logits"]) / 3.0
     elif cfg.remat == "save_dots":
-        total += terms["attention_scores"] / 3.0
+        total += (terms["attention_scores"] + terms["experts"]) / 3.0
     return total
 
 
