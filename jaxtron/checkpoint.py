@@ -8,6 +8,7 @@ checkpoint written on one mesh restores onto another.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from typing import Any
@@ -15,7 +16,7 @@ from typing import Any
 import jax
 import orbax.checkpoint as ocp
 
-from jaxtron.config import Config, ConfigError
+from jaxtron.config import Config, ConfigError, ModelConfig
 
 log = logging.getLogger(__name__)
 
@@ -90,9 +91,48 @@ def _check_compatible(saved: dict, cfg: Config, where: str) -> None:
     """A checkpoint of another model shape is refused with the differing fields named."""
     current = cfg.to_dict()["model"]
     shape_fields = ("vocab_size", "embed_dim", "num_layers", "num_heads", "num_kv_heads", "head_dim", "mlp_dim",
-                    "activation", "norm", "position_embedding", "max_seq_len", "tie_embeddings")
-    differ = [f"model.{k} {saved.get('model', {}).get(k)!r} != {current[k]!r}" for k in shape_fields
-              if saved.get("model", {}).get(k) != current[k]]
+                    "activation", "norm", "position_embedding", "max_seq_len", "tie_embeddings", "num_experts",
+                    "moe_every")
+    defaults = dataclasses.asdict(ModelConfig())  # fields added after a checkpoint was written have their default
+    model = {**{k: defaults[k] for k in ("num_experts", "moe_every")}, **saved.get("model", {})}
+    differ = [f"model.{k} {model.get(k)!r} != {current[k]!r}" for k in shape_fields if model.get(k) != current[k]]
     if differ:
         raise CheckpointError(f"checkpoint '{where}' is of another model shape ({'; '.join(differ)}); "
                               "use the config it was written with or a new --workdir.")
+
+
+PARAMS_DIR = "params"
+
+
+def _params_handler() -> ocp.Checkpointer:
+    return ocp.Checkpointer(ocp.PyTreeCheckpointHandler(use_zarr3=True, use_compression=False,
+                                                        restore_concurrent_gb=RESTORE_BUFFER_GB))
+
+
+def save_params(directory: str, params: Any) -> None:
+    """Writes parameters alone (no optimizer state, no step) to ``directory/params`` (an orbax PyTree)."""
+    _params_handler().save(os.path.join(os.path.abspath(directory), PARAMS_DIR), args=ocp.args.PyTreeSave(params))
+
+
+def restore_params(path: str, abstract_params: Any, shardings: Any) -> Any:
+    """Parameters from a converted model (``path/params``) or from the latest checkpoint of a training run
+    (``path/checkpoints``), placed into ``shardings``; the optimizer state of a run is not read."""
+    path = os.path.abspath(os.path.expanduser(path))
+    target = _abstract_with_shardings(abstract_params, shardings)
+    restore_args = ocp.checkpoint_utils.construct_restore_args(target)
+    try:
+        if os.path.isdir(os.path.join(path, PARAMS_DIR)):
+            return _params_handler().restore(os.path.join(path, PARAMS_DIR),
+                                             args=ocp.args.PyTreeRestore(target, restore_args=restore_args))
+        runs = os.path.join(path, CHECKPOINT_DIR)
+        steps = sorted(int(n) for n in os.listdir(runs) if n.isdigit()) if os.path.isdir(runs) else []
+        if not steps:
+            raise CheckpointError(f"'{path}' holds neither {PARAMS_DIR}/ (a converted model) nor a checkpoint of a "
+                                  f"training run ({CHECKPOINT_DIR}/<step>); point it at one of those.")
+        item = os.path.join(runs, str(steps[-1]), "state")
+        restored = _params_handler().restore(item, args=ocp.args.PyTreeRestore(
+            {"params": target}, restore_args={"params": restore_args}, partial_restore=True))
+        return restored["params"]
+    except (ValueError, KeyError, OSError, TypeError) as e:
+        raise CheckpointError(f"parameters in '{path}' do not match this model ({type(e).__name__}: "
+                              f"{str(e).splitlines()[0][:200]}); use the config they were written with.") from None

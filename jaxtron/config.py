@@ -191,6 +191,7 @@ class TrainConfig:
     eval_every: int = 0  # steps between validation losses (0: only at the end)
     eval_batches: int = 4  # validation batches per evaluation (0: no validation)
     watchdog_factor: float = 5.0  # warn when a step takes this many times the recent median (0: off)
+    init_from: str = ""  # start from these parameters (a converted model or a run's workdir), optimizer fresh
 
     def __post_init__(self):
         for name in ("steps", "global_batch_size", "microbatches", "log_every", "logit_chunks"):

@@ -16,7 +16,7 @@ import numpy as np
 
 from jaxtron import distributed
 from jaxtron.config import Config, ConfigError
-from jaxtron.checkpoint import Checkpointer
+from jaxtron.checkpoint import restore_params, Checkpointer
 from jaxtron.data.loader import BatchIterator, global_batch, make_sources
 from jaxtron.mesh import make_mesh, process_aware_mesh
 from jaxtron.metrics import flops as flops_lib
@@ -132,6 +132,10 @@ def _train(cfg, workdir, mesh, setup, shardings, implementation, use_tqdm) -> di
     latest = checkpointer.latest_step()
     if latest is None:
         state, start = state_lib.init_state(cfg, implementation, shardings), 0
+        if t.init_from:  # fine-tuning start: these parameters, a fresh optimizer and step 0
+            params = restore_params(t.init_from, setup.abstract_state.params, shardings.params)
+            state = state.replace(params=params)
+            log.info("parameters from %s; optimizer state fresh", t.init_from)
     else:
         state, data_state = checkpointer.restore(latest, setup.abstract_state, shardings, cfg)
         start = int(data_state["step"])

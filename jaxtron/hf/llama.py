@@ -1,0 +1,163 @@
+"""Llama (2, 3, 3.1, 3.2) and Mixtral in Hugging Face form: config.json <-> ModelConfig, and tensor names.
+
+Hugging Face stores a projection as [out, in] and jaxtron as [in, ...out] with heads split out, so every
+projection is a transpose and a reshape; the rotary layout is the same (rotate-half) and needs no
+permutation. Layers are stacked in jaxtron: ``layers`` holds the dense blocks and ``moe_layers`` the MoE
+ones, so HF layer i is entry i of whichever stack it belongs to (every block is MoE in Mixtral).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Iterator
+
+import numpy as np
+
+from jaxtron.config import ModelConfig
+from jaxtron.hf.safetensors import FormatError
+
+ARCHITECTURES = {"LlamaForCausalLM": "llama", "MixtralForCausalLM": "mixtral"}
+
+
+def _get(hf: dict, key: str, default: Any = ...) -> Any:
+    if key in hf and hf[key] is not None:
+        return hf[key]
+    if default is ...:
+        raise FormatError(f"config.json has no '{key}', which a {hf.get('model_type', 'Llama')} config needs.")
+    return default
+
+
+def _rope(hf: dict) -> dict[str, Any]:
+    """RoPE fields from transformers 4.x (``rope_theta`` + ``rope_scaling``) or 5.x (``rope_parameters``)."""
+    params = dict(hf.get("rope_parameters") or {})
+    theta = params.get("rope_theta", hf.get("rope_theta", 10_000.0))
+    scaling = params if params else dict(hf.get("rope_scaling") or {})
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    out = {"rope_theta": float(theta)}
+    if kind == "default":
+        return out
+    if kind != "llama3":
+        raise FormatError(f"config.json asks for RoPE scaling of type '{kind}', which jaxtron does not implement "
+                          "(it supports none and 'llama3').")
+    out.update(rope_scaling_factor=float(scaling["factor"]), rope_low_freq_factor=float(scaling["low_freq_factor"]),
+               rope_high_freq_factor=float(scaling["high_freq_factor"]),
+               rope_original_max_len=int(scaling["original_max_position_embeddings"]))
+    return out
+
+
+def model_config(hf: dict, name: str = "") -> ModelConfig:
+    """The jaxtron ModelConfig of a Hugging Face config.json (as a dict); FormatError for what cannot map."""
+    arch = (hf.get("architectures") or [None])[0]
+    family = ARCHITECTURES.get(arch) or {"llama": "llama", "mixtral": "mixtral"}.get(hf.get("model_type"))
+    if family is None:
+        raise FormatError(f"config.json describes architecture {arch or hf.get('model_type')!r}; jaxtron converts "
+                          f"{', '.join(ARCHITECTURES)}.")
+    for key, ok in (("hidden_act", "silu"), ("attention_bias", False), ("mlp_bias", False)):
+        if hf.get(key, ok) != ok:
+            raise FormatError(f"config.json sets {key}={hf[key]!r}; jaxtron's Llama needs {key}={ok!r}.")
+    window = hf.get("sliding_window")
+    if window is not None and window < _get(hf, "max_position_embeddings"):
+        raise FormatError(f"config.json sets sliding_window={window}; jaxtron has no sliding-window attention.")
+    heads = _get(hf, "num_attention_heads")
+    fields = dict(
+        name=name or hf.get("_name_or_path", "") or family, vocab_size=_get(hf, "vocab_size"),
+        embed_dim=_get(hf, "hidden_size"), num_layers=_get(hf, "num_hidden_layers"), num_heads=heads,
+        num_kv_heads=_get(hf, "num_key_value_heads", heads), head_dim=_get(hf, "head_dim", 0),
+        mlp_dim=_get(hf, "intermediate_size"), norm_eps=float(_get(hf, "rms_norm_eps", 1e-6)),
+        max_seq_len=_get(hf, "max_position_embeddings"), tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        activation="swiglu", norm="rmsnorm", position_embedding="rope", **_rope(hf))
+    if fields["head_dim"] == fields["embed_dim"] // heads:
+        fields["head_dim"] = 0
+    if family == "mixtral":
+        fields.update(num_experts=_get(hf, "num_local_experts"), experts_per_token=_get(hf, "num_experts_per_tok"),
+                      router_renormalize=True, router_aux_loss=float(hf.get("router_aux_loss_coef", 0.0)),
+                      router_z_loss=0.0, moe_every=1)
+    return ModelConfig(**fields)
+
+
+def hf_config(cfg: ModelConfig) -> dict[str, Any]:
+    """config.json (transformers 4.x field names, which 5.x still reads) for a jaxtron ModelConfig."""
+    moe = cfg.num_experts > 0
+    if moe and cfg.moe_every != 1:
+        raise FormatError(f"model.moe_every={cfg.moe_every} has no Mixtral equivalent (every block is MoE there).")
+    if cfg.activation != "swiglu" or cfg.norm != "rmsnorm" or cfg.position_embedding != "rope":
+        raise FormatError("only Llama-style models (SwiGLU, RMSNorm, RoPE) can be exported to Hugging Face.")
+    hf: dict[str, Any] = {
+        "architectures": ["MixtralForCausalLM" if moe else "LlamaForCausalLM"],
+        "model_type": "mixtral" if moe else "llama", "vocab_size": cfg.vocab_size, "hidden_size": cfg.embed_dim,
+        "num_hidden_layers": cfg.num_layers, "num_attention_heads": cfg.num_heads,
+        "num_key_value_heads": cfg.num_kv_heads, "head_dim": cfg.resolved_head_dim,
+        "intermediate_size": cfg.mlp_dim, "rms_norm_eps": cfg.norm_eps, "max_position_embeddings": cfg.max_seq_len,
+        "tie_word_embeddings": cfg.tie_embeddings, "hidden_act": "silu", "rope_theta": cfg.rope_theta,
+        "rope_scaling": None, "attention_bias": False, "attention_dropout": 0.0, "initializer_range": cfg.init_std,
+        "torch_dtype": "float32", "use_cache": True,
+    }
+    if cfg.rope_scaling_factor != 1.0:
+        hf["rope_scaling"] = {"rope_type": "llama3", "factor": cfg.rope_scaling_factor,
+                              "low_freq_factor": cfg.rope_low_freq_factor,
+                              "high_freq_factor": cfg.rope_high_freq_factor,
+                              "original_max_position_embeddings": cfg.rope_original_max_len}
+    if moe:
+        if not cfg.router_renormalize:
+            raise FormatError("model.router_renormalize=False has no Mixtral equivalent (Mixtral renormalises).")
+        hf.update(num_local_experts=cfg.num_experts, num_experts_per_tok=cfg.experts_per_token,
+                  router_aux_loss_coef=cfg.router_aux_loss, output_router_logits=False, sliding_window=None)
+    else:
+        hf["mlp_bias"] = False
+    return hf
+
+
+@dataclasses.dataclass(frozen=True)
+class Tensor:
+    """One Hugging Face tensor and where it goes: ``param`` (a dotted jaxtron path), ``index`` (the position
+    in the stacked parameter, a tuple), and the functions between the two layouts."""
+
+    hf_name: str
+    shape: tuple[int, ...]  # in the Hugging Face file
+    param: str
+    index: tuple[int, ...]
+    to_jaxtron: Callable[[np.ndarray], np.ndarray]
+    to_hf: Callable[[np.ndarray], np.ndarray]
+
+
+def _t(x: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(x.T)
+
+
+def tensors(cfg: ModelConfig) -> Iterator[Tensor]:
+    """Every tensor of the Hugging Face checkpoint of ``cfg``, in file order."""
+    d, n, g, h, f = cfg.embed_dim, cfg.num_heads, cfg.num_kv_heads, cfg.resolved_head_dim, cfg.mlp_dim
+    same = (lambda x: x, lambda x: x)
+
+    def heads_in(count):  # [count*h, d] -> [d, count, h]
+        return lambda x: np.ascontiguousarray(x.T.reshape(d, count, h)), lambda x: _t(x.reshape(d, count * h))
+
+    yield Tensor("model.embed_tokens.weight", (cfg.vocab_size, d), "embedding", (), *same)
+    moe_every = cfg.moe_every if cfg.num_experts else 0
+    for i in range(cfg.num_layers):
+        moe = bool(moe_every) and (i + 1) % moe_every == 0
+        stack = "moe_layers" if moe else "layers"
+        j = (i // moe_every) if moe else (i - (i + 1) // moe_every if moe_every else i)
+        pre = f"model.layers.{i}."
+        yield Tensor(pre + "input_layernorm.weight", (d,), f"{stack}.attn_norm.scale", (j,), *same)
+        for proj, param, count in (("q", "wq", n), ("k", "wk", g), ("v", "wv", g)):
+            yield Tensor(pre + f"self_attn.{proj}_proj.weight", (count * h, d), f"{stack}.attn.{param}", (j,),
+                         *heads_in(count))
+        yield Tensor(pre + "self_attn.o_proj.weight", (d, n * h), f"{stack}.attn.wo", (j,),
+                     lambda x: np.ascontiguousarray(x.T.reshape(n, h, d)), lambda x: _t(x.reshape(n * h, d)))
+        yield Tensor(pre + "post_attention_layernorm.weight", (d,), f"{stack}.mlp_norm.scale", (j,), *same)
+        if moe:
+            yield Tensor(pre + "block_sparse_moe.gate.weight", (cfg.num_experts, d), f"{stack}.mlp.router", (j,),
+                         _t, _t)
+            for e in range(cfg.num_experts):
+                ex = pre + f"block_sparse_moe.experts.{e}."
+                yield Tensor(ex + "w1.weight", (f, d), f"{stack}.mlp.wi_gate", (j, e), _t, _t)
+                yield Tensor(ex + "w2.weight", (d, f), f"{stack}.mlp.wo", (j, e), _t, _t)
+                yield Tensor(ex + "w3.weight", (f, d), f"{stack}.mlp.wi_up", (j, e), _t, _t)
+        else:
+            yield Tensor(pre + "mlp.gate_proj.weight", (f, d), f"{stack}.mlp.wi_gate", (j,), _t, _t)
+            yield Tensor(pre + "mlp.up_proj.weight", (f, d), f"{stack}.mlp.wi_up", (j,), _t, _t)
+            yield Tensor(pre + "mlp.down_proj.weight", (d, f), f"{stack}.mlp.wo", (j,), _t, _t)
+    yield Tensor("model.norm.weight", (d,), "final_norm.scale", (), *same)
+    if not cfg.tie_embeddings:
+        yield Tensor("lm_head.weight", (cfg.vocab_size, d), "head", (), _t, _t)

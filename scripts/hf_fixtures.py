@@ -1,0 +1,82 @@
+"""Writes the Hugging Face parity fixtures under tests/fixtures/hf/ with transformers and torch.
+
+    pip install torch transformers && python scripts/hf_fixtures.py
+
+Tests only read the files this writes (CI needs neither torch nor transformers). Each model is tiny and
+random (fixed seed), saved by transformers itself, with the float32 logits its own forward pass gives on
+tokens.npy:
+  llama/        Llama 3.1-style: GQA, llama3 RoPE scaling, untied head; config.json as transformers 5 writes it
+  llama_tied/   Llama 3.2-style tied embeddings, sharded safetensors with an index, config.json rewritten in the
+                transformers 4.x form (rope_theta + rope_scaling)
+  mixtral/      Mixtral: 4 experts, top-2
+"""
+
+import json
+import os
+import shutil
+
+import numpy as np
+import torch
+import transformers
+from transformers import LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralForCausalLM
+
+OUT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests", "fixtures", "hf")
+VOCAB = 96
+ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0, "original_max_position_embeddings": 32}
+
+
+def llama(tied: bool) -> LlamaForCausalLM:
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=48, intermediate_size=80, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                         rms_norm_eps=1e-5, tie_word_embeddings=tied, rope_parameters=dict(ROPE),
+                         attn_implementation="eager")
+    return LlamaForCausalLM(config)
+
+
+def mixtral() -> MixtralForCausalLM:
+    config = MixtralConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
+                           max_position_embeddings=128, rms_norm_eps=1e-5, attn_implementation="eager",
+                           rope_parameters={"rope_type": "default", "rope_theta": 1e6})
+    return MixtralForCausalLM(config)
+
+
+def to_v4(path: str) -> None:
+    """Rewrites config.json with transformers 4.x RoPE fields (what older Hub checkpoints carry)."""
+    with open(path) as f:
+        config = json.load(f)
+    rope = config.pop("rope_parameters")
+    config["rope_theta"] = rope.pop("rope_theta")
+    config["rope_scaling"] = rope if rope.get("rope_type", "default") != "default" else None
+    config["transformers_version"] = "4.46.0"
+    with open(path, "w") as f:
+        json.dump(config, f, indent=2)
+
+
+def main() -> None:
+    torch.manual_seed(0)
+    shutil.rmtree(OUT, ignore_errors=True)
+    os.makedirs(OUT)
+    tokens = np.random.default_rng(0).integers(0, VOCAB, size=(2, 24)).astype(np.int32)
+    np.save(os.path.join(OUT, "tokens.npy"), tokens)
+    for name, model, shard in (("llama", llama(False), None), ("llama_tied", llama(True), "60KB"),
+                               ("mixtral", mixtral(), None)):
+        for p in model.parameters():  # larger than the default 0.02 so that logits differ visibly
+            torch.nn.init.normal_(p, std=0.2)
+        model.eval()
+        directory = os.path.join(OUT, name)
+        kwargs = {"max_shard_size": shard} if shard else {}
+        model.save_pretrained(directory, safe_serialization=True, **kwargs)
+        if name == "llama_tied":
+            to_v4(os.path.join(directory, "config.json"))
+        with torch.no_grad():
+            logits = model(torch.from_numpy(tokens).long()).logits.float().numpy()
+        np.save(os.path.join(directory, "logits.npy"), logits)
+        print(name, "logits", logits.shape, "files", sorted(os.listdir(directory)))
+    with open(os.path.join(OUT, "VERSIONS"), "w") as f:
+        f.write(f"torch {torch.__version__}\ntransformers {transformers.__version__}\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,227 @@
+"""Hugging Face interop: logit parity with transformers' own forward pass (fixtures written by
+scripts/hf_fixtures.py), bit-exact round trips, fine-tuning starts, and one-sentence errors for bad input."""
+
+import json
+import os
+import shutil
+
+import numpy as np
+import pytest
+
+from conftest import REPO
+from jaxtron import convert, score
+from jaxtron.config_loader import load_config
+from jaxtron.hf import llama
+from jaxtron.hf import safetensors as st
+
+FIXTURES = os.path.join(REPO, "tests", "fixtures", "hf")
+MODELS = ("llama", "llama_tied", "mixtral")
+
+
+@pytest.fixture(scope="module")
+def imported(tmp_path_factory):
+    out = {}
+    for name in MODELS:
+        out[name] = str(tmp_path_factory.mktemp(name) / "converted")
+        convert.from_hf(os.path.join(FIXTURES, name), out[name])
+    return out
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_logits_match_transformers(name, imported):
+    logits = score.score(imported[name], os.path.join(FIXTURES, "tokens.npy"))
+    reference = np.load(os.path.join(FIXTURES, name, "logits.npy"))
+    assert logits.dtype == np.float32 and logits.shape == reference.shape == (2, 24, 96)
+    assert np.abs(reference).max() > 0.5  # the comparison is not between near-zero numbers
+    assert np.abs(logits - reference).max() < 1e-4
+
+
+def test_config_json_of_transformers_4_and_5_map_to_the_same_model():
+    with open(os.path.join(FIXTURES, "llama", "config.json")) as f:
+        v5 = json.load(f)
+    assert "rope_parameters" in v5 and "rope_theta" not in v5
+    v4 = {k: v for k, v in v5.items() if k != "rope_parameters"}
+    v4["rope_theta"] = v5["rope_parameters"]["rope_theta"]
+    v4["rope_scaling"] = {k: v for k, v in v5["rope_parameters"].items() if k != "rope_theta"}
+    cfg = llama.model_config(v5, "x")
+    assert llama.model_config(v4, "x") == cfg
+    assert (cfg.rope_theta, cfg.rope_scaling_factor, cfg.rope_original_max_len) == (500000.0, 8.0, 32)
+    with open(os.path.join(FIXTURES, "llama_tied", "config.json")) as f:
+        tied = llama.model_config(json.load(f), "y")
+    assert tied.tie_embeddings and tied.rope_scaling_factor == 8.0
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_round_trip_is_bit_exact(name, imported, tmp_path):
+    exported = str(tmp_path / "hf")
+    hf = convert.to_hf(imported[name], exported)
+    original, again = st.ModelFiles(os.path.join(FIXTURES, name)), st.ModelFiles(exported)
+    expected = [n for n in original.names() if not (hf["tie_word_embeddings"] and n == "lm_head.weight")]
+    assert again.names() == sorted(expected)
+    for tensor in expected:
+        a, b = original.read(tensor), again.read(tensor)
+        assert a.dtype == b.dtype == np.float32 and np.array_equal(a, b), tensor
+    with open(os.path.join(FIXTURES, name, "config.json")) as f:
+        source = json.load(f)
+    assert llama.model_config(hf, "same") == llama.model_config(source, "same")
+    # and back again: the same parameters
+    _, first = convert.load(imported[name])
+    convert.from_hf(exported, str(tmp_path / "again"))
+    _, second = convert.load(str(tmp_path / "again"))
+    assert first.keys() == second.keys() and all(np.array_equal(first[k], second[k]) for k in first)
+
+
+def test_export_shards_with_an_index(imported, tmp_path, monkeypatch):
+    monkeypatch.setattr(convert, "SHARD_BYTES", 32 * 1024)
+    exported = str(tmp_path / "hf")
+    convert.to_hf(imported["mixtral"], exported, dtype="bfloat16")
+    with open(os.path.join(exported, st.INDEX)) as f:
+        index = json.load(f)
+    files = sorted(set(index["weight_map"].values()))
+    assert len(files) > 2 and all(os.path.getsize(os.path.join(exported, f)) <= 32 * 1024 + 8192 for f in files)
+    original, again = st.ModelFiles(os.path.join(FIXTURES, "mixtral")), st.ModelFiles(exported)
+    assert again.names() == original.names()
+    name = "model.layers.1.block_sparse_moe.experts.3.w2.weight"
+    got = again.read(name)
+    assert got.dtype.name == "bfloat16"
+    np.testing.assert_allclose(got.astype(np.float32), original.read(name), rtol=2 ** -8)
+
+
+def test_safetensors_writer_and_reader_agree_on_every_dtype(tmp_path):
+    rng = np.random.default_rng(0)
+    arrays = {f"t.{code}": rng.normal(size=(3, 5)).astype(dtype) for code, dtype in st.DTYPES.items()}
+    arrays["empty"] = np.zeros((0, 4), np.float32)
+    path = str(tmp_path / "model.safetensors")
+    st.write(path, [(k, v.shape, v.dtype) for k, v in arrays.items()], arrays.__getitem__, {"format": "pt"})
+    files = st.ModelFiles(str(tmp_path))
+    assert files.names() == sorted(arrays)
+    for k, v in arrays.items():
+        assert files.read(k).dtype == v.dtype and np.array_equal(files.read(k), v)
+    assert files.files[st.SINGLE].metadata == {"format": "pt"}
+
+
+def _copy(name, tmp_path):
+    target = str(tmp_path / name)
+    shutil.copytree(os.path.join(FIXTURES, name), target)
+    return target
+
+
+def _edit_config(directory, **changes):
+    path = os.path.join(directory, "config.json")
+    with open(path) as f:
+        config = json.load(f)
+    config.update(changes)
+    with open(path, "w") as f:
+        json.dump(config, f)
+
+
+def _rewrite_without(directory, drop=None, reshape=None):
+    """Rewrites model.safetensors without one tensor, or with one tensor's shape changed."""
+    files = st.ModelFiles(directory)
+    tensors = {n: files.read(n) for n in files.names() if n != drop}
+    if reshape:
+        tensors[reshape] = tensors[reshape][:-1]
+    os.remove(os.path.join(directory, st.SINGLE))
+    st.write(os.path.join(directory, st.SINGLE), [(n, v.shape, v.dtype) for n, v in tensors.items()],
+             tensors.__getitem__)
+
+
+def _fails(capsys, argv, *fragments):
+    assert convert.main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and len(err.splitlines()) == 1 and "Traceback" not in err
+    for fragment in fragments:
+        assert fragment in err, err
+    return err
+
+
+def test_bad_input_gets_one_sentence_naming_the_problem(tmp_path, capsys):
+    out = str(tmp_path / "out")
+    gpt = _copy("llama", tmp_path / "a")
+    _edit_config(gpt, architectures=["GPT2LMHeadModel"], model_type="gpt2")
+    _fails(capsys, ["from-hf", gpt, out], "GPT2LMHeadModel", "LlamaForCausalLM")
+    missing = _copy("llama", tmp_path / "b")
+    _rewrite_without(missing, drop="model.layers.1.mlp.up_proj.weight")
+    _fails(capsys, ["from-hf", missing, out], "'model.layers.1.mlp.up_proj.weight' is missing")
+    shaped = _copy("mixtral", tmp_path / "c")
+    _rewrite_without(shaped, reshape="model.layers.0.block_sparse_moe.experts.2.w3.weight")
+    _fails(capsys, ["from-hf", shaped, out], "'model.layers.0.block_sparse_moe.experts.2.w3.weight' has shape (47, 32)",
+           "(48, 32)")
+    truncated = _copy("llama", tmp_path / "d")
+    path = os.path.join(truncated, st.SINGLE)
+    with open(path, "r+b") as f:
+        f.truncate(os.path.getsize(path) - 100)
+    _fails(capsys, ["from-hf", truncated, out], "truncated or corrupt")
+    pickled = str(tmp_path / "e")
+    os.makedirs(pickled)
+    shutil.copy(os.path.join(FIXTURES, "llama", "config.json"), pickled)
+    open(os.path.join(pickled, "pytorch_model.bin"), "wb").close()
+    _fails(capsys, ["from-hf", pickled, out], "pickle files, which are never loaded")
+    scaled = _copy("llama", tmp_path / "f")
+    _edit_config(scaled, rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0})
+    _fails(capsys, ["from-hf", scaled, out], "'yarn'")
+    assert not os.path.exists(out)  # nothing half-written
+    _fails(capsys, ["to-hf", str(tmp_path / "nothing"), out], "neither a converted model")
+
+
+def test_score_refuses_bad_tokens(imported, tmp_path, capsys):
+    bad = str(tmp_path / "bad.npy")
+    np.save(bad, np.full((1, 4), 96, np.int32))
+    assert score.main(["--checkpoint", imported["llama"], "--tokens", bad, "--output", str(tmp_path / "o.npy")]) == 2
+    assert "outside the model's vocabulary of 96" in capsys.readouterr().err
+    np.save(bad, np.zeros((4,), np.int32))
+    assert score.main(["--checkpoint", imported["llama"], "--tokens", bad, "--output", str(tmp_path / "o.npy")]) == 2
+    assert "shape [batch, length]" in capsys.readouterr().err
+    good = os.path.join(FIXTURES, "tokens.npy")
+    out = str(tmp_path / "logits.npy")
+    assert score.main(["--checkpoint", imported["mixtral"], "--tokens", good, "--output", out]) == 0
+    assert np.load(out).shape == (2, 24, 96)
+
+
+def _flat(params):
+    from flax import nnx
+    return {".".join(map(str, p)): np.asarray(v.get_value()) for p, v in nnx.to_flat_state(params)}
+
+
+def test_converted_config_fine_tunes_from_the_imported_parameters(imported, tmp_path):
+    import jax
+
+    from jaxtron.training.loop import run
+    spec = os.path.join(imported["llama"], "config.py")
+    # one step at a negligible learning rate: the parameters after it are those the run started from
+    overrides = [("model.dtype", "float32"), ("train.steps", "1"), ("train.log_every", "1"),
+                 ("train.global_batch_size", "2"), ("data.seq_len", "24"), ("mesh.fsdp", "1"),
+                 ("optimizer.learning_rate", "1e-9"), ("optimizer.warmup_steps", "0")]
+    cfg = load_config(spec, overrides)
+    assert cfg.train.init_from == imported["llama"] and cfg.model.vocab_size == 96
+    summary = run(cfg, str(tmp_path / "run"), use_tqdm=False, devices=jax.devices()[:1])
+    assert int(summary["state"].step) == 1  # a fresh start, not a resumed run
+    imported_params, started = convert.load(imported["llama"])[1], _flat(summary["state"].params)
+    assert imported_params.keys() == started.keys()
+    for k in started:
+        np.testing.assert_allclose(started[k], imported_params[k], atol=1e-6, err_msg=k)
+    fresh = _flat(run(load_config(spec, overrides + [("train.init_from", "")]), str(tmp_path / "fresh"),
+                      use_tqdm=False, devices=jax.devices()[:1])["state"].params)
+    assert np.abs(fresh["layers.attn.wq"] - imported_params["layers.attn.wq"]).max() > 0.1
+    # a training run's workdir is a valid init_from too: its latest parameters, a fresh optimizer
+    again = run(load_config(spec, overrides + [("train.init_from", str(tmp_path / "run"))]), str(tmp_path / "b"),
+                use_tqdm=False, devices=jax.devices()[:1])
+    assert int(again["state"].step) == 1
+    for k, v in _flat(again["state"].params).items():
+        np.testing.assert_allclose(v, started[k], atol=1e-6, err_msg=k)
+
+
+def test_init_from_a_missing_or_mismatched_checkpoint_is_one_sentence(imported, tmp_path):
+    import subprocess
+    import sys
+    base = [sys.executable, os.path.join(REPO, "train.py"), f"--workdir={tmp_path / 'w'}", "--config.train.steps=1",
+            "--config.data.seq_len=24", "--config.train.global_batch_size=8"]
+    for spec, where, fragment in ((os.path.join(imported["llama"], "config.py"), str(tmp_path / "none"),
+                                   "holds neither params/"),
+                                  (os.path.join(imported["llama"], "config.py"), imported["mixtral"],
+                                   "do not match this model")):
+        proc = subprocess.run(base + [f"--config={spec}", f"--config.train.init_from={where}"], capture_output=True,
+                              text=True, timeout=300)
+        assert proc.returncode == 2, proc.stderr[-2000:]
+        lines = [l for l in proc.stderr.splitlines() if l.startswith("error: ")]
+        assert len(lines) == 1 and fragment in lines[0] and "Traceback" not in proc.stderr
