@@ -109,9 +109,38 @@ def _params_handler() -> ocp.Checkpointer:
                                                         restore_concurrent_gb=RESTORE_BUFFER_GB))
 
 
-def save_params(directory: str, params: Any) -> None:
-    """Writes parameters alone (no optimizer state, no step) to ``directory/params`` (an orbax PyTree)."""
-    _params_handler().save(os.path.join(os.path.abspath(directory), PARAMS_DIR), args=ocp.args.PyTreeSave(params))
+def save_params(directory: str, flat: dict[str, Any]) -> None:
+    """Writes parameters alone (no optimizer state, no step): ``directory/params/<dotted path>``, one orbax item
+    per parameter, so that host memory holds one parameter at a time (orbax copies what it writes)."""
+    root = os.path.join(os.path.abspath(directory), PARAMS_DIR)
+    checkpointer = _params_handler()
+    for path, value in flat.items():
+        checkpointer.save(os.path.join(root, path), args=ocp.args.PyTreeSave({"value": value}))
+
+
+def _restore_converted(root: str, target: Any) -> Any:
+    """The parameters of ``save_params``, each restored into its target sharding."""
+    from flax import nnx
+    checkpointer, values = _params_handler(), {}
+    for path, var in nnx.to_flat_state(target):
+        name = ".".join(map(str, path))
+        item = os.path.join(root, name)
+        if not os.path.isdir(item):
+            raise CheckpointError(f"parameter '{name}' is missing from '{root}'; the conversion did not finish or "
+                                  "was of another model.")
+        one = {"value": var.get_value()}
+        values[name] = checkpointer.restore(item, args=ocp.args.PyTreeRestore(
+            one, restore_args=ocp.checkpoint_utils.construct_restore_args(one)))["value"]
+    restored = jax.tree.map(lambda x: x, target)  # a new State; the caller's abstract one stays as it was
+    nested: dict = {}
+    for name, value in values.items():
+        node = nested
+        *parents, leaf = name.split(".")
+        for key in parents:
+            node = node.setdefault(key, {})
+        node[leaf] = value
+    nnx.replace_by_pure_dict(restored, nested)
+    return restored
 
 
 def restore_params(path: str, abstract_params: Any, shardings: Any) -> Any:
@@ -122,8 +151,7 @@ def restore_params(path: str, abstract_params: Any, shardings: Any) -> Any:
     restore_args = ocp.checkpoint_utils.construct_restore_args(target)
     try:
         if os.path.isdir(os.path.join(path, PARAMS_DIR)):
-            return _params_handler().restore(os.path.join(path, PARAMS_DIR),
-                                             args=ocp.args.PyTreeRestore(target, restore_args=restore_args))
+            return _restore_converted(os.path.join(path, PARAMS_DIR), target)
         runs = os.path.join(path, CHECKPOINT_DIR)
         steps = sorted(int(n) for n in os.listdir(runs) if n.isdigit()) if os.path.isdir(runs) else []
         if not steps:

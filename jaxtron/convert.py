@@ -114,7 +114,8 @@ def from_hf(hf_dir: str, out_dir: str) -> ModelConfig:
     for p, s in shapes.items():  # every slice of every parameter came from exactly one tensor
         slices = math.prod(s.shape[:len(next(t.index for t in plan if t.param == p))])
         assert filled[p] == slices, (p, filled[p], slices)
-    _save(cfg, out_dir, buffers)
+    from jaxtron.checkpoint import save_params
+    save_params(out_dir, buffers)
     shutil.rmtree(staging)
     with open(os.path.join(out_dir, "config.py"), "w") as f:
         f.write(_config_file(cfg, out_dir))
@@ -131,16 +132,6 @@ def nest(flat: dict[str, Any]) -> dict:
             node = node.setdefault(key, {})
         node[leaf] = value
     return nested
-
-
-def _save(cfg: ModelConfig, out_dir: str, flat: dict[str, np.ndarray]) -> None:
-    from flax import nnx
-
-    from jaxtron.checkpoint import save_params
-    from jaxtron.models import build_model
-    state = nnx.state(nnx.eval_shape(lambda: build_model(cfg, 0)), nnx.Param)
-    nnx.replace_by_pure_dict(state, nest(flat))
-    save_params(out_dir, state)
 
 
 def load(ckpt_dir: str) -> tuple[ModelConfig, dict[str, np.ndarray]]:
