@@ -109,66 +109,96 @@ def from_hf(hf_dir: str, out_dir: str) -> ModelConfig:
                                             shape=s.shape) for p, s in shapes.items()}
     filled = {p: 0 for p in shapes}
     for t in plan:
-        buffers[t.param][t.index] = t.to_jaxtron(files.read(t.hf_name).astype(np.float32))
+        buffers[t.param][t.index] = t.to_jaxtron(files.read(t.hf_name))  # one copy: into the disk buffer
         filled[t.param] += 1
     for p, s in shapes.items():  # every slice of every parameter came from exactly one tensor
         slices = math.prod(s.shape[:len(next(t.index for t in plan if t.param == p))])
         assert filled[p] == slices, (p, filled[p], slices)
-    from jaxtron.checkpoint import save_params
-    save_params(out_dir, buffers)
+    from jaxtron.params_store import save_params
+    save_params(out_dir, buffers, {t.param: len(t.index) for t in plan})
     shutil.rmtree(staging)
     with open(os.path.join(out_dir, "config.py"), "w") as f:
         f.write(_config_file(cfg, out_dir))
     return cfg
 
 
-def nest(flat: dict[str, Any]) -> dict:
-    """{"a.b.c": x} -> {"a": {"b": {"c": x}}} (the pure-dict form of an nnx State)."""
-    nested: dict = {}
-    for path, value in flat.items():
-        node = nested
-        *parents, leaf = path.split(".")
-        for key in parents:
-            node = node.setdefault(key, {})
-        node[leaf] = value
-    return nested
+def _model_config(ckpt_dir: str) -> ModelConfig:
+    from jaxtron.config import from_mapping
+    from jaxtron.config_loader import load_config
+    from jaxtron.params_store import latest_run_state
+    if os.path.isfile(os.path.join(ckpt_dir, "config.py")):
+        return load_config(os.path.join(ckpt_dir, "config.py")).model
+    step_dir = latest_run_state(ckpt_dir)
+    if step_dir is None:
+        raise ConfigError(f"'{ckpt_dir}' is neither a converted model (config.py + params/) nor a training run "
+                          "with checkpoints; pass one of those.")
+    with open(os.path.join(step_dir, "config", "metadata")) as f:
+        return from_mapping(json.load(f)).model
 
 
 def load(ckpt_dir: str) -> tuple[ModelConfig, dict[str, np.ndarray]]:
-    """(model config, {dotted path: float32 array}) of a converted model or of a training run's latest checkpoint."""
+    """(model config, {dotted path: float32 array}) of a converted model or of a training run's latest
+    checkpoint, on the host (the whole model)."""
     import jax
     from flax import nnx
 
-    from jaxtron.checkpoint import CHECKPOINT_DIR, restore_params
-    from jaxtron.config import from_mapping
-    from jaxtron.config_loader import load_config
     from jaxtron.models import build_model
-    if os.path.isfile(os.path.join(ckpt_dir, "config.py")):
-        cfg = load_config(os.path.join(ckpt_dir, "config.py")).model
-    else:
-        runs = os.path.join(ckpt_dir, CHECKPOINT_DIR)
-        steps = sorted(int(n) for n in os.listdir(runs) if n.isdigit()) if os.path.isdir(runs) else []
-        if not steps:
-            raise ConfigError(f"'{ckpt_dir}' is neither a converted model (config.py + params/) nor a training run "
-                              f"with checkpoints; pass one of those.")
-        with open(os.path.join(runs, str(steps[-1]), "config", "metadata")) as f:
-            cfg = from_mapping(json.load(f)).model
+    from jaxtron.params_store import restore_params
+    cfg = _model_config(ckpt_dir)
     abstract = nnx.state(nnx.eval_shape(lambda: build_model(cfg, 0)), nnx.Param)
     cpu = jax.sharding.SingleDeviceSharding(jax.devices("cpu")[0])
     params = restore_params(ckpt_dir, abstract, jax.tree.map(lambda _: cpu, abstract))
     return cfg, {".".join(map(str, p)): np.asarray(v.get_value()) for p, v in nnx.to_flat_state(params)}
 
 
+class _Slices:
+    """Reads the HF tensors' slices of a checkpoint: one slice at a time from a converted model, one whole
+    parameter at a time (the last one kept) from a training run."""
+
+    def __init__(self, ckpt_dir: str, cfg: ModelConfig):
+        from jaxtron.params_store import PARAMS_DIR, _manifest
+        self.root = os.path.join(ckpt_dir, PARAMS_DIR)
+        self.converted = os.path.isdir(self.root)
+        self.manifest = _manifest(self.root) if self.converted else None
+        self.ckpt_dir, self.cached = ckpt_dir, (None, None)
+        self.shapes = None if self.converted else _abstract_params(cfg)
+
+    def get(self, param: str, index: tuple[int, ...]) -> np.ndarray:
+        from jaxtron.params_store import read_slice
+        if self.converted:
+            return read_slice(self.root, param, index, self.manifest)
+        if self.cached[0] != param:
+            self.cached = (param, self._run_param(param))
+        return self.cached[1][index]
+
+    def _run_param(self, param: str) -> np.ndarray:
+        import jax
+        import orbax.checkpoint as ocp
+
+        from jaxtron.params_store import _checkpointer, latest_run_state, nest
+        item = os.path.join(latest_run_state(self.ckpt_dir), "state")
+        leaf = self.shapes[param]
+        key = "params." + param + ".value"
+        restored = _checkpointer().restore(item, args=ocp.args.PyTreeRestore(
+            nest({key: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype)}),
+            restore_args=nest({key: ocp.RestoreArgs(restore_type=np.ndarray)}), partial_restore=True))
+        for part in key.split("."):
+            restored = restored[part]
+        return np.asarray(restored)
+
+
 def to_hf(ckpt_dir: str, out_dir: str, dtype: str = "float32") -> dict:
-    """Exports to config.json + safetensors (one file, or shards of SHARD_BYTES with an index)."""
-    cfg, params = load(ckpt_dir)
+    """Exports to config.json + safetensors (one file, or shards of SHARD_BYTES with an index). Tensors are
+    written parameter by parameter, so host memory holds one slice (a converted model) or one parameter."""
+    cfg = _model_config(ckpt_dir)
     hf = llama.hf_config(cfg)
     hf["torch_dtype"] = dtype
     np_dtype = np.dtype(st.DTYPES[{"float32": "F32", "bfloat16": "BF16", "float16": "F16"}[dtype]])
     if os.path.exists(out_dir) and os.listdir(out_dir):
         raise ConfigError(f"output directory '{out_dir}' is not empty; choose a new one.")
+    source = _Slices(ckpt_dir, cfg)
+    plan = sorted(llama.tensors(cfg), key=lambda t: t.param)  # stable: each parameter's slices together
     os.makedirs(out_dir, exist_ok=True)
-    plan = list(llama.tensors(cfg))
     shards, size = [[]], 0
     for t in plan:
         nbytes = math.prod(t.shape) * np_dtype.itemsize
@@ -181,7 +211,7 @@ def to_hf(ckpt_dir: str, out_dir: str, dtype: str = "float32") -> dict:
 
     def produce(name: str) -> np.ndarray:
         t = by_name[name]
-        return t.to_hf(params[t.param][t.index]).astype(np_dtype)
+        return t.to_hf(source.get(t.param, t.index)).astype(np_dtype)
 
     names = [st.SINGLE] if len(shards) == 1 else \
         [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]

@@ -41,8 +41,9 @@ def score(checkpoint: str, tokens_path: str, dtype: str = "float32") -> np.ndarr
     import jax
     from flax import nnx
 
-    from jaxtron.convert import load, nest
+    from jaxtron.convert import load
     from jaxtron.models import build_model
+    from jaxtron.params_store import nest
     cfg, params = load(checkpoint)
     cfg = dataclasses.replace(cfg, dtype=dtype, remat="none")
     tokens = read_tokens(tokens_path, cfg)

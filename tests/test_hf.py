@@ -209,6 +209,12 @@ def test_converted_config_fine_tunes_from_the_imported_parameters(imported, tmp_
     assert int(again["state"].step) == 1
     for k, v in _flat(again["state"].params).items():
         np.testing.assert_allclose(v, started[k], atol=1e-6, err_msg=k)
+    # a training run exports like a converted model: its parameters, in Hugging Face layout
+    convert.to_hf(str(tmp_path / "run"), str(tmp_path / "hf"))
+    exported = st.ModelFiles(str(tmp_path / "hf"))
+    wq = exported.read("model.layers.1.self_attn.q_proj.weight")
+    assert np.array_equal(wq, started["layers.attn.wq"][1].reshape(48, 48).T)
+    assert len(exported.names()) == len(st.ModelFiles(os.path.join(FIXTURES, "llama")).names())
 
 
 def test_init_from_a_missing_or_mismatched_checkpoint_is_one_sentence(imported, tmp_path):
@@ -219,7 +225,7 @@ def test_init_from_a_missing_or_mismatched_checkpoint_is_one_sentence(imported, 
     for spec, where, fragment in ((os.path.join(imported["llama"], "config.py"), str(tmp_path / "none"),
                                    "holds neither params/"),
                                   (os.path.join(imported["llama"], "config.py"), imported["mixtral"],
-                                   "do not match this model")):
+                                   "parameter 'embedding' is of shape (96, 32)")):
         proc = subprocess.run(base + [f"--config={spec}", f"--config.train.init_from={where}"], capture_output=True,
                               text=True, timeout=300)
         assert proc.returncode == 2, proc.stderr[-2000:]

@@ -121,7 +121,7 @@ class Tensor:
 
 
 def _t(x: np.ndarray) -> np.ndarray:
-    return np.ascontiguousarray(x.T)
+    return x.T  # a view: the caller copies once, into its destination
 
 
 def tensors(cfg: ModelConfig) -> Iterator[Tensor]:
@@ -129,8 +129,8 @@ def tensors(cfg: ModelConfig) -> Iterator[Tensor]:
     d, n, g, h, f = cfg.embed_dim, cfg.num_heads, cfg.num_kv_heads, cfg.resolved_head_dim, cfg.mlp_dim
     same = (lambda x: x, lambda x: x)
 
-    def heads_in(count):  # [count*h, d] -> [d, count, h]
-        return lambda x: np.ascontiguousarray(x.T.reshape(d, count, h)), lambda x: _t(x.reshape(d, count * h))
+    def heads_in(count):  # [count*h, d] -> [d, count, h] (views, no copy)
+        return lambda x: x.T.reshape(d, count, h), lambda x: _t(x.reshape(d, count * h))
 
     yield Tensor("model.embed_tokens.weight", (cfg.vocab_size, d), "embedding", (), *same)
     moe_every = cfg.moe_every if cfg.num_experts else 0
@@ -144,7 +144,7 @@ def tensors(cfg: ModelConfig) -> Iterator[Tensor]:
             yield Tensor(pre + f"self_attn.{proj}_proj.weight", (count * h, d), f"{stack}.attn.{param}", (j,),
                          *heads_in(count))
         yield Tensor(pre + "self_attn.o_proj.weight", (d, n * h), f"{stack}.attn.wo", (j,),
-                     lambda x: np.ascontiguousarray(x.T.reshape(n, h, d)), lambda x: _t(x.reshape(n * h, d)))
+                     lambda x: x.T.reshape(n, h, d), lambda x: _t(x.reshape(n * h, d)))
         yield Tensor(pre + "post_attention_layernorm.weight", (d,), f"{stack}.mlp_norm.scale", (j,), *same)
         if moe:
             yield Tensor(pre + "block_sparse_moe.gate.weight", (cfg.num_experts, d), f"{stack}.mlp.router", (j,),

@@ -15,14 +15,15 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxtron import distributed
+from jaxtron.checkpoint import Checkpointer
 from jaxtron.config import Config, ConfigError
-from jaxtron.checkpoint import restore_params, Checkpointer
 from jaxtron.data.loader import BatchIterator, global_batch, make_sources
 from jaxtron.mesh import make_mesh, process_aware_mesh
 from jaxtron.metrics import flops as flops_lib
 from jaxtron.metrics.throughput import Throughput
 from jaxtron.metrics.writers import MetricsWriter
 from jaxtron.ops.attention import resolve_implementation
+from jaxtron.params_store import restore_params
 from jaxtron.sharding import batch_sharding, describe
 from jaxtron.training import state as state_lib
 from jaxtron.training.preemption import PREEMPTED_EXIT_CODE, PreemptionWatcher, StopVotes

@@ -1,0 +1,147 @@
+"""Parameters alone on disk: converted models, and the parameters inside a training run's checkpoint.
+
+A converted model keeps ``params/manifest.json`` and one orbax item per slice of each parameter. The
+slices are the HF tensors: a layer of a stacked parameter, or one expert of one layer. Writing one slice
+at a time bounds host memory by the largest tensor, because orbax copies what it writes. Restoring
+stacks the slices into the target sharding. A training run's checkpoint
+(``checkpoints/<step>/state``) is read for its ``params`` subtree alone; the optimizer state is not read.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any, Mapping
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import orbax.checkpoint as ocp
+from jax.sharding import NamedSharding, PartitionSpec
+
+from jaxtron.checkpoint import CHECKPOINT_DIR, RESTORE_BUFFER_GB, CheckpointError, _abstract_with_shardings
+
+PARAMS_DIR = "params"
+MANIFEST = "manifest.json"
+
+
+def _checkpointer() -> ocp.Checkpointer:
+    return ocp.Checkpointer(ocp.PyTreeCheckpointHandler(use_zarr3=True, use_compression=False,
+                                                        restore_concurrent_gb=RESTORE_BUFFER_GB))
+
+
+def _item(root: str, path: str, index: tuple[int, ...]) -> str:
+    return os.path.join(root, path + "".join(f".{i}" for i in index))
+
+
+def save_params(directory: str, flat: Mapping[str, np.ndarray], split: Mapping[str, int]) -> None:
+    """Writes ``flat`` ({dotted path: array}) to ``directory/params``; ``split[path]`` leading dimensions of a
+    parameter are cut into separate items. The manifest is written last: without it nothing is read."""
+    root = os.path.join(os.path.abspath(directory), PARAMS_DIR)
+    checkpointer, manifest = _checkpointer(), {}
+    for path, value in flat.items():
+        k = split.get(path, 0)
+        manifest[path] = {"shape": list(value.shape), "dtype": str(value.dtype), "split": k}
+        for index in np.ndindex(*value.shape[:k]):
+            checkpointer.save(_item(root, path, index), args=ocp.args.PyTreeSave({"value": value[index]}))
+    with open(os.path.join(root, MANIFEST), "w") as f:
+        json.dump(manifest, f, indent=1)
+
+
+def _manifest(root: str) -> dict:
+    try:
+        with open(os.path.join(root, MANIFEST)) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        raise CheckpointError(f"'{root}' has no readable {MANIFEST}; the conversion did not finish, so convert "
+                              "again into a new directory.") from None
+
+
+def _restore(checkpointer, item: str, target: Any) -> Any:
+    one = {"value": target}
+    return checkpointer.restore(item, args=ocp.args.PyTreeRestore(
+        one, restore_args=ocp.checkpoint_utils.construct_restore_args(one)))["value"]
+
+
+def read_slice(root: str, path: str, index: tuple[int, ...], manifest: dict | None = None) -> np.ndarray:
+    """One slice of a converted parameter as a host array (``index`` covers at least its split dimensions)."""
+    meta = (manifest or _manifest(root))[path]
+    k = meta["split"]
+    restored = _checkpointer().restore(_item(root, path, index[:k]), args=ocp.args.PyTreeRestore(
+        restore_args={"value": ocp.RestoreArgs(restore_type=np.ndarray)}))["value"]
+    return np.asarray(restored)[index[k:]]
+
+
+def _slice_sharding(sharding: jax.sharding.Sharding, ndim: int, k: int) -> jax.sharding.Sharding:
+    if not isinstance(sharding, NamedSharding):
+        return sharding
+    spec = tuple(sharding.spec) + (None,) * (ndim - len(sharding.spec))
+    return NamedSharding(sharding.mesh, PartitionSpec(*spec[k:]))
+
+
+def _restore_converted(root: str, target: Any) -> Any:
+    from flax import nnx
+    manifest, checkpointer, values = _manifest(root), _checkpointer(), {}
+    for path, var in nnx.to_flat_state(target):
+        name = ".".join(map(str, path))
+        want = var.get_value()
+        meta = manifest.get(name)
+        if meta is None or tuple(meta["shape"]) != want.shape:
+            found = "absent" if meta is None else f"of shape {tuple(meta['shape'])}"
+            raise CheckpointError(f"parameter '{name}' is {found} in '{root}' but this model needs shape "
+                                  f"{want.shape}; use the config the parameters were converted with.")
+        k = meta["split"]
+        if k == 0:
+            values[name] = _restore(checkpointer, _item(root, name, ()), want)
+            continue
+        part = jax.ShapeDtypeStruct(want.shape[k:], want.dtype,
+                                    sharding=_slice_sharding(want.sharding, len(want.shape), k))
+        slices = [_restore(checkpointer, _item(root, name, index), part) for index in np.ndindex(*want.shape[:k])]
+        values[name] = jax.jit(lambda *xs, shape=want.shape: jnp.stack(xs).reshape(shape),
+                               out_shardings=want.sharding)(*slices)
+        del slices
+    restored = jax.tree.map(lambda x: x, target)  # a new State: the caller's abstract one stays as it was
+    nnx.replace_by_pure_dict(restored, nest(values))
+    return restored
+
+
+def nest(flat: Mapping[str, Any]) -> dict:
+    """{"a.b.c": x} -> {"a": {"b": {"c": x}}} (the pure-dict form of an nnx State)."""
+    nested: dict = {}
+    for path, value in flat.items():
+        node = nested
+        *parents, leaf = path.split(".")
+        for key in parents:
+            node = node.setdefault(key, {})
+        node[leaf] = value
+    return nested
+
+
+def latest_run_state(path: str) -> str | None:
+    """The state item of the latest checkpoint of the training run in ``path`` (None if there is none)."""
+    runs = os.path.join(path, CHECKPOINT_DIR)
+    steps = sorted(int(n) for n in os.listdir(runs) if n.isdigit()) if os.path.isdir(runs) else []
+    return os.path.join(runs, str(steps[-1])) if steps else None
+
+
+def restore_params(path: str, abstract_params: Any, shardings: Any) -> Any:
+    """Parameters from a converted model (``path/params``) or from the latest checkpoint of a training run
+    (``path/checkpoints``), placed into ``shardings``."""
+    path = os.path.abspath(os.path.expanduser(path))
+    target = _abstract_with_shardings(abstract_params, shardings)
+    try:
+        if os.path.isdir(os.path.join(path, PARAMS_DIR)):
+            return _restore_converted(os.path.join(path, PARAMS_DIR), target)
+        step_dir = latest_run_state(path)
+        if step_dir is None:
+            raise CheckpointError(f"'{path}' holds neither {PARAMS_DIR}/ (a converted model) nor a checkpoint of a "
+                                  f"training run ({CHECKPOINT_DIR}/<step>); point it at one of those.")
+        restore_args = ocp.checkpoint_utils.construct_restore_args(target)
+        restored = _checkpointer().restore(os.path.join(step_dir, "state"), args=ocp.args.PyTreeRestore(
+            {"params": target}, restore_args={"params": restore_args}, partial_restore=True))
+        return restored["params"]
+    except CheckpointError:
+        raise
+    except (ValueError, KeyError, OSError, TypeError) as e:
+        raise CheckpointError(f"parameters in '{path}' do not match this model ({type(e).__name__}: "
+                              f"{str(e).splitlines()[0][:200]}); use the config they were written with.") from None
