@@ -179,9 +179,10 @@ class _Slices:
         item = os.path.join(latest_run_state(self.ckpt_dir), "state")
         leaf = self.shapes[param]
         key = "params." + param + ".value"
-        restored = _checkpointer().restore(item, args=ocp.args.PyTreeRestore(
-            nest({key: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype)}),
-            restore_args=nest({key: ocp.RestoreArgs(restore_type=np.ndarray)}), partial_restore=True))
+        with _checkpointer() as checkpointer:
+            restored = checkpointer.restore(item, args=ocp.args.PyTreeRestore(
+                nest({key: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype)}),
+                restore_args=nest({key: ocp.RestoreArgs(restore_type=np.ndarray)}), partial_restore=True))
         for part in key.split("."):
             restored = restored[part]
         return np.asarray(restored)

@@ -38,12 +38,13 @@ def save_params(directory: str, flat: Mapping[str, np.ndarray], split: Mapping[s
     """Writes ``flat`` ({dotted path: array}) to ``directory/params``; ``split[path]`` leading dimensions of a
     parameter are cut into separate items. The manifest is written last: without it nothing is read."""
     root = os.path.join(os.path.abspath(directory), PARAMS_DIR)
-    checkpointer, manifest = _checkpointer(), {}
-    for path, value in flat.items():
-        k = split.get(path, 0)
-        manifest[path] = {"shape": list(value.shape), "dtype": str(value.dtype), "split": k}
-        for index in np.ndindex(*value.shape[:k]):
-            checkpointer.save(_item(root, path, index), args=ocp.args.PyTreeSave({"value": value[index]}))
+    manifest = {}
+    with _checkpointer() as checkpointer:
+        for path, value in flat.items():
+            k = split.get(path, 0)
+            manifest[path] = {"shape": list(value.shape), "dtype": str(value.dtype), "split": k}
+            for index in np.ndindex(*value.shape[:k]):
+                checkpointer.save(_item(root, path, index), args=ocp.args.PyTreeSave({"value": value[index]}))
     with open(os.path.join(root, MANIFEST), "w") as f:
         json.dump(manifest, f, indent=1)
 
@@ -67,8 +68,9 @@ def read_slice(root: str, path: str, index: tuple[int, ...], manifest: dict | No
     """One slice of a converted parameter as a host array (``index`` covers at least its split dimensions)."""
     meta = (manifest or _manifest(root))[path]
     k = meta["split"]
-    restored = _checkpointer().restore(_item(root, path, index[:k]), args=ocp.args.PyTreeRestore(
-        restore_args={"value": ocp.RestoreArgs(restore_type=np.ndarray)}))["value"]
+    with _checkpointer() as checkpointer:
+        restored = checkpointer.restore(_item(root, path, index[:k]), args=ocp.args.PyTreeRestore(
+            restore_args={"value": ocp.RestoreArgs(restore_type=np.ndarray)}))["value"]
     return np.asarray(restored)[index[k:]]
 
 
@@ -80,8 +82,13 @@ def _slice_sharding(sharding: jax.sharding.Sharding, ndim: int, k: int) -> jax.s
 
 
 def _restore_converted(root: str, target: Any) -> Any:
+    with _checkpointer() as checkpointer:
+        return _restore_converted_with(checkpointer, root, target)
+
+
+def _restore_converted_with(checkpointer: ocp.Checkpointer, root: str, target: Any) -> Any:
     from flax import nnx
-    manifest, checkpointer, values = _manifest(root), _checkpointer(), {}
+    manifest, values = _manifest(root), {}
     for path, var in nnx.to_flat_state(target):
         name = ".".join(map(str, path))
         want = var.get_value()
@@ -137,8 +144,9 @@ def restore_params(path: str, abstract_params: Any, shardings: Any) -> Any:
             raise CheckpointError(f"'{path}' holds neither {PARAMS_DIR}/ (a converted model) nor a checkpoint of a "
                                   f"training run ({CHECKPOINT_DIR}/<step>); point it at one of those.")
         restore_args = ocp.checkpoint_utils.construct_restore_args(target)
-        restored = _checkpointer().restore(os.path.join(step_dir, "state"), args=ocp.args.PyTreeRestore(
-            {"params": target}, restore_args={"params": restore_args}, partial_restore=True))
+        with _checkpointer() as checkpointer:
+            restored = checkpointer.restore(os.path.join(step_dir, "state"), args=ocp.args.PyTreeRestore(
+                {"params": target}, restore_args={"params": restore_args}, partial_restore=True))
         return restored["params"]
     except CheckpointError:
         raise
