@@ -85,6 +85,10 @@ def test_export_shards_with_an_index(imported, tmp_path, monkeypatch):
     got = again.read(name)
     assert got.dtype.name == "bfloat16"
     np.testing.assert_allclose(got.astype(np.float32), original.read(name), rtol=2 ** -8)
+    # bfloat16 shards import like float32 ones: the same values, widened
+    convert.from_hf(exported, str(tmp_path / "back"))
+    _, params = convert.load(str(tmp_path / "back"))
+    assert np.array_equal(params["moe_layers.mlp.wo"][1, 3], got.astype(np.float32).T)
 
 
 def test_safetensors_writer_and_reader_agree_on_every_dtype(tmp_path):
