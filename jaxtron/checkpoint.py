@@ -28,7 +28,7 @@ class CheckpointError(ConfigError):
     """A checkpoint that cannot be used; one sentence naming what differs, exit 2."""
 
 
-def _abstract_with_shardings(abstract_state: Any, shardings: Any) -> Any:
+def abstract_with_shardings(abstract_state: Any, shardings: Any) -> Any:
     """ShapeDtypeStructs carrying the target shardings (the shardings tree is a prefix of the state's)."""
     def one(sharding, subtree):
         return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding), subtree)
@@ -68,7 +68,7 @@ class Checkpointer:
         """The state (in ``shardings``) and data-iterator state saved at ``step``."""
         saved = self.manager.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore()))["config"]
         _check_compatible(saved, cfg, os.path.join(self.directory, str(step)))
-        target = _abstract_with_shardings(abstract_state, shardings)
+        target = abstract_with_shardings(abstract_state, shardings)
         try:
             restored = self.manager.restore(step, args=ocp.args.Composite(
                 state=ocp.args.PyTreeRestore(target, restore_args=ocp.checkpoint_utils.construct_restore_args(target)),

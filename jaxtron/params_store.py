@@ -17,9 +17,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
-from jax.sharding import NamedSharding, PartitionSpec
 
-from jaxtron.checkpoint import CHECKPOINT_DIR, RESTORE_BUFFER_GB, CheckpointError, _abstract_with_shardings
+from jaxtron.checkpoint import CHECKPOINT_DIR, RESTORE_BUFFER_GB, CheckpointError, abstract_with_shardings
+from jaxtron.sharding import without_leading_axes
 
 PARAMS_DIR = "params"
 MANIFEST = "manifest.json"
@@ -74,13 +74,6 @@ def read_slice(root: str, path: str, index: tuple[int, ...], manifest: dict | No
     return np.asarray(restored)[index[k:]]
 
 
-def _slice_sharding(sharding: jax.sharding.Sharding, ndim: int, k: int) -> jax.sharding.Sharding:
-    if not isinstance(sharding, NamedSharding):
-        return sharding
-    spec = tuple(sharding.spec) + (None,) * (ndim - len(sharding.spec))
-    return NamedSharding(sharding.mesh, PartitionSpec(*spec[k:]))
-
-
 def _restore_converted(root: str, target: Any) -> Any:
     with _checkpointer() as checkpointer:
         return _restore_converted_with(checkpointer, root, target)
@@ -102,7 +95,7 @@ def _restore_converted_with(checkpointer: ocp.Checkpointer, root: str, target: A
             values[name] = _restore(checkpointer, _item(root, name, ()), want)
             continue
         part = jax.ShapeDtypeStruct(want.shape[k:], want.dtype,
-                                    sharding=_slice_sharding(want.sharding, len(want.shape), k))
+                                    sharding=without_leading_axes(want.sharding, len(want.shape), k))
         slices = [_restore(checkpointer, _item(root, name, index), part) for index in np.ndindex(*want.shape[:k])]
         values[name] = jax.jit(lambda *xs, shape=want.shape: jnp.stack(xs).reshape(shape),
                                out_shardings=want.sharding)(*slices)
@@ -135,7 +128,7 @@ def restore_params(path: str, abstract_params: Any, shardings: Any) -> Any:
     """Parameters from a converted model (``path/params``) or from the latest checkpoint of a training run
     (``path/checkpoints``), placed into ``shardings``."""
     path = os.path.abspath(os.path.expanduser(path))
-    target = _abstract_with_shardings(abstract_params, shardings)
+    target = abstract_with_shardings(abstract_params, shardings)
     try:
         if os.path.isdir(os.path.join(path, PARAMS_DIR)):
             return _restore_converted(os.path.join(path, PARAMS_DIR), target)

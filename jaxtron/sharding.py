@@ -91,6 +91,14 @@ def tree_shardings(mesh: Mesh, tree: Any) -> Any:
     return jax.tree.map(one, tree, is_leaf=_is_variable)
 
 
+def without_leading_axes(sharding: jax.sharding.Sharding, ndim: int, k: int) -> jax.sharding.Sharding:
+    """The sharding of one slice ``a[i, j, ...]`` (``k`` leading indices) of an ``ndim``-dimensional array."""
+    if not isinstance(sharding, NamedSharding):
+        return sharding  # e.g. one device: the same for any shape
+    spec = tuple(sharding.spec) + (None,) * (ndim - len(sharding.spec))
+    return NamedSharding(sharding.mesh, PartitionSpec(*spec[k:]))
+
+
 def batch_sharding(mesh: Mesh) -> NamedSharding:
     """Sharding of a [batch, length] token array: batch over data/fsdp/expert, length over sequence."""
     return NamedSharding(mesh, logical_to_spec(BATCH_AXES))

@@ -16,7 +16,7 @@ import time
 import jax
 import jax.numpy as jnp
 
-from jaxtron.checkpoint import _abstract_with_shardings
+from jaxtron.checkpoint import abstract_with_shardings
 from jaxtron.config import Config
 from jaxtron.mesh import make_mesh
 from jaxtron.sharding import batch_sharding, per_device_sharding
@@ -138,7 +138,7 @@ def dry_run(cfg: Config, devices: list | None = None, implementation: str = "xla
     with jax.set_mesh(mesh):
         setup = state_lib.setup(cfg, implementation)
         shardings = state_lib.state_shardings(mesh, setup.abstract_state)
-        state = _abstract_with_shardings(setup.abstract_state, shardings)
+        state = abstract_with_shardings(setup.abstract_state, shardings)
         votes = jax.ShapeDtypeStruct((mesh.size,), jnp.int32, sharding=per_device_sharding(mesh))
         batch = abstract_batch(cfg, mesh)
         step = jax.jit(lambda s, b, v: train_step(setup, s, b, v),
