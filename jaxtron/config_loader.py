@@ -6,13 +6,16 @@ every mistake becomes one ConfigError sentence instead of a flags traceback.
 
 from __future__ import annotations
 
+import dataclasses
+import difflib
 import importlib.util
 import os
-from typing import Any, Sequence
+import typing
+from typing import Any, Mapping, Sequence
 
 import ml_collections
 
-from jaxtron.config import Config, ConfigError, field_type, from_mapping, parse_value
+from jaxtron.config import SECTIONS, Config, ConfigError
 
 
 def load_config_file(spec: str) -> ml_collections.ConfigDict:
@@ -92,3 +95,72 @@ def split_overrides(argv: Sequence[str]) -> tuple[str | None, list[tuple[str, st
 def load_config(spec: str, overrides: Sequence[tuple[str, str]] = ()) -> Config:
     """Config file + overrides -> validated, frozen Config."""
     return from_mapping(apply_overrides(load_config_file(spec), overrides))
+
+
+def _field_types(cls) -> dict[str, type]:
+    hints = typing.get_type_hints(cls)
+    return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
+
+
+def parse_value(field: str, kind: type, text: str) -> Any:
+    """Parses a command-line override string into the field's type."""
+    if kind is bool:
+        lowered = text.strip().lower()
+        if lowered in ("true", "1", "yes"):
+            return True
+        if lowered in ("false", "0", "no"):
+            return False
+        raise ConfigError(f"config field '{field}' expects bool but got {text!r}; "
+                          f"pass true or false to --config.{field}.")
+    try:
+        if kind is int:
+            return int(text)
+        if kind is float:
+            return float(text)
+        return text
+    except ValueError:
+        raise ConfigError(f"config field '{field}' expects {kind.__name__} but got {text!r}; "
+                          f"pass a valid {kind.__name__} to --config.{field}.") from None
+
+
+def field_type(path: str) -> type:
+    """The type of a dotted field path such as 'train.steps'; ConfigError if it does not exist."""
+    section, _, name = path.partition(".")
+    if section not in SECTIONS:
+        raise ConfigError(f"config section '{section}' does not exist; use one of {', '.join(SECTIONS)}.")
+    types = _field_types(SECTIONS[section])
+    if not name:
+        raise ConfigError(f"config section '{section}' cannot be set as a whole; set one of its fields with "
+                          f"--config.{section}.<field>=VALUE.")
+    if name not in types:
+        close = difflib.get_close_matches(name, types, n=1)
+        guess = f"'{section}.{close[0]}' (closest match) or another field" if close else "one of the fields"
+        raise ConfigError(f"config field '{path}' does not exist; use {guess} of '{section}': "
+                          f"{', '.join(sorted(types))}.")
+    return types[name]
+
+
+def _coerce(path: str, kind: type, value: Any) -> Any:
+    if kind is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if kind is bool and isinstance(value, bool) or kind is not bool and type(value) is kind:
+        return value
+    raise ConfigError(f"config field '{path}' must be {kind.__name__} but is {type(value).__name__} "
+                      f"({value!r}); fix it in the config file or with --config.{path}.")
+
+
+def from_mapping(values: Mapping[str, Any]) -> Config:
+    """Builds and validates a Config from a nested mapping (e.g. ``ConfigDict.to_dict()``)."""
+    sections = {}
+    for section, content in values.items():
+        if section not in SECTIONS:
+            raise ConfigError(f"config section '{section}' does not exist; use one of {', '.join(SECTIONS)}.")
+        if not isinstance(content, Mapping):
+            raise ConfigError(f"config section '{section}' must be a group of fields, not {content!r}; "
+                              "make it a dict of fields in the config file.")
+        kwargs = {}
+        for name, value in content.items():
+            path = f"{section}.{name}"
+            kwargs[name] = _coerce(path, field_type(path), value)
+        sections[section] = SECTIONS[section](**kwargs)
+    return Config(**sections)

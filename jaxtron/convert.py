@@ -58,8 +58,8 @@ def _config_file(cfg: ModelConfig, out_dir: str) -> str:
     import dataclasses
     defaults = ModelConfig()
     model = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)
-             if getattr(cfg, f.name) != getattr(defaults, f.name) or f.name in ("dtype",)}
-    model["dtype"] = "bfloat16"
+             if getattr(cfg, f.name) != getattr(defaults, f.name)}
+    model["dtype"] = "bfloat16"  # the training compute dtype on GPUs; parameters stay float32
     return f'''"""{cfg.name}, converted from Hugging Face by `python -m jaxtron.convert from-hf`.
 
 Training with this file starts from the converted parameters (train.init_from) with a fresh optimizer.
@@ -123,8 +123,7 @@ def from_hf(hf_dir: str, out_dir: str) -> ModelConfig:
 
 
 def _model_config(ckpt_dir: str) -> ModelConfig:
-    from jaxtron.config import from_mapping
-    from jaxtron.config_loader import load_config
+    from jaxtron.config_loader import from_mapping, load_config
     from jaxtron.params_store import latest_run_state
     if os.path.isfile(os.path.join(ckpt_dir, "config.py")):
         return load_config(os.path.join(ckpt_dir, "config.py")).model

@@ -15,9 +15,8 @@ import textwrap
 import jax.numpy as jnp
 import pytest
 
-from jaxtron.config import (Config, ConfigError, DataConfig, MeshConfig, ModelConfig, OptimizerConfig, TrainConfig,
-                            parse_value)
-from jaxtron.config_loader import load_config, split_overrides
+from jaxtron.config import Config, ConfigError, DataConfig, MeshConfig, ModelConfig, OptimizerConfig, TrainConfig
+from jaxtron.config_loader import load_config, parse_value, split_overrides
 from jaxtron.ops.attention import resolve_implementation
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
