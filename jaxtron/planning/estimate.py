@@ -1,0 +1,264 @@
+"""Analytic estimate of one mesh: per-device memory and a roofline step time, term by term.
+
+The model follows what jaxtron's train step does, not an idealised trainer:
+- Parameters, AdamW moments and gradients are float32 (16 bytes per parameter, one more gradient buffer with
+  microbatches), sharded as ``jaxtron.sharding.RULES`` says; the shard sizes are computed from the real
+  model's parameter shapes and logical axis names.
+- Activations kept for the backward pass follow ``model.remat`` (which block outputs are saved per layer). The
+  residual stream is not split over ``tensor`` (no Megatron-style sequence parallelism), so every tensor rank
+  holds it whole.
+- Working space is the larger of two phases: the backward pass of one block (its recomputed intermediates and
+  their gradients, XLA attention's float32 score matrices, the block's weights gathered over ``fsdp`` in float32
+  and their gradients before the reduce-scatter, the MoE exchange buffers) and the loss (float32 logits of one
+  ``train.logit_chunks`` slice, embedding and output head gathered over ``fsdp``).
+- Step time: matmul FLOPs (model FLOPs plus the remat recompute) at the measured GEMM rate, attention at the
+  attention kernel's rate, elementwise traffic at HBM bandwidth, and each collective at the NVLink or the
+  network bandwidth of the axis it runs over. Gathers and gradient reductions over ``fsdp``/``data`` overlap
+  with compute (XLA's latency-hiding scheduler); tensor, sequence and expert collectives sit between
+  dependent matmuls and are counted in full.
+
+The few copy counts below (how many buffers of a kind are live at the peak) were read off XLA's buffer
+assignment of compiled steps; ``benchmarks/plan_validation.md`` compares the totals with the compiler's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+from flax import nnx
+
+from jaxtron.config import Config, ModelConfig
+from jaxtron.mesh import split_over_nodes
+from jaxtron.metrics.flops import flops_breakdown
+from jaxtron.models import build_model
+from jaxtron.models.moe import capacity
+from jaxtron.ops.attention import resolve_implementation
+from jaxtron.planning.gpus import GPU
+from jaxtron.sharding import logical_names, logical_to_spec
+
+# live copies at the peak, per kind of buffer (see the module docstring)
+LAYER_COPIES = 3.0  # one block's intermediates during its backward: recomputed values and their gradients
+SCORE_COPIES = 3.0  # XLA attention's float32 [batch, heads, q, k] arrays in the backward: scores, probs, grads
+WEIGHT_COPIES = 2.0  # gathered block weights besides their float32 gradient: this block's and the next one's
+LOGIT_COPIES = 2.0  # float32 logits of one slice: the logits and their gradient
+HEAD_COPIES = 2.0  # embedding and output head gathered over fsdp besides their gradient
+# elementwise traffic of one block per token, in units of (h + q + 2k + f): norms, rotary, residual adds,
+# activation function and casts, forward only (the backward moves about twice as much)
+ELEMENTWISE_PASSES = 6.0
+
+
+@dataclasses.dataclass(frozen=True)
+class Param:
+    path: str  # e.g. 'moe_layers.mlp.wo'
+    shape: tuple[int, ...]
+    names: tuple[str | None, ...]
+
+    @property
+    def in_blocks(self) -> bool:
+        return bool(self.names) and self.names[0] == "layers"
+
+    def shard_elements(self, sizes: dict[str, int], without: tuple[str, ...] = ()) -> int:
+        """Elements one device holds (ceil division, as jax pads uneven shards); ``without``: mesh axes whose
+        sharding is undone (e.g. 'fsdp' for the gathered weights)."""
+        total = 1
+        for dim, axes in zip(self.shape, logical_to_spec(self.names)):
+            axes = () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
+            ways = math.prod(sizes[a] for a in axes if a not in without)
+            total *= -(-dim // ways)
+        return total
+
+
+@functools.lru_cache(maxsize=8)
+def parameters(model: ModelConfig) -> tuple[Param, ...]:
+    """Shapes and logical names of the model's parameters (abstract: nothing is allocated)."""
+    state = jax.eval_shape(lambda: nnx.split(build_model(model, 0, "xla"), nnx.Param)[1])
+    return tuple(Param(".".join(map(str, path)), tuple(v.get_value().shape), logical_names(v))
+                 for path, v in nnx.to_flat_state(state))
+
+
+@dataclasses.dataclass
+class Estimate:
+    mesh: dict[str, int]
+    microbatches: int
+    attention: str  # the attention implementation the estimate assumes
+    memory: dict[str, float]  # bytes per device by term
+    time: dict[str, float]  # seconds per step by term
+    exposed: tuple[str, ...]  # time terms that add to the step (the others overlap with compute)
+    overlapped: tuple[str, ...]
+    step_s: float
+    mfu: float
+    tokens_per_s: float
+    collectives: dict[str, float]  # bytes per step and device, by collective kind
+
+    @property
+    def memory_bytes(self) -> float:
+        return sum(self.memory.values())
+
+    @property
+    def dominant(self) -> str:
+        """The term that sets the step time: the overlapped communication when it outlasts the compute,
+        else the largest exposed term."""
+        compute = sum(self.time[k] for k in self.exposed if k in COMPUTE_TERMS)
+        hidden = sum(self.time[k] for k in self.overlapped)
+        if hidden > compute:
+            return max(self.overlapped, key=self.time.get)
+        return max(self.exposed, key=self.time.get)
+
+
+COMPUTE_TERMS = ("matmul", "attention", "elementwise")
+
+
+def _recompute(remat: str) -> dict[str, float]:
+    """Forward passes re-run per term under a remat policy, as a fraction of the term's training FLOPs."""
+    third = 1.0 / 3.0
+    if remat == "full":
+        return dict(proj=third, scores=third, mlp=third)
+    if remat == "save_dots":
+        return dict(proj=0.0, scores=third, mlp=0.0, experts=third)
+    if remat == "save_attention":
+        return dict(proj=third, scores=0.0, mlp=third)
+    if remat == "save_dots_attention":
+        return dict(proj=0.0, scores=0.0, mlp=0.0, experts=third)
+    return {}
+
+
+def estimate(cfg: Config, sizes: dict[str, int], gpu: GPU, microbatches: int | None = None,
+             cpu_program: bool = False) -> Estimate:
+    """Per-device memory and step time of ``cfg`` on the mesh ``sizes`` of ``gpu``s.
+
+    ``microbatches`` defaults to ``train.microbatches``. ``cpu_program``: estimate the program XLA:CPU compiles
+    for the dry run instead of the GPU's: XLA attention, and 16-bit values held in float32 (XLA:CPU has no
+    16-bit matmul, so it converts their operands: the block weights are gathered in float32 and the saved
+    residual stream is converted to float32 once more before the backward pass).
+    """
+    m, n_dev = cfg.model, math.prod(sizes.values())
+    micro = microbatches or cfg.train.microbatches
+    impl = "xla" if cpu_program else resolve_implementation(m.attention, m.dtype, m.resolved_head_dim,
+                                                            sizes["sequence"], backend="gpu")
+    T, S, E, F = sizes["tensor"], sizes["sequence"], sizes["expert"], sizes["fsdp"]
+    dp = sizes["data"] * F * E
+    c = 2 if m.dtype == "bfloat16" else 4
+    s = cfg.data.seq_len
+    t = s // S
+    b = cfg.train.global_batch_size // micro // dp  # rows per device and microbatch
+    h, f, d = m.embed_dim, m.mlp_dim, m.resolved_head_dim
+    nq, nk = m.num_heads * d // T, m.num_kv_heads * d // T
+    ft = f // T
+    s_kv = s if S > 1 else t
+    params = parameters(m)
+
+    # state: float32 parameters, two AdamW moments, gradients (+ the microbatch accumulator)
+    shard = sum(p.shard_elements(sizes) for p in params)
+    memory = {"parameters": 4.0 * shard, "optimizer": 8.0 * shard,
+              "gradients": 4.0 * shard * (2 if micro > 1 else 1),
+              "batch": 5 * 4.0 * b * micro * t}
+
+    # byte sizes: c in the GPU program; XLA:CPU holds 16-bit intermediates and gathered weights in float32
+    work_c = 4 if cpu_program else c
+    saved_c = c + (4 if cpu_program and c < 4 else 0)  # the CPU's float32 copy of the saved stack
+
+    # one block's forward values, in elements per device and microbatch
+    x = b * t * h
+    attn = {"q": b * t * nq, "kv": 2 * b * s_kv * nk, "out": b * t * nq}
+    mlp = {"gate_up": 2 * b * t * ft, "act": b * t * ft}
+    heads = m.num_heads // T
+    scores = b * heads * t * s_kv if impl == "xla" else 0  # float32 [batch, heads, q, k] (flash: none)
+    everything = 6 * x + sum(attn.values()) + sum(mlp.values())
+    saved = {"none": everything, "full": x, "save_attention": x + attn["out"],
+             "save_dots": 3 * x + attn["q"] + attn["kv"] + mlp["gate_up"],
+             "save_dots_attention": 3 * x + attn["q"] + attn["kv"] + attn["out"] + mlp["gate_up"]}[m.remat]
+    saved_scores = 2 * scores if m.remat == "none" else 0  # scores and probabilities kept for the backward
+    moe_layers = m.num_moe_layers
+    tokens = b * t
+    k = m.experts_per_token
+    moe_rows = 0
+    if moe_layers:  # rows each device's expert GEMMs run over: worst-case (dropless) or capacity buffers
+        moe_rows = tokens * k * E if m.moe_mode == "dropless" else m.num_experts * b * capacity(m, t)
+    moe_values = moe_rows * (2 * h + 3 * ft) + 2 * tokens * k * h  # buffers in and out, hidden; sorted rows
+    moe_saved = moe_values if m.remat in ("none", "save_dots", "save_dots_attention") else 0
+    memory["activations"] = float(m.num_layers * (saved * saved_c + saved_scores * 4.0)
+                                  + moe_layers * moe_saved * saved_c)
+
+    per_block = {}  # elements of one block's weights gathered over fsdp, per stack ('layers', 'moe_layers')
+    for p in params:
+        if p.in_blocks:
+            stack = p.path.split(".")[0]
+            per_block[stack] = per_block.get(stack, 0) + p.shard_elements(sizes, without=("fsdp",)) // p.shape[0]
+    block_weights = max(per_block.values())
+    gather_c = 4 if cpu_program else c
+    layer_work = (LAYER_COPIES * (everything + (moe_values if moe_layers else 0)) * work_c
+                  + SCORE_COPIES * scores * 4.0
+                  + block_weights * (WEIGHT_COPIES * gather_c + 4.0))  # gathered copies and the float32 gradient
+    vocab = m.vocab_size // T
+    head_params = [p for p in params if not p.in_blocks and "vocab" in p.names]
+    head_gathered = sum(p.shard_elements(sizes, without=("fsdp",)) for p in head_params)
+    loss_work = (LOGIT_COPIES * 4.0 * b * t * vocab / cfg.train.logit_chunks
+                 + head_gathered * (HEAD_COPIES * gather_c + 4.0))
+    memory["working"] = float(max(layer_work, loss_work))
+
+    # --- time ---
+    peak = gpu.peak_flops["bfloat16"] if m.dtype == "bfloat16" else gpu.peak_flops["bfloat16"] / 2  # fp32: TF32
+    terms = flops_breakdown(m, s)
+    redo = _recompute(m.remat)
+    step_tokens = cfg.train.global_batch_size * s
+    matmul = (terms["attention_proj"] * (1 + redo.get("proj", 0)) + terms["mlp"] * (1 + redo.get("mlp", 0))
+              + (terms["experts"] + terms["router"]) * (1 + redo.get("experts", redo.get("mlp", 0)))
+              + terms["logits"])
+    scores_flops = terms["attention_scores"] * (1 + redo.get("scores", 0))
+    attention_eff = gpu.attention_efficiency if impl == "cudnn" else gpu.xla_attention_efficiency
+    forward_passes = 3 + (1 if m.remat == "full" else 0)  # forward, backward (twice the traffic), recompute
+    elementwise = (ELEMENTWISE_PASSES * forward_passes * m.num_layers * (h + nq + 2 * nk + ft) * c
+                   * step_tokens / (n_dev / T))  # per device: the residual-width work is repeated on each tensor rank
+    time = {"matmul": matmul * step_tokens / n_dev / (peak * gpu.matmul_efficiency),
+            "attention": scores_flops * step_tokens / n_dev / (peak * attention_eff),
+            "elementwise": elementwise / n_dev * T / gpu.hbm_bandwidth / T}
+
+    across = split_over_nodes(sizes, max(1, n_dev // gpu.gpus_per_node)) if n_dev > gpu.gpus_per_node else \
+        {a: 1 for a in sizes}
+
+    def bandwidth(axis: str) -> float:
+        return gpu.network_bandwidth if across[axis] > 1 else gpu.nvlink_bandwidth
+
+    coll = {"all-gather": 0.0, "reduce-scatter": 0.0, "all-reduce": 0.0, "all-to-all": 0.0}
+
+    def ring(kind: str, axis: str, result_bytes: float, times: float) -> float:
+        """Seconds of ``times`` collectives with ``result_bytes`` results over ``axis`` (ring algorithms)."""
+        n = sizes[axis]
+        if n == 1 or result_bytes == 0:
+            return 0.0
+        coll[kind] += times * result_bytes
+        moved = result_bytes * (n - 1) / n * (2 if kind == "all-reduce" else 1)
+        return times * moved / bandwidth(axis)
+
+    gathers = 2 * micro  # forward and the backward's recompute/use: the weights are gathered twice per step
+    all_gathered = sum(p.shard_elements(sizes, without=("fsdp",)) for p in params)
+    time["fsdp_comm"] = (ring("all-gather", "fsdp", 4.0 * all_gathered, gathers)
+                         + ring("reduce-scatter", "fsdp", 4.0 * all_gathered, micro))
+    replicated_over = [a for a in ("data", "expert") if sizes[a] > 1]
+    grad_sync = 0.0
+    for axis in replicated_over:  # gradients of what the axis does not shard are summed over it
+        over = sum(p.shard_elements(sizes) for p in params if axis == "data" or "experts" not in p.names)
+        grad_sync += ring("all-reduce", axis, 4.0 * over, micro)
+    time["data_comm"] = grad_sync
+    layer_passes = forward_passes  # forward, backward, recompute
+    time["tensor_comm"] = ring("all-reduce", "tensor", x * c, 2 * (layer_passes - 1) * m.num_layers * micro) + \
+        ring("all-reduce", "tensor", 4.0 * b * t * h, micro)  # the logits' hidden-state gradient
+    time["sequence_comm"] = ring("all-gather", "sequence", attn["kv"] * c, (layer_passes - 1) * m.num_layers * micro)
+    if moe_layers and E > 1:
+        exchange = tokens * k * E * h * c if m.moe_mode == "dropless" else \
+            m.num_experts * b * capacity(m, t) * h * c
+        time["expert_comm"] = ring("all-to-all", "expert", exchange, 2 * (layer_passes - 1) * moe_layers * micro)
+    else:
+        time["expert_comm"] = 0.0
+    overlapped = ("fsdp_comm", "data_comm")
+    exposed = ("matmul", "attention", "elementwise", "tensor_comm", "sequence_comm", "expert_comm")
+    compute = sum(time[k] for k in COMPUTE_TERMS)
+    step = max(compute, sum(time[k] for k in overlapped)) + sum(time[k] for k in exposed if k not in COMPUTE_TERMS)
+    model_flops = sum(terms.values()) * step_tokens / n_dev
+    return Estimate(mesh=dict(sizes), microbatches=micro, attention=impl, memory=memory, time=time,
+                    exposed=exposed, overlapped=overlapped, step_s=step,
+                    mfu=model_flops / step / gpu.peak_flops["bfloat16"], tokens_per_s=step_tokens / step,
+                    collectives=coll)

@@ -1,0 +1,70 @@
+"""The planner's constants: one table of what each GPU and its interconnect can do.
+
+Every number says where it comes from. "datasheet" numbers are the vendor's; "measured" ones were measured on
+such a machine (shared GPU notes: an H200 ran a bf16 8192^3 matmul at about 790 TFLOP/s and copied device to
+device at about 4.3 TB/s); "assumed" ones are ours and are the first to re-measure when a GPU is at hand.
+
+Rates are what one GPU sustains:
+- ``matmul_efficiency``: fraction of the dense peak that large bf16 GEMMs reach (790 / 989.4 measured on H200;
+  H100 SXM has the same tensor cores and clocks, so the same fraction is used).
+- ``attention_efficiency``: fraction of the dense peak that cuDNN flash attention reaches over forward and
+  backward together (assumed 0.5: published flash-attention forward kernels on H100 reach 60-75% of peak at
+  head_dim 128, backward kernels 40-55%). XLA's attention materialises the score matrix and is assumed to
+  reach a quarter of the peak.
+- ``hbm_bandwidth``: device memory bytes/s for the elementwise work (norms, rotary, activations, casts).
+- ``nvlink_bandwidth``: NCCL bus bandwidth inside a node (NVLink 4 moves 450 GB/s per direction per GPU;
+  assumed 80% of it is reached by ring/NVLS collectives of large messages).
+- ``network_bandwidth``: NCCL bus bandwidth per GPU between nodes (one 400 Gb/s InfiniBand NIC per GPU, the
+  DGX/HGX H100 and H200 layout: 50 GB/s per direction; assumed 80% of it is reached).
+- ``usable_memory_fraction``: the part of device memory a step may plan to use; the rest is left to cuDNN
+  workspaces, NCCL buffers, the CUDA context and fragmentation (jaxtron's GPU preset lets jax take 92%).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from jaxtron.config import ConfigError
+from jaxtron.metrics.hardware import DENSE_PEAK_TFLOPS
+
+
+@dataclasses.dataclass(frozen=True)
+class GPU:
+    name: str
+    memory_bytes: int  # device memory as the driver reports it
+    peak_flops: dict[str, float]  # dense datasheet peak per precision (the MFU denominator)
+    matmul_efficiency: float
+    attention_efficiency: float
+    xla_attention_efficiency: float
+    hbm_bandwidth: float  # bytes/s
+    nvlink_bandwidth: float  # bytes/s, bus bandwidth inside a node
+    network_bandwidth: float  # bytes/s per GPU, bus bandwidth across nodes
+    gpus_per_node: int = 8
+    usable_memory_fraction: float = 0.90
+
+    @property
+    def usable_bytes(self) -> float:
+        return self.memory_bytes * self.usable_memory_fraction
+
+
+def _peaks(model: str) -> dict[str, float]:
+    return {k: v * 1e12 for k, v in DENSE_PEAK_TFLOPS[model].items() if v}
+
+
+_MIB = 2**20
+GPUS: dict[str, GPU] = {
+    # 80 GB HBM3 (81,559 MiB reported), 3.35 TB/s datasheet, of which 85% is assumed reachable
+    "h100": GPU("H100 SXM 80GB", 81_559 * _MIB, _peaks("H100 SXM"), 790 / 989.4, 0.5, 0.25,
+                0.85 * 3.35e12, 0.8 * 450e9, 0.8 * 50e9),
+    # 141 GB HBM3e (143,771 MiB reported), 4.8 TB/s datasheet, 4.3 TB/s measured device-to-device copy
+    "h200": GPU("H200 SXM 141GB", 143_771 * _MIB, _peaks("H200 SXM"), 790 / 989.4, 0.5, 0.25,
+                4.3e12, 0.8 * 450e9, 0.8 * 50e9),
+}
+
+
+def gpu(name: str) -> GPU:
+    """The table entry for ``name`` (case-insensitive), or a ConfigError listing the known ones."""
+    key = name.strip().lower()
+    if key not in GPUS:
+        raise ConfigError(f"--gpu={name!r} is not in the planner's table; use one of {', '.join(sorted(GPUS))}.")
+    return GPUS[key]

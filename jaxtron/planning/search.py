@@ -1,0 +1,128 @@
+"""Enumerate the meshes of a GPU count, estimate each, rank them; refuse with a reason when none fits."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from jaxtron.config import MESH_AXES, Config, ConfigError, MeshConfig
+from jaxtron.mesh import split_over_nodes
+from jaxtron.planning.estimate import Estimate, estimate
+from jaxtron.planning.gpus import GPU
+
+GIB = 2.0**30
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def with_mesh(cfg: Config, sizes: dict[str, int]) -> Config:
+    return dataclasses.replace(cfg, mesh=MeshConfig(**sizes))
+
+
+def layout_problem(cfg: Config, sizes: dict[str, int], gpu: GPU) -> str | None:
+    """Why the mesh cannot run this model on whole nodes of ``gpu``, or None."""
+    n = math.prod(sizes.values())
+    try:
+        with_mesh(cfg, sizes).check_devices(n)
+    except ConfigError as e:
+        return str(e)
+    if sizes["tensor"] * sizes["expert"] > gpu.gpus_per_node:
+        return f"tensor x expert = {sizes['tensor'] * sizes['expert']} exceeds the {gpu.gpus_per_node} GPUs of a node"
+    if n > gpu.gpus_per_node:
+        across = split_over_nodes(sizes, n // gpu.gpus_per_node)
+        if across["tensor"] > 1 or across["expert"] > 1:
+            return "tensor or expert groups would span nodes"
+    return None
+
+
+def candidate_meshes(cfg: Config, n: int, gpu: GPU) -> list[dict[str, int]]:
+    """Every mesh of ``n`` devices that divides the model and keeps tensor and expert groups inside a node.
+    A dense model gets no expert axis (it would only be another name for data parallelism)."""
+    out = []
+    for tensor in divisors(n):
+        if tensor > gpu.gpus_per_node:
+            continue
+        for expert in divisors(n // tensor) if cfg.model.num_experts else [1]:
+            for sequence in divisors(n // tensor // expert):
+                for fsdp in divisors(n // tensor // expert // sequence):
+                    data = n // tensor // expert // sequence // fsdp
+                    sizes = dict(data=data, fsdp=fsdp, sequence=sequence, expert=expert, tensor=tensor)
+                    if layout_problem(cfg, sizes, gpu) is None:
+                        out.append({a: sizes[a] for a in MESH_AXES})
+    return out
+
+
+@dataclasses.dataclass
+class Row:
+    estimate: Estimate
+    fits: bool
+
+
+def _microbatch_options(cfg: Config, sizes: dict[str, int]) -> list[int]:
+    """Microbatch counts from the config's up, each leaving a whole number of rows per device."""
+    dp = sizes["data"] * sizes["fsdp"] * sizes["expert"]
+    rows = cfg.train.global_batch_size // dp
+    return [k for k in divisors(rows) if k >= cfg.train.microbatches]
+
+
+def best_for_mesh(cfg: Config, sizes: dict[str, int], gpu: GPU) -> Row:
+    """The mesh with the fewest microbatches that fit (more microbatches: less activation memory, more
+    weight gathers); if none fits, the estimate with the most microbatches."""
+    options = _microbatch_options(cfg, sizes)
+    est = None
+    for k in options:
+        est = estimate(cfg, sizes, gpu, microbatches=k)
+        if est.memory_bytes <= gpu.usable_bytes:
+            return Row(est, True)
+    return Row(est, False)
+
+
+def plan(cfg: Config, n: int, gpu: GPU) -> list[Row]:
+    """All valid meshes of ``n`` GPUs, the ones that fit first, fastest first (ties: less memory)."""
+    rows = [best_for_mesh(cfg, sizes, gpu) for sizes in candidate_meshes(cfg, n, gpu)]
+    return sorted(rows, key=lambda r: (not r.fits, round(r.estimate.step_s, 3 - _digits(r.estimate.step_s)),
+                                       r.estimate.memory_bytes))
+
+
+def _digits(x: float) -> int:
+    """Digits before the point, so steps are compared to 3 significant figures."""
+    return int(math.floor(math.log10(x))) + 1 if x > 0 else 0
+
+
+def refusal(cfg: Config, n: int, gpu: GPU, rows: list[Row]) -> str:
+    """One sentence: why no mesh of ``n`` GPUs fits, and the fewest GPUs (whole nodes, powers of two) that do."""
+    from jaxtron.metrics.flops import param_count
+
+    params = param_count(cfg.model)
+    state = 16.0 * params / n
+    if not rows:
+        return (f"no mesh of {n} GPUs divides the model and batch (heads, kv heads, MLP width, vocabulary, experts "
+                f"and the global batch {cfg.train.global_batch_size} must divide by the axes); change --gpus or the "
+                "batch.")
+    least = min(rows, key=lambda r: r.estimate.memory_bytes)
+    need = _fewest_gpus(cfg, n, gpu)
+    more = f"; the smallest power-of-two GPU count on which a mesh fits is {need}" if need else ""
+    if state > gpu.usable_bytes:
+        why = (f"{params / 1e9:.1f}B parameters need {16 * params / 1e12:.2f} TB for float32 weights, gradients and "
+               f"AdamW moments (16 bytes each), {state / GIB:.0f} GiB per GPU even fully sharded over {n} GPUs, "
+               f"above the {gpu.usable_bytes / GIB:.0f} GiB usable on an {gpu.name}")
+    else:
+        why = (f"the leanest mesh ({_mesh_text(least.estimate.mesh)}, {least.estimate.microbatches} microbatches) "
+               f"needs {least.estimate.memory_bytes / GIB:.0f} GiB per GPU, above the {gpu.usable_bytes / GIB:.0f} "
+               f"GiB usable on an {gpu.name}")
+    return f"{why}{more}."
+
+
+def _fewest_gpus(cfg: Config, n: int, gpu: GPU) -> int | None:
+    count = n * 2
+    while count <= 65536:
+        if any(r.fits for r in plan(cfg, count, gpu)[:1]):
+            return count
+        count *= 2
+    return None
+
+
+def _mesh_text(sizes: dict[str, int]) -> str:
+    return " ".join(f"{a}={v}" for a, v in sizes.items() if v > 1) or "one device"
