@@ -1,6 +1,8 @@
 """The planner's dry run: the real train step compiled for a mesh from abstract inputs, its memory analysis
 and the collectives it executes per step."""
 
+import math
+
 import jax
 import numpy as np
 
@@ -62,3 +64,122 @@ def test_dry_run_memory_and_collectives_follow_the_mesh():
     # per MoE block: rows out, counts, outputs back, and two transposed row exchanges
     assert moe.collectives["all-to-all"]["count"] >= 2 * 5
     assert np.isfinite(moe.compile_s) and jax.device_count() == 8
+
+
+# --- the analytic estimate, the mesh search and the CLI ---
+
+import dataclasses  # noqa: E402
+import os  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+
+import pytest  # noqa: E402
+
+from conftest import REPO  # noqa: E402
+from jaxtron import plan as plan_cli  # noqa: E402
+from jaxtron.config_loader import load_config  # noqa: E402
+from jaxtron.planning import search  # noqa: E402
+from jaxtron.planning.estimate import estimate  # noqa: E402
+from jaxtron.planning.gpus import gpu  # noqa: E402
+
+H100 = gpu("h100")
+
+
+def _config(name: str, **overrides):
+    return load_config(os.path.join(REPO, "configs", f"{name}.py"), list(overrides.items()))
+
+
+@pytest.mark.parametrize("mesh,model", [(dict(fsdp=8), {}), (dict(fsdp=4, tensor=2), {}),
+                                        (dict(data=2, fsdp=2, sequence=2), {}),
+                                        (dict(fsdp=2, expert=4), dict(num_experts=4))])
+def test_estimated_state_is_what_the_real_shardings_hold(mesh, model):
+    cfg = tiny_config(mesh, model=model)
+    sizes = cfg.check_devices(8)
+    setup = state_lib.setup(cfg, "xla")
+    exact = state_lib.state_bytes_per_device(
+        setup.abstract_state, state_lib.state_shardings(make_mesh(sizes), setup.abstract_state))
+    est = estimate(cfg, sizes, H100)
+    # the exact count also holds a few scalars (step, optimizer counts, non-finite counters)
+    assert 0 <= exact - (est.memory["parameters"] + est.memory["optimizer"]) <= 64
+    assert est.memory["gradients"] == est.memory["parameters"]
+
+
+def test_estimate_is_within_15_percent_of_the_compiled_peak():
+    cfg = _config("llama3_1b", **{"data.seq_len": "1024", "train.global_batch_size": "16",
+                                  "model.dtype": "float32"})
+    compiled = dry_run(cfg)
+    est = estimate(cfg, cfg.check_devices(8), H100, cpu_program=True)
+    assert abs(est.memory_bytes / compiled.peak_bytes - 1) < 0.15, (est.memory, compiled)
+    # the float32 FSDP gathers: forward and backward, every parameter once each
+    assert est.collectives["all-gather"] == pytest.approx(compiled.collectives["all-gather"]["bytes"], rel=0.05)
+
+
+def test_more_microbatches_or_remat_need_less_activation_memory():
+    cfg = _config("llama3_8b")
+    sizes = dict(data=1, fsdp=8, sequence=1, expert=1, tensor=1)
+    one, four = estimate(cfg, sizes, H100, microbatches=1), estimate(cfg, sizes, H100, microbatches=4)
+    assert four.memory["activations"] == pytest.approx(one.memory["activations"] / 4)
+    assert four.time["fsdp_comm"] > 3 * one.time["fsdp_comm"]  # weights are gathered again per microbatch
+    none = estimate(dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, remat="none")), sizes, H100)
+    assert none.memory["activations"] > 10 * one.memory["activations"]
+    assert none.time["matmul"] < one.time["matmul"]  # no recompute
+
+
+def test_meshes_divide_the_model_and_keep_tensor_and_expert_inside_a_node():
+    cfg = _config("llama3_70b")
+    meshes = search.candidate_meshes(cfg, 64, H100)
+    assert meshes and all(math.prod(m.values()) == 64 and m["tensor"] <= 8 and m["expert"] == 1 for m in meshes)
+    assert dict(data=1, fsdp=8, sequence=1, expert=1, tensor=8) in meshes
+    assert "num_kv_heads" in search.layout_problem(cfg, dict(data=1, fsdp=4, sequence=1, expert=1, tensor=16), H100)
+    moe = _config("mixtral_8x7b")
+    assert {m["expert"] for m in search.candidate_meshes(moe, 16, H100)} == {1, 2, 4, 8}
+    too_wide = dict(data=1, fsdp=4, sequence=1, expert=4, tensor=4)
+    assert "exceeds the 8 GPUs of a node" in search.layout_problem(moe, too_wide, H100)
+
+
+def test_top_choices_follow_published_practice():
+    rows = search.plan(_config("llama3_8b"), 8, H100)
+    assert rows[0].fits and rows[0].estimate.mesh == dict(data=1, fsdp=8, sequence=1, expert=1, tensor=1)
+    rows = search.plan(_config("llama3_70b"), 64, H100)
+    top = rows[0]
+    assert top.fits and 1 < top.estimate.mesh["tensor"] <= 8 and top.estimate.memory_bytes <= H100.usable_bytes
+    assert any(not r.fits for r in rows)  # e.g. pure data parallelism cannot hold 70B on one GPU
+    assert all(r.estimate.dominant in r.estimate.time for r in rows)
+
+
+def test_dominant_term_follows_the_bottleneck():
+    cfg = _config("llama3_8b")
+    sizes = dict(data=1, fsdp=16, sequence=1, expert=1, tensor=1)
+    assert estimate(cfg, sizes, H100).dominant == "matmul"
+    slow_network = dataclasses.replace(H100, network_bandwidth=1e9)
+    assert estimate(cfg, sizes, slow_network).dominant == "fsdp_comm"
+    sharded_sequence = estimate(cfg, dict(sizes, fsdp=8, sequence=2), H100)
+    assert sharded_sequence.attention == "xla"  # cuDNN's kernel does not take a sharded sequence
+
+
+def test_405b_on_8_gpus_of_80gb_is_refused_with_the_reason(capsys):
+    assert plan_cli.main([f"--config={REPO}/configs/llama3_405b.py", "--gpus=8", "--gpu=h100"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "405.9B parameters" in err and "16 bytes" in err and "per GPU" in err
+    assert "smallest power-of-two GPU count" in err
+
+
+def test_plan_cli_rejects_bad_requests(capsys):
+    assert plan_cli.main([f"--config={REPO}/configs/llama3_8b.py", "--gpus=12"]) == 2
+    assert "whole number of 8-GPU nodes" in capsys.readouterr().err
+    assert plan_cli.main([f"--config={REPO}/configs/llama3_8b.py", "--gpus=8", "--gpu=v100"]) == 2
+    assert "h100" in capsys.readouterr().err
+    assert plan_cli.main([f"--config={REPO}/configs/llama3_8b.py", "--gpus=8", "--compile=fsdp=x"]) == 2
+    assert "AXIS=SIZE" in capsys.readouterr().err
+
+
+def test_plan_cli_ranks_and_compiles(tmp_path):
+    out = tmp_path / "plan.json"
+    proc = subprocess.run([sys.executable, "-m", "jaxtron.plan", f"--config={REPO}/configs/default.py", "--gpus=8",
+                           "--gpu=h200", "--compile=data=2,fsdp=4", f"--json={out}"],
+                          cwd=REPO, capture_output=True, text=True, env={**os.environ, "XLA_FLAGS": ""})
+    assert proc.returncode == 0, proc.stderr
+    assert "valid meshes" in proc.stdout and "dry run of data=2 fsdp=4 on 8 fake CPU devices" in proc.stdout
+    assert "estimate of the same program" in proc.stdout
+    report = __import__("json").loads(out.read_text())
+    assert report["rows"][0]["fits"] and report["dry_run"]["compiled_peak"] > 0

@@ -41,6 +41,7 @@ from jaxtron.sharding import logical_names, logical_to_spec
 
 # live copies at the peak, per kind of buffer (see the module docstring)
 LAYER_COPIES = 3.0  # one block's intermediates during its backward: recomputed values and their gradients
+MOE_COPIES = 1.5  # the MoE block's exchange buffers and expert hidden values (rows padded to the worst case)
 SCORE_COPIES = 3.0  # XLA attention's float32 [batch, heads, q, k] arrays in the backward: scores, probs, grads
 WEIGHT_COPIES = 2.0  # gathered block weights besides their float32 gradient: this block's and the next one's
 LOGIT_COPIES = 2.0  # float32 logits of one slice: the logits and their gradient
@@ -96,6 +97,11 @@ class Estimate:
     @property
     def memory_bytes(self) -> float:
         return sum(self.memory.values())
+
+    @property
+    def comm_s(self) -> float:
+        """Seconds of communication per step, overlapped or not."""
+        return sum(v for k, v in self.time.items() if k not in COMPUTE_TERMS)
 
     @property
     def dominant(self) -> str:
@@ -158,7 +164,7 @@ def estimate(cfg: Config, sizes: dict[str, int], gpu: GPU, microbatches: int | N
 
     # byte sizes: c in the GPU program; XLA:CPU holds 16-bit intermediates and gathered weights in float32
     work_c = 4 if cpu_program else c
-    saved_c = c + (4 if cpu_program and c < 4 else 0)  # the CPU's float32 copy of the saved stack
+    stack_copy = 4 if cpu_program and c < 4 else 0  # XLA:CPU's float32 copy of the saved residual stack
 
     # one block's forward values, in elements per device and microbatch
     x = b * t * h
@@ -179,8 +185,8 @@ def estimate(cfg: Config, sizes: dict[str, int], gpu: GPU, microbatches: int | N
         moe_rows = tokens * k * E if m.moe_mode == "dropless" else m.num_experts * b * capacity(m, t)
     moe_values = moe_rows * (2 * h + 3 * ft) + 2 * tokens * k * h  # buffers in and out, hidden; sorted rows
     moe_saved = moe_values if m.remat in ("none", "save_dots", "save_dots_attention") else 0
-    memory["activations"] = float(m.num_layers * (saved * saved_c + saved_scores * 4.0)
-                                  + moe_layers * moe_saved * saved_c)
+    memory["activations"] = float(m.num_layers * (saved * c + x * stack_copy + saved_scores * 4.0)
+                                  + moe_layers * moe_saved * c)
 
     per_block = {}  # elements of one block's weights gathered over fsdp, per stack ('layers', 'moe_layers')
     for p in params:
@@ -189,7 +195,7 @@ def estimate(cfg: Config, sizes: dict[str, int], gpu: GPU, microbatches: int | N
             per_block[stack] = per_block.get(stack, 0) + p.shard_elements(sizes, without=("fsdp",)) // p.shape[0]
     block_weights = max(per_block.values())
     gather_c = 4 if cpu_program else c
-    layer_work = (LAYER_COPIES * (everything + (moe_values if moe_layers else 0)) * work_c
+    layer_work = ((LAYER_COPIES * everything + MOE_COPIES * (moe_values if moe_layers else 0)) * work_c
                   + SCORE_COPIES * scores * 4.0
                   + block_weights * (WEIGHT_COPIES * gather_c + 4.0))  # gathered copies and the float32 gradient
     vocab = m.vocab_size // T
@@ -210,11 +216,13 @@ def estimate(cfg: Config, sizes: dict[str, int], gpu: GPU, microbatches: int | N
     scores_flops = terms["attention_scores"] * (1 + redo.get("scores", 0))
     attention_eff = gpu.attention_efficiency if impl == "cudnn" else gpu.xla_attention_efficiency
     forward_passes = 3 + (1 if m.remat == "full" else 0)  # forward, backward (twice the traffic), recompute
+    # bytes per device: a tensor group of T devices shares its tokens, and the residual-width work (h) is
+    # repeated on each of its ranks while the head and MLP widths are split
     elementwise = (ELEMENTWISE_PASSES * forward_passes * m.num_layers * (h + nq + 2 * nk + ft) * c
-                   * step_tokens / (n_dev / T))  # per device: the residual-width work is repeated on each tensor rank
+                   * step_tokens / (n_dev / T))
     time = {"matmul": matmul * step_tokens / n_dev / (peak * gpu.matmul_efficiency),
             "attention": scores_flops * step_tokens / n_dev / (peak * attention_eff),
-            "elementwise": elementwise / n_dev * T / gpu.hbm_bandwidth / T}
+            "elementwise": elementwise / gpu.hbm_bandwidth}
 
     across = split_over_nodes(sizes, max(1, n_dev // gpu.gpus_per_node)) if n_dev > gpu.gpus_per_node else \
         {a: 1 for a in sizes}
@@ -235,7 +243,7 @@ def estimate(cfg: Config, sizes: dict[str, int], gpu: GPU, microbatches: int | N
 
     gathers = 2 * micro  # forward and the backward's recompute/use: the weights are gathered twice per step
     all_gathered = sum(p.shard_elements(sizes, without=("fsdp",)) for p in params)
-    time["fsdp_comm"] = (ring("all-gather", "fsdp", 4.0 * all_gathered, gathers)
+    time["fsdp_comm"] = (ring("all-gather", "fsdp", gather_c * all_gathered, gathers)
                          + ring("reduce-scatter", "fsdp", 4.0 * all_gathered, micro))
     replicated_over = [a for a in ("data", "expert") if sizes[a] > 1]
     grad_sync = 0.0
@@ -244,12 +252,15 @@ def estimate(cfg: Config, sizes: dict[str, int], gpu: GPU, microbatches: int | N
         grad_sync += ring("all-reduce", axis, 4.0 * over, micro)
     time["data_comm"] = grad_sync
     layer_passes = forward_passes  # forward, backward, recompute
-    time["tensor_comm"] = ring("all-reduce", "tensor", x * c, 2 * (layer_passes - 1) * m.num_layers * micro) + \
-        ring("all-reduce", "tensor", 4.0 * b * t * h, micro)  # the logits' hidden-state gradient
-    time["sequence_comm"] = ring("all-gather", "sequence", attn["kv"] * c, (layer_passes - 1) * m.num_layers * micro)
+    # per block: two all-reduces of the residual stream in each forward pass (attention and MLP outputs), and
+    # twice as many in the backward pass (the compiled programs show four), plus the loss's hidden-state gradient
+    tensor_reductions = (2 * (layer_passes - 2) + 4) * m.num_layers * micro
+    time["tensor_comm"] = ring("all-reduce", "tensor", x * work_c, tensor_reductions) + \
+        ring("all-reduce", "tensor", 4.0 * b * t * h, micro)
+    time["sequence_comm"] = ring("all-gather", "sequence", attn["kv"] * work_c,
+                                 (layer_passes - 1) * m.num_layers * micro)
     if moe_layers and E > 1:
-        exchange = tokens * k * E * h * c if m.moe_mode == "dropless" else \
-            m.num_experts * b * capacity(m, t) * h * c
+        exchange = (tokens * k * E if m.moe_mode == "dropless" else m.num_experts * b * capacity(m, t)) * h * work_c
         time["expert_comm"] = ring("all-to-all", "expert", exchange, 2 * (layer_passes - 1) * moe_layers * micro)
     else:
         time["expert_comm"] = 0.0

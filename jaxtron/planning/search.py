@@ -80,10 +80,12 @@ def best_for_mesh(cfg: Config, sizes: dict[str, int], gpu: GPU) -> Row:
 
 
 def plan(cfg: Config, n: int, gpu: GPU) -> list[Row]:
-    """All valid meshes of ``n`` GPUs, the ones that fit first, fastest first (ties: less memory)."""
+    """All valid meshes of ``n`` GPUs, the ones that fit first, fastest first. Ties (the same step time to three
+    figures, e.g. two compute-bound meshes) go to the mesh that communicates less, which depends least on
+    overlap working out, then to the one using less memory."""
     rows = [best_for_mesh(cfg, sizes, gpu) for sizes in candidate_meshes(cfg, n, gpu)]
     return sorted(rows, key=lambda r: (not r.fits, round(r.estimate.step_s, 3 - _digits(r.estimate.step_s)),
-                                       r.estimate.memory_bytes))
+                                       r.estimate.comm_s, r.estimate.memory_bytes))
 
 
 def _digits(x: float) -> int:
