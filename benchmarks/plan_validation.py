@@ -108,7 +108,8 @@ def write(path: str, rows: list[dict]) -> None:
             f"{100 * r['error']:+.1f}% |")
     lines += ["", "Collective bytes per step and device, compiled vs estimated (GiB; XLA:CPU emits all-reduce where "
               "a GPU reduce-scatters, so those two are summed):", "",
-              "| model | mesh | dtype | all-gather | all-reduce + reduce-scatter | all-to-all |", "|---|---|---|---|---|---|"]
+              "| model | mesh | dtype | all-gather | all-reduce + reduce-scatter | all-to-all |",
+              "|---|---|---|---|---|---|"]
     for r in rows:
         c, e = r["compiled"]["collectives"], r["estimated_collectives"]
         mesh = " ".join(f"{a}={v}" for a, v in r["mesh"].items() if v > 1)

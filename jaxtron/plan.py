@@ -58,21 +58,21 @@ def parse_args(argv: list[str]):
 
 
 def _mesh_text(sizes: dict[str, int]) -> str:
-    return " ".join(f"{a}={v}" for a, v in sizes.items() if v > 1) or "one device"
+    from jaxtron.planning.search import mesh_text
+    return mesh_text(sizes)
 
 
-def table(rows, gpu, top: int) -> str:
-    from jaxtron.planning.estimate import COMPUTE_TERMS
-
+def table(rows, top: int) -> str:
     head = (f"{'#':>3}  {'mesh':<34} {'micro':>5} {'GiB/GPU':>8} {'step s':>8} {'tok/s':>10} {'MFU':>6}  "
             f"{'dominant':<14} terms (s)")
     lines = [head, "-" * len(head)]
     for i, row in enumerate(rows[:top] if top else rows, 1):
         e = row.estimate
         fit = "" if row.fits else "  DOES NOT FIT"
-        terms = ", ".join(f"{k} {v:.2f}" for k, v in sorted(e.time.items(), key=lambda kv: -kv[1]) if v > 0.005 * e.step_s)
+        ordered = sorted(e.time.items(), key=lambda kv: -kv[1])
+        terms = ", ".join(f"{k} {v:.3g}" for k, v in ordered if v > 0.005 * e.step_s)
         lines.append(f"{i:>3}  {_mesh_text(e.mesh):<34} {e.microbatches:>5} {e.memory_bytes / GIB:>8.1f} "
-                     f"{e.step_s:>8.2f} {e.tokens_per_s:>10.0f} {100 * e.mfu:>5.1f}%  {e.dominant:<14} {terms}{fit}")
+                     f"{e.step_s:>8.3g} {e.tokens_per_s:>10.0f} {100 * e.mfu:>5.1f}%  {e.dominant:<14} {terms}{fit}")
     return "\n".join(lines)
 
 
@@ -118,7 +118,7 @@ def run(argv: list[str]) -> int:
                             mfu=r.estimate.mfu, dominant=r.estimate.dominant) for r in rows]}
     if rows:
         print(f"{len(rows)} valid meshes, {len(fitting)} fit; ranked by estimated step time:")
-        print(table(rows, gpu, args.top))
+        print(table(rows, args.top))
     status = 0
     if not fitting:
         print(f"error: cannot train {m.name} on {args.gpus} x {gpu.name}: {search.refusal(cfg, args.gpus, gpu, rows)}",

@@ -111,7 +111,7 @@ def refusal(cfg: Config, n: int, gpu: GPU, rows: list[Row]) -> str:
                f"AdamW moments (16 bytes each), {state / GIB:.0f} GiB per GPU even fully sharded over {n} GPUs, "
                f"above the {gpu.usable_bytes / GIB:.0f} GiB usable on an {gpu.name}")
     else:
-        why = (f"the leanest mesh ({_mesh_text(least.estimate.mesh)}, {least.estimate.microbatches} microbatches) "
+        why = (f"the leanest mesh ({mesh_text(least.estimate.mesh)}, {least.estimate.microbatches} microbatches) "
                f"needs {least.estimate.memory_bytes / GIB:.0f} GiB per GPU, above the {gpu.usable_bytes / GIB:.0f} "
                f"GiB usable on an {gpu.name}")
     return f"{why}{more}."
@@ -126,5 +126,5 @@ def _fewest_gpus(cfg: Config, n: int, gpu: GPU) -> int | None:
     return None
 
 
-def _mesh_text(sizes: dict[str, int]) -> str:
+def mesh_text(sizes: dict[str, int]) -> str:
     return " ".join(f"{a}={v}" for a, v in sizes.items() if v > 1) or "one device"
