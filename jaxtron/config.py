@@ -309,8 +309,41 @@ class DistributedConfig:
                "number processes from 0")
 
 
+@dataclasses.dataclass(frozen=True)
+class ProfileConfig:
+    """A jax.profiler trace of a window of steps: it starts once step ``start_step`` has finished and stops once
+    step ``end_step`` has, so it holds steps start_step+1 .. end_step as numbered in metrics.jsonl."""
+
+    start_step: int = 0
+    end_step: int = 0  # 0: no trace
+    processes: str = "0"  # which processes write a trace: comma-separated indices, or 'all'
+    dir: str = ""  # where the trace goes ('': WORKDIR/profile)
+
+    def __post_init__(self):
+        _non_negative(self.start_step, "profile.start_step")
+        _non_negative(self.end_step, "profile.end_step")
+        _check(self.end_step == 0 or self.end_step > self.start_step, "profile.end_step",
+               f"({self.end_step}) must exceed profile.start_step ({self.start_step})",
+               "set the end of the window after its start, or 0 for no trace")
+        text = self.processes.strip()
+        _check(text == "all" or (bool(text) and all(p.strip().isdigit() for p in text.split(","))),
+               "profile.processes", f"is {self.processes!r}", "use 'all' or comma-separated process indices like '0,8'")
+
+    @property
+    def enabled(self) -> bool:
+        return self.end_step > 0
+
+    def traces(self, process_index: int) -> bool:
+        """Whether process ``process_index`` writes a trace."""
+        if not self.enabled:
+            return False
+        text = self.processes.strip()
+        return text == "all" or process_index in {int(p) for p in text.split(",")}
+
+
 SECTIONS = {"model": ModelConfig, "mesh": MeshConfig, "train": TrainConfig, "optimizer": OptimizerConfig,
-            "data": DataConfig, "checkpoint": CheckpointConfig, "distributed": DistributedConfig}
+            "data": DataConfig, "checkpoint": CheckpointConfig, "distributed": DistributedConfig,
+            "profile": ProfileConfig}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -322,6 +355,7 @@ class Config:
     data: DataConfig = dataclasses.field(default_factory=DataConfig)
     checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
     distributed: DistributedConfig = dataclasses.field(default_factory=DistributedConfig)
+    profile: ProfileConfig = dataclasses.field(default_factory=ProfileConfig)
 
     def __post_init__(self):
         m, d = self.model, self.data
@@ -330,6 +364,9 @@ class Config:
                "shorten the sequence or raise model.max_seq_len")
         _check(d.source != "store" or not d.prepare or m.vocab_size >= 256, "model.vocab_size",
                f"({m.vocab_size}) is too small for the byte tokens of data.prepare={d.prepare!r}", "use at least 256")
+        _check(self.profile.end_step <= self.train.steps, "profile.end_step",
+               f"({self.profile.end_step}) is beyond train.steps ({self.train.steps})",
+               "end the window at or before the last step")
         _check(d.seq_len % self.train.logit_chunks == 0, "train.logit_chunks",
                f"({self.train.logit_chunks}) must divide data.seq_len ({d.seq_len})", "choose a divisor of it")
 

@@ -8,7 +8,8 @@ import numpy as np
 
 from helpers import tiny_config
 from jaxtron.mesh import make_mesh
-from jaxtron.planning.dry_run import collectives, dry_run
+from jaxtron.metrics.collectives import collectives
+from jaxtron.planning.dry_run import dry_run
 from jaxtron.training import state as state_lib
 
 HLO = """HloModule m

@@ -36,7 +36,8 @@ _CONSOLE: tuple[tuple[str, Callable[[float], str], str], ...] = (
     ("step_time_s", lambda v: f"{v:.3f} s/step", "n/a s/step"),
 )
 _CONSOLE_KEYS = {key for key, _, _ in _CONSOLE}
-_FILE_ONLY = ("expert_load/",)  # one value per expert: in metrics.jsonl and TensorBoard, not on the console
+# in metrics.jsonl and TensorBoard, not on the console: one value per expert, and bookkeeping
+_FILE_ONLY = ("expert_load/", "interval_steps", "data_wait_s")
 
 
 def _plain(key: str, value: Any) -> Any:

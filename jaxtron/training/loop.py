@@ -26,7 +26,9 @@ from jaxtron.ops.attention import resolve_implementation
 from jaxtron.params_store import restore_params
 from jaxtron.sharding import batch_sharding, describe
 from jaxtron.training import state as state_lib
+from jaxtron.metrics.collectives import collectives
 from jaxtron.training.preemption import PREEMPTED_EXIT_CODE, PreemptionWatcher, StopVotes
+from jaxtron.training.profiling import ProfileWindow, device_memory
 from jaxtron.training.step import compile_train_step, eval_step
 from jaxtron.training.watchdog import Watchdog
 
@@ -155,11 +157,14 @@ def _train(cfg, workdir, mesh, setup, shardings, implementation, use_tqdm) -> di
     throughput = Throughput(cfg, mesh.size, mesh.devices.flat[0].device_kind)
     log.info("compiled the train step in %.1f s; %.4g model TFLOP per step; %s", compile_s,
              throughput.model_flops / 1e12, throughput.peak_note or f"peak {throughput.peak / 1e12:.1f} TFLOP/s")
+    if is_main:
+        _write_collectives(workdir, compiled)
 
     eval_fn = jax.jit(functools.partial(eval_step, setup), in_shardings=(shardings.params, batch_sharding(mesh)))
     writer = MetricsWriter(workdir, t.steps, use_tqdm=use_tqdm) if is_main else None
     history: list[dict[str, Any]] = []
-    interval_start, interval_losses = time.perf_counter(), []
+    interval_start, interval_losses, data_wait = time.perf_counter(), [], 0.0
+    profile = ProfileWindow(cfg.profile, workdir, start)
     preemption = PreemptionWatcher()
     watchdog = Watchdog(t.watchdog_factor, jax.process_index())
     # (step, *STEP_FLAGS) of dispatched steps whose flags were not read yet. A flag is read one step late, so
@@ -192,16 +197,22 @@ def _train(cfg, workdir, mesh, setup, shardings, implementation, use_tqdm) -> di
         return requested
 
     summary: dict[str, Any] = {"preempted": None}
+    done = start
     watchdog.start(start)
     try:
         for step in range(start, t.steps):
             done = step + 1
-            state, metrics = compiled(state, batch, votes(preemption.requested is not None))
+            profile.before_step(step, lambda: jax.block_until_ready(state))
+            with profile.annotate(done):
+                state, metrics = compiled(state, batch, votes(preemption.requested is not None))
             unread.append((done, *(metrics[k] for k in STEP_FLAGS)))
             interval_losses.append(metrics["loss"])  # stays on device until the log step
             if done < t.steps:  # loaded ahead by the iterator while the device works on this step
+                waited = time.perf_counter()
                 with watchdog.input(done + 1):
                     batch = next(batches)
+                data_wait += time.perf_counter() - waited  # time the host blocked on the loader
+            profile.after_step(done, lambda: jax.block_until_ready(state))
             log_now = done % t.log_every == 0 or done == t.steps
             save_now = c.every and done % c.every == 0
             stop = read_flags(done if log_now or save_now else done - 1)  # these steps wait for the device anyway
@@ -210,19 +221,24 @@ def _train(cfg, workdir, mesh, setup, shardings, implementation, use_tqdm) -> di
             if log_now:
                 values = scalar_metrics(jax.device_get(metrics))
                 values["loss_avg"] = float(np.mean(jax.device_get(interval_losses)))  # since the last log line
-                values.update(throughput(time.perf_counter() - interval_start, len(interval_losses)))
+                interval = time.perf_counter() - interval_start
+                values.update(throughput(interval, len(interval_losses)))
+                values["interval_steps"] = len(interval_losses)
+                values["data_wait_s"] = data_wait / len(interval_losses)  # per step, host blocked on the loader
+                values["data_wait_share"] = data_wait / interval
+                values.update(device_memory())
                 if not history:
                     values["compile_time_s"] = compile_s
                 if writer:
                     writer.write(done, values)
                 history.append({"step": done, **values})
-                interval_start, interval_losses = time.perf_counter(), []
+                interval_start, interval_losses, data_wait = time.perf_counter(), [], 0.0
             if t.eval_every and done % t.eval_every == 0 and done < t.steps:
                 watchdog.pause()
                 loss = evaluate(cfg, eval_fn, state.params, validation, mesh, implementation)
                 if writer and loss is not None:
                     writer.write(done, {"eval/loss": loss})
-                interval_start = time.perf_counter()  # evaluation time is not training time
+                interval_start, data_wait = time.perf_counter(), 0.0  # evaluation time is not training time
                 watchdog.resume()
             if stop and done < t.steps:
                 save(done, force=True)
@@ -242,6 +258,7 @@ def _train(cfg, workdir, mesh, setup, shardings, implementation, use_tqdm) -> di
                 writer.write(t.steps, {"eval/loss": validation_loss})
             writer.log(_summary_line(summary))
     finally:
+        profile.close(done)
         watchdog.close()
         preemption.close()
         checkpointer.close()  # waits for a save in flight
@@ -250,6 +267,18 @@ def _train(cfg, workdir, mesh, setup, shardings, implementation, use_tqdm) -> di
             writer.close()
     summary.update(history=history, state=state)
     return summary
+
+
+def _write_collectives(workdir: str, compiled) -> None:
+    """The collectives of the compiled step (count and result bytes per step and device, by kind) into
+    ``collectives.json``, for ``jaxtron.report``."""
+    try:
+        text = compiled.as_text()
+    except Exception as e:  # some backends cannot print an executable; the report then says so
+        log.warning("could not read the compiled step's HLO (%s); collectives.json not written", e)
+        return
+    with open(os.path.join(workdir, "collectives.json"), "w") as f:
+        json.dump(collectives(text), f, indent=1)
 
 
 def _drop_metrics_after(workdir: str, step: int) -> None:

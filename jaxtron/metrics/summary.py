@@ -1,0 +1,177 @@
+"""Summaries of a finished (or running) run from its files: metrics.jsonl, config.json, collectives.json, the
+checkpoints folder and a profiler window.
+
+Steady state (the rule ``summarize`` applies and states): a log interval is one metrics.jsonl line with a
+``step_time_s``; it covers the steps since the previous such line. An interval counts unless
+  (a) it is the first after a start or resume (its line carries ``compile_time_s``: first-step effects),
+  (b) it ends within the first 10% of ``train.steps`` (warm-up: caches, allocator, loader read-ahead), or
+  (c) it overlaps the profiler window (tracing slows the steps it records).
+Sustained values are medians over the intervals that count.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import math
+import os
+import re
+import statistics
+from typing import Any
+
+from jaxtron.config import ConfigError
+from jaxtron.metrics.collectives import COLLECTIVES
+
+WARMUP_FRACTION = 0.1
+SUSTAINED = ("step_time_s", "tokens_per_sec", "tflops_per_device", "mfu", "hfu", "data_wait_s", "data_wait_share")
+RULE = ("medians over log intervals, leaving out the first interval after each start or resume, those ending in "
+        f"the first {WARMUP_FRACTION:.0%} of train.steps, and those overlapping the profiler window")
+
+
+def read_metrics(workdir: str) -> list[dict[str, Any]]:
+    """The lines of ``workdir/metrics.jsonl``; a ConfigError naming the line for anything unreadable."""
+    path = os.path.join(workdir, "metrics.jsonl")
+    if not os.path.isfile(path):
+        raise ConfigError(f"'{workdir}' has no metrics.jsonl; pass the --workdir of a jaxtron run.")
+    records = []
+    with open(path, encoding="utf-8") as f:
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                raise ConfigError(f"{path} line {number} is not JSON; the file is damaged.") from None
+            if not isinstance(record, dict) or not isinstance(record.get("step"), int):
+                raise ConfigError(f"{path} line {number} has no integer 'step'; the file is damaged.") from None
+            records.append(record)
+    return records
+
+
+def _json(path: str) -> Any:
+    if not os.path.isfile(path):
+        return None
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except (OSError, json.JSONDecodeError):
+        raise ConfigError(f"{path} is not readable JSON; the file is damaged.") from None
+
+
+def intervals(records: list[dict[str, Any]]) -> list[tuple[int, int, dict[str, Any]]]:
+    """(first step, last step, line) of each log interval, in order (``interval_steps`` gives its length)."""
+    out, previous = [], 0
+    for record in records:
+        if "step_time_s" not in record:
+            continue
+        n = record.get("interval_steps")
+        first = record["step"] - int(n) + 1 if isinstance(n, (int, float)) and n >= 1 else previous + 1
+        out.append((first, record["step"], record))
+        previous = record["step"]
+    return out
+
+
+def steady(records: list[dict[str, Any]], total_steps: int, window: tuple[int, int] | None) -> list[dict[str, Any]]:
+    """The log lines whose intervals count for sustained values (module docstring)."""
+    keep = []
+    warmup_end = math.ceil(WARMUP_FRACTION * total_steps)
+    for first, last, record in intervals(records):
+        if "compile_time_s" in record or last <= warmup_end:
+            continue
+        if window and first <= window[1] and last > window[0]:  # steps window[0]+1 .. window[1] were traced
+            continue
+        keep.append(record)
+    return keep
+
+
+def median(records: list[dict[str, Any]], key: str) -> float | None:
+    values = [r[key] for r in records if isinstance(r.get(key), (int, float))]
+    return statistics.median(values) if values else None
+
+
+def checkpoint_steps(workdir: str) -> list[int]:
+    folder = os.path.join(workdir, "checkpoints")
+    if not os.path.isdir(folder):
+        return []
+    return sorted(int(name) for name in os.listdir(folder) if name.isdigit())
+
+
+_KIND = re.compile(r"(all-gather|reduce-scatter|all-reduce|all-to-all|collective-permute)")
+
+
+def communication_share(profile_dir: str) -> dict[str, Any] | None:
+    """Share of device time in each kind of collective over the profiler window, from its Perfetto trace:
+    the summed durations of the device ops of that kind divided by (window wall time x devices traced).
+    Async collectives that overlap compute count in full, so this is the time collectives run, not the time
+    they add to a step. None without a complete window."""
+    window = _json(os.path.join(profile_dir, "window.json"))
+    if not window or not window.get("trace"):
+        return None
+    path = os.path.join(profile_dir, window["trace"])
+    try:
+        with gzip.open(path, "rt", encoding="utf-8") as f:
+            trace = json.load(f)
+    except (OSError, json.JSONDecodeError, EOFError):
+        raise ConfigError(f"the profiler trace {path} is not readable; the file is damaged.") from None
+    events = trace["traceEvents"] if isinstance(trace, dict) else trace
+    spans: dict[tuple, list[tuple[float, float]]] = {}  # (device, kind or 'any') -> [(start, end)] in seconds
+    steps = set()
+    for event in events:
+        args = event.get("args") or {}
+        if event.get("name") == "train" and "step_num" in args:
+            steps.add(int(args["step_num"]))
+        op = args.get("hlo_op")
+        if op is None or event.get("ph") != "X":
+            continue
+        device = (event.get("pid"), args.get("device_ordinal"))
+        span = (float(event["ts"]) / 1e6, (float(event["ts"]) + float(event.get("dur", 0.0))) / 1e6)
+        spans.setdefault((device, "any"), []).append(span)
+        match = _KIND.search(op)
+        if match and "-done" not in op:  # an async pair is timed by its start op
+            spans.setdefault((device, match.group(1)), []).append(span)
+    devices = {device for device, _ in spans}
+    denominator = window["wall_s"] * max(len(devices), 1)
+    busy = {kind: sum(_covered(v) for (_, k), v in spans.items() if k == kind) / denominator
+            for kind in COLLECTIVES + ("any",)}
+    return {"steps": sorted(steps), "devices": max(len(devices), 1), "wall_s": window["wall_s"],
+            "share": {k: busy[k] for k in COLLECTIVES}, "device_busy_share": busy["any"]}
+
+
+def _covered(spans: list[tuple[float, float]]) -> float:
+    """Seconds covered by the union of (start, end) spans: ops that run at once on one device count once."""
+    total, reach = 0.0, float("-inf")
+    for start, end in sorted(spans):
+        if end > reach:
+            total += end - max(start, reach)
+            reach = end
+    return total
+
+
+def summarize(workdir: str) -> dict[str, Any]:
+    """Everything the report prints about one run."""
+    records = read_metrics(workdir)
+    config = _json(os.path.join(workdir, "config.json")) or {}
+    total = (config.get("train") or {}).get("steps") or max((r["step"] for r in records), default=0)
+    profile_cfg = config.get("profile") or {}
+    profile_dir = profile_cfg.get("dir") or os.path.join(workdir, "profile")
+    window_file = _json(os.path.join(profile_dir, "window.json"))
+    window = (window_file["start_step"], window_file["end_step"]) if window_file else None
+    counted = steady(records, total, window)
+    train_lines = [r for r in records if "step_time_s" in r]
+    evals = [r for r in records if isinstance(r.get("eval/loss"), (int, float))]
+    out: dict[str, Any] = {
+        "workdir": workdir, "rule": RULE, "steps_done": max((r["step"] for r in records), default=0),
+        "train_steps": total, "intervals": len(train_lines), "steady_intervals": len(counted),
+        "compile_time_s": next((r["compile_time_s"] for r in records if "compile_time_s" in r), None),
+        "final_loss": next((r.get("loss_avg", r.get("loss")) for r in reversed(train_lines)), None),
+        "final_validation_loss": evals[-1]["eval/loss"] if evals else None,
+        "nonfinite_steps": next((r["nonfinite_steps"] for r in reversed(train_lines) if "nonfinite_steps" in r), None),
+        "memory_peak_gib": max((r["memory_peak_gib"] for r in records if r.get("memory_peak_gib") is not None),
+                               default=None),
+        "checkpoints": checkpoint_steps(workdir),
+        "collectives": _json(os.path.join(workdir, "collectives.json")),
+        "communication": communication_share(profile_dir),
+    }
+    for key in SUSTAINED:
+        out[key] = median(counted, key)
+    return out

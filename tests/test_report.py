@@ -1,0 +1,162 @@
+"""Observability: the profiler window, per-step facts in metrics.jsonl, the run report and its plots."""
+
+import gzip
+import json
+import os
+import struct
+
+import jax
+import matplotlib.image
+import pytest
+
+from helpers import tiny_config
+from jaxtron import report
+from jaxtron.config import ConfigError, ProfileConfig
+from jaxtron.metrics import summary as summary_lib
+from jaxtron.metrics.plots import write_plots
+from jaxtron.training import profiling
+from jaxtron.training.loop import run
+
+
+@pytest.fixture(scope="module")
+def profiled_run(tmp_path_factory):
+    """Six fsdp=8 steps, logged every step, with the profiler on steps 3 and 4."""
+    workdir = str(tmp_path_factory.mktemp("profiled"))
+    cfg = tiny_config(dict(fsdp=8), train=dict(steps=6), profile=dict(start_step=2, end_step=4))
+    run(cfg, workdir, use_tqdm=False)
+    return workdir
+
+
+def _trace_events(workdir):
+    window = json.load(open(os.path.join(workdir, "profile", "window.json")))
+    with gzip.open(os.path.join(workdir, "profile", window["trace"]), "rt") as f:
+        return window, json.load(f)["traceEvents"]
+
+
+def test_the_profiler_traces_exactly_the_window(profiled_run):
+    window, events = _trace_events(profiled_run)
+    assert (window["start_step"], window["end_step"], window["complete"], window["devices"]) == (2, 4, True, 8)
+    traced = sorted(int(e["args"]["step_num"]) for e in events if e.get("name") == "train")
+    assert traced == [3, 4]
+    assert len(profiling.trace_files(os.path.join(profiled_run, "profile"))) == 1
+
+
+def test_metrics_lines_carry_data_wait_memory_and_compile_time(profiled_run):
+    lines = [json.loads(line) for line in open(os.path.join(profiled_run, "metrics.jsonl"))]
+    train = [line for line in lines if "step_time_s" in line]
+    assert [line["step"] for line in train] == [1, 2, 3, 4, 5, 6]
+    assert "compile_time_s" in train[0] and all("compile_time_s" not in line for line in train[1:])
+    for line in train:
+        assert line["interval_steps"] == 1
+        assert 0 <= line["data_wait_s"] <= line["step_time_s"] and 0 <= line["data_wait_share"] <= 1
+        assert "memory_peak_gib" not in line  # the CPU backend reports no memory; nothing is made up
+
+
+def test_device_memory_takes_the_fullest_device(monkeypatch):
+    class Device:
+        def __init__(self, used, peak):
+            self.stats = {"bytes_in_use": used, "peak_bytes_in_use": peak}
+
+        def memory_stats(self):
+            return self.stats
+
+    assert profiling.device_memory() == {}  # CPU: not reported
+    monkeypatch.setattr(jax, "local_devices", lambda: [Device(2**30, 3 * 2**30), Device(2 * 2**30, 2**30)])
+    assert profiling.device_memory() == {"memory_in_use_gib": 2.0, "memory_peak_gib": 3.0}
+
+
+def test_the_report_reads_the_run_and_its_communication_share(profiled_run, capsys):
+    s = summary_lib.summarize(profiled_run)
+    assert s["steps_done"] == 6 and s["checkpoints"] == [6] and s["nonfinite_steps"] == 0
+    # 6 intervals of one step: step 1 carries the compile time, steps 3-4 were traced; 10% of 6 steps is 1
+    assert (s["intervals"], s["steady_intervals"]) == (6, 3)
+    lines = [json.loads(line) for line in open(os.path.join(profiled_run, "metrics.jsonl"))]
+    counted = [line["tokens_per_sec"] for line in lines if line["step"] in (2, 5, 6) and "tokens_per_sec" in line]
+    assert s["tokens_per_sec"] == sorted(counted)[1]
+    comm = s["communication"]
+    assert comm["steps"] == [3, 4] and comm["devices"] == 8
+    assert comm["share"]["all-gather"] > 0 and 0 < sum(comm["share"].values()) < comm["device_busy_share"] <= 1
+    assert s["collectives"]["all-gather"]["count"] > 0  # fsdp gathers in the compiled step
+    assert report.main([profiled_run, "--no_plots"]) == 0
+    out = capsys.readouterr().out
+    assert "communication share over the profiler window (steps 3-4, 8 device(s)" in out and "all-gather" in out
+
+
+def _write_run(workdir, lines, steps=100, window=None):
+    os.makedirs(os.path.join(workdir, "checkpoints", "50"))
+    os.makedirs(os.path.join(workdir, "checkpoints", "100"))
+    with open(os.path.join(workdir, "metrics.jsonl"), "w") as f:
+        f.writelines(json.dumps(line) + "\n" for line in lines)
+    json.dump({"train": {"steps": steps}, "profile": {"dir": ""}}, open(os.path.join(workdir, "config.json"), "w"))
+    if window:
+        os.makedirs(os.path.join(workdir, "profile"))
+        json.dump({"start_step": window[0], "end_step": window[1], "wall_s": 1.0, "trace": None},
+                  open(os.path.join(workdir, "profile", "window.json"), "w"))
+
+
+def _line(step, time, **extra):
+    return {"step": step, "interval_steps": 10, "loss": 5.0 - step / 100, "loss_avg": 5.0 - step / 100,
+            "step_time_s": time, "tokens_per_sec": 1000 / time, "tflops_per_device": 2 / time, "mfu": 0.1 / time,
+            "hfu": 0.12 / time, "data_wait_s": time / 10, "data_wait_share": 0.1, "nonfinite_steps": step // 50,
+            **extra}
+
+
+def test_sustained_values_follow_the_stated_rule(tmp_path):
+    # log every 10 of 100 steps; a restart at step 50 (its first line carries the compile time again);
+    # steps 31-40 traced. Counted: intervals ending at 20, 30, 50, 70, 80, 90, 100.
+    lines = [_line(s, s / 100, **({"compile_time_s": 9.0} if s in (10, 60) else {})) for s in range(10, 101, 10)]
+    lines.insert(5, {"step": 50, "eval/loss": 4.2})
+    lines.append({"step": 100, "eval/loss": 4.0})
+    lines[3]["memory_peak_gib"], lines[7]["memory_peak_gib"] = 30.5, 31.25
+    _write_run(str(tmp_path), lines, window=(30, 40))
+    s = summary_lib.summarize(str(tmp_path))
+    counted = [0.2, 0.3, 0.5, 0.7, 0.8, 0.9, 1.0]
+    assert (s["intervals"], s["steady_intervals"]) == (10, 7)
+    assert s["step_time_s"] == 0.7  # the median of the counted step times
+    assert s["tokens_per_sec"] == sorted(1000 / t for t in counted)[3]
+    assert s["mfu"] == sorted(0.1 / t for t in counted)[3]
+    assert s["data_wait_share"] == 0.1
+    assert s["memory_peak_gib"] == 31.25 and s["nonfinite_steps"] == 2 and s["compile_time_s"] == 9.0
+    assert s["final_loss"] == 4.0 and s["final_validation_loss"] == 4.0 and s["checkpoints"] == [50, 100]
+    assert s["communication"] is None  # a window without a trace
+
+
+def test_plots_are_valid_png_files(tmp_path):
+    lines = [_line(s, s / 100) for s in range(10, 101, 10)] + [{"step": 100, "eval/loss": 4.0}]
+    paths = write_plots(lines, str(tmp_path), "test")
+    assert [os.path.basename(p) for p in paths] == ["loss.png", "throughput.png"]
+    for path in paths:
+        data = open(path, "rb").read()
+        assert data[:8] == b"\x89PNG\r\n\x1a\n" and data[12:16] == b"IHDR"
+        assert struct.unpack(">II", data[16:24]) == (700, 400)
+        assert matplotlib.image.imread(path).shape[:2] == (400, 700)
+
+
+def test_report_compares_two_runs_and_refuses_bad_input(tmp_path, capsys):
+    a, b = str(tmp_path / "a"), str(tmp_path / "b")
+    _write_run(a, [_line(s, 1.0) for s in range(10, 101, 10)])
+    _write_run(b, [_line(s, 0.5) for s in range(10, 101, 10)])
+    assert report.main([a, "--vs", b, "--json", str(tmp_path / "both.json")]) == 0
+    out = capsys.readouterr().out
+    row = next(line for line in out.splitlines() if line.startswith("tokens/s"))
+    assert row.split()[-1] == "2.000"  # B runs twice as many tokens per second
+    assert os.path.isfile(os.path.join(b, "throughput.png"))
+    assert [r["workdir"] for r in json.load(open(tmp_path / "both.json"))] == [a, b]
+    assert report.main([str(tmp_path / "missing")]) == 2
+    assert "has no metrics.jsonl" in capsys.readouterr().err
+    with open(os.path.join(a, "metrics.jsonl"), "a") as f:
+        f.write("{not json\n")
+    assert report.main([a]) == 2
+    err = capsys.readouterr().err
+    assert "line 11 is not JSON" in err and err.count("\n") == 1
+
+
+def test_profile_config_errors():
+    with pytest.raises(ConfigError, match="profile.end_step"):
+        ProfileConfig(start_step=5, end_step=5)
+    with pytest.raises(ConfigError, match="profile.processes"):
+        ProfileConfig(end_step=3, processes="zero")
+    with pytest.raises(ConfigError, match="beyond train.steps"):
+        tiny_config(profile=dict(start_step=1, end_step=10))
+    assert ProfileConfig(end_step=3, processes="0,2").traces(2) and not ProfileConfig(end_step=3).traces(1)
+    assert not ProfileConfig().traces(0)
