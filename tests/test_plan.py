@@ -105,16 +105,6 @@ def test_estimated_state_is_what_the_real_shardings_hold(mesh, model):
     assert est.memory["gradients"] == est.memory["parameters"]
 
 
-def test_estimate_is_within_15_percent_of_the_compiled_peak():
-    cfg = _config("llama3_1b", **{"data.seq_len": "1024", "train.global_batch_size": "16",
-                                  "model.dtype": "float32"})
-    compiled = dry_run(cfg)
-    est = estimate(cfg, cfg.check_devices(8), H100, cpu_program=True)
-    assert abs(est.memory_bytes / compiled.peak_bytes - 1) < 0.15, (est.memory, compiled)
-    # the float32 FSDP gathers: forward and backward, every parameter once each
-    assert est.collectives["all-gather"] == pytest.approx(compiled.collectives["all-gather"]["bytes"], rel=0.05)
-
-
 def test_more_microbatches_or_remat_need_less_activation_memory():
     cfg = _config("llama3_8b")
     sizes = dict(data=1, fsdp=8, sequence=1, expert=1, tensor=1)
@@ -183,4 +173,10 @@ def test_plan_cli_ranks_and_compiles(tmp_path):
     assert "valid meshes" in proc.stdout and "dry run of data=2 fsdp=4 on 8 fake CPU devices" in proc.stdout
     assert "estimate of the same program" in proc.stdout
     report = __import__("json").loads(out.read_text())
-    assert report["rows"][0]["fits"] and report["dry_run"]["compiled_peak"] > 0
+    assert report["rows"][0]["fits"]
+    compiled = report["dry_run"]
+    # the estimate of the compiled program: within 15% of XLA's peak (benchmarks/plan_validation.md has the
+    # production-sized pairs), and the fsdp gathers' bytes within 5%
+    assert abs(compiled["estimated_peak"] / compiled["compiled_peak"] - 1) < 0.15, compiled
+    assert compiled["estimated_collectives"]["all-gather"] == pytest.approx(
+        compiled["collectives"]["all-gather"]["bytes"], rel=0.05)
