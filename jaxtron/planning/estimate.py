@@ -194,15 +194,14 @@ def estimate(cfg: Config, sizes: dict[str, int], gpu: GPU, microbatches: int | N
             stack = p.path.split(".")[0]
             per_block[stack] = per_block.get(stack, 0) + p.shard_elements(sizes, without=("fsdp",)) // p.shape[0]
     block_weights = max(per_block.values())
-    gather_c = 4 if cpu_program else c
     layer_work = ((LAYER_COPIES * everything + MOE_COPIES * (moe_values if moe_layers else 0)) * work_c
                   + SCORE_COPIES * scores * 4.0
-                  + block_weights * (WEIGHT_COPIES * gather_c + 4.0))  # gathered copies and the float32 gradient
+                  + block_weights * (WEIGHT_COPIES * work_c + 4.0))  # gathered copies and the float32 gradient
     vocab = m.vocab_size // T
     head_params = [p for p in params if not p.in_blocks and "vocab" in p.names]
     head_gathered = sum(p.shard_elements(sizes, without=("fsdp",)) for p in head_params)
     loss_work = (LOGIT_COPIES * 4.0 * b * t * vocab / cfg.train.logit_chunks
-                 + head_gathered * (HEAD_COPIES * gather_c + 4.0))
+                 + head_gathered * (HEAD_COPIES * work_c + 4.0))
     memory["working"] = float(max(layer_work, loss_work))
 
     # --- time ---
@@ -243,7 +242,7 @@ def estimate(cfg: Config, sizes: dict[str, int], gpu: GPU, microbatches: int | N
 
     gathers = 2 * micro  # forward and the backward's recompute/use: the weights are gathered twice per step
     all_gathered = sum(p.shard_elements(sizes, without=("fsdp",)) for p in params)
-    time["fsdp_comm"] = (ring("all-gather", "fsdp", gather_c * all_gathered, gathers)
+    time["fsdp_comm"] = (ring("all-gather", "fsdp", work_c * all_gathered, gathers)
                          + ring("reduce-scatter", "fsdp", 4.0 * all_gathered, micro))
     replicated_over = [a for a in ("data", "expert") if sizes[a] > 1]
     grad_sync = 0.0
