@@ -94,7 +94,7 @@ def _digits(x: float) -> int:
 
 
 def refusal(cfg: Config, n: int, gpu: GPU, rows: list[Row]) -> str:
-    """One sentence: why no mesh of ``n`` GPUs fits, and the fewest GPUs (whole nodes, powers of two) that do."""
+    """One sentence: why no mesh of ``n`` GPUs fits, and the first of 2n, 4n, ... GPUs on which one does."""
     from jaxtron.metrics.flops import param_count
 
     params = param_count(cfg.model)
@@ -105,7 +105,7 @@ def refusal(cfg: Config, n: int, gpu: GPU, rows: list[Row]) -> str:
                 "batch.")
     least = min(rows, key=lambda r: r.estimate.memory_bytes)
     need = _fewest_gpus(cfg, n, gpu)
-    more = f"; the smallest power-of-two GPU count on which a mesh fits is {need}" if need else ""
+    more = f"; doubling the GPU count, the first on which a mesh fits is {need}" if need else ""
     if state > gpu.usable_bytes:
         why = (f"{params / 1e9:.1f}B parameters need {16 * params / 1e12:.2f} TB for float32 weights, gradients and "
                f"AdamW moments (16 bytes each), {state / GIB:.0f} GiB per GPU even fully sharded over {n} GPUs, "
@@ -120,7 +120,8 @@ def refusal(cfg: Config, n: int, gpu: GPU, rows: list[Row]) -> str:
 def _fewest_gpus(cfg: Config, n: int, gpu: GPU) -> int | None:
     count = n * 2
     while count <= 65536:
-        if any(r.fits for r in plan(cfg, count, gpu)[:1]):
+        rows = plan(cfg, count, gpu)
+        if rows and rows[0].fits:  # fitting rows sort first
             return count
         count *= 2
     return None

@@ -20,13 +20,13 @@ from jaxtron.config import Config, ConfigError
 from jaxtron.data.loader import BatchIterator, global_batch, make_sources
 from jaxtron.mesh import make_mesh, process_aware_mesh
 from jaxtron.metrics import flops as flops_lib
+from jaxtron.metrics.collectives import collectives
 from jaxtron.metrics.throughput import Throughput
 from jaxtron.metrics.writers import MetricsWriter
 from jaxtron.ops.attention import resolve_implementation
 from jaxtron.params_store import restore_params
 from jaxtron.sharding import batch_sharding, describe
 from jaxtron.training import state as state_lib
-from jaxtron.metrics.collectives import collectives
 from jaxtron.training.preemption import PREEMPTED_EXIT_CODE, PreemptionWatcher, StopVotes
 from jaxtron.training.profiling import ProfileWindow, device_memory
 from jaxtron.training.step import compile_train_step, eval_step
