@@ -185,7 +185,7 @@ class TrainConfig:
     log_every: int = 10
     z_loss: float = 0.0  # coefficient of the logsumexp^2 auxiliary loss
     logit_chunks: int = 1  # logits and loss in this many slices of the sequence: never all float32 logits at once
-    max_nonfinite_in_row: int = 0  # stop after this many skipped (non-finite) updates in a row (0: never)
+    max_nonfinite_in_row: int = 5  # stop (exit 3) after this many skipped (non-finite) updates in a row (0: never)
     eval_every: int = 0  # steps between validation losses (0: only at the end)
     eval_batches: int = 4  # validation batches per evaluation (0: no validation)
     watchdog_factor: float = 5.0  # warn when a step takes this many times the recent median (0: off)

@@ -66,8 +66,10 @@ def test_too_many_nonfinite_steps_stop_the_run_and_no_bad_state_is_saved(tmp_pat
     source = NaNAfter(first_bad=2 * 8)  # steps 1 and 2 are fine, every later one is NaN
     monkeypatch.setattr(loop_lib, "make_sources", lambda cfg: (source, None, {}))
     cfg = tiny_config(train=dict(steps=10, max_nonfinite_in_row=2, eval_batches=0), checkpoint=dict(every=1))
-    with pytest.raises(loop_lib.NonFiniteError, match="2 non-finite steps in a row, the last at step 4"):
+    with pytest.raises(loop_lib.NonFiniteError) as stop:
         loop_lib.run(cfg, str(tmp_path), use_tqdm=False, devices=jax.devices()[:1])
+    assert str(stop.value).startswith("2 non-finite steps in a row, from step 3 to step 4 (step 3: non-finite loss "
+                                      "and gradients);")
     saved = sorted(int(s) for s in os.listdir(tmp_path / CHECKPOINT_DIR) if s.isdigit())
     assert saved[-1] <= 3  # nothing at or after the step that stopped the run
     # what was saved is finite: the skipped updates never touched the state
@@ -79,9 +81,51 @@ def test_too_many_nonfinite_steps_stop_the_run_and_no_bad_state_is_saved(tmp_pat
 def test_skipping_without_a_limit_trains_on(tmp_path, monkeypatch):
     source = NaNAfter(first_bad=8)  # every step after the first is NaN
     monkeypatch.setattr(loop_lib, "make_sources", lambda cfg: (source, None, {}))
-    cfg = tiny_config(train=dict(steps=4, eval_batches=0), checkpoint=dict(every=0))
+    cfg = tiny_config(train=dict(steps=4, eval_batches=0, max_nonfinite_in_row=0), checkpoint=dict(every=0))
     summary = loop_lib.run(cfg, str(tmp_path), use_tqdm=False, devices=jax.devices()[:1])
     assert [h["nonfinite_steps"] for h in summary["history"]] == [0, 1, 2, 3]
+
+
+class NaNSteps(SyntheticSource):
+    """Synthetic rows whose loss mask is NaN in the given (1-based) steps of batch size 8."""
+
+    def __init__(self, bad_steps):
+        super().__init__(256, 32, 0)
+        self.bad_steps = set(bad_steps)
+
+    def rows(self, samples):
+        out = super().rows(samples)
+        mask = out["loss_mask"].astype(np.float32)
+        mask[[int(g) // 8 + 1 in self.bad_steps for g in samples]] = np.nan
+        return {**out, "loss_mask": mask}
+
+
+def test_skipped_steps_warn_stop_by_default_and_the_logged_learning_rate_is_the_applied_one(tmp_path, monkeypatch,
+                                                                                          caplog):
+    import json
+
+    from jaxtron.config import TrainConfig
+    from jaxtron.training.optimizer import learning_rate_schedule
+    limit = TrainConfig().max_nonfinite_in_row
+    assert limit == 5  # stopping is the default, after a small number of skipped steps in a row
+    monkeypatch.setattr(loop_lib, "make_sources", lambda cfg: (NaNSteps({2, 3, 6, 7, 8, 9, 10}), None, {}))
+    cfg = tiny_config(train=dict(steps=20, eval_batches=0, max_nonfinite_in_row=limit), checkpoint=dict(every=0),
+                      optimizer=dict(warmup_steps=4, learning_rate=1e-2))
+    with caplog.at_level("WARNING", logger="jaxtron.training.loop"):
+        with pytest.raises(loop_lib.NonFiniteError) as stop:
+            loop_lib.run(cfg, str(tmp_path), use_tqdm=False, devices=jax.devices()[:1])
+    assert str(stop.value).startswith("5 non-finite steps in a row, from step 6 to step 10 (step 6: non-finite loss "
+                                      "and gradients);")
+    warnings = [r.getMessage() for r in caplog.records if "not finite" in r.getMessage()]
+    assert [w.split(":")[0] for w in warnings] == ["step 2", "step 6"]  # once per run of skipped steps
+    # optax's schedule count does not advance over skipped steps; the logged rate follows it
+    with open(tmp_path / "metrics.jsonl") as f:
+        logged = [json.loads(line) for line in f]
+    schedule = learning_rate_schedule(cfg.optimizer, cfg.train.steps)
+    applied = [0, 1, 1, 1, 2, 3, 3, 3, 3]
+    assert [m["step"] for m in logged] == list(range(1, 10))
+    np.testing.assert_allclose([m["learning_rate"] for m in logged], [float(schedule(c)) for c in applied], rtol=1e-6)
+    assert [m["nonfinite_steps"] for m in logged] == [0, 1, 2, 2, 2, 3, 4, 5, 6]
 
 
 class FakeClock:

@@ -35,11 +35,40 @@ from jaxtron.training.watchdog import Watchdog
 log = logging.getLogger(__name__)
 
 NONFINITE_EXIT_CODE = 3
-STEP_FLAGS = ("stop_requested", "nonfinite_stopped", "state_finite")  # step outputs for the loop, not metrics
+STEP_FLAGS = ("stop_requested", "nonfinite_stopped", "state_finite", "nonfinite_kind")  # for the loop, not metrics
+NONFINITE_KINDS = {1: "loss", 2: "gradients", 3: "loss and gradients"}
 
 
 class NonFiniteError(RuntimeError):
     """Training stopped: too many non-finite steps in a row, or a non-finite state about to be saved."""
+
+
+class NonFiniteStreak:
+    """Follows the run of skipped (non-finite) steps from the flags the loop reads: warns at the first step of
+    each run and names it, with what was not finite, when ``train.max_nonfinite_in_row`` stops training."""
+
+    def __init__(self, limit: int, start: int, in_row_at_start: int):
+        self.limit = limit
+        # a resumed state may already be inside a run of skipped steps (those just before ``start``)
+        self.first = start - in_row_at_start + 1 if in_row_at_start else None
+        self.seen: tuple[int, int] | None = None  # (step, kind) of the run's first step seen here
+
+    def record(self, step: int, kind: int) -> None:
+        if not kind:
+            self.first = self.seen = None
+            return
+        if self.seen is None:  # the first non-finite step of a run that this process saw
+            self.first = step if self.first is None else self.first
+            self.seen = (step, kind)
+            limit = f"training stops after {self.limit} in a row" if self.limit else "train.max_nonfinite_in_row is 0"
+            log.warning("step %d: the %s %s not finite; its update was skipped (%s)", step, NONFINITE_KINDS[kind],
+                        "were" if kind > 1 else "was", limit)
+
+    def stop_message(self, stopped: int) -> str:
+        first = self.first if self.first is not None else stopped - self.limit + 1
+        what = f" (step {self.seen[0]}: non-finite {NONFINITE_KINDS[self.seen[1]]})" if self.seen else ""
+        return (f"{self.limit} non-finite steps in a row, from step {first} to step {stopped}{what}; their updates "
+                "were skipped and training stopped.")
 
 
 def save_checkpoint(checkpointer: Checkpointer, step: int, state, cfg: Config, state_finite: bool) -> None:
@@ -182,17 +211,19 @@ def _train(cfg, workdir, mesh, setup, shardings, implementation, use_tqdm) -> di
         save_checkpoint(checkpointer, step_done, state, cfg, finite[0])
         watchdog.resume()
 
+    streak = NonFiniteStreak(t.max_nonfinite_in_row, start, int(jax.device_get(state.nonfinite)[1]))
+
     def read_flags(upto: int) -> bool:
         """Reads the flags of steps up to ``upto``; raises if the run must stop; True if a stop was asked."""
         requested = False
         while unread and unread[0][0] <= upto:
             step_done, *flags = unread.popleft()
-            stop_requested, stopped, finite[0] = (int(x) for x in jax.device_get(flags))  # waits for that step
+            stop_requested, stopped, finite[0], kind = (int(x) for x in jax.device_get(flags))  # waits for it
             watchdog.completed(step_done)
             distributed.report_step(step_done)
+            streak.record(step_done, kind)
             if stopped >= 0:
-                raise NonFiniteError(f"{t.max_nonfinite_in_row} non-finite steps in a row, the last at step "
-                                     f"{stopped}; their updates were skipped and training stopped.")
+                raise NonFiniteError(streak.stop_message(stopped))
             requested |= bool(stop_requested)
         return requested
 

@@ -39,6 +39,16 @@ def decay_mask(params: Any) -> Any:
                         is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
+def schedule_count(opt_state: Any) -> jax.Array:
+    """The step count optax's learning-rate schedule reads: it stops at skipped (non-finite) updates, where
+    the train state's step goes on, so the learning rate applied is ``schedule(schedule_count(opt_state))``."""
+    found = [value for path, value in optax.tree_utils.tree_get_all_with_path(opt_state, "count")
+             if getattr(path[-1], "tuple_name", "") == "ScaleByScheduleState"]
+    if len(found) != 1:
+        raise ValueError(f"expected one learning-rate schedule count in the optimizer state, found {len(found)}")
+    return found[0]
+
+
 def make_optimizer(cfg: OptimizerConfig, total_steps: int, params: Any) -> optax.GradientTransformation:
     schedule = learning_rate_schedule(cfg, total_steps)
     adamw = optax.adamw(schedule, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay,

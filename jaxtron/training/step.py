@@ -13,6 +13,7 @@ from flax import nnx
 
 from jaxtron.models.transformer import logits_of
 from jaxtron.sharding import BATCH_AXES, constrain
+from jaxtron.training.optimizer import schedule_count
 from jaxtron.training.state import Setup, TrainState
 
 Batch = dict[str, jax.Array]
@@ -121,16 +122,21 @@ def train_step(setup: Setup, state: TrainState, batch: Batch,
     ``stop_votes`` holds one flag per device (each process sets those of its own devices); their maximum comes
     back as ``metrics["stop_requested"]``, the same value on every process, so all processes agree on when to
     stop. ``metrics["nonfinite_stopped"]`` is the step that reached ``max_nonfinite_in_row`` (-1: none); from
-    then on no update is applied. ``metrics["state_finite"]`` tells whether the new state may be saved (checked
+    then on no update is applied. ``metrics["nonfinite_kind"]`` says what was not finite in this step (0: nothing,
+    1: the loss, 2: the gradients, 3: both). ``metrics["learning_rate"]`` is the rate optax applied: its schedule
+    count stops at skipped updates while ``state.step`` goes on. ``metrics["state_finite"]`` tells whether the new state may be saved (checked
     here, where the state is read anyway, rather than by reading it again at save time).
     """
     grads, ce_sum, count, moe = gradients(setup, state.params, batch)
     grads = jax.tree.map(lambda g: g / count, grads)
     loss, grad_norm = ce_sum / count, optax.tree.norm(grads)
+    learning_rate = setup.schedule(schedule_count(state.opt_state))  # read before the update counts this step
     updates, opt_state = setup.tx.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
     # a non-finite loss or gradient skips this update: the state stays as it was, and is counted
-    finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+    loss_finite, grads_finite = jnp.isfinite(loss), jnp.isfinite(grad_norm)
+    finite = loss_finite & grads_finite
+    kind = (~loss_finite).astype(jnp.int32) + 2 * (~grads_finite).astype(jnp.int32)
     total, in_row, stopped = state.nonfinite[0], state.nonfinite[1], state.nonfinite[2]
     total, in_row = total + (~finite), jnp.where(finite, 0, in_row + 1)
     limit = setup.max_nonfinite_in_row
@@ -140,8 +146,9 @@ def train_step(setup: Setup, state: TrainState, batch: Batch,
     keep = lambda new, old: jnp.where(apply, new, old)
     params, opt_state = jax.tree.map(keep, params, state.params), jax.tree.map(keep, opt_state, state.opt_state)
     votes = jnp.zeros((), jnp.int32) if stop_votes is None else jnp.max(stop_votes)
-    metrics = {"loss": loss, "grad_norm": grad_norm, "learning_rate": setup.schedule(state.step),
+    metrics = {"loss": loss, "grad_norm": grad_norm, "learning_rate": learning_rate,
                "nonfinite_steps": total, "nonfinite_stopped": stopped.astype(jnp.int32), "stop_requested": votes,
+               "nonfinite_kind": kind,
                "state_finite": all_finite((params, opt_state)), **moe}
     if moe:  # the most loaded expert's share relative to a perfectly balanced one (1: balanced)
         metrics["moe_max_load"] = jnp.max(moe["expert_load"]) * moe["expert_load"].shape[0]
