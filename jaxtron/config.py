@@ -242,8 +242,10 @@ class DataConfig:
     weights: str = ""  # comma-separated mixture weights, one per path ('' = equal)
     prepare: str = ""  # a built-in corpus ('stdlib') prepared into data.path on first use
     seq_len: int = 256
-    validation_fraction: float = 0.05  # documents at the end of each store held out for validation
-    verify: bool = True  # check shard checksums when opening a store
+    validation_fraction: float = 0.05  # documents held out: the last ones of each of 100 stripes of a store
+    # hash every shard against its manifest SHA-256 before training, once per run (the processes share the
+    # shards); sizes and manifests are always checked. Full check on demand: python -m jaxtron.data.store DIR
+    verify: bool = False
     workers: int = 0  # loader processes; 0 loads in a background thread of the training process
 
     def __post_init__(self):

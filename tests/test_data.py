@@ -72,7 +72,8 @@ def tokenizer_files(tmp_path_factory):
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     bpe.decoder = decoders.ByteLevel()
     bpe.train_from_iterator(_sentences(200, 0), trainers.BpeTrainer(
-        vocab_size=300, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False))
+        vocab_size=300, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
+        special_tokens=["<|endoftext|>"]))
     hf = str(root / "tokenizer.json")
     bpe.save(hf)
 
@@ -94,18 +95,21 @@ def test_tokenizers_round_trip_and_are_detected_from_the_file(kind, text, tokeni
     assert ids.dtype == np.uint32 and 0 < ids.size and int(ids.max()) < tok.vocab_size
     assert tok.decode(ids) == text
     if kind == "byte":
-        assert tok.vocab_size == 256 and ids.tolist() == list(text.encode("utf-8"))
+        assert tok.vocab_size == 256 and ids.tolist() == list(text.encode("utf-8")) and tok.eos_id is None
     if kind == "huggingface":
         from tokenizers import Tokenizer
         lib = Tokenizer.from_file(tokenizer_files[kind])
         assert tok.vocab_size == lib.get_vocab_size() > 256  # trained merges on top of the 256 bytes
         assert ids.tolist() == lib.encode(text, add_special_tokens=False).ids
         assert ids.size < len(text.encode("utf-8"))  # merges really apply
+        assert tok.eos_id == lib.token_to_id("<|endoftext|>") == 0 and tok.eos_id not in ids
     if kind == "sentencepiece":
         import sentencepiece
         sp = sentencepiece.SentencePieceProcessor(model_file=tokenizer_files[kind])
         assert tok.vocab_size == sp.GetPieceSize() and ids.tolist() == sp.EncodeAsIds(text)
+        assert tok.eos_id == sp.eos_id() == 2 and sp.IdToPiece(2) == "</s>"
     assert tok.describe()["kind"] == kind and tok.describe()["vocab_size"] == tok.vocab_size
+    assert tok.describe()["eos_id"] == tok.eos_id
 
 
 # ---------------------------------------------------------------------------------------------- prepare
@@ -134,8 +138,9 @@ def test_prepare_counts_contents_and_determinism(corpus, tokenizer_files, tmp_pa
     from tokenizers import Tokenizer
     hf = tokenizer_files["huggingface"]
     lib = Tokenizer.from_file(hf)
+    eos = lib.token_to_id("<|endoftext|>")
     encoded = [lib.encode(t, add_special_tokens=False).ids for t in corpus["documents"]]
-    encoded = [e for e in encoded if e]  # empty documents are skipped
+    encoded = [e + [eos] for e in encoded if e]  # empty documents are skipped; the others end with EOS
     assert len(encoded) == 3 + 12  # the empty JSONL record and the blank line hold no document
 
     assert prepare_main(_prepare_args(corpus, hf, tmp_path / "a", "--workers", "1")) == 0
@@ -143,19 +148,23 @@ def test_prepare_counts_contents_and_determinism(corpus, tokenizer_files, tmp_pa
     assert manifest["num_documents"] == 15
     assert manifest["num_tokens"] == sum(len(e) for e in encoded)
     assert manifest["dtype"] == "uint16" and manifest["vocab_size"] == lib.get_vocab_size()
-    assert manifest["tokenizer"]["kind"] == "huggingface"
+    assert manifest["tokenizer"]["kind"] == "huggingface" and manifest["format"] == 2
+    assert manifest["eos_id"] == eos == 0 and manifest["tokenizer"]["eos"] == "<|endoftext|>"
     assert [os.path.basename(s["path"]) for s in manifest["sources"]] == ["doc0.txt", "doc1.txt", "doc2.txt",
                                                                          "more.jsonl"]
     store = TokenStore(str(tmp_path / "a"))
     np.testing.assert_array_equal(store.read(0, store.num_tokens), np.concatenate(encoded))
-    np.testing.assert_array_equal(store.doc_starts, np.cumsum([0] + [len(e) for e in encoded[:-1]]))
+    np.testing.assert_array_equal(store.doc_start(np.arange(16)), np.cumsum([0] + [len(e) for e in encoded]))
+    assert store.eos_id == eos and isinstance(store._docs[0], np.memmap)  # offsets stay on disk
     assert open(tmp_path / "a" / "tokens-00000.bin", "rb").read() == np.concatenate(encoded).astype("<u2").tobytes()
-    first_jsonl = store.read(int(store.doc_starts[3]), int(store.doc_starts[4] - store.doc_starts[3]))
-    assert load_tokenizer(hf).decode(first_jsonl) == corpus["documents"][3]  # the 'body' field, not 'text'
+    begin, end = store.doc_start(np.array([3, 4]))
+    first_jsonl = store.read(int(begin), int(end - begin))
+    assert first_jsonl[-1] == eos
+    assert load_tokenizer(hf).decode(first_jsonl[:-1]) == corpus["documents"][3]  # the 'body' field, not 'text'
 
     reference = _files(tmp_path / "a")
     assert sorted(reference) == ["docs-00000.bin", "manifest.json", "tokens-00000.bin"]
-    prepare_main(_prepare_args(corpus, hf, tmp_path / "a", "--workers", "1"))  # again, over the old store
+    assert prepare_main(_prepare_args(corpus, hf, tmp_path / "a", "--workers", "1", "--overwrite")) == 0
     assert _files(tmp_path / "a") == reference
     assert prepare_main(_prepare_args(corpus, hf, tmp_path / "b", "--workers", "2")) == 0
     assert _files(tmp_path / "b") == reference
@@ -178,7 +187,11 @@ def test_small_shards_read_across_boundaries(corpus, tmp_path):
         ["manifest.json"] + [f"{k}-{i:05d}.bin" for i in range(len(sizes)) for k in ("tokens", "docs")])
 
     store = TokenStore(str(tmp_path / "s"))
-    np.testing.assert_array_equal(store.doc_starts, np.cumsum([0] + [len(d) for d in documents[:-1]]))
+    starts = np.cumsum([0] + [len(d) for d in documents])
+    np.testing.assert_array_equal(store.doc_start(np.arange(len(documents) + 1)), starts)
+    doc_of_token = np.repeat(np.arange(len(documents)), [len(d) for d in documents])
+    np.testing.assert_array_equal(store.doc_index(np.arange(stream.size)), doc_of_token)
+    np.testing.assert_array_equal(store.take(np.array([[5, int(starts[-1]) - 1]])), [stream[[5, -1]]])
     ends = np.cumsum(sizes)[:-1]
     for start, length in [(int(ends[0]) - 3, 7), (int(ends[0]) - 1, int(ends[2] - ends[0]) + 5), (0, stream.size),
                           (int(ends[1]), 1), (int(ends[1]) - 1, 1), (stream.size - 2, 2)]:
@@ -228,13 +241,14 @@ def test_bad_inputs_are_one_line_errors(tmp_path, capsys, big_vocab_tokenizer):
     assert "missing.json' is neither 'byte' nor an existing file" in _error_line(capsys)
 
     assert prepare_main(["--input", text, "--tokenizer", big_vocab_tokenizer, "--output", out,
-                         "--dtype", "uint16"]) == 2
+                         "--dtype", "uint16", "--no-eos"]) == 2
     assert _error_line(capsys) == ("a vocabulary of 70000 tokens does not fit the token dtype uint16; "
                                    "use --dtype auto or a larger dtype.")
     assert prepare_main(["--input", text, "--tokenizer", "byte", "--output", out, "--dtype", "int8"]) == 2
     assert "token dtype 'int8' is not one of auto, uint16, uint32" in _error_line(capsys)
     # auto picks uint32 for the same vocabulary
-    manifest = prepare([_write(tmp_path / "w.txt", "w1 w69999 w65536")], big_vocab_tokenizer, out, workers=1)
+    manifest = prepare([_write(tmp_path / "w.txt", "w1 w69999 w65536")], big_vocab_tokenizer, out, workers=1,
+                       eos=None)
     assert manifest["dtype"] == "uint32"
     np.testing.assert_array_equal(TokenStore(out).read(0, 3), [1, 69999, 65536])
 
@@ -289,11 +303,11 @@ def test_truncated_corrupted_and_missing_stores(byte_store, tmp_path):
     flipped = bytearray(original)
     flipped[4] ^= 0x01  # the low byte of token 2
     _write(tokens, bytes(flipped), "wb")
+    assert TokenStore(byte_store).read(2, 1)[0] == ord("r") ^ 0x01  # opening checks sizes, not hashes
     with pytest.raises(DataError) as e:
-        TokenStore(byte_store)
+        TokenStore(byte_store, verify=True)
     assert str(e.value) == (f"shard file '{tokens}' does not match its checksum in the manifest; the store is "
                             "corrupted, prepare it again.")
-    assert TokenStore(byte_store, verify=False).read(2, 1)[0] == ord("r") ^ 0x01  # verify=False skips the hash
 
     os.remove(os.path.join(byte_store, "docs-00000.bin"))
     with pytest.raises(DataError, match="docs-00000.bin' has 0 bytes but the manifest says 24"):
@@ -339,16 +353,18 @@ def short_store(tmp_path):
 
 def _brute_force(documents: list[str], start: int, length: int) -> dict[str, np.ndarray]:
     """Row fields from the token stream [start, start + length + 1), computed token by token."""
-    stream = [(ord(c), d, p) for d, doc in enumerate(documents) for p, c in enumerate(doc)]
+    stream = [(ord(c), d) for d, doc in enumerate(documents) for c in doc]
     window = stream[start:start + length + 1]
-    segments, seg = [], 1
+    segments, positions, seg, pos = [], [], 1, 0
     for t in range(length):
         if t and window[t][1] != window[t - 1][1]:
-            seg += 1
+            seg, pos = seg + 1, 0
         segments.append(seg)
+        positions.append(pos)  # counts from the document's start, or from the row's for an earlier document
+        pos += 1
     return {"inputs": np.array([w[0] for w in window[:-1]]), "targets": np.array([w[0] for w in window[1:]]),
-            "segment_ids": np.array(segments), "positions": np.array([w[2] for w in window[:-1]]),
-            "loss_mask": np.array([int(window[t + 1][2] != 0) for t in range(length)])}
+            "segment_ids": np.array(segments), "positions": np.array(positions),
+            "loss_mask": np.array([int(window[t + 1][1] == window[t][1]) for t in range(length)])}
 
 
 def _by_window(split: PackedSplit) -> dict[int, dict[str, np.ndarray]]:
@@ -358,44 +374,40 @@ def _by_window(split: PackedSplit) -> dict[int, dict[str, np.ndarray]]:
 
 
 def test_packed_rows_match_the_documents(short_store):
+    # 8 documents, 25% held out: 2 stripes of 4 documents, the last of each ("k", "2345") for validation
     train = PackedSplit(short_store, seq_len=4, split="train", validation_fraction=0.25, seed=0)
-    assert (train.begin, train.num_windows) == (0, 5)  # 21 train tokens: (21 - 1) // 4 windows
+    assert train.ranges.tolist() == [[0, 10], [11, 28]] and train.num_tokens == 27
+    assert train.num_windows == 6  # (27 - 1) // 4
+    train_docs = [d for i, d in enumerate(SHORT_DOCS) if i not in (3, 7)]
     rows = _by_window(train)
-    assert sorted(rows) == [0, 1, 2, 3, 4] and all(v.dtype == np.int32 for v in rows[0].values())
+    assert sorted(rows) == [0, 1, 2, 3, 4, 5] and all(v.dtype == np.int32 for v in rows[0].values())
     # window 0 = "abcde": the target 'd' starts document "de"
     assert {k: v.tolist() for k, v in rows[0].items()} == {
         "inputs": [ord(c) for c in "abcd"], "targets": [ord(c) for c in "bcde"], "segment_ids": [1, 1, 1, 2],
         "positions": [0, 1, 2, 0], "loss_mask": [1, 1, 0, 1]}
-    # window 2 = "ijklm": the end of "fghij", all of "k", the start of "lmnopqr"
+    # window 2 = "ijlmn": the end of "fghij" (begun in an earlier row: positions restart at 0, not 3), then
+    # "lmnopqr", which follows it in the train stream because "k" is held out
     assert {k: v.tolist() for k, v in rows[2].items()} == {
-        "inputs": [ord(c) for c in "ijkl"], "targets": [ord(c) for c in "jklm"], "segment_ids": [1, 1, 2, 3],
-        "positions": [3, 4, 0, 0], "loss_mask": [1, 0, 0, 1]}
+        "inputs": [ord(c) for c in "ijlm"], "targets": [ord(c) for c in "jlmn"], "segment_ids": [1, 1, 2, 2],
+        "positions": [0, 1, 0, 1], "loss_mask": [1, 0, 1, 1]}
+    assert rows[3]["positions"].tolist() == [0, 1, 2, 3]  # "nopq", the middle of "lmnopqr"
     for w, row in rows.items():
-        expected = _brute_force(SHORT_DOCS, w * 4, 4)
+        expected = _brute_force(train_docs, w * 4, 4)
         for k in expected:
             np.testing.assert_array_equal(row[k], expected[k], err_msg=f"window {w} {k}")
         np.testing.assert_array_equal(row["inputs"][1:], row["targets"][:-1])
 
     validation = PackedSplit(short_store, seq_len=4, split="validation", validation_fraction=0.25, seed=1)
-    held = math.ceil(len(SHORT_DOCS) * 0.25)
-    assert validation.begin == sum(len(d) for d in SHORT_DOCS[:-held]) == 21 and validation.num_windows == 2
-    val_rows = _by_window(validation)
-    assert {k: v.tolist() for k, v in val_rows[1].items()} == {  # "z0123" inside "vwxyz01" + "2345"
-        "inputs": [ord(c) for c in "z012"], "targets": [ord(c) for c in "0123"], "segment_ids": [1, 1, 1, 2],
-        "positions": [4, 5, 6, 0], "loss_mask": [1, 1, 0, 1]}
-    for w, row in val_rows.items():  # positions count from the start of the held-out documents
-        expected = _brute_force(SHORT_DOCS[-held:], w * 4, 4)
-        for k in expected:
-            np.testing.assert_array_equal(row[k], expected[k], err_msg=f"validation window {w} {k}")
-    # no train window reaches a validation token
-    train_last = max(train.begin + w * 4 + 4 for w in rows)
-    assert train_last < validation.begin
+    assert validation.ranges.tolist() == [[10, 11], [28, 32]] and validation.num_windows == 1
+    assert {k: v.tolist() for k, v in _by_window(validation)[0].items()} == {  # "k" + "2345"
+        "inputs": [ord(c) for c in "k234"], "targets": [ord(c) for c in "2345"], "segment_ids": [1, 2, 2, 2],
+        "positions": [0, 0, 1, 2], "loss_mask": [0, 1, 1, 1]}
     train_tokens = {chr(t) for r in rows.values() for t in np.r_[r["inputs"], r["targets"]]}
-    assert train_tokens.isdisjoint(set("".join(SHORT_DOCS[-held:])))
+    assert train_tokens.isdisjoint(set("k2345"))  # no train window reaches a validation token
 
     with pytest.raises(DataError, match="has 8 document\\(s\\), too few to hold out 90% for validation"):
         PackedSplit(short_store, seq_len=4, split="train", validation_fraction=0.9, seed=0)
-    with pytest.raises(DataError, match="the validation split of store .* has 11 tokens, fewer than one sequence "
+    with pytest.raises(DataError, match="the validation split of store .* has 5 tokens, fewer than one sequence "
                                         "of data.seq_len \\+ 1 = 17"):
         PackedSplit(short_store, seq_len=16, split="validation", validation_fraction=0.25, seed=0)
 

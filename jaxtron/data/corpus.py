@@ -43,6 +43,9 @@ def ensure_builtin(name: str, path: str) -> None:
         return
     if name != "stdlib":
         raise DataError(f"built-in corpus '{name}' does not exist; use data.prepare='stdlib' or ''.")
+    if os.path.isdir(path) and os.listdir(path) or os.path.isfile(path):
+        raise DataError(f"data.path '{path}' exists but holds no token store; point data.path at an empty or "
+                        "missing directory for data.prepare, or remove it.")
     from jaxtron.data.prepare import prepare
     files = stdlib_files()
     if not files:

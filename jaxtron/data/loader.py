@@ -2,8 +2,9 @@
 
 A batch is a dict of int32 [global_batch, seq_len] arrays: 'inputs', 'targets' (inputs shifted by
 one), 'segment_ids' (documents inside a packed row, from 1), 'positions' (restarting at each
-document) and 'loss_mask'. Batch ``step`` depends only on (seed, step): the iterator's whole state
-is the next step number, and a resumed run sees exactly the batches it would have seen.
+document and at the row's start, so below model.max_seq_len, which the loader checks) and 'loss_mask'.
+Batch ``step`` depends only on (seed, step): the iterator's whole state is the next step number, and a
+resumed run sees exactly the batches it would have seen.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from jaxtron.sharding import batch_sharding
 
 class Source(Protocol):
     seq_len: int
+    max_positions: int | None  # positions must stay below this (model.max_seq_len; set by make_sources)
 
     def rows(self, samples: np.ndarray) -> dict[str, np.ndarray]:
         """The rows of global samples ``samples`` (sample = step * global_batch + row)."""
@@ -30,6 +32,8 @@ class Source(Protocol):
 
 class SyntheticSource:
     """Uniformly random tokens in the same batch format, with no I/O: for benchmarks."""
+
+    max_positions = None
 
     def __init__(self, vocab_size: int, seq_len: int, seed: int):
         self.vocab_size, self.seq_len, self.seed = vocab_size, seq_len, seed
@@ -60,6 +64,15 @@ def check_segments(local: dict[str, np.ndarray], max_segments: int | None, step:
                             "for; raise model.attention_max_segments.")
 
 
+def check_positions(local: dict[str, np.ndarray], max_positions: int | None, step: int) -> None:
+    """Refuses a batch with a position outside [0, max_positions): the model has no embedding for it."""
+    if max_positions and "positions" in local and local["positions"].size:
+        low, high = int(local["positions"].min()), int(local["positions"].max())
+        if low < 0 or high >= max_positions:
+            raise DataError(f"batch {step} holds position {low if low < 0 else high}, outside the range [0, "
+                            f"{max_positions}) of model.max_seq_len; positions must restart inside every row.")
+
+
 class LocalBatch:
     """This process's part of batch ``step``: the rows and sequence positions its devices hold.
 
@@ -74,6 +87,7 @@ class LocalBatch:
     def __call__(self, step: int) -> dict[str, np.ndarray]:
         local = self.source.rows(step * self.batch_size + self.rows)
         check_segments(local, self.max_segments, step)
+        check_positions(local, getattr(self.source, "max_positions", None), step)
         if len(self.cols) == self.source.seq_len:
             return local
         return {k: np.ascontiguousarray(v[:, self.cols]) for k, v in local.items()}
@@ -148,7 +162,12 @@ def _open_split(cfg: Config, split: str) -> tuple[Source, list]:
     from jaxtron.data.store import TokenStore
     d = cfg.data
     paths = [os.path.expanduser(p.strip()) for p in d.path.split(",") if p.strip()]
-    stores = [TokenStore(p, verify=d.verify and split == "train") for p in paths]
+    stores = [TokenStore(p) for p in paths]  # checks the manifests and every file's size
+    if d.verify and split == "train":
+        # each process hashes its share of all the shards: the run reads the corpus once, not once per process
+        shards = [(store, i) for store in stores for i in range(len(store.shards))]
+        for store, i in shards[jax.process_index()::jax.process_count()]:
+            store.verify([i])
     for store in stores:
         if store.vocab_size > cfg.model.vocab_size:
             raise DataError(f"store '{store.path}' has a vocabulary of {store.vocab_size} tokens but "
@@ -156,11 +175,13 @@ def _open_split(cfg: Config, split: str) -> tuple[Source, list]:
                             f"{store.vocab_size} or a store made with the model's tokenizer.")
     seed = cfg.train.seed if split == "train" else cfg.train.seed + 1
     parts = [PackedSplit(s, d.seq_len, split, d.validation_fraction, seed + i) for i, s in enumerate(stores)]
+    for part in parts:
+        part.max_positions = cfg.model.max_seq_len
     if len(parts) == 1:
         return parts[0], stores
     weights = [float(w) for w in d.weights.split(",")] if d.weights.strip() else [1.0] * len(parts)
     mixture = Mixture(parts, weights)
-    mixture.seq_len = d.seq_len
+    mixture.seq_len, mixture.max_positions = d.seq_len, cfg.model.max_seq_len
     return mixture, stores
 
 
@@ -168,7 +189,9 @@ def make_sources(cfg: Config) -> tuple[Source, Source | None, dict[str, float]]:
     """Train source, validation source (or None) and facts about the data to log."""
     d, t = cfg.data, cfg.train
     if d.source == "synthetic":
-        return SyntheticSource(cfg.model.vocab_size, d.seq_len, t.seed), None, {}
+        source = SyntheticSource(cfg.model.vocab_size, d.seq_len, t.seed)
+        source.max_positions = cfg.model.max_seq_len
+        return source, None, {}
     if d.prepare:
         from jaxtron.data.corpus import ensure_builtin
         if jax.process_index() == 0:
@@ -181,7 +204,5 @@ def make_sources(cfg: Config) -> tuple[Source, Source | None, dict[str, float]]:
     facts: dict[str, Any] = {"train_tokens": float(sum(s.num_tokens for s in stores))}
     if len(stores) == 1 and stores[0].vocab_size <= 1 << 16:  # the loss a context-free model would reach
         from jaxtron.data.corpus import unigram_entropy
-        train_end = train.begin + train.num_windows * d.seq_len + 1
-        facts["unigram_entropy"] = unigram_entropy(stores[0].read(train.begin, min(train_end, 1 << 26)),
-                                                   stores[0].vocab_size)
+        facts["unigram_entropy"] = unigram_entropy(train.tokens(1 << 26), stores[0].vocab_size)
     return train, validation, facts

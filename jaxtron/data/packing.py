@@ -1,12 +1,14 @@
 """Packed training sequences from token stores, addressed by a global sample index.
 
-A store's tokens form one stream; window ``i`` of a split is the stream's tokens
-[begin + i*L, begin + i*L + L + 1), so every token is a target once per epoch. A window may hold
-the end of one document and the start of others: segment ids number the documents inside it,
-positions restart at 0 for each document, and the loss mask drops targets that begin a new
-document. Sample ``g`` of the run maps, through a seeded global shuffle (a new permutation each
-epoch, jaxtron.data.shuffle), to a window. Everything is a pure function of (seed, g): any process can build any
-row, and a run resumes from a step number.
+A split ('train' or 'validation') is a list of runs of whole documents of a store (see ``split_ranges``);
+its tokens, the runs back to back, form one stream, and window ``i`` is the stream's tokens
+[i*L, i*L + L + 1), so every token is a target once per epoch. A window may hold the end of one
+document and the start of others: segment ids number the documents inside it, positions count from 0
+at the start of each document or, for a document that began before the window, at the window's start
+(so every position is below L, whatever the document's length, as in Megatron and MaxText), and the
+loss mask drops targets that begin a new document. Sample ``g`` of the run maps, through a seeded global
+shuffle (a new permutation each epoch, jaxtron.data.shuffle), to a window. Everything is a pure function
+of (seed, g): any process can build any row, and a run resumes from a step number.
 """
 
 from __future__ import annotations
@@ -19,24 +21,48 @@ from jaxtron.data.errors import DataError
 from jaxtron.data.shuffle import EpochPermutation
 from jaxtron.data.store import TokenStore
 
+STRIPES = 100  # validation documents come from this many evenly spaced places in the store
+
+
+def split_ranges(store: TokenStore, split: str, validation_fraction: float) -> np.ndarray:
+    """Token ranges [begin, end) (an int64 array of shape (n, 2)) of the documents of ``split``.
+
+    The store's documents, in order, are cut into S = min(STRIPES, held) stripes of equal document
+    count, and the last documents of each stripe, ``held`` = ceil(fraction * documents) in all, are
+    held out for validation: validation documents come from the whole (sorted) corpus, not from its
+    last input files, and the split depends on nothing but the store and the fraction.
+    """
+    n = store.num_documents
+    if validation_fraction <= 0:
+        return np.array([[0, store.num_tokens]] if split == "train" else [], np.int64).reshape(-1, 2)
+    held = math.ceil(n * validation_fraction)
+    if held >= n:
+        raise DataError(f"store '{store.path}' has {n} document(s), too few to hold out "
+                        f"{validation_fraction:.0%} for validation; lower data.validation_fraction.")
+    stripes = min(STRIPES, held)
+    k = np.arange(stripes + 1, dtype=np.int64)
+    bounds = k * n // stripes  # document index where each stripe begins
+    quota = np.diff(k * held // stripes)  # held-out documents per stripe, adding up to `held`
+    cut = bounds[1:] - np.minimum(quota, np.diff(bounds))  # first validation document of each stripe
+    docs = np.stack([bounds[:-1], cut], 1) if split == "train" else np.stack([cut, bounds[1:]], 1)
+    docs = docs[docs[:, 1] > docs[:, 0]]
+    return store.doc_start(docs)
+
 
 class PackedSplit:
     """The windows of one split ('train' or 'validation') of a store."""
 
+    max_positions: int | None = None  # the loader refuses positions at or above this (model.max_seq_len)
+
     def __init__(self, store: TokenStore, seq_len: int, split: str, validation_fraction: float, seed: int):
         self.store, self.seq_len = store, seq_len
-        begin, end = 0, store.num_tokens
-        if validation_fraction > 0:
-            held = math.ceil(store.num_documents * validation_fraction)
-            if held >= store.num_documents:
-                raise DataError(f"store '{store.path}' has {store.num_documents} document(s), too few to hold out "
-                                f"{validation_fraction:.0%} for validation; lower data.validation_fraction.")
-            split_at = int(store.doc_starts[store.num_documents - held])
-            begin, end = (0, split_at) if split == "train" else (split_at, store.num_tokens)
-        self.begin = begin
-        self.num_windows = (end - begin - 1) // seq_len
+        self.ranges = split_ranges(store, split, validation_fraction)
+        # the split's stream: token v of it is store token ranges[r, 0] + v - self._offsets[r]
+        self._offsets = np.concatenate([[0], np.cumsum(self.ranges[:, 1] - self.ranges[:, 0])]).astype(np.int64)
+        self.num_tokens = int(self._offsets[-1])
+        self.num_windows = (self.num_tokens - 1) // seq_len
         if self.num_windows < 1:
-            raise DataError(f"the {split} split of store '{store.path}' has {end - begin} tokens, fewer than one "
+            raise DataError(f"the {split} split of store '{store.path}' has {self.num_tokens} tokens, fewer than one "
                             f"sequence of data.seq_len + 1 = {seq_len + 1}; use more data or a shorter sequence.")
         self._order = EpochPermutation(self.num_windows, seed)
         self._blocks: dict[int, np.ndarray] = {}
@@ -55,17 +81,42 @@ class PackedSplit:
             return self._blocks[int(block[0])][samples - block[0] * self.BLOCK]
         return np.array([self._blocks[int(b)][g - b * self.BLOCK] for g, b in zip(samples, block)], np.int64)
 
+    def store_positions(self, stream: np.ndarray) -> np.ndarray:
+        """Store token positions of positions ``stream`` of this split's stream."""
+        r = np.searchsorted(self._offsets, stream, side="right") - 1
+        return self.ranges[r, 0] + (stream - self._offsets[r])
+
+    def tokens(self, limit: int) -> np.ndarray:
+        """The first ``limit`` tokens (at most) of the split's stream."""
+        parts, left = [], limit
+        for begin, end in self.ranges:
+            if left <= 0:
+                break
+            parts.append(self.store.read(int(begin), int(min(end - begin, left))))
+            left -= parts[-1].size
+        return np.concatenate(parts)
+
     def rows(self, samples: np.ndarray) -> dict[str, np.ndarray]:
         """The packed sequences of global samples ``samples``."""
         L = self.seq_len
-        starts = self.begin + self.windows(samples) * L
-        tokens = self.store.gather(starts, L + 1).astype(np.int32)
-        where = starts[:, None] + np.arange(L + 1)
-        doc = np.searchsorted(self.store.doc_starts, where, side="right") - 1
-        positions = (where - self.store.doc_starts[doc]).astype(np.int32)
-        segments = (doc - doc[:, :1] + 1).astype(np.int32)
+        starts = self.windows(samples) * L
+        where = self.store_positions(starts[:, None] + np.arange(L + 1))
+        inside = where[:, -1] - where[:, 0] == L  # rows within one run of documents: one contiguous read
+        if inside.all():
+            tokens = self.store.gather(where[:, 0], L + 1)
+        else:
+            tokens = np.empty(where.shape, self.store.dtype)
+            tokens[inside] = self.store.gather(where[inside, 0], L + 1)
+            tokens[~inside] = self.store.take(where[~inside])
+        tokens = tokens.astype(np.int32)
+        doc = self.store.doc_index(where)
+        new = np.ones(doc.shape, bool)
+        new[:, 1:] = doc[:, 1:] != doc[:, :-1]  # a document (or the row) starts here
+        t = np.broadcast_to(np.arange(L + 1), doc.shape)
+        positions = (t - np.maximum.accumulate(np.where(new, t, 0), axis=1)).astype(np.int32)
+        segments = np.cumsum(new, axis=1).astype(np.int32)
         return {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "segment_ids": segments[:, :-1],
-                "positions": positions[:, :-1], "loss_mask": (doc[:, 1:] == doc[:, :-1]).astype(np.int32)}
+                "positions": positions[:, :-1], "loss_mask": (~new[:, 1:]).astype(np.int32)}
 
 
 class Mixture:
@@ -74,6 +125,8 @@ class Mixture:
     Sample g goes to part schedule[g % period]; its index inside that part counts the earlier samples
     that went there, so each part is read in its own shuffled order without gaps or repeats.
     """
+
+    max_positions: int | None = None
 
     def __init__(self, parts: list[PackedSplit], weights: list[float], period: int = 1000):
         self.parts, self.period = parts, period

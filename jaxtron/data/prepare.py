@@ -1,9 +1,14 @@
 """Tokenize text files into a token store.
 
     python -m jaxtron.data.prepare --input 'corpus/**/*.txt' [--input 'more/*.jsonl' ...] \\
-        --tokenizer byte|tokenizer.json|sp.model --output DIR [--text-field text] [--workers N]
+        --tokenizer byte|tokenizer.json|sp.model --output DIR [--text-field text] [--workers N] \\
+        [--eos TOKEN | --no-eos] [--overwrite]
 
 Plain-text files are one document each; JSONL files hold one document per line in --text-field.
+Every document ends with the tokenizer's end-of-document token (found in tokenizer.json's post-processor or
+among the common names, SentencePiece's eos_id; --eos names another, --no-eos leaves it out; the byte
+tokenizer has none). An existing, non-empty --output is refused unless --overwrite is given; the old store
+is then replaced atomically.
 Inputs are taken in sorted order and tokenized on all cores (worker processes for SentencePiece, the
 multi-threaded encoder of the tokenizers library for tokenizer.json); results are written in input order, so
 the same inputs always give the same store. Memory stays flat: at most a few batches are in flight.
@@ -24,8 +29,8 @@ from typing import Iterator, Sequence
 import numpy as np
 
 from jaxtron.data.errors import DataError
-from jaxtron.data.store import StoreWriter
-from jaxtron.data.tokenizers import Tokenizer, load_tokenizer
+from jaxtron.data.store import StoreWriter, check_output
+from jaxtron.data.tokenizers import AUTO, Tokenizer, load_tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -112,17 +117,26 @@ def _tokenize_unit(unit: tuple[str, list, int]) -> list[np.ndarray]:
                                 "pass the right --text-field.") from None
             texts.append(record[field])
     encode_batch = getattr(_worker_tokenizer, "encode_batch", None)
-    return encode_batch(texts) if encode_batch else [_worker_tokenizer.encode(t) for t in texts]
+    docs = encode_batch(texts) if encode_batch else [_worker_tokenizer.encode(t) for t in texts]
+    eos = _worker_tokenizer.eos_id
+    if eos is None:
+        return docs
+    return [np.append(d, np.uint32(eos)) for d in docs if d.size]  # empty texts stay empty: no lone EOS
 
 
 def prepare(inputs: Sequence[str], tokenizer: Tokenizer | str, output: str, text_field: str = "text",
             workers: int | None = None, progress: bool = False, shard_tokens: int = 1 << 28,
-            dtype: str = "auto") -> dict:
-    """Builds the store in ``output`` and returns its manifest."""
-    tokenizer = load_tokenizer(tokenizer) if isinstance(tokenizer, str) else tokenizer
+            dtype: str = "auto", eos: str | None = AUTO, overwrite: bool = False) -> dict:
+    """Builds the store in ``output`` and returns its manifest.
+
+    ``eos``: "auto" (the tokenizer's own end-of-document token), a token, or None for none; used only when
+    ``tokenizer`` is given by name. ``overwrite``: replace an existing, non-empty ``output``.
+    """
+    check_output(os.path.abspath(output), overwrite)  # before any tokenizing work
+    tokenizer = load_tokenizer(tokenizer, eos) if isinstance(tokenizer, str) else tokenizer
     files = expand_inputs(inputs)
     total = sum(os.path.getsize(p) for p in files)
-    writer = StoreWriter(output, tokenizer.vocab_size, shard_tokens, dtype)
+    writer = StoreWriter(output, tokenizer.vocab_size, shard_tokens, dtype, overwrite)
     if workers is None:  # byte tokens cost nothing and tokenizers' Rust batch encoder already uses every core
         workers = 1 if tokenizer.kind in ("byte", "huggingface") else os.cpu_count() or 1
     bar = None
@@ -149,7 +163,7 @@ def prepare(inputs: Sequence[str], tokenizer: Tokenizer | str, output: str, text
                 while pending:
                     _drain_one(pending, writer, bar)
         sources = [{"path": p, "bytes": os.path.getsize(p)} for p in files]
-        return writer.finish(tokenizer.describe(), sources)
+        return writer.finish(tokenizer.describe(), sources, tokenizer.eos_id)
     except BaseException:
         writer.abort()
         raise
@@ -178,18 +192,25 @@ def main(argv: Sequence[str] | None = None) -> int:
                              "tokenizer.json, whose encoder is already multi-threaded)")
     parser.add_argument("--shard-tokens", type=int, default=1 << 28, help="tokens per shard file")
     parser.add_argument("--dtype", default="auto", help="token dtype: auto (smallest that fits), uint16, uint32")
+    eos = parser.add_mutually_exclusive_group()
+    eos.add_argument("--eos", default=AUTO, help="end-of-document token appended to every document (default: the "
+                                                 "tokenizer's own; the byte tokenizer has none)")
+    eos.add_argument("--no-eos", dest="eos", action="store_const", const=None,
+                     help="append no end-of-document token (the model does not learn to stop)")
+    parser.add_argument("--overwrite", action="store_true", help="replace an existing --output (atomically)")
     args = parser.parse_args(argv)
     try:
         if args.workers is not None and args.workers < 1:
             raise DataError("--workers must be at least 1; pass a positive count.")
         manifest = prepare(args.input, args.tokenizer, args.output, args.text_field, args.workers,
-                           progress=sys.stderr.isatty(), shard_tokens=args.shard_tokens, dtype=args.dtype)
+                           progress=sys.stderr.isatty(), shard_tokens=args.shard_tokens, dtype=args.dtype,
+                           eos=args.eos, overwrite=args.overwrite)
     except DataError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    log.info("wrote %s: %d documents, %d tokens (%s, vocabulary %d) in %d shard(s)", args.output,
-             manifest["num_documents"], manifest["num_tokens"], manifest["dtype"], manifest["vocab_size"],
-             len(manifest["shards"]))
+    log.info("wrote %s: %d documents, %d tokens (%s, vocabulary %d, end-of-document id %s) in %d shard(s)",
+             args.output, manifest["num_documents"], manifest["num_tokens"], manifest["dtype"],
+             manifest["vocab_size"], manifest["eos_id"], len(manifest["shards"]))
     return 0
 
 

@@ -1,27 +1,38 @@
 """The token store: flat token shards read by memory map, document boundaries, and a manifest.
 
 Layout of a store directory:
-  manifest.json           format, tokenizer, dtype, counts, and per shard its files, sizes and sha256
+  manifest.json           format, tokenizer, end-of-document id, dtype, counts, and per shard its files, sizes, sha256
   tokens-00000.bin        the tokens of whole documents, back to back, in the manifest's dtype
   docs-00000.bin          uint64 start offsets of the shard's documents (plus the end), relative to the shard
+Format 2 ends every document with the tokenizer's end-of-document token (``eos_id``; null for the byte
+tokenizer, which has none). Format 1 stores (no ``eos_id``, no end-of-document tokens) still load.
 The manifest is written last, into a directory that is renamed into place, so a store is either
 complete or absent.
+
+Opening a store checks the manifest and every file's size; hashing every shard against the manifest
+is a separate, explicit step (``TokenStore.verify``, or ``python -m jaxtron.data.store DIR``), because
+it reads the whole corpus. Document offsets stay memory-mapped per shard: a process holds no copy of them.
 """
 
 from __future__ import annotations
 
+import array
 import hashlib
 import json
+import logging
 import os
 import shutil
-from typing import Any
+import sys
+from typing import Any, Iterable, Sequence
 
 import numpy as np
 
 from jaxtron.data.errors import DataError
 
+log = logging.getLogger(__name__)
+
 MANIFEST = "manifest.json"
-FORMAT = 1
+FORMAT = 2
 DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
 
 
@@ -44,14 +55,27 @@ def file_sha256(path: str) -> str:
     return digest.hexdigest()
 
 
+def check_output(output: str, overwrite: bool) -> None:
+    """Refuses to prepare into an existing, non-empty path unless ``overwrite``."""
+    if overwrite or not os.path.lexists(output):
+        return
+    if os.path.isdir(output) and not os.path.islink(output) and not os.listdir(output):
+        return
+    raise DataError(f"--output '{output}' already exists and is not empty; pass --overwrite to replace it "
+                    "or choose another directory.")
+
+
 class StoreWriter:
     """Appends documents to shards in a temporary directory; ``finish`` publishes the store atomically."""
 
-    def __init__(self, output: str, vocab_size: int, shard_tokens: int = 1 << 28, dtype: str = "auto"):
+    def __init__(self, output: str, vocab_size: int, shard_tokens: int = 1 << 28, dtype: str = "auto",
+                 overwrite: bool = False):
         self.output = os.path.abspath(output)
+        check_output(self.output, overwrite)
         self.dtype = token_dtype(vocab_size, dtype)
         self.vocab_size = vocab_size
         self.shard_tokens = shard_tokens
+        self.overwrite = overwrite
         self.tmp = self.output + ".tmp"
         shutil.rmtree(self.tmp, ignore_errors=True)
         os.makedirs(self.tmp)
@@ -62,16 +86,17 @@ class StoreWriter:
         index = len(self.shards)
         self._tokens_name, self._docs_name = f"tokens-{index:05d}.bin", f"docs-{index:05d}.bin"
         self._tokens = open(os.path.join(self.tmp, self._tokens_name), "wb")
-        self._offsets = [0]
+        self._digest = hashlib.sha256()  # hashed while written: no second pass over the shard
+        self._offsets = array.array("Q", [0])  # 8 bytes per document, not a Python int object each
 
     def _close_shard(self) -> None:
         self._tokens.close()
-        np.asarray(self._offsets, dtype=np.uint64).tofile(os.path.join(self.tmp, self._docs_name))
+        offsets = np.frombuffer(self._offsets, dtype=np.uint64).astype("<u8")
+        offsets.tofile(os.path.join(self.tmp, self._docs_name))
         self.shards.append({
             "tokens": self._tokens_name, "docs": self._docs_name, "num_tokens": int(self._offsets[-1]),
-            "num_documents": len(self._offsets) - 1,
-            "tokens_sha256": file_sha256(os.path.join(self.tmp, self._tokens_name)),
-            "docs_sha256": file_sha256(os.path.join(self.tmp, self._docs_name))})
+            "num_documents": len(self._offsets) - 1, "tokens_sha256": self._digest.hexdigest(),
+            "docs_sha256": hashlib.sha256(offsets.tobytes()).hexdigest()})
 
     def add(self, tokens: np.ndarray) -> None:
         """One document (empty ones are skipped)."""
@@ -83,23 +108,35 @@ class StoreWriter:
         if self._offsets[-1] > 0 and self._offsets[-1] + tokens.size > self.shard_tokens:
             self._close_shard()
             self._open_shard()
-        self._tokens.write(tokens.astype(DTYPES[self.dtype]).tobytes())
+        data = tokens.astype(np.dtype(DTYPES[self.dtype]).newbyteorder("<")).tobytes()
+        self._tokens.write(data)
+        self._digest.update(data)
         self._offsets.append(self._offsets[-1] + tokens.size)
 
-    def finish(self, tokenizer: dict, sources: list[str]) -> dict:
+    def finish(self, tokenizer: dict, sources: list[str], eos_id: int | None = None) -> dict:
         self._close_shard()
         shards = [s for s in self.shards if s["num_documents"] > 0]
         manifest = {"format": FORMAT, "tokenizer": tokenizer, "vocab_size": self.vocab_size, "dtype": self.dtype,
-                    "num_documents": sum(s["num_documents"] for s in shards),
+                    "eos_id": eos_id, "num_documents": sum(s["num_documents"] for s in shards),
                     "num_tokens": sum(s["num_tokens"] for s in shards), "sources": sources, "shards": shards}
         if manifest["num_tokens"] == 0:
             shutil.rmtree(self.tmp, ignore_errors=True)
             raise DataError("the inputs hold no text (every document is empty); check --input and --text-field.")
         with open(os.path.join(self.tmp, MANIFEST), "w") as f:
             json.dump(manifest, f, indent=2, sort_keys=True)
-        if os.path.exists(self.output):
-            shutil.rmtree(self.output)
-        os.rename(self.tmp, self.output)
+        check_output(self.output, self.overwrite)  # another writer may have published here meanwhile
+        if os.path.lexists(self.output):
+            # rename the old store aside first: the path always holds a complete store, old or new
+            old = self.output + ".old"
+            shutil.rmtree(old, ignore_errors=True)
+            os.rename(self.output, old)
+            os.rename(self.tmp, self.output)
+            if os.path.isdir(old) and not os.path.islink(old):
+                shutil.rmtree(old)
+            else:
+                os.remove(old)
+        else:
+            os.rename(self.tmp, self.output)
         return manifest
 
     def abort(self) -> None:
@@ -108,9 +145,13 @@ class StoreWriter:
 
 
 class TokenStore:
-    """A prepared store opened for reading: one virtual token array plus document starts."""
+    """A prepared store opened for reading: one virtual token array plus memory-mapped document starts.
 
-    def __init__(self, path: str, verify: bool = True):
+    Opening checks the manifest and every file's size; ``verify`` (or ``verify=True`` here) also hashes
+    the shards against the manifest's SHA-256.
+    """
+
+    def __init__(self, path: str, verify: bool = False):
         self.path = path
         manifest_path = os.path.join(path, MANIFEST)
         if not os.path.isfile(manifest_path):
@@ -119,15 +160,25 @@ class TokenStore:
         try:
             with open(manifest_path) as f:
                 self.manifest = json.load(f)
+            fmt = int(self.manifest.get("format", 1))
             dtype = DTYPES[self.manifest["dtype"]]
-            shards = self.manifest["shards"]
+            self.shards = list(self.manifest["shards"])
             self.vocab_size = int(self.manifest["vocab_size"])
-        except (ValueError, KeyError, TypeError) as e:
+            eos = self.manifest.get("eos_id")
+            self.eos_id = None if eos is None else int(eos)
+            kind = self.manifest.get("tokenizer", {}).get("kind")
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
             raise DataError(f"the manifest of store '{path}' is unreadable ({type(e).__name__}: {e}); "
                             "prepare the store again.") from None
-        self.dtype = dtype
-        self._tokens, starts, doc_starts = [], [0], []
-        for shard in shards:
+        if fmt > FORMAT:
+            raise DataError(f"store '{path}' has format {fmt}, newer than the format {FORMAT} this jaxtron reads; "
+                            "update jaxtron or prepare the store with this version.")
+        if fmt < 2 and kind not in ("byte", "test"):
+            log.warning("store %s (format %d) has no end-of-document tokens: a model trained on it does not learn "
+                        "where documents end; prepare it again to add them", path, fmt)
+        self.format, self.dtype = fmt, dtype
+        self._tokens, self._docs, starts, doc_counts = [], [], [0], [0]
+        for shard in self.shards:
             tokens_file = os.path.join(path, shard["tokens"])
             docs_file = os.path.join(path, shard["docs"])
             for file, expected in ((tokens_file, shard["num_tokens"] * np.dtype(dtype).itemsize),
@@ -136,19 +187,57 @@ class TokenStore:
                 if size != expected:
                     raise DataError(f"shard file '{file}' has {max(size, 0)} bytes but the manifest says {expected}; "
                                     "the store is truncated or incomplete, prepare it again.")
-            if verify:
-                for file, key in ((tokens_file, "tokens_sha256"), (docs_file, "docs_sha256")):
-                    if file_sha256(file) != shard[key]:
-                        raise DataError(f"shard file '{file}' does not match its checksum in the manifest; "
-                                        "the store is corrupted, prepare it again.")
             self._tokens.append(np.memmap(tokens_file, dtype=dtype, mode="r"))
-            offsets = np.fromfile(docs_file, dtype=np.uint64).astype(np.int64)
-            doc_starts.append(offsets[:-1] + starts[-1])
+            self._docs.append(np.memmap(docs_file, dtype="<u8", mode="r"))
             starts.append(starts[-1] + shard["num_tokens"])
-        self.shard_starts = np.asarray(starts, dtype=np.int64)
-        self.doc_starts = np.concatenate(doc_starts) if doc_starts else np.zeros(0, np.int64)
+            doc_counts.append(doc_counts[-1] + shard["num_documents"])
+        self.shard_starts = np.asarray(starts, dtype=np.int64)  # token index where each shard begins
+        self.shard_docs = np.asarray(doc_counts, dtype=np.int64)  # document index where each shard begins
         self.num_tokens = int(starts[-1])
-        self.num_documents = int(self.doc_starts.size)
+        self.num_documents = int(doc_counts[-1])
+        if verify:
+            self.verify()
+
+    def verify(self, shards: Iterable[int] | None = None) -> None:
+        """Hashes shards ``shards`` (default: all) and refuses any that differ from the manifest's SHA-256."""
+        for i in range(len(self.shards)) if shards is None else shards:
+            shard = self.shards[i]
+            for name, key in ((shard["tokens"], "tokens_sha256"), (shard["docs"], "docs_sha256")):
+                file = os.path.join(self.path, name)
+                if file_sha256(file) != shard[key]:
+                    raise DataError(f"shard file '{file}' does not match its checksum in the manifest; "
+                                    "the store is corrupted, prepare it again.")
+
+    def doc_index(self, positions: np.ndarray) -> np.ndarray:
+        """The index of the document holding each token position (same shape as ``positions``)."""
+        positions = np.asarray(positions, dtype=np.int64)
+        shard = np.searchsorted(self.shard_starts, positions, side="right") - 1
+        out = np.empty(positions.shape, np.int64)
+        for s in np.unique(shard):
+            chosen = shard == s
+            local = (positions[chosen] - self.shard_starts[s]).astype(np.uint64)  # same dtype: no copy of the map
+            out[chosen] = self.shard_docs[s] + np.searchsorted(self._docs[s], local, side="right") - 1
+        return out
+
+    def doc_start(self, documents: np.ndarray) -> np.ndarray:
+        """The token position where each document begins; document ``num_documents`` gives the end."""
+        documents = np.asarray(documents, dtype=np.int64)
+        shard = np.minimum(np.searchsorted(self.shard_docs, documents, side="right") - 1, len(self._docs) - 1)
+        out = np.empty(documents.shape, np.int64)
+        for s in np.unique(shard):
+            chosen = shard == s
+            out[chosen] = self.shard_starts[s] + self._docs[s][documents[chosen] - self.shard_docs[s]].astype(np.int64)
+        return out
+
+    def take(self, positions: np.ndarray) -> np.ndarray:
+        """The tokens at store positions ``positions`` (any shape), read shard by shard."""
+        positions = np.asarray(positions, dtype=np.int64)
+        shard = np.searchsorted(self.shard_starts, positions, side="right") - 1
+        out = np.empty(positions.shape, self.dtype)
+        for s in np.unique(shard):
+            chosen = shard == s
+            out[chosen] = self._tokens[s][positions[chosen] - self.shard_starts[s]]
+        return out
 
     def gather(self, starts: np.ndarray, length: int) -> np.ndarray:
         """Rows ``[s, s + length)`` for every s in ``starts``: one vectorised read per shard."""
@@ -178,3 +267,26 @@ class TokenStore:
             start += take
             shard += 1
         return np.concatenate(parts)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m jaxtron.data.store DIR [DIR ...]``: checks every shard of the stores against their SHA-256."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S")
+    paths = list(sys.argv[1:] if argv is None else argv)
+    if not paths or any(p.startswith("-") for p in paths):
+        print("usage: python -m jaxtron.data.store STORE_DIR [STORE_DIR ...]  (hashes every shard against the "
+              "manifest)", file=sys.stderr)
+        return 2
+    try:
+        for path in paths:
+            store = TokenStore(path, verify=True)
+            log.info("%s: %d shard(s), %d documents, %d tokens match the manifest", path, len(store.shards),
+                     store.num_documents, store.num_tokens)
+    except DataError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

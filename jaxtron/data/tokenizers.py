@@ -1,4 +1,9 @@
-"""Tokenizers for preparing token stores: built-in bytes, Hugging Face tokenizer.json, SentencePiece."""
+"""Tokenizers for preparing token stores: built-in bytes, Hugging Face tokenizer.json, SentencePiece.
+
+Each has an end-of-document id (``eos_id``) that prepare appends to every document, so a model learns
+where text ends. ``eos`` picks it: "auto" finds the tokenizer's own (an error if it has none), a token
+string names one, None prepares without. The byte tokenizer has none (see ByteTokenizer).
+"""
 
 from __future__ import annotations
 
@@ -12,9 +17,16 @@ from jaxtron.data.errors import DataError
 from jaxtron.data.store import file_sha256
 
 
+AUTO = "auto"
+# End-of-document tokens of common families, tried in this order when the post-processor names none:
+# Llama 2 / Mistral / T5, Llama 3, GPT-2 / Qwen / GPT-NeoX, Gemma.
+EOS_NAMES = ("</s>", "<|end_of_text|>", "<|endoftext|>", "<eos>")
+
+
 class Tokenizer(Protocol):
     kind: str
     vocab_size: int
+    eos_id: int | None
 
     def encode(self, text: str) -> np.ndarray: ...
 
@@ -24,10 +36,22 @@ class Tokenizer(Protocol):
 
 
 class ByteTokenizer:
-    """UTF-8 bytes as tokens 0..255."""
+    """UTF-8 bytes as tokens 0..255, with no end-of-document token.
+
+    All 256 ids are bytes, and an extra id 256 would not fit the byte-level models (vocab_size 256) and the
+    built-in corpus store: byte-level models here do not learn to stop, and text they generate ends at a
+    length limit. Document boundaries still hold: attention never crosses them and the first token of a
+    document is never a target.
+    """
 
     kind = "byte"
     vocab_size = 256
+    eos_id = None
+
+    def __init__(self, eos: str | None = AUTO):
+        if eos not in (AUTO, None):
+            raise DataError(f"--eos '{eos}' cannot be used with the byte tokenizer, which has no end-of-document "
+                            "token; leave --eos out.")
 
     def encode(self, text: str) -> np.ndarray:
         return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.uint32)
@@ -36,23 +60,49 @@ class ByteTokenizer:
         return bytes(np.asarray(ids, dtype=np.uint8)).decode("utf-8", errors="replace")
 
     def describe(self) -> dict:
-        return {"kind": self.kind, "vocab_size": self.vocab_size}
+        return {"kind": self.kind, "vocab_size": self.vocab_size, "eos_id": None}
 
 
 class HFTokenizer:
-    """A Hugging Face ``tokenizer.json`` through the tokenizers library (no special tokens added)."""
+    """A Hugging Face ``tokenizer.json`` through the tokenizers library (``encode`` adds no special tokens)."""
 
     kind = "huggingface"
 
-    def __init__(self, path: str):
+    def __init__(self, path: str, eos: str | None = AUTO):
         from tokenizers import Tokenizer as _Tokenizer
-        self.path = path
+        self.path, self.eos = path, eos
         try:
             self._tok = _Tokenizer.from_file(path)
         except Exception as e:  # the library raises its own exception types for malformed files
             raise DataError(f"tokenizer file '{path}' is not a Hugging Face tokenizer.json ({str(e).splitlines()[0]}); "
                             "pass a tokenizer.json, a SentencePiece .model or 'byte'.") from None
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+        if eos is None:
+            self.eos_id = None
+        elif eos != AUTO:
+            self.eos_id = self._tok.token_to_id(eos)
+            if self.eos_id is None:
+                raise DataError(f"--eos '{eos}' is not a token of '{path}'; name one of its tokens or pass --no-eos.")
+        else:
+            self.eos_id = self._find_eos()
+
+    def _find_eos(self) -> int:
+        """The token the post-processor appends after the text, else the first of EOS_NAMES that exists."""
+        with open(self.path, encoding="utf-8") as f:
+            processor = json.load(f).get("post_processor") or {}
+        processors = processor.get("processors", [processor]) if isinstance(processor, dict) else []
+        for p in processors:
+            single = p.get("single") if isinstance(p, dict) and p.get("type") == "TemplateProcessing" else None
+            if single and "SpecialToken" in single[-1] and any("Sequence" in item for item in single):
+                ids = p.get("special_tokens", {}).get(single[-1]["SpecialToken"]["id"], {}).get("ids", [])
+                if len(ids) == 1:
+                    return int(ids[0])
+        for name in EOS_NAMES:
+            found = self._tok.token_to_id(name)
+            if found is not None:
+                return int(found)
+        raise DataError(f"tokenizer file '{self.path}' has no end-of-document token that jaxtron recognises "
+                        f"(none of {', '.join(EOS_NAMES)}); name it with --eos TOKEN or pass --no-eos.")
 
     def encode(self, text: str) -> np.ndarray:
         return np.asarray(self._tok.encode(text, add_special_tokens=False).ids, dtype=np.uint32)
@@ -65,23 +115,24 @@ class HFTokenizer:
 
     def describe(self) -> dict:
         return {"kind": self.kind, "path": os.path.abspath(self.path), "sha256": file_sha256(self.path),
-                "vocab_size": self.vocab_size}
+                "vocab_size": self.vocab_size, "eos_id": self.eos_id,
+                "eos": None if self.eos_id is None else self._tok.id_to_token(self.eos_id)}
 
     def __getstate__(self):  # worker processes reload the file instead of pickling the Rust object
-        return {"path": self.path}
+        return {"path": self.path, "eos": self.eos}
 
     def __setstate__(self, state):
-        self.__init__(state["path"])
+        self.__init__(state["path"], state["eos"])
 
 
 class SentencePieceTokenizer:
-    """A SentencePiece ``.model`` file (no BOS/EOS added)."""
+    """A SentencePiece ``.model`` file (``encode`` adds no BOS/EOS)."""
 
     kind = "sentencepiece"
 
-    def __init__(self, path: str):
+    def __init__(self, path: str, eos: str | None = AUTO):
         import sentencepiece
-        self.path = path
+        self.path, self.eos = path, eos
         self._sp = sentencepiece.SentencePieceProcessor()
         try:
             self._sp.Load(path)
@@ -89,6 +140,17 @@ class SentencePieceTokenizer:
             raise DataError(f"tokenizer file '{path}' is not a SentencePiece model ({str(e).splitlines()[0]}); "
                             "pass a tokenizer.json, a SentencePiece .model or 'byte'.") from None
         self.vocab_size = self._sp.GetPieceSize()
+        if eos is None:
+            self.eos_id = None
+        elif eos != AUTO:
+            self.eos_id = self._sp.PieceToId(eos)
+            if self._sp.IdToPiece(self.eos_id) != eos:  # unknown pieces map to the unk id
+                raise DataError(f"--eos '{eos}' is not a piece of '{path}'; name one of its pieces or pass --no-eos.")
+        else:
+            self.eos_id = self._sp.eos_id()
+            if self.eos_id < 0:  # trained with --eos_id=-1
+                raise DataError(f"tokenizer file '{path}' was trained without an end-of-document piece; name one "
+                                "with --eos PIECE or pass --no-eos.")
 
     def encode(self, text: str) -> np.ndarray:
         return np.asarray(self._sp.EncodeAsIds(text), dtype=np.uint32)
@@ -98,19 +160,20 @@ class SentencePieceTokenizer:
 
     def describe(self) -> dict:
         return {"kind": self.kind, "path": os.path.abspath(self.path), "sha256": file_sha256(self.path),
-                "vocab_size": self.vocab_size}
+                "vocab_size": self.vocab_size, "eos_id": self.eos_id,
+                "eos": None if self.eos_id is None else self._sp.IdToPiece(self.eos_id)}
 
     def __getstate__(self):
-        return {"path": self.path}
+        return {"path": self.path, "eos": self.eos}
 
     def __setstate__(self, state):
-        self.__init__(state["path"])
+        self.__init__(state["path"], state["eos"])
 
 
-def load_tokenizer(spec: str) -> Tokenizer:
-    """'byte', a tokenizer.json path, or a SentencePiece .model path."""
+def load_tokenizer(spec: str, eos: str | None = AUTO) -> Tokenizer:
+    """'byte', a tokenizer.json path, or a SentencePiece .model path, with end-of-document choice ``eos``."""
     if spec == "byte":
-        return ByteTokenizer()
+        return ByteTokenizer(eos)
     if not os.path.isfile(spec):
         raise DataError(f"tokenizer '{spec}' is neither 'byte' nor an existing file; pass 'byte', a tokenizer.json "
                         "or a SentencePiece .model.")
@@ -123,5 +186,5 @@ def load_tokenizer(spec: str) -> Tokenizer:
         except (ValueError, UnicodeDecodeError):
             raise DataError(f"tokenizer file '{spec}' starts like JSON but is not valid JSON; "
                             "pass a complete tokenizer.json.") from None
-        return HFTokenizer(spec)
-    return SentencePieceTokenizer(spec)
+        return HFTokenizer(spec, eos)
+    return SentencePieceTokenizer(spec, eos)
