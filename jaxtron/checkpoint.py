@@ -4,6 +4,11 @@ Saves are asynchronous (training goes on while the arrays are written) and atomi
 into a temporary directory and renames it when complete, so a save cut off midway is never seen as
 a checkpoint). Restoring places every array directly into the current run's shardings, so a
 checkpoint written on one mesh restores onto another.
+
+Integrity: after each save is committed, every process records checksums of the files it wrote
+(``jaxtron.integrity``), in a background thread for asynchronous saves. Before a restore the files are
+verified; the run resumes from the newest intact checkpoint, and newer damaged ones are moved to
+``<workdir>/checkpoints_damaged/``. ``python -m jaxtron.checkpoint verify WORKDIR`` checks a run's checkpoints.
 """
 
 from __future__ import annotations
@@ -11,11 +16,14 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import sys
+import threading
 from typing import Any
 
 import jax
 import orbax.checkpoint as ocp
 
+from jaxtron import integrity
 from jaxtron.config import Config, ConfigError, ModelConfig
 
 log = logging.getLogger(__name__)
@@ -37,8 +45,9 @@ def abstract_with_shardings(abstract_state: Any, shardings: Any) -> Any:
 
 class Checkpointer:
     def __init__(self, workdir: str, keep: int, keep_every: int = 0, async_save: bool = True,
-                 compress: bool = False):
+                 compress: bool = False, checksums: bool = True):
         self.directory = os.path.join(os.path.abspath(workdir), CHECKPOINT_DIR)
+        self.async_save, self.checksums = async_save, checksums
         options = ocp.CheckpointManagerOptions(
             save_interval_steps=1, max_to_keep=keep, keep_period=keep_every or None,
             enable_async_checkpointing=async_save, create=True)
@@ -49,6 +58,8 @@ class Checkpointer:
                                                           restore_concurrent_gb=RESTORE_BUFFER_GB),
                     "data": ocp.JsonCheckpointHandler(), "config": ocp.JsonCheckpointHandler()}
         self.manager = ocp.CheckpointManager(self.directory, options=options, item_handlers=handlers)
+        self._recording: threading.Thread | None = None
+        self._recording_error: BaseException | None = None
         incomplete = sorted(n for n in os.listdir(self.directory) if "tmp" in n) if os.path.isdir(self.directory) else []
         if incomplete:  # a save cut off midway (the process died while writing): never loaded
             log.warning("ignoring incomplete checkpoint(s) %s, cut off while being written; the latest complete "
@@ -57,34 +68,122 @@ class Checkpointer:
     def latest_step(self) -> int | None:
         return self.manager.latest_step()
 
+    def step_dir(self, step: int) -> str:
+        return os.path.join(self.directory, str(step))
+
     def save(self, step: int, state: Any, data_state: dict, config: dict) -> None:
         """Saves now (the loop decides when); returns once the arrays are copied off the devices, and the
-        files are written in the background when asynchronous."""
+        files are written and their checksums recorded in the background when asynchronous."""
+        self._finish_recording()  # the previous save's checksums are complete before this save starts
         args = ocp.args.Composite(state=ocp.args.PyTreeSave(state), data=ocp.args.JsonSave(data_state),
                                   config=ocp.args.JsonSave(config))
         self.manager.save(step, args=args, force=True)
+        if not self.checksums:
+            return
+        if self.async_save:
+            self._recording = threading.Thread(target=self._record_in_background, args=(step,),
+                                               name=f"checksums-step-{step}")
+            self._recording.start()
+        else:
+            self._record(step)
 
-    def restore(self, step: int, abstract_state: Any, shardings: Any, cfg: Config) -> tuple[Any, dict]:
-        """The state (in ``shardings``) and data-iterator state saved at ``step``."""
-        saved = self.manager.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore()))["config"]
-        _check_compatible(saved, cfg, os.path.join(self.directory, str(step)))
-        target = abstract_with_shardings(abstract_state, shardings)
+    def _record(self, step: int) -> None:
+        # Only committed files are hashed: waiting here also keeps orbax from removing old steps meanwhile,
+        # since its garbage collection runs inside the next save, which waits for this thread first.
+        self.manager.wait_until_finished()
+        integrity.record(self.step_dir(step), jax.process_index(), jax.process_count())
+
+    def _record_in_background(self, step: int) -> None:
         try:
-            restored = self.manager.restore(step, args=ocp.args.Composite(
-                state=ocp.args.PyTreeRestore(target, restore_args=ocp.checkpoint_utils.construct_restore_args(target)),
-                data=ocp.args.JsonRestore()))
-        except (ValueError, KeyError, OSError) as e:
-            raise CheckpointError(f"checkpoint '{self.directory}/{step}' cannot be restored "
-                                  f"({type(e).__name__}: {str(e).splitlines()[0][:200]}); "
-                                  "remove it to fall back to an earlier one or use a new --workdir.") from None
-        return restored["state"], restored["data"]
+            self._record(step)
+        except BaseException as e:  # re-raised in the loop's thread by _finish_recording
+            self._recording_error = e
+
+    def _finish_recording(self) -> None:
+        if self._recording is not None:
+            self._recording.join()
+            self._recording = None
+        if self._recording_error is not None:
+            error, self._recording_error = self._recording_error, None
+            raise error
+
+    def restore(self, step: int, abstract_state: Any, shardings: Any, cfg: Config,
+                verify: bool = True) -> tuple[Any, dict]:
+        """The state (in ``shardings``) and data-iterator state saved at ``step``, its files verified first."""
+        reason = integrity.check_everywhere(self.step_dir(step)) if verify else None
+        if reason is None:
+            restored, reason = self._restore_verified(step, abstract_state, shardings, cfg)
+            if reason is None:
+                return restored
+        raise CheckpointError(f"checkpoint '{self.step_dir(step)}' is damaged ({reason}); check the run with "
+                              f"`python -m jaxtron.checkpoint verify {os.path.dirname(self.directory)}`.")
+
+    def restore_latest(self, abstract_state: Any, shardings: Any, cfg: Config) -> tuple[Any, dict] | None:
+        """The newest intact checkpoint's state and data-iterator state, None if there is no checkpoint.
+        Newer damaged ones are named, one line each, and moved to ``<workdir>/checkpoints_damaged/`` (so that
+        their step numbers can be saved again); if none is intact, nothing is moved and CheckpointError says so."""
+        steps, damaged, first = sorted(self.manager.all_steps(), reverse=True), [], None
+        for step in steps:
+            reason = integrity.check_everywhere(self.step_dir(step))
+            if reason is None:
+                restored, reason = self._restore_verified(step, abstract_state, shardings, cfg)
+            if reason is None:
+                self._move_aside(damaged)
+                return restored
+            damaged.append(step)
+            log.warning("checkpoint %d in %s is damaged: %s; falling back to an earlier one", step, self.directory,
+                        reason)
+            first = first or (step, reason)
+        if not steps:
+            return None
+        raise CheckpointError(f"none of the {len(steps)} checkpoint(s) in '{self.directory}' is intact (the newest, "
+                              f"step {first[0]}: {first[1]}); list them with `python -m jaxtron.checkpoint verify "
+                              f"{os.path.dirname(self.directory)}` and start again in a new --workdir.")
+
+    def _restore_verified(self, step: int, abstract_state: Any, shardings: Any,
+                          cfg: Config) -> tuple[tuple[Any, dict] | None, str | None]:
+        """Restores a verified step; an orbax failure all the same is damage (agreed by all processes)."""
+        # orbax reports unreadable data as ValueError, or as a bare Exception wrapping tensorstore's error
+        failure = restored = None
+        try:
+            saved = self.manager.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore()))["config"]
+        except Exception as e:  # noqa: BLE001 - named in the damage line, never dropped
+            failure = e
+        if failure is None:
+            _check_compatible(saved, cfg, self.step_dir(step))  # another model: the user's mistake, not damage
+            target = abstract_with_shardings(abstract_state, shardings)
+            try:
+                restored = self.manager.restore(step, args=ocp.args.Composite(
+                    state=ocp.args.PyTreeRestore(target,
+                                                 restore_args=ocp.checkpoint_utils.construct_restore_args(target)),
+                    data=ocp.args.JsonRestore()))
+            except Exception as e:  # noqa: BLE001 - named in the damage line, never dropped
+                failure = e
+        reason = integrity.agree(failure and f"verified but cannot be restored ({type(failure).__name__}: "
+                                             f"{str(failure).splitlines()[0][:200] if str(failure) else ''})")
+        return (None, reason) if reason else ((restored["state"], restored["data"]), None)
+
+    def _move_aside(self, steps: list[int]) -> None:
+        if not steps:
+            return
+        if jax.process_index() == 0:
+            for step in steps:
+                log.warning("moved damaged checkpoint %d to %s", step, integrity.move_aside(self.step_dir(step)))
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+            multihost_utils.sync_global_devices("jaxtron damaged checkpoints moved aside")
+        self.manager.reload()  # the manager's list of steps was read before the move
 
     def wait(self) -> None:
+        """Blocks until the save in flight is written and its checksums recorded."""
         self.manager.wait_until_finished()
+        self._finish_recording()
 
     def close(self) -> None:
-        self.manager.wait_until_finished()
-        self.manager.close()
+        try:
+            self.wait()
+        finally:
+            self.manager.close()
 
 
 def _check_compatible(saved: dict, cfg: Config, where: str) -> None:
@@ -100,3 +199,18 @@ def _check_compatible(saved: dict, cfg: Config, where: str) -> None:
         raise CheckpointError(f"checkpoint '{where}' is of another model shape ({'; '.join(differ)}); "
                               "use the config it was written with or a new --workdir.")
 
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m jaxtron.checkpoint verify WORKDIR``: one line per checkpoint, exit 2 if any is damaged."""
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) != 2 or argv[0] != "verify":
+        print("usage: python -m jaxtron.checkpoint verify WORKDIR (the --workdir of a run)", file=sys.stderr)
+        return 2
+    lines, code = integrity.report(argv[1])
+    print("\n".join(lines), file=sys.stdout if code == 0 or len(lines) > 1 else sys.stderr)
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

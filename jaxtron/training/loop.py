@@ -17,6 +17,7 @@ import numpy as np
 from jaxtron import distributed
 from jaxtron.checkpoint import Checkpointer
 from jaxtron.config import Config, ConfigError
+from jaxtron.data import position as data_position
 from jaxtron.data.loader import BatchIterator, global_batch, make_sources
 from jaxtron.mesh import make_mesh, process_aware_mesh
 from jaxtron.metrics import flops as flops_lib
@@ -71,12 +72,13 @@ class NonFiniteStreak:
                 "were skipped and training stopped.")
 
 
-def save_checkpoint(checkpointer: Checkpointer, step: int, state, cfg: Config, state_finite: bool) -> None:
+def save_checkpoint(checkpointer: Checkpointer, step: int, state, cfg: Config, state_finite: bool,
+                    data_state: dict | None = None) -> None:
     """What the loop does to save: refuse a non-finite state (``state_finite`` comes from the train step that
-    produced it), then save (asynchronously if so configured)."""
+    produced it), then save (asynchronously if so configured) with the data position (default: step alone)."""
     if not state_finite:  # never write a non-finite state
         raise NonFiniteError(f"the state is not finite at step {step}; it was not saved.")
-    checkpointer.save(step, state, {"step": step}, cfg.to_dict())
+    checkpointer.save(step, state, data_state or {"step": step}, cfg.to_dict())
 
 
 def _check_workdir(workdir: str) -> None:
@@ -147,6 +149,7 @@ def _train(cfg, workdir, mesh, setup, shardings, implementation, use_tqdm) -> di
     t = cfg.train
     is_main = jax.process_index() == 0
     train_source, validation, facts = make_sources(cfg)
+    data_setup = data_position.fingerprint(cfg)
     n_params = flops_lib.param_count(cfg.model)
     active = f" ({flops_lib.param_count(cfg.model, active=True) / 1e6:.4g}M active per token)" \
         if cfg.model.num_experts else ""
@@ -161,16 +164,22 @@ def _train(cfg, workdir, mesh, setup, shardings, implementation, use_tqdm) -> di
 
     c = cfg.checkpoint
     checkpointer = Checkpointer(workdir, c.keep, c.keep_every, c.async_save)
-    latest = checkpointer.latest_step()
-    if latest is None:
+    restored = checkpointer.restore_latest(setup.abstract_state, shardings, cfg)  # the newest intact checkpoint
+    if restored is None:
         state, start = state_lib.init_state(cfg, implementation, shardings), 0
+        position = data_position.DataPosition.start(cfg, data_setup)
         if t.init_from:  # fine-tuning start: these parameters, a fresh optimizer and step 0
             params = restore_params(t.init_from, setup.abstract_state.params, shardings.params)
             state = state.replace(params=params)
             log.info("parameters from %s; optimizer state fresh", t.init_from)
     else:
-        state, data_state = checkpointer.restore(latest, setup.abstract_state, shardings, cfg)
-        start = int(data_state["step"])
+        state, data_state = restored
+        try:
+            position = data_position.resume(cfg, data_setup, data_state)
+        except ConfigError:
+            checkpointer.close()
+            raise
+        start = position.step
         log.info("resumed from the checkpoint of step %d in %s", start, checkpointer.directory)
         if is_main:
             _drop_metrics_after(workdir, start)
@@ -179,7 +188,7 @@ def _train(cfg, workdir, mesh, setup, shardings, implementation, use_tqdm) -> di
         log.info("the run already reached train.steps = %d; raise it to train further", t.steps)
         return {"preempted": None, "history": [], "state": state, "final_loss": None, "validation_loss": None}
     batches = BatchIterator(train_source, mesh, t.global_batch_size, step=start, workers=cfg.data.workers,
-                            max_segments=max_segments(cfg, implementation))
+                            max_segments=max_segments(cfg, implementation), sample_offset=position.offset)
     batch = next(batches)
     votes = StopVotes(mesh)
     compiled, compile_s = compile_train_step(setup, shardings, batch_sharding(mesh), state, batch, votes(False))
@@ -208,7 +217,7 @@ def _train(cfg, workdir, mesh, setup, shardings, implementation, use_tqdm) -> di
             return
         read_flags(step_done)  # a state is saved only once its step's flags were read
         watchdog.pause()
-        save_checkpoint(checkpointer, step_done, state, cfg, finite[0])
+        save_checkpoint(checkpointer, step_done, state, cfg, finite[0], position.at(step_done).to_dict())
         watchdog.resume()
 
     streak = NonFiniteStreak(t.max_nonfinite_in_row, start, int(jax.device_get(state.nonfinite)[1]))
@@ -255,6 +264,7 @@ def _train(cfg, workdir, mesh, setup, shardings, implementation, use_tqdm) -> di
                 interval = time.perf_counter() - interval_start
                 values.update(throughput(interval, len(interval_losses)))
                 values["interval_steps"] = len(interval_losses)
+                values["consumed_tokens"] = position.at(done).consumed_tokens
                 values["data_wait_s"] = data_wait / len(interval_losses)  # per step, host blocked on the loader
                 values["data_wait_share"] = data_wait / interval
                 values.update(device_memory())

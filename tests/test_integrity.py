@@ -1,0 +1,235 @@
+"""Checkpoint integrity: checksums at save, verification and fallback at restore, the verify CLI."""
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+from flax import nnx
+
+from conftest import REPO
+from helpers import tiny_config
+from jaxtron import integrity
+from jaxtron.checkpoint import CHECKPOINT_DIR, Checkpointer, CheckpointError, main as checkpoint_cli
+from jaxtron.mesh import make_mesh
+from jaxtron.params_store import restore_params
+from jaxtron.training import state as state_lib
+from jaxtron.training.loop import run
+
+CFG = tiny_config(train=dict(steps=3), checkpoint=dict(every=1, keep=5))
+
+
+def _saved_leaves(workdir, step):
+    tree = ocp.PyTreeCheckpointer().restore(os.path.join(workdir, CHECKPOINT_DIR, str(step), "state"))
+    return [np.asarray(x) for x in jax.tree.leaves(tree)]
+
+
+def _leaves(state):
+    return [np.asarray(x) for x in jax.tree.leaves(nnx.to_pure_dict(state.params))] + \
+        [np.asarray(x) for x in jax.tree.leaves(state.opt_state)]
+
+
+def _abstract():
+    mesh = make_mesh(CFG.check_devices(1), jax.devices()[:1])
+    setup = state_lib.setup(CFG, "xla")
+    return setup.abstract_state, state_lib.state_shardings(mesh, setup.abstract_state)
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """A run of 3 steps with a checkpoint after each: its workdir, each step's restored state, the losses."""
+    workdir = str(tmp_path_factory.mktemp("trained"))
+    summary = run(CFG, workdir, use_tqdm=False, devices=jax.devices()[:1])
+    ckpt = Checkpointer(workdir, keep=5)
+    states = {s: ckpt.restore(s, *_abstract(), CFG)[0] for s in (1, 2, 3)}
+    ckpt.close()
+    return workdir, states, summary["history"]
+
+
+@pytest.fixture
+def workdir(trained, tmp_path):
+    shutil.copytree(trained[0], tmp_path / "run")
+    return str(tmp_path / "run")
+
+
+def _largest(step_dir):
+    files = [os.path.join(d, f) for d, _, fs in os.walk(step_dir) for f in fs if not f.startswith("integrity.")]
+    return max(files, key=os.path.getsize)
+
+
+def damage(workdir, step, kind) -> str:
+    """Damages a checkpoint the way disks and killed jobs do; returns the reason verification must give."""
+    step_dir = os.path.join(workdir, CHECKPOINT_DIR, str(step))
+    path = _largest(step_dir)
+    rel, size = os.path.relpath(path, step_dir), os.path.getsize(path)
+    if kind == "truncated":
+        os.truncate(path, size // 2)
+        return f"{rel} truncated ({size // 2} of {size} bytes)"
+    if kind == "bit_flip":  # a few bytes of the array data: orbax would load them without complaint
+        with open(path, "r+b") as f:
+            f.seek(size // 2)
+            flipped = bytes(b ^ 0x10 for b in f.read(4))
+            f.seek(size // 2)
+            f.write(flipped)
+        return f"{rel} checksum mismatch"
+    if kind == "deleted":
+        os.remove(path)
+        return f"{rel} missing"
+    os.remove(os.path.join(step_dir, "integrity.process_0.json"))
+    return integrity.NO_MANIFEST
+
+
+KINDS = ["truncated", "bit_flip", "deleted", "no_manifest"]
+
+
+def _restore_latest(workdir):
+    ckpt = Checkpointer(workdir, keep=5)
+    try:
+        restored = ckpt.restore_latest(*_abstract(), CFG)
+        return restored, ckpt.latest_step()
+    finally:
+        ckpt.close()
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_damage_in_the_latest_checkpoint_falls_back_to_the_previous_one(kind, trained, workdir, caplog):
+    reason = damage(workdir, 3, kind)
+    with caplog.at_level("WARNING"):
+        (state, data), latest = _restore_latest(workdir)
+    assert data["step"] == 2 and latest == 2  # the rest of the data state is not ours
+    for a, b in zip(_leaves(state), _leaves(trained[1][2])):
+        np.testing.assert_array_equal(a, b)
+    ckpts = os.path.join(workdir, CHECKPOINT_DIR)
+    assert f"checkpoint 3 in {ckpts} is damaged: {reason}; falling back to an earlier one" in caplog.text
+    moved = os.path.join(workdir, integrity.DAMAGED_DIR, "3")
+    assert f"moved damaged checkpoint 3 to {moved}" in caplog.text
+    assert integrity.steps_in(ckpts) == [1, 2] and os.path.isdir(moved)  # kept, out of the way of a new step 3
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_damage_in_an_older_checkpoint_is_reported_and_the_latest_restored(kind, trained, workdir, capsys):
+    reason = damage(workdir, 1, kind)
+    assert checkpoint_cli(["verify", workdir]) == 2
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == f"step 1: damaged: {reason}"
+    assert [re.fullmatch(r"step (\d): intact \(\d+ files, 1\.\d MB\)", l)[1] for l in lines[1:3]] == ["2", "3"]
+    assert lines[3] == f"2 of 3 checkpoints intact in {os.path.join(workdir, CHECKPOINT_DIR)}"
+    (state, data), latest = _restore_latest(workdir)
+    assert data["step"] == 3 and latest == 3
+    for a, b in zip(_leaves(state), _leaves(trained[1][3])):
+        np.testing.assert_array_equal(a, b)
+    assert not os.path.exists(os.path.join(workdir, integrity.DAMAGED_DIR))  # nothing newer was damaged
+
+
+def test_a_run_resumes_bit_exactly_from_the_newest_intact_checkpoint(trained, workdir):
+    damage(workdir, 3, "bit_flip")
+    summary = run(CFG, workdir, use_tqdm=False, devices=jax.devices()[:1])
+    assert [h["step"] for h in summary["history"]] == [3]
+    assert summary["history"][0]["loss"] == trained[2][2]["loss"]
+    for a, b in zip(_saved_leaves(workdir, 3), _saved_leaves(trained[0], 3)):
+        np.testing.assert_array_equal(a, b)
+    assert checkpoint_cli(["verify", workdir]) == 0  # the new step 3 has its checksums
+    assert [json.loads(l)["step"] for l in open(os.path.join(workdir, "metrics.jsonl"))] == [1, 2, 3]
+
+
+def test_no_intact_checkpoint_is_an_error_and_nothing_is_moved(workdir):
+    for step, kind in ((1, "truncated"), (2, "deleted"), (3, "no_manifest")):
+        damage(workdir, step, kind)
+    with pytest.raises(CheckpointError, match=r"^none of the 3 checkpoint\(s\) in '.*' is intact \(the newest, step "
+                                              r"3: no integrity manifest \(cut off .*\); list them with `python -m "
+                                              r"jaxtron.checkpoint verify .*` and start again in a new --workdir.$"):
+        run(CFG, workdir, use_tqdm=False, devices=jax.devices()[:1])
+    assert integrity.steps_in(os.path.join(workdir, CHECKPOINT_DIR)) == [1, 2, 3]
+
+
+def test_a_verified_checkpoint_that_orbax_cannot_read_is_damage_too(trained, workdir, caplog):
+    step_dir = os.path.join(workdir, CHECKPOINT_DIR, "3")
+    path = _largest(step_dir)
+    blob = bytearray(open(path, "rb").read())
+    blob[len(blob) // 2:] = bytes(b ^ 0xFF for b in blob[len(blob) // 2:])
+    open(path, "wb").write(blob)
+    integrity.record(step_dir)  # checksums of already damaged files: verification passes
+    assert integrity.check(step_dir) is None
+    with caplog.at_level("WARNING"):
+        (_, data), _ = _restore_latest(workdir)
+    assert data["step"] == 2
+    assert "checkpoint 3 in" in caplog.text and "is damaged: verified but cannot be restored (" in caplog.text
+
+
+def test_init_from_reads_the_newest_intact_checkpoint_of_a_run(trained, workdir, caplog):
+    damage(workdir, 3, "truncated")
+    abstract, shardings = _abstract()
+    with caplog.at_level("WARNING"):
+        params = restore_params(workdir, abstract.params, shardings.params)
+    assert "checkpoint 3 in" in caplog.text and "reading an earlier one" in caplog.text
+    for a, b in zip(jax.tree.leaves(nnx.to_pure_dict(params)), jax.tree.leaves(nnx.to_pure_dict(trained[1][2].params))):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert integrity.steps_in(os.path.join(workdir, CHECKPOINT_DIR)) == [1, 2, 3]  # another run's: untouched
+    for step in (1, 2):
+        damage(workdir, step, "bit_flip")
+    with pytest.raises(CheckpointError, match=r"none of the 3 checkpoint\(s\) in .* step 3: .* truncated"):
+        restore_params(workdir, abstract.params, shardings.params)
+
+
+def test_checksums_of_an_asynchronous_save_are_recorded_off_the_loop(tmp_path, monkeypatch):
+    mesh = make_mesh(CFG.check_devices(1), jax.devices()[:1])
+    setup = state_lib.setup(CFG, "xla")
+    with jax.set_mesh(mesh):
+        state = state_lib.init_state(CFG, "xla", state_lib.state_shardings(mesh, setup.abstract_state))
+    record = integrity.record
+    monkeypatch.setattr(integrity, "record", lambda *a: (time.sleep(1.5), record(*a)))  # a slow disk
+    ckpt = Checkpointer(str(tmp_path), keep=1)
+    start = time.perf_counter()
+    ckpt.save(1, state, {"step": 1}, CFG.to_dict())
+    returned = time.perf_counter() - start
+    manifest = os.path.join(tmp_path, CHECKPOINT_DIR, "1", "integrity.process_0.json")
+    assert returned < 1.0 and not os.path.exists(manifest)
+    ckpt.save(2, state, {"step": 2}, CFG.to_dict())  # waits for step 1's checksums, before orbax removes step 1
+    ckpt.close()  # waits for step 2's
+    assert time.perf_counter() - start >= 3.0
+    assert integrity.steps_in(os.path.join(tmp_path, CHECKPOINT_DIR)) == [2]
+    assert integrity.check(os.path.join(tmp_path, CHECKPOINT_DIR, "2")) is None
+
+
+def test_files_are_attributed_to_their_writer_and_verified_once_by_several_processes(tmp_path):
+    files = {"state/_METADATA": 300, "state/d/root": 50, "state/ocdbt.process_0/d/a": 1000,
+             "state/ocdbt.process_1/d/b": 900, "state/ocdbt.process_1/manifest.ocdbt": 20,
+             "state/array_metadatas/process_1": 30, "commit_success.txt": 10}
+    for rel, size in files.items():
+        os.makedirs(os.path.dirname(tmp_path / rel) or tmp_path, exist_ok=True)
+        (tmp_path / rel).write_bytes(os.urandom(size))
+    assert [integrity.writer_of(p) for p in files] == [0, 0, 0, 1, 1, 1, 0]
+    assert integrity.check(str(tmp_path)) == integrity.NO_MANIFEST
+    integrity.record(str(tmp_path), 0, 2)
+    assert integrity.check(str(tmp_path)) == "no integrity manifest of process 1 (integrity.process_1.json)"
+    integrity.record(str(tmp_path), 1, 2)
+    recorded = [json.load(open(tmp_path / f"integrity.process_{i}.json"))["files"] for i in (0, 1)]
+    assert sorted([*recorded[0], *recorded[1]]) == sorted(files)  # each file once
+    manifest = integrity.read_manifests(str(tmp_path))
+    for n in (1, 2, 3):  # restoring with another number of processes: shares are disjoint and cover all
+        shares = [integrity.share(manifest, i, n) for i in range(n)]
+        assert sorted(sum(shares, [])) == sorted(files)
+    assert [sum(files[p] for p in s) for s in (integrity.share(manifest, i, 2) for i in (0, 1))] == [1110, 1200]
+    with open(tmp_path / "state/ocdbt.process_1/d/b", "r+b") as f:
+        f.write(b"\0\0")
+    verdicts = [integrity.check(str(tmp_path), i, 2) for i in (0, 1)]
+    assert sorted(verdicts, key=str) == ["state/ocdbt.process_1/d/b checksum mismatch", None]
+    assert integrity.first_reason(verdicts) == "state/ocdbt.process_1/d/b checksum mismatch"  # all agree
+    assert integrity.first_reason([None, None]) is None and integrity.agree(None) is None
+
+
+def test_the_verify_command_exit_codes(trained, tmp_path):
+    cli = [sys.executable, "-m", "jaxtron.checkpoint", "verify"]
+    ok = subprocess.run([*cli, trained[0]], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert ok.returncode == 0 and ok.stdout.splitlines()[-1].startswith("3 of 3 checkpoints intact")
+    none = subprocess.run([*cli, str(tmp_path)], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert none.returncode == 2 and none.stderr == (f"'{tmp_path}/checkpoints' holds no checkpoint; point verify "
+                                                    "at the --workdir of a run that saved one.\n")
+    assert checkpoint_cli(["check", str(tmp_path)]) == 2
