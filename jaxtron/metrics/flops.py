@@ -8,13 +8,49 @@ forward, 2 FLOPs per multiply-add) of the matrix multiplies only, in the Megatro
     MoE per MoE layer    6 * h * f * 3 * k + 6 * h * E    (the k experts a token visits, and the router)
     logits               6 * h * V
 
-Embedding lookups, norms, softmax and activations are not counted, nor is recompute. HARDWARE FLOPs
-add the forward passes that the remat policy re-runs; MFU uses model FLOPs, HFU hardware FLOPs.
+Embedding lookups, norms, softmax and activations are not counted, nor is recompute. The attention term
+counts the full causal row of ``seq_len`` keys for every token, also when a row packs several documents: the
+segment mask hides keys across documents but does not shrink the count. HARDWARE FLOPs add the forward
+matmuls that the remat policy re-runs (``RECOMPUTED``); MFU uses model FLOPs, HFU hardware FLOPs.
 """
 
 from __future__ import annotations
 
 from jaxtron.config import ModelConfig
+
+# The matmuls of one training step, finer than the Megatron terms so that a remat policy can be described
+# exactly. Each belongs to one term of ``flops_breakdown``.
+MATMULS = {
+    "attention_qkv": "attention_proj", "attention_out": "attention_proj",
+    "scores_qk": "attention_scores", "scores_av": "attention_scores",
+    "mlp_in": "mlp", "mlp_out": "mlp",  # (gate and) up projection; down projection
+    "experts": "experts", "router": "router", "logits": "logits",
+}
+TERMS = ("attention_proj", "attention_scores", "mlp", "experts", "router", "logits")
+_BLOCK = ("attention_qkv", "attention_out", "scores_qk", "scores_av", "mlp_in", "experts", "router")
+
+# The matmuls whose forward a remat policy runs a second time in the backward pass, per attention
+# implementation. jax.checkpoint re-runs only what the backward pass needs and the policy did not save
+# (jaxtron/models/transformer.py, REMAT_POLICIES), so:
+# - the MLP's down projection is never re-run: only its input (and weight) is needed for its gradients,
+#   and its output only feeds the residual sum. The expert down projection is re-run whenever the experts
+#   are, because the gradient of the router weights needs each expert's output;
+# - the logits are outside the rematerialised blocks;
+# - 'save_dots' keeps the outputs of dots without batch dimensions: every projection and the router.
+#   The score products (batched over heads) and the expert GEMMs (ragged_dot, or batched over experts in
+#   capacity mode) are re-run; a cuDNN attention kernel is not a dot and is re-run too;
+# - 'save_attention' keeps the attention output (and the cuDNN kernel's softmax statistics): the cuDNN
+#   forward kernel is not re-run, but XLA attention's backward needs the probabilities, so QK^T is re-run
+#   (AV is not: only its output was needed). The output projection is re-run for the MLP's input.
+# The flash kernel's own recompute inside its backward pass is part of the kernel and not counted.
+RECOMPUTED: dict[str, dict[str, tuple[str, ...]]] = {
+    "none": {"xla": (), "cudnn": ()},
+    "full": {"xla": _BLOCK, "cudnn": _BLOCK},
+    "save_dots": {"xla": ("scores_qk", "scores_av", "experts"), "cudnn": ("scores_qk", "scores_av", "experts")},
+    "save_attention": {"xla": ("attention_qkv", "attention_out", "scores_qk", "mlp_in", "experts", "router"),
+                       "cudnn": ("attention_qkv", "attention_out", "mlp_in", "experts", "router")},
+    "save_dots_attention": {"xla": ("scores_qk", "experts"), "cudnn": ("experts",)},
+}
 
 
 def _mlp_matrices(cfg: ModelConfig) -> int:
@@ -42,49 +78,100 @@ def param_count(cfg: ModelConfig, active: bool = False) -> int:
     return total
 
 
+def matmul_breakdown(cfg: ModelConfig, seq_len: int, causal: bool = True) -> dict[str, float]:
+    """Model training FLOPs per token of each kind of matmul in ``MATMULS``, summed over all layers."""
+    h, s, L = cfg.embed_dim, seq_len, cfg.num_layers
+    q = cfg.num_heads * cfg.resolved_head_dim
+    k = cfg.num_kv_heads * cfg.resolved_head_dim
+    product = q * s / 2 if causal else q * s  # QK^T or AV; causal attention touches half the keys
+    dense = L - cfg.num_moe_layers
+    return {
+        "attention_qkv": 6.0 * L * h * (q + 2 * k),
+        "attention_out": 6.0 * L * q * h,
+        "scores_qk": 6.0 * L * product,
+        "scores_av": 6.0 * L * product,
+        "mlp_in": 6.0 * dense * h * cfg.mlp_dim * (_mlp_matrices(cfg) - 1),
+        "mlp_out": 6.0 * dense * h * cfg.mlp_dim,
+        "experts": 6.0 * cfg.num_moe_layers * cfg.experts_per_token * h * cfg.mlp_dim * 3,
+        "router": 6.0 * cfg.num_moe_layers * h * cfg.num_experts,
+        "logits": 6.0 * h * cfg.vocab_size,
+    }
+
+
+def _terms(matmuls: dict[str, float]) -> dict[str, float]:
+    out = dict.fromkeys(TERMS, 0.0)
+    for name, value in matmuls.items():
+        out[MATMULS[name]] += value
+    return out
+
+
 def flops_breakdown(cfg: ModelConfig, seq_len: int, causal: bool = True) -> dict[str, float]:
     """Model training FLOPs per token split into 'attention_proj', 'attention_scores', 'mlp' (dense blocks),
     'experts' (the k experts a token visits in each MoE block), 'router' and 'logits'.
 
     All but the logits are summed over all layers.
     """
-    h, s, L = cfg.embed_dim, seq_len, cfg.num_layers
-    q = cfg.num_heads * cfg.resolved_head_dim
-    k = cfg.num_kv_heads * cfg.resolved_head_dim
-    scores = q * s if causal else 2 * q * s  # QK^T + AV; causal attention touches half the keys
-    moe = cfg.num_moe_layers
-    mlp = 6.0 * h * cfg.mlp_dim * _mlp_matrices(cfg)  # one MLP or one expert
-    return {
-        "attention_proj": 6.0 * L * (h * (q + 2 * k) + q * h),
-        "attention_scores": 6.0 * L * scores,
-        "mlp": (L - moe) * mlp,
-        "experts": moe * cfg.experts_per_token * mlp,
-        "router": 6.0 * moe * h * cfg.num_experts,
-        "logits": 6.0 * h * cfg.vocab_size,
-    }
+    return _terms(matmul_breakdown(cfg, seq_len, causal))
 
 
 def flops_per_token(cfg: ModelConfig, seq_len: int, causal: bool = True) -> float:
     """Model FLOPs (forward + backward, no recompute) per trained token; the MFU numerator."""
-    return sum(flops_breakdown(cfg, seq_len, causal).values())
+    return sum(matmul_breakdown(cfg, seq_len, causal).values())
 
 
-def hardware_flops_per_token(cfg: ModelConfig, seq_len: int, causal: bool = True) -> float:
-    """Model FLOPs plus the forward recompute implied by ``cfg.remat``; the HFU numerator.
+def recomputed(remat: str, attention: str = "xla") -> tuple[str, ...]:
+    """The ``MATMULS`` whose forward pass ``model.remat`` re-runs, with attention implementation 'xla' or
+    'cudnn' (see ``RECOMPUTED``)."""
+    if attention not in ("xla", "cudnn"):
+        raise ValueError(f"attention implementation {attention!r} is not 'xla' or 'cudnn'")
+    return RECOMPUTED[remat][attention]
 
-    'full' re-runs every layer's forward once (+1/3 of the layer FLOPs; the logits are outside the
-    scanned layers and not recomputed). 'save_dots' keeps the outputs of weight matmuls without batch
-    dimensions and re-runs the rest: the attention-score matmuls (QK^T, AV) and the expert GEMMs (grouped
-    or batched over experts); a forward is 1/3 of their training FLOPs.
+
+def _hardware_matmuls(cfg: ModelConfig, seq_len: int, causal: bool, attention: str) -> dict[str, float]:
+    model = matmul_breakdown(cfg, seq_len, causal)
+    again = recomputed(cfg.remat, attention)
+    return {name: value * (4.0 / 3.0 if name in again else 1.0) for name, value in model.items()}
+
+
+def hardware_flops_breakdown(cfg: ModelConfig, seq_len: int, causal: bool = True,
+                             attention: str = "xla") -> dict[str, float]:
+    """``flops_breakdown`` plus, per term, the forward FLOPs that ``cfg.remat`` re-runs (a third of the
+    training FLOPs of each recomputed matmul)."""
+    return _terms(_hardware_matmuls(cfg, seq_len, causal, attention))
+
+
+def hardware_flops_per_token(cfg: ModelConfig, seq_len: int, causal: bool = True, attention: str = "xla") -> float:
+    """Model FLOPs plus the forward recompute implied by ``cfg.remat``; the HFU numerator."""
+    return sum(_hardware_matmuls(cfg, seq_len, causal, attention).values())
+
+
+def fp8_blocks(cfg: ModelConfig) -> tuple[int, int]:
+    """(blocks whose projections run as FP8 matmuls, how many of them are dense) under ``model.fp8``.
+
+    The blocks between the first and the last ``fp8_skip_layers`` use FP8 (jaxtron/models/transformer.py,
+    ``layer_groups``); block i is MoE when (i + 1) % moe_every == 0, and its expert GEMMs stay 16-bit.
     """
-    terms = flops_breakdown(cfg, seq_len, causal)
-    total = sum(terms.values())
-    if cfg.remat == "full":
-        total += (total - terms["logits"]) / 3.0
-    elif cfg.remat == "save_dots":
-        total += (terms["attention_scores"] + terms["experts"]) / 3.0
-    return total
+    if not cfg.fp8:
+        return 0, 0
+    first, end = cfg.fp8_skip_layers, cfg.num_layers - cfg.fp8_skip_layers
+    moe = (end // cfg.moe_every - first // cfg.moe_every) if cfg.num_experts else 0
+    return end - first, end - first - moe
 
+
+def fp8_flops_per_token(cfg: ModelConfig, seq_len: int, hardware: bool = False, causal: bool = True,
+                        attention: str = "xla") -> float:
+    """The part of the model FLOPs (``hardware``: of the hardware FLOPs) done as FP8 matmuls: the attention
+    projections of the FP8 blocks and the MLP of their dense ones, forward and backward (the gradient
+    matmuls are FP8 too, see jaxtron/ops/fp8.py), and their recompute. Scores, experts, router and logits
+    stay 16-bit."""
+    blocks, dense = fp8_blocks(cfg)
+    if not blocks:
+        return 0.0
+    m = _hardware_matmuls(cfg, seq_len, causal, attention) if hardware else matmul_breakdown(cfg, seq_len, causal)
+    per_block = (m["attention_qkv"] + m["attention_out"]) / cfg.num_layers
+    dense_layers = cfg.num_layers - cfg.num_moe_layers
+    per_dense = (m["mlp_in"] + m["mlp_out"]) / dense_layers if dense_layers else 0.0
+    return blocks * per_block + dense * per_dense
 
 def narayanan_flops_per_batch(batch: int, seq_len: int, layers: int, hidden: int, vocab: int,
                               recompute: bool) -> float:

@@ -1,8 +1,14 @@
-"""Step time -> tokens/s, TFLOP/s per device, MFU and HFU, with the accounting stated in flops.py."""
+"""Step time -> tokens/s, TFLOP/s per device, MFU and HFU, with the accounting stated in flops.py.
+
+With ``model.fp8`` the denominator is the FLOP-weighted dense peak (``hardware.flop_weighted_peak``): the FP8
+matmuls at the fp8 peak, every other FLOP at the peak of ``model.dtype``.
+"""
 
 from __future__ import annotations
 
 from typing import Any
+
+import jax.numpy as jnp
 
 from jaxtron.config import Config
 from jaxtron.metrics import flops as flops_lib
@@ -10,19 +16,35 @@ from jaxtron.metrics import hardware
 
 
 class Throughput:
-    """Turns a wall-clock interval of steps into step time, tokens/s, TFLOP/s per device and MFU/HFU."""
+    """Turns a wall-clock interval of steps into step time, tokens/s, TFLOP/s per device and MFU/HFU.
 
-    def __init__(self, cfg: Config, num_devices: int, device_kind: str):
-        tokens = cfg.train.global_batch_size * cfg.data.seq_len
+    ``attention``: the attention implementation the step runs ('xla' or 'cudnn'; it decides what the remat
+    policy recomputes). None resolves ``model.attention`` for this platform and the mesh of ``num_devices``.
+    """
+
+    def __init__(self, cfg: Config, num_devices: int, device_kind: str, attention: str | None = None):
+        m, seq = cfg.model, cfg.data.seq_len
+        if attention is None:
+            from jaxtron.ops.attention import resolve_implementation
+            sequence = cfg.mesh.resolve(num_devices)["sequence"]
+            attention = resolve_implementation(m.attention, jnp.dtype(m.dtype), m.resolved_head_dim, sequence)
+        tokens = cfg.train.global_batch_size * seq
         self.tokens_per_step = tokens
-        self.model_flops = flops_lib.flops_per_token(cfg.model, cfg.data.seq_len) * tokens
-        self.hardware_flops = flops_lib.hardware_flops_per_token(cfg.model, cfg.data.seq_len) * tokens
         self.num_devices = num_devices
-        self.peak, self.peak_note = hardware.peak_flops(device_kind, cfg.model.dtype)
+        self.model_flops = flops_lib.flops_per_token(m, seq) * tokens
+        self.hardware_flops = flops_lib.hardware_flops_per_token(m, seq, attention=attention) * tokens
+        fp8 = flops_lib.fp8_flops_per_token(m, seq) * tokens
+        fp8_hardware = flops_lib.fp8_flops_per_token(m, seq, hardware=True, attention=attention) * tokens
+        self.fp8_share = fp8 / self.model_flops  # of the model FLOPs
+        self.peak, note = hardware.flop_weighted_peak(device_kind, m.dtype, fp8, self.model_flops)
+        self.hardware_peak, _ = hardware.flop_weighted_peak(device_kind, m.dtype, fp8_hardware, self.hardware_flops)
+        if fp8 and self.peak is not None:
+            note = f"MFU against the {note}"
+        self.peak_note = note
 
     def __call__(self, seconds: float, steps: int) -> dict[str, Any]:
         step_time = seconds / steps
         per_device = self.model_flops / step_time / self.num_devices
         return {"step_time_s": step_time, "tokens_per_sec": self.tokens_per_step / step_time,
                 "tflops_per_device": per_device / 1e12, "mfu": hardware.mfu(per_device, self.peak),
-                "hfu": hardware.mfu(self.hardware_flops / step_time / self.num_devices, self.peak)}
+                "hfu": hardware.mfu(self.hardware_flops / step_time / self.num_devices, self.hardware_peak)}

@@ -32,7 +32,7 @@ from flax import nnx
 
 from jaxtron.config import Config, ModelConfig
 from jaxtron.mesh import split_over_nodes
-from jaxtron.metrics.flops import flops_breakdown
+from jaxtron.metrics.flops import flops_breakdown, hardware_flops_breakdown
 from jaxtron.models import build_model
 from jaxtron.models.moe import capacity
 from jaxtron.ops.attention import resolve_implementation
@@ -117,20 +117,6 @@ class Estimate:
 COMPUTE_TERMS = ("matmul", "attention", "elementwise")
 
 
-def _recompute(remat: str) -> dict[str, float]:
-    """Forward passes re-run per term under a remat policy, as a fraction of the term's training FLOPs."""
-    third = 1.0 / 3.0
-    if remat == "full":
-        return dict(proj=third, scores=third, mlp=third)
-    if remat == "save_dots":
-        return dict(proj=0.0, scores=third, mlp=0.0, experts=third)
-    if remat == "save_attention":
-        return dict(proj=third, scores=0.0, mlp=third)
-    if remat == "save_dots_attention":
-        return dict(proj=0.0, scores=0.0, mlp=0.0, experts=third)
-    return {}
-
-
 def estimate(cfg: Config, sizes: dict[str, int], gpu: GPU, microbatches: int | None = None,
              cpu_program: bool = False) -> Estimate:
     """Per-device memory and step time of ``cfg`` on the mesh ``sizes`` of ``gpu``s.
@@ -207,12 +193,11 @@ def estimate(cfg: Config, sizes: dict[str, int], gpu: GPU, microbatches: int | N
     # --- time ---
     peak = gpu.peak_flops["bfloat16"] if m.dtype == "bfloat16" else gpu.peak_flops["bfloat16"] / 2  # fp32: TF32
     terms = flops_breakdown(m, s)
-    redo = _recompute(m.remat)
+    # model FLOPs plus what the remat policy re-runs, from the table HFU uses (jaxtron.metrics.flops.RECOMPUTED)
+    hardware = hardware_flops_breakdown(m, s, attention=impl)
     step_tokens = cfg.train.global_batch_size * s
-    matmul = (terms["attention_proj"] * (1 + redo.get("proj", 0)) + terms["mlp"] * (1 + redo.get("mlp", 0))
-              + (terms["experts"] + terms["router"]) * (1 + redo.get("experts", redo.get("mlp", 0)))
-              + terms["logits"])
-    scores_flops = terms["attention_scores"] * (1 + redo.get("scores", 0))
+    matmul = sum(v for k, v in hardware.items() if k != "attention_scores")
+    scores_flops = hardware["attention_scores"]
     attention_eff = gpu.attention_efficiency if impl == "cudnn" else gpu.xla_attention_efficiency
     forward_passes = 3 + (1 if m.remat == "full" else 0)  # forward, backward (twice the traffic), recompute
     # bytes per device: a tensor group of T devices shares its tokens, and the residual-width work (h) is
