@@ -38,9 +38,7 @@ class Throughput:
         self.fp8_share = fp8 / self.model_flops  # of the model FLOPs
         self.peak, note = hardware.flop_weighted_peak(device_kind, m.dtype, fp8, self.model_flops)
         self.hardware_peak, _ = hardware.flop_weighted_peak(device_kind, m.dtype, fp8_hardware, self.hardware_flops)
-        if fp8 and self.peak is not None:
-            note = f"MFU against the {note}"
-        self.peak_note = note
+        self.peak_note = f"MFU against the {note}" if self.peak is not None else note
 
     def __call__(self, seconds: float, steps: int) -> dict[str, Any]:
         step_time = seconds / steps
