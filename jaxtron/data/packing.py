@@ -66,20 +66,23 @@ class PackedSplit:
                             f"sequence of data.seq_len + 1 = {seq_len + 1}; use more data or a shorter sequence.")
         self._order = EpochPermutation(self.num_windows, seed)
         self._blocks: dict[int, np.ndarray] = {}
+        # a block spans a few epochs at most: each epoch of a small split costs its own permutation keys
+        self._block = min(self.BLOCK, max(1024, self.num_windows))
 
     BLOCK = 1 << 16  # samples whose windows are computed together: steps read neighbouring samples
 
     def windows(self, samples: np.ndarray) -> np.ndarray:
         samples = np.asarray(samples, dtype=np.int64)
-        block = samples // self.BLOCK
+        size = self._block
+        block = samples // size
         for b in np.unique(block):
             if int(b) not in self._blocks:
                 if len(self._blocks) >= 4:
                     self._blocks.pop(next(iter(self._blocks)))
-                self._blocks[int(b)] = self._order(np.arange(b * self.BLOCK, (b + 1) * self.BLOCK))
+                self._blocks[int(b)] = self._order(np.arange(b * size, (b + 1) * size))
         if (block == block[0]).all():
-            return self._blocks[int(block[0])][samples - block[0] * self.BLOCK]
-        return np.array([self._blocks[int(b)][g - b * self.BLOCK] for g, b in zip(samples, block)], np.int64)
+            return self._blocks[int(block[0])][samples - block[0] * size]
+        return np.array([self._blocks[int(b)][g - b * size] for g, b in zip(samples, block)], np.int64)
 
     def store_positions(self, stream: np.ndarray) -> np.ndarray:
         """Store token positions of positions ``stream`` of this split's stream."""
