@@ -192,9 +192,9 @@ def _train(cfg, workdir, mesh, setup, shardings, implementation, use_tqdm) -> di
     batch = next(batches)
     votes = StopVotes(mesh)
     compiled, compile_s = compile_train_step(setup, shardings, batch_sharding(mesh), state, batch, votes(False))
-    throughput = Throughput(cfg, mesh.size, mesh.devices.flat[0].device_kind)
+    throughput = Throughput(cfg, mesh.size, mesh.devices.flat[0].device_kind, implementation)
     log.info("compiled the train step in %.1f s; %.4g model TFLOP per step; %s", compile_s,
-             throughput.model_flops / 1e12, throughput.peak_note or f"peak {throughput.peak / 1e12:.1f} TFLOP/s")
+             throughput.model_flops / 1e12, throughput.peak_note)
     if is_main:
         _write_collectives(workdir, compiled)
 
