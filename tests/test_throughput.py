@@ -172,3 +172,46 @@ def test_packed_rows_count_the_full_causal_row():
     per_token = 4 * (6 * (H * (Q + 2 * K) + Q * S + Q * H) + 6 * 3 * H * F) + 6 * H * V
     assert Throughput(packed, 1, H100, "xla").model_flops == 8 * S * per_token
     assert flops.flops_breakdown(model, S)["attention_scores"] == 4 * 6 * Q * S
+
+
+def test_compiled_gradient_recomputes_what_the_table_says():
+    # XLA's cost analysis of the compiled gradient of the blocks (no logits, XLA attention, which computes the
+    # full [s, s] scores: the non-causal count). Each policy adds its recompute over 'none', plus a little
+    # elementwise work (norms, rotary, softmax) that is re-run with it. Whether the count of a scanned loop body
+    # is multiplied by its trip count depends on the XLA version, so the scale comes from 'none'.
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from jaxtron.models import build_model
+
+    b, s = 2, 128
+    base = ModelConfig(vocab_size=64, embed_dim=256, num_layers=2, num_heads=2, num_kv_heads=1, mlp_dim=768,
+                       max_seq_len=s)
+    tokens = jnp.zeros((b, s), jnp.int32)
+
+    def compiled_flops(model: ModelConfig) -> float:
+        graphdef, params = nnx.split(build_model(model, 0, "xla"), nnx.Param)
+
+        def blocks(p):
+            return jnp.sum(nnx.merge(graphdef, p).hidden(tokens))
+
+        cost = jax.jit(jax.grad(blocks)).lower(params).compile().cost_analysis()
+        return (cost[0] if isinstance(cost, list) else cost)["flops"] / (b * s)
+
+    blocks_flops = flops.flops_per_token(base, s, causal=False) - 6 * 256 * 64  # without the logits
+    none = compiled_flops(base)
+    scale = none / blocks_flops  # 1 / num_layers when a loop body counts once
+    assert 0.49 < scale < 0.52 or 0.98 < scale < 1.03
+    measured, table = {}, {}
+    for remat in POLICIES[1:]:
+        model = dataclasses.replace(base, remat=remat)
+        measured[remat] = (compiled_flops(model) - none) / scale
+        table[remat] = flops.hardware_flops_per_token(model, s, causal=False) - flops.flops_per_token(model, s, False)
+        assert 0.97 < measured[remat] / table[remat] < 1.25, (remat, measured[remat], table[remat])
+    # 'full' does not re-run the MLP's down projection: a whole forward would be 30% more than the table
+    assert measured["full"] < 1.1 * table["full"]
+    # the two policies differ by AV alone (both re-run QK^T with XLA attention, and the same elementwise work)
+    av = 2 * (2 * s * 256)  # forward of AV per token, 2 layers, non-causal
+    assert measured["save_dots"] - measured["save_dots_attention"] == pytest.approx(av, rel=0.05)
+    assert measured["full"] - measured["save_attention"] == pytest.approx(av, rel=0.05)
