@@ -1,12 +1,15 @@
-"""Checkpoint throughput: save and restore GB/s of a whole train state, and how long a save blocks the loop.
+"""Checkpoint throughput: save and restore GB/s of a whole train state, how long a save blocks the loop, and
+what integrity checksums add to both.
 
     python benchmarks/checkpoint.py [CONFIG] [--config.a.b=v ...] [--repeats 3] [--zstd] [--dir DIR] [--output FILE]
 
 The state (fp32 parameters plus AdamW moments, step, counters) of CONFIG (default: configs/llama3_1b.py,
 1.24B parameters) is filled with random values on one device and saved the way the training loop saves,
-synchronously and asynchronously. "blocked" is how long saving kept the training loop waiting; "total" is
-until the files are complete and synced to disk. Restores are timed cold (the page cache dropped first, when
-this process may) and warm (files still in the page cache).
+synchronously and asynchronously, each with and without checksums. "blocked" is how long saving kept the
+training loop waiting; "total" is until the files are complete, synced to disk and (with checksums) their
+manifest written. Restores are timed cold (the page cache dropped first, when this process may) and warm
+(files still in the page cache), each with and without verifying the files first; hashing the files alone is
+timed too.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
+from jaxtron import integrity  # noqa: E402
 from jaxtron.checkpoint import Checkpointer  # noqa: E402
 from jaxtron.config import ConfigError  # noqa: E402
 from jaxtron.config_loader import load_config, split_overrides  # noqa: E402
@@ -101,9 +105,9 @@ def bench(cfg, directory: str, repeats: int, compress: bool) -> dict:
     state_bytes = sum(x.nbytes for x in jax.tree.leaves(state))
 
     saves, restores, step = [], [], 0
-    for mode in ("sync", "async") * repeats:
+    for mode, checksums in [(m, c) for m in ("sync", "async") for c in (False, True)] * repeats:
         step += 1
-        ckpt = Checkpointer(directory, keep=1, async_save=mode == "async", compress=compress)
+        ckpt = Checkpointer(directory, keep=1, async_save=mode == "async", compress=compress, checksums=checksums)
         drop_page_cache()  # the previous save's dirty pages are not this save's work
         reset_peak_memory()
         start = time.perf_counter()
@@ -113,30 +117,40 @@ def bench(cfg, directory: str, repeats: int, compress: bool) -> dict:
         os.sync()  # on disk, not only in the page cache
         total = time.perf_counter() - start
         ckpt.close()
-        saves.append({"mode": mode, "blocked_s": blocked, "total_s": total, "gb_per_s": state_bytes / total / 1e9,
-                      "peak_host_gb": peak_memory_gb()})
-        print(f"save {mode}: blocked {blocked:.3f} s, total {total:.2f} s, {state_bytes / total / 1e9:.2f} GB/s, "
-              f"peak host memory {saves[-1]['peak_host_gb']} GB", flush=True)
-    files = directory_bytes(os.path.join(directory, "checkpoints", str(step)))
+        saves.append({"mode": mode, "checksums": checksums, "blocked_s": blocked, "total_s": total,
+                      "gb_per_s": state_bytes / total / 1e9, "peak_host_gb": peak_memory_gb()})
+        print(f"save {mode}, checksums {checksums}: blocked {blocked:.3f} s, total {total:.2f} s, "
+              f"{state_bytes / total / 1e9:.2f} GB/s, peak host memory {saves[-1]['peak_host_gb']} GB", flush=True)
+    step_dir = os.path.join(directory, "checkpoints", str(step))
+    files = directory_bytes(step_dir)
+    hashes = []
+    for cache in ("warm", "cold") * repeats:
+        dropped = drop_page_cache() if cache == "cold" else None
+        start = time.perf_counter()
+        integrity.record(step_dir)
+        seconds = time.perf_counter() - start
+        hashes.append({"cache": cache if dropped or cache == "warm" else "cold (page cache could not be dropped)",
+                       "seconds": seconds, "gb_per_s": files / seconds / 1e9})
+        print(f"hash alone, {hashes[-1]['cache']}: {seconds:.2f} s, {files / seconds / 1e9:.2f} GB/s", flush=True)
     del state
-    for cache in ("cold", "warm") * repeats:
+    for cache, verify in [(c, v) for c in ("cold", "warm") for v in (False, True)] * repeats:
         dropped = drop_page_cache() if cache == "cold" else None
         ckpt = Checkpointer(directory, keep=1)
         reset_peak_memory()
         start = time.perf_counter()
-        restored, _ = ckpt.restore(step, setup.abstract_state, shardings, cfg)
+        restored, _ = ckpt.restore(step, setup.abstract_state, shardings, cfg, verify=verify)
         jax.block_until_ready(restored)
         seconds = time.perf_counter() - start
         ckpt.close()
         del restored
         if cache == "cold" and not dropped:
             cache = "cold (page cache could not be dropped)"
-        restores.append({"cache": cache, "seconds": seconds, "gb_per_s": state_bytes / seconds / 1e9,
+        restores.append({"cache": cache, "verify": verify, "seconds": seconds, "gb_per_s": state_bytes / seconds / 1e9,
                          "peak_host_gb": peak_memory_gb()})
-        print(f"restore {cache}: {seconds:.2f} s, {state_bytes / seconds / 1e9:.2f} GB/s, "
+        print(f"restore {cache}, verify {verify}: {seconds:.2f} s, {state_bytes / seconds / 1e9:.2f} GB/s, "
               f"peak host memory {restores[-1]['peak_host_gb']} GB", flush=True)
     return {"params": param_count(cfg.model), "state_bytes": state_bytes, "checkpoint_file_bytes": files,
-            "fill_s": init_s, "saves": saves, "restores": restores}
+            "fill_s": init_s, "saves": saves, "hashes": hashes, "restores": restores}
 
 
 def summarize(rows: list[dict], key: str) -> dict:
@@ -165,17 +179,25 @@ def main(argv: list[str]) -> int:
     finally:
         shutil.rmtree(directory, ignore_errors=True)
     for mode in ("sync", "async"):
-        rows = [s for s in result["saves"] if s["mode"] == mode]
-        result[f"save_{mode}"] = {k: summarize(rows, k) for k in ("blocked_s", "total_s", "gb_per_s")}
+        for checksums in (False, True):
+            rows = [s for s in result["saves"] if s["mode"] == mode and s["checksums"] == checksums]
+            result[f"save_{mode}{'_checksums' if checksums else ''}"] = {
+                k: summarize(rows, k) for k in ("blocked_s", "total_s", "gb_per_s")}
+        plain, summed = (result[f"save_{mode}{x}"]["total_s"]["median"] for x in ("", "_checksums"))
+        result[f"save_{mode}_checksums_added"] = summed / plain - 1
     for cache in ("cold", "warm"):
-        rows = [r for r in result["restores"] if r["cache"].startswith(cache)]
-        result[f"restore_{cache}"] = {k: summarize(rows, k) for k in ("seconds", "gb_per_s")}
+        rows = [r for r in result["hashes"] if r["cache"].startswith(cache)]
+        result[f"hash_alone_{cache}"] = {k: summarize(rows, k) for k in ("seconds", "gb_per_s")}
+        for verify in (False, True):
+            rows = [r for r in result["restores"] if r["cache"].startswith(cache) and r["verify"] == verify]
+            result[f"restore_{cache}{'_verified' if verify else ''}"] = {
+                k: summarize(rows, k) for k in ("seconds", "gb_per_s")}
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                             cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
     report = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "commit": commit,
               "config": args.config, "zstd": args.zstd, "overrides": [f"--config.{k}={v}" for k, v in overrides],
               "jax": jax.__version__, "cpus": os.cpu_count(), "python": platform.python_version(), **result}
-    print(json.dumps({k: v for k, v in report.items() if k not in ("saves", "restores")}, indent=1))
+    print(json.dumps({k: v for k, v in report.items() if k not in ("saves", "hashes", "restores")}, indent=1))
     if args.output:
         with open(args.output, "w") as f:
             json.dump(report, f, indent=1)
