@@ -45,9 +45,12 @@ def _value(summary: dict[str, Any], key: str, fmt: str) -> str:
 def describe(s: dict[str, Any]) -> str:
     lines = [f"run {s['workdir']}: {s['steps_done']} of {s['train_steps']} steps",
              f"sustained values: {s['rule']} ({s['steady_intervals']} of {s['intervals']} intervals count)"]
+    lines[1:1] = [f"WARNING: {warning}" for warning in s.get("warnings", [])]
     if not s["steady_intervals"]:
         lines.append("  no interval counts yet: train longer or log more often for sustained values")
     lines += [f"  {label:<28} {_value(s, key, fmt)}" for key, label, fmt in ROWS if key != "steps_done"]
+    if s.get("mfu_basis"):
+        lines.append(f"  {'MFU against the':<28} {s['mfu_basis']['text']}")
     lines.append(f"  {'checkpoints (steps)':<28} {', '.join(map(str, s['checkpoints'])) or 'none'}")
     if s["collectives"]:
         used = {k: v for k, v in s["collectives"].items() if v["count"]}

@@ -160,3 +160,52 @@ def test_profile_config_errors():
         tiny_config(profile=dict(start_step=1, end_step=10))
     assert ProfileConfig(end_step=3, processes="0,2").traces(2) and not ProfileConfig(end_step=3).traces(1)
     assert not ProfileConfig().traces(0)
+
+
+def test_report_flags_skipped_steps(tmp_path, capsys):
+    # nonfinite_steps is cumulative: none until step 30, then one, then three
+    counts = {10: 0, 20: 0, 30: 1, 40: 1, 50: 3}
+    lines = [{**_line(step, 0.5), "nonfinite_steps": n} for step, n in counts.items()]
+    _write_run(str(tmp_path / "bad"), lines, steps=50)
+    assert report.main([str(tmp_path / "bad"), "--no_plots", "--json", str(tmp_path / "bad.json")]) == 0
+    out = capsys.readouterr().out
+    warning = "WARNING: 3 step(s) were skipped as non-finite (first logged at step 30)"
+    assert warning in out and out.splitlines()[1].startswith(warning)  # right under the run's first line
+    written = json.load(open(tmp_path / "bad.json"))
+    assert written["nonfinite_steps"] == 3 and written["nonfinite_first_step"] == 30
+    assert written["warnings"] and written["warnings"][0].startswith("3 step(s) were skipped as non-finite")
+    clean = [{**_line(step, 0.5), "nonfinite_steps": 0} for step in counts]
+    _write_run(str(tmp_path / "good"), clean, steps=50)
+    assert report.main([str(tmp_path / "good"), "--no_plots"]) == 0
+    assert "WARNING" not in capsys.readouterr().out
+    assert summary_lib.summarize(str(tmp_path / "good"))["warnings"] == []
+
+
+def test_report_states_the_flop_weighted_peak_of_fp8_runs(tmp_path, capsys):
+    import dataclasses
+
+    from jaxtron.config import ModelConfig
+
+    h, q, k, f, s, layers, vocab = 64, 64, 32, 128, 32, 4, 256
+    model = ModelConfig(vocab_size=vocab, embed_dim=h, num_layers=layers, num_heads=4, num_kv_heads=2, mlp_dim=f,
+                        max_seq_len=s, dtype="bfloat16", fp8=True, fp8_skip_layers=1)
+    workdir = str(tmp_path)
+    _write_run(workdir, [_line(step, 0.5) for step in range(10, 101, 10)])  # 2 / t TFLOP/s at mfu 0.1 / t
+    json.dump({"train": {"steps": 100}, "profile": {"dir": ""}, "model": dataclasses.asdict(model),
+               "data": {"seq_len": s}}, open(os.path.join(workdir, "config.json"), "w"))
+    # the two middle blocks run their projections and MLP in FP8; scores and logits stay 16-bit
+    fp8 = 2 * 6 * (h * (q + 2 * k) + q * h + 3 * h * f)
+    total = layers * 6 * (h * (q + 2 * k) + q * s + q * h + 3 * h * f) + 6 * h * vocab
+    assert report.main([workdir, "--no_plots", "--json", str(tmp_path / "s.json")]) == 0
+    out = capsys.readouterr().out
+    line = next(x for x in out.splitlines() if "MFU against the" in x)
+    assert f"FLOP-weighted dense peak: FP8 matmuls are {fp8 / total:.1%} of the model FLOPs" in line
+    assert "the rest at the bfloat16 peak (20 TFLOP/s per device)" in line
+    basis = json.load(open(tmp_path / "s.json"))["mfu_basis"]
+    assert basis["fp8_flops_share"] == pytest.approx(fp8 / total, rel=1e-12)
+    assert basis["peak_tflops"] == pytest.approx(20)
+    # without FP8 the basis is the plain dense peak of the compute dtype
+    config = json.load(open(os.path.join(workdir, "config.json")))
+    config["model"]["fp8"] = False
+    json.dump(config, open(os.path.join(workdir, "config.json"), "w"))
+    assert summary_lib.summarize(workdir)["mfu_basis"]["text"] == "dense bfloat16 datasheet peak (20 TFLOP/s per device)"

@@ -19,8 +19,9 @@ import re
 import statistics
 from typing import Any
 
-from jaxtron.config import ConfigError
+from jaxtron.config import ConfigError, ModelConfig
 from jaxtron.metrics.collectives import COLLECTIVES
+from jaxtron.metrics.flops import flops_per_token, fp8_flops_per_token
 
 WARMUP_FRACTION = 0.1
 SUSTAINED = ("step_time_s", "tokens_per_sec", "tflops_per_device", "mfu", "hfu", "data_wait_s", "data_wait_share")
@@ -147,6 +148,38 @@ def _covered(spans: list[tuple[float, float]]) -> float:
     return total
 
 
+def skipped_steps(records: list[dict[str, Any]]) -> tuple[int | None, int | None]:
+    """(steps skipped as non-finite, the step of the first log line that counts one) from the cumulative
+    ``nonfinite_steps`` of the log lines; (None, None) when no line carries it."""
+    counts = [(r["step"], r["nonfinite_steps"]) for r in records if isinstance(r.get("nonfinite_steps"), (int, float))]
+    if not counts:
+        return None, None
+    first = next((step for step, n in counts if n > 0), None)
+    return int(counts[-1][1]), first
+
+
+def mfu_basis(config: dict[str, Any], records: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """What the run's MFU is measured against: the dense peak of ``model.dtype``, or with ``model.fp8`` the
+    FLOP-weighted peak (see ``jaxtron.metrics.hardware.flop_weighted_peak``), with the FP8 share of the model
+    FLOPs from config.json and the peak the logged TFLOP/s and MFU imply. None without a readable config."""
+    try:
+        model = ModelConfig(**config["model"])
+        seq_len = int(config["data"]["seq_len"])
+    except (KeyError, TypeError, ValueError):  # ConfigError is a ValueError
+        return None
+    share = fp8_flops_per_token(model, seq_len) / flops_per_token(model, seq_len)
+    peak = next((r["tflops_per_device"] / r["mfu"] for r in records
+                 if isinstance(r.get("mfu"), (int, float)) and r["mfu"] > 0
+                 and isinstance(r.get("tflops_per_device"), (int, float))), None)
+    if share:
+        text = (f"FLOP-weighted dense peak: FP8 matmuls are {share:.1%} of the model FLOPs, counted at the fp8 peak, "
+                f"the rest at the {model.dtype} peak")
+    else:
+        text = f"dense {model.dtype} datasheet peak"
+    text += f" ({peak:.5g} TFLOP/s per device)" if peak else " (none known for this device: MFU is n/a)"
+    return {"text": text, "fp8_flops_share": share, "peak_tflops": peak}
+
+
 def summarize(workdir: str) -> dict[str, Any]:
     """Everything the report prints about one run."""
     records = read_metrics(workdir)
@@ -165,7 +198,6 @@ def summarize(workdir: str) -> dict[str, Any]:
         "compile_time_s": next((r["compile_time_s"] for r in records if "compile_time_s" in r), None),
         "final_loss": next((r.get("loss_avg", r.get("loss")) for r in reversed(train_lines)), None),
         "final_validation_loss": evals[-1]["eval/loss"] if evals else None,
-        "nonfinite_steps": next((r["nonfinite_steps"] for r in reversed(train_lines) if "nonfinite_steps" in r), None),
         "memory_peak_gib": max((r["memory_peak_gib"] for r in records if r.get("memory_peak_gib") is not None),
                                default=None),
         "checkpoints": checkpoint_steps(workdir),
@@ -174,4 +206,11 @@ def summarize(workdir: str) -> dict[str, Any]:
     }
     for key in SUSTAINED:
         out[key] = median(counted, key)
+    out["mfu_basis"] = mfu_basis(config, records)
+    skipped, first = skipped_steps(records)
+    out["nonfinite_steps"], out["nonfinite_first_step"] = skipped, first
+    out["warnings"] = []
+    if skipped:
+        out["warnings"].append(f"{skipped} step(s) were skipped as non-finite (first logged at step {first}); "
+                               "their updates were not applied")
     return out
