@@ -247,6 +247,7 @@ class DataConfig:
     # shards); sizes and manifests are always checked. Full check on demand: python -m jaxtron.data.store DIR
     verify: bool = False
     workers: int = 0  # loader processes; 0 loads in a background thread of the training process
+    resume_from_tokens: bool = False  # accept a data setup changed since the checkpoint: go on from its token count
 
     def __post_init__(self):
         _choice(self.source, "data.source", ("store", "synthetic"))
