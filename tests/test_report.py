@@ -208,4 +208,5 @@ def test_report_states_the_flop_weighted_peak_of_fp8_runs(tmp_path, capsys):
     config = json.load(open(os.path.join(workdir, "config.json")))
     config["model"]["fp8"] = False
     json.dump(config, open(os.path.join(workdir, "config.json"), "w"))
-    assert summary_lib.summarize(workdir)["mfu_basis"]["text"] == "dense bfloat16 datasheet peak (20 TFLOP/s per device)"
+    text = summary_lib.summarize(workdir)["mfu_basis"]["text"]
+    assert text == "dense bfloat16 datasheet peak (20 TFLOP/s per device)"
