@@ -56,8 +56,12 @@ def ensure_builtin(name: str, path: str) -> None:
     prepare(files, "byte", path)
 
 
-def unigram_entropy(tokens: np.ndarray, vocab_size: int) -> float:
-    """Entropy in nats of the token frequency distribution: the loss of the best context-free model."""
-    counts = np.bincount(tokens, minlength=vocab_size).astype(np.float64)
+def unigram_entropy(tokens: np.ndarray | list[np.ndarray], vocab_size: int) -> float:
+    """Entropy in nats of the token frequency distribution (of one array or several together): the loss of
+    the best context-free model."""
+    counts = np.zeros(vocab_size, np.float64)
+    for part in tokens if isinstance(tokens, list) else [tokens]:
+        for i in range(0, part.size, 1 << 22):  # bincount widens to int64: chunks keep that copy small
+            counts += np.bincount(part[i:i + (1 << 22)], minlength=vocab_size)
     p = counts[counts > 0] / counts.sum()
     return float(-(p * np.log(p)).sum())

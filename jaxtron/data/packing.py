@@ -89,15 +89,11 @@ class PackedSplit:
         r = np.searchsorted(self._offsets, stream, side="right") - 1
         return self.ranges[r, 0] + (stream - self._offsets[r])
 
-    def tokens(self, limit: int) -> np.ndarray:
-        """The first ``limit`` tokens (at most) of the split's stream."""
-        parts, left = [], limit
-        for begin, end in self.ranges:
-            if left <= 0:
-                break
-            parts.append(self.store.read(int(begin), int(min(end - begin, left))))
-            left -= parts[-1].size
-        return np.concatenate(parts)
+    def token_parts(self, limit: int) -> list[np.ndarray]:
+        """At most ``limit`` tokens of the split, the same share from the start of each of its runs of
+        documents (so from the whole store), one array (a view of the memory map) per run."""
+        share = max(1, limit // len(self.ranges))
+        return [self.store.read(int(b), int(min(e - b, share))) for b, e in self.ranges]
 
     def rows(self, samples: np.ndarray) -> dict[str, np.ndarray]:
         """The packed sequences of global samples ``samples``."""

@@ -173,7 +173,7 @@ class TokenStore:
         if fmt > FORMAT:
             raise DataError(f"store '{path}' has format {fmt}, newer than the format {FORMAT} this jaxtron reads; "
                             "update jaxtron or prepare the store with this version.")
-        if fmt < 2 and kind not in ("byte", "test"):
+        if fmt < 2 and kind in ("huggingface", "sentencepiece"):  # byte tokens have no end-of-document id anyway
             log.warning("store %s (format %d) has no end-of-document tokens: a model trained on it does not learn "
                         "where documents end; prepare it again to add them", path, fmt)
         self.format, self.dtype = fmt, dtype
@@ -266,7 +266,7 @@ class TokenStore:
             parts.append(np.asarray(self._tokens[shard][local:local + take]))
             start += take
             shard += 1
-        return np.concatenate(parts)
+        return parts[0] if len(parts) == 1 else np.concatenate(parts)  # inside one shard: a view, no copy
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -93,7 +93,9 @@ class HFTokenizer:
         processors = processor.get("processors", [processor]) if isinstance(processor, dict) else []
         for p in processors:
             single = p.get("single") if isinstance(p, dict) and p.get("type") == "TemplateProcessing" else None
-            if single and "SpecialToken" in single[-1] and any("Sequence" in item for item in single):
+            if not isinstance(single, list) or not single or not all(isinstance(i, dict) for i in single):
+                continue
+            if "SpecialToken" in single[-1] and any("Sequence" in item for item in single):
                 ids = p.get("special_tokens", {}).get(single[-1]["SpecialToken"]["id"], {}).get("ids", [])
                 if len(ids) == 1:
                     return int(ids[0])
