@@ -80,12 +80,12 @@ class LocalBatch:
     """
 
     def __init__(self, source: Source, rows: np.ndarray, cols: np.ndarray, batch_size: int,
-                 max_segments: int | None = None):
+                 max_segments: int | None = None, sample_offset: int = 0):
         self.source, self.rows, self.cols, self.batch_size = source, rows, cols, batch_size
-        self.max_segments = max_segments
+        self.max_segments, self.sample_offset = max_segments, sample_offset
 
     def __call__(self, step: int) -> dict[str, np.ndarray]:
-        local = self.source.rows(step * self.batch_size + self.rows)
+        local = self.source.rows(self.sample_offset + step * self.batch_size + self.rows)
         check_segments(local, self.max_segments, step)
         check_positions(local, getattr(self.source, "max_positions", None), step)
         if len(self.cols) == self.source.seq_len:
@@ -96,15 +96,17 @@ class LocalBatch:
 class BatchIterator:
     """Global batches for steps ``step, step+1, ...``, loaded ahead while the device computes.
 
-    workers=0 loads in one background thread; workers>0 uses that many grain worker processes.
+    workers=0 loads in one background thread; workers>0 uses that many grain worker processes. Row r of step s
+    is sample ``sample_offset + s * batch_size + r`` (jaxtron.data.position).
     """
 
     def __init__(self, source: Source, mesh: Mesh, batch_size: int, step: int = 0, workers: int = 0,
-                 prefetch: int = 2, max_segments: int | None = None):
+                 prefetch: int = 2, max_segments: int | None = None, sample_offset: int = 0):
         self.sharding = batch_sharding(mesh)
         self.shape = (batch_size, source.seq_len)
         self.local = LocalBatch(source, _local_indices(self.sharding, self.shape, 0),
-                                _local_indices(self.sharding, self.shape, 1), batch_size, max_segments)
+                                _local_indices(self.sharding, self.shape, 1), batch_size, max_segments,
+                                sample_offset)
         self.step, self.workers, self.prefetch = step, workers, prefetch
         self._start()
 
