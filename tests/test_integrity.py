@@ -4,6 +4,7 @@ import json
 import os
 import re
 import shutil
+import socket
 import subprocess
 import sys
 import time
@@ -233,3 +234,35 @@ def test_the_verify_command_exit_codes(trained, tmp_path):
     assert none.returncode == 2 and none.stderr == (f"'{tmp_path}/checkpoints' holds no checkpoint; point verify "
                                                     "at the --workdir of a run that saved one.\n")
     assert checkpoint_cli(["check", str(tmp_path)]) == 2
+
+
+def test_two_processes_record_their_own_files_and_fall_back_together(tmp_path):
+    from test_multiprocess import TINY, _env
+
+    def train(steps):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        procs = [subprocess.Popen([sys.executable, "train.py", *TINY, "--config.mesh.data=2", "--config.mesh.fsdp=4",
+                                   f"--config.train.steps={steps}", "--config.checkpoint.every=1",
+                                   f"--workdir={tmp_path}"], cwd=REPO, stdout=subprocess.PIPE,
+                                  stderr=subprocess.STDOUT, text=True,
+                                  env=_env(4, JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}", JAX_NUM_PROCESSES="2",
+                                           JAX_PROCESS_ID=str(i))) for i in range(2)]
+        outputs = [p.communicate(timeout=300)[0] for p in procs]
+        assert [p.returncode for p in procs] == [0, 0], outputs
+        return outputs
+
+    train(2)
+    step_dir = os.path.join(tmp_path, CHECKPOINT_DIR, "2")
+    recorded = [json.load(open(os.path.join(step_dir, f"integrity.process_{i}.json")))["files"] for i in (0, 1)]
+    assert recorded[1] and all(integrity.writer_of(p) == 1 for p in recorded[1])
+    assert any("ocdbt.process_1/" in p for p in recorded[1]) and not set(recorded[0]) & set(recorded[1])
+    assert checkpoint_cli(["verify", str(tmp_path)]) == 0
+    victim = max((p for p in recorded[1] if "ocdbt.process_1/d/" in p), key=lambda p: recorded[1][p]["size"])
+    os.truncate(os.path.join(step_dir, victim), 1)
+    outputs = train(3)
+    for out in outputs:  # both processes give the same verdict and resume from step 1
+        assert f"is damaged: {victim} truncated (1 of {recorded[1][victim]['size']} bytes)" in out
+    assert [json.loads(l)["step"] for l in open(tmp_path / "metrics.jsonl")] == [1, 2, 3]
+    assert os.path.isdir(tmp_path / integrity.DAMAGED_DIR / "2") and checkpoint_cli(["verify", str(tmp_path)]) == 0
