@@ -171,3 +171,22 @@ def test_learning_rate_schedule_hits_peak_and_floor_exactly():
     assert float(lr(150)) == pytest.approx(0.1)  # past the end: stays at the floor
     no_warmup = learning_rate_schedule(OptimizerConfig(learning_rate=1.0, warmup_steps=0, min_lr_ratio=0.0), 11)
     assert float(no_warmup(0)) == pytest.approx(1.0) and float(no_warmup(10)) == pytest.approx(0.0, abs=1e-7)
+
+
+def test_learned_positions_train_on_documents_longer_than_the_position_table(tmp_path):
+    """Rows that start inside a long document count positions from the row start: every position is inside the
+    learned table, and no step is skipped (document offsets used to reach past it and give NaN losses)."""
+    import dataclasses
+
+    from jaxtron.config import DataConfig
+    from jaxtron.data.prepare import prepare
+    for i in range(4):  # documents of about 2,000 byte tokens, 60 times the position table
+        (tmp_path / f"doc{i}.txt").write_text(f"document {i} goes on and on. " * 70)
+    prepare([str(p) for p in sorted(tmp_path.glob("doc*.txt"))], "byte", str(tmp_path / "store"))
+    cfg = tiny_config(train=dict(steps=3, max_nonfinite_in_row=1))
+    cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, position_embedding="learned", max_seq_len=32),
+                              data=DataConfig(source="store", path=str(tmp_path / "store"), seq_len=32,
+                                              validation_fraction=0.0))
+    summary = run(cfg, str(tmp_path / "run"), use_tqdm=False, devices=jax.devices()[:1])
+    assert all(np.isfinite(h["loss"]) for h in summary["history"])
+    assert summary["history"][-1]["nonfinite_steps"] == 0
