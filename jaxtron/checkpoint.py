@@ -18,7 +18,7 @@ import logging
 import os
 import sys
 import threading
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import orbax.checkpoint as ocp
@@ -118,15 +118,17 @@ class Checkpointer:
         raise CheckpointError(f"checkpoint '{self.step_dir(step)}' is damaged ({reason}); check the run with "
                               f"`python -m jaxtron.checkpoint verify {os.path.dirname(self.directory)}`.")
 
-    def restore_latest(self, abstract_state: Any, shardings: Any, cfg: Config) -> tuple[Any, dict] | None:
+    def restore_latest(self, abstract_state: Any, shardings: Any, cfg: Config,
+                       check_data: Callable[[dict], None] | None = None) -> tuple[Any, dict] | None:
         """The newest intact checkpoint's state and data-iterator state, None if there is no checkpoint.
         Newer damaged ones are named, one line each, and moved to ``<workdir>/checkpoints_damaged/`` (so that
-        their step numbers can be saved again); if none is intact, nothing is moved and CheckpointError says so."""
+        their step numbers can be saved again); if none is intact, nothing is moved and CheckpointError says so.
+        ``check_data`` sees the data-iterator state before any array is read, and may refuse it by raising."""
         steps, damaged, first = sorted(self.manager.all_steps(), reverse=True), [], None
         for step in steps:
             reason = integrity.check_everywhere(self.step_dir(step))
             if reason is None:
-                restored, reason = self._restore_verified(step, abstract_state, shardings, cfg)
+                restored, reason = self._restore_verified(step, abstract_state, shardings, cfg, check_data)
             if reason is None:
                 self._move_aside(damaged)
                 return restored
@@ -140,23 +142,28 @@ class Checkpointer:
                               f"step {first[0]}: {first[1]}); list them with `python -m jaxtron.checkpoint verify "
                               f"{os.path.dirname(self.directory)}` and start again in a new --workdir.")
 
-    def _restore_verified(self, step: int, abstract_state: Any, shardings: Any,
-                          cfg: Config) -> tuple[tuple[Any, dict] | None, str | None]:
+    def _restore_verified(self, step: int, abstract_state: Any, shardings: Any, cfg: Config,
+                          check_data: Callable[[dict], None] | None = None
+                          ) -> tuple[tuple[Any, dict] | None, str | None]:
         """Restores a verified step; an orbax failure all the same is damage (agreed by all processes)."""
         # orbax reports unreadable data as ValueError, or as a bare Exception wrapping tensorstore's error
         failure = restored = None
         try:
-            saved = self.manager.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore()))["config"]
+            saved = self.manager.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore(),
+                                                                       data=ocp.args.JsonRestore()))
         except Exception as e:  # noqa: BLE001 - named in the damage line, never dropped
             failure = e
         if failure is None:
-            _check_compatible(saved, cfg, self.step_dir(step))  # another model: the user's mistake, not damage
+            # another model or data setup: the user's mistake, not damage; refused before any array is read
+            _check_compatible(saved["config"], cfg, self.step_dir(step))
+            if check_data is not None:
+                check_data(saved["data"])
             target = abstract_with_shardings(abstract_state, shardings)
             try:
                 restored = self.manager.restore(step, args=ocp.args.Composite(
                     state=ocp.args.PyTreeRestore(target,
-                                                 restore_args=ocp.checkpoint_utils.construct_restore_args(target)),
-                    data=ocp.args.JsonRestore()))
+                                                 restore_args=ocp.checkpoint_utils.construct_restore_args(target))))
+                restored = {"state": restored["state"], "data": saved["data"]}
             except Exception as e:  # noqa: BLE001 - named in the damage line, never dropped
                 failure = e
         reason = integrity.agree(failure and f"verified but cannot be restored ({type(failure).__name__}: "

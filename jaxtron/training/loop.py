@@ -164,7 +164,16 @@ def _train(cfg, workdir, mesh, setup, shardings, implementation, use_tqdm) -> di
 
     c = cfg.checkpoint
     checkpointer = Checkpointer(workdir, c.keep, c.keep_every, c.async_save)
-    restored = checkpointer.restore_latest(setup.abstract_state, shardings, cfg)  # the newest intact checkpoint
+    resumed: dict[str, data_position.DataPosition] = {}
+
+    def check_data(saved: dict) -> None:  # before any array is read: a changed data setup is refused at once
+        resumed["position"] = data_position.resume(cfg, data_setup, saved)
+
+    try:
+        restored = checkpointer.restore_latest(setup.abstract_state, shardings, cfg, check_data)  # newest intact
+    except ConfigError:
+        checkpointer.close()
+        raise
     if restored is None:
         state, start = state_lib.init_state(cfg, implementation, shardings), 0
         position = data_position.DataPosition.start(cfg, data_setup)
@@ -173,12 +182,7 @@ def _train(cfg, workdir, mesh, setup, shardings, implementation, use_tqdm) -> di
             state = state.replace(params=params)
             log.info("parameters from %s; optimizer state fresh", t.init_from)
     else:
-        state, data_state = restored
-        try:
-            position = data_position.resume(cfg, data_setup, data_state)
-        except ConfigError:
-            checkpointer.close()
-            raise
+        state, position = restored[0], resumed["position"]
         start = position.step
         log.info("resumed from the checkpoint of step %d in %s", start, checkpointer.directory)
         if is_main:
