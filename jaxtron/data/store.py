@@ -208,16 +208,20 @@ class TokenStore:
                     raise DataError(f"shard file '{file}' does not match its checksum in the manifest; "
                                     "the store is corrupted, prepare it again.")
 
-    def doc_index(self, positions: np.ndarray) -> np.ndarray:
-        """The index of the document holding each token position (same shape as ``positions``)."""
+    def _by_shard(self, positions: np.ndarray, dtype, read) -> np.ndarray:
+        """``read(shard, local positions)`` for the positions of each shard, assembled in ``positions``' shape."""
         positions = np.asarray(positions, dtype=np.int64)
         shard = np.searchsorted(self.shard_starts, positions, side="right") - 1
-        out = np.empty(positions.shape, np.int64)
+        out = np.empty(positions.shape, dtype)
         for s in np.unique(shard):
             chosen = shard == s
-            local = (positions[chosen] - self.shard_starts[s]).astype(np.uint64)  # same dtype: no copy of the map
-            out[chosen] = self.shard_docs[s] + np.searchsorted(self._docs[s], local, side="right") - 1
+            out[chosen] = read(s, positions[chosen] - self.shard_starts[s])
         return out
+
+    def doc_index(self, positions: np.ndarray) -> np.ndarray:
+        """The index of the document holding each token position (same shape as ``positions``)."""
+        return self._by_shard(positions, np.int64, lambda s, local: self.shard_docs[s] - 1 + np.searchsorted(
+            self._docs[s], local.astype(np.uint64), side="right"))  # same dtype as the map: no copy of it
 
     def doc_start(self, documents: np.ndarray) -> np.ndarray:
         """The token position where each document begins; document ``num_documents`` gives the end."""
@@ -231,13 +235,7 @@ class TokenStore:
 
     def take(self, positions: np.ndarray) -> np.ndarray:
         """The tokens at store positions ``positions`` (any shape), read shard by shard."""
-        positions = np.asarray(positions, dtype=np.int64)
-        shard = np.searchsorted(self.shard_starts, positions, side="right") - 1
-        out = np.empty(positions.shape, self.dtype)
-        for s in np.unique(shard):
-            chosen = shard == s
-            out[chosen] = self._tokens[s][positions[chosen] - self.shard_starts[s]]
-        return out
+        return self._by_shard(positions, self.dtype, lambda s, local: self._tokens[s][local])
 
     def gather(self, starts: np.ndarray, length: int) -> np.ndarray:
         """Rows ``[s, s + length)`` for every s in ``starts``: one vectorised read per shard."""
