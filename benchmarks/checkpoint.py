@@ -105,11 +105,23 @@ def bench(cfg, directory: str, repeats: int, compress: bool) -> dict:
     state_bytes = sum(x.nbytes for x in jax.tree.leaves(state))
 
     saves, restores, step = [], [], 0
+    hashing = []  # seconds spent in integrity.record during each save (the checksums' own share of it)
+    record = integrity.record
+
+    def timed_record(*args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return record(*args, **kwargs)
+        finally:
+            hashing.append(time.perf_counter() - start)
+
     for mode, checksums in [(m, c) for m in ("sync", "async") for c in (False, True)] * repeats:
         step += 1
         ckpt = Checkpointer(directory, keep=1, async_save=mode == "async", compress=compress, checksums=checksums)
         drop_page_cache()  # the previous save's dirty pages are not this save's work
         reset_peak_memory()
+        hashing.clear()
+        integrity.record = timed_record
         start = time.perf_counter()
         save_checkpoint(ckpt, step, state, cfg, state_finite=True)  # what the loop runs (the step checked)
         blocked = time.perf_counter() - start
@@ -117,9 +129,15 @@ def bench(cfg, directory: str, repeats: int, compress: bool) -> dict:
         os.sync()  # on disk, not only in the page cache
         total = time.perf_counter() - start
         ckpt.close()
+        integrity.record = record
+        # the share of this save spent hashing: paired within one save, unlike two saves' totals, whose
+        # difference on a shared machine is mostly noise
+        hash_share = sum(hashing) / total
         saves.append({"mode": mode, "checksums": checksums, "blocked_s": blocked, "total_s": total,
+                      "hash_s": sum(hashing), "hash_share": hash_share,
                       "gb_per_s": state_bytes / total / 1e9, "peak_host_gb": peak_memory_gb()})
-        print(f"save {mode}, checksums {checksums}: blocked {blocked:.3f} s, total {total:.2f} s, "
+        print(f"save {mode}, checksums {checksums}: blocked {blocked:.3f} s, total {total:.2f} s "
+              f"(hashing {sum(hashing):.2f} s, {hash_share:.1%}), "
               f"{state_bytes / total / 1e9:.2f} GB/s, peak host memory {saves[-1]['peak_host_gb']} GB", flush=True)
     step_dir = os.path.join(directory, "checkpoints", str(step))
     files = directory_bytes(step_dir)
@@ -182,9 +200,12 @@ def main(argv: list[str]) -> int:
         for checksums in (False, True):
             rows = [s for s in result["saves"] if s["mode"] == mode and s["checksums"] == checksums]
             result[f"save_{mode}{'_checksums' if checksums else ''}"] = {
-                k: summarize(rows, k) for k in ("blocked_s", "total_s", "gb_per_s")}
+                k: summarize(rows, k) for k in ("blocked_s", "total_s", "hash_s", "hash_share", "gb_per_s")}
         plain, summed = (result[f"save_{mode}{x}"]["total_s"]["median"] for x in ("", "_checksums"))
         result[f"save_{mode}_checksums_added"] = summed / plain - 1
+        share = result[f"save_{mode}_checksums"]["hash_s"]["median"] / (
+            result[f"save_{mode}_checksums"]["total_s"]["median"] - result[f"save_{mode}_checksums"]["hash_s"]["median"])
+        result[f"save_{mode}_hashing_added"] = share  # hashing time over the rest of the same saves
     for cache in ("cold", "warm"):
         rows = [r for r in result["hashes"] if r["cache"].startswith(cache)]
         result[f"hash_alone_{cache}"] = {k: summarize(rows, k) for k in ("seconds", "gb_per_s")}
