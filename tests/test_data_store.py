@@ -13,7 +13,7 @@ from helpers import tiny_config
 
 from jaxtron.data.corpus import ensure_builtin
 from jaxtron.data.errors import DataError
-from jaxtron.data.loader import LocalBatch, global_batch, make_sources
+from jaxtron.data.loader import BatchLimits, LocalBatch, global_batch, make_sources
 from jaxtron.data.packing import STRIPES, PackedSplit, split_ranges
 from jaxtron.data.prepare import main as prepare_main
 from jaxtron.data.prepare import prepare
@@ -21,6 +21,7 @@ from jaxtron.data.store import MANIFEST, StoreWriter, TokenStore
 from jaxtron.data.store import main as store_main
 from jaxtron.data.tokenizers import load_tokenizer
 from jaxtron.mesh import make_mesh
+from jaxtron.training.loop import batch_limits
 
 
 def _write(path, text):
@@ -170,7 +171,7 @@ def test_validation_documents_come_from_the_whole_corpus(tmp_path):
 class OldPositions:
     """Rows with positions counted from each document's start, as before they restarted at the row start."""
 
-    seq_len, max_positions = 8, 16
+    seq_len = 8
 
     def __init__(self, split: PackedSplit):
         self.split = split
@@ -195,21 +196,19 @@ def test_positions_restart_at_the_row_start_and_the_loader_refuses_larger_ones(t
     assert rows["segment_ids"][window].tolist() == [1, 1, 1, 1, 2, 2, 2, 3]
 
     old = OldPositions(split)
-    local = LocalBatch(old, np.arange(4), np.arange(8), 4)
+    local = LocalBatch(old, np.arange(4), np.arange(8), 4, BatchLimits(max_positions=16))
     with pytest.raises(DataError) as e:
         for step in range(split.num_windows // 4):
             local(step)
     assert str(e.value).startswith("batch ") and str(e.value).endswith(
         ", outside the range [0, 16) of model.max_seq_len; positions must restart inside every row.")
     mesh = make_mesh(dict(data=1, fsdp=1, sequence=1, expert=1, tensor=1), jax.devices()[:1])
-    split.max_positions = 8
-    global_batch(split, 0, mesh, 4)  # in range
-    split.max_positions = 7
+    global_batch(split, 0, mesh, 4, BatchLimits(max_positions=8))  # in range
     with pytest.raises(DataError, match=r"^batch 2 holds position 7, outside the range \[0, 7\)"):
-        global_batch(split, 2, mesh, 4)
-    cfg = tiny_config(model=dict(vocab_size=20000, max_seq_len=8),
-                      data=dict(source="store", path=str(tmp_path / "s"), seq_len=8, validation_fraction=0))
-    assert make_sources(cfg)[0].max_positions == 8
+        global_batch(split, 2, mesh, 4, BatchLimits(max_positions=7))
+    cfg = tiny_config(model=dict(max_seq_len=8), data=dict(seq_len=8))  # the loop checks batches against it
+    assert batch_limits(cfg, "xla") == BatchLimits(max_positions=8)
+    assert batch_limits(cfg, "cudnn").max_segments == cfg.model.attention_max_segments
 
 
 # ---------------------------------------------------------------------------------------------- checksums

@@ -10,6 +10,7 @@ resumed run sees exactly the batches it would have seen.
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import os
 from typing import Any, Protocol
 
@@ -24,7 +25,6 @@ from jaxtron.sharding import batch_sharding
 
 class Source(Protocol):
     seq_len: int
-    max_positions: int | None  # positions must stay below this (model.max_seq_len; set by make_sources)
 
     def rows(self, samples: np.ndarray) -> dict[str, np.ndarray]:
         """The rows of global samples ``samples`` (sample = step * global_batch + row)."""
@@ -32,8 +32,6 @@ class Source(Protocol):
 
 class SyntheticSource:
     """Uniformly random tokens in the same batch format, with no I/O: for benchmarks."""
-
-    max_positions = None
 
     def __init__(self, vocab_size: int, seq_len: int, seed: int):
         self.vocab_size, self.seq_len, self.seed = vocab_size, seq_len, seed
@@ -52,6 +50,20 @@ def _local_indices(sharding, shape: tuple[int, ...], dim: int) -> np.ndarray:
     spans = sorted({(i[dim].start or 0, shape[dim] if i[dim].stop is None else i[dim].stop)
                     for i in sharding.addressable_devices_indices_map(shape).values()})
     return np.concatenate([np.arange(a, b) for a, b in spans])
+
+
+@dataclasses.dataclass(frozen=True)
+class BatchLimits:
+    """What the model accepts of a batch (None: no limit); a batch beyond it is refused before it reaches
+    the devices: positions below ``max_positions`` (model.max_seq_len: a learned table has no row beyond it),
+    at most ``max_segments`` documents a row (cuDNN's packed attention is built for that many)."""
+
+    max_positions: int | None = None
+    max_segments: int | None = None
+
+    def check(self, local: dict[str, np.ndarray], step: int) -> None:
+        check_positions(local, self.max_positions, step)
+        check_segments(local, self.max_segments, step)
 
 
 def check_segments(local: dict[str, np.ndarray], max_segments: int | None, step: int) -> None:
@@ -76,18 +88,17 @@ def check_positions(local: dict[str, np.ndarray], max_positions: int | None, ste
 class LocalBatch:
     """This process's part of batch ``step``: the rows and sequence positions its devices hold.
 
-    ``max_segments``: the most documents a row may pack (cuDNN attention), None for no limit.
+    ``limits``: what the model accepts of a row (``BatchLimits``), checked on every batch.
     """
 
     def __init__(self, source: Source, rows: np.ndarray, cols: np.ndarray, batch_size: int,
-                 max_segments: int | None = None, sample_offset: int = 0):
+                 limits: BatchLimits = BatchLimits(), sample_offset: int = 0):
         self.source, self.rows, self.cols, self.batch_size = source, rows, cols, batch_size
-        self.max_segments, self.sample_offset = max_segments, sample_offset
+        self.limits, self.sample_offset = limits, sample_offset
 
     def __call__(self, step: int) -> dict[str, np.ndarray]:
         local = self.source.rows(self.sample_offset + step * self.batch_size + self.rows)
-        check_segments(local, self.max_segments, step)
-        check_positions(local, getattr(self.source, "max_positions", None), step)
+        self.limits.check(local, step)
         if len(self.cols) == self.source.seq_len:
             return local
         return {k: np.ascontiguousarray(v[:, self.cols]) for k, v in local.items()}
@@ -101,12 +112,11 @@ class BatchIterator:
     """
 
     def __init__(self, source: Source, mesh: Mesh, batch_size: int, step: int = 0, workers: int = 0,
-                 prefetch: int = 2, max_segments: int | None = None, sample_offset: int = 0):
+                 prefetch: int = 2, limits: BatchLimits = BatchLimits(), sample_offset: int = 0):
         self.sharding = batch_sharding(mesh)
         self.shape = (batch_size, source.seq_len)
         self.local = LocalBatch(source, _local_indices(self.sharding, self.shape, 0),
-                                _local_indices(self.sharding, self.shape, 1), batch_size, max_segments,
-                                sample_offset)
+                                _local_indices(self.sharding, self.shape, 1), batch_size, limits, sample_offset)
         self.step, self.workers, self.prefetch = step, workers, prefetch
         self._start()
 
@@ -150,12 +160,12 @@ class BatchIterator:
 
 
 def global_batch(source: Source, step: int, mesh: Mesh, batch_size: int,
-                 max_segments: int | None = None) -> dict[str, jax.Array]:
+                 limits: BatchLimits = BatchLimits()) -> dict[str, jax.Array]:
     """Batch ``step`` alone (for evaluation and tests), assembled from this process's part."""
     sharding = batch_sharding(mesh)
     shape = (batch_size, source.seq_len)
     local = LocalBatch(source, _local_indices(sharding, shape, 0), _local_indices(sharding, shape, 1), batch_size,
-                       max_segments)
+                       limits)
     return {k: jax.make_array_from_process_local_data(sharding, v, shape) for k, v in local(step).items()}
 
 
@@ -177,13 +187,11 @@ def _open_split(cfg: Config, split: str) -> tuple[Source, list]:
                             f"{store.vocab_size} or a store made with the model's tokenizer.")
     seed = cfg.train.seed if split == "train" else cfg.train.seed + 1
     parts = [PackedSplit(s, d.seq_len, split, d.validation_fraction, seed + i) for i, s in enumerate(stores)]
-    for part in parts:
-        part.max_positions = cfg.model.max_seq_len
     if len(parts) == 1:
         return parts[0], stores
     weights = [float(w) for w in d.weights.split(",")] if d.weights.strip() else [1.0] * len(parts)
     mixture = Mixture(parts, weights)
-    mixture.seq_len, mixture.max_positions = d.seq_len, cfg.model.max_seq_len
+    mixture.seq_len = d.seq_len
     return mixture, stores
 
 
@@ -191,9 +199,7 @@ def make_sources(cfg: Config) -> tuple[Source, Source | None, dict[str, float]]:
     """Train source, validation source (or None) and facts about the data to log."""
     d, t = cfg.data, cfg.train
     if d.source == "synthetic":
-        source = SyntheticSource(cfg.model.vocab_size, d.seq_len, t.seed)
-        source.max_positions = cfg.model.max_seq_len
-        return source, None, {}
+        return SyntheticSource(cfg.model.vocab_size, d.seq_len, t.seed), None, {}
     if d.prepare:
         from jaxtron.data.corpus import ensure_builtin
         if jax.process_index() == 0:

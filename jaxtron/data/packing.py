@@ -52,8 +52,6 @@ def split_ranges(store: TokenStore, split: str, validation_fraction: float) -> n
 class PackedSplit:
     """The windows of one split ('train' or 'validation') of a store."""
 
-    max_positions: int | None = None  # the loader refuses positions at or above this (model.max_seq_len)
-
     def __init__(self, store: TokenStore, seq_len: int, split: str, validation_fraction: float, seed: int):
         self.store, self.seq_len = store, seq_len
         self.ranges = split_ranges(store, split, validation_fraction)
@@ -124,8 +122,6 @@ class Mixture:
     Sample g goes to part schedule[g % period]; its index inside that part counts the earlier samples
     that went there, so each part is read in its own shuffled order without gaps or repeats.
     """
-
-    max_positions: int | None = None
 
     def __init__(self, parts: list[PackedSplit], weights: list[float], period: int = 1000):
         self.parts, self.period = parts, period

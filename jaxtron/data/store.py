@@ -208,34 +208,31 @@ class TokenStore:
                     raise DataError(f"shard file '{file}' does not match its checksum in the manifest; "
                                     "the store is corrupted, prepare it again.")
 
-    def _by_shard(self, positions: np.ndarray, dtype, read) -> np.ndarray:
-        """``read(shard, local positions)`` for the positions of each shard, assembled in ``positions``' shape."""
-        positions = np.asarray(positions, dtype=np.int64)
-        shard = np.searchsorted(self.shard_starts, positions, side="right") - 1
-        out = np.empty(positions.shape, dtype)
+    def _by_shard(self, index: np.ndarray, bounds: np.ndarray, dtype, read) -> np.ndarray:
+        """``read(shard, local index)`` for the entries of ``index`` in each shard, assembled in ``index``'s shape.
+        ``bounds`` are where shards begin (``shard_starts`` for token positions, ``shard_docs`` for documents);
+        an index at the very end belongs to the last shard."""
+        index = np.asarray(index, dtype=np.int64)
+        shard = np.minimum(np.searchsorted(bounds, index, side="right") - 1, len(self.shards) - 1)
+        out = np.empty(index.shape, dtype)
         for s in np.unique(shard):
             chosen = shard == s
-            out[chosen] = read(s, positions[chosen] - self.shard_starts[s])
+            out[chosen] = read(s, index[chosen] - bounds[s])
         return out
 
     def doc_index(self, positions: np.ndarray) -> np.ndarray:
         """The index of the document holding each token position (same shape as ``positions``)."""
-        return self._by_shard(positions, np.int64, lambda s, local: self.shard_docs[s] - 1 + np.searchsorted(
-            self._docs[s], local.astype(np.uint64), side="right"))  # same dtype as the map: no copy of it
+        return self._by_shard(positions, self.shard_starts, np.int64, lambda s, local: self.shard_docs[s] - 1 +
+                              np.searchsorted(self._docs[s], local.astype(np.uint64), side="right"))  # no map copy
 
     def doc_start(self, documents: np.ndarray) -> np.ndarray:
         """The token position where each document begins; document ``num_documents`` gives the end."""
-        documents = np.asarray(documents, dtype=np.int64)
-        shard = np.minimum(np.searchsorted(self.shard_docs, documents, side="right") - 1, len(self._docs) - 1)
-        out = np.empty(documents.shape, np.int64)
-        for s in np.unique(shard):
-            chosen = shard == s
-            out[chosen] = self.shard_starts[s] + self._docs[s][documents[chosen] - self.shard_docs[s]].astype(np.int64)
-        return out
+        return self._by_shard(documents, self.shard_docs, np.int64,
+                              lambda s, local: self.shard_starts[s] + self._docs[s][local].astype(np.int64))
 
     def take(self, positions: np.ndarray) -> np.ndarray:
         """The tokens at store positions ``positions`` (any shape), read shard by shard."""
-        return self._by_shard(positions, self.dtype, lambda s, local: self._tokens[s][local])
+        return self._by_shard(positions, self.shard_starts, self.dtype, lambda s, local: self._tokens[s][local])
 
     def gather(self, starts: np.ndarray, length: int) -> np.ndarray:
         """Rows ``[s, s + length)`` for every s in ``starts``: one vectorised read per shard."""

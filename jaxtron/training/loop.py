@@ -18,7 +18,7 @@ from jaxtron import distributed
 from jaxtron.checkpoint import Checkpointer
 from jaxtron.config import Config, ConfigError
 from jaxtron.data import position as data_position
-from jaxtron.data.loader import BatchIterator, global_batch, make_sources
+from jaxtron.data.loader import BatchIterator, BatchLimits, global_batch, make_sources
 from jaxtron.mesh import make_mesh, process_aware_mesh
 from jaxtron.metrics import flops as flops_lib
 from jaxtron.metrics.collectives import collectives
@@ -106,9 +106,11 @@ def scalar_metrics(metrics: dict[str, Any]) -> dict[str, float]:
     return values
 
 
-def max_segments(cfg: Config, implementation: str) -> int | None:
-    """The most documents a packed row may hold: cuDNN's packed attention is built for a fixed number."""
-    return cfg.model.attention_max_segments if implementation == "cudnn" else None
+def batch_limits(cfg: Config, implementation: str) -> BatchLimits:
+    """What the model accepts of a batch: positions inside its table, and as many documents a row as cuDNN's
+    packed attention is built for."""
+    return BatchLimits(max_positions=cfg.model.max_seq_len,
+                       max_segments=cfg.model.attention_max_segments if implementation == "cudnn" else None)
 
 
 def evaluate(cfg: Config, eval_fn, params, source, mesh, implementation: str = "xla") -> float | None:
@@ -117,7 +119,7 @@ def evaluate(cfg: Config, eval_fn, params, source, mesh, implementation: str = "
         return None
     total, count = 0.0, 0.0
     for i in range(cfg.train.eval_batches):
-        batch = global_batch(source, i, mesh, cfg.train.global_batch_size, max_segments(cfg, implementation))
+        batch = global_batch(source, i, mesh, cfg.train.global_batch_size, batch_limits(cfg, implementation))
         out = jax.device_get(eval_fn(params, batch))
         total, count = total + float(out["ce_sum"]), count + float(out["count"])
     return total / count
@@ -192,7 +194,7 @@ def _train(cfg, workdir, mesh, setup, shardings, implementation, use_tqdm) -> di
         log.info("the run already reached train.steps = %d; raise it to train further", t.steps)
         return {"preempted": None, "history": [], "state": state, "final_loss": None, "validation_loss": None}
     batches = BatchIterator(train_source, mesh, t.global_batch_size, step=start, workers=cfg.data.workers,
-                            max_segments=max_segments(cfg, implementation), sample_offset=position.offset)
+                            limits=batch_limits(cfg, implementation), sample_offset=position.offset)
     batch = next(batches)
     votes = StopVotes(mesh)
     compiled, compile_s = compile_train_step(setup, shardings, batch_sharding(mesh), state, batch, votes(False))
