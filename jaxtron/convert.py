@@ -122,17 +122,19 @@ def from_hf(hf_dir: str, out_dir: str) -> ModelConfig:
     return cfg
 
 
-def _model_config(ckpt_dir: str) -> ModelConfig:
+def _model_config(ckpt_dir: str) -> tuple[ModelConfig, str | None]:
+    """The model config of a converted model, or of a training run with its newest intact checkpoint (verified
+    here once: the callers read that step, they do not look for it again)."""
     from jaxtron.config_loader import from_mapping, load_config
     from jaxtron.params_store import latest_run_state
     if os.path.isfile(os.path.join(ckpt_dir, "config.py")):
-        return load_config(os.path.join(ckpt_dir, "config.py")).model
+        return load_config(os.path.join(ckpt_dir, "config.py")).model, None
     step_dir = latest_run_state(ckpt_dir)
     if step_dir is None:
         raise ConfigError(f"'{ckpt_dir}' is neither a converted model (config.py + params/) nor a training run "
                           "with checkpoints; pass one of those.")
     with open(os.path.join(step_dir, "config", "metadata")) as f:
-        return from_mapping(json.load(f)).model
+        return from_mapping(json.load(f)).model, step_dir
 
 
 def load(ckpt_dir: str) -> tuple[ModelConfig, dict[str, np.ndarray]]:
@@ -143,10 +145,10 @@ def load(ckpt_dir: str) -> tuple[ModelConfig, dict[str, np.ndarray]]:
 
     from jaxtron.models import build_model
     from jaxtron.params_store import restore_params
-    cfg = _model_config(ckpt_dir)
+    cfg, step_dir = _model_config(ckpt_dir)
     abstract = nnx.state(nnx.eval_shape(lambda: build_model(cfg, 0)), nnx.Param)
     cpu = jax.sharding.SingleDeviceSharding(jax.devices("cpu")[0])
-    params = restore_params(ckpt_dir, abstract, jax.tree.map(lambda _: cpu, abstract))
+    params = restore_params(ckpt_dir, abstract, jax.tree.map(lambda _: cpu, abstract), step_dir)
     return cfg, {".".join(map(str, p)): np.asarray(v.get_value()) for p, v in nnx.to_flat_state(params)}
 
 
@@ -154,12 +156,12 @@ class _Slices:
     """Reads the HF tensors' slices of a checkpoint: one slice at a time from a converted model, one whole
     parameter at a time (the last one kept) from a training run."""
 
-    def __init__(self, ckpt_dir: str, cfg: ModelConfig):
+    def __init__(self, ckpt_dir: str, cfg: ModelConfig, step_dir: str | None):
         from jaxtron.params_store import PARAMS_DIR, _manifest
         self.root = os.path.join(ckpt_dir, PARAMS_DIR)
         self.converted = os.path.isdir(self.root)
         self.manifest = _manifest(self.root) if self.converted else None
-        self.ckpt_dir, self.cached = ckpt_dir, (None, None)
+        self.item, self.cached = None if self.converted else os.path.join(step_dir, "state"), (None, None)
         self.shapes = None if self.converted else _abstract_params(cfg)
 
     def get(self, param: str, index: tuple[int, ...]) -> np.ndarray:
@@ -174,12 +176,11 @@ class _Slices:
         import jax
         import orbax.checkpoint as ocp
 
-        from jaxtron.params_store import _checkpointer, latest_run_state, nest
-        item = os.path.join(latest_run_state(self.ckpt_dir), "state")
+        from jaxtron.params_store import _checkpointer, nest
         leaf = self.shapes[param]
         key = "params." + param + ".value"
         with _checkpointer() as checkpointer:
-            restored = checkpointer.restore(item, args=ocp.args.PyTreeRestore(
+            restored = checkpointer.restore(self.item, args=ocp.args.PyTreeRestore(
                 nest({key: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype)}),
                 restore_args=nest({key: ocp.RestoreArgs(restore_type=np.ndarray)}), partial_restore=True))
         for part in key.split("."):
@@ -190,13 +191,13 @@ class _Slices:
 def to_hf(ckpt_dir: str, out_dir: str, dtype: str = "float32") -> dict:
     """Exports to config.json + safetensors (one file, or shards of SHARD_BYTES with an index). Tensors are
     written parameter by parameter, so host memory holds one slice (a converted model) or one parameter."""
-    cfg = _model_config(ckpt_dir)
+    cfg, step_dir = _model_config(ckpt_dir)
     hf = llama.hf_config(cfg)
     hf["torch_dtype"] = dtype
     np_dtype = np.dtype(st.DTYPES[{"float32": "F32", "bfloat16": "BF16", "float16": "F16"}[dtype]])
     if os.path.exists(out_dir) and os.listdir(out_dir):
         raise ConfigError(f"output directory '{out_dir}' is not empty; choose a new one.")
-    source = _Slices(ckpt_dir, cfg)
+    source = _Slices(ckpt_dir, cfg, step_dir)
     plan = sorted(llama.tensors(cfg), key=lambda t: t.param)  # stable: each parameter's slices together
     os.makedirs(out_dir, exist_ok=True)
     shards, size = [[]], 0

@@ -138,15 +138,15 @@ def latest_run_state(path: str) -> str | None:
     return None
 
 
-def restore_params(path: str, abstract_params: Any, shardings: Any) -> Any:
-    """Parameters from a converted model (``path/params``) or from the latest checkpoint of a training run
-    (``path/checkpoints``), placed into ``shardings``."""
+def restore_params(path: str, abstract_params: Any, shardings: Any, step_dir: str | None = None) -> Any:
+    """Parameters from a converted model (``path/params``) or from the newest intact checkpoint of a training run
+    (``path/checkpoints``; ``step_dir`` when the caller already found and verified it), placed into ``shardings``."""
     path = os.path.abspath(os.path.expanduser(path))
     target = abstract_with_shardings(abstract_params, shardings)
     try:
         if os.path.isdir(os.path.join(path, PARAMS_DIR)):
             return _restore_converted(os.path.join(path, PARAMS_DIR), target)
-        step_dir = latest_run_state(path)
+        step_dir = step_dir or latest_run_state(path)
         if step_dir is None:
             raise CheckpointError(f"'{path}' holds neither {PARAMS_DIR}/ (a converted model) nor a checkpoint of a "
                                   f"training run ({CHECKPOINT_DIR}/<step>); point it at one of those.")
