@@ -124,23 +124,15 @@ class Checkpointer:
         Newer damaged ones are named, one line each, and moved to ``<workdir>/checkpoints_damaged/`` (so that
         their step numbers can be saved again); if none is intact, nothing is moved and CheckpointError says so.
         ``check_data`` sees the data-iterator state before any array is read, and may refuse it by raising."""
-        steps, damaged, first = sorted(self.manager.all_steps(), reverse=True), [], None
-        for step in steps:
-            reason = integrity.check_everywhere(self.step_dir(step))
-            if reason is None:
-                restored, reason = self._restore_verified(step, abstract_state, shardings, cfg, check_data)
-            if reason is None:
-                self._move_aside(damaged)
-                return restored
-            damaged.append(step)
-            log.warning("checkpoint %d in %s is damaged: %s; falling back to an earlier one", step, self.directory,
-                        reason)
-            first = first or (step, reason)
-        if not steps:
-            return None
-        raise CheckpointError(f"none of the {len(steps)} checkpoint(s) in '{self.directory}' is intact (the newest, "
-                              f"step {first[0]}: {first[1]}); list them with `python -m jaxtron.checkpoint verify "
-                              f"{os.path.dirname(self.directory)}` and start again in a new --workdir.")
+        steps = list(self.manager.all_steps())
+        step, restored, damaged = integrity.newest_intact(
+            self.directory, steps, lambda s: self._restore_verified(s, abstract_state, shardings, cfg, check_data))
+        if step is None:
+            if not steps:
+                return None
+            raise CheckpointError(integrity.none_intact(self.directory, damaged, " and start again in a new --workdir"))
+        self._move_aside([s for s, _ in damaged])
+        return restored
 
     def _restore_verified(self, step: int, abstract_state: Any, shardings: Any, cfg: Config,
                           check_data: Callable[[dict], None] | None = None

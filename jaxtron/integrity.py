@@ -15,6 +15,7 @@ verdicts are gathered so that every process reaches the same decision.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 from concurrent.futures import ThreadPoolExecutor
@@ -22,6 +23,8 @@ from typing import Iterable
 
 import numpy as np
 import xxhash
+
+log = logging.getLogger(__name__)
 
 MANIFEST = "integrity.process_{}.json"
 DAMAGED_DIR = "checkpoints_damaged"
@@ -171,6 +174,31 @@ def steps_in(checkpoints_dir: str) -> list[int]:
     """The committed steps of a checkpoint directory, oldest first."""
     names = os.listdir(checkpoints_dir) if os.path.isdir(checkpoints_dir) else []
     return sorted(int(n) for n in names if n.isdigit())
+
+
+def newest_intact(checkpoints_dir: str, steps: list[int], load=None) -> tuple[int | None, object, list[tuple]]:
+    """Walks ``steps`` newest first to the first whose files verify (agreed by all processes) and that
+    ``load(step) -> (value, reason)`` reads with no reason; returns (that step or None, its value, the
+    (step, reason) of each newer damaged one, each named in a warning as it is found)."""
+    damaged = []
+    for step in sorted(steps, reverse=True):
+        reason, value = check_everywhere(os.path.join(checkpoints_dir, str(step))), None
+        if reason is None and load is not None:
+            value, reason = load(step)
+        if reason is None:
+            return step, value, damaged
+        damaged.append((step, reason))
+        log.warning("checkpoint %d in %s is damaged: %s; falling back to an earlier one", step, checkpoints_dir,
+                    reason)
+    return None, None, damaged
+
+
+def none_intact(checkpoints_dir: str, damaged: list[tuple], then: str = "") -> str:
+    """The sentence for a run none of whose checkpoints is intact (``damaged`` newest first), ending in ``then``."""
+    step, reason = damaged[0]
+    return (f"none of the {len(damaged)} checkpoint(s) in '{checkpoints_dir}' is intact (the newest, step {step}: "
+            f"{reason}); list them with `python -m jaxtron.checkpoint verify {os.path.dirname(checkpoints_dir)}`"
+            f"{then}.")
 
 
 def move_aside(step_dir: str) -> str:

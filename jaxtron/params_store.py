@@ -10,7 +10,6 @@ stacks the slices into the target sharding. A training run's checkpoint
 from __future__ import annotations
 
 import json
-import logging
 import os
 from typing import Any, Mapping
 
@@ -22,8 +21,6 @@ import orbax.checkpoint as ocp
 from jaxtron import integrity
 from jaxtron.checkpoint import CHECKPOINT_DIR, RESTORE_BUFFER_GB, CheckpointError, abstract_with_shardings
 from jaxtron.sharding import without_leading_axes
-
-log = logging.getLogger(__name__)
 
 PARAMS_DIR = "params"
 MANIFEST = "manifest.json"
@@ -125,17 +122,10 @@ def latest_run_state(path: str) -> str | None:
     """The newest intact checkpoint of the training run in ``path``, its files verified (None if there is
     none). Newer damaged ones are named and left where they are: the run is another's, read only."""
     runs = os.path.join(path, CHECKPOINT_DIR)
-    steps, first = integrity.steps_in(runs), None
-    for step in reversed(steps):
-        reason = integrity.check_everywhere(os.path.join(runs, str(step)))
-        if reason is None:
-            return os.path.join(runs, str(step))
-        first = first or (step, reason)
-        log.warning("checkpoint %d in %s is damaged: %s; reading an earlier one", step, runs, reason)
-    if steps:
-        raise CheckpointError(f"none of the {len(steps)} checkpoint(s) in '{runs}' is intact (the newest, step "
-                              f"{first[0]}: {first[1]}); list them with `python -m jaxtron.checkpoint verify {path}`.")
-    return None
+    step, _, damaged = integrity.newest_intact(runs, integrity.steps_in(runs))  # damaged ones stay in place
+    if step is None and damaged:
+        raise CheckpointError(integrity.none_intact(runs, damaged))
+    return None if step is None else os.path.join(runs, str(step))
 
 
 def restore_params(path: str, abstract_params: Any, shardings: Any, step_dir: str | None = None) -> Any:

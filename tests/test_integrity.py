@@ -169,7 +169,7 @@ def test_init_from_reads_the_newest_intact_checkpoint_of_a_run(trained, workdir,
     abstract, shardings = _abstract()
     with caplog.at_level("WARNING"):
         params = restore_params(workdir, abstract.params, shardings.params)
-    assert "checkpoint 3 in" in caplog.text and "reading an earlier one" in caplog.text
+    assert "checkpoint 3 in" in caplog.text and "falling back to an earlier one" in caplog.text
     for a, b in zip(jax.tree.leaves(nnx.to_pure_dict(params)), jax.tree.leaves(nnx.to_pure_dict(trained[1][2].params))):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     assert integrity.steps_in(os.path.join(workdir, CHECKPOINT_DIR)) == [1, 2, 3]  # another run's: untouched
