@@ -87,7 +87,7 @@ def bench_one(spec: str, overrides, steps: int, warmup: int) -> dict:
                 times.append(time.perf_counter() - start)
         loss = float(metrics["loss"])
     median = float(np.median(times))
-    throughput = Throughput(cfg, mesh.size, devices[0].device_kind)
+    throughput = Throughput(cfg, mesh.size, devices[0].device_kind, impl)
     result = throughput(median, 1)
     ceiling = matmul_ceiling(cfg.model.dtype, 8192 if jax.default_backend() == "gpu" else 1024)
     if result["mfu"] is None:  # no datasheet peak (a CPU): MFU against the matmul rate measured just now

@@ -8,8 +8,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import jax.numpy as jnp
-
 from jaxtron.config import Config
 from jaxtron.metrics import flops as flops_lib
 from jaxtron.metrics import hardware
@@ -19,15 +17,11 @@ class Throughput:
     """Turns a wall-clock interval of steps into step time, tokens/s, TFLOP/s per device and MFU/HFU.
 
     ``attention``: the attention implementation the step runs ('xla' or 'cudnn'; it decides what the remat
-    policy recomputes). None resolves ``model.attention`` for this platform and the mesh of ``num_devices``.
+    policy recomputes).
     """
 
-    def __init__(self, cfg: Config, num_devices: int, device_kind: str, attention: str | None = None):
+    def __init__(self, cfg: Config, num_devices: int, device_kind: str, attention: str):
         m, seq = cfg.model, cfg.data.seq_len
-        if attention is None:
-            from jaxtron.ops.attention import resolve_implementation
-            sequence = cfg.mesh.resolve(num_devices)["sequence"]
-            attention = resolve_implementation(m.attention, jnp.dtype(m.dtype), m.resolved_head_dim, sequence)
         tokens = cfg.train.global_batch_size * seq
         self.tokens_per_step = tokens
         self.num_devices = num_devices
