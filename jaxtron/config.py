@@ -243,9 +243,7 @@ class DataConfig:
     prepare: str = ""  # a built-in corpus ('stdlib') prepared into data.path on first use
     seq_len: int = 256
     validation_fraction: float = 0.05  # documents held out: the last ones of each of 100 stripes of a store
-    # hash every shard against its manifest SHA-256 before training, once per run (the processes share the
-    # shards); sizes and manifests are always checked. Full check on demand: python -m jaxtron.data.store DIR
-    verify: bool = False
+    verify: bool = False  # hash every shard before training (processes split them); sizes are always checked
     workers: int = 0  # loader processes; 0 loads in a background thread of the training process
     resume_from_tokens: bool = False  # accept a data setup changed since the checkpoint: go on from its token count
 
