@@ -41,17 +41,21 @@ from jaxtron.training.preemption import StopVotes  # noqa: E402
 from jaxtron.training.step import compile_train_step  # noqa: E402
 
 
+def call_times(fn, *args, repeats: int = 5) -> list[float]:
+    """Seconds of each of ``repeats`` calls of ``fn(*args)`` after one untimed call, each waited for."""
+    jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - start)
+    return times
+
+
 def matmul_ceiling(dtype: str, size: int, repeats: int = 5) -> float:
     """Best TFLOP/s of a square matmul on one device: what this device can do at best right now."""
     a, b = (jax.random.normal(k, (size, size), jnp.dtype(dtype)) for k in jax.random.split(jax.random.key(0)))
-    mm = jax.jit(jnp.matmul)
-    mm(a, b).block_until_ready()
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        mm(a, b).block_until_ready()
-        best = min(best, time.perf_counter() - start)
-    return 2 * size ** 3 / best / 1e12
+    return 2 * size ** 3 / min(call_times(jax.jit(jnp.matmul), a, b, repeats=repeats)) / 1e12
 
 
 def peak_memory_bytes(devices) -> int | None:

@@ -25,3 +25,13 @@ def tiny_config(mesh: dict | None = None, **sections) -> Config:
     cfg = Config(model=model, mesh=MeshConfig(**(mesh or dict(fsdp=1))), train=train, optimizer=optimizer,
                  data=data)
     return dataclasses.replace(cfg, **{k: dataclasses.replace(getattr(cfg, k), **v) for k, v in sections.items()})
+
+
+def largest_float_array(hlo: str) -> int:
+    """Elements of the largest floating-point array anywhere in an HLO module's text, fusion bodies included
+    (byte buffers such as GEMM workspaces are not counted)."""
+    import math
+    import re
+
+    shapes = re.findall(r"\b(?:bf16|f16|f32|f64|f8e\w+)\[([0-9,]*)\]", hlo)
+    return max((math.prod(int(d) for d in s.split(",") if d) for s in shapes), default=0)

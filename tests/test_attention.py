@@ -1,4 +1,7 @@
-"""Attention paths: the packed-document layout handed to cuDNN (CPU), and cuDNN against XLA (GPU only)."""
+"""Attention paths: the packed-document layout handed to cuDNN (CPU), the private JAX function that takes it
+(any backend), and cuDNN against XLA (GPU only)."""
+
+import inspect
 
 import jax
 import jax.numpy as jnp
@@ -7,6 +10,7 @@ import pytest
 
 from jaxtron.data.errors import DataError
 from jaxtron.data.loader import check_segments
+from jaxtron.ops import attention
 from jaxtron.ops.attention import dot_product_attention, segment_layout
 
 RNG = np.random.default_rng(0)
@@ -55,6 +59,7 @@ def test_rows_with_more_documents_than_the_kernel_takes_are_refused():
         check_segments({"segment_ids": ids}, 8, step=5)
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="cuDNN flash attention needs an NVIDIA GPU")
 @pytest.mark.parametrize("packed", [False, True])
 def test_cudnn_matches_the_xla_reference_on_a_gpu(packed):
@@ -76,3 +81,26 @@ def test_cudnn_matches_the_xla_reference_on_a_gpu(packed):
     for w, gr in zip(want, got):
         rel = jnp.linalg.norm((gr.astype(jnp.float32) - w).ravel()) / jnp.linalg.norm(w.ravel())
         assert float(rel) < 2e-2
+
+
+@pytest.mark.gpu
+def test_the_private_cudnn_function_still_takes_the_call_jaxtron_makes(monkeypatch):
+    """Packed documents reach cuDNN through ``jax._src.cudnn.fused_attention_stablehlo`` (JAX exposes offsets
+    nowhere else): the very call ``_cudnn_packed`` makes must bind to that function's current signature."""
+    from jax._src.cudnn import fused_attention_stablehlo as cudnn
+
+    signature, calls = inspect.signature(cudnn.dot_product_attention), []
+
+    def bind_only(*args, **kwargs):
+        calls.append(signature.bind(*args, **kwargs).arguments)  # TypeError if a name or position changed
+        return args[0]
+
+    monkeypatch.setattr(cudnn, "dot_product_attention", bind_only)
+    q = jnp.zeros((2, 16, 4, 8), jnp.bfloat16)
+    kv = jnp.zeros((2, 16, 2, 8), jnp.bfloat16)
+    ids = jnp.asarray(_packed_segment_ids(2, 16, [3, 2]))
+    attention._cudnn_packed(q, kv, kv, ids, max_segments=4)
+    (bound,) = calls
+    assert bound["mask_type"] is cudnn.MaskType.PADDING_CAUSAL and bound["qkv_layout"] == "BTNH"
+    assert bound["q_offsets"].shape == (2, 5) and bound["q_seqlen"].shape == (2, 4)
+    assert bound["scale"] == pytest.approx(8 ** -0.5)

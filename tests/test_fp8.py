@@ -124,6 +124,7 @@ def test_fp8_config_errors():
         _tiny(fp8_skip_layers=-1)
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU: XLA rewrites FP8 GEMMs only there")
 def test_xla_emits_fp8_gemms_for_every_projection_on_a_gpu():
     cfg = dataclasses.replace(_tiny(fp8=True, dtype="bfloat16", num_layers=2), embed_dim=128, mlp_dim=256)

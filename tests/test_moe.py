@@ -352,3 +352,24 @@ def test_mixtral_tiny_learns_text_with_experts_split_over_two_devices(tmp_path):
     last = summary["history"][-1]
     # early in training the byte-level router is far from balanced: about 30% of assignments exceed capacity 1.25
     assert 1.0 <= last["moe_max_load"] < 8.0 / 2 and 0.0 < last["moe_dropped_fraction"] < 0.5
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="how XLA:GPU lowers ragged_dot is a GPU question")
+@pytest.mark.parametrize("part", ["forward", "input gradient", "weight gradient"])
+def test_ragged_dot_runs_as_a_grouped_gemm_on_a_gpu(part):
+    """Dropless experts are one ragged_dot per matrix. Lowered as a grouped GEMM, no array in the compiled program
+    is much larger than its operands; expanded densely (every row against every expert), the program holds
+    [groups, rows, ...] arrays: ``groups`` times the FLOPs, and the reason to prefer capacity mode."""
+    from helpers import largest_float_array
+
+    groups, rows, k, n = 8, 8192, 256, 512
+    x, w, dy = (jax.random.normal(key, shape, jnp.bfloat16) for key, shape in
+                zip(jax.random.split(jax.random.key(0), 3), ((rows, k), (groups, k, n), (rows, n))))
+    sizes = jnp.full((groups,), rows // groups, jnp.int32)
+    fn = {"forward": lambda x, w: jax.lax.ragged_dot(x, w, sizes),
+          "input gradient": lambda x, w: jax.vjp(lambda a: jax.lax.ragged_dot(a, w, sizes), x)[1](dy)[0],
+          "weight gradient": lambda x, w: jax.vjp(lambda b: jax.lax.ragged_dot(x, b, sizes), w)[1](dy)[0]}[part]
+    hlo = jax.jit(fn).lower(x, w).compile().as_text()
+    operands = max(rows * k, groups * k * n, rows * n)
+    assert largest_float_array(hlo) < 2 * operands, f"XLA expanded the {part} of ragged_dot densely"

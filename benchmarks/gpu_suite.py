@@ -1,0 +1,543 @@
+"""One command that turns an hour on an H100/H200 into numbers: environment, ceilings, GPU tests, MFU.
+
+    PYTHONPATH=. python3 benchmarks/gpu_suite.py --out DIR          # on the GPU machine, from the source tree
+    PYTHONPATH=. python3 benchmarks/gpu_suite.py --out DIR --smoke  # the same code paths on a CPU, tiny shapes
+
+Steps, in order, each in its own process with its own time box, each writing its results to DIR before the next
+starts (a step that fails or runs out of time is recorded and the rest go on):
+
+1. environment: device, memory, driver, jax/jaxlib/CUDA/cuDNN versions, the GPU preset and whether the installed
+   jaxlib accepts its XLA flags;
+2. ceilings: bf16 and fp8 8192^3 matmuls, HBM copy bandwidth, and ragged_dot against one dense GEMM of the same
+   FLOPs (about 1x: a grouped GEMM; about the number of groups: dense expansion);
+3. the GPU tests (``pytest -m gpu``);
+4. MFU of the real train step, bf16 and FP8 (``CASES``): each case in a fresh process so its peak memory is its
+   own, median of 10 timed steps after compile and warm-up (``benchmarks/mfu.py``).
+
+DIR receives ``suite.json`` (everything), ``table.md`` (ready to paste into benchmarks/README.md) and
+``log.txt`` (each step's output). Wheels found in ``.whl/`` beside the code (``scripts/gpu_wheels.sh``) are
+installed first with ``pip install --no-index --no-deps --target``. Exit code 0 when every step succeeded, 1
+when one did not (its row says why), 2 for bad arguments.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import glob
+import json
+import math
+import os
+import platform
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import xml.etree.ElementTree as ET
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+from jaxtron import gpu_preset  # noqa: E402  (no jax import: the parent process never touches the GPU)
+
+START = time.monotonic()
+DENSE_BF16_PEAK = 989.4  # TFLOP/s, H100/H200 SXM datasheet, dense
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """One MFU measurement: a config with overrides sized for one 80 GB GPU (the planner's estimate, with its
+    15% error, stays under the usable memory: tests/test_gpu_suite.py checks it)."""
+    name: str
+    config: str
+    overrides: tuple[tuple[str, str], ...]
+
+    def smoke(self) -> tuple[tuple[str, str], ...]:
+        """The same case shrunk to run on a CPU in seconds: same config, precision, MoE mode and code paths."""
+        keep = {k: v for k, v in self.overrides if k in ("model.fp8", "model.moe_mode", "mesh.expert")}
+        tiny = dict(SMOKE_SHAPE, **keep)
+        return tuple(tiny.items())
+
+
+_LLAMA8B = (("model.num_layers", "8"), ("data.seq_len", "4096"), ("train.global_batch_size", "4"),
+            ("train.logit_chunks", "8"))
+_LLAMA1B = (("train.global_batch_size", "4"), ("train.logit_chunks", "8"))  # whole model, sequence 8192
+_MIXTRAL = (("model.num_layers", "1"), ("data.seq_len", "4096"), ("train.global_batch_size", "4"),
+            ("train.logit_chunks", "8"), ("mesh.expert", "1"))
+CASES = (
+    Case("llama3_8b 8/32 layers bf16", "configs/llama3_8b.py", _LLAMA8B),
+    Case("llama3_8b 8/32 layers fp8", "configs/llama3_8b.py", (*_LLAMA8B, ("model.fp8", "True"))),
+    Case("llama3_1b bf16", "configs/llama3_1b.py", _LLAMA1B),
+    Case("llama3_1b fp8", "configs/llama3_1b.py", (*_LLAMA1B, ("model.fp8", "True"))),
+    Case("mixtral_8x7b 1/32 layers dropless", "configs/mixtral_8x7b.py", (*_MIXTRAL, ("model.moe_mode", "dropless"))),
+    Case("mixtral_8x7b 1/32 layers capacity", "configs/mixtral_8x7b.py", (*_MIXTRAL, ("model.moe_mode", "capacity"))),
+)
+SMOKE_SHAPE = {"model.num_layers": "1", "model.embed_dim": "64", "model.num_heads": "4", "model.num_kv_heads": "2",
+               "model.head_dim": "16", "model.mlp_dim": "128", "model.vocab_size": "512", "data.seq_len": "64",
+               "train.global_batch_size": "4", "train.logit_chunks": "2"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Step:
+    name: str
+    box_s: float  # its time box (smaller when the suite's budget is nearly spent)
+    argv: tuple[str, ...]  # the process that runs it
+    junit: bool = False  # the process is pytest, writing a JUnit XML report to {result}
+    parallel: bool = False  # may run beside other parallel steps (--jobs)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The steps' own work, each run as ``gpu_suite.py --worker NAME --result FILE`` in a fresh process.
+
+
+def _environment(smoke: bool) -> dict:
+    import jax
+    import jaxlib
+
+    out = {"python": platform.python_version(), "jax": jax.__version__, "jaxlib": jaxlib.__version__,
+           "backend": jax.default_backend(), "device_count": jax.device_count(),
+           "device_kind": jax.devices()[0].device_kind}
+    stats = jax.devices()[0].memory_stats() or {}
+    out["device_memory_bytes"] = stats.get("bytes_limit")
+    try:
+        from jax._src.lib import cuda_versions
+        if cuda_versions is not None:
+            out["cudnn"] = cuda_versions.cudnn_get_version()
+            out["cuda_runtime"] = cuda_versions.cuda_runtime_get_version()
+            out["cuda_driver"] = cuda_versions.cuda_driver_get_version()
+    except (ImportError, AttributeError, RuntimeError) as e:
+        out["cuda_versions_error"] = f"{type(e).__name__}: {e}"
+    if shutil.which("nvidia-smi"):
+        smi = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total,driver_version,clocks.max.sm,power.limit",
+                              "--format=csv,noheader"], capture_output=True, text=True, timeout=60)
+        out["nvidia_smi"] = smi.stdout.strip() or smi.stderr.strip()
+    out["preset_env"] = {name: os.environ.get(name) for name in gpu_preset.ENV}
+    out["xla_flags"] = os.environ.get("XLA_FLAGS", "")
+    out["xla_flags_unknown"] = gpu_preset.unknown_flags(out["xla_flags"])
+    out["jax_environment"] = jax.print_environment_info(return_string=True)
+    return out
+
+
+def _summary(times: list[float]) -> dict:
+    ordered = sorted(times)
+    return {"best_s": ordered[0], "median_s": ordered[len(ordered) // 2], "repeats": len(times)}
+
+
+def _ceilings(smoke: bool) -> dict:
+    import jax
+    import jax.numpy as jnp
+
+    import mfu
+    from jaxtron.ops import fp8
+
+    size = 512 if smoke else 8192
+    keys = jax.random.split(jax.random.key(1), 4)
+    a, b = (jax.random.normal(k, (size, size), jnp.bfloat16) for k in keys[:2])
+    flops = 2 * size ** 3
+    out = {"matmul_size": size}
+
+    t = _summary(mfu.call_times(jax.jit(jnp.matmul), a, b, repeats=10))
+    out["bf16_matmul"] = {**t, "tflops": flops / t["best_s"] / 1e12}
+
+    # FP8 the way the model runs it: e4m3 operands with per-tensor scales, dequantized right before the dot,
+    # which XLA's GEMM rewriter turns into one cuBLASLt FP8 GEMM on Hopper
+    sa, sb = (fp8.current_scale(x, fp8.E4M3) for x in (a, b))
+    qa, qb = fp8.quantize(a, sa, fp8.E4M3), fp8.quantize(b, sb, fp8.E4M3)
+
+    def fp8_matmul(qa, qb, sa, sb):
+        return jnp.matmul(fp8.dequantize(qa, sa, jnp.bfloat16), fp8.dequantize(qb, sb, jnp.bfloat16))
+
+    fn = jax.jit(fp8_matmul)
+    hlo = fn.lower(qa, qb, sa, sb).compile().as_text()
+    t = _summary(mfu.call_times(fn, qa, qb, sa, sb, repeats=10))
+    out["fp8_matmul"] = {**t, "tflops": flops / t["best_s"] / 1e12,
+                         "cublaslt_fp8_gemm": "__cublas$lt$matmul$f8" in hlo}
+
+    # copy bandwidth: read and write every byte once
+    n = (64 if smoke else 4096) * 2 ** 20 // 2
+    x = jax.random.normal(keys[2], (n,), jnp.bfloat16)
+    t = _summary(mfu.call_times(jax.jit(lambda x: x + 1), x, repeats=10))
+    out["hbm_copy"] = {**t, "bytes": 2 * x.nbytes, "tb_per_s": 2 * x.nbytes / t["best_s"] / 1e12}
+    del x
+
+    out["ragged_dot"] = _ragged_dot_probe(smoke)
+    return out
+
+
+def _ragged_dot_probe(smoke: bool) -> dict:
+    """Time of ragged_dot (groups of equal size) over one dense GEMM of the same FLOPs, with XLA's defaults and
+    with each GPU option that may give it a grouped kernel (an option this jaxlib does not know is recorded)."""
+    import jax
+    import jax.numpy as jnp
+
+    import mfu
+
+    groups, rows, k, n = (4, 512, 128, 128) if smoke else (8, 16384, 4096, 4096)
+    keys = jax.random.split(jax.random.key(2), 3)
+    x = jax.random.normal(keys[0], (rows, k), jnp.bfloat16)
+    w = jax.random.normal(keys[1], (groups, k, n), jnp.bfloat16)
+    sizes = jnp.full((groups,), rows // groups, jnp.int32)
+    dense = _summary(mfu.call_times(jax.jit(jnp.matmul), x, w[0], repeats=10))
+    out = {"groups": groups, "shape": [rows, k, n], "dense_gemm_best_s": dense["best_s"]}
+    variants = {"default": {}}
+    if not smoke:
+        variants["xla_gpu_experimental_use_ragged_dot_fusion"] = {"xla_gpu_experimental_use_ragged_dot_fusion": True}
+    for name, options in variants.items():
+        try:
+            fn = jax.jit(jax.lax.ragged_dot).lower(x, w, sizes).compile(compiler_options=options or None)
+            t = _summary(mfu.call_times(fn, x, w, sizes, repeats=10))
+            out[name] = {**t, "over_dense": t["best_s"] / dense["best_s"]}
+        except Exception as e:  # noqa: BLE001  (an option this XLA lacks is a result, not a crash)
+            out[name] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"}
+    return out
+
+
+def _mfu_case(smoke: bool, index: int) -> dict:
+    import mfu
+
+    case = CASES[index]
+    overrides = list(case.smoke() if smoke else case.overrides)
+    row = mfu.bench_one(os.path.join(REPO, case.config), overrides, steps=10, warmup=2)
+    return {"case": case.name, **row}
+
+
+def worker(name: str, result: str, smoke: bool) -> int:
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # benchmarks/mfu.py
+    if name == "environment":
+        out = _environment(smoke)
+    elif name == "ceilings":
+        out = _ceilings(smoke)
+    elif name.startswith("mfu:"):
+        out = _mfu_case(smoke, int(name.split(":")[1]))
+    else:
+        raise SystemExit(f"unknown worker step {name!r}")
+    with open(result, "w") as f:
+        json.dump(out, f, indent=2, default=str)
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The parent: runs each step in its own process, time-boxed, and rewrites the results after every step.
+
+
+class _Running:
+    """A step's process, started inside a scratch folder that holds its result file and its own log."""
+
+    def __init__(self, index: int, step: Step, env: dict[str, str]):
+        self.index, self.step, self.start = index, step, time.monotonic()
+        self.tmp = tempfile.TemporaryDirectory()
+        self.result_file = os.path.join(self.tmp.name, "result.xml" if step.junit else "result.json")
+        self.log_path = os.path.join(self.tmp.name, "log.txt")
+        self.argv = [a.replace("{result}", self.result_file) for a in step.argv]
+        with open(self.log_path, "w") as log:
+            self.proc = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO,
+                                         start_new_session=True)
+
+    def poll(self) -> tuple[bool, int | None]:
+        """(finished, exit code); a step past its time box is killed with all it started (exit code None)."""
+        rc = self.proc.poll()
+        if rc is not None:
+            return True, rc
+        if time.monotonic() - self.start > self.step.box_s:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+            return True, None
+        return False, None
+
+    def finish(self, rc: int | None, log) -> dict:
+        """The step's record; its output is appended to the suite's log."""
+        with open(self.log_path, errors="replace") as f:
+            output = f.read()
+        log.write(f"\n===== {self.step.name} (time box {self.step.box_s:.0f} s): {' '.join(self.argv)}\n{output}")
+        log.flush()
+        out: dict = {"name": self.step.name, "status": "ok", "seconds": round(time.monotonic() - self.start, 1)}
+        if self.step.junit:
+            out["result"] = _read_junit(self.result_file)
+        elif rc == 0 and os.path.exists(self.result_file):
+            with open(self.result_file) as f:
+                out["result"] = json.load(f)
+        self.tmp.cleanup()
+        failed_tests = [t["name"] for t in out.get("result", {}).get("tests", []) if t["outcome"] == "failed"]
+        if rc is None:
+            out.update(status="timed out", error=f"stopped after its time box of {self.step.box_s:.0f} s")
+        elif failed_tests:
+            out.update(status="failed", error=f"{len(failed_tests)} failed: {', '.join(failed_tests)}")
+        elif rc != 0 and not (self.step.junit and rc == 5):  # pytest's 5: no test collected
+            out.update(status="failed", error=f"exit code {rc}: {_last_error(output)}")
+        elif "result" not in out:
+            out.update(status="failed", error="the step wrote no result")
+        return out
+
+
+def run_steps(steps: list[Step], env: dict[str, str], log, deadline: float, jobs: int, done) -> list[dict]:
+    """Run the steps in order, each inside min(its box, what is left of the budget). Steps marked parallel run up
+    to ``jobs`` at a time (only a CPU smoke run uses more than one: a GPU runs one program at a time);
+    ``done(records)`` is called after every step, with the records so far in step order."""
+    records: list[dict | None] = [None] * len(steps)
+    running: list[_Running] = []
+    queue = list(enumerate(steps))
+    def may_start(step: Step) -> bool:
+        return not running or (step.parallel and len(running) < jobs and all(r.step.parallel for r in running))
+
+    while queue or running:
+        while queue and may_start(queue[0][1]):
+            i, step = queue.pop(0)
+            left = deadline - time.monotonic()
+            if left < 10:
+                records[i] = {"name": step.name, "status": "not run", "seconds": 0,
+                              "error": "the suite's time budget (--budget) was spent"}
+                done([r for r in records if r])
+                continue
+            running.append(_Running(i, dataclasses.replace(step, box_s=min(step.box_s, left)), env))
+        time.sleep(0.1)
+        for r in list(running):
+            finished, rc = r.poll()
+            if finished:
+                running.remove(r)
+                records[r.index] = r.finish(rc, log)
+                done([x for x in records if x])
+    return records
+
+
+def _last_error(output: str) -> str:
+    """The line of a step's output that says what went wrong (a Python exception's own line, usually)."""
+    lines = [line.strip() for line in output.splitlines()[-200:] if line.strip()]
+    for line in reversed(lines):
+        if re.match(r"^[\w.]*(Error|Exception|Exit)\b", line) or line.startswith("error:"):
+            return line[:500]
+    return lines[-1][:500] if lines else "no output"
+
+
+def _read_junit(path: str) -> dict:
+    if not os.path.exists(path):
+        return {"error": "pytest wrote no report", "tests": []}
+    tests = []
+    for case in ET.parse(path).getroot().iter("testcase"):
+        outcome, message = "passed", ""
+        for tag in ("failure", "error", "skipped"):
+            node = case.find(tag)
+            if node is not None:
+                outcome = {"failure": "failed", "error": "failed", "skipped": "skipped"}[tag]
+                message = (node.get("message") or "").splitlines()[0][:300] if node.get("message") else ""
+        tests.append({"name": f"{case.get('classname', '').split('.')[-1]}::{case.get('name')}",
+                      "outcome": outcome, "message": message, "seconds": float(case.get("time", 0))})
+    return {"tests": tests}
+
+
+def gpu_test_files() -> list[str]:
+    """The test files that hold a ``gpu``-marked test (collecting only them keeps the step short)."""
+    files = []
+    for path in sorted(glob.glob(os.path.join(REPO, "tests", "test_*.py"))):
+        with open(path) as f:
+            if "@pytest.mark.gpu" in f.read():
+                files.append(os.path.relpath(path, REPO))
+    return files
+
+
+def plan_steps(smoke: bool, python: str) -> list[Step]:
+    me = os.path.abspath(__file__)
+    worker_argv = (python, me, "--result", "{result}", *(("--smoke",) if smoke else ()), "--worker")
+    boxes = {"environment": 60, "ceilings": 90, "gpu tests": 150, "mfu": 150}
+    steps = [Step("environment", boxes["environment"], (*worker_argv, "environment")),
+             Step("ceilings", boxes["ceilings"], (*worker_argv, "ceilings")),
+             Step("gpu tests", boxes["gpu tests"],
+                  (python, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider", "-o", "addopts=",
+                   "--junitxml={result}", *gpu_test_files()), junit=True)]
+    steps += [Step(f"mfu: {c.name}", boxes["mfu"], (*worker_argv, f"mfu:{i}"), parallel=True)
+              for i, c in enumerate(CASES)]
+    return steps
+
+
+def install_wheels(wheel_dir: str, log) -> dict:
+    """pip-install the wheels of ``wheel_dir`` (no index, no dependencies) into a folder put on PYTHONPATH."""
+    wheels = sorted(glob.glob(os.path.join(wheel_dir, "*.whl")))
+    if not wheels:
+        return {"status": "none found", "dir": wheel_dir}
+    target = os.path.join(tempfile.gettempdir(), "jaxtron-gpu-wheels")
+    cmd = [sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
+           "--no-cache-dir", "--upgrade", "--target", target, *wheels]
+    log.write(f"\n===== wheels: {' '.join(cmd)}\n")
+    log.flush()
+    rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, timeout=300).returncode
+    names = [os.path.basename(w) for w in wheels]
+    if rc != 0:
+        return {"status": f"pip failed (exit {rc}); the steps run without them", "wheels": names}
+    return {"status": "installed", "target": target, "wheels": names}
+
+
+def child_env(smoke: bool, wheels_target: str | None) -> dict[str, str]:
+    """The environment of every step: the GPU preset (a variable already set wins), the source tree and the
+    installed wheels on PYTHONPATH. A smoke run uses one CPU device, as the GPU run uses one GPU."""
+    env = dict(os.environ)
+    for name, (value, _) in gpu_preset.ENV.items():
+        env.setdefault(name, value)
+    flags = " ".join(f for f in (gpu_preset.xla_flags(), env.get("XLA_FLAGS", "")) if f)
+    if smoke:
+        env["JAX_PLATFORMS"] = "cpu"
+    else:
+        env.setdefault("JAX_PLATFORMS", "cuda")  # the tests' conftest falls back to the CPU otherwise
+        flags = " ".join(f for f in flags.split() if not f.startswith("--xla_force_host_platform_device_count"))
+    env["XLA_FLAGS"] = flags
+    paths = [REPO, *([wheels_target] if wheels_target else []), env.get("PYTHONPATH", "")]
+    env["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+def _commit(given: str | None) -> str:
+    if given:
+        return given
+    try:
+        sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True,
+                             timeout=30).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO,
+                               capture_output=True, text=True, timeout=30).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return (sha + (" with local changes" if dirty else "")) if sha else "unknown"
+
+
+def _fmt(x, digits: int = 4) -> str:
+    return "n/a" if x is None else f"{x:.{digits}g}"
+
+
+def markdown(report: dict) -> str:
+    """The results as markdown: header lines, then one table per kind of result."""
+    env = next((s.get("result") for s in report["steps"] if s["name"] == "environment"), None) or {}
+    device = env.get("device_kind", "unknown device")
+    lines = [f"### {device}, {report['date'][:10]}, commit {report['commit']}", "",
+             f"`{report['command']}`", ""]
+    if env:
+        mem = env.get("device_memory_bytes")
+        lines.append(
+            f"jax {env.get('jax')}, jaxlib {env.get('jaxlib')}, cuDNN {env.get('cudnn', 'n/a')}, CUDA runtime "
+            f"{env.get('cuda_runtime', 'n/a')}, Python {env.get('python')}; {env.get('device_count')} x {device}"
+            + (f" ({mem / 2**30:.1f} GiB usable)" if mem else "")
+            + (f"; nvidia-smi: {env['nvidia_smi']}" if env.get("nvidia_smi") else "")
+            + f"; XLA_FLAGS `{env.get('xla_flags') or '(none)'}`"
+            + (f", unknown to this jaxlib: {env['xla_flags_unknown']}" if env.get("xla_flags_unknown") else "")
+            + ".")
+        lines.append("")
+    ceil = next((s.get("result") for s in report["steps"] if s["name"] == "ceilings"), None)
+    if ceil:
+        n = ceil["matmul_size"]
+        bf, f8, cp, rd = ceil["bf16_matmul"], ceil["fp8_matmul"], ceil["hbm_copy"], ceil["ragged_dot"]
+        lines += ["| ceiling | best | median | note |", "|---|---|---|---|",
+                  f"| bf16 {n}^3 matmul | {bf['tflops']:.1f} TFLOP/s | {2 * n ** 3 / bf['median_s'] / 1e12:.1f} "
+                  f"TFLOP/s | {100 * bf['tflops'] / DENSE_BF16_PEAK:.1f}% of the 989.4 dense peak |",
+                  f"| fp8 {n}^3 matmul | {f8['tflops']:.1f} TFLOP/s | {2 * n ** 3 / f8['median_s'] / 1e12:.1f} "
+                  f"TFLOP/s | cuBLASLt FP8 GEMM in the HLO: {'yes' if f8['cublaslt_fp8_gemm'] else 'no'} |",
+                  f"| HBM copy ({cp['bytes'] / 2**30:.0f} GiB read + written) | {cp['tb_per_s']:.2f} TB/s | "
+                  f"{cp['bytes'] / cp['median_s'] / 1e12:.2f} TB/s | |"]
+        for name, v in rd.items():
+            if isinstance(v, dict):
+                value = v.get("error") or f"{v['over_dense']:.2f}x one dense GEMM of the same FLOPs"
+                lines.append(f"| ragged_dot, {rd['groups']} groups, {name} | {value} | | "
+                             f"~1x: grouped; ~{rd['groups']}x: dense expansion |")
+        lines.append("")
+    tests = next((s.get("result") for s in report["steps"] if s["name"] == "gpu tests"), None)
+    if tests and tests.get("tests"):
+        lines += ["| GPU test | outcome |", "|---|---|"]
+        lines += [f"| {t['name']} | {t['outcome']}{': ' + t['message'] if t['message'] else ''} |"
+                  for t in tests["tests"]]
+        lines.append("")
+    rows = [s for s in report["steps"] if s["name"].startswith("mfu: ")]
+    if rows:
+        lines += ["| case | precision | attention | remat | seq | batch | step s (min-max) | tokens/s | "
+                  "TFLOP/s | MFU | of ceiling | peak mem |", "|" + "---|" * 12]
+        for s in rows:
+            r = s.get("result")
+            if not r:
+                lines.append(f"| {s['name'][5:]} | {s['status']}: {s.get('error', '')} |" + " |" * 10)
+                continue
+            mem = r.get("peak_memory_bytes")
+            mfu = f"{100 * r['mfu']:.1f}%" + ("" if r["mfu_basis"] == "dense datasheet peak" else "*")
+            lines.append(" | ".join([
+                f"| {r['case']}", r["precision"], r["attention"], r["remat"], str(r["seq_len"]),
+                str(r["global_batch_size"]),
+                f"{r['step_time_median_s']:.4f} ({r['step_time_min_s']:.4f}-{r['step_time_max_s']:.4f})",
+                _fmt(r["tokens_per_sec"]), _fmt(r["tflops_per_device"]), mfu,
+                f"{100 * r['fraction_of_matmul_ceiling']:.1f}%",
+                "n/a" if mem is None else f"{mem / 2**30:.1f} GiB"]) + " |")
+        lines.append("")
+        lines.append("MFU: model FLOPs (causal attention counted once, no recompute) against the dense bf16 peak "
+                     "(FP8 rows: the FLOP-weighted peak); * no datasheet peak for this device, MFU against the "
+                     "matmul measured in the same process. \"of ceiling\": against the bf16 matmul that process "
+                     "measured.")
+        lines.append("")
+    lines += ["| step | status | seconds |", "|---|---|---|"]
+    lines += [f"| {s['name']} | {s['status']}{': ' + s['error'] if s.get('error') else ''} | {s['seconds']} |"
+              for s in report["steps"]]
+    return "\n".join(lines) + "\n"
+
+
+def write(out_dir: str, report: dict) -> None:
+    for name, text in (("suite.json", json.dumps(report, indent=2, default=str)), ("table.md", markdown(report))):
+        tmp = os.path.join(out_dir, f".{name}.tmp")
+        with open(tmp, "w") as f:
+            f.write(text)
+        os.replace(tmp, os.path.join(out_dir, name))
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="benchmarks/gpu_suite.py", description=__doc__.split("\n")[0])
+    parser.add_argument("--out", help="folder for suite.json, table.md and log.txt (required)")
+    parser.add_argument("--smoke", action="store_true", help="CPU, tiny shapes: the same code paths in ~1 minute")
+    parser.add_argument("--budget", type=float, default=None,
+                        help="seconds for the whole suite (default 510, smoke 150); a step gets what is left")
+    parser.add_argument("--only", default=None,
+                        help="comma-separated step names or prefixes to run (e.g. 'ceilings,mfu: llama3_8b')")
+    parser.add_argument("--jobs", type=int, default=None,
+                        help="MFU cases run at a time (default 1; smoke: 2, the CPU's cores compile side by side)")
+    parser.add_argument("--commit", default=None, help="the commit to record when the tree has no .git")
+    parser.add_argument("--wheels", default=os.path.join(REPO, ".whl"), help="folder of wheels to install first")
+    parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--result", default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.worker:
+        return worker(args.worker, args.result, args.smoke)
+    if not args.out:
+        print("error: --out DIR is required: the folder that receives the results.", file=sys.stderr)
+        return 2
+    budget = args.budget if args.budget is not None else (150.0 if args.smoke else 510.0)
+    if budget <= 0 or not math.isfinite(budget):
+        print(f"error: --budget must be a positive number of seconds, not {args.budget}.", file=sys.stderr)
+        return 2
+    if args.jobs is not None and args.jobs < 1:
+        print(f"error: --jobs must be at least 1, not {args.jobs}.", file=sys.stderr)
+        return 2
+    os.makedirs(args.out, exist_ok=True)
+    steps = plan_steps(args.smoke, sys.executable)
+    if args.only:
+        wanted = [w.strip() for w in args.only.split(",") if w.strip()]
+        steps = [s for s in steps if any(s.name.startswith(w) for w in wanted)]
+        if not steps:
+            print(f"error: --only {args.only!r} matches no step; the steps are "
+                  f"{', '.join(s.name for s in plan_steps(args.smoke, sys.executable))}.", file=sys.stderr)
+            return 2
+    deadline = START + budget
+    report = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+              "command": " ".join(["python3", "benchmarks/gpu_suite.py", *argv]), "commit": _commit(args.commit),
+              "smoke": args.smoke, "budget_s": budget, "host": platform.node(), "steps": []}
+    with open(os.path.join(args.out, "log.txt"), "w") as log:
+        report["wheels"] = install_wheels(args.wheels, log)
+        env = child_env(args.smoke, report["wheels"].get("target"))
+
+        def done(records):
+            report["steps"] = records
+            write(args.out, report)
+
+        run_steps(steps, env, log, deadline, args.jobs or (2 if args.smoke else 1), done)
+    failed = [s["name"] for s in report["steps"] if s["status"] != "ok"]
+    print(markdown(report))
+    print(f"results in {args.out}: suite.json, table.md, log.txt"
+          + (f"; not ok: {', '.join(failed)}" if failed else "; every step ok"))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
