@@ -352,12 +352,13 @@ def plan_steps(smoke: bool, python: str) -> list[Step]:
     return steps
 
 
-def install_wheels(wheel_dir: str, log) -> dict:
-    """pip-install the wheels of ``wheel_dir`` (no index, no dependencies) into a folder put on PYTHONPATH."""
+def install_wheels(wheel_dir: str, log, target: str | None = None) -> dict:
+    """pip-install the wheels of ``wheel_dir`` (no index, no dependencies) into ``target``, a folder the steps
+    get on their PYTHONPATH."""
     wheels = sorted(glob.glob(os.path.join(wheel_dir, "*.whl")))
     if not wheels:
         return {"status": "none found", "dir": wheel_dir}
-    target = os.path.join(tempfile.gettempdir(), "jaxtron-gpu-wheels")
+    target = target or os.path.join(tempfile.gettempdir(), "jaxtron-gpu-wheels")
     cmd = [sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
            "--no-cache-dir", "--upgrade", "--target", target, *wheels]
     log.write(f"\n===== wheels: {' '.join(cmd)}\n")
@@ -378,9 +379,9 @@ def child_env(smoke: bool, wheels_target: str | None) -> dict[str, str]:
     flags = " ".join(f for f in (gpu_preset.xla_flags(), env.get("XLA_FLAGS", "")) if f)
     if smoke:
         env["JAX_PLATFORMS"] = "cpu"
+        flags = " ".join(f for f in flags.split() if not f.startswith("--xla_force_host_platform_device_count"))
     else:
         env.setdefault("JAX_PLATFORMS", "cuda")  # the tests' conftest falls back to the CPU otherwise
-        flags = " ".join(f for f in flags.split() if not f.startswith("--xla_force_host_platform_device_count"))
     env["XLA_FLAGS"] = flags
     paths = [REPO, *([wheels_target] if wheels_target else []), env.get("PYTHONPATH", "")]
     env["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
@@ -510,7 +511,6 @@ def main(argv: list[str]) -> int:
     if args.jobs is not None and args.jobs < 1:
         print(f"error: --jobs must be at least 1, not {args.jobs}.", file=sys.stderr)
         return 2
-    os.makedirs(args.out, exist_ok=True)
     steps = plan_steps(args.smoke, sys.executable)
     if args.only:
         wanted = [w.strip() for w in args.only.split(",") if w.strip()]
@@ -520,6 +520,7 @@ def main(argv: list[str]) -> int:
                   f"{', '.join(s.name for s in plan_steps(args.smoke, sys.executable))}.", file=sys.stderr)
             return 2
     deadline = START + budget
+    os.makedirs(args.out, exist_ok=True)
     report = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               "command": " ".join(["python3", "benchmarks/gpu_suite.py", *argv]), "commit": _commit(args.commit),
               "smoke": args.smoke, "budget_s": budget, "host": platform.node(), "steps": []}

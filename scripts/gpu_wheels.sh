@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# Downloads into .whl/ (ignored by git) the wheels that the GPU machines lack: Python 3.12, manylinux x86-64,
+# no dependencies resolved (the machines already hold jax with CUDA, flax, optax, orbax-checkpoint, numpy,
+# protobuf, absl-py, etils, PyYAML, psutil, ...). benchmarks/gpu_suite.py installs them from there with
+# `pip install --no-index --no-deps --target` before its first step. Run it where PyPI can be reached:
+#
+#     scripts/gpu_wheels.sh [DEST]        # DEST defaults to .whl beside the code
+set -euo pipefail
+cd "$(dirname "$0")/.."
+dest=${1:-.whl}
+packages=(
+  ml-collections==1.1.0     # config files and overrides
+  tensorboardX==2.6.5       # TensorBoard events of train.py
+  grain==0.2.18             # the data loader's worker processes
+  array-record==0.8.6       # grain's
+  portpicker==1.6.0         # grain's
+  importlib_resources==7.1.0  # etils[epath], grain's
+)
+mkdir -p "$dest"
+python3 -m pip download --quiet --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+  --abi cp312 --abi abi3 --abi none --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
+  --platform manylinux2014_x86_64 --platform any --dest "$dest" "${packages[@]}"
+ls -1 "$dest"/*.whl
