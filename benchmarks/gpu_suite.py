@@ -42,10 +42,11 @@ import xml.etree.ElementTree as ET
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-from jaxtron import gpu_preset  # noqa: E402  (no jax import: the parent process never touches the GPU)
+# neither imports jax: the parent process never touches the GPU
+from jaxtron import gpu_preset  # noqa: E402
+from jaxtron.metrics.hardware import peak_flops  # noqa: E402
 
 START = time.monotonic()
-DENSE_BF16_PEAK = 989.4  # TFLOP/s, H100/H200 SXM datasheet, dense
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,13 +105,15 @@ def _environment(smoke: bool) -> dict:
     stats = jax.devices()[0].memory_stats() or {}
     out["device_memory_bytes"] = stats.get("bytes_limit")
     try:
-        from jax._src.lib import cuda_versions
-        if cuda_versions is not None:
-            out["cudnn"] = cuda_versions.cudnn_get_version()
-            out["cuda_runtime"] = cuda_versions.cuda_runtime_get_version()
-            out["cuda_driver"] = cuda_versions.cuda_driver_get_version()
-    except (ImportError, AttributeError, RuntimeError) as e:
-        out["cuda_versions_error"] = f"{type(e).__name__}: {e}"
+        from jax._src.lib import cuda_versions  # the CUDA plugin's version queries (None without it)
+    except ImportError:
+        cuda_versions = None
+    for key, query in (("cudnn", "cudnn_get_version"), ("cuda_runtime", "cuda_runtime_get_version"),
+                       ("cuda_driver", "cuda_driver_get_version")):
+        try:
+            out[key] = getattr(cuda_versions, query)() if cuda_versions is not None else None
+        except (AttributeError, RuntimeError) as e:
+            out[key] = f"unknown ({type(e).__name__})"
     if shutil.which("nvidia-smi"):
         smi = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total,driver_version,clocks.max.sm,power.limit",
                               "--format=csv,noheader"], capture_output=True, text=True, timeout=60)
@@ -158,7 +161,7 @@ def _ceilings(smoke: bool) -> dict:
                          "cublaslt_fp8_gemm": "__cublas$lt$matmul$f8" in hlo}
 
     # copy bandwidth: read and write every byte once
-    n = (64 if smoke else 4096) * 2 ** 20 // 2
+    n = (64 if smoke else 2048) * 2 ** 20 // 2  # bf16 elements: 2 GiB read, 2 GiB written on a GPU
     x = jax.random.normal(keys[2], (n,), jnp.bfloat16)
     t = _summary(mfu.call_times(jax.jit(lambda x: x + 1), x, repeats=10))
     out["hbm_copy"] = {**t, "bytes": 2 * x.nbytes, "tb_per_s": 2 * x.nbytes / t["best_s"] / 1e12}
@@ -366,8 +369,8 @@ def install_wheels(wheel_dir: str, log, target: str | None = None) -> dict:
     rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, timeout=300).returncode
     names = [os.path.basename(w) for w in wheels]
     if rc != 0:
-        return {"status": f"pip failed (exit {rc}); the steps run without them", "wheels": names}
-    return {"status": "installed", "target": target, "wheels": names}
+        return {"status": f"pip failed (exit {rc}); the steps run without them", "dir": wheel_dir, "wheels": names}
+    return {"status": "installed", "dir": wheel_dir, "target": target, "wheels": names}
 
 
 def child_env(smoke: bool, wheels_target: str | None) -> dict[str, str]:
@@ -386,6 +389,8 @@ def child_env(smoke: bool, wheels_target: str | None) -> dict[str, str]:
     paths = [REPO, *([wheels_target] if wheels_target else []), env.get("PYTHONPATH", "")]
     env["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
     env["PYTHONUNBUFFERED"] = "1"
+    if not smoke:  # a second run on the same machine (tuning) skips compiling and autotuning what it has seen
+        env.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(tempfile.gettempdir(), "jaxtron-jax-cache"))
     return env
 
 
@@ -406,6 +411,10 @@ def _fmt(x, digits: int = 4) -> str:
     return "n/a" if x is None else f"{x:.{digits}g}"
 
 
+def _of_peak(tflops: float, peak: float | None) -> str:
+    return "no datasheet peak" if peak is None else f"{100 * tflops / (peak / 1e12):.1f}% of the {peak / 1e12:g} dense peak"
+
+
 def markdown(report: dict) -> str:
     """The results as markdown: header lines, then one table per kind of result."""
     env = next((s.get("result") for s in report["steps"] if s["name"] == "environment"), None) or {}
@@ -415,25 +424,31 @@ def markdown(report: dict) -> str:
     if env:
         mem = env.get("device_memory_bytes")
         lines.append(
-            f"jax {env.get('jax')}, jaxlib {env.get('jaxlib')}, cuDNN {env.get('cudnn', 'n/a')}, CUDA runtime "
-            f"{env.get('cuda_runtime', 'n/a')}, Python {env.get('python')}; {env.get('device_count')} x {device}"
+            f"jax {env.get('jax')}, jaxlib {env.get('jaxlib')}, cuDNN {env.get('cudnn') or 'n/a'}, CUDA runtime "
+            f"{env.get('cuda_runtime') or 'n/a'}, Python {env.get('python')}; {env.get('device_count')} x {device}"
             + (f" ({mem / 2**30:.1f} GiB usable)" if mem else "")
             + (f"; nvidia-smi: {env['nvidia_smi']}" if env.get("nvidia_smi") else "")
             + f"; XLA_FLAGS `{env.get('xla_flags') or '(none)'}`"
             + (f", unknown to this jaxlib: {env['xla_flags_unknown']}" if env.get("xla_flags_unknown") else "")
             + ".")
         lines.append("")
+    wheels = report.get("wheels", {})
+    lines += [f"Wheels from {wheels.get('dir', '.whl')}: {wheels.get('status', 'n/a')}"
+              + (f" ({', '.join(w.split('-')[0] for w in wheels['wheels'])})" if wheels.get("wheels") else "") + ".",
+              ""]
     ceil = next((s.get("result") for s in report["steps"] if s["name"] == "ceilings"), None)
     if ceil:
         n = ceil["matmul_size"]
         bf, f8, cp, rd = ceil["bf16_matmul"], ceil["fp8_matmul"], ceil["hbm_copy"], ceil["ragged_dot"]
+        peak = {p: peak_flops(device, p)[0] for p in ("bfloat16", "fp8")}
         lines += ["| ceiling | best | median | note |", "|---|---|---|---|",
-                  f"| bf16 {n}^3 matmul | {bf['tflops']:.1f} TFLOP/s | {2 * n ** 3 / bf['median_s'] / 1e12:.1f} "
-                  f"TFLOP/s | {100 * bf['tflops'] / DENSE_BF16_PEAK:.1f}% of the 989.4 dense peak |",
-                  f"| fp8 {n}^3 matmul | {f8['tflops']:.1f} TFLOP/s | {2 * n ** 3 / f8['median_s'] / 1e12:.1f} "
-                  f"TFLOP/s | cuBLASLt FP8 GEMM in the HLO: {'yes' if f8['cublaslt_fp8_gemm'] else 'no'} |",
-                  f"| HBM copy ({cp['bytes'] / 2**30:.0f} GiB read + written) | {cp['tb_per_s']:.2f} TB/s | "
-                  f"{cp['bytes'] / cp['median_s'] / 1e12:.2f} TB/s | |"]
+                  f"| bf16 {n}^3 matmul | {_fmt(bf['tflops'])} TFLOP/s | {_fmt(2 * n ** 3 / bf['median_s'] / 1e12)} "
+                  f"TFLOP/s | {_of_peak(bf['tflops'], peak['bfloat16'])} |",
+                  f"| fp8 {n}^3 matmul | {_fmt(f8['tflops'])} TFLOP/s | {_fmt(2 * n ** 3 / f8['median_s'] / 1e12)} "
+                  f"TFLOP/s | {_of_peak(f8['tflops'], peak['fp8'])}; cuBLASLt FP8 GEMM in the HLO: "
+                  f"{'yes' if f8['cublaslt_fp8_gemm'] else 'no'} |",
+                  f"| HBM copy ({_fmt(cp['bytes'] / 2**30, 3)} GiB read + written) | {_fmt(cp['tb_per_s'])} TB/s | "
+                  f"{_fmt(cp['bytes'] / cp['median_s'] / 1e12)} TB/s | |"]
         for name, v in rd.items():
             if isinstance(v, dict):
                 value = v.get("error") or f"{v['over_dense']:.2f}x one dense GEMM of the same FLOPs"
