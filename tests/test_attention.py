@@ -104,3 +104,22 @@ def test_the_private_cudnn_function_still_takes_the_call_jaxtron_makes(monkeypat
     assert bound["mask_type"] is cudnn.MaskType.PADDING_CAUSAL and bound["qkv_layout"] == "BTNH"
     assert bound["q_offsets"].shape == (2, 5) and bound["q_seqlen"].shape == (2, 4)
     assert bound["scale"] == pytest.approx(8 ** -0.5)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="cuDNN flash attention needs an NVIDIA GPU")
+def test_cudnn_returns_the_softmax_statistics_that_blockwise_attention_combines():
+    """Ring or blockwise attention merges per-block outputs by their log-sum-exp: cuDNN's must equal the
+    reference's (same layout [batch, length, heads], natural log of the scaled scores)."""
+    b, t, n, g, h = 2, 512, 8, 2, 128
+    q, k, v = (jax.random.normal(key, (b, t, heads, h), jnp.float32)
+               for key, heads in zip(jax.random.split(jax.random.key(3), 3), (n, g, g)))
+    want, want_lse = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="xla",
+                                                  return_residual=True)
+    bf = [x.astype(jnp.bfloat16) for x in (q, k, v)]
+    got, got_lse = jax.jit(lambda *a: jax.nn.dot_product_attention(
+        *a, is_causal=True, implementation="cudnn", return_residual=True))(*bf)
+    assert got_lse.shape == want_lse.shape == (b, t, n)
+    err = jnp.linalg.norm((got.astype(jnp.float32) - want).ravel()) / jnp.linalg.norm(want.ravel())
+    assert float(err) < 1e-2
+    assert float(jnp.max(jnp.abs(got_lse.astype(jnp.float32) - want_lse))) < 5e-2
