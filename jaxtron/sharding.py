@@ -63,6 +63,17 @@ def logical_to_spec(names: Sequence[str | None]) -> PartitionSpec:
     return PartitionSpec(*spec)
 
 
+def spec_axes(spec: PartitionSpec, dim: int) -> tuple[str, ...]:
+    """The mesh axes that shard dimension ``dim`` of an array with this spec (none, one or several).
+
+    Code that must name mesh axes itself (the collectives inside a ``shard_map``) takes them from here, so the
+    rules table stays the only place that maps logical names onto the mesh."""
+    entry = spec[dim] if dim < len(spec) else None
+    if entry is None:
+        return ()
+    return (entry,) if isinstance(entry, str) else tuple(entry)
+
+
 def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
     """Constrains an activation to the sharding its logical names map to (no-op without a mesh)."""
     mesh = jax.sharding.get_abstract_mesh()

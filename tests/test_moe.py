@@ -20,7 +20,8 @@ from jaxtron.data.loader import SyntheticSource
 from jaxtron.mesh import make_mesh
 from jaxtron.metrics import flops
 from jaxtron.models import build_model
-from jaxtron.models.moe import MoE, capacity, route
+from jaxtron import sharding
+from jaxtron.models.moe import ExpertAxes, MoE, capacity, route
 from jaxtron.training import state as state_lib
 from jaxtron.training.loop import run
 from jaxtron.training.step import gradients, train_step
@@ -106,6 +107,42 @@ def test_dropless_equals_loop_over_experts_with_gradients(mesh_name):
     want = jax.grad(loss(lambda s, x: _reference(graphdef, s, x)), argnums=(0, 1))(state, x)
     for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
         _close(g, w, 1e-5)
+
+
+@pytest.mark.parametrize("mode", ["dropless", "capacity"])
+@pytest.mark.parametrize("changes", [{"embed": None, "mlp": None}, {"experts": "fsdp", "embed": "expert"}],
+                         ids=["experts_split_weights_whole", "every_collective_on_another_axis"])
+def test_the_expert_collectives_follow_a_changed_rules_table(monkeypatch, changes, mode):
+    """The MoE names no mesh axis: remap its weights in the rules table and it gathers, exchanges and sums over
+    the new axes, with the same outputs and gradients as without a mesh."""
+    monkeypatch.setattr(sharding, "_RULES", {**sharding._RULES, **changes})
+    graphdef, state = _layer(_layer_cfg(moe_mode=mode))
+    x = jax.random.normal(jax.random.key(2), (8, 16, 32))
+    mesh = _mesh(dict(fsdp=2, expert=2, tensor=2))
+    with jax.set_mesh(mesh):
+        axes = ExpertAxes.from_rules()
+    want = {"experts_split_weights_whole": ExpertAxes(("expert",), (), ()),
+            "every_collective_on_another_axis": ExpertAxes(("fsdp",), ("expert",), ("tensor",))}
+    assert axes in want.values()
+
+    def outputs_and_grads(s, x):
+        y = nnx.merge(graphdef, s)(x)[0]
+        return y, jax.grad(lambda s, x: jnp.sum(jnp.sin(nnx.merge(graphdef, s)(x)[0])), argnums=(0, 1))(s, x)
+
+    reference = jax.jit(outputs_and_grads)(state, x)
+    with jax.set_mesh(mesh):
+        got = jax.jit(outputs_and_grads)(state, x)
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(reference)):
+        _close(g, w, 1e-5)
+
+
+def test_a_rules_table_the_experts_cannot_follow_is_refused(monkeypatch):
+    monkeypatch.setattr(sharding, "_RULES", {**sharding._RULES, "mlp": "fsdp"})
+    with pytest.raises(ValueError, match="splits the experts' gate/up weights .* and down weights"):
+        ExpertAxes.from_rules()
+    monkeypatch.setattr(sharding, "_RULES", {**sharding._RULES, "mlp": "data"})
+    with pytest.raises(ValueError, match=r"splits both the tokens and the experts' intermediate width over \['data'\]"):
+        ExpertAxes.from_rules()
 
 
 def _collectives(mesh, graphdef, state, x) -> str:

@@ -143,3 +143,18 @@ def test_one_node_keeps_the_device_order_and_bad_layouts_are_errors():
         split_over_nodes(sizes, 3)
     with pytest.raises(ConfigError, match=r"nodes have different device counts \(a: 5, b: 3\)"):
         arrange(list(range(8)), sizes, ["a"] * 5 + ["b"] * 3)
+
+
+def test_models_and_ops_name_no_mesh_axis():
+    """Models and ops speak logical names only; a mesh axis written out there would escape the rules table."""
+    import ast
+    import pathlib
+
+    axes = {"pipeline", "data", "fsdp", "sequence", "expert", "tensor"}
+    package = pathlib.Path(sharding.__file__).parent
+    found = []
+    for path in sorted([*package.glob("models/*.py"), *package.glob("ops/*.py")]):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Constant) and node.value in axes:
+                found.append(f"{path.name}:{node.lineno} {node.value!r}")
+    assert not found, found

@@ -5,10 +5,12 @@ renormalisation of the k weights, the load-balancing and z losses, and in capaci
 fit. Those are means over the global batch, so they do not depend on the mesh.
 
 The experts run inside ``shard_map`` over every mesh axis. Each device holds the tokens of its batch and
-sequence shard and the experts of its ``expert`` shard (gathered over ``fsdp``, split over ``tensor`` like
-a dense MLP). With ``mesh.expert`` > 1, rows travel to the shard that owns their expert and back by
-``all_to_all`` over the expert axis, in buffers of a fixed size per destination. At the end each token's k
-outputs are weighted and summed, and the ``tensor`` partial products are summed.
+sequence shard and its shard of the experts. Which mesh axes those are comes from the rules table
+(``ExpertAxes``), never from names written here; with the default table the experts are split over
+``expert``, their hidden width over ``fsdp`` (gathered before use) and their intermediate width over
+``tensor`` like a dense MLP. Where the experts are split, rows travel to the shard that owns their expert
+and back by ``all_to_all``, in buffers of a fixed size per destination. At the end each token's k outputs
+are weighted and summed, and the partial products of the split intermediate width are summed.
 
 - dropless: a device sorts its assignments by expert and runs one grouped GEMM per matrix
   (``jax.lax.ragged_dot``) over its experts' rows. Each destination's buffer holds all of the device's
@@ -23,6 +25,7 @@ every local expert (E_local times the routed FLOPs); a GPU can run it as a group
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import jax
@@ -31,12 +34,34 @@ from flax import nnx
 
 from jaxtron.config import ModelConfig
 from jaxtron.models.layers import compute_dtype, param
-from jaxtron.sharding import constrain, logical_to_spec
+from jaxtron.sharding import constrain, logical_to_spec, spec_axes
 
 TOKEN_AXES = ("activation_batch", "activation_length", "activation_embed")
 ROUTE_AXES = ("activation_batch", "activation_length", None)
 GATE_UP_AXES = ("experts", "embed", "mlp")
 DOWN_AXES = ("experts", "mlp", "embed")
+
+
+@dataclasses.dataclass(frozen=True)
+class ExpertAxes:
+    """The mesh axes the expert computation communicates over, as the rules table maps the weights' names."""
+    experts: tuple[str, ...]  # split the experts: rows travel to their expert's shard and back (all_to_all)
+    embed: tuple[str, ...]  # split the experts' hidden width: weights are gathered over them before use
+    mlp: tuple[str, ...]  # split the intermediate width: the partial outputs are summed over them
+
+    @classmethod
+    def from_rules(cls) -> "ExpertAxes":
+        gate, down = logical_to_spec(GATE_UP_AXES), logical_to_spec(DOWN_AXES)
+        axes = cls(spec_axes(gate, 0), spec_axes(gate, 1), spec_axes(gate, 2))
+        if (spec_axes(down, 0), spec_axes(down, 2), spec_axes(down, 1)) != (axes.experts, axes.embed, axes.mlp):
+            raise ValueError(f"the rules table splits the experts' gate/up weights ({gate}) and down weights "
+                             f"({down}) over different mesh axes; the expert computation needs the same split")
+        tokens = logical_to_spec(TOKEN_AXES)
+        shared = set(axes.mlp) & set(spec_axes(tokens, 0) + spec_axes(tokens, 1))
+        if shared:
+            raise ValueError(f"the rules table splits both the tokens and the experts' intermediate width over "
+                             f"{sorted(shared)}; the partial outputs summed over those axes would mix tokens")
+        return axes
 
 
 def capacity(cfg: ModelConfig, length: int) -> int:
@@ -103,32 +128,36 @@ def _swiglu_batched(slots: jax.Array, gate: jax.Array, up: jax.Array, down: jax.
 
 
 def experts_local(x: jax.Array, ids: jax.Array, weights: jax.Array, gate: jax.Array, up: jax.Array,
-                  down: jax.Array, num_experts: int, row_capacity: int | None, mesh_axes: bool) -> jax.Array:
-    """One device's part of the expert computation (called inside shard_map, or alone without a mesh).
+                  down: jax.Array, num_experts: int, row_capacity: int | None,
+                  axes: ExpertAxes | None) -> jax.Array:
+    """One device's part of the expert computation (called inside shard_map with the mesh axes to talk over,
+    or alone without a mesh: ``axes`` None).
 
     x [b, t, d], ids/weights [b, t, k] (id ``num_experts`` = dropped); gate/up [E_local, d_shard, f_shard],
     down [E_local, f_shard, d_shard]. ``row_capacity``: slots per expert and row (capacity mode) or None
     (dropless).
     """
+    axes = axes or ExpertAxes((), (), ())
     b, t, d = x.shape
-    if mesh_axes:  # weights: gathered over fsdp (their gradients are reduce-scattered back)
-        gate, up = (jax.lax.all_gather(w, "fsdp", axis=1, tiled=True) for w in (gate, up))
-        down = jax.lax.all_gather(down, "fsdp", axis=2, tiled=True)
-    ep = jax.lax.axis_size("expert") if mesh_axes else 1
+    if axes.embed:  # weights gathered to their whole hidden width (their gradients are reduce-scattered back)
+        gate, up = (jax.lax.all_gather(w, axes.embed, axis=1, tiled=True) for w in (gate, up))
+        down = jax.lax.all_gather(down, axes.embed, axis=2, tiled=True)
     if row_capacity is None:
-        out = _dropless(x.reshape(b * t, d), ids.reshape(-1), gate, up, down, num_experts, ep)
+        out = _dropless(x.reshape(b * t, d), ids.reshape(-1), gate, up, down, num_experts, axes.experts)
     else:
-        out = _with_capacity(x, ids, gate, up, down, num_experts, min(row_capacity, t), ep)
+        out = _with_capacity(x, ids, gate, up, down, num_experts, min(row_capacity, t), axes.experts)
     out = out.reshape(b * t, ids.shape[-1], d)  # [token, choice, d]
     y = jnp.einsum("nkd,nk->nd", out, weights.reshape(b * t, -1).astype(out.dtype))
-    if mesh_axes:
-        y = jax.lax.psum(y, "tensor")  # each tensor shard summed over its slice of the hidden width
+    if axes.mlp:
+        y = jax.lax.psum(y, axes.mlp)  # each shard computed its slice of the intermediate width
     return y.reshape(b, t, d)
 
 
-def _dropless(tokens, ids, gate, up, down, num_experts: int, ep: int) -> jax.Array:
+def _dropless(tokens, ids, gate, up, down, num_experts: int, expert_axes: tuple[str, ...]) -> jax.Array:
     """Assignments sorted by expert, one grouped GEMM (ragged_dot) per matrix; -> outputs [n * k, d] in
-    assignment order. With ep > 1 each destination shard gets a buffer of all n * k rows (the worst case)."""
+    assignment order. With the experts split over ``expert_axes`` each destination shard gets a buffer of all
+    n * k rows (the worst case)."""
+    ep = jax.lax.axis_size(expert_axes) if expert_axes else 1
     k = ids.shape[0] // tokens.shape[0]
     order = jnp.argsort(ids, stable=True)  # dropped ids (none in dropless mode) would sort last
     sorted_ids = ids[order]
@@ -137,11 +166,12 @@ def _dropless(tokens, ids, gate, up, down, num_experts: int, ep: int) -> jax.Arr
     if ep == 1:
         out_sorted = _swiglu_grouped(rows, gate, up, down, counts)
     else:
-        out_sorted = _exchange_sorted(rows, sorted_ids, counts, gate, up, down, ep, num_experts // ep)
+        out_sorted = _exchange_sorted(rows, sorted_ids, counts, gate, up, down, expert_axes, ep, num_experts // ep)
     return out_sorted[jnp.argsort(order)]
 
 
-def _exchange_sorted(rows, sorted_ids, counts, gate, up, down, ep: int, local_experts: int):
+def _exchange_sorted(rows, sorted_ids, counts, gate, up, down, expert_axes: tuple[str, ...], ep: int,
+                     local_experts: int):
     """Sends sorted rows to the expert shards that own their experts (a fixed buffer of all the rows per
     shard), runs the local experts on what arrives, and returns each row's output in the sorted order."""
     m, d = rows.shape
@@ -151,26 +181,27 @@ def _exchange_sorted(rows, sorted_ids, counts, gate, up, down, ep: int, local_ex
     slot = jnp.arange(m)
     valid = slot[None, :] < sent[:, None]  # [ep, m]
     send = jnp.where(valid[..., None], rows[jnp.where(valid, starts[:, None] + slot[None, :], 0)], 0)
-    recv = jax.lax.all_to_all(send, "expert", 0, 0, tiled=True)  # recv[j]: rows from shard j
-    recv_counts = jax.lax.all_to_all(per_shard, "expert", 0, 0, tiled=True)  # [ep sources, local experts]
+    recv = jax.lax.all_to_all(send, expert_axes, 0, 0, tiled=True)  # recv[j]: rows from shard j
+    recv_counts = jax.lax.all_to_all(per_shard, expert_axes, 0, 0, tiled=True)  # [ep sources, local experts]
     # each source's rows arrive sorted by expert; regroup all of them by local expert for the grouped GEMM
     bounds = jnp.cumsum(recv_counts, axis=1)  # [ep, local_experts]
     local_id = jax.vmap(lambda bound: jnp.searchsorted(bound, slot, side="right"))(bounds)  # [ep, m]
     regroup = jnp.argsort(local_id.reshape(ep * m), stable=True)  # unused slots (id local_experts) last
     computed = _swiglu_grouped(recv.reshape(ep * m, d)[regroup], gate, up, down, jnp.sum(recv_counts, 0))
     back = computed[jnp.argsort(regroup)].reshape(ep, m, d)
-    back = jax.lax.all_to_all(back, "expert", 0, 0, tiled=True)  # back[j, s]: output of send[j, s]
+    back = jax.lax.all_to_all(back, expert_axes, 0, 0, tiled=True)  # back[j, s]: output of send[j, s]
     shard = jnp.minimum(sorted_ids // local_experts, ep - 1)
     index = jnp.clip(jnp.arange(m) - starts[shard], 0, m - 1)
     return jnp.where((sorted_ids < local_experts * ep)[:, None], back[shard, index], 0)
 
 
-def _with_capacity(x, ids, gate, up, down, num_experts: int, slots: int, ep: int) -> jax.Array:
+def _with_capacity(x, ids, gate, up, down, num_experts: int, slots: int, expert_axes: tuple[str, ...]) -> jax.Array:
     """Capacity mode: every expert has ``slots`` fixed places per local row; kept assignments are scattered
     into them, the slots of each expert shard are exchanged as one block, and each expert runs one dense
     batched GEMM over its slots. -> outputs [b * t * k, d] in assignment order (zeros for dropped ones)."""
     b, t, d = x.shape
     k = ids.shape[-1]
+    ep = jax.lax.axis_size(expert_axes) if expert_axes else 1
     kept = ids < num_experts
     # rank within this device's part of the row: at most min(capacity, t) since the router kept at most
     # capacity per row and a token visits an expert once
@@ -182,12 +213,12 @@ def _with_capacity(x, ids, gate, up, down, num_experts: int, slots: int, ep: int
     local_experts = num_experts // ep
     buffer = buffer.reshape(ep, local_experts, b * slots, d)
     if ep > 1:
-        buffer = jax.lax.all_to_all(buffer, "expert", 0, 0, tiled=True)  # [source shard, local expert, ...]
+        buffer = jax.lax.all_to_all(buffer, expert_axes, 0, 0, tiled=True)  # [source shard, local expert, ...]
     grouped = jnp.swapaxes(buffer, 0, 1).reshape(local_experts, ep * b * slots, d)
     out = _swiglu_batched(grouped, gate, up, down).reshape(local_experts, ep, b * slots, d)
     out = jnp.swapaxes(out, 0, 1)
     if ep > 1:
-        out = jax.lax.all_to_all(out, "expert", 0, 0, tiled=True)  # back to the shard the rows came from
+        out = jax.lax.all_to_all(out, expert_axes, 0, 0, tiled=True)  # back to the shard the rows came from
     return out.reshape(num_experts * b * slots, d).at[place].get(mode="fill", fill_value=0)
 
 
@@ -212,11 +243,12 @@ class MoE(nnx.Module):
         ids, weights = constrain(ids, ROUTE_AXES), constrain(weights, ROUTE_AXES)
         gate, up, down = (w[...].astype(dt) for w in (self.wi_gate, self.wi_up, self.wo))
         if jax.sharding.get_abstract_mesh().empty:
-            return experts_local(x, ids, weights, gate, up, down, cfg.num_experts, row_capacity, False), stats
+            return experts_local(x, ids, weights, gate, up, down, cfg.num_experts, row_capacity, None), stats
         token_spec, route_spec = logical_to_spec(TOKEN_AXES), logical_to_spec(ROUTE_AXES)
+        axes = ExpertAxes.from_rules()
 
         def local(x, ids, weights, gate, up, down):
-            return experts_local(x, ids, weights, gate, up, down, cfg.num_experts, row_capacity, True)
+            return experts_local(x, ids, weights, gate, up, down, cfg.num_experts, row_capacity, axes)
 
         y = jax.shard_map(local, in_specs=(token_spec, route_spec, route_spec, logical_to_spec(GATE_UP_AXES),
                                            logical_to_spec(GATE_UP_AXES), logical_to_spec(DOWN_AXES)),
