@@ -4,6 +4,8 @@ import importlib.util
 import json
 import os
 
+import pytest
+
 from conftest import REPO
 
 
@@ -14,6 +16,7 @@ def _load():
     return module
 
 
+@pytest.mark.slow
 def test_benchmark_writes_a_consistent_report(tmp_path, capsys):
     bench = _load()
     out = tmp_path / "r.json"

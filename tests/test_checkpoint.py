@@ -28,6 +28,7 @@ def _leaves(state):
         [np.asarray(x) for x in jax.tree.leaves(state.opt_state)]
 
 
+@pytest.mark.slow
 def test_resume_from_an_earlier_checkpoint_is_bit_exact(tmp_path):
     cfg = tiny_config(dict(fsdp=4, tensor=2), train=dict(steps=6), checkpoint=dict(every=2))
     first = run(cfg, str(tmp_path), use_tqdm=False)
@@ -43,6 +44,7 @@ def test_resume_from_an_earlier_checkpoint_is_bit_exact(tmp_path):
     assert [l["step"] for l in lines] == [1, 2, 3, 4, 5, 6]  # the lost steps were logged again, once
 
 
+@pytest.mark.slow
 def test_a_finished_run_is_not_trained_again(tmp_path):
     cfg = tiny_config(train=dict(steps=2), checkpoint=dict(every=0))
     run(cfg, str(tmp_path), use_tqdm=False, devices=jax.devices()[:1])
@@ -50,6 +52,7 @@ def test_a_finished_run_is_not_trained_again(tmp_path):
     assert again["history"] == [] and sorted(os.listdir(tmp_path / CHECKPOINT_DIR)) == ["2"]
 
 
+@pytest.mark.slow
 def test_a_checkpoint_restores_onto_other_meshes_with_identical_values(tmp_path):
     cfg = tiny_config(dict(fsdp=8))
     mesh = make_mesh(cfg.check_devices(8))
@@ -72,6 +75,7 @@ def test_a_checkpoint_restores_onto_other_meshes_with_identical_values(tmp_path)
             np.testing.assert_array_equal(a, b)
 
 
+@pytest.mark.slow
 def test_a_checkpoint_of_another_model_shape_is_refused(tmp_path):
     run(tiny_config(train=dict(steps=1)), str(tmp_path), use_tqdm=False, devices=jax.devices()[:1])
     other = tiny_config(train=dict(steps=2), model=dict(num_layers=3))
@@ -112,6 +116,7 @@ def uninterrupted(tmp_path_factory):
     return workdir
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kill_at", [4, 8])
 def test_sigkill_then_restart_ends_bit_exact(kill_at, uninterrupted, tmp_path):
     proc = _train(tmp_path, "--config.checkpoint.async_save=true")
@@ -125,6 +130,7 @@ def test_sigkill_then_restart_ends_bit_exact(kill_at, uninterrupted, tmp_path):
     assert losses(tmp_path) == losses(uninterrupted)
 
 
+@pytest.mark.slow
 def test_sigterm_checkpoints_at_the_next_step_and_exits_with_the_preemption_code(tmp_path):
     proc = _train(tmp_path, "--config.train.steps=100000", "--config.checkpoint.every=0")
     _wait_for_step(tmp_path, 2, proc)
@@ -135,6 +141,7 @@ def test_sigterm_checkpoints_at_the_next_step_and_exits_with_the_preemption_code
     assert len(saved) == 1 and saved[0] >= logged >= 2
 
 
+@pytest.mark.slow
 def test_a_save_cut_off_midway_is_ignored_and_a_corrupted_one_set_aside(tmp_path, caplog):
     cfg = tiny_config(train=dict(steps=2), checkpoint=dict(every=1))
     run(cfg, str(tmp_path), use_tqdm=False, devices=jax.devices()[:1])

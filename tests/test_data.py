@@ -2,7 +2,6 @@
 
 import functools
 import json
-import math
 import os
 import random
 import subprocess
@@ -493,6 +492,7 @@ def _grain_workers() -> list:
     return [p for p in multiprocessing.active_children() if p.name.startswith("grain-")]
 
 
+@pytest.mark.slow
 def test_grain_worker_processes_give_the_same_batches(word_store):
     source = PackedSplit(TokenStore(word_store), 16, "train", 0.1, seed=5)
     mesh = _mesh(data=2, fsdp=2, sequence=2)
@@ -597,6 +597,7 @@ def test_mixture_follows_weights_and_reads_each_store_once_per_epoch(tmp_path):
 # ---------------------------------------------------------------------------------------------- loss
 
 
+@pytest.mark.slow
 def test_packed_loss_of_a_document_equals_its_loss_alone(tmp_path):
     """Fails if the model ignores segment_ids (or positions): packing must not leak across documents."""
     from jaxtron.training import state as state_lib

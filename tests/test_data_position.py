@@ -6,7 +6,6 @@ import logging
 import threading
 
 import jax
-import numpy as np
 import pytest
 
 from helpers import tiny_config
@@ -36,6 +35,7 @@ def _run(cfg, workdir, source):
     return loop_lib.run(cfg, str(workdir), use_tqdm=False, devices=jax.devices()[:1])
 
 
+@pytest.mark.slow
 def test_a_changed_batch_size_is_refused_then_continued_from_the_consumed_tokens(tmp_path, monkeypatch):
     sources = []
 

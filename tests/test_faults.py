@@ -34,6 +34,7 @@ def _params(state):
     return [np.asarray(x) for x in jax.tree.leaves(nnx.to_pure_dict(state.params))]
 
 
+@pytest.mark.slow
 def test_a_nan_step_is_skipped_and_counted():
     cfg = tiny_config(train=dict(max_nonfinite_in_row=3))
     setup = state_lib.setup(cfg, "xla")
@@ -62,6 +63,7 @@ def test_a_nan_step_is_skipped_and_counted():
         np.testing.assert_array_equal(a, b)
 
 
+@pytest.mark.slow
 def test_too_many_nonfinite_steps_stop_the_run_and_no_bad_state_is_saved(tmp_path, monkeypatch):
     source = NaNAfter(first_bad=2 * 8)  # steps 1 and 2 are fine, every later one is NaN
     monkeypatch.setattr(loop_lib, "make_sources", lambda cfg: (source, None, {}))
@@ -78,6 +80,7 @@ def test_too_many_nonfinite_steps_stop_the_run_and_no_bad_state_is_saved(tmp_pat
     assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(tree) if np.asarray(x).dtype.kind == "f")
 
 
+@pytest.mark.slow
 def test_skipping_without_a_limit_trains_on(tmp_path, monkeypatch):
     source = NaNAfter(first_bad=8)  # every step after the first is NaN
     monkeypatch.setattr(loop_lib, "make_sources", lambda cfg: (source, None, {}))
@@ -100,6 +103,7 @@ class NaNSteps(SyntheticSource):
         return {**out, "loss_mask": mask}
 
 
+@pytest.mark.slow
 def test_skipped_steps_warn_stop_by_default_and_the_logged_learning_rate_is_the_applied_one(tmp_path, monkeypatch,
                                                                                           caplog):
     import json
@@ -213,6 +217,7 @@ class SlowAt(SyntheticSource):
         return super().rows(samples)
 
 
+@pytest.mark.slow
 def test_a_stalled_input_batch_is_reported_in_a_real_run(tmp_path, monkeypatch, caplog):
     monkeypatch.setattr(loop_lib, "make_sources", lambda cfg: (SlowAt(sample=14 * 8, seconds=3.0), None, {}))
     cfg = tiny_config(train=dict(steps=18, eval_batches=0, log_every=100), checkpoint=dict(every=0))
@@ -223,6 +228,7 @@ def test_a_stalled_input_batch_is_reported_in_a_real_run(tmp_path, monkeypatch, 
     assert "took" in watchdog[-1] and "on process 0" in watchdog[-1] and summary["slow_steps"] == 1
 
 
+@pytest.mark.slow
 def test_a_state_that_is_not_finite_is_flagged_by_the_step_and_never_saved(tmp_path):
     from jaxtron.checkpoint import Checkpointer
     cfg = tiny_config()

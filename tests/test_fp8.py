@@ -82,6 +82,7 @@ def _loss_and_grads(cfg: ModelConfig, tokens):
     return jax.jit(jax.value_and_grad(loss))(params)
 
 
+@pytest.mark.slow
 def test_an_fp8_model_tracks_the_exact_one_and_keeps_chosen_layers_exact():
     tokens = jnp.asarray(RNG.integers(0, 64, (4, 17)), jnp.int32)
     exact_loss, exact_grads = _loss_and_grads(_tiny(), tokens)
@@ -98,6 +99,7 @@ def test_an_fp8_model_tracks_the_exact_one_and_keeps_chosen_layers_exact():
         assert a @ b >= 0.99 * np.linalg.norm(a) * np.linalg.norm(b)
 
 
+@pytest.mark.slow
 def test_fp8_trains_inside_scanned_layers_with_remat_and_gradient_accumulation(tmp_path):
     from conftest import REPO
     from jaxtron.config_loader import load_config

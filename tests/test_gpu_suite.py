@@ -30,6 +30,7 @@ def _load():
 suite = _load()
 
 
+@pytest.mark.slow
 def test_the_smoke_run_goes_through_every_step_and_writes_its_results(tmp_path):
     out = tmp_path / "results"
     proc = subprocess.run([sys.executable, SUITE, "--smoke", "--out", str(out)], capture_output=True, text=True,

@@ -27,6 +27,7 @@ def imported(tmp_path_factory):
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", MODELS)
 def test_logits_match_transformers(name, imported):
     logits = score.score(imported[name], os.path.join(FIXTURES, "tokens.npy"))
@@ -51,6 +52,7 @@ def test_config_json_of_transformers_4_and_5_map_to_the_same_model():
     assert tied.tie_embeddings and tied.rope_scaling_factor == 8.0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", MODELS)
 def test_round_trip_is_bit_exact(name, imported, tmp_path):
     exported = str(tmp_path / "hf")
@@ -168,6 +170,7 @@ def test_bad_input_gets_one_sentence_naming_the_problem(tmp_path, capsys):
     _fails(capsys, ["to-hf", str(tmp_path / "nothing"), out], "neither a converted model")
 
 
+@pytest.mark.slow
 def test_score_refuses_bad_tokens(imported, tmp_path, capsys):
     bad = str(tmp_path / "bad.npy")
     np.save(bad, np.full((1, 4), 96, np.int32))
@@ -187,6 +190,7 @@ def _flat(params):
     return {".".join(map(str, p)): np.asarray(v.get_value()) for p, v in nnx.to_flat_state(params)}
 
 
+@pytest.mark.slow
 def test_converted_config_fine_tunes_from_the_imported_parameters(imported, tmp_path):
     import jax
 
@@ -221,6 +225,7 @@ def test_converted_config_fine_tunes_from_the_imported_parameters(imported, tmp_
     assert len(exported.names()) == len(st.ModelFiles(os.path.join(FIXTURES, "llama")).names())
 
 
+@pytest.mark.slow
 def test_init_from_a_missing_or_mismatched_checkpoint_is_one_sentence(imported, tmp_path):
     import subprocess
     import sys
@@ -241,6 +246,7 @@ def test_init_from_a_missing_or_mismatched_checkpoint_is_one_sentence(imported, 
     assert "parameter 'embedding' is of shape (96, 32)" in lines[0] and "needs shape (96, 48)" in lines[0]
 
 
+@pytest.mark.slow
 def test_init_from_restores_a_converted_mixtral_onto_a_mesh(imported, tmp_path):
     from jaxtron.training.loop import run
     overrides = [("model.dtype", "float32"), ("train.steps", "1"), ("train.log_every", "1"),

@@ -99,6 +99,7 @@ def _restore_latest(workdir):
         ckpt.close()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", KINDS)
 def test_damage_in_the_latest_checkpoint_falls_back_to_the_previous_one(kind, trained, workdir, caplog):
     reason = damage(workdir, 3, kind)
@@ -179,6 +180,7 @@ def test_init_from_reads_the_newest_intact_checkpoint_of_a_run(trained, workdir,
         restore_params(workdir, abstract.params, shardings.params)
 
 
+@pytest.mark.slow
 def test_checksums_of_an_asynchronous_save_are_recorded_off_the_loop(tmp_path, monkeypatch):
     mesh = make_mesh(CFG.check_devices(1), jax.devices()[:1])
     setup = state_lib.setup(CFG, "xla")
@@ -226,6 +228,7 @@ def test_files_are_attributed_to_their_writer_and_verified_once_by_several_proce
     assert integrity.first_reason([None, None]) is None and integrity.agree(None) is None
 
 
+@pytest.mark.slow
 def test_the_verify_command_exit_codes(trained, tmp_path):
     cli = [sys.executable, "-m", "jaxtron.checkpoint", "verify"]
     ok = subprocess.run([*cli, trained[0]], cwd=REPO, capture_output=True, text=True, timeout=120)
@@ -236,6 +239,7 @@ def test_the_verify_command_exit_codes(trained, tmp_path):
     assert checkpoint_cli(["check", str(tmp_path)]) == 2
 
 
+@pytest.mark.slow
 def test_two_processes_record_their_own_files_and_fall_back_together(tmp_path):
     from test_multiprocess import TINY, _env
 

@@ -4,6 +4,7 @@ import json
 import os
 
 import jax
+import pytest
 
 from conftest import REPO
 from jaxtron.config_loader import load_config
@@ -12,6 +13,7 @@ from jaxtron.data.store import MANIFEST, TokenStore
 from jaxtron.training.loop import run
 
 
+@pytest.mark.slow
 def test_default_config_prepares_its_corpus_once_and_learns_it(tmp_path):
     store_dir = str(tmp_path / "stdlib-store")
     overrides = [("data.path", store_dir), ("train.steps", "60"), ("train.log_every", "20"),

@@ -71,6 +71,7 @@ def _model_and_tokens(**model):
     return cfg, params_model, tokens
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("variant", [{}, dict(activation="gelu", norm="layernorm", position_embedding="learned",
                                                tie_embeddings=True, num_kv_heads=4)])
 def test_causal_no_token_sees_the_future(variant):
@@ -82,6 +83,7 @@ def test_causal_no_token_sees_the_future(variant):
     assert not np.allclose(logits[:, 10:], other[:, 10:])
 
 
+@pytest.mark.slow
 def test_segments_do_not_attend_across_documents():
     _, model, tokens = _model_and_tokens()
     segments = jnp.array([[0] * 6 + [1] * 10, [0] * 16])
@@ -95,6 +97,7 @@ def test_segments_do_not_attend_across_documents():
     np.testing.assert_allclose(base[0, 6:], alone[0], rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_sequence_sharded_attention_equals_unsharded():
     b, t, n, g, h = 2, 32, 4, 2, 16
     q = jax.random.normal(jax.random.key(1), (b, t, n, h))
@@ -114,6 +117,7 @@ def test_sequence_sharded_attention_equals_unsharded():
     np.testing.assert_allclose(want, ref, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_remat_policies_change_memory_not_results():
     tokens = SyntheticSource(256, 64, 0).rows(np.arange(8))
     batch = {k: jnp.asarray(v) for k, v in tokens.items()}
@@ -152,6 +156,7 @@ def test_tied_embeddings_have_no_output_head():
     assert "head" not in tied and "head" in untied
 
 
+@pytest.mark.slow
 def test_bf16_embedding_gradient_is_accumulated_in_float32():
     # a frequent token's gradient row is a sum over thousands of positions: summed in bf16 it loses most of it
     rng = np.random.default_rng(0)
@@ -185,6 +190,7 @@ def test_remat_policies_that_keep_the_attention_output(remat, count, capsys):
     assert capsys.readouterr().out.count(shape) == count
 
 
+@pytest.mark.slow
 def test_logits_in_chunks_give_the_same_loss_and_gradients_in_less_memory():
     tokens = SyntheticSource(4096, 64, 0).rows(np.arange(8))
     batch = {k: jnp.asarray(v) for k, v in tokens.items()}

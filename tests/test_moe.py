@@ -86,6 +86,7 @@ def _close(a, b, rtol):
     np.testing.assert_allclose(a, b, rtol=0, atol=rtol * scale)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mesh_name", [None] + list(LAYER_MESHES))
 def test_dropless_equals_loop_over_experts_with_gradients(mesh_name):
     graphdef, state = _layer(_layer_cfg())
@@ -109,6 +110,7 @@ def test_dropless_equals_loop_over_experts_with_gradients(mesh_name):
         _close(g, w, 1e-5)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["dropless", "capacity"])
 @pytest.mark.parametrize("changes", [{"embed": None, "mlp": None}, {"experts": "fsdp", "embed": "expert"}],
                          ids=["experts_split_weights_whole", "every_collective_on_another_axis"])
@@ -151,6 +153,7 @@ def _collectives(mesh, graphdef, state, x) -> str:
         return fn.lower(state, x).compile().as_text()
 
 
+@pytest.mark.slow
 def test_expert_axis_exchanges_tokens_by_all_to_all():
     x = jax.random.normal(jax.random.key(1), (8, 16, 32))
     graphdef, state = _layer(_layer_cfg())
@@ -216,6 +219,7 @@ def test_capacity_mode_drops_by_priority_and_dropped_tokens_pass_through(mesh_na
     assert np.all(np.asarray(y)[fully_dropped] == 0.0)  # the block adds nothing: the residual carries them
 
 
+@pytest.mark.slow
 def test_router_weights_and_auxiliary_losses():
     logits = jax.random.normal(jax.random.key(4), (4, 8, E)) * 3
     probs = np.asarray(jax.nn.softmax(logits, axis=-1), np.float64)
@@ -236,6 +240,7 @@ def test_router_weights_and_auxiliary_losses():
     assert float(route(_layer_cfg(), skewed)[2]["aux_loss"]) == pytest.approx(E / K, rel=1e-4)
 
 
+@pytest.mark.slow
 def test_moe_every_second_block_runs_blocks_in_order():
     cfg = tiny_config(model=dict(num_layers=4, num_experts=4, experts_per_token=2, moe_every=2, init_std=0.2)).model
     model = build_model(cfg, 0)
@@ -317,6 +322,7 @@ def single_device_moe_run(tmp_path_factory):
     return workdir, run(tiny_config(dict(fsdp=1), model=MOE), workdir, use_tqdm=False, devices=jax.devices()[:1])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mesh", [dict(data=2, fsdp=2, tensor=2), dict(data=2, fsdp=1, expert=2, tensor=2),
                                   dict(fsdp=2, expert=4)], ids=["expert1", "expert2", "expert4"])
 def test_training_losses_are_the_same_on_every_mesh(mesh, single_device_moe_run, tmp_path):
@@ -328,6 +334,7 @@ def test_training_losses_are_the_same_on_every_mesh(mesh, single_device_moe_run,
     assert wi.sharding.shard_shape(wi.shape)[1] == 4 // mesh.get("expert", 1)  # experts really split
 
 
+@pytest.mark.slow
 def test_routing_metrics_are_logged(single_device_moe_run):
     workdir, _ = single_device_moe_run
     lines = [json.loads(line) for line in open(os.path.join(workdir, "metrics.jsonl"))]
@@ -369,6 +376,7 @@ def _max_loads(coefficient: float, steps: int) -> list[float]:
     return loads
 
 
+@pytest.mark.slow
 def test_auxiliary_loss_moves_the_load_toward_balance():
     with_aux, without = _max_loads(1.0, 20), _max_loads(0.0, 20)
     assert with_aux[0] == without[0] == 2.0  # the skewed start: expert 0 is one of the two choices of every token
@@ -376,6 +384,7 @@ def test_auxiliary_loss_moves_the_load_toward_balance():
     assert np.mean(with_aux[10:]) < 1.35 and np.mean(without[10:]) > 1.9
 
 
+@pytest.mark.slow
 def test_mixtral_tiny_learns_text_with_experts_split_over_two_devices(tmp_path):
     # capacity mode: on a CPU its dense slots cost a fraction of dropless's expanded ragged_dot
     overrides = [("data.path", str(tmp_path / "stdlib-store")), ("train.steps", "60"), ("train.log_every", "20"),

@@ -35,6 +35,7 @@ def one_process(tmp_path_factory):
     return _losses(workdir)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mesh", [["--config.mesh.sequence=2", "--config.mesh.tensor=4", "--config.mesh.fsdp=1"],
                                   ["--config.mesh.data=2", "--config.mesh.fsdp=2", "--config.mesh.tensor=2"]],
                          ids=["sequence_across_processes", "data_across_processes"])
@@ -62,6 +63,7 @@ def test_partial_coordinator_environment_is_an_error(tmp_path):
     assert out.stderr.startswith("error: JAX_COORDINATOR_ADDRESS set but JAX_NUM_PROCESSES, JAX_PROCESS_ID not")
 
 
+@pytest.mark.slow
 def test_a_signal_to_one_process_stops_both_after_the_same_step(tmp_path):
     import re
     import signal

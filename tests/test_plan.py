@@ -5,6 +5,7 @@ import math
 
 import jax
 import numpy as np
+import pytest
 
 from helpers import tiny_config
 from jaxtron.mesh import make_mesh
@@ -45,6 +46,7 @@ def test_collectives_count_loop_iterations_and_result_bytes():
     assert got["collective-permute"]["count"] == 0
 
 
+@pytest.mark.slow
 def test_dry_run_memory_and_collectives_follow_the_mesh():
     fsdp = dry_run(tiny_config(dict(fsdp=8)))
     cfg = tiny_config(dict(fsdp=8))
@@ -164,6 +166,7 @@ def test_plan_cli_rejects_bad_requests(capsys):
     assert "AXIS=SIZE" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_plan_cli_ranks_and_compiles(tmp_path):
     out = tmp_path / "plan.json"
     proc = subprocess.run([sys.executable, "-m", "jaxtron.plan", f"--config={REPO}/configs/default.py", "--gpus=8",

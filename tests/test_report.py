@@ -33,6 +33,7 @@ def _trace_events(workdir):
         return window, json.load(f)["traceEvents"]
 
 
+@pytest.mark.slow
 def test_the_profiler_traces_exactly_the_window(profiled_run):
     window, events = _trace_events(profiled_run)
     assert (window["start_step"], window["end_step"], window["complete"], window["devices"]) == (2, 4, True, 8)
@@ -41,6 +42,7 @@ def test_the_profiler_traces_exactly_the_window(profiled_run):
     assert len(profiling.trace_files(os.path.join(profiled_run, "profile"))) == 1
 
 
+@pytest.mark.slow
 def test_metrics_lines_carry_data_wait_memory_and_compile_time(profiled_run):
     lines = [json.loads(line) for line in open(os.path.join(profiled_run, "metrics.jsonl"))]
     train = [line for line in lines if "step_time_s" in line]

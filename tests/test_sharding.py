@@ -34,6 +34,7 @@ def _flat(tree):
     return {".".join(map(str, path)): v for path, v in nnx.to_flat_state(tree)}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mesh_name", list(MESHES))
 def test_parameters_are_sharded_by_the_rules_from_init(mesh_name):
     cfg = tiny_config(MESHES[mesh_name])
@@ -96,6 +97,7 @@ def test_describe_lists_every_parameter_with_its_physical_sharding():
     assert math.prod(mesh.shape.values()) == 8
 
 
+@pytest.mark.slow
 def test_initialisation_never_materialises_the_full_state_on_one_device():
     cfg = tiny_config(dict(fsdp=8), model=dict(embed_dim=256, mlp_dim=1024, num_layers=4))
     mesh = make_mesh(cfg.check_devices(8))

@@ -32,8 +32,9 @@ def _slurm_up() -> bool:
     return out.returncode == 0 and any(s in ("idle", "mixed", "allocated") for s in out.stdout.split())
 
 
-pytestmark = pytest.mark.skipif(not REQUIRED and not _slurm_up(),
-                                reason="no local Slurm cluster; start one with sudo scripts/slurm/local_cluster.sh")
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(not REQUIRED and not _slurm_up(),
+                                 reason="no local Slurm cluster; start one with sudo scripts/slurm/local_cluster.sh")]
 
 ARGS = [*TINY, "--config.train.steps=5", "--config.checkpoint.every=3"]
 TWO_PROCESSES = ["--config.mesh.data=2", "--config.mesh.fsdp=4"]

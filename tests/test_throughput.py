@@ -174,6 +174,7 @@ def test_packed_rows_count_the_full_causal_row():
     assert flops.flops_breakdown(model, S)["attention_scores"] == 4 * 6 * Q * S
 
 
+@pytest.mark.slow
 def test_compiled_gradient_recomputes_what_the_table_says():
     # XLA's cost analysis of the compiled gradient of the blocks (no logits, XLA attention, which computes the
     # full [s, s] scores: the non-causal count). Each policy adds its recompute over 'none', plus a little

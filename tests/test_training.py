@@ -25,6 +25,7 @@ def single_device_run(tmp_path_factory):
     return run(cfg, str(tmp_path_factory.mktemp("single")), use_tqdm=False, devices=jax.devices()[:1])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mesh_name", list(MESHES))
 def test_losses_match_single_device(mesh_name, single_device_run, tmp_path):
     summary = run(tiny_config(MESHES[mesh_name]), str(tmp_path), use_tqdm=False)
@@ -39,6 +40,7 @@ def test_losses_match_single_device(mesh_name, single_device_run, tmp_path):
         NamedSharding(mesh, logical_to_spec(("layers", "embed", "heads", "head_dim"))), wq.ndim)
 
 
+@pytest.mark.slow
 def test_microbatches_equal_one_large_batch(single_device_run, tmp_path):
     cfg = tiny_config(dict(fsdp=1), train=dict(microbatches=4))
     summary = run(cfg, str(tmp_path), use_tqdm=False, devices=jax.devices()[:1])
@@ -49,6 +51,7 @@ def test_microbatches_equal_one_large_batch(single_device_run, tmp_path):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-4)  # 1% of one lr=1e-2 update
 
 
+@pytest.mark.slow
 def test_accumulated_gradients_equal_large_batch_gradients():
     from jaxtron.data.loader import SyntheticSource
     from jaxtron.training import state as state_lib
@@ -68,12 +71,14 @@ def test_accumulated_gradients_equal_large_batch_gradients():
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5 * np.abs(b).max())
 
 
+@pytest.mark.slow
 def test_microbatches_on_a_sharded_mesh(single_device_run, tmp_path):
     cfg = tiny_config(dict(data=2, fsdp=2, tensor=2), train=dict(microbatches=2))
     np.testing.assert_allclose(_losses(run(cfg, str(tmp_path), use_tqdm=False)), _losses(single_device_run),
                                rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_metrics_file_has_the_contract_fields(single_device_run, tmp_path):
     summary = run(tiny_config(dict(fsdp=8)), str(tmp_path), use_tqdm=False)
     lines = [json.loads(l) for l in open(os.path.join(tmp_path, "metrics.jsonl"))]
@@ -95,6 +100,7 @@ def test_metrics_file_has_the_contract_fields(single_device_run, tmp_path):
     assert json.load(open(os.path.join(tmp_path, "config.json")))["mesh"]["fsdp"] == 8
 
 
+@pytest.mark.slow
 def test_z_loss_changes_the_update_but_not_the_reported_loss(single_device_run, tmp_path):
     cfg = tiny_config(dict(fsdp=1), train=dict(z_loss=1e-1))
     losses = _losses(run(cfg, str(tmp_path), use_tqdm=False, devices=jax.devices()[:1]))
@@ -110,6 +116,7 @@ def _optimizer_and_params(**optimizer):
     return setup.tx, state_lib.init_state(cfg, "xla", None).params
 
 
+@pytest.mark.slow
 def test_weight_decay_shrinks_matrices_but_never_norms():
     tx, params = _optimizer_and_params(learning_rate=1e-2, weight_decay=0.5)
     zeros = jax.tree.map(jax.numpy.zeros_like, params)
@@ -164,6 +171,7 @@ def test_learning_rate_schedule_hits_peak_and_floor_exactly():
     assert float(no_warmup(0)) == pytest.approx(1.0) and float(no_warmup(10)) == pytest.approx(0.0, abs=1e-7)
 
 
+@pytest.mark.slow
 def test_learned_positions_train_on_documents_longer_than_the_position_table(tmp_path):
     """Rows that start inside a long document count positions from the row start: every position is inside the
     learned table, and no step is skipped (document offsets used to reach past it and give NaN losses)."""
