@@ -3,7 +3,7 @@
     PYTHONPATH=. python3 benchmarks/gpu_suite.py --out DIR          # on the GPU machine, from the source tree
     PYTHONPATH=. python3 benchmarks/gpu_suite.py --out DIR --smoke  # the same code paths on a CPU, tiny shapes
 
-Steps, in order, each in its own process with its own time box, each writing its results to DIR before the next
+Steps, in order, each in its own process (``gpu_probes.py``, or pytest) with its own time box, each writing its results to DIR before the next
 starts (a step that fails or runs out of time is recorded and the rest go on):
 
 1. environment: device, memory, driver, jax/jaxlib/CUDA/cuDNN versions, the GPU preset and whether the installed
@@ -31,7 +31,6 @@ import math
 import os
 import platform
 import re
-import shutil
 import signal
 import subprocess
 import sys
@@ -89,138 +88,6 @@ class Step:
     argv: tuple[str, ...]  # the process that runs it
     junit: bool = False  # the process is pytest, writing a JUnit XML report to {result}
     parallel: bool = False  # may run beside other parallel steps (--jobs)
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# The steps' own work, each run as ``gpu_suite.py --worker NAME --result FILE`` in a fresh process.
-
-
-def _environment(smoke: bool) -> dict:
-    import jax
-    import jaxlib
-
-    out = {"python": platform.python_version(), "jax": jax.__version__, "jaxlib": jaxlib.__version__,
-           "backend": jax.default_backend(), "device_count": jax.device_count(),
-           "device_kind": jax.devices()[0].device_kind}
-    stats = jax.devices()[0].memory_stats() or {}
-    out["device_memory_bytes"] = stats.get("bytes_limit")
-    try:
-        from jax._src.lib import cuda_versions  # the CUDA plugin's version queries (None without it)
-    except ImportError:
-        cuda_versions = None
-    for key, query in (("cudnn", "cudnn_get_version"), ("cuda_runtime", "cuda_runtime_get_version"),
-                       ("cuda_driver", "cuda_driver_get_version")):
-        try:
-            out[key] = getattr(cuda_versions, query)() if cuda_versions is not None else None
-        except (AttributeError, RuntimeError) as e:
-            out[key] = f"unknown ({type(e).__name__})"
-    if shutil.which("nvidia-smi"):
-        smi = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total,driver_version,clocks.max.sm,power.limit",
-                              "--format=csv,noheader"], capture_output=True, text=True, timeout=60)
-        out["nvidia_smi"] = smi.stdout.strip() or smi.stderr.strip()
-    out["preset_env"] = {name: os.environ.get(name) for name in gpu_preset.ENV}
-    out["xla_flags"] = os.environ.get("XLA_FLAGS", "")
-    out["xla_flags_unknown"] = gpu_preset.unknown_flags(out["xla_flags"])
-    out["jax_environment"] = jax.print_environment_info(return_string=True)
-    return out
-
-
-def _summary(times: list[float]) -> dict:
-    ordered = sorted(times)
-    return {"best_s": ordered[0], "median_s": ordered[len(ordered) // 2], "repeats": len(times)}
-
-
-def _ceilings(smoke: bool) -> dict:
-    import jax
-    import jax.numpy as jnp
-
-    import mfu
-    from jaxtron.ops import fp8
-
-    size = 512 if smoke else 8192
-    keys = jax.random.split(jax.random.key(1), 4)
-    a, b = (jax.random.normal(k, (size, size), jnp.bfloat16) for k in keys[:2])
-    flops = 2 * size ** 3
-    out = {"matmul_size": size}
-
-    t = _summary(mfu.call_times(jax.jit(jnp.matmul), a, b, repeats=10))
-    out["bf16_matmul"] = {**t, "tflops": flops / t["best_s"] / 1e12}
-
-    # FP8 the way the model runs it: e4m3 operands with per-tensor scales, dequantized right before the dot,
-    # which XLA's GEMM rewriter turns into one cuBLASLt FP8 GEMM on Hopper
-    sa, sb = (fp8.current_scale(x, fp8.E4M3) for x in (a, b))
-    qa, qb = fp8.quantize(a, sa, fp8.E4M3), fp8.quantize(b, sb, fp8.E4M3)
-
-    def fp8_matmul(qa, qb, sa, sb):
-        return jnp.matmul(fp8.dequantize(qa, sa, jnp.bfloat16), fp8.dequantize(qb, sb, jnp.bfloat16))
-
-    fn = jax.jit(fp8_matmul)
-    hlo = fn.lower(qa, qb, sa, sb).compile().as_text()
-    t = _summary(mfu.call_times(fn, qa, qb, sa, sb, repeats=10))
-    out["fp8_matmul"] = {**t, "tflops": flops / t["best_s"] / 1e12,
-                         "cublaslt_fp8_gemm": "__cublas$lt$matmul$f8" in hlo}
-
-    # copy bandwidth: read and write every byte once
-    n = (64 if smoke else 2048) * 2 ** 20 // 2  # bf16 elements: 2 GiB read, 2 GiB written on a GPU
-    x = jax.random.normal(keys[2], (n,), jnp.bfloat16)
-    t = _summary(mfu.call_times(jax.jit(lambda x: x + 1), x, repeats=10))
-    out["hbm_copy"] = {**t, "bytes": 2 * x.nbytes, "tb_per_s": 2 * x.nbytes / t["best_s"] / 1e12}
-    del x
-
-    out["ragged_dot"] = _ragged_dot_probe(smoke)
-    return out
-
-
-def _ragged_dot_probe(smoke: bool) -> dict:
-    """Time of ragged_dot (groups of equal size) over one dense GEMM of the same FLOPs, with XLA's defaults and
-    with each GPU option that may give it a grouped kernel (an option this jaxlib does not know is recorded)."""
-    import jax
-    import jax.numpy as jnp
-
-    import mfu
-
-    groups, rows, k, n = (4, 512, 128, 128) if smoke else (8, 16384, 4096, 4096)
-    keys = jax.random.split(jax.random.key(2), 3)
-    x = jax.random.normal(keys[0], (rows, k), jnp.bfloat16)
-    w = jax.random.normal(keys[1], (groups, k, n), jnp.bfloat16)
-    sizes = jnp.full((groups,), rows // groups, jnp.int32)
-    dense = _summary(mfu.call_times(jax.jit(jnp.matmul), x, w[0], repeats=10))
-    out = {"groups": groups, "shape": [rows, k, n], "dense_gemm_best_s": dense["best_s"]}
-    variants = {"default": {}}
-    if not smoke:
-        variants["xla_gpu_experimental_use_ragged_dot_fusion"] = {"xla_gpu_experimental_use_ragged_dot_fusion": True}
-    for name, options in variants.items():
-        try:
-            fn = jax.jit(jax.lax.ragged_dot).lower(x, w, sizes).compile(compiler_options=options or None)
-            t = _summary(mfu.call_times(fn, x, w, sizes, repeats=10))
-            out[name] = {**t, "over_dense": t["best_s"] / dense["best_s"]}
-        except Exception as e:  # noqa: BLE001  (an option this XLA lacks is a result, not a crash)
-            out[name] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"}
-    return out
-
-
-def _mfu_case(smoke: bool, index: int) -> dict:
-    import mfu
-
-    case = CASES[index]
-    overrides = list(case.smoke() if smoke else case.overrides)
-    row = mfu.bench_one(os.path.join(REPO, case.config), overrides, steps=10, warmup=2)
-    return {"case": case.name, **row}
-
-
-def worker(name: str, result: str, smoke: bool) -> int:
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # benchmarks/mfu.py
-    if name == "environment":
-        out = _environment(smoke)
-    elif name == "ceilings":
-        out = _ceilings(smoke)
-    elif name.startswith("mfu:"):
-        out = _mfu_case(smoke, int(name.split(":")[1]))
-    else:
-        raise SystemExit(f"unknown worker step {name!r}")
-    with open(result, "w") as f:
-        json.dump(out, f, indent=2, default=str)
-    return 0
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -342,15 +209,15 @@ def gpu_test_files() -> list[str]:
 
 
 def plan_steps(smoke: bool, python: str) -> list[Step]:
-    me = os.path.abspath(__file__)
-    worker_argv = (python, me, "--result", "{result}", *(("--smoke",) if smoke else ()), "--worker")
+    probes = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gpu_probes.py")
+    probe_argv = (python, probes, "--result", "{result}", *(("--smoke",) if smoke else ()))
     boxes = {"environment": 60, "ceilings": 90, "gpu tests": 150, "mfu": 150}
-    steps = [Step("environment", boxes["environment"], (*worker_argv, "environment")),
-             Step("ceilings", boxes["ceilings"], (*worker_argv, "ceilings")),
+    steps = [Step("environment", boxes["environment"], (*probe_argv, "environment")),
+             Step("ceilings", boxes["ceilings"], (*probe_argv, "ceilings")),
              Step("gpu tests", boxes["gpu tests"],
                   (python, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider", "-o", "addopts=",
                    "--junitxml={result}", *gpu_test_files()), junit=True)]
-    steps += [Step(f"mfu: {c.name}", boxes["mfu"], (*worker_argv, f"mfu:{i}"), parallel=True)
+    steps += [Step(f"mfu: {c.name}", boxes["mfu"], (*probe_argv, f"mfu:{i}"), parallel=True)
               for i, c in enumerate(CASES)]
     return steps
 
@@ -511,11 +378,7 @@ def main(argv: list[str]) -> int:
                         help="MFU cases run at a time (default 1; smoke: 2, the CPU's cores compile side by side)")
     parser.add_argument("--commit", default=None, help="the commit to record when the tree has no .git")
     parser.add_argument("--wheels", default=os.path.join(REPO, ".whl"), help="folder of wheels to install first")
-    parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
-    parser.add_argument("--result", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    if args.worker:
-        return worker(args.worker, args.result, args.smoke)
     if not args.out:
         print("error: --out DIR is required: the folder that receives the results.", file=sys.stderr)
         return 2

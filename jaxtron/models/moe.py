@@ -142,10 +142,11 @@ def experts_local(x: jax.Array, ids: jax.Array, weights: jax.Array, gate: jax.Ar
     if axes.embed:  # weights gathered to their whole hidden width (their gradients are reduce-scattered back)
         gate, up = (jax.lax.all_gather(w, axes.embed, axis=1, tiled=True) for w in (gate, up))
         down = jax.lax.all_gather(down, axes.embed, axis=2, tiled=True)
+    ep = jax.lax.axis_size(axes.experts) if axes.experts else 1  # expert shards
     if row_capacity is None:
-        out = _dropless(x.reshape(b * t, d), ids.reshape(-1), gate, up, down, num_experts, axes.experts)
+        out = _dropless(x.reshape(b * t, d), ids.reshape(-1), gate, up, down, num_experts, axes.experts, ep)
     else:
-        out = _with_capacity(x, ids, gate, up, down, num_experts, min(row_capacity, t), axes.experts)
+        out = _with_capacity(x, ids, gate, up, down, num_experts, min(row_capacity, t), axes.experts, ep)
     out = out.reshape(b * t, ids.shape[-1], d)  # [token, choice, d]
     y = jnp.einsum("nkd,nk->nd", out, weights.reshape(b * t, -1).astype(out.dtype))
     if axes.mlp:
@@ -153,11 +154,10 @@ def experts_local(x: jax.Array, ids: jax.Array, weights: jax.Array, gate: jax.Ar
     return y.reshape(b, t, d)
 
 
-def _dropless(tokens, ids, gate, up, down, num_experts: int, expert_axes: tuple[str, ...]) -> jax.Array:
+def _dropless(tokens, ids, gate, up, down, num_experts: int, expert_axes: tuple[str, ...], ep: int) -> jax.Array:
     """Assignments sorted by expert, one grouped GEMM (ragged_dot) per matrix; -> outputs [n * k, d] in
-    assignment order. With the experts split over ``expert_axes`` each destination shard gets a buffer of all
-    n * k rows (the worst case)."""
-    ep = jax.lax.axis_size(expert_axes) if expert_axes else 1
+    assignment order. With the experts split over ``expert_axes`` (``ep`` shards) each destination shard gets a
+    buffer of all n * k rows (the worst case)."""
     k = ids.shape[0] // tokens.shape[0]
     order = jnp.argsort(ids, stable=True)  # dropped ids (none in dropless mode) would sort last
     sorted_ids = ids[order]
@@ -195,13 +195,13 @@ def _exchange_sorted(rows, sorted_ids, counts, gate, up, down, expert_axes: tupl
     return jnp.where((sorted_ids < local_experts * ep)[:, None], back[shard, index], 0)
 
 
-def _with_capacity(x, ids, gate, up, down, num_experts: int, slots: int, expert_axes: tuple[str, ...]) -> jax.Array:
+def _with_capacity(x, ids, gate, up, down, num_experts: int, slots: int, expert_axes: tuple[str, ...],
+                   ep: int) -> jax.Array:
     """Capacity mode: every expert has ``slots`` fixed places per local row; kept assignments are scattered
     into them, the slots of each expert shard are exchanged as one block, and each expert runs one dense
     batched GEMM over its slots. -> outputs [b * t * k, d] in assignment order (zeros for dropped ones)."""
     b, t, d = x.shape
     k = ids.shape[-1]
-    ep = jax.lax.axis_size(expert_axes) if expert_axes else 1
     kept = ids < num_experts
     # rank within this device's part of the row: at most min(capacity, t) since the router kept at most
     # capacity per row and a token visits an expert once

@@ -1,0 +1,163 @@
+"""The measurements of benchmarks/gpu_suite.py's steps, each run in a fresh process by the suite:
+
+    python benchmarks/gpu_probes.py --result FILE [--smoke] environment|ceilings|mfu:<case index>
+
+writes the step's results as JSON to FILE. Only these processes import jax and touch the GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [os.path.dirname(HERE), HERE]  # the source tree, and benchmarks/mfu.py
+
+from gpu_suite import CASES, REPO  # noqa: E402
+from jaxtron import gpu_preset  # noqa: E402
+
+
+
+
+def _environment(smoke: bool) -> dict:
+    import jax
+    import jaxlib
+
+    out = {"python": platform.python_version(), "jax": jax.__version__, "jaxlib": jaxlib.__version__,
+           "backend": jax.default_backend(), "device_count": jax.device_count(),
+           "device_kind": jax.devices()[0].device_kind}
+    stats = jax.devices()[0].memory_stats() or {}
+    out["device_memory_bytes"] = stats.get("bytes_limit")
+    try:
+        from jax._src.lib import cuda_versions  # the CUDA plugin's version queries (None without it)
+    except ImportError:
+        cuda_versions = None
+    for key, query in (("cudnn", "cudnn_get_version"), ("cuda_runtime", "cuda_runtime_get_version"),
+                       ("cuda_driver", "cuda_driver_get_version")):
+        try:
+            out[key] = getattr(cuda_versions, query)() if cuda_versions is not None else None
+        except (AttributeError, RuntimeError) as e:
+            out[key] = f"unknown ({type(e).__name__})"
+    if shutil.which("nvidia-smi"):
+        smi = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total,driver_version,clocks.max.sm,power.limit",
+                              "--format=csv,noheader"], capture_output=True, text=True, timeout=60)
+        out["nvidia_smi"] = smi.stdout.strip() or smi.stderr.strip()
+    out["preset_env"] = {name: os.environ.get(name) for name in gpu_preset.ENV}
+    out["xla_flags"] = os.environ.get("XLA_FLAGS", "")
+    out["xla_flags_unknown"] = gpu_preset.unknown_flags(out["xla_flags"])
+    out["jax_environment"] = jax.print_environment_info(return_string=True)
+    return out
+
+
+def _summary(times: list[float]) -> dict:
+    ordered = sorted(times)
+    return {"best_s": ordered[0], "median_s": ordered[len(ordered) // 2], "repeats": len(times)}
+
+
+def _ceilings(smoke: bool) -> dict:
+    import jax
+    import jax.numpy as jnp
+
+    import mfu
+    from jaxtron.ops import fp8
+
+    size = 512 if smoke else 8192
+    keys = jax.random.split(jax.random.key(1), 4)
+    a, b = (jax.random.normal(k, (size, size), jnp.bfloat16) for k in keys[:2])
+    flops = 2 * size ** 3
+    out = {"matmul_size": size}
+
+    t = _summary(mfu.call_times(jax.jit(jnp.matmul), a, b, repeats=10))
+    out["bf16_matmul"] = {**t, "tflops": flops / t["best_s"] / 1e12}
+
+    # FP8 the way the model runs it: e4m3 operands with per-tensor scales, dequantized right before the dot,
+    # which XLA's GEMM rewriter turns into one cuBLASLt FP8 GEMM on Hopper
+    sa, sb = (fp8.current_scale(x, fp8.E4M3) for x in (a, b))
+    qa, qb = fp8.quantize(a, sa, fp8.E4M3), fp8.quantize(b, sb, fp8.E4M3)
+
+    def fp8_matmul(qa, qb, sa, sb):
+        return jnp.matmul(fp8.dequantize(qa, sa, jnp.bfloat16), fp8.dequantize(qb, sb, jnp.bfloat16))
+
+    fn = jax.jit(fp8_matmul)
+    hlo = fn.lower(qa, qb, sa, sb).compile().as_text()
+    t = _summary(mfu.call_times(fn, qa, qb, sa, sb, repeats=10))
+    out["fp8_matmul"] = {**t, "tflops": flops / t["best_s"] / 1e12,
+                         "cublaslt_fp8_gemm": "__cublas$lt$matmul$f8" in hlo}
+
+    # copy bandwidth: read and write every byte once
+    n = (64 if smoke else 2048) * 2 ** 20 // 2  # bf16 elements: 2 GiB read, 2 GiB written on a GPU
+    x = jax.random.normal(keys[2], (n,), jnp.bfloat16)
+    t = _summary(mfu.call_times(jax.jit(lambda x: x + 1), x, repeats=10))
+    out["hbm_copy"] = {**t, "bytes": 2 * x.nbytes, "tb_per_s": 2 * x.nbytes / t["best_s"] / 1e12}
+    del x
+
+    out["ragged_dot"] = _ragged_dot_probe(smoke)
+    return out
+
+
+def _ragged_dot_probe(smoke: bool) -> dict:
+    """Time of ragged_dot (groups of equal size) over one dense GEMM of the same FLOPs, with XLA's defaults and
+    with each GPU option that may give it a grouped kernel (an option this jaxlib does not know is recorded)."""
+    import jax
+    import jax.numpy as jnp
+
+    import mfu
+
+    groups, rows, k, n = (4, 512, 128, 128) if smoke else (8, 16384, 4096, 4096)
+    keys = jax.random.split(jax.random.key(2), 3)
+    x = jax.random.normal(keys[0], (rows, k), jnp.bfloat16)
+    w = jax.random.normal(keys[1], (groups, k, n), jnp.bfloat16)
+    sizes = jnp.full((groups,), rows // groups, jnp.int32)
+    dense = _summary(mfu.call_times(jax.jit(jnp.matmul), x, w[0], repeats=10))
+    out = {"groups": groups, "shape": [rows, k, n], "dense_gemm_best_s": dense["best_s"]}
+    variants = {"default": {}}
+    if not smoke:
+        variants["xla_gpu_experimental_use_ragged_dot_fusion"] = {"xla_gpu_experimental_use_ragged_dot_fusion": True}
+    for name, options in variants.items():
+        try:
+            fn = jax.jit(jax.lax.ragged_dot).lower(x, w, sizes).compile(compiler_options=options or None)
+            t = _summary(mfu.call_times(fn, x, w, sizes, repeats=10))
+            out[name] = {**t, "over_dense": t["best_s"] / dense["best_s"]}
+        except Exception as e:  # noqa: BLE001  (an option this XLA lacks is a result, not a crash)
+            out[name] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"}
+    return out
+
+
+def _mfu_case(smoke: bool, index: int) -> dict:
+    import mfu
+
+    case = CASES[index]
+    overrides = list(case.smoke() if smoke else case.overrides)
+    row = mfu.bench_one(os.path.join(REPO, case.config), overrides, steps=10, warmup=2)
+    return {"case": case.name, **row}
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="benchmarks/gpu_probes.py", description=__doc__.split("\n")[0])
+    parser.add_argument("step", help="environment, ceilings or mfu:<index into gpu_suite.CASES>")
+    parser.add_argument("--result", required=True, help="JSON file for the results")
+    parser.add_argument("--smoke", action="store_true", help="tiny shapes, for a CPU")
+    args = parser.parse_args(argv)
+    name, smoke = args.step, args.smoke
+    if name == "environment":
+        out = _environment(smoke)
+    elif name == "ceilings":
+        out = _ceilings(smoke)
+    elif name.startswith("mfu:"):
+        out = _mfu_case(smoke, int(name.split(":")[1]))
+    else:
+        parser.error(f"unknown step {name!r}")
+    with open(args.result, "w") as f:
+        json.dump(out, f, indent=2, default=str)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
+
+
