@@ -11,7 +11,7 @@ DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "confi
 
 
 def parse_args(argv: list[str]):
-    from jaxtron.config_loader import load_config, split_overrides
+    from jaxtron.config.loader import load_config, split_overrides
 
     spec, overrides, rest = split_overrides(argv)
     parser = argparse.ArgumentParser(
@@ -32,12 +32,12 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S")
     logging.getLogger("jax._src.xla_bridge").setLevel(logging.WARNING)  # "no TPU found" is not news
     logging.getLogger("absl").setLevel(logging.WARNING)  # orbax logs every file operation at INFO
-    from jaxtron.config import ConfigError
+    from jaxtron.config.schema import ConfigError
 
     try:
         cfg, args = parse_args(sys.argv[1:] if argv is None else argv)
-        from jaxtron import distributed
-        distributed.initialize(cfg.distributed)  # before anything asks jax about devices
+        from jaxtron.parallel import launch
+        launch.initialize(cfg.distributed)  # before anything asks jax about devices
         import jax
         if jax.process_index() != 0:
             logging.getLogger().setLevel(logging.WARNING)
@@ -49,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: {e}", file=sys.stderr)
             return NONFINITE_EXIT_CODE
         finally:
-            distributed.finish()  # all processes leave together
+            launch.finish()  # all processes leave together
         if summary.get("preempted"):
             return PREEMPTED_EXIT_CODE
     except ConfigError as e:

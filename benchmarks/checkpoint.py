@@ -31,11 +31,11 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from jaxtron import integrity  # noqa: E402
-from jaxtron.checkpoint import Checkpointer  # noqa: E402
-from jaxtron.config import ConfigError  # noqa: E402
-from jaxtron.config_loader import load_config, split_overrides  # noqa: E402
-from jaxtron.mesh import make_mesh  # noqa: E402
+from jaxtron.checkpoint import integrity  # noqa: E402
+from jaxtron.checkpoint.train_state import Checkpointer  # noqa: E402
+from jaxtron.config.schema import ConfigError  # noqa: E402
+from jaxtron.config.loader import load_config, split_overrides  # noqa: E402
+from jaxtron.parallel.mesh import make_mesh  # noqa: E402
 from jaxtron.metrics.flops import param_count  # noqa: E402
 from jaxtron.training import state as state_lib  # noqa: E402
 from jaxtron.training.loop import save_checkpoint  # noqa: E402

@@ -22,8 +22,8 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from jaxtron.hf import llama  # noqa: E402
-from jaxtron.hf import safetensors as st  # noqa: E402
+from jaxtron.interop.hf import llama  # noqa: E402
+from jaxtron.interop.hf import safetensors as st  # noqa: E402
 
 
 def write_model(directory: str, hidden: int, layers: int, vocab: int) -> tuple[int, int]:
@@ -63,7 +63,7 @@ def main() -> int:
         os.makedirs(hf_dir)
         total, largest = write_model(hf_dir, args.hidden, args.layers, args.vocab)
         # the child imports everything first, reports its baseline, then converts
-        code = ("import sys, time; from jaxtron import convert; import jax, orbax.checkpoint; "
+        code = ("import sys, time; from jaxtron.interop import convert; import jax, orbax.checkpoint; "
                 "print('ready', flush=True); sys.stdin.readline(); convert.from_hf(sys.argv[1], sys.argv[2])")
         child = subprocess.Popen([sys.executable, "-c", code, hf_dir, out_dir], stdin=subprocess.PIPE,
                                  stdout=subprocess.PIPE, text=True,

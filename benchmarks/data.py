@@ -34,13 +34,13 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
-from jaxtron.config import ConfigError  # noqa: E402
+from jaxtron.config.schema import ConfigError  # noqa: E402
 from jaxtron.data.corpus import stdlib_files  # noqa: E402
 from jaxtron.data.loader import BatchIterator  # noqa: E402
 from jaxtron.data.packing import PackedSplit  # noqa: E402
 from jaxtron.data.prepare import prepare  # noqa: E402
 from jaxtron.data.store import TokenStore  # noqa: E402
-from jaxtron.mesh import make_mesh  # noqa: E402
+from jaxtron.parallel.mesh import make_mesh  # noqa: E402
 
 
 def train_bpe(files: list[str], path: str, vocab: int = 4096) -> str:
@@ -87,7 +87,7 @@ import json, os, resource, sys, time
 sys.path.insert(0, sys.argv[1])
 import jax
 import numpy as np
-from jaxtron.config_loader import from_mapping
+from jaxtron.config.loader import from_mapping
 from jaxtron.data.loader import make_sources
 rank, count = int(sys.argv[3]), int(sys.argv[4])
 jax.process_index, jax.process_count = (lambda: rank), (lambda: count)

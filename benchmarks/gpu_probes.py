@@ -19,7 +19,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [os.path.dirname(HERE), HERE]  # the source tree, and benchmarks/mfu.py
 
 from gpu_suite import CASES, REPO  # noqa: E402
-from jaxtron import gpu_preset  # noqa: E402
+from jaxtron.ops import gpu_preset  # noqa: E402
 
 
 

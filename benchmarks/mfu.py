@@ -27,15 +27,15 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from jaxtron import gpu_preset  # noqa: E402
-from jaxtron.config import ConfigError  # noqa: E402
-from jaxtron.config_loader import load_config, split_overrides  # noqa: E402
+from jaxtron.ops import gpu_preset  # noqa: E402
+from jaxtron.config.schema import ConfigError  # noqa: E402
+from jaxtron.config.loader import load_config, split_overrides  # noqa: E402
 from jaxtron.data.loader import SyntheticSource, global_batch  # noqa: E402
-from jaxtron.mesh import make_mesh  # noqa: E402
+from jaxtron.parallel.mesh import make_mesh  # noqa: E402
 from jaxtron.metrics.flops import param_count  # noqa: E402
 from jaxtron.metrics.throughput import Throughput  # noqa: E402
 from jaxtron.ops.attention import resolve_implementation  # noqa: E402
-from jaxtron.sharding import batch_sharding  # noqa: E402
+from jaxtron.parallel.sharding import batch_sharding, shard_count  # noqa: E402
 from jaxtron.training import state as state_lib  # noqa: E402
 from jaxtron.training.preemption import StopVotes  # noqa: E402
 from jaxtron.training.step import compile_train_step  # noqa: E402
@@ -72,7 +72,8 @@ def bench_one(spec: str, overrides, steps: int, warmup: int) -> dict:
     sizes = cfg.check_devices(len(devices))
     mesh = make_mesh(sizes, devices)
     impl = resolve_implementation(cfg.model.attention, jnp.dtype(cfg.model.dtype),
-                                            cfg.model.resolved_head_dim, sizes["sequence"])
+                                  cfg.model.resolved_head_dim,
+                                  shard_count(sizes, "activation_length"))
     t = cfg.train
     source = SyntheticSource(cfg.model.vocab_size, cfg.data.seq_len, t.seed)
     with jax.set_mesh(mesh):

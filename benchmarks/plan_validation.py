@@ -37,7 +37,7 @@ TOLERANCE = 0.15
 
 def compile_one(config: str, devices: int, overrides: list[str]) -> dict:
     """Runs the dry run in a fresh process with ``devices`` fake CPU devices; returns its numbers."""
-    code = ("import json, sys; from jaxtron.config_loader import load_config; "
+    code = ("import json, sys; from jaxtron.config.loader import load_config; "
             "from jaxtron.planning.dry_run import dry_run; "
             "cfg = load_config(sys.argv[1], [tuple(a.split('=', 1)) for a in sys.argv[2:]]); r = dry_run(cfg); "
             "print(json.dumps(dict(peak=r.peak_bytes, arguments=r.argument_bytes, temp=r.temp_bytes, "
@@ -53,7 +53,7 @@ def main() -> int:
     parser.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "plan_validation.md"))
     args = parser.parse_args()
     sys.path.insert(0, ROOT)
-    from jaxtron.config_loader import load_config
+    from jaxtron.config.loader import load_config
     from jaxtron.planning.estimate import estimate
     from jaxtron.planning.gpus import gpu
 

@@ -1,78 +1,8 @@
-"""Score token ids with a jaxtron model: the float32 logits of a forward pass, to compare with another implementation.
+"""`python -m jaxtron.score`: logits of converted or trained parameters on given token ids (the code lives in `jaxtron/interop/score.py`)."""
 
-    python -m jaxtron.score --checkpoint DIR --tokens TOKENS.npy --output LOGITS.npy [--dtype float32]
-
-DIR is a converted model (``python -m jaxtron.convert from-hf``) or a training run's workdir (its latest
-checkpoint). TOKENS.npy holds int token ids of shape [batch, length]; LOGITS.npy receives float32 logits of
-shape [batch, length, vocab]. Runs on one device, in float32 unless --dtype says otherwise.
-"""
-
-from __future__ import annotations
-
-import argparse
-import dataclasses
-import logging
 import sys
 
-import numpy as np
-
-from jaxtron.config import ConfigError, ModelConfig
-
-
-def read_tokens(path: str, cfg: ModelConfig) -> np.ndarray:
-    """int32 [batch, length] token ids from a .npy file; ConfigError for anything else."""
-    try:
-        tokens = np.load(path, allow_pickle=False)
-    except (OSError, ValueError) as e:
-        raise ConfigError(f"--tokens '{path}' is not a readable .npy array ({e}).") from None
-    if tokens.ndim != 2 or not np.issubdtype(tokens.dtype, np.integer) or tokens.size == 0:
-        raise ConfigError(f"--tokens '{path}' holds a {tokens.dtype} array of shape {tokens.shape}; it must be "
-                          "integer token ids of shape [batch, length].")
-    if tokens.min() < 0 or tokens.max() >= cfg.vocab_size:
-        raise ConfigError(f"--tokens '{path}' has ids from {tokens.min()} to {tokens.max()}, outside the model's "
-                          f"vocabulary of {cfg.vocab_size}.")
-    if tokens.shape[1] > cfg.max_seq_len:
-        raise ConfigError(f"--tokens '{path}' has length {tokens.shape[1]}, beyond the model's max_seq_len "
-                          f"{cfg.max_seq_len}.")
-    return tokens.astype(np.int32)
-
-
-def score(checkpoint: str, tokens_path: str, dtype: str = "float32") -> np.ndarray:
-    import jax
-    from flax import nnx
-
-    from jaxtron.convert import load
-    from jaxtron.models import build_model
-    from jaxtron.params_store import nest
-    cfg, params = load(checkpoint)
-    cfg = dataclasses.replace(cfg, dtype=dtype, remat="none")
-    tokens = read_tokens(tokens_path, cfg)
-    model = build_model(cfg, 0)
-    state = nnx.state(model, nnx.Param)
-    nnx.replace_by_pure_dict(state, nest(params))
-    graphdef = nnx.graphdef(model)
-    forward = jax.jit(lambda state, tokens: nnx.merge(graphdef, state)(tokens))
-    return np.asarray(forward(state, tokens), dtype=np.float32)
-
-
-def main(argv: list[str] | None = None) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S")
-    logging.getLogger("absl").setLevel(logging.WARNING)
-    parser = argparse.ArgumentParser(prog="python -m jaxtron.score", description=__doc__.split("\n")[0])
-    parser.add_argument("--checkpoint", required=True, help="converted model or training workdir")
-    parser.add_argument("--tokens", required=True, help=".npy of int token ids [batch, length]")
-    parser.add_argument("--output", required=True, help=".npy file for float32 logits [batch, length, vocab]")
-    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="compute dtype")
-    args = parser.parse_args(argv)
-    try:
-        logits = score(args.checkpoint, args.tokens, args.dtype)
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    np.save(args.output, logits)
-    logging.info("wrote %s: float32 logits of shape %s", args.output, logits.shape)
-    return 0
-
+from jaxtron.interop.score import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from jaxtron.config import Config, DataConfig, MeshConfig, ModelConfig, OptimizerConfig, TrainConfig
+from jaxtron.config.schema import Config, DataConfig, MeshConfig, ModelConfig, OptimizerConfig, TrainConfig
 
 MESHES = {
     "data8": dict(data=8, fsdp=1),

@@ -15,8 +15,8 @@ from flax import nnx
 
 from conftest import REPO
 from helpers import tiny_config
-from jaxtron.checkpoint import CHECKPOINT_DIR, Checkpointer, CheckpointError
-from jaxtron.mesh import make_mesh
+from jaxtron.checkpoint.train_state import CHECKPOINT_DIR, Checkpointer, CheckpointError
+from jaxtron.parallel.mesh import make_mesh
 from jaxtron.training import state as state_lib
 from jaxtron.training.loop import run
 from jaxtron.training.preemption import PREEMPTED_EXIT_CODE

@@ -14,8 +14,8 @@ import textwrap
 import jax.numpy as jnp
 import pytest
 
-from jaxtron.config import Config, ConfigError, DataConfig, MeshConfig, ModelConfig, OptimizerConfig, TrainConfig
-from jaxtron.config_loader import load_config, parse_value, split_overrides
+from jaxtron.config.schema import Config, ConfigError, DataConfig, MeshConfig, ModelConfig, OptimizerConfig, TrainConfig
+from jaxtron.config.loader import load_config, parse_value, split_overrides
 from jaxtron.ops.attention import resolve_implementation
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

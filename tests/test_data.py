@@ -14,7 +14,7 @@ import pytest
 from conftest import REPO
 from helpers import tiny_config
 
-from jaxtron.config import ConfigError
+from jaxtron.config.schema import ConfigError
 from jaxtron.data.errors import DataError
 from jaxtron.data.loader import BatchIterator, LocalBatch, _local_indices, global_batch, make_sources
 from jaxtron.data.packing import Mixture, PackedSplit
@@ -22,8 +22,8 @@ from jaxtron.data.prepare import main as prepare_main
 from jaxtron.data.prepare import prepare
 from jaxtron.data.store import StoreWriter, TokenStore
 from jaxtron.data.tokenizers import load_tokenizer
-from jaxtron.mesh import make_mesh
-from jaxtron.sharding import batch_sharding
+from jaxtron.parallel.mesh import make_mesh
+from jaxtron.parallel.sharding import batch_sharding
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
 WORDS = ["alpha", "beta", "gamma", "delta", "token", "store", "pack", "window", "shard", "jax", "héllo", "wörld"]
@@ -446,7 +446,7 @@ sys.path.insert(0, {tests!r})
 import conftest  # 8 fake CPU devices, before jax
 from helpers import tiny_config
 from jaxtron.data.loader import BatchIterator, make_sources
-from jaxtron.mesh import make_mesh
+from jaxtron.parallel.mesh import make_mesh
 sections, step, count, out = json.loads(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
 cfg = tiny_config(**sections)
 mesh = make_mesh(dict(data=2, fsdp=2, sequence=2, expert=1, tensor=1))

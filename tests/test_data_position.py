@@ -9,7 +9,7 @@ import jax
 import pytest
 
 from helpers import tiny_config
-from jaxtron.config import DataConfig
+from jaxtron.config.schema import DataConfig
 from jaxtron.data import position as position_lib
 from jaxtron.data.errors import DataError
 from jaxtron.data.loader import SyntheticSource

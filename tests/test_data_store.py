@@ -20,7 +20,7 @@ from jaxtron.data.prepare import prepare
 from jaxtron.data.store import MANIFEST, StoreWriter, TokenStore
 from jaxtron.data.store import main as store_main
 from jaxtron.data.tokenizers import load_tokenizer
-from jaxtron.mesh import make_mesh
+from jaxtron.parallel.mesh import make_mesh
 from jaxtron.training.loop import batch_limits
 
 

@@ -9,7 +9,7 @@ import pytest
 from flax import nnx
 
 from helpers import tiny_config
-from jaxtron.checkpoint import CHECKPOINT_DIR
+from jaxtron.checkpoint.train_state import CHECKPOINT_DIR
 from jaxtron.data.loader import SyntheticSource
 from jaxtron.training import loop as loop_lib
 from jaxtron.training import state as state_lib
@@ -108,7 +108,7 @@ def test_skipped_steps_warn_stop_by_default_and_the_logged_learning_rate_is_the_
                                                                                           caplog):
     import json
 
-    from jaxtron.config import TrainConfig
+    from jaxtron.config.schema import TrainConfig
     from jaxtron.training.optimizer import learning_rate_schedule
     limit = TrainConfig().max_nonfinite_in_row
     assert limit == 5  # stopping is the default, after a small number of skipped steps in a row
@@ -230,7 +230,7 @@ def test_a_stalled_input_batch_is_reported_in_a_real_run(tmp_path, monkeypatch, 
 
 @pytest.mark.slow
 def test_a_state_that_is_not_finite_is_flagged_by_the_step_and_never_saved(tmp_path):
-    from jaxtron.checkpoint import Checkpointer
+    from jaxtron.checkpoint.train_state import Checkpointer
     cfg = tiny_config()
     setup = state_lib.setup(cfg, "xla")
     step = jax.jit(lambda s, b: train_step(setup, s, b))

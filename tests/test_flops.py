@@ -11,7 +11,7 @@ import struct
 
 import pytest
 
-from jaxtron.config import ModelConfig
+from jaxtron.config.schema import ModelConfig
 from jaxtron.metrics import flops, hardware
 from jaxtron.metrics.writers import MetricsWriter, format_line
 

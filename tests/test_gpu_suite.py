@@ -12,7 +12,7 @@ import zipfile
 import pytest
 
 from conftest import REPO
-from jaxtron.config_loader import load_config
+from jaxtron.config.loader import load_config
 from jaxtron.planning.estimate import estimate
 from jaxtron.planning.gpus import gpu
 

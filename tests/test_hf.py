@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 
 from conftest import REPO
-from jaxtron import convert, score
-from jaxtron.config_loader import load_config
-from jaxtron.hf import llama
-from jaxtron.hf import safetensors as st
+from jaxtron.interop import convert, score
+from jaxtron.config.loader import load_config
+from jaxtron.interop.hf import llama
+from jaxtron.interop.hf import safetensors as st
 
 FIXTURES = os.path.join(REPO, "tests", "fixtures", "hf")
 MODELS = ("llama", "llama_tied", "mixtral")
@@ -230,8 +230,8 @@ def test_init_from_a_missing_or_mismatched_checkpoint_is_one_sentence(imported, 
     import subprocess
     import sys
 
-    from jaxtron.checkpoint import CheckpointError
-    from jaxtron.params_store import restore_params
+    from jaxtron.checkpoint.train_state import CheckpointError
+    from jaxtron.checkpoint.params import restore_params
     with pytest.raises(CheckpointError, match="holds neither params/"):
         restore_params(str(tmp_path / "none"), None, None)
     # through train.py: parameters of another model are refused in one line, exit 2

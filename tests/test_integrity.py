@@ -17,10 +17,10 @@ from flax import nnx
 
 from conftest import REPO
 from helpers import tiny_config
-from jaxtron import integrity
-from jaxtron.checkpoint import CHECKPOINT_DIR, Checkpointer, CheckpointError, main as checkpoint_cli
-from jaxtron.mesh import make_mesh
-from jaxtron.params_store import restore_params
+from jaxtron.checkpoint import integrity
+from jaxtron.checkpoint.train_state import CHECKPOINT_DIR, Checkpointer, CheckpointError, main as checkpoint_cli
+from jaxtron.parallel.mesh import make_mesh
+from jaxtron.checkpoint.params import restore_params
 from jaxtron.training import state as state_lib
 from jaxtron.training.loop import run
 

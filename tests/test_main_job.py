@@ -7,7 +7,7 @@ import jax
 import pytest
 
 from conftest import REPO
-from jaxtron.config_loader import load_config
+from jaxtron.config.loader import load_config
 from jaxtron.data.corpus import stdlib_files, unigram_entropy
 from jaxtron.data.store import MANIFEST, TokenStore
 from jaxtron.training.loop import run

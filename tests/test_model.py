@@ -11,10 +11,10 @@ from flax import nnx
 
 from conftest import REPO
 from helpers import tiny_config
-from jaxtron.config import ModelConfig
-from jaxtron.config_loader import load_config
+from jaxtron.config.schema import ModelConfig
+from jaxtron.config.loader import load_config
 from jaxtron.data.loader import SyntheticSource
-from jaxtron.mesh import make_mesh
+from jaxtron.parallel.mesh import make_mesh
 from jaxtron.metrics.flops import param_count
 from jaxtron.models import build_model
 from jaxtron.models.layers import apply_rope, rope_frequencies
@@ -218,7 +218,7 @@ def test_logits_in_chunks_give_the_same_loss_and_gradients_in_less_memory():
 def test_rope_angles_stay_accurate_for_every_position_a_row_can_hold():
     """Positions restart at each row's start, so RoPE sees positions below data.seq_len <= model.max_seq_len;
     there the float32 rotation matches a float64 one to 1e-3 (at a document offset of 1e6 it was off by 0.07)."""
-    from jaxtron.config import ModelConfig
+    from jaxtron.config.schema import ModelConfig
     from jaxtron.models.layers import apply_rope, rope_frequencies
     cfg = ModelConfig(embed_dim=4096, num_heads=32, rope_theta=500_000.0, max_seq_len=8192)
     dim = cfg.resolved_head_dim

@@ -14,13 +14,13 @@ from flax import nnx
 
 from conftest import REPO
 from helpers import tiny_config
-from jaxtron.config import ConfigError, ModelConfig
-from jaxtron.config_loader import load_config
+from jaxtron.config.schema import ConfigError, ModelConfig
+from jaxtron.config.loader import load_config
 from jaxtron.data.loader import SyntheticSource
-from jaxtron.mesh import make_mesh
+from jaxtron.parallel.mesh import make_mesh
 from jaxtron.metrics import flops
 from jaxtron.models import build_model
-from jaxtron import sharding
+from jaxtron.parallel import sharding
 from jaxtron.models.moe import ExpertAxes, MoE, capacity, route
 from jaxtron.training import state as state_lib
 from jaxtron.training.loop import run

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from helpers import tiny_config
-from jaxtron.mesh import make_mesh
+from jaxtron.parallel.mesh import make_mesh
 from jaxtron.metrics.collectives import collectives
 from jaxtron.planning.dry_run import dry_run
 from jaxtron.training import state as state_lib
@@ -79,8 +79,8 @@ import sys  # noqa: E402
 import pytest  # noqa: E402
 
 from conftest import REPO  # noqa: E402
-from jaxtron import plan as plan_cli  # noqa: E402
-from jaxtron.config_loader import load_config  # noqa: E402
+from jaxtron.planning import cli as plan_cli  # noqa: E402
+from jaxtron.config.loader import load_config  # noqa: E402
 from jaxtron.planning import search  # noqa: E402
 from jaxtron.planning.estimate import estimate  # noqa: E402
 from jaxtron.planning.gpus import gpu  # noqa: E402

@@ -10,8 +10,8 @@ import matplotlib.image
 import pytest
 
 from helpers import tiny_config
-from jaxtron import report
-from jaxtron.config import ConfigError, ProfileConfig
+from jaxtron.metrics import report
+from jaxtron.config.schema import ConfigError, ProfileConfig
 from jaxtron.metrics import summary as summary_lib
 from jaxtron.metrics.plots import write_plots
 from jaxtron.training import profiling
@@ -186,7 +186,7 @@ def test_report_flags_skipped_steps(tmp_path, capsys):
 def test_report_states_the_flop_weighted_peak_of_fp8_runs(tmp_path, capsys):
     import dataclasses
 
-    from jaxtron.config import ModelConfig
+    from jaxtron.config.schema import ModelConfig
 
     h, q, k, f, s, layers, vocab = 64, 64, 32, 128, 32, 4, 256
     model = ModelConfig(vocab_size=vocab, embed_dim=h, num_layers=layers, num_heads=4, num_kv_heads=2, mlp_dim=f,

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from conftest import REPO
-from jaxtron.distributed import PEER_LOST_EXIT_CODE
+from jaxtron.parallel.launch import PEER_LOST_EXIT_CODE
 from test_multiprocess import TINY, _env, _losses
 
 REQUIRED = os.environ.get("JAXTRON_REQUIRE_SLURM") == "1"

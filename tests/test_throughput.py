@@ -7,7 +7,7 @@ import dataclasses
 
 import pytest
 
-from jaxtron.config import Config, DataConfig, ModelConfig, TrainConfig
+from jaxtron.config.schema import Config, DataConfig, ModelConfig, TrainConfig
 from jaxtron.metrics import flops, hardware
 from jaxtron.metrics.throughput import Throughput
 

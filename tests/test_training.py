@@ -11,7 +11,7 @@ from flax import nnx
 from helpers import MESHES, tiny_config
 from jax.sharding import NamedSharding
 
-from jaxtron.sharding import logical_to_spec
+from jaxtron.parallel.sharding import logical_to_spec
 from jaxtron.training.loop import run
 
 
@@ -132,8 +132,8 @@ def test_weight_decay_shrinks_matrices_but_never_norms():
 
 
 def test_a_model_too_large_for_the_devices_is_refused_before_allocating(tmp_path):
-    from jaxtron.config import ConfigError
-    from jaxtron.config_loader import load_config
+    from jaxtron.config.schema import ConfigError
+    from jaxtron.config.loader import load_config
     from conftest import REPO
     cfg = load_config(os.path.join(REPO, "configs", "llama3_70b.py"))  # ~790 GiB of fp32 state on a CPU host
     with pytest.raises(ConfigError, match=r"config field 'mesh' leaves \d+\.\d GiB of parameters and optimizer "
@@ -143,7 +143,7 @@ def test_a_model_too_large_for_the_devices_is_refused_before_allocating(tmp_path
 
 
 def test_state_bytes_per_device_follow_the_shardings():
-    from jaxtron.mesh import make_mesh
+    from jaxtron.parallel.mesh import make_mesh
     from jaxtron.training import state as state_lib
     cfg = tiny_config(dict(fsdp=8))
     setup = state_lib.setup(cfg, "xla")
@@ -159,7 +159,7 @@ def test_state_bytes_per_device_follow_the_shardings():
 
 
 def test_learning_rate_schedule_hits_peak_and_floor_exactly():
-    from jaxtron.config import OptimizerConfig
+    from jaxtron.config.schema import OptimizerConfig
     from jaxtron.training.optimizer import learning_rate_schedule
     lr = learning_rate_schedule(OptimizerConfig(learning_rate=1.0, warmup_steps=10, min_lr_ratio=0.1), 100)
     values = np.array([float(lr(s)) for s in range(100)])
@@ -177,7 +177,7 @@ def test_learned_positions_train_on_documents_longer_than_the_position_table(tmp
     learned table, and no step is skipped (document offsets used to reach past it and give NaN losses)."""
     import dataclasses
 
-    from jaxtron.config import DataConfig
+    from jaxtron.config.schema import DataConfig
     from jaxtron.data.prepare import prepare
     for i in range(4):  # documents of about 2,000 byte tokens, 60 times the position table
         (tmp_path / f"doc{i}.txt").write_text(f"document {i} goes on and on. " * 70)

@@ -1,6 +1,6 @@
 """The data error type (defined apart so every data module can raise it without import cycles)."""
 
-from jaxtron.config import ConfigError
+from jaxtron.config.schema import ConfigError
 
 
 class DataError(ConfigError):

@@ -18,9 +18,9 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
-from jaxtron.config import Config
+from jaxtron.config.schema import Config
 from jaxtron.data.errors import DataError
-from jaxtron.sharding import batch_sharding
+from jaxtron.parallel.sharding import batch_sharding
 
 
 class Source(Protocol):

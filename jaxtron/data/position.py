@@ -18,7 +18,7 @@ import logging
 import os
 from typing import Any
 
-from jaxtron.config import Config
+from jaxtron.config.schema import Config
 from jaxtron.data.errors import DataError
 
 log = logging.getLogger(__name__)

@@ -16,7 +16,7 @@ matmuls that the remat policy re-runs (``RECOMPUTED``); MFU uses model FLOPs, HF
 
 from __future__ import annotations
 
-from jaxtron.config import ModelConfig
+from jaxtron.config.schema import ModelConfig
 
 # The matmuls of one training step, finer than the Megatron terms so that a remat policy can be described
 # exactly. Each belongs to one term of ``flops_breakdown``.

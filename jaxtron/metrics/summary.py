@@ -19,7 +19,7 @@ import re
 import statistics
 from typing import Any
 
-from jaxtron.config import ConfigError, ModelConfig
+from jaxtron.config.schema import ConfigError, ModelConfig
 from jaxtron.metrics.collectives import COLLECTIVES
 from jaxtron.metrics.flops import flops_per_token, fp8_flops_per_token
 

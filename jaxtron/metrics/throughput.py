@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from jaxtron.config import Config
+from jaxtron.config.schema import Config
 from jaxtron.metrics import flops as flops_lib
 from jaxtron.metrics import hardware
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from flax import nnx
 
-from jaxtron.config import ModelConfig
+from jaxtron.config.schema import ModelConfig
 from jaxtron.models.transformer import Transformer
 
 

@@ -7,7 +7,7 @@ import math
 import jax
 from flax import nnx
 
-from jaxtron.config import ModelConfig
+from jaxtron.config.schema import ModelConfig
 from jaxtron.models.layers import apply_rope, compute_dtype, param, rope_frequencies
 from jaxtron.ops import attention as attention_ops
 from jaxtron.ops import fp8 as fp8_ops

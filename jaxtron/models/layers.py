@@ -10,8 +10,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxtron.config import ModelConfig
-from jaxtron.sharding import constrain
+from jaxtron.config.schema import ModelConfig
+from jaxtron.parallel.sharding import constrain
 
 
 def param(rngs: nnx.Rngs, shape: Sequence[int], names: Sequence[str], std: float) -> nnx.Param:

@@ -7,10 +7,10 @@ import math
 import jax
 from flax import nnx
 
-from jaxtron.config import ModelConfig
+from jaxtron.config.schema import ModelConfig
 from jaxtron.models.layers import compute_dtype, param
 from jaxtron.ops import fp8 as fp8_ops
-from jaxtron.sharding import constrain
+from jaxtron.parallel.sharding import constrain
 
 HIDDEN_AXES = ("activation_batch", "activation_length", "activation_mlp")
 

@@ -32,9 +32,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxtron.config import ModelConfig
+from jaxtron.config.schema import ModelConfig
 from jaxtron.models.layers import compute_dtype, param
-from jaxtron.sharding import constrain, logical_to_spec, spec_axes
+from jaxtron.parallel.sharding import constrain, logical_to_spec, spec_axes
 
 TOKEN_AXES = ("activation_batch", "activation_length", "activation_embed")
 ROUTE_AXES = ("activation_batch", "activation_length", None)

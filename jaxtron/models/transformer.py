@@ -6,13 +6,13 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxtron.config import ModelConfig
+from jaxtron.config.schema import ModelConfig
 from jaxtron.models.attention import Attention
 from jaxtron.models.layers import Norm, compute_dtype, embed_lookup, param
 from jaxtron.models.mlp import MLP
 from jaxtron.models.moe import MoE
 from jaxtron.ops import attention as attention_ops
-from jaxtron.sharding import constrain
+from jaxtron.parallel.sharding import constrain
 
 EMBED_AXES = ("activation_batch", "activation_length", "activation_embed")
 LOGIT_AXES = ("activation_batch", "activation_length", "activation_vocab")

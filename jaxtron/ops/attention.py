@@ -13,8 +13,8 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from jaxtron.config import ConfigError
-from jaxtron.sharding import constrain
+from jaxtron.config.schema import ConfigError
+from jaxtron.parallel.sharding import constrain
 
 OUTPUT_NAME = "attention_out"  # checkpoint name of the attention output (remat policies can keep it)
 Q_AXES = ("activation_batch", "activation_length", "activation_heads", "activation_head_dim")

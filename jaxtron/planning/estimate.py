@@ -2,7 +2,7 @@
 
 The model follows what jaxtron's train step does, not an idealised trainer:
 - Parameters, AdamW moments and gradients are float32 (16 bytes per parameter, one more gradient buffer with
-  microbatches), sharded as ``jaxtron.sharding.RULES`` says; the shard sizes are computed from the real
+  microbatches), sharded as ``jaxtron.parallel.sharding.RULES`` says; the shard sizes are computed from the real
   model's parameter shapes and logical axis names.
 - Activations kept for the backward pass follow ``model.remat`` (which block outputs are saved per layer). The
   residual stream is not split over ``tensor`` (no Megatron-style sequence parallelism), so every tensor rank
@@ -30,14 +30,14 @@ import math
 import jax
 from flax import nnx
 
-from jaxtron.config import Config, ModelConfig
-from jaxtron.mesh import split_over_nodes
+from jaxtron.config.schema import Config, ModelConfig
+from jaxtron.parallel.mesh import split_over_nodes
 from jaxtron.metrics.flops import flops_breakdown, hardware_flops_breakdown
 from jaxtron.models import build_model
 from jaxtron.models.moe import capacity
 from jaxtron.ops.attention import resolve_implementation
 from jaxtron.planning.gpus import GPU
-from jaxtron.sharding import logical_names, logical_to_spec
+from jaxtron.parallel.sharding import logical_names, logical_to_spec
 
 # live copies at the peak, per kind of buffer (see the module docstring)
 LAYER_COPIES = 3.0  # one block's intermediates during its backward: recomputed values and their gradients

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from jaxtron.config import ConfigError
+from jaxtron.config.schema import ConfigError
 from jaxtron.metrics.hardware import DENSE_PEAK_TFLOPS
 
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from jaxtron.config import MESH_AXES, Config, ConfigError, MeshConfig
-from jaxtron.mesh import split_over_nodes
+from jaxtron.config.schema import MESH_AXES, Config, ConfigError, MeshConfig
+from jaxtron.parallel.mesh import split_over_nodes
 from jaxtron.planning.estimate import Estimate, estimate
 from jaxtron.planning.gpus import GPU
 

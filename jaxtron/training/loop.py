@@ -14,19 +14,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxtron import distributed
-from jaxtron.checkpoint import Checkpointer
-from jaxtron.config import Config, ConfigError
+from jaxtron.parallel import launch
+from jaxtron.checkpoint.train_state import Checkpointer
+from jaxtron.config.schema import Config, ConfigError
 from jaxtron.data import position as data_position
 from jaxtron.data.loader import BatchIterator, BatchLimits, global_batch, make_sources
-from jaxtron.mesh import make_mesh, process_aware_mesh
+from jaxtron.parallel.mesh import make_mesh, process_aware_mesh
 from jaxtron.metrics import flops as flops_lib
 from jaxtron.metrics.collectives import collectives
 from jaxtron.metrics.throughput import Throughput
 from jaxtron.metrics.writers import MetricsWriter
 from jaxtron.ops.attention import resolve_implementation
-from jaxtron.params_store import restore_params
-from jaxtron.sharding import batch_sharding, describe
+from jaxtron.checkpoint.params import restore_params
+from jaxtron.parallel.sharding import batch_sharding, describe, shard_count
 from jaxtron.training import state as state_lib
 from jaxtron.training.preemption import PREEMPTED_EXIT_CODE, PreemptionWatcher, StopVotes
 from jaxtron.training.profiling import ProfileWindow, device_memory
@@ -135,7 +135,8 @@ def run(cfg: Config, workdir: str, *, print_sharding: bool = False, use_tqdm: bo
     sizes = cfg.check_devices(len(devices))
     mesh = process_aware_mesh(sizes, devices) if jax.process_count() > 1 else make_mesh(sizes, devices)
     implementation = resolve_implementation(cfg.model.attention, jnp.dtype(cfg.model.dtype),
-                                            cfg.model.resolved_head_dim, sizes["sequence"])
+                                            cfg.model.resolved_head_dim,
+                                            shard_count(sizes, "activation_length"))
     with jax.set_mesh(mesh):
         setup = state_lib.setup(cfg, implementation)
         shardings = state_lib.state_shardings(mesh, setup.abstract_state)
@@ -235,7 +236,7 @@ def _train(cfg, workdir, mesh, setup, shardings, implementation, use_tqdm) -> di
             step_done, *flags = unread.popleft()
             stop_requested, stopped, finite[0], kind = (int(x) for x in jax.device_get(flags))  # waits for it
             watchdog.completed(step_done)
-            distributed.report_step(step_done)
+            launch.report_step(step_done)
             streak.record(step_done, kind)
             if stopped >= 0:
                 raise NonFiniteError(streak.stop_message(stopped))
@@ -318,7 +319,7 @@ def _train(cfg, workdir, mesh, setup, shardings, implementation, use_tqdm) -> di
 
 def _write_collectives(workdir: str, compiled) -> None:
     """The collectives of the compiled step (count and result bytes per step and device, by kind) into
-    ``collectives.json``, for ``jaxtron.report``."""
+    ``collectives.json``, for ``jaxtron.metrics.report``."""
     try:
         text = compiled.as_text()
     except Exception as e:  # some backends cannot print an executable; the report then says so

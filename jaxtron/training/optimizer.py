@@ -10,8 +10,8 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from jaxtron.config import OptimizerConfig
-from jaxtron.sharding import logical_names
+from jaxtron.config.schema import OptimizerConfig
+from jaxtron.parallel.sharding import logical_names
 
 
 def learning_rate_schedule(cfg: OptimizerConfig, total_steps: int) -> Callable[[jax.Array], jax.Array]:

@@ -15,7 +15,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
-from jaxtron.sharding import per_device_sharding
+from jaxtron.parallel.sharding import per_device_sharding
 
 log = logging.getLogger(__name__)
 

@@ -5,7 +5,7 @@ The trace (``jax.profiler``, viewable in TensorBoard's profile plugin or Perfett
 exactly the steps numbered start_step+1 .. end_step in metrics.jsonl, each dispatched under a
 ``StepTraceAnnotation`` named 'train' with its step number. Waiting for the device at the two window edges is
 what keeps other steps out; the steps inside run as usual. Next to the trace, ``window.json`` records the
-window, its wall time and the number of devices the trace covers (``jaxtron.report`` reads it).
+window, its wall time and the number of devices the trace covers (``jaxtron.metrics.report`` reads it).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from typing import Callable
 
 import jax
 
-from jaxtron.config import ProfileConfig
+from jaxtron.config.schema import ProfileConfig
 
 log = logging.getLogger(__name__)
 

@@ -11,9 +11,9 @@ import optax
 from flax import nnx, struct
 from jax.sharding import Mesh
 
-from jaxtron.config import Config, ConfigError
+from jaxtron.config.schema import Config, ConfigError
 from jaxtron.models import build_model
-from jaxtron.sharding import tree_shardings
+from jaxtron.parallel.sharding import tree_shardings
 from jaxtron.training.optimizer import learning_rate_schedule, make_optimizer
 
 

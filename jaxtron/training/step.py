@@ -12,7 +12,7 @@ import optax
 from flax import nnx
 
 from jaxtron.models.transformer import logits_of
-from jaxtron.sharding import BATCH_AXES, constrain
+from jaxtron.parallel.sharding import BATCH_AXES, constrain
 from jaxtron.training.optimizer import schedule_count
 from jaxtron.training.state import Setup, TrainState
 

@@ -8,7 +8,7 @@ config change, never a model change.
 from __future__ import annotations
 
 import math
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 import jax
 from flax import nnx
@@ -54,7 +54,7 @@ def logical_to_spec(names: Sequence[str | None]) -> PartitionSpec:
             spec.append(None)
             continue
         if name not in _RULES:
-            raise KeyError(f"logical axis {name!r} has no rule in jaxtron.sharding.RULES")
+            raise KeyError(f"logical axis {name!r} has no rule in jaxtron.parallel.sharding.RULES")
         target = _RULES[name]
         axes = (target,) if isinstance(target, str) else tuple(target or ())
         axes = tuple(a for a in axes if a not in used)
@@ -72,6 +72,11 @@ def spec_axes(spec: PartitionSpec, dim: int) -> tuple[str, ...]:
     if entry is None:
         return ()
     return (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def shard_count(sizes: Mapping[str, int], logical: str) -> int:
+    """Into how many pieces the rules table cuts the logical axis ``logical`` on a mesh of these axis sizes."""
+    return math.prod(sizes[axis] for axis in spec_axes(logical_to_spec((logical,)), 0))
 
 
 def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:

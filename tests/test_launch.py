@@ -2,8 +2,8 @@
 
 import pytest
 
-from jaxtron.config import ConfigError, DistributedConfig
-from jaxtron.distributed import PEER_LOST_EXIT_CODE, PeerMonitor, _slurm_port, detect, expand_hostlist
+from jaxtron.config.schema import ConfigError, DistributedConfig
+from jaxtron.parallel.launch import PEER_LOST_EXIT_CODE, PeerMonitor, _slurm_port, detect, expand_hostlist
 
 # what srun -n 2 sets on the local test cluster (a subset), and what an salloc shell or a batch script has
 SRUN = {"SLURM_JOB_ID": "41", "SLURM_STEP_ID": "0", "SLURM_STEP_NUM_TASKS": "2", "SLURM_PROCID": "1",

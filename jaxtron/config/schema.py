@@ -1,6 +1,6 @@
 """Typed, validated configuration.
 
-Config files are ml_collections ConfigDicts (``get_config()``); at entry (``jaxtron.config_loader``) they
+Config files are ml_collections ConfigDicts (``get_config()``); at entry (``jaxtron.config.loader``) they
 become the frozen dataclasses below, which are the single source of field names, types and defaults. A config file
 only sets what differs from these defaults. Every problem is a ``ConfigError`` with one sentence
 that names the field and the fix.

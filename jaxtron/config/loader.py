@@ -15,7 +15,7 @@ from typing import Any, Mapping, Sequence
 
 import ml_collections
 
-from jaxtron.config import SECTIONS, Config, ConfigError
+from jaxtron.config.schema import SECTIONS, Config, ConfigError
 
 
 def load_config_file(spec: str) -> ml_collections.ConfigDict:

@@ -16,7 +16,7 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh
 
-from jaxtron.config import MESH_AXES, ConfigError
+from jaxtron.config.schema import MESH_AXES, ConfigError
 
 
 def split_over_nodes(sizes: dict[str, int], nodes: int) -> dict[str, int]:

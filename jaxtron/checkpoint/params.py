@@ -18,9 +18,9 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 
-from jaxtron import integrity
-from jaxtron.checkpoint import CHECKPOINT_DIR, RESTORE_BUFFER_GB, CheckpointError, abstract_with_shardings
-from jaxtron.sharding import without_leading_axes
+from jaxtron.checkpoint import integrity
+from jaxtron.checkpoint.train_state import CHECKPOINT_DIR, RESTORE_BUFFER_GB, CheckpointError, abstract_with_shardings
+from jaxtron.parallel.sharding import without_leading_axes
 
 PARAMS_DIR = "params"
 MANIFEST = "manifest.json"

@@ -13,8 +13,8 @@ from typing import Any, Callable, Iterator
 
 import numpy as np
 
-from jaxtron.config import ModelConfig
-from jaxtron.hf.safetensors import FormatError
+from jaxtron.config.schema import ModelConfig
+from jaxtron.interop.hf.safetensors import FormatError
 
 ARCHITECTURES = {"LlamaForCausalLM": "llama", "MixtralForCausalLM": "mixtral"}
 

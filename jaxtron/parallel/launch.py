@@ -35,7 +35,7 @@ import threading
 import time
 from typing import Callable, Mapping
 
-from jaxtron.config import ConfigError, DistributedConfig
+from jaxtron.config.schema import ConfigError, DistributedConfig
 
 log = logging.getLogger(__name__)
 

@@ -17,7 +17,7 @@ from typing import Callable, Iterable, Mapping
 import ml_dtypes
 import numpy as np
 
-from jaxtron.config import ConfigError
+from jaxtron.config.schema import ConfigError
 
 DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
           "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_}

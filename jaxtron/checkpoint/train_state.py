@@ -6,7 +6,7 @@ a checkpoint). Restoring places every array directly into the current run's shar
 checkpoint written on one mesh restores onto another.
 
 Integrity: after each save is committed, every process records checksums of the files it wrote
-(``jaxtron.integrity``), in a background thread for asynchronous saves. Before a restore the files are
+(``jaxtron.checkpoint.integrity``), in a background thread for asynchronous saves. Before a restore the files are
 verified; the run resumes from the newest intact checkpoint, and newer damaged ones are moved to
 ``<workdir>/checkpoints_damaged/``. ``python -m jaxtron.checkpoint verify WORKDIR`` checks a run's checkpoints.
 """
@@ -23,8 +23,8 @@ from typing import Any, Callable
 import jax
 import orbax.checkpoint as ocp
 
-from jaxtron import integrity
-from jaxtron.config import Config, ConfigError, ModelConfig
+from jaxtron.checkpoint import integrity
+from jaxtron.config.schema import Config, ConfigError, ModelConfig
 
 log = logging.getLogger(__name__)
 

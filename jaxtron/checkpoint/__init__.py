@@ -1,0 +1,1 @@
+"""Checkpoints: train states (orbax), parameter-only stores and the checksums both are verified against."""

@@ -1,0 +1,1 @@
+"""Hugging Face interoperation: the safetensors format, per-family mappings, conversion and scoring."""

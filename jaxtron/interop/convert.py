@@ -1,0 +1,262 @@
+"""Convert between Hugging Face model directories and jaxtron checkpoints (Llama family and Mixtral).
+
+    python -m jaxtron.convert from-hf HF_DIR OUT_DIR    # config.json + safetensors -> OUT_DIR/params, config.py
+    python -m jaxtron.convert to-hf CKPT_DIR OUT_DIR    # a converted model or a training run -> config.json + safetensors
+
+Import reads one tensor at a time into disk-backed buffers of the stacked parameters, so host memory holds
+one tensor plus what the page cache keeps, not the model. Nothing is ever loaded with pickle.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import os
+import shutil
+import sys
+from typing import Any
+
+import numpy as np
+
+from jaxtron.config.schema import ConfigError, ModelConfig
+from jaxtron.interop.hf import llama
+from jaxtron.interop.hf import safetensors as st
+
+log = logging.getLogger(__name__)
+
+SHARD_BYTES = 5 * 2**30  # Hugging Face's customary shard size
+IGNORED = (".rotary_emb.inv_freq",)  # buffers some exports include; recomputed from the config
+
+
+def _read_hf_config(hf_dir: str) -> dict:
+    path = os.path.join(hf_dir, "config.json")
+    try:
+        with open(path) as f:
+            config = json.load(f)
+    except FileNotFoundError:
+        raise st.FormatError(f"'{hf_dir}' has no config.json; pass a Hugging Face model directory.") from None
+    except (OSError, ValueError) as e:
+        raise st.FormatError(f"'{path}' is not readable JSON ({e}).") from None
+    if not isinstance(config, dict):
+        raise st.FormatError(f"'{path}' is not a JSON object.")
+    return config
+
+
+def _abstract_params(cfg: ModelConfig) -> dict[str, Any]:
+    """{dotted path: ShapeDtypeStruct} of the model's parameters (nothing allocated)."""
+    from flax import nnx
+
+    from jaxtron.models import build_model
+    state = nnx.state(nnx.eval_shape(lambda: build_model(cfg, 0)), nnx.Param)
+    return {".".join(map(str, path)): var.get_value() for path, var in nnx.to_flat_state(state)}
+
+
+def _config_file(cfg: ModelConfig, out_dir: str) -> str:
+    """A config file for train.py: this model, fine-tuning from OUT_DIR's parameters."""
+    import dataclasses
+    defaults = ModelConfig()
+    model = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)
+             if getattr(cfg, f.name) != getattr(defaults, f.name)}
+    model["dtype"] = "bfloat16"  # the training compute dtype on GPUs; parameters stay float32
+    return f'''"""{cfg.name}, converted from Hugging Face by `python -m jaxtron.convert from-hf`.
+
+Training with this file starts from the converted parameters (train.init_from) with a fresh optimizer.
+Data is synthetic until data.source/data.path name a token store of the model's tokenizer.
+"""
+
+import ml_collections
+
+
+def get_config():
+    c = ml_collections.ConfigDict()
+    c.model = {model!r}
+    c.train = dict(init_from={os.path.abspath(out_dir)!r}, steps=1000, global_batch_size=8, eval_batches=0)
+    c.optimizer = dict(learning_rate=1e-5, warmup_steps=50, weight_decay=0.0)
+    c.data = dict(source="synthetic", seq_len={min(cfg.max_seq_len, 4096)})
+    c.mesh = dict(data=1, fsdp=-1, tensor=1, sequence=1, expert=1)
+    return c
+'''
+
+
+def from_hf(hf_dir: str, out_dir: str) -> ModelConfig:
+    """Imports a Hugging Face directory; writes OUT_DIR/params (orbax) and OUT_DIR/config.py."""
+    hf = _read_hf_config(hf_dir)
+    cfg = llama.model_config(hf, name=os.path.basename(os.path.normpath(hf_dir)))
+    files = st.ModelFiles(hf_dir)
+    plan = list(llama.tensors(cfg))
+    expected = {t.hf_name for t in plan}
+    for t in plan:
+        if t.hf_name not in files:
+            raise st.FormatError(f"tensor '{t.hf_name}' is missing from '{hf_dir}'; the checkpoint is incomplete or "
+                                 "not of the architecture its config.json names.")
+        if files.shape(t.hf_name) != t.shape:
+            raise st.FormatError(f"tensor '{t.hf_name}' has shape {files.shape(t.hf_name)} but config.json implies "
+                                 f"{t.shape}; the weights do not belong to this config.")
+    extra = [n for n in files.names() if n not in expected and not n.endswith(IGNORED)
+             and not (cfg.tie_embeddings and n == "lm_head.weight")]
+    if extra:
+        raise st.FormatError(f"tensor '{extra[0]}' in '{hf_dir}' has no place in a {hf.get('model_type')} model "
+                             f"({len(extra)} such tensors); the architecture differs from what jaxtron converts.")
+    if os.path.exists(out_dir) and os.listdir(out_dir):
+        raise ConfigError(f"output directory '{out_dir}' is not empty; choose a new one.")
+    os.makedirs(out_dir, exist_ok=True)
+    shapes = _abstract_params(cfg)
+    staging = os.path.join(out_dir, ".staging")
+    os.makedirs(staging)
+    buffers = {p: np.lib.format.open_memmap(os.path.join(staging, p + ".npy"), mode="w+", dtype=np.float32,
+                                            shape=s.shape) for p, s in shapes.items()}
+    filled = {p: 0 for p in shapes}
+    for t in plan:
+        buffers[t.param][t.index] = t.to_jaxtron(files.read(t.hf_name))  # one copy: into the disk buffer
+        filled[t.param] += 1
+    for p, s in shapes.items():  # every slice of every parameter came from exactly one tensor
+        slices = math.prod(s.shape[:len(next(t.index for t in plan if t.param == p))])
+        assert filled[p] == slices, (p, filled[p], slices)
+    from jaxtron.checkpoint.params import save_params
+    save_params(out_dir, buffers, {t.param: len(t.index) for t in plan})
+    shutil.rmtree(staging)
+    with open(os.path.join(out_dir, "config.py"), "w") as f:
+        f.write(_config_file(cfg, out_dir))
+    return cfg
+
+
+def _model_config(ckpt_dir: str) -> tuple[ModelConfig, str | None]:
+    """The model config of a converted model, or of a training run with its newest intact checkpoint (verified
+    here once: the callers read that step, they do not look for it again)."""
+    from jaxtron.config.loader import from_mapping, load_config
+    from jaxtron.checkpoint.params import latest_run_state
+    if os.path.isfile(os.path.join(ckpt_dir, "config.py")):
+        return load_config(os.path.join(ckpt_dir, "config.py")).model, None
+    step_dir = latest_run_state(ckpt_dir)
+    if step_dir is None:
+        raise ConfigError(f"'{ckpt_dir}' is neither a converted model (config.py + params/) nor a training run "
+                          "with checkpoints; pass one of those.")
+    with open(os.path.join(step_dir, "config", "metadata")) as f:
+        return from_mapping(json.load(f)).model, step_dir
+
+
+def load(ckpt_dir: str) -> tuple[ModelConfig, dict[str, np.ndarray]]:
+    """(model config, {dotted path: float32 array}) of a converted model or of a training run's latest
+    checkpoint, on the host (the whole model)."""
+    import jax
+    from flax import nnx
+
+    from jaxtron.models import build_model
+    from jaxtron.checkpoint.params import restore_params
+    cfg, step_dir = _model_config(ckpt_dir)
+    abstract = nnx.state(nnx.eval_shape(lambda: build_model(cfg, 0)), nnx.Param)
+    cpu = jax.sharding.SingleDeviceSharding(jax.devices("cpu")[0])
+    params = restore_params(ckpt_dir, abstract, jax.tree.map(lambda _: cpu, abstract), step_dir)
+    return cfg, {".".join(map(str, p)): np.asarray(v.get_value()) for p, v in nnx.to_flat_state(params)}
+
+
+class _Slices:
+    """Reads the HF tensors' slices of a checkpoint: one slice at a time from a converted model, one whole
+    parameter at a time (the last one kept) from a training run."""
+
+    def __init__(self, ckpt_dir: str, cfg: ModelConfig, step_dir: str | None):
+        from jaxtron.checkpoint.params import PARAMS_DIR, _manifest
+        self.root = os.path.join(ckpt_dir, PARAMS_DIR)
+        self.converted = os.path.isdir(self.root)
+        self.manifest = _manifest(self.root) if self.converted else None
+        self.item, self.cached = None if self.converted else os.path.join(step_dir, "state"), (None, None)
+        self.shapes = None if self.converted else _abstract_params(cfg)
+
+    def get(self, param: str, index: tuple[int, ...]) -> np.ndarray:
+        from jaxtron.checkpoint.params import read_slice
+        if self.converted:
+            return read_slice(self.root, param, index, self.manifest)
+        if self.cached[0] != param:
+            self.cached = (param, self._run_param(param))
+        return self.cached[1][index]
+
+    def _run_param(self, param: str) -> np.ndarray:
+        import jax
+        import orbax.checkpoint as ocp
+
+        from jaxtron.checkpoint.params import _checkpointer, nest
+        leaf = self.shapes[param]
+        key = "params." + param + ".value"
+        with _checkpointer() as checkpointer:
+            restored = checkpointer.restore(self.item, args=ocp.args.PyTreeRestore(
+                nest({key: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype)}),
+                restore_args=nest({key: ocp.RestoreArgs(restore_type=np.ndarray)}), partial_restore=True))
+        for part in key.split("."):
+            restored = restored[part]
+        return np.asarray(restored)
+
+
+def to_hf(ckpt_dir: str, out_dir: str, dtype: str = "float32") -> dict:
+    """Exports to config.json + safetensors (one file, or shards of SHARD_BYTES with an index). Tensors are
+    written parameter by parameter, so host memory holds one slice (a converted model) or one parameter."""
+    cfg, step_dir = _model_config(ckpt_dir)
+    hf = llama.hf_config(cfg)
+    hf["torch_dtype"] = dtype
+    np_dtype = np.dtype(st.DTYPES[{"float32": "F32", "bfloat16": "BF16", "float16": "F16"}[dtype]])
+    if os.path.exists(out_dir) and os.listdir(out_dir):
+        raise ConfigError(f"output directory '{out_dir}' is not empty; choose a new one.")
+    source = _Slices(ckpt_dir, cfg, step_dir)
+    plan = sorted(llama.tensors(cfg), key=lambda t: t.param)  # stable: each parameter's slices together
+    os.makedirs(out_dir, exist_ok=True)
+    shards, size = [[]], 0
+    for t in plan:
+        nbytes = math.prod(t.shape) * np_dtype.itemsize
+        if shards[-1] and size + nbytes > SHARD_BYTES:
+            shards.append([])
+            size = 0
+        shards[-1].append(t)
+        size += nbytes
+    by_name = {t.hf_name: t for t in plan}
+
+    def produce(name: str) -> np.ndarray:
+        t = by_name[name]
+        return t.to_hf(source.get(t.param, t.index)).astype(np_dtype)
+
+    names = [st.SINGLE] if len(shards) == 1 else \
+        [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    for name, shard in zip(names, shards):
+        st.write(os.path.join(out_dir, name), [(t.hf_name, t.shape, np_dtype) for t in shard], produce,
+                 {"format": "pt"})
+    if len(shards) > 1:
+        total = sum(math.prod(t.shape) for t in plan) * np_dtype.itemsize
+        index = {"metadata": {"total_size": total},
+                 "weight_map": {t.hf_name: n for n, shard in zip(names, shards) for t in shard}}
+        with open(os.path.join(out_dir, st.INDEX), "w") as f:
+            json.dump(index, f, indent=2)
+    with open(os.path.join(out_dir, "config.json"), "w") as f:
+        json.dump(hf, f, indent=2)
+    return hf
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S")
+    logging.getLogger("absl").setLevel(logging.WARNING)
+    parser = argparse.ArgumentParser(prog="python -m jaxtron.convert", description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    a = sub.add_parser("from-hf", help="Hugging Face directory -> jaxtron parameters and config.py")
+    a.add_argument("hf_dir")
+    a.add_argument("out_dir")
+    b = sub.add_parser("to-hf", help="jaxtron converted model or training run -> Hugging Face directory")
+    b.add_argument("ckpt_dir")
+    b.add_argument("out_dir")
+    b.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
+                   help="dtype of the written tensors (default float32, the training precision)")
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "from-hf":
+            cfg = from_hf(args.hf_dir, args.out_dir)
+            log.info("wrote %s/params and %s/config.py (%s, %d layers%s)", args.out_dir, args.out_dir, cfg.name,
+                     cfg.num_layers, f", {cfg.num_experts} experts" if cfg.num_experts else "")
+        else:
+            to_hf(args.ckpt_dir, args.out_dir, args.dtype)
+            log.info("wrote %s/config.json and safetensors", args.out_dir)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

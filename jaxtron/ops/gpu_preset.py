@@ -1,0 +1,83 @@
+"""The one preset of environment and XLA flags for GPU runs, each setting with its reason.
+
+    eval "$(python -m jaxtron.gpu_preset)"      # what scripts/slurm/env.sh does: export the preset
+    python -m jaxtron.gpu_preset --check        # are the flags accepted by the installed jaxlib?
+
+A variable already set in the environment wins over the preset, so one run can try another value. XLA flags
+come and go between jaxlib releases and an unknown one aborts the process at start, so ``--check`` (and the
+test suite) runs them through the installed jaxlib. A flag joins ``XLA_FLAGS`` only with a measurement that
+justifies it (benchmarks/README.md); none has been measured on a GPU yet, so the list is empty.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shlex
+import subprocess
+import sys
+
+# variable -> (value, reason)
+ENV: dict[str, tuple[str, str]] = {
+    "XLA_PYTHON_CLIENT_MEM_FRACTION": (
+        "0.92", "jax preallocates 75% of GPU memory by default; the run's own memory check (check_fits) already "
+                "refuses a state that cannot fit, so the step may use almost all of it"),
+    "NCCL_DEBUG": ("WARN", "NCCL prints its setup and errors once per process; INFO floods the log with every ring"),
+    "PYTHONUNBUFFERED": ("1", "output reaches the job log as it is written, so the last lines before a failure "
+                              "are not lost"),
+}
+
+# --xla_flag -> (value, reason with the measurement: benchmark, before -> after)
+XLA_FLAGS: dict[str, tuple[str, str]] = {}
+
+
+def xla_flags() -> str:
+    return " ".join(f"{flag}={value}" for flag, (value, _) in XLA_FLAGS.items())
+
+
+def exports(environ: dict[str, str] | None = None) -> str:
+    """Shell lines exporting the preset; variables already set keep their value (XLA_FLAGS: theirs last)."""
+    environ = os.environ if environ is None else environ
+    lines = []
+    for name, (value, reason) in ENV.items():
+        lines.append(f"# {reason}")
+        lines.append(f"export {name}={shlex.quote(environ.get(name, value))}")
+    flags = " ".join(f for f in (xla_flags(), environ.get("XLA_FLAGS", "")) if f)
+    lines.append(f"export XLA_FLAGS={shlex.quote(flags)}")
+    return "\n".join(lines)
+
+
+def unknown_flags(flags: str) -> list[str]:
+    """The flags of ``flags`` that the installed jaxlib rejects (it parses GPU flags on any platform)."""
+    if not flags.strip():
+        return []
+    env = {**os.environ, "XLA_FLAGS": flags, "JAX_PLATFORMS": "cpu"}
+    out = subprocess.run([sys.executable, "-c", "import jax; jax.devices()"], env=env, capture_output=True,
+                         text=True, timeout=300)
+    unknown = re.findall(r"Unknown flags? in XLA_FLAGS: (.*)", out.stderr)
+    if out.returncode != 0 and not unknown:
+        raise RuntimeError(f"jax did not start with XLA_FLAGS={flags!r}: {out.stderr.strip()[-500:]}")
+    return [f for line in unknown for f in line.split()]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m jaxtron.gpu_preset", description=__doc__.split("\n")[0])
+    parser.add_argument("--check", action="store_true",
+                        help="check the preset's XLA flags plus $XLA_FLAGS against the installed jaxlib")
+    args = parser.parse_args(argv)
+    if not args.check:
+        print(exports())
+        return 0
+    flags = " ".join(f for f in (xla_flags(), os.environ.get("XLA_FLAGS", "")) if f)
+    bad = unknown_flags(flags)
+    if bad:
+        print(f"error: the installed jaxlib does not know {', '.join(bad)}; remove it from XLA_FLAGS or the "
+              "preset (jaxtron/ops/gpu_preset.py).", file=sys.stderr)
+        return 2
+    print(f"all {len(flags.split())} XLA flags are accepted by the installed jaxlib")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,179 @@
+"""Choose the mesh before spending GPU hours.
+
+    python -m jaxtron.plan --config=configs/llama3_70b.py --gpus=64 --gpu=h100
+    python -m jaxtron.plan --config=configs/llama3_8b.py --gpus=8 --gpu=h100 --compile=fsdp=8
+
+The first form enumerates every valid mesh of the GPU count (divisibility; tensor and expert groups inside a
+node; memory fit, raising the microbatch count where that makes a mesh fit), estimates per-device memory and
+step time with the analytic model of ``jaxtron.planning.estimate`` and prints them ranked, naming the term
+that dominates each row. ``--compile=MESH`` also compiles the real train step for that mesh on fake CPU devices
+(abstract inputs: nothing is allocated) and prints XLA's memory analysis and the collectives of the compiled
+program next to the estimate for the same program. Sequence length and global batch come from the config;
+``--seq_len``, ``--global_batch_size`` or any ``--config.<section>.<field>=<value>`` override them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+GIB = 2.0**30
+
+
+def parse_mesh(text: str) -> dict[str, int]:
+    """'fsdp=8,tensor=8' -> sizes of all five axes (the ones not named are 1)."""
+    from jaxtron.config.schema import MESH_AXES, ConfigError
+
+    sizes = dict.fromkeys(MESH_AXES, 1)
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        axis, _, value = part.partition("=")
+        if axis not in sizes or not value.isdigit() or int(value) < 1:
+            raise ConfigError(f"--compile part {part!r} is not AXIS=SIZE with AXIS one of {', '.join(MESH_AXES)} "
+                              "and a positive size; write e.g. --compile=fsdp=8,tensor=8.")
+        sizes[axis] = int(value)
+    return sizes
+
+
+def parse_args(argv: list[str]):
+    from jaxtron.config.loader import split_overrides
+
+    spec, overrides, rest = split_overrides(argv)
+    parser = argparse.ArgumentParser(prog="python -m jaxtron.plan", description=__doc__.split("\n")[0])
+    parser.add_argument("--gpus", type=int, required=True, help="number of GPUs (whole nodes beyond one node)")
+    parser.add_argument("--gpu", default="h100", help="GPU type from jaxtron/planning/gpus.py (h100, h200)")
+    parser.add_argument("--seq_len", type=int, default=None, help="override data.seq_len")
+    parser.add_argument("--global_batch_size", type=int, default=None, help="override train.global_batch_size")
+    parser.add_argument("--top", type=int, default=10, help="rows of the ranked table to print (0: all)")
+    parser.add_argument("--compile", default=None, metavar="MESH",
+                        help="also compile the train step for this mesh, e.g. fsdp=8,tensor=8 (other axes 1)")
+    parser.add_argument("--json", default=None, help="write the ranked estimates (and the dry run) to this file")
+    args = parser.parse_args(rest)
+    if args.seq_len is not None:
+        overrides.append(("data.seq_len", str(args.seq_len)))
+    if args.global_batch_size is not None:
+        overrides.append(("train.global_batch_size", str(args.global_batch_size)))
+    return spec, overrides, args
+
+
+def _mesh_text(sizes: dict[str, int]) -> str:
+    from jaxtron.planning.search import mesh_text
+    return mesh_text(sizes)
+
+
+def table(rows, top: int) -> str:
+    head = (f"{'#':>3}  {'mesh':<34} {'micro':>5} {'GiB/GPU':>8} {'step s':>8} {'tok/s':>10} {'MFU':>6}  "
+            f"{'dominant':<14} terms (s)")
+    lines = [head, "-" * len(head)]
+    for i, row in enumerate(rows[:top] if top else rows, 1):
+        e = row.estimate
+        fit = "" if row.fits else "  DOES NOT FIT"
+        ordered = sorted(e.time.items(), key=lambda kv: -kv[1])
+        terms = ", ".join(f"{k} {v:.3g}" for k, v in ordered if v > 0.005 * e.step_s)
+        lines.append(f"{i:>3}  {_mesh_text(e.mesh):<34} {e.microbatches:>5} {e.memory_bytes / GIB:>8.1f} "
+                     f"{e.step_s:>8.3g} {e.tokens_per_s:>10.0f} {100 * e.mfu:>5.1f}%  {e.dominant:<14} {terms}{fit}")
+    return "\n".join(lines)
+
+
+def memory_text(e, usable: float) -> str:
+    parts = ", ".join(f"{k} {v / GIB:.1f}" for k, v in e.memory.items())
+    return f"{e.memory_bytes / GIB:.1f} GiB of {usable / GIB:.0f} usable ({parts})"
+
+
+def run(argv: list[str]) -> int:
+    spec, overrides, args = parse_args(argv)
+    from jaxtron.config.schema import ConfigError
+
+    if args.gpus < 1:
+        raise ConfigError(f"--gpus is {args.gpus}; give a positive GPU count.")
+    from jaxtron.planning.gpus import gpu as gpu_named
+
+    gpu = gpu_named(args.gpu)
+    if args.gpus > gpu.gpus_per_node and args.gpus % gpu.gpus_per_node:
+        raise ConfigError(f"--gpus={args.gpus} is not a whole number of {gpu.gpus_per_node}-GPU nodes; use a multiple "
+                          f"of {gpu.gpus_per_node}.")
+    compile_sizes = parse_mesh(args.compile) if args.compile else None
+    if compile_sizes is not None:
+        # the dry run needs one fake CPU device per GPU, which must be set before jax starts
+        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                                   f" --xla_force_host_platform_device_count={args.gpus}").strip()
+        os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    from jaxtron.config.loader import load_config
+    from jaxtron.metrics.flops import param_count
+    from jaxtron.planning import search
+    from jaxtron.planning.estimate import estimate
+
+    cfg = load_config(spec or "configs/default.py", overrides)
+    m = cfg.model
+    print(f"{m.name}: {param_count(m) / 1e9:.2f}B parameters"
+          + (f" ({param_count(m, active=True) / 1e9:.2f}B active)" if m.num_experts else "")
+          + f", sequence {cfg.data.seq_len}, global batch {cfg.train.global_batch_size}, remat {m.remat}, "
+            f"{m.dtype}; {args.gpus} x {gpu.name} ({gpu.usable_bytes / GIB:.0f} GiB usable each)")
+    rows = search.plan(cfg, args.gpus, gpu)
+    fitting = [r for r in rows if r.fits]
+    report = {"config": spec, "gpus": args.gpus, "gpu": gpu.name,
+              "rows": [dict(mesh=r.estimate.mesh, fits=r.fits, microbatches=r.estimate.microbatches,
+                            memory=r.estimate.memory, time=r.estimate.time, step_s=r.estimate.step_s,
+                            mfu=r.estimate.mfu, dominant=r.estimate.dominant) for r in rows]}
+    if rows:
+        print(f"{len(rows)} valid meshes, {len(fitting)} fit; ranked by estimated step time:")
+        print(table(rows, args.top))
+    status = 0
+    if not fitting:
+        print(f"error: cannot train {m.name} on {args.gpus} x {gpu.name}: {search.refusal(cfg, args.gpus, gpu, rows)}",
+              file=sys.stderr)
+        status = 2
+    else:
+        best = fitting[0].estimate
+        print(f"\nbest: {_mesh_text(best.mesh)}, {best.microbatches} microbatch(es), attention {best.attention}: "
+              f"{memory_text(best, gpu.usable_bytes)}")
+    if compile_sizes is not None:
+        report["dry_run"] = compile_report(cfg, compile_sizes, args.gpus, gpu, estimate)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=1)
+    return status
+
+
+def compile_report(cfg, sizes: dict[str, int], n: int, gpu, estimate) -> dict:
+    """Compiles the step for ``sizes`` and prints the compiler's numbers beside the estimate of the same program
+    (XLA attention, as the CPU compiles it)."""
+    import dataclasses
+    import math
+
+    from jaxtron.config.schema import ConfigError, MeshConfig
+    from jaxtron.planning.dry_run import describe, dry_run
+
+    if math.prod(sizes.values()) != n:
+        raise ConfigError(f"--compile mesh {_mesh_text(sizes)} has {math.prod(sizes.values())} devices but --gpus is "
+                          f"{n}; make the sizes multiply to {n}.")
+    cfg = dataclasses.replace(cfg, mesh=MeshConfig(**sizes))
+    print(f"\ndry run of {_mesh_text(sizes)} on {n} fake CPU devices (XLA attention):")
+    result = dry_run(cfg)
+    print(describe(result))
+    est = estimate(cfg, sizes, gpu, cpu_program=True)
+    state = est.memory["parameters"] + est.memory["optimizer"] + est.memory["batch"]
+    error = est.memory_bytes / result.peak_bytes - 1
+    print(f"estimate of the same program: peak {est.memory_bytes / GIB:.2f} GiB ({100 * error:+.1f}% of the "
+          f"compiled peak), of which arguments {state / GIB:.2f} GiB, temporaries "
+          f"{(est.memory_bytes - state) / GIB:.2f} GiB")
+    print("estimated collective bytes per step and device: " +
+          ", ".join(f"{k} {v / 2**20:.0f} MiB" for k, v in est.collectives.items() if v))
+    return dict(mesh=sizes, compiled_peak=result.peak_bytes, compiled_arguments=result.argument_bytes,
+                compiled_temp=result.temp_bytes, estimated_peak=est.memory_bytes, compile_s=result.compile_s,
+                collectives=result.collectives, estimated_collectives=est.collectives)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from jaxtron.config.schema import ConfigError
+
+    try:
+        return run(sys.argv[1:] if argv is None else argv)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
