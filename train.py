@@ -41,7 +41,8 @@ def main(argv: list[str] | None = None) -> int:
         import jax
         if jax.process_index() != 0:
             logging.getLogger().setLevel(logging.WARNING)
-        from jaxtron.training.loop import NONFINITE_EXIT_CODE, NonFiniteError, run
+        from jaxtron.training.loop import run
+        from jaxtron.training.step_flags import NONFINITE_EXIT_CODE, NonFiniteError
         from jaxtron.training.preemption import PREEMPTED_EXIT_CODE
         try:
             summary = run(cfg, args.workdir, print_sharding=args.print_sharding)

@@ -212,6 +212,7 @@ def make_sources(cfg: Config) -> tuple[Source, Source | None, dict[str, float]]:
     facts: dict[str, Any] = {"train_tokens": float(sum(s.num_tokens for s in stores))}
     if len(stores) == 1 and stores[0].vocab_size <= 1 << 16:  # the loss a context-free model would reach
         from jaxtron.data.corpus import unigram_entropy
+
         # 16M tokens from across the store: the estimate's bias, (vocab - 1) / (2 * tokens), stays below 0.002
         facts["unigram_entropy"] = unigram_entropy(train.token_parts(1 << 24), stores[0].vocab_size)
     return train, validation, facts

@@ -16,7 +16,6 @@ import numpy as np
 from jaxtron.data.errors import DataError
 from jaxtron.data.store import file_sha256
 
-
 AUTO = "auto"
 # End-of-document tokens of common families, tried in this order when the post-processor names none:
 # Llama 2 / Mistral / T5, Llama 3, GPT-2 / Qwen / GPT-NeoX, Gemma.

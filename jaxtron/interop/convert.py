@@ -125,8 +125,8 @@ def from_hf(hf_dir: str, out_dir: str) -> ModelConfig:
 def _model_config(ckpt_dir: str) -> tuple[ModelConfig, str | None]:
     """The model config of a converted model, or of a training run with its newest intact checkpoint (verified
     here once: the callers read that step, they do not look for it again)."""
-    from jaxtron.config.loader import from_mapping, load_config
     from jaxtron.checkpoint.params import latest_run_state
+    from jaxtron.config.loader import from_mapping, load_config
     if os.path.isfile(os.path.join(ckpt_dir, "config.py")):
         return load_config(os.path.join(ckpt_dir, "config.py")).model, None
     step_dir = latest_run_state(ckpt_dir)
@@ -143,8 +143,8 @@ def load(ckpt_dir: str) -> tuple[ModelConfig, dict[str, np.ndarray]]:
     import jax
     from flax import nnx
 
-    from jaxtron.models import build_model
     from jaxtron.checkpoint.params import restore_params
+    from jaxtron.models import build_model
     cfg, step_dir = _model_config(ckpt_dir)
     abstract = nnx.state(nnx.eval_shape(lambda: build_model(cfg, 0)), nnx.Param)
     cpu = jax.sharding.SingleDeviceSharding(jax.devices("cpu")[0])

@@ -41,9 +41,9 @@ def score(checkpoint: str, tokens_path: str, dtype: str = "float32") -> np.ndarr
     import jax
     from flax import nnx
 
+    from jaxtron.checkpoint.params import nest
     from jaxtron.interop.convert import load
     from jaxtron.models import build_model
-    from jaxtron.checkpoint.params import nest
     cfg, params = load(checkpoint)
     cfg = dataclasses.replace(cfg, dtype=dtype, remat="none")
     tokens = read_tokens(tokens_path, cfg)

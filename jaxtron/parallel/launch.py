@@ -155,6 +155,7 @@ def initialize(cfg: DistributedConfig | None = None, env: Mapping[str, str] | No
     if not launch.multi_process:
         return launch
     import jax
+
     # CPU collectives across processes need gloo; the setting does not affect GPU backends
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     # the service then leaves the survivors of a dead process running, for the PeerMonitor to end them

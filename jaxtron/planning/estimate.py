@@ -31,13 +31,13 @@ import jax
 from flax import nnx
 
 from jaxtron.config.schema import Config, ModelConfig
-from jaxtron.parallel.mesh import split_over_nodes
 from jaxtron.metrics.flops import flops_breakdown, hardware_flops_breakdown
 from jaxtron.models import build_model
 from jaxtron.models.moe import capacity
 from jaxtron.ops.attention import resolve_implementation
-from jaxtron.planning.gpus import GPU
+from jaxtron.parallel.mesh import split_over_nodes
 from jaxtron.parallel.sharding import logical_names, logical_to_spec
+from jaxtron.planning.gpus import GPU
 
 # live copies at the peak, per kind of buffer (see the module docstring)
 LAYER_COPIES = 3.0  # one block's intermediates during its backward: recomputed values and their gradients
