@@ -1,4 +1,6 @@
-"""The safetensors file format, read and written one tensor at a time (never pickle, never the whole file).
+"""Safetensors files: read through the ``safetensors`` library one tensor at a time (never pickle, never the
+whole file), written by a streaming writer of our own because the library's writers take every tensor of a file
+in memory at once.
 
 A file is an 8-byte little-endian header length N, N bytes of JSON ({name: {"dtype", "shape",
 "data_offsets": [begin, end]}, optional "__metadata__": {str: str}}), then the tensors' bytes,
@@ -16,6 +18,7 @@ from typing import Callable, Iterable, Mapping
 
 import ml_dtypes
 import numpy as np
+from safetensors import SafetensorError, safe_open
 
 from jaxtron.config.schema import ConfigError
 
@@ -24,7 +27,6 @@ DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dt
 NAMES = {np.dtype(v): k for k, v in DTYPES.items()}
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
-MAX_HEADER = 100 * 2**20
 
 
 class FormatError(ConfigError):
@@ -32,43 +34,31 @@ class FormatError(ConfigError):
 
 
 class SafetensorsFile:
-    """The header of one file; ``read(name)`` loads one tensor."""
+    """The header of one file (checked whole by the library when opened); ``read(name)`` loads one tensor."""
 
     def __init__(self, path: str):
         self.path = path
+        self.tensors: dict[str, tuple[np.dtype, tuple[int, ...]]] = {}
         try:
-            size = os.path.getsize(path)
-            with open(path, "rb") as f:
-                (length,) = struct.unpack("<Q", f.read(8))
-                if not 0 < length <= min(MAX_HEADER, size - 8):
-                    raise ValueError(f"a header length of {length} bytes in a file of {size}")
-                header = json.loads(f.read(length).decode("utf-8"))
-        except (OSError, struct.error, ValueError, UnicodeDecodeError) as e:
-            raise FormatError(f"'{path}' is not a readable safetensors file ({e}).") from None
-        if not isinstance(header, dict):
-            raise FormatError(f"'{path}' is not a safetensors file (its header is not a JSON object).")
-        self.metadata = header.pop("__metadata__", None) or {}
-        self.start, self.tensors = 8 + length, {}
-        for name, info in header.items():
-            try:
-                dtype, shape, (begin, end) = np.dtype(DTYPES[info["dtype"]]), tuple(info["shape"]), info["data_offsets"]
-            except (KeyError, TypeError, ValueError):
-                raise FormatError(f"tensor '{name}' in '{path}' has an unsupported or malformed entry {info!r}; "
-                                  f"supported dtypes are {', '.join(DTYPES)}.") from None
-            if end - begin != math.prod(shape) * dtype.itemsize or begin < 0 or self.start + end > size:
-                raise FormatError(f"tensor '{name}' in '{path}' claims bytes {begin}..{end} for shape {shape} "
-                                  f"of {info['dtype']}, which do not fit the file; the file is truncated or corrupt.")
-            self.tensors[name] = (dtype, shape, begin)
+            with safe_open(path, framework="numpy") as f:
+                self.metadata = f.metadata() or {}
+                for name in f.keys():
+                    view = f.get_slice(name)
+                    code, shape = view.get_dtype(), tuple(view.get_shape())
+                    if code not in DTYPES:
+                        raise FormatError(f"tensor '{name}' in '{path}' is of dtype {code}; supported dtypes are "
+                                          f"{', '.join(DTYPES)}.")
+                    self.tensors[name] = (np.dtype(DTYPES[code]), shape)
+        except (SafetensorError, OSError) as e:
+            raise FormatError(f"'{path}' is not a readable safetensors file; it is truncated or corrupt "
+                              f"({str(e).strip()}).") from None
 
     def read(self, name: str) -> np.ndarray:
-        dtype, shape, begin = self.tensors[name]
-        count = math.prod(shape)
-        with open(self.path, "rb") as f:
-            f.seek(self.start + begin)
-            data = np.fromfile(f, dtype=dtype.newbyteorder("<"), count=count)
-        if data.size != count:
-            raise FormatError(f"tensor '{name}' in '{self.path}' ends early; the file is truncated.")
-        return data.astype(dtype, copy=False).reshape(shape)
+        try:
+            with safe_open(self.path, framework="numpy") as f:
+                return f.get_tensor(name)
+        except (SafetensorError, OSError) as e:
+            raise FormatError(f"tensor '{name}' in '{self.path}' cannot be read ({str(e).strip()}).") from None
 
 
 class ModelFiles:
