@@ -210,6 +210,3 @@ def main(argv: list[str] | None = None) -> int:
     print("\n".join(lines), file=sys.stdout if code == 0 or len(lines) > 1 else sys.stderr)
     return code
 
-
-if __name__ == "__main__":
-    sys.exit(main())

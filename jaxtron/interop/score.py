@@ -73,6 +73,3 @@ def main(argv: list[str] | None = None) -> int:
     logging.info("wrote %s: float32 logits of shape %s", args.output, logits.shape)
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())

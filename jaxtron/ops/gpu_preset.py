@@ -78,6 +78,3 @@ def main(argv: list[str] | None = None) -> int:
     print(f"all {len(flags.split())} XLA flags are accepted by the installed jaxlib")
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())
