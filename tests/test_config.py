@@ -14,6 +14,8 @@ import textwrap
 import jax.numpy as jnp
 import pytest
 
+from conftest import cpu_xla_flags
+
 from jaxtron.config.schema import Config, ConfigError, DataConfig, MeshConfig, ModelConfig, OptimizerConfig, TrainConfig
 from jaxtron.config.loader import load_config, parse_value, split_overrides
 from jaxtron.ops.attention import resolve_implementation
@@ -301,7 +303,7 @@ def test_main_reports_bad_config_file(capsys, tmp_path):
 
 
 def run_train(tmp_path, *args: str) -> subprocess.CompletedProcess:
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+    env = dict(os.environ, XLA_FLAGS=cpu_xla_flags(), JAX_PLATFORMS="cpu")
     return subprocess.run([sys.executable, "train.py", *args, f"--workdir={tmp_path / 'run'}"], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=300)
 

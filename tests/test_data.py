@@ -11,7 +11,7 @@ import jax
 import numpy as np
 import pytest
 
-from conftest import REPO
+from conftest import REPO, cpu_xla_flags
 from helpers import tiny_config
 
 from jaxtron.config.schema import ConfigError
@@ -477,7 +477,7 @@ def test_a_new_process_resumes_with_the_same_batches(word_store, tmp_path):
     out = str(tmp_path / "resumed.npz")
     run = subprocess.run([sys.executable, "-c", RESUME.format(tests=TESTS), json.dumps(sections),
                           str(state["step"]), "2", out], cwd=REPO, capture_output=True, text=True, timeout=120,
-                         env={**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8"})
+                         env={**os.environ, "XLA_FLAGS": cpu_xla_flags()})
     assert run.returncode == 0, run.stderr
     resumed = np.load(out)
     assert sorted(resumed.files) == sorted(f"{i}_{k}" for i in range(2) for k in after[0])

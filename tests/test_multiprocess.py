@@ -9,7 +9,7 @@ import sys
 import numpy as np
 import pytest
 
-from conftest import REPO
+from conftest import REPO, cpu_xla_flags
 
 TINY = ["--config.data.source=synthetic", "--config.model.num_layers=1", "--config.model.embed_dim=64",
         "--config.model.num_heads=4", "--config.model.num_kv_heads=4", "--config.model.mlp_dim=128",
@@ -19,7 +19,7 @@ TINY = ["--config.data.source=synthetic", "--config.model.num_layers=1", "--conf
 
 def _env(devices: int, **extra) -> dict:
     env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_")}
-    env.update(XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", JAX_PLATFORMS="cpu", **extra)
+    env.update(XLA_FLAGS=cpu_xla_flags(devices), JAX_PLATFORMS="cpu", **extra)
     return env
 
 

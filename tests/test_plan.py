@@ -78,7 +78,7 @@ import sys  # noqa: E402
 
 import pytest  # noqa: E402
 
-from conftest import REPO  # noqa: E402
+from conftest import FAST_COMPILE_FLAGS, REPO  # noqa: E402
 from jaxtron.planning import cli as plan_cli  # noqa: E402
 from jaxtron.config.loader import load_config  # noqa: E402
 from jaxtron.planning import search  # noqa: E402
@@ -171,7 +171,7 @@ def test_plan_cli_ranks_and_compiles(tmp_path):
     out = tmp_path / "plan.json"
     proc = subprocess.run([sys.executable, "-m", "jaxtron.plan", f"--config={REPO}/configs/default.py", "--gpus=8",
                            "--gpu=h200", "--compile=data=2,fsdp=4", f"--json={out}"],
-                          cwd=REPO, capture_output=True, text=True, env={**os.environ, "XLA_FLAGS": ""})
+                          cwd=REPO, capture_output=True, text=True, env={**os.environ, "XLA_FLAGS": FAST_COMPILE_FLAGS})
     assert proc.returncode == 0, proc.stderr
     assert "valid meshes" in proc.stdout and "dry run of data=2 fsdp=4 on 8 fake CPU devices" in proc.stdout
     assert "estimate of the same program" in proc.stdout
