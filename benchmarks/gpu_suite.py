@@ -58,7 +58,7 @@ class Case:
 
     def smoke(self) -> tuple[tuple[str, str], ...]:
         """The same case shrunk to run on a CPU in seconds: same config, precision, MoE mode and code paths."""
-        keep = {k: v for k, v in self.overrides if k in ("model.fp8", "model.moe_mode", "mesh.expert")}
+        keep = {k: v for k, v in self.overrides if k in ("execution.fp8", "execution.moe_mode", "mesh.expert")}
         tiny = dict(SMOKE_SHAPE, **keep)
         return tuple(tiny.items())
 
@@ -70,11 +70,11 @@ _MIXTRAL = (("model.num_layers", "1"), ("data.seq_len", "4096"), ("train.global_
             ("train.logit_chunks", "8"), ("mesh.expert", "1"))
 CASES = (
     Case("llama3_8b 8/32 layers bf16", "configs/llama3_8b.py", _LLAMA8B),
-    Case("llama3_8b 8/32 layers fp8", "configs/llama3_8b.py", (*_LLAMA8B, ("model.fp8", "True"))),
+    Case("llama3_8b 8/32 layers fp8", "configs/llama3_8b.py", (*_LLAMA8B, ("execution.fp8", "True"))),
     Case("llama3_1b bf16", "configs/llama3_1b.py", _LLAMA1B),
-    Case("llama3_1b fp8", "configs/llama3_1b.py", (*_LLAMA1B, ("model.fp8", "True"))),
-    Case("mixtral_8x7b 1/32 layers dropless", "configs/mixtral_8x7b.py", (*_MIXTRAL, ("model.moe_mode", "dropless"))),
-    Case("mixtral_8x7b 1/32 layers capacity", "configs/mixtral_8x7b.py", (*_MIXTRAL, ("model.moe_mode", "capacity"))),
+    Case("llama3_1b fp8", "configs/llama3_1b.py", (*_LLAMA1B, ("execution.fp8", "True"))),
+    Case("mixtral_8x7b 1/32 layers dropless", "configs/mixtral_8x7b.py", (*_MIXTRAL, ("execution.moe_mode", "dropless"))),
+    Case("mixtral_8x7b 1/32 layers capacity", "configs/mixtral_8x7b.py", (*_MIXTRAL, ("execution.moe_mode", "capacity"))),
 )
 SMOKE_SHAPE = {"model.num_layers": "1", "model.embed_dim": "64", "model.num_heads": "4", "model.num_kv_heads": "2",
                "model.head_dim": "16", "model.mlp_dim": "128", "model.vocab_size": "512", "data.seq_len": "64",

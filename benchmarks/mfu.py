@@ -71,7 +71,7 @@ def bench_one(spec: str, overrides, steps: int, warmup: int) -> dict:
     devices = jax.devices()
     sizes = cfg.check_devices(len(devices))
     mesh = make_mesh(sizes, devices)
-    impl = resolve_implementation(cfg.model.attention, jnp.dtype(cfg.model.dtype),
+    impl = resolve_implementation(cfg.execution.attention, jnp.dtype(cfg.execution.dtype),
                                   cfg.model.resolved_head_dim,
                                   shard_count(sizes, "activation_length"))
     t = cfg.train
@@ -94,15 +94,15 @@ def bench_one(spec: str, overrides, steps: int, warmup: int) -> dict:
     median = float(np.median(times))
     throughput = Throughput(cfg, mesh.size, devices[0].device_kind, impl)
     result = throughput(median, 1)
-    ceiling = matmul_ceiling(cfg.model.dtype, 8192 if jax.default_backend() == "gpu" else 1024)
+    ceiling = matmul_ceiling(cfg.execution.dtype, 8192 if jax.default_backend() == "gpu" else 1024)
     if result["mfu"] is None:  # no datasheet peak (a CPU): MFU against the matmul rate measured just now
         result["mfu"], result["mfu_basis"] = result["tflops_per_device"] / ceiling, "measured matmul ceiling"
     else:
         result["mfu_basis"] = "dense datasheet peak"
     return {
         "config": spec, "overrides": [f"--config.{k}={v}" for k, v in overrides], "mesh": dict(mesh.shape),
-        "dtype": cfg.model.dtype, "precision": cfg.model.dtype + ("+fp8" if cfg.model.fp8 else ""),
-        "attention": impl, "remat": cfg.model.remat, "seq_len": cfg.data.seq_len,
+        "dtype": cfg.execution.dtype, "precision": cfg.execution.dtype + ("+fp8" if cfg.execution.fp8 else ""),
+        "attention": impl, "remat": cfg.execution.remat, "seq_len": cfg.data.seq_len,
         "global_batch_size": t.global_batch_size, "params": param_count(cfg.model), "compile_s": compile_s,
         "step_time_median_s": median, "step_time_min_s": min(times), "step_time_max_s": max(times),
         "steps_timed": len(times), "last_loss": loss, **result, "peak_note": throughput.peak_note,

@@ -23,7 +23,7 @@ PAIRS = [  # (config, devices, overrides)
     ("llama3_8b", 8, ["data.seq_len=4096", "train.global_batch_size=8"]),
     ("llama3_8b", 8, ["data.seq_len=4096", "train.global_batch_size=8", "mesh.fsdp=4", "mesh.tensor=2"]),
     ("llama3_8b", 8, ["data.seq_len=4096", "train.global_batch_size=16", "mesh.fsdp=4", "mesh.data=2"]),
-    ("llama3_8b", 8, ["data.seq_len=2048", "train.global_batch_size=16", "model.remat=save_dots"]),
+    ("llama3_8b", 8, ["data.seq_len=2048", "train.global_batch_size=16", "execution.remat=save_dots"]),
     ("llama3_8b", 8, ["data.seq_len=8192", "train.global_batch_size=8", "mesh.fsdp=4", "mesh.sequence=2"]),
     ("llama3_1b", 8, ["data.seq_len=2048", "train.global_batch_size=16"]),
     ("llama3_1b", 8, ["data.seq_len=4096", "train.global_batch_size=32", "train.microbatches=2"]),
@@ -60,7 +60,7 @@ def main() -> int:
     rows = []
     for config, devices, overrides in PAIRS:
         for dtype in ("bfloat16", "float32"):
-            over = overrides + [f"model.dtype={dtype}"]
+            over = overrides + [f"execution.dtype={dtype}"]
             cfg = load_config(os.path.join(ROOT, "configs", f"{config}.py"), [tuple(a.split("=", 1)) for a in over])
             sizes = cfg.check_devices(devices)
             est = estimate(cfg, sizes, gpu("h100"), cpu_program=True)
@@ -102,8 +102,8 @@ def write(path: str, rows: list[dict]) -> None:
         c = r["compiled"]
         lines.append(
             f"| {r['config']} | {r['devices']} | {mesh} | {over['data.seq_len']} | "
-            f"{int(over['train.global_batch_size']) // dp} | {over.get('model.remat', 'full')} | "
-            f"{over.get('train.microbatches', 1)} | {over['model.dtype']} | {c['peak'] / GIB:.2f} "
+            f"{int(over['train.global_batch_size']) // dp} | {over.get('execution.remat', 'full')} | "
+            f"{over.get('train.microbatches', 1)} | {over['execution.dtype']} | {c['peak'] / GIB:.2f} "
             f"({c['arguments'] / GIB:.2f} + {c['temp'] / GIB:.2f}) | {r['estimated'] / GIB:.2f} | "
             f"{100 * r['error']:+.1f}% |")
     lines += ["", "Collective bytes per step and device, compiled vs estimated (GiB; XLA:CPU emits all-reduce where "
@@ -114,7 +114,7 @@ def write(path: str, rows: list[dict]) -> None:
         c, e = r["compiled"]["collectives"], r["estimated_collectives"]
         mesh = " ".join(f"{a}={v}" for a, v in r["mesh"].items() if v > 1)
         pair = lambda got, want: f"{got / GIB:.1f} / {want / GIB:.1f}"
-        lines.append(f"| {r['config']} | {mesh} | {dict(o.split('=', 1) for o in r['overrides'])['model.dtype']} | "
+        lines.append(f"| {r['config']} | {mesh} | {dict(o.split('=', 1) for o in r['overrides'])['execution.dtype']} | "
                      f"{pair(c['all-gather'], e['all-gather'])} | "
                      f"{pair(c['all-reduce'] + c['reduce-scatter'], e['all-reduce'] + e['reduce-scatter'])} | "
                      f"{pair(c['all-to-all'], e['all-to-all'])} |")

@@ -12,13 +12,14 @@ import ml_collections
 
 def get_config():
     c = ml_collections.ConfigDict()
-    c.model = dict(name="mixtral_tiny", vocab_size=256, embed_dim=128, num_layers=4, num_heads=4, num_kv_heads=2,
-                   mlp_dim=256, max_seq_len=1024, rope_theta=10_000.0, tie_embeddings=True, dtype="float32",
-                   num_experts=8, experts_per_token=2, moe_mode="dropless", router_aux_loss=0.01,
-                   router_z_loss=0.001)
-    c.train = dict(steps=300, seed=0, global_batch_size=16, log_every=20, eval_every=100, eval_batches=8)
-    c.optimizer = dict(learning_rate=3e-3, warmup_steps=30, weight_decay=0.1, min_lr_ratio=0.1)
     version = f"{sys.version_info.major}{sys.version_info.minor}"
+    c.model = dict(name="mixtral_tiny", vocab_size=256, embed_dim=128, num_layers=4, num_heads=4, num_kv_heads=2,
+                   mlp_dim=256, max_seq_len=1024, rope_theta=10_000.0, tie_embeddings=True, num_experts=8,
+                   experts_per_token=2)
+    c.execution = dict(dtype="float32", moe_mode="dropless")
+    c.train = dict(steps=300, seed=0, global_batch_size=16, log_every=20, eval_every=100, eval_batches=8,
+                   router_aux_loss=0.01, router_z_loss=0.001)
+    c.optimizer = dict(learning_rate=3e-3, warmup_steps=30, weight_decay=0.1, min_lr_ratio=0.1)
     c.data = dict(source="store", prepare="stdlib", path=f"~/.cache/jaxtron/stdlib-py{version}-byte", seq_len=128,
                   validation_fraction=0.05)
     c.mesh = dict(data=1, fsdp=-1, tensor=1, sequence=1, expert=1)

@@ -18,8 +18,10 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax  # noqa: E402
+from absl import flags  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
+flags.FLAGS(["pytest"])  # the test process is the program: libraries' absl flags (grain's) take their defaults
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

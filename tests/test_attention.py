@@ -55,7 +55,7 @@ def test_rows_with_more_documents_than_the_kernel_takes_are_refused():
     check_segments({"segment_ids": ids}, 9, step=5)
     check_segments({"segment_ids": ids}, None, step=5)
     with pytest.raises(DataError, match=r"a row of batch 5 packs 9 documents, more than "
-                                        r"model.attention_max_segments \(8\)"):
+                                        r"execution.attention_max_segments \(8\)"):
         check_segments({"segment_ids": ids}, 8, step=5)
 
 

@@ -15,7 +15,7 @@ from flax import nnx
 
 from conftest import REPO
 from helpers import tiny_config
-from jaxtron.checkpoint.train_state import CHECKPOINT_DIR, Checkpointer, CheckpointError
+from jaxtron.checkpoint.train_state import CHECKPOINT_DIR, Checkpointer, CheckpointError, _check_compatible
 from jaxtron.parallel.mesh import make_mesh
 from jaxtron.training import state as state_lib
 from jaxtron.training.loop import run
@@ -76,11 +76,34 @@ def test_a_checkpoint_restores_onto_other_meshes_with_identical_values(tmp_path)
 
 
 @pytest.mark.slow
-def test_a_checkpoint_of_another_model_shape_is_refused(tmp_path):
+def test_a_checkpoint_of_another_model_architecture_is_refused(tmp_path):
     run(tiny_config(train=dict(steps=1)), str(tmp_path), use_tqdm=False, devices=jax.devices()[:1])
     other = tiny_config(train=dict(steps=2), model=dict(num_layers=3))
-    with pytest.raises(CheckpointError, match=r"another model shape \(model.num_layers 2 != 3\); use the config"):
+    with pytest.raises(CheckpointError,
+                       match=r"another model architecture \(model.num_layers 2 != 3\); use the config"):
         run(other, str(tmp_path), use_tqdm=False, devices=jax.devices()[:1])
+    # how the model runs is not its architecture: the same model resumes in bfloat16 with remat and another name
+    same = tiny_config(train=dict(steps=2), execution=dict(dtype="bfloat16", remat="full"), model=dict(name="b"))
+    summary = run(same, str(tmp_path), use_tqdm=False, devices=jax.devices()[:1])
+    assert [h["step"] for h in summary["history"]] == [2]
+
+
+def test_compatibility_compares_every_architecture_field_and_reads_older_layouts():
+    cfg = tiny_config()
+    saved = cfg.to_dict()
+    # a checkpoint of the older layout: execution fields and router losses inside 'model', no 'execution' section
+    saved["model"].update(dtype="bfloat16", remat="full", router_aux_loss=0.5, router_z_loss=0.0)
+    del saved["execution"]
+    _check_compatible(saved, cfg, "old")
+    renamed = {**saved, "model": {**saved["model"], "name": "other", "init_std": 0.5}}
+    _check_compatible(renamed, cfg, "renamed")  # a label and the initialisation are not the architecture
+    for field, value in (("rope_theta", 1234.0), ("norm_eps", 1e-3), ("router_renormalize", False),
+                         ("rope_scaling_factor", 8.0), ("activation", "gelu")):
+        changed = {**saved, "model": {**saved["model"], field: value}}
+        with pytest.raises(CheckpointError, match=rf"another model architecture \(model\.{field} "):
+            _check_compatible(changed, cfg, "changed")
+    fewer = {**saved, "model": {k: v for k, v in saved["model"].items() if k not in ("num_experts", "moe_every")}}
+    _check_compatible(fewer, cfg, "older")  # fields added since have their defaults
 
 
 ARGS = [*TINY, "--config.train.steps=12", "--config.checkpoint.every=3", "--config.checkpoint.keep=2"]

@@ -16,8 +16,9 @@ import pytest
 
 from conftest import cpu_xla_flags
 
-from jaxtron.config.schema import Config, ConfigError, DataConfig, MeshConfig, ModelConfig, OptimizerConfig, TrainConfig
-from jaxtron.config.loader import load_config, parse_value, split_overrides
+from jaxtron.config.schema import (SECTIONS, Config, ConfigError, DataConfig, ExecutionConfig, MeshConfig,
+                                   ModelConfig, OptimizerConfig, TrainConfig)
+from jaxtron.config.loader import load_config, parse_command_line
 from jaxtron.ops.attention import resolve_implementation
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -26,8 +27,7 @@ DEFAULT = os.path.join(REPO, "configs", "default.py")
 
 def cli(*argv: str) -> Config:
     """Parses arguments the way train.py does (default config file unless --config is given)."""
-    spec, overrides, _ = split_overrides(argv)
-    return load_config(spec or DEFAULT, overrides)
+    return parse_command_line(["train.py", *argv], DEFAULT)[0]
 
 
 def config_file(directory, body: str, name: str = "user_config.py") -> str:
@@ -66,9 +66,9 @@ BAD = [
     ("unknown_field", lambda d: cli("--config.train.stepz=5"),
      "'train.stepz'", "use 'train.steps' (closest match) or another field of 'train'"),
     ("unknown_field_no_close_match", lambda d: cli("--config.model.qqqqqq=5"),
-     "'model.qqqqqq'", "use one of the fields of 'model': activation, attention"),
+     "'model.qqqqqq'", "use one of the fields of 'model': activation, embed_dim"),
     ("unknown_section", lambda d: cli("--config.trian.steps=5"),
-     "'trian'", "use one of model, mesh, train, optimizer, data"),
+     "'trian'", "use one of model, execution, mesh, train, optimizer, data"),
     ("whole_section", lambda d: cli("--config.train=5"),
      "'train'", "set one of its fields with --config.train.<field>=VALUE"),
     ("override_without_value", lambda d: cli("--config.train.steps"),
@@ -91,7 +91,7 @@ BAD = [
     ("file_unknown_field", lambda d: file_setting(d, "c.model = dict(widthh=5)"),
      "'model.widthh'", "use one of the fields of 'model'"),
     ("file_unknown_section", lambda d: file_setting(d, "c.trainer = dict(steps=5)"),
-     "'trainer'", "use one of model, mesh, train, optimizer, data"),
+     "'trainer'", "use one of model, execution, mesh, train, optimizer, data"),
     ("file_section_not_group", lambda d: file_setting(d, "c.train = 5"),
      "'train' must be a group of fields, not 5", "make it a dict of fields in the config file"),
     ("file_section_not_group_overridden",
@@ -129,14 +129,16 @@ BAD = [
      "'optimizer.b2' must lie in [0, 1) (got 1.0)", "set --config.optimizer.b2 inside that range"),
     ("min_lr_ratio_above_one", lambda d: cli("--config.optimizer.min_lr_ratio=1.5"),
      "'optimizer.min_lr_ratio' must lie in [0, 1] (got 1.5)", "set --config.optimizer.min_lr_ratio inside"),
-    ("unknown_remat", lambda d: cli("--config.model.remat=everything"),
-     "'model.remat' is 'everything', which is not one of 'none', 'full', 'save_dots'",
-     "set --config.model.remat to one of those"),
-    ("unknown_dtype", lambda d: cli("--config.model.dtype=bf16"),
-     "'model.dtype' is 'bf16'", "set --config.model.dtype to one of those"),
-    ("unknown_attention", lambda d: cli("--config.model.attention=flash"),
-     "'model.attention' is 'flash', which is not one of 'auto', 'xla', 'cudnn'",
-     "set --config.model.attention to one of those"),
+    ("moved_field", lambda d: cli("--config.model.remat=full"),
+     "'model.remat' is now 'execution.remat'", "set --config.execution.remat instead"),
+    ("unknown_remat", lambda d: cli("--config.execution.remat=everything"),
+     "'execution.remat' is 'everything', which is not one of 'none', 'full', 'save_dots'",
+     "set --config.execution.remat to one of those"),
+    ("unknown_dtype", lambda d: cli("--config.execution.dtype=bf16"),
+     "'execution.dtype' is 'bf16'", "set --config.execution.dtype to one of those"),
+    ("unknown_attention", lambda d: cli("--config.execution.attention=flash"),
+     "'execution.attention' is 'flash', which is not one of 'auto', 'xla', 'cudnn'",
+     "set --config.execution.attention to one of those"),
     ("unknown_data_source", lambda d: cli("--config.data.source=web"),
      "'data.source' is 'web'", "set --config.data.source to one of those"),
     ("kv_heads_not_dividing_heads", lambda d: cli("--config.model.num_kv_heads=4"),
@@ -182,14 +184,15 @@ BAD = [
      lambda d: Config(data=DataConfig(seq_len=250), mesh=mesh(sequence=4)).check_devices(8),
      "'data.seq_len' (250) is not divisible by mesh.sequence (4)", "use a multiple of 4"),
     ("cudnn_on_cpu", lambda d: resolve_implementation("cudnn", jnp.bfloat16, backend="cpu"),
-     "'model.attention' is 'cudnn' but the backend is cpu", "use 'auto' or 'xla'"),
+     "'execution.attention' is 'cudnn' but the backend is cpu", "use 'auto' or 'xla'"),
     ("cudnn_in_float32", lambda d: resolve_implementation("cudnn", jnp.float32, backend="gpu"),
-     "'model.attention' is 'cudnn' but compute dtype float32 is not 16-bit", "use 'auto' or 'xla'"),
+     "'execution.attention' is 'cudnn' but compute dtype float32 is not 16-bit", "use 'auto' or 'xla'"),
     ("cudnn_with_sharded_sequence", lambda d: resolve_implementation("cudnn", jnp.bfloat16, 128, 2, backend="gpu"),
-     "'model.attention' is 'cudnn' but the sequence is sharded 2 ways (mesh.sequence)", "use 'auto' or 'xla'"),
+     "'execution.attention' is 'cudnn' but the sequence is sharded 2 ways (mesh.sequence)", "use 'auto' or 'xla'"),
     ("cudnn_with_odd_head_dim", lambda d: resolve_implementation("cudnn", jnp.bfloat16, 100, 1, backend="gpu"),
-     "'model.attention' is 'cudnn' but head_dim 100 is not a multiple of 8 up to 128", "use 'auto' or 'xla'"),
-    ("float16_compute", lambda d: ModelConfig(dtype="float16"), "'model.dtype'", "set --config.model.dtype"),
+     "'execution.attention' is 'cudnn' but head_dim 100 is not a multiple of 8 up to 128", "use 'auto' or 'xla'"),
+    ("float16_compute", lambda d: ExecutionConfig(dtype="float16"), "'execution.dtype'",
+     "set --config.execution.dtype"),
     ("decay_not_after_warmup", lambda d: OptimizerConfig(warmup_steps=100, decay_steps=50),
      "'optimizer.decay_steps' (50) must exceed optimizer.warmup_steps (100)", "raise it or set it to 0"),
 ]
@@ -220,13 +223,13 @@ def test_bad_config_error_has_no_chained_traceback(tmp_path):
 def test_overrides_of_each_type_land_typed_in_the_frozen_config():
     cfg = cli("--config.train.steps=7", "--config.optimizer.learning_rate=1e-3", "--config.optimizer.b1=0.8",
               "--config.model.rope_theta=2", "--config.model.tie_embeddings=false", "--config.data.source=synthetic",
-              "--config.model.remat", "save_dots")  # the '--flag value' form too
+              "--config.execution.remat", "save_dots")  # the '--flag value' form too
     assert cfg.train.steps == 7 and type(cfg.train.steps) is int
     assert cfg.optimizer.learning_rate == 1e-3 and type(cfg.optimizer.learning_rate) is float
     assert cfg.optimizer.b1 == 0.8
     assert cfg.model.rope_theta == 2.0 and type(cfg.model.rope_theta) is float  # '2' for a float field
     assert cfg.model.tie_embeddings is False  # the default config file sets it True
-    assert cfg.data.source == "synthetic" and cfg.model.remat == "save_dots"
+    assert cfg.data.source == "synthetic" and cfg.execution.remat == "save_dots"
     # untouched values keep what the config file set
     base = cli()
     assert (cfg.model.embed_dim, cfg.train.global_batch_size, cfg.optimizer.warmup_steps) == \
@@ -239,10 +242,38 @@ def test_later_override_wins_and_true_parses():
     assert cfg.model.tie_embeddings is True
 
 
-@pytest.mark.parametrize("text, expected", [("true", True), ("True", True), ("1", True), ("yes", True),
-                                            ("false", False), ("FALSE", False), ("0", False), ("no", False)])
+@pytest.mark.parametrize("text, expected", [("true", True), ("True", True), ("1", True), ("t", True),
+                                            ("false", False), ("FALSE", False), ("0", False), ("f", False)])
 def test_bool_spellings(text, expected):
-    assert parse_value("model.tie_embeddings", bool, text) is expected
+    assert cli(f"--config.model.tie_embeddings={text}").model.tie_embeddings is expected
+
+
+def test_a_config_file_of_the_older_layout_loads_with_its_fields_moved(tmp_path, caplog):
+    path = file_setting_path(tmp_path, "c.model = dict(dtype='bfloat16', remat='full', router_aux_loss=0.05)",
+                             "c.execution = dict(remat='save_dots')")
+    with caplog.at_level("WARNING"):
+        cfg = cli(f"--config={path}", "--config.execution.fp8=true")
+    assert (cfg.execution.dtype, cfg.execution.remat, cfg.execution.fp8) == ("bfloat16", "save_dots", True)
+    assert cfg.train.router_aux_loss == 0.05  # and the value set at the new place wins
+    assert "config field 'model.dtype' is now 'execution.dtype'" in caplog.text
+
+
+OVERRIDES = [("model.rope_theta", "1e4", 1e4), ("execution.remat", "full", "full"), ("mesh.tensor", "2", 2),
+             ("train.z_loss", "1e-4", 1e-4), ("optimizer.b2", "0.9", 0.9), ("data.seq_len", "64", 64),
+             ("checkpoint.keep", "5", 5), ("distributed.heartbeat_timeout_s", "30", 30),
+             ("profile.processes", "all", "all")]
+
+
+def test_a_field_the_file_does_not_set_can_be_overridden_in_every_section(tmp_path):
+    """The file is laid over the schema's defaults before config_flags applies the overrides."""
+    assert {path.split(".")[0] for path, _, _ in OVERRIDES} == set(SECTIONS)
+    path = file_setting_path(tmp_path, "c.train = dict(steps=3)")
+    cfg = cli(f"--config={path}", *(f"--config.{p}={text}" for p, text, _ in OVERRIDES))
+    for p, _, expected in OVERRIDES:
+        section, name = p.split(".")
+        value = getattr(getattr(cfg, section), name)
+        assert value == expected and type(value) is type(expected), p
+    assert cfg.train.steps == 3
 
 
 def test_explicit_config_file_and_sections_absent_from_it(tmp_path):
@@ -286,10 +317,11 @@ def test_main_reports_errors_found_after_jax_starts(capsys, tmp_path):
     """cuDNN on the CPU is found in the loop (after the config is built); main prints it and returns 2."""
     import train
 
-    code = train.main(["--config.model.attention=cudnn", "--config.model.dtype=bfloat16", f"--workdir={tmp_path}"])
+    code = train.main(["--config.execution.attention=cudnn", "--config.execution.dtype=bfloat16",
+                       f"--workdir={tmp_path}"])
     err = capsys.readouterr().err
     assert code == 2
-    assert err.startswith("error: config field 'model.attention' is 'cudnn' but the backend is cpu"), err
+    assert err.startswith("error: config field 'execution.attention' is 'cudnn' but the backend is cpu"), err
     assert err.count("\n") == 1 and "Traceback" not in err
 
 

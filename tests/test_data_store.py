@@ -208,7 +208,7 @@ def test_positions_restart_at_the_row_start_and_the_loader_refuses_larger_ones(t
         global_batch(split, 2, mesh, 4, BatchLimits(max_positions=7))
     cfg = tiny_config(model=dict(max_seq_len=8), data=dict(seq_len=8))  # the loop checks batches against it
     assert batch_limits(cfg, "xla") == BatchLimits(max_positions=8)
-    assert batch_limits(cfg, "cudnn").max_segments == cfg.model.attention_max_segments
+    assert batch_limits(cfg, "cudnn").max_segments == cfg.execution.attention_max_segments
 
 
 # ---------------------------------------------------------------------------------------------- checksums

@@ -11,7 +11,7 @@ import struct
 
 import pytest
 
-from jaxtron.config.schema import ModelConfig
+from jaxtron.config.schema import ExecutionConfig, ModelConfig
 from jaxtron.metrics import flops, hardware
 from jaxtron.metrics.writers import MetricsWriter, format_line
 
@@ -31,10 +31,10 @@ NARAYANAN = [
 SEQ, VOCAB, A100_PEAK = 2048, 51200, 312e12
 
 
-def gpt(heads: int, hidden: int, layers: int, vocab: int = VOCAB, remat: str = "full") -> ModelConfig:
+def gpt(heads: int, hidden: int, layers: int, vocab: int = VOCAB) -> ModelConfig:
     return ModelConfig(vocab_size=vocab, embed_dim=hidden, num_layers=layers, num_heads=heads,
                        num_kv_heads=heads, mlp_dim=4 * hidden, activation="gelu", norm="layernorm",
-                       position_embedding="learned", max_seq_len=2048, tie_embeddings=True, remat=remat)
+                       position_embedding="learned", max_seq_len=2048, tie_embeddings=True)
 
 
 def llama3(hidden: int, layers: int, heads: int, mlp: int) -> ModelConfig:
@@ -59,7 +59,7 @@ def test_narayanan_table1_flops(row):
     assert nar96 == pytest.approx(model + (model - logits) / 3, rel=1e-12)
     # jax.checkpoint re-runs only what the backward pass needs: not the MLP's down projection (2 * 4h * h
     # forward FLOPs per token and layer), whose output only feeds the residual sum.
-    hw = flops.hardware_flops_per_token(cfg, SEQ, causal=False) * tokens
+    hw = flops.hardware_flops_per_token(cfg, ExecutionConfig(remat="full"), SEQ, causal=False) * tokens
     assert hw == pytest.approx(nar96 - 8 * h * h * layers * tokens, rel=1e-12)
     # Published throughput (their FLOP count) -> iteration time -> back to TFLOP/s and % of the 312 dense peak.
     seconds = nar96 / (gpus * tflops * 1e12)
@@ -103,7 +103,7 @@ def test_llama3_8b_param_count_exact():
 
 
 def test_gpt3_175b_param_count():
-    cfg = gpt(96, 12288, 96, vocab=50304, remat="none")
+    cfg = gpt(96, 12288, 96, vocab=50304)
     assert flops.param_count(cfg) == pytest.approx(175e9, rel=1e-2)
 
 

@@ -3,15 +3,13 @@
 On a GPU, XLA must turn the quantize/dequantize/dot pattern into FP8 GEMMs; that check runs only there.
 """
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
 
-from jaxtron.config.schema import ConfigError, ModelConfig
+from jaxtron.config.schema import Config, ConfigError, DataConfig, ExecutionConfig, ModelConfig
 from jaxtron.ops import fp8
 
 RNG = np.random.default_rng(0)
@@ -63,17 +61,21 @@ def test_fp8_einsum_forward_and_gradients_match_the_reference():
     assert np.abs(np.asarray(y) - exact).max() < 0.06 * np.abs(exact).max()
 
 
-def _tiny(**fields) -> ModelConfig:
+def _tiny(model: dict | None = None, **execution) -> Config:
+    """A 4-layer model (``model``: fields to change) run in float32 with XLA attention (``execution``: fields to
+    change, e.g. fp8=True); a Config, which checks the FP8 fields against the layers."""
     base = dict(name="tiny", vocab_size=64, embed_dim=64, num_layers=4, num_heads=4, num_kv_heads=2, mlp_dim=128,
-                max_seq_len=32, dtype="float32", attention="xla")
-    return ModelConfig(**{**base, **fields})
+                max_seq_len=32)
+    return Config(model=ModelConfig(**{**base, **(model or {})}),
+                  execution=ExecutionConfig(**{**dict(dtype="float32", attention="xla"), **execution}),
+                  data=DataConfig(seq_len=32))
 
 
-def _loss_and_grads(cfg: ModelConfig, tokens):
+def _loss_and_grads(cfg: Config, tokens):
     from flax import nnx
 
     from jaxtron.models import build_model
-    graphdef, params = nnx.split(build_model(cfg, 0))
+    graphdef, params = nnx.split(build_model(cfg.model, cfg.execution, 0))
 
     def loss(p):
         logits = nnx.merge(graphdef, p)(tokens[:, :-1])
@@ -107,9 +109,9 @@ def test_fp8_trains_inside_scanned_layers_with_remat_and_gradient_accumulation(t
     common = dict(data__source="synthetic", model__num_layers="2", model__embed_dim="64", model__num_heads="4",
                   model__num_kv_heads="2", model__mlp_dim="128", data__seq_len="32", train__global_batch_size="16",
                   train__steps="12", train__log_every="4", train__eval_batches="0", checkpoint__every="0",
-                  model__remat="full", train__microbatches="2")
+                  execution__remat="full", train__microbatches="2")
     losses = {}
-    for name, extra in (("exact", {}), ("fp8", {"model__fp8": "True"})):
+    for name, extra in (("exact", {}), ("fp8", {"execution__fp8": "True"})):
         overrides = [(k.replace("__", "."), v) for k, v in {**common, **extra}.items()]
         cfg = load_config(f"{REPO}/configs/default.py", overrides)
         summary = run(cfg, str(tmp_path / name), use_tqdm=False)
@@ -120,21 +122,22 @@ def test_fp8_trains_inside_scanned_layers_with_remat_and_gradient_accumulation(t
 
 
 def test_fp8_config_errors():
-    with pytest.raises(ConfigError, match="model.fp8_skip_layers' .2. leaves no FP8 block among model.num_layers .4."):
+    with pytest.raises(ConfigError,
+                       match="execution.fp8_skip_layers' .2. leaves no FP8 block among model.num_layers .4."):
         _tiny(fp8=True, fp8_skip_layers=2)
-    with pytest.raises(ConfigError, match="model.fp8_skip_layers' must be >= 0"):
+    with pytest.raises(ConfigError, match="execution.fp8_skip_layers' must be >= 0"):
         _tiny(fp8_skip_layers=-1)
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU: XLA rewrites FP8 GEMMs only there")
 def test_xla_emits_fp8_gemms_for_every_projection_on_a_gpu():
-    cfg = dataclasses.replace(_tiny(fp8=True, dtype="bfloat16", num_layers=2), embed_dim=128, mlp_dim=256)
+    cfg = _tiny(dict(num_layers=2, embed_dim=128, mlp_dim=256), fp8=True, dtype="bfloat16")
     tokens = jnp.asarray(RNG.integers(0, 64, (4, 129)), jnp.int32)
     from flax import nnx
 
     from jaxtron.models import build_model
-    graphdef, params = nnx.split(build_model(cfg, 0, "cudnn"))
+    graphdef, params = nnx.split(build_model(cfg.model, cfg.execution, 0, "cudnn"))
 
     def loss(p):
         return jnp.mean(nnx.merge(graphdef, p)(tokens[:, :-1]))

@@ -61,7 +61,7 @@ def test_the_smoke_run_goes_through_every_step_and_writes_its_results(tmp_path):
         row = steps[f"mfu: {case.name}"]
         assert row["steps_timed"] == 10 and row["tokens_per_sec"] == pytest.approx(
             row["global_batch_size"] * row["seq_len"] / row["step_time_median_s"])
-        assert row["precision"].endswith("+fp8") == (("model.fp8", "True") in case.overrides)
+        assert row["precision"].endswith("+fp8") == (("execution.fp8", "True") in case.overrides)
         assert row["mesh"] == {"data": 1, "fsdp": 1, "sequence": 1, "expert": 1, "tensor": 1}
         assert f"| {case.name} | {row['precision']} |" in table
     assert "| bf16 512^3 matmul |" in table and "| ragged_dot, 4 groups, default |" in table

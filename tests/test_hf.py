@@ -66,6 +66,7 @@ def test_round_trip_is_bit_exact(name, imported, tmp_path):
     with open(os.path.join(FIXTURES, name, "config.json")) as f:
         source = json.load(f)
     assert llama.model_config(hf, "same") == llama.model_config(source, "same")
+    assert llama.train_fields(hf) == llama.train_fields(source)  # Mixtral's router loss coefficient
     # and back again: the same parameters
     _, first = convert.load(imported[name])
     convert.from_hf(exported, str(tmp_path / "again"))
@@ -197,7 +198,7 @@ def test_converted_config_fine_tunes_from_the_imported_parameters(imported, tmp_
     from jaxtron.training.loop import run
     spec = os.path.join(imported["llama"], "config.py")
     # one step at a negligible learning rate: the parameters after it are those the run started from
-    overrides = [("model.dtype", "float32"), ("train.steps", "1"), ("train.log_every", "1"),
+    overrides = [("execution.dtype", "float32"), ("train.steps", "1"), ("train.log_every", "1"),
                  ("train.global_batch_size", "2"), ("data.seq_len", "24"), ("mesh.fsdp", "1"),
                  ("optimizer.learning_rate", "1e-9"), ("optimizer.warmup_steps", "0")]
     cfg = load_config(spec, overrides)
@@ -249,7 +250,7 @@ def test_init_from_a_missing_or_mismatched_checkpoint_is_one_sentence(imported, 
 @pytest.mark.slow
 def test_init_from_restores_a_converted_mixtral_onto_a_mesh(imported, tmp_path):
     from jaxtron.training.loop import run
-    overrides = [("model.dtype", "float32"), ("train.steps", "1"), ("train.log_every", "1"),
+    overrides = [("execution.dtype", "float32"), ("train.steps", "1"), ("train.log_every", "1"),
                  ("train.global_batch_size", "8"), ("data.seq_len", "24"), ("mesh.fsdp", "2"), ("mesh.expert", "2"),
                  ("mesh.tensor", "2"), ("optimizer.learning_rate", "1e-9"), ("optimizer.warmup_steps", "0")]
     summary = run(load_config(os.path.join(imported["mixtral"], "config.py"), overrides), str(tmp_path / "run"),

@@ -28,7 +28,7 @@ PUBLISHED = {"llama3_1b": 1.24e9, "llama3_8b": 8.03e9, "llama3_70b": 70.55e9, "l
 @pytest.mark.parametrize("name", list(PUBLISHED))
 def test_config_parameter_counts_match_published(name):
     cfg = load_config(os.path.join(REPO, "configs", f"{name}.py"))
-    abstract = nnx.eval_shape(lambda: build_model(cfg.model, 0))  # no memory is allocated
+    abstract = nnx.eval_shape(lambda: build_model(cfg.model, cfg.execution, 0))  # no memory is allocated
     counted = sum(math.prod(x.shape) for x in jax.tree.leaves(nnx.state(abstract, nnx.Param)))
     assert counted == param_count(cfg.model)
     assert counted == pytest.approx(PUBLISHED[name], rel=5e-3)
@@ -66,7 +66,7 @@ def test_rope_scores_depend_only_on_relative_position():
 
 def _model_and_tokens(**model):
     cfg = tiny_config(model=model)
-    params_model = build_model(cfg.model, 0)
+    params_model = build_model(cfg.model, cfg.execution, 0)
     tokens = jnp.asarray(SyntheticSource(256, 16, 0).rows(np.arange(2))["inputs"])
     return cfg, params_model, tokens
 
@@ -123,7 +123,7 @@ def test_remat_policies_change_memory_not_results():
     batch = {k: jnp.asarray(v) for k, v in tokens.items()}
     results, temp = {}, {}
     for remat in ("none", "full", "save_dots"):
-        cfg = tiny_config(model=dict(remat=remat, num_layers=4), data=dict(seq_len=64))
+        cfg = tiny_config(model=dict(num_layers=4), execution=dict(remat=remat), data=dict(seq_len=64))
         setup = state_lib.setup(cfg, "xla")
         params = state_lib.init_state(cfg, "xla", None).params
         fn = jax.jit(jax.value_and_grad(lambda p: loss_sums(p, setup.graphdef, batch, 0.0)[0]))
@@ -139,8 +139,8 @@ def test_remat_policies_change_memory_not_results():
 
 
 def test_bf16_compute_keeps_fp32_parameters():
-    cfg = tiny_config(model=dict(dtype="bfloat16"))
-    model = build_model(cfg.model, 0)
+    cfg = tiny_config(execution=dict(dtype="bfloat16"))
+    model = build_model(cfg.model, cfg.execution, 0)
     logits = model(jnp.zeros((1, 8), jnp.int32))
     assert logits.dtype == jnp.float32  # the head accumulates into float32 for the loss
     text = str(jax.make_jaxpr(lambda t: model(t))(jnp.zeros((1, 8), jnp.int32)))
@@ -151,8 +151,9 @@ def test_bf16_compute_keeps_fp32_parameters():
 
 
 def test_tied_embeddings_have_no_output_head():
-    tied = nnx.state(build_model(tiny_config(model=dict(tie_embeddings=True)).model, 0), nnx.Param)
-    untied = nnx.state(build_model(tiny_config().model, 0), nnx.Param)
+    tied_cfg, untied_cfg = tiny_config(model=dict(tie_embeddings=True)), tiny_config()
+    tied = nnx.state(build_model(tied_cfg.model, tied_cfg.execution, 0), nnx.Param)
+    untied = nnx.state(build_model(untied_cfg.model, untied_cfg.execution, 0), nnx.Param)
     assert "head" not in tied and "head" in untied
 
 
@@ -164,7 +165,7 @@ def test_bf16_embedding_gradient_is_accumulated_in_float32():
     batch = {"inputs": jnp.asarray(tokens[:, :-1]), "targets": jnp.asarray(tokens[:, 1:])}
     grads = {}
     for dtype in ("float32", "bfloat16"):
-        cfg = tiny_config(model=dict(dtype=dtype))
+        cfg = tiny_config(execution=dict(dtype=dtype))
         setup = state_lib.setup(cfg, "xla")
         params = state_lib.init_state(cfg, "xla", None).params
         g = jax.jit(jax.grad(lambda p: loss_sums(p, setup.graphdef, batch, 0.0)[0]))(params)
@@ -180,13 +181,13 @@ def test_bf16_embedding_gradient_is_accumulated_in_float32():
 @pytest.mark.parametrize("remat,count", [("full", 0), ("save_dots", 1), ("save_attention", 1),
                                          ("save_dots_attention", 2)])
 def test_remat_policies_that_keep_the_attention_output(remat, count, capsys):
-    cfg = tiny_config(model=dict(remat=remat, num_layers=2)).model
-    graphdef, params = nnx.split(build_model(cfg, 0))
+    cfg = tiny_config(model=dict(num_layers=2), execution=dict(remat=remat))
+    graphdef, params = nnx.split(build_model(cfg.model, cfg.execution, 0))
     tokens = jnp.zeros((2, 16), jnp.int32)
     jax.ad_checkpoint.print_saved_residuals(lambda p: jnp.sum(nnx.merge(graphdef, p)(tokens)), params)
     # residuals of the layer scan shaped [layers, batch, length, heads, head_dim]: the query projection (a
     # dot) and the attention output
-    shape = f"[2,2,16,{cfg.num_heads},{cfg.resolved_head_dim}] output of scan"
+    shape = f"[2,2,16,{cfg.model.num_heads},{cfg.model.resolved_head_dim}] output of scan"
     assert capsys.readouterr().out.count(shape) == count
 
 

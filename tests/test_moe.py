@@ -14,7 +14,7 @@ from flax import nnx
 
 from conftest import REPO
 from helpers import tiny_config
-from jaxtron.config.schema import ConfigError, ModelConfig
+from jaxtron.config.schema import ConfigError, ExecutionConfig, ModelConfig
 from jaxtron.config.loader import load_config
 from jaxtron.data.loader import SyntheticSource
 from jaxtron.parallel.mesh import make_mesh
@@ -43,9 +43,9 @@ def _layer_cfg(**kw) -> ModelConfig:
     return ModelConfig(**{**base, **kw})
 
 
-def _layer(cfg: ModelConfig):
+def _layer(cfg: ModelConfig, execution: ExecutionConfig = ExecutionConfig()):
     with nnx.use_eager_sharding(False):
-        return nnx.split(MoE(cfg, nnx.Rngs(params=0)))
+        return nnx.split(MoE(cfg, execution, nnx.Rngs(params=0)))
 
 
 def _mesh(sizes):
@@ -118,7 +118,7 @@ def test_the_expert_collectives_follow_a_changed_rules_table(monkeypatch, change
     """The MoE names no mesh axis: remap its weights in the rules table and it gathers, exchanges and sums over
     the new axes, with the same outputs and gradients as without a mesh."""
     monkeypatch.setattr(sharding, "_RULES", {**sharding._RULES, **changes})
-    graphdef, state = _layer(_layer_cfg(moe_mode=mode))
+    graphdef, state = _layer(_layer_cfg(), ExecutionConfig(moe_mode=mode))
     x = jax.random.normal(jax.random.key(2), (8, 16, 32))
     mesh = _mesh(dict(fsdp=2, expert=2, tensor=2))
     with jax.set_mesh(mesh):
@@ -165,7 +165,7 @@ def test_expert_axis_exchanges_tokens_by_all_to_all():
     assert sum("f32[1,32,32]" in line for line in exchanges) == 4
     assert "all-to-all(" not in _collectives(_mesh(dict(fsdp=8)), graphdef, state, x)
     # capacity: slots out and back, and both transposed; per shard 2 local experts x 1 row x 5 slots
-    graphdef, state = _layer(_layer_cfg(moe_mode="capacity"))
+    graphdef, state = _layer(_layer_cfg(), ExecutionConfig(moe_mode="capacity"))
     hlo = _collectives(_mesh(dict(data=2, fsdp=1, expert=4)), graphdef, state, x)
     exchanges = [line for line in hlo.splitlines() if "all-to-all(" in line]
     assert len(exchanges) == 4 and all(line.count("f32[1,2,5,32]") == 4 for line in exchanges)
@@ -190,9 +190,9 @@ def test_capacity_mode_with_room_for_every_token_equals_dropless():
     x = jax.random.normal(jax.random.key(2), (8, 16, 32))
     graphdef, state = _layer(_layer_cfg())
     dropless, _ = _apply(graphdef, None, state, x)
-    roomy = _layer_cfg(moe_mode="capacity", capacity_factor=E / K)  # capacity = the whole row
-    assert capacity(roomy, 16) == 16
-    graphdef_c, state_c = _layer(roomy)
+    roomy = ExecutionConfig(moe_mode="capacity", capacity_factor=E / K)  # capacity = the whole row
+    assert capacity(_layer_cfg(), roomy.capacity_factor, 16) == 16
+    graphdef_c, state_c = _layer(_layer_cfg(), roomy)
     for mesh in (None, _mesh(dict(data=2, fsdp=1, expert=4))):
         y, stats = _apply(graphdef_c, mesh, state_c, x)
         np.testing.assert_allclose(np.asarray(y), np.asarray(dropless), rtol=0, atol=1e-5)
@@ -201,10 +201,10 @@ def test_capacity_mode_with_room_for_every_token_equals_dropless():
 
 @pytest.mark.parametrize("mesh_name", [None, "sequence2_expert2_tensor2", "expert8"])
 def test_capacity_mode_drops_by_priority_and_dropped_tokens_pass_through(mesh_name):
-    cfg = _layer_cfg(moe_mode="capacity", capacity_factor=0.25)
-    slots = capacity(cfg, 16)
+    cfg, execution = _layer_cfg(), ExecutionConfig(moe_mode="capacity", capacity_factor=0.25)
+    slots = capacity(cfg, execution.capacity_factor, 16)
     assert slots == 1  # ceil(0.25 * 16 * 2 / 8): one token per expert and row
-    graphdef, state = _layer(cfg)
+    graphdef, state = _layer(cfg, execution)
     x = jax.random.normal(jax.random.key(3), (8, 16, 32))
     y, stats = _apply(graphdef, _mesh(LAYER_MESHES[mesh_name]) if mesh_name else None, state, x)
     m = nnx.merge(graphdef, state)
@@ -242,8 +242,9 @@ def test_router_weights_and_auxiliary_losses():
 
 @pytest.mark.slow
 def test_moe_every_second_block_runs_blocks_in_order():
-    cfg = tiny_config(model=dict(num_layers=4, num_experts=4, experts_per_token=2, moe_every=2, init_std=0.2)).model
-    model = build_model(cfg, 0)
+    config = tiny_config(model=dict(num_layers=4, num_experts=4, experts_per_token=2, moe_every=2, init_std=0.2))
+    cfg = config.model
+    model = build_model(cfg, config.execution, 0)
     params = nnx.state(model, nnx.Param)
     assert params["layers"]["mlp"]["wi_up"].get_value().shape == (2, 64, 128)  # blocks 0 and 2: dense
     assert params["moe_layers"]["mlp"]["wi_up"].get_value().shape == (2, 4, 64, 128)  # blocks 1 and 3: MoE
@@ -268,7 +269,7 @@ MIXTRAL = {"mixtral_8x7b": (46.7e9, 12.9e9), "mixtral_8x22b": (140.6e9, 39e9)}
 @pytest.mark.parametrize("name", list(MIXTRAL))
 def test_mixtral_parameter_counts_match_published(name):
     cfg = load_config(os.path.join(REPO, "configs", f"{name}.py"))
-    abstract = nnx.eval_shape(lambda: build_model(cfg.model, 0))
+    abstract = nnx.eval_shape(lambda: build_model(cfg.model, cfg.execution, 0))
     counted = sum(math.prod(x.shape) for x in jax.tree.leaves(nnx.state(abstract, nnx.Param)))
     total, active = MIXTRAL[name]
     assert counted == flops.param_count(cfg.model) == pytest.approx(total, rel=5e-3)
@@ -277,7 +278,8 @@ def test_mixtral_parameter_counts_match_published(name):
 
 
 def test_flops_count_only_the_active_experts_and_the_router():
-    cfg = load_config(os.path.join(REPO, "configs", "mixtral_8x7b.py")).model
+    mixtral = load_config(os.path.join(REPO, "configs", "mixtral_8x7b.py"))
+    cfg = mixtral.model
     h, f, L = 4096, 14336, 32
     terms = flops.flops_breakdown(cfg, 4096)
     assert terms["experts"] == 6.0 * L * 2 * 3 * h * f and terms["mlp"] == 0  # top-2 of 8 experts, no dense MLP
@@ -286,8 +288,8 @@ def test_flops_count_only_the_active_experts_and_the_router():
     assert flops.flops_per_token(cfg, 4096) - flops.flops_per_token(dense, 4096) == \
         pytest.approx(6.0 * L * (3 * h * f + 8 * h))
     # save_dots keeps weight matmuls without batch dimensions; the expert GEMMs are recomputed like attention scores
-    saved = dataclasses.replace(cfg, remat="save_dots")
-    assert flops.hardware_flops_per_token(saved, 4096) == pytest.approx(
+    saved = dataclasses.replace(mixtral.execution, remat="save_dots")
+    assert flops.hardware_flops_per_token(cfg, saved, 4096) == pytest.approx(
         flops.flops_per_token(cfg, 4096) + (terms["attention_scores"] + terms["experts"]) / 3)
     # 6 * active parameters (without the embedding) is the matmul part, as for a dense model
     no_attention = flops.flops_per_token(cfg, 4096) - terms["attention_scores"]
@@ -295,17 +297,20 @@ def test_flops_count_only_the_active_experts_and_the_router():
     assert no_attention == pytest.approx(6.0 * active_matmul)
 
 
-@pytest.mark.parametrize("change, field", [
-    (dict(num_experts=6), "model.num_experts"),  # mesh.expert = 4 does not divide 6
-    (dict(moe_every=3), "model.moe_every"),
-    (dict(experts_per_token=9), "model.experts_per_token"),
-    (dict(moe_mode="token_choice"), "model.moe_mode"),
-    (dict(activation="gelu"), "model.activation"),
-    (dict(capacity_factor=0.0), "model.capacity_factor"),
+@pytest.mark.parametrize("field, value", [
+    ("model.num_experts", 6),  # mesh.expert = 4 does not divide 6
+    ("model.moe_every", 3),
+    ("model.experts_per_token", 9),
+    ("execution.moe_mode", "token_choice"),
+    ("model.activation", "gelu"),
+    ("execution.capacity_factor", 0.0),
 ])
-def test_bad_moe_config_names_the_field(change, field):
+def test_bad_moe_config_names_the_field(field, value):
+    section, name = field.split(".")
+    sections = {"model": dict(num_layers=4, num_experts=8)}
+    sections.setdefault(section, {})[name] = value
     with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
-        cfg = tiny_config(dict(fsdp=2, expert=4), model={**dict(num_layers=4, num_experts=8), **change})
+        cfg = tiny_config(dict(fsdp=2, expert=4), **sections)
         cfg.check_devices(8)
 
 
@@ -359,7 +364,7 @@ def _skewed_state(cfg):
 
 
 def _max_loads(coefficient: float, steps: int) -> list[float]:
-    cfg = tiny_config(model=dict(MOE, router_aux_loss=coefficient, router_z_loss=0.0), train=dict(steps=steps),
+    cfg = tiny_config(model=MOE, train=dict(steps=steps, router_aux_loss=coefficient, router_z_loss=0.0),
                       optimizer=dict(learning_rate=1e-3, warmup_steps=1, min_lr_ratio=1.0))
     setup = state_lib.setup(cfg, "xla")
     step = jax.jit(lambda s, b: train_step(setup, s, b))
@@ -388,7 +393,8 @@ def test_auxiliary_loss_moves_the_load_toward_balance():
 def test_mixtral_tiny_learns_text_with_experts_split_over_two_devices(tmp_path):
     # capacity mode: on a CPU its dense slots cost a fraction of dropless's expanded ragged_dot
     overrides = [("data.path", str(tmp_path / "stdlib-store")), ("train.steps", "60"), ("train.log_every", "20"),
-                 ("train.eval_batches", "2"), ("mesh.expert", "2"), ("mesh.fsdp", "1"), ("model.moe_mode", "capacity")]
+                 ("train.eval_batches", "2"), ("mesh.expert", "2"), ("mesh.fsdp", "1"),
+                 ("execution.moe_mode", "capacity")]
     cfg = load_config(os.path.join(REPO, "configs", "mixtral_tiny.py"), overrides)
     summary = run(cfg, str(tmp_path / "run"), use_tqdm=False, devices=jax.devices()[:2])
     wi = summary["state"].params["moe_layers"]["mlp"]["wi_up"].get_value()

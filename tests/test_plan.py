@@ -113,7 +113,7 @@ def test_more_microbatches_or_remat_need_less_activation_memory():
     one, four = estimate(cfg, sizes, H100, microbatches=1), estimate(cfg, sizes, H100, microbatches=4)
     assert four.memory["activations"] == pytest.approx(one.memory["activations"] / 4)
     assert four.time["fsdp_comm"] > 3 * one.time["fsdp_comm"]  # weights are gathered again per microbatch
-    none = estimate(dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, remat="none")), sizes, H100)
+    none = estimate(dataclasses.replace(cfg, execution=dataclasses.replace(cfg.execution, remat="none")), sizes, H100)
     assert none.memory["activations"] > 10 * one.memory["activations"]
     assert none.time["matmul"] < one.time["matmul"]  # no recompute
 

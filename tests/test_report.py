@@ -186,15 +186,17 @@ def test_report_flags_skipped_steps(tmp_path, capsys):
 def test_report_states_the_flop_weighted_peak_of_fp8_runs(tmp_path, capsys):
     import dataclasses
 
-    from jaxtron.config.schema import ModelConfig
+    from jaxtron.config.schema import ExecutionConfig, ModelConfig
 
     h, q, k, f, s, layers, vocab = 64, 64, 32, 128, 32, 4, 256
     model = ModelConfig(vocab_size=vocab, embed_dim=h, num_layers=layers, num_heads=4, num_kv_heads=2, mlp_dim=f,
-                        max_seq_len=s, dtype="bfloat16", fp8=True, fp8_skip_layers=1)
+                        max_seq_len=s)
+    execution = ExecutionConfig(dtype="bfloat16", fp8=True, fp8_skip_layers=1)
     workdir = str(tmp_path)
     _write_run(workdir, [_line(step, 0.5) for step in range(10, 101, 10)])  # 2 / t TFLOP/s at mfu 0.1 / t
     json.dump({"train": {"steps": 100}, "profile": {"dir": ""}, "model": dataclasses.asdict(model),
-               "data": {"seq_len": s}}, open(os.path.join(workdir, "config.json"), "w"))
+               "execution": dataclasses.asdict(execution), "data": {"seq_len": s}},
+              open(os.path.join(workdir, "config.json"), "w"))
     # the two middle blocks run their projections and MLP in FP8; scores and logits stay 16-bit
     fp8 = 2 * 6 * (h * (q + 2 * k) + q * h + 3 * h * f)
     total = layers * 6 * (h * (q + 2 * k) + q * s + q * h + 3 * h * f) + 6 * h * vocab
@@ -208,7 +210,7 @@ def test_report_states_the_flop_weighted_peak_of_fp8_runs(tmp_path, capsys):
     assert basis["peak_tflops"] == pytest.approx(20)
     # without FP8 the basis is the plain dense peak of the compute dtype
     config = json.load(open(os.path.join(workdir, "config.json")))
-    config["model"]["fp8"] = False
+    config["execution"]["fp8"] = False
     json.dump(config, open(os.path.join(workdir, "config.json"), "w"))
     text = summary_lib.summarize(workdir)["mfu_basis"]["text"]
     assert text == "dense bfloat16 datasheet peak (20 TFLOP/s per device)"

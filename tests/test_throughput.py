@@ -7,7 +7,7 @@ import dataclasses
 
 import pytest
 
-from jaxtron.config.schema import Config, DataConfig, ModelConfig, TrainConfig
+from jaxtron.config.schema import Config, DataConfig, ExecutionConfig, ModelConfig, TrainConfig
 from jaxtron.metrics import flops, hardware
 from jaxtron.metrics.throughput import Throughput
 
@@ -16,10 +16,18 @@ H, Q, K, F, S, V = 64, 64, 32, 128, 32, 256  # embed, query width (4 x 16), kv w
 POLICIES = ("none", "full", "save_dots", "save_attention", "save_dots_attention")
 
 
-def small(**change) -> ModelConfig:
-    base = dict(vocab_size=V, embed_dim=H, num_layers=4, num_heads=4, num_kv_heads=2, mlp_dim=F, dtype="bfloat16",
-                max_seq_len=S)
-    return ModelConfig(**{**base, **change})
+EXECUTION_FIELDS = {f.name for f in dataclasses.fields(ExecutionConfig)}
+
+
+def small(**change) -> Config:
+    """A run of the 4-layer model below in bfloat16, sequence S, global batch 8. ``change`` replaces fields of the
+    model (the architecture) or of its execution (remat, attention, fp8, ...), whichever has the name."""
+    model = dict(vocab_size=V, embed_dim=H, num_layers=4, num_heads=4, num_kv_heads=2, mlp_dim=F, max_seq_len=S)
+    execution = dict(dtype="bfloat16")
+    for name, value in change.items():
+        (execution if name in EXECUTION_FIELDS else model)[name] = value
+    return Config(model=ModelConfig(**model), execution=ExecutionConfig(**execution), data=DataConfig(seq_len=S),
+                  train=TrainConfig(global_batch_size=8))
 
 
 def forward_per_layer() -> dict[str, float]:
@@ -59,17 +67,13 @@ def expected_recompute(remat: str, attention: str, dense_layers: int, moe_layers
     return total
 
 
-def run_config(model: ModelConfig, batch: int = 8) -> Config:
-    return Config(model=model, data=DataConfig(seq_len=S), train=TrainConfig(global_batch_size=batch))
-
-
 @pytest.mark.parametrize("attention", ["xla", "cudnn"])
 @pytest.mark.parametrize("remat", POLICIES)
 @pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
 def test_hfu_minus_mfu_is_the_policys_recompute(remat, attention, moe):
-    model = small(remat=remat, **(dict(num_experts=4, experts_per_token=2, moe_every=2) if moe else {}))
+    cfg = small(remat=remat, **(dict(num_experts=4, experts_per_token=2, moe_every=2) if moe else {}))
     dense_layers, moe_layers = (2, 2) if moe else (4, 0)
-    throughput = Throughput(run_config(model), 1, H100, attention)
+    throughput = Throughput(cfg, 1, H100, attention)
     step = throughput(2.0, 4)  # 0.5 s per step
     tokens = 8 * S
     recompute = expected_recompute(remat, attention, dense_layers, moe_layers)
@@ -81,8 +85,9 @@ def test_hfu_minus_mfu_is_the_policys_recompute(remat, attention, moe):
 
 
 def test_unknown_attention_implementation_is_refused():
+    cfg = small(remat="full")
     with pytest.raises(ValueError, match="'auto'"):
-        flops.hardware_flops_per_token(small(remat="full"), S, attention="auto")
+        flops.hardware_flops_per_token(cfg.model, cfg.execution, S, attention="auto")
 
 
 @pytest.mark.parametrize("attention", ["xla", "cudnn"])
@@ -92,8 +97,7 @@ def test_planner_step_time_uses_the_same_recompute(remat, attention):
     from jaxtron.planning.gpus import GPUS
 
     gpu = GPUS["h100"]
-    model = small(remat=remat, attention=attention, num_experts=4, experts_per_token=2, moe_every=2)
-    cfg = run_config(model)
+    cfg = small(remat=remat, attention=attention, num_experts=4, experts_per_token=2, moe_every=2)
     est = estimate(cfg, dict(data=1, fsdp=2, sequence=1, expert=1, tensor=1), gpu)
     assert est.attention == attention
     peak = gpu.peak_flops["bfloat16"]
@@ -101,8 +105,9 @@ def test_planner_step_time_uses_the_same_recompute(remat, attention):
     per_token = 2 / (8 * S)  # two devices share the step's tokens
     matmul = est.time["matmul"] * peak * gpu.matmul_efficiency * per_token
     scores = est.time["attention"] * peak * attention_rate * per_token
-    assert matmul + scores == pytest.approx(flops.hardware_flops_per_token(model, S, attention=attention), rel=1e-9)
-    model_scores = flops.flops_breakdown(model, S)["attention_scores"]
+    assert matmul + scores == pytest.approx(
+        flops.hardware_flops_per_token(cfg.model, cfg.execution, S, attention=attention), rel=1e-9)
+    model_scores = flops.flops_breakdown(cfg.model, S)["attention_scores"]
     again = 4 * sum(forward_per_layer()[p] for p in ("qk", "av") if p in EXPECTED[(remat, attention)])
     assert scores == pytest.approx(model_scores + again, rel=1e-9)
 
@@ -113,16 +118,16 @@ def test_fp8_flops_are_the_projections_of_the_fp8_blocks():
     per_block_attention = 6 * (H * (Q + 2 * K) + Q * H)
     per_block_mlp = 6 * 3 * H * F
     dense = small(num_layers=6, fp8=True, fp8_skip_layers=1)  # blocks 1..4 use FP8
-    assert flops.fp8_flops_per_token(dense, S) == 4 * (per_block_attention + per_block_mlp)
-    assert flops.fp8_flops_per_token(dataclasses.replace(dense, fp8=False), S) == 0
+    assert flops.fp8_flops_per_token(dense.model, dense.execution, S) == 4 * (per_block_attention + per_block_mlp)
+    assert flops.fp8_flops_per_token(dense.model, dataclasses.replace(dense.execution, fp8=False), S) == 0
     # MoE every 2nd block; blocks 2 and 3 use FP8, block 3 is MoE: its attention is FP8, its experts are not
     moe = small(num_layers=6, fp8=True, fp8_skip_layers=2, num_experts=4, experts_per_token=2, moe_every=2)
-    assert flops.fp8_flops_per_token(moe, S) == 2 * per_block_attention + 1 * per_block_mlp
+    assert flops.fp8_flops_per_token(moe.model, moe.execution, S) == 2 * per_block_attention + 1 * per_block_mlp
     # with remat, the re-run projections are FP8 too (save_attention re-runs all four and gate/up)
-    redo = dataclasses.replace(dense, remat="save_attention")
+    redo = dataclasses.replace(dense.execution, remat="save_attention")
     extra = 4 * (per_block_attention / 3 + 2 * 2 * H * F)
-    assert flops.fp8_flops_per_token(redo, S, hardware=True) == pytest.approx(
-        flops.fp8_flops_per_token(dense, S) + extra, rel=1e-12)
+    assert flops.fp8_flops_per_token(dense.model, redo, S, hardware=True) == pytest.approx(
+        flops.fp8_flops_per_token(dense.model, dense.execution, S) + extra, rel=1e-12)
 
 
 @pytest.mark.parametrize("layers, skip, moe_every, experts", [
@@ -131,9 +136,9 @@ def test_fp8_block_count_matches_the_models_layer_groups(layers, skip, moe_every
     from jaxtron.models.transformer import layer_groups
 
     cfg = small(num_layers=layers, fp8=True, fp8_skip_layers=skip, moe_every=moe_every, num_experts=experts)
-    blocks = [i for start, end, fp8 in layer_groups(cfg) if fp8 for i in range(start, end)]
+    blocks = [i for start, end, fp8 in layer_groups(cfg.model, cfg.execution) if fp8 for i in range(start, end)]
     moe_blocks = [i for i in blocks if experts and (i + 1) % moe_every == 0]
-    assert flops.fp8_blocks(cfg) == (len(blocks), len(blocks) - len(moe_blocks))
+    assert flops.fp8_blocks(cfg.model, cfg.execution) == (len(blocks), len(blocks) - len(moe_blocks))
 
 
 @pytest.mark.parametrize("share, expected_tflops", [(0.0, 989.4), (1.0, 1978.9), (0.5, 1319.2)])
@@ -147,9 +152,9 @@ def test_flop_weighted_peak(share, expected_tflops):
 
 
 def test_fp8_run_mfu_uses_the_flop_weighted_peak():
-    cfg = run_config(small(fp8=True))
+    cfg = small(fp8=True)
     throughput = Throughput(cfg, 4, H100, "cudnn")
-    f8 = flops.fp8_flops_per_token(cfg.model, S)
+    f8 = flops.fp8_flops_per_token(cfg.model, cfg.execution, S)
     total = flops.flops_per_token(cfg.model, S)
     share = f8 / total
     assert 0.5 < share < 1 and throughput.fp8_share == pytest.approx(share)
@@ -166,12 +171,11 @@ def test_fp8_run_mfu_uses_the_flop_weighted_peak():
 def test_packed_rows_count_the_full_causal_row():
     # A row of S tokens packing 4 documents of S/4 tokens: the segment mask hides 3/4 of each causal row,
     # but the count stays the full row: q * S per token for QK^T and AV together (the causal half of 2 * q * S).
-    model = small()
-    packed = Config(model=model, data=DataConfig(source="store", path="unused", seq_len=S),
-                    train=TrainConfig(global_batch_size=8))
+    cfg = small()
+    packed = dataclasses.replace(cfg, data=DataConfig(source="store", path="unused", seq_len=S))
     per_token = 4 * (6 * (H * (Q + 2 * K) + Q * S + Q * H) + 6 * 3 * H * F) + 6 * H * V
     assert Throughput(packed, 1, H100, "xla").model_flops == 8 * S * per_token
-    assert flops.flops_breakdown(model, S)["attention_scores"] == 4 * 6 * Q * S
+    assert flops.flops_breakdown(cfg.model, S)["attention_scores"] == 4 * 6 * Q * S
 
 
 @pytest.mark.slow
@@ -191,8 +195,8 @@ def test_compiled_gradient_recomputes_what_the_table_says():
                        max_seq_len=s)
     tokens = jnp.zeros((b, s), jnp.int32)
 
-    def compiled_flops(model: ModelConfig) -> float:
-        graphdef, params = nnx.split(build_model(model, 0, "xla"), nnx.Param)
+    def compiled_flops(run: ExecutionConfig) -> float:
+        graphdef, params = nnx.split(build_model(base, run, 0, "xla"), nnx.Param)
 
         def blocks(p):
             return jnp.sum(nnx.merge(graphdef, p).hidden(tokens))
@@ -201,14 +205,15 @@ def test_compiled_gradient_recomputes_what_the_table_says():
         return (cost[0] if isinstance(cost, list) else cost)["flops"] / (b * s)
 
     blocks_flops = flops.flops_per_token(base, s, causal=False) - 6 * 256 * 64  # without the logits
-    none = compiled_flops(base)
+    none = compiled_flops(ExecutionConfig())
     scale = none / blocks_flops  # 1 / num_layers when a loop body counts once
     assert 0.49 < scale < 0.52 or 0.98 < scale < 1.03
     measured, table = {}, {}
     for remat in POLICIES[1:]:
-        model = dataclasses.replace(base, remat=remat)
-        measured[remat] = (compiled_flops(model) - none) / scale
-        table[remat] = flops.hardware_flops_per_token(model, s, causal=False) - flops.flops_per_token(model, s, False)
+        run = ExecutionConfig(remat=remat)
+        measured[remat] = (compiled_flops(run) - none) / scale
+        table[remat] = (flops.hardware_flops_per_token(base, run, s, causal=False)
+                        - flops.flops_per_token(base, s, causal=False))
         assert 0.97 < measured[remat] / table[remat] < 1.25, (remat, measured[remat], table[remat])
     # 'full' does not re-run the MLP's down projection: a whole forward would be 30% more than the table
     assert measured["full"] < 1.1 * table["full"]

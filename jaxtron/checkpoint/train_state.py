@@ -186,16 +186,15 @@ class Checkpointer:
 
 
 def _check_compatible(saved: dict, cfg: Config, where: str) -> None:
-    """A checkpoint of another model shape is refused with the differing fields named."""
+    """A checkpoint of another architecture (any field of ``ModelConfig.architecture_fields``) is refused with
+    the differing fields named; how the model runs (``execution``) may change between runs."""
     current = cfg.to_dict()["model"]
-    shape_fields = ("vocab_size", "embed_dim", "num_layers", "num_heads", "num_kv_heads", "head_dim", "mlp_dim",
-                    "activation", "norm", "position_embedding", "max_seq_len", "tie_embeddings", "num_experts",
-                    "moe_every")
     defaults = dataclasses.asdict(ModelConfig())  # fields added after a checkpoint was written have their default
-    model = {**{k: defaults[k] for k in ("num_experts", "moe_every")}, **saved.get("model", {})}
-    differ = [f"model.{k} {model.get(k)!r} != {current[k]!r}" for k in shape_fields if model.get(k) != current[k]]
+    model = {**defaults, **saved.get("model", {})}
+    differ = [f"model.{k} {model[k]!r} != {current[k]!r}" for k in ModelConfig.architecture_fields()
+              if model[k] != current[k]]
     if differ:
-        raise CheckpointError(f"checkpoint '{where}' is of another model shape ({'; '.join(differ)}); "
+        raise CheckpointError(f"checkpoint '{where}' is of another model architecture ({'; '.join(differ)}); "
                               "use the config it was written with or a new --workdir.")
 
 

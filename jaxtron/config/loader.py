@@ -1,7 +1,9 @@
-"""Loads an ml_collections config file and applies ``--config.<path>=<value>`` overrides.
+"""Command lines and config files -> a validated Config.
 
-The syntax is the one of ml_collections' config_flags (``--config=FILE[:ARG]``), parsed here so that
-every mistake becomes one ConfigError sentence instead of a flags traceback.
+``--config=FILE[:ARG]`` and ``--config.<section>.<field>=VALUE`` are parsed by ml_collections' ``config_flags``
+on absl flags, over the config file laid on the schema's defaults (a file only sets what differs, any field can be
+overridden); what it would report as a flags traceback is checked here first, so that every mistake is one
+ConfigError sentence.
 """
 
 from __future__ import annotations
@@ -9,13 +11,19 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import importlib.util
+import logging
 import os
+import re
 import typing
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import ml_collections
+from absl import flags
+from ml_collections import config_flags
 
 from jaxtron.config.schema import SECTIONS, Config, ConfigError
+
+log = logging.getLogger(__name__)
 
 
 def load_config_file(spec: str) -> ml_collections.ConfigDict:
@@ -49,22 +57,117 @@ def _one_line(e: Exception) -> str:
     return f"{type(e).__name__}: {message}" if message else type(e).__name__
 
 
-def apply_overrides(config: ml_collections.ConfigDict, overrides: Sequence[tuple[str, str]]) -> dict[str, Any]:
-    """Applies (dotted path, string value) pairs; returns the resulting nested dict."""
-    values = config.to_dict()
-    for path, text in overrides:
-        kind = field_type(path)  # raises for unknown sections and fields
-        section, name = path.split(".", 1)
-        value = parse_value(path, kind, text)
-        if not isinstance(values.setdefault(section, {}), dict):
-            raise ConfigError(f"config section '{section}' must be a group of fields, not {values[section]!r}; "
-                              "make it a dict of fields in the config file.")
-        values[section][name] = value
+def parse_command_line(argv: Sequence[str], default_spec: str | None = None,
+                       define: Callable[[flags.FlagValues], None] | None = None,
+                       ) -> tuple[Config, flags.FlagValues, str]:
+    """Parses ``argv`` (program name first) with absl flags: the ``--config.<section>.<field>=VALUE`` overrides
+    through ml_collections' ``config_flags``, plus the flags ``define`` adds. Returns the validated Config, the
+    parsed flags and the config file's ``FILE[:ARG]`` (``--config``, else ``default_spec``).
+
+    The file's ``get_config()`` is laid over ``defaults()``, so a file only sets what differs and any field can
+    be overridden. What config_flags would report as a traceback (a missing file, a misspelt field) is checked
+    first; every mistake is one ConfigError sentence."""
+    spec, argv = _split_config_spec(list(argv))
+    spec = spec or default_spec
+    if any(a in ("--help", "-h", "--helpfull") for a in argv[1:]):
+        raise HelpRequested(_flag_values(argv, defaults(), define).get_help())
+    if spec is None:
+        raise ConfigError("option '--config' is missing; pass --config=configs/<name>.py.")
+    for path in _override_paths(argv):
+        field_type(path)  # raises for unknown sections and fields
+    merged = _over_defaults(migrate(load_config_file(spec).to_dict(), warn=True))
+    for section in {path.split(".")[0] for path in _override_paths(argv)}:
+        if not isinstance(merged[section], ml_collections.ConfigDict):
+            raise _not_a_group(section, merged[section])
+    try:
+        values = _flag_values(argv, merged, define)
+        rest = values(argv)[1:]
+    except flags.IllegalFlagValueError as e:
+        raise ConfigError(_illegal_value(str(e))) from None
+    except flags.UnrecognizedFlagError as e:
+        raise ConfigError(f"option '--{e.flagname}' does not exist; see --help.") from None
+    except flags.Error as e:  # a missing value
+        missing = re.search(r"Missing value for flag (--\S+)", str(e))
+        if missing:
+            raise ConfigError(f"option '{missing[1]}' has no value; write {missing[1]}=VALUE.") from None
+        raise ConfigError(f"{_one_line(e)}; see --help.") from None
+    if rest:
+        raise ConfigError(f"argument '{rest[0]}' is not an option; write options as --name=VALUE.")
+    return from_mapping(values.config.to_dict()), values, spec
+
+
+class HelpRequested(Exception):
+    """``--help`` was asked for: the message is the options' help text."""
+
+
+def defaults() -> ml_collections.ConfigDict:
+    """Every section and field of the schema at its default value."""
+    return ml_collections.ConfigDict(Config().to_dict())
+
+
+def _over_defaults(values: Mapping[str, Any]) -> ml_collections.ConfigDict:
+    """A config file's values laid over ``defaults()`` (an int where the default is a float becomes a float, so
+    that an override of that field parses as a float); what the schema does not know is kept for
+    ``from_mapping`` to name."""
+    out = defaults().to_dict()
+    for section, content in values.items():
+        if isinstance(content, Mapping) and isinstance(out.get(section), dict):
+            for name, value in content.items():
+                widen = isinstance(out[section].get(name), float) and type(value) is int
+                out[section][name] = float(value) if widen else value
+        else:
+            out[section] = content
+    return ml_collections.ConfigDict(out)
+
+
+def _flag_values(argv: list[str], config: ml_collections.ConfigDict, define) -> flags.FlagValues:
+    values = flags.FlagValues()
+    config_flags.DEFINE_config_dict("config", config, "the config; --config=FILE[:ARG] names a file with a "
+                                    "get_config(), --config.<section>.<field>=VALUE overrides any field",
+                                    flag_values=values, sys_argv=argv)
+    if define is not None:
+        define(values)
     return values
 
 
+def _split_config_spec(argv: list[str]) -> tuple[str | None, list[str]]:
+    """(the value of --config, ``argv`` without it)."""
+    for i, arg in enumerate(argv):
+        if arg.startswith("--config="):
+            return arg[len("--config="):], argv[:i] + argv[i + 1:]
+        if arg == "--config":
+            if i + 1 >= len(argv):
+                raise ConfigError("option '--config' has no value; write --config=configs/<name>.py.")
+            return argv[i + 1], argv[:i] + argv[i + 2:]
+    return None, argv
+
+
+def _override_paths(argv: list[str]) -> list[str]:
+    """The field paths of the ``--config.<path>[=VALUE]`` options in ``argv``."""
+    return [re.sub(r"^--(no)?config\.", "", a).split("=", 1)[0] for a in argv if re.match(r"^--(no)?config\.", a)]
+
+
+def _illegal_value(message: str) -> str:
+    """absl's 'flag --config.train.steps=abc: invalid literal ...' as one sentence naming the field."""
+    match = re.match(r"flag --config\.([\w.]+)=(.*?): (.*)", " ".join(message.split()))
+    if not match:
+        return f"{' '.join(message.split()).rstrip('.')}; fix the value."
+    path, value, reason = match.groups()
+    kind = field_type(path).__name__
+    if kind == "bool":
+        return f"config field '{path}' expects bool but got {value!r}; pass true or false to --config.{path}."
+    return (f"config field '{path}' expects {kind} but got {value!r} ({reason.rstrip('.')}); "
+            f"pass a valid {kind} to --config.{path}.")
+
+
+def load_config(spec: str, overrides: Sequence[tuple[str, str]] = ()) -> Config:
+    """Config file + (dotted path, text) overrides -> validated, frozen Config (``parse_command_line``)."""
+    return parse_command_line(["jaxtron", *(f"--config.{k}={v}" for k, v in overrides)], spec)[0]
+
+
 def split_overrides(argv: Sequence[str]) -> tuple[str | None, list[tuple[str, str]], list[str]]:
-    """Separates ``--config=``, ``--config.x.y=v`` and the remaining arguments."""
+    """Separates ``--config=``, ``--config.x.y=v`` and the remaining arguments, for tools that take several
+    config files with the same overrides (``benchmarks/``); ``load_config`` then applies them."""
     config_spec, overrides, rest = None, [], []
     args = list(argv)
     i = 0
@@ -92,39 +195,38 @@ def split_overrides(argv: Sequence[str]) -> tuple[str | None, list[tuple[str, st
     return config_spec, overrides, rest
 
 
-def load_config(spec: str, overrides: Sequence[tuple[str, str]] = ()) -> Config:
-    """Config file + overrides -> validated, frozen Config."""
-    return from_mapping(apply_overrides(load_config_file(spec), overrides))
-
 
 def _field_types(cls) -> dict[str, type]:
     hints = typing.get_type_hints(cls)
     return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
 
 
-def parse_value(field: str, kind: type, text: str) -> Any:
-    """Parses a command-line override string into the field's type."""
-    if kind is bool:
-        lowered = text.strip().lower()
-        if lowered in ("true", "1", "yes"):
-            return True
-        if lowered in ("false", "0", "no"):
-            return False
-        raise ConfigError(f"config field '{field}' expects bool but got {text!r}; "
-                          f"pass true or false to --config.{field}.")
-    try:
-        if kind is int:
-            return int(text)
-        if kind is float:
-            return float(text)
-        return text
-    except ValueError:
-        raise ConfigError(f"config field '{field}' expects {kind.__name__} but got {text!r}; "
-                          f"pass a valid {kind.__name__} to --config.{field}.") from None
+# Fields that left the model section when it became architecture only: old name -> new name.
+MOVED = {**{f"model.{name}": f"execution.{name}" for name in (
+    "dtype", "remat", "attention", "attention_max_segments", "fp8", "fp8_skip_layers", "moe_mode", "capacity_factor")},
+         "model.router_aux_loss": "train.router_aux_loss", "model.router_z_loss": "train.router_z_loss"}
+
+
+def migrate(values: Mapping[str, Any], warn: bool = False) -> dict[str, Any]:
+    """A nested config mapping with fields of an older layout (a checkpoint's saved config, an older config file)
+    moved to where they live now; a value set at the new place wins. ``warn``: log each move (a config file)."""
+    out = {section: dict(content) if isinstance(content, Mapping) else content for section, content in values.items()}
+    for old, new in MOVED.items():
+        old_section, old_name = old.split(".")
+        if isinstance(out.get(old_section), dict) and old_name in out[old_section]:
+            value = out[old_section].pop(old_name)
+            new_section, new_name = new.split(".")
+            if isinstance(out.setdefault(new_section, {}), dict):
+                out[new_section].setdefault(new_name, value)
+                if warn:
+                    log.warning("config field '%s' is now '%s'; rename it in the config file", old, new)
+    return out
 
 
 def field_type(path: str) -> type:
     """The type of a dotted field path such as 'train.steps'; ConfigError if it does not exist."""
+    if path in MOVED:
+        raise ConfigError(f"config field '{path}' is now '{MOVED[path]}'; set --config.{MOVED[path]} instead.")
     section, _, name = path.partition(".")
     if section not in SECTIONS:
         raise ConfigError(f"config section '{section}' does not exist; use one of {', '.join(SECTIONS)}.")
@@ -149,15 +251,20 @@ def _coerce(path: str, kind: type, value: Any) -> Any:
                       f"({value!r}); fix it in the config file or with --config.{path}.")
 
 
+def _not_a_group(section: str, content: Any) -> ConfigError:
+    return ConfigError(f"config section '{section}' must be a group of fields, not {content!r}; make it a dict of "
+                       "fields in the config file.")
+
+
 def from_mapping(values: Mapping[str, Any]) -> Config:
-    """Builds and validates a Config from a nested mapping (e.g. ``ConfigDict.to_dict()``)."""
+    """Builds and validates a Config from a nested mapping (e.g. ``ConfigDict.to_dict()``); fields of an older
+    layout are moved to their place first (``migrate``)."""
     sections = {}
-    for section, content in values.items():
+    for section, content in migrate(values).items():
         if section not in SECTIONS:
             raise ConfigError(f"config section '{section}' does not exist; use one of {', '.join(SECTIONS)}.")
         if not isinstance(content, Mapping):
-            raise ConfigError(f"config section '{section}' must be a group of fields, not {content!r}; "
-                              "make it a dict of fields in the config file.")
+            raise _not_a_group(section, content)
         kwargs = {}
         for name, value in content.items():
             path = f"{section}.{name}"

@@ -38,11 +38,18 @@ def _choice(value: str, field: str, choices: tuple[str, ...]) -> None:
 DTYPES = ("float32", "bfloat16")  # float16 would need loss scaling, which bfloat16 does not
 
 
+def _not_architecture(default: Any) -> Any:
+    """A model field that does not define the function the trained parameters compute (a label, the
+    initialisation): a checkpoint resumes under another value."""
+    return dataclasses.field(default=default, metadata={"architecture": False})
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    """Decoder-only transformer (Llama-3 family by default)."""
+    """The architecture of a decoder-only transformer (Llama-3 family by default); how it runs is in
+    ``ExecutionConfig``."""
 
-    name: str = "llama"
+    name: str = _not_architecture("llama")
     vocab_size: int = 256
     embed_dim: int = 256
     num_layers: int = 4
@@ -61,26 +68,16 @@ class ModelConfig:
     rope_high_freq_factor: float = 4.0
     rope_original_max_len: int = 8192
     tie_embeddings: bool = False
-    init_std: float = 0.02
-    dtype: str = "float32"  # compute dtype; parameters are always float32
-    remat: str = "none"  # none | full | save_dots | save_attention | save_dots_attention
-    attention: str = "auto"  # auto | xla | cudnn
-    attention_max_segments: int = 64  # cuDNN: most documents a packed row may hold (a batch with more is refused)
-    fp8: bool = False  # FP8 matmuls (current scaling) in every projection of the blocks; see jaxtron/ops/fp8.py
-    fp8_skip_layers: int = 0  # with fp8: the first and the last this many blocks keep 16-bit matmuls
+    init_std: float = _not_architecture(0.02)
     # mixture of experts (jaxtron/models/moe.py); num_experts = 0 is a dense model
     num_experts: int = 0  # experts per MoE block, each a SwiGLU of width mlp_dim
     experts_per_token: int = 2  # top-k: experts each token is sent to
     moe_every: int = 1  # every this many blocks, the last one is MoE (1: all); the others keep the dense MLP
-    moe_mode: str = "dropless"  # dropless (grouped GEMM over all routed tokens) | capacity (per-row expert capacity)
-    capacity_factor: float = 1.25  # capacity mode: slots per expert and row = ceil(factor * length * k / experts)
     router_renormalize: bool = True  # rescale the top-k router weights of a token to sum to 1 (Mixtral)
-    router_aux_loss: float = 0.01  # coefficient of the load-balancing loss (mean over MoE blocks)
-    router_z_loss: float = 0.001  # coefficient of the router's squared log-partition (mean over MoE blocks)
 
     def __post_init__(self):
         for name in ("vocab_size", "embed_dim", "num_layers", "num_heads", "num_kv_heads", "mlp_dim",
-                     "max_seq_len", "rope_original_max_len", "attention_max_segments"):
+                     "max_seq_len", "rope_original_max_len"):
             _positive(getattr(self, name), f"model.{name}")
         _non_negative(self.head_dim, "model.head_dim")
         for name in ("norm_eps", "rope_theta", "init_std", "rope_scaling_factor", "rope_low_freq_factor"):
@@ -97,13 +94,6 @@ class ModelConfig:
         _choice(self.activation, "model.activation", ("swiglu", "gelu"))
         _choice(self.norm, "model.norm", ("rmsnorm", "layernorm"))
         _choice(self.position_embedding, "model.position_embedding", ("rope", "learned"))
-        _choice(self.dtype, "model.dtype", DTYPES)
-        _choice(self.remat, "model.remat", ("none", "full", "save_dots", "save_attention", "save_dots_attention"))
-        _non_negative(self.fp8_skip_layers, "model.fp8_skip_layers")
-        _check(not self.fp8 or 2 * self.fp8_skip_layers < self.num_layers, "model.fp8_skip_layers",
-               f"({self.fp8_skip_layers}) leaves no FP8 block among model.num_layers ({self.num_layers})",
-               "lower it, or set model.fp8=False")
-        _choice(self.attention, "model.attention", ("auto", "xla", "cudnn"))
         _non_negative(self.num_experts, "model.num_experts")
         if self.num_experts:
             self._check_moe()
@@ -117,13 +107,11 @@ class ModelConfig:
         _positive(self.moe_every, "model.moe_every")
         _check(self.num_layers % self.moe_every == 0, "model.moe_every",
                f"({self.moe_every}) must divide model.num_layers ({self.num_layers})", "choose a divisor of it")
-        _check(not self.fp8 or self.fp8_skip_layers % self.moe_every == 0, "model.fp8_skip_layers",
-               f"({self.fp8_skip_layers}) must be a multiple of model.moe_every ({self.moe_every})",
-               "round it to a multiple")
-        _choice(self.moe_mode, "model.moe_mode", ("dropless", "capacity"))
-        _positive(self.capacity_factor, "model.capacity_factor")
-        _non_negative(self.router_aux_loss, "model.router_aux_loss")
-        _non_negative(self.router_z_loss, "model.router_z_loss")
+
+    @classmethod
+    def architecture_fields(cls) -> tuple[str, ...]:
+        """The fields a checkpoint's parameters belong to: all but a label and the initialisation."""
+        return tuple(f.name for f in dataclasses.fields(cls) if f.metadata.get("architecture", True))
 
     @property
     def num_moe_layers(self) -> int:
@@ -132,6 +120,32 @@ class ModelConfig:
     @property
     def resolved_head_dim(self) -> int:
         return self.head_dim or self.embed_dim // self.num_heads
+
+
+REMAT_POLICIES = ("none", "full", "save_dots", "save_attention", "save_dots_attention")
+
+
+@dataclasses.dataclass(frozen=True)
+class ExecutionConfig:
+    """How the model runs: none of these changes its parameters, so a checkpoint restores under any of them."""
+
+    dtype: str = "float32"  # compute dtype; parameters are always float32
+    remat: str = "none"  # none | full | save_dots | save_attention | save_dots_attention
+    attention: str = "auto"  # auto | xla | cudnn
+    attention_max_segments: int = 64  # cuDNN: most documents a packed row may hold (a batch with more is refused)
+    fp8: bool = False  # FP8 matmuls (current scaling) in every projection of the blocks; see jaxtron/ops/fp8.py
+    fp8_skip_layers: int = 0  # with fp8: the first and the last this many blocks keep 16-bit matmuls
+    moe_mode: str = "dropless"  # dropless (grouped GEMM over all routed tokens) | capacity (per-row expert capacity)
+    capacity_factor: float = 1.25  # capacity mode: slots per expert and row = ceil(factor * length * k / experts)
+
+    def __post_init__(self):
+        _choice(self.dtype, "execution.dtype", DTYPES)
+        _choice(self.remat, "execution.remat", REMAT_POLICIES)
+        _choice(self.attention, "execution.attention", ("auto", "xla", "cudnn"))
+        _positive(self.attention_max_segments, "execution.attention_max_segments")
+        _non_negative(self.fp8_skip_layers, "execution.fp8_skip_layers")
+        _choice(self.moe_mode, "execution.moe_mode", ("dropless", "capacity"))
+        _positive(self.capacity_factor, "execution.capacity_factor")
 
 
 MESH_AXES = ("data", "fsdp", "sequence", "expert", "tensor")  # outermost to innermost device order
@@ -184,6 +198,8 @@ class TrainConfig:
     microbatches: int = 1  # gradient accumulation: the global batch is split into this many parts
     log_every: int = 10
     z_loss: float = 0.0  # coefficient of the logsumexp^2 auxiliary loss
+    router_aux_loss: float = 0.01  # MoE: coefficient of the load-balancing loss (mean over MoE blocks)
+    router_z_loss: float = 0.001  # MoE: coefficient of the router's squared log-partition (mean over MoE blocks)
     logit_chunks: int = 1  # logits and loss in this many slices of the sequence: never all float32 logits at once
     max_nonfinite_in_row: int = 5  # stop (exit 3) after this many skipped (non-finite) updates in a row (0: never)
     eval_every: int = 0  # steps between validation losses (0: only at the end)
@@ -195,7 +211,8 @@ class TrainConfig:
         for name in ("steps", "global_batch_size", "microbatches", "log_every", "logit_chunks"):
             _positive(getattr(self, name), f"train.{name}")
         _non_negative(self.seed, "train.seed")
-        _non_negative(self.z_loss, "train.z_loss")
+        for name in ("z_loss", "router_aux_loss", "router_z_loss"):
+            _non_negative(getattr(self, name), f"train.{name}")
         _non_negative(self.eval_batches, "train.eval_batches")
         _non_negative(self.eval_every, "train.eval_every")
         _non_negative(self.max_nonfinite_in_row, "train.max_nonfinite_in_row")
@@ -342,14 +359,15 @@ class ProfileConfig:
         return text == "all" or process_index in {int(p) for p in text.split(",")}
 
 
-SECTIONS = {"model": ModelConfig, "mesh": MeshConfig, "train": TrainConfig, "optimizer": OptimizerConfig,
-            "data": DataConfig, "checkpoint": CheckpointConfig, "distributed": DistributedConfig,
-            "profile": ProfileConfig}
+SECTIONS = {"model": ModelConfig, "execution": ExecutionConfig, "mesh": MeshConfig, "train": TrainConfig,
+            "optimizer": OptimizerConfig, "data": DataConfig, "checkpoint": CheckpointConfig,
+            "distributed": DistributedConfig, "profile": ProfileConfig}
 
 
 @dataclasses.dataclass(frozen=True)
 class Config:
     model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
+    execution: ExecutionConfig = dataclasses.field(default_factory=ExecutionConfig)
     mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
     train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
     optimizer: OptimizerConfig = dataclasses.field(default_factory=OptimizerConfig)
@@ -359,7 +377,13 @@ class Config:
     profile: ProfileConfig = dataclasses.field(default_factory=ProfileConfig)
 
     def __post_init__(self):
-        m, d = self.model, self.data
+        m, d, x = self.model, self.data, self.execution
+        _check(not x.fp8 or 2 * x.fp8_skip_layers < m.num_layers, "execution.fp8_skip_layers",
+               f"({x.fp8_skip_layers}) leaves no FP8 block among model.num_layers ({m.num_layers})",
+               "lower it, or set execution.fp8=False")
+        _check(not (x.fp8 and m.num_experts) or x.fp8_skip_layers % m.moe_every == 0, "execution.fp8_skip_layers",
+               f"({x.fp8_skip_layers}) must be a multiple of model.moe_every ({m.moe_every})",
+               "round it to a multiple")
         _check(d.seq_len <= m.max_seq_len, "data.seq_len",
                f"({d.seq_len}) exceeds model.max_seq_len ({m.max_seq_len})",
                "shorten the sequence or raise model.max_seq_len")

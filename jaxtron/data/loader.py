@@ -18,7 +18,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
-from jaxtron.config.schema import Config
+from jaxtron.config.schema import Config, ConfigError
 from jaxtron.data.errors import DataError
 from jaxtron.parallel.sharding import batch_sharding
 
@@ -72,8 +72,8 @@ def check_segments(local: dict[str, np.ndarray], max_segments: int | None, step:
         most = int(local["segment_ids"].max())  # documents are numbered 1, 2, ... inside each row
         if most > max_segments:
             raise DataError(f"a row of batch {step} packs {most} documents, more than "
-                            f"model.attention_max_segments ({max_segments}) that the cuDNN attention is built "
-                            "for; raise model.attention_max_segments.")
+                            f"execution.attention_max_segments ({max_segments}) that the cuDNN attention is built "
+                            "for; raise execution.attention_max_segments.")
 
 
 def check_positions(local: dict[str, np.ndarray], max_positions: int | None, step: int) -> None:
@@ -124,8 +124,10 @@ class BatchIterator:
         if self.workers:
             import grain
             from absl import flags
-            if not flags.FLAGS.is_parsed():  # grain reads its absl flags (google/grain#1355); train.py parses them
-                flags.FLAGS.mark_as_parsed()
+            if not flags.FLAGS.is_parsed():  # grain reads its own absl flags, which the program parses
+                raise ConfigError("config field 'data.workers' asks for grain worker processes, which read absl "
+                                  "flags that this program has not parsed; call absl.flags.FLAGS(sys.argv) first "
+                                  "(train.py does) or set data.workers=0.")
             dataset = grain.MapDataset.range(self.step, 1 << 62).map(self.local).to_iter_dataset()
             self._it = iter(dataset.mp_prefetch(grain.MultiprocessingOptions(num_workers=self.workers)))
         else:

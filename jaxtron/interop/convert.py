@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from jaxtron.config.schema import ConfigError, ModelConfig
+from jaxtron.config.schema import Config, ConfigError, ExecutionConfig, ModelConfig
 from jaxtron.interop.hf import llama
 from jaxtron.interop.hf import safetensors as st
 
@@ -49,17 +49,18 @@ def _abstract_params(cfg: ModelConfig) -> dict[str, Any]:
     from flax import nnx
 
     from jaxtron.models import build_model
-    state = nnx.state(nnx.eval_shape(lambda: build_model(cfg, 0)), nnx.Param)
+    state = nnx.state(nnx.eval_shape(lambda: build_model(cfg, ExecutionConfig(), 0)), nnx.Param)
     return {".".join(map(str, path)): var.get_value() for path, var in nnx.to_flat_state(state)}
 
 
-def _config_file(cfg: ModelConfig, out_dir: str) -> str:
-    """A config file for train.py: this model, fine-tuning from OUT_DIR's parameters."""
+def _config_file(cfg: ModelConfig, train: dict[str, Any], out_dir: str) -> str:
+    """A config file for train.py: this model, fine-tuning from OUT_DIR's parameters (``train``: fields of the
+    train section that the Hugging Face config sets)."""
     import dataclasses
     defaults = ModelConfig()
     model = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)
              if getattr(cfg, f.name) != getattr(defaults, f.name)}
-    model["dtype"] = "bfloat16"  # the training compute dtype on GPUs; parameters stay float32
+    train = dict(init_from=os.path.abspath(out_dir), steps=1000, global_batch_size=8, eval_batches=0, **train)
     return f'''"""{cfg.name}, converted from Hugging Face by `python -m jaxtron.convert from-hf`.
 
 Training with this file starts from the converted parameters (train.init_from) with a fresh optimizer.
@@ -72,7 +73,8 @@ import ml_collections
 def get_config():
     c = ml_collections.ConfigDict()
     c.model = {model!r}
-    c.train = dict(init_from={os.path.abspath(out_dir)!r}, steps=1000, global_batch_size=8, eval_batches=0)
+    c.execution = dict(dtype="bfloat16")  # the training compute dtype on GPUs; parameters stay float32
+    c.train = {train!r}
     c.optimizer = dict(learning_rate=1e-5, warmup_steps=50, weight_decay=0.0)
     c.data = dict(source="synthetic", seq_len={min(cfg.max_seq_len, 4096)})
     c.mesh = dict(data=1, fsdp=-1, tensor=1, sequence=1, expert=1)
@@ -118,23 +120,23 @@ def from_hf(hf_dir: str, out_dir: str) -> ModelConfig:
     save_params(out_dir, buffers, {t.param: len(t.index) for t in plan})
     shutil.rmtree(staging)
     with open(os.path.join(out_dir, "config.py"), "w") as f:
-        f.write(_config_file(cfg, out_dir))
+        f.write(_config_file(cfg, llama.train_fields(hf), out_dir))
     return cfg
 
 
-def _model_config(ckpt_dir: str) -> tuple[ModelConfig, str | None]:
-    """The model config of a converted model, or of a training run with its newest intact checkpoint (verified
-    here once: the callers read that step, they do not look for it again)."""
+def _run_config(ckpt_dir: str) -> tuple[Config, str | None]:
+    """The config of a converted model, or of a training run with its newest intact checkpoint (verified here
+    once: the callers read that step, they do not look for it again)."""
     from jaxtron.checkpoint.params import latest_run_state
     from jaxtron.config.loader import from_mapping, load_config
     if os.path.isfile(os.path.join(ckpt_dir, "config.py")):
-        return load_config(os.path.join(ckpt_dir, "config.py")).model, None
+        return load_config(os.path.join(ckpt_dir, "config.py")), None
     step_dir = latest_run_state(ckpt_dir)
     if step_dir is None:
         raise ConfigError(f"'{ckpt_dir}' is neither a converted model (config.py + params/) nor a training run "
                           "with checkpoints; pass one of those.")
     with open(os.path.join(step_dir, "config", "metadata")) as f:
-        return from_mapping(json.load(f)).model, step_dir
+        return from_mapping(json.load(f)), step_dir
 
 
 def load(ckpt_dir: str) -> tuple[ModelConfig, dict[str, np.ndarray]]:
@@ -145,8 +147,9 @@ def load(ckpt_dir: str) -> tuple[ModelConfig, dict[str, np.ndarray]]:
 
     from jaxtron.checkpoint.params import restore_params
     from jaxtron.models import build_model
-    cfg, step_dir = _model_config(ckpt_dir)
-    abstract = nnx.state(nnx.eval_shape(lambda: build_model(cfg, 0)), nnx.Param)
+    cfg, step_dir = _run_config(ckpt_dir)
+    cfg = cfg.model
+    abstract = nnx.state(nnx.eval_shape(lambda: build_model(cfg, ExecutionConfig(), 0)), nnx.Param)
     cpu = jax.sharding.SingleDeviceSharding(jax.devices("cpu")[0])
     params = restore_params(ckpt_dir, abstract, jax.tree.map(lambda _: cpu, abstract), step_dir)
     return cfg, {".".join(map(str, p)): np.asarray(v.get_value()) for p, v in nnx.to_flat_state(params)}
@@ -191,8 +194,9 @@ class _Slices:
 def to_hf(ckpt_dir: str, out_dir: str, dtype: str = "float32") -> dict:
     """Exports to config.json + safetensors (one file, or shards of SHARD_BYTES with an index). Tensors are
     written parameter by parameter, so host memory holds one slice (a converted model) or one parameter."""
-    cfg, step_dir = _model_config(ckpt_dir)
-    hf = llama.hf_config(cfg)
+    run_cfg, step_dir = _run_config(ckpt_dir)
+    cfg = run_cfg.model
+    hf = llama.hf_config(cfg, run_cfg.train.router_aux_loss)
     hf["torch_dtype"] = dtype
     np_dtype = np.dtype(st.DTYPES[{"float32": "F32", "bfloat16": "BF16", "float16": "F16"}[dtype]])
     if os.path.exists(out_dir) and os.listdir(out_dir):

@@ -10,13 +10,12 @@ shape [batch, length, vocab]. Runs on one device, in float32 unless --dtype says
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import logging
 import sys
 
 import numpy as np
 
-from jaxtron.config.schema import ConfigError, ModelConfig
+from jaxtron.config.schema import ConfigError, ExecutionConfig, ModelConfig
 
 
 def read_tokens(path: str, cfg: ModelConfig) -> np.ndarray:
@@ -45,9 +44,8 @@ def score(checkpoint: str, tokens_path: str, dtype: str = "float32") -> np.ndarr
     from jaxtron.interop.convert import load
     from jaxtron.models import build_model
     cfg, params = load(checkpoint)
-    cfg = dataclasses.replace(cfg, dtype=dtype, remat="none")
     tokens = read_tokens(tokens_path, cfg)
-    model = build_model(cfg, 0)
+    model = build_model(cfg, ExecutionConfig(dtype=dtype), 0)
     state = nnx.state(model, nnx.Param)
     nnx.replace_by_pure_dict(state, nest(params))
     graphdef = nnx.graphdef(model)

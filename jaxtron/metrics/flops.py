@@ -16,7 +16,7 @@ matmuls that the remat policy re-runs (``RECOMPUTED``); MFU uses model FLOPs, HF
 
 from __future__ import annotations
 
-from jaxtron.config.schema import ModelConfig
+from jaxtron.config.schema import ExecutionConfig, ModelConfig
 
 # The matmuls of one training step, finer than the Megatron terms so that a remat policy can be described
 # exactly. Each belongs to one term of ``flops_breakdown``.
@@ -120,54 +120,56 @@ def flops_per_token(cfg: ModelConfig, seq_len: int, causal: bool = True) -> floa
 
 
 def recomputed(remat: str, attention: str = "xla") -> tuple[str, ...]:
-    """The ``MATMULS`` whose forward pass ``model.remat`` re-runs, with attention implementation 'xla' or
+    """The ``MATMULS`` whose forward pass ``execution.remat`` re-runs, with attention implementation 'xla' or
     'cudnn' (see ``RECOMPUTED``)."""
     if attention not in ("xla", "cudnn"):
         raise ValueError(f"attention implementation {attention!r} is not 'xla' or 'cudnn'")
     return RECOMPUTED[remat][attention]
 
 
-def _hardware_matmuls(cfg: ModelConfig, seq_len: int, causal: bool, attention: str) -> dict[str, float]:
+def _hardware_matmuls(cfg: ModelConfig, run: ExecutionConfig, seq_len: int, causal: bool,
+                      attention: str) -> dict[str, float]:
     model = matmul_breakdown(cfg, seq_len, causal)
-    again = recomputed(cfg.remat, attention)
+    again = recomputed(run.remat, attention)
     return {name: value * (4.0 / 3.0 if name in again else 1.0) for name, value in model.items()}
 
 
-def hardware_flops_breakdown(cfg: ModelConfig, seq_len: int, causal: bool = True,
+def hardware_flops_breakdown(cfg: ModelConfig, run: ExecutionConfig, seq_len: int, causal: bool = True,
                              attention: str = "xla") -> dict[str, float]:
-    """``flops_breakdown`` plus, per term, the forward FLOPs that ``cfg.remat`` re-runs (a third of the
+    """``flops_breakdown`` plus, per term, the forward FLOPs that ``run.remat`` re-runs (a third of the
     training FLOPs of each recomputed matmul)."""
-    return _terms(_hardware_matmuls(cfg, seq_len, causal, attention))
+    return _terms(_hardware_matmuls(cfg, run, seq_len, causal, attention))
 
 
-def hardware_flops_per_token(cfg: ModelConfig, seq_len: int, causal: bool = True, attention: str = "xla") -> float:
-    """Model FLOPs plus the forward recompute implied by ``cfg.remat``; the HFU numerator."""
-    return sum(_hardware_matmuls(cfg, seq_len, causal, attention).values())
+def hardware_flops_per_token(cfg: ModelConfig, run: ExecutionConfig, seq_len: int, causal: bool = True,
+                             attention: str = "xla") -> float:
+    """Model FLOPs plus the forward recompute implied by ``run.remat``; the HFU numerator."""
+    return sum(_hardware_matmuls(cfg, run, seq_len, causal, attention).values())
 
 
-def fp8_blocks(cfg: ModelConfig) -> tuple[int, int]:
-    """(blocks whose projections run as FP8 matmuls, how many of them are dense) under ``model.fp8``.
+def fp8_blocks(cfg: ModelConfig, run: ExecutionConfig) -> tuple[int, int]:
+    """(blocks whose projections run as FP8 matmuls, how many of them are dense) under ``execution.fp8``.
 
     The blocks between the first and the last ``fp8_skip_layers`` use FP8 (jaxtron/models/transformer.py,
     ``layer_groups``); block i is MoE when (i + 1) % moe_every == 0, and its expert GEMMs stay 16-bit.
     """
-    if not cfg.fp8:
+    if not run.fp8:
         return 0, 0
-    first, end = cfg.fp8_skip_layers, cfg.num_layers - cfg.fp8_skip_layers
+    first, end = run.fp8_skip_layers, cfg.num_layers - run.fp8_skip_layers
     moe = (end // cfg.moe_every - first // cfg.moe_every) if cfg.num_experts else 0
     return end - first, end - first - moe
 
 
-def fp8_flops_per_token(cfg: ModelConfig, seq_len: int, hardware: bool = False, causal: bool = True,
-                        attention: str = "xla") -> float:
+def fp8_flops_per_token(cfg: ModelConfig, run: ExecutionConfig, seq_len: int, hardware: bool = False,
+                        causal: bool = True, attention: str = "xla") -> float:
     """The part of the model FLOPs (``hardware``: of the hardware FLOPs) done as FP8 matmuls: the attention
     projections of the FP8 blocks and the MLP of their dense ones, forward and backward (the gradient
     matmuls are FP8 too, see jaxtron/ops/fp8.py), and their recompute. Scores, experts, router and logits
     stay 16-bit."""
-    blocks, dense = fp8_blocks(cfg)
+    blocks, dense = fp8_blocks(cfg, run)
     if not blocks:
         return 0.0
-    m = _hardware_matmuls(cfg, seq_len, causal, attention) if hardware else matmul_breakdown(cfg, seq_len, causal)
+    m = _hardware_matmuls(cfg, run, seq_len, causal, attention) if hardware else matmul_breakdown(cfg, seq_len, causal)
     per_block = (m["attention_qkv"] + m["attention_out"]) / cfg.num_layers
     dense_layers = cfg.num_layers - cfg.num_moe_layers
     per_dense = (m["mlp_in"] + m["mlp_out"]) / dense_layers if dense_layers else 0.0

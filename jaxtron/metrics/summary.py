@@ -19,7 +19,8 @@ import re
 import statistics
 from typing import Any
 
-from jaxtron.config.schema import ConfigError, ModelConfig
+from jaxtron.config.loader import migrate
+from jaxtron.config.schema import ConfigError, ExecutionConfig, ModelConfig
 from jaxtron.metrics.collectives import COLLECTIVES
 from jaxtron.metrics.flops import flops_per_token, fp8_flops_per_token
 
@@ -159,23 +160,25 @@ def skipped_steps(records: list[dict[str, Any]]) -> tuple[int | None, int | None
 
 
 def mfu_basis(config: dict[str, Any], records: list[dict[str, Any]]) -> dict[str, Any] | None:
-    """What the run's MFU is measured against: the dense peak of ``model.dtype``, or with ``model.fp8`` the
-    FLOP-weighted peak (see ``jaxtron.metrics.hardware.flop_weighted_peak``), with the FP8 share of the model
+    """What the run's MFU is measured against: the dense peak of ``execution.dtype``, or with ``execution.fp8``
+    the FLOP-weighted peak (see ``jaxtron.metrics.hardware.flop_weighted_peak``), with the FP8 share of the model
     FLOPs from config.json and the peak the logged TFLOP/s and MFU imply. None without a readable config."""
     try:
+        config = migrate(config)  # a run of an older layout
         model = ModelConfig(**config["model"])
+        run = ExecutionConfig(**config.get("execution", {}))
         seq_len = int(config["data"]["seq_len"])
-    except (KeyError, TypeError, ValueError):  # ConfigError is a ValueError
+    except (KeyError, TypeError, ValueError, AttributeError):  # ConfigError is a ValueError
         return None
-    share = fp8_flops_per_token(model, seq_len) / flops_per_token(model, seq_len)
+    share = fp8_flops_per_token(model, run, seq_len) / flops_per_token(model, seq_len)
     peak = next((r["tflops_per_device"] / r["mfu"] for r in records
                  if isinstance(r.get("mfu"), (int, float)) and r["mfu"] > 0
                  and isinstance(r.get("tflops_per_device"), (int, float))), None)
     if share:
         text = (f"FLOP-weighted dense peak: FP8 matmuls are {share:.1%} of the model FLOPs, counted at the fp8 peak, "
-                f"the rest at the {model.dtype} peak")
+                f"the rest at the {run.dtype} peak")
     else:
-        text = f"dense {model.dtype} datasheet peak"
+        text = f"dense {run.dtype} datasheet peak"
     text += f" ({peak:.5g} TFLOP/s per device)" if peak else " (none known for this device: MFU is n/a)"
     return {"text": text, "fp8_flops_share": share, "peak_tflops": peak}
 

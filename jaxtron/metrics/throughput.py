@@ -1,7 +1,7 @@
 """Step time -> tokens/s, TFLOP/s per device, MFU and HFU, with the accounting stated in flops.py.
 
-With ``model.fp8`` the denominator is the FLOP-weighted dense peak (``hardware.flop_weighted_peak``): the FP8
-matmuls at the fp8 peak, every other FLOP at the peak of ``model.dtype``.
+With ``execution.fp8`` the denominator is the FLOP-weighted dense peak (``hardware.flop_weighted_peak``): the FP8
+matmuls at the fp8 peak, every other FLOP at the peak of ``execution.dtype``.
 """
 
 from __future__ import annotations
@@ -21,17 +21,18 @@ class Throughput:
     """
 
     def __init__(self, cfg: Config, num_devices: int, device_kind: str, attention: str):
-        m, seq = cfg.model, cfg.data.seq_len
+        m, run, seq = cfg.model, cfg.execution, cfg.data.seq_len
         tokens = cfg.train.global_batch_size * seq
         self.tokens_per_step = tokens
         self.num_devices = num_devices
         self.model_flops = flops_lib.flops_per_token(m, seq) * tokens
-        self.hardware_flops = flops_lib.hardware_flops_per_token(m, seq, attention=attention) * tokens
-        fp8 = flops_lib.fp8_flops_per_token(m, seq) * tokens
-        fp8_hardware = flops_lib.fp8_flops_per_token(m, seq, hardware=True, attention=attention) * tokens
+        self.hardware_flops = flops_lib.hardware_flops_per_token(m, run, seq, attention=attention) * tokens
+        fp8 = flops_lib.fp8_flops_per_token(m, run, seq) * tokens
+        fp8_hardware = flops_lib.fp8_flops_per_token(m, run, seq, hardware=True, attention=attention) * tokens
         self.fp8_share = fp8 / self.model_flops  # of the model FLOPs
-        self.peak, note = hardware.flop_weighted_peak(device_kind, m.dtype, fp8, self.model_flops)
-        self.hardware_peak, _ = hardware.flop_weighted_peak(device_kind, m.dtype, fp8_hardware, self.hardware_flops)
+        self.peak, note = hardware.flop_weighted_peak(device_kind, run.dtype, fp8, self.model_flops)
+        self.hardware_peak, _ = hardware.flop_weighted_peak(device_kind, run.dtype, fp8_hardware,
+                                                            self.hardware_flops)
         self.peak_note = f"MFU against the {note}" if self.peak is not None else note
 
     def __call__(self, seconds: float, steps: int) -> dict[str, Any]:

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 from flax import nnx
 
-from jaxtron.config.schema import ModelConfig
+from jaxtron.config.schema import ExecutionConfig, ModelConfig
 from jaxtron.models.transformer import Transformer
 
 
-def build_model(cfg: ModelConfig, seed: int, attention_impl: str = "xla") -> Transformer:
-    """Creates the model. Parameters are placed by the caller (see jaxtron.training.state)."""
+def build_model(cfg: ModelConfig, run: ExecutionConfig, seed: int, attention_impl: str = "xla") -> Transformer:
+    """Creates the model: the architecture ``cfg`` run as ``run`` says (dtype, remat, fp8, MoE mode; resolve
+    ``run.attention`` into ``attention_impl`` first). Parameters are placed by the caller (jaxtron.training.state)."""
     with nnx.use_eager_sharding(False):
-        return Transformer(cfg, nnx.Rngs(params=seed), attention_impl)
+        return Transformer(cfg, run, nnx.Rngs(params=seed), attention_impl)

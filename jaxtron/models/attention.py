@@ -7,14 +7,14 @@ import math
 import jax
 from flax import nnx
 
-from jaxtron.config.schema import ModelConfig
+from jaxtron.config.schema import ExecutionConfig, ModelConfig
 from jaxtron.models.layers import apply_rope, compute_dtype, param, rope_frequencies
 from jaxtron.ops import attention as attention_ops
 from jaxtron.ops import fp8 as fp8_ops
 
 
 class Attention(nnx.Module):
-    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, implementation: str):
+    def __init__(self, cfg: ModelConfig, run: ExecutionConfig, rngs: nnx.Rngs, implementation: str):
         d, n, g, h = cfg.embed_dim, cfg.num_heads, cfg.num_kv_heads, cfg.resolved_head_dim
         out_std = cfg.init_std / math.sqrt(2 * cfg.num_layers)
         self.wq = param(rngs, (d, n, h), ("embed", "heads", "head_dim"), cfg.init_std)
@@ -22,7 +22,8 @@ class Attention(nnx.Module):
         self.wv = param(rngs, (d, g, h), ("embed", "kv_heads", "head_dim"), cfg.init_std)
         self.wo = param(rngs, (n, h, d), ("heads", "head_dim", "embed"), out_std)
         self.cfg = cfg
-        self.dtype = compute_dtype(cfg)
+        self.dtype = compute_dtype(run)
+        self.max_segments = run.attention_max_segments
         self.implementation = implementation
 
     def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array | None,
@@ -37,5 +38,5 @@ class Attention(nnx.Module):
             k = apply_rope(k, positions, inv_freq)
         out = attention_ops.dot_product_attention(q, k, v, implementation=self.implementation,
                                                   segment_ids=segment_ids,
-                                                  max_segments=self.cfg.attention_max_segments)
+                                                  max_segments=self.max_segments)
         return einsum("btnh,nhd->btd", out, self.wo[...].astype(dt))

@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxtron.config.schema import ModelConfig
+from jaxtron.config.schema import ExecutionConfig, ModelConfig
 from jaxtron.parallel.sharding import constrain
 
 
@@ -20,8 +20,8 @@ def param(rngs: nnx.Rngs, shape: Sequence[int], names: Sequence[str], std: float
     return nnx.Param(value, out_sharding=tuple(names))
 
 
-def compute_dtype(cfg: ModelConfig) -> jnp.dtype:
-    return jnp.dtype(cfg.dtype)
+def compute_dtype(run: ExecutionConfig) -> jnp.dtype:
+    return jnp.dtype(run.dtype)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
@@ -51,9 +51,9 @@ embed_lookup.defvjp(_embed_fwd, _embed_bwd)
 class Norm(nnx.Module):
     """RMSNorm (scale only) or LayerNorm (scale and bias); statistics in float32."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, run: ExecutionConfig):
         self.eps = cfg.norm_eps
-        self.dtype = compute_dtype(cfg)
+        self.dtype = compute_dtype(run)
         self.scale = nnx.Param(jnp.ones((cfg.embed_dim,), jnp.float32), out_sharding=("norm",))
         self.bias = nnx.Param(jnp.zeros((cfg.embed_dim,), jnp.float32), out_sharding=("norm",)) \
             if cfg.norm == "layernorm" else None

@@ -7,7 +7,7 @@ import math
 import jax
 from flax import nnx
 
-from jaxtron.config.schema import ModelConfig
+from jaxtron.config.schema import ExecutionConfig, ModelConfig
 from jaxtron.models.layers import compute_dtype, param
 from jaxtron.ops import fp8 as fp8_ops
 from jaxtron.parallel.sharding import constrain
@@ -16,13 +16,13 @@ HIDDEN_AXES = ("activation_batch", "activation_length", "activation_mlp")
 
 
 class MLP(nnx.Module):
-    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, run: ExecutionConfig, rngs: nnx.Rngs):
         d, f = cfg.embed_dim, cfg.mlp_dim
         self.gated = cfg.activation == "swiglu"
         self.wi_gate = param(rngs, (d, f), ("embed", "mlp"), cfg.init_std) if self.gated else None
         self.wi_up = param(rngs, (d, f), ("embed", "mlp"), cfg.init_std)
         self.wo = param(rngs, (f, d), ("mlp", "embed"), cfg.init_std / math.sqrt(2 * cfg.num_layers))
-        self.dtype = compute_dtype(cfg)
+        self.dtype = compute_dtype(run)
 
     def __call__(self, x: jax.Array, fp8: bool = False) -> jax.Array:
         dt, einsum = self.dtype, fp8_ops.projection(fp8)

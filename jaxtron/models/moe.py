@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxtron.config.schema import ModelConfig
+from jaxtron.config.schema import ExecutionConfig, ModelConfig
 from jaxtron.models.layers import compute_dtype, param
 from jaxtron.parallel.sharding import constrain, logical_to_spec, spec_axes
 
@@ -64,15 +64,17 @@ class ExpertAxes:
         return axes
 
 
-def capacity(cfg: ModelConfig, length: int) -> int:
-    """Slots per expert in each batch row (capacity mode)."""
-    return max(1, math.ceil(cfg.capacity_factor * length * cfg.experts_per_token / cfg.num_experts))
+def capacity(cfg: ModelConfig, factor: float, length: int) -> int:
+    """Slots per expert in each batch row (capacity mode, ``execution.capacity_factor``)."""
+    return max(1, math.ceil(factor * length * cfg.experts_per_token / cfg.num_experts))
 
 
-def route(cfg: ModelConfig, logits: jax.Array) -> tuple[jax.Array, jax.Array, dict[str, jax.Array]]:
+def route(cfg: ModelConfig, logits: jax.Array,
+          row_capacity: int | None = None) -> tuple[jax.Array, jax.Array, dict[str, jax.Array]]:
     """Router logits [batch, length, experts] (float32) -> (expert ids [b, t, k], weights [b, t, k], stats).
 
-    Dropped assignments (capacity mode) get the id ``num_experts`` and weight 0. Stats: ``aux_loss``
+    Dropped assignments (capacity mode: ``row_capacity`` slots per expert and row) get the id ``num_experts``
+    and weight 0. Stats: ``aux_loss``
     (experts * sum_e load_e * mean_prob_e: 1 when balanced), ``z_loss`` (mean squared log-partition),
     ``load`` (fraction of the assignments each expert received, before capacity) and ``dropped`` (fraction
     of assignments over capacity).
@@ -90,8 +92,8 @@ def route(cfg: ModelConfig, logits: jax.Array) -> tuple[jax.Array, jax.Array, di
         "load": load,
         "dropped": jnp.zeros((), jnp.float32),
     }
-    if cfg.moe_mode == "capacity":
-        keep = _within_capacity(chosen, capacity(cfg, logits.shape[1]))
+    if row_capacity is not None:
+        keep = _within_capacity(chosen, row_capacity)
         ids = jnp.where(keep, ids, num_experts)
         weights = jnp.where(keep, weights, 0.0)
         stats["dropped"] = 1.0 - jnp.mean(keep.astype(jnp.float32))
@@ -225,9 +227,9 @@ def _with_capacity(x, ids, gate, up, down, num_experts: int, slots: int, expert_
 class MoE(nnx.Module):
     """Router plus ``num_experts`` SwiGLU experts stored stacked along the logical axis ``experts``."""
 
-    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, run: ExecutionConfig, rngs: nnx.Rngs):
         d, f, e = cfg.embed_dim, cfg.mlp_dim, cfg.num_experts
-        self.cfg = cfg
+        self.cfg, self.run = cfg, run
         self.router = param(rngs, (d, e), ("embed", None), cfg.init_std)
         self.wi_gate = param(rngs, (e, d, f), GATE_UP_AXES, cfg.init_std)
         self.wi_up = param(rngs, (e, d, f), GATE_UP_AXES, cfg.init_std)
@@ -235,10 +237,10 @@ class MoE(nnx.Module):
 
     def __call__(self, x: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
         """x [batch, length, embed] -> (output of the same shape, routing stats; see ``route``)."""
-        cfg, dt = self.cfg, compute_dtype(self.cfg)
+        cfg, dt = self.cfg, compute_dtype(self.run)
         logits = jnp.einsum("btd,de->bte", x.astype(jnp.float32), self.router[...])
-        ids, weights, stats = route(cfg, logits)
-        row_capacity = capacity(cfg, x.shape[1]) if cfg.moe_mode == "capacity" else None
+        row_capacity = capacity(cfg, self.run.capacity_factor, x.shape[1]) if self.run.moe_mode == "capacity" else None
+        ids, weights, stats = route(cfg, logits, row_capacity)
         x = constrain(x, TOKEN_AXES)
         ids, weights = constrain(ids, ROUTE_AXES), constrain(weights, ROUTE_AXES)
         gate, up, down = (w[...].astype(dt) for w in (self.wi_gate, self.wi_up, self.wo))

@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxtron.config.schema import ModelConfig
+from jaxtron.config.schema import ExecutionConfig, ModelConfig
 from jaxtron.models.attention import Attention
 from jaxtron.models.layers import Norm, compute_dtype, embed_lookup, param
 from jaxtron.models.mlp import MLP
@@ -38,23 +38,24 @@ REMAT_POLICIES = {
 }
 
 
-def layer_groups(cfg: ModelConfig) -> list[tuple[int, int, bool]]:
-    """(first, end, fp8) of each run of blocks scanned together: with model.fp8_skip_layers, the first and
+def layer_groups(cfg: ModelConfig, run: ExecutionConfig) -> list[tuple[int, int, bool]]:
+    """(first, end, fp8) of each run of blocks scanned together: with execution.fp8_skip_layers, the first and
     last blocks keep 16-bit matmuls and the ones between use FP8 (expert GEMMs stay 16-bit)."""
-    n, skip = cfg.num_layers, cfg.fp8_skip_layers if cfg.fp8 else 0
+    n, skip = cfg.num_layers, run.fp8_skip_layers if run.fp8 else 0
     if not skip:
-        return [(0, n, cfg.fp8)]
+        return [(0, n, run.fp8)]
     return [(0, skip, False), (skip, n - skip, True), (n - skip, n, False)]
 
 
 class Block(nnx.Module):
     """Pre-norm residual block: attention then a dense MLP or a mixture of experts."""
 
-    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, attention_impl: str, moe: bool = False):
-        self.attn_norm = Norm(cfg)
-        self.attn = Attention(cfg, rngs, attention_impl)
-        self.mlp_norm = Norm(cfg)
-        self.mlp = MoE(cfg, rngs) if moe else MLP(cfg, rngs)
+    def __init__(self, cfg: ModelConfig, run: ExecutionConfig, rngs: nnx.Rngs, attention_impl: str,
+                 moe: bool = False):
+        self.attn_norm = Norm(cfg, run)
+        self.attn = Attention(cfg, run, rngs, attention_impl)
+        self.mlp_norm = Norm(cfg, run)
+        self.mlp = MoE(cfg, run, rngs) if moe else MLP(cfg, run, rngs)
 
     def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array | None,
                  fp8: bool = False) -> tuple[jax.Array, dict[str, jax.Array]]:
@@ -68,7 +69,8 @@ class Block(nnx.Module):
         return constrain(x + y, EMBED_AXES), stats
 
 
-def _stack(cfg: ModelConfig, rngs: nnx.Rngs, attention_impl: str, count: int, moe: bool) -> Block | None:
+def _stack(cfg: ModelConfig, run: ExecutionConfig, rngs: nnx.Rngs, attention_impl: str, count: int,
+           moe: bool) -> Block | None:
     """``count`` blocks with parameters stacked along the logical axis ``layers`` (None for zero)."""
     if not count:
         return None
@@ -76,23 +78,23 @@ def _stack(cfg: ModelConfig, rngs: nnx.Rngs, attention_impl: str, count: int, mo
     @nnx.split_rngs(splits=count)
     @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
     def make(rngs: nnx.Rngs) -> Block:
-        return Block(cfg, rngs, attention_impl, moe)
+        return Block(cfg, run, rngs, attention_impl, moe)
 
     return make(rngs)
 
 
 class Transformer(nnx.Module):
-    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, attention_impl: str = "xla"):
-        self.cfg = cfg
+    def __init__(self, cfg: ModelConfig, run: ExecutionConfig, rngs: nnx.Rngs, attention_impl: str = "xla"):
+        self.cfg, self.run = cfg, run
         d, v = cfg.embed_dim, cfg.vocab_size
         self.embedding = param(rngs, (v, d), ("vocab", "embed"), cfg.init_std)
         self.positions = param(rngs, (cfg.max_seq_len, d), ("position", "embed"), cfg.init_std) \
             if cfg.position_embedding == "learned" else None
         # dense blocks in `layers`, MoE blocks in `moe_layers`; block i is MoE when (i + 1) % moe_every == 0
         moe = cfg.num_moe_layers
-        self.layers = _stack(cfg, rngs, attention_impl, cfg.num_layers - moe, False)
-        self.moe_layers = _stack(cfg, rngs, attention_impl, moe, True)
-        self.final_norm = Norm(cfg)
+        self.layers = _stack(cfg, run, rngs, attention_impl, cfg.num_layers - moe, False)
+        self.moe_layers = _stack(cfg, run, rngs, attention_impl, moe, True)
+        self.final_norm = Norm(cfg, run)
         self.head = None if cfg.tie_embeddings else param(rngs, (d, v), ("embed", "vocab"), cfg.init_std)
 
     def __call__(self, tokens: jax.Array, positions: jax.Array | None = None,
@@ -110,7 +112,7 @@ class Transformer(nnx.Module):
         """Hidden states and the routing stats of the MoE blocks, each stacked [moe blocks, ...] (empty for a
         dense model; see ``jaxtron.models.moe.route``)."""
         cfg = self.cfg
-        dt = compute_dtype(cfg)
+        dt = compute_dtype(self.run)
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
         x = embed_lookup(self.embedding[...], tokens, dt)
@@ -124,7 +126,7 @@ class Transformer(nnx.Module):
         dense_def, dense = nnx.split(self.layers) if self.layers is not None else (None, None)
         moe_def, moe = nnx.split(self.moe_layers) if self.moe_layers is not None else (None, None)
         stats = []
-        for start, stop, fp8 in layer_groups(cfg):
+        for start, stop, fp8 in layer_groups(cfg, self.run):
             first, end = start // period, stop // period
 
             run_dense, run_moe = (self._runner(g, positions, segment_ids, fp8) for g in (dense_def, moe_def))
@@ -153,21 +155,21 @@ class Transformer(nnx.Module):
         return self.final_norm(x), stats
 
     def _runner(self, graphdef, positions, segment_ids, fp8: bool):
-        """block state -> (new hidden, stats) for blocks of ``graphdef``, rematerialised per ``model.remat``."""
+        """block state -> (new hidden, stats) for blocks of ``graphdef``, rematerialised per ``execution.remat``."""
         if graphdef is None:
             return None
 
-        def run(h, layer_state):
+        def apply(h, layer_state):
             return nnx.merge(graphdef, layer_state)(h, positions, segment_ids, fp8)
 
-        if self.cfg.remat == "none":
-            return run
-        return jax.checkpoint(run, policy=REMAT_POLICIES[self.cfg.remat], prevent_cse=False)
+        if self.run.remat == "none":
+            return apply
+        return jax.checkpoint(apply, policy=REMAT_POLICIES[self.run.remat], prevent_cse=False)
 
     def output_head(self) -> jax.Array:
         """The [embed, vocab] output matrix in the compute dtype (the embedding's transpose when tied)."""
         head = self.embedding[...].T if self.head is None else self.head[...]
-        return head.astype(compute_dtype(self.cfg))
+        return head.astype(compute_dtype(self.run))
 
 
 def logits_of(x: jax.Array, head: jax.Array) -> jax.Array:

@@ -44,7 +44,7 @@ def resolve_implementation(choice: str, dtype: jnp.dtype, head_dim: int = 128, s
     if choice == "auto":
         return "xla" if reason else "cudnn"
     if choice == "cudnn" and reason:
-        raise ConfigError(f"config field 'model.attention' is 'cudnn' but {reason}; use 'auto' or 'xla'.")
+        raise ConfigError(f"config field 'execution.attention' is 'cudnn' but {reason}; use 'auto' or 'xla'.")
     return choice
 
 

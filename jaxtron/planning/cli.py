@@ -14,7 +14,6 @@ program next to the estimate for the same program. Sequence length and global ba
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
@@ -36,25 +35,33 @@ def parse_mesh(text: str) -> dict[str, int]:
     return sizes
 
 
-def parse_args(argv: list[str]):
-    from jaxtron.config.loader import split_overrides
+def _define(values) -> None:
+    from absl import flags
+    flags.DEFINE_integer("gpus", None, "number of GPUs (whole nodes beyond one node)", flag_values=values)
+    flags.DEFINE_string("gpu", "h100", "GPU type from jaxtron/planning/gpus.py (h100, h200)", flag_values=values)
+    flags.DEFINE_integer("seq_len", None, "override data.seq_len", flag_values=values)
+    flags.DEFINE_integer("global_batch_size", None, "override train.global_batch_size", flag_values=values)
+    flags.DEFINE_integer("top", 10, "rows of the ranked table to print (0: all)", flag_values=values)
+    flags.DEFINE_string("compile", None, "also compile the train step for this mesh, e.g. fsdp=8,tensor=8 (other "
+                        "axes 1)", flag_values=values)
+    flags.DEFINE_string("json", None, "write the ranked estimates (and the dry run) to this file", flag_values=values)
 
-    spec, overrides, rest = split_overrides(argv)
-    parser = argparse.ArgumentParser(prog="python -m jaxtron.plan", description=__doc__.split("\n")[0])
-    parser.add_argument("--gpus", type=int, required=True, help="number of GPUs (whole nodes beyond one node)")
-    parser.add_argument("--gpu", default="h100", help="GPU type from jaxtron/planning/gpus.py (h100, h200)")
-    parser.add_argument("--seq_len", type=int, default=None, help="override data.seq_len")
-    parser.add_argument("--global_batch_size", type=int, default=None, help="override train.global_batch_size")
-    parser.add_argument("--top", type=int, default=10, help="rows of the ranked table to print (0: all)")
-    parser.add_argument("--compile", default=None, metavar="MESH",
-                        help="also compile the train step for this mesh, e.g. fsdp=8,tensor=8 (other axes 1)")
-    parser.add_argument("--json", default=None, help="write the ranked estimates (and the dry run) to this file")
-    args = parser.parse_args(rest)
+
+def parse_args(argv: list[str]):
+    """(Config, parsed flags, config file) of the command line ``argv`` (without the program name)."""
+    import dataclasses
+
+    from jaxtron.config.loader import parse_command_line
+    from jaxtron.config.schema import ConfigError
+
+    cfg, args, spec = parse_command_line(["python -m jaxtron.plan", *argv], "configs/default.py", _define)
+    if args.gpus is None:
+        raise ConfigError("option '--gpus' is missing; give the GPU count, e.g. --gpus=8.")
     if args.seq_len is not None:
-        overrides.append(("data.seq_len", str(args.seq_len)))
+        cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, seq_len=args.seq_len))
     if args.global_batch_size is not None:
-        overrides.append(("train.global_batch_size", str(args.global_batch_size)))
-    return spec, overrides, args
+        cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, global_batch_size=args.global_batch_size))
+    return cfg, args, spec
 
 
 def _mesh_text(sizes: dict[str, int]) -> str:
@@ -82,7 +89,7 @@ def memory_text(e, usable: float) -> str:
 
 
 def run(argv: list[str]) -> int:
-    spec, overrides, args = parse_args(argv)
+    cfg, args, spec = parse_args(argv)
     from jaxtron.config.schema import ConfigError
 
     if args.gpus < 1:
@@ -99,17 +106,16 @@ def run(argv: list[str]) -> int:
         os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                                    f" --xla_force_host_platform_device_count={args.gpus}").strip()
         os.environ.setdefault("JAX_PLATFORMS", "cpu")
-    from jaxtron.config.loader import load_config
     from jaxtron.metrics.flops import param_count
     from jaxtron.planning import search
     from jaxtron.planning.estimate import estimate
 
-    cfg = load_config(spec or "configs/default.py", overrides)
     m = cfg.model
     print(f"{m.name}: {param_count(m) / 1e9:.2f}B parameters"
           + (f" ({param_count(m, active=True) / 1e9:.2f}B active)" if m.num_experts else "")
-          + f", sequence {cfg.data.seq_len}, global batch {cfg.train.global_batch_size}, remat {m.remat}, "
-            f"{m.dtype}; {args.gpus} x {gpu.name} ({gpu.usable_bytes / GIB:.0f} GiB usable each)")
+          + f", sequence {cfg.data.seq_len}, global batch {cfg.train.global_batch_size}, "
+            f"remat {cfg.execution.remat}, {cfg.execution.dtype}; {args.gpus} x {gpu.name} "
+            f"({gpu.usable_bytes / GIB:.0f} GiB usable each)")
     rows = search.plan(cfg, args.gpus, gpu)
     fitting = [r for r in rows if r.fits]
     report = {"config": spec, "gpus": args.gpus, "gpu": gpu.name,

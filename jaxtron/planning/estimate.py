@@ -4,7 +4,7 @@ The model follows what jaxtron's train step does, not an idealised trainer:
 - Parameters, AdamW moments and gradients are float32 (16 bytes per parameter, one more gradient buffer with
   microbatches), sharded as ``jaxtron.parallel.sharding.RULES`` says; the shard sizes are computed from the real
   model's parameter shapes and logical axis names.
-- Activations kept for the backward pass follow ``model.remat`` (which block outputs are saved per layer). The
+- Activations kept for the backward pass follow ``execution.remat`` (which block outputs are saved per layer). The
   residual stream is not split over ``tensor`` (no Megatron-style sequence parallelism), so every tensor rank
   holds it whole.
 - Working space is the larger of two phases: the backward pass of one block (its recomputed intermediates and
@@ -30,7 +30,7 @@ import math
 import jax
 from flax import nnx
 
-from jaxtron.config.schema import Config, ModelConfig
+from jaxtron.config.schema import Config, ExecutionConfig, ModelConfig
 from jaxtron.metrics.flops import flops_breakdown, hardware_flops_breakdown
 from jaxtron.models import build_model
 from jaxtron.models.moe import capacity
@@ -75,7 +75,7 @@ class Param:
 @functools.lru_cache(maxsize=8)
 def parameters(model: ModelConfig) -> tuple[Param, ...]:
     """Shapes and logical names of the model's parameters (abstract: nothing is allocated)."""
-    state = jax.eval_shape(lambda: nnx.split(build_model(model, 0, "xla"), nnx.Param)[1])
+    state = jax.eval_shape(lambda: nnx.split(build_model(model, ExecutionConfig(), 0, "xla"), nnx.Param)[1])
     return tuple(Param(".".join(map(str, path)), tuple(v.get_value().shape), logical_names(v))
                  for path, v in nnx.to_flat_state(state))
 
@@ -126,13 +126,13 @@ def estimate(cfg: Config, sizes: dict[str, int], gpu: GPU, microbatches: int | N
     16-bit matmul, so it converts their operands: the block weights are gathered in float32 and the saved
     residual stream is converted to float32 once more before the backward pass).
     """
-    m, n_dev = cfg.model, math.prod(sizes.values())
+    m, run, n_dev = cfg.model, cfg.execution, math.prod(sizes.values())
     micro = microbatches or cfg.train.microbatches
-    impl = "xla" if cpu_program else resolve_implementation(m.attention, m.dtype, m.resolved_head_dim,
+    impl = "xla" if cpu_program else resolve_implementation(run.attention, run.dtype, m.resolved_head_dim,
                                                             sizes["sequence"], backend="gpu")
     T, S, E, F = sizes["tensor"], sizes["sequence"], sizes["expert"], sizes["fsdp"]
     dp = sizes["data"] * F * E
-    c = 2 if m.dtype == "bfloat16" else 4
+    c = 2 if run.dtype == "bfloat16" else 4
     s = cfg.data.seq_len
     t = s // S
     b = cfg.train.global_batch_size // micro // dp  # rows per device and microbatch
@@ -161,16 +161,17 @@ def estimate(cfg: Config, sizes: dict[str, int], gpu: GPU, microbatches: int | N
     everything = 6 * x + sum(attn.values()) + sum(mlp.values())
     saved = {"none": everything, "full": x, "save_attention": x + attn["out"],
              "save_dots": 3 * x + attn["q"] + attn["kv"] + mlp["gate_up"],
-             "save_dots_attention": 3 * x + attn["q"] + attn["kv"] + attn["out"] + mlp["gate_up"]}[m.remat]
-    saved_scores = 2 * scores if m.remat == "none" else 0  # scores and probabilities kept for the backward
+             "save_dots_attention": 3 * x + attn["q"] + attn["kv"] + attn["out"] + mlp["gate_up"]}[run.remat]
+    saved_scores = 2 * scores if run.remat == "none" else 0  # scores and probabilities kept for the backward
     moe_layers = m.num_moe_layers
     tokens = b * t
     k = m.experts_per_token
     moe_rows = 0
     if moe_layers:  # rows each device's expert GEMMs run over: worst-case (dropless) or capacity buffers
-        moe_rows = tokens * k * E if m.moe_mode == "dropless" else m.num_experts * b * capacity(m, t)
+        moe_rows = tokens * k * E if run.moe_mode == "dropless" else \
+            m.num_experts * b * capacity(m, run.capacity_factor, t)
     moe_values = moe_rows * (2 * h + 3 * ft) + 2 * tokens * k * h  # buffers in and out, hidden; sorted rows
-    moe_saved = moe_values if m.remat in ("none", "save_dots", "save_dots_attention") else 0
+    moe_saved = moe_values if run.remat in ("none", "save_dots", "save_dots_attention") else 0
     memory["activations"] = float(m.num_layers * (saved * c + x * stack_copy + saved_scores * 4.0)
                                   + moe_layers * moe_saved * c)
 
@@ -191,15 +192,15 @@ def estimate(cfg: Config, sizes: dict[str, int], gpu: GPU, microbatches: int | N
     memory["working"] = float(max(layer_work, loss_work))
 
     # --- time ---
-    peak = gpu.peak_flops["bfloat16"] if m.dtype == "bfloat16" else gpu.peak_flops["bfloat16"] / 2  # fp32: TF32
+    peak = gpu.peak_flops["bfloat16"] if run.dtype == "bfloat16" else gpu.peak_flops["bfloat16"] / 2  # fp32: TF32
     terms = flops_breakdown(m, s)
     # model FLOPs plus what the remat policy re-runs, from the table HFU uses (jaxtron.metrics.flops.RECOMPUTED)
-    hardware = hardware_flops_breakdown(m, s, attention=impl)
+    hardware = hardware_flops_breakdown(m, run, s, attention=impl)
     step_tokens = cfg.train.global_batch_size * s
     matmul = sum(v for k, v in hardware.items() if k != "attention_scores")
     scores_flops = hardware["attention_scores"]
     attention_eff = gpu.attention_efficiency if impl == "cudnn" else gpu.xla_attention_efficiency
-    forward_passes = 3 + (1 if m.remat == "full" else 0)  # forward, backward (twice the traffic), recompute
+    forward_passes = 3 + (1 if run.remat == "full" else 0)  # forward, backward (twice the traffic), recompute
     # bytes per device: a tensor group of T devices shares its tokens, and the residual-width work (h) is
     # repeated on each of its ranks while the head and MLP widths are split
     elementwise = (ELEMENTWISE_PASSES * forward_passes * m.num_layers * (h + nq + 2 * nk + ft) * c
@@ -244,7 +245,7 @@ def estimate(cfg: Config, sizes: dict[str, int], gpu: GPU, microbatches: int | N
     time["sequence_comm"] = ring("all-gather", "sequence", attn["kv"] * work_c,
                                  (layer_passes - 1) * m.num_layers * micro)
     if moe_layers and E > 1:
-        exchange = (tokens * k * E if m.moe_mode == "dropless" else m.num_experts * b * capacity(m, t)) * h * work_c
+        exchange = moe_rows * h * work_c
         time["expert_comm"] = ring("all-to-all", "expert", exchange, 2 * (layer_passes - 1) * moe_layers * micro)
     else:
         time["expert_comm"] = 0.0

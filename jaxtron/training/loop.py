@@ -59,7 +59,7 @@ def batch_limits(cfg: Config, implementation: str) -> BatchLimits:
     """What the model accepts of a batch: positions inside its table, and as many documents a row as cuDNN's
     packed attention is built for."""
     return BatchLimits(max_positions=cfg.model.max_seq_len,
-                       max_segments=cfg.model.attention_max_segments if implementation == "cudnn" else None)
+                       max_segments=cfg.execution.attention_max_segments if implementation == "cudnn" else None)
 
 
 def evaluate(cfg: Config, eval_fn, params, source, mesh, implementation: str = "xla") -> float | None:
@@ -83,7 +83,7 @@ def run(cfg: Config, workdir: str, *, print_sharding: bool = False, use_tqdm: bo
     devices = list(devices) if devices is not None else jax.devices()
     sizes = cfg.check_devices(len(devices))
     mesh = process_aware_mesh(sizes, devices) if jax.process_count() > 1 else make_mesh(sizes, devices)
-    implementation = resolve_implementation(cfg.model.attention, jnp.dtype(cfg.model.dtype),
+    implementation = resolve_implementation(cfg.execution.attention, jnp.dtype(cfg.execution.dtype),
                                             cfg.model.resolved_head_dim,
                                             shard_count(sizes, "activation_length"))
     with jax.set_mesh(mesh):
@@ -144,7 +144,7 @@ class Trainer:
             if cfg.model.num_experts else ""
         log.info("model %s: %.4gM parameters%s; mesh %s; attention %s; compute %s", cfg.model.name,
                  flops_lib.param_count(cfg.model) / 1e6, active, dict(self.mesh.shape), self.implementation,
-                 cfg.model.dtype)
+                 cfg.execution.dtype)
         if "unigram_entropy" in self.facts:
             log.info("data: %d tokens; unigram entropy of the training text %.4f nats/token (the loss of the best "
                      "context-free model)", self.facts["train_tokens"], self.facts["unigram_entropy"])

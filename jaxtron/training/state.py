@@ -36,12 +36,14 @@ class Setup:
     microbatches: int = struct.field(pytree_node=False, default=1)
     max_nonfinite_in_row: int = struct.field(pytree_node=False, default=0)
     z_loss: float = struct.field(pytree_node=False, default=0.0)
+    router_aux_loss: float = struct.field(pytree_node=False, default=0.0)
+    router_z_loss: float = struct.field(pytree_node=False, default=0.0)
     logit_chunks: int = struct.field(pytree_node=False, default=1)
 
 
 def _init_fn(cfg: Config, attention_impl: str):
     def init() -> tuple[Any, TrainState]:
-        model = build_model(cfg.model, cfg.train.seed, attention_impl)
+        model = build_model(cfg.model, cfg.execution, cfg.train.seed, attention_impl)
         graphdef, params = nnx.split(model, nnx.Param)
         tx = make_optimizer(cfg.optimizer, cfg.train.steps, params)
         return graphdef, tx, TrainState(step=jax.numpy.zeros((), jax.numpy.int32), params=params,
@@ -64,6 +66,7 @@ def setup(cfg: Config, attention_impl: str) -> Setup:
     return Setup(graphdef=holder["graphdef"], tx=holder["tx"], abstract_state=state,
                  schedule=learning_rate_schedule(cfg.optimizer, cfg.train.steps),
                  microbatches=cfg.train.microbatches, z_loss=cfg.train.z_loss, logit_chunks=cfg.train.logit_chunks,
+                 router_aux_loss=cfg.train.router_aux_loss, router_z_loss=cfg.train.router_z_loss,
                  max_nonfinite_in_row=cfg.train.max_nonfinite_in_row)
 
 

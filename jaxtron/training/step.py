@@ -55,8 +55,8 @@ def moe_metrics(stats: dict[str, jax.Array]) -> dict[str, jax.Array]:
             "moe_dropped_fraction": jnp.mean(stats["dropped"]), "expert_load": jnp.mean(stats["load"], axis=0)}
 
 
-def loss_sums(params: Any, graphdef: Any, batch: Batch, z_loss: float,
-              logit_chunks: int = 1) -> tuple[jax.Array, tuple]:
+def loss_sums(params: Any, graphdef: Any, batch: Batch, z_loss: float, logit_chunks: int = 1,
+              router_aux_loss: float = 0.0, router_z_loss: float = 0.0) -> tuple[jax.Array, tuple]:
     """(objective summed over tokens, (cross-entropy sum, token count, MoE metrics of ``moe_metrics``)).
 
     Sums rather than means so microbatches add up exactly to the large batch. The MoE auxiliary losses are
@@ -74,8 +74,7 @@ def loss_sums(params: Any, graphdef: Any, batch: Batch, z_loss: float,
     count = jnp.sum(weights)
     moe = moe_metrics(stats)
     if moe:
-        m = model.cfg
-        objective += count * (m.router_aux_loss * moe["moe_aux_loss"] + m.router_z_loss * moe["moe_z_loss"])
+        objective += count * (router_aux_loss * moe["moe_aux_loss"] + router_z_loss * moe["moe_z_loss"])
     return objective, (ce_sum, count, moe)
 
 
@@ -90,20 +89,22 @@ def split_microbatches(batch: Batch, k: int) -> Batch:
 def gradients(setup: Setup, params: Any, batch: Batch):
     """(summed gradients, cross-entropy sum, token count, MoE metrics) of the whole batch; gradients and sums are
     accumulated over microbatches in float32, the MoE metrics averaged over them."""
-    microbatches, z_loss = setup.microbatches, setup.z_loss
-    grad_fn = jax.value_and_grad(loss_sums, has_aux=True)
+    microbatches = setup.microbatches
+    grad_fn = jax.value_and_grad(functools.partial(
+        loss_sums, graphdef=setup.graphdef, z_loss=setup.z_loss, logit_chunks=setup.logit_chunks,
+        router_aux_loss=setup.router_aux_loss, router_z_loss=setup.router_z_loss), has_aux=True)
     if microbatches == 1:
-        (_, (ce_sum, count, moe)), grads = grad_fn(params, setup.graphdef, batch, z_loss, setup.logit_chunks)
+        (_, (ce_sum, count, moe)), grads = grad_fn(params, batch=batch)
         return grads, ce_sum, count, moe
 
     def body(carry, micro):
         micro = {k: constrain(v, BATCH_AXES) for k, v in micro.items()}
-        (_, sums), grads = grad_fn(params, setup.graphdef, micro, z_loss, setup.logit_chunks)
+        (_, sums), grads = grad_fn(params, batch=micro)
         return jax.tree.map(jnp.add, carry, (grads, *sums)), None
 
     micro_batches = split_microbatches(batch, microbatches)
     first = jax.tree.map(lambda a: a[0], micro_batches)
-    (_, sums), grads = jax.eval_shape(lambda: grad_fn(params, setup.graphdef, first, z_loss, setup.logit_chunks))
+    (_, sums), grads = jax.eval_shape(lambda: grad_fn(params, batch=first))
     init = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), (grads, *sums))
     (grads, ce_sum, count, moe), _ = jax.lax.scan(body, init, micro_batches)
     return grads, ce_sum, count, jax.tree.map(lambda a: a / microbatches, moe)

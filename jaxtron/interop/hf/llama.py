@@ -70,13 +70,20 @@ def model_config(hf: dict, name: str = "") -> ModelConfig:
         fields["head_dim"] = 0
     if family == "mixtral":
         fields.update(num_experts=_get(hf, "num_local_experts"), experts_per_token=_get(hf, "num_experts_per_tok"),
-                      router_renormalize=True, router_aux_loss=float(hf.get("router_aux_loss_coef", 0.0)),
-                      router_z_loss=0.0, moe_every=1)
+                      router_renormalize=True, moe_every=1)
     return ModelConfig(**fields)
 
 
-def hf_config(cfg: ModelConfig) -> dict[str, Any]:
-    """config.json (transformers 4.x field names, which 5.x still reads) for a jaxtron ModelConfig."""
+def train_fields(hf: dict) -> dict[str, float]:
+    """The training config's fields that a Hugging Face config.json sets: Mixtral's router loss coefficients."""
+    if "num_local_experts" not in hf:
+        return {}
+    return {"router_aux_loss": float(hf.get("router_aux_loss_coef", 0.0)), "router_z_loss": 0.0}
+
+
+def hf_config(cfg: ModelConfig, router_aux_loss: float = 0.0) -> dict[str, Any]:
+    """config.json (transformers 4.x field names, which 5.x still reads) for a jaxtron ModelConfig trained with
+    the load-balancing coefficient ``router_aux_loss`` (``train.router_aux_loss``; Mixtral only)."""
     moe = cfg.num_experts > 0
     if moe and cfg.moe_every != 1:
         raise FormatError(f"model.moe_every={cfg.moe_every} has no Mixtral equivalent (every block is MoE there).")
@@ -101,7 +108,7 @@ def hf_config(cfg: ModelConfig) -> dict[str, Any]:
         if not cfg.router_renormalize:
             raise FormatError("model.router_renormalize=False has no Mixtral equivalent (Mixtral renormalises).")
         hf.update(num_local_experts=cfg.num_experts, num_experts_per_tok=cfg.experts_per_token,
-                  router_aux_loss_coef=cfg.router_aux_loss, output_router_logits=False, sliding_window=None)
+                  router_aux_loss_coef=router_aux_loss, output_router_logits=False, sliding_window=None)
     else:
         hf["mlp_bias"] = False
     return hf
