@@ -38,3 +38,24 @@ def largest_float_array(hlo: str) -> int:
 
     shapes = re.findall(r"\b(?:bf16|f16|f32|f64|f8e\w+)\[([0-9,]*)\]", hlo)
     return max((math.prod(int(d) for d in s.split(",") if d) for s in shapes), default=0)
+
+
+def learning_run(config: str, workdir, devices: int, *args: str):
+    """``train.py --config=configs/<config>`` as the README runs it, on ``devices`` CPU devices with XLA's
+    optimised code (the other tests compile unoptimised programs, which is slower for a run that executes more
+    than it compiles). Returns the CompletedProcess; the run's unigram entropy is in its log."""
+    import os
+    import subprocess
+    import sys
+
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_")}
+    env.update(XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", JAX_PLATFORMS="cpu")
+    return subprocess.run([sys.executable, "train.py", f"--config={os.path.join(repo, 'configs', config)}", *args,
+                           f"--workdir={workdir}"], cwd=repo, env=env, capture_output=True, text=True, timeout=600)
+
+
+def logged_entropy(log: str) -> float:
+    """The unigram entropy of the training text that a run logs."""
+    import re
+    return float(re.search(r"unigram entropy of the training text ([0-9.]+)", log)[1])

@@ -3,40 +3,38 @@
 import json
 import os
 
-import jax
 import pytest
 
-from conftest import REPO
-from jaxtron.config.loader import load_config
+from helpers import learning_run, logged_entropy
 from jaxtron.data.corpus import stdlib_files, unigram_entropy
 from jaxtron.data.store import MANIFEST, TokenStore
-from jaxtron.training.loop import run
 
 
 @pytest.mark.slow
 def test_default_config_prepares_its_corpus_once_and_learns_it(tmp_path):
     store_dir = str(tmp_path / "stdlib-store")
-    overrides = [("data.path", store_dir), ("train.steps", "60"), ("train.log_every", "20"),
-                 ("train.eval_every", "40"), ("train.eval_batches", "2")]
-    cfg = load_config(os.path.join(REPO, "configs", "default.py"), overrides)
-    summary = run(cfg, str(tmp_path / "run1"), use_tqdm=False, devices=jax.devices()[:1])
+    first = learning_run("default.py", tmp_path / "run1", 1, f"--config.data.path={store_dir}",
+                         "--config.train.steps=60", "--config.train.log_every=20", "--config.train.eval_every=40",
+                         "--config.train.eval_batches=2")
+    assert first.returncode == 0, first.stderr[-3000:]
     store = TokenStore(store_dir)
     files = stdlib_files()  # empty files (many __init__.py) are no documents
     assert store.num_documents == sum(os.path.getsize(f) > 0 for f in files) > 300
     assert store.num_tokens == sum(os.path.getsize(f) for f in files)  # bytes: one token each
-    entropy = summary["unigram_entropy"]
+    entropy = logged_entropy(first.stderr)
     assert 2.5 < entropy < 4.5
     assert abs(entropy - unigram_entropy(store.read(0, store.num_tokens // 2), 256)) < 0.2
+    lines = [json.loads(line) for line in open(tmp_path / "run1" / "metrics.jsonl")]
+    assert [line["step"] for line in lines if "loss" in line] == [20, 40, 60]
+    evals = [line for line in lines if "eval/loss" in line]
+    assert [line["step"] for line in evals] == [40, 60]
     # 60 of the default 300 steps already beat the best context-free model by a wide margin,
     # on validation files the model never trained on
-    assert summary["validation_loss"] < entropy - 0.5
-    assert summary["final_loss"] < entropy - 0.5
-    lines = [json.loads(line) for line in open(tmp_path / "run1" / "metrics.jsonl")]
-    assert [l["step"] for l in lines if "loss" in l] == [20, 40, 60]
-    evals = [l for l in lines if "eval/loss" in l]
-    assert [l["step"] for l in evals] == [40, 60] and evals[-1]["eval/loss"] == summary["validation_loss"]
+    assert evals[-1]["eval/loss"] < entropy - 0.5
+    assert [line for line in lines if "loss" in line][-1]["loss_avg"] < entropy - 0.5
     # the second run reuses the store instead of preparing it again
     stamp = os.stat(os.path.join(store_dir, MANIFEST)).st_mtime_ns
-    cfg2 = load_config(os.path.join(REPO, "configs", "default.py"), overrides[:1] + [("train.steps", "1")])
-    run(cfg2, str(tmp_path / "run2"), use_tqdm=False, devices=jax.devices()[:1])
+    second = learning_run("default.py", tmp_path / "run2", 1, f"--config.data.path={store_dir}",
+                          "--config.train.steps=1")
+    assert second.returncode == 0, second.stderr[-3000:]
     assert os.stat(os.path.join(store_dir, MANIFEST)).st_mtime_ns == stamp

@@ -13,7 +13,7 @@ import pytest
 from flax import nnx
 
 from conftest import REPO
-from helpers import tiny_config
+from helpers import learning_run, logged_entropy, tiny_config
 from jaxtron.config.schema import ConfigError, ExecutionConfig, ModelConfig
 from jaxtron.config.loader import load_config
 from jaxtron.data.loader import SyntheticSource
@@ -392,16 +392,16 @@ def test_auxiliary_loss_moves_the_load_toward_balance():
 @pytest.mark.slow
 def test_mixtral_tiny_learns_text_with_experts_split_over_two_devices(tmp_path):
     # capacity mode: on a CPU its dense slots cost a fraction of dropless's expanded ragged_dot
-    overrides = [("data.path", str(tmp_path / "stdlib-store")), ("train.steps", "60"), ("train.log_every", "20"),
-                 ("train.eval_batches", "2"), ("mesh.expert", "2"), ("mesh.fsdp", "1"),
-                 ("execution.moe_mode", "capacity")]
-    cfg = load_config(os.path.join(REPO, "configs", "mixtral_tiny.py"), overrides)
-    summary = run(cfg, str(tmp_path / "run"), use_tqdm=False, devices=jax.devices()[:2])
-    wi = summary["state"].params["moe_layers"]["mlp"]["wi_up"].get_value()
-    assert wi.sharding.shard_shape(wi.shape)[1] == 4  # 8 experts, 4 on each device
-    entropy = summary["unigram_entropy"]
-    assert summary["final_loss"] < entropy - 0.5 and summary["validation_loss"] < entropy - 0.5
-    last = summary["history"][-1]
+    proc = learning_run("mixtral_tiny.py", tmp_path / "run", 2, f"--config.data.path={tmp_path / 'stdlib-store'}",
+                        "--config.train.steps=60", "--config.train.log_every=20", "--config.train.eval_batches=2",
+                        "--config.mesh.expert=2", "--config.mesh.fsdp=1", "--config.execution.moe_mode=capacity")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "'expert': 2" in proc.stderr  # the mesh of the run's first log line: 8 experts, 4 on each device
+    entropy = logged_entropy(proc.stderr)
+    lines = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
+    last = [line for line in lines if "loss" in line][-1]
+    validation = [line["eval/loss"] for line in lines if "eval/loss" in line]
+    assert last["step"] == 60 and last["loss_avg"] < entropy - 0.5 and validation[-1] < entropy - 0.5
     # early in training the byte-level router is far from balanced: about 30% of assignments exceed capacity 1.25
     assert 1.0 <= last["moe_max_load"] < 8.0 / 2 and 0.0 < last["moe_dropped_fraction"] < 0.5
 

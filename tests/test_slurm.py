@@ -141,7 +141,8 @@ def test_sbatch_requeues_a_job_that_lost_a_process_and_it_resumes(tmp_path):
     submit = subprocess.run(
         ["sbatch", "--parsable", "--ntasks-per-node=2", "--gpus-per-node=0", "--overcommit", "--time=15",
          f"--chdir={tmp_path}", os.path.join(REPO, "scripts", "slurm", "train.sbatch"), *ARGS, *TWO_PROCESSES,
-         "--config.train.steps=40", "--config.checkpoint.every=4", f"--workdir={workdir}"],
+         "--config.train.steps=40", "--config.checkpoint.every=4", "--config.distributed.heartbeat_timeout_s=20",
+         f"--workdir={workdir}"],
         env=env, capture_output=True, text=True, timeout=60)
     assert submit.returncode == 0, submit.stderr
     job = submit.stdout.strip().split(";")[0]
