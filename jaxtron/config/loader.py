@@ -73,10 +73,11 @@ def parse_command_line(argv: Sequence[str], default_spec: str | None = None,
         raise HelpRequested(_flag_values(argv, defaults(), define).get_help())
     if spec is None:
         raise ConfigError("option '--config' is missing; pass --config=configs/<name>.py.")
-    for path in _override_paths(argv):
+    paths = _override_paths(argv)
+    for path in paths:
         field_type(path)  # raises for unknown sections and fields
     merged = _over_defaults(migrate(load_config_file(spec).to_dict(), warn=True))
-    for section in {path.split(".")[0] for path in _override_paths(argv)}:
+    for section in {path.split(".")[0] for path in paths}:
         if not isinstance(merged[section], ml_collections.ConfigDict):
             raise _not_a_group(section, merged[section])
     try:
@@ -168,32 +169,22 @@ def load_config(spec: str, overrides: Sequence[tuple[str, str]] = ()) -> Config:
 def split_overrides(argv: Sequence[str]) -> tuple[str | None, list[tuple[str, str]], list[str]]:
     """Separates ``--config=``, ``--config.x.y=v`` and the remaining arguments, for tools that take several
     config files with the same overrides (``benchmarks/``); ``load_config`` then applies them."""
-    config_spec, overrides, rest = None, [], []
-    args = list(argv)
+    config_spec, args = _split_config_spec(list(argv))
+    overrides, rest = [], []
     i = 0
     while i < len(args):
-        arg = args[i]
-        if arg.startswith("--config.") or arg.startswith("--config="):
-            key, eq, value = arg[2:].partition("=")
+        key, eq, value = args[i][2:].partition("=")
+        if args[i].startswith("--config."):
             if not eq:  # "--config.x.y v" form
                 if i + 1 >= len(args):
                     raise ConfigError(f"option '--{key}' has no value; write --{key}=VALUE.")
                 value = args[i + 1]
                 i += 1
-            if key == "config":
-                config_spec = value
-            else:
-                overrides.append((key[len("config."):], value))
-        elif arg == "--config":
-            if i + 1 >= len(args):
-                raise ConfigError("option '--config' has no value; write --config=configs/<name>.py.")
-            config_spec = args[i + 1]
-            i += 1
+            overrides.append((key[len("config."):], value))
         else:
-            rest.append(arg)
+            rest.append(args[i])
         i += 1
     return config_spec, overrides, rest
-
 
 
 def _field_types(cls) -> dict[str, type]:
