@@ -247,7 +247,7 @@ def test_two_processes_record_their_own_files_and_fall_back_together(tmp_path):
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
-        procs = [subprocess.Popen([sys.executable, "train.py", *TINY, "--config.mesh.data=2", "--config.mesh.fsdp=4",
+        procs = [subprocess.Popen([sys.executable, "train.py", *TINY, "--config.mesh.fsdp=8",
                                    f"--config.train.steps={steps}", "--config.checkpoint.every=1",
                                    f"--workdir={tmp_path}"], cwd=REPO, stdout=subprocess.PIPE,
                                   stderr=subprocess.STDOUT, text=True,
