@@ -18,6 +18,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax  # noqa: E402
+import pytest  # noqa: E402
 from absl import flags  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
@@ -31,3 +32,16 @@ def pytest_runtest_logreport(report):
     later crash of the whole pytest process cannot take its explanation with it."""
     if report.failed and os.environ.get("JAXTRON_TESTS_FAILURES_AT_ONCE") == "1":
         os.write(2, f"\nFAILED {report.nodeid} ({report.when})\n{report.longreprtext[-6000:]}\n".encode())
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups
+def pytest_collection_modifyitems(items):
+    """Tests that share a module-scoped fixture of a test module (a whole training run, a converted model) go to
+    one xdist worker, which computes the fixture once; spread over two workers, each would compute it."""
+    for item in items:
+        if item.get_closest_marker("xdist_group"):
+            continue
+        shared = sorted(name for name, defs in item._fixtureinfo.name2fixturedefs.items()
+                        if defs[-1].scope == "module" and defs[-1].baseid.startswith("tests/test_"))
+        if shared:
+            item.add_marker(pytest.mark.xdist_group(f"{item.module.__name__}.{shared[0]}"))

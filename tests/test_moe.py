@@ -372,7 +372,7 @@ def _max_loads(coefficient: float, steps: int) -> list[float]:
     state, loads = _skewed_state(cfg), []
     for i in range(steps):
         batch = {k: jnp.asarray(v) for k, v in source.rows(np.arange(8 * i, 8 * i + 8)).items()}
-        if i == 0:
+        if i == 0 and coefficient:  # the skewed router gets gradients (checked once: it is one more compile)
             grads = jax.jit(lambda p, b: gradients(setup, p, b)[0])(state.params, batch)
             router_grad = np.asarray(grads["moe_layers"]["mlp"]["router"].get_value())
             assert np.all(np.isfinite(router_grad)) and np.abs(router_grad).max() > 0
@@ -393,8 +393,9 @@ def test_auxiliary_loss_moves_the_load_toward_balance():
 def test_mixtral_tiny_learns_text_with_experts_split_over_two_devices(tmp_path):
     # capacity mode: on a CPU its dense slots cost a fraction of dropless's expanded ragged_dot
     proc = learning_run("mixtral_tiny.py", tmp_path / "run", 2, f"--config.data.path={tmp_path / 'stdlib-store'}",
-                        "--config.train.steps=60", "--config.train.log_every=20", "--config.train.eval_batches=2",
-                        "--config.mesh.expert=2", "--config.mesh.fsdp=1", "--config.execution.moe_mode=capacity")
+                        "--config.train.steps=60", "--config.train.global_batch_size=8", "--config.train.log_every=20",
+                        "--config.train.eval_batches=2", "--config.mesh.expert=2", "--config.mesh.fsdp=1",
+                        "--config.execution.moe_mode=capacity")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "'expert': 2" in proc.stderr  # the mesh of the run's first log line: 8 experts, 4 on each device
     entropy = logged_entropy(proc.stderr)
