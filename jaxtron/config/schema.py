@@ -148,13 +148,15 @@ class ExecutionConfig:
         _positive(self.capacity_factor, "execution.capacity_factor")
 
 
-MESH_AXES = ("data", "fsdp", "sequence", "expert", "tensor")  # outermost to innermost device order
+# outermost to innermost device order: pipeline stages span nodes, tensor groups stay inside one
+MESH_AXES = ("pipeline", "data", "fsdp", "sequence", "expert", "tensor")
 
 
 @dataclasses.dataclass(frozen=True)
 class MeshConfig:
     """Degrees of parallelism; -1 on one axis means 'all remaining devices'."""
 
+    pipeline: int = 1  # pipeline stages: the layer stack is cut into this many parts (see PipelineConfig)
     data: int = 1
     fsdp: int = -1
     sequence: int = 1
@@ -185,9 +187,25 @@ class MeshConfig:
             if fixed != num_devices:
                 axes = ", ".join(f"{n}={v}" for n, v in sizes.items())
                 raise ConfigError(f"config fields 'mesh.*' ({axes}) multiply to {fixed} but there are {num_devices} "
-                                  "devices; make data*fsdp*sequence*expert*tensor equal the device count or set one "
+                                  "devices; make pipeline*data*fsdp*sequence*expert*tensor equal the device count or set one "
                                   "axis to -1.")
         return sizes
+
+
+@dataclasses.dataclass(frozen=True)
+class PipelineConfig:
+    """The pipeline schedule over the ``mesh.pipeline`` stages (``jaxtron/training/pipeline.py``)."""
+
+    microbatches: int = 0  # microbatches in flight in one forward and backward pass (0: one per stage)
+    virtual_stages: int = 1  # each stage's layers split into this many circular repeats (shrinks the bubble)
+
+    def __post_init__(self):
+        _non_negative(self.microbatches, "pipeline.microbatches")
+        _positive(self.virtual_stages, "pipeline.virtual_stages")
+
+    def schedule(self, stages: int) -> tuple[int, int]:
+        """(microbatches, virtual stages) for this many stages."""
+        return self.microbatches or stages, self.virtual_stages
 
 
 @dataclasses.dataclass(frozen=True)
@@ -359,7 +377,8 @@ class ProfileConfig:
         return text == "all" or process_index in {int(p) for p in text.split(",")}
 
 
-SECTIONS = {"model": ModelConfig, "execution": ExecutionConfig, "mesh": MeshConfig, "train": TrainConfig,
+SECTIONS = {"model": ModelConfig, "execution": ExecutionConfig, "mesh": MeshConfig, "pipeline": PipelineConfig,
+            "train": TrainConfig,
             "optimizer": OptimizerConfig, "data": DataConfig, "checkpoint": CheckpointConfig,
             "distributed": DistributedConfig, "profile": ProfileConfig}
 
@@ -369,6 +388,7 @@ class Config:
     model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
     execution: ExecutionConfig = dataclasses.field(default_factory=ExecutionConfig)
     mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
+    pipeline: PipelineConfig = dataclasses.field(default_factory=PipelineConfig)
     train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
     optimizer: OptimizerConfig = dataclasses.field(default_factory=OptimizerConfig)
     data: DataConfig = dataclasses.field(default_factory=DataConfig)
@@ -419,7 +439,32 @@ class Config:
         _check(micro % dp == 0, "train.global_batch_size",
                f"({t.global_batch_size}, {micro} per microbatch) is not divisible by the data-parallel size "
                f"data*fsdp*expert = {dp}", f"use a multiple of {dp * t.microbatches}")
+        self._check_pipeline(sizes["pipeline"], micro, dp)
         sp = sizes["sequence"]
         _check(self.data.seq_len % sp == 0, "data.seq_len",
                f"({self.data.seq_len}) is not divisible by mesh.sequence ({sp})", f"use a multiple of {sp}")
         return sizes
+
+    def _check_pipeline(self, stages: int, batch: int, dp: int) -> None:
+        """The schedule's sizes: the scanned periods of blocks split into stages x virtual stages, at least one
+        microbatch per stage, each microbatch divisible by the data-parallel size."""
+        m, x = self.model, self.execution
+        microbatches, virtual = self.pipeline.schedule(stages)
+        period = m.moe_every if m.num_experts else 1
+        periods = m.num_layers // period
+        unit = f"periods of model.moe_every={period} blocks" if period > 1 else "layers"
+        _check(periods % (stages * virtual) == 0, "model.num_layers",
+               f"({m.num_layers}: {periods} {unit}) cannot be split into mesh.pipeline={stages} stages x "
+               f"pipeline.virtual_stages={virtual}", "choose stage and virtual stage counts whose product divides it")
+        if stages == 1 and microbatches == 1:
+            return
+        _check(microbatches >= stages, "pipeline.microbatches",
+               f"({microbatches}) cannot keep mesh.pipeline={stages} stages busy",
+               f"set --config.pipeline.microbatches to at least {stages}")
+        _check(batch % (microbatches * dp) == 0, "pipeline.microbatches",
+               f"({microbatches}) times the data-parallel size {dp} does not divide the {batch} rows of a batch"
+               + (" (train.global_batch_size / train.microbatches)" if self.train.microbatches > 1 else ""),
+               f"choose a global batch size that is a multiple of {microbatches * dp * self.train.microbatches}")
+        _check(not (x.fp8 and x.fp8_skip_layers), "execution.fp8_skip_layers",
+               f"({x.fp8_skip_layers}) keeps some blocks in 16 bits, which a pipelined stack cannot mix with FP8 "
+               "ones", "set it to 0 or use mesh.pipeline=1 and pipeline.microbatches=1")

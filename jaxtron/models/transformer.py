@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any, Callable
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -36,6 +38,14 @@ REMAT_POLICIES = {
     "save_dots_attention": jax.checkpoint_policies.save_from_both_policies(
         jax.checkpoint_policies.dots_with_no_batch_dims_saveable, _save_attention),
 }
+
+
+StackRunner = Callable[[Callable, jax.Array, Any, tuple], tuple[jax.Array, dict[str, jax.Array]]]
+
+
+def scan_stack(body: Callable, x: jax.Array, stack: Any, extras: tuple) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """The stack runner without a pipeline: one scan over the periods in order; stats stacked [periods, ...]."""
+    return jax.lax.scan(lambda h, period: body(h, period, extras), x, stack)
 
 
 def layer_groups(cfg: ModelConfig, run: ExecutionConfig) -> list[tuple[int, int, bool]]:
@@ -103,14 +113,20 @@ class Transformer(nnx.Module):
         return logits_of(self.hidden(tokens, positions, segment_ids), self.output_head())
 
     def hidden(self, tokens: jax.Array, positions: jax.Array | None = None,
-               segment_ids: jax.Array | None = None) -> jax.Array:
+               segment_ids: jax.Array | None = None, stack_runner: StackRunner | None = None) -> jax.Array:
         """tokens: int [batch, length] -> the final normed hidden states [batch, length, embed]."""
-        return self.hidden_and_stats(tokens, positions, segment_ids)[0]
+        return self.hidden_and_stats(tokens, positions, segment_ids, stack_runner)[0]
 
     def hidden_and_stats(self, tokens: jax.Array, positions: jax.Array | None = None,
-                         segment_ids: jax.Array | None = None) -> tuple[jax.Array, dict[str, jax.Array]]:
-        """Hidden states and the routing stats of the MoE blocks, each stacked [moe blocks, ...] (empty for a
-        dense model; see ``jaxtron.models.moe.route``)."""
+                         segment_ids: jax.Array | None = None,
+                         stack_runner: StackRunner | None = None) -> tuple[jax.Array, dict[str, jax.Array]]:
+        """Hidden states and the routing stats of the MoE blocks, each stacked along its first axis (empty for a
+        dense model; see ``jaxtron.models.moe.route``).
+
+        ``stack_runner(body, x, stack, extras)`` runs the scanned stack: ``body(x, period, extras)`` applies one
+        period (``moe_every`` blocks of an MoE model, else one block) given that period's slice of ``stack``;
+        ``extras`` are the positions and segment ids, each with the batch as its first axis. The default scans
+        the periods in order (stats [MoE blocks, ...]); a pipeline schedule runs them on its stages instead."""
         cfg = self.cfg
         dt = compute_dtype(self.run)
         if positions is None:
@@ -125,20 +141,21 @@ class Transformer(nnx.Module):
         dense_per_period = period - 1 if cfg.num_experts else 1
         dense_def, dense = nnx.split(self.layers) if self.layers is not None else (None, None)
         moe_def, moe = nnx.split(self.moe_layers) if self.moe_layers is not None else (None, None)
+        runner = stack_runner or scan_stack
         stats = []
         for start, stop, fp8 in layer_groups(cfg, self.run):
             first, end = start // period, stop // period
 
-            run_dense, run_moe = (self._runner(g, positions, segment_ids, fp8) for g in (dense_def, moe_def))
+            run_dense, run_moe = (self._runner(g, fp8) for g in (dense_def, moe_def))
 
-            def body(h, xs):
+            def body(h, xs, extras):
                 dense_part, moe_part = xs
                 if dense_per_period == 1 and dense_part is not None:
-                    h, _ = run_dense(h, dense_part)
+                    h, _ = run_dense(h, dense_part, *extras)
                 elif dense_part is not None:
                     for j in range(dense_per_period):
-                        h, _ = run_dense(h, jax.tree.map(lambda a, j=j: a[j], dense_part))
-                return (h, {}) if moe_part is None else run_moe(h, moe_part)
+                        h, _ = run_dense(h, jax.tree.map(lambda a, j=j: a[j], dense_part), *extras)
+                return (h, {}) if moe_part is None else run_moe(h, moe_part, *extras)
 
             def periods(tree, per):
                 """The blocks of periods first..end-1: [periods, per, ...] (per > 1) or [periods, ...]."""
@@ -149,17 +166,19 @@ class Transformer(nnx.Module):
                         jax.tree.map(lambda a: a[first:end], tree)
                 return jax.tree.map(lambda a: a[first * per:end * per].reshape(end - first, per, *a.shape[1:]), tree)
 
-            x, group_stats = jax.lax.scan(body, x, (periods(dense, dense_per_period), periods(moe, 1)))
+            extras = (positions, segment_ids) if segment_ids is not None else (positions,)
+            x, group_stats = runner(body, x, (periods(dense, dense_per_period), periods(moe, 1)), extras)
             stats.append(group_stats)
         stats = {k: jnp.concatenate([s[k] for s in stats]) for k in stats[0]} if stats and stats[0] else {}
         return self.final_norm(x), stats
 
-    def _runner(self, graphdef, positions, segment_ids, fp8: bool):
-        """block state -> (new hidden, stats) for blocks of ``graphdef``, rematerialised per ``execution.remat``."""
+    def _runner(self, graphdef, fp8: bool):
+        """(hidden, block state, positions[, segment ids]) -> (new hidden, stats) for blocks of ``graphdef``,
+        rematerialised per ``execution.remat``."""
         if graphdef is None:
             return None
 
-        def apply(h, layer_state):
+        def apply(h, layer_state, positions, segment_ids=None):
             return nnx.merge(graphdef, layer_state)(h, positions, segment_ids, fp8)
 
         if self.run.remat == "none":

@@ -25,7 +25,7 @@ RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     ("head_dim", None),
     ("mlp", "tensor"),
     ("experts", "expert"),
-    ("layers", None),
+    ("layers", "pipeline"),  # the stacked blocks: one contiguous block of periods per pipeline stage
     ("norm", None),
     ("position", None),
     # activations
@@ -38,6 +38,7 @@ RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     ("activation_head_dim", None),
     ("activation_mlp", "tensor"),
     ("activation_vocab", "tensor"),
+    ("stages", "pipeline"),  # the pipeline schedule's stage dimension (staged layers, activations in flight)
 )
 
 _RULES = dict(RULES)
@@ -85,6 +86,16 @@ def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
     if mesh.empty:
         return x
     return jax.lax.with_sharding_constraint(x, logical_to_spec(names))
+
+
+def constrain_leading(x: jax.Array, name: str) -> jax.Array:
+    """Constrains only the first dimension to the mesh axes of the logical name ``name``; the sharding of the
+    others is left to XLA (no-op without a mesh)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return x
+    spec = PartitionSpec(logical_to_spec((name,))[0], *(PartitionSpec.UNCONSTRAINED,) * (x.ndim - 1))
+    return jax.lax.with_sharding_constraint(x, spec)
 
 
 def _is_variable(x: Any) -> bool:

@@ -87,7 +87,7 @@ def run(cfg: Config, workdir: str, *, print_sharding: bool = False, use_tqdm: bo
                                             cfg.model.resolved_head_dim,
                                             shard_count(sizes, "activation_length"))
     with jax.set_mesh(mesh):
-        setup = state_lib.setup(cfg, implementation)
+        setup = state_lib.setup(cfg, implementation, sizes)
         shardings = state_lib.state_shardings(mesh, setup.abstract_state)
         if print_sharding:
             print(describe(mesh, setup.abstract_state.params))
@@ -171,7 +171,8 @@ class Trainer:
             if self.is_main:
                 _drop_metrics_after(self.workdir, position.step)
             return restored[0], position
-        state = state_lib.init_state(cfg, self.implementation, self.shardings)
+        stages = state_lib.stage_count(cfg, dict(self.mesh.shape))
+        state = state_lib.init_state(cfg, self.implementation, self.shardings, stages)
         if cfg.train.init_from:  # fine-tuning start: these parameters, a fresh optimizer and step 0
             params = restore_params(cfg.train.init_from, self.setup.abstract_state.params, self.shardings.params)
             state = state.replace(params=params)

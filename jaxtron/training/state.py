@@ -13,7 +13,9 @@ from jax.sharding import Mesh
 
 from jaxtron.config.schema import Config, ConfigError
 from jaxtron.models import build_model
-from jaxtron.parallel.sharding import tree_shardings
+from jaxtron.parallel.sharding import shard_count, tree_shardings
+from jaxtron.parallel.stages import reorder, storage_order
+from jaxtron.training.pipeline import Schedule
 from jaxtron.training.optimizer import learning_rate_schedule, make_optimizer
 
 
@@ -39,12 +41,31 @@ class Setup:
     router_aux_loss: float = struct.field(pytree_node=False, default=0.0)
     router_z_loss: float = struct.field(pytree_node=False, default=0.0)
     logit_chunks: int = struct.field(pytree_node=False, default=1)
+    # the layer stack's runner (a pipeline Schedule) and the period order the stack is stored in (None: the plain
+    # scan, natural order)
+    stack_runner: Schedule | None = struct.field(pytree_node=False, default=None)
+    layer_order: tuple[int, ...] | None = struct.field(pytree_node=False, default=None)
 
 
-def _init_fn(cfg: Config, attention_impl: str):
+def schedule(cfg: Config, stages: int) -> Schedule | None:
+    """The pipeline schedule of ``stages`` stages (None without a pipeline and its microbatches)."""
+    microbatches, virtual = cfg.pipeline.schedule(stages)
+    return Schedule(stages, microbatches, virtual) if (stages, microbatches) != (1, 1) else None
+
+
+def layer_order(cfg: Config, stages: int) -> tuple[int, ...]:
+    """The order of the periods in the stored layer stack under this many pipeline stages."""
+    m = cfg.model
+    periods = m.num_layers // (m.moe_every if m.num_experts else 1)
+    return tuple(int(i) for i in storage_order(periods, stages, cfg.pipeline.virtual_stages if stages > 1 else 1))
+
+
+def _init_fn(cfg: Config, attention_impl: str, stages: int = 1):
     def init() -> tuple[Any, TrainState]:
         model = build_model(cfg.model, cfg.execution, cfg.train.seed, attention_impl)
         graphdef, params = nnx.split(model, nnx.Param)
+        order = layer_order(cfg, stages)  # each layer is initialised as without a pipeline, then stored stage-major
+        params = reorder(params, sorted(order), order)
         tx = make_optimizer(cfg.optimizer, cfg.train.steps, params)
         return graphdef, tx, TrainState(step=jax.numpy.zeros((), jax.numpy.int32), params=params,
                                         opt_state=tx.init(params),
@@ -52,9 +73,17 @@ def _init_fn(cfg: Config, attention_impl: str):
     return init
 
 
-def setup(cfg: Config, attention_impl: str) -> Setup:
-    """Graph definition, optimizer and abstract state, with no parameter memory allocated."""
-    init = _init_fn(cfg, attention_impl)
+def stage_count(cfg: Config, sizes: dict[str, int] | None) -> int:
+    """Pipeline stages: the pieces the rules table cuts the stage dimension into on a mesh of ``sizes`` (default:
+    ``mesh.pipeline``, 1 when it is -1)."""
+    return shard_count(sizes, "stages") if sizes is not None else max(cfg.mesh.pipeline, 1)
+
+
+def setup(cfg: Config, attention_impl: str, sizes: dict[str, int] | None = None) -> Setup:
+    """Graph definition, optimizer and abstract state, with no parameter memory allocated; ``sizes`` are the
+    mesh's (see ``stage_count``)."""
+    stages = stage_count(cfg, sizes)
+    init = _init_fn(cfg, attention_impl, stages)
     holder = {}
 
     def abstract():
@@ -67,7 +96,8 @@ def setup(cfg: Config, attention_impl: str) -> Setup:
                  schedule=learning_rate_schedule(cfg.optimizer, cfg.train.steps),
                  microbatches=cfg.train.microbatches, z_loss=cfg.train.z_loss, logit_chunks=cfg.train.logit_chunks,
                  router_aux_loss=cfg.train.router_aux_loss, router_z_loss=cfg.train.router_z_loss,
-                 max_nonfinite_in_row=cfg.train.max_nonfinite_in_row)
+                 max_nonfinite_in_row=cfg.train.max_nonfinite_in_row, stack_runner=schedule(cfg, stages),
+                 layer_order=layer_order(cfg, stages))
 
 
 def state_shardings(mesh: Mesh, abstract_state: TrainState) -> TrainState:
@@ -100,12 +130,12 @@ def check_fits(abstract_state: TrainState, shardings: TrainState, devices: list)
                           "a larger mesh.fsdp or a smaller model.")
 
 
-def sharded_init(cfg: Config, attention_impl: str, shardings: TrainState | None):
+def sharded_init(cfg: Config, attention_impl: str, shardings: TrainState | None, stages: int = 1):
     """The jitted initialiser: each device computes only its own shards (partitionable RNG)."""
-    init = _init_fn(cfg, attention_impl)
+    init = _init_fn(cfg, attention_impl, stages)
     return jax.jit(lambda: init()[2], out_shardings=shardings)
 
 
-def init_state(cfg: Config, attention_impl: str, shardings: TrainState | None) -> TrainState:
+def init_state(cfg: Config, attention_impl: str, shardings: TrainState | None, stages: int = 1) -> TrainState:
     """Initialises directly into the target shardings: no device ever holds the full model."""
-    return sharded_init(cfg, attention_impl, shardings)()
+    return sharded_init(cfg, attention_impl, shardings, stages)()

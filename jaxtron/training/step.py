@@ -56,14 +56,16 @@ def moe_metrics(stats: dict[str, jax.Array]) -> dict[str, jax.Array]:
 
 
 def loss_sums(params: Any, graphdef: Any, batch: Batch, z_loss: float, logit_chunks: int = 1,
-              router_aux_loss: float = 0.0, router_z_loss: float = 0.0) -> tuple[jax.Array, tuple]:
+              router_aux_loss: float = 0.0, router_z_loss: float = 0.0,
+              stack_runner: Any = None) -> tuple[jax.Array, tuple]:
     """(objective summed over tokens, (cross-entropy sum, token count, MoE metrics of ``moe_metrics``)).
 
     Sums rather than means so microbatches add up exactly to the large batch. The MoE auxiliary losses are
     means over the batch, so they enter the objective multiplied by the token count.
     """
     model = nnx.merge(graphdef, params)
-    x, stats = model.hidden_and_stats(batch["inputs"], batch.get("positions"), batch.get("segment_ids"))
+    x, stats = model.hidden_and_stats(batch["inputs"], batch.get("positions"), batch.get("segment_ids"),
+                                      stack_runner)
     weights = batch.get("loss_mask")
     weights = jnp.ones(batch["targets"].shape, jnp.float32) if weights is None else weights.astype(jnp.float32)
     if logit_chunks == 1:
@@ -92,7 +94,8 @@ def gradients(setup: Setup, params: Any, batch: Batch):
     microbatches = setup.microbatches
     grad_fn = jax.value_and_grad(functools.partial(
         loss_sums, graphdef=setup.graphdef, z_loss=setup.z_loss, logit_chunks=setup.logit_chunks,
-        router_aux_loss=setup.router_aux_loss, router_z_loss=setup.router_z_loss), has_aux=True)
+        router_aux_loss=setup.router_aux_loss, router_z_loss=setup.router_z_loss,
+        stack_runner=setup.stack_runner), has_aux=True)
     if microbatches == 1:
         (_, (ce_sum, count, moe)), grads = grad_fn(params, batch=batch)
         return grads, ce_sum, count, moe
@@ -159,7 +162,8 @@ def train_step(setup: Setup, state: TrainState, batch: Batch,
 
 def eval_step(setup: Setup, params: Any, batch: Batch) -> dict[str, jax.Array]:
     """Summed cross-entropy and token count of a batch (no gradients)."""
-    _, (ce_sum, count, _) = loss_sums(params, setup.graphdef, batch, 0.0, setup.logit_chunks)
+    _, (ce_sum, count, _) = loss_sums(params, setup.graphdef, batch, 0.0, setup.logit_chunks,
+                                      stack_runner=setup.stack_runner)
     return {"ce_sum": ce_sum, "count": count}
 
 

@@ -1,0 +1,136 @@
+"""The pipeline schedule: circular fill-drain over microbatches inside one SPMD program.
+
+The model's scanned stack holds N periods (a period is one block, or ``moe_every`` blocks of an MoE model). On
+S stages with V virtual stages, each stage holds N / S periods, used in V rounds of P = N / (S * V): a microbatch
+passes stages 0..S-1 in round 0, then again in round 1, and so on, so period (r * S + s) * P + p runs on stage s
+in round r. The stack is kept stage-major (``Schedule.order``): stage s's periods are one contiguous block,
+which the rules table's cut of the ``layers`` axis over the ``pipeline`` mesh axis gives each stage without
+moving parameters. With V = 1 this is the natural order.
+
+Each iteration every stage applies its P periods to the microbatch it holds (one program, vmapped over the
+stage dimension, which the rules table shards over the pipeline axis), then the activations move one stage on
+(a roll along that dimension: a collective permute). Stage 0 takes the next microbatch; what the last stage
+finishes is kept per microbatch until its next round starts (M >= S guarantees it finished before). There are
+M * V + S - 1 iterations for M * V stage passes of work on each stage: the bubble is (S - 1) / (M * V + S - 1).
+Reverse-mode differentiation of the loop is the backward pass in the reverse order (fill-drain, GPipe-like:
+the activations of every iteration are kept, as the remat policy allows).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxtron.parallel.sharding import constrain_leading, logical_to_spec, spec_axes
+from jaxtron.parallel.stages import storage_order
+
+# body(hidden [b, T, D], one period's parameters, extras) -> (hidden, stats of that period)
+Body = Callable[[jax.Array, Any, Any], tuple[jax.Array, dict[str, jax.Array]]]
+
+
+def bubble_fraction(stages: int, microbatches: int, virtual_stages: int = 1) -> float:
+    """Share of a stage's iterations spent idle in the fill-drain schedule."""
+    return (stages - 1) / (microbatches * virtual_stages + stages - 1)
+
+
+def split_rows(x: jax.Array, parts: int) -> jax.Array:
+    """[B, ...] -> [parts, B / parts, ...]; part j takes rows j, j + parts, ... so no row crosses devices."""
+    return jnp.swapaxes(x.reshape(x.shape[0] // parts, parts, *x.shape[1:]), 0, 1)
+
+
+def join_rows(x: jax.Array) -> jax.Array:
+    """The inverse of ``split_rows``."""
+    return jnp.swapaxes(x, 0, 1).reshape(x.shape[0] * x.shape[1], *x.shape[2:])
+
+
+@dataclasses.dataclass(frozen=True)
+class Schedule:
+    """A runner of the model's layer stack (``Transformer.hidden_and_stats(stack_runner=...)``) on ``stages``
+    pipeline stages. Stats come back per microbatch, each the mean over the stack's periods."""
+
+    stages: int
+    microbatches: int
+    virtual_stages: int = 1
+
+    @property
+    def bubble(self) -> float:
+        return bubble_fraction(self.stages, self.microbatches, self.virtual_stages)
+
+    def order(self, periods: int) -> np.ndarray:
+        return storage_order(periods, self.stages, self.virtual_stages)
+
+    def __call__(self, body: Body, x: jax.Array, stack: Any, extras: Any) -> tuple[jax.Array, dict]:
+        s_, v_, m_ = self.stages, self.virtual_stages, self.microbatches
+        periods = jax.tree.leaves(stack)[0].shape[0]
+        check_schedule(periods, s_, v_, m_)
+        per = periods // (s_ * v_)
+        # [S, V, P, ...]: the stage dimension over the pipeline axis (each stage's block stays where it is stored)
+        staged = jax.tree.map(lambda a: constrain_leading(a.reshape(s_, v_, per, *a.shape[1:]), "stages"), stack)
+        stage_ids = jnp.arange(s_)
+
+        def stage_fn(layers, item):
+            h, ex = item
+
+            def one(carry, layer):
+                h, total = carry
+                h, stats = body(h, layer, ex)
+                return (h, jax.tree.map(jnp.add, total, stats) if total is not None else stats), None
+
+            first = jax.tree.map(lambda a: a[0], layers)
+            (h, stats), _ = jax.lax.scan(one, body(h, first, ex), jax.tree.map(lambda a: a[1:], layers))
+            return h, stats
+
+        mesh = jax.sharding.get_abstract_mesh()
+        spmd = None if mesh.empty else spec_axes(logical_to_spec(("stages",)), 0) or None
+        run_stages = jax.vmap(stage_fn, spmd_axis_name=spmd)
+
+        def layers_of(t):
+            """The [S, P, ...] periods each stage runs at iteration t: those of the round of the item it holds."""
+            rounds = jnp.clip((t - stage_ids) // m_, 0, v_ - 1)
+            pick = lambda tree, r: jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, r, 0, False), tree)
+            return jax.vmap(pick)(staged, rounds)
+
+        def on_stages(tree):
+            return jax.tree.map(lambda a: constrain_leading(a, "stages"), tree)
+
+        micro_x = split_rows(x, m_)
+        micro_extras = jax.tree.map(lambda a: split_rows(a, m_), extras)
+
+        def iteration(carry, t):
+            held, current = carry  # [S, ...] the item each stage works on; [M, ...] each microbatch's latest
+            pick = lambda a: jax.lax.dynamic_index_in_dim(a, t % m_, 0, False)
+            entering = (pick(current), jax.tree.map(pick, micro_extras))
+            held = on_stages(jax.tree.map(lambda h, e: h.at[0].set(e), held, entering))
+            out, stats = run_stages(layers_of(t), held)
+            out = constrain_leading(out, "stages")
+            done = t - (s_ - 1)  # the item the last stage finished: microbatch done % M of round done // M
+            slot = done % m_
+            kept = jax.lax.dynamic_index_in_dim(current, slot, 0, False)
+            current = jax.lax.dynamic_update_index_in_dim(current, jnp.where(done >= 0, out[s_ - 1], kept), slot, 0)
+            moved = jax.tree.map(lambda a: jnp.roll(a, 1, axis=0), (out, held[1]))
+            return (on_stages(moved), current), stats
+
+        start = jax.tree.map(lambda a: jnp.zeros((s_, *a.shape[1:]), a.dtype), (micro_x, micro_extras))
+        iterations = m_ * v_ + s_ - 1
+        (_, current), stats = jax.lax.scan(iteration, (on_stages(start), micro_x), jnp.arange(iterations))
+        # stats [iterations, S, ...] -> per microbatch: stage s at iteration t held microbatch (t - s) % M when
+        # 0 <= t - s < M * V, and nothing (fill or drain) otherwise
+        item = np.arange(iterations)[:, None] - np.arange(s_)[None, :]
+        owner = np.where((item >= 0) & (item < m_ * v_), item % m_, -1)
+        weights = jnp.asarray((owner[None] == np.arange(m_)[:, None, None]) / periods, jnp.float32)
+        stats = jax.tree.map(lambda a: jnp.einsum("mts,ts...->m...", weights, a.astype(jnp.float32)), stats)
+        return join_rows(current), stats
+
+
+def check_schedule(periods: int, stages: int, virtual_stages: int, microbatches: int) -> None:
+    """ValueError naming what the schedule cannot do with these sizes (configs are checked earlier, in
+    ``Config.check_devices``; this guards direct callers)."""
+    if periods % (stages * virtual_stages):
+        raise ValueError(f"{periods} periods do not split into {stages} stages x {virtual_stages} virtual stages")
+    if microbatches < stages:
+        raise ValueError(f"{microbatches} microbatches cannot keep {stages} stages busy; use at least {stages}")
+
