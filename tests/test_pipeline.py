@@ -1,18 +1,32 @@
-"""The pipeline schedule: any stage count, virtual stages and microbatch count give the layers-in-order result,
-forward and gradients, on a mesh whose pipeline axis splits the stages."""
+"""Pipeline parallelism: the schedule gives the layers-in-order result (forward and gradients) for any stage,
+virtual-stage and microbatch count; training on pipeline meshes equals one device; checkpoints move between
+pipeline degrees; impossible schedules are refused in one sentence."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
-from jaxtron.training.pipeline import bubble_fraction, check_schedule, pipeline, storage_order
+from helpers import tiny_config
+from jaxtron.config.schema import ConfigError
+from jaxtron.parallel.stages import reorder, storage_order, to_natural
+from jaxtron.training.loop import run
+from jaxtron.training.pipeline import Schedule, bubble_fraction
 
 
-def _stage(layers, x):
-    """P layers, each tanh(x w + b), in order."""
-    return jax.lax.scan(lambda h, w: (jnp.tanh(h @ w["w"] + w["b"]), None), x, layers)[0]
+def _body(h, layer, extras):
+    """One period: tanh(h w + b) shifted by the row's positions (extras travel with their microbatch)."""
+    (positions,) = extras
+    h = jnp.tanh(h @ layer["w"] + layer["b"]) + 0.01 * positions[..., None]
+    return h, {"mean": jnp.mean(h)}
 
 
 def _loss(out):
@@ -22,46 +36,63 @@ def _loss(out):
 @pytest.mark.parametrize("stages,virtual,microbatches", [(2, 1, 2), (4, 1, 4), (4, 1, 6), (2, 2, 3), (4, 2, 5),
                                                          (2, 3, 2)])
 def test_the_schedule_equals_the_layers_in_order(stages, virtual, microbatches):
-    per = 2
-    num_layers = stages * virtual * per
+    periods, rows = stages * virtual * 2, microbatches * (8 // stages)  # each microbatch splits over data
     keys = jax.random.split(jax.random.key(stages * 100 + virtual * 10 + microbatches), 3)
-    params = {"w": jax.random.normal(keys[0], (num_layers, 16, 16)) * 0.4,
-              "b": jax.random.normal(keys[1], (num_layers, 16)) * 0.1}
-    inputs = jax.random.normal(keys[2], (microbatches, 4, 16))
-    order = storage_order(num_layers, stages, virtual)
-    assert sorted(order) == list(range(num_layers)) and (virtual > 1 or list(order) == list(range(num_layers)))
+    params = {"w": jax.random.normal(keys[0], (periods, 16, 16)) * 0.4,
+              "b": jax.random.normal(keys[1], (periods, 16)) * 0.1}
+    x = jax.random.normal(keys[2], (rows, 4, 16))
+    positions = jnp.broadcast_to(jnp.arange(4, dtype=jnp.float32) + jnp.arange(rows)[:, None], (rows, 4))
+    order = storage_order(periods, stages, virtual)
+    assert sorted(order) == list(range(periods)) and (virtual > 1 or list(order) == list(range(periods)))
 
-    def reference(params, inputs):  # each microbatch through the layers in their natural order
-        return jax.vmap(lambda x: _stage(params, x))(inputs)
+    def reference(params, x, positions=positions):  # the periods in their natural order, the batch at once
+        return jax.lax.scan(lambda h, layer: _body(h, layer, (positions,)), x, params)
 
-    want = reference(params, inputs)
-    want_grads = jax.grad(lambda p, x: _loss(reference(p, x)), argnums=(0, 1))(params, inputs)
+    want, want_stats = reference(params, x)
+    want_grads = jax.grad(lambda p, x: _loss(reference(p, x)[0]), argnums=(0, 1))(params, x)
 
+    schedule = Schedule(stages, microbatches, virtual)
     mesh = jax.make_mesh((stages, 8 // stages), ("pipeline", "data"), axis_types=(AxisType.Auto,) * 2)
-    stacked = jax.device_put({k: v[order] for k, v in params.items()},
-                             NamedSharding(mesh, PartitionSpec("pipeline")))
-    inputs_on_mesh = jax.device_put(inputs, NamedSharding(mesh, PartitionSpec(None, "data")))
+    stacked = jax.device_put({k: v[order] for k, v in params.items()}, NamedSharding(mesh, PartitionSpec("pipeline")))
+    x_on_mesh = jax.device_put(x, NamedSharding(mesh, PartitionSpec("data")))
     with jax.set_mesh(mesh):
-        run = jax.jit(lambda st, x: pipeline(_stage, st, x, stages, virtual))
-        got = run(stacked, inputs_on_mesh)
-        grads = jax.jit(jax.grad(lambda st, x: _loss(pipeline(_stage, st, x, stages, virtual)), argnums=(0, 1)))(
-            stacked, inputs_on_mesh)
-        hlo = run.lower(stacked, inputs_on_mesh).compile().as_text()
+        forward = jax.jit(lambda st, x: schedule(_body, x, st, (positions,)))
+        got, stats = forward(stacked, x_on_mesh)
+        grads = jax.jit(jax.grad(lambda st, x: _loss(schedule(_body, x, st, (positions,))[0]), argnums=(0, 1)))(
+            stacked, x_on_mesh)
+        hlo = forward.lower(stacked, x_on_mesh).compile().as_text()
     np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
-    for k in params:  # the gradient of the stored stack is that of each layer, in storage order
+    for k in params:  # the gradient of the stored stack is that of each period, in storage order
         np.testing.assert_allclose(grads[0][k], want_grads[0][k][order], rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(grads[1], want_grads[1], rtol=1e-5, atol=1e-5)
+    # stats per microbatch (rows j, j + M, ...), each the mean over the periods
+    per_micro = [np.mean(reference(params, x[j::microbatches], positions[j::microbatches])[1]["mean"])
+                 for j in range(microbatches)]
+    np.testing.assert_allclose(stats["mean"], per_micro, rtol=1e-5, atol=1e-6)
     assert "collective-permute" in hlo  # activations move between stages by permutes
 
 
 def test_sizes_the_schedule_cannot_run_are_named():
-    with pytest.raises(ValueError, match="6 layers do not split into 4 stages x 1 virtual stages"):
-        check_schedule(6, 4, 1, 4)
-    with pytest.raises(ValueError, match="8 layers do not split into 2 stages x 3 virtual stages"):
-        check_schedule(8, 2, 3, 4)
-    with pytest.raises(ValueError, match="3 microbatches cannot keep 4 stages busy; use at least 4"):
-        check_schedule(8, 4, 1, 3)
-    check_schedule(8, 4, 2, 4)
+    def refused(match, **pipeline):
+        mesh = pipeline.pop("mesh")
+        with pytest.raises(ConfigError, match=match):
+            tiny_config(mesh, **pipeline).check_devices(8)
+
+    refused(r"model.num_layers' \(6: 6 layers\) cannot be split into mesh.pipeline=4 stages x "
+            r"pipeline.virtual_stages=1", mesh=dict(pipeline=4, data=2, fsdp=1), model=dict(num_layers=6))
+    refused(r"model.num_layers' \(8: 4 periods of model.moe_every=2 blocks\) cannot be split into mesh.pipeline=2 "
+            r"stages x pipeline.virtual_stages=4", mesh=dict(pipeline=2, data=4, fsdp=1),
+            model=dict(num_layers=8, num_experts=4, moe_every=2), pipeline=dict(virtual_stages=4))
+    refused(r"'pipeline.microbatches' \(2\) cannot keep mesh.pipeline=4 stages busy; set "
+            r"--config.pipeline.microbatches to at least 4", mesh=dict(pipeline=4, data=2, fsdp=1),
+            model=dict(num_layers=4), pipeline=dict(microbatches=2))
+    refused(r"'pipeline.microbatches' \(4\) times the data-parallel size 4 does not divide the 8 rows of a batch; "
+            r"choose a global batch size that is a multiple of 16", mesh=dict(pipeline=2, data=4, fsdp=1),
+            pipeline=dict(microbatches=4))
+    refused(r"execution.fp8_skip_layers' \(1\) keeps some blocks in 16 bits", mesh=dict(pipeline=2, data=4, fsdp=1),
+            model=dict(num_layers=4), execution=dict(fp8=True, fp8_skip_layers=1))
+    tiny_config(dict(pipeline=2, data=4, fsdp=1), model=dict(num_layers=4),
+                pipeline=dict(virtual_stages=2)).check_devices(8)  # microbatches default to the stage count
 
 
 def test_the_bubble_shrinks_with_microbatches_and_virtual_stages():
@@ -69,3 +100,107 @@ def test_the_bubble_shrinks_with_microbatches_and_virtual_stages():
     assert bubble_fraction(4, 4) == pytest.approx(3 / 7)
     assert bubble_fraction(4, 8) == pytest.approx(3 / 11)
     assert bubble_fraction(4, 4, virtual_stages=2) == pytest.approx(3 / 11)
+
+
+def test_stacks_move_between_period_orders():
+    periods, group = 8, 3  # three blocks per period, as the dense blocks of an MoE period of 4
+    natural = np.arange(periods * group * 2, dtype=np.float32).reshape(periods * group, 2)
+    a, b = storage_order(periods, 2, 2), storage_order(periods, 4, 2)
+    in_a = natural.reshape(periods, group, 2)[a].reshape(natural.shape)
+    np.testing.assert_array_equal(to_natural(in_a, a), natural)
+    with nnx.use_eager_sharding(False):  # logical names only, as the model's parameters carry them
+        tree = {"w": nnx.Param(jnp.asarray(in_a), out_sharding=("layers", None)),
+                "head": nnx.Param(jnp.arange(4.0), out_sharding=("vocab",))}
+    moved = reorder(tree, a, b)
+    np.testing.assert_array_equal(to_natural(np.asarray(moved["w"].get_value()), b), natural)
+    np.testing.assert_array_equal(moved["head"].get_value(), jnp.arange(4.0))  # not a stacked parameter
+
+
+def _losses(summary):
+    return np.array([h["loss"] for h in summary["history"]])
+
+
+BASE = dict(model=dict(num_layers=4), train=dict(global_batch_size=16))
+
+
+@pytest.fixture(scope="module")
+def one_device(tmp_path_factory):
+    return run(tiny_config(dict(fsdp=1), **BASE), str(tmp_path_factory.mktemp("one")), use_tqdm=False,
+               devices=jax.devices()[:1])
+
+
+PIPELINE_MESHES = {
+    "pipeline2_data4": (dict(pipeline=2, data=4, fsdp=1), dict(microbatches=2), {}),
+    "pipeline2_fsdp2_tensor2_virtual2": (dict(pipeline=2, fsdp=2, tensor=2), dict(microbatches=4, virtual_stages=2),
+                                         {}),
+    "pipeline4_data2_remat": (dict(pipeline=4, data=2, fsdp=1), dict(microbatches=4), dict(execution=dict(remat="full"))),
+    "pipeline2_sequence2_tensor2_accumulation": (dict(pipeline=2, fsdp=1, sequence=2, tensor=2), dict(microbatches=2),
+                                                 dict(train=dict(global_batch_size=16, microbatches=2))),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(PIPELINE_MESHES))
+def test_pipeline_meshes_train_like_one_device(name, one_device, tmp_path):
+    mesh, pipeline, extra = PIPELINE_MESHES[name]
+    summary = run(tiny_config(mesh, pipeline=pipeline, **{**BASE, **extra}), str(tmp_path), use_tqdm=False)
+    expected = _losses(one_device)
+    assert len(expected) == 3 and np.all(np.diff(expected) != 0)
+    np.testing.assert_allclose(_losses(summary), expected, rtol=1e-5)
+    # the stages hold their own layers: the stacked axis is split over the pipeline axis
+    wq = summary["state"].params["layers"]["attn"]["wq"].get_value()
+    assert wq.sharding.shard_shape(wq.shape)[0] == 4 // mesh["pipeline"]
+    assert summary["history"][-1]["pipeline_bubble"] == pytest.approx(
+        bubble_fraction(mesh["pipeline"], pipeline["microbatches"], pipeline.get("virtual_stages", 1)))
+    # after three updates the parameters (back in natural order) are those of one device: gradients agree
+    order = storage_order(4, mesh["pipeline"], pipeline.get("virtual_stages", 1))
+    got = nnx.to_pure_dict(summary["state"].params)["layers"]["mlp"]["wo"]
+    want = nnx.to_pure_dict(one_device["state"].params)["layers"]["mlp"]["wo"]
+    # (Adam divides by sqrt(v): near-zero gradients amplify rounding; 1e-4 is 1% of one lr=1e-2 update)
+    np.testing.assert_allclose(to_natural(np.asarray(got), order), np.asarray(want), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.slow
+def test_experts_in_pipeline_stages_train_like_one_device(tmp_path):
+    """MoE blocks inside the stages, experts split over their own axis; the routing stats are per pipeline
+    microbatch, so one device runs the same microbatches."""
+    moe = dict(model=dict(num_layers=4, num_experts=4, moe_every=2), train=dict(global_batch_size=16))
+    ref = run(tiny_config(dict(fsdp=1), pipeline=dict(microbatches=4), **moe), str(tmp_path / "one"),
+              use_tqdm=False, devices=jax.devices()[:1])
+    got = run(tiny_config(dict(pipeline=2, fsdp=2, expert=2), pipeline=dict(microbatches=4), **moe),
+              str(tmp_path / "pipe"), use_tqdm=False)
+    for key in ("loss", "moe_aux_loss", "moe_max_load"):
+        np.testing.assert_allclose([h[key] for h in got["history"]], [h[key] for h in ref["history"]], rtol=1e-5)
+
+
+@pytest.mark.slow
+def test_a_checkpoint_resumes_on_other_pipeline_degrees(tmp_path):
+    """Saved with 2 stages x 2 virtual stages (a stage-major stack), resumed with 1 and 4 stages."""
+    base = dict(model=dict(num_layers=4), train=dict(global_batch_size=16, steps=4),
+                checkpoint=dict(every=2, async_save=False))
+    first = run(tiny_config(dict(pipeline=2, data=4, fsdp=1), pipeline=dict(microbatches=2, virtual_stages=2),
+                            **base), str(tmp_path / "run"), use_tqdm=False)
+    with open(tmp_path / "run" / "checkpoints" / "2" / "config" / "metadata") as f:
+        assert json.load(f)["layer_order"] == [0, 2, 1, 3]
+    for mesh, microbatches in ((dict(fsdp=8), 1), (dict(pipeline=4, data=2, fsdp=1), 4)):
+        workdir = tmp_path / f"resume{mesh.get('pipeline', 1)}"
+        shutil.copytree(tmp_path / "run", workdir)
+        shutil.rmtree(workdir / "checkpoints" / "4")
+        resumed = run(tiny_config(mesh, pipeline=dict(microbatches=microbatches), **base), str(workdir),
+                      use_tqdm=False)
+        assert [h["step"] for h in resumed["history"]] == [3, 4]
+        np.testing.assert_allclose(_losses(resumed), _losses(first)[2:], rtol=1e-5)
+
+
+@pytest.mark.slow
+def test_train_py_refuses_an_impossible_schedule_in_one_sentence(tmp_path):
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
+    done = subprocess.run([sys.executable, "train.py", "--config=configs/default.py", "--config.mesh.pipeline=4",
+                           "--config.mesh.fsdp=2", "--config.pipeline.microbatches=2", f"--workdir={tmp_path}"],
+                          cwd=repo, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines()[-1] == (
+        "error: config field 'pipeline.microbatches' (2) cannot keep mesh.pipeline=4 stages busy; set "
+        "--config.pipeline.microbatches to at least 4.")
+    assert "Traceback" not in done.stderr

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -19,7 +19,8 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from jaxtron.checkpoint import integrity
-from jaxtron.checkpoint.train_state import CHECKPOINT_DIR, RESTORE_BUFFER_GB, CheckpointError, abstract_with_shardings
+from jaxtron.checkpoint.train_state import (CHECKPOINT_DIR, LAYER_ORDER, RESTORE_BUFFER_GB, CheckpointError,
+                                           abstract_with_shardings, move_layers)
 from jaxtron.parallel.sharding import without_leading_axes
 
 PARAMS_DIR = "params"
@@ -128,14 +129,23 @@ def latest_run_state(path: str) -> str | None:
     return None if step is None else os.path.join(runs, str(step))
 
 
-def restore_params(path: str, abstract_params: Any, shardings: Any, step_dir: str | None = None) -> Any:
+def saved_layer_order(step_dir: str) -> list[int] | None:
+    """The period order of the layer stack in a run's checkpoint (None: natural)."""
+    with open(os.path.join(step_dir, "config", "metadata")) as f:
+        return json.load(f).get(LAYER_ORDER)
+
+
+def restore_params(path: str, abstract_params: Any, shardings: Any, step_dir: str | None = None,
+                   layer_order: Sequence[int] | None = None) -> Any:
     """Parameters from a converted model (``path/params``) or from the newest intact checkpoint of a training run
-    (``path/checkpoints``; ``step_dir`` when the caller already found and verified it), placed into ``shardings``."""
+    (``path/checkpoints``; ``step_dir`` when the caller already found and verified it), placed into ``shardings``,
+    the layer stack in the period order ``layer_order`` (None: natural)."""
     path = os.path.abspath(os.path.expanduser(path))
     target = abstract_with_shardings(abstract_params, shardings)
     try:
         if os.path.isdir(os.path.join(path, PARAMS_DIR)):
-            return _restore_converted(os.path.join(path, PARAMS_DIR), target)
+            params = _restore_converted(os.path.join(path, PARAMS_DIR), target)
+            return move_layers(params, {}, layer_order)
         step_dir = step_dir or latest_run_state(path)
         if step_dir is None:
             raise CheckpointError(f"'{path}' holds neither {PARAMS_DIR}/ (a converted model) nor a checkpoint of a "
@@ -144,7 +154,7 @@ def restore_params(path: str, abstract_params: Any, shardings: Any, step_dir: st
         with _checkpointer() as checkpointer:
             restored = checkpointer.restore(os.path.join(step_dir, "state"), args=ocp.args.PyTreeRestore(
                 {"params": target}, restore_args={"params": restore_args}, partial_restore=True))
-        return restored["params"]
+        return move_layers(restored["params"], {LAYER_ORDER: saved_layer_order(step_dir)}, layer_order)
     except CheckpointError:
         raise
     except (ValueError, KeyError, OSError, TypeError) as e:

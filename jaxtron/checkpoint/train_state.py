@@ -18,7 +18,7 @@ import logging
 import os
 import sys
 import threading
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import jax
 import numpy as np
@@ -26,10 +26,12 @@ import orbax.checkpoint as ocp
 
 from jaxtron.checkpoint import integrity
 from jaxtron.config.schema import Config, ConfigError, ModelConfig
+from jaxtron.parallel.stages import reorder
 
 log = logging.getLogger(__name__)
 
 CHECKPOINT_DIR = "checkpoints"
+LAYER_ORDER = "layer_order"  # key of the saved config: the period order of the stored layer stack (natural if absent)
 RESTORE_BUFFER_GB = 4
 
 
@@ -124,25 +126,29 @@ class Checkpointer:
             raise error
 
     def restore(self, step: int, abstract_state: Any, shardings: Any, cfg: Config,
-                verify: bool = True) -> tuple[Any, dict]:
-        """The state (in ``shardings``) and data-iterator state saved at ``step``, its files verified first."""
+                verify: bool = True, layer_order: Sequence[int] | None = None) -> tuple[Any, dict]:
+        """The state (in ``shardings``, its layer stack in ``layer_order``, default natural) and data-iterator
+        state saved at ``step``, its files verified first."""
         reason = integrity.check_everywhere(self.step_dir(step)) if verify else None
         if reason is None:
-            restored, reason = self._restore_verified(step, abstract_state, shardings, cfg)
+            restored, reason = self._restore_verified(step, abstract_state, shardings, cfg, None, layer_order)
             if reason is None:
                 return restored
         raise CheckpointError(f"checkpoint '{self.step_dir(step)}' is damaged ({reason}); check the run with "
                               f"`python -m jaxtron.checkpoint verify {os.path.dirname(self.directory)}`.")
 
     def restore_latest(self, abstract_state: Any, shardings: Any, cfg: Config,
-                       check_data: Callable[[dict], None] | None = None) -> tuple[Any, dict] | None:
-        """The newest intact checkpoint's state and data-iterator state, None if there is no checkpoint.
+                       check_data: Callable[[dict], None] | None = None,
+                       layer_order: Sequence[int] | None = None) -> tuple[Any, dict] | None:
+        """The newest intact checkpoint's state (its layer stack in ``layer_order``, default natural) and
+        data-iterator state, None if there is no checkpoint.
         Newer damaged ones are named, one line each, and moved to ``<workdir>/checkpoints_damaged/`` (so that
         their step numbers can be saved again); if none is intact, nothing is moved and CheckpointError says so.
         ``check_data`` sees the data-iterator state before any array is read, and may refuse it by raising."""
         steps = list(self.manager.all_steps())
         step, restored, damaged = integrity.newest_intact(
-            self.directory, steps, lambda s: self._restore_verified(s, abstract_state, shardings, cfg, check_data))
+            self.directory, steps,
+            lambda s: self._restore_verified(s, abstract_state, shardings, cfg, check_data, layer_order))
         if step is None:
             if not steps:
                 return None
@@ -151,8 +157,8 @@ class Checkpointer:
         return restored
 
     def _restore_verified(self, step: int, abstract_state: Any, shardings: Any, cfg: Config,
-                          check_data: Callable[[dict], None] | None = None
-                          ) -> tuple[tuple[Any, dict] | None, str | None]:
+                          check_data: Callable[[dict], None] | None = None,
+                          layer_order: Sequence[int] | None = None) -> tuple[tuple[Any, dict] | None, str | None]:
         """Restores a verified step; an orbax failure all the same is damage (agreed by all processes)."""
         # orbax reports unreadable data as ValueError, or as a bare Exception wrapping tensorstore's error
         failure = restored = None
@@ -174,6 +180,8 @@ class Checkpointer:
                 restored = {"state": restored["state"], "data": saved["data"]}
             except Exception as e:  # noqa: BLE001 - named in the damage line, never dropped
                 failure = e
+        if failure is None:  # stored for another pipeline schedule: the periods move into this run's order
+            restored["state"] = move_layers(restored["state"], saved["config"], layer_order)
         reason = integrity.agree(failure and f"verified but cannot be restored ({type(failure).__name__}: "
                                              f"{str(failure).splitlines()[0][:200] if str(failure) else ''})")
         return (None, reason) if reason else ((restored["state"], restored["data"]), None)
@@ -199,6 +207,16 @@ class Checkpointer:
             self.wait()
         finally:
             self.manager.close()
+
+
+def move_layers(tree: Any, saved_config: dict, wanted: Sequence[int] | None) -> Any:
+    """``tree`` (restored from a checkpoint written with ``saved_config``) with its layer stack in the period
+    order ``wanted`` (None: natural)."""
+    saved = saved_config.get(LAYER_ORDER)
+    if saved is None and wanted is None:
+        return tree
+    periods = len(saved if saved is not None else wanted)
+    return reorder(tree, range(periods) if saved is None else saved, range(periods) if wanted is None else wanted)
 
 
 def _check_compatible(saved: dict, cfg: Config, where: str) -> None:

@@ -135,8 +135,11 @@ def _run_config(ckpt_dir: str) -> tuple[Config, str | None]:
     if step_dir is None:
         raise ConfigError(f"'{ckpt_dir}' is neither a converted model (config.py + params/) nor a training run "
                           "with checkpoints; pass one of those.")
+    from jaxtron.checkpoint.train_state import LAYER_ORDER
     with open(os.path.join(step_dir, "config", "metadata")) as f:
-        return from_mapping(json.load(f)), step_dir
+        saved = json.load(f)
+    saved.pop(LAYER_ORDER, None)  # the layout of the stored stack, not a config field; restore_params reads it
+    return from_mapping(saved), step_dir
 
 
 def load(ckpt_dir: str) -> tuple[ModelConfig, dict[str, np.ndarray]]:
@@ -166,6 +169,9 @@ class _Slices:
         self.manifest = _manifest(self.root) if self.converted else None
         self.item, self.cached = None if self.converted else os.path.join(step_dir, "state"), (None, None)
         self.shapes = None if self.converted else _abstract_params(cfg)
+        if not self.converted:
+            from jaxtron.checkpoint.params import saved_layer_order
+            self.layer_order = saved_layer_order(step_dir)
 
     def get(self, param: str, index: tuple[int, ...]) -> np.ndarray:
         from jaxtron.checkpoint.params import read_slice
@@ -188,6 +194,9 @@ class _Slices:
                 restore_args=nest({key: ocp.RestoreArgs(restore_type=np.ndarray)}), partial_restore=True))
         for part in key.split("."):
             restored = restored[part]
+        if self.layer_order is not None and param.split(".")[0] in ("layers", "moe_layers"):
+            from jaxtron.parallel.stages import to_natural
+            return to_natural(np.asarray(restored), self.layer_order)  # stored stage-major for a pipeline
         return np.asarray(restored)
 
 

@@ -62,3 +62,10 @@ def reorder(tree: Any, saved: Sequence[int], wanted: Sequence[int]) -> Any:
         return leaf.replace(jax.jit(permute, out_shardings=value.sharding, donate_argnums=0)(value))
 
     return jax.tree.map(move, tree, is_leaf=_is_variable)
+
+
+def to_natural(array: np.ndarray, saved: Sequence[int]) -> np.ndarray:
+    """A stacked host array (first axis: blocks) stored in the period order ``saved``, in the natural order."""
+    periods = len(saved)
+    grouped = array.reshape(periods, array.shape[0] // periods, *array.shape[1:])
+    return grouped[np.argsort(np.asarray(saved))].reshape(array.shape)

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxtron.checkpoint.params import restore_params
-from jaxtron.checkpoint.train_state import Checkpointer
+from jaxtron.checkpoint.train_state import LAYER_ORDER, Checkpointer
 from jaxtron.config.schema import Config, ConfigError
 from jaxtron.data import position as data_position
 from jaxtron.data.loader import BatchIterator, BatchLimits, global_batch, make_sources
@@ -36,12 +36,16 @@ log = logging.getLogger(__name__)
 
 
 def save_checkpoint(checkpointer: Checkpointer, step: int, state, cfg: Config, state_finite: bool,
-                    data_state: dict | None = None) -> None:
+                    data_state: dict | None = None, layer_order: tuple[int, ...] | None = None) -> None:
     """What the loop does to save: refuse a non-finite state (``state_finite`` comes from the train step that
-    produced it), then save (asynchronously if so configured) with the data position (default: step alone)."""
+    produced it), then save (asynchronously if so configured) with the data position (default: step alone) and
+    the order the layer stack's periods are stored in (default: natural)."""
     if not state_finite:  # never write a non-finite state
         raise NonFiniteError(f"the state is not finite at step {step}; it was not saved.")
-    checkpointer.save(step, state, data_state or {"step": step}, cfg.to_dict())
+    config = cfg.to_dict()
+    if layer_order is not None:
+        config[LAYER_ORDER] = list(layer_order)
+    checkpointer.save(step, state, data_state or {"step": step}, config)
 
 
 def _check_workdir(workdir: str) -> None:
@@ -101,8 +105,8 @@ class Meter:
     """What one log interval measured: its losses (kept on the device until the log step), wall time and the
     time the host blocked on the loader."""
 
-    def __init__(self, throughput: Throughput):
-        self.throughput = throughput
+    def __init__(self, throughput: Throughput, constants: dict[str, float] | None = None):
+        self.throughput, self.constants = throughput, constants or {}
         self.reset()
 
     def reset(self) -> None:
@@ -119,6 +123,7 @@ class Meter:
         values.update(interval_steps=steps, data_wait_s=self.data_wait / steps,  # per step, host blocked on data
                       data_wait_share=self.data_wait / interval)
         values.update(device_memory())
+        values.update(self.constants)
         return values
 
 
@@ -145,6 +150,11 @@ class Trainer:
         log.info("model %s: %.4gM parameters%s; mesh %s; attention %s; compute %s", cfg.model.name,
                  flops_lib.param_count(cfg.model) / 1e6, active, dict(self.mesh.shape), self.implementation,
                  cfg.execution.dtype)
+        schedule = self.setup.stack_runner
+        if schedule is not None:
+            log.info("pipeline: %d stages x %d virtual stages, %d microbatches in flight; bubble fraction %.3f "
+                     "(fill-drain: (stages - 1) / (microbatches x virtual stages + stages - 1))", schedule.stages,
+                     schedule.virtual_stages, schedule.microbatches, schedule.bubble)
         if "unigram_entropy" in self.facts:
             log.info("data: %d tokens; unigram entropy of the training text %.4f nats/token (the loss of the best "
                      "context-free model)", self.facts["train_tokens"], self.facts["unigram_entropy"])
@@ -161,7 +171,8 @@ class Trainer:
             resumed["position"] = data_position.resume(cfg, data_setup, saved)
 
         try:
-            restored = self.checkpointer.restore_latest(self.setup.abstract_state, self.shardings, cfg, check_data)
+            restored = self.checkpointer.restore_latest(self.setup.abstract_state, self.shardings, cfg, check_data,
+                                                        self.setup.layer_order)
         except ConfigError:
             self.checkpointer.close()
             raise
@@ -174,7 +185,8 @@ class Trainer:
         stages = state_lib.stage_count(cfg, dict(self.mesh.shape))
         state = state_lib.init_state(cfg, self.implementation, self.shardings, stages)
         if cfg.train.init_from:  # fine-tuning start: these parameters, a fresh optimizer and step 0
-            params = restore_params(cfg.train.init_from, self.setup.abstract_state.params, self.shardings.params)
+            params = restore_params(cfg.train.init_from, self.setup.abstract_state.params, self.shardings.params,
+                                    layer_order=self.setup.layer_order)
             state = state.replace(params=params)
             log.info("parameters from %s; optimizer state fresh", cfg.train.init_from)
         return state, data_position.DataPosition.start(cfg, data_setup)
@@ -197,7 +209,8 @@ class Trainer:
         self.eval_fn = jax.jit(functools.partial(eval_step, self.setup),
                                in_shardings=(self.shardings.params, batch_sharding(mesh)))
         self.writer = MetricsWriter(self.workdir, t.steps, use_tqdm=self.use_tqdm) if self.is_main else None
-        self.meter = Meter(throughput)
+        schedule = self.setup.stack_runner
+        self.meter = Meter(throughput, {"pipeline_bubble": schedule.bubble} if schedule else None)
         self.profile = ProfileWindow(cfg.profile, self.workdir, self.start)
         self.preemption = PreemptionWatcher()
         self.watchdog = Watchdog(t.watchdog_factor, jax.process_index())
@@ -280,7 +293,7 @@ class Trainer:
         self.flags.read(done)  # a state is saved only once its step's flags were read
         self.watchdog.pause()
         save_checkpoint(self.checkpointer, done, self.state, self.cfg, self.flags.state_finite,
-                        self.position.at(done).to_dict())
+                        self.position.at(done).to_dict(), self.setup.layer_order)
         self.watchdog.resume()
 
     def _stop(self, done: int) -> dict[str, Any]:
