@@ -68,7 +68,7 @@ BAD = [
     ("unknown_field_no_close_match", lambda d: cli("--config.model.qqqqqq=5"),
      "'model.qqqqqq'", "use one of the fields of 'model': activation, embed_dim"),
     ("unknown_section", lambda d: cli("--config.trian.steps=5"),
-     "'trian'", "use one of model, execution, mesh, train, optimizer, data"),
+     "'trian'", "use one of model, execution, mesh, pipeline, train, optimizer, data"),
     ("whole_section", lambda d: cli("--config.train=5"),
      "'train'", "set one of its fields with --config.train.<field>=VALUE"),
     ("override_without_value", lambda d: cli("--config.train.steps"),
@@ -91,7 +91,7 @@ BAD = [
     ("file_unknown_field", lambda d: file_setting(d, "c.model = dict(widthh=5)"),
      "'model.widthh'", "use one of the fields of 'model'"),
     ("file_unknown_section", lambda d: file_setting(d, "c.trainer = dict(steps=5)"),
-     "'trainer'", "use one of model, execution, mesh, train, optimizer, data"),
+     "'trainer'", "use one of model, execution, mesh, pipeline, train, optimizer, data"),
     ("file_section_not_group", lambda d: file_setting(d, "c.train = 5"),
      "'train' must be a group of fields, not 5", "make it a dict of fields in the config file"),
     ("file_section_not_group_overridden",
@@ -159,8 +159,8 @@ BAD = [
     ("mesh_rest_not_dividing", lambda d: mesh(tensor=3).resolve(8),
      "'mesh.fsdp' is -1 but the other axes multiply to 3", "choose axis sizes whose product divides the device count"),
     ("mesh_product_not_device_count", lambda d: Config(mesh=MeshConfig(fsdp=3)).check_devices(8),
-     "'mesh.*' (data=1, fsdp=3, sequence=1, expert=1, tensor=1) multiply to 3 but there are 8 devices",
-     "make data*fsdp*sequence*expert*tensor equal the device count or set one axis to -1"),
+     "'mesh.*' (pipeline=1, data=1, fsdp=3, sequence=1, expert=1, tensor=1) multiply to 3 but there are 8 devices",
+     "make pipeline*data*fsdp*sequence*expert*tensor equal the device count or set one axis to -1"),
     ("heads_not_divisible_by_tensor",
      lambda d: Config(model=ModelConfig(embed_dim=192, num_heads=6, num_kv_heads=2),
                       mesh=mesh(tensor=4)).check_devices(8),
@@ -261,7 +261,7 @@ def test_a_config_file_of_the_older_layout_loads_with_its_fields_moved(tmp_path,
 OVERRIDES = [("model.rope_theta", "1e4", 1e4), ("execution.remat", "full", "full"), ("mesh.tensor", "2", 2),
              ("train.z_loss", "1e-4", 1e-4), ("optimizer.b2", "0.9", 0.9), ("data.seq_len", "64", 64),
              ("checkpoint.keep", "5", 5), ("distributed.heartbeat_timeout_s", "30", 30),
-             ("profile.processes", "all", "all")]
+             ("profile.processes", "all", "all"), ("pipeline.virtual_stages", "2", 2)]
 
 
 def test_a_field_the_file_does_not_set_can_be_overridden_in_every_section(tmp_path):
@@ -291,11 +291,11 @@ def test_int_for_float_field_in_a_config_file_is_accepted(tmp_path):
 
 
 def test_mesh_rest_axis_resolves():
-    assert MeshConfig(fsdp=-1).resolve(8) == dict(data=1, fsdp=8, sequence=1, expert=1, tensor=1)
+    assert MeshConfig(fsdp=-1).resolve(8) == dict(pipeline=1, data=1, fsdp=8, sequence=1, expert=1, tensor=1)
     assert MeshConfig(data=2, fsdp=-1, tensor=2).resolve(8)["fsdp"] == 2
-    assert MeshConfig(fsdp=4, tensor=2).resolve(8) == dict(data=1, fsdp=4, sequence=1, expert=1, tensor=2)
+    assert MeshConfig(fsdp=4, tensor=2).resolve(8) == dict(pipeline=1, data=1, fsdp=4, sequence=1, expert=1, tensor=2)
     sizes = Config(mesh=MeshConfig(fsdp=-1, tensor=2)).check_devices(8)
-    assert sizes == dict(data=1, fsdp=4, sequence=1, expert=1, tensor=2)
+    assert sizes == dict(pipeline=1, data=1, fsdp=4, sequence=1, expert=1, tensor=2)
 
 
 def test_attention_choice_resolves():
@@ -351,9 +351,9 @@ def test_cli_mesh_mismatch_exits_2_without_traceback(tmp_path):
     proc = run_train(tmp_path, "--config.mesh.fsdp=3")
     assert proc.returncode == 2, proc.stderr
     error_lines = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
-    assert error_lines == ["error: config fields 'mesh.*' (data=1, fsdp=3, sequence=1, expert=1, tensor=1) multiply "
-                           "to 3 but there are 8 devices; make data*fsdp*sequence*expert*tensor equal the device count "
-                           "or set one axis to -1."], proc.stderr
+    assert error_lines == ["error: config fields 'mesh.*' (pipeline=1, data=1, fsdp=3, sequence=1, expert=1, "
+                           "tensor=1) multiply to 3 but there are 8 devices; make pipeline*data*fsdp*sequence*expert*"
+                           "tensor equal the device count or set one axis to -1."], proc.stderr
     assert "Traceback" not in proc.stderr
     assert not os.path.exists(tmp_path / "run")  # nothing was written
 
@@ -363,11 +363,11 @@ def test_cli_print_sharding(tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert "Traceback" not in proc.stderr
     lines = proc.stdout.splitlines()
-    assert "mesh: data=1, fsdp=4, sequence=1, expert=1, tensor=2" in lines
+    assert "mesh: pipeline=1, data=1, fsdp=4, sequence=1, expert=1, tensor=2" in lines
     params = {line.split()[0]: line for line in lines if line.startswith(("layers.", "embedding", "final_norm"))}
-    assert params["layers.attn.wq"].endswith("P(None, 'fsdp', 'tensor', None)"), params["layers.attn.wq"]
+    assert params["layers.attn.wq"].endswith("P('pipeline', 'fsdp', 'tensor', None)"), params["layers.attn.wq"]
     assert "('layers', 'embed', 'heads', 'head_dim')" in params["layers.attn.wq"]
-    assert params["layers.attn.wo"].endswith("P(None, 'tensor', None, 'fsdp')")
-    assert params["layers.mlp.wo"].endswith("P(None, 'tensor', 'fsdp')")
+    assert params["layers.attn.wo"].endswith("P('pipeline', 'tensor', None, 'fsdp')")
+    assert params["layers.mlp.wo"].endswith("P('pipeline', 'tensor', 'fsdp')")
     assert params["embedding"].endswith("P('tensor', 'fsdp')")
     assert not os.path.exists(tmp_path / "run")  # printing the sharding trains nothing

@@ -62,7 +62,7 @@ def test_the_smoke_run_goes_through_every_step_and_writes_its_results(tmp_path):
         assert row["steps_timed"] == 10 and row["tokens_per_sec"] == pytest.approx(
             row["global_batch_size"] * row["seq_len"] / row["step_time_median_s"])
         assert row["precision"].endswith("+fp8") == (("execution.fp8", "True") in case.overrides)
-        assert row["mesh"] == {"data": 1, "fsdp": 1, "sequence": 1, "expert": 1, "tensor": 1}
+        assert row["mesh"] == {"pipeline": 1, "data": 1, "fsdp": 1, "sequence": 1, "expert": 1, "tensor": 1}
         assert f"| {case.name} | {row['precision']} |" in table
     assert "| bf16 512^3 matmul |" in table and "| ragged_dot, 4 groups, default |" in table
     assert report["commit"] and report["smoke"] is True
@@ -142,7 +142,7 @@ def test_wheels_found_beside_the_code_are_installed_and_put_on_the_steps_path(tm
 def test_every_gpu_case_fits_one_80gb_gpu_by_the_planners_estimate(case):
     cfg = load_config(os.path.join(REPO, case.config), list(case.overrides))
     h100 = gpu("h100")
-    sizes = dict(data=1, fsdp=1, sequence=1, expert=1, tensor=1)
+    sizes = dict(pipeline=1, data=1, fsdp=1, sequence=1, expert=1, tensor=1)
     assert cfg.check_devices(1) == sizes
     need = estimate(cfg, sizes, h100).memory_bytes
     assert 1.15 * need < h100.usable_bytes, f"{case.name}: {need / 2**30:.1f} GiB estimated"

@@ -56,6 +56,33 @@ def test_two_processes_equal_one(mesh, one_process, tmp_path):
     assert os.listdir(tmp_path / "checkpoints") == ["3"]  # one checkpoint, written together by both processes
 
 
+def _two_processes(args: list[str], workdir) -> list[str]:
+    """Runs train.py as two processes of 4 CPU devices; returns their outputs once both exited 0."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = [subprocess.Popen([sys.executable, "train.py", *args, f"--workdir={workdir}"], cwd=REPO,
+                              env=_env(4, JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}", JAX_NUM_PROCESSES="2",
+                                       JAX_PROCESS_ID=str(i)),
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(2)]
+    outputs = [p.communicate(timeout=300)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outputs
+    return outputs
+
+
+@pytest.mark.slow
+def test_pipeline_stages_on_two_processes_equal_one_process(tmp_path):
+    """The pipeline axis is the outermost, so each process holds one stage: the activations cross processes."""
+    args = [*TINY, "--config.model.num_layers=4", "--config.checkpoint.every=0"]
+    subprocess.run([sys.executable, "train.py", *args, "--config.mesh.fsdp=8", f"--workdir={tmp_path / 'one'}"],
+                   cwd=REPO, env=_env(8), check=True, capture_output=True, timeout=300)
+    outputs = _two_processes([*args, "--config.mesh.pipeline=2", "--config.mesh.fsdp=2", "--config.mesh.tensor=2",
+                              "--config.pipeline.microbatches=2", "--config.pipeline.virtual_stages=2"],
+                             tmp_path / "two")
+    assert "pipeline: 2 stages x 2 virtual stages, 2 microbatches in flight; bubble fraction 0.200" in outputs[0]
+    np.testing.assert_allclose(_losses(tmp_path / "two"), _losses(tmp_path / "one"), rtol=1e-5)
+
+
 def test_partial_coordinator_environment_is_an_error(tmp_path):
     out = subprocess.run([sys.executable, "train.py", *TINY, f"--workdir={tmp_path}"], cwd=REPO, text=True,
                          env=_env(8, JAX_COORDINATOR_ADDRESS="127.0.0.1:1"), capture_output=True, timeout=120)

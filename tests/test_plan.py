@@ -122,7 +122,7 @@ def test_meshes_divide_the_model_and_keep_tensor_and_expert_inside_a_node():
     cfg = _config("llama3_70b")
     meshes = search.candidate_meshes(cfg, 64, H100)
     assert meshes and all(math.prod(m.values()) == 64 and m["tensor"] <= 8 and m["expert"] == 1 for m in meshes)
-    assert dict(data=1, fsdp=8, sequence=1, expert=1, tensor=8) in meshes
+    assert dict(pipeline=1, data=1, fsdp=8, sequence=1, expert=1, tensor=8) in meshes
     assert "num_kv_heads" in search.layout_problem(cfg, dict(data=1, fsdp=4, sequence=1, expert=1, tensor=16), H100)
     moe = _config("mixtral_8x7b")
     assert {m["expert"] for m in search.candidate_meshes(moe, 16, H100)} == {1, 2, 4, 8}
@@ -132,7 +132,7 @@ def test_meshes_divide_the_model_and_keep_tensor_and_expert_inside_a_node():
 
 def test_top_choices_follow_published_practice():
     rows = search.plan(_config("llama3_8b"), 8, H100)
-    assert rows[0].fits and rows[0].estimate.mesh == dict(data=1, fsdp=8, sequence=1, expert=1, tensor=1)
+    assert rows[0].fits and rows[0].estimate.mesh == dict(pipeline=1, data=1, fsdp=8, sequence=1, expert=1, tensor=1)
     rows = search.plan(_config("llama3_70b"), 64, H100)
     top = rows[0]
     assert top.fits and 1 < top.estimate.mesh["tensor"] <= 8 and top.estimate.memory_bytes <= H100.usable_bytes

@@ -18,15 +18,15 @@ EXPECTED = {
     "embedding": P("tensor", "fsdp"),
     "head": P("fsdp", "tensor"),
     "final_norm.scale": P(None),
-    "layers.attn.wq": P(None, "fsdp", "tensor", None),
-    "layers.attn.wk": P(None, "fsdp", "tensor", None),
-    "layers.attn.wv": P(None, "fsdp", "tensor", None),
-    "layers.attn.wo": P(None, "tensor", None, "fsdp"),
-    "layers.attn_norm.scale": P(None, None),
-    "layers.mlp_norm.scale": P(None, None),
-    "layers.mlp.wi_gate": P(None, "fsdp", "tensor"),
-    "layers.mlp.wi_up": P(None, "fsdp", "tensor"),
-    "layers.mlp.wo": P(None, "tensor", "fsdp"),
+    "layers.attn.wq": P("pipeline", "fsdp", "tensor", None),
+    "layers.attn.wk": P("pipeline", "fsdp", "tensor", None),
+    "layers.attn.wv": P("pipeline", "fsdp", "tensor", None),
+    "layers.attn.wo": P("pipeline", "tensor", None, "fsdp"),
+    "layers.attn_norm.scale": P("pipeline", None),
+    "layers.mlp_norm.scale": P("pipeline", None),
+    "layers.mlp.wi_gate": P("pipeline", "fsdp", "tensor"),
+    "layers.mlp.wi_up": P("pipeline", "fsdp", "tensor"),
+    "layers.mlp.wo": P("pipeline", "tensor", "fsdp"),
 }
 
 
@@ -124,7 +124,7 @@ def test_across_nodes_tensor_stays_inside_a_node_and_data_crosses(order):
     devices = list(range(nodes * per_node))
     # block: processes 0-7 on node 0, ...; cyclic: consecutive processes on different nodes
     node_of = [d // per_node if order == "block" else d % nodes for d in devices]
-    grid = arrange(devices, dict(data=2, fsdp=4, sequence=1, expert=1, tensor=4), node_of)
+    grid = arrange(devices, dict(data=2, fsdp=4, sequence=1, expert=1, tensor=4), node_of)[0]  # pipeline=1
     assert sorted(grid.flatten().tolist()) == devices
     where = _nodes_of(grid, node_of)
     for d in range(2):  # every tensor group lies inside one node
@@ -132,6 +132,10 @@ def test_across_nodes_tensor_stays_inside_a_node_and_data_crosses(order):
             assert len(set(where[d, f, 0, 0, :].tolist())) == 1
     assert set(where[0].flatten().tolist()).isdisjoint(where[1].flatten().tolist())  # data replicas: other nodes
     assert len(set(where[0, :, 0, 0, 0].tolist())) == 2  # fsdp spans 2 nodes within a replica
+    # pipeline stages are the outermost axis: with 2 stages each holds the nodes of its own half
+    staged = _nodes_of(arrange(devices, dict(pipeline=2, data=2, fsdp=2, tensor=4), node_of), node_of)
+    assert set(staged[0].flatten().tolist()).isdisjoint(staged[1].flatten().tolist())
+    assert all(len(set(staged[p, d, f, 0, 0, :].tolist())) == 1 for p in range(2) for d in range(2) for f in range(2))
 
 
 def test_one_node_keeps_the_device_order_and_bad_layouts_are_errors():
@@ -140,7 +144,8 @@ def test_one_node_keeps_the_device_order_and_bad_layouts_are_errors():
     sizes = dict(data=2, fsdp=2, sequence=1, expert=1, tensor=2)
     assert arrange(list(range(8)), sizes, [0] * 8).flatten().tolist() == list(range(8))
     assert split_over_nodes(dict(data=2, fsdp=8, sequence=1, expert=1, tensor=8), 4) == \
-        dict(data=2, fsdp=2, sequence=1, expert=1, tensor=1)
+        dict(pipeline=1, data=2, fsdp=2, sequence=1, expert=1, tensor=1)
+    assert split_over_nodes(dict(pipeline=4, data=2, fsdp=8, tensor=8), 8)["pipeline"] == 4  # stages first
     with pytest.raises(ConfigError, match="cannot be laid over 3 nodes"):
         split_over_nodes(sizes, 3)
     with pytest.raises(ConfigError, match=r"nodes have different device counts \(a: 5, b: 3\)"):

@@ -1,9 +1,9 @@
-"""Device mesh construction with axes (data, fsdp, sequence, expert, tensor).
+"""Device mesh construction with axes (pipeline, data, fsdp, sequence, expert, tensor).
 
 Axes go outermost to innermost in MESH_AXES order. Across several nodes, each axis is split into an
 inter-node part (outer) and an intra-node part (inner): the node count is spread over the outermost axes
-first (data, then fsdp, ...), so tensor- and expert-parallel groups stay inside a node (NVLink) and only
-data and fsdp traffic crosses the network.
+first (pipeline, then data, fsdp, ...), so tensor- and expert-parallel groups stay inside a node (NVLink) and
+only pipeline, data and fsdp traffic crosses the network.
 """
 
 from __future__ import annotations
@@ -19,9 +19,17 @@ from jax.sharding import AxisType, Mesh
 from jaxtron.config.schema import MESH_AXES, ConfigError
 
 
+def full_sizes(sizes: dict[str, int]) -> dict[str, int]:
+    """Every mesh axis's size, outermost first; an axis ``sizes`` leaves out has size 1."""
+    unknown = set(sizes) - set(MESH_AXES)
+    if unknown:
+        raise ConfigError(f"mesh axes {sorted(unknown)} do not exist; use {', '.join(MESH_AXES)}.")
+    return {a: sizes.get(a, 1) for a in MESH_AXES}
+
+
 def split_over_nodes(sizes: dict[str, int], nodes: int) -> dict[str, int]:
     """How many nodes each axis spans: the node count spread over the outermost axes first."""
-    left, across = nodes, {}
+    sizes, left, across = full_sizes(sizes), nodes, {}
     for axis in MESH_AXES:
         across[axis] = math.gcd(sizes[axis], left)
         left //= across[axis]
@@ -40,6 +48,7 @@ def arrange(devices: Sequence, sizes: dict[str, int], node_of: Sequence[Hashable
     if len(per_node) != 1:
         counts = ", ".join(f"{node}: {len(g)}" for node, g in groups.items())
         raise ConfigError(f"nodes have different device counts ({counts}); give every node the same number.")
+    sizes = full_sizes(sizes)
     across = split_over_nodes(sizes, len(groups))
     inside = {a: sizes[a] // across[a] for a in MESH_AXES}
     grid = np.empty((len(groups), per_node.pop()), dtype=object)

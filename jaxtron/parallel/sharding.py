@@ -77,7 +77,7 @@ def spec_axes(spec: PartitionSpec, dim: int) -> tuple[str, ...]:
 
 def shard_count(sizes: Mapping[str, int], logical: str) -> int:
     """Into how many pieces the rules table cuts the logical axis ``logical`` on a mesh of these axis sizes."""
-    return math.prod(sizes[axis] for axis in spec_axes(logical_to_spec((logical,)), 0))
+    return math.prod(sizes.get(axis, 1) for axis in spec_axes(logical_to_spec((logical,)), 0))
 
 
 def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:

@@ -53,7 +53,7 @@ def dry_run(cfg: Config, devices: list | None = None, implementation: str = "xla
     sizes = cfg.check_devices(len(devices))
     mesh = make_mesh(sizes, devices)
     with jax.set_mesh(mesh):
-        setup = state_lib.setup(cfg, implementation)
+        setup = state_lib.setup(cfg, implementation, sizes)
         shardings = state_lib.state_shardings(mesh, setup.abstract_state)
         state = abstract_with_shardings(setup.abstract_state, shardings)
         votes = jax.ShapeDtypeStruct((mesh.size,), jnp.int32, sharding=per_device_sharding(mesh))

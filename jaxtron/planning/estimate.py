@@ -35,7 +35,7 @@ from jaxtron.metrics.flops import flops_breakdown, hardware_flops_breakdown
 from jaxtron.models import build_model
 from jaxtron.models.moe import capacity
 from jaxtron.ops.attention import resolve_implementation
-from jaxtron.parallel.mesh import split_over_nodes
+from jaxtron.parallel.mesh import full_sizes, split_over_nodes
 from jaxtron.parallel.sharding import logical_names, logical_to_spec
 from jaxtron.planning.gpus import GPU
 
@@ -67,7 +67,7 @@ class Param:
         total = 1
         for dim, axes in zip(self.shape, logical_to_spec(self.names)):
             axes = () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
-            ways = math.prod(sizes[a] for a in axes if a not in without)
+            ways = math.prod(sizes.get(a, 1) for a in axes if a not in without)
             total *= -(-dim // ways)
         return total
 
@@ -84,6 +84,8 @@ def parameters(model: ModelConfig) -> tuple[Param, ...]:
 class Estimate:
     mesh: dict[str, int]
     microbatches: int
+    pipeline_microbatches: int  # in flight per pipeline pass (0: no pipeline schedule)
+    bubble: float  # the pipeline schedule's idle share
     attention: str  # the attention implementation the estimate assumes
     memory: dict[str, float]  # bytes per device by term
     time: dict[str, float]  # seconds per step by term
@@ -114,11 +116,11 @@ class Estimate:
         return max(self.exposed, key=self.time.get)
 
 
-COMPUTE_TERMS = ("matmul", "attention", "elementwise")
+COMPUTE_TERMS = ("matmul", "attention", "elementwise", "pipeline_bubble")
 
 
 def estimate(cfg: Config, sizes: dict[str, int], gpu: GPU, microbatches: int | None = None,
-             cpu_program: bool = False) -> Estimate:
+             cpu_program: bool = False, pipeline_microbatches: int | None = None) -> Estimate:
     """Per-device memory and step time of ``cfg`` on the mesh ``sizes`` of ``gpu``s.
 
     ``microbatches`` defaults to ``train.microbatches``. ``cpu_program``: estimate the program XLA:CPU compiles
@@ -126,8 +128,16 @@ def estimate(cfg: Config, sizes: dict[str, int], gpu: GPU, microbatches: int | N
     16-bit matmul, so it converts their operands: the block weights are gathered in float32 and the saved
     residual stream is converted to float32 once more before the backward pass).
     """
+    sizes = full_sizes(sizes)
     m, run, n_dev = cfg.model, cfg.execution, math.prod(sizes.values())
     micro = microbatches or cfg.train.microbatches
+    stages = sizes["pipeline"]
+    in_flight, virtual = cfg.pipeline.schedule(stages)
+    in_flight = pipeline_microbatches or in_flight
+    pipelined = (stages, in_flight) != (1, 1)
+    iterations = in_flight * virtual + stages - 1 if pipelined else 1
+    bubble = (stages - 1) / iterations if pipelined else 0.0
+    layers_here = m.num_layers // stages  # the blocks this stage holds
     impl = "xla" if cpu_program else resolve_implementation(run.attention, run.dtype, m.resolved_head_dim,
                                                             sizes["sequence"], backend="gpu")
     T, S, E, F = sizes["tensor"], sizes["sequence"], sizes["expert"], sizes["fsdp"]
@@ -135,7 +145,8 @@ def estimate(cfg: Config, sizes: dict[str, int], gpu: GPU, microbatches: int | N
     c = 2 if run.dtype == "bfloat16" else 4
     s = cfg.data.seq_len
     t = s // S
-    b = cfg.train.global_batch_size // micro // dp  # rows per device and microbatch
+    rows = cfg.train.global_batch_size // micro // dp  # rows per device and (accumulation) microbatch
+    b = rows // in_flight  # rows each block call runs on (a pipeline microbatch)
     h, f, d = m.embed_dim, m.mlp_dim, m.resolved_head_dim
     nq, nk = m.num_heads * d // T, m.num_kv_heads * d // T
     ft = f // T
@@ -146,7 +157,7 @@ def estimate(cfg: Config, sizes: dict[str, int], gpu: GPU, microbatches: int | N
     shard = sum(p.shard_elements(sizes) for p in params)
     memory = {"parameters": 4.0 * shard, "optimizer": 8.0 * shard,
               "gradients": 4.0 * shard * (2 if micro > 1 else 1),
-              "batch": 5 * 4.0 * b * micro * t}
+              "batch": 5 * 4.0 * rows * micro * t}
 
     # byte sizes: c in the GPU program; XLA:CPU holds 16-bit intermediates and gathered weights in float32
     work_c = 4 if cpu_program else c
@@ -172,8 +183,11 @@ def estimate(cfg: Config, sizes: dict[str, int], gpu: GPU, microbatches: int | N
             m.num_experts * b * capacity(m, run.capacity_factor, t)
     moe_values = moe_rows * (2 * h + 3 * ft) + 2 * tokens * k * h  # buffers in and out, hidden; sorted rows
     moe_saved = moe_values if run.remat in ("none", "save_dots", "save_dots_attention") else 0
-    memory["activations"] = float(m.num_layers * (saved * c + x * stack_copy + saved_scores * 4.0)
-                                  + moe_layers * moe_saved * c)
+    # every pipeline microbatch passes through this stage's blocks and leaves their saved values (fill-drain)
+    memory["activations"] = float(in_flight * (layers_here * (saved * c + x * stack_copy + saved_scores * 4.0)
+                                               + moe_layers // stages * moe_saved * c))
+    if pipelined:  # the schedule's carries: each iteration's stage input, and every microbatch's latest output
+        memory["pipeline_buffers"] = float((iterations + in_flight) * x * work_c)
 
     per_block = {}  # elements of one block's weights gathered over fsdp, per stack ('layers', 'moe_layers')
     for p in params:
@@ -187,7 +201,7 @@ def estimate(cfg: Config, sizes: dict[str, int], gpu: GPU, microbatches: int | N
     vocab = m.vocab_size // T
     head_params = [p for p in params if not p.in_blocks and "vocab" in p.names]
     head_gathered = sum(p.shard_elements(sizes, without=("fsdp",)) for p in head_params)
-    loss_work = (LOGIT_COPIES * 4.0 * b * t * vocab / cfg.train.logit_chunks
+    loss_work = (LOGIT_COPIES * 4.0 * rows * t * vocab / cfg.train.logit_chunks
                  + head_gathered * (HEAD_COPIES * work_c + 4.0))
     memory["working"] = float(max(layer_work, loss_work))
 
@@ -205,9 +219,13 @@ def estimate(cfg: Config, sizes: dict[str, int], gpu: GPU, microbatches: int | N
     # repeated on each of its ranks while the head and MLP widths are split
     elementwise = (ELEMENTWISE_PASSES * forward_passes * m.num_layers * (h + nq + 2 * nk + ft) * c
                    * step_tokens / (n_dev / T))
+    # the output head runs on every stage for its data-parallel rows (replicated over the pipeline axis)
+    matmul += hardware.get("logits", 0.0) * (stages - 1)
     time = {"matmul": matmul * step_tokens / n_dev / (peak * gpu.matmul_efficiency),
             "attention": scores_flops * step_tokens / n_dev / (peak * attention_eff),
             "elementwise": elementwise / gpu.hbm_bandwidth}
+    # the stages idle through the fill and drain: the bubble's share of the schedule's iterations
+    time["pipeline_bubble"] = sum(time.values()) * bubble / (1 - bubble)
 
     across = split_over_nodes(sizes, max(1, n_dev // gpu.gpus_per_node)) if n_dev > gpu.gpus_per_node else \
         {a: 1 for a in sizes}
@@ -227,9 +245,13 @@ def estimate(cfg: Config, sizes: dict[str, int], gpu: GPU, microbatches: int | N
         return times * moved / bandwidth(axis)
 
     gathers = 2 * micro  # forward and the backward's recompute/use: the weights are gathered twice per step
-    all_gathered = sum(p.shard_elements(sizes, without=("fsdp",)) for p in params)
-    time["fsdp_comm"] = (ring("all-gather", "fsdp", work_c * all_gathered, gathers)
-                         + ring("reduce-scatter", "fsdp", 4.0 * all_gathered, micro))
+    gathered = {True: 0, False: 0}  # elements gathered over fsdp: the blocks' and the rest
+    for p in params:
+        gathered[p.in_blocks] += p.shard_elements(sizes, without=("fsdp",))
+    # a pipeline stage gathers its blocks' weights again for every pipeline microbatch that passes
+    time["fsdp_comm"] = (ring("all-gather", "fsdp", work_c * gathered[True], gathers * in_flight)
+                         + ring("all-gather", "fsdp", work_c * gathered[False], gathers)
+                         + ring("reduce-scatter", "fsdp", 4.0 * (gathered[True] + gathered[False]), micro))
     replicated_over = [a for a in ("data", "expert") if sizes[a] > 1]
     grad_sync = 0.0
     for axis in replicated_over:  # gradients of what the axis does not shard are summed over it
@@ -239,22 +261,31 @@ def estimate(cfg: Config, sizes: dict[str, int], gpu: GPU, microbatches: int | N
     layer_passes = forward_passes  # forward, backward, recompute
     # per block: two all-reduces of the residual stream in each forward pass (attention and MLP outputs), and
     # twice as many in the backward pass (the compiled programs show four), plus the loss's hidden-state gradient
-    tensor_reductions = (2 * (layer_passes - 2) + 4) * m.num_layers * micro
+    tensor_reductions = (2 * (layer_passes - 2) + 4) * layers_here * micro * in_flight
     time["tensor_comm"] = ring("all-reduce", "tensor", x * work_c, tensor_reductions) + \
-        ring("all-reduce", "tensor", 4.0 * b * t * h, micro)
+        ring("all-reduce", "tensor", 4.0 * rows * t * h, micro)
     time["sequence_comm"] = ring("all-gather", "sequence", attn["kv"] * work_c,
-                                 (layer_passes - 1) * m.num_layers * micro)
+                                 (layer_passes - 1) * layers_here * micro * in_flight)
     if moe_layers and E > 1:
         exchange = moe_rows * h * work_c
-        time["expert_comm"] = ring("all-to-all", "expert", exchange, 2 * (layer_passes - 1) * moe_layers * micro)
+        time["expert_comm"] = ring("all-to-all", "expert", exchange,
+                                   2 * (layer_passes - 1) * moe_layers // stages * micro * in_flight)
     else:
         time["expert_comm"] = 0.0
+    # each schedule iteration moves one microbatch's activations a stage on (a permute) and writes the last
+    # stage's output where every stage reads (about a broadcast), forward and backward; between dependent steps
+    boundary = x * work_c
+    if stages > 1:
+        coll["collective-permute"] = 2.0 * iterations * micro * boundary
+    time["pipeline_comm"] = 4.0 * iterations * micro * boundary / bandwidth("pipeline") if stages > 1 else 0.0
     overlapped = ("fsdp_comm", "data_comm")
-    exposed = ("matmul", "attention", "elementwise", "tensor_comm", "sequence_comm", "expert_comm")
+    exposed = ("matmul", "attention", "elementwise", "pipeline_bubble", "tensor_comm", "sequence_comm",
+               "expert_comm", "pipeline_comm")
     compute = sum(time[k] for k in COMPUTE_TERMS)
     step = max(compute, sum(time[k] for k in overlapped)) + sum(time[k] for k in exposed if k not in COMPUTE_TERMS)
     model_flops = sum(terms.values()) * step_tokens / n_dev
-    return Estimate(mesh=dict(sizes), microbatches=micro, attention=impl, memory=memory, time=time,
+    return Estimate(mesh=dict(sizes), microbatches=micro, pipeline_microbatches=in_flight if pipelined else 0,
+                    bubble=bubble, attention=impl, memory=memory, time=time,
                     exposed=exposed, overlapped=overlapped, step_s=step,
                     mfu=model_flops / step / gpu.peak_flops["bfloat16"], tokens_per_s=step_tokens / step,
                     collectives=coll)

@@ -6,7 +6,7 @@ import dataclasses
 import math
 
 from jaxtron.config.schema import MESH_AXES, Config, ConfigError, MeshConfig
-from jaxtron.parallel.mesh import split_over_nodes
+from jaxtron.parallel.mesh import full_sizes, split_over_nodes
 from jaxtron.planning.estimate import Estimate, estimate
 from jaxtron.planning.gpus import GPU
 
@@ -18,7 +18,12 @@ def divisors(n: int) -> list[int]:
 
 
 def with_mesh(cfg: Config, sizes: dict[str, int]) -> Config:
-    return dataclasses.replace(cfg, mesh=MeshConfig(**sizes))
+    """``cfg`` on these mesh sizes; its pipeline microbatches become the stage count when they were fewer."""
+    stages = sizes.get("pipeline", 1)
+    pipeline = cfg.pipeline
+    if pipeline.microbatches and pipeline.microbatches < stages:
+        pipeline = dataclasses.replace(pipeline, microbatches=stages)
+    return dataclasses.replace(cfg, mesh=MeshConfig(**sizes), pipeline=pipeline)
 
 
 def layout_problem(cfg: Config, sizes: dict[str, int], gpu: GPU) -> str | None:
@@ -28,6 +33,7 @@ def layout_problem(cfg: Config, sizes: dict[str, int], gpu: GPU) -> str | None:
         with_mesh(cfg, sizes).check_devices(n)
     except ConfigError as e:
         return str(e)
+    sizes = full_sizes(sizes)
     if sizes["tensor"] * sizes["expert"] > gpu.gpus_per_node:
         return f"tensor x expert = {sizes['tensor'] * sizes['expert']} exceeds the {gpu.gpus_per_node} GPUs of a node"
     if n > gpu.gpus_per_node:
@@ -41,16 +47,19 @@ def candidate_meshes(cfg: Config, n: int, gpu: GPU) -> list[dict[str, int]]:
     """Every mesh of ``n`` devices that divides the model and keeps tensor and expert groups inside a node.
     A dense model gets no expert axis (it would only be another name for data parallelism)."""
     out = []
-    for tensor in divisors(n):
-        if tensor > gpu.gpus_per_node:
-            continue
-        for expert in divisors(n // tensor) if cfg.model.num_experts else [1]:
-            for sequence in divisors(n // tensor // expert):
-                for fsdp in divisors(n // tensor // expert // sequence):
-                    data = n // tensor // expert // sequence // fsdp
-                    sizes = dict(data=data, fsdp=fsdp, sequence=sequence, expert=expert, tensor=tensor)
-                    if layout_problem(cfg, sizes, gpu) is None:
-                        out.append({a: sizes[a] for a in MESH_AXES})
+    for pipeline in divisors(n):
+        for tensor in divisors(n // pipeline):
+            if tensor > gpu.gpus_per_node:
+                continue
+            rest = n // pipeline // tensor
+            for expert in divisors(rest) if cfg.model.num_experts else [1]:
+                for sequence in divisors(rest // expert):
+                    for fsdp in divisors(rest // expert // sequence):
+                        data = rest // expert // sequence // fsdp
+                        sizes = dict(pipeline=pipeline, data=data, fsdp=fsdp, sequence=sequence, expert=expert,
+                                     tensor=tensor)
+                        if layout_problem(cfg, sizes, gpu) is None:
+                            out.append({a: sizes[a] for a in MESH_AXES})
     return out
 
 
@@ -61,21 +70,39 @@ class Row:
 
 
 def _microbatch_options(cfg: Config, sizes: dict[str, int]) -> list[int]:
-    """Microbatch counts from the config's up, each leaving a whole number of rows per device."""
+    """Microbatch counts from the config's up, each leaving a whole number of rows per device (and per pipeline
+    microbatch, at least one per stage)."""
     dp = sizes["data"] * sizes["fsdp"] * sizes["expert"]
     rows = cfg.train.global_batch_size // dp
-    return [k for k in divisors(rows) if k >= cfg.train.microbatches]
+    stages = sizes.get("pipeline", 1)
+    return [k for k in divisors(rows) if k >= cfg.train.microbatches and (rows // k) % stages == 0]
+
+
+def _in_flight_options(cfg: Config, sizes: dict[str, int], microbatches: int) -> list[int | None]:
+    """Pipeline microbatch counts to try on a pipeline mesh: the config's (at least one per stage), then 2x and
+    4x the stage count, each splitting the rows of a device evenly; [None] (the config's) without a pipeline."""
+    stages = sizes["pipeline"]
+    if stages == 1:
+        return [None]
+    rows = cfg.train.global_batch_size // microbatches // (sizes["data"] * sizes["fsdp"] * sizes["expert"])
+    wanted = [cfg.pipeline.schedule(stages)[0], 2 * stages, 4 * stages]
+    return sorted({m for m in wanted if m >= stages and rows % m == 0}) or [None]
 
 
 def best_for_mesh(cfg: Config, sizes: dict[str, int], gpu: GPU) -> Row:
     """The mesh with the fewest microbatches that fit (more microbatches: less activation memory, more
-    weight gathers); if none fits, the estimate with the most microbatches."""
-    options = _microbatch_options(cfg, sizes)
+    weight gathers) and, on a pipeline mesh, the fastest count of pipeline microbatches among those that fit
+    (more: a smaller bubble, more weight gathers and stage hops); if none fits, the estimate with the most
+    microbatches."""
     est = None
-    for k in options:
-        est = estimate(cfg, sizes, gpu, microbatches=k)
-        if est.memory_bytes <= gpu.usable_bytes:
-            return Row(est, True)
+    for k in _microbatch_options(cfg, sizes):
+        fitting = []
+        for m in _in_flight_options(cfg, sizes, k):
+            est = estimate(cfg, sizes, gpu, microbatches=k, pipeline_microbatches=m)
+            if est.memory_bytes <= gpu.usable_bytes:
+                fitting.append(est)
+        if fitting:
+            return Row(min(fitting, key=lambda e: e.step_s), True)
     return Row(est, False)
 
 

@@ -75,7 +75,10 @@ def _init_fn(cfg: Config, attention_impl: str, stages: int = 1):
 
 def stage_count(cfg: Config, sizes: dict[str, int] | None) -> int:
     """Pipeline stages: the pieces the rules table cuts the stage dimension into on a mesh of ``sizes`` (default:
-    ``mesh.pipeline``, 1 when it is -1)."""
+    the mesh set with ``jax.set_mesh``, else ``mesh.pipeline``, 1 when it is -1)."""
+    if sizes is None:
+        mesh = jax.sharding.get_abstract_mesh()
+        sizes = None if mesh.empty else dict(mesh.shape)
     return shard_count(sizes, "stages") if sizes is not None else max(cfg.mesh.pipeline, 1)
 
 
