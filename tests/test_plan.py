@@ -140,6 +140,32 @@ def test_top_choices_follow_published_practice():
     assert all(r.estimate.dominant in r.estimate.time for r in rows)
 
 
+def test_pipeline_meshes_of_the_reference_tables_are_candidates_and_estimated():
+    """GPT-3 175B with TP=4, PP=8 on 128 H100s and Llama-3 70B with TP=4, PP=4, CP=2 on 64 are among the meshes;
+    a stage holds its share of the state, and the bubble and stage hops are priced."""
+    gpt3 = _config("gpt3_175b")
+    seeds = [m for m in search.candidate_meshes(gpt3, 128, H100) if m["pipeline"] == 8 and m["tensor"] == 4]
+    assert dict(pipeline=8, data=4, fsdp=1, sequence=1, expert=1, tensor=4) in seeds
+    llama = _config("llama3_70b")
+    assert any(m["pipeline"] == 4 and m["tensor"] == 4 and m["sequence"] == 2
+               for m in search.candidate_meshes(llama, 64, H100))
+    flat = dict(pipeline=1, data=4, fsdp=1, sequence=1, expert=1, tensor=4)
+    staged = dict(flat, pipeline=8, data=4)
+    one = estimate(gpt3, dict(flat, data=32), H100)
+    eight = estimate(gpt3, staged, H100, pipeline_microbatches=8)
+    assert eight.memory["parameters"] == pytest.approx(one.memory["parameters"] / 8, rel=0.05)  # the head is not staged
+    assert eight.bubble == pytest.approx(7 / 15) and one.bubble == 0 and one.time["pipeline_comm"] == 0
+    assert eight.time["pipeline_bubble"] == pytest.approx(
+        (eight.time["matmul"] + eight.time["attention"] + eight.time["elementwise"]) * 7 / 8)
+    more = estimate(gpt3, staged, H100, pipeline_microbatches=32)
+    assert more.bubble < eight.bubble  # stage hops: (microbatches + 7) iterations of a microbatch's activations
+    assert more.time["pipeline_comm"] / eight.time["pipeline_comm"] == pytest.approx((39 / 32) / (15 / 8))
+    assert eight.time["pipeline_comm"] > 0 and eight.collectives["collective-permute"] > 0
+    layers = _config("llama3_8b")  # 32 layers cannot be cut into 3 stages
+    assert "cannot be split into mesh.pipeline=3" in search.layout_problem(
+        layers, dict(pipeline=3, data=1, fsdp=8, sequence=1, expert=1, tensor=1), H100)
+
+
 def test_dominant_term_follows_the_bottleneck():
     cfg = _config("llama3_8b")
     sizes = dict(data=1, fsdp=16, sequence=1, expert=1, tensor=1)

@@ -183,9 +183,12 @@ def estimate(cfg: Config, sizes: dict[str, int], gpu: GPU, microbatches: int | N
             m.num_experts * b * capacity(m, run.capacity_factor, t)
     moe_values = moe_rows * (2 * h + 3 * ft) + 2 * tokens * k * h  # buffers in and out, hidden; sorted rows
     moe_saved = moe_values if run.remat in ("none", "save_dots", "save_dots_attention") else 0
-    # every pipeline microbatch passes through this stage's blocks and leaves their saved values (fill-drain)
-    memory["activations"] = float(in_flight * (layers_here * (saved * c + x * stack_copy + saved_scores * 4.0)
-                                               + moe_layers // stages * moe_saved * c))
+    # every iteration of the schedule leaves the saved values of the blocks the stage ran, the idle ones of the
+    # fill and drain included (they compute on zeros): iterations x blocks of one pass, for a pipeline microbatch
+    passes, per_pass = (iterations, virtual * stages) if pipelined else (1, 1)
+    memory["activations"] = float(passes * (m.num_layers // per_pass * (saved * c + x * stack_copy
+                                                                        + saved_scores * 4.0)
+                                            + moe_layers // per_pass * moe_saved * c))
     if pipelined:  # the schedule's carries: each iteration's stage input, and every microbatch's latest output
         memory["pipeline_buffers"] = float((iterations + in_flight) * x * work_c)
 
