@@ -42,12 +42,12 @@ LAYOUTS = [("fsdp=8", dict(pipeline=1, fsdp=8), PipelineConfig()),
 
 
 def config(mesh: dict, pipeline: PipelineConfig, steps: int) -> Config:
-    """A 8-layer Llama-style model of 12.6M parameters, float32, sequence 256, 64 rows per step."""
-    model = ModelConfig(name="bench", vocab_size=4096, embed_dim=256, num_layers=8, num_heads=8, num_kv_heads=4,
-                        mlp_dim=1024, max_seq_len=256)
+    """An 8-layer Llama-style model of 2.2M parameters, float32, sequence 128, 32 rows per step."""
+    model = ModelConfig(name="bench", vocab_size=1024, embed_dim=128, num_layers=8, num_heads=4, num_kv_heads=2,
+                        mlp_dim=512, max_seq_len=128)
     return Config(model=model, execution=ExecutionConfig(dtype="float32"), mesh=MeshConfig(**mesh),
-                  pipeline=pipeline, train=TrainConfig(steps=steps, global_batch_size=64, log_every=1, eval_batches=0),
-                  optimizer=OptimizerConfig(warmup_steps=1), data=DataConfig(source="synthetic", seq_len=256))
+                  pipeline=pipeline, train=TrainConfig(steps=steps, global_batch_size=32, log_every=1, eval_batches=0),
+                  optimizer=OptimizerConfig(warmup_steps=1), data=DataConfig(source="synthetic", seq_len=128))
 
 
 def main() -> None:

@@ -35,27 +35,6 @@ def one_process(tmp_path_factory):
     return _losses(workdir)
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("mesh", [["--config.mesh.sequence=2", "--config.mesh.tensor=4", "--config.mesh.fsdp=1"],
-                                  ["--config.mesh.data=2", "--config.mesh.fsdp=2", "--config.mesh.tensor=2"]],
-                         ids=["sequence_across_processes", "data_across_processes"])
-def test_two_processes_equal_one(mesh, one_process, tmp_path):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    procs = [subprocess.Popen([sys.executable, "train.py", *TINY, *mesh, f"--workdir={tmp_path}"], cwd=REPO,
-                              env=_env(4, JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}", JAX_NUM_PROCESSES="2",
-                                       JAX_PROCESS_ID=str(i)),
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(2)]
-    outputs = [p.communicate(timeout=300)[0] for p in procs]
-    assert [p.returncode for p in procs] == [0, 0], outputs
-    assert "process 1 of 2 joined" in outputs[1]
-    np.testing.assert_allclose(_losses(tmp_path), one_process, rtol=1e-5)  # written once, by process 0
-    assert sorted(f for f in os.listdir(tmp_path) if not f.startswith("events")) == \
-        ["checkpoints", "collectives.json", "config.json", "metrics.jsonl"]
-    assert os.listdir(tmp_path / "checkpoints") == ["3"]  # one checkpoint, written together by both processes
-
-
 def _two_processes(args: list[str], workdir) -> list[str]:
     """Runs train.py as two processes of 4 CPU devices; returns their outputs once both exited 0."""
     with socket.socket() as s:
@@ -68,6 +47,19 @@ def _two_processes(args: list[str], workdir) -> list[str]:
     outputs = [p.communicate(timeout=300)[0] for p in procs]
     assert [p.returncode for p in procs] == [0, 0], outputs
     return outputs
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mesh", [["--config.mesh.sequence=2", "--config.mesh.tensor=4", "--config.mesh.fsdp=1"],
+                                  ["--config.mesh.data=2", "--config.mesh.fsdp=2", "--config.mesh.tensor=2"]],
+                         ids=["sequence_across_processes", "data_across_processes"])
+def test_two_processes_equal_one(mesh, one_process, tmp_path):
+    outputs = _two_processes([*TINY, *mesh], tmp_path)
+    assert "process 1 of 2 joined" in outputs[1]
+    np.testing.assert_allclose(_losses(tmp_path), one_process, rtol=1e-5)  # written once, by process 0
+    assert sorted(f for f in os.listdir(tmp_path) if not f.startswith("events")) == \
+        ["checkpoints", "collectives.json", "config.json", "metrics.jsonl"]
+    assert os.listdir(tmp_path / "checkpoints") == ["3"]  # one checkpoint, written together by both processes
 
 
 @pytest.mark.slow
