@@ -79,6 +79,19 @@ def test_srun_trains_like_one_process_and_resumes_on_another_count(reference, tm
     np.testing.assert_allclose([line["loss"] for line in lines], reference, rtol=1e-5)
 
 
+def test_srun_pipeline_stages_one_per_process_train_like_one_process(tmp_path):
+    """srun -n 2 with the pipeline axis across the two processes (stage 0 on one, stage 1 on the other)."""
+    layers = "--config.model.num_layers=2"
+    one = _one_process(tmp_path / "one", layers)
+    assert one.returncode == 0, one.stderr[-3000:]
+    proc = _srun(tmp_path / "two", layers, "--config.mesh.pipeline=2", "--config.mesh.data=1",
+                 "--config.pipeline.microbatches=2")
+    output = proc.communicate(timeout=400)[0]
+    assert proc.returncode == 0, output[-4000:]
+    assert "'pipeline': 2, 'data': 1, 'fsdp': 4" in output and "(slurm: Slurm job" in output
+    np.testing.assert_allclose(_losses(tmp_path / "two"), _losses(tmp_path / "one"), rtol=1e-5)
+
+
 def _task_pid(workdir, rank: int, timeout=60) -> int:
     deadline = time.time() + timeout
     while time.time() < deadline:
