@@ -92,6 +92,13 @@ def test_srun_pipeline_stages_one_per_process_train_like_one_process(tmp_path):
     np.testing.assert_allclose(_losses(tmp_path / "two"), _losses(tmp_path / "one"), rtol=1e-5)
 
 
+def _recorded(workdir, step: int) -> bool:
+    """Whether both processes recorded the checksums of their files of checkpoint ``step`` (they do so after the
+    save is committed, in the background): a process killed before that leaves a checkpoint that counts as
+    damaged, and a run whose only checkpoint it is cannot resume."""
+    return all((workdir / "checkpoints" / str(step) / f"integrity.process_{i}.json").exists() for i in range(2))
+
+
 def _task_pid(workdir, rank: int, timeout=60) -> int:
     deadline = time.time() + timeout
     while time.time() < deadline:
@@ -111,7 +118,7 @@ def _task_pid(workdir, rank: int, timeout=60) -> int:
 def test_a_killed_task_ends_the_step_and_a_new_srun_resumes(tmp_path):
     proc = _srun(tmp_path, "--config.train.steps=100000", "--config.checkpoint.every=4")
     deadline = time.time() + 300
-    while not (tmp_path / "checkpoints" / "4").exists():
+    while not _recorded(tmp_path, 4):
         assert proc.poll() is None and time.time() < deadline, proc.communicate()[0][-4000:]
         time.sleep(0.2)
     time.sleep(3)
@@ -161,7 +168,7 @@ def test_sbatch_requeues_a_job_that_lost_a_process_and_it_resumes(tmp_path):
     job = submit.stdout.strip().split(";")[0]
     try:
         deadline = time.time() + 300
-        while not (workdir / "checkpoints" / "4").exists():
+        while not _recorded(workdir, 4):
             assert time.time() < deadline and _job_field(job, "JobState") in ("PENDING", "RUNNING"), \
                 _job_field(job, "JobState")
             time.sleep(0.5)
