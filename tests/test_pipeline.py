@@ -133,7 +133,8 @@ PIPELINE_MESHES = {
     "pipeline2_data4": (dict(pipeline=2, data=4, fsdp=1), dict(microbatches=2), {}),
     "pipeline2_fsdp2_tensor2_virtual2": (dict(pipeline=2, fsdp=2, tensor=2), dict(microbatches=4, virtual_stages=2),
                                          {}),
-    "pipeline4_data2_remat": (dict(pipeline=4, data=2, fsdp=1), dict(microbatches=4), dict(execution=dict(remat="full"))),
+    "pipeline4_data2_remat": (dict(pipeline=4, data=2, fsdp=1), dict(microbatches=4),
+                              dict(execution=dict(remat="full"))),
     "pipeline2_sequence2_tensor2_accumulation": (dict(pipeline=2, fsdp=1, sequence=2, tensor=2), dict(microbatches=2),
                                                  dict(train=dict(global_batch_size=16, microbatches=2))),
 }
@@ -182,6 +183,15 @@ def test_a_checkpoint_resumes_on_other_pipeline_degrees(tmp_path):
                             **base), str(tmp_path / "run"), use_tqdm=False)
     with open(tmp_path / "run" / "checkpoints" / "2" / "config" / "metadata") as f:
         assert json.load(f)["layer_order"] == [0, 2, 1, 3]
+    # export reads the stage-major stack back in the model's order, whole (load) and parameter by parameter
+    from jaxtron.interop.convert import _Slices, _run_config, load
+    stored = np.asarray(nnx.to_pure_dict(first["state"].params)["layers"]["mlp"]["wo"])
+    natural = to_natural(stored, [0, 2, 1, 3])
+    assert not np.array_equal(stored, natural)
+    np.testing.assert_array_equal(load(str(tmp_path / "run"))[1]["layers.mlp.wo"], natural)
+    run_cfg, step_dir = _run_config(str(tmp_path / "run"))
+    np.testing.assert_array_equal(_Slices(str(tmp_path / "run"), run_cfg.model, step_dir).get("layers.mlp.wo", ()),
+                                  natural)
     for mesh, microbatches in ((dict(fsdp=8), 1), (dict(pipeline=4, data=2, fsdp=1), 4)):
         workdir = tmp_path / f"resume{mesh.get('pipeline', 1)}"
         shutil.copytree(tmp_path / "run", workdir)

@@ -20,8 +20,9 @@ import orbax.checkpoint as ocp
 
 from jaxtron.checkpoint import integrity
 from jaxtron.checkpoint.train_state import (CHECKPOINT_DIR, LAYER_ORDER, RESTORE_BUFFER_GB, CheckpointError,
-                                           abstract_with_shardings, move_layers)
+                                           abstract_with_shardings)
 from jaxtron.parallel.sharding import without_leading_axes
+from jaxtron.parallel.stages import reorder
 
 PARAMS_DIR = "params"
 MANIFEST = "manifest.json"
@@ -145,7 +146,7 @@ def restore_params(path: str, abstract_params: Any, shardings: Any, step_dir: st
     try:
         if os.path.isdir(os.path.join(path, PARAMS_DIR)):
             params = _restore_converted(os.path.join(path, PARAMS_DIR), target)
-            return move_layers(params, {}, layer_order)
+            return reorder(params, None, layer_order)  # converted models are in the natural order
         step_dir = step_dir or latest_run_state(path)
         if step_dir is None:
             raise CheckpointError(f"'{path}' holds neither {PARAMS_DIR}/ (a converted model) nor a checkpoint of a "
@@ -154,7 +155,7 @@ def restore_params(path: str, abstract_params: Any, shardings: Any, step_dir: st
         with _checkpointer() as checkpointer:
             restored = checkpointer.restore(os.path.join(step_dir, "state"), args=ocp.args.PyTreeRestore(
                 {"params": target}, restore_args={"params": restore_args}, partial_restore=True))
-        return move_layers(restored["params"], {LAYER_ORDER: saved_layer_order(step_dir)}, layer_order)
+        return reorder(restored["params"], saved_layer_order(step_dir), layer_order)
     except CheckpointError:
         raise
     except (ValueError, KeyError, OSError, TypeError) as e:

@@ -31,7 +31,7 @@ from jaxtron.parallel.stages import reorder
 log = logging.getLogger(__name__)
 
 CHECKPOINT_DIR = "checkpoints"
-LAYER_ORDER = "layer_order"  # key of the saved config: the period order of the stored layer stack (natural if absent)
+LAYER_ORDER = "layer_order"  # saved config key: the period order of the stored layer stack (natural if absent)
 RESTORE_BUFFER_GB = 4
 
 
@@ -181,7 +181,7 @@ class Checkpointer:
             except Exception as e:  # noqa: BLE001 - named in the damage line, never dropped
                 failure = e
         if failure is None:  # stored for another pipeline schedule: the periods move into this run's order
-            restored["state"] = move_layers(restored["state"], saved["config"], layer_order)
+            restored["state"] = reorder(restored["state"], saved["config"].get(LAYER_ORDER), layer_order)
         reason = integrity.agree(failure and f"verified but cannot be restored ({type(failure).__name__}: "
                                              f"{str(failure).splitlines()[0][:200] if str(failure) else ''})")
         return (None, reason) if reason else ((restored["state"], restored["data"]), None)
@@ -207,16 +207,6 @@ class Checkpointer:
             self.wait()
         finally:
             self.manager.close()
-
-
-def move_layers(tree: Any, saved_config: dict, wanted: Sequence[int] | None) -> Any:
-    """``tree`` (restored from a checkpoint written with ``saved_config``) with its layer stack in the period
-    order ``wanted`` (None: natural)."""
-    saved = saved_config.get(LAYER_ORDER)
-    if saved is None and wanted is None:
-        return tree
-    periods = len(saved if saved is not None else wanted)
-    return reorder(tree, range(periods) if saved is None else saved, range(periods) if wanted is None else wanted)
 
 
 def _check_compatible(saved: dict, cfg: Config, where: str) -> None:

@@ -44,13 +44,18 @@ def _read_hf_config(hf_dir: str) -> dict:
     return config
 
 
-def _abstract_params(cfg: ModelConfig) -> dict[str, Any]:
-    """{dotted path: ShapeDtypeStruct} of the model's parameters (nothing allocated)."""
+def _abstract_variables(cfg: ModelConfig) -> dict[str, Any]:
+    """{dotted path: abstract nnx Variable (shape, dtype, logical names)} of the model's parameters."""
     from flax import nnx
 
     from jaxtron.models import build_model
     state = nnx.state(nnx.eval_shape(lambda: build_model(cfg, ExecutionConfig(), 0)), nnx.Param)
-    return {".".join(map(str, path)): var.get_value() for path, var in nnx.to_flat_state(state)}
+    return {".".join(map(str, path)): var for path, var in nnx.to_flat_state(state)}
+
+
+def _abstract_params(cfg: ModelConfig) -> dict[str, Any]:
+    """{dotted path: ShapeDtypeStruct} of the model's parameters (nothing allocated)."""
+    return {path: var.get_value() for path, var in _abstract_variables(cfg).items()}
 
 
 def _config_file(cfg: ModelConfig, train: dict[str, Any], out_dir: str) -> str:
@@ -168,10 +173,14 @@ class _Slices:
         self.converted = os.path.isdir(self.root)
         self.manifest = _manifest(self.root) if self.converted else None
         self.item, self.cached = None if self.converted else os.path.join(step_dir, "state"), (None, None)
-        self.shapes = None if self.converted else _abstract_params(cfg)
+        self.shapes, self.layer_order, self.stacked = None, None, set()
         if not self.converted:
             from jaxtron.checkpoint.params import saved_layer_order
+            from jaxtron.parallel.sharding import logical_names
+            variables = _abstract_variables(cfg)
+            self.shapes = {path: var.get_value() for path, var in variables.items()}
             self.layer_order = saved_layer_order(step_dir)
+            self.stacked = {path for path, var in variables.items() if logical_names(var)[:1] == ("layers",)}
 
     def get(self, param: str, index: tuple[int, ...]) -> np.ndarray:
         from jaxtron.checkpoint.params import read_slice
@@ -194,7 +203,7 @@ class _Slices:
                 restore_args=nest({key: ocp.RestoreArgs(restore_type=np.ndarray)}), partial_restore=True))
         for part in key.split("."):
             restored = restored[part]
-        if self.layer_order is not None and param.split(".")[0] in ("layers", "moe_layers"):
+        if self.layer_order is not None and param in self.stacked:
             from jaxtron.parallel.stages import to_natural
             return to_natural(np.asarray(restored), self.layer_order)  # stored stage-major for a pipeline
         return np.asarray(restored)

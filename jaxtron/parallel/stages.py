@@ -17,6 +17,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxtron.parallel.sharding import logical_names
+
 
 def storage_order(periods: int, stages: int = 1, virtual_stages: int = 1) -> np.ndarray:
     """The natural period index stored at each position of the stage-major stack: ``stacked[i]`` holds period
@@ -26,26 +28,26 @@ def storage_order(periods: int, stages: int = 1, virtual_stages: int = 1) -> np.
     return ((r * stages + s) * per + p).reshape(-1)
 
 
-def _is_variable(x: Any) -> bool:
-    return isinstance(x, nnx.Variable)
-
-
 def _stacked(leaf: Any) -> bool:
-    """Whether a leaf (an nnx Variable) is a stacked layer parameter or one of its optimizer moments."""
-    names = leaf.get_metadata().get("out_sharding") if _is_variable(leaf) else None
-    return bool(names) and names[0] == "layers"
+    """Whether a leaf is a stacked layer parameter or one of its optimizer moments (an nnx Variable whose first
+    axis is ``layers``)."""
+    return isinstance(leaf, nnx.Variable) and logical_names(leaf)[:1] == ("layers",)
 
 
-def reorder(tree: Any, saved: Sequence[int], wanted: Sequence[int]) -> Any:
+def reorder(tree: Any, saved: Sequence[int] | None, wanted: Sequence[int] | None) -> Any:
     """``tree`` (parameters or a train state of nnx Variables) with every stacked leaf moved from the period
-    order ``saved`` into ``wanted``. Each leaf keeps its sharding; one leaf at a time is copied."""
-    saved, wanted = np.asarray(saved), np.asarray(wanted)
+    order ``saved`` into ``wanted`` (None: the natural order). Each leaf keeps its sharding; one leaf at a time
+    is copied."""
+    if saved is None and wanted is None:
+        return tree
+    periods = len(saved if saved is not None else wanted)
+    saved = np.arange(periods) if saved is None else np.asarray(saved)
+    wanted = np.arange(periods) if wanted is None else np.asarray(wanted)
     if np.array_equal(saved, wanted):
         return tree
     # wanted position i holds period wanted[i], which sits at position where[wanted[i]] of the saved stack
     where = np.argsort(saved)
     take = where[wanted]
-    periods = len(saved)
 
     def move(leaf):
         if not _stacked(leaf):
@@ -61,7 +63,7 @@ def reorder(tree: Any, saved: Sequence[int], wanted: Sequence[int]) -> Any:
             return leaf.replace(permute(value))
         return leaf.replace(jax.jit(permute, out_shardings=value.sharding, donate_argnums=0)(value))
 
-    return jax.tree.map(move, tree, is_leaf=_is_variable)
+    return jax.tree.map(move, tree, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
 def to_natural(array: np.ndarray, saved: Sequence[int]) -> np.ndarray:

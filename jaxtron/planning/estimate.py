@@ -38,6 +38,7 @@ from jaxtron.ops.attention import resolve_implementation
 from jaxtron.parallel.mesh import full_sizes, split_over_nodes
 from jaxtron.parallel.sharding import logical_names, logical_to_spec
 from jaxtron.planning.gpus import GPU
+from jaxtron.training.pipeline import bubble_fraction
 
 # live copies at the peak, per kind of buffer (see the module docstring)
 LAYER_COPIES = 3.0  # one block's intermediates during its backward: recomputed values and their gradients
@@ -136,7 +137,7 @@ def estimate(cfg: Config, sizes: dict[str, int], gpu: GPU, microbatches: int | N
     in_flight = pipeline_microbatches or in_flight
     pipelined = (stages, in_flight) != (1, 1)
     iterations = in_flight * virtual + stages - 1 if pipelined else 1
-    bubble = (stages - 1) / iterations if pipelined else 0.0
+    bubble = bubble_fraction(stages, in_flight, virtual)
     layers_here = m.num_layers // stages  # the blocks this stage holds
     impl = "xla" if cpu_program else resolve_implementation(run.attention, run.dtype, m.resolved_head_dim,
                                                             sizes["sequence"], backend="gpu")

@@ -182,8 +182,7 @@ class Trainer:
             if self.is_main:
                 _drop_metrics_after(self.workdir, position.step)
             return restored[0], position
-        stages = state_lib.stage_count(cfg, dict(self.mesh.shape))
-        state = state_lib.init_state(cfg, self.implementation, self.shardings, stages)
+        state = state_lib.init_state(cfg, self.implementation, self.shardings)
         if cfg.train.init_from:  # fine-tuning start: these parameters, a fresh optimizer and step 0
             params = restore_params(cfg.train.init_from, self.setup.abstract_state.params, self.shardings.params,
                                     layer_order=self.setup.layer_order)

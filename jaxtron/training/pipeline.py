@@ -26,7 +26,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxtron.parallel.sharding import constrain_leading, logical_to_spec, spec_axes
-from jaxtron.parallel.stages import storage_order
 
 # body(hidden [b, T, D], one period's parameters, extras) -> (hidden, stats of that period)
 Body = Callable[[jax.Array, Any, Any], tuple[jax.Array, dict[str, jax.Array]]]
@@ -60,9 +59,6 @@ class Schedule:
     def bubble(self) -> float:
         return bubble_fraction(self.stages, self.microbatches, self.virtual_stages)
 
-    def order(self, periods: int) -> np.ndarray:
-        return storage_order(periods, self.stages, self.virtual_stages)
-
     def __call__(self, body: Body, x: jax.Array, stack: Any, extras: Any) -> tuple[jax.Array, dict]:
         s_, v_, m_ = self.stages, self.virtual_stages, self.microbatches
         periods = jax.tree.leaves(stack)[0].shape[0]
@@ -78,7 +74,7 @@ class Schedule:
             def one(carry, layer):
                 h, total = carry
                 h, stats = body(h, layer, ex)
-                return (h, jax.tree.map(jnp.add, total, stats) if total is not None else stats), None
+                return (h, jax.tree.map(jnp.add, total, stats)), None
 
             first = jax.tree.map(lambda a: a[0], layers)
             (h, stats), _ = jax.lax.scan(one, body(h, first, ex), jax.tree.map(lambda a: a[1:], layers))

@@ -60,12 +60,15 @@ def layer_order(cfg: Config, stages: int) -> tuple[int, ...]:
     return tuple(int(i) for i in storage_order(periods, stages, cfg.pipeline.virtual_stages if stages > 1 else 1))
 
 
-def _init_fn(cfg: Config, attention_impl: str, stages: int = 1):
+def _init_fn(cfg: Config, attention_impl: str, stages: int | None = None):
+    """The initialiser; the layer stack is stored in the order of ``stages`` pipeline stages (default: those of
+    the mesh set with ``jax.set_mesh``, see ``stage_count``)."""
+    order = layer_order(cfg, stage_count(cfg, None) if stages is None else stages)
+
     def init() -> tuple[Any, TrainState]:
         model = build_model(cfg.model, cfg.execution, cfg.train.seed, attention_impl)
         graphdef, params = nnx.split(model, nnx.Param)
-        order = layer_order(cfg, stages)  # each layer is initialised as without a pipeline, then stored stage-major
-        params = reorder(params, sorted(order), order)
+        params = reorder(params, None, order)  # each layer initialised as without a pipeline, stored stage-major
         tx = make_optimizer(cfg.optimizer, cfg.train.steps, params)
         return graphdef, tx, TrainState(step=jax.numpy.zeros((), jax.numpy.int32), params=params,
                                         opt_state=tx.init(params),
@@ -133,12 +136,13 @@ def check_fits(abstract_state: TrainState, shardings: TrainState, devices: list)
                           "a larger mesh.fsdp or a smaller model.")
 
 
-def sharded_init(cfg: Config, attention_impl: str, shardings: TrainState | None, stages: int = 1):
+def sharded_init(cfg: Config, attention_impl: str, shardings: TrainState | None):
     """The jitted initialiser: each device computes only its own shards (partitionable RNG)."""
-    init = _init_fn(cfg, attention_impl, stages)
+    init = _init_fn(cfg, attention_impl)
     return jax.jit(lambda: init()[2], out_shardings=shardings)
 
 
-def init_state(cfg: Config, attention_impl: str, shardings: TrainState | None, stages: int = 1) -> TrainState:
-    """Initialises directly into the target shardings: no device ever holds the full model."""
-    return sharded_init(cfg, attention_impl, shardings, stages)()
+def init_state(cfg: Config, attention_impl: str, shardings: TrainState | None) -> TrainState:
+    """Initialises directly into the target shardings (under the mesh they belong to): no device ever holds the
+    full model."""
+    return sharded_init(cfg, attention_impl, shardings)()

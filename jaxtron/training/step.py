@@ -14,6 +14,7 @@ from flax import nnx
 from jaxtron.models.transformer import logits_of
 from jaxtron.parallel.sharding import BATCH_AXES, constrain
 from jaxtron.training.optimizer import schedule_count
+from jaxtron.training.pipeline import split_rows
 from jaxtron.training.state import Setup, TrainState
 
 Batch = dict[str, jax.Array]
@@ -82,10 +83,7 @@ def loss_sums(params: Any, graphdef: Any, batch: Batch, z_loss: float, logit_chu
 
 def split_microbatches(batch: Batch, k: int) -> Batch:
     """[B, ...] -> [k, B/k, ...]; microbatch j takes rows j, j+k, ... so no data crosses devices."""
-    def split(x):
-        x = x.reshape(x.shape[0] // k, k, *x.shape[1:])
-        return jnp.swapaxes(x, 0, 1)
-    return jax.tree.map(split, batch)
+    return jax.tree.map(lambda x: split_rows(x, k), batch)
 
 
 def gradients(setup: Setup, params: Any, batch: Batch):
