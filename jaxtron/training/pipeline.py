@@ -24,8 +24,11 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.ad_checkpoint import checkpoint_name
 
 from jaxtron.parallel.sharding import constrain_leading, logical_to_spec, spec_axes
+
+PICKED = "pipeline_period_weights"  # the name of the weights a stage picks for one period
 
 # body(hidden [b, T, D], one period's parameters, extras) -> (hidden, stats of that period)
 Body = Callable[[jax.Array, Any, Any], tuple[jax.Array, dict[str, jax.Array]]]
@@ -46,6 +49,32 @@ def join_rows(x: jax.Array) -> jax.Array:
     return jnp.swapaxes(x, 0, 1).reshape(x.shape[0] * x.shape[1], *x.shape[2:])
 
 
+def _period_policy(policy: Callable | None, stages: int) -> Callable:
+    """The checkpoint policy of one period run under the stage vmap: the model's ``policy`` (None: keep
+    everything) as it would judge the unbatched program, except that the period's weights, sliced from the
+    stage's stack, are never kept (the backward pass slices them again).
+
+    The vmap gives every weight matmul a leading batch dimension of size ``stages``; such a dot is judged as the
+    dot it was (``dots_with_no_batch_dims_saveable`` would otherwise keep none). Without a policy, views and
+    slices are not kept either (recomputing them costs a copy at most), so that neither the weight slice nor its
+    reshape is kept."""
+    picked = jax.checkpoint_policies.save_only_these_names(PICKED)
+    views = (jax.lax.dynamic_slice_p, jax.lax.gather_p, jax.lax.reshape_p, jax.lax.squeeze_p)  # (vmapped: gather)
+
+    def keep(prim, *args, **params):
+        if picked(prim, *args, **params):
+            return False
+        if policy is None:
+            return prim not in views
+        if prim is jax.lax.dot_general_p:
+            contract, (lhs, rhs) = params["dimension_numbers"]
+            if lhs and rhs and args[0].shape[lhs[0]] == stages == args[1].shape[rhs[0]]:
+                params = dict(params, dimension_numbers=(contract, (lhs[1:], rhs[1:])))
+        return policy(prim, *args, **params)
+
+    return keep
+
+
 @dataclasses.dataclass(frozen=True)
 class Schedule:
     """A runner of the model's layer stack (``Transformer.hidden_and_stats(stack_runner=...)``) on ``stages``
@@ -54,6 +83,7 @@ class Schedule:
     stages: int
     microbatches: int
     virtual_stages: int = 1
+    remat_policy: Callable | None = None  # the model's checkpoint policy (None: keep everything)
 
     @property
     def bubble(self) -> float:
@@ -68,27 +98,30 @@ class Schedule:
         staged = jax.tree.map(lambda a: constrain_leading(a.reshape(s_, v_, per, *a.shape[1:]), "stages"), stack)
         stage_ids = jnp.arange(s_)
 
-        def stage_fn(layers, item):
+        def period(h, stack_s, r, p, ex):
+            """Period p of round r of one stage's [V, P, ...] stack applied to h. The weights are picked inside
+            the checkpoint and named so that no policy keeps them: the backward pass picks them again, instead
+            of every iteration keeping a copy of the periods it ran."""
+            start = lambda a: (r, p) + (0,) * (a.ndim - 2)
+            pick = lambda a: jax.lax.dynamic_slice(a, start(a), (1, 1, *a.shape[2:])).reshape(a.shape[2:])
+            return body(h, checkpoint_name(jax.tree.map(pick, stack_s), PICKED), ex)
+
+        period = jax.checkpoint(period, policy=_period_policy(self.remat_policy, s_), prevent_cse=False)
+
+        def stage_fn(stack_s, r, item):
             h, ex = item
 
-            def one(carry, layer):
+            def one(carry, p):
                 h, total = carry
-                h, stats = body(h, layer, ex)
+                h, stats = period(h, stack_s, r, p, ex)
                 return (h, jax.tree.map(jnp.add, total, stats)), None
 
-            first = jax.tree.map(lambda a: a[0], layers)
-            (h, stats), _ = jax.lax.scan(one, body(h, first, ex), jax.tree.map(lambda a: a[1:], layers))
+            (h, stats), _ = jax.lax.scan(one, period(h, stack_s, r, 0, ex), jnp.arange(1, per))
             return h, stats
 
         mesh = jax.sharding.get_abstract_mesh()
         spmd = None if mesh.empty else spec_axes(logical_to_spec(("stages",)), 0) or None
         run_stages = jax.vmap(stage_fn, spmd_axis_name=spmd)
-
-        def layers_of(t):
-            """The [S, P, ...] periods each stage runs at iteration t: those of the round of the item it holds."""
-            rounds = jnp.clip((t - stage_ids) // m_, 0, v_ - 1)
-            pick = lambda tree, r: jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, r, 0, False), tree)
-            return jax.vmap(pick)(staged, rounds)
 
         def on_stages(tree):
             return jax.tree.map(lambda a: constrain_leading(a, "stages"), tree)
@@ -101,7 +134,8 @@ class Schedule:
             pick = lambda a: jax.lax.dynamic_index_in_dim(a, t % m_, 0, False)
             entering = (pick(current), jax.tree.map(pick, micro_extras))
             held = on_stages(jax.tree.map(lambda h, e: h.at[0].set(e), held, entering))
-            out, stats = run_stages(layers_of(t), held)
+            rounds = jnp.clip((t - stage_ids) // m_, 0, v_ - 1)  # the round of the item each stage holds
+            out, stats = run_stages(staged, rounds, held)
             out = constrain_leading(out, "stages")
             done = t - (s_ - 1)  # the item the last stage finished: microbatch done % M of round done // M
             slot = done % m_

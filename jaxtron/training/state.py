@@ -13,6 +13,7 @@ from jax.sharding import Mesh
 
 from jaxtron.config.schema import Config, ConfigError
 from jaxtron.models import build_model
+from jaxtron.models.transformer import REMAT_POLICIES
 from jaxtron.parallel.sharding import shard_count, tree_shardings
 from jaxtron.parallel.stages import reorder, storage_order
 from jaxtron.training.pipeline import Schedule
@@ -50,7 +51,9 @@ class Setup:
 def schedule(cfg: Config, stages: int) -> Schedule | None:
     """The pipeline schedule of ``stages`` stages (None without a pipeline and its microbatches)."""
     microbatches, virtual = cfg.pipeline.schedule(stages)
-    return Schedule(stages, microbatches, virtual) if (stages, microbatches) != (1, 1) else None
+    if (stages, microbatches) == (1, 1):
+        return None
+    return Schedule(stages, microbatches, virtual, REMAT_POLICIES.get(cfg.execution.remat))
 
 
 def layer_order(cfg: Config, stages: int) -> tuple[int, ...]:
