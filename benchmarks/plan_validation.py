@@ -30,6 +30,14 @@ PAIRS = [  # (config, devices, overrides)
     ("llama3_70b", 64, ["data.seq_len=4096", "train.global_batch_size=64"]),
     ("llama3_70b", 64, ["data.seq_len=4096", "train.global_batch_size=32", "mesh.fsdp=16", "mesh.tensor=4"]),
     ("mixtral_8x7b", 64, ["data.seq_len=4096", "train.global_batch_size=64"]),
+    # pipeline meshes: fill-drain with one microbatch per stage, with virtual stages, and the 70B reference layout
+    ("llama3_8b", 8, ["data.seq_len=4096", "train.global_batch_size=16", "mesh.fsdp=4", "mesh.pipeline=2"]),
+    ("llama3_8b", 8, ["data.seq_len=4096", "train.global_batch_size=16", "mesh.fsdp=1", "mesh.tensor=2",
+                      "mesh.pipeline=4"]),
+    ("llama3_8b", 8, ["data.seq_len=4096", "train.global_batch_size=16", "mesh.fsdp=4", "mesh.pipeline=2",
+                      "pipeline.virtual_stages=2", "pipeline.microbatches=4"]),
+    ("llama3_70b", 64, ["data.seq_len=8192", "train.global_batch_size=16", "mesh.fsdp=2", "mesh.tensor=4",
+                        "mesh.sequence=2", "mesh.pipeline=4"]),
 ]
 GIB = 2.0**30
 TOLERANCE = 0.15
@@ -91,25 +99,28 @@ def write(path: str, rows: list[dict]) -> None:
         "",
         f"{inside} of {len(rows)} estimates are within {TOLERANCE:.0%} of the compiled peak.",
         "",
-        "| model | devices | mesh | seq | rows/device | remat | micro | dtype | compiled GiB (args + temp) | "
-        "estimated GiB | error |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| model | devices | mesh | seq | rows/device | remat | micro | pipeline (M x V) | dtype | "
+        "compiled GiB (args + temp) | estimated GiB | error |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         over = dict(o.split("=", 1) for o in r["overrides"])
         mesh = " ".join(f"{a}={v}" for a, v in r["mesh"].items() if v > 1)
         dp = r["mesh"]["data"] * r["mesh"]["fsdp"] * r["mesh"]["expert"]
+        stages = r["mesh"].get("pipeline", 1)
+        schedule = (f"{over.get('pipeline.microbatches', stages)} x {over.get('pipeline.virtual_stages', 1)}"
+                    if stages > 1 else "-")
         c = r["compiled"]
         lines.append(
             f"| {r['config']} | {r['devices']} | {mesh} | {over['data.seq_len']} | "
             f"{int(over['train.global_batch_size']) // dp} | {over.get('execution.remat', 'full')} | "
-            f"{over.get('train.microbatches', 1)} | {over['execution.dtype']} | {c['peak'] / GIB:.2f} "
+            f"{over.get('train.microbatches', 1)} | {schedule} | {over['execution.dtype']} | {c['peak'] / GIB:.2f} "
             f"({c['arguments'] / GIB:.2f} + {c['temp'] / GIB:.2f}) | {r['estimated'] / GIB:.2f} | "
             f"{100 * r['error']:+.1f}% |")
     lines += ["", "Collective bytes per step and device, compiled vs estimated (GiB; XLA:CPU emits all-reduce where "
               "a GPU reduce-scatters, so those two are summed):", "",
-              "| model | mesh | dtype | all-gather | all-reduce + reduce-scatter | all-to-all |",
-              "|---|---|---|---|---|---|"]
+              "| model | mesh | dtype | all-gather | all-reduce + reduce-scatter | all-to-all | collective-permute |",
+              "|---|---|---|---|---|---|---|"]
     for r in rows:
         c, e = r["compiled"]["collectives"], r["estimated_collectives"]
         mesh = " ".join(f"{a}={v}" for a, v in r["mesh"].items() if v > 1)
@@ -117,7 +128,8 @@ def write(path: str, rows: list[dict]) -> None:
         lines.append(f"| {r['config']} | {mesh} | {dict(o.split('=', 1) for o in r['overrides'])['execution.dtype']} | "
                      f"{pair(c['all-gather'], e['all-gather'])} | "
                      f"{pair(c['all-reduce'] + c['reduce-scatter'], e['all-reduce'] + e['reduce-scatter'])} | "
-                     f"{pair(c['all-to-all'], e['all-to-all'])} |")
+                     f"{pair(c['all-to-all'], e['all-to-all'])} | "
+                     f"{pair(c.get('collective-permute', 0.0), e.get('collective-permute', 0.0))} |")
     with open(path, "w") as f:
         f.write("\n".join(lines) + "\n")
     with open(os.path.splitext(path)[0] + ".json", "w") as f:
