@@ -10,7 +10,7 @@ import matplotlib.image
 import pytest
 
 from helpers import tiny_config
-from jaxtron.metrics import report
+from jaxtron.metrics import bubble, report
 from jaxtron.config.schema import ConfigError, ProfileConfig
 from jaxtron.metrics import summary as summary_lib
 from jaxtron.metrics.plots import write_plots
@@ -214,3 +214,43 @@ def test_report_states_the_flop_weighted_peak_of_fp8_runs(tmp_path, capsys):
     json.dump(config, open(os.path.join(workdir, "config.json"), "w"))
     text = summary_lib.summarize(workdir)["mfu_basis"]["text"]
     assert text == "dense bfloat16 datasheet peak (20 TFLOP/s per device)"
+
+
+def test_the_idle_share_of_each_stage_is_that_of_its_fill_and_drain_iterations():
+    # 2 stages x 2 microbatches: 3 iterations a loop; forward ones last 1, 2, 4 s, backward ones 8, 16, 32 s.
+    # Stage 0 idles in iteration 2 (drain), stage 1 in iteration 0 (fill); the backward loop runs 2, 1, 0.
+    layout = {"stages": 2, "microbatches": 2, "virtual_stages": 1, "stage_of_device": {"0": 0, "1": 1},
+              "loops": {"forward": ["param.1", "fwd_a", "fwd_b"], "backward": ["bwd_a", "bwd_b"]}}
+    events, t = [], 0.0
+    for direction, durations in (("fwd", (1, 2, 4)), ("bwd", (8, 16, 32))):
+        for d in durations:
+            for device in ("0", "1"):  # each iteration: its first op, then one that runs to its end
+                events += [{"ph": "X", "ts": t * 1e6, "dur": 0.1e6, "args": {"hlo_op": f"{direction}_a",
+                                                                             "device_ordinal": device}},
+                           {"ph": "X", "ts": (t + 0.1) * 1e6, "dur": (d - 0.1) * 1e6,
+                            "args": {"hlo_op": f"{direction}_b", "device_ordinal": device}}]
+            t += d
+    events.append({"ph": "X", "ts": 0, "dur": 1e6, "args": {"hlo_op": "fwd_a", "device_ordinal": "5"}})  # not traced
+    idle = bubble.idle_shares(events, layout, wall_s=126.0)
+    assert idle["measured_stages"] == [0, 1] and idle["formula"] == pytest.approx(1 / 3)
+    assert idle["of_loops"] == pytest.approx([12 / 63, 33 / 63])
+    assert idle["of_window"] == pytest.approx([12 / 126, 33 / 126])
+    assert bubble.idle_shares(events, {**layout, "loops": {"forward": ["param.1"]}}, 126.0) is None
+
+
+@pytest.mark.slow
+def test_the_report_measures_each_pipeline_stages_idle_share(tmp_path, capsys):
+    cfg = tiny_config(dict(pipeline=2, data=4, fsdp=1), model=dict(num_layers=4),
+                      train=dict(steps=4, global_batch_size=16), pipeline=dict(microbatches=2),
+                      profile=dict(start_step=1, end_step=3))
+    run(cfg, str(tmp_path), use_tqdm=False)
+    layout = json.load(open(tmp_path / "profile" / "pipeline.json"))
+    assert set(layout["loops"]) == {"forward", "backward"}
+    assert sorted(layout["stage_of_device"].values()) == [0] * 4 + [1] * 4
+    idle = summary_lib.summarize(str(tmp_path))["pipeline_idle"]
+    # every iteration runs the same program on each stage, so the idle share is near the schedule's 1 of 3
+    assert idle["measured_stages"] == [0, 1] and idle["iterations"] == 3
+    for share in idle["of_loops"]:
+        assert 0.5 < share / idle["formula"] < 2, idle
+    assert report.main([str(tmp_path), "--no_plots"]) == 0
+    assert "pipeline idle share per stage over the profiler window" in capsys.readouterr().out

@@ -6,7 +6,8 @@
 Sustained values are medians over the steady-state log intervals (the rule is printed with them; see
 ``jaxtron.metrics.summary``). The communication share needs a profiler window
 (``--config.profile.start_step=A --config.profile.end_step=B``); the collectives of the compiled step (count
-and bytes) are always there.
+and bytes) are always there. With a pipeline, the profiler window also gives each stage's measured idle share
+(``jaxtron.metrics.bubble``).
 """
 
 from __future__ import annotations
@@ -67,6 +68,13 @@ def describe(s: dict[str, Any]) -> str:
     else:
         lines.append("communication share: no profiler window; run with --config.profile.start_step=A "
                      "--config.profile.end_step=B")
+    idle = s.get("pipeline_idle")
+    if idle:
+        per_stage = ", ".join(f"stage {k} {loops:.1%} ({window:.1%})" for k, loops, window in
+                              zip(idle["measured_stages"], idle["of_loops"], idle["of_window"]))
+        lines.append(f"pipeline idle share per stage over the profiler window, of the schedule's loops (of the "
+                     f"window's wall time): {per_stage}; the fill-drain formula gives {idle['formula']:.1%} of "
+                     f"{idle['iterations']} iterations")
     return "\n".join(lines)
 
 

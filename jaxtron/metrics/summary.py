@@ -21,6 +21,7 @@ from typing import Any
 
 from jaxtron.config.loader import migrate
 from jaxtron.config.schema import ConfigError, ExecutionConfig, ModelConfig
+from jaxtron.metrics.bubble import idle_shares
 from jaxtron.metrics.collectives import COLLECTIVES
 from jaxtron.metrics.flops import flops_per_token, fp8_flops_per_token
 
@@ -101,12 +102,8 @@ def checkpoint_steps(workdir: str) -> list[int]:
 _KIND = re.compile(r"(all-gather|reduce-scatter|all-reduce|all-to-all|collective-permute)")
 
 
-def communication_share(profile_dir: str) -> dict[str, Any] | None:
-    """Share of device time in each kind of collective over the profiler window, from its Perfetto trace:
-    the summed durations of the device ops of that kind divided by (window wall time x devices traced).
-    Async collectives that overlap compute count in full, so this is the time collectives run, not the time
-    they add to a step. None without a complete window."""
-    window = _json(os.path.join(profile_dir, "window.json"))
+def _trace_events(profile_dir: str, window: dict[str, Any] | None) -> list[dict[str, Any]] | None:
+    """The events of the profiler window's Perfetto trace; None without a complete window."""
     if not window or not window.get("trace"):
         return None
     path = os.path.join(profile_dir, window["trace"])
@@ -115,7 +112,16 @@ def communication_share(profile_dir: str) -> dict[str, Any] | None:
             trace = json.load(f)
     except (OSError, json.JSONDecodeError, EOFError):
         raise ConfigError(f"the profiler trace {path} is not readable; the file is damaged.") from None
-    events = trace["traceEvents"] if isinstance(trace, dict) else trace
+    return trace["traceEvents"] if isinstance(trace, dict) else trace
+
+
+def communication_share(window: dict[str, Any] | None, events: list[dict[str, Any]] | None) -> dict[str, Any] | None:
+    """Share of device time in each kind of collective over the profiler window, from its Perfetto trace:
+    the summed durations of the device ops of that kind divided by (window wall time x devices traced).
+    Async collectives that overlap compute count in full, so this is the time collectives run, not the time
+    they add to a step. None without a complete window."""
+    if events is None:
+        return None
     spans: dict[tuple, list[tuple[float, float]]] = {}  # (device, kind or 'any') -> [(start, end)] in seconds
     steps = set()
     for event in events:
@@ -137,6 +143,14 @@ def communication_share(profile_dir: str) -> dict[str, Any] | None:
             for kind in COLLECTIVES + ("any",)}
     return {"steps": sorted(steps), "devices": max(len(devices), 1), "wall_s": window["wall_s"],
             "share": {k: busy[k] for k in COLLECTIVES}, "device_busy_share": busy["any"]}
+
+
+def pipeline_idle(profile_dir: str, window: dict[str, Any] | None,
+                  events: list[dict[str, Any]] | None) -> dict[str, Any] | None:
+    """Each pipeline stage's measured idle share over the profiler window (``jaxtron.metrics.bubble``); None
+    without a pipeline, a complete window, or iterations of the schedule's loops in the trace."""
+    layout = _json(os.path.join(profile_dir, "pipeline.json"))
+    return idle_shares(events, layout, window["wall_s"]) if layout and events else None
 
 
 def _covered(spans: list[tuple[float, float]]) -> float:
@@ -192,6 +206,7 @@ def summarize(workdir: str) -> dict[str, Any]:
     profile_dir = profile_cfg.get("dir") or os.path.join(workdir, "profile")
     window_file = _json(os.path.join(profile_dir, "window.json"))
     window = (window_file["start_step"], window_file["end_step"]) if window_file else None
+    events = _trace_events(profile_dir, window_file)
     counted = steady(records, total, window)
     train_lines = [r for r in records if "step_time_s" in r]
     evals = [r for r in records if isinstance(r.get("eval/loss"), (int, float))]
@@ -205,7 +220,8 @@ def summarize(workdir: str) -> dict[str, Any]:
                                default=None),
         "checkpoints": checkpoint_steps(workdir),
         "collectives": _json(os.path.join(workdir, "collectives.json")),
-        "communication": communication_share(profile_dir),
+        "communication": communication_share(window_file, events),
+        "pipeline_idle": pipeline_idle(profile_dir, window_file, events),
     }
     for key in SUSTAINED:
         out[key] = median(counted, key)

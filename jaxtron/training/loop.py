@@ -211,6 +211,8 @@ class Trainer:
         schedule = self.setup.stack_runner
         self.meter = Meter(throughput, {"pipeline_bubble": schedule.bubble} if schedule else None)
         self.profile = ProfileWindow(cfg.profile, self.workdir, self.start)
+        if schedule and self.profile.enabled:  # what the report needs to find each stage's idle iterations
+            self.profile.write_pipeline_layout(self.mesh, schedule, self.compiled)
         self.preemption = PreemptionWatcher()
         self.watchdog = Watchdog(t.watchdog_factor, jax.process_index())
         streak = NonFiniteStreak(t.max_nonfinite_in_row, self.start, int(jax.device_get(self.state.nonfinite)[1]))

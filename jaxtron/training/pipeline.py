@@ -28,6 +28,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from jaxtron.parallel.sharding import constrain_leading, logical_to_spec, spec_axes
 
+SCOPE = "pipeline_schedule"  # the named scope of the schedule's loop
 PICKED = "pipeline_period_weights"  # the name of the weights a stage picks for one period
 
 # body(hidden [b, T, D], one period's parameters, extras) -> (hidden, stats of that period)
@@ -146,7 +147,8 @@ class Schedule:
 
         start = jax.tree.map(lambda a: jnp.zeros((s_, *a.shape[1:]), a.dtype), (micro_x, micro_extras))
         iterations = m_ * v_ + s_ - 1
-        (_, current), stats = jax.lax.scan(iteration, (on_stages(start), micro_x), jnp.arange(iterations))
+        with jax.named_scope(SCOPE):  # the loop's HLO ops carry the name (profiles find its iterations by it)
+            (_, current), stats = jax.lax.scan(iteration, (on_stages(start), micro_x), jnp.arange(iterations))
         # stats [iterations, S, ...] -> per microbatch: stage s at iteration t held microbatch (t - s) % M when
         # 0 <= t - s < M * V, and nothing (fill or drain) otherwise
         item = np.arange(iterations)[:, None] - np.arange(s_)[None, :]
