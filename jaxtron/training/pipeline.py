@@ -13,7 +13,9 @@ stage dimension, which the rules table shards over the pipeline axis), then the 
 finishes is kept per microbatch until its next round starts (M >= S guarantees it finished before). There are
 M * V + S - 1 iterations for M * V stage passes of work on each stage: the bubble is (S - 1) / (M * V + S - 1).
 Reverse-mode differentiation of the loop is the backward pass in the reverse order (fill-drain, GPipe-like:
-the activations of every iteration are kept, as the remat policy allows).
+the activations of every iteration are kept, as the remat policy allows). The weights are not: each period
+slices its weights from the stage's stack inside a checkpoint that never keeps them (``_period_policy``), so
+the backward pass slices them again rather than every iteration keeping a copy of the periods it ran.
 """
 
 from __future__ import annotations
