@@ -9,7 +9,7 @@ transpose) runs them in reverse. In the trace, the loop body's own ops run once 
 the first of them marks the start of each iteration.
 
 ``layout`` (written by the train loop next to the trace as ``pipeline.json``): stages, microbatches,
-virtual_stages, the two loops' op names, and the stage of each traced device.
+virtual_stages, the instructions of the two loops' bodies, and the stage of each traced device.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ def schedule_loops(hlo_text: str, scope: str) -> dict[str, list[str]]:
     return loops
 
 
-def stage_layout(mesh, schedule, loops: dict[str, str]) -> dict[str, Any]:
+def stage_layout(mesh, schedule, loops: dict[str, list[str]]) -> dict[str, Any]:
     """What ``idle_shares`` needs besides the trace: the schedule, its loops, and the pipeline stage of each of
     this process's devices by the ordinal its trace events carry."""
     import jax

@@ -203,8 +203,10 @@ class Trainer:
         throughput = Throughput(cfg, mesh.size, mesh.devices.flat[0].device_kind, self.implementation)
         log.info("compiled the train step in %.1f s; %.4g model TFLOP per step; %s", self.compile_s,
                  throughput.model_flops / 1e12, throughput.peak_note)
-        if self.is_main:
-            _write_collectives(self.workdir, self.compiled)
+        hlo = _hlo_text(self.compiled)  # printed once: collectives.json and the pipeline layout read it
+        if self.is_main and hlo is not None:
+            with open(os.path.join(self.workdir, "collectives.json"), "w") as f:  # for jaxtron.metrics.report
+                json.dump(collectives(hlo), f, indent=1)
         self.eval_fn = jax.jit(functools.partial(eval_step, self.setup),
                                in_shardings=(self.shardings.params, batch_sharding(mesh)))
         self.writer = MetricsWriter(self.workdir, t.steps, use_tqdm=self.use_tqdm) if self.is_main else None
@@ -212,7 +214,7 @@ class Trainer:
         self.meter = Meter(throughput, {"pipeline_bubble": schedule.bubble} if schedule else None)
         self.profile = ProfileWindow(cfg.profile, self.workdir, self.start)
         if schedule and self.profile.enabled:  # what the report needs to find each stage's idle iterations
-            self.profile.write_pipeline_layout(self.mesh, schedule, self.compiled)
+            self.profile.write_pipeline_layout(self.mesh, schedule, hlo)
         self.preemption = PreemptionWatcher()
         self.watchdog = Watchdog(t.watchdog_factor, jax.process_index())
         streak = NonFiniteStreak(t.max_nonfinite_in_row, self.start, int(jax.device_get(self.state.nonfinite)[1]))
@@ -328,16 +330,15 @@ class Trainer:
             self.writer.close()
 
 
-def _write_collectives(workdir: str, compiled) -> None:
-    """The collectives of the compiled step (count and result bytes per step and device, by kind) into
-    ``collectives.json``, for ``jaxtron.metrics.report``."""
+def _hlo_text(compiled) -> str | None:
+    """The compiled step's HLO text (its collectives and pipeline loops are read from it); None, with a warning,
+    where the backend cannot print an executable (the report then says what it lacks)."""
     try:
-        text = compiled.as_text()
-    except Exception as e:  # some backends cannot print an executable; the report then says so
-        log.warning("could not read the compiled step's HLO (%s); collectives.json not written", e)
-        return
-    with open(os.path.join(workdir, "collectives.json"), "w") as f:
-        json.dump(collectives(text), f, indent=1)
+        return compiled.as_text()
+    except Exception as e:
+        log.warning("could not read the compiled step's HLO (%s); no collectives.json and no per-stage idle share",
+                    e)
+        return None
 
 
 def _drop_metrics_after(workdir: str, step: int) -> None:

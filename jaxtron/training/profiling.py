@@ -57,17 +57,15 @@ class ProfileWindow:
             self.running, self._began = True, time.perf_counter()
             log.info("profiling steps %d to %d into %s", self.cfg.start_step + 1, self.cfg.end_step, self.directory)
 
-    def write_pipeline_layout(self, mesh, schedule, compiled) -> None:
-        """``pipeline.json`` next to the trace: the schedule, its loops in the compiled step and the stage of each
-        traced device (``jaxtron.metrics.bubble``)."""
+    def write_pipeline_layout(self, mesh, schedule, hlo: str | None) -> None:
+        """``pipeline.json`` next to the trace: the schedule, its loops in the compiled step's HLO text and the
+        stage of each traced device (``jaxtron.metrics.bubble``); nothing without the HLO text."""
         from jaxtron.metrics.bubble import schedule_loops, stage_layout
         from jaxtron.training.pipeline import SCOPE
 
-        try:
-            loops = schedule_loops(compiled.as_text(), SCOPE)
-        except Exception as e:  # some backends cannot print an executable; the report then says so
-            log.warning("could not read the compiled step's HLO (%s); no per-stage idle share", e)
+        if hlo is None:
             return
+        loops = schedule_loops(hlo, SCOPE)
         os.makedirs(self.directory, exist_ok=True)
         with open(os.path.join(self.directory, PIPELINE_FILE), "w") as f:
             json.dump(stage_layout(mesh, schedule, loops), f, indent=1)
