@@ -33,17 +33,26 @@ def _loss(out):
     return jnp.sum(jnp.sin(out) * jnp.arange(out.size, dtype=out.dtype).reshape(out.shape) / out.size)
 
 
-@pytest.mark.parametrize("stages,virtual,microbatches", [(2, 1, 2), (4, 1, 4), (4, 1, 6), (2, 2, 3), (4, 2, 5),
-                                                         (2, 3, 2)])
-def test_the_schedule_equals_the_layers_in_order(stages, virtual, microbatches):
-    periods, rows = stages * virtual * 2, microbatches * (8 // stages)  # each microbatch splits over data
+def _stored(array, order):
+    """A natural stack in a storage order, identity periods (-1) as zeros."""
+    padded = np.concatenate([array, np.zeros((1, *array.shape[1:]), array.dtype)])
+    return padded[np.where(order >= 0, order, len(array))]
+
+
+@pytest.mark.parametrize("stages,virtual,microbatches,periods", [
+    (2, 1, 2, 4), (4, 1, 4, 8), (4, 1, 6, 8), (2, 2, 3, 8), (4, 2, 5, 16), (2, 3, 2, 12),
+    (2, 1, 2, 3), (4, 2, 4, 14), (2, 3, 3, 5)])  # the last three: uneven splits, filled with identity periods
+def test_the_schedule_equals_the_layers_in_order(stages, virtual, microbatches, periods):
+    rows = microbatches * (8 // stages)  # each microbatch splits over data
     keys = jax.random.split(jax.random.key(stages * 100 + virtual * 10 + microbatches), 3)
     params = {"w": jax.random.normal(keys[0], (periods, 16, 16)) * 0.4,
               "b": jax.random.normal(keys[1], (periods, 16)) * 0.1}
     x = jax.random.normal(keys[2], (rows, 4, 16))
     positions = jnp.broadcast_to(jnp.arange(4, dtype=jnp.float32) + jnp.arange(rows)[:, None], (rows, 4))
     order = storage_order(periods, stages, virtual)
-    assert sorted(order) == list(range(periods)) and (virtual > 1 or list(order) == list(range(periods)))
+    pads = -periods % (stages * virtual)
+    assert list(order[len(order) - pads:]) == [-1] * pads and sorted(order[:len(order) - pads]) == list(range(periods))
+    assert virtual > 1 or list(order[:periods]) == list(range(periods))
 
     def reference(params, x, positions=positions):  # the periods in their natural order, the batch at once
         return jax.lax.scan(lambda h, layer: _body(h, layer, (positions,)), x, params)
@@ -51,9 +60,10 @@ def test_the_schedule_equals_the_layers_in_order(stages, virtual, microbatches):
     want, want_stats = reference(params, x)
     want_grads = jax.grad(lambda p, x: _loss(reference(p, x)[0]), argnums=(0, 1))(params, x)
 
-    schedule = Schedule(stages, microbatches, virtual)
+    schedule = Schedule(stages, microbatches, virtual, pads=pads)
     mesh = jax.make_mesh((stages, 8 // stages), ("pipeline", "data"), axis_types=(AxisType.Auto,) * 2)
-    stacked = jax.device_put({k: v[order] for k, v in params.items()}, NamedSharding(mesh, PartitionSpec("pipeline")))
+    stacked = jax.device_put({k: _stored(np.asarray(v), order) for k, v in params.items()},
+                             NamedSharding(mesh, PartitionSpec("pipeline")))
     x_on_mesh = jax.device_put(x, NamedSharding(mesh, PartitionSpec("data")))
     with jax.set_mesh(mesh):
         forward = jax.jit(lambda st, x: schedule(_body, x, st, (positions,)))
@@ -62,8 +72,9 @@ def test_the_schedule_equals_the_layers_in_order(stages, virtual, microbatches):
             stacked, x_on_mesh)
         hlo = forward.lower(stacked, x_on_mesh).compile().as_text()
     np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
-    for k in params:  # the gradient of the stored stack is that of each period, in storage order
-        np.testing.assert_allclose(grads[0][k], want_grads[0][k][order], rtol=1e-5, atol=1e-5)
+    for k in params:  # the gradient of the stored stack is that of each period, in storage order; none for pads
+        np.testing.assert_allclose(grads[0][k], _stored(np.asarray(want_grads[0][k]), order), rtol=1e-5, atol=1e-5)
+        assert not np.any(np.asarray(grads[0][k])[order < 0])
     np.testing.assert_allclose(grads[1], want_grads[1], rtol=1e-5, atol=1e-5)
     # stats per microbatch (rows j, j + M, ...), each the mean over the periods
     per_micro = [np.mean(reference(params, x[j::microbatches], positions[j::microbatches])[1]["mean"])
@@ -108,7 +119,12 @@ def test_sizes_the_schedule_cannot_run_are_named():
             tiny_config(mesh, **pipeline).check_devices(8)
 
     refused(r"model.num_layers' \(6: 6 layers\) cannot be split into mesh.pipeline=4 stages x "
-            r"pipeline.virtual_stages=1", mesh=dict(pipeline=4, data=2, fsdp=1), model=dict(num_layers=6))
+            r"pipeline.virtual_stages=1; choose stage and virtual stage counts whose product divides it, or set "
+            r"--config.pipeline.uneven_stages=True to fill the last stage with identity layers",
+            mesh=dict(pipeline=4, data=2, fsdp=1), model=dict(num_layers=6))
+    refused(r"model.num_layers' \(5: 5 layers\) would leave a stage of mesh.pipeline=4 x pipeline.virtual_stages=1 "
+            r"with only identity layers", mesh=dict(pipeline=4, data=2, fsdp=1), model=dict(num_layers=5),
+            pipeline=dict(uneven_stages=True))
     refused(r"model.num_layers' \(8: 4 periods of model.moe_every=2 blocks\) cannot be split into mesh.pipeline=2 "
             r"stages x pipeline.virtual_stages=4", mesh=dict(pipeline=2, data=4, fsdp=1),
             model=dict(num_layers=8, num_experts=4, moe_every=2), pipeline=dict(virtual_stages=4))
@@ -122,6 +138,8 @@ def test_sizes_the_schedule_cannot_run_are_named():
             model=dict(num_layers=4), execution=dict(fp8=True, fp8_skip_layers=1))
     tiny_config(dict(pipeline=2, data=4, fsdp=1), model=dict(num_layers=4),
                 pipeline=dict(virtual_stages=2)).check_devices(8)  # microbatches default to the stage count
+    tiny_config(dict(pipeline=4, data=2, fsdp=1), model=dict(num_layers=7),
+                pipeline=dict(uneven_stages=True)).check_devices(8)
 
 
 def test_the_bubble_shrinks_with_microbatches_and_virtual_stages():
@@ -143,6 +161,17 @@ def test_stacks_move_between_period_orders():
     moved = reorder(tree, a, b)
     np.testing.assert_array_equal(to_natural(np.asarray(moved["w"].get_value()), b), natural)
     np.testing.assert_array_equal(moved["head"].get_value(), jnp.arange(4.0))  # not a stacked parameter
+    # an uneven split: 6 periods on 2 x 2 and on 4 x 1 stages, each filled with 2 identity periods (zeros)
+    six = natural[:6 * group]
+    c, d = storage_order(6, 2, 2), storage_order(6, 4, 1)
+    assert list(c) == [0, 1, 4, 5, 2, 3, -1, -1] and list(d) == [0, 1, 2, 3, 4, 5, -1, -1]
+    with nnx.use_eager_sharding(False):
+        padded = reorder({"w": nnx.Param(jnp.asarray(six), out_sharding=("layers", None))}, None, c)
+    stored = np.asarray(padded["w"].get_value())
+    assert stored.shape == (8 * group, 2) and not stored[6 * group:].any()
+    np.testing.assert_array_equal(to_natural(stored, c), six)
+    np.testing.assert_array_equal(to_natural(np.asarray(reorder(padded, c, d)["w"].get_value()), d), six)
+    np.testing.assert_array_equal(reorder(padded, c, None)["w"].get_value(), six)  # identity periods dropped
 
 
 def _losses(summary):
@@ -229,6 +258,34 @@ def test_a_checkpoint_resumes_on_other_pipeline_degrees(tmp_path):
                       use_tqdm=False)
         assert [h["step"] for h in resumed["history"]] == [3, 4]
         np.testing.assert_allclose(_losses(resumed), _losses(first)[2:], rtol=1e-5)
+
+
+@pytest.mark.slow
+def test_an_uneven_split_trains_and_resumes_like_one_device(tmp_path):
+    """3 layers on 2 stages (the last filled with an identity layer) train as one device does; checkpoints move
+    between runs with and without the identity layer, and export never sees it."""
+    base = dict(model=dict(num_layers=3), train=dict(global_batch_size=16, steps=4),
+                checkpoint=dict(every=2, async_save=False))
+    uneven = dict(pipeline=dict(microbatches=2, uneven_stages=True))
+    one = run(tiny_config(dict(fsdp=1), **base), str(tmp_path / "one"), use_tqdm=False, devices=jax.devices()[:1])
+    pipe = run(tiny_config(dict(pipeline=2, data=4, fsdp=1), **uneven, **base), str(tmp_path / "pipe"),
+               use_tqdm=False)
+    assert len(_losses(one)) == 4 and np.all(np.diff(_losses(one)) != 0)
+    np.testing.assert_allclose(_losses(pipe), _losses(one), rtol=1e-5)
+    stored = np.asarray(nnx.to_pure_dict(pipe["state"].params)["layers"]["mlp"]["wo"])
+    assert stored.shape[0] == 4 and not stored[3].any()  # the identity layer stays zero: it gets no gradient
+    with open(tmp_path / "pipe" / "checkpoints" / "2" / "config" / "metadata") as f:
+        assert json.load(f)["layer_order"] == [0, 1, 2, -1]
+    from jaxtron.interop.convert import load
+    np.testing.assert_array_equal(load(str(tmp_path / "pipe"))[1]["layers.mlp.wo"], stored[:3])
+    # resume the pipeline's step 2 on one stage (identity layer dropped), one device's on two (added)
+    for source, mesh, extra, name in (("pipe", dict(fsdp=8), {}, "to_one"),
+                                      ("one", dict(pipeline=2, data=4, fsdp=1), uneven, "to_pipe")):
+        shutil.copytree(tmp_path / source, tmp_path / name)
+        shutil.rmtree(tmp_path / name / "checkpoints" / "4")
+        resumed = run(tiny_config(mesh, **extra, **base), str(tmp_path / name), use_tqdm=False)
+        assert [h["step"] for h in resumed["history"]] == [3, 4]
+        np.testing.assert_allclose(_losses(resumed), _losses(one)[2:], rtol=1e-5)
 
 
 @pytest.mark.slow

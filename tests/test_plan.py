@@ -82,7 +82,7 @@ from conftest import FAST_COMPILE_FLAGS, REPO  # noqa: E402
 from jaxtron.planning import cli as plan_cli  # noqa: E402
 from jaxtron.config.loader import load_config  # noqa: E402
 from jaxtron.planning import search  # noqa: E402
-from jaxtron.planning.estimate import estimate  # noqa: E402
+from jaxtron.planning.estimate import estimate, parameters  # noqa: E402
 from jaxtron.planning.gpus import gpu  # noqa: E402
 
 H100 = gpu("h100")
@@ -161,9 +161,18 @@ def test_pipeline_meshes_of_the_reference_tables_are_candidates_and_estimated():
     assert more.bubble < eight.bubble  # stage hops: (microbatches + 7) iterations of a microbatch's activations
     assert more.time["pipeline_comm"] / eight.time["pipeline_comm"] == pytest.approx((39 / 32) / (15 / 8))
     assert eight.time["pipeline_comm"] > 0 and eight.collectives["collective-permute"] > 0
-    layers = _config("llama3_8b")  # 32 layers cannot be cut into 3 stages
-    assert "cannot be split into mesh.pipeline=3" in search.layout_problem(
-        layers, dict(pipeline=3, data=1, fsdp=8, sequence=1, expert=1, tensor=1), H100)
+    # Llama-3.1 405B's 126 layers on TP=8, PP=8, CP=2: 16 layers a stage, the last filled with 2 identity layers
+    big = _config("llama3_405b")
+    seed = dict(pipeline=8, data=1, fsdp=8, sequence=2, expert=1, tensor=8)
+    assert seed in search.candidate_meshes(big, 1024, H100)
+    padded, even = estimate(big, seed, H100), estimate(big, dict(seed, pipeline=2, fsdp=32), H100)
+    assert (padded.identity_layers, even.identity_layers) == (2, 0)
+    per_layer = [p.shard_elements(seed) for p in parameters(big.model) if p.in_blocks]
+    assert sum(per_layer) == sum(p.shard_elements(dict(seed, pipeline=1)) for p in parameters(big.model)
+                                 if p.in_blocks) * 16 // 126  # a stage's 16 layers, its identity ones included
+    layers = _config("llama3_8b")  # 32 layers on 24 stages would leave stages with identity layers only
+    assert "with only identity layers" in search.layout_problem(
+        layers, dict(pipeline=24, data=1, fsdp=1, sequence=1, expert=1, tensor=1), H100)
 
 
 def test_dominant_term_follows_the_bottleneck():

@@ -22,7 +22,7 @@ from jaxtron.checkpoint import integrity
 from jaxtron.checkpoint.train_state import (CHECKPOINT_DIR, LAYER_ORDER, RESTORE_BUFFER_GB, CheckpointError,
                                            abstract_with_shardings)
 from jaxtron.parallel.sharding import without_leading_axes
-from jaxtron.parallel.stages import reorder
+from jaxtron.parallel.stages import reorder, resized
 
 PARAMS_DIR = "params"
 MANIFEST = "manifest.json"
@@ -142,20 +142,22 @@ def restore_params(path: str, abstract_params: Any, shardings: Any, step_dir: st
     (``path/checkpoints``; ``step_dir`` when the caller already found and verified it), placed into ``shardings``,
     the layer stack in the period order ``layer_order`` (None: natural)."""
     path = os.path.abspath(os.path.expanduser(path))
-    target = abstract_with_shardings(abstract_params, shardings)
+    wanted = abstract_with_shardings(abstract_params, shardings)
     try:
-        if os.path.isdir(os.path.join(path, PARAMS_DIR)):
-            params = _restore_converted(os.path.join(path, PARAMS_DIR), target)
-            return reorder(params, None, layer_order)  # converted models are in the natural order
+        if os.path.isdir(os.path.join(path, PARAMS_DIR)):  # converted models are in the natural order
+            params = _restore_converted(os.path.join(path, PARAMS_DIR), resized(wanted, None, layer_order))
+            return reorder(params, None, layer_order, wanted)
         step_dir = step_dir or latest_run_state(path)
         if step_dir is None:
             raise CheckpointError(f"'{path}' holds neither {PARAMS_DIR}/ (a converted model) nor a checkpoint of a "
                                   f"training run ({CHECKPOINT_DIR}/<step>); point it at one of those.")
+        saved = saved_layer_order(step_dir)
+        target = resized(wanted, saved, layer_order)  # as many identity periods as the run stored
         restore_args = ocp.checkpoint_utils.construct_restore_args(target)
         with _checkpointer() as checkpointer:
             restored = checkpointer.restore(os.path.join(step_dir, "state"), args=ocp.args.PyTreeRestore(
                 {"params": target}, restore_args={"params": restore_args}, partial_restore=True))
-        return reorder(restored["params"], saved_layer_order(step_dir), layer_order)
+        return reorder(restored["params"], saved, layer_order, wanted)
     except CheckpointError:
         raise
     except (ValueError, KeyError, OSError, TypeError) as e:

@@ -26,7 +26,7 @@ import orbax.checkpoint as ocp
 
 from jaxtron.checkpoint import integrity
 from jaxtron.config.schema import Config, ConfigError, ModelConfig
-from jaxtron.parallel.stages import reorder
+from jaxtron.parallel.stages import reorder, resized
 
 log = logging.getLogger(__name__)
 
@@ -172,7 +172,8 @@ class Checkpointer:
             _check_compatible(saved["config"], cfg, self.step_dir(step))
             if check_data is not None:
                 check_data(saved["data"])
-            target = abstract_with_shardings(abstract_state, shardings)
+            wanted = abstract_with_shardings(abstract_state, shardings)
+            target = resized(wanted, saved["config"].get(LAYER_ORDER), layer_order)  # its identity periods
             try:
                 restored = self.manager.restore(step, args=ocp.args.Composite(
                     state=ocp.args.PyTreeRestore(target,
@@ -181,7 +182,7 @@ class Checkpointer:
             except Exception as e:  # noqa: BLE001 - named in the damage line, never dropped
                 failure = e
         if failure is None:  # stored for another pipeline schedule: the periods move into this run's order
-            restored["state"] = reorder(restored["state"], saved["config"].get(LAYER_ORDER), layer_order)
+            restored["state"] = reorder(restored["state"], saved["config"].get(LAYER_ORDER), layer_order, wanted)
         reason = integrity.agree(failure and f"verified but cannot be restored ({type(failure).__name__}: "
                                              f"{str(failure).splitlines()[0][:200] if str(failure) else ''})")
         return (None, reason) if reason else ((restored["state"], restored["data"]), None)

@@ -67,6 +67,9 @@ class PipelineConfig:
 
     microbatches: int = 0  # microbatches in flight in one forward and backward pass (0: one per stage)
     virtual_stages: int = 1  # each stage's layers split into this many circular repeats (shrinks the bubble)
+    # layers (MoE: periods) that stages x virtual stages do not divide are filled up with identity layers at the
+    # end of the last stage (each costs a layer's memory and compute, changes nothing the model computes)
+    uneven_stages: bool = False
 
     def __post_init__(self):
         _non_negative(self.microbatches, "pipeline.microbatches")
@@ -322,9 +325,15 @@ class Config:
         period = m.moe_every if m.num_experts else 1
         periods = m.num_layers // period
         unit = f"periods of model.moe_every={period} blocks" if period > 1 else "layers"
-        _check(periods % (stages * virtual) == 0, "model.num_layers",
+        split = stages * (virtual if stages > 1 else 1)
+        _check(periods % split == 0 or self.pipeline.uneven_stages, "model.num_layers",
                f"({m.num_layers}: {periods} {unit}) cannot be split into mesh.pipeline={stages} stages x "
-               f"pipeline.virtual_stages={virtual}", "choose stage and virtual stage counts whose product divides it")
+               f"pipeline.virtual_stages={virtual}", "choose stage and virtual stage counts whose product divides "
+               "it, or set --config.pipeline.uneven_stages=True to fill the last stage with identity layers")
+        pads = -periods % split
+        _check(pads < (periods + pads) // stages, "model.num_layers",
+               f"({m.num_layers}: {periods} {unit}) would leave a stage of mesh.pipeline={stages} x "
+               f"pipeline.virtual_stages={virtual} with only identity layers", "use fewer stages or virtual stages")
         if stages == 1 and microbatches == 1:
             return
         _check(microbatches >= stages, "pipeline.microbatches",

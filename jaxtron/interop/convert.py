@@ -196,10 +196,13 @@ class _Slices:
 
         from jaxtron.checkpoint.params import _checkpointer, nest
         leaf = self.shapes[param]
+        shape = leaf.shape
+        if self.layer_order is not None and param in self.stacked:  # identity periods of an uneven split too
+            shape = (shape[0] // sum(i >= 0 for i in self.layer_order) * len(self.layer_order), *shape[1:])
         key = "params." + param + ".value"
         with _checkpointer() as checkpointer:
             restored = checkpointer.restore(self.item, args=ocp.args.PyTreeRestore(
-                nest({key: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype)}),
+                nest({key: jax.ShapeDtypeStruct(shape, leaf.dtype)}),
                 restore_args=nest({key: ocp.RestoreArgs(restore_type=np.ndarray)}), partial_restore=True))
         for part in key.split("."):
             restored = restored[part]

@@ -6,6 +6,12 @@ stage. With virtual stages a stage runs periods that are not contiguous in the m
 period each stored position holds. Checkpoints record that order (``layer_order`` in their config), and a
 restore under another schedule moves the periods into the current one (``reorder``); parameters read for
 export or fine-tuning are put back into the model's natural order the same way.
+
+With ``pipeline.uneven_stages`` the periods need not split evenly: the stack is filled up to the next multiple of
+stages x virtual stages with identity periods (``PAD`` in an order), stored at its end (the last stage's last
+slots). They are zeros, the schedule skips their effect on the hidden state, so they never receive a gradient;
+they cost a period's memory and compute each. A restore into a schedule with another number of them drops or adds
+them; export and fine-tuning never see them.
 """
 
 from __future__ import annotations
@@ -20,12 +26,37 @@ from flax import nnx
 from jaxtron.parallel.sharding import logical_names
 
 
+PAD = -1  # an identity period's entry in a storage order
+
+
+def padding(periods: int, stages: int = 1, virtual_stages: int = 1) -> int:
+    """Identity periods that fill ``periods`` up to a multiple of ``stages * virtual_stages``."""
+    return -periods % (stages * virtual_stages)
+
+
 def storage_order(periods: int, stages: int = 1, virtual_stages: int = 1) -> np.ndarray:
     """The natural period index stored at each position of the stage-major stack: ``stacked[i]`` holds period
-    ``storage_order(...)[i]``. The identity when ``virtual_stages`` is 1."""
-    per = periods // (stages * virtual_stages)
+    ``storage_order(...)[i]``, or ``PAD`` for the identity periods that fill an uneven split (the last
+    positions). The identity when ``virtual_stages`` is 1 and the periods split evenly."""
+    pads = padding(periods, stages, virtual_stages)
+    per = (periods + pads) // (stages * virtual_stages)
     s, r, p = np.meshgrid(np.arange(stages), np.arange(virtual_stages), np.arange(per), indexing="ij")
-    return ((r * stages + s) * per + p).reshape(-1)
+    slots = ((r * stages + s) * per + p).reshape(-1)[:periods]  # the padded stack's period at each position
+    # the model's periods run in the padded stack's order, skipping the identity ones
+    return np.concatenate([np.argsort(np.argsort(slots)), np.full(pads, PAD)]).astype(np.int64)
+
+
+def _positions(saved: Sequence[int] | None, wanted: Sequence[int] | None) -> tuple[int, np.ndarray]:
+    """(stored positions of ``saved``, the saved position that holds each wanted position's period, or that
+    count for an identity period) for two orders (None: natural)."""
+    given = saved if saved is not None else wanted
+    periods = int(np.sum(np.asarray(given) != PAD))
+    saved = np.arange(periods) if saved is None else np.asarray(saved)
+    wanted = np.arange(periods) if wanted is None else np.asarray(wanted)
+    where = np.full(periods + 1, len(saved))  # period PAD (index -1) reads the appended zero period
+    real = saved != PAD
+    where[saved[real]] = np.nonzero(real)[0]
+    return len(saved), where[wanted]
 
 
 def _stacked(leaf: Any) -> bool:
@@ -34,40 +65,70 @@ def _stacked(leaf: Any) -> bool:
     return isinstance(leaf, nnx.Variable) and logical_names(leaf)[:1] == ("layers",)
 
 
-def reorder(tree: Any, saved: Sequence[int] | None, wanted: Sequence[int] | None) -> Any:
+def _take(a: Any, stored: int, take: np.ndarray) -> Any:
+    """The stacked array ``a`` of ``stored`` periods (each a group of blocks) rearranged by ``take``: position i
+    holds stored period ``take[i]``, zeros where that is ``stored`` (an identity period)."""
+    group = a.shape[0] // stored  # blocks per period in this stack (dense blocks of an MoE period)
+    grouped = a.reshape(stored, group, *a.shape[1:])
+    if (take == stored).any():
+        grouped = jnp.concatenate([grouped, jnp.zeros((1, *grouped.shape[1:]), grouped.dtype)])
+    return jnp.take(grouped, jnp.asarray(take), axis=0).reshape(len(take) * group, *a.shape[1:])
+
+
+def reorder(tree: Any, saved: Sequence[int] | None, wanted: Sequence[int] | None, like: Any = None) -> Any:
     """``tree`` (parameters or a train state of nnx Variables) with every stacked leaf moved from the period
-    order ``saved`` into ``wanted`` (None: the natural order). Each leaf keeps its sharding; one leaf at a time
-    is copied."""
+    order ``saved`` into ``wanted`` (None: the natural order), identity periods dropped or added as zeros. Each
+    leaf keeps its sharding, or takes that of its counterpart in ``like`` (a tree of the same structure whose
+    leaves carry shardings: needed when the number of identity periods changes); one leaf at a time is copied."""
     if saved is None and wanted is None:
         return tree
-    periods = len(saved if saved is not None else wanted)
-    saved = np.arange(periods) if saved is None else np.asarray(saved)
-    wanted = np.arange(periods) if wanted is None else np.asarray(wanted)
-    if np.array_equal(saved, wanted):
+    stored, take = _positions(saved, wanted)
+    if np.array_equal(take, np.arange(stored)):
         return tree
-    # wanted position i holds period wanted[i], which sits at position where[wanted[i]] of the saved stack
-    where = np.argsort(saved)
-    take = where[wanted]
+    is_var = lambda x: isinstance(x, nnx.Variable)
 
-    def move(leaf):
+    def move(leaf, target=None):
         if not _stacked(leaf):
             return leaf
         value = leaf.get_value()
-        group = value.shape[0] // periods  # blocks per period in this stack (dense blocks of an MoE period)
-
-        def permute(a):
-            grouped = a.reshape(periods, group, *a.shape[1:])
-            return jnp.take(grouped, jnp.asarray(take), axis=0).reshape(a.shape)
-
         if isinstance(value, jax.core.Tracer):  # inside a jitted initialiser
-            return leaf.replace(permute(value))
-        return leaf.replace(jax.jit(permute, out_shardings=value.sharding, donate_argnums=0)(value))
+            return leaf.replace(_take(value, stored, take))
+        sharding = value.sharding if target is None else target.get_value().sharding
+        return leaf.replace(jax.jit(lambda a: _take(a, stored, take), out_shardings=sharding,
+                                    donate_argnums=0)(value))
 
-    return jax.tree.map(move, tree, is_leaf=lambda x: isinstance(x, nnx.Variable))
+    if like is None:
+        return jax.tree.map(move, tree, is_leaf=is_var)
+    return jax.tree.map(move, tree, like, is_leaf=is_var)
+
+
+def resized(tree: Any, saved: Sequence[int] | None, wanted: Sequence[int] | None) -> Any:
+    """An abstract tree (nnx Variables of sharded ShapeDtypeStructs) stored in the order ``wanted``, as it was
+    stored in the order ``saved``: its stacked leaves hold the saved number of periods (identity ones included).
+    Where that number does not split over the mesh axes of the stack's first dimension, the dimension is not
+    sharded (the restore then moves it into place)."""
+    stored, take = _positions(saved, wanted)
+    if stored == len(take):
+        return tree
+
+    def resize(leaf):
+        if not _stacked(leaf):
+            return leaf
+        value = leaf.get_value()
+        shape = (value.shape[0] // len(take) * stored, *value.shape[1:])
+        sharding = value.sharding
+        pieces = value.shape[0] // sharding.shard_shape(value.shape)[0]
+        if shape[0] % pieces:
+            sharding = sharding.update(spec=jax.sharding.PartitionSpec(None, *sharding.spec[1:]))
+        return leaf.replace(jax.ShapeDtypeStruct(shape, value.dtype, sharding=sharding))
+
+    return jax.tree.map(resize, tree, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
 def to_natural(array: np.ndarray, saved: Sequence[int]) -> np.ndarray:
-    """A stacked host array (first axis: blocks) stored in the period order ``saved``, in the natural order."""
-    periods = len(saved)
-    grouped = array.reshape(periods, array.shape[0] // periods, *array.shape[1:])
-    return grouped[np.argsort(np.asarray(saved))].reshape(array.shape)
+    """A stacked host array (first axis: blocks) stored in the period order ``saved``, in the natural order
+    (identity periods dropped)."""
+    stored, take = _positions(saved, None)
+    group = array.shape[0] // stored
+    grouped = array.reshape(stored, group, *array.shape[1:])
+    return grouped[take].reshape(len(take) * group, *array.shape[1:])

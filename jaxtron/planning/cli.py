@@ -69,6 +69,11 @@ def _mesh_text(sizes: dict[str, int]) -> str:
     return mesh_text(sizes)
 
 
+def _layout_text(e) -> str:
+    """The mesh, and the identity layers that fill an uneven pipeline split (pipeline.uneven_stages=True)."""
+    return _mesh_text(e.mesh) + (f" +{e.identity_layers} identity" if e.identity_layers else "")
+
+
 def table(rows, top: int) -> str:
     head = (f"{'#':>3}  {'mesh':<34} {'micro':>5} {'GiB/GPU':>8} {'step s':>8} {'tok/s':>10} {'MFU':>6}  "
             f"{'dominant':<14} terms (s)")
@@ -78,7 +83,7 @@ def table(rows, top: int) -> str:
         fit = "" if row.fits else "  DOES NOT FIT"
         ordered = sorted(e.time.items(), key=lambda kv: -kv[1])
         terms = ", ".join(f"{k} {v:.3g}" for k, v in ordered if v > 0.005 * e.step_s)
-        lines.append(f"{i:>3}  {_mesh_text(e.mesh):<34} {e.microbatches:>5} {e.memory_bytes / GIB:>8.1f} "
+        lines.append(f"{i:>3}  {_layout_text(e):<34} {e.microbatches:>5} {e.memory_bytes / GIB:>8.1f} "
                      f"{e.step_s:>8.3g} {e.tokens_per_s:>10.0f} {100 * e.mfu:>5.1f}%  {e.dominant:<14} {terms}{fit}")
     return "\n".join(lines)
 
@@ -132,7 +137,7 @@ def run(argv: list[str]) -> int:
         status = 2
     else:
         best = fitting[0].estimate
-        print(f"\nbest: {_mesh_text(best.mesh)}, {best.microbatches} microbatch(es), attention {best.attention}: "
+        print(f"\nbest: {_layout_text(best)}, {best.microbatches} microbatch(es), attention {best.attention}: "
               f"{memory_text(best, gpu.usable_bytes)}")
     if compile_sizes is not None:
         report["dry_run"] = compile_report(cfg, compile_sizes, args.gpus, gpu, estimate)
@@ -154,7 +159,8 @@ def compile_report(cfg, sizes: dict[str, int], n: int, gpu, estimate) -> dict:
     if math.prod(sizes.values()) != n:
         raise ConfigError(f"--compile mesh {_mesh_text(sizes)} has {math.prod(sizes.values())} devices but --gpus is "
                           f"{n}; make the sizes multiply to {n}.")
-    cfg = dataclasses.replace(cfg, mesh=MeshConfig(**sizes))
+    from jaxtron.planning.search import with_mesh
+    cfg = with_mesh(cfg, sizes)  # as the table estimated it
     print(f"\ndry run of {_mesh_text(sizes)} on {n} fake CPU devices (XLA attention):")
     result = dry_run(cfg)
     print(describe(result))

@@ -37,6 +37,7 @@ from jaxtron.models.moe import capacity
 from jaxtron.ops.attention import resolve_implementation
 from jaxtron.parallel.mesh import full_sizes, split_over_nodes
 from jaxtron.parallel.sharding import logical_names, logical_to_spec
+from jaxtron.parallel.stages import padding
 from jaxtron.planning.gpus import GPU
 from jaxtron.training.pipeline import bubble_fraction
 
@@ -87,6 +88,7 @@ class Estimate:
     microbatches: int
     pipeline_microbatches: int  # in flight per pipeline pass (0: no pipeline schedule)
     bubble: float  # the pipeline schedule's idle share
+    identity_layers: int  # blocks that fill an uneven pipeline split (pipeline.uneven_stages)
     attention: str  # the attention implementation the estimate assumes
     memory: dict[str, float]  # bytes per device by term
     time: dict[str, float]  # seconds per step by term
@@ -138,7 +140,11 @@ def estimate(cfg: Config, sizes: dict[str, int], gpu: GPU, microbatches: int | N
     pipelined = (stages, in_flight) != (1, 1)
     iterations = in_flight * virtual + stages - 1 if pipelined else 1
     bubble = bubble_fraction(stages, in_flight, virtual)
-    layers_here = m.num_layers // stages  # the blocks this stage holds
+    # an uneven split runs identity periods too (pipeline.uneven_stages): they cost a period's memory and work
+    period = m.moe_every if m.num_experts else 1
+    pads = padding(m.num_layers // period, stages, virtual) if stages > 1 else 0
+    run_m = dataclasses.replace(m, num_layers=m.num_layers + pads * period) if pads else m  # the blocks run
+    layers_here = run_m.num_layers // stages  # the blocks this stage holds
     impl = "xla" if cpu_program else resolve_implementation(run.attention, run.dtype, m.resolved_head_dim,
                                                             sizes["sequence"], backend="gpu")
     T, S, E, F = sizes["tensor"], sizes["sequence"], sizes["expert"], sizes["fsdp"]
@@ -175,7 +181,7 @@ def estimate(cfg: Config, sizes: dict[str, int], gpu: GPU, microbatches: int | N
              "save_dots": 3 * x + attn["q"] + attn["kv"] + mlp["gate_up"],
              "save_dots_attention": 3 * x + attn["q"] + attn["kv"] + attn["out"] + mlp["gate_up"]}[run.remat]
     saved_scores = 2 * scores if run.remat == "none" else 0  # scores and probabilities kept for the backward
-    moe_layers = m.num_moe_layers
+    moe_layers = run_m.num_moe_layers
     tokens = b * t
     k = m.experts_per_token
     moe_rows = 0
@@ -187,7 +193,7 @@ def estimate(cfg: Config, sizes: dict[str, int], gpu: GPU, microbatches: int | N
     # every iteration of the schedule leaves the saved values of the blocks the stage ran, the idle ones of the
     # fill and drain included (they compute on zeros): iterations x blocks of one pass, for a pipeline microbatch
     passes, per_pass = (iterations, virtual * stages) if pipelined else (1, 1)
-    memory["activations"] = float(passes * (m.num_layers // per_pass * (saved * c + x * stack_copy
+    memory["activations"] = float(passes * (run_m.num_layers // per_pass * (saved * c + x * stack_copy
                                                                         + saved_scores * 4.0)
                                             + moe_layers // per_pass * moe_saved * c))
     if pipelined:  # the schedule's carries: each iteration's stage input, and every microbatch's latest output
@@ -197,7 +203,8 @@ def estimate(cfg: Config, sizes: dict[str, int], gpu: GPU, microbatches: int | N
     for p in params:
         if p.in_blocks:
             stack = p.path.split(".")[0]
-            per_block[stack] = per_block.get(stack, 0) + p.shard_elements(sizes, without=("fsdp",)) // p.shape[0]
+            whole = p.shard_elements(sizes, without=("fsdp", "pipeline"))  # the whole stack, one block of each
+            per_block[stack] = per_block.get(stack, 0) + whole // p.shape[0]
     block_weights = max(per_block.values())
     layer_work = ((LAYER_COPIES * everything + MOE_COPIES * (moe_values if moe_layers else 0)) * work_c
                   + SCORE_COPIES * scores * 4.0
@@ -213,7 +220,7 @@ def estimate(cfg: Config, sizes: dict[str, int], gpu: GPU, microbatches: int | N
     peak = gpu.peak_flops["bfloat16"] if run.dtype == "bfloat16" else gpu.peak_flops["bfloat16"] / 2  # fp32: TF32
     terms = flops_breakdown(m, s)
     # model FLOPs plus what the remat policy re-runs, from the table HFU uses (jaxtron.metrics.flops.RECOMPUTED)
-    hardware = hardware_flops_breakdown(m, run, s, attention=impl)
+    hardware = hardware_flops_breakdown(run_m, run, s, attention=impl)
     step_tokens = cfg.train.global_batch_size * s
     matmul = sum(v for k, v in hardware.items() if k != "attention_scores")
     scores_flops = hardware["attention_scores"]
@@ -221,7 +228,7 @@ def estimate(cfg: Config, sizes: dict[str, int], gpu: GPU, microbatches: int | N
     forward_passes = 3 + (1 if run.remat == "full" else 0)  # forward, backward (twice the traffic), recompute
     # bytes per device: a tensor group of T devices shares its tokens, and the residual-width work (h) is
     # repeated on each of its ranks while the head and MLP widths are split
-    elementwise = (ELEMENTWISE_PASSES * forward_passes * m.num_layers * (h + nq + 2 * nk + ft) * c
+    elementwise = (ELEMENTWISE_PASSES * forward_passes * run_m.num_layers * (h + nq + 2 * nk + ft) * c
                    * step_tokens / (n_dev / T))
     # the output head runs on every stage for its data-parallel rows (replicated over the pipeline axis)
     matmul += hardware.get("logits", 0.0) * (stages - 1)
@@ -289,7 +296,7 @@ def estimate(cfg: Config, sizes: dict[str, int], gpu: GPU, microbatches: int | N
     step = max(compute, sum(time[k] for k in overlapped)) + sum(time[k] for k in exposed if k not in COMPUTE_TERMS)
     model_flops = sum(terms.values()) * step_tokens / n_dev
     return Estimate(mesh=dict(sizes), microbatches=micro, pipeline_microbatches=in_flight if pipelined else 0,
-                    bubble=bubble, attention=impl, memory=memory, time=time,
+                    bubble=bubble, identity_layers=pads * period, attention=impl, memory=memory, time=time,
                     exposed=exposed, overlapped=overlapped, step_s=step,
                     mfu=model_flops / step / gpu.peak_flops["bfloat16"], tokens_per_s=step_tokens / step,
                     collectives=coll)

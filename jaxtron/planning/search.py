@@ -18,11 +18,15 @@ def divisors(n: int) -> list[int]:
 
 
 def with_mesh(cfg: Config, sizes: dict[str, int]) -> Config:
-    """``cfg`` on these mesh sizes; its pipeline microbatches become the stage count when they were fewer."""
+    """``cfg`` on these mesh sizes; its pipeline microbatches become the stage count when they were fewer, and
+    layers that the stages do not split evenly are filled up with identity layers (``pipeline.uneven_stages``,
+    which the estimate counts and the table shows)."""
     stages = sizes.get("pipeline", 1)
     pipeline = cfg.pipeline
     if pipeline.microbatches and pipeline.microbatches < stages:
         pipeline = dataclasses.replace(pipeline, microbatches=stages)
+    if stages > 1:
+        pipeline = dataclasses.replace(pipeline, uneven_stages=True)
     return dataclasses.replace(cfg, mesh=MeshConfig(**sizes), pipeline=pipeline)
 
 

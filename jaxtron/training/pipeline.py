@@ -16,6 +16,8 @@ Reverse-mode differentiation of the loop is the backward pass in the reverse ord
 the activations of every iteration are kept, as the remat policy allows). The weights are not: each period
 slices its weights from the stage's stack inside a checkpoint that never keeps them (``_period_policy``), so
 the backward pass slices them again rather than every iteration keeping a copy of the periods it ran.
+Periods that do not split evenly are filled up with identity periods at the end of the stack (``pads``): they
+compute like any other, and their output is replaced by their input.
 """
 
 from __future__ import annotations
@@ -87,6 +89,7 @@ class Schedule:
     microbatches: int
     virtual_stages: int = 1
     remat_policy: Callable | None = None  # the model's checkpoint policy (None: keep everything)
+    pads: int = 0  # identity periods at the end of the stored stack (an uneven split, ``parallel/stages.py``)
 
     @property
     def bubble(self) -> float:
@@ -97,6 +100,7 @@ class Schedule:
         periods = jax.tree.leaves(stack)[0].shape[0]
         check_schedule(periods, s_, v_, m_)
         per = periods // (s_ * v_)
+        real_periods = periods - self.pads
         # [S, V, P, ...]: the stage dimension over the pipeline axis (each stage's block stays where it is stored)
         staged = jax.tree.map(lambda a: constrain_leading(a.reshape(s_, v_, per, *a.shape[1:]), "stages"), stack)
         stage_ids = jnp.arange(s_)
@@ -111,15 +115,23 @@ class Schedule:
 
         period = jax.checkpoint(period, policy=_period_policy(self.remat_policy, s_), prevent_cse=False)
 
-        def stage_fn(stack_s, r, item):
+        def stage_period(h, stack_s, s, r, p, ex):
+            """Period p of round r on stage s; an identity period leaves h as it is and has no stats."""
+            out, stats = period(h, stack_s, r, p, ex)
+            if not self.pads:
+                return out, stats
+            real = (s * v_ + r) * per + p < real_periods
+            return jnp.where(real, out, h), jax.tree.map(lambda a: jnp.where(real, a, jnp.zeros_like(a)), stats)
+
+        def stage_fn(stack_s, s, r, item):
             h, ex = item
 
             def one(carry, p):
                 h, total = carry
-                h, stats = period(h, stack_s, r, p, ex)
+                h, stats = stage_period(h, stack_s, s, r, p, ex)
                 return (h, jax.tree.map(jnp.add, total, stats)), None
 
-            (h, stats), _ = jax.lax.scan(one, period(h, stack_s, r, 0, ex), jnp.arange(1, per))
+            (h, stats), _ = jax.lax.scan(one, stage_period(h, stack_s, s, r, 0, ex), jnp.arange(1, per))
             return h, stats
 
         mesh = jax.sharding.get_abstract_mesh()
@@ -138,7 +150,7 @@ class Schedule:
             entering = (pick(current), jax.tree.map(pick, micro_extras))
             held = on_stages(jax.tree.map(lambda h, e: h.at[0].set(e), held, entering))
             rounds = jnp.clip((t - stage_ids) // m_, 0, v_ - 1)  # the round of the item each stage holds
-            out, stats = run_stages(staged, rounds, held)
+            out, stats = run_stages(staged, stage_ids, rounds, held)
             out = constrain_leading(out, "stages")
             done = t - (s_ - 1)  # the item the last stage finished: microbatch done % M of round done // M
             slot = done % m_
@@ -155,7 +167,7 @@ class Schedule:
         # 0 <= t - s < M * V, and nothing (fill or drain) otherwise
         item = np.arange(iterations)[:, None] - np.arange(s_)[None, :]
         owner = np.where((item >= 0) & (item < m_ * v_), item % m_, -1)
-        weights = jnp.asarray((owner[None] == np.arange(m_)[:, None, None]) / periods, jnp.float32)
+        weights = jnp.asarray((owner[None] == np.arange(m_)[:, None, None]) / real_periods, jnp.float32)
         stats = jax.tree.map(lambda a: jnp.einsum("mts,ts...->m...", weights, a.astype(jnp.float32)), stats)
         return join_rows(current), stats
 

@@ -15,7 +15,7 @@ from jaxtron.config.schema import Config, ConfigError
 from jaxtron.models import build_model
 from jaxtron.models.transformer import REMAT_POLICIES
 from jaxtron.parallel.sharding import shard_count, tree_shardings
-from jaxtron.parallel.stages import reorder, storage_order
+from jaxtron.parallel.stages import padding, reorder, storage_order
 from jaxtron.training.pipeline import Schedule
 from jaxtron.training.optimizer import learning_rate_schedule, make_optimizer
 
@@ -53,14 +53,21 @@ def schedule(cfg: Config, stages: int) -> Schedule | None:
     microbatches, virtual = cfg.pipeline.schedule(stages)
     if (stages, microbatches) == (1, 1):
         return None
-    return Schedule(stages, microbatches, virtual, REMAT_POLICIES.get(cfg.execution.remat))
+    virtual = virtual if stages > 1 else 1  # one stage: its rounds would be the same stack in the same order
+    return Schedule(stages, microbatches, virtual, REMAT_POLICIES.get(cfg.execution.remat),
+                    padding(_periods(cfg), stages, virtual))
+
+
+def _periods(cfg: Config) -> int:
+    m = cfg.model
+    return m.num_layers // (m.moe_every if m.num_experts else 1)
 
 
 def layer_order(cfg: Config, stages: int) -> tuple[int, ...]:
-    """The order of the periods in the stored layer stack under this many pipeline stages."""
-    m = cfg.model
-    periods = m.num_layers // (m.moe_every if m.num_experts else 1)
-    return tuple(int(i) for i in storage_order(periods, stages, cfg.pipeline.virtual_stages if stages > 1 else 1))
+    """The order of the periods in the stored layer stack under this many pipeline stages (``PAD``: an
+    identity period filling an uneven split)."""
+    virtual = cfg.pipeline.virtual_stages if stages > 1 else 1
+    return tuple(int(i) for i in storage_order(_periods(cfg), stages, virtual))
 
 
 def _init_fn(cfg: Config, attention_impl: str, stages: int | None = None):
