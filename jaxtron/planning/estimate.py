@@ -129,7 +129,8 @@ def estimate(cfg: Config, sizes: dict[str, int], gpu: GPU, microbatches: int | N
     ``microbatches`` defaults to ``train.microbatches``. ``cpu_program``: estimate the program XLA:CPU compiles
     for the dry run instead of the GPU's: XLA attention, and 16-bit values held in float32 (XLA:CPU has no
     16-bit matmul, so it converts their operands: the block weights are gathered in float32 and the saved
-    residual stream is converted to float32 once more before the backward pass).
+    residual stream is converted to float32 once more before the backward pass; a pipelined program also holds a
+    copy of the AdamW moments through the loss's backward pass).
     """
     sizes = full_sizes(sizes)
     m, run, n_dev = cfg.model, cfg.execution, math.prod(sizes.values())
@@ -213,7 +214,9 @@ def estimate(cfg: Config, sizes: dict[str, int], gpu: GPU, microbatches: int | N
     head_params = [p for p in params if not p.in_blocks and "vocab" in p.names]
     head_gathered = sum(p.shard_elements(sizes, without=("fsdp",)) for p in head_params)
     loss_work = (LOGIT_COPIES * 4.0 * rows * t * vocab / cfg.train.logit_chunks
-                 + head_gathered * (HEAD_COPIES * work_c + 4.0))
+                 + head_gathered * (HEAD_COPIES * work_c + 4.0)
+                 # a pipelined program on XLA:CPU copies the AdamW moments before the loss's backward pass
+                 + (memory["optimizer"] if cpu_program and pipelined else 0.0))
     memory["working"] = float(max(layer_work, loss_work))
 
     # --- time ---
