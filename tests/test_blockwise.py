@@ -80,13 +80,22 @@ def test_a_slice_of_queries_against_the_whole_sequence_and_partial_results_combi
 
 def test_no_whole_score_matrix_is_held():
     """At 4096 tokens the compiled gradient's temporaries stay far below one [length, length] float32 matrix
-    per head (what whole-matrix attention holds)."""
+    per head (what whole-matrix attention holds), alone and in a scanned stack of layers (where masks that
+    depend on positions only must not be computed ahead of the loop for every pair of blocks)."""
     b, length, heads, d = 1, 4096, 2, 16
     q = jax.ShapeDtypeStruct((b, length, heads, d), jnp.float32)
     pos = jax.ShapeDtypeStruct((b, length), jnp.int32)
     f = jax.jit(jax.grad(lambda q, k, v, p: jnp.sum(blockwise_attention(q, k, v, p, p, block_q=256,
                                                                        block_k=256)[0]), argnums=(0, 1, 2)))
     temp = f.lower(q, q, q, pos).compile().memory_analysis().temp_size_in_bytes
+    assert temp < 0.1 * heads * length * length * 4, temp
+
+    def stack(h, weights, p):
+        layer = lambda h, w: (h + blockwise_attention(h * w, h, h, p, p, block_q=256, block_k=256)[0], None)
+        return jnp.sum(jax.lax.scan(layer, h, weights)[0])
+
+    g = jax.jit(jax.grad(stack, argnums=(0, 1)))
+    temp = g.lower(q, jax.ShapeDtypeStruct((2,), jnp.float32), pos).compile().memory_analysis().temp_size_in_bytes
     assert temp < 0.1 * heads * length * length * 4, temp
 
 

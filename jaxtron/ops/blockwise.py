@@ -47,6 +47,9 @@ def _unblocks(x):
 
 
 def _forward(q, k, v, q_pos, k_pos, q_seg, k_seg, block_q, block_k):
+    # the masks depend on positions only; inside a differentiated scan (the layer stack) that would make them
+    # loop-invariant, and autodiff would compute them ahead of the loop for every pair of blocks at once
+    q, q_pos, k_pos, q_seg, k_seg = jax.lax.optimization_barrier((q, q_pos, k_pos, q_seg, k_seg))
     b, lq, h, d = q.shape
     kvh = k.shape[2]
     g, scale = h // kvh, 1.0 / math.sqrt(d)
