@@ -88,6 +88,11 @@ class ModelConfig:
         return tuple(f.name for f in dataclasses.fields(cls) if f.metadata.get("architecture", True))
 
     @property
+    def period(self) -> int:
+        """Blocks in one period of the scanned stack: ``moe_every`` for an MoE model, else 1."""
+        return self.moe_every if self.num_experts else 1
+
+    @property
     def num_moe_layers(self) -> int:
         return self.num_layers // self.moe_every if self.num_experts else 0
 

@@ -76,8 +76,9 @@ class PipelineConfig:
         _positive(self.virtual_stages, "pipeline.virtual_stages")
 
     def schedule(self, stages: int) -> tuple[int, int]:
-        """(microbatches, virtual stages) for this many stages."""
-        return self.microbatches or stages, self.virtual_stages
+        """(microbatches, virtual stages) for this many stages (one stage has no virtual stages: its rounds
+        would run the same stack in the same order)."""
+        return self.microbatches or stages, self.virtual_stages if stages > 1 else 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -322,10 +323,10 @@ class Config:
         microbatch per stage, each microbatch divisible by the data-parallel size."""
         m, x = self.model, self.execution
         microbatches, virtual = self.pipeline.schedule(stages)
-        period = m.moe_every if m.num_experts else 1
+        period = m.period
         periods = m.num_layers // period
         unit = f"periods of model.moe_every={period} blocks" if period > 1 else "layers"
-        split = stages * (virtual if stages > 1 else 1)
+        split = stages * virtual
         _check(periods % split == 0 or self.pipeline.uneven_stages, "model.num_layers",
                f"({m.num_layers}: {periods} {unit}) cannot be split into mesh.pipeline={stages} stages x "
                f"pipeline.virtual_stages={virtual}", "choose stage and virtual stage counts whose product divides "

@@ -198,7 +198,8 @@ class _Slices:
         leaf = self.shapes[param]
         shape = leaf.shape
         if self.layer_order is not None and param in self.stacked:  # identity periods of an uneven split too
-            shape = (shape[0] // sum(i >= 0 for i in self.layer_order) * len(self.layer_order), *shape[1:])
+            from jaxtron.parallel.stages import stored_rows
+            shape = (stored_rows(shape[0], self.layer_order), *shape[1:])
         key = "params." + param + ".value"
         with _checkpointer() as checkpointer:
             restored = checkpointer.restore(self.item, args=ocp.args.PyTreeRestore(

@@ -137,7 +137,7 @@ class Transformer(nnx.Module):
         x = constrain(x, EMBED_AXES)
 
         # The scan runs periods of `moe_every` blocks (one block for a dense model): the dense ones, then MoE.
-        period = cfg.moe_every if cfg.num_experts else 1
+        period = cfg.period
         dense_per_period = period - 1 if cfg.num_experts else 1
         dense_def, dense = nnx.split(self.layers) if self.layers is not None else (None, None)
         moe_def, moe = nnx.split(self.moe_layers) if self.moe_layers is not None else (None, None)

@@ -46,18 +46,26 @@ def _unblocks(x):
     return x.reshape(x.shape[0], x.shape[1] * x.shape[2], *x.shape[3:])
 
 
+def _blocked(q, k, v, q_pos, k_pos, q_seg, k_seg, block_q, block_k):
+    """The sizes (block of queries, group of query heads per kv head, score scale) and the blocked inputs: queries
+    [nq, b, bq, kv_heads, group, d] with their positions and document ids, and (keys, values, positions, document
+    ids) in blocks of keys."""
+    b, lq, h, d = q.shape
+    kvh = k.shape[2]
+    g, bq, bk = h // kvh, block_size(lq, block_q), block_size(k.shape[1], block_k)
+    maybe = lambda x, size: None if x is None else _blocks(x, size)
+    queries = (_blocks(q.reshape(b, lq, kvh, g, d), bq), _blocks(q_pos, bq), maybe(q_seg, bq))
+    keys = (_blocks(k, bk), _blocks(v, bk), _blocks(k_pos, bk), maybe(k_seg, bk))
+    return (bq, g, 1.0 / math.sqrt(d)), queries, keys
+
+
 def _forward(q, k, v, q_pos, k_pos, q_seg, k_seg, block_q, block_k):
     # the masks depend on positions only; inside a differentiated scan (the layer stack) that would make them
     # loop-invariant, and autodiff would compute them ahead of the loop for every pair of blocks at once
     q, q_pos, k_pos, q_seg, k_seg = jax.lax.optimization_barrier((q, q_pos, k_pos, q_seg, k_seg))
-    b, lq, h, d = q.shape
+    b, _, h, d = q.shape
     kvh = k.shape[2]
-    g, scale = h // kvh, 1.0 / math.sqrt(d)
-    bq, bk = block_size(lq, block_q), block_size(k.shape[1], block_k)
-    qs = _blocks(q.reshape(b, lq, kvh, g, d), bq)
-    ks, vs, kps = _blocks(k, bk), _blocks(v, bk), _blocks(k_pos, bk)
-    kss = _blocks(k_seg, bk) if k_seg is not None else None
-    qps, qss = _blocks(q_pos, bq), (_blocks(q_seg, bq) if q_seg is not None else None)
+    (bq, g, scale), (qs, qps, qss), keys = _blocked(q, k, v, q_pos, k_pos, q_seg, k_seg, block_q, block_k)
 
     def one_query_block(args):
         qb, qp, qsg = args
@@ -81,7 +89,7 @@ def _forward(q, k, v, q_pos, k_pos, q_seg, k_seg, block_q, block_k):
 
         start = (jnp.full((b, kvh, g, bq), MASKED, jnp.float32), jnp.zeros((b, kvh, g, bq), jnp.float32),
                  jnp.zeros((b, kvh, g, bq, d), jnp.float32))
-        (m, l, acc), _ = jax.lax.scan(step, start, (ks, vs, kps, kss))
+        (m, l, acc), _ = jax.lax.scan(step, start, keys)
         out = acc / jnp.where(l > 0, l, 1.0)[..., None]
         lse = jnp.where(l > 0, m + jnp.log(jnp.where(l > 0, l, 1.0)), MASKED)
         # [b, kvh, g, bq, d] -> [b, bq, h, d]; [b, kvh, g, bq] -> [b, bq, h]
@@ -106,21 +114,16 @@ def _attention_bwd(block_q, block_k, res, cotangents):
     q, k, v, q_pos, k_pos, q_seg, k_seg, out, lse = res
     d_out, d_lse = cotangents
     b, lq, h, d = q.shape
-    lk, kvh = k.shape[1], k.shape[2]
-    g, scale = h // kvh, 1.0 / math.sqrt(d)
-    bq, bk = block_size(lq, block_q), block_size(lk, block_k)
+    kvh = k.shape[2]
+    (bq, g, scale), (qs, qps, qss), keys = _blocked(q, k, v, q_pos, k_pos, q_seg, k_seg, block_q, block_k)
     # per query: D = sum(dO * O), the softmax's own term; both it and d_lse enter every score's gradient
     delta = jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), -1) - d_lse.astype(jnp.float32)
 
     def grouped(x):  # [b, L, h] -> [b, L, kvh, g]
         return x.reshape(*x.shape[:2], kvh, g)
 
-    qs = _blocks(q.reshape(b, lq, kvh, g, d), bq)
     dos = _blocks(d_out.reshape(b, lq, kvh, g, d), bq)
     lses, deltas = _blocks(grouped(lse), bq), _blocks(grouped(delta), bq)
-    qps, qss = _blocks(q_pos, bq), (_blocks(q_seg, bq) if q_seg is not None else None)
-    ks, vs, kps = _blocks(k, bk), _blocks(v, bk), _blocks(k_pos, bk)
-    kss = _blocks(k_seg, bk) if k_seg is not None else None
 
     def one_query_block(dkv, args):
         qb, dob, lseb, deltab, qp, qsg = args
@@ -147,7 +150,7 @@ def _attention_bwd(block_q, block_k, res, cotangents):
             dq, dk, dv = jax.lax.cond(seen.any(), grads, skip, dq)
             return dq, (dk, dv)
 
-        dq, (dk, dv) = jax.lax.scan(step, jnp.zeros(qb.shape, jnp.float32), (ks, vs, kps, kss))
+        dq, (dk, dv) = jax.lax.scan(step, jnp.zeros(qb.shape, jnp.float32), keys)
         return (dkv[0] + _unblocks(dk), dkv[1] + _unblocks(dv)), dq
 
     zero = jnp.zeros(k.shape, jnp.float32)
@@ -201,7 +204,7 @@ def context_parallel_attention(q: jax.Array, k: jax.Array, v: jax.Array, index: 
     q_spec = logical_to_spec(Q_AXES)
     kv_spec = logical_to_spec(("activation_batch", "activation_length", "activation_kv_heads",
                                "activation_head_dim"))
-    row_spec = jax.sharding.PartitionSpec(*q_spec[:2])
+    row_spec = logical_to_spec(Q_AXES[:2])
     sequence = spec_axes(q_spec, 1)
 
     def gathered(x):

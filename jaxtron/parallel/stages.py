@@ -102,6 +102,13 @@ def reorder(tree: Any, saved: Sequence[int] | None, wanted: Sequence[int] | None
     return jax.tree.map(move, tree, like, is_leaf=is_var)
 
 
+def stored_rows(rows: int, saved: Sequence[int] | None, wanted: Sequence[int] | None = None) -> int:
+    """Rows (blocks) of a stacked parameter stored in the order ``saved`` that has ``rows`` in the order ``wanted``
+    (None: natural): they differ by the identity periods of either."""
+    stored, take = _positions(saved, wanted)
+    return rows // len(take) * stored
+
+
 def resized(tree: Any, saved: Sequence[int] | None, wanted: Sequence[int] | None) -> Any:
     """An abstract tree (nnx Variables of sharded ShapeDtypeStructs) stored in the order ``wanted``, as it was
     stored in the order ``saved``: its stacked leaves hold the saved number of periods (identity ones included).
@@ -115,7 +122,7 @@ def resized(tree: Any, saved: Sequence[int] | None, wanted: Sequence[int] | None
         if not _stacked(leaf):
             return leaf
         value = leaf.get_value()
-        shape = (value.shape[0] // len(take) * stored, *value.shape[1:])
+        shape = (stored_rows(value.shape[0], saved, wanted), *value.shape[1:])
         sharding = value.sharding
         pieces = value.shape[0] // sharding.shard_shape(value.shape)[0]
         if shape[0] % pieces:

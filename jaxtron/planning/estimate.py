@@ -142,8 +142,8 @@ def estimate(cfg: Config, sizes: dict[str, int], gpu: GPU, microbatches: int | N
     iterations = in_flight * virtual + stages - 1 if pipelined else 1
     bubble = bubble_fraction(stages, in_flight, virtual)
     # an uneven split runs identity periods too (pipeline.uneven_stages): they cost a period's memory and work
-    period = m.moe_every if m.num_experts else 1
-    pads = padding(m.num_layers // period, stages, virtual) if stages > 1 else 0
+    period = m.period
+    pads = padding(m.num_layers // period, stages, virtual)
     run_m = dataclasses.replace(m, num_layers=m.num_layers + pads * period) if pads else m  # the blocks run
     layers_here = run_m.num_layers // stages  # the blocks this stage holds
     impl = "xla" if cpu_program else resolve_implementation(run.attention, run.dtype, m.resolved_head_dim,

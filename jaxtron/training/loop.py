@@ -156,9 +156,8 @@ class Trainer:
                      "(fill-drain: (stages - 1) / (microbatches x virtual stages + stages - 1))", schedule.stages,
                      schedule.virtual_stages, schedule.microbatches, schedule.bubble)
             if schedule.pads:
-                period = cfg.model.moe_every if cfg.model.num_experts else 1
                 log.info("pipeline: the last stage's stack is filled with %d identity layers (uneven split; each "
-                         "costs a layer's memory and compute there)", schedule.pads * period)
+                         "costs a layer's memory and compute there)", schedule.pads * cfg.model.period)
         if "unigram_entropy" in self.facts:
             log.info("data: %d tokens; unigram entropy of the training text %.4f nats/token (the loss of the best "
                      "context-free model)", self.facts["train_tokens"], self.facts["unigram_entropy"])

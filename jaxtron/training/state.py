@@ -53,21 +53,18 @@ def schedule(cfg: Config, stages: int) -> Schedule | None:
     microbatches, virtual = cfg.pipeline.schedule(stages)
     if (stages, microbatches) == (1, 1):
         return None
-    virtual = virtual if stages > 1 else 1  # one stage: its rounds would be the same stack in the same order
     return Schedule(stages, microbatches, virtual, REMAT_POLICIES.get(cfg.execution.remat),
                     padding(_periods(cfg), stages, virtual))
 
 
 def _periods(cfg: Config) -> int:
-    m = cfg.model
-    return m.num_layers // (m.moe_every if m.num_experts else 1)
+    return cfg.model.num_layers // cfg.model.period
 
 
 def layer_order(cfg: Config, stages: int) -> tuple[int, ...]:
     """The order of the periods in the stored layer stack under this many pipeline stages (``PAD``: an
     identity period filling an uneven split)."""
-    virtual = cfg.pipeline.virtual_stages if stages > 1 else 1
-    return tuple(int(i) for i in storage_order(_periods(cfg), stages, virtual))
+    return tuple(int(i) for i in storage_order(_periods(cfg), stages, cfg.pipeline.schedule(stages)[1]))
 
 
 def _init_fn(cfg: Config, attention_impl: str, stages: int | None = None):
