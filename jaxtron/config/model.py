@@ -120,7 +120,7 @@ class ExecutionConfig:
     def __post_init__(self):
         _choice(self.dtype, "execution.dtype", DTYPES)
         _choice(self.remat, "execution.remat", REMAT_POLICIES)
-        _choice(self.attention, "execution.attention", ("auto", "xla", "cudnn"))
+        _choice(self.attention, "execution.attention", ("auto", "xla", "cudnn", "blockwise"))
         _positive(self.attention_max_segments, "execution.attention_max_segments")
         _non_negative(self.fp8_skip_layers, "execution.fp8_skip_layers")
         _choice(self.moe_mode, "execution.moe_mode", ("dropless", "capacity"))

@@ -122,9 +122,11 @@ def flops_per_token(cfg: ModelConfig, seq_len: int, causal: bool = True) -> floa
 def recomputed(remat: str, attention: str = "xla") -> tuple[str, ...]:
     """The ``MATMULS`` whose forward pass ``execution.remat`` re-runs, with attention implementation 'xla' or
     'cudnn' (see ``RECOMPUTED``)."""
-    if attention not in ("xla", "cudnn"):
-        raise ValueError(f"attention implementation {attention!r} is not 'xla' or 'cudnn'")
-    return RECOMPUTED[remat][attention]
+    if attention not in ("xla", "cudnn", "blockwise"):
+        raise ValueError(f"attention implementation {attention!r} is not 'xla', 'cudnn' or 'blockwise'")
+    # blockwise attention is a flash kernel written in XLA: remat treats it as the cuDNN kernel (a custom
+    # gradient whose scores are recomputed inside its own backward pass)
+    return RECOMPUTED[remat]["cudnn" if attention == "blockwise" else attention]
 
 
 def _hardware_matmuls(cfg: ModelConfig, run: ExecutionConfig, seq_len: int, causal: bool,

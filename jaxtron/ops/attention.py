@@ -1,8 +1,9 @@
 """Attention: one entry point, implementation chosen from config plus platform.
 
-'xla' is the reference path everywhere; 'cudnn' is the fused flash-attention kernel on NVIDIA GPUs.
-Inputs carry global positions (the program is written for the global array), so causal masks stay
-correct when the sequence axis is sharded: keys and values are gathered over the sequence shards.
+'xla' is the reference path everywhere (whole score matrices); 'cudnn' is the fused flash-attention kernel on
+NVIDIA GPUs; 'blockwise' is flash-style attention written in XLA (``ops/blockwise.py``), which 'auto' takes when
+the sequence axis is sharded (context parallelism): each device keeps its queries and gathers the keys and
+values of the whole sequence, and no [length, length] matrix is held.
 """
 
 from __future__ import annotations
@@ -36,13 +37,14 @@ def cudnn_unsupported(dtype: jnp.dtype, head_dim: int, sequence_shards: int, bac
 
 def resolve_implementation(choice: str, dtype: jnp.dtype, head_dim: int = 128, sequence_shards: int = 1,
                            backend: str | None = None) -> str:
-    """'auto' -> 'cudnn' where JAX's cuDNN kernel supports the configuration, else 'xla'.
+    """'auto' -> 'cudnn' where JAX's cuDNN kernel supports the configuration, else 'blockwise' when the sequence
+    is sharded and 'xla' when it is not.
 
     An explicit 'cudnn' that cannot run is a ConfigError naming the reason.
     """
     reason = cudnn_unsupported(dtype, head_dim, sequence_shards, backend or jax.default_backend())
     if choice == "auto":
-        return "xla" if reason else "cudnn"
+        return ("blockwise" if sequence_shards > 1 else "xla") if reason else "cudnn"
     if choice == "cudnn" and reason:
         raise ConfigError(f"config field 'execution.attention' is 'cudnn' but {reason}; use 'auto' or 'xla'.")
     return choice
@@ -94,6 +96,10 @@ def dot_product_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, implement
     v = constrain(v, KV_AXES)
     if implementation == "cudnn" and segment_ids is not None:
         out = _cudnn_packed(q, k, v, segment_ids, max_segments)
+    elif implementation == "blockwise":
+        from jaxtron.ops.blockwise import context_parallel_attention
+        index = constrain(jnp.broadcast_to(jnp.arange(q.shape[1]), q.shape[:2]), Q_AXES[:2])
+        out = context_parallel_attention(q, k, v, index, segment_ids)
     else:
         mask = None
         if segment_ids is not None:

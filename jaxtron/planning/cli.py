@@ -149,7 +149,7 @@ def run(argv: list[str]) -> int:
 
 def compile_report(cfg, sizes: dict[str, int], n: int, gpu, estimate) -> dict:
     """Compiles the step for ``sizes`` and prints the compiler's numbers beside the estimate of the same program
-    (XLA attention, as the CPU compiles it)."""
+    (the attention the CPU compiles: XLA's, blockwise when the sequence is sharded)."""
     import dataclasses
     import math
 
@@ -161,7 +161,8 @@ def compile_report(cfg, sizes: dict[str, int], n: int, gpu, estimate) -> dict:
                           f"{n}; make the sizes multiply to {n}.")
     from jaxtron.planning.search import with_mesh
     cfg = with_mesh(cfg, sizes)  # as the table estimated it
-    print(f"\ndry run of {_mesh_text(sizes)} on {n} fake CPU devices (XLA attention):")
+    attention = "blockwise" if sizes.get("sequence", 1) > 1 and cfg.execution.attention != "xla" else "XLA"
+    print(f"\ndry run of {_mesh_text(sizes)} on {n} fake CPU devices ({attention} attention):")
     result = dry_run(cfg)
     print(describe(result))
     est = estimate(cfg, sizes, gpu, cpu_program=True)

@@ -18,7 +18,8 @@ from jaxtron.checkpoint.train_state import abstract_with_shardings
 from jaxtron.config.schema import Config
 from jaxtron.metrics.collectives import collectives
 from jaxtron.parallel.mesh import make_mesh
-from jaxtron.parallel.sharding import batch_sharding, per_device_sharding
+from jaxtron.ops.attention import resolve_implementation
+from jaxtron.parallel.sharding import batch_sharding, per_device_sharding, shard_count
 from jaxtron.training import state as state_lib
 from jaxtron.training.step import train_step
 
@@ -47,10 +48,15 @@ def abstract_batch(cfg: Config, mesh) -> dict[str, jax.ShapeDtypeStruct]:
     return {k: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=sharding) for k in BATCH_KEYS}
 
 
-def dry_run(cfg: Config, devices: list | None = None, implementation: str = "xla") -> DryRun:
-    """Compiles ``cfg``'s train step on its mesh over ``devices`` (default: all) without allocating it."""
+def dry_run(cfg: Config, devices: list | None = None, implementation: str | None = None) -> DryRun:
+    """Compiles ``cfg``'s train step on its mesh over ``devices`` (default: all) without allocating it, with the
+    attention ``implementation`` (default: what the config's resolves to on the CPU; 'cudnn' as 'auto')."""
     devices = list(devices if devices is not None else jax.devices())
     sizes = cfg.check_devices(len(devices))
+    if implementation is None:
+        choice = "auto" if cfg.execution.attention == "cudnn" else cfg.execution.attention
+        implementation = resolve_implementation(choice, jnp.dtype(cfg.execution.dtype), cfg.model.resolved_head_dim,
+                                                shard_count(sizes, "activation_length"), backend="cpu")
     mesh = make_mesh(sizes, devices)
     with jax.set_mesh(mesh):
         setup = state_lib.setup(cfg, implementation, sizes)
