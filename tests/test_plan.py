@@ -182,7 +182,7 @@ def test_dominant_term_follows_the_bottleneck():
     slow_network = dataclasses.replace(H100, network_bandwidth=1e9)
     assert estimate(cfg, sizes, slow_network).dominant == "fsdp_comm"
     sharded_sequence = estimate(cfg, dict(sizes, fsdp=8, sequence=2), H100)
-    assert sharded_sequence.attention == "xla"  # cuDNN's kernel does not take a sharded sequence
+    assert sharded_sequence.attention == "blockwise"  # cuDNN's kernel does not take a sharded sequence
 
 
 def test_405b_on_8_gpus_of_80gb_is_refused_with_the_reason(capsys):
