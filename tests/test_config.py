@@ -182,7 +182,12 @@ BAD = [
      "data*fsdp*expert = 8", "use a multiple of 16"),
     ("seq_len_not_divisible_by_sequence",
      lambda d: Config(data=DataConfig(seq_len=250), mesh=mesh(sequence=4)).check_devices(8),
-     "'data.seq_len' (250) is not divisible by mesh.sequence (4)", "use a multiple of 4"),
+     "'data.seq_len' (250) is not divisible by 2 x mesh.sequence (8), the chunks of the load-balanced layout",
+     "use a multiple of 8"),
+    ("seq_len_not_divisible_by_sequence_and_tensor",
+     lambda d: Config(data=DataConfig(seq_len=20), mesh=mesh(sequence=2, tensor=4)).check_devices(8),
+     "'data.seq_len' (20) is not divisible by mesh.sequence x mesh.tensor (8), over which the residual stream is "
+     "split", "use a multiple of 8"),
     ("cudnn_on_cpu", lambda d: resolve_implementation("cudnn", jnp.bfloat16, backend="cpu"),
      "'execution.attention' is 'cudnn' but the backend is cpu", "use 'auto' or 'xla'"),
     ("cudnn_in_float32", lambda d: resolve_implementation("cudnn", jnp.float32, backend="gpu"),
@@ -302,8 +307,10 @@ def test_attention_choice_resolves():
     assert resolve_implementation("auto", jnp.bfloat16, backend="cpu") == "xla"
     assert resolve_implementation("auto", jnp.bfloat16, backend="gpu") == "cudnn"
     assert resolve_implementation("auto", jnp.float32, backend="gpu") == "xla"
-    # cuDNN cannot take a sharded sequence or an unusual head size: auto falls back to the XLA path
-    assert resolve_implementation("auto", jnp.bfloat16, 128, 2, backend="gpu") == "xla"
+    # cuDNN cannot take a sharded sequence or an unusual head size: auto falls back to blockwise attention for
+    # a sharded sequence (context parallelism) and to the XLA path otherwise
+    assert resolve_implementation("auto", jnp.bfloat16, 128, 2, backend="gpu") == "blockwise"
+    assert resolve_implementation("auto", jnp.float32, 128, 4, backend="cpu") == "blockwise"
     assert resolve_implementation("auto", jnp.bfloat16, 256, 1, backend="gpu") == "xla"
     assert resolve_implementation("auto", jnp.bfloat16, 64, 1, backend="gpu") == "cudnn"
     assert resolve_implementation("cudnn", jnp.bfloat16, backend="gpu") == "cudnn"

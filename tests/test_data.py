@@ -16,14 +16,15 @@ from helpers import tiny_config
 
 from jaxtron.config.schema import ConfigError
 from jaxtron.data.errors import DataError
-from jaxtron.data.loader import BatchIterator, LocalBatch, _local_indices, global_batch, make_sources
+from jaxtron.data.loader import (BatchIterator, LocalBatch, _local_columns, _local_indices, global_batch,
+                                 make_sources)
 from jaxtron.data.packing import Mixture, PackedSplit
 from jaxtron.data.prepare import main as prepare_main
 from jaxtron.data.prepare import prepare
 from jaxtron.data.store import StoreWriter, TokenStore
 from jaxtron.data.tokenizers import load_tokenizer
 from jaxtron.parallel.mesh import make_mesh
-from jaxtron.parallel.sharding import batch_sharding
+from jaxtron.parallel.sharding import batch_sharding, sequence_order
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
 WORDS = ["alpha", "beta", "gamma", "delta", "token", "store", "pack", "window", "shard", "jax", "héllo", "wörld"]
@@ -470,9 +471,10 @@ def test_a_new_process_resumes_with_the_same_batches(word_store, tmp_path):
     after = [{k: np.asarray(v) for k, v in next(it).items()} for _ in range(2)]
     it.close()
     assert before[0]["inputs"].sharding == batch_sharding(mesh) and before[0]["inputs"].shape == (8, 16)
+    order = sequence_order(16, 2)  # the columns of a row sharded over sequence=2: load-balanced
     for step, batch in enumerate([{k: np.asarray(v) for k, v in b.items()} for b in before] + after):
         for k, v in source.rows(step * 8 + np.arange(8)).items():
-            np.testing.assert_array_equal(batch[k], v)
+            np.testing.assert_array_equal(batch[k], v[:, order])
 
     out = str(tmp_path / "resumed.npz")
     run = subprocess.run([sys.executable, "-c", RESUME.format(tests=TESTS), json.dumps(sections),
@@ -523,7 +525,7 @@ def test_two_processes_hold_disjoint_parts_of_the_batch(sizes, dim, word_store):
 
     class ProcessView:  # the addressable part of the sharding for a process that owns `devices`
         def __init__(self, devices):
-            self.devices = set(devices)
+            self.devices, self.mesh = set(devices), mesh
 
         def addressable_devices_indices_map(self, shape):
             return {d: i for d, i in sharding.devices_indices_map(shape).items() if d in self.devices}
@@ -531,10 +533,11 @@ def test_two_processes_hold_disjoint_parts_of_the_batch(sizes, dim, word_store):
     flat = list(mesh.devices.flat)
     views = [ProcessView(flat[:4]), ProcessView(flat[4:])]
     rows = [_local_indices(v, shape, 0) for v in views]
-    cols = [_local_indices(v, shape, 1) for v in views]
+    cols = [_local_columns(v, shape) for v in views]  # the tokens of a row each process holds, column order
+    order = sequence_order(16, mesh.shape["sequence"])  # the load-balanced layout of a sharded sequence
     halves = [np.arange(0, shape[dim] // 2), np.arange(shape[dim] // 2, shape[dim])]
     whole = [np.arange(shape[1 - dim])] * 2
-    for got, want in zip((rows, cols), (halves, whole) if dim == 0 else (whole, halves)):
+    for got, want in zip((rows, cols), (halves, [order] * 2) if dim == 0 else (whole, [order[h] for h in halves])):
         np.testing.assert_array_equal(got[0], want[0])
         np.testing.assert_array_equal(got[1], want[1])
     np.testing.assert_array_equal(_local_indices(sharding, shape, 0), np.arange(8))  # this one process: all
@@ -546,8 +549,8 @@ def test_two_processes_hold_disjoint_parts_of_the_batch(sizes, dim, word_store):
     for k, v in full.items():
         np.testing.assert_array_equal(v, source.rows(step * B + np.arange(B))[k])
         assert parts[0][k].shape == parts[1][k].shape == ((4, 16) if dim == 0 else (8, 8))
-        np.testing.assert_array_equal(np.concatenate([parts[0][k], parts[1][k]], axis=dim), v)
-        np.testing.assert_array_equal(np.asarray(assembled[k]), v)
+        np.testing.assert_array_equal(np.concatenate([parts[0][k], parts[1][k]], axis=dim), v[:, order])
+        np.testing.assert_array_equal(np.asarray(assembled[k]), v[:, order])
     if dim == 0:  # disjoint rows hold different windows
         first = {tuple(r) for r in parts[0]["inputs"]}
         assert not first & {tuple(r) for r in parts[1]["inputs"]}
@@ -653,3 +656,40 @@ def test_epoch_permutation_is_a_bijection_that_changes_every_epoch(n):
         assert (epochs[0] != epochs[1]).any() and (epochs[0] != np.arange(n)).any()
         assert (EpochPermutation(n, seed=6)(np.arange(n)) != epochs[0]).any()
     np.testing.assert_array_equal(EpochPermutation(n, seed=5)(np.arange(n)), epochs[0])  # deterministic
+
+
+# ---------------------------------------------------------------------------------------- sequence layout
+
+
+def _causal_work(tokens: np.ndarray) -> int:
+    """(query, key) pairs of causal attention whose query is one of ``tokens`` (token i sees i + 1 keys)."""
+    return int(np.sum(tokens + 1))
+
+
+@pytest.mark.parametrize("length,shards", [(16, 2), (64, 4), (64, 8), (48, 3)])
+def test_the_load_balanced_layout_gives_every_sequence_shard_equal_causal_work(length, shards):
+    order = sequence_order(length, shards)
+    np.testing.assert_array_equal(np.sort(order), np.arange(length))  # a permutation: every token once
+    work = [_causal_work(part) for part in order.reshape(shards, -1)]
+    assert len(set(work)) == 1, work
+    # cut in order, the last shard would do 2 x shards - 1 times the first one's work
+    contiguous = [_causal_work(part) for part in sequence_order(length, shards, "contiguous").reshape(shards, -1)]
+    assert contiguous[-1] > 1.5 * contiguous[0]
+    np.testing.assert_array_equal(sequence_order(length, 1), np.arange(length))
+    with pytest.raises(ValueError, match="cannot lay 50 tokens over 4 shards"):
+        sequence_order(50, 4)
+
+
+def test_the_loader_lays_a_sharded_sequence_out_balanced_and_each_token_keeps_its_position(word_store):
+    source = PackedSplit(TokenStore(word_store), 16, "train", 0.1, seed=2)
+    rows = source.rows(3 * 8 + np.arange(8))
+    assert rows["segment_ids"].max() > 1  # rows hold several documents
+    batch = {k: np.asarray(v) for k, v in global_batch(source, 3, _mesh(data=2, sequence=4), 8).items()}
+    # sequence shard i holds chunks i and 7 - i of its rows' 8 chunks of 2 tokens
+    np.testing.assert_array_equal(sequence_order(16, 4), [0, 1, 14, 15, 2, 3, 12, 13, 4, 5, 10, 11, 6, 7, 8, 9])
+    for k, v in rows.items():
+        np.testing.assert_array_equal(batch[k], v[:, sequence_order(16, 4)], err_msg=k)
+    # an unsharded sequence keeps the row's order
+    plain = global_batch(source, 3, _mesh(data=8), 8)
+    for k, v in rows.items():
+        np.testing.assert_array_equal(np.asarray(plain[k]), v, err_msg=k)

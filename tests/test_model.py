@@ -230,3 +230,27 @@ def test_rope_angles_stay_accurate_for_every_position_a_row_can_hold():
     angles = positions[0, :, None] * (1.0 / cfg.rope_theta ** (np.arange(0, dim, 2) / dim))
     assert np.abs(got[:, 0] - np.cos(angles[:, 0])).max() < 1e-3
     assert np.abs(got[:, dim // 2] - np.sin(angles[:, 0])).max() < 1e-3
+
+
+def test_sequence_parallelism_splits_the_residual_stream_over_the_tensor_group(monkeypatch):
+    """Between blocks the residual stream is split along the sequence over ``tensor`` (the rules table's
+    ``activation_residual_length``): the residual stack saved for the backward pass shrinks by the tensor degree,
+    and the normed block inputs are gathered before the projections (no weight is gathered over ``tensor``)."""
+    from jaxtron.parallel import sharding
+    from jaxtron.planning.dry_run import dry_run
+    layers, rows, length, width, tensor = 16, 4, 1024, 256, 4
+    cfg = tiny_config(dict(fsdp=2, tensor=tensor), data=dict(seq_len=length), train=dict(global_batch_size=8),
+                      model=dict(embed_dim=width, num_layers=layers, num_heads=8, num_kv_heads=4, mlp_dim=512,
+                                 max_seq_len=length),
+                      execution=dict(remat="full", attention="blockwise"))
+    split = dry_run(cfg)
+    monkeypatch.setitem(sharding._RULES, "activation_residual_length", "sequence")  # the stream whole per rank
+    whole = dry_run(cfg)
+    stack = layers * rows * length * width * 4  # float32 block inputs kept for the backward pass
+    assert whole.temp_bytes - split.temp_bytes >= 0.9 * stack * (1 - 1 / tensor)
+    # the normed stream is gathered before the attention and MLP projections, in the forward pass, its
+    # recomputation and the backward pass (where the reduce-scatters of the outputs turn into all-gathers);
+    # nothing is exchanged all-to-all (which would mean the projections ran on a split sequence)
+    assert split.collectives["all-to-all"]["count"] == 0
+    gathered = split.collectives["all-gather"]["bytes"] - whole.collectives["all-gather"]["bytes"]
+    assert gathered >= 4 * layers * rows * length * width * 4 * (1 - 1 / tensor)

@@ -313,9 +313,14 @@ class Config:
                f"({t.global_batch_size}, {micro} per microbatch) is not divisible by the data-parallel size "
                f"data*fsdp*expert = {dp}", f"use a multiple of {dp * t.microbatches}")
         self._check_pipeline(sizes["pipeline"], micro, dp)
-        sp = sizes["sequence"]
-        _check(self.data.seq_len % sp == 0, "data.seq_len",
-               f"({self.data.seq_len}) is not divisible by mesh.sequence ({sp})", f"use a multiple of {sp}")
+        sp, tp, n = sizes["sequence"], sizes["tensor"], self.data.seq_len
+        # the load-balanced layout gives each sequence shard two chunks of a row; between blocks the residual
+        # stream is split further over the tensor group (jaxtron.parallel.sharding.RULES)
+        chunks = 2 * sp if sp > 1 else 1
+        _check(n % chunks == 0, "data.seq_len", f"({n}) is not divisible by 2 x mesh.sequence ({chunks}), the "
+               "chunks of the load-balanced layout", f"use a multiple of {chunks}")
+        _check(n % (sp * tp) == 0, "data.seq_len", f"({n}) is not divisible by mesh.sequence x mesh.tensor "
+               f"({sp * tp}), over which the residual stream is split", f"use a multiple of {math.lcm(chunks, sp * tp)}")
         return sizes
 
     def _check_pipeline(self, stages: int, batch: int, dp: int) -> None:

@@ -3,7 +3,9 @@
 A batch is a dict of int32 [global_batch, seq_len] arrays: 'inputs', 'targets' (inputs shifted by
 one), 'segment_ids' (documents inside a packed row, from 1), 'positions' (restarting at each
 document and at the row's start, so below model.max_seq_len, which the loader checks) and 'loss_mask'.
-Batch ``step`` depends only on (seed, step): the iterator's whole state is the next step number, and a
+When the mesh shards the sequence, the columns of a row follow the rules table's load-balanced layout
+(``jaxtron.parallel.sharding.sequence_order``): each token keeps its position and document id, only the column
+that holds it changes. Batch ``step`` depends only on (seed, step): the iterator's whole state is the next step number, and a
 resumed run sees exactly the batches it would have seen.
 """
 
@@ -20,7 +22,7 @@ from jax.sharding import Mesh
 
 from jaxtron.config.schema import Config, ConfigError
 from jaxtron.data.errors import DataError
-from jaxtron.parallel.sharding import batch_sharding
+from jaxtron.parallel.sharding import batch_sharding, sequence_order, shard_count
 
 
 class Source(Protocol):
@@ -50,6 +52,13 @@ def _local_indices(sharding, shape: tuple[int, ...], dim: int) -> np.ndarray:
     spans = sorted({(i[dim].start or 0, shape[dim] if i[dim].stop is None else i[dim].stop)
                     for i in sharding.addressable_devices_indices_map(shape).values()})
     return np.concatenate([np.arange(a, b) for a, b in spans])
+
+
+def _local_columns(sharding, shape: tuple[int, ...]) -> np.ndarray:
+    """The tokens of a row that this process's devices hold, in the order of their columns: the rules table's
+    load-balanced layout of the sequence shards (``sequence_order``)."""
+    order = sequence_order(shape[1], shard_count(dict(sharding.mesh.shape), "activation_length"))
+    return order[_local_indices(sharding, shape, 1)]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,7 +95,8 @@ def check_positions(local: dict[str, np.ndarray], max_positions: int | None, ste
 
 
 class LocalBatch:
-    """This process's part of batch ``step``: the rows and sequence positions its devices hold.
+    """This process's part of batch ``step``: the rows and the tokens of each row (``cols``, in column order) its
+    devices hold.
 
     ``limits``: what the model accepts of a row (``BatchLimits``), checked on every batch.
     """
@@ -99,7 +109,7 @@ class LocalBatch:
     def __call__(self, step: int) -> dict[str, np.ndarray]:
         local = self.source.rows(self.sample_offset + step * self.batch_size + self.rows)
         self.limits.check(local, step)
-        if len(self.cols) == self.source.seq_len:
+        if np.array_equal(self.cols, np.arange(self.source.seq_len)):
             return local
         return {k: np.ascontiguousarray(v[:, self.cols]) for k, v in local.items()}
 
@@ -116,7 +126,7 @@ class BatchIterator:
         self.sharding = batch_sharding(mesh)
         self.shape = (batch_size, source.seq_len)
         self.local = LocalBatch(source, _local_indices(self.sharding, self.shape, 0),
-                                _local_indices(self.sharding, self.shape, 1), batch_size, limits, sample_offset)
+                                _local_columns(self.sharding, self.shape), batch_size, limits, sample_offset)
         self.step, self.workers, self.prefetch = step, workers, prefetch
         self._start()
 
@@ -166,7 +176,7 @@ def global_batch(source: Source, step: int, mesh: Mesh, batch_size: int,
     """Batch ``step`` alone (for evaluation and tests), assembled from this process's part."""
     sharding = batch_sharding(mesh)
     shape = (batch_size, source.seq_len)
-    local = LocalBatch(source, _local_indices(sharding, shape, 0), _local_indices(sharding, shape, 1), batch_size,
+    local = LocalBatch(source, _local_indices(sharding, shape, 0), _local_columns(sharding, shape), batch_size,
                        limits)
     return {k: jax.make_array_from_process_local_data(sharding, v, shape) for k, v in local(step).items()}
 

@@ -37,6 +37,6 @@ class Attention(nnx.Module):
             q = apply_rope(q, positions, inv_freq)
             k = apply_rope(k, positions, inv_freq)
         out = attention_ops.dot_product_attention(q, k, v, implementation=self.implementation,
-                                                  segment_ids=segment_ids,
+                                                  segment_ids=segment_ids, positions=positions,
                                                   max_segments=self.max_segments)
         return einsum("btnh,nhd->btd", out, self.wo[...].astype(dt))

@@ -16,7 +16,10 @@ from jaxtron.models.moe import MoE
 from jaxtron.ops import attention as attention_ops
 from jaxtron.parallel.sharding import constrain
 
-EMBED_AXES = ("activation_batch", "activation_length", "activation_embed")
+# the residual stream: split along the sequence over the sequence and tensor axes (sequence parallelism)
+EMBED_AXES = ("activation_batch", "activation_residual_length", "activation_embed")
+# the normed input of attention and of the MLP: whole over the tensor group (gathered there, as Megatron does)
+BLOCK_INPUT_AXES = ("activation_batch", "activation_length", "activation_embed")
 LOGIT_AXES = ("activation_batch", "activation_length", "activation_vocab")
 
 
@@ -70,12 +73,14 @@ class Block(nnx.Module):
     def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array | None,
                  fp8: bool = False) -> tuple[jax.Array, dict[str, jax.Array]]:
         """-> (output, routing stats of the MoE block, empty for a dense one)."""
-        x = x + self.attn(self.attn_norm(x), positions, segment_ids, fp8)
+        h = constrain(self.attn_norm(x), BLOCK_INPUT_AXES)
+        x = constrain(x + self.attn(h, positions, segment_ids, fp8), EMBED_AXES)
+        h = constrain(self.mlp_norm(x), BLOCK_INPUT_AXES)
         stats = {}
         if isinstance(self.mlp, MoE):
-            y, stats = self.mlp(self.mlp_norm(x))
+            y, stats = self.mlp(h)
         else:
-            y = self.mlp(self.mlp_norm(x), fp8)
+            y = self.mlp(h, fp8)
         return constrain(x + y, EMBED_AXES), stats
 
 

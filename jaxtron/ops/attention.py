@@ -83,26 +83,33 @@ def _cudnn_packed(q, k, v, segment_ids, max_segments: int) -> jax.Array:
 
 
 def dot_product_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, implementation: str = "xla",
-                          segment_ids: jax.Array | None = None, max_segments: int = 64) -> jax.Array:
+                          segment_ids: jax.Array | None = None, positions: jax.Array | None = None,
+                          max_segments: int = 64) -> jax.Array:
     """Causal grouped-query attention.
 
     q: [batch, length, heads, head_dim]; k, v: [batch, length, kv_heads, head_dim] with kv_heads
     dividing heads (keys/values are never repeated in memory). segment_ids: optional [batch, length]
-    document ids; tokens attend only within their own document. With cuDNN, packed documents go to the
-    kernel as per-document lengths and offsets (at most ``max_segments`` per row).
+    document ids; tokens attend only within their own document. With them, ``positions`` [batch, length] (each
+    token's position in its document) decide causality, so the columns may hold the tokens in any order (the
+    loader's load-balanced layout of a sharded sequence); without them, the column order is the token order.
+    With cuDNN, packed documents go to the kernel as per-document lengths and offsets (at most ``max_segments``
+    per row; cuDNN runs only on an unsharded sequence, whose columns are in order).
     """
     q = constrain(q, Q_AXES)
     k = constrain(k, KV_AXES)
     v = constrain(v, KV_AXES)
+    order = positions if segment_ids is not None and positions is not None else \
+        jnp.broadcast_to(jnp.arange(q.shape[1]), q.shape[:2])
     if implementation == "cudnn" and segment_ids is not None:
         out = _cudnn_packed(q, k, v, segment_ids, max_segments)
     elif implementation == "blockwise":
         from jaxtron.ops.blockwise import context_parallel_attention
-        index = constrain(jnp.broadcast_to(jnp.arange(q.shape[1]), q.shape[:2]), Q_AXES[:2])
-        out = context_parallel_attention(q, k, v, index, segment_ids)
+        out = context_parallel_attention(q, k, v, constrain(order, Q_AXES[:2]), segment_ids)
     else:
         mask = None
         if segment_ids is not None:
-            mask = segment_ids[:, None, :, None] == segment_ids[:, None, None, :]
-        out = jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=True, implementation=implementation)
+            mask = (segment_ids[:, None, :, None] == segment_ids[:, None, None, :]) & \
+                (order[:, None, None, :] <= order[:, None, :, None])
+        out = jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=segment_ids is None,
+                                           implementation=implementation)
     return checkpoint_name(constrain(out, Q_AXES), OUTPUT_NAME)

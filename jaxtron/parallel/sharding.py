@@ -11,6 +11,7 @@ import math
 from typing import Any, Mapping, Sequence
 
 import jax
+import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
@@ -30,7 +31,12 @@ RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     ("position", None),
     # activations
     ("activation_batch", ("data", "fsdp", "expert")),
+    # the tokens of a row, over the sequence shards in the load-balanced order (``sequence_order``)
     ("activation_length", "sequence"),
+    # the residual stream between blocks, its norms and elementwise work: split along the sequence over the
+    # tensor group too (Megatron-style sequence parallelism); XLA gathers it before the attention and MLP
+    # projections and reduce-scatters their outputs, where it would otherwise all-reduce them
+    ("activation_residual_length", ("sequence", "tensor")),
     ("activation_kv_length", None),  # keys/values are gathered over the sequence axis for attention
     ("activation_embed", None),
     ("activation_heads", "tensor"),
@@ -44,6 +50,8 @@ RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
 _RULES = dict(RULES)
 
 BATCH_AXES = ("activation_batch", "activation_length")
+# layout of a row's tokens over the shards of ``activation_length`` (see ``sequence_order``)
+SEQUENCE_LAYOUT = "zigzag"
 
 
 def logical_to_spec(names: Sequence[str | None]) -> PartitionSpec:
@@ -78,6 +86,23 @@ def spec_axes(spec: PartitionSpec, dim: int) -> tuple[str, ...]:
 def shard_count(sizes: Mapping[str, int], logical: str) -> int:
     """Into how many pieces the rules table cuts the logical axis ``logical`` on a mesh of these axis sizes."""
     return math.prod(sizes.get(axis, 1) for axis in spec_axes(logical_to_spec((logical,)), 0))
+
+
+def sequence_order(length: int, shards: int, layout: str = SEQUENCE_LAYOUT) -> np.ndarray:
+    """Which token of a row each column of the global [batch, length] arrays holds, for a length cut into
+    ``shards`` contiguous pieces (``activation_length``).
+
+    'zigzag' balances causal attention: the row is cut into 2 x ``shards`` chunks and shard i holds chunks i and
+    2 x shards - 1 - i, so every shard has as many early tokens (few keys to attend to) as late ones (many).
+    'contiguous' (or one shard) is the identity. The loader lays its rows out in this order; the model needs no
+    change, since attention takes causality from each token's position and document, not from its column.
+    """
+    if shards == 1 or layout == "contiguous":
+        return np.arange(length)
+    if layout != "zigzag" or length % (2 * shards):
+        raise ValueError(f"cannot lay {length} tokens over {shards} shards as {layout!r}")
+    chunks = np.arange(length).reshape(2 * shards, length // (2 * shards))
+    return np.concatenate([np.concatenate([chunks[i], chunks[2 * shards - 1 - i]]) for i in range(shards)])
 
 
 def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:

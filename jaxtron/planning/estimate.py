@@ -5,17 +5,20 @@ The model follows what jaxtron's train step does, not an idealised trainer:
   microbatches), sharded as ``jaxtron.parallel.sharding.RULES`` says; the shard sizes are computed from the real
   model's parameter shapes and logical axis names.
 - Activations kept for the backward pass follow ``execution.remat`` (which block outputs are saved per layer). The
-  residual stream is not split over ``tensor`` (no Megatron-style sequence parallelism), so every tensor rank
-  holds it whole.
+  residual stream between blocks is split along the sequence over ``tensor`` as well as ``sequence``
+  (Megatron-style sequence parallelism, ``activation_residual_length``); the normed inputs of attention and the
+  MLP are gathered whole over the tensor group.
 - Working space is the larger of two phases: the backward pass of one block (its recomputed intermediates and
-  their gradients, XLA attention's float32 score matrices, the block's weights gathered over ``fsdp`` in float32
-  and their gradients before the reduce-scatter, the MoE exchange buffers) and the loss (float32 logits of one
+  their gradients, XLA attention's float32 score matrices or blockwise attention's float32 key and value gradients
+  over the gathered sequence and its per-block scores, the block's weights gathered over ``fsdp`` in float32 and
+  their gradients before the reduce-scatter, the MoE exchange buffers) and the loss (float32 logits of one
   ``train.logit_chunks`` slice, embedding and output head gathered over ``fsdp``).
 - Step time: matmul FLOPs (model FLOPs plus the remat recompute) at the measured GEMM rate, attention at the
   attention kernel's rate, elementwise traffic at HBM bandwidth, and each collective at the NVLink or the
   network bandwidth of the axis it runs over. Gathers and gradient reductions over ``fsdp``/``data`` overlap
-  with compute (XLA's latency-hiding scheduler); tensor, sequence and expert collectives sit between
-  dependent matmuls and are counted in full.
+  with compute (XLA's latency-hiding scheduler); tensor and expert collectives sit between dependent matmuls and
+  are counted in full, as is the all-gather of keys and values over ``sequence`` (context parallelism: each
+  layer's keys depend on its input, so nothing can fetch them ahead).
 
 The few copy counts below (how many buffers of a kind are live at the peak) were read off XLA's buffer
 assignment of compiled steps; ``benchmarks/plan_validation.md`` compares the totals with the compiler's.
@@ -45,6 +48,8 @@ from jaxtron.training.pipeline import bubble_fraction
 LAYER_COPIES = 3.0  # one block's intermediates during its backward: recomputed values and their gradients
 MOE_COPIES = 1.5  # the MoE block's exchange buffers and expert hidden values (rows padded to the worst case)
 SCORE_COPIES = 3.0  # XLA attention's float32 [batch, heads, q, k] arrays in the backward: scores, probs, grads
+BLOCK_SCORE_COPIES = 4.0  # blockwise attention's float32 arrays of one pair of blocks in the backward: s, p, dp, ds
+ATTENTION_BLOCK = 512  # blockwise attention's block of queries and of keys (ops/blockwise.py)
 WEIGHT_COPIES = 2.0  # gathered block weights besides their float32 gradient: this block's and the next one's
 LOGIT_COPIES = 2.0  # float32 logits of one slice: the logits and their gradient
 HEAD_COPIES = 2.0  # embedding and output head gathered over fsdp besides their gradient
@@ -173,16 +178,20 @@ def estimate(cfg: Config, sizes: dict[str, int], gpu: GPU, microbatches: int | N
     work_c = 4 if cpu_program else c
     stack_copy = 4 if cpu_program and c < 4 else 0  # XLA:CPU's float32 copy of the saved residual stack
 
-    # one block's forward values, in elements per device and microbatch
+    # one block's forward values, in elements per device and microbatch: the residual stream whole (x, as the
+    # projections take it) and split over the tensor group (xs, as it runs between them)
     x = b * t * h
+    xs = x // T
     attn = {"q": b * t * nq, "kv": 2 * b * s_kv * nk, "out": b * t * nq}
     mlp = {"gate_up": 2 * b * t * ft, "act": b * t * ft}
     heads = m.num_heads // T
     scores = b * heads * t * s_kv if impl == "xla" else 0  # float32 [batch, heads, q, k] (flash: none)
-    everything = 6 * x + sum(attn.values()) + sum(mlp.values())
-    saved = {"none": everything, "full": x, "save_attention": x + attn["out"],
-             "save_dots": 3 * x + attn["q"] + attn["kv"] + mlp["gate_up"],
-             "save_dots_attention": 3 * x + attn["q"] + attn["kv"] + attn["out"] + mlp["gate_up"]}[run.remat]
+    # the block input, its two norms, two residual sums and the MLP output split; both normed inputs gathered
+    everything = 6 * xs + (2 * x if T > 1 else 0) + sum(attn.values()) + sum(mlp.values())
+    # save_dots keeps the projections' outputs: the two of residual width are whole (before their reduce-scatter)
+    saved = {"none": everything, "full": xs, "save_attention": xs + attn["out"],
+             "save_dots": xs + 2 * x + attn["q"] + attn["kv"] + mlp["gate_up"],
+             "save_dots_attention": xs + 2 * x + attn["q"] + attn["kv"] + attn["out"] + mlp["gate_up"]}[run.remat]
     saved_scores = 2 * scores if run.remat == "none" else 0  # scores and probabilities kept for the backward
     moe_layers = run_m.num_moe_layers
     tokens = b * t
@@ -196,7 +205,7 @@ def estimate(cfg: Config, sizes: dict[str, int], gpu: GPU, microbatches: int | N
     # every iteration of the schedule leaves the saved values of the blocks the stage ran, the idle ones of the
     # fill and drain included (they compute on zeros): iterations x blocks of one pass, for a pipeline microbatch
     passes, per_pass = (iterations, virtual * stages) if pipelined else (1, 1)
-    memory["activations"] = float(passes * (run_m.num_layers // per_pass * (saved * c + x * stack_copy
+    memory["activations"] = float(passes * (run_m.num_layers // per_pass * (saved * c + xs * stack_copy
                                                                         + saved_scores * 4.0)
                                             + moe_layers // per_pass * moe_saved * c))
     if pipelined:  # the schedule's carries: each iteration's stage input, and every microbatch's latest output
@@ -209,8 +218,13 @@ def estimate(cfg: Config, sizes: dict[str, int], gpu: GPU, microbatches: int | N
             whole = p.shard_elements(sizes, without=("fsdp", "pipeline"))  # the whole stack, one block of each
             per_block[stack] = per_block.get(stack, 0) + whole // p.shape[0]
     block_weights = max(per_block.values())
+    flash = 0.0  # blockwise attention's backward: float32 gradients of the gathered keys and values, of the
+    if impl == "blockwise":  # local queries, and the arrays of one pair of blocks
+        from jaxtron.ops.blockwise import block_size
+        pair = b * heads * block_size(t, ATTENTION_BLOCK) * block_size(s_kv, ATTENTION_BLOCK)
+        flash = 4.0 * (attn["kv"] + attn["q"] + BLOCK_SCORE_COPIES * pair)
     layer_work = ((LAYER_COPIES * everything + MOE_COPIES * (moe_values if moe_layers else 0)) * work_c
-                  + SCORE_COPIES * scores * 4.0
+                  + SCORE_COPIES * scores * 4.0 + flash
                   + block_weights * (WEIGHT_COPIES * work_c + 4.0))  # gathered copies and the float32 gradient
     vocab = m.vocab_size // T
     head_params = [p for p in params if not p.in_blocks and "vocab" in p.names]
@@ -231,9 +245,9 @@ def estimate(cfg: Config, sizes: dict[str, int], gpu: GPU, microbatches: int | N
     scores_flops = hardware["attention_scores"]
     attention_eff = gpu.attention_efficiency if impl == "cudnn" else gpu.xla_attention_efficiency
     forward_passes = 3 + (1 if run.remat == "full" else 0)  # forward, backward (twice the traffic), recompute
-    # bytes per device: a tensor group of T devices shares its tokens, and the residual-width work (h) is
-    # repeated on each of its ranks while the head and MLP widths are split
-    elementwise = (ELEMENTWISE_PASSES * forward_passes * run_m.num_layers * (h + nq + 2 * nk + ft) * c
+    # bytes per device: a tensor group of T devices shares its tokens and splits all of the work, the
+    # residual-width values along the sequence and the head and MLP widths across
+    elementwise = (ELEMENTWISE_PASSES * forward_passes * run_m.num_layers * (h // T + nq + 2 * nk + ft) * c
                    * step_tokens / (n_dev / T))
     # the output head runs on every stage for its data-parallel rows (replicated over the pipeline axis)
     matmul += hardware.get("logits", 0.0) * (stages - 1)
@@ -275,11 +289,13 @@ def estimate(cfg: Config, sizes: dict[str, int], gpu: GPU, microbatches: int | N
         grad_sync += ring("all-reduce", axis, 4.0 * over, micro)
     time["data_comm"] = grad_sync
     layer_passes = forward_passes  # forward, backward, recompute
-    # per block: two all-reduces of the residual stream in each forward pass (attention and MLP outputs), and
-    # twice as many in the backward pass (the compiled programs show four), plus the loss's hidden-state gradient
+    # per block: the attention and MLP outputs reduce-scattered and their normed inputs all-gathered over the
+    # tensor group in each forward pass (an all-reduce's traffic in two halves), twice as many in the backward
+    # pass, plus the loss's hidden-state gradient
     tensor_reductions = (2 * (layer_passes - 2) + 4) * layers_here * micro * in_flight
-    time["tensor_comm"] = ring("all-reduce", "tensor", x * work_c, tensor_reductions) + \
-        ring("all-reduce", "tensor", 4.0 * rows * t * h, micro)
+    time["tensor_comm"] = (ring("reduce-scatter", "tensor", x * work_c, tensor_reductions)
+                           + ring("all-gather", "tensor", x * work_c, tensor_reductions)
+                           + ring("all-reduce", "tensor", 4.0 * rows * t * h, micro))
     time["sequence_comm"] = ring("all-gather", "sequence", attn["kv"] * work_c,
                                  (layer_passes - 1) * layers_here * micro * in_flight)
     if moe_layers and E > 1:
