@@ -18,13 +18,12 @@ import argparse
 import json
 import os
 import platform
-import subprocess
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 sys.path.insert(0, ROOT)
-from plan_validation import GIB, TOLERANCE, compile_one  # noqa: E402
+from plan_validation import GIB, TOLERANCE, _commit, compile_one  # noqa: E402
 
 LENGTHS = (8192, 32768, 131072)
 SEQUENCE = (1, 2, 4, 8)
@@ -72,11 +71,6 @@ def main() -> int:
                   f"{est.memory_bytes / GIB:6.2f} GiB ({100 * error:+.1f}%)", flush=True)
     write(args.out, rows)
     return 0
-
-
-def _commit() -> str:
-    return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                          text=True).stdout.strip()
 
 
 def write(path: str, rows: list[dict]) -> None:

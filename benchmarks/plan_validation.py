@@ -3,6 +3,7 @@ train step on fake CPU devices (jaxtron.planning.dry_run) and compare XLA's per-
 of the same program (``estimate(..., cpu_program=True)``).
 
     python benchmarks/plan_validation.py --out benchmarks/plan_validation.md
+    python benchmarks/plan_validation.py --estimate-only   # the compiled numbers of the .json, estimates anew
 
 Each pair runs twice: with the config's bfloat16 compute, and with float32 compute, where the CPU program
 holds the same dtypes a GPU's would (XLA:CPU converts 16-bit matmul operands to float32, see
@@ -59,7 +60,13 @@ def compile_one(config: str, devices: int, overrides: list[str]) -> dict:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "plan_validation.md"))
+    parser.add_argument("--estimate-only", action="store_true",
+                        help="keep the compiled numbers of the .json beside --out, recompute the estimates")
     args = parser.parse_args()
+    compiled = {}
+    if args.estimate_only:
+        with open(os.path.splitext(args.out)[0] + ".json") as f:
+            compiled = {(r["config"], r["devices"], tuple(r["overrides"])): r for r in json.load(f)}
     sys.path.insert(0, ROOT)
     from jaxtron.config.loader import load_config
     from jaxtron.planning.estimate import estimate
@@ -72,9 +79,11 @@ def main() -> int:
             cfg = load_config(os.path.join(ROOT, "configs", f"{config}.py"), [tuple(a.split("=", 1)) for a in over])
             sizes = cfg.check_devices(devices)
             est = estimate(cfg, sizes, gpu("h100"), cpu_program=True)
-            got = compile_one(config, devices, over)
+            before = compiled.get((config, devices, tuple(over)))
+            got = before["compiled"] if before else compile_one(config, devices, over)
+            commit = before["commit"] if before and "commit" in before else _commit()
             error = est.memory_bytes / got["peak"] - 1
-            rows.append(dict(config=config, devices=devices, overrides=over, mesh=sizes, compiled=got,
+            rows.append(dict(config=config, devices=devices, overrides=over, mesh=sizes, compiled=got, commit=commit,
                              estimated=est.memory_bytes, estimated_terms=est.memory, error=error,
                              estimated_collectives=est.collectives))
             print(f"{config:<13} {' '.join(overrides):<70} {dtype:<8} compiled {got['peak'] / GIB:7.2f} GiB "
@@ -83,16 +92,20 @@ def main() -> int:
     return 0
 
 
+def _commit() -> str:
+    return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                          text=True).stdout.strip()
+
+
 def write(path: str, rows: list[dict]) -> None:
     import jax
 
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                            text=True).stdout.strip()
+    commit = ", ".join(sorted({r.get("commit") or _commit() for r in rows}))
     inside = sum(abs(r["error"]) <= TOLERANCE for r in rows)
     lines = [
         "# Planner memory estimate vs the compiler",
         "",
-        f"Command: `python benchmarks/plan_validation.py` (commit {commit}, jax {jax.__version__}, "
+        f"Command: `python benchmarks/plan_validation.py` (compiled at commit {commit}, jax {jax.__version__}, "
         f"{platform.machine()} CPU, fake devices). Compiled: XLA's memory analysis of the real train step "
         "(arguments + temporaries + outputs not aliased to donated inputs), per device. Estimated: "
         "`jaxtron.planning.estimate.estimate(cfg, mesh, cpu_program=True)`, the analytic model of the same program.",

@@ -8,11 +8,13 @@ The model follows what jaxtron's train step does, not an idealised trainer:
   residual stream between blocks is split along the sequence over ``tensor`` as well as ``sequence``
   (Megatron-style sequence parallelism, ``activation_residual_length``); the normed inputs of attention and the
   MLP are gathered whole over the tensor group.
-- Working space is the larger of two phases: the backward pass of one block (its recomputed intermediates and
+- Working space is the largest of three phases: the backward pass of one block (its recomputed intermediates and
   their gradients, XLA attention's float32 score matrices or blockwise attention's float32 key and value gradients
   over the gathered sequence and its per-block scores, the block's weights gathered over ``fsdp`` in float32 and
   their gradients before the reduce-scatter, the MoE exchange buffers) and the loss (float32 logits of one
-  ``train.logit_chunks`` slice, embedding and output head gathered over ``fsdp``).
+  ``train.logit_chunks`` slice, embedding and output head gathered over ``fsdp``) and the optimizer update (the
+  new parameters and moments beside the old ones until the non-finite check picks; it dominates where the state
+  is sharded little and the activations are small).
 - Step time: matmul FLOPs (model FLOPs plus the remat recompute) at the measured GEMM rate, attention at the
   attention kernel's rate, elementwise traffic at HBM bandwidth, and each collective at the NVLink or the
   network bandwidth of the axis it runs over. Gathers and gradient reductions over ``fsdp``/``data`` overlap
@@ -45,7 +47,7 @@ from jaxtron.planning.gpus import GPU
 from jaxtron.training.pipeline import bubble_fraction
 
 # live copies at the peak, per kind of buffer (see the module docstring)
-LAYER_COPIES = 3.0  # one block's intermediates during its backward: recomputed values and their gradients
+LAYER_COPIES = 1.65  # one block's intermediates during its backward: recomputed values and their gradients
 MOE_COPIES = 1.5  # the MoE block's exchange buffers and expert hidden values (rows padded to the worst case)
 SCORE_COPIES = 3.0  # XLA attention's float32 [batch, heads, q, k] arrays in the backward: scores, probs, grads
 BLOCK_SCORE_COPIES = 4.0  # blockwise attention's float32 arrays of one pair of blocks in the backward: s, p, dp, ds
@@ -53,6 +55,7 @@ ATTENTION_BLOCK = 512  # blockwise attention's block of queries and of keys (ops
 WEIGHT_COPIES = 2.0  # gathered block weights besides their float32 gradient: this block's and the next one's
 LOGIT_COPIES = 2.0  # float32 logits of one slice: the logits and their gradient
 HEAD_COPIES = 2.0  # embedding and output head gathered over fsdp besides their gradient
+UPDATE_COPIES = 3.0  # the update: new float32 parameters and both moments, before the skip-or-apply select
 # elementwise traffic of one block per token, in units of (h + q + 2k + f): norms, rotary, residual adds,
 # activation function and casts, forward only (the backward moves about twice as much)
 ELEMENTWISE_PASSES = 6.0
@@ -209,7 +212,7 @@ def estimate(cfg: Config, sizes: dict[str, int], gpu: GPU, microbatches: int | N
                                                                         + saved_scores * 4.0)
                                             + moe_layers // per_pass * moe_saved * c))
     if pipelined:  # the schedule's carries: each iteration's stage input, and every microbatch's latest output
-        memory["pipeline_buffers"] = float((iterations + in_flight) * x * work_c)
+        memory["pipeline_buffers"] = float((iterations + in_flight) * xs * work_c)
 
     per_block = {}  # elements of one block's weights gathered over fsdp, per stack ('layers', 'moe_layers')
     for p in params:
@@ -233,7 +236,9 @@ def estimate(cfg: Config, sizes: dict[str, int], gpu: GPU, microbatches: int | N
                  + head_gathered * (HEAD_COPIES * work_c + 4.0)
                  # a pipelined program on XLA:CPU copies the AdamW moments before the loss's backward pass
                  + (memory["optimizer"] if cpu_program and pipelined else 0.0))
-    memory["working"] = float(max(layer_work, loss_work))
+    # the optimizer update holds the new state beside the old until the step's finiteness check picks one
+    update_work = UPDATE_COPIES * 4.0 * shard
+    memory["working"] = float(max(layer_work, loss_work, update_work))
 
     # --- time ---
     peak = gpu.peak_flops["bfloat16"] if run.dtype == "bfloat16" else gpu.peak_flops["bfloat16"] / 2  # fp32: TF32
