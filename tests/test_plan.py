@@ -189,7 +189,7 @@ def test_405b_on_8_gpus_of_80gb_is_refused_with_the_reason(capsys):
     assert plan_cli.main([f"--config={REPO}/configs/llama3_405b.py", "--gpus=8", "--gpu=h100"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "405.9B parameters" in err and "16 bytes" in err and "per GPU" in err
-    assert "doubling the GPU count, the first on which a mesh fits is 256" in err
+    assert "doubling the GPU count, the first on which a mesh fits is 128" in err
 
 
 def test_plan_cli_rejects_bad_requests(capsys):

@@ -12,9 +12,9 @@ The model follows what jaxtron's train step does, not an idealised trainer:
   their gradients, XLA attention's float32 score matrices or blockwise attention's float32 key and value gradients
   over the gathered sequence and its per-block scores, the block's weights gathered over ``fsdp`` in float32 and
   their gradients before the reduce-scatter, the MoE exchange buffers) and the loss (float32 logits of one
-  ``train.logit_chunks`` slice, embedding and output head gathered over ``fsdp``) and the optimizer update (the
-  new parameters and moments beside the old ones until the non-finite check picks; it dominates where the state
-  is sharded little and the activations are small).
+  ``train.logit_chunks`` slice, embedding and output head gathered over ``fsdp``) and, in the CPU program, the
+  optimizer update (XLA:CPU holds the new parameters and moments beside the old ones until the non-finite check
+  picks; it dominates where the state is sharded little and the activations are small).
 - Step time: matmul FLOPs (model FLOPs plus the remat recompute) at the measured GEMM rate, attention at the
   attention kernel's rate, elementwise traffic at HBM bandwidth, and each collective at the NVLink or the
   network bandwidth of the axis it runs over. Gathers and gradient reductions over ``fsdp``/``data`` overlap
@@ -55,7 +55,7 @@ ATTENTION_BLOCK = 512  # blockwise attention's block of queries and of keys (ops
 WEIGHT_COPIES = 2.0  # gathered block weights besides their float32 gradient: this block's and the next one's
 LOGIT_COPIES = 2.0  # float32 logits of one slice: the logits and their gradient
 HEAD_COPIES = 2.0  # embedding and output head gathered over fsdp besides their gradient
-UPDATE_COPIES = 3.0  # the update: new float32 parameters and both moments, before the skip-or-apply select
+UPDATE_COPIES = 3.0  # XLA:CPU's update: new float32 parameters and both moments, before the skip-or-apply select
 # elementwise traffic of one block per token, in units of (h + q + 2k + f): norms, rotary, residual adds,
 # activation function and casts, forward only (the backward moves about twice as much)
 ELEMENTWISE_PASSES = 6.0
@@ -236,8 +236,9 @@ def estimate(cfg: Config, sizes: dict[str, int], gpu: GPU, microbatches: int | N
                  + head_gathered * (HEAD_COPIES * work_c + 4.0)
                  # a pipelined program on XLA:CPU copies the AdamW moments before the loss's backward pass
                  + (memory["optimizer"] if cpu_program and pipelined else 0.0))
-    # the optimizer update holds the new state beside the old until the step's finiteness check picks one
-    update_work = UPDATE_COPIES * 4.0 * shard
+    # XLA:CPU's optimizer update holds the new state beside the old until the step's finiteness check picks one
+    # (a GPU's fusions write it in place of the donated state; unmeasured there, so not counted)
+    update_work = UPDATE_COPIES * 4.0 * shard if cpu_program else 0.0
     memory["working"] = float(max(layer_work, loss_work, update_work))
 
     # --- time ---
