@@ -20,6 +20,7 @@ from jaxtron.parallel.sharding import constrain
 OUTPUT_NAME = "attention_out"  # checkpoint name of the attention output (remat policies can keep it)
 Q_AXES = ("activation_batch", "activation_length", "activation_heads", "activation_head_dim")
 KV_AXES = ("activation_batch", "activation_kv_length", "activation_kv_heads", "activation_head_dim")
+KV_SHARDED_AXES = ("activation_batch", "activation_length", "activation_kv_heads", "activation_head_dim")
 
 
 def cudnn_unsupported(dtype: jnp.dtype, head_dim: int, sequence_shards: int, backend: str) -> str | None:
@@ -96,8 +97,11 @@ def dot_product_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, implement
     per row; cuDNN runs only on an unsharded sequence, whose columns are in order).
     """
     q = constrain(q, Q_AXES)
-    k = constrain(k, KV_AXES)
-    v = constrain(v, KV_AXES)
+    # blockwise attention gathers the keys and values itself, inside its shard_map: they enter it sharded like
+    # the queries (gathering them here as well would gather twice)
+    kv_axes = KV_SHARDED_AXES if implementation == "blockwise" else KV_AXES
+    k = constrain(k, kv_axes)
+    v = constrain(v, kv_axes)
     order = positions if segment_ids is not None and positions is not None else \
         jnp.broadcast_to(jnp.arange(q.shape[1]), q.shape[:2])
     if implementation == "cudnn" and segment_ids is not None:

@@ -196,14 +196,13 @@ def context_parallel_attention(q: jax.Array, k: jax.Array, v: jax.Array, index: 
     them around a ring; no device ever holds a [length, length] score matrix. Outside a mesh: the plain call."""
     from jaxtron.parallel.sharding import logical_to_spec, spec_axes
 
-    from jaxtron.ops.attention import Q_AXES
+    from jaxtron.ops.attention import KV_SHARDED_AXES, Q_AXES
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty:
         return blockwise_attention(q, k, v, index, index, segment_ids, segment_ids, block_q=block_q,
                                    block_k=block_k)[0]
     q_spec = logical_to_spec(Q_AXES)
-    kv_spec = logical_to_spec(("activation_batch", "activation_length", "activation_kv_heads",
-                               "activation_head_dim"))
+    kv_spec = logical_to_spec(KV_SHARDED_AXES)
     row_spec = logical_to_spec(Q_AXES[:2])
     sequence = spec_axes(q_spec, 1)
 

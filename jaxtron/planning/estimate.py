@@ -302,8 +302,14 @@ def estimate(cfg: Config, sizes: dict[str, int], gpu: GPU, microbatches: int | N
     time["tensor_comm"] = (ring("reduce-scatter", "tensor", x * work_c, tensor_reductions)
                            + ring("all-gather", "tensor", x * work_c, tensor_reductions)
                            + ring("all-reduce", "tensor", 4.0 * rows * t * h, micro))
-    time["sequence_comm"] = ring("all-gather", "sequence", attn["kv"] * work_c,
-                                 (layer_passes - 1) * layers_here * micro * in_flight)
+    block_calls = layers_here * micro * in_flight
+    if impl == "blockwise":  # keys and values gathered in the forward pass and its recomputation; their
+        # gradients reduce-scattered back in the backward pass
+        time["sequence_comm"] = (ring("all-gather", "sequence", attn["kv"] * work_c,
+                                      (2 if run.remat != "none" else 1) * block_calls)
+                                 + ring("reduce-scatter", "sequence", attn["kv"] * work_c, block_calls))
+    else:
+        time["sequence_comm"] = ring("all-gather", "sequence", attn["kv"] * work_c, (layer_passes - 1) * block_calls)
     if moe_layers and E > 1:
         exchange = moe_rows * h * work_c
         time["expert_comm"] = ring("all-to-all", "expert", exchange,
