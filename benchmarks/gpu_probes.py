@@ -128,6 +128,47 @@ def _ragged_dot_probe(smoke: bool) -> dict:
     return out
 
 
+def _attention_probe(smoke: bool) -> dict:
+    """Causal attention, forward and backward, at growing lengths: cuDNN's flash kernel (XLA's whole-matrix path
+    on a CPU) against jaxtron's blockwise kernel in XLA (``ops/blockwise.py``, what a sharded sequence runs), with
+    their largest output difference and the rate each reaches on causal FLOPs (forward 2 x 2 x b x h x L^2 x d / 2,
+    backward 2.5 times the forward)."""
+    import jax
+    import jax.numpy as jnp
+
+    import mfu
+    from jaxtron.ops.blockwise import blockwise_attention
+
+    heads, kv_heads, d = (4, 2, 16) if smoke else (32, 8, 128)
+    reference = "xla" if smoke else "cudnn"
+    out = {"heads": heads, "kv_heads": kv_heads, "head_dim": d, "reference": reference, "lengths": {}}
+    for length in ((256,) if smoke else (8192, 32768)):
+        keys = jax.random.split(jax.random.key(length), 3)
+        q = jax.random.normal(keys[0], (1, length, heads, d), jnp.bfloat16)
+        k, v = (jax.random.normal(x, (1, length, kv_heads, d), jnp.bfloat16) for x in keys[1:])
+        pos = jnp.arange(length)[None]
+
+        def whole(q, k, v):
+            return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=reference)
+
+        def blocks(q, k, v):
+            return blockwise_attention(q, k, v, pos, pos)[0]
+
+        flops = 3.5 * 2 * 2 * heads * length ** 2 * d / 2
+        row = {}
+        outputs = {}
+        for name, fn in (("whole", whole), ("blockwise", blocks)):
+            loss = jax.jit(jax.value_and_grad(lambda q, k, v, fn=fn: jnp.sum(fn(q, k, v).astype(jnp.float32) ** 2),
+                                              argnums=(0, 1, 2)))
+            t = _summary(mfu.call_times(loss, q, k, v, repeats=5))
+            row[name] = {**t, "tflops": flops / t["best_s"] / 1e12}
+            outputs[name] = jax.jit(fn)(q, k, v).astype(jnp.float32)
+        row["max_abs_difference"] = float(jnp.max(jnp.abs(outputs["whole"] - outputs["blockwise"])))
+        row["blockwise_over_whole"] = row["blockwise"]["best_s"] / row["whole"]["best_s"]
+        out["lengths"][str(length)] = row
+    return out
+
+
 def _mfu_case(smoke: bool, index: int) -> dict:
     import mfu
 
@@ -139,7 +180,7 @@ def _mfu_case(smoke: bool, index: int) -> dict:
 
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="benchmarks/gpu_probes.py", description=__doc__.split("\n")[0])
-    parser.add_argument("step", help="environment, ceilings or mfu:<index into gpu_suite.CASES>")
+    parser.add_argument("step", help="environment, ceilings, attention or mfu:<index into gpu_suite.CASES>")
     parser.add_argument("--result", required=True, help="JSON file for the results")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes, for a CPU")
     args = parser.parse_args(argv)
@@ -148,6 +189,8 @@ def main(argv: list[str]) -> int:
         out = _environment(smoke)
     elif name == "ceilings":
         out = _ceilings(smoke)
+    elif name == "attention":
+        out = _attention_probe(smoke)
     elif name.startswith("mfu:"):
         out = _mfu_case(smoke, int(name.split(":")[1]))
     else:

@@ -9,7 +9,9 @@ starts (a step that fails or runs out of time is recorded and the rest go on):
 1. environment: device, memory, driver, jax/jaxlib/CUDA/cuDNN versions, the GPU preset and whether the installed
    jaxlib accepts its XLA flags;
 2. ceilings: bf16 and fp8 8192^3 matmuls, HBM copy bandwidth, and ragged_dot against one dense GEMM of the same
-   FLOPs (about 1x: a grouped GEMM; about the number of groups: dense expansion);
+   FLOPs (about 1x: a grouped GEMM; about the number of groups: dense expansion); then attention: cuDNN's
+   causal kernel against the blockwise XLA kernel of a sharded sequence at 8k and 32k tokens (time, rate and
+   largest difference);
 3. the GPU tests (``pytest -m gpu``);
 4. MFU of the real train step, bf16 and FP8 (``CASES``): each case in a fresh process so its peak memory is its
    own, median of 10 timed steps after compile and warm-up (``benchmarks/mfu.py``).
@@ -66,6 +68,7 @@ class Case:
 _LLAMA8B = (("model.num_layers", "8"), ("data.seq_len", "4096"), ("train.global_batch_size", "4"),
             ("train.logit_chunks", "8"))
 _LLAMA1B = (("train.global_batch_size", "4"), ("train.logit_chunks", "8"))  # whole model, sequence 8192
+_LLAMA1B_32K = (("data.seq_len", "32768"), ("train.global_batch_size", "1"), ("train.logit_chunks", "8"))
 _MIXTRAL = (("model.num_layers", "1"), ("data.seq_len", "4096"), ("train.global_batch_size", "4"),
             ("train.logit_chunks", "8"), ("mesh.expert", "1"))
 CASES = (
@@ -73,6 +76,7 @@ CASES = (
     Case("llama3_8b 8/32 layers fp8", "configs/llama3_8b.py", (*_LLAMA8B, ("execution.fp8", "True"))),
     Case("llama3_1b bf16", "configs/llama3_1b.py", _LLAMA1B),
     Case("llama3_1b fp8", "configs/llama3_1b.py", (*_LLAMA1B, ("execution.fp8", "True"))),
+    Case("llama3_1b 32k bf16", "configs/llama3_1b.py", _LLAMA1B_32K),
     Case("mixtral_8x7b 1/32 layers dropless", "configs/mixtral_8x7b.py", (*_MIXTRAL, ("execution.moe_mode", "dropless"))),
     Case("mixtral_8x7b 1/32 layers capacity", "configs/mixtral_8x7b.py", (*_MIXTRAL, ("execution.moe_mode", "capacity"))),
 )
@@ -211,9 +215,10 @@ def gpu_test_files() -> list[str]:
 def plan_steps(smoke: bool, python: str) -> list[Step]:
     probes = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gpu_probes.py")
     probe_argv = (python, probes, "--result", "{result}", *(("--smoke",) if smoke else ()))
-    boxes = {"environment": 60, "ceilings": 90, "gpu tests": 150, "mfu": 150}
+    boxes = {"environment": 60, "ceilings": 90, "attention": 120, "gpu tests": 150, "mfu": 150}
     steps = [Step("environment", boxes["environment"], (*probe_argv, "environment")),
              Step("ceilings", boxes["ceilings"], (*probe_argv, "ceilings")),
+             Step("attention", boxes["attention"], (*probe_argv, "attention")),
              Step("gpu tests", boxes["gpu tests"],
                   (python, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider", "-o", "addopts=",
                    "--junitxml={result}", *gpu_test_files()), junit=True)]
@@ -321,6 +326,16 @@ def markdown(report: dict) -> str:
                 value = v.get("error") or f"{v['over_dense']:.2f}x one dense GEMM of the same FLOPs"
                 lines.append(f"| ragged_dot, {rd['groups']} groups, {name} | {value} | | "
                              f"~1x: grouped; ~{rd['groups']}x: dense expansion |")
+        lines.append("")
+    att = next((s.get("result") for s in report["steps"] if s["name"] == "attention"), None)
+    if att:
+        lines += [f"| causal attention, {att['heads']} heads ({att['kv_heads']} kv) x {att['head_dim']}, forward + "
+                  f"backward | {att['reference']} | blockwise (XLA) | blockwise / {att['reference']} | "
+                  "largest difference |", "|---|---|---|---|---|"]
+        for length, r in att["lengths"].items():
+            lines.append(f"| {length} tokens | {_fmt(r['whole']['best_s'])} s, {_fmt(r['whole']['tflops'])} TFLOP/s | "
+                         f"{_fmt(r['blockwise']['best_s'])} s, {_fmt(r['blockwise']['tflops'])} TFLOP/s | "
+                         f"{r['blockwise_over_whole']:.2f}x | {r['max_abs_difference']:.2e} |")
         lines.append("")
     tests = next((s.get("result") for s in report["steps"] if s["name"] == "gpu tests"), None)
     if tests and tests.get("tests"):

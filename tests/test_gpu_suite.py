@@ -39,7 +39,7 @@ def test_the_smoke_run_goes_through_every_step_and_writes_its_results(tmp_path):
     assert sorted(os.listdir(out)) == ["log.txt", "suite.json", "table.md"]
     report = json.loads((out / "suite.json").read_text())
     names = [s["name"] for s in report["steps"]]
-    assert names == ["environment", "ceilings", "gpu tests", *(f"mfu: {c.name}" for c in suite.CASES)]
+    assert names == ["environment", "ceilings", "attention", "gpu tests", *(f"mfu: {c.name}" for c in suite.CASES)]
     assert all(s["status"] == "ok" for s in report["steps"]), [s for s in report["steps"] if s["status"] != "ok"]
     steps = {s["name"]: s["result"] for s in report["steps"]}
 
@@ -50,6 +50,11 @@ def test_the_smoke_run_goes_through_every_step_and_writes_its_results(tmp_path):
         assert ceilings[name]["tflops"] == pytest.approx(2 * 512 ** 3 / ceilings[name]["best_s"] / 1e12)
     assert ceilings["fp8_matmul"]["cublaslt_fp8_gemm"] is False  # a CPU has no cuBLASLt
     assert ceilings["hbm_copy"]["tb_per_s"] > 0 and ceilings["ragged_dot"]["default"]["over_dense"] > 0
+
+    attention = steps["attention"]["lengths"]["256"]  # the blockwise kernel against XLA's whole matrix on a CPU
+    assert attention["max_abs_difference"] < 0.05 and attention["blockwise"]["tflops"] > 0
+    assert attention["blockwise_over_whole"] == pytest.approx(attention["blockwise"]["best_s"]
+                                                              / attention["whole"]["best_s"])
 
     tests = {t["name"]: t["outcome"] for t in steps["gpu tests"]["tests"]}
     assert tests["test_attention::test_the_private_cudnn_function_still_takes_the_call_jaxtron_makes"] == "passed"
@@ -65,6 +70,7 @@ def test_the_smoke_run_goes_through_every_step_and_writes_its_results(tmp_path):
         assert row["mesh"] == {"pipeline": 1, "data": 1, "fsdp": 1, "sequence": 1, "expert": 1, "tensor": 1}
         assert f"| {case.name} | {row['precision']} |" in table
     assert "| bf16 512^3 matmul |" in table and "| ragged_dot, 4 groups, default |" in table
+    assert "| 256 tokens |" in table
     assert report["commit"] and report["smoke"] is True
 
 
