@@ -9,6 +9,7 @@ tokens.npy:
   llama_tied/   Llama 3.2-style tied embeddings, sharded safetensors with an index, config.json rewritten in the
                 transformers 4.x form (rope_theta + rope_scaling)
   mixtral/      Mixtral: 4 experts, top-2
+  qwen3/        Qwen3 dense: per-head query and key RMSNorm, head size (16) not hidden / heads, tied embeddings
 """
 
 import json
@@ -18,7 +19,8 @@ import shutil
 import numpy as np
 import torch
 import transformers
-from transformers import LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralForCausalLM
+from transformers import (LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralForCausalLM, Qwen3Config,
+                          Qwen3ForCausalLM)
 
 OUT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests", "fixtures", "hf")
 VOCAB = 96
@@ -42,6 +44,14 @@ def mixtral() -> MixtralForCausalLM:
     return MixtralForCausalLM(config)
 
 
+def qwen3() -> Qwen3ForCausalLM:
+    config = Qwen3Config(vocab_size=VOCAB, hidden_size=48, intermediate_size=80, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=128,
+                         rms_norm_eps=1e-6, tie_word_embeddings=True, attn_implementation="eager",
+                         rope_parameters={"rope_type": "default", "rope_theta": 1e6})
+    return Qwen3ForCausalLM(config)
+
+
 def to_v4(path: str) -> None:
     """Rewrites config.json with transformers 4.x RoPE fields (what older Hub checkpoints carry)."""
     with open(path) as f:
@@ -61,7 +71,7 @@ def main() -> None:
     tokens = np.random.default_rng(0).integers(0, VOCAB, size=(2, 24)).astype(np.int32)
     np.save(os.path.join(OUT, "tokens.npy"), tokens)
     for name, model, shard in (("llama", llama(False), None), ("llama_tied", llama(True), "60KB"),
-                               ("mixtral", mixtral(), None)):
+                               ("mixtral", mixtral(), None), ("qwen3", qwen3(), None)):
         for p in model.parameters():  # larger than the default 0.02 so that logits differ visibly
             torch.nn.init.normal_(p, std=0.2)
         model.eval()

@@ -241,3 +241,23 @@ def test_context_parallel_losses_on_packed_text_match_single_device(mesh_name, p
     expected = _losses(packed_single_device_run)
     assert len(expected) == 3 and np.all(np.diff(expected) != 0)
     np.testing.assert_allclose(_losses(summary), expected, rtol=1e-5)
+
+
+QWEN3_STYLE = dict(qk_norm=True, head_dim=32)  # per-head query and key norms, head size not embed / heads (16)
+
+
+@pytest.fixture(scope="module")
+def qwen3_single_device_run(tmp_path_factory):
+    return run(tiny_config(dict(fsdp=1), model=QWEN3_STYLE), str(tmp_path_factory.mktemp("qwen3")), use_tqdm=False,
+               devices=jax.devices()[:1])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mesh_name", ["fsdp8", "data2_fsdp2_tensor2", "fsdp2_sequence2_tensor2"])
+def test_qwen3_style_losses_match_single_device(mesh_name, qwen3_single_device_run, tmp_path):
+    summary = run(tiny_config(MESHES[mesh_name], model=QWEN3_STYLE), str(tmp_path), use_tqdm=False)
+    expected = _losses(qwen3_single_device_run)
+    assert len(expected) == 3 and np.all(np.diff(expected) != 0)
+    np.testing.assert_allclose(_losses(summary), expected, rtol=1e-5)
+    attn = summary["state"].params["layers"]["attn"]
+    assert attn["q_norm"]["scale"].get_value().shape == (2, 32)  # one scale per layer, of the head size

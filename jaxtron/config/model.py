@@ -30,6 +30,7 @@ class ModelConfig:
     num_heads: int = 8
     num_kv_heads: int = 4
     head_dim: int = 0  # 0 means embed_dim // num_heads
+    qk_norm: bool = False  # RMSNorm over each head's queries and keys before RoPE (Qwen3)
     mlp_dim: int = 768
     activation: str = "swiglu"  # swiglu (gated, 3 matrices) | gelu (plain, 2 matrices)
     norm: str = "rmsnorm"  # rmsnorm | layernorm

@@ -1,4 +1,4 @@
-"""Convert between Hugging Face model directories and jaxtron checkpoints (Llama family and Mixtral).
+"""Convert between Hugging Face model directories and jaxtron checkpoints (Llama family, Qwen3 and Mixtral).
 
     python -m jaxtron.convert from-hf HF_DIR OUT_DIR    # config.json + safetensors -> OUT_DIR/params, config.py
     python -m jaxtron.convert to-hf CKPT_DIR OUT_DIR    # a converted model or a training run -> config.json + safetensors

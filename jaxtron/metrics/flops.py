@@ -65,6 +65,8 @@ def param_count(cfg: ModelConfig, active: bool = False) -> int:
     k = cfg.num_kv_heads * cfg.resolved_head_dim
     norm = h if cfg.norm == "rmsnorm" else 2 * h  # scale (+ bias for LayerNorm)
     attention = h * q + 2 * h * k + q * h  # wq, wk, wv, wo
+    if cfg.qk_norm:
+        attention += 2 * cfg.resolved_head_dim  # the per-head query and key norms' scales
     mlp = _mlp_matrices(cfg) * h * f
     experts = cfg.experts_per_token if active else cfg.num_experts
     moe = experts * mlp + h * cfg.num_experts  # experts and router

@@ -8,7 +8,7 @@ import jax
 from flax import nnx
 
 from jaxtron.config.schema import ExecutionConfig, ModelConfig
-from jaxtron.models.layers import apply_rope, compute_dtype, param, rope_frequencies
+from jaxtron.models.layers import Norm, apply_rope, compute_dtype, param, rope_frequencies
 from jaxtron.ops import attention as attention_ops
 from jaxtron.ops import fp8 as fp8_ops
 
@@ -21,6 +21,9 @@ class Attention(nnx.Module):
         self.wk = param(rngs, (d, g, h), ("embed", "kv_heads", "head_dim"), cfg.init_std)
         self.wv = param(rngs, (d, g, h), ("embed", "kv_heads", "head_dim"), cfg.init_std)
         self.wo = param(rngs, (n, h, d), ("heads", "head_dim", "embed"), out_std)
+        # Qwen3: each head's queries and keys RMS-normalised (one scale of head_dim, shared by the heads)
+        self.q_norm = Norm(cfg, run, size=h, kind="rmsnorm") if cfg.qk_norm else None
+        self.k_norm = Norm(cfg, run, size=h, kind="rmsnorm") if cfg.qk_norm else None
         self.cfg = cfg
         self.dtype = compute_dtype(run)
         self.max_segments = run.attention_max_segments
@@ -32,6 +35,8 @@ class Attention(nnx.Module):
         q = einsum("btd,dnh->btnh", x, self.wq[...].astype(dt))
         k = einsum("btd,dnh->btnh", x, self.wk[...].astype(dt))
         v = einsum("btd,dnh->btnh", x, self.wv[...].astype(dt))
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         if self.cfg.position_embedding == "rope":
             inv_freq = rope_frequencies(self.cfg)
             q = apply_rope(q, positions, inv_freq)

@@ -49,14 +49,16 @@ embed_lookup.defvjp(_embed_fwd, _embed_bwd)
 
 
 class Norm(nnx.Module):
-    """RMSNorm (scale only) or LayerNorm (scale and bias); statistics in float32."""
+    """RMSNorm (scale only) or LayerNorm (scale and bias) over the last axis of ``size`` (default: the embedding);
+    statistics in float32. ``kind`` overrides ``model.norm`` (Qwen3's per-head query and key norms are RMSNorm)."""
 
-    def __init__(self, cfg: ModelConfig, run: ExecutionConfig):
+    def __init__(self, cfg: ModelConfig, run: ExecutionConfig, size: int | None = None, kind: str | None = None):
         self.eps = cfg.norm_eps
         self.dtype = compute_dtype(run)
-        self.scale = nnx.Param(jnp.ones((cfg.embed_dim,), jnp.float32), out_sharding=("norm",))
-        self.bias = nnx.Param(jnp.zeros((cfg.embed_dim,), jnp.float32), out_sharding=("norm",)) \
-            if cfg.norm == "layernorm" else None
+        size = size or cfg.embed_dim
+        self.scale = nnx.Param(jnp.ones((size,), jnp.float32), out_sharding=("norm",))
+        self.bias = nnx.Param(jnp.zeros((size,), jnp.float32), out_sharding=("norm",)) \
+            if (kind or cfg.norm) == "layernorm" else None
 
     def __call__(self, x: jax.Array) -> jax.Array:
         x = x.astype(jnp.float32)

@@ -1,9 +1,10 @@
-"""Llama (2, 3, 3.1, 3.2) and Mixtral in Hugging Face form: config.json <-> ModelConfig, and tensor names.
+"""Llama (2, 3, 3.1, 3.2), Qwen3 (dense) and Mixtral in Hugging Face form: config.json <-> ModelConfig, and tensor names.
 
 Hugging Face stores a projection as [out, in] and jaxtron as [in, ...out] with heads split out, so every
 projection is a transpose and a reshape; the rotary layout is the same (rotate-half) and needs no
 permutation. Layers are stacked in jaxtron: ``layers`` holds the dense blocks and ``moe_layers`` the MoE
-ones, so HF layer i is entry i of whichever stack it belongs to (every block is MoE in Mixtral).
+ones, so HF layer i is entry i of whichever stack it belongs to (every block is MoE in Mixtral). Qwen3 is Llama
+with each head's queries and keys RMS-normalised before RoPE (``model.qk_norm``).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import numpy as np
 from jaxtron.config.schema import ModelConfig
 from jaxtron.interop.hf.safetensors import FormatError
 
-ARCHITECTURES = {"LlamaForCausalLM": "llama", "MixtralForCausalLM": "mixtral"}
+ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen3ForCausalLM": "qwen3", "MixtralForCausalLM": "mixtral"}
 
 
 def _get(hf: dict, key: str, default: Any = ...) -> Any:
@@ -48,14 +49,15 @@ def _rope(hf: dict) -> dict[str, Any]:
 def model_config(hf: dict, name: str = "") -> ModelConfig:
     """The jaxtron ModelConfig of a Hugging Face config.json (as a dict); FormatError for what cannot map."""
     arch = (hf.get("architectures") or [None])[0]
-    family = ARCHITECTURES.get(arch) or {"llama": "llama", "mixtral": "mixtral"}.get(hf.get("model_type"))
+    family = ARCHITECTURES.get(arch) or {"llama": "llama", "qwen3": "qwen3", "mixtral": "mixtral"}.get(
+        hf.get("model_type"))
     if family is None:
         raise FormatError(f"config.json describes architecture {arch or hf.get('model_type')!r}; jaxtron converts "
                           f"{', '.join(ARCHITECTURES)}.")
     for key, ok in (("hidden_act", "silu"), ("attention_bias", False), ("mlp_bias", False)):
         if hf.get(key, ok) != ok:
             raise FormatError(f"config.json sets {key}={hf[key]!r}; jaxtron's Llama needs {key}={ok!r}.")
-    window = hf.get("sliding_window")
+    window = hf.get("sliding_window") if hf.get("use_sliding_window", True) else None  # Qwen3 names it off
     if window is not None and window < _get(hf, "max_position_embeddings"):
         raise FormatError(f"config.json sets sliding_window={window}; jaxtron has no sliding-window attention.")
     heads = _get(hf, "num_attention_heads")
@@ -65,7 +67,7 @@ def model_config(hf: dict, name: str = "") -> ModelConfig:
         num_kv_heads=_get(hf, "num_key_value_heads", heads), head_dim=_get(hf, "head_dim", 0),
         mlp_dim=_get(hf, "intermediate_size"), norm_eps=float(_get(hf, "rms_norm_eps", 1e-6)),
         max_seq_len=_get(hf, "max_position_embeddings"), tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-        activation="swiglu", norm="rmsnorm", position_embedding="rope", **_rope(hf))
+        activation="swiglu", norm="rmsnorm", position_embedding="rope", qk_norm=family == "qwen3", **_rope(hf))
     if fields["head_dim"] == fields["embed_dim"] // heads:
         fields["head_dim"] = 0
     if family == "mixtral":
@@ -89,9 +91,14 @@ def hf_config(cfg: ModelConfig, router_aux_loss: float = 0.0) -> dict[str, Any]:
         raise FormatError(f"model.moe_every={cfg.moe_every} has no Mixtral equivalent (every block is MoE there).")
     if cfg.activation != "swiglu" or cfg.norm != "rmsnorm" or cfg.position_embedding != "rope":
         raise FormatError("only Llama-style models (SwiGLU, RMSNorm, RoPE) can be exported to Hugging Face.")
+    if moe and cfg.qk_norm:
+        raise FormatError("model.qk_norm with experts has no Hugging Face equivalent jaxtron exports (Mixtral has "
+                          "no query and key norms).")
+    family = "mixtral" if moe else "qwen3" if cfg.qk_norm else "llama"
     hf: dict[str, Any] = {
-        "architectures": ["MixtralForCausalLM" if moe else "LlamaForCausalLM"],
-        "model_type": "mixtral" if moe else "llama", "vocab_size": cfg.vocab_size, "hidden_size": cfg.embed_dim,
+        "architectures": [{"mixtral": "MixtralForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                           "llama": "LlamaForCausalLM"}[family]],
+        "model_type": family, "vocab_size": cfg.vocab_size, "hidden_size": cfg.embed_dim,
         "num_hidden_layers": cfg.num_layers, "num_attention_heads": cfg.num_heads,
         "num_key_value_heads": cfg.num_kv_heads, "head_dim": cfg.resolved_head_dim,
         "intermediate_size": cfg.mlp_dim, "rms_norm_eps": cfg.norm_eps, "max_position_embeddings": cfg.max_seq_len,
@@ -109,6 +116,8 @@ def hf_config(cfg: ModelConfig, router_aux_loss: float = 0.0) -> dict[str, Any]:
             raise FormatError("model.router_renormalize=False has no Mixtral equivalent (Mixtral renormalises).")
         hf.update(num_local_experts=cfg.num_experts, num_experts_per_tok=cfg.experts_per_token,
                   router_aux_loss_coef=router_aux_loss, output_router_logits=False, sliding_window=None)
+    elif cfg.qk_norm:
+        hf.update(use_sliding_window=False, sliding_window=None)
     else:
         hf["mlp_bias"] = False
     return hf
@@ -152,6 +161,9 @@ def tensors(cfg: ModelConfig) -> Iterator[Tensor]:
                          *heads_in(count))
         yield Tensor(pre + "self_attn.o_proj.weight", (d, n * h), f"{stack}.attn.wo", (j,),
                      lambda x: x.T.reshape(n, h, d), lambda x: _t(x.reshape(n * h, d)))
+        if cfg.qk_norm:
+            yield Tensor(pre + "self_attn.q_norm.weight", (h,), f"{stack}.attn.q_norm.scale", (j,), *same)
+            yield Tensor(pre + "self_attn.k_norm.weight", (h,), f"{stack}.attn.k_norm.scale", (j,), *same)
         yield Tensor(pre + "post_attention_layernorm.weight", (d,), f"{stack}.mlp_norm.scale", (j,), *same)
         if moe:
             yield Tensor(pre + "block_sparse_moe.gate.weight", (cfg.num_experts, d), f"{stack}.mlp.router", (j,),

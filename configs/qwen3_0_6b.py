@@ -1,0 +1,16 @@
+"""Qwen3-0.6B (0.60B parameters, 0.44B without embeddings; tied embeddings): published dimensions; per-head query and key RMSNorm, head size 128 whatever the width."""
+
+import ml_collections
+
+
+def get_config():
+    c = ml_collections.ConfigDict()
+    c.model = dict(name="qwen3_0_6b", vocab_size=151936, embed_dim=1024, num_layers=28, num_heads=16, num_kv_heads=8,
+                   head_dim=128, qk_norm=True, mlp_dim=3072, norm_eps=1e-6, rope_theta=1_000_000.0, max_seq_len=40960,
+                   tie_embeddings=True)
+    c.execution = dict(dtype="bfloat16", remat="full")
+    c.train = dict(steps=1000, global_batch_size=256, log_every=10, eval_batches=0)
+    c.optimizer = dict(learning_rate=3e-4, warmup_steps=100, weight_decay=0.1)
+    c.data = dict(source="synthetic", seq_len=4096)
+    c.mesh = dict(data=1, fsdp=-1, tensor=1, sequence=1, expert=1)
+    return c
