@@ -1,6 +1,6 @@
 """Writes the Hugging Face parity fixtures under tests/fixtures/hf/ with transformers and torch.
 
-    pip install torch transformers && python scripts/hf_fixtures.py
+    pip install torch transformers && python scripts/hf_fixtures.py [NAME ...]   # all, or only those models
 
 Tests only read the files this writes (CI needs neither torch nor transformers). Each model is tiny and
 random (fixed seed), saved by transformers itself, with the float32 logits its own forward pass gives on
@@ -10,17 +10,20 @@ tokens.npy:
                 transformers 4.x form (rope_theta + rope_scaling)
   mixtral/      Mixtral: 4 experts, top-2
   qwen3/        Qwen3 dense: per-head query and key RMSNorm, head size (16) not hidden / heads, tied embeddings
+  qwen3_moe/    Qwen3-MoE: 4 experts of width 24 (the dense width 64 unused), top-2 renormalised
+Each model gets its own seed, so writing some leaves the others as they are.
 """
 
 import json
 import os
 import shutil
+import sys
 
 import numpy as np
 import torch
 import transformers
 from transformers import (LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralForCausalLM, Qwen3Config,
-                          Qwen3ForCausalLM)
+                          Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM)
 
 OUT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests", "fixtures", "hf")
 VOCAB = 96
@@ -52,6 +55,15 @@ def qwen3() -> Qwen3ForCausalLM:
     return Qwen3ForCausalLM(config)
 
 
+def qwen3_moe() -> Qwen3MoeForCausalLM:
+    config = Qwen3MoeConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, moe_intermediate_size=24,
+                            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                            num_experts=4, num_experts_per_tok=2, norm_topk_prob=True, decoder_sparse_step=1,
+                            mlp_only_layers=[], max_position_embeddings=128, rms_norm_eps=1e-6,
+                            attn_implementation="eager", rope_parameters={"rope_type": "default", "rope_theta": 1e6})
+    return Qwen3MoeForCausalLM(config)
+
+
 def to_v4(path: str) -> None:
     """Rewrites config.json with transformers 4.x RoPE fields (what older Hub checkpoints carry)."""
     with open(path) as f:
@@ -64,18 +76,29 @@ def to_v4(path: str) -> None:
         json.dump(config, f, indent=2)
 
 
-def main() -> None:
-    torch.manual_seed(0)
-    shutil.rmtree(OUT, ignore_errors=True)
-    os.makedirs(OUT)
+MODELS = {"llama": (lambda: llama(False), None), "llama_tied": (lambda: llama(True), "60KB"),
+          "mixtral": (mixtral, None), "qwen3": (qwen3, None), "qwen3_moe": (qwen3_moe, None)}
+
+
+def main(names: list[str]) -> None:
+    unknown = sorted(set(names) - set(MODELS))
+    if unknown:
+        sys.exit(f"unknown fixture(s) {unknown}; the fixtures are {sorted(MODELS)}")
+    if not names:
+        shutil.rmtree(OUT, ignore_errors=True)
+    os.makedirs(OUT, exist_ok=True)
     tokens = np.random.default_rng(0).integers(0, VOCAB, size=(2, 24)).astype(np.int32)
     np.save(os.path.join(OUT, "tokens.npy"), tokens)
-    for name, model, shard in (("llama", llama(False), None), ("llama_tied", llama(True), "60KB"),
-                               ("mixtral", mixtral(), None), ("qwen3", qwen3(), None)):
+    for seed, (name, (build, shard)) in enumerate(MODELS.items()):
+        if names and name not in names:
+            continue
+        torch.manual_seed(seed)
+        model = build()
         for p in model.parameters():  # larger than the default 0.02 so that logits differ visibly
             torch.nn.init.normal_(p, std=0.2)
         model.eval()
         directory = os.path.join(OUT, name)
+        shutil.rmtree(directory, ignore_errors=True)
         kwargs = {"max_shard_size": shard} if shard else {}
         model.save_pretrained(directory, safe_serialization=True, **kwargs)
         if name == "llama_tied":
@@ -84,9 +107,9 @@ def main() -> None:
             logits = model(torch.from_numpy(tokens).long()).logits.float().numpy()
         np.save(os.path.join(directory, "logits.npy"), logits)
         print(name, "logits", logits.shape, "files", sorted(os.listdir(directory)))
-    with open(os.path.join(OUT, "VERSIONS"), "w") as f:
-        f.write(f"torch {torch.__version__}\ntransformers {transformers.__version__}\n")
+        with open(os.path.join(OUT, "VERSIONS"), "a" if names else "w") as f:
+            f.write(f"{name}/: torch {torch.__version__}, transformers {transformers.__version__}\n")
 
 
 if __name__ == "__main__":
-    main()
+    main(sys.argv[1:])

@@ -23,10 +23,12 @@ from jaxtron.training import state as state_lib
 from jaxtron.training.step import loss_sums
 
 PUBLISHED = {"llama3_1b": 1.24e9, "llama3_8b": 8.03e9, "llama3_70b": 70.55e9, "llama3_405b": 405.85e9, "gpt3_175b": 175e9,
-             "qwen3_8b": 8.19e9, "qwen3_32b": 32.8e9}
+             "qwen3_8b": 8.19e9, "qwen3_32b": 32.8e9, "qwen3_30b_a3b": 30.5e9, "qwen3_235b_a22b": 235e9}
 # Qwen3's model cards also give the count without the token embedding and output head (0.6B's total is given
 # only as "0.6B")
-PUBLISHED_NON_EMBEDDING = {"qwen3_0_6b": 0.44e9, "qwen3_8b": 6.95e9, "qwen3_32b": 31.2e9}
+PUBLISHED_NON_EMBEDDING = {"qwen3_0_6b": 0.44e9, "qwen3_8b": 6.95e9, "qwen3_32b": 31.2e9, "qwen3_30b_a3b": 29.9e9,
+                           "qwen3_235b_a22b": 234e9}
+PUBLISHED_ACTIVE = {"qwen3_30b_a3b": 3.3e9, "qwen3_235b_a22b": 22e9}  # given to two digits
 
 
 @pytest.mark.parametrize("name", list(PUBLISHED) + ["qwen3_0_6b"])
@@ -40,6 +42,8 @@ def test_config_parameter_counts_match_published(name):
         m = cfg.model
         embeddings = m.vocab_size * m.embed_dim * (1 if m.tie_embeddings else 2)
         assert counted - embeddings == pytest.approx(PUBLISHED_NON_EMBEDDING[name], rel=5e-3)
+    if name in PUBLISHED_ACTIVE:
+        assert param_count(cfg.model, active=True) == pytest.approx(PUBLISHED_ACTIVE[name], rel=2e-2)
 
 
 def test_rope_frequencies_plain_and_llama31_scaled():

@@ -243,21 +243,26 @@ def test_context_parallel_losses_on_packed_text_match_single_device(mesh_name, p
     np.testing.assert_allclose(_losses(summary), expected, rtol=1e-5)
 
 
-QWEN3_STYLE = dict(qk_norm=True, head_dim=32)  # per-head query and key norms, head size not embed / heads (16)
+QWEN3_STYLE = {  # per-head query and key norms, head size not embed / heads (16); the MoE one with 4 experts
+    "qwen3": dict(qk_norm=True, head_dim=32),
+    "qwen3_moe": dict(qk_norm=True, head_dim=32, num_experts=4, experts_per_token=2, router_renormalize=True),
+}
 
 
 @pytest.fixture(scope="module")
-def qwen3_single_device_run(tmp_path_factory):
-    return run(tiny_config(dict(fsdp=1), model=QWEN3_STYLE), str(tmp_path_factory.mktemp("qwen3")), use_tqdm=False,
-               devices=jax.devices()[:1])
+def qwen3_single_device_runs(tmp_path_factory):
+    return {family: run(tiny_config(dict(fsdp=1), model=model), str(tmp_path_factory.mktemp(family)),
+                        use_tqdm=False, devices=jax.devices()[:1]) for family, model in QWEN3_STYLE.items()}
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mesh_name", ["fsdp8", "data2_fsdp2_tensor2", "fsdp2_sequence2_tensor2"])
-def test_qwen3_style_losses_match_single_device(mesh_name, qwen3_single_device_run, tmp_path):
-    summary = run(tiny_config(MESHES[mesh_name], model=QWEN3_STYLE), str(tmp_path), use_tqdm=False)
-    expected = _losses(qwen3_single_device_run)
+@pytest.mark.parametrize("family,mesh_name", [("qwen3", "fsdp8"), ("qwen3", "data2_fsdp2_tensor2"),
+                                              ("qwen3", "fsdp2_sequence2_tensor2"), ("qwen3_moe", "fsdp4_expert2"),
+                                              ("qwen3_moe", "data2_fsdp2_tensor2")])
+def test_qwen3_style_losses_match_single_device(family, mesh_name, qwen3_single_device_runs, tmp_path):
+    summary = run(tiny_config(MESHES[mesh_name], model=QWEN3_STYLE[family]), str(tmp_path), use_tqdm=False)
+    expected = _losses(qwen3_single_device_runs[family])
     assert len(expected) == 3 and np.all(np.diff(expected) != 0)
     np.testing.assert_allclose(_losses(summary), expected, rtol=1e-5)
-    attn = summary["state"].params["layers"]["attn"]
-    assert attn["q_norm"]["scale"].get_value().shape == (2, 32)  # one scale per layer, of the head size
+    stack = summary["state"].params["moe_layers" if family == "qwen3_moe" else "layers"]
+    assert stack["attn"]["q_norm"]["scale"].get_value().shape == (2, 32)  # one scale per layer, of the head size

@@ -1,10 +1,12 @@
-"""Llama (2, 3, 3.1, 3.2), Qwen3 (dense) and Mixtral in Hugging Face form: config.json <-> ModelConfig, and tensor names.
+"""Llama (2, 3, 3.1, 3.2), Qwen3 (dense and MoE) and Mixtral in Hugging Face form: config.json <-> ModelConfig, and tensor names.
 
 Hugging Face stores a projection as [out, in] and jaxtron as [in, ...out] with heads split out, so every
 projection is a transpose and a reshape; the rotary layout is the same (rotate-half) and needs no
 permutation. Layers are stacked in jaxtron: ``layers`` holds the dense blocks and ``moe_layers`` the MoE
 ones, so HF layer i is entry i of whichever stack it belongs to (every block is MoE in Mixtral). Qwen3 is Llama
-with each head's queries and keys RMS-normalised before RoPE (``model.qk_norm``).
+with each head's queries and keys RMS-normalised before RoPE (``model.qk_norm``); Qwen3-MoE adds experts every
+``decoder_sparse_step`` blocks (``model.moe_every``), routed like Mixtral's (softmax, top-k, renormalised when
+``norm_topk_prob``).
 """
 
 from __future__ import annotations
@@ -17,7 +19,8 @@ import numpy as np
 from jaxtron.config.schema import ModelConfig
 from jaxtron.interop.hf.safetensors import FormatError
 
-ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen3ForCausalLM": "qwen3", "MixtralForCausalLM": "mixtral"}
+ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3_moe",
+                 "MixtralForCausalLM": "mixtral"}
 
 
 def _get(hf: dict, key: str, default: Any = ...) -> Any:
@@ -49,8 +52,7 @@ def _rope(hf: dict) -> dict[str, Any]:
 def model_config(hf: dict, name: str = "") -> ModelConfig:
     """The jaxtron ModelConfig of a Hugging Face config.json (as a dict); FormatError for what cannot map."""
     arch = (hf.get("architectures") or [None])[0]
-    family = ARCHITECTURES.get(arch) or {"llama": "llama", "qwen3": "qwen3", "mixtral": "mixtral"}.get(
-        hf.get("model_type"))
+    family = ARCHITECTURES.get(arch) or {v: v for v in ARCHITECTURES.values()}.get(hf.get("model_type"))
     if family is None:
         raise FormatError(f"config.json describes architecture {arch or hf.get('model_type')!r}; jaxtron converts "
                           f"{', '.join(ARCHITECTURES)}.")
@@ -67,18 +69,37 @@ def model_config(hf: dict, name: str = "") -> ModelConfig:
         num_kv_heads=_get(hf, "num_key_value_heads", heads), head_dim=_get(hf, "head_dim", 0),
         mlp_dim=_get(hf, "intermediate_size"), norm_eps=float(_get(hf, "rms_norm_eps", 1e-6)),
         max_seq_len=_get(hf, "max_position_embeddings"), tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-        activation="swiglu", norm="rmsnorm", position_embedding="rope", qk_norm=family == "qwen3", **_rope(hf))
+        activation="swiglu", norm="rmsnorm", position_embedding="rope", qk_norm=family.startswith("qwen3"),
+        **_rope(hf))
     if fields["head_dim"] == fields["embed_dim"] // heads:
         fields["head_dim"] = 0
     if family == "mixtral":
         fields.update(num_experts=_get(hf, "num_local_experts"), experts_per_token=_get(hf, "num_experts_per_tok"),
                       router_renormalize=True, moe_every=1)
+    if family == "qwen3_moe":
+        fields.update(_qwen3_moe(hf))
     return ModelConfig(**fields)
+
+
+def _qwen3_moe(hf: dict) -> dict[str, Any]:
+    """Qwen3-MoE's expert fields: experts every ``decoder_sparse_step`` blocks, all of width
+    ``moe_intermediate_size`` (jaxtron's dense blocks between them share that width)."""
+    step, dense_only = int(hf.get("decoder_sparse_step", 1)), list(hf.get("mlp_only_layers") or [])
+    width, dense_width = _get(hf, "moe_intermediate_size"), _get(hf, "intermediate_size")
+    if dense_only:
+        raise FormatError(f"config.json sets mlp_only_layers={dense_only}; jaxtron places dense blocks only by "
+                          "decoder_sparse_step.")
+    if step > 1 and width != dense_width:
+        raise FormatError(f"config.json mixes dense blocks of width {dense_width} with experts of width {width} "
+                          f"(decoder_sparse_step={step}); jaxtron's dense blocks and experts share one width.")
+    experts = hf.get("num_experts") or _get(hf, "num_local_experts")  # transformers 4.x and 5.x names
+    return dict(num_experts=experts, experts_per_token=_get(hf, "num_experts_per_tok"), mlp_dim=width,
+                router_renormalize=bool(hf.get("norm_topk_prob", False)), moe_every=step)
 
 
 def train_fields(hf: dict) -> dict[str, float]:
     """The training config's fields that a Hugging Face config.json sets: Mixtral's router loss coefficients."""
-    if "num_local_experts" not in hf:
+    if "num_local_experts" not in hf and "num_experts" not in hf:
         return {}
     return {"router_aux_loss": float(hf.get("router_aux_loss_coef", 0.0)), "router_z_loss": 0.0}
 
@@ -87,17 +108,13 @@ def hf_config(cfg: ModelConfig, router_aux_loss: float = 0.0) -> dict[str, Any]:
     """config.json (transformers 4.x field names, which 5.x still reads) for a jaxtron ModelConfig trained with
     the load-balancing coefficient ``router_aux_loss`` (``train.router_aux_loss``; Mixtral only)."""
     moe = cfg.num_experts > 0
-    if moe and cfg.moe_every != 1:
+    if moe and cfg.moe_every != 1 and not cfg.qk_norm:
         raise FormatError(f"model.moe_every={cfg.moe_every} has no Mixtral equivalent (every block is MoE there).")
     if cfg.activation != "swiglu" or cfg.norm != "rmsnorm" or cfg.position_embedding != "rope":
         raise FormatError("only Llama-style models (SwiGLU, RMSNorm, RoPE) can be exported to Hugging Face.")
-    if moe and cfg.qk_norm:
-        raise FormatError("model.qk_norm with experts has no Hugging Face equivalent jaxtron exports (Mixtral has "
-                          "no query and key norms).")
-    family = "mixtral" if moe else "qwen3" if cfg.qk_norm else "llama"
+    family = _family(cfg)
     hf: dict[str, Any] = {
-        "architectures": [{"mixtral": "MixtralForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                           "llama": "LlamaForCausalLM"}[family]],
+        "architectures": [{v: k for k, v in ARCHITECTURES.items()}[family]],
         "model_type": family, "vocab_size": cfg.vocab_size, "hidden_size": cfg.embed_dim,
         "num_hidden_layers": cfg.num_layers, "num_attention_heads": cfg.num_heads,
         "num_key_value_heads": cfg.num_kv_heads, "head_dim": cfg.resolved_head_dim,
@@ -111,7 +128,12 @@ def hf_config(cfg: ModelConfig, router_aux_loss: float = 0.0) -> dict[str, Any]:
                               "low_freq_factor": cfg.rope_low_freq_factor,
                               "high_freq_factor": cfg.rope_high_freq_factor,
                               "original_max_position_embeddings": cfg.rope_original_max_len}
-    if moe:
+    if family == "qwen3_moe":
+        hf.update(num_experts=cfg.num_experts, num_experts_per_tok=cfg.experts_per_token,
+                  moe_intermediate_size=cfg.mlp_dim, decoder_sparse_step=cfg.moe_every, mlp_only_layers=[],
+                  norm_topk_prob=cfg.router_renormalize, router_aux_loss_coef=router_aux_loss,
+                  output_router_logits=False, use_sliding_window=False, sliding_window=None)
+    elif moe:
         if not cfg.router_renormalize:
             raise FormatError("model.router_renormalize=False has no Mixtral equivalent (Mixtral renormalises).")
         hf.update(num_local_experts=cfg.num_experts, num_experts_per_tok=cfg.experts_per_token,
@@ -134,6 +156,13 @@ class Tensor:
     index: tuple[int, ...]
     to_jaxtron: Callable[[np.ndarray], np.ndarray]
     to_hf: Callable[[np.ndarray], np.ndarray]
+
+
+def _family(cfg: ModelConfig) -> str:
+    """The Hugging Face family of a jaxtron model: Qwen3 when it normalises queries and keys."""
+    if cfg.qk_norm:
+        return "qwen3_moe" if cfg.num_experts else "qwen3"
+    return "mixtral" if cfg.num_experts else "llama"
 
 
 def _t(x: np.ndarray) -> np.ndarray:
@@ -165,7 +194,14 @@ def tensors(cfg: ModelConfig) -> Iterator[Tensor]:
             yield Tensor(pre + "self_attn.q_norm.weight", (h,), f"{stack}.attn.q_norm.scale", (j,), *same)
             yield Tensor(pre + "self_attn.k_norm.weight", (h,), f"{stack}.attn.k_norm.scale", (j,), *same)
         yield Tensor(pre + "post_attention_layernorm.weight", (d,), f"{stack}.mlp_norm.scale", (j,), *same)
-        if moe:
+        if moe and cfg.qk_norm:  # Qwen3-MoE
+            yield Tensor(pre + "mlp.gate.weight", (cfg.num_experts, d), f"{stack}.mlp.router", (j,), _t, _t)
+            for e in range(cfg.num_experts):
+                ex = pre + f"mlp.experts.{e}."
+                yield Tensor(ex + "gate_proj.weight", (f, d), f"{stack}.mlp.wi_gate", (j, e), _t, _t)
+                yield Tensor(ex + "up_proj.weight", (f, d), f"{stack}.mlp.wi_up", (j, e), _t, _t)
+                yield Tensor(ex + "down_proj.weight", (d, f), f"{stack}.mlp.wo", (j, e), _t, _t)
+        elif moe:
             yield Tensor(pre + "block_sparse_moe.gate.weight", (cfg.num_experts, d), f"{stack}.mlp.router", (j,),
                          _t, _t)
             for e in range(cfg.num_experts):
