@@ -167,6 +167,17 @@ def test_bad_input_gets_one_sentence_naming_the_problem(tmp_path, capsys):
     scaled = _copy("llama", tmp_path / "f")
     _edit_config(scaled, rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0})
     _fails(capsys, ["from-hf", scaled, out], "'yarn'")
+    # Qwen3 variants jaxtron does not build: dense-only layers by list, dense blocks of another width than the
+    # experts', a missing query norm
+    listed = _copy("qwen3_moe", tmp_path / "g")
+    _edit_config(listed, mlp_only_layers=[0])
+    _fails(capsys, ["from-hf", listed, out], "mlp_only_layers=[0]", "decoder_sparse_step")
+    mixed = _copy("qwen3_moe", tmp_path / "h")
+    _edit_config(mixed, decoder_sparse_step=2)
+    _fails(capsys, ["from-hf", mixed, out], "dense blocks of width 64 with experts of width 24")
+    unnormed = _copy("qwen3", tmp_path / "i")
+    _rewrite_without(unnormed, drop="model.layers.0.self_attn.q_norm.weight")
+    _fails(capsys, ["from-hf", unnormed, out], "'model.layers.0.self_attn.q_norm.weight' is missing")
     assert not os.path.exists(out)  # nothing half-written
     _fails(capsys, ["to-hf", str(tmp_path / "nothing"), out], "neither a converted model")
 
