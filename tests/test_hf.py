@@ -50,6 +50,14 @@ def test_config_json_of_transformers_4_and_5_map_to_the_same_model():
     with open(os.path.join(FIXTURES, "llama_tied", "config.json")) as f:
         tied = llama.model_config(json.load(f), "y")
     assert tied.tie_embeddings and tied.rope_scaling_factor == 8.0
+    # Qwen3-MoE in the 4.x form: rope_theta at the top, the expert count as num_experts
+    with open(os.path.join(FIXTURES, "qwen3_moe", "config.json")) as f:
+        v5 = json.load(f)
+    v4 = {k: v for k, v in v5.items() if k not in ("rope_parameters", "num_local_experts")}
+    v4.update(rope_theta=v5["rope_parameters"]["rope_theta"], rope_scaling=None, num_experts=v5["num_local_experts"])
+    moe = llama.model_config(v5, "q")
+    assert llama.model_config(v4, "q") == moe and llama.train_fields(v4) == llama.train_fields(v5)
+    assert (moe.qk_norm, moe.num_experts, moe.mlp_dim, moe.router_renormalize, moe.rope_theta) == (True, 4, 24, True, 1e6)
 
 
 @pytest.mark.slow
