@@ -23,7 +23,7 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 sys.path.insert(0, ROOT)
-from plan_validation import GIB, TOLERANCE, _commit, compile_one  # noqa: E402
+from plan_validation import GIB, TOLERANCE, _commit, compile_one, estimate_of  # noqa: E402
 
 LENGTHS = (8192, 32768, 131072)
 SEQUENCE = (1, 2, 4, 8)
@@ -34,14 +34,6 @@ def overrides(length: int, sequence: int) -> list[str]:
     return [f"data.seq_len={length}", f"train.global_batch_size={DEVICES // sequence}", f"mesh.sequence={sequence}",
             f"mesh.fsdp={DEVICES // sequence}", "execution.attention=blockwise",
             f"train.logit_chunks={length // 4096}"]
-
-
-def estimated(over: list[str]):
-    from jaxtron.config.loader import load_config
-    from jaxtron.planning.estimate import estimate
-    from jaxtron.planning.gpus import gpu
-    cfg = load_config(os.path.join(ROOT, "configs", "llama3_1b.py"), [tuple(a.split("=", 1)) for a in over])
-    return estimate(cfg, cfg.check_devices(DEVICES), gpu("h100"), cpu_program=True)
 
 
 def main() -> int:
@@ -60,7 +52,7 @@ def main() -> int:
     for length in LENGTHS:
         for sequence in SEQUENCE:
             over = overrides(length, sequence)
-            est = estimated(over)
+            est = estimate_of("llama3_1b", DEVICES, over)[1]
             before = compiled.get((length, sequence))
             got = before["compiled"] if before else compile_one("llama3_1b", DEVICES, over)
             commit = before["commit"] if before else _commit()

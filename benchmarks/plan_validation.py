@@ -57,6 +57,17 @@ def compile_one(config: str, devices: int, overrides: list[str]) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+def estimate_of(config: str, devices: int, overrides: list[str]):
+    """(mesh sizes, the planner's estimate) of the program ``compile_one`` compiles for the same arguments."""
+    sys.path.insert(0, ROOT)
+    from jaxtron.config.loader import load_config
+    from jaxtron.planning.estimate import estimate
+    from jaxtron.planning.gpus import gpu
+    cfg = load_config(os.path.join(ROOT, "configs", f"{config}.py"), [tuple(a.split("=", 1)) for a in overrides])
+    sizes = cfg.check_devices(devices)
+    return sizes, estimate(cfg, sizes, gpu("h100"), cpu_program=True)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "plan_validation.md"))
@@ -67,18 +78,11 @@ def main() -> int:
     if args.estimate_only:
         with open(os.path.splitext(args.out)[0] + ".json") as f:
             compiled = {(r["config"], r["devices"], tuple(r["overrides"])): r for r in json.load(f)}
-    sys.path.insert(0, ROOT)
-    from jaxtron.config.loader import load_config
-    from jaxtron.planning.estimate import estimate
-    from jaxtron.planning.gpus import gpu
-
     rows = []
     for config, devices, overrides in PAIRS:
         for dtype in ("bfloat16", "float32"):
             over = overrides + [f"execution.dtype={dtype}"]
-            cfg = load_config(os.path.join(ROOT, "configs", f"{config}.py"), [tuple(a.split("=", 1)) for a in over])
-            sizes = cfg.check_devices(devices)
-            est = estimate(cfg, sizes, gpu("h100"), cpu_program=True)
+            sizes, est = estimate_of(config, devices, over)
             before = compiled.get((config, devices, tuple(over)))
             got = before["compiled"] if before else compile_one(config, devices, over)
             commit = before["commit"] if before and "commit" in before else _commit()

@@ -112,6 +112,9 @@ BAD = [
      "get_config() raised TypeError", "fix the file"),
     ("get_config_rejects_arg", lambda d: load_config(config_file(d, "def get_config():\n    return {}\n") + ":big"),
      "get_config() rejected the argument 'big'", "check the ':ARG' part of --config"),
+    ("unknown_qwen3_size", lambda d: load_config(os.path.join(REPO, "configs", "qwen3.py") + ":9b"),
+     "get_config() rejected the argument '9b' (ValueError: unknown Qwen3 size '9b', not one of 0.6b, 8b",
+     "check the ':ARG' part of --config"),
     ("get_config_returns_none", lambda d: load_config(config_file(d, "def get_config():\n    return None\n")),
      "get_config() returned NoneType", "return a ConfigDict"),
     # --- values of single fields

@@ -22,18 +22,20 @@ from jaxtron.ops.attention import dot_product_attention
 from jaxtron.training import state as state_lib
 from jaxtron.training.step import loss_sums
 
+# config (FILE[:ARG] under configs/) -> published parameter count
 PUBLISHED = {"llama3_1b": 1.24e9, "llama3_8b": 8.03e9, "llama3_70b": 70.55e9, "llama3_405b": 405.85e9, "gpt3_175b": 175e9,
-             "qwen3_8b": 8.19e9, "qwen3_32b": 32.8e9, "qwen3_30b_a3b": 30.5e9, "qwen3_235b_a22b": 235e9}
+             "qwen3:8b": 8.19e9, "qwen3:32b": 32.8e9, "qwen3:30b-a3b": 30.5e9, "qwen3:235b-a22b": 235e9}
 # Qwen3's model cards also give the count without the token embedding and output head (0.6B's total is given
 # only as "0.6B")
-PUBLISHED_NON_EMBEDDING = {"qwen3_0_6b": 0.44e9, "qwen3_8b": 6.95e9, "qwen3_32b": 31.2e9, "qwen3_30b_a3b": 29.9e9,
-                           "qwen3_235b_a22b": 234e9}
-PUBLISHED_ACTIVE = {"qwen3_30b_a3b": 3.3e9, "qwen3_235b_a22b": 22e9}  # given to two digits
+PUBLISHED_NON_EMBEDDING = {"qwen3:0.6b": 0.44e9, "qwen3:8b": 6.95e9, "qwen3:32b": 31.2e9, "qwen3:30b-a3b": 29.9e9,
+                           "qwen3:235b-a22b": 234e9}
+PUBLISHED_ACTIVE = {"qwen3:30b-a3b": 3.3e9, "qwen3:235b-a22b": 22e9}  # given to two digits
 
 
-@pytest.mark.parametrize("name", list(PUBLISHED) + ["qwen3_0_6b"])
+@pytest.mark.parametrize("name", list(PUBLISHED) + ["qwen3:0.6b"])
 def test_config_parameter_counts_match_published(name):
-    cfg = load_config(os.path.join(REPO, "configs", f"{name}.py"))
+    file, _, size = name.partition(":")
+    cfg = load_config(os.path.join(REPO, "configs", f"{file}.py") + (f":{size}" if size else ""))
     abstract = nnx.eval_shape(lambda: build_model(cfg.model, cfg.execution, 0))  # no memory is allocated
     counted = sum(math.prod(x.shape) for x in jax.tree.leaves(nnx.state(abstract, nnx.Param)))
     assert counted == param_count(cfg.model)

@@ -42,7 +42,7 @@ def load_config_file(spec: str) -> ml_collections.ConfigDict:
     try:
         config = module.get_config(arg) if arg else module.get_config()
     except Exception as e:  # as above: the user's get_config() may raise anything
-        if isinstance(e, TypeError) and arg:
+        if isinstance(e, (TypeError, ValueError)) and arg:  # a signature or a value it does not take
             raise ConfigError(f"config file '{path}' get_config() rejected the argument {arg!r} ({_one_line(e)}); "
                               "check the ':ARG' part of --config.") from None
         raise ConfigError(f"config file '{path}' get_config() raised {_one_line(e)}; fix the file.") from None

@@ -51,6 +51,13 @@ def resolve_implementation(choice: str, dtype: jnp.dtype, head_dim: int = 128, s
     return choice
 
 
+def cpu_implementation(choice: str, dtype: jnp.dtype, head_dim: int, sequence_shards: int) -> str:
+    """The attention a CPU compile of a config runs (the dry run, and the planner's estimate of that program):
+    ``choice`` resolved for the CPU, an explicit 'cudnn' taken as 'auto' since it cannot compile there."""
+    return resolve_implementation("auto" if choice == "cudnn" else choice, dtype, head_dim, sequence_shards,
+                                  backend="cpu")
+
+
 def segment_layout(segment_ids: jax.Array, max_segments: int) -> tuple[jax.Array, jax.Array]:
     """Packed rows as cuDNN's ragged attention wants them: [batch, M] document lengths and [batch, M+1]
     document start offsets (the last one the row's end), both padded with -1, M = ``max_segments``.

@@ -18,7 +18,7 @@ from jaxtron.checkpoint.train_state import abstract_with_shardings
 from jaxtron.config.schema import Config
 from jaxtron.metrics.collectives import collectives
 from jaxtron.parallel.mesh import make_mesh
-from jaxtron.ops.attention import resolve_implementation
+from jaxtron.ops.attention import cpu_implementation
 from jaxtron.parallel.sharding import batch_sharding, per_device_sharding, shard_count
 from jaxtron.training import state as state_lib
 from jaxtron.training.step import train_step
@@ -54,9 +54,8 @@ def dry_run(cfg: Config, devices: list | None = None, implementation: str | None
     devices = list(devices if devices is not None else jax.devices())
     sizes = cfg.check_devices(len(devices))
     if implementation is None:
-        choice = "auto" if cfg.execution.attention == "cudnn" else cfg.execution.attention
-        implementation = resolve_implementation(choice, jnp.dtype(cfg.execution.dtype), cfg.model.resolved_head_dim,
-                                                shard_count(sizes, "activation_length"), backend="cpu")
+        implementation = cpu_implementation(cfg.execution.attention, jnp.dtype(cfg.execution.dtype),
+                                            cfg.model.resolved_head_dim, shard_count(sizes, "activation_length"))
     mesh = make_mesh(sizes, devices)
     with jax.set_mesh(mesh):
         setup = state_lib.setup(cfg, implementation, sizes)

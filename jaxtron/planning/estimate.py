@@ -39,7 +39,7 @@ from jaxtron.config.schema import Config, ExecutionConfig, ModelConfig
 from jaxtron.metrics.flops import flops_breakdown, hardware_flops_breakdown
 from jaxtron.models import build_model
 from jaxtron.models.moe import capacity
-from jaxtron.ops.attention import resolve_implementation
+from jaxtron.ops.attention import cpu_implementation, resolve_implementation
 from jaxtron.parallel.mesh import full_sizes, split_over_nodes
 from jaxtron.parallel.sharding import logical_names, logical_to_spec
 from jaxtron.parallel.stages import padding
@@ -154,10 +154,8 @@ def estimate(cfg: Config, sizes: dict[str, int], gpu: GPU, microbatches: int | N
     pads = padding(m.num_layers // period, stages, virtual)
     run_m = dataclasses.replace(m, num_layers=m.num_layers + pads * period) if pads else m  # the blocks run
     layers_here = run_m.num_layers // stages  # the blocks this stage holds
-    # the CPU program: what 'auto' resolves to on the CPU (an explicit 'cudnn' cannot compile there)
-    choice = "auto" if cpu_program and run.attention == "cudnn" else run.attention
-    impl = resolve_implementation(choice, run.dtype, m.resolved_head_dim, sizes["sequence"],
-                                  backend="cpu" if cpu_program else "gpu")
+    impl = cpu_implementation(run.attention, run.dtype, m.resolved_head_dim, sizes["sequence"]) if cpu_program \
+        else resolve_implementation(run.attention, run.dtype, m.resolved_head_dim, sizes["sequence"], backend="gpu")
     T, S, E, F = sizes["tensor"], sizes["sequence"], sizes["expert"], sizes["fsdp"]
     dp = sizes["data"] * F * E
     c = 2 if run.dtype == "bfloat16" else 4
