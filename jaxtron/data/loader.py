@@ -105,11 +105,12 @@ class LocalBatch:
                  limits: BatchLimits = BatchLimits(), sample_offset: int = 0):
         self.source, self.rows, self.cols, self.batch_size = source, rows, cols, batch_size
         self.limits, self.sample_offset = limits, sample_offset
+        self.whole_rows = np.array_equal(cols, np.arange(source.seq_len))  # every token, in order: no gather
 
     def __call__(self, step: int) -> dict[str, np.ndarray]:
         local = self.source.rows(self.sample_offset + step * self.batch_size + self.rows)
         self.limits.check(local, step)
-        if np.array_equal(self.cols, np.arange(self.source.seq_len)):
+        if self.whole_rows:
             return local
         return {k: np.ascontiguousarray(v[:, self.cols]) for k, v in local.items()}
 

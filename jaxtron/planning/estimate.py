@@ -40,6 +40,7 @@ from jaxtron.metrics.flops import flops_breakdown, hardware_flops_breakdown
 from jaxtron.models import build_model
 from jaxtron.models.moe import capacity
 from jaxtron.ops.attention import cpu_implementation, resolve_implementation
+from jaxtron.ops.blockwise import block_size
 from jaxtron.parallel.mesh import full_sizes, split_over_nodes
 from jaxtron.parallel.sharding import logical_names, logical_to_spec
 from jaxtron.parallel.stages import padding
@@ -221,7 +222,6 @@ def estimate(cfg: Config, sizes: dict[str, int], gpu: GPU, microbatches: int | N
     block_weights = max(per_block.values())
     flash = 0.0  # blockwise attention's backward: float32 gradients of the gathered keys and values, of the
     if impl == "blockwise":  # local queries, and the arrays of one pair of blocks
-        from jaxtron.ops.blockwise import block_size
         pair = b * heads * block_size(t, ATTENTION_BLOCK) * block_size(s_kv, ATTENTION_BLOCK)
         flash = 4.0 * (attn["kv"] + attn["q"] + BLOCK_SCORE_COPIES * pair)
     layer_work = ((LAYER_COPIES * everything + MOE_COPIES * (moe_values if moe_layers else 0)) * work_c
