@@ -72,7 +72,7 @@ def bench_one(spec: str, overrides, steps: int, warmup: int) -> dict:
     sizes = cfg.check_devices(len(devices))
     mesh = make_mesh(sizes, devices)
     impl = resolve_implementation(cfg.execution.attention, jnp.dtype(cfg.execution.dtype),
-                                  cfg.model.resolved_head_dim,
+                                  cfg.model.qk_head_dim,
                                   shard_count(sizes, "activation_length"))
     t = cfg.train
     source = SyntheticSource(cfg.model.vocab_size, cfg.data.seq_len, t.seed)

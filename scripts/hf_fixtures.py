@@ -11,6 +11,10 @@ tokens.npy:
   mixtral/      Mixtral: 4 experts, top-2
   qwen3/        Qwen3 dense: per-head query and key RMSNorm, head size (16) not hidden / heads, tied embeddings
   qwen3_moe/    Qwen3-MoE: 4 experts of width 24 (the dense width 64 unused), top-2 renormalised
+  deepseek_v3/  DeepSeek-V3: latent attention with a low-rank query, YaRN, one dense block then MoE blocks of 8
+                experts in 4 groups (top-2 groups, top-2 experts) plus a shared expert, a non-zero balancing bias
+  deepseek_v3_q/  the same with a full-rank query projection and DeepSeek's (non-yarn) default RoPE, config.json
+                in the transformers 4.x form
 Each model gets its own seed, so writing some leaves the others as they are.
 """
 
@@ -22,7 +26,7 @@ import sys
 import numpy as np
 import torch
 import transformers
-from transformers import (LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralForCausalLM, Qwen3Config,
+from transformers import (DeepseekV3Config, DeepseekV3ForCausalLM, LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralForCausalLM, Qwen3Config,
                           Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM)
 
 OUT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests", "fixtures", "hf")
@@ -64,6 +68,21 @@ def qwen3_moe() -> Qwen3MoeForCausalLM:
     return Qwen3MoeForCausalLM(config)
 
 
+def deepseek_v3(low_rank_query: bool) -> DeepseekV3ForCausalLM:
+    rope = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 32,
+            "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0} if low_rank_query else \
+        {"rope_type": "default", "rope_theta": 10000.0}
+    config = DeepseekV3Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+                              num_hidden_layers=3, first_k_dense_replace=1, num_attention_heads=4,
+                              num_key_value_heads=4, q_lora_rank=24 if low_rank_query else None, kv_lora_rank=16,
+                              qk_rope_head_dim=8, qk_nope_head_dim=12, v_head_dim=10, n_routed_experts=8,
+                              n_shared_experts=1, num_experts_per_tok=2, n_group=4, topk_group=2,
+                              norm_topk_prob=True, routed_scaling_factor=2.5, max_position_embeddings=128,
+                              rms_norm_eps=1e-6, rope_interleave=True, tie_word_embeddings=False,
+                              attn_implementation="eager", rope_parameters=rope)
+    return DeepseekV3ForCausalLM(config)
+
+
 def to_v4(path: str) -> None:
     """Rewrites config.json with transformers 4.x RoPE fields (what older Hub checkpoints carry)."""
     with open(path) as f:
@@ -77,7 +96,8 @@ def to_v4(path: str) -> None:
 
 
 MODELS = {"llama": (lambda: llama(False), None), "llama_tied": (lambda: llama(True), "60KB"),
-          "mixtral": (mixtral, None), "qwen3": (qwen3, None), "qwen3_moe": (qwen3_moe, None)}
+          "mixtral": (mixtral, None), "qwen3": (qwen3, None), "qwen3_moe": (qwen3_moe, None),
+          "deepseek_v3": (lambda: deepseek_v3(True), None), "deepseek_v3_q": (lambda: deepseek_v3(False), None)}
 
 
 def main(names: list[str]) -> None:
@@ -96,12 +116,15 @@ def main(names: list[str]) -> None:
         model = build()
         for p in model.parameters():  # larger than the default 0.02 so that logits differ visibly
             torch.nn.init.normal_(p, std=0.2)
+        for buffer_name, b in model.named_buffers():  # DeepSeek's balancing bias: large enough to change choices
+            if buffer_name.endswith("e_score_correction_bias"):
+                b.copy_(0.3 * torch.randn(b.shape))
         model.eval()
         directory = os.path.join(OUT, name)
         shutil.rmtree(directory, ignore_errors=True)
         kwargs = {"max_shard_size": shard} if shard else {}
         model.save_pretrained(directory, safe_serialization=True, **kwargs)
-        if name == "llama_tied":
+        if name in ("llama_tied", "deepseek_v3_q"):
             to_v4(os.path.join(directory, "config.json"))
         with torch.no_grad():
             logits = model(torch.from_numpy(tokens).long()).logits.float().numpy()

@@ -15,7 +15,7 @@ from jaxtron.interop.hf import llama
 from jaxtron.interop.hf import safetensors as st
 
 FIXTURES = os.path.join(REPO, "tests", "fixtures", "hf")
-MODELS = ("llama", "llama_tied", "mixtral", "qwen3", "qwen3_moe")
+MODELS = ("llama", "llama_tied", "mixtral", "qwen3", "qwen3_moe", "deepseek_v3", "deepseek_v3_q")
 
 
 @pytest.fixture(scope="module")

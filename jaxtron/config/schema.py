@@ -91,6 +91,9 @@ class TrainConfig:
     z_loss: float = 0.0  # coefficient of the logsumexp^2 auxiliary loss
     router_aux_loss: float = 0.01  # MoE: coefficient of the load-balancing loss (mean over MoE blocks)
     router_z_loss: float = 0.001  # MoE: coefficient of the router's squared log-partition (mean over MoE blocks)
+    # sigmoid router: after every step each block's balancing bias moves this much toward balance, up for experts
+    # below the mean load and down for those above (auxiliary-loss-free balancing; no gradient involved)
+    router_bias_rate: float = 0.0
     logit_chunks: int = 1  # logits and loss in this many slices of the sequence: never all float32 logits at once
     max_nonfinite_in_row: int = 5  # stop (exit 3) after this many skipped (non-finite) updates in a row (0: never)
     eval_every: int = 0  # steps between validation losses (0: only at the end)
@@ -102,7 +105,7 @@ class TrainConfig:
         for name in ("steps", "global_batch_size", "microbatches", "log_every", "logit_chunks"):
             _positive(getattr(self, name), f"train.{name}")
         _non_negative(self.seed, "train.seed")
-        for name in ("z_loss", "router_aux_loss", "router_z_loss"):
+        for name in ("z_loss", "router_aux_loss", "router_z_loss", "router_bias_rate"):
             _non_negative(getattr(self, name), f"train.{name}")
         _non_negative(self.eval_batches, "train.eval_batches")
         _non_negative(self.eval_every, "train.eval_every")
@@ -285,6 +288,9 @@ class Config:
         _check(self.profile.end_step <= self.train.steps, "profile.end_step",
                f"({self.profile.end_step}) is beyond train.steps ({self.train.steps})",
                "end the window at or before the last step")
+        _check(not self.train.router_bias_rate or m.router == "sigmoid", "train.router_bias_rate",
+               f"({self.train.router_bias_rate}) moves the sigmoid router's balancing bias, but model.router is "
+               f"{m.router!r}", "set it to 0 or use model.router='sigmoid'")
         _check(d.seq_len % self.train.logit_chunks == 0, "train.logit_chunks",
                f"({self.train.logit_chunks}) must divide data.seq_len ({d.seq_len})", "choose a divisor of it")
 
@@ -296,8 +302,9 @@ class Config:
         sizes = self.mesh.resolve(num_devices)
         m, t = self.model, self.train
         tp = sizes["tensor"]
+        widths = (("expert_dim", m.resolved_expert_dim),) if m.num_experts else ()
         for name, value in (("num_heads", m.num_heads), ("num_kv_heads", m.num_kv_heads),
-                            ("mlp_dim", m.mlp_dim), ("vocab_size", m.vocab_size)):
+                            ("mlp_dim", m.mlp_dim), ("vocab_size", m.vocab_size), *widths):
             _check(value % tp == 0, f"model.{name}", f"({value}) is not divisible by mesh.tensor ({tp})",
                    f"choose a mesh.tensor that divides {value}")
         ep = sizes["expert"]
@@ -342,6 +349,12 @@ class Config:
                f"pipeline.virtual_stages={virtual} with only identity layers", "use fewer stages or virtual stages")
         if stages == 1 and microbatches == 1:
             return
+        _check(not m.first_dense_layers, "model.first_dense_layers",
+               f"({m.first_dense_layers}) puts dense blocks before the MoE ones, which a pipelined stack cannot run "
+               "yet", "use mesh.pipeline=1 and pipeline.microbatches=1")
+        _check(not self.train.router_bias_rate, "train.router_bias_rate",
+               f"({self.train.router_bias_rate}) needs each block's expert loads, which a pipelined stack sums over "
+               "its stage", "set it to 0 or use mesh.pipeline=1 and pipeline.microbatches=1")
         _check(microbatches >= stages, "pipeline.microbatches",
                f"({microbatches}) cannot keep mesh.pipeline={stages} stages busy",
                f"set --config.pipeline.microbatches to at least {stages}")

@@ -92,7 +92,7 @@ def from_hf(hf_dir: str, out_dir: str) -> ModelConfig:
     hf = _read_hf_config(hf_dir)
     cfg = llama.model_config(hf, name=os.path.basename(os.path.normpath(hf_dir)))
     files = st.ModelFiles(hf_dir)
-    plan = list(llama.tensors(cfg))
+    plan = list(llama.tensors(cfg, hf))
     expected = {t.hf_name for t in plan}
     for t in plan:
         if t.hf_name not in files:

@@ -71,13 +71,16 @@ class Norm(nnx.Module):
         return x.astype(self.dtype)
 
 
-def rope_frequencies(cfg: ModelConfig) -> jax.Array:
-    """Inverse frequencies of rotary embeddings, with Llama-3.1 scaling when its factor is > 1."""
-    dim = cfg.resolved_head_dim
+def rope_frequencies(cfg: ModelConfig, dim: int | None = None) -> jax.Array:
+    """Inverse frequencies of rotary embeddings over ``dim`` (default: the head size) rotated dimensions, stretched
+    when ``rope_scaling_factor`` > 1 as ``rope_scaling`` says (Llama-3.1's bands or YaRN's ramp)."""
+    dim = dim or cfg.resolved_head_dim
     inv_freq = 1.0 / (cfg.rope_theta ** (jnp.arange(0, dim, 2, dtype=jnp.float32) / dim))
     factor = cfg.rope_scaling_factor
     if factor == 1.0:
         return inv_freq
+    if cfg.rope_scaling == "yarn":
+        return _yarn(cfg, inv_freq, dim)
     wavelen = 2 * math.pi / inv_freq
     low_freq_wavelen = cfg.rope_original_max_len / cfg.rope_low_freq_factor
     high_freq_wavelen = cfg.rope_original_max_len / cfg.rope_high_freq_factor
@@ -90,10 +93,41 @@ def rope_frequencies(cfg: ModelConfig) -> jax.Array:
     return jnp.where(middle, interpolated, scaled)
 
 
-def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array:
-    """Rotates [batch, length, heads, head_dim] by position (rotate-half layout, as in HF Llama)."""
+def _yarn(cfg: ModelConfig, inv_freq: jax.Array, dim: int) -> jax.Array:
+    """YaRN: frequencies that turn fewer than ``rope_beta_slow`` times over the original context are divided by
+    the factor, those turning more than ``rope_beta_fast`` times are kept, with a linear ramp over the
+    (whole-numbered) dimensions between."""
+    def dimension(rotations):  # the rotated dimension that turns `rotations` times over the original context
+        return dim * math.log(cfg.rope_original_max_len / (rotations * 2 * math.pi)) / (2 * math.log(cfg.rope_theta))
+
+    low = max(math.floor(dimension(cfg.rope_beta_fast)), 0)
+    high = min(math.ceil(dimension(cfg.rope_beta_slow)), dim - 1)
+    ramp = jnp.clip((jnp.arange(dim // 2, dtype=jnp.float32) - low) / ((high - low) or 0.001), 0.0, 1.0)
+    return inv_freq / cfg.rope_scaling_factor * ramp + inv_freq * (1 - ramp)
+
+
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's magnitude correction for a context stretched by ``factor``."""
+    return 0.1 * mscale * math.log(factor) + 1.0 if factor > 1 else 1.0
+
+
+def rope_attention_factor(cfg: ModelConfig) -> float:
+    """What YaRN multiplies the rotated queries and keys by (1 for no scaling or Llama-3.1's)."""
+    if cfg.rope_scaling != "yarn" or cfg.rope_scaling_factor == 1.0:
+        return 1.0
+    f = cfg.rope_scaling_factor
+    if cfg.rope_mscale and cfg.rope_mscale_all_dim:
+        return yarn_mscale(f, cfg.rope_mscale) / yarn_mscale(f, cfg.rope_mscale_all_dim)
+    return yarn_mscale(f)
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array, scale: float = 1.0) -> jax.Array:
+    """Rotates [batch, length, heads, head_dim] by position (rotate-half layout, as in HF Llama), times ``scale``
+    (YaRN's attention factor)."""
     angles = positions[:, :, None, None].astype(jnp.float32) * inv_freq  # [b, t, 1, d/2]
     sin, cos = jnp.sin(angles), jnp.cos(angles)
+    if scale != 1.0:
+        sin, cos = sin * scale, cos * scale
     x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
     rotated = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
     return rotated.astype(x.dtype)

@@ -16,8 +16,8 @@ HIDDEN_AXES = ("activation_batch", "activation_length", "activation_mlp")
 
 
 class MLP(nnx.Module):
-    def __init__(self, cfg: ModelConfig, run: ExecutionConfig, rngs: nnx.Rngs):
-        d, f = cfg.embed_dim, cfg.mlp_dim
+    def __init__(self, cfg: ModelConfig, run: ExecutionConfig, rngs: nnx.Rngs, width: int = 0):
+        d, f = cfg.embed_dim, width or cfg.mlp_dim
         self.gated = cfg.activation == "swiglu"
         self.wi_gate = param(rngs, (d, f), ("embed", "mlp"), cfg.init_std) if self.gated else None
         self.wi_up = param(rngs, (d, f), ("embed", "mlp"), cfg.init_std)

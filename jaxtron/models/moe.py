@@ -1,4 +1,4 @@
-"""Mixture-of-experts feed-forward block (Mixtral family) with expert parallelism.
+"""Mixture-of-experts feed-forward block (Mixtral, Qwen3-MoE, DeepSeek-V3) with expert parallelism.
 
 Routing runs in plain sharded jit: softmax over the router logits (float32), top-k, optional
 renormalisation of the k weights, the load-balancing and z losses, and in capacity mode which assignments
@@ -34,6 +34,7 @@ from flax import nnx
 
 from jaxtron.config.schema import ExecutionConfig, ModelConfig
 from jaxtron.models.layers import compute_dtype, param
+from jaxtron.models.mlp import MLP
 from jaxtron.parallel.sharding import constrain, logical_to_spec, spec_axes
 
 TOKEN_AXES = ("activation_batch", "activation_length", "activation_embed")
@@ -69,25 +70,53 @@ def capacity(cfg: ModelConfig, factor: float, length: int) -> int:
     return max(1, math.ceil(factor * length * cfg.experts_per_token / cfg.num_experts))
 
 
-def route(cfg: ModelConfig, logits: jax.Array,
-          row_capacity: int | None = None) -> tuple[jax.Array, jax.Array, dict[str, jax.Array]]:
+def route(cfg: ModelConfig, logits: jax.Array, row_capacity: int | None = None,
+          bias: jax.Array | None = None) -> tuple[jax.Array, jax.Array, dict[str, jax.Array]]:
     """Router logits [batch, length, experts] (float32) -> (expert ids [b, t, k], weights [b, t, k], stats).
 
+    ``model.router`` 'softmax' (Mixtral, Qwen3): the k largest probabilities. 'sigmoid' (DeepSeek-V3): sigmoid
+    scores; the experts are chosen by score plus ``bias`` (the balancing bias, which gets no gradient), only among
+    the ``router_top_groups`` groups whose best two biased scores sum highest, and weighted by their unbiased
+    scores. Either way the weights are renormalised to sum to 1 when ``router_renormalize`` and multiplied by
+    ``router_scale``.
+
     Dropped assignments (capacity mode: ``row_capacity`` slots per expert and row) get the id ``num_experts``
-    and weight 0. Stats: ``aux_loss``
-    (experts * sum_e load_e * mean_prob_e: 1 when balanced), ``z_loss`` (mean squared log-partition),
-    ``load`` (fraction of the assignments each expert received, before capacity) and ``dropped`` (fraction
-    of assignments over capacity).
+    and weight 0. Stats: ``aux_loss`` (1 when balanced: softmax, experts * sum_e load_e * mean_prob_e over the
+    batch; sigmoid, the same per sequence with the scores normalised to sum to 1, averaged over sequences),
+    ``z_loss`` (mean squared log-partition), ``load`` (fraction of the assignments each expert received, before
+    capacity) and ``dropped`` (fraction of assignments over capacity).
     """
     num_experts, k = cfg.num_experts, cfg.experts_per_token
-    probs = jax.nn.softmax(logits, axis=-1)
-    weights, ids = jax.lax.top_k(probs, k)
-    if cfg.router_renormalize:
-        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+    if cfg.router == "sigmoid":
+        probs = jax.nn.sigmoid(logits)
+        choice = probs + jax.lax.stop_gradient(bias) if bias is not None else probs
+        if cfg.router_groups > 1:
+            grouped = choice.reshape(*choice.shape[:-1], cfg.router_groups, -1)
+            best = jnp.sum(jax.lax.top_k(grouped, 2)[0], axis=-1)  # [b, t, groups]
+            _, top_groups = jax.lax.top_k(best, cfg.router_top_groups)
+            allowed = jnp.sum(jax.nn.one_hot(top_groups, cfg.router_groups, dtype=jnp.int32), axis=-2) > 0
+            choice = jnp.where(allowed[..., None], grouped, -jnp.inf).reshape(choice.shape)
+        _, ids = jax.lax.top_k(choice, k)
+        weights = jnp.take_along_axis(probs, ids, axis=-1)
+        if cfg.router_renormalize:
+            weights = weights / (jnp.sum(weights, axis=-1, keepdims=True) + 1e-20)
+    else:
+        probs = jax.nn.softmax(logits, axis=-1)
+        weights, ids = jax.lax.top_k(probs, k)
+        if cfg.router_renormalize:
+            weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+    if cfg.router_scale != 1.0:
+        weights = weights * cfg.router_scale
     chosen = jax.nn.one_hot(ids, num_experts, dtype=jnp.float32)  # [b, t, k, E]
-    load = jnp.mean(jnp.sum(chosen, axis=2), axis=(0, 1)) / k
+    row_load = jnp.mean(jnp.sum(chosen, axis=2), axis=1) / k  # [b, E]
+    load = jnp.mean(row_load, axis=0)
+    if cfg.router == "sigmoid":  # sequence-wise, as DeepSeek-V3's complementary balance loss
+        shares = probs / jnp.sum(probs, axis=-1, keepdims=True)
+        aux = num_experts * jnp.mean(jnp.sum(row_load * jnp.mean(shares, axis=1), axis=-1))
+    else:
+        aux = num_experts * jnp.sum(load * jnp.mean(probs, axis=(0, 1)))
     stats = {
-        "aux_loss": num_experts * jnp.sum(load * jnp.mean(probs, axis=(0, 1))),
+        "aux_loss": aux,
         "z_loss": jnp.mean(jnp.square(jax.nn.logsumexp(logits, axis=-1))),
         "load": load,
         "dropped": jnp.zeros((), jnp.float32),
@@ -225,27 +254,40 @@ def _with_capacity(x, ids, gate, up, down, num_experts: int, slots: int, expert_
 
 
 class MoE(nnx.Module):
-    """Router plus ``num_experts`` SwiGLU experts stored stacked along the logical axis ``experts``."""
+    """Router plus ``num_experts`` SwiGLU experts stored stacked along the logical axis ``experts``, and with
+    ``shared_experts`` a SwiGLU every token goes through, run like a dense MLP (tensor-parallel, FP8 with
+    ``execution.fp8``). The sigmoid router carries a balancing bias (logical axis ``bias``): no gradient reaches
+    it, the train step moves it (``train.router_bias_rate``)."""
 
     def __init__(self, cfg: ModelConfig, run: ExecutionConfig, rngs: nnx.Rngs):
-        d, f, e = cfg.embed_dim, cfg.mlp_dim, cfg.num_experts
+        d, f, e = cfg.embed_dim, cfg.resolved_expert_dim, cfg.num_experts
         self.cfg, self.run = cfg, run
         self.router = param(rngs, (d, e), ("embed", None), cfg.init_std)
+        self.router_bias = nnx.Param(jnp.zeros((e,), jnp.float32), out_sharding=("bias",)) \
+            if cfg.router == "sigmoid" else None
         self.wi_gate = param(rngs, (e, d, f), GATE_UP_AXES, cfg.init_std)
         self.wi_up = param(rngs, (e, d, f), GATE_UP_AXES, cfg.init_std)
         self.wo = param(rngs, (e, f, d), DOWN_AXES, cfg.init_std / math.sqrt(2 * cfg.num_layers))
+        self.shared = MLP(cfg, run, rngs, cfg.shared_experts * f) if cfg.shared_experts else None
 
-    def __call__(self, x: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
+    def __call__(self, x: jax.Array, fp8: bool = False) -> tuple[jax.Array, dict[str, jax.Array]]:
         """x [batch, length, embed] -> (output of the same shape, routing stats; see ``route``)."""
-        cfg, dt = self.cfg, compute_dtype(self.run)
+        cfg = self.cfg
         logits = jnp.einsum("btd,de->bte", x.astype(jnp.float32), self.router[...])
         row_capacity = capacity(cfg, self.run.capacity_factor, x.shape[1]) if self.run.moe_mode == "capacity" else None
-        ids, weights, stats = route(cfg, logits, row_capacity)
-        x = constrain(x, TOKEN_AXES)
+        bias = self.router_bias[...] if self.router_bias is not None else None
+        ids, weights, stats = route(cfg, logits, row_capacity, bias)
+        y = self._routed(constrain(x, TOKEN_AXES), ids, weights, row_capacity)
+        if self.shared is not None:
+            y = y + self.shared(x, fp8)
+        return y, stats
+
+    def _routed(self, x: jax.Array, ids: jax.Array, weights: jax.Array, row_capacity: int | None) -> jax.Array:
+        cfg, dt = self.cfg, compute_dtype(self.run)
         ids, weights = constrain(ids, ROUTE_AXES), constrain(weights, ROUTE_AXES)
         gate, up, down = (w[...].astype(dt) for w in (self.wi_gate, self.wi_up, self.wo))
         if jax.sharding.get_abstract_mesh().empty:
-            return experts_local(x, ids, weights, gate, up, down, cfg.num_experts, row_capacity, None), stats
+            return experts_local(x, ids, weights, gate, up, down, cfg.num_experts, row_capacity, None)
         token_spec, route_spec = logical_to_spec(TOKEN_AXES), logical_to_spec(ROUTE_AXES)
         axes = ExpertAxes.from_rules()
 
@@ -257,4 +299,4 @@ class MoE(nnx.Module):
         y = jax.shard_map(local, in_specs=(token_spec, route_spec, route_spec, logical_to_spec(GATE_UP_AXES),
                                            logical_to_spec(GATE_UP_AXES), logical_to_spec(DOWN_AXES)),
                           out_specs=token_spec, check_vma=False)(x, ids, weights, gate, up, down)
-        return constrain(y, TOKEN_AXES), stats
+        return constrain(y, TOKEN_AXES)

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxtron.config.schema import ExecutionConfig, ModelConfig
-from jaxtron.models.attention import Attention
+from jaxtron.models.attention import Attention, LatentAttention
 from jaxtron.models.layers import Norm, compute_dtype, embed_lookup, param
 from jaxtron.models.mlp import MLP
 from jaxtron.models.moe import MoE
@@ -53,11 +53,11 @@ def scan_stack(body: Callable, x: jax.Array, stack: Any, extras: tuple) -> tuple
 
 def layer_groups(cfg: ModelConfig, run: ExecutionConfig) -> list[tuple[int, int, bool]]:
     """(first, end, fp8) of each run of blocks scanned together: with execution.fp8_skip_layers, the first and
-    last blocks keep 16-bit matmuls and the ones between use FP8 (expert GEMMs stay 16-bit)."""
+    last blocks keep 16-bit matmuls and the ones between use FP8 (expert GEMMs stay 16-bit). The
+    ``first_dense_layers`` (all dense, before the MoE ones) are a run of their own."""
     n, skip = cfg.num_layers, run.fp8_skip_layers if run.fp8 else 0
-    if not skip:
-        return [(0, n, run.fp8)]
-    return [(0, skip, False), (skip, n - skip, True), (n - skip, n, False)]
+    cuts = sorted({0, n, cfg.first_dense_layers if cfg.num_experts else 0, skip, n - skip})
+    return [(a, b, run.fp8 and skip <= a < n - skip) for a, b in zip(cuts, cuts[1:])]
 
 
 class Block(nnx.Module):
@@ -66,7 +66,7 @@ class Block(nnx.Module):
     def __init__(self, cfg: ModelConfig, run: ExecutionConfig, rngs: nnx.Rngs, attention_impl: str,
                  moe: bool = False):
         self.attn_norm = Norm(cfg, run)
-        self.attn = Attention(cfg, run, rngs, attention_impl)
+        self.attn = (LatentAttention if cfg.latent_attention else Attention)(cfg, run, rngs, attention_impl)
         self.mlp_norm = Norm(cfg, run)
         self.mlp = MoE(cfg, run, rngs) if moe else MLP(cfg, run, rngs)
 
@@ -78,7 +78,7 @@ class Block(nnx.Module):
         h = constrain(self.mlp_norm(x), BLOCK_INPUT_AXES)
         stats = {}
         if isinstance(self.mlp, MoE):
-            y, stats = self.mlp(h)
+            y, stats = self.mlp(h, fp8)
         else:
             y = self.mlp(h, fp8)
         return constrain(x + y, EMBED_AXES), stats
@@ -105,7 +105,7 @@ class Transformer(nnx.Module):
         self.embedding = param(rngs, (v, d), ("vocab", "embed"), cfg.init_std)
         self.positions = param(rngs, (cfg.max_seq_len, d), ("position", "embed"), cfg.init_std) \
             if cfg.position_embedding == "learned" else None
-        # dense blocks in `layers`, MoE blocks in `moe_layers`; block i is MoE when (i + 1) % moe_every == 0
+        # dense blocks in `layers`, MoE blocks in `moe_layers`, each in block order (see ModelConfig.is_moe_block)
         moe = cfg.num_moe_layers
         self.layers = _stack(cfg, run, rngs, attention_impl, cfg.num_layers - moe, False)
         self.moe_layers = _stack(cfg, run, rngs, attention_impl, moe, True)
@@ -141,17 +141,22 @@ class Transformer(nnx.Module):
             x = x + embed_lookup(self.positions[...], positions, dt, "position")
         x = constrain(x, EMBED_AXES)
 
-        # The scan runs periods of `moe_every` blocks (one block for a dense model): the dense ones, then MoE.
-        period = cfg.period
+        # The scan runs periods of `moe_every` blocks (one block for a dense model): the dense ones, then MoE;
+        # the first_dense_layers (dense, before any MoE block) run as a plain scan of their own.
+        period, prefix = cfg.period, cfg.first_dense_layers if cfg.num_experts else 0
         dense_per_period = period - 1 if cfg.num_experts else 1
         dense_def, dense = nnx.split(self.layers) if self.layers is not None else (None, None)
         moe_def, moe = nnx.split(self.moe_layers) if self.moe_layers is not None else (None, None)
         runner = stack_runner or scan_stack
+        extras = (positions, segment_ids) if segment_ids is not None else (positions,)
         stats = []
         for start, stop, fp8 in layer_groups(cfg, self.run):
-            first, end = start // period, stop // period
-
             run_dense, run_moe = (self._runner(g, fp8) for g in (dense_def, moe_def))
+            if stop <= prefix:
+                blocks = jax.tree.map(lambda a, start=start, stop=stop: a[start:stop], dense)
+                x, _ = scan_stack(lambda h, block, ex: run_dense(h, block, *ex), x, blocks, extras)
+                continue
+            first, end = (start - prefix) // period, (stop - prefix) // period
 
             def body(h, xs, extras):
                 dense_part, moe_part = xs
@@ -163,15 +168,15 @@ class Transformer(nnx.Module):
                 return (h, {}) if moe_part is None else run_moe(h, moe_part, *extras)
 
             def periods(tree, per):
-                """The blocks of periods first..end-1: [periods, per, ...] (per > 1) or [periods, ...]."""
+                """The blocks of periods first..end-1 of the periods after the prefix: [periods, per, ...]
+                (per > 1) or [periods, ...]."""
                 if tree is None or not per:
                     return None
                 if per == 1:
-                    return tree if (first, end) == (0, cfg.num_layers // period) else \
-                        jax.tree.map(lambda a: a[first:end], tree)
+                    whole = (first, end) == (0, jax.tree.leaves(tree)[0].shape[0])
+                    return tree if whole else jax.tree.map(lambda a: a[first:end], tree)
                 return jax.tree.map(lambda a: a[first * per:end * per].reshape(end - first, per, *a.shape[1:]), tree)
 
-            extras = (positions, segment_ids) if segment_ids is not None else (positions,)
             x, group_stats = runner(body, x, (periods(dense, dense_per_period), periods(moe, 1)), extras)
             stats.append(group_stats)
         stats = {k: jnp.concatenate([s[k] for s in stats]) for k in stats[0]} if stats and stats[0] else {}

@@ -24,10 +24,12 @@ RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     ("heads", "tensor"),
     ("kv_heads", "tensor"),
     ("head_dim", None),
+    ("latent", None),  # the low-rank latents of multi-head latent attention (small: kept whole)
     ("mlp", "tensor"),
     ("experts", "expert"),
     ("layers", "pipeline"),  # the stacked blocks: one contiguous block of periods per pipeline stage
     ("norm", None),
+    ("bias", None),  # vectors outside the gradient (the sigmoid router's balancing bias)
     ("position", None),
     # activations
     ("activation_batch", ("data", "fsdp", "expert")),

@@ -162,7 +162,7 @@ def compile_report(cfg, sizes: dict[str, int], n: int, gpu, estimate) -> dict:
     from jaxtron.planning.search import with_mesh
     cfg = with_mesh(cfg, sizes)  # as the table estimated it
     from jaxtron.ops.attention import cpu_implementation
-    attention = cpu_implementation(cfg.execution.attention, cfg.execution.dtype, cfg.model.resolved_head_dim,
+    attention = cpu_implementation(cfg.execution.attention, cfg.execution.dtype, cfg.model.qk_head_dim,
                                    sizes.get("sequence", 1))
     print(f"\ndry run of {_mesh_text(sizes)} on {n} fake CPU devices ({attention} attention):")
     result = dry_run(cfg)

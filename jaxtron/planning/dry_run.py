@@ -55,7 +55,7 @@ def dry_run(cfg: Config, devices: list | None = None, implementation: str | None
     sizes = cfg.check_devices(len(devices))
     if implementation is None:
         implementation = cpu_implementation(cfg.execution.attention, jnp.dtype(cfg.execution.dtype),
-                                            cfg.model.resolved_head_dim, shard_count(sizes, "activation_length"))
+                                            cfg.model.qk_head_dim, shard_count(sizes, "activation_length"))
     mesh = make_mesh(sizes, devices)
     with jax.set_mesh(mesh):
         setup = state_lib.setup(cfg, implementation, sizes)

@@ -155,8 +155,8 @@ def estimate(cfg: Config, sizes: dict[str, int], gpu: GPU, microbatches: int | N
     pads = padding(m.num_layers // period, stages, virtual)
     run_m = dataclasses.replace(m, num_layers=m.num_layers + pads * period) if pads else m  # the blocks run
     layers_here = run_m.num_layers // stages  # the blocks this stage holds
-    impl = cpu_implementation(run.attention, run.dtype, m.resolved_head_dim, sizes["sequence"]) if cpu_program \
-        else resolve_implementation(run.attention, run.dtype, m.resolved_head_dim, sizes["sequence"], backend="gpu")
+    impl = cpu_implementation(run.attention, run.dtype, m.qk_head_dim, sizes["sequence"]) if cpu_program \
+        else resolve_implementation(run.attention, run.dtype, m.qk_head_dim, sizes["sequence"], backend="gpu")
     T, S, E, F = sizes["tensor"], sizes["sequence"], sizes["expert"], sizes["fsdp"]
     dp = sizes["data"] * F * E
     c = 2 if run.dtype == "bfloat16" else 4

@@ -88,7 +88,7 @@ def run(cfg: Config, workdir: str, *, print_sharding: bool = False, use_tqdm: bo
     sizes = cfg.check_devices(len(devices))
     mesh = process_aware_mesh(sizes, devices) if jax.process_count() > 1 else make_mesh(sizes, devices)
     implementation = resolve_implementation(cfg.execution.attention, jnp.dtype(cfg.execution.dtype),
-                                            cfg.model.resolved_head_dim,
+                                            cfg.model.qk_head_dim,
                                             shard_count(sizes, "activation_length"))
     with jax.set_mesh(mesh):
         setup = state_lib.setup(cfg, implementation, sizes)

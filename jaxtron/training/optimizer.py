@@ -35,7 +35,7 @@ def learning_rate_schedule(cfg: OptimizerConfig, total_steps: int) -> Callable[[
 
 def decay_mask(params: Any) -> Any:
     """True for parameters that get weight decay: everything but norm scales and biases."""
-    return jax.tree.map(lambda v: "norm" not in logical_names(v), params,
+    return jax.tree.map(lambda v: not {"norm", "bias"} & set(logical_names(v)), params,
                         is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 

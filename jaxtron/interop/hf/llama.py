@@ -1,4 +1,5 @@
-"""Llama (2, 3, 3.1, 3.2), Qwen3 (dense and MoE) and Mixtral in Hugging Face form: config.json <-> ModelConfig, and tensor names.
+"""Llama (2, 3, 3.1, 3.2), Qwen3 (dense and MoE), Mixtral and DeepSeek-V3 in Hugging Face form: config.json <->
+ModelConfig, and tensor names (DeepSeek-V3's own parts in ``jaxtron.interop.hf.deepseek``).
 
 Hugging Face stores a projection as [out, in] and jaxtron as [in, ...out] with heads split out, so every
 projection is a transpose and a reshape; the rotary layout is the same (rotate-half) and needs no
@@ -17,10 +18,13 @@ from typing import Any, Callable, Iterator
 import numpy as np
 
 from jaxtron.config.schema import ModelConfig
+from jaxtron.interop.hf import deepseek
 from jaxtron.interop.hf.safetensors import FormatError
 
 ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3_moe",
-                 "MixtralForCausalLM": "mixtral"}
+                 "MixtralForCausalLM": "mixtral", "DeepseekV3ForCausalLM": "deepseek_v3"}
+_YARN_KEYS = {"beta_fast": "rope_beta_fast", "beta_slow": "rope_beta_slow", "mscale": "rope_mscale",
+              "mscale_all_dim": "rope_mscale_all_dim"}
 
 
 def _get(hf: dict, key: str, default: Any = ...) -> Any:
@@ -40,9 +44,19 @@ def _rope(hf: dict) -> dict[str, Any]:
     out = {"rope_theta": float(theta)}
     if kind == "default":
         return out
+    if kind == "yarn":
+        unknown = sorted(k for k in ("attention_factor", "truncate") if scaling.get(k) not in (None, True))
+        if unknown:
+            raise FormatError(f"config.json sets YaRN's '{unknown[0]}', which jaxtron does not implement (it derives "
+                              "the attention factor from mscale and always rounds the ramp's ends).")
+        out.update(rope_scaling="yarn", rope_scaling_factor=float(scaling["factor"]),
+                   rope_original_max_len=int(scaling.get("original_max_position_embeddings")
+                                             or _get(hf, "max_position_embeddings")),
+                   **{field: float(scaling[key]) for key, field in _YARN_KEYS.items() if scaling.get(key)})
+        return out
     if kind != "llama3":
         raise FormatError(f"config.json asks for RoPE scaling of type '{kind}', which jaxtron does not implement "
-                          "(it supports none and 'llama3').")
+                          "(it supports none, 'llama3' and 'yarn').")
     out.update(rope_scaling_factor=float(scaling["factor"]), rope_low_freq_factor=float(scaling["low_freq_factor"]),
                rope_high_freq_factor=float(scaling["high_freq_factor"]),
                rope_original_max_len=int(scaling["original_max_position_embeddings"]))
@@ -78,27 +92,28 @@ def model_config(hf: dict, name: str = "") -> ModelConfig:
                       router_renormalize=True, moe_every=1)
     if family == "qwen3_moe":
         fields.update(_qwen3_moe(hf))
+    if family == "deepseek_v3":
+        fields.update(deepseek.model_fields(hf, _get))
     return ModelConfig(**fields)
 
 
 def _qwen3_moe(hf: dict) -> dict[str, Any]:
-    """Qwen3-MoE's expert fields: experts every ``decoder_sparse_step`` blocks, all of width
-    ``moe_intermediate_size`` (jaxtron's dense blocks between them share that width)."""
+    """Qwen3-MoE's expert fields: experts of width ``moe_intermediate_size`` every ``decoder_sparse_step``
+    blocks, dense blocks of width ``intermediate_size`` between them."""
     step, dense_only = int(hf.get("decoder_sparse_step", 1)), list(hf.get("mlp_only_layers") or [])
-    width, dense_width = _get(hf, "moe_intermediate_size"), _get(hf, "intermediate_size")
     if dense_only:
         raise FormatError(f"config.json sets mlp_only_layers={dense_only}; jaxtron places dense blocks only by "
                           "decoder_sparse_step.")
-    if step > 1 and width != dense_width:
-        raise FormatError(f"config.json mixes dense blocks of width {dense_width} with experts of width {width} "
-                          f"(decoder_sparse_step={step}); jaxtron's dense blocks and experts share one width.")
     experts = hf.get("num_experts") or _get(hf, "num_local_experts")  # transformers 4.x and 5.x names
-    return dict(num_experts=experts, experts_per_token=_get(hf, "num_experts_per_tok"), mlp_dim=width,
-                router_renormalize=bool(hf.get("norm_topk_prob", False)), moe_every=step)
+    return dict(num_experts=experts, experts_per_token=_get(hf, "num_experts_per_tok"),
+                expert_dim=_get(hf, "moe_intermediate_size"), router_renormalize=bool(hf.get("norm_topk_prob", False)),
+                moe_every=step)
 
 
 def train_fields(hf: dict) -> dict[str, float]:
     """The training config's fields that a Hugging Face config.json sets: Mixtral's router loss coefficients."""
+    if "n_routed_experts" in hf:  # DeepSeek-V3 balances by its router bias, no loss coefficient in config.json
+        return {"router_aux_loss": 0.0, "router_z_loss": 0.0}
     if "num_local_experts" not in hf and "num_experts" not in hf:
         return {}
     return {"router_aux_loss": float(hf.get("router_aux_loss_coef", 0.0)), "router_z_loss": 0.0}
@@ -108,7 +123,7 @@ def hf_config(cfg: ModelConfig, router_aux_loss: float = 0.0) -> dict[str, Any]:
     """config.json (transformers 4.x field names, which 5.x still reads) for a jaxtron ModelConfig trained with
     the load-balancing coefficient ``router_aux_loss`` (``train.router_aux_loss``; Mixtral only)."""
     moe = cfg.num_experts > 0
-    if moe and cfg.moe_every != 1 and not cfg.qk_norm:
+    if moe and cfg.moe_every != 1 and not cfg.qk_norm and not cfg.latent_attention:
         raise FormatError(f"model.moe_every={cfg.moe_every} has no Mixtral equivalent (every block is MoE there).")
     if cfg.activation != "swiglu" or cfg.norm != "rmsnorm" or cfg.position_embedding != "rope":
         raise FormatError("only Llama-style models (SwiGLU, RMSNorm, RoPE) can be exported to Hugging Face.")
@@ -123,14 +138,20 @@ def hf_config(cfg: ModelConfig, router_aux_loss: float = 0.0) -> dict[str, Any]:
         "rope_scaling": None, "attention_bias": False, "attention_dropout": 0.0, "initializer_range": cfg.init_std,
         "torch_dtype": "float32", "use_cache": True,
     }
-    if cfg.rope_scaling_factor != 1.0:
+    if cfg.rope_scaling_factor != 1.0 and cfg.rope_scaling == "yarn":
+        hf["rope_scaling"] = {"rope_type": "yarn", "factor": cfg.rope_scaling_factor,
+                              "original_max_position_embeddings": cfg.rope_original_max_len,
+                              **{key: getattr(cfg, field) for key, field in _YARN_KEYS.items() if getattr(cfg, field)}}
+    elif cfg.rope_scaling_factor != 1.0:
         hf["rope_scaling"] = {"rope_type": "llama3", "factor": cfg.rope_scaling_factor,
                               "low_freq_factor": cfg.rope_low_freq_factor,
                               "high_freq_factor": cfg.rope_high_freq_factor,
                               "original_max_position_embeddings": cfg.rope_original_max_len}
-    if family == "qwen3_moe":
+    if family == "deepseek_v3":
+        hf.update(deepseek.hf_fields(cfg))
+    elif family == "qwen3_moe":
         hf.update(num_experts=cfg.num_experts, num_experts_per_tok=cfg.experts_per_token,
-                  moe_intermediate_size=cfg.mlp_dim, decoder_sparse_step=cfg.moe_every, mlp_only_layers=[],
+                  moe_intermediate_size=cfg.resolved_expert_dim, decoder_sparse_step=cfg.moe_every, mlp_only_layers=[],
                   norm_topk_prob=cfg.router_renormalize, router_aux_loss_coef=router_aux_loss,
                   output_router_logits=False, use_sliding_window=False, sliding_window=None)
     elif moe:
@@ -159,7 +180,10 @@ class Tensor:
 
 
 def _family(cfg: ModelConfig) -> str:
-    """The Hugging Face family of a jaxtron model: Qwen3 when it normalises queries and keys."""
+    """The Hugging Face family of a jaxtron model: DeepSeek-V3 with latent attention, Qwen3 when it normalises
+    queries and keys."""
+    if cfg.latent_attention:
+        return "deepseek_v3"
     if cfg.qk_norm:
         return "qwen3_moe" if cfg.num_experts else "qwen3"
     return "mixtral" if cfg.num_experts else "llama"
@@ -169,46 +193,57 @@ def _t(x: np.ndarray) -> np.ndarray:
     return x.T  # a view: the caller copies once, into its destination
 
 
-def tensors(cfg: ModelConfig) -> Iterator[Tensor]:
-    """Every tensor of the Hugging Face checkpoint of ``cfg``, in file order."""
+def tensors(cfg: ModelConfig, hf: dict | None = None) -> Iterator[Tensor]:
+    """Every tensor of the Hugging Face checkpoint of ``cfg``, in file order (``hf``: the config.json read, for
+    DeepSeek-V3's ``rope_interleave``; an export writes interleaved rotary rows)."""
     d, n, g, h, f = cfg.embed_dim, cfg.num_heads, cfg.num_kv_heads, cfg.resolved_head_dim, cfg.mlp_dim
+    family = _family(cfg)
     same = (lambda x: x, lambda x: x)
 
     def heads_in(count):  # [count*h, d] -> [d, count, h] (views, no copy)
         return lambda x: x.T.reshape(d, count, h), lambda x: _t(x.reshape(d, count * h))
 
     yield Tensor("model.embed_tokens.weight", (cfg.vocab_size, d), "embedding", (), *same)
-    moe_every = cfg.moe_every if cfg.num_experts else 0
+    seen = {"layers": 0, "moe_layers": 0}  # blocks of each stack so far: a block's index in its stack
     for i in range(cfg.num_layers):
-        moe = bool(moe_every) and (i + 1) % moe_every == 0
+        moe = cfg.is_moe_block(i)
         stack = "moe_layers" if moe else "layers"
-        j = (i // moe_every) if moe else (i - (i + 1) // moe_every if moe_every else i)
+        j = seen[stack]
+        seen[stack] += 1
         pre = f"model.layers.{i}."
         yield Tensor(pre + "input_layernorm.weight", (d,), f"{stack}.attn_norm.scale", (j,), *same)
-        for proj, param, count in (("q", "wq", n), ("k", "wk", g), ("v", "wv", g)):
-            yield Tensor(pre + f"self_attn.{proj}_proj.weight", (count * h, d), f"{stack}.attn.{param}", (j,),
-                         *heads_in(count))
-        yield Tensor(pre + "self_attn.o_proj.weight", (d, n * h), f"{stack}.attn.wo", (j,),
-                     lambda x: x.T.reshape(n, h, d), lambda x: _t(x.reshape(n * h, d)))
+        if cfg.latent_attention:
+            yield from deepseek.attention_tensors(cfg, pre, stack, j, Tensor, bool((hf or {}).get("rope_interleave",
+                                                                                                 True)))
+        else:
+            for proj, param, count in (("q", "wq", n), ("k", "wk", g), ("v", "wv", g)):
+                yield Tensor(pre + f"self_attn.{proj}_proj.weight", (count * h, d), f"{stack}.attn.{param}", (j,),
+                             *heads_in(count))
+            yield Tensor(pre + "self_attn.o_proj.weight", (d, n * h), f"{stack}.attn.wo", (j,),
+                         lambda x: x.T.reshape(n, h, d), lambda x: _t(x.reshape(n * h, d)))
         if cfg.qk_norm:
             yield Tensor(pre + "self_attn.q_norm.weight", (h,), f"{stack}.attn.q_norm.scale", (j,), *same)
             yield Tensor(pre + "self_attn.k_norm.weight", (h,), f"{stack}.attn.k_norm.scale", (j,), *same)
         yield Tensor(pre + "post_attention_layernorm.weight", (d,), f"{stack}.mlp_norm.scale", (j,), *same)
-        if moe and cfg.qk_norm:  # Qwen3-MoE
+        if moe and family == "deepseek_v3":
+            yield from deepseek.moe_tensors(cfg, pre, stack, j, Tensor)
+        elif moe and family == "qwen3_moe":
+            fe = cfg.resolved_expert_dim
             yield Tensor(pre + "mlp.gate.weight", (cfg.num_experts, d), f"{stack}.mlp.router", (j,), _t, _t)
             for e in range(cfg.num_experts):
                 ex = pre + f"mlp.experts.{e}."
-                yield Tensor(ex + "gate_proj.weight", (f, d), f"{stack}.mlp.wi_gate", (j, e), _t, _t)
-                yield Tensor(ex + "up_proj.weight", (f, d), f"{stack}.mlp.wi_up", (j, e), _t, _t)
-                yield Tensor(ex + "down_proj.weight", (d, f), f"{stack}.mlp.wo", (j, e), _t, _t)
+                yield Tensor(ex + "gate_proj.weight", (fe, d), f"{stack}.mlp.wi_gate", (j, e), _t, _t)
+                yield Tensor(ex + "up_proj.weight", (fe, d), f"{stack}.mlp.wi_up", (j, e), _t, _t)
+                yield Tensor(ex + "down_proj.weight", (d, fe), f"{stack}.mlp.wo", (j, e), _t, _t)
         elif moe:
+            fe = cfg.resolved_expert_dim
             yield Tensor(pre + "block_sparse_moe.gate.weight", (cfg.num_experts, d), f"{stack}.mlp.router", (j,),
                          _t, _t)
             for e in range(cfg.num_experts):
                 ex = pre + f"block_sparse_moe.experts.{e}."
-                yield Tensor(ex + "w1.weight", (f, d), f"{stack}.mlp.wi_gate", (j, e), _t, _t)
-                yield Tensor(ex + "w2.weight", (d, f), f"{stack}.mlp.wo", (j, e), _t, _t)
-                yield Tensor(ex + "w3.weight", (f, d), f"{stack}.mlp.wi_up", (j, e), _t, _t)
+                yield Tensor(ex + "w1.weight", (fe, d), f"{stack}.mlp.wi_gate", (j, e), _t, _t)
+                yield Tensor(ex + "w2.weight", (d, fe), f"{stack}.mlp.wo", (j, e), _t, _t)
+                yield Tensor(ex + "w3.weight", (fe, d), f"{stack}.mlp.wi_up", (j, e), _t, _t)
         else:
             yield Tensor(pre + "mlp.gate_proj.weight", (f, d), f"{stack}.mlp.wi_gate", (j,), _t, _t)
             yield Tensor(pre + "mlp.up_proj.weight", (f, d), f"{stack}.mlp.wi_up", (j,), _t, _t)

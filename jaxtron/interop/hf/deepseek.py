@@ -1,0 +1,113 @@
+"""DeepSeek-V3 in Hugging Face form (``DeepseekV3ForCausalLM``): config.json <-> ModelConfig, and tensor names.
+
+Latent attention's tensors map one to one onto ``LatentAttention``'s parameters: ``q_a_proj``/``q_b_proj`` (or
+``q_proj``), ``kv_a_proj_with_mqa`` (the latent and the shared rotated key in one matrix), ``kv_b_proj`` and
+``o_proj``, each transposed and its heads split out. DeepSeek's checkpoints store the rotated dimensions of
+queries and keys in interleaved pairs (``rope_interleave``); jaxtron rotates halves, so those rows are permuted
+(evens, then odds) on the way in and back on the way out, which changes no value. The first
+``first_k_dense_replace`` blocks are dense, the rest MoE: routed experts, a shared expert and the sigmoid router
+with its ``e_score_correction_bias``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Iterator
+
+import numpy as np
+
+from jaxtron.config.schema import ModelConfig
+from jaxtron.interop.hf.safetensors import FormatError
+
+
+def model_fields(hf: dict, get: Callable) -> dict[str, Any]:
+    """The ModelConfig fields particular to DeepSeek-V3 (``get(hf, key[, default])`` reads a required key)."""
+    heads = get(hf, "num_attention_heads")
+    if get(hf, "num_key_value_heads", heads) != heads:
+        raise FormatError(f"config.json sets num_key_value_heads={hf['num_key_value_heads']} with "
+                          f"num_attention_heads={heads}; latent attention has one key and value head per query head.")
+    for key, ok in (("scoring_func", "sigmoid"), ("topk_method", "noaux_tc"), ("moe_layer_freq", 1)):
+        if hf.get(key, ok) != ok:
+            raise FormatError(f"config.json sets {key}={hf[key]!r}; jaxtron's DeepSeek-V3 needs {key}={ok!r}.")
+    return dict(
+        num_kv_heads=heads, head_dim=get(hf, "qk_nope_head_dim"), qk_rope_head_dim=get(hf, "qk_rope_head_dim"),
+        v_head_dim=get(hf, "v_head_dim"), q_lora_rank=get(hf, "q_lora_rank", 0), kv_lora_rank=get(hf, "kv_lora_rank"),
+        num_experts=get(hf, "n_routed_experts"), experts_per_token=get(hf, "num_experts_per_tok"),
+        expert_dim=get(hf, "moe_intermediate_size"), shared_experts=get(hf, "n_shared_experts", 0),
+        first_dense_layers=get(hf, "first_k_dense_replace", 0), moe_every=1, router="sigmoid",
+        router_groups=get(hf, "n_group", 1), router_top_groups=get(hf, "topk_group", 1),
+        router_scale=float(get(hf, "routed_scaling_factor", 1.0)),
+        router_renormalize=bool(get(hf, "norm_topk_prob", False)))
+
+
+def hf_fields(cfg: ModelConfig) -> dict[str, Any]:
+    """config.json's DeepSeek-V3 fields of a jaxtron model with latent attention and a sigmoid router."""
+    if not (cfg.num_experts and cfg.router == "sigmoid" and cfg.moe_every == 1):
+        raise FormatError("a model with latent attention exports as DeepSeek-V3, which needs experts in every block "
+                          "after the first dense ones (model.moe_every=1) and model.router='sigmoid'.")
+    return {"qk_nope_head_dim": cfg.resolved_head_dim, "qk_rope_head_dim": cfg.qk_rope_head_dim,
+            "head_dim": cfg.qk_rope_head_dim, "qk_head_dim": cfg.qk_head_dim, "v_head_dim": cfg.resolved_v_head_dim,
+            "q_lora_rank": cfg.q_lora_rank or None, "kv_lora_rank": cfg.kv_lora_rank,
+            "n_routed_experts": cfg.num_experts, "num_experts_per_tok": cfg.experts_per_token,
+            "moe_intermediate_size": cfg.resolved_expert_dim, "n_shared_experts": cfg.shared_experts,
+            "first_k_dense_replace": cfg.first_dense_layers, "n_group": cfg.router_groups,
+            "topk_group": cfg.router_top_groups, "routed_scaling_factor": cfg.router_scale,
+            "norm_topk_prob": cfg.router_renormalize, "rope_interleave": True, "num_nextn_predict_layers": 0}
+
+
+def _halves(size: int, start: int) -> np.ndarray:
+    """Index that puts the interleaved rotary pairs of dims start..start+size-1 in rotate-half order."""
+    rotary = start + np.concatenate([np.arange(0, size, 2), np.arange(1, size, 2)])
+    return np.concatenate([np.arange(start), rotary])
+
+
+def attention_tensors(cfg: ModelConfig, pre: str, stack: str, j: int, tensor: Callable,
+                      interleaved: bool = True) -> Iterator:
+    """The latent attention tensors of block ``pre`` (``tensor(hf_name, shape, param, index, to_jaxtron,
+    to_hf)`` builds one)."""
+    d, n, rope, rank = cfg.embed_dim, cfg.num_heads, cfg.qk_rope_head_dim, cfg.kv_lora_rank
+    nope, qk, v = cfg.resolved_head_dim, cfg.qk_head_dim, cfg.resolved_v_head_dim
+    q_order = _halves(rope, nope) if interleaved else np.arange(qk)
+    kv_order = _halves(rope, rank) if interleaved else np.arange(rank + rope)
+    q_back, kv_back = np.argsort(q_order), np.argsort(kv_order)
+    att = f"{stack}.attn."
+
+    def query(rows):  # [n*qk, rows] <-> [rows, n, qk]
+        return (lambda x: x.T.reshape(rows, n, qk)[..., q_order],
+                lambda x: x[..., q_back].reshape(rows, n * qk).T)
+
+    if cfg.q_lora_rank:
+        r = cfg.q_lora_rank
+        yield tensor(pre + "self_attn.q_a_proj.weight", (r, d), att + "wq_a", (j,), lambda x: x.T, lambda x: x.T)
+        yield tensor(pre + "self_attn.q_a_layernorm.weight", (r,), att + "q_norm.scale", (j,), *_same)
+        yield tensor(pre + "self_attn.q_b_proj.weight", (n * qk, r), att + "wq_b", (j,), *query(r))
+    else:
+        yield tensor(pre + "self_attn.q_proj.weight", (n * qk, d), att + "wq", (j,), *query(d))
+    yield tensor(pre + "self_attn.kv_a_proj_with_mqa.weight", (rank + rope, d), att + "wkv_a", (j,),
+                 lambda x: x.T[:, kv_order], lambda x: x[:, kv_back].T)
+    yield tensor(pre + "self_attn.kv_a_layernorm.weight", (rank,), att + "kv_norm.scale", (j,), *_same)
+    yield tensor(pre + "self_attn.kv_b_proj.weight", (n * (nope + v), rank), att + "wkv_b", (j,),
+                 lambda x: x.T.reshape(rank, n, nope + v), lambda x: x.reshape(rank, n * (nope + v)).T)
+    yield tensor(pre + "self_attn.o_proj.weight", (d, n * v), att + "wo", (j,),
+                 lambda x: x.T.reshape(n, v, d), lambda x: x.reshape(n * v, d).T)
+
+
+def moe_tensors(cfg: ModelConfig, pre: str, stack: str, j: int, tensor: Callable) -> Iterator:
+    """The router, balancing bias, routed experts and shared expert of MoE block ``pre``."""
+    d, f, e = cfg.embed_dim, cfg.resolved_expert_dim, cfg.num_experts
+    t = (lambda x: x.T, lambda x: x.T)
+    mlp = f"{stack}.mlp."
+    yield tensor(pre + "mlp.gate.weight", (e, d), mlp + "router", (j,), *t)
+    yield tensor(pre + "mlp.gate.e_score_correction_bias", (e,), mlp + "router_bias", (j,), *_same)
+    for x in range(e):
+        ex = pre + f"mlp.experts.{x}."
+        yield tensor(ex + "gate_proj.weight", (f, d), mlp + "wi_gate", (j, x), *t)
+        yield tensor(ex + "up_proj.weight", (f, d), mlp + "wi_up", (j, x), *t)
+        yield tensor(ex + "down_proj.weight", (d, f), mlp + "wo", (j, x), *t)
+    if cfg.shared_experts:
+        s = cfg.shared_experts * f
+        yield tensor(pre + "mlp.shared_experts.gate_proj.weight", (s, d), mlp + "shared.wi_gate", (j,), *t)
+        yield tensor(pre + "mlp.shared_experts.up_proj.weight", (s, d), mlp + "shared.wi_up", (j,), *t)
+        yield tensor(pre + "mlp.shared_experts.down_proj.weight", (d, s), mlp + "shared.wo", (j,), *t)
+
+
+_same = (lambda x: x, lambda x: x)
