@@ -10,7 +10,8 @@ tokens.npy:
                 transformers 4.x form (rope_theta + rope_scaling)
   mixtral/      Mixtral: 4 experts, top-2
   qwen3/        Qwen3 dense: per-head query and key RMSNorm, head size (16) not hidden / heads, tied embeddings
-  qwen3_moe/    Qwen3-MoE: 4 experts of width 24 (the dense width 64 unused), top-2 renormalised
+  qwen3_moe/    Qwen3-MoE: a dense block of width 64, then an MoE block of 4 experts of width 24, top-2
+                renormalised (decoder_sparse_step 2)
   deepseek_v3/  DeepSeek-V3: latent attention with a low-rank query, YaRN, one dense block then MoE blocks of 8
                 experts in 4 groups (top-2 groups, top-2 experts) plus a shared expert, a non-zero balancing bias
   deepseek_v3_q/  the same with a full-rank query projection and DeepSeek's (non-yarn) default RoPE, config.json
@@ -62,7 +63,7 @@ def qwen3() -> Qwen3ForCausalLM:
 def qwen3_moe() -> Qwen3MoeForCausalLM:
     config = Qwen3MoeConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, moe_intermediate_size=24,
                             num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                            num_experts=4, num_experts_per_tok=2, norm_topk_prob=True, decoder_sparse_step=1,
+                            num_experts=4, num_experts_per_tok=2, norm_topk_prob=True, decoder_sparse_step=2,
                             mlp_only_layers=[], max_position_embeddings=128, rms_norm_eps=1e-6,
                             attn_implementation="eager", rope_parameters={"rope_type": "default", "rope_theta": 1e6})
     return Qwen3MoeForCausalLM(config)

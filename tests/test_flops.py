@@ -233,3 +233,26 @@ def test_format_line():
                                  "tflops_per_device": 12.34, "mfu": None, "step_time_s": 0.5121})
     assert line == ("step 10/200 | loss 3.2101 | grad_norm 1.02 | lr 3.0e-04 | 1.23e+04 tok/s | "
                     "12.3 TFLOP/s/dev | mfu n/a | 0.512 s/step")
+
+
+def test_deepseek_v3_flops_by_hand():
+    """DeepSeek-V3 (configs/deepseek_v3.py) at 4096 tokens, every product written out: latent attention's
+    projections (query 7168x1536 and 1536 x 128 heads x 192, latent 7168 x (512 + 64) and 512 x 128 x (128 + 128),
+    output 128 x 128 x 7168), 3 dense SwiGLUs of 18432, 58 MoE blocks of 8 routed + 1 shared expert of 2048 and a
+    router over 256, the logits over 129280; scores over 192 (QK) and 128 (AV) per head, causal half."""
+    import os
+    from jaxtron.config.loader import load_config
+    cfg = load_config(os.path.join(os.path.dirname(os.path.dirname(__file__)), "configs", "deepseek_v3.py")).model
+    attention = 7168 * 1536 + 1536 * 128 * 192 + 7168 * 576 + 512 * 128 * 256 + 128 * 128 * 7168
+    dense, moe = 3 * 7168 * 18432, (8 + 1) * 3 * 7168 * 2048 + 7168 * 256
+    matrices = 61 * attention + 3 * dense + 58 * moe + 7168 * 129280
+    assert matrices == 36_624_596_992  # a token's matrix parameters: the published 37B active, less norms/tables
+    scores = 61 * 128 * (192 + 128) * 4096 / 2
+    assert flops.flops_per_token(cfg, 4096) == 6 * (matrices + scores) == 250_449_887_232
+    # the same matrices from the parameter count: active parameters less the embedding table, norms and biases
+    norms = 61 * (2 * 7168 + 1536 + 512) + 7168 + 58 * 256
+    assert flops.param_count(cfg, active=True) - 129280 * 7168 - norms == matrices
+    assert flops.param_count(cfg) == 671_026_419_200
+    parts = flops.flops_breakdown(cfg, 4096)
+    assert parts["experts"] == 6 * 58 * 8 * 3 * 7168 * 2048 and parts["router"] == 6 * 58 * 7168 * 256
+    assert parts["mlp"] == 6 * (3 * dense + 58 * 3 * 7168 * 2048)  # dense blocks and the shared experts

@@ -57,7 +57,8 @@ def test_config_json_of_transformers_4_and_5_map_to_the_same_model():
     v4.update(rope_theta=v5["rope_parameters"]["rope_theta"], rope_scaling=None, num_experts=v5["num_local_experts"])
     moe = llama.model_config(v5, "q")
     assert llama.model_config(v4, "q") == moe and llama.train_fields(v4) == llama.train_fields(v5)
-    assert (moe.qk_norm, moe.num_experts, moe.mlp_dim, moe.router_renormalize, moe.rope_theta) == (True, 4, 24, True, 1e6)
+    assert (moe.qk_norm, moe.num_experts, moe.mlp_dim, moe.expert_dim, moe.moe_every, moe.router_renormalize,
+            moe.rope_theta) == (True, 4, 64, 24, 2, True, 1e6)
 
 
 @pytest.mark.slow
@@ -173,16 +174,25 @@ def test_bad_input_gets_one_sentence_naming_the_problem(tmp_path, capsys):
     open(os.path.join(pickled, "pytorch_model.bin"), "wb").close()
     _fails(capsys, ["from-hf", pickled, out], "pickle files, which are never loaded")
     scaled = _copy("llama", tmp_path / "f")
-    _edit_config(scaled, rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0})
-    _fails(capsys, ["from-hf", scaled, out], "'yarn'")
-    # Qwen3 variants jaxtron does not build: dense-only layers by list, dense blocks of another width than the
-    # experts', a missing query norm
+    _edit_config(scaled, rope_parameters={"rope_type": "longrope", "rope_theta": 1e4, "factor": 4.0})
+    _fails(capsys, ["from-hf", scaled, out], "'longrope'")
+    truncated = _copy("deepseek_v3", tmp_path / "f2")
+    _edit_config(truncated, rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0, "truncate": False})
+    _fails(capsys, ["from-hf", truncated, out], "YaRN's 'truncate'")
+    # Qwen3 variants jaxtron does not build: dense-only layers by list, a missing query norm
     listed = _copy("qwen3_moe", tmp_path / "g")
     _edit_config(listed, mlp_only_layers=[0])
     _fails(capsys, ["from-hf", listed, out], "mlp_only_layers=[0]", "decoder_sparse_step")
-    mixed = _copy("qwen3_moe", tmp_path / "h")
-    _edit_config(mixed, decoder_sparse_step=2)
-    _fails(capsys, ["from-hf", mixed, out], "dense blocks of width 64 with experts of width 24")
+    # DeepSeek-V3: another scoring function, keys and values with fewer heads than the queries, no balancing bias
+    softmax = _copy("deepseek_v3", tmp_path / "h")
+    _edit_config(softmax, scoring_func="softmax")
+    _fails(capsys, ["from-hf", softmax, out], "scoring_func='softmax'")
+    grouped = _copy("deepseek_v3", tmp_path / "h2")
+    _edit_config(grouped, num_key_value_heads=2)
+    _fails(capsys, ["from-hf", grouped, out], "num_key_value_heads=2")
+    unbiased = _copy("deepseek_v3", tmp_path / "h3")
+    _rewrite_without(unbiased, drop="model.layers.2.mlp.gate.e_score_correction_bias")
+    _fails(capsys, ["from-hf", unbiased, out], "'model.layers.2.mlp.gate.e_score_correction_bias' is missing")
     unnormed = _copy("qwen3", tmp_path / "i")
     _rewrite_without(unnormed, drop="model.layers.0.self_attn.q_norm.weight")
     _fails(capsys, ["from-hf", unnormed, out], "'model.layers.0.self_attn.q_norm.weight' is missing")

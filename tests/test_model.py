@@ -24,12 +24,13 @@ from jaxtron.training.step import loss_sums
 
 # config (FILE[:ARG] under configs/) -> published parameter count
 PUBLISHED = {"llama3_1b": 1.24e9, "llama3_8b": 8.03e9, "llama3_70b": 70.55e9, "llama3_405b": 405.85e9, "gpt3_175b": 175e9,
-             "qwen3:8b": 8.19e9, "qwen3:32b": 32.8e9, "qwen3:30b-a3b": 30.5e9, "qwen3:235b-a22b": 235e9}
+             "deepseek_v3": 671e9, "qwen3:8b": 8.19e9, "qwen3:32b": 32.8e9, "qwen3:30b-a3b": 30.5e9, "qwen3:235b-a22b": 235e9}
 # Qwen3's model cards also give the count without the token embedding and output head (0.6B's total is given
 # only as "0.6B")
 PUBLISHED_NON_EMBEDDING = {"qwen3:0.6b": 0.44e9, "qwen3:8b": 6.95e9, "qwen3:32b": 31.2e9, "qwen3:30b-a3b": 29.9e9,
                            "qwen3:235b-a22b": 234e9}
-PUBLISHED_ACTIVE = {"qwen3:30b-a3b": 3.3e9, "qwen3:235b-a22b": 22e9}  # given to two digits
+# given to two digits (DeepSeek-V3's 37B: 37.55B counting the token embedding table as jaxtron does, 36.6B without)
+PUBLISHED_ACTIVE = {"qwen3:30b-a3b": 3.3e9, "qwen3:235b-a22b": 22e9, "deepseek_v3": 37e9}
 
 
 @pytest.mark.parametrize("name", list(PUBLISHED) + ["qwen3:0.6b"])

@@ -426,3 +426,68 @@ def test_ragged_dot_runs_as_a_grouped_gemm_on_a_gpu(part):
     hlo = jax.jit(fn).lower(x, w).compile().as_text()
     operands = max(rows * k, groups * k * n, rows * n)
     assert largest_float_array(hlo) < 2 * operands, f"XLA expanded the {part} of ragged_dot densely"
+
+
+def _deepseek_choice(logits, bias, groups, top_groups, k, scale):
+    """DeepSeek-V3's routing written out token by token with numpy: sigmoid scores, the best ``top_groups``
+    groups by the sum of their two best biased scores, the top-k biased scores within them, weighted by the
+    unbiased scores renormalised and scaled. -> per token, {expert: weight}."""
+    scores = 1 / (1 + np.exp(-logits.astype(np.float64)))
+    out = []
+    for s in scores.reshape(-1, scores.shape[-1]):
+        biased = (s + bias).reshape(groups, -1)
+        group_score = np.sort(biased, axis=1)[:, -2:].sum(axis=1)
+        kept = np.argsort(-group_score, kind="stable")[:top_groups]
+        candidates = [e for g in kept for e in range(g * biased.shape[1], (g + 1) * biased.shape[1])]
+        chosen = sorted(candidates, key=lambda e: -(s[e] + bias[e]))[:k]
+        total = sum(s[e] for e in chosen)
+        out.append({e: scale * s[e] / total for e in chosen})
+    return out
+
+
+def test_sigmoid_router_with_bias_and_groups_matches_deepseek_v3():
+    cfg = ModelConfig(num_heads=4, num_kv_heads=4, num_experts=16, experts_per_token=3, router="sigmoid",
+                      router_groups=4, router_top_groups=1, router_scale=2.5)
+    logits = np.asarray(jax.random.normal(jax.random.key(0), (2, 24, 16)), np.float32)
+    bias = np.asarray(0.5 * jax.random.normal(jax.random.key(1), (16,)), np.float32)
+    ids, weights, stats = route(cfg, jnp.asarray(logits), bias=jnp.asarray(bias))
+    got = [dict(zip(i.tolist(), w.tolist())) for i, w in zip(np.asarray(ids).reshape(-1, 3),
+                                                            np.asarray(weights).reshape(-1, 3))]
+    expected = _deepseek_choice(logits, bias, 4, 1, 3, 2.5)
+    assert [set(g) for g in got] == [set(e) for e in expected]
+    assert max(abs(g[e] - x[e]) for g, x in zip(got, expected) for e in x) < 1e-6
+    # the bias and the groups both decide: without either, other experts are chosen for many tokens
+    for other in (_deepseek_choice(logits, 0 * bias, 4, 1, 3, 2.5), _deepseek_choice(logits, bias, 4, 4, 3, 2.5)):
+        assert sum(set(a) != set(b) for a, b in zip(other, expected)) > 20
+    assert float(jnp.sum(stats["load"])) == pytest.approx(1.0)
+
+
+def _deepseek_max_loads(rate: float, steps: int) -> tuple[list[float], jax.Array]:
+    model = dict(MOE, router="sigmoid", num_kv_heads=4)
+    cfg = tiny_config(model=model, train=dict(steps=steps, router_aux_loss=0.0, router_z_loss=0.0,
+                                              router_bias_rate=rate),
+                      optimizer=dict(learning_rate=1e-3, warmup_steps=1, min_lr_ratio=1.0))
+    setup = state_lib.setup(cfg, "xla")
+    step = jax.jit(lambda s, b: train_step(setup, s, b))
+    source = SyntheticSource(256, 32, 0)
+    state, loads = _skewed_state(cfg), []
+    for i in range(steps):
+        batch = {k: jnp.asarray(v) for k, v in source.rows(np.arange(8 * i, 8 * i + 8)).items()}
+        state, metrics = step(state, batch)
+        loads.append(float(metrics["moe_max_load"]))
+        if i == 0:
+            bias = np.asarray(state.params["moe_layers"]["mlp"]["router_bias"].get_value())
+            # one step from zero: +rate for the experts below the mean load, -rate for those above
+            assert set(np.unique(np.abs(bias)).tolist()) <= {0.0, np.float32(rate)}
+            assert rate == 0 or bias[:, 0].tolist() == [-np.float32(rate)] * 2  # the skewed start overloads 0
+    return loads, state.params["moe_layers"]["mlp"]["router_bias"].get_value()
+
+
+@pytest.mark.slow
+def test_router_bias_moves_the_load_toward_balance_without_gradients():
+    balanced, bias = _deepseek_max_loads(0.02, 20)
+    skewed, untouched = _deepseek_max_loads(0.0, 20)
+    assert balanced[0] == skewed[0] == 2.0  # expert 0 is one of every token's two choices
+    assert np.mean(balanced[10:]) < 1.5 and np.mean(skewed[10:]) > 1.9
+    # no gradient, weight decay or optimizer moment moves the bias: only the balancing rule does
+    assert np.all(np.asarray(untouched) == 0) and np.asarray(bias)[:, 0].max() < -0.1

@@ -246,23 +246,41 @@ def test_context_parallel_losses_on_packed_text_match_single_device(mesh_name, p
 QWEN3_STYLE = {  # per-head query and key norms, head size not embed / heads (16); the MoE one with 4 experts
     "qwen3": dict(qk_norm=True, head_dim=32),
     "qwen3_moe": dict(qk_norm=True, head_dim=32, num_experts=4, experts_per_token=2, router_renormalize=True),
+    # latent attention with a low-rank query and YaRN (its softmax correction too), a dense block, then two MoE
+    # blocks of 8 experts of width 32 in 4 groups plus a shared one; the balancing bias moves every step
+    "deepseek_v3": dict(num_layers=3, num_kv_heads=4, head_dim=16, qk_rope_head_dim=8, v_head_dim=12, q_lora_rank=32,
+                        kv_lora_rank=24, rope_scaling="yarn", rope_scaling_factor=4.0, rope_original_max_len=16,
+                        rope_mscale=1.0, rope_mscale_all_dim=1.0, num_experts=8, experts_per_token=2, expert_dim=32,
+                        shared_experts=1, first_dense_layers=1, router="sigmoid", router_groups=4,
+                        router_top_groups=2, router_scale=2.5),
 }
+
+
+def _family_config(family, mesh):
+    train = dict(router_bias_rate=0.01) if family == "deepseek_v3" else {}
+    return tiny_config(mesh, model=QWEN3_STYLE[family], train=train)
 
 
 @pytest.fixture(scope="module")
 def qwen3_single_device_runs(tmp_path_factory):
-    return {family: run(tiny_config(dict(fsdp=1), model=model), str(tmp_path_factory.mktemp(family)),
-                        use_tqdm=False, devices=jax.devices()[:1]) for family, model in QWEN3_STYLE.items()}
+    return {family: run(_family_config(family, dict(fsdp=1)), str(tmp_path_factory.mktemp(family)),
+                        use_tqdm=False, devices=jax.devices()[:1]) for family in QWEN3_STYLE}
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("family,mesh_name", [("qwen3", "fsdp8"), ("qwen3", "data2_fsdp2_tensor2"),
                                               ("qwen3", "fsdp2_sequence2_tensor2"), ("qwen3_moe", "fsdp4_expert2"),
-                                              ("qwen3_moe", "data2_fsdp2_tensor2")])
-def test_qwen3_style_losses_match_single_device(family, mesh_name, qwen3_single_device_runs, tmp_path):
-    summary = run(tiny_config(MESHES[mesh_name], model=QWEN3_STYLE[family]), str(tmp_path), use_tqdm=False)
+                                              ("qwen3_moe", "data2_fsdp2_tensor2"), ("deepseek_v3", "fsdp4_expert2"),
+                                              ("deepseek_v3", "data2_fsdp2_tensor2"), ("deepseek_v3", "fsdp8")])
+def test_new_families_losses_match_single_device(family, mesh_name, qwen3_single_device_runs, tmp_path):
+    summary = run(_family_config(family, MESHES[mesh_name]), str(tmp_path), use_tqdm=False)
     expected = _losses(qwen3_single_device_runs[family])
     assert len(expected) == 3 and np.all(np.diff(expected) != 0)
     np.testing.assert_allclose(_losses(summary), expected, rtol=1e-5)
+    if family == "deepseek_v3":  # the balancing bias moved the same way on every mesh
+        bias = summary["state"].params["moe_layers"]["mlp"]["router_bias"].get_value()
+        reference = qwen3_single_device_runs[family]["state"].params["moe_layers"]["mlp"]["router_bias"].get_value()
+        assert np.abs(np.asarray(bias)).max() > 0 and np.array_equal(np.asarray(bias), np.asarray(reference))
+        return
     stack = summary["state"].params["moe_layers" if family == "qwen3_moe" else "layers"]
     assert stack["attn"]["q_norm"]["scale"].get_value().shape == (2, 32)  # one scale per layer, of the head size

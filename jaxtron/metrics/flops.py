@@ -5,8 +5,19 @@ forward, 2 FLOPs per multiply-add) of the matrix multiplies only, in the Megatro
 
     attention per layer  6 * [h*(q + 2k) + q*s + q*h]     (q*s: QK^T and AV, causal half)
     MLP per layer        6 * h * f * e                    (e = 3 SwiGLU, 2 GELU)
-    MoE per MoE layer    6 * h * f * 3 * k + 6 * h * E    (the k experts a token visits, and the router)
+    MoE per MoE layer    6 * h * f' * 3 * (k + S) + 6 * h * E
+                         (f' the experts' width: the k routed experts a token visits and the S shared ones,
+                         and the router)
     logits               6 * h * V
+
+Multi-head latent attention (DeepSeek-V3) has its own projections and score sizes, with n heads, query and key
+heads of c = head_dim + qk_rope_head_dim, values of v, ranks r_q (query) and r (key-value), rotary part p:
+
+    projections          6 * [h*r_q + r_q*n*c  (or h*n*c without r_q)  +  h*(r + p) + r*n*(head_dim + v)  +  n*v*h]
+    scores               6 * [n*c*s + n*v*s] / 2      (QK^T over c, AV over v; causal half)
+
+so with the scores and the logits left out, the model FLOPs per token are 6 x the matrix parameters a token
+uses (``param_count(active=True)`` less the embedding table, norms and the balancing bias).
 
 Embedding lookups, norms, softmax and activations are not counted, nor is recompute. The attention term
 counts the full causal row of ``seq_len`` keys for every token, also when a row packs several documents: the
@@ -24,10 +35,11 @@ MATMULS = {
     "attention_qkv": "attention_proj", "attention_out": "attention_proj",
     "scores_qk": "attention_scores", "scores_av": "attention_scores",
     "mlp_in": "mlp", "mlp_out": "mlp",  # (gate and) up projection; down projection
+    "shared_in": "mlp", "shared_out": "mlp",  # the shared experts of MoE blocks: a dense SwiGLU
     "experts": "experts", "router": "router", "logits": "logits",
 }
 TERMS = ("attention_proj", "attention_scores", "mlp", "experts", "router", "logits")
-_BLOCK = ("attention_qkv", "attention_out", "scores_qk", "scores_av", "mlp_in", "experts", "router")
+_BLOCK = ("attention_qkv", "attention_out", "scores_qk", "scores_av", "mlp_in", "shared_in", "experts", "router")
 
 # The matmuls whose forward a remat policy runs a second time in the backward pass, per attention
 # implementation. jax.checkpoint re-runs only what the backward pass needs and the policy did not save
@@ -47,8 +59,9 @@ RECOMPUTED: dict[str, dict[str, tuple[str, ...]]] = {
     "none": {"xla": (), "cudnn": ()},
     "full": {"xla": _BLOCK, "cudnn": _BLOCK},
     "save_dots": {"xla": ("scores_qk", "scores_av", "experts"), "cudnn": ("scores_qk", "scores_av", "experts")},
-    "save_attention": {"xla": ("attention_qkv", "attention_out", "scores_qk", "mlp_in", "experts", "router"),
-                       "cudnn": ("attention_qkv", "attention_out", "mlp_in", "experts", "router")},
+    "save_attention": {"xla": ("attention_qkv", "attention_out", "scores_qk", "mlp_in", "shared_in", "experts",
+                               "router"),
+                       "cudnn": ("attention_qkv", "attention_out", "mlp_in", "shared_in", "experts", "router")},
     "save_dots_attention": {"xla": ("scores_qk", "experts"), "cudnn": ("experts",)},
 }
 
@@ -57,19 +70,27 @@ def _mlp_matrices(cfg: ModelConfig) -> int:
     return 3 if cfg.activation == "swiglu" else 2
 
 
+def attention_params(cfg: ModelConfig) -> int:
+    """Parameters of one block's attention: projections, and the norms inside it (Qwen3's per-head query and
+    key norms; latent attention's norms of its low-rank query and of its key-value latent)."""
+    before, after, _, _ = _attention_sizes(cfg)
+    if cfg.latent_attention:
+        return before + after + cfg.q_lora_rank + cfg.kv_lora_rank
+    return before + after + (2 * cfg.resolved_head_dim if cfg.qk_norm else 0)
+
+
 def param_count(cfg: ModelConfig, active: bool = False) -> int:
-    """Exact number of parameters of the model (no biases except LayerNorm's). ``active``: only those one token
-    uses, i.e. the k experts it is routed to (plus the router) in each MoE block."""
-    h, f = cfg.embed_dim, cfg.mlp_dim
-    q = cfg.num_heads * cfg.resolved_head_dim
-    k = cfg.num_kv_heads * cfg.resolved_head_dim
+    """Exact number of parameters of the model (no biases except LayerNorm's; the sigmoid router's balancing
+    bias counts). ``active``: only those one token uses, i.e. the k routed experts it is sent to (plus the
+    router and the shared experts) in each MoE block."""
+    h = cfg.embed_dim
     norm = h if cfg.norm == "rmsnorm" else 2 * h  # scale (+ bias for LayerNorm)
-    attention = h * q + 2 * h * k + q * h  # wq, wk, wv, wo
-    if cfg.qk_norm:
-        attention += 2 * cfg.resolved_head_dim  # the per-head query and key norms' scales
-    mlp = _mlp_matrices(cfg) * h * f
+    attention = attention_params(cfg)
+    mlp = _mlp_matrices(cfg) * h * cfg.mlp_dim
+    expert = 3 * h * cfg.resolved_expert_dim
     experts = cfg.experts_per_token if active else cfg.num_experts
-    moe = experts * mlp + h * cfg.num_experts  # experts and router
+    router = h * cfg.num_experts + (cfg.num_experts if cfg.router == "sigmoid" else 0)
+    moe = experts * expert + cfg.shared_experts * expert + router
     moe_layers = cfg.num_moe_layers
     total = (cfg.num_layers - moe_layers) * (2 * norm + attention + mlp) + moe_layers * (2 * norm + attention + moe)
     total += cfg.vocab_size * h + norm  # token embedding, final norm
@@ -80,22 +101,38 @@ def param_count(cfg: ModelConfig, active: bool = False) -> int:
     return total
 
 
+def _attention_sizes(cfg: ModelConfig) -> tuple[int, int, int, int]:
+    """(projection parameters before the scores, after them, query-key width, value width) of one block's
+    attention, the widths summed over heads."""
+    h, n = cfg.embed_dim, cfg.num_heads
+    if cfg.latent_attention:
+        qk, rank, v = cfg.qk_head_dim, cfg.kv_lora_rank, cfg.resolved_v_head_dim
+        query = h * cfg.q_lora_rank + cfg.q_lora_rank * n * qk if cfg.q_lora_rank else h * n * qk
+        return query + h * (rank + cfg.qk_rope_head_dim) + rank * n * (cfg.resolved_head_dim + v), n * v * h, \
+            n * qk, n * v
+    q = n * cfg.resolved_head_dim
+    k = cfg.num_kv_heads * cfg.resolved_head_dim
+    return h * (q + 2 * k), q * h, q, q
+
+
 def matmul_breakdown(cfg: ModelConfig, seq_len: int, causal: bool = True) -> dict[str, float]:
     """Model training FLOPs per token of each kind of matmul in ``MATMULS``, summed over all layers."""
     h, s, L = cfg.embed_dim, seq_len, cfg.num_layers
-    q = cfg.num_heads * cfg.resolved_head_dim
-    k = cfg.num_kv_heads * cfg.resolved_head_dim
-    product = q * s / 2 if causal else q * s  # QK^T or AV; causal attention touches half the keys
-    dense = L - cfg.num_moe_layers
+    qkv, out, qk, v = _attention_sizes(cfg)
+    keys = s / 2 if causal else s  # causal attention touches half the keys
+    dense, moe = L - cfg.num_moe_layers, cfg.num_moe_layers
+    shared = cfg.shared_experts * cfg.resolved_expert_dim
     return {
-        "attention_qkv": 6.0 * L * h * (q + 2 * k),
-        "attention_out": 6.0 * L * q * h,
-        "scores_qk": 6.0 * L * product,
-        "scores_av": 6.0 * L * product,
+        "attention_qkv": 6.0 * L * qkv,
+        "attention_out": 6.0 * L * out,
+        "scores_qk": 6.0 * L * qk * keys,
+        "scores_av": 6.0 * L * v * keys,
         "mlp_in": 6.0 * dense * h * cfg.mlp_dim * (_mlp_matrices(cfg) - 1),
         "mlp_out": 6.0 * dense * h * cfg.mlp_dim,
-        "experts": 6.0 * cfg.num_moe_layers * cfg.experts_per_token * h * cfg.mlp_dim * 3,
-        "router": 6.0 * cfg.num_moe_layers * h * cfg.num_experts,
+        "shared_in": 6.0 * moe * h * shared * 2,
+        "shared_out": 6.0 * moe * h * shared,
+        "experts": 6.0 * moe * cfg.experts_per_token * h * cfg.resolved_expert_dim * 3,
+        "router": 6.0 * moe * h * cfg.num_experts,
         "logits": 6.0 * h * cfg.vocab_size,
     }
 
@@ -155,29 +192,29 @@ def fp8_blocks(cfg: ModelConfig, run: ExecutionConfig) -> tuple[int, int]:
     """(blocks whose projections run as FP8 matmuls, how many of them are dense) under ``execution.fp8``.
 
     The blocks between the first and the last ``fp8_skip_layers`` use FP8 (jaxtron/models/transformer.py,
-    ``layer_groups``); block i is MoE when (i + 1) % moe_every == 0, and its expert GEMMs stay 16-bit.
+    ``layer_groups``); the expert GEMMs of their MoE blocks stay 16-bit, the shared experts do not.
     """
     if not run.fp8:
         return 0, 0
-    first, end = run.fp8_skip_layers, cfg.num_layers - run.fp8_skip_layers
-    moe = (end // cfg.moe_every - first // cfg.moe_every) if cfg.num_experts else 0
-    return end - first, end - first - moe
+    blocks = range(run.fp8_skip_layers, cfg.num_layers - run.fp8_skip_layers)
+    return len(blocks), sum(not cfg.is_moe_block(i) for i in blocks)
 
 
 def fp8_flops_per_token(cfg: ModelConfig, run: ExecutionConfig, seq_len: int, hardware: bool = False,
                         causal: bool = True, attention: str = "xla") -> float:
     """The part of the model FLOPs (``hardware``: of the hardware FLOPs) done as FP8 matmuls: the attention
-    projections of the FP8 blocks and the MLP of their dense ones, forward and backward (the gradient
-    matmuls are FP8 too, see jaxtron/ops/fp8.py), and their recompute. Scores, experts, router and logits
-    stay 16-bit."""
+    projections of the FP8 blocks, the MLP of their dense ones and the shared experts of their MoE ones, forward
+    and backward (the gradient matmuls are FP8 too, see jaxtron/ops/fp8.py), and their recompute. Scores,
+    routed experts, router and logits stay 16-bit."""
     blocks, dense = fp8_blocks(cfg, run)
     if not blocks:
         return 0.0
     m = _hardware_matmuls(cfg, run, seq_len, causal, attention) if hardware else matmul_breakdown(cfg, seq_len, causal)
     per_block = (m["attention_qkv"] + m["attention_out"]) / cfg.num_layers
-    dense_layers = cfg.num_layers - cfg.num_moe_layers
+    dense_layers, moe_layers = cfg.num_layers - cfg.num_moe_layers, cfg.num_moe_layers
     per_dense = (m["mlp_in"] + m["mlp_out"]) / dense_layers if dense_layers else 0.0
-    return blocks * per_block + dense * per_dense
+    per_moe = (m["shared_in"] + m["shared_out"]) / moe_layers if moe_layers else 0.0
+    return blocks * per_block + dense * per_dense + (blocks - dense) * per_moe
 
 def narayanan_flops_per_batch(batch: int, seq_len: int, layers: int, hidden: int, vocab: int,
                               recompute: bool) -> float:

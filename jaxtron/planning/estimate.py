@@ -164,7 +164,7 @@ def estimate(cfg: Config, sizes: dict[str, int], gpu: GPU, microbatches: int | N
     t = s // S
     rows = cfg.train.global_batch_size // micro // dp  # rows per device and (accumulation) microbatch
     b = rows // in_flight  # rows each block call runs on (a pipeline microbatch)
-    h, f, d = m.embed_dim, m.mlp_dim, m.resolved_head_dim
+    h, f, d = m.embed_dim, m.mlp_dim, m.qk_head_dim  # latent attention: values padded to the query-key size
     nq, nk = m.num_heads * d // T, m.num_kv_heads * d // T
     ft = f // T
     s_kv = s if S > 1 else t
@@ -185,6 +185,8 @@ def estimate(cfg: Config, sizes: dict[str, int], gpu: GPU, microbatches: int | N
     x = b * t * h
     xs = x // T
     attn = {"q": b * t * nq, "kv": 2 * b * s_kv * nk, "out": b * t * nq}
+    if m.latent_attention:  # the low-rank query, the key-value latent and the shared rotated key
+        attn["latent"] = b * t * (m.q_lora_rank + m.kv_lora_rank + m.qk_rope_head_dim)
     mlp = {"gate_up": 2 * b * t * ft, "act": b * t * ft}
     heads = m.num_heads // T
     scores = b * heads * t * s_kv if impl == "xla" else 0  # float32 [batch, heads, q, k] (flash: none)
@@ -202,7 +204,8 @@ def estimate(cfg: Config, sizes: dict[str, int], gpu: GPU, microbatches: int | N
     if moe_layers:  # rows each device's expert GEMMs run over: worst-case (dropless) or capacity buffers
         moe_rows = tokens * k * E if run.moe_mode == "dropless" else \
             m.num_experts * b * capacity(m, run.capacity_factor, t)
-    moe_values = moe_rows * (2 * h + 3 * ft) + 2 * tokens * k * h  # buffers in and out, hidden; sorted rows
+    fe = m.resolved_expert_dim // T
+    moe_values = moe_rows * (2 * h + 3 * fe) + 2 * tokens * k * h  # buffers in and out, hidden; sorted rows
     moe_saved = moe_values if run.remat in ("none", "save_dots", "save_dots_attention") else 0
     # every iteration of the schedule leaves the saved values of the blocks the stage ran, the idle ones of the
     # fill and drain included (they compute on zeros): iterations x blocks of one pass, for a pipeline microbatch

@@ -53,7 +53,19 @@ def moe_metrics(stats: dict[str, jax.Array]) -> dict[str, jax.Array]:
     if not stats:
         return {}
     return {"moe_aux_loss": jnp.mean(stats["aux_loss"]), "moe_z_loss": jnp.mean(stats["z_loss"]),
-            "moe_dropped_fraction": jnp.mean(stats["dropped"]), "expert_load": jnp.mean(stats["load"], axis=0)}
+            "moe_dropped_fraction": jnp.mean(stats["dropped"]), "expert_load": jnp.mean(stats["load"], axis=0),
+            "block_load": stats["load"]}
+
+
+def balance_router_bias(params: Any, block_load: jax.Array, rate: float) -> tuple[Any, jax.Array]:
+    """Auxiliary-loss-free balancing: each MoE block's router bias moves ``rate`` up for the experts that got
+    less than the mean load in this step and down for those that got more (``block_load`` [MoE blocks,
+    experts]). -> (params with the new biases, the mean over blocks of each bias's spread, max - min)."""
+    bias = params["moe_layers"]["mlp"]["router_bias"]
+    value = bias[...] + rate * jnp.sign(jnp.mean(block_load, axis=-1, keepdims=True) - block_load)
+    params = jax.tree.map(lambda x: x, params)  # a new State; the old one stays as it was
+    params["moe_layers"]["mlp"]["router_bias"] = bias.replace(value)
+    return params, jnp.mean(jnp.max(value, axis=-1) - jnp.min(value, axis=-1))
 
 
 def loss_sums(params: Any, graphdef: Any, batch: Batch, z_loss: float, logit_chunks: int = 1,
@@ -130,11 +142,15 @@ def train_step(setup: Setup, state: TrainState, batch: Batch,
     here, where the state is read anyway, rather than by reading it again at save time).
     """
     grads, ce_sum, count, moe = gradients(setup, state.params, batch)
+    block_load = moe.pop("block_load", None)
     grads = jax.tree.map(lambda g: g / count, grads)
     loss, grad_norm = ce_sum / count, optax.tree.norm(grads)
     learning_rate = setup.schedule(schedule_count(state.opt_state))  # read before the update counts this step
     updates, opt_state = setup.tx.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
+    bias_spread = None
+    if setup.router_bias_rate:  # outside the gradients: the router bias gets none, and no optimizer update
+        params, bias_spread = balance_router_bias(params, block_load, setup.router_bias_rate)
     # a non-finite loss or gradient skips this update: the state stays as it was, and is counted
     loss_finite, grads_finite = jnp.isfinite(loss), jnp.isfinite(grad_norm)
     finite = loss_finite & grads_finite
@@ -154,6 +170,8 @@ def train_step(setup: Setup, state: TrainState, batch: Batch,
                "state_finite": all_finite((params, opt_state)), **moe}
     if moe:  # the most loaded expert's share relative to a perfectly balanced one (1: balanced)
         metrics["moe_max_load"] = jnp.max(moe["expert_load"]) * moe["expert_load"].shape[0]
+    if bias_spread is not None:
+        metrics["moe_bias_spread"] = bias_spread
     nonfinite = jnp.stack([total, in_row, stopped]).astype(jnp.int32)
     return TrainState(step=state.step + 1, params=params, opt_state=opt_state, nonfinite=nonfinite), metrics
 
