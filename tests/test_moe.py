@@ -389,22 +389,37 @@ def test_auxiliary_loss_moves_the_load_toward_balance():
     assert np.mean(with_aux[10:]) < 1.35 and np.mean(without[10:]) > 1.9
 
 
-@pytest.mark.slow
-def test_mixtral_tiny_learns_text_with_experts_split_over_two_devices(tmp_path):
-    # capacity mode: on a CPU its dense slots cost a fraction of dropless's expanded ragged_dot
-    proc = learning_run("mixtral_tiny.py", tmp_path / "run", 2, f"--config.data.path={tmp_path / 'stdlib-store'}",
+def _learns_with_experts_split_over_two_devices(config: str, tmp_path) -> list[dict]:
+    """60 steps of a tiny MoE config on the standard library, experts split over 2 devices, in capacity mode (on a
+    CPU its dense slots cost a fraction of dropless's expanded ragged_dot); checks that it learned and returns
+    the logged training lines."""
+    proc = learning_run(config, tmp_path / "run", 2, f"--config.data.path={tmp_path / 'stdlib-store'}",
                         "--config.train.steps=60", "--config.train.global_batch_size=8", "--config.train.log_every=20",
                         "--config.train.eval_batches=2", "--config.mesh.expert=2", "--config.mesh.fsdp=1",
                         "--config.execution.moe_mode=capacity")
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "'expert': 2" in proc.stderr  # the mesh of the run's first log line: 8 experts, 4 on each device
+    assert "'expert': 2" in proc.stderr  # the mesh of the run's first log line: half the experts on each device
     entropy = logged_entropy(proc.stderr)
     lines = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
-    last = [line for line in lines if "loss" in line][-1]
+    logged = [line for line in lines if "loss" in line]
     validation = [line["eval/loss"] for line in lines if "eval/loss" in line]
-    assert last["step"] == 60 and last["loss_avg"] < entropy - 0.5 and validation[-1] < entropy - 0.5
+    assert logged[-1]["step"] == 60 and logged[-1]["loss_avg"] < entropy - 0.5 and validation[-1] < entropy - 0.5
+    return logged
+
+
+@pytest.mark.slow
+def test_mixtral_tiny_learns_text_with_experts_split_over_two_devices(tmp_path):
+    last = _learns_with_experts_split_over_two_devices("mixtral_tiny.py", tmp_path)[-1]
     # early in training the byte-level router is far from balanced: about 30% of assignments exceed capacity 1.25
     assert 1.0 <= last["moe_max_load"] < 8.0 / 2 and 0.0 < last["moe_dropped_fraction"] < 0.5
+
+
+@pytest.mark.slow
+def test_deepseek_tiny_learns_text_with_experts_split_over_two_devices(tmp_path):
+    logged = _learns_with_experts_split_over_two_devices("deepseek_tiny.py", tmp_path)
+    # the balancing bias moves every step (0.001 each way), so its spread grows; the load is logged
+    spreads = [line["moe_bias_spread"] for line in logged]
+    assert 0 < spreads[0] < spreads[-1] <= 2 * 0.001 * 60 and 1.0 <= logged[-1]["moe_max_load"] < 16 / 2
 
 
 @pytest.mark.gpu
