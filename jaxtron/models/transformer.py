@@ -173,7 +173,8 @@ class Transformer(nnx.Module):
                 if tree is None or not per:
                     return None
                 if per == 1:
-                    whole = (first, end) == (0, jax.tree.leaves(tree)[0].shape[0])
+                    # all the periods: the stack as stored (a pipeline's may hold identity periods after them)
+                    whole = (first, end) == (0, (cfg.num_layers - prefix) // period)
                     return tree if whole else jax.tree.map(lambda a: a[first:end], tree)
                 return jax.tree.map(lambda a: a[first * per:end * per].reshape(end - first, per, *a.shape[1:]), tree)
 
