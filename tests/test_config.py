@@ -219,6 +219,9 @@ BAD = [
     ("bias_rate_with_softmax_router", lambda d: cli("--config.model.num_experts=4",
                                                     "--config.train.router_bias_rate=0.001"),
      "'train.router_bias_rate' (0.001) moves the sigmoid router's balancing bias", "model.router='sigmoid'"),
+    ("mtp_on_a_sharded_sequence", lambda d: cli("--config.model.mtp_depth=1", "--config.mesh.sequence=2",
+                                                 "--config.mesh.fsdp=1").check_devices(2),
+     "'model.mtp_depth' (1) shifts each row by whole tokens", "use mesh.sequence=1"),
     ("decay_not_after_warmup", lambda d: OptimizerConfig(warmup_steps=100, decay_steps=50),
      "'optimizer.decay_steps' (50) must exceed optimizer.warmup_steps (100)", "raise it or set it to 0"),
 ]

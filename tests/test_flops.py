@@ -256,3 +256,19 @@ def test_deepseek_v3_flops_by_hand():
     parts = flops.flops_breakdown(cfg, 4096)
     assert parts["experts"] == 6 * 58 * 8 * 3 * 7168 * 2048 and parts["router"] == 6 * 58 * 7168 * 256
     assert parts["mlp"] == 6 * (3 * dense + 58 * 3 * 7168 * 2048)  # dense blocks and the shared experts
+
+
+def test_deepseek_v3_multi_token_prediction_module_by_hand():
+    """One MTP depth adds its norms (embedding, hidden, output), the 2h x h projection and an MoE block, and in
+    FLOPs that block, the projection and its own logits."""
+    import dataclasses
+    import os
+    from jaxtron.config.loader import load_config
+    cfg = load_config(os.path.join(os.path.dirname(os.path.dirname(__file__)), "configs", "deepseek_v3.py")).model
+    with_mtp = dataclasses.replace(cfg, mtp_depth=1)
+    attention = 7168 * 1536 + 1536 + 1536 * 128 * 192 + 7168 * 576 + 512 + 512 * 128 * 256 + 128 * 128 * 7168
+    moe_block = 2 * 7168 + attention + 257 * 3 * 7168 * 2048 + 7168 * 256 + 256
+    module = 3 * 7168 + 2 * 7168 * 7168 + moe_block
+    assert flops.param_count(with_mtp) - flops.param_count(cfg) == module
+    block_flops = 6 * (attention - 1536 - 512 + 9 * 3 * 7168 * 2048 + 7168 * 256 + 128 * 320 * 4096 / 2)
+    assert flops.flops_breakdown(with_mtp, 4096)["mtp"] == block_flops + 6 * (7168 * 129280 + 2 * 7168 * 7168)

@@ -290,3 +290,53 @@ def test_init_from_restores_a_converted_mixtral_onto_a_mesh(imported, tmp_path):
     started, imported_params = _flat(summary["state"].params), convert.load(imported["mixtral"])[1]
     for k in started:
         np.testing.assert_allclose(started[k], imported_params[k], atol=1e-6, err_msg=k)
+
+
+def _with_mtp_layer(tmp_path, head_copy_scale: float = 1.0) -> str:
+    """The DeepSeek-V3 fixture plus a multi-token prediction module as layer 3, the way DeepSeek's checkpoints
+    store it: a block (here layer 2's, perturbed), its own norms and projection, and copies of the embedding and
+    output head (scaled by ``head_copy_scale``: 1 keeps them equal to the model's)."""
+    directory = _copy("deepseek_v3", tmp_path)
+    files = st.ModelFiles(directory)
+    tensors = {n: files.read(n) for n in files.names()}
+    rng = np.random.default_rng(3)
+    for name in list(tensors):
+        if name.startswith("model.layers.2."):
+            tensors[name.replace("layers.2.", "layers.3.")] = tensors[name] + np.float32(0.01) * \
+                rng.standard_normal(tensors[name].shape, np.float32)
+    pre = "model.layers.3."
+    for name in ("enorm", "hnorm", "shared_head.norm"):
+        tensors[pre + name + ".weight"] = rng.standard_normal(32, np.float32)
+    tensors[pre + "eh_proj.weight"] = 0.2 * rng.standard_normal((32, 64), np.float32)
+    tensors[pre + "embed_tokens.weight"] = tensors["model.embed_tokens.weight"].copy()
+    tensors[pre + "shared_head.head.weight"] = tensors["lm_head.weight"] * np.float32(head_copy_scale)
+    os.remove(os.path.join(directory, st.SINGLE))
+    st.write(os.path.join(directory, st.SINGLE), [(n, v.shape, v.dtype) for n, v in tensors.items()],
+             tensors.__getitem__)
+    return directory
+
+
+@pytest.mark.slow
+def test_deepseek_multi_token_prediction_module_converts_both_ways(tmp_path, capsys):
+    source = _with_mtp_layer(tmp_path / "src")
+    convert.from_hf(source, str(tmp_path / "c"))
+    cfg, _ = convert.load(str(tmp_path / "c"))
+    assert cfg.mtp_depth == 1
+    # the module adds no logits: the model's are transformers' (which skips it) as before
+    logits = score.score(str(tmp_path / "c"), os.path.join(FIXTURES, "tokens.npy"))
+    assert np.abs(logits - np.load(os.path.join(FIXTURES, "deepseek_v3", "logits.npy"))).max() < 1e-4
+    hf = convert.to_hf(str(tmp_path / "c"), str(tmp_path / "hf"))
+    assert hf["num_nextn_predict_layers"] == 1
+    original, again = st.ModelFiles(source), st.ModelFiles(str(tmp_path / "hf"))
+    assert again.names() == original.names() and any(n.startswith("model.layers.3.") for n in again.names())
+    for name in original.names():
+        assert np.array_equal(original.read(name), again.read(name)), name
+    # without the module's weights (transformers' own checkpoints announce one anyway) the import has none
+    convert.from_hf(os.path.join(FIXTURES, "deepseek_v3"), str(tmp_path / "p"))
+    plain_cfg, plain = convert.load(str(tmp_path / "p"))
+    assert plain_cfg.mtp_depth == 0 and not any(name.startswith("mtp.") for name in plain)
+    # a module whose head copy is not the model's head is refused: jaxtron shares it
+    differing = _with_mtp_layer(tmp_path / "bad", head_copy_scale=2.0)
+    _fails(capsys, ["from-hf", differing, str(tmp_path / "out")],
+           "'model.layers.3.shared_head.head.weight' differs from the model's own head")
+    assert not os.path.exists(tmp_path / "out")

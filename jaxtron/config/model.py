@@ -68,6 +68,9 @@ class ModelConfig:
     router_groups: int = 1  # sigmoid: the experts form this many groups (n_group) ...
     router_top_groups: int = 1  # ... and a token's experts come from the best this many of them (topk_group)
     router_scale: float = 1.0  # the routed experts' weights are multiplied by this (routed_scaling_factor)
+    # multi-token prediction (DeepSeek-V3): module k (1..mtp_depth) predicts the token k + 1 ahead from the
+    # previous depth's hidden states and the embedding of the token k ahead, through one more block
+    mtp_depth: int = 0
 
     def __post_init__(self):
         for name in ("vocab_size", "embed_dim", "num_layers", "num_heads", "num_kv_heads", "mlp_dim",
@@ -91,7 +94,7 @@ class ModelConfig:
         _choice(self.rope_scaling, "model.rope_scaling", ("llama3", "yarn"))
         for name in ("rope_beta_fast", "rope_beta_slow"):
             _positive(getattr(self, name), f"model.{name}")
-        for name in ("q_lora_rank", "kv_lora_rank", "v_head_dim", "rope_mscale", "rope_mscale_all_dim"):
+        for name in ("q_lora_rank", "kv_lora_rank", "v_head_dim", "rope_mscale", "rope_mscale_all_dim", "mtp_depth"):
             _non_negative(getattr(self, name), f"model.{name}")
         if self.kv_lora_rank:
             self._check_mla()

@@ -94,6 +94,7 @@ class TrainConfig:
     # sigmoid router: after every step each block's balancing bias moves this much toward balance, up for experts
     # below the mean load and down for those above (auxiliary-loss-free balancing; no gradient involved)
     router_bias_rate: float = 0.0
+    mtp_loss: float = 0.3  # multi-token prediction (model.mtp_depth): weight of the modules' mean cross-entropy
     logit_chunks: int = 1  # logits and loss in this many slices of the sequence: never all float32 logits at once
     max_nonfinite_in_row: int = 5  # stop (exit 3) after this many skipped (non-finite) updates in a row (0: never)
     eval_every: int = 0  # steps between validation losses (0: only at the end)
@@ -105,7 +106,7 @@ class TrainConfig:
         for name in ("steps", "global_batch_size", "microbatches", "log_every", "logit_chunks"):
             _positive(getattr(self, name), f"train.{name}")
         _non_negative(self.seed, "train.seed")
-        for name in ("z_loss", "router_aux_loss", "router_z_loss", "router_bias_rate"):
+        for name in ("z_loss", "router_aux_loss", "router_z_loss", "router_bias_rate", "mtp_loss"):
             _non_negative(getattr(self, name), f"train.{name}")
         _non_negative(self.eval_batches, "train.eval_batches")
         _non_negative(self.eval_every, "train.eval_every")
@@ -321,6 +322,9 @@ class Config:
                f"data*fsdp*expert = {dp}", f"use a multiple of {dp * t.microbatches}")
         self._check_pipeline(sizes["pipeline"], micro, dp)
         sp, tp, n = sizes["sequence"], sizes["tensor"], self.data.seq_len
+        _check(sp == 1 or not m.mtp_depth, "model.mtp_depth", f"({m.mtp_depth}) shifts each row by whole tokens, "
+               f"which the load-balanced layout of mesh.sequence={sp} does not keep in order",
+               "set it to 0 or use mesh.sequence=1")
         # the load-balanced layout gives each sequence shard two chunks of a row; between blocks the residual
         # stream is split further over the tensor group (jaxtron.parallel.sharding.RULES)
         chunks = 2 * sp if sp > 1 else 1
@@ -352,6 +356,8 @@ class Config:
         _check(not m.first_dense_layers, "model.first_dense_layers",
                f"({m.first_dense_layers}) puts dense blocks before the MoE ones, which a pipelined stack cannot run "
                "yet", "use mesh.pipeline=1 and pipeline.microbatches=1")
+        _check(not m.mtp_depth, "model.mtp_depth", f"({m.mtp_depth}) adds prediction modules after the stack, which "
+               "a pipelined stack cannot run yet", "set it to 0 or use mesh.pipeline=1 and pipeline.microbatches=1")
         _check(not self.train.router_bias_rate, "train.router_bias_rate",
                f"({self.train.router_bias_rate}) needs each block's expert loads, which a pipelined stack sums over "
                "its stage", "set it to 0 or use mesh.pipeline=1 and pipeline.microbatches=1")

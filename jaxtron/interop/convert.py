@@ -90,8 +90,8 @@ def get_config():
 def from_hf(hf_dir: str, out_dir: str) -> ModelConfig:
     """Imports a Hugging Face directory; writes OUT_DIR/params (orbax) and OUT_DIR/config.py."""
     hf = _read_hf_config(hf_dir)
-    cfg = llama.model_config(hf, name=os.path.basename(os.path.normpath(hf_dir)))
     files = st.ModelFiles(hf_dir)
+    cfg = llama.model_config(hf, name=os.path.basename(os.path.normpath(hf_dir)), tensor_names=set(files.names()))
     plan = list(llama.tensors(cfg, hf))
     expected = {t.hf_name for t in plan}
     for t in plan:
@@ -116,10 +116,16 @@ def from_hf(hf_dir: str, out_dir: str) -> ModelConfig:
                                             shape=s.shape) for p, s in shapes.items()}
     filled = {p: 0 for p in shapes}
     for t in plan:
-        buffers[t.param][t.index] = t.to_jaxtron(files.read(t.hf_name))  # one copy: into the disk buffer
-        filled[t.param] += 1
+        if not t.copy:
+            buffers[t.param][t.index] = t.to_jaxtron(files.read(t.hf_name))  # one copy: into the disk buffer
+            filled[t.param] += 1
+    for t in plan:  # a second copy of a parameter (DeepSeek's MTP embedding and head) must equal the first
+        if t.copy and not np.array_equal(t.to_jaxtron(files.read(t.hf_name)), buffers[t.param][t.index]):
+            shutil.rmtree(out_dir)
+            raise st.FormatError(f"tensor '{t.hf_name}' differs from the model's own {t.param}; jaxtron's "
+                                 "multi-token prediction shares the model's embedding and output head.")
     for p, s in shapes.items():  # every slice of every parameter came from exactly one tensor
-        slices = math.prod(s.shape[:len(next(t.index for t in plan if t.param == p))])
+        slices = math.prod(s.shape[:len(next(t.index for t in plan if t.param == p and not t.copy))])
         assert filled[p] == slices, (p, filled[p], slices)
     from jaxtron.checkpoint.params import save_params
     save_params(out_dir, buffers, {t.param: len(t.index) for t in plan})

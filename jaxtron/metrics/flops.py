@@ -19,6 +19,8 @@ heads of c = head_dim + qk_rope_head_dim, values of v, ranks r_q (query) and r (
 so with the scores and the logits left out, the model FLOPs per token are 6 x the matrix parameters a token
 uses (``param_count(active=True)`` less the embedding table, norms and the balancing bias).
 
+Each multi-token prediction depth (``mtp_depth``) adds 6 * [2h*h + one block (MoE in an MoE model) + h*V].
+
 Embedding lookups, norms, softmax and activations are not counted, nor is recompute. The attention term
 counts the full causal row of ``seq_len`` keys for every token, also when a row packs several documents: the
 segment mask hides keys across documents but does not shrink the count. HARDWARE FLOPs add the forward
@@ -26,6 +28,8 @@ matmuls that the remat policy re-runs (``RECOMPUTED``); MFU uses model FLOPs, HF
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 from jaxtron.config.schema import ExecutionConfig, ModelConfig
 
@@ -37,8 +41,9 @@ MATMULS = {
     "mlp_in": "mlp", "mlp_out": "mlp",  # (gate and) up projection; down projection
     "shared_in": "mlp", "shared_out": "mlp",  # the shared experts of MoE blocks: a dense SwiGLU
     "experts": "experts", "router": "router", "logits": "logits",
+    "mtp": "mtp",  # the multi-token prediction modules: projection, block and logits of each depth
 }
-TERMS = ("attention_proj", "attention_scores", "mlp", "experts", "router", "logits")
+TERMS = ("attention_proj", "attention_scores", "mlp", "experts", "router", "logits", "mtp")
 _BLOCK = ("attention_qkv", "attention_out", "scores_qk", "scores_av", "mlp_in", "shared_in", "experts", "router")
 
 # The matmuls whose forward a remat policy runs a second time in the backward pass, per attention
@@ -93,6 +98,8 @@ def param_count(cfg: ModelConfig, active: bool = False) -> int:
     moe = experts * expert + cfg.shared_experts * expert + router
     moe_layers = cfg.num_moe_layers
     total = (cfg.num_layers - moe_layers) * (2 * norm + attention + mlp) + moe_layers * (2 * norm + attention + moe)
+    # each MTP depth: two input norms, the projection, a block, a final norm (embedding and head are shared)
+    total += cfg.mtp_depth * (3 * norm + 2 * h * h + 2 * norm + attention + (moe if cfg.num_experts else mlp))
     total += cfg.vocab_size * h + norm  # token embedding, final norm
     if not cfg.tie_embeddings:
         total += cfg.vocab_size * h  # output head
@@ -122,7 +129,7 @@ def matmul_breakdown(cfg: ModelConfig, seq_len: int, causal: bool = True) -> dic
     keys = s / 2 if causal else s  # causal attention touches half the keys
     dense, moe = L - cfg.num_moe_layers, cfg.num_moe_layers
     shared = cfg.shared_experts * cfg.resolved_expert_dim
-    return {
+    out = {
         "attention_qkv": 6.0 * L * qkv,
         "attention_out": 6.0 * L * out,
         "scores_qk": 6.0 * L * qk * keys,
@@ -134,7 +141,13 @@ def matmul_breakdown(cfg: ModelConfig, seq_len: int, causal: bool = True) -> dic
         "experts": 6.0 * moe * cfg.experts_per_token * h * cfg.resolved_expert_dim * 3,
         "router": 6.0 * moe * h * cfg.num_experts,
         "logits": 6.0 * h * cfg.vocab_size,
+        "mtp": 0.0,
     }
+    if cfg.mtp_depth:  # one more block per depth, of the kind the MoE blocks are (or the dense ones)
+        one = matmul_breakdown(dataclasses.replace(cfg, num_layers=1, first_dense_layers=0, mtp_depth=0), seq_len,
+                               causal)
+        out["mtp"] = cfg.mtp_depth * (sum(one.values()) + 6.0 * 2 * h * h)
+    return out
 
 
 def _terms(matmuls: dict[str, float]) -> dict[str, float]:

@@ -84,16 +84,41 @@ class Block(nnx.Module):
         return constrain(x + y, EMBED_AXES), stats
 
 
+class MTPModule(nnx.Module):
+    """One depth of multi-token prediction (DeepSeek-V3): the previous depth's hidden states and the embedding of
+    the token k ahead, each RMS-normed, concatenated (embedding first) and projected back to the width, then one
+    block (MoE in an MoE model) and a final norm; the output head is the model's."""
+
+    def __init__(self, cfg: ModelConfig, run: ExecutionConfig, rngs: nnx.Rngs, attention_impl: str):
+        d = cfg.embed_dim
+        self.embed_norm = Norm(cfg, run)
+        self.hidden_norm = Norm(cfg, run)
+        self.proj = param(rngs, (2 * d, d), (None, "embed"), cfg.init_std)
+        self.block = Block(cfg, run, rngs, attention_impl, moe=cfg.num_experts > 0)
+        self.norm = Norm(cfg, run)
+        self.dtype = compute_dtype(run)
+
+    def __call__(self, h: jax.Array, embedded: jax.Array, positions: jax.Array,
+                 segment_ids: jax.Array | None) -> tuple[jax.Array, jax.Array, dict[str, jax.Array]]:
+        """-> (this depth's hidden states, the same normed for the head, routing stats)."""
+        x = jnp.concatenate([self.embed_norm(embedded), self.hidden_norm(h)], axis=-1)
+        x = constrain(jnp.einsum("btc,cd->btd", x, self.proj[...].astype(self.dtype)), EMBED_AXES)
+        x, stats = self.block(x, positions, segment_ids)
+        return x, self.norm(x), stats
+
+
 def _stack(cfg: ModelConfig, run: ExecutionConfig, rngs: nnx.Rngs, attention_impl: str, count: int,
-           moe: bool) -> Block | None:
-    """``count`` blocks with parameters stacked along the logical axis ``layers`` (None for zero)."""
+           moe: bool, module: type = Block) -> nnx.Module | None:
+    """``count`` blocks (or MTP modules) with parameters stacked along the logical axis ``layers`` (None for
+    zero)."""
     if not count:
         return None
 
     @nnx.split_rngs(splits=count)
     @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
-    def make(rngs: nnx.Rngs) -> Block:
-        return Block(cfg, run, rngs, attention_impl, moe)
+    def make(rngs: nnx.Rngs) -> nnx.Module:
+        return Block(cfg, run, rngs, attention_impl, moe) if module is Block else module(cfg, run, rngs,
+                                                                                        attention_impl)
 
     return make(rngs)
 
@@ -110,6 +135,7 @@ class Transformer(nnx.Module):
         self.layers = _stack(cfg, run, rngs, attention_impl, cfg.num_layers - moe, False)
         self.moe_layers = _stack(cfg, run, rngs, attention_impl, moe, True)
         self.final_norm = Norm(cfg, run)
+        self.mtp = _stack(cfg, run, rngs, attention_impl, cfg.mtp_depth, False, MTPModule)
         self.head = None if cfg.tie_embeddings else param(rngs, (d, v), ("embed", "vocab"), cfg.init_std)
 
     def __call__(self, tokens: jax.Array, positions: jax.Array | None = None,
@@ -125,7 +151,33 @@ class Transformer(nnx.Module):
     def hidden_and_stats(self, tokens: jax.Array, positions: jax.Array | None = None,
                          segment_ids: jax.Array | None = None,
                          stack_runner: StackRunner | None = None) -> tuple[jax.Array, dict[str, jax.Array]]:
-        """Hidden states and the routing stats of the MoE blocks, each stacked along its first axis (empty for a
+        """The final normed hidden states and the routing stats (see ``residual_and_stats``)."""
+        x, stats = self.residual_and_stats(tokens, positions, segment_ids, stack_runner)
+        return self.final_norm(x), stats
+
+    def mtp_hidden(self, residual: jax.Array, tokens: jax.Array, positions: jax.Array | None = None,
+                   segment_ids: jax.Array | None = None) -> tuple[list[jax.Array], dict[str, jax.Array]]:
+        """Multi-token prediction from the stack's output ``residual`` (before the final norm): the normed hidden
+        states of each depth k = 1..mtp_depth, whose position i predicts the token k + 1 after the next (the
+        row rolled by k; the caller masks what wrapped around or crossed a document), and the routing stats of
+        the modules' blocks stacked [depths, ...]."""
+        if positions is None:
+            positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
+        graphdef, stack = nnx.split(self.mtp)
+        outputs, stats, h = [], [], residual
+        for k in range(1, self.cfg.mtp_depth + 1):
+            module = nnx.merge(graphdef, jax.tree.map(lambda a, k=k: a[k - 1], stack))
+            ahead = embed_lookup(self.embedding[...], jnp.roll(tokens, -k, axis=1), compute_dtype(self.run))
+            h, normed, block_stats = module(h, ahead, positions, segment_ids)
+            outputs.append(normed)
+            stats.append(block_stats)
+        return outputs, ({key: jnp.stack([s[key] for s in stats]) for key in stats[0]} if stats[0] else {})
+
+    def residual_and_stats(self, tokens: jax.Array, positions: jax.Array | None = None,
+                           segment_ids: jax.Array | None = None,
+                           stack_runner: StackRunner | None = None) -> tuple[jax.Array, dict[str, jax.Array]]:
+        """The stack's output (before the final norm) and the routing stats of the MoE blocks, each stacked along
+        its first axis (empty for a dense model; see ``jaxtron.models.moe.route``). and the routing stats of the MoE blocks, each stacked along its first axis (empty for a
         dense model; see ``jaxtron.models.moe.route``).
 
         ``stack_runner(body, x, stack, extras)`` runs the scanned stack: ``body(x, period, extras)`` applies one
@@ -181,7 +233,7 @@ class Transformer(nnx.Module):
             x, group_stats = runner(body, x, (periods(dense, dense_per_period), periods(moe, 1)), extras)
             stats.append(group_stats)
         stats = {k: jnp.concatenate([s[k] for s in stats]) for k in stats[0]} if stats and stats[0] else {}
-        return self.final_norm(x), stats
+        return x, stats
 
     def _runner(self, graphdef, fp8: bool):
         """(hidden, block state, positions[, segment ids]) -> (new hidden, stats) for blocks of ``graphdef``,

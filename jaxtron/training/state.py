@@ -42,6 +42,7 @@ class Setup:
     router_aux_loss: float = struct.field(pytree_node=False, default=0.0)
     router_z_loss: float = struct.field(pytree_node=False, default=0.0)
     router_bias_rate: float = struct.field(pytree_node=False, default=0.0)
+    mtp_loss: float = struct.field(pytree_node=False, default=0.0)
     logit_chunks: int = struct.field(pytree_node=False, default=1)
     # the layer stack's runner (a pipeline Schedule) and the period order the stack is stored in (None: the plain
     # scan, natural order)
@@ -110,7 +111,7 @@ def setup(cfg: Config, attention_impl: str, sizes: dict[str, int] | None = None)
                  schedule=learning_rate_schedule(cfg.optimizer, cfg.train.steps),
                  microbatches=cfg.train.microbatches, z_loss=cfg.train.z_loss, logit_chunks=cfg.train.logit_chunks,
                  router_aux_loss=cfg.train.router_aux_loss, router_z_loss=cfg.train.router_z_loss,
-                 router_bias_rate=cfg.train.router_bias_rate,
+                 router_bias_rate=cfg.train.router_bias_rate, mtp_loss=cfg.train.mtp_loss,
                  max_nonfinite_in_row=cfg.train.max_nonfinite_in_row, stack_runner=schedule(cfg, stages),
                  layer_order=layer_order(cfg, stages))
 

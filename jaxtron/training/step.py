@@ -29,7 +29,7 @@ def _token_sums(x: jax.Array, head: jax.Array, targets: jax.Array, weights: jax.
     return jnp.sum((log_z - target_logit) * weights), jnp.sum(jnp.square(log_z) * weights)
 
 
-def _chunked_token_sums(x, head, targets, weights, chunks: int) -> tuple[jax.Array, ...]:
+def _chunked_token_sums(x, head, targets, weights, *, chunks: int) -> tuple[jax.Array, ...]:
     """``_token_sums`` over ``chunks`` slices of the sequence, one at a time, each slice's logits recomputed in
     the backward pass: only [batch, length / chunks, vocab] float32 logits exist at once. Slice j holds
     positions j, j + chunks, ...: a sequence axis sharded in contiguous blocks stays sharded inside a slice."""
@@ -59,38 +59,61 @@ def moe_metrics(stats: dict[str, jax.Array]) -> dict[str, jax.Array]:
 
 def balance_router_bias(params: Any, block_load: jax.Array, rate: float) -> tuple[Any, jax.Array]:
     """Auxiliary-loss-free balancing: each MoE block's router bias moves ``rate`` up for the experts that got
-    less than the mean load in this step and down for those that got more (``block_load`` [MoE blocks,
-    experts]). -> (params with the new biases, the mean over blocks of each bias's spread, max - min)."""
-    bias = params["moe_layers"]["mlp"]["router_bias"]
-    value = bias[...] + rate * jnp.sign(jnp.mean(block_load, axis=-1, keepdims=True) - block_load)
+    less than the mean load in this step and down for those that got more (``block_load`` [MoE blocks, then the
+    MTP modules' blocks, experts]). -> (params with the new biases, the mean over blocks of each bias's spread,
+    max - min)."""
     params = jax.tree.map(lambda x: x, params)  # a new State; the old one stays as it was
-    params["moe_layers"]["mlp"]["router_bias"] = bias.replace(value)
-    return params, jnp.mean(jnp.max(value, axis=-1) - jnp.min(value, axis=-1))
+    step = rate * jnp.sign(jnp.mean(block_load, axis=-1, keepdims=True) - block_load)
+    spreads, first = [], 0
+    for mlp in (params["moe_layers"]["mlp"], params["mtp"]["block"]["mlp"] if "mtp" in params else None):
+        if mlp is None:
+            continue
+        bias = mlp["router_bias"]
+        value = bias[...] + step[first:first + bias.shape[0]]
+        first += bias.shape[0]
+        mlp["router_bias"] = bias.replace(value)
+        spreads.append(jnp.max(value, axis=-1) - jnp.min(value, axis=-1))
+    return params, jnp.mean(jnp.concatenate(spreads))
 
 
 def loss_sums(params: Any, graphdef: Any, batch: Batch, z_loss: float, logit_chunks: int = 1,
               router_aux_loss: float = 0.0, router_z_loss: float = 0.0,
-              stack_runner: Any = None) -> tuple[jax.Array, tuple]:
-    """(objective summed over tokens, (cross-entropy sum, token count, MoE metrics of ``moe_metrics``)).
+              stack_runner: Any = None, mtp_loss: float = 0.0) -> tuple[jax.Array, tuple]:
+    """(objective summed over tokens, (cross-entropy sum, token count, MoE and MTP metrics)).
 
     Sums rather than means so microbatches add up exactly to the large batch. The MoE auxiliary losses are
-    means over the batch, so they enter the objective multiplied by the token count.
+    means over the batch, so they enter the objective multiplied by the token count; so does multi-token
+    prediction, ``mtp_loss`` times the mean over depths of each depth's mean cross-entropy (``mtp_loss`` metric).
     """
     model = nnx.merge(graphdef, params)
-    x, stats = model.hidden_and_stats(batch["inputs"], batch.get("positions"), batch.get("segment_ids"),
-                                      stack_runner)
+    tokens, positions, segments = batch["inputs"], batch.get("positions"), batch.get("segment_ids")
+    residual, stats = model.residual_and_stats(tokens, positions, segments, stack_runner)
+    x = model.final_norm(residual)
     weights = batch.get("loss_mask")
     weights = jnp.ones(batch["targets"].shape, jnp.float32) if weights is None else weights.astype(jnp.float32)
-    if logit_chunks == 1:
-        ce_sum, z_sum = _token_sums(x, model.output_head(), batch["targets"], weights)
-    else:
-        ce_sum, z_sum = _chunked_token_sums(x, model.output_head(), batch["targets"], weights, logit_chunks)
+    sums = functools.partial(_token_sums) if logit_chunks == 1 else \
+        functools.partial(_chunked_token_sums, chunks=logit_chunks)
+    head = model.output_head()
+    ce_sum, z_sum = sums(x, head, batch["targets"], weights)
     objective = ce_sum + z_loss * z_sum if z_loss else ce_sum
     count = jnp.sum(weights)
+    extra = {}
+    if model.mtp is not None:
+        outputs, mtp_stats = model.mtp_hidden(residual, tokens, positions, segments)
+        stats = {k: jnp.concatenate([stats[k], mtp_stats[k]]) for k in stats} if stats else stats
+        means = []
+        for k, hidden in enumerate(outputs, start=1):
+            valid = weights * jnp.roll(weights, -k, axis=1) * (jnp.arange(weights.shape[1]) < weights.shape[1] - k)
+            if segments is not None:  # the token k ahead must be of the same document
+                valid = valid * (jnp.roll(segments, -k, axis=1) == segments)
+            ce_k, _ = sums(hidden, head, jnp.roll(batch["targets"], -k, axis=1), valid)
+            means.append(ce_k / jnp.maximum(jnp.sum(valid), 1.0))
+        extra["mtp_loss"] = jnp.mean(jnp.stack(means))
+        objective += count * mtp_loss * extra["mtp_loss"]
     moe = moe_metrics(stats)
     if moe:
         objective += count * (router_aux_loss * moe["moe_aux_loss"] + router_z_loss * moe["moe_z_loss"])
-    return objective, (ce_sum, count, moe)
+    return objective, (ce_sum, count, {**moe, **extra})
 
 
 def split_microbatches(batch: Batch, k: int) -> Batch:
@@ -105,7 +128,7 @@ def gradients(setup: Setup, params: Any, batch: Batch):
     grad_fn = jax.value_and_grad(functools.partial(
         loss_sums, graphdef=setup.graphdef, z_loss=setup.z_loss, logit_chunks=setup.logit_chunks,
         router_aux_loss=setup.router_aux_loss, router_z_loss=setup.router_z_loss,
-        stack_runner=setup.stack_runner), has_aux=True)
+        stack_runner=setup.stack_runner, mtp_loss=setup.mtp_loss), has_aux=True)
     if microbatches == 1:
         (_, (ce_sum, count, moe)), grads = grad_fn(params, batch=batch)
         return grads, ce_sum, count, moe
@@ -168,7 +191,7 @@ def train_step(setup: Setup, state: TrainState, batch: Batch,
                "nonfinite_steps": total, "nonfinite_stopped": stopped.astype(jnp.int32), "stop_requested": votes,
                "nonfinite_kind": kind,
                "state_finite": all_finite((params, opt_state)), **moe}
-    if moe:  # the most loaded expert's share relative to a perfectly balanced one (1: balanced)
+    if "expert_load" in moe:  # the most loaded expert's share relative to a perfectly balanced one (1: balanced)
         metrics["moe_max_load"] = jnp.max(moe["expert_load"]) * moe["expert_load"].shape[0]
     if bias_spread is not None:
         metrics["moe_bias_spread"] = bias_spread
@@ -179,7 +202,7 @@ def train_step(setup: Setup, state: TrainState, batch: Batch,
 def eval_step(setup: Setup, params: Any, batch: Batch) -> dict[str, jax.Array]:
     """Summed cross-entropy and token count of a batch (no gradients)."""
     _, (ce_sum, count, _) = loss_sums(params, setup.graphdef, batch, 0.0, setup.logit_chunks,
-                                      stack_runner=setup.stack_runner)
+                                      stack_runner=setup.stack_runner)  # MTP's losses are training only
     return {"ce_sum": ce_sum, "count": count}
 
 

@@ -19,8 +19,11 @@ from jaxtron.config.schema import ModelConfig
 from jaxtron.interop.hf.safetensors import FormatError
 
 
-def model_fields(hf: dict, get: Callable) -> dict[str, Any]:
-    """The ModelConfig fields particular to DeepSeek-V3 (``get(hf, key[, default])`` reads a required key)."""
+def model_fields(hf: dict, get: Callable, tensor_names: Any = ()) -> dict[str, Any]:
+    """The ModelConfig fields particular to DeepSeek-V3 (``get(hf, key[, default])`` reads a required key). The
+    multi-token prediction modules that config.json announces (``num_nextn_predict_layers``) come along when the
+    checkpoint's ``tensor_names`` hold the first one's projection; transformers writes the field for models
+    without them."""
     heads = get(hf, "num_attention_heads")
     if get(hf, "num_key_value_heads", heads) != heads:
         raise FormatError(f"config.json sets num_key_value_heads={hf['num_key_value_heads']} with "
@@ -28,8 +31,10 @@ def model_fields(hf: dict, get: Callable) -> dict[str, Any]:
     for key, ok in (("scoring_func", "sigmoid"), ("topk_method", "noaux_tc"), ("moe_layer_freq", 1)):
         if hf.get(key, ok) != ok:
             raise FormatError(f"config.json sets {key}={hf[key]!r}; jaxtron's DeepSeek-V3 needs {key}={ok!r}.")
+    depth = int(hf.get("num_nextn_predict_layers") or 0)
+    mtp = depth if f"model.layers.{get(hf, 'num_hidden_layers')}.eh_proj.weight" in tensor_names else 0
     return dict(
-        num_kv_heads=heads, head_dim=get(hf, "qk_nope_head_dim"), qk_rope_head_dim=get(hf, "qk_rope_head_dim"),
+        mtp_depth=mtp, num_kv_heads=heads, head_dim=get(hf, "qk_nope_head_dim"), qk_rope_head_dim=get(hf, "qk_rope_head_dim"),
         v_head_dim=get(hf, "v_head_dim"), q_lora_rank=get(hf, "q_lora_rank", 0), kv_lora_rank=get(hf, "kv_lora_rank"),
         num_experts=get(hf, "n_routed_experts"), experts_per_token=get(hf, "num_experts_per_tok"),
         expert_dim=get(hf, "moe_intermediate_size"), shared_experts=get(hf, "n_shared_experts", 0),
@@ -51,7 +56,8 @@ def hf_fields(cfg: ModelConfig) -> dict[str, Any]:
             "moe_intermediate_size": cfg.resolved_expert_dim, "n_shared_experts": cfg.shared_experts,
             "first_k_dense_replace": cfg.first_dense_layers, "n_group": cfg.router_groups,
             "topk_group": cfg.router_top_groups, "routed_scaling_factor": cfg.router_scale,
-            "norm_topk_prob": cfg.router_renormalize, "rope_interleave": True, "num_nextn_predict_layers": 0}
+            "norm_topk_prob": cfg.router_renormalize, "rope_interleave": True,
+            "num_nextn_predict_layers": cfg.mtp_depth}
 
 
 def _halves(size: int, start: int) -> np.ndarray:
@@ -108,6 +114,20 @@ def moe_tensors(cfg: ModelConfig, pre: str, stack: str, j: int, tensor: Callable
         yield tensor(pre + "mlp.shared_experts.gate_proj.weight", (s, d), mlp + "shared.wi_gate", (j,), *t)
         yield tensor(pre + "mlp.shared_experts.up_proj.weight", (s, d), mlp + "shared.wi_up", (j,), *t)
         yield tensor(pre + "mlp.shared_experts.down_proj.weight", (d, s), mlp + "shared.wo", (j,), *t)
+
+
+def mtp_tensors(cfg: ModelConfig, pre: str, k: int, tensor: Callable) -> Iterator:
+    """Multi-token prediction module k's own tensors (its block's follow under the same prefix): the two input
+    norms, the projection of [embedding; hidden] and the final norm, and the copies of the token embedding and
+    output head that DeepSeek's checkpoints keep in every module (jaxtron shares the model's)."""
+    d, v = cfg.embed_dim, cfg.vocab_size
+    yield tensor(pre + "embed_tokens.weight", (v, d), "embedding", (), *_same, copy=True)
+    yield tensor(pre + "enorm.weight", (d,), "mtp.embed_norm.scale", (k,), *_same)
+    yield tensor(pre + "hnorm.weight", (d,), "mtp.hidden_norm.scale", (k,), *_same)
+    yield tensor(pre + "eh_proj.weight", (d, 2 * d), "mtp.proj", (k,), lambda x: x.T, lambda x: x.T)
+    yield tensor(pre + "shared_head.norm.weight", (d,), "mtp.norm.scale", (k,), *_same)
+    yield tensor(pre + "shared_head.head.weight", (v, d), "embedding" if cfg.tie_embeddings else "head", (),
+                 *(_same if cfg.tie_embeddings else (lambda x: x.T, lambda x: x.T)), copy=True)
 
 
 _same = (lambda x: x, lambda x: x)

@@ -63,8 +63,10 @@ def _rope(hf: dict) -> dict[str, Any]:
     return out
 
 
-def model_config(hf: dict, name: str = "") -> ModelConfig:
-    """The jaxtron ModelConfig of a Hugging Face config.json (as a dict); FormatError for what cannot map."""
+def model_config(hf: dict, name: str = "", tensor_names: Any = ()) -> ModelConfig:
+    """The jaxtron ModelConfig of a Hugging Face config.json (as a dict); FormatError for what cannot map.
+    ``tensor_names``: the checkpoint's, which decide whether DeepSeek-V3's multi-token prediction modules come
+    along (config.json may announce modules the weights do not have)."""
     arch = (hf.get("architectures") or [None])[0]
     family = ARCHITECTURES.get(arch) or {v: v for v in ARCHITECTURES.values()}.get(hf.get("model_type"))
     if family is None:
@@ -93,7 +95,7 @@ def model_config(hf: dict, name: str = "") -> ModelConfig:
     if family == "qwen3_moe":
         fields.update(_qwen3_moe(hf))
     if family == "deepseek_v3":
-        fields.update(deepseek.model_fields(hf, _get))
+        fields.update(deepseek.model_fields(hf, _get, tensor_names))
     return ModelConfig(**fields)
 
 
@@ -177,6 +179,7 @@ class Tensor:
     index: tuple[int, ...]
     to_jaxtron: Callable[[np.ndarray], np.ndarray]
     to_hf: Callable[[np.ndarray], np.ndarray]
+    copy: bool = False  # a second copy of a parameter another tensor fills (DeepSeek's MTP embedding and head)
 
 
 def _family(cfg: ModelConfig) -> str:
@@ -196,13 +199,8 @@ def _t(x: np.ndarray) -> np.ndarray:
 def tensors(cfg: ModelConfig, hf: dict | None = None) -> Iterator[Tensor]:
     """Every tensor of the Hugging Face checkpoint of ``cfg``, in file order (``hf``: the config.json read, for
     DeepSeek-V3's ``rope_interleave``; an export writes interleaved rotary rows)."""
-    d, n, g, h, f = cfg.embed_dim, cfg.num_heads, cfg.num_kv_heads, cfg.resolved_head_dim, cfg.mlp_dim
-    family = _family(cfg)
+    d = cfg.embed_dim
     same = (lambda x: x, lambda x: x)
-
-    def heads_in(count):  # [count*h, d] -> [d, count, h] (views, no copy)
-        return lambda x: x.T.reshape(d, count, h), lambda x: _t(x.reshape(d, count * h))
-
     yield Tensor("model.embed_tokens.weight", (cfg.vocab_size, d), "embedding", (), *same)
     seen = {"layers": 0, "moe_layers": 0}  # blocks of each stack so far: a block's index in its stack
     for i in range(cfg.num_layers):
@@ -210,44 +208,59 @@ def tensors(cfg: ModelConfig, hf: dict | None = None) -> Iterator[Tensor]:
         stack = "moe_layers" if moe else "layers"
         j = seen[stack]
         seen[stack] += 1
-        pre = f"model.layers.{i}."
-        yield Tensor(pre + "input_layernorm.weight", (d,), f"{stack}.attn_norm.scale", (j,), *same)
-        if cfg.latent_attention:
-            yield from deepseek.attention_tensors(cfg, pre, stack, j, Tensor, bool((hf or {}).get("rope_interleave",
-                                                                                                 True)))
-        else:
-            for proj, param, count in (("q", "wq", n), ("k", "wk", g), ("v", "wv", g)):
-                yield Tensor(pre + f"self_attn.{proj}_proj.weight", (count * h, d), f"{stack}.attn.{param}", (j,),
-                             *heads_in(count))
-            yield Tensor(pre + "self_attn.o_proj.weight", (d, n * h), f"{stack}.attn.wo", (j,),
-                         lambda x: x.T.reshape(n, h, d), lambda x: _t(x.reshape(n * h, d)))
-        if cfg.qk_norm:
-            yield Tensor(pre + "self_attn.q_norm.weight", (h,), f"{stack}.attn.q_norm.scale", (j,), *same)
-            yield Tensor(pre + "self_attn.k_norm.weight", (h,), f"{stack}.attn.k_norm.scale", (j,), *same)
-        yield Tensor(pre + "post_attention_layernorm.weight", (d,), f"{stack}.mlp_norm.scale", (j,), *same)
-        if moe and family == "deepseek_v3":
-            yield from deepseek.moe_tensors(cfg, pre, stack, j, Tensor)
-        elif moe and family == "qwen3_moe":
-            fe = cfg.resolved_expert_dim
-            yield Tensor(pre + "mlp.gate.weight", (cfg.num_experts, d), f"{stack}.mlp.router", (j,), _t, _t)
-            for e in range(cfg.num_experts):
-                ex = pre + f"mlp.experts.{e}."
-                yield Tensor(ex + "gate_proj.weight", (fe, d), f"{stack}.mlp.wi_gate", (j, e), _t, _t)
-                yield Tensor(ex + "up_proj.weight", (fe, d), f"{stack}.mlp.wi_up", (j, e), _t, _t)
-                yield Tensor(ex + "down_proj.weight", (d, fe), f"{stack}.mlp.wo", (j, e), _t, _t)
-        elif moe:
-            fe = cfg.resolved_expert_dim
-            yield Tensor(pre + "block_sparse_moe.gate.weight", (cfg.num_experts, d), f"{stack}.mlp.router", (j,),
-                         _t, _t)
-            for e in range(cfg.num_experts):
-                ex = pre + f"block_sparse_moe.experts.{e}."
-                yield Tensor(ex + "w1.weight", (fe, d), f"{stack}.mlp.wi_gate", (j, e), _t, _t)
-                yield Tensor(ex + "w2.weight", (d, fe), f"{stack}.mlp.wo", (j, e), _t, _t)
-                yield Tensor(ex + "w3.weight", (fe, d), f"{stack}.mlp.wi_up", (j, e), _t, _t)
-        else:
-            yield Tensor(pre + "mlp.gate_proj.weight", (f, d), f"{stack}.mlp.wi_gate", (j,), _t, _t)
-            yield Tensor(pre + "mlp.up_proj.weight", (f, d), f"{stack}.mlp.wi_up", (j,), _t, _t)
-            yield Tensor(pre + "mlp.down_proj.weight", (d, f), f"{stack}.mlp.wo", (j,), _t, _t)
+        yield from _block_tensors(cfg, f"model.layers.{i}.", stack, j, moe, hf)
     yield Tensor("model.norm.weight", (d,), "final_norm.scale", (), *same)
     if not cfg.tie_embeddings:
         yield Tensor("lm_head.weight", (cfg.vocab_size, d), "head", (), _t, _t)
+    for k in range(cfg.mtp_depth):  # DeepSeek-V3's multi-token prediction modules, as the layers after the last
+        pre = f"model.layers.{cfg.num_layers + k}."
+        yield from deepseek.mtp_tensors(cfg, pre, k, Tensor)
+        yield from _block_tensors(cfg, pre, "mtp.block", k, cfg.num_experts > 0, hf)
+
+
+def _block_tensors(cfg: ModelConfig, pre: str, stack: str, j: int, moe: bool, hf: dict | None) -> Iterator[Tensor]:
+    """The tensors of one block (HF prefix ``pre``), entry ``j`` of the jaxtron stack ``stack``."""
+    d, n, g, h, f = cfg.embed_dim, cfg.num_heads, cfg.num_kv_heads, cfg.resolved_head_dim, cfg.mlp_dim
+    family = _family(cfg)
+    same = (lambda x: x, lambda x: x)
+
+    def heads_in(count):  # [count*h, d] -> [d, count, h] (views, no copy)
+        return lambda x: x.T.reshape(d, count, h), lambda x: _t(x.reshape(d, count * h))
+
+    yield Tensor(pre + "input_layernorm.weight", (d,), f"{stack}.attn_norm.scale", (j,), *same)
+    if cfg.latent_attention:
+        yield from deepseek.attention_tensors(cfg, pre, stack, j, Tensor, bool((hf or {}).get("rope_interleave",
+                                                                                             True)))
+    else:
+        for proj, param, count in (("q", "wq", n), ("k", "wk", g), ("v", "wv", g)):
+            yield Tensor(pre + f"self_attn.{proj}_proj.weight", (count * h, d), f"{stack}.attn.{param}", (j,),
+                         *heads_in(count))
+        yield Tensor(pre + "self_attn.o_proj.weight", (d, n * h), f"{stack}.attn.wo", (j,),
+                     lambda x: x.T.reshape(n, h, d), lambda x: _t(x.reshape(n * h, d)))
+    if cfg.qk_norm:
+        yield Tensor(pre + "self_attn.q_norm.weight", (h,), f"{stack}.attn.q_norm.scale", (j,), *same)
+        yield Tensor(pre + "self_attn.k_norm.weight", (h,), f"{stack}.attn.k_norm.scale", (j,), *same)
+    yield Tensor(pre + "post_attention_layernorm.weight", (d,), f"{stack}.mlp_norm.scale", (j,), *same)
+    if moe and family == "deepseek_v3":
+        yield from deepseek.moe_tensors(cfg, pre, stack, j, Tensor)
+    elif moe and family == "qwen3_moe":
+        fe = cfg.resolved_expert_dim
+        yield Tensor(pre + "mlp.gate.weight", (cfg.num_experts, d), f"{stack}.mlp.router", (j,), _t, _t)
+        for e in range(cfg.num_experts):
+            ex = pre + f"mlp.experts.{e}."
+            yield Tensor(ex + "gate_proj.weight", (fe, d), f"{stack}.mlp.wi_gate", (j, e), _t, _t)
+            yield Tensor(ex + "up_proj.weight", (fe, d), f"{stack}.mlp.wi_up", (j, e), _t, _t)
+            yield Tensor(ex + "down_proj.weight", (d, fe), f"{stack}.mlp.wo", (j, e), _t, _t)
+    elif moe:
+        fe = cfg.resolved_expert_dim
+        yield Tensor(pre + "block_sparse_moe.gate.weight", (cfg.num_experts, d), f"{stack}.mlp.router", (j,),
+                     _t, _t)
+        for e in range(cfg.num_experts):
+            ex = pre + f"block_sparse_moe.experts.{e}."
+            yield Tensor(ex + "w1.weight", (fe, d), f"{stack}.mlp.wi_gate", (j, e), _t, _t)
+            yield Tensor(ex + "w2.weight", (d, fe), f"{stack}.mlp.wo", (j, e), _t, _t)
+            yield Tensor(ex + "w3.weight", (fe, d), f"{stack}.mlp.wi_up", (j, e), _t, _t)
+    else:
+        yield Tensor(pre + "mlp.gate_proj.weight", (f, d), f"{stack}.mlp.wi_gate", (j,), _t, _t)
+        yield Tensor(pre + "mlp.up_proj.weight", (f, d), f"{stack}.mlp.wi_up", (j,), _t, _t)
+        yield Tensor(pre + "mlp.down_proj.weight", (d, f), f"{stack}.mlp.wo", (j,), _t, _t)
