@@ -158,7 +158,7 @@ class Transformer(nnx.Module):
     def mtp_hidden(self, residual: jax.Array, tokens: jax.Array, positions: jax.Array | None = None,
                    segment_ids: jax.Array | None = None) -> tuple[list[jax.Array], dict[str, jax.Array]]:
         """Multi-token prediction from the stack's output ``residual`` (before the final norm): the normed hidden
-        states of each depth k = 1..mtp_depth, whose position i predicts the token k + 1 after the next (the
+        states of each depth k = 1..mtp_depth, whose position i predicts token i + k + 1 (the
         row rolled by k; the caller masks what wrapped around or crossed a document), and the routing stats of
         the modules' blocks stacked [depths, ...]."""
         if positions is None:
