@@ -14,7 +14,6 @@ One subprocess per compile (``plan_validation.compile_one``).
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import platform
@@ -23,7 +22,7 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 sys.path.insert(0, ROOT)
-from plan_validation import GIB, TOLERANCE, _commit, compile_one, estimate_of  # noqa: E402
+from plan_validation import GIB, TOLERANCE, _commit, arguments, compile_one, estimate_of  # noqa: E402
 
 LENGTHS = (8192, 32768, 131072)
 SEQUENCE = (1, 2, 4, 8)
@@ -37,11 +36,7 @@ def overrides(length: int, sequence: int) -> list[str]:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "context_parallel.md"))
-    parser.add_argument("--estimate-only", action="store_true",
-                        help="keep the compiled numbers of the .json beside --out, recompute the estimates")
-    args = parser.parse_args()
+    args = arguments(__doc__, "context_parallel.md")
     stored = os.path.splitext(args.out)[0] + ".json"
     compiled = {}
     if args.estimate_only:

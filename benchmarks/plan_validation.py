@@ -68,12 +68,18 @@ def estimate_of(config: str, devices: int, overrides: list[str]):
     return sizes, estimate(cfg, sizes, gpu("h100"), cpu_program=True)
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "plan_validation.md"))
+def arguments(doc: str, table: str) -> argparse.Namespace:
+    """The command line of a planner benchmark: where its table goes (``--out``, default benchmarks/TABLE; the
+    .json beside it holds the rows) and ``--estimate-only``."""
+    parser = argparse.ArgumentParser(description=doc.split("\n")[0])
+    parser.add_argument("--out", default=os.path.join(ROOT, "benchmarks", table))
     parser.add_argument("--estimate-only", action="store_true",
                         help="keep the compiled numbers of the .json beside --out, recompute the estimates")
-    args = parser.parse_args()
+    return parser.parse_args()
+
+
+def main() -> int:
+    args = arguments(__doc__, "plan_validation.md")
     compiled = {}
     if args.estimate_only:
         with open(os.path.splitext(args.out)[0] + ".json") as f:

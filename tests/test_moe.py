@@ -363,8 +363,10 @@ def _skewed_state(cfg):
     return state
 
 
-def _max_loads(coefficient: float, steps: int) -> list[float]:
-    cfg = tiny_config(model=MOE, train=dict(steps=steps, router_aux_loss=coefficient, router_z_loss=0.0),
+def _skewed_run(steps: int, model: dict, train: dict, first_step=None) -> tuple[list[float], state_lib.TrainState]:
+    """``steps`` train steps of the tiny MoE from the skewed start: (moe_max_load of each step, the last state).
+    ``first_step(setup, state, batch, new_state)`` checks the first step (one more compile, so once)."""
+    cfg = tiny_config(model=model, train=dict(steps=steps, router_z_loss=0.0, **train),
                       optimizer=dict(learning_rate=1e-3, warmup_steps=1, min_lr_ratio=1.0))
     setup = state_lib.setup(cfg, "xla")
     step = jax.jit(lambda s, b: train_step(setup, s, b))
@@ -372,13 +374,22 @@ def _max_loads(coefficient: float, steps: int) -> list[float]:
     state, loads = _skewed_state(cfg), []
     for i in range(steps):
         batch = {k: jnp.asarray(v) for k, v in source.rows(np.arange(8 * i, 8 * i + 8)).items()}
-        if i == 0 and coefficient:  # the skewed router gets gradients (checked once: it is one more compile)
-            grads = jax.jit(lambda p, b: gradients(setup, p, b)[0])(state.params, batch)
-            router_grad = np.asarray(grads["moe_layers"]["mlp"]["router"].get_value())
-            assert np.all(np.isfinite(router_grad)) and np.abs(router_grad).max() > 0
-        state, metrics = step(state, batch)
+        new_state, metrics = step(state, batch)
+        if i == 0 and first_step:
+            first_step(setup, state, batch, new_state)
+        state = new_state
         loads.append(float(metrics["moe_max_load"]))
-    return loads
+    return loads, state
+
+
+def _max_loads(coefficient: float, steps: int) -> list[float]:
+    def router_gets_gradients(setup, state, batch, _):
+        grads = jax.jit(lambda p, b: gradients(setup, p, b)[0])(state.params, batch)
+        router_grad = np.asarray(grads["moe_layers"]["mlp"]["router"].get_value())
+        assert np.all(np.isfinite(router_grad)) and np.abs(router_grad).max() > 0
+
+    return _skewed_run(steps, MOE, dict(router_aux_loss=coefficient),
+                       router_gets_gradients if coefficient else None)[0]
 
 
 @pytest.mark.slow
@@ -478,23 +489,14 @@ def test_sigmoid_router_with_bias_and_groups_matches_deepseek_v3():
 
 
 def _deepseek_max_loads(rate: float, steps: int) -> tuple[list[float], jax.Array]:
-    model = dict(MOE, router="sigmoid", num_kv_heads=4)
-    cfg = tiny_config(model=model, train=dict(steps=steps, router_aux_loss=0.0, router_z_loss=0.0,
-                                              router_bias_rate=rate),
-                      optimizer=dict(learning_rate=1e-3, warmup_steps=1, min_lr_ratio=1.0))
-    setup = state_lib.setup(cfg, "xla")
-    step = jax.jit(lambda s, b: train_step(setup, s, b))
-    source = SyntheticSource(256, 32, 0)
-    state, loads = _skewed_state(cfg), []
-    for i in range(steps):
-        batch = {k: jnp.asarray(v) for k, v in source.rows(np.arange(8 * i, 8 * i + 8)).items()}
-        state, metrics = step(state, batch)
-        loads.append(float(metrics["moe_max_load"]))
-        if i == 0:
-            bias = np.asarray(state.params["moe_layers"]["mlp"]["router_bias"].get_value())
-            # one step from zero: +rate for the experts below the mean load, -rate for those above
-            assert set(np.unique(np.abs(bias)).tolist()) <= {0.0, np.float32(rate)}
-            assert rate == 0 or bias[:, 0].tolist() == [-np.float32(rate)] * 2  # the skewed start overloads 0
+    def one_step_from_zero(setup, state, batch, new_state):
+        bias = np.asarray(new_state.params["moe_layers"]["mlp"]["router_bias"].get_value())
+        # +rate for the experts below the mean load, -rate for those above
+        assert set(np.unique(np.abs(bias)).tolist()) <= {0.0, np.float32(rate)}
+        assert rate == 0 or bias[:, 0].tolist() == [-np.float32(rate)] * 2  # the skewed start overloads 0
+
+    loads, state = _skewed_run(steps, dict(MOE, router="sigmoid", num_kv_heads=4),
+                               dict(router_aux_loss=0.0, router_bias_rate=rate), one_step_from_zero)
     return loads, state.params["moe_layers"]["mlp"]["router_bias"].get_value()
 
 

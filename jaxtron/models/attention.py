@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 
 from jaxtron.config.schema import ExecutionConfig, ModelConfig
@@ -14,7 +15,24 @@ from jaxtron.ops import attention as attention_ops
 from jaxtron.ops import fp8 as fp8_ops
 
 
-class Attention(nnx.Module):
+class _SelfAttention(nnx.Module):
+    """What both attentions share: how they run (compute dtype, kernel, packed-document limit) and the kernel
+    call."""
+
+    def _runs(self, cfg: ModelConfig, run: ExecutionConfig, implementation: str) -> None:
+        self.cfg = cfg
+        self.dtype = compute_dtype(run)
+        self.max_segments = run.attention_max_segments
+        self.implementation = implementation
+
+    def _attend(self, q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array,
+                segment_ids: jax.Array | None) -> jax.Array:
+        return attention_ops.dot_product_attention(q, k, v, implementation=self.implementation,
+                                                   segment_ids=segment_ids, positions=positions,
+                                                   max_segments=self.max_segments)
+
+
+class Attention(_SelfAttention):
     def __init__(self, cfg: ModelConfig, run: ExecutionConfig, rngs: nnx.Rngs, implementation: str):
         d, n, g, h = cfg.embed_dim, cfg.num_heads, cfg.num_kv_heads, cfg.resolved_head_dim
         out_std = cfg.init_std / math.sqrt(2 * cfg.num_layers)
@@ -25,10 +43,7 @@ class Attention(nnx.Module):
         # Qwen3: each head's queries and keys RMS-normalised (one scale of head_dim, shared by the heads)
         self.q_norm = Norm(cfg, run, size=h, kind="rmsnorm") if cfg.qk_norm else None
         self.k_norm = Norm(cfg, run, size=h, kind="rmsnorm") if cfg.qk_norm else None
-        self.cfg = cfg
-        self.dtype = compute_dtype(run)
-        self.max_segments = run.attention_max_segments
-        self.implementation = implementation
+        self._runs(cfg, run, implementation)
 
     def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array | None,
                  fp8: bool = False) -> jax.Array:
@@ -42,13 +57,10 @@ class Attention(nnx.Module):
             inv_freq, scale = rope_frequencies(self.cfg), rope_attention_factor(self.cfg)
             q = apply_rope(q, positions, inv_freq, scale)
             k = apply_rope(k, positions, inv_freq, scale)
-        out = attention_ops.dot_product_attention(q, k, v, implementation=self.implementation,
-                                                  segment_ids=segment_ids, positions=positions,
-                                                  max_segments=self.max_segments)
-        return einsum("btnh,nhd->btd", out, self.wo[...].astype(dt))
+        return einsum("btnh,nhd->btd", self._attend(q, k, v, positions, segment_ids), self.wo[...].astype(dt))
 
 
-class LatentAttention(nnx.Module):
+class LatentAttention(_SelfAttention):
     """Multi-head latent attention (DeepSeek-V2/V3): queries from a low-rank projection (``q_lora_rank``, or one
     full-rank matrix), keys and values from one normed latent of ``kv_lora_rank`` per token. Each head's query and
     key are ``head_dim`` wide without rotation plus ``qk_rope_head_dim`` rotated; the key's rotated part comes
@@ -74,10 +86,7 @@ class LatentAttention(nnx.Module):
         self.wkv_b = param(rngs, (cfg.kv_lora_rank, n, cfg.resolved_head_dim + v), ("latent", "heads", "head_dim"),
                            cfg.init_std)
         self.wo = param(rngs, (n, v, d), ("heads", "head_dim", "embed"), out_std)
-        self.cfg = cfg
-        self.dtype = compute_dtype(run)
-        self.max_segments = run.attention_max_segments
-        self.implementation = implementation
+        self._runs(cfg, run, implementation)
 
     def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array | None,
                  fp8: bool = False) -> jax.Array:
@@ -93,18 +102,16 @@ class LatentAttention(nnx.Module):
         inv_freq, scale = rope_frequencies(cfg, cfg.qk_rope_head_dim), rope_attention_factor(cfg)
         q_rope = apply_rope(q[..., nope:], positions, inv_freq, scale)
         k_rope = apply_rope(latent[:, :, None, rank:], positions, inv_freq, scale)
-        k_rope = jax.numpy.broadcast_to(k_rope, (*kv.shape[:3], cfg.qk_rope_head_dim))
+        k_rope = jnp.broadcast_to(k_rope, (*kv.shape[:3], cfg.qk_rope_head_dim))
         softmax = mla_softmax_factor(cfg)
-        q = jax.numpy.concatenate([q[..., :nope], q_rope], axis=-1)
+        q = jnp.concatenate([q[..., :nope], q_rope], axis=-1)
         if softmax != 1.0:
-            q = q * jax.numpy.asarray(softmax, q.dtype)
-        k = jax.numpy.concatenate([kv[..., :nope], k_rope], axis=-1)
+            q = q * jnp.asarray(softmax, q.dtype)
+        k = jnp.concatenate([kv[..., :nope], k_rope], axis=-1)
         v = kv[..., nope:]
         if v_dim < cfg.qk_head_dim:
-            v = jax.numpy.pad(v, ((0, 0), (0, 0), (0, 0), (0, cfg.qk_head_dim - v_dim)))
-        out = attention_ops.dot_product_attention(q, k, v, implementation=self.implementation,
-                                                  segment_ids=segment_ids, positions=positions,
-                                                  max_segments=self.max_segments)
+            v = jnp.pad(v, ((0, 0), (0, 0), (0, 0), (0, cfg.qk_head_dim - v_dim)))
+        out = self._attend(q, k, v, positions, segment_ids)
         return einsum("btnh,nhd->btd", out[..., :v_dim], self.wo[...].astype(dt))
 
 

@@ -78,12 +78,13 @@ def balance_router_bias(params: Any, block_load: jax.Array, rate: float) -> tupl
 
 def loss_sums(params: Any, graphdef: Any, batch: Batch, z_loss: float, logit_chunks: int = 1,
               router_aux_loss: float = 0.0, router_z_loss: float = 0.0,
-              stack_runner: Any = None, mtp_loss: float = 0.0) -> tuple[jax.Array, tuple]:
+              stack_runner: Any = None, mtp_loss: float | None = None) -> tuple[jax.Array, tuple]:
     """(objective summed over tokens, (cross-entropy sum, token count, MoE and MTP metrics)).
 
     Sums rather than means so microbatches add up exactly to the large batch. The MoE auxiliary losses are
     means over the batch, so they enter the objective multiplied by the token count; so does multi-token
-    prediction, ``mtp_loss`` times the mean over depths of each depth's mean cross-entropy (``mtp_loss`` metric).
+    prediction, ``mtp_loss`` times the mean over depths of each depth's mean cross-entropy (``mtp_loss`` metric);
+    None skips the prediction modules (validation: their losses are training only).
     """
     model = nnx.merge(graphdef, params)
     tokens, positions, segments = batch["inputs"], batch.get("positions"), batch.get("segment_ids")
@@ -91,14 +92,13 @@ def loss_sums(params: Any, graphdef: Any, batch: Batch, z_loss: float, logit_chu
     x = model.final_norm(residual)
     weights = batch.get("loss_mask")
     weights = jnp.ones(batch["targets"].shape, jnp.float32) if weights is None else weights.astype(jnp.float32)
-    sums = functools.partial(_token_sums) if logit_chunks == 1 else \
-        functools.partial(_chunked_token_sums, chunks=logit_chunks)
+    sums = _token_sums if logit_chunks == 1 else functools.partial(_chunked_token_sums, chunks=logit_chunks)
     head = model.output_head()
     ce_sum, z_sum = sums(x, head, batch["targets"], weights)
     objective = ce_sum + z_loss * z_sum if z_loss else ce_sum
     count = jnp.sum(weights)
     extra = {}
-    if model.mtp is not None:
+    if model.mtp is not None and mtp_loss is not None:
         outputs, mtp_stats = model.mtp_hidden(residual, tokens, positions, segments)
         stats = {k: jnp.concatenate([stats[k], mtp_stats[k]]) for k in stats} if stats else stats
         means = []
@@ -202,7 +202,7 @@ def train_step(setup: Setup, state: TrainState, batch: Batch,
 def eval_step(setup: Setup, params: Any, batch: Batch) -> dict[str, jax.Array]:
     """Summed cross-entropy and token count of a batch (no gradients)."""
     _, (ce_sum, count, _) = loss_sums(params, setup.graphdef, batch, 0.0, setup.logit_chunks,
-                                      stack_runner=setup.stack_runner)  # MTP's losses are training only
+                                      stack_runner=setup.stack_runner)
     return {"ce_sum": ce_sum, "count": count}
 
 

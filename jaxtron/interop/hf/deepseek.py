@@ -83,37 +83,31 @@ def attention_tensors(cfg: ModelConfig, pre: str, stack: str, j: int, tensor: Ca
 
     if cfg.q_lora_rank:
         r = cfg.q_lora_rank
-        yield tensor(pre + "self_attn.q_a_proj.weight", (r, d), att + "wq_a", (j,), lambda x: x.T, lambda x: x.T)
-        yield tensor(pre + "self_attn.q_a_layernorm.weight", (r,), att + "q_norm.scale", (j,), *_same)
+        yield tensor(pre + "self_attn.q_a_proj.weight", (r, d), att + "wq_a", (j,), *TRANSPOSE)
+        yield tensor(pre + "self_attn.q_a_layernorm.weight", (r,), att + "q_norm.scale", (j,), *SAME)
         yield tensor(pre + "self_attn.q_b_proj.weight", (n * qk, r), att + "wq_b", (j,), *query(r))
     else:
         yield tensor(pre + "self_attn.q_proj.weight", (n * qk, d), att + "wq", (j,), *query(d))
     yield tensor(pre + "self_attn.kv_a_proj_with_mqa.weight", (rank + rope, d), att + "wkv_a", (j,),
                  lambda x: x.T[:, kv_order], lambda x: x[:, kv_back].T)
-    yield tensor(pre + "self_attn.kv_a_layernorm.weight", (rank,), att + "kv_norm.scale", (j,), *_same)
+    yield tensor(pre + "self_attn.kv_a_layernorm.weight", (rank,), att + "kv_norm.scale", (j,), *SAME)
     yield tensor(pre + "self_attn.kv_b_proj.weight", (n * (nope + v), rank), att + "wkv_b", (j,),
                  lambda x: x.T.reshape(rank, n, nope + v), lambda x: x.reshape(rank, n * (nope + v)).T)
     yield tensor(pre + "self_attn.o_proj.weight", (d, n * v), att + "wo", (j,),
                  lambda x: x.T.reshape(n, v, d), lambda x: x.reshape(n * v, d).T)
 
 
-def moe_tensors(cfg: ModelConfig, pre: str, stack: str, j: int, tensor: Callable) -> Iterator:
-    """The router, balancing bias, routed experts and shared expert of MoE block ``pre``."""
-    d, f, e = cfg.embed_dim, cfg.resolved_expert_dim, cfg.num_experts
-    t = (lambda x: x.T, lambda x: x.T)
+def moe_extras(cfg: ModelConfig, pre: str, stack: str, j: int, tensor: Callable) -> Iterator:
+    """What a DeepSeek-V3 MoE block has besides Qwen3-MoE's router and experts: the balancing bias and the
+    shared expert."""
+    d = cfg.embed_dim
     mlp = f"{stack}.mlp."
-    yield tensor(pre + "mlp.gate.weight", (e, d), mlp + "router", (j,), *t)
-    yield tensor(pre + "mlp.gate.e_score_correction_bias", (e,), mlp + "router_bias", (j,), *_same)
-    for x in range(e):
-        ex = pre + f"mlp.experts.{x}."
-        yield tensor(ex + "gate_proj.weight", (f, d), mlp + "wi_gate", (j, x), *t)
-        yield tensor(ex + "up_proj.weight", (f, d), mlp + "wi_up", (j, x), *t)
-        yield tensor(ex + "down_proj.weight", (d, f), mlp + "wo", (j, x), *t)
+    yield tensor(pre + "mlp.gate.e_score_correction_bias", (cfg.num_experts,), mlp + "router_bias", (j,), *SAME)
     if cfg.shared_experts:
-        s = cfg.shared_experts * f
-        yield tensor(pre + "mlp.shared_experts.gate_proj.weight", (s, d), mlp + "shared.wi_gate", (j,), *t)
-        yield tensor(pre + "mlp.shared_experts.up_proj.weight", (s, d), mlp + "shared.wi_up", (j,), *t)
-        yield tensor(pre + "mlp.shared_experts.down_proj.weight", (d, s), mlp + "shared.wo", (j,), *t)
+        s = cfg.shared_experts * cfg.resolved_expert_dim
+        yield tensor(pre + "mlp.shared_experts.gate_proj.weight", (s, d), mlp + "shared.wi_gate", (j,), *TRANSPOSE)
+        yield tensor(pre + "mlp.shared_experts.up_proj.weight", (s, d), mlp + "shared.wi_up", (j,), *TRANSPOSE)
+        yield tensor(pre + "mlp.shared_experts.down_proj.weight", (d, s), mlp + "shared.wo", (j,), *TRANSPOSE)
 
 
 def mtp_tensors(cfg: ModelConfig, pre: str, k: int, tensor: Callable) -> Iterator:
@@ -121,13 +115,14 @@ def mtp_tensors(cfg: ModelConfig, pre: str, k: int, tensor: Callable) -> Iterato
     norms, the projection of [embedding; hidden] and the final norm, and the copies of the token embedding and
     output head that DeepSeek's checkpoints keep in every module (jaxtron shares the model's)."""
     d, v = cfg.embed_dim, cfg.vocab_size
-    yield tensor(pre + "embed_tokens.weight", (v, d), "embedding", (), *_same, copy=True)
-    yield tensor(pre + "enorm.weight", (d,), "mtp.embed_norm.scale", (k,), *_same)
-    yield tensor(pre + "hnorm.weight", (d,), "mtp.hidden_norm.scale", (k,), *_same)
-    yield tensor(pre + "eh_proj.weight", (d, 2 * d), "mtp.proj", (k,), lambda x: x.T, lambda x: x.T)
-    yield tensor(pre + "shared_head.norm.weight", (d,), "mtp.norm.scale", (k,), *_same)
+    yield tensor(pre + "embed_tokens.weight", (v, d), "embedding", (), *SAME, copy=True)
+    yield tensor(pre + "enorm.weight", (d,), "mtp.embed_norm.scale", (k,), *SAME)
+    yield tensor(pre + "hnorm.weight", (d,), "mtp.hidden_norm.scale", (k,), *SAME)
+    yield tensor(pre + "eh_proj.weight", (d, 2 * d), "mtp.proj", (k,), *TRANSPOSE)
+    yield tensor(pre + "shared_head.norm.weight", (d,), "mtp.norm.scale", (k,), *SAME)
     yield tensor(pre + "shared_head.head.weight", (v, d), "embedding" if cfg.tie_embeddings else "head", (),
-                 *(_same if cfg.tie_embeddings else (lambda x: x.T, lambda x: x.T)), copy=True)
+                 *(SAME if cfg.tie_embeddings else TRANSPOSE), copy=True)
 
 
-_same = (lambda x: x, lambda x: x)
+SAME = (lambda x: x, lambda x: x)  # (to jaxtron, to Hugging Face) of a tensor stored alike in both
+TRANSPOSE = (lambda x: x.T, lambda x: x.T)  # of a matrix, [out, in] there and [in, out] here

@@ -200,7 +200,7 @@ def tensors(cfg: ModelConfig, hf: dict | None = None) -> Iterator[Tensor]:
     """Every tensor of the Hugging Face checkpoint of ``cfg``, in file order (``hf``: the config.json read, for
     DeepSeek-V3's ``rope_interleave``; an export writes interleaved rotary rows)."""
     d = cfg.embed_dim
-    same = (lambda x: x, lambda x: x)
+    same = deepseek.SAME
     yield Tensor("model.embed_tokens.weight", (cfg.vocab_size, d), "embedding", (), *same)
     seen = {"layers": 0, "moe_layers": 0}  # blocks of each stack so far: a block's index in its stack
     for i in range(cfg.num_layers):
@@ -222,7 +222,7 @@ def _block_tensors(cfg: ModelConfig, pre: str, stack: str, j: int, moe: bool, hf
     """The tensors of one block (HF prefix ``pre``), entry ``j`` of the jaxtron stack ``stack``."""
     d, n, g, h, f = cfg.embed_dim, cfg.num_heads, cfg.num_kv_heads, cfg.resolved_head_dim, cfg.mlp_dim
     family = _family(cfg)
-    same = (lambda x: x, lambda x: x)
+    same = deepseek.SAME
 
     def heads_in(count):  # [count*h, d] -> [d, count, h] (views, no copy)
         return lambda x: x.T.reshape(d, count, h), lambda x: _t(x.reshape(d, count * h))
@@ -241,25 +241,17 @@ def _block_tensors(cfg: ModelConfig, pre: str, stack: str, j: int, moe: bool, hf
         yield Tensor(pre + "self_attn.q_norm.weight", (h,), f"{stack}.attn.q_norm.scale", (j,), *same)
         yield Tensor(pre + "self_attn.k_norm.weight", (h,), f"{stack}.attn.k_norm.scale", (j,), *same)
     yield Tensor(pre + "post_attention_layernorm.weight", (d,), f"{stack}.mlp_norm.scale", (j,), *same)
-    if moe and family == "deepseek_v3":
-        yield from deepseek.moe_tensors(cfg, pre, stack, j, Tensor)
-    elif moe and family == "qwen3_moe":
+    if moe:  # Mixtral names its experts w1 (gate), w3 (up), w2 (down); Qwen3-MoE and DeepSeek-V3 as a Llama MLP
+        mixtral = family == "mixtral"
+        where = pre + ("block_sparse_moe." if mixtral else "mlp.")
+        names = ("w1", "w3", "w2") if mixtral else ("gate_proj", "up_proj", "down_proj")
         fe = cfg.resolved_expert_dim
-        yield Tensor(pre + "mlp.gate.weight", (cfg.num_experts, d), f"{stack}.mlp.router", (j,), _t, _t)
+        yield Tensor(where + "gate.weight", (cfg.num_experts, d), f"{stack}.mlp.router", (j,), _t, _t)
+        if family == "deepseek_v3":
+            yield from deepseek.moe_extras(cfg, pre, stack, j, Tensor)
         for e in range(cfg.num_experts):
-            ex = pre + f"mlp.experts.{e}."
-            yield Tensor(ex + "gate_proj.weight", (fe, d), f"{stack}.mlp.wi_gate", (j, e), _t, _t)
-            yield Tensor(ex + "up_proj.weight", (fe, d), f"{stack}.mlp.wi_up", (j, e), _t, _t)
-            yield Tensor(ex + "down_proj.weight", (d, fe), f"{stack}.mlp.wo", (j, e), _t, _t)
-    elif moe:
-        fe = cfg.resolved_expert_dim
-        yield Tensor(pre + "block_sparse_moe.gate.weight", (cfg.num_experts, d), f"{stack}.mlp.router", (j,),
-                     _t, _t)
-        for e in range(cfg.num_experts):
-            ex = pre + f"block_sparse_moe.experts.{e}."
-            yield Tensor(ex + "w1.weight", (fe, d), f"{stack}.mlp.wi_gate", (j, e), _t, _t)
-            yield Tensor(ex + "w2.weight", (d, fe), f"{stack}.mlp.wo", (j, e), _t, _t)
-            yield Tensor(ex + "w3.weight", (fe, d), f"{stack}.mlp.wi_up", (j, e), _t, _t)
+            for name, param, shape in zip(names, ("wi_gate", "wi_up", "wo"), ((fe, d), (fe, d), (d, fe))):
+                yield Tensor(where + f"experts.{e}.{name}.weight", shape, f"{stack}.mlp.{param}", (j, e), _t, _t)
     else:
         yield Tensor(pre + "mlp.gate_proj.weight", (f, d), f"{stack}.mlp.wi_gate", (j,), _t, _t)
         yield Tensor(pre + "mlp.up_proj.weight", (f, d), f"{stack}.mlp.wi_up", (j,), _t, _t)
