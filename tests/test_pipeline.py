@@ -76,10 +76,11 @@ def test_the_schedule_equals_the_layers_in_order(stages, virtual, microbatches, 
         np.testing.assert_allclose(grads[0][k], _stored(np.asarray(want_grads[0][k]), order), rtol=1e-5, atol=1e-5)
         assert not np.any(np.asarray(grads[0][k])[order < 0])
     np.testing.assert_allclose(grads[1], want_grads[1], rtol=1e-5, atol=1e-5)
-    # stats per microbatch (rows j, j + M, ...), each the mean over the periods
-    per_micro = [np.mean(reference(params, x[j::microbatches], positions[j::microbatches])[1]["mean"])
+    # stats per period in the model's order, each the mean over the microbatches (rows j, j + M, ...)
+    per_micro = [reference(params, x[j::microbatches], positions[j::microbatches])[1]["mean"]
                  for j in range(microbatches)]
-    np.testing.assert_allclose(stats["mean"], per_micro, rtol=1e-5, atol=1e-6)
+    assert stats["mean"].shape == (periods,)
+    np.testing.assert_allclose(stats["mean"], np.mean(per_micro, axis=0), rtol=1e-5, atol=1e-6)
     assert "collective-permute" in hlo  # activations move between stages by permutes
 
 
@@ -230,6 +231,50 @@ def test_experts_in_pipeline_stages_train_like_one_device(tmp_path):
               str(tmp_path / "pipe"), use_tqdm=False)
     for key in ("loss", "moe_aux_loss", "moe_max_load"):
         np.testing.assert_allclose([h[key] for h in got["history"]], [h[key] for h in ref["history"]], rtol=1e-5)
+
+
+@pytest.mark.slow
+def test_deepseek_trains_pipelined_like_one_device(tmp_path):
+    """DeepSeek-style: latent attention, a dense first block and a prediction module (both outside the
+    schedule, whole on every stage), four MoE blocks on 2 stages x 2 virtual stages (stored stage-major), each
+    block's router bias moved by its own load. One device runs the same two pipeline microbatches."""
+    from test_training import QWEN3_STYLE
+    model = dict(QWEN3_STYLE["deepseek_v3"], num_layers=5)
+    sections = dict(model=model, train=dict(global_batch_size=16, router_bias_rate=0.003))
+    ref = run(tiny_config(dict(fsdp=1), pipeline=dict(microbatches=2), **sections), str(tmp_path / "one"),
+              use_tqdm=False, devices=jax.devices()[:1])
+    got = run(tiny_config(dict(pipeline=2, fsdp=2, expert=2), pipeline=dict(microbatches=2, virtual_stages=2),
+                          **sections), str(tmp_path / "pipe"), use_tqdm=False)
+    expected = _losses(ref)
+    assert len(expected) == 3 and np.all(np.diff(expected) != 0)
+    np.testing.assert_allclose(_losses(got), expected, rtol=1e-5)
+    for key in ("mtp_loss", "moe_max_load", "moe_bias_spread"):
+        np.testing.assert_allclose([h[key] for h in got["history"]], [h[key] for h in ref["history"]], rtol=1e-5)
+    params, want = nnx.to_pure_dict(got["state"].params), nnx.to_pure_dict(ref["state"].params)
+    bias = to_natural(np.asarray(params["moe_layers"]["mlp"]["router_bias"]), [0, 2, 1, 3])
+    reference = np.asarray(want["moe_layers"]["mlp"]["router_bias"])
+    assert len({tuple(b) for b in reference}) == 4  # each block's bias went its own way
+    np.testing.assert_array_equal(bias, reference)
+    np.testing.assert_array_equal(params["mtp"]["block"]["mlp"]["router_bias"],
+                                  want["mtp"]["block"]["mlp"]["router_bias"])
+    # the dense block and the prediction module are whole on every stage; the MoE blocks split over them
+    prefix = got["state"].params["layers"]["mlp"]["wi_up"].get_value()
+    assert prefix.sharding.shard_shape(prefix.shape)[0] == 1
+    moe_bias = got["state"].params["moe_layers"]["mlp"]["router_bias"].get_value()
+    assert moe_bias.sharding.shard_shape(moe_bias.shape)[0] == 2
+
+
+def test_the_router_bias_moves_in_the_stored_order():
+    """A stage-major stack with an identity period: each stored block's bias follows its own block's load; the
+    identity period's stays zero."""
+    from jaxtron.training.step import balance_router_bias
+    load = jnp.asarray([[0.5, 0.5, 0.0], [0.0, 0.5, 0.5], [0.5, 0.0, 0.5]])  # blocks 0, 1, 2 in the model's order
+    params = nnx.State({"moe_layers": {"mlp": {"router_bias": nnx.Param(jnp.zeros((4, 3)))}}})
+    moved, spread = balance_router_bias(params, load, 0.1, order=[0, 2, 1, -1])
+    np.testing.assert_allclose(moved["moe_layers"]["mlp"]["router_bias"][...],
+                               [[-0.1, -0.1, 0.1], [-0.1, 0.1, -0.1], [0.1, -0.1, -0.1], [0, 0, 0]], atol=1e-7)
+    assert float(spread) == pytest.approx(0.2)
+    assert not np.any(params["moe_layers"]["mlp"]["router_bias"][...])  # the old state is left as it was
 
 
 @pytest.mark.slow

@@ -162,8 +162,19 @@ class ModelConfig:
         return self.moe_every if self.num_experts else 1
 
     @property
+    def prefix_layers(self) -> int:
+        """The dense blocks before the MoE ones (``first_dense_layers`` of an MoE model): a stack of their own,
+        run before the scanned periods (and before a pipeline schedule, on every stage)."""
+        return self.first_dense_layers if self.num_experts else 0
+
+    @property
+    def stack_periods(self) -> int:
+        """Periods of the scanned stack that a pipeline schedule runs: the blocks after the prefix."""
+        return (self.num_layers - self.prefix_layers) // self.period
+
+    @property
     def num_moe_layers(self) -> int:
-        return (self.num_layers - self.first_dense_layers) // self.moe_every if self.num_experts else 0
+        return (self.num_layers - self.prefix_layers) // self.moe_every if self.num_experts else 0
 
     def is_moe_block(self, i: int) -> bool:
         """Whether block i is MoE: after the ``first_dense_layers``, the last of every ``moe_every`` blocks."""

@@ -339,9 +339,9 @@ class Config:
         microbatch per stage, each microbatch divisible by the data-parallel size."""
         m, x = self.model, self.execution
         microbatches, virtual = self.pipeline.schedule(stages)
-        period = m.period
-        periods = m.num_layers // period
+        period, periods, prefix = m.period, m.stack_periods, m.prefix_layers
         unit = f"periods of model.moe_every={period} blocks" if period > 1 else "layers"
+        unit += f" after the {prefix} dense ones" if prefix else ""
         split = stages * virtual
         _check(periods % split == 0 or self.pipeline.uneven_stages, "model.num_layers",
                f"({m.num_layers}: {periods} {unit}) cannot be split into mesh.pipeline={stages} stages x "
@@ -353,14 +353,6 @@ class Config:
                f"pipeline.virtual_stages={virtual} with only identity layers", "use fewer stages or virtual stages")
         if stages == 1 and microbatches == 1:
             return
-        _check(not m.first_dense_layers, "model.first_dense_layers",
-               f"({m.first_dense_layers}) puts dense blocks before the MoE ones, which a pipelined stack cannot run "
-               "yet", "use mesh.pipeline=1 and pipeline.microbatches=1")
-        _check(not m.mtp_depth, "model.mtp_depth", f"({m.mtp_depth}) adds prediction modules after the stack, which "
-               "a pipelined stack cannot run yet", "set it to 0 or use mesh.pipeline=1 and pipeline.microbatches=1")
-        _check(not self.train.router_bias_rate, "train.router_bias_rate",
-               f"({self.train.router_bias_rate}) needs each block's expert loads, which a pipelined stack sums over "
-               "its stage", "set it to 0 or use mesh.pipeline=1 and pipeline.microbatches=1")
         _check(microbatches >= stages, "pipeline.microbatches",
                f"({microbatches}) cannot keep mesh.pipeline={stages} stages busy",
                f"set --config.pipeline.microbatches to at least {stages}")

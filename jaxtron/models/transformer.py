@@ -56,7 +56,7 @@ def layer_groups(cfg: ModelConfig, run: ExecutionConfig) -> list[tuple[int, int,
     last blocks keep 16-bit matmuls and the ones between use FP8 (expert GEMMs stay 16-bit). The
     ``first_dense_layers`` (all dense, before the MoE ones) are a run of their own."""
     n, skip = cfg.num_layers, run.fp8_skip_layers if run.fp8 else 0
-    cuts = sorted({0, n, cfg.first_dense_layers if cfg.num_experts else 0, skip, n - skip})
+    cuts = sorted({0, n, cfg.prefix_layers, skip, n - skip})
     return [(a, b, run.fp8 and skip <= a < n - skip) for a, b in zip(cuts, cuts[1:])]
 
 
@@ -108,14 +108,14 @@ class MTPModule(nnx.Module):
 
 
 def _stack(cfg: ModelConfig, run: ExecutionConfig, rngs: nnx.Rngs, attention_impl: str, count: int,
-           moe: bool, module: type = Block) -> nnx.Module | None:
-    """``count`` blocks (or MTP modules) with parameters stacked along the logical axis ``layers`` (None for
-    zero)."""
+           moe: bool, module: type = Block, axis: str = "layers") -> nnx.Module | None:
+    """``count`` blocks (or MTP modules) with parameters stacked along the logical axis ``axis`` (None for
+    zero): ``layers`` for the periods a pipeline schedule runs, ``unstaged_layers`` for those it does not."""
     if not count:
         return None
 
     @nnx.split_rngs(splits=count)
-    @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
+    @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: axis})
     def make(rngs: nnx.Rngs) -> nnx.Module:
         return Block(cfg, run, rngs, attention_impl, moe) if module is Block else module(cfg, run, rngs,
                                                                                         attention_impl)
@@ -130,12 +130,14 @@ class Transformer(nnx.Module):
         self.embedding = param(rngs, (v, d), ("vocab", "embed"), cfg.init_std)
         self.positions = param(rngs, (cfg.max_seq_len, d), ("position", "embed"), cfg.init_std) \
             if cfg.position_embedding == "learned" else None
-        # dense blocks in `layers`, MoE blocks in `moe_layers`, each in block order (see ModelConfig.is_moe_block)
+        # dense blocks in `layers`, MoE blocks in `moe_layers`, each in block order (see ModelConfig.is_moe_block);
+        # a dense prefix (which needs moe_every=1) is all of `layers`, run outside a pipeline schedule
         moe = cfg.num_moe_layers
-        self.layers = _stack(cfg, run, rngs, attention_impl, cfg.num_layers - moe, False)
+        self.layers = _stack(cfg, run, rngs, attention_impl, cfg.num_layers - moe, False,
+                             axis="unstaged_layers" if cfg.prefix_layers else "layers")
         self.moe_layers = _stack(cfg, run, rngs, attention_impl, moe, True)
         self.final_norm = Norm(cfg, run)
-        self.mtp = _stack(cfg, run, rngs, attention_impl, cfg.mtp_depth, False, MTPModule)
+        self.mtp = _stack(cfg, run, rngs, attention_impl, cfg.mtp_depth, False, MTPModule, "unstaged_layers")
         self.head = None if cfg.tie_embeddings else param(rngs, (d, v), ("embed", "vocab"), cfg.init_std)
 
     def __call__(self, tokens: jax.Array, positions: jax.Array | None = None,
@@ -177,13 +179,13 @@ class Transformer(nnx.Module):
                            segment_ids: jax.Array | None = None,
                            stack_runner: StackRunner | None = None) -> tuple[jax.Array, dict[str, jax.Array]]:
         """The stack's output (before the final norm) and the routing stats of the MoE blocks, each stacked along
-        its first axis (empty for a dense model; see ``jaxtron.models.moe.route``). and the routing stats of the MoE blocks, each stacked along its first axis (empty for a
-        dense model; see ``jaxtron.models.moe.route``).
+        its first axis (empty for a dense model; see ``jaxtron.models.moe.route``).
 
         ``stack_runner(body, x, stack, extras)`` runs the scanned stack: ``body(x, period, extras)`` applies one
         period (``moe_every`` blocks of an MoE model, else one block) given that period's slice of ``stack``;
         ``extras`` are the positions and segment ids, each with the batch as its first axis. The default scans
-        the periods in order (stats [MoE blocks, ...]); a pipeline schedule runs them on its stages instead."""
+        the periods in order; a pipeline schedule runs them on its stages instead (either gives stats [MoE
+        blocks, ...]). A dense prefix runs before, as a plain scan."""
         cfg = self.cfg
         dt = compute_dtype(self.run)
         if positions is None:
@@ -195,7 +197,7 @@ class Transformer(nnx.Module):
 
         # The scan runs periods of `moe_every` blocks (one block for a dense model): the dense ones, then MoE;
         # the first_dense_layers (dense, before any MoE block) run as a plain scan of their own.
-        period, prefix = cfg.period, cfg.first_dense_layers if cfg.num_experts else 0
+        period, prefix = cfg.period, cfg.prefix_layers
         dense_per_period = period - 1 if cfg.num_experts else 1
         dense_def, dense = nnx.split(self.layers) if self.layers is not None else (None, None)
         moe_def, moe = nnx.split(self.moe_layers) if self.moe_layers is not None else (None, None)
@@ -226,7 +228,7 @@ class Transformer(nnx.Module):
                     return None
                 if per == 1:
                     # all the periods: the stack as stored (a pipeline's may hold identity periods after them)
-                    whole = (first, end) == (0, (cfg.num_layers - prefix) // period)
+                    whole = (first, end) == (0, cfg.stack_periods)
                     return tree if whole else jax.tree.map(lambda a: a[first:end], tree)
                 return jax.tree.map(lambda a: a[first * per:end * per].reshape(end - first, per, *a.shape[1:]), tree)
 

@@ -28,6 +28,9 @@ RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     ("mlp", "tensor"),
     ("experts", "expert"),
     ("layers", "pipeline"),  # the stacked blocks: one contiguous block of periods per pipeline stage
+    # stacked blocks that run outside a pipeline schedule (an MoE model's dense prefix, the multi-token
+    # prediction modules): every stage holds them whole
+    ("unstaged_layers", None),
     ("norm", None),
     ("bias", None),  # vectors outside the gradient (the sigmoid router's balancing bias)
     ("position", None),

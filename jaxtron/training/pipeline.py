@@ -83,7 +83,8 @@ def _period_policy(policy: Callable | None, stages: int) -> Callable:
 @dataclasses.dataclass(frozen=True)
 class Schedule:
     """A runner of the model's layer stack (``Transformer.hidden_and_stats(stack_runner=...)``) on ``stages``
-    pipeline stages. Stats come back per microbatch, each the mean over the stack's periods."""
+    pipeline stages. Stats come back per period of the model ([periods, ...] in its order, as a plain scan
+    gives them), each the mean over the microbatches."""
 
     stages: int
     microbatches: int
@@ -116,23 +117,16 @@ class Schedule:
         period = jax.checkpoint(period, policy=_period_policy(self.remat_policy, s_), prevent_cse=False)
 
         def stage_period(h, stack_s, s, r, p, ex):
-            """Period p of round r on stage s; an identity period leaves h as it is and has no stats."""
+            """Period p of round r on stage s; an identity period leaves h as it is (its stats are dropped)."""
             out, stats = period(h, stack_s, r, p, ex)
             if not self.pads:
                 return out, stats
             real = (s * v_ + r) * per + p < real_periods
-            return jnp.where(real, out, h), jax.tree.map(lambda a: jnp.where(real, a, jnp.zeros_like(a)), stats)
+            return jnp.where(real, out, h), stats
 
         def stage_fn(stack_s, s, r, item):
             h, ex = item
-
-            def one(carry, p):
-                h, total = carry
-                h, stats = stage_period(h, stack_s, s, r, p, ex)
-                return (h, jax.tree.map(jnp.add, total, stats)), None
-
-            (h, stats), _ = jax.lax.scan(one, stage_period(h, stack_s, s, r, 0, ex), jnp.arange(1, per))
-            return h, stats
+            return jax.lax.scan(lambda h, p: stage_period(h, stack_s, s, r, p, ex), h, jnp.arange(per))
 
         mesh = jax.sharding.get_abstract_mesh()
         spmd = None if mesh.empty else spec_axes(logical_to_spec(("stages",)), 0) or None
@@ -163,12 +157,14 @@ class Schedule:
         iterations = m_ * v_ + s_ - 1
         with jax.named_scope(SCOPE):  # the loop's HLO ops carry the name (profiles find its iterations by it)
             (_, current), stats = jax.lax.scan(iteration, (on_stages(start), micro_x), jnp.arange(iterations))
-        # stats [iterations, S, ...] -> per microbatch: stage s at iteration t held microbatch (t - s) % M when
-        # 0 <= t - s < M * V, and nothing (fill or drain) otherwise
-        item = np.arange(iterations)[:, None] - np.arange(s_)[None, :]
-        owner = np.where((item >= 0) & (item < m_ * v_), item % m_, -1)
-        weights = jnp.asarray((owner[None] == np.arange(m_)[:, None, None]) / real_periods, jnp.float32)
-        stats = jax.tree.map(lambda a: jnp.einsum("mts,ts...->m...", weights, a.astype(jnp.float32)), stats)
+        # stats [iterations, S, P, ...] -> [periods, ...]: microbatch m's pass of round r over stage s happened in
+        # iteration r * M + m + s; stacked [M, V, S, P] its periods are in the order they ran ((r * S + s) * P + p),
+        # of which the identity ones (stored last) are left out
+        m, r, s = np.meshgrid(np.arange(m_), np.arange(v_), np.arange(s_), indexing="ij")
+        stored = (np.arange(s_)[None, :, None] * v_ + np.arange(v_)[:, None, None]) * per + np.arange(per)
+        real = np.nonzero(stored.reshape(-1) < real_periods)[0]  # [V, S, P] flat: the order they ran in
+        stats = jax.tree.map(lambda a: jnp.mean(a[r * m_ + m + s, s].astype(jnp.float32), axis=0)
+                             .reshape(v_ * s_ * per, *a.shape[3:])[real], stats)
         return join_rows(current), stats
 
 

@@ -56,17 +56,13 @@ def schedule(cfg: Config, stages: int) -> Schedule | None:
     if (stages, microbatches) == (1, 1):
         return None
     return Schedule(stages, microbatches, virtual, REMAT_POLICIES.get(cfg.execution.remat),
-                    padding(_periods(cfg), stages, virtual))
-
-
-def _periods(cfg: Config) -> int:
-    return cfg.model.num_layers // cfg.model.period
+                    padding(cfg.model.stack_periods, stages, virtual))
 
 
 def layer_order(cfg: Config, stages: int) -> tuple[int, ...]:
     """The order of the periods in the stored layer stack under this many pipeline stages (``PAD``: an
     identity period filling an uneven split)."""
-    return tuple(int(i) for i in storage_order(_periods(cfg), stages, cfg.pipeline.schedule(stages)[1]))
+    return tuple(int(i) for i in storage_order(cfg.model.stack_periods, stages, cfg.pipeline.schedule(stages)[1]))
 
 
 def _init_fn(cfg: Config, attention_impl: str, stages: int | None = None):

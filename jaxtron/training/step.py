@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import functools
 import time
-from typing import Any
+from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import nnx
 
@@ -57,22 +58,26 @@ def moe_metrics(stats: dict[str, jax.Array]) -> dict[str, jax.Array]:
             "block_load": stats["load"]}
 
 
-def balance_router_bias(params: Any, block_load: jax.Array, rate: float) -> tuple[Any, jax.Array]:
+def balance_router_bias(params: Any, block_load: jax.Array, rate: float,
+                        order: Sequence[int] | None = None) -> tuple[Any, jax.Array]:
     """Auxiliary-loss-free balancing: each MoE block's router bias moves ``rate`` up for the experts that got
-    less than the mean load in this step and down for those that got more (``block_load`` [MoE blocks, then the
-    MTP modules' blocks, experts]). -> (params with the new biases, the mean over blocks of each bias's spread,
-    max - min)."""
+    less than the mean load in this step and down for those that got more (``block_load`` [MoE blocks in the
+    model's order, then the MTP modules' blocks, experts]). ``order``: the period each stored position of the MoE
+    stack holds (``jaxtron.parallel.stages.storage_order``; None: natural); identity periods stay as they are.
+    -> (params with the new biases, the mean over blocks of each bias's spread, max - min)."""
     params = jax.tree.map(lambda x: x, params)  # a new State; the old one stays as it was
     step = rate * jnp.sign(jnp.mean(block_load, axis=-1, keepdims=True) - block_load)
     spreads, first = [], 0
-    for mlp in (params["moe_layers"]["mlp"], params["mtp"]["block"]["mlp"] if "mtp" in params else None):
-        if mlp is None:
-            continue
+    stacks = [(params["moe_layers"]["mlp"], order)] + ([(params["mtp"]["block"]["mlp"], None)] if "mtp" in params
+                                                         else [])
+    for mlp, stack_order in stacks:
         bias = mlp["router_bias"]
-        value = bias[...] + step[first:first + bias.shape[0]]
-        first += bias.shape[0]
+        stored = np.arange(bias.shape[0]) if stack_order is None else np.asarray(stack_order)
+        real = stored >= 0
+        value = bias[...] + jnp.where(real[:, None], step[first + np.maximum(stored, 0)], 0.0)
+        first += int(real.sum())
         mlp["router_bias"] = bias.replace(value)
-        spreads.append(jnp.max(value, axis=-1) - jnp.min(value, axis=-1))
+        spreads.append(jnp.max(value[real], axis=-1) - jnp.min(value[real], axis=-1))
     return params, jnp.mean(jnp.concatenate(spreads))
 
 
@@ -173,7 +178,8 @@ def train_step(setup: Setup, state: TrainState, batch: Batch,
     params = optax.apply_updates(state.params, updates)
     bias_spread = None
     if setup.router_bias_rate:  # outside the gradients: the router bias gets none, and no optimizer update
-        params, bias_spread = balance_router_bias(params, block_load, setup.router_bias_rate)
+        params, bias_spread = balance_router_bias(params, block_load, setup.router_bias_rate,
+                                                  setup.layer_order)
     # a non-finite loss or gradient skips this update: the state stays as it was, and is counted
     loss_finite, grads_finite = jnp.isfinite(loss), jnp.isfinite(grad_norm)
     finite = loss_finite & grads_finite
