@@ -346,9 +346,9 @@ class Config:
         _check(periods % split == 0 or self.pipeline.uneven_stages, "model.num_layers",
                f"({m.num_layers}: {periods} {unit}) cannot be split into mesh.pipeline={stages} stages x "
                f"pipeline.virtual_stages={virtual}", "choose stage and virtual stage counts whose product divides "
-               "it, or set --config.pipeline.uneven_stages=True to fill the last stage with identity layers")
+               "it, or set --config.pipeline.uneven_stages=True to fill the last stages up with identity layers")
         pads = -periods % split
-        _check(pads < (periods + pads) // stages, "model.num_layers",
+        _check(-(-pads // stages) < (periods + pads) // stages, "model.num_layers",  # (spread over the stages)
                f"({m.num_layers}: {periods} {unit}) would leave a stage of mesh.pipeline={stages} x "
                f"pipeline.virtual_stages={virtual} with only identity layers", "use fewer stages or virtual stages")
         if stages == 1 and microbatches == 1:

@@ -8,8 +8,8 @@ restore under another schedule moves the periods into the current one (``reorder
 export or fine-tuning are put back into the model's natural order the same way.
 
 With ``pipeline.uneven_stages`` the periods need not split evenly: the stack is filled up to the next multiple of
-stages x virtual stages with identity periods (``PAD`` in an order), stored at its end (the last stage's last
-slots). They are zeros, the schedule skips their effect on the hidden state, so they never receive a gradient;
+stages x virtual stages with identity periods (``PAD`` in an order), spread over the last stages, in the last
+slots of each (``identity_slots``). They are zeros, the schedule skips their effect on the hidden state, so they never receive a gradient;
 they cost a period's memory and compute each. A restore into a schedule with another number of them drops or adds
 them; export and fine-tuning never see them.
 """
@@ -34,16 +34,29 @@ def padding(periods: int, stages: int = 1, virtual_stages: int = 1) -> int:
     return -periods % (stages * virtual_stages)
 
 
-def storage_order(periods: int, stages: int = 1, virtual_stages: int = 1) -> np.ndarray:
-    """The natural period index stored at each position of the stage-major stack: ``stacked[i]`` holds period
-    ``storage_order(...)[i]``, or ``PAD`` for the identity periods that fill an uneven split (the last
-    positions). The identity when ``virtual_stages`` is 1 and the periods split evenly."""
+def identity_slots(periods: int, stages: int = 1, virtual_stages: int = 1) -> np.ndarray:
+    """Which slots of the padded stage-major stack hold identity periods: bool [stages, virtual stages, periods
+    per round]. They are spread over the last stages, one more on a stage than on any earlier one at most, each
+    stage's in its last slots."""
     pads = padding(periods, stages, virtual_stages)
     per = (periods + pads) // (stages * virtual_stages)
-    s, r, p = np.meshgrid(np.arange(stages), np.arange(virtual_stages), np.arange(per), indexing="ij")
-    slots = ((r * stages + s) * per + p).reshape(-1)[:periods]  # the padded stack's period at each position
+    on_stage = pads // stages + (np.arange(stages) >= stages - pads % stages)  # identity periods of each stage
+    slot = np.arange(virtual_stages * per).reshape(1, virtual_stages, per)  # a slot's place in its stage's block
+    return slot >= virtual_stages * per - on_stage[:, None, None]
+
+
+def storage_order(periods: int, stages: int = 1, virtual_stages: int = 1) -> np.ndarray:
+    """The natural period index stored at each position of the stage-major stack: ``stacked[i]`` holds period
+    ``storage_order(...)[i]``, or ``PAD`` for the identity periods that fill an uneven split (``identity_slots``).
+    The identity when ``virtual_stages`` is 1 and the periods split evenly."""
+    identity = identity_slots(periods, stages, virtual_stages)
+    s, r, p = np.meshgrid(*map(np.arange, identity.shape), indexing="ij")
+    ran = ((r * stages + s) * identity.shape[2] + p).reshape(-1)  # when each stored slot runs in a pass
+    real = ~identity.reshape(-1)
     # the model's periods run in the padded stack's order, skipping the identity ones
-    return np.concatenate([np.argsort(np.argsort(slots)), np.full(pads, PAD)]).astype(np.int64)
+    order = np.full(ran.size, PAD, np.int64)
+    order[real] = np.argsort(np.argsort(ran[real]))
+    return order
 
 
 def _positions(saved: Sequence[int] | None, wanted: Sequence[int] | None) -> tuple[int, np.ndarray]:

@@ -181,10 +181,15 @@ def compile_report(cfg, sizes: dict[str, int], n: int, gpu, estimate) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from jaxtron.config.loader import HelpRequested
     from jaxtron.config.schema import ConfigError
 
     try:
         return run(sys.argv[1:] if argv is None else argv)
+    except HelpRequested as e:
+        print(f"usage: python -m jaxtron.plan --config=configs/X.py --gpus=N [--gpu=NAME] "
+              f"[--config.<section>.<field>=VALUE ...]\n\n{e}")
+        return 0
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

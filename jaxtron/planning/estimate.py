@@ -70,6 +70,12 @@ class Param:
 
     @property
     def in_blocks(self) -> bool:
+        """A stacked block parameter: of the periods a pipeline runs, or of the blocks outside it."""
+        return bool(self.names) and self.names[0] in ("layers", "unstaged_layers")
+
+    @property
+    def staged(self) -> bool:
+        """A parameter of the periods a pipeline schedule runs (each stage holds its own)."""
         return bool(self.names) and self.names[0] == "layers"
 
     def shard_elements(self, sizes: dict[str, int], without: tuple[str, ...] = ()) -> int:
@@ -152,9 +158,12 @@ def estimate(cfg: Config, sizes: dict[str, int], gpu: GPU, microbatches: int | N
     bubble = bubble_fraction(stages, in_flight, virtual)
     # an uneven split runs identity periods too (pipeline.uneven_stages): they cost a period's memory and work
     period = m.period
-    pads = padding(m.num_layers // period, stages, virtual)
+    pads = padding(m.stack_periods, stages, virtual)
     run_m = dataclasses.replace(m, num_layers=m.num_layers + pads * period) if pads else m  # the blocks run
-    layers_here = run_m.num_layers // stages  # the blocks this stage holds
+    # blocks outside the schedule (a dense prefix, the prediction modules): every stage runs them on its rows
+    outside = m.prefix_layers + m.mtp_depth
+    staged_blocks = run_m.num_layers - m.prefix_layers
+    layers_here = staged_blocks // stages + outside  # the blocks this stage runs
     impl = cpu_implementation(run.attention, run.dtype, m.qk_head_dim, sizes["sequence"]) if cpu_program \
         else resolve_implementation(run.attention, run.dtype, m.qk_head_dim, sizes["sequence"], backend="gpu")
     T, S, E, F = sizes["tensor"], sizes["sequence"], sizes["expert"], sizes["fsdp"]
@@ -210,9 +219,12 @@ def estimate(cfg: Config, sizes: dict[str, int], gpu: GPU, microbatches: int | N
     # every iteration of the schedule leaves the saved values of the blocks the stage ran, the idle ones of the
     # fill and drain included (they compute on zeros): iterations x blocks of one pass, for a pipeline microbatch
     passes, per_pass = (iterations, virtual * stages) if pipelined else (1, 1)
-    memory["activations"] = float(passes * (run_m.num_layers // per_pass * (saved * c + xs * stack_copy
-                                                                        + saved_scores * 4.0)
-                                            + moe_layers // per_pass * moe_saved * c))
+    mtp_moe = m.mtp_depth if m.num_experts else 0
+    block_saved = saved * c + xs * stack_copy + saved_scores * 4.0
+    memory["activations"] = float(passes * (staged_blocks // per_pass * block_saved
+                                            + moe_layers // per_pass * moe_saved * c)
+                                  # the blocks outside the schedule run once on all of its microbatches
+                                  + in_flight * (outside * block_saved + mtp_moe * moe_saved * c))
     if pipelined:  # the schedule's carries: each iteration's stage input, and every microbatch's latest output
         memory["pipeline_buffers"] = float((iterations + in_flight) * xs * work_c)
 
@@ -254,10 +266,16 @@ def estimate(cfg: Config, sizes: dict[str, int], gpu: GPU, microbatches: int | N
     forward_passes = 3 + (1 if run.remat == "full" else 0)  # forward, backward (twice the traffic), recompute
     # bytes per device: a tensor group of T devices shares its tokens and splits all of the work, the
     # residual-width values along the sequence and the head and MLP widths across
-    elementwise = (ELEMENTWISE_PASSES * forward_passes * run_m.num_layers * (h // T + nq + 2 * nk + ft) * c
-                   * step_tokens / (n_dev / T))
-    # the output head runs on every stage for its data-parallel rows (replicated over the pipeline axis)
-    matmul += hardware.get("logits", 0.0) * (stages - 1)
+    elementwise = (ELEMENTWISE_PASSES * forward_passes * (staged_blocks + outside * stages)
+                   * (h // T + nq + 2 * nk + ft) * c * step_tokens / (n_dev / T))
+    # the output head and the blocks outside the schedule run on every stage for its data-parallel rows
+    # (replicated over the pipeline axis)
+    if stages > 1:
+        inner = hardware_flops_breakdown(dataclasses.replace(run_m, num_layers=staged_blocks, first_dense_layers=0,
+                                                             mtp_depth=0), run, s, attention=impl)
+        repeated = {k: v - (inner[k] if k != "logits" else 0.0) for k, v in hardware.items()}
+        matmul += sum(v for k, v in repeated.items() if k != "attention_scores") * (stages - 1)
+        scores_flops += repeated["attention_scores"] * (stages - 1)
     time = {"matmul": matmul * step_tokens / n_dev / (peak * gpu.matmul_efficiency),
             "attention": scores_flops * step_tokens / n_dev / (peak * attention_eff),
             "elementwise": elementwise / gpu.hbm_bandwidth}
@@ -282,9 +300,9 @@ def estimate(cfg: Config, sizes: dict[str, int], gpu: GPU, microbatches: int | N
         return times * moved / bandwidth(axis)
 
     gathers = 2 * micro  # forward and the backward's recompute/use: the weights are gathered twice per step
-    gathered = {True: 0, False: 0}  # elements gathered over fsdp: the blocks' and the rest
+    gathered = {True: 0, False: 0}  # elements gathered over fsdp: the staged blocks' and the rest
     for p in params:
-        gathered[p.in_blocks] += p.shard_elements(sizes, without=("fsdp",))
+        gathered[p.staged] += p.shard_elements(sizes, without=("fsdp",))
     # a pipeline stage gathers its blocks' weights again for every pipeline microbatch that passes
     time["fsdp_comm"] = (ring("all-gather", "fsdp", work_c * gathered[True], gathers * in_flight)
                          + ring("all-gather", "fsdp", work_c * gathered[False], gathers)
@@ -314,7 +332,7 @@ def estimate(cfg: Config, sizes: dict[str, int], gpu: GPU, microbatches: int | N
     if moe_layers and E > 1:
         exchange = moe_rows * h * work_c
         time["expert_comm"] = ring("all-to-all", "expert", exchange,
-                                   2 * (layer_passes - 1) * moe_layers // stages * micro * in_flight)
+                                   2 * (layer_passes - 1) * (moe_layers // stages + mtp_moe) * micro * in_flight)
     else:
         time["expert_comm"] = 0.0
     # each schedule iteration moves one microbatch's activations a stage on (a permute) and writes the last

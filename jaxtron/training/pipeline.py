@@ -16,8 +16,9 @@ Reverse-mode differentiation of the loop is the backward pass in the reverse ord
 the activations of every iteration are kept, as the remat policy allows). The weights are not: each period
 slices its weights from the stage's stack inside a checkpoint that never keeps them (``_period_policy``), so
 the backward pass slices them again rather than every iteration keeping a copy of the periods it ran.
-Periods that do not split evenly are filled up with identity periods at the end of the stack (``pads``): they
-compute like any other, and their output is replaced by their input.
+Periods that do not split evenly are filled up with identity periods (``pads``, spread over the last stages:
+``jaxtron.parallel.stages.identity_slots``): they compute like any other, and their output is replaced by their
+input.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
 from jaxtron.parallel.sharding import constrain_leading, logical_to_spec, spec_axes
+from jaxtron.parallel.stages import identity_slots
 
 SCOPE = "pipeline_schedule"  # the named scope of the schedule's loop
 PICKED = "pipeline_period_weights"  # the name of the weights a stage picks for one period
@@ -90,7 +92,7 @@ class Schedule:
     microbatches: int
     virtual_stages: int = 1
     remat_policy: Callable | None = None  # the model's checkpoint policy (None: keep everything)
-    pads: int = 0  # identity periods at the end of the stored stack (an uneven split, ``parallel/stages.py``)
+    pads: int = 0  # identity periods in the stored stack (an uneven split, ``parallel/stages.py``)
 
     @property
     def bubble(self) -> float:
@@ -101,7 +103,7 @@ class Schedule:
         periods = jax.tree.leaves(stack)[0].shape[0]
         check_schedule(periods, s_, v_, m_)
         per = periods // (s_ * v_)
-        real_periods = periods - self.pads
+        identity = identity_slots(periods - self.pads, s_, v_)  # [S, V, P]: the slots of the identity periods
         # [S, V, P, ...]: the stage dimension over the pipeline axis (each stage's block stays where it is stored)
         staged = jax.tree.map(lambda a: constrain_leading(a.reshape(s_, v_, per, *a.shape[1:]), "stages"), stack)
         stage_ids = jnp.arange(s_)
@@ -121,8 +123,7 @@ class Schedule:
             out, stats = period(h, stack_s, r, p, ex)
             if not self.pads:
                 return out, stats
-            real = (s * v_ + r) * per + p < real_periods
-            return jnp.where(real, out, h), stats
+            return jnp.where(jnp.asarray(identity)[s, r, p], h, out), stats
 
         def stage_fn(stack_s, s, r, item):
             h, ex = item
@@ -159,10 +160,9 @@ class Schedule:
             (_, current), stats = jax.lax.scan(iteration, (on_stages(start), micro_x), jnp.arange(iterations))
         # stats [iterations, S, P, ...] -> [periods, ...]: microbatch m's pass of round r over stage s happened in
         # iteration r * M + m + s; stacked [M, V, S, P] its periods are in the order they ran ((r * S + s) * P + p),
-        # of which the identity ones (stored last) are left out
+        # of which the identity ones are left out
         m, r, s = np.meshgrid(np.arange(m_), np.arange(v_), np.arange(s_), indexing="ij")
-        stored = (np.arange(s_)[None, :, None] * v_ + np.arange(v_)[:, None, None]) * per + np.arange(per)
-        real = np.nonzero(stored.reshape(-1) < real_periods)[0]  # [V, S, P] flat: the order they ran in
+        real = np.nonzero(~identity.transpose(1, 0, 2).reshape(-1))[0]
         stats = jax.tree.map(lambda a: jnp.mean(a[r * m_ + m + s, s].astype(jnp.float32), axis=0)
                              .reshape(v_ * s_ * per, *a.shape[3:])[real], stats)
         return join_rows(current), stats
