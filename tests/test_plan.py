@@ -170,9 +170,12 @@ def test_pipeline_meshes_of_the_reference_tables_are_candidates_and_estimated():
     per_layer = [p.shard_elements(seed) for p in parameters(big.model) if p.in_blocks]
     assert sum(per_layer) == sum(p.shard_elements(dict(seed, pipeline=1)) for p in parameters(big.model)
                                  if p.in_blocks) * 16 // 126  # a stage's 16 layers, its identity ones included
-    layers = _config("llama3_8b")  # 32 layers on 24 stages would leave stages with identity layers only
+    layers = _config("llama3_8b")  # 32 layers on 64 stages would leave stages with identity layers only
     assert "with only identity layers" in search.layout_problem(
-        layers, dict(pipeline=24, data=1, fsdp=1, sequence=1, expert=1, tensor=1), H100)
+        layers, dict(pipeline=64, data=1, fsdp=1, sequence=1, expert=1, tensor=1), H100)
+    # on 16 stages they are 2 a stage; on 24 the 16 identity slots spread one each over the last 16 stages
+    assert estimate(layers, dict(pipeline=24, data=1, fsdp=1, sequence=1, expert=1, tensor=1), H100,
+                    pipeline_microbatches=32).identity_layers == 16
 
 
 def test_dominant_term_follows_the_bottleneck():
