@@ -4,6 +4,7 @@ of the same program (``estimate(..., cpu_program=True)``).
 
     python benchmarks/plan_validation.py --out benchmarks/plan_validation.md
     python benchmarks/plan_validation.py --estimate-only   # the compiled numbers of the .json, estimates anew
+    python benchmarks/plan_validation.py --recompile mesh.pipeline   # those pairs compiled anew, the rest kept
 
 Each pair runs twice: with the config's bfloat16 compute, and with float32 compute, where the CPU program
 holds the same dtypes a GPU's would (XLA:CPU converts 16-bit matmul operands to float32, see
@@ -68,22 +69,26 @@ def estimate_of(config: str, devices: int, overrides: list[str]):
     return sizes, estimate(cfg, sizes, gpu("h100"), cpu_program=True)
 
 
-def arguments(doc: str, table: str) -> argparse.Namespace:
+def arguments(doc: str, table: str, recompile: bool = False) -> argparse.Namespace:
     """The command line of a planner benchmark: where its table goes (``--out``, default benchmarks/TABLE; the
-    .json beside it holds the rows) and ``--estimate-only``."""
+    .json beside it holds the rows), ``--estimate-only`` and (``recompile``) ``--recompile``."""
     parser = argparse.ArgumentParser(description=doc.split("\n")[0])
     parser.add_argument("--out", default=os.path.join(ROOT, "benchmarks", table))
     parser.add_argument("--estimate-only", action="store_true",
                         help="keep the compiled numbers of the .json beside --out, recompute the estimates")
+    if recompile:
+        parser.add_argument("--recompile", metavar="TEXT", default=None,
+                            help="as --estimate-only, but compile anew the pairs with an override containing TEXT")
     return parser.parse_args()
 
 
 def main() -> int:
-    args = arguments(__doc__, "plan_validation.md")
+    args = arguments(__doc__, "plan_validation.md", recompile=True)
     compiled = {}
-    if args.estimate_only:
+    if args.estimate_only or args.recompile:
         with open(os.path.splitext(args.out)[0] + ".json") as f:
-            compiled = {(r["config"], r["devices"], tuple(r["overrides"])): r for r in json.load(f)}
+            compiled = {(r["config"], r["devices"], tuple(r["overrides"])): r for r in json.load(f)
+                        if not (args.recompile and any(args.recompile in o for o in r["overrides"]))}
     rows = []
     for config, devices, overrides in PAIRS:
         for dtype in ("bfloat16", "float32"):

@@ -7,6 +7,8 @@ config change, never a model change.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import math
 from typing import Any, Mapping, Sequence
 
@@ -53,6 +55,8 @@ RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
 )
 
 _RULES = dict(RULES)
+# whether ``activation_batch`` also splits over the mesh axes of ``stages`` (see ``batch_over_stages``)
+_BATCH_OVER_STAGES = contextvars.ContextVar("batch_over_stages", default=False)
 
 BATCH_AXES = ("activation_batch", "activation_length")
 # layout of a row's tokens over the shards of ``activation_length`` (see ``sequence_order``)
@@ -71,10 +75,30 @@ def logical_to_spec(names: Sequence[str | None]) -> PartitionSpec:
             raise KeyError(f"logical axis {name!r} has no rule in jaxtron.parallel.sharding.RULES")
         target = _RULES[name]
         axes = (target,) if isinstance(target, str) else tuple(target or ())
+        if name == "activation_batch" and _BATCH_OVER_STAGES.get():
+            axes += spec_axes(logical_to_spec(("stages",)), 0)
         axes = tuple(a for a in axes if a not in used)
         used.update(axes)
         spec.append(None if not axes else axes[0] if len(axes) == 1 else axes)
     return PartitionSpec(*spec)
+
+
+@contextlib.contextmanager
+def batch_over_stages(on: bool = True):
+    """Within this context (while tracing) the rows of ``activation_batch`` also split over the mesh axes of
+    ``stages``, the pipeline: the work outside a pipeline schedule (embedding, dense first blocks, output head,
+    loss, prediction modules) then runs on each stage for its share of the rows instead of on all of them. The
+    schedule turns it off for the stages' own work."""
+    token = _BATCH_OVER_STAGES.set(on)
+    try:
+        yield
+    finally:
+        _BATCH_OVER_STAGES.reset(token)
+
+
+def batch_split_over_stages() -> bool:
+    """Whether ``batch_over_stages`` is on."""
+    return _BATCH_OVER_STAGES.get()
 
 
 def spec_axes(spec: PartitionSpec, dim: int) -> tuple[str, ...]:

@@ -35,6 +35,7 @@ class DryRun:
     alias_bytes: int  # outputs written in place of donated inputs
     temp_bytes: int  # activations and working space
     collectives: dict[str, dict[str, float]]  # kind -> {"count", "bytes"} per step and device
+    flops: float  # per device and step, as XLA's cost analysis of the partitioned program counts them
 
     @property
     def peak_bytes(self) -> int:
@@ -73,7 +74,7 @@ def dry_run(cfg: Config, devices: list | None = None, implementation: str | None
     return DryRun(mesh=dict(mesh.shape), compile_s=compile_s,
                   argument_bytes=int(memory.argument_size_in_bytes), output_bytes=int(memory.output_size_in_bytes),
                   alias_bytes=int(memory.alias_size_in_bytes), temp_bytes=int(memory.temp_size_in_bytes),
-                  collectives=collectives(compiled.as_text()))
+                  collectives=collectives(compiled.as_text()), flops=float(compiled.cost_analysis()["flops"]))
 
 
 def describe(result: DryRun) -> str:

@@ -160,10 +160,9 @@ def estimate(cfg: Config, sizes: dict[str, int], gpu: GPU, microbatches: int | N
     period = m.period
     pads = padding(m.stack_periods, stages, virtual)
     run_m = dataclasses.replace(m, num_layers=m.num_layers + pads * period) if pads else m  # the blocks run
-    # blocks outside the schedule (a dense prefix, the prediction modules): every stage runs them on its rows
+    # blocks outside the schedule (a dense prefix, the prediction modules)
     outside = m.prefix_layers + m.mtp_depth
     staged_blocks = run_m.num_layers - m.prefix_layers
-    layers_here = staged_blocks // stages + outside  # the blocks this stage runs
     impl = cpu_implementation(run.attention, run.dtype, m.qk_head_dim, sizes["sequence"]) if cpu_program \
         else resolve_implementation(run.attention, run.dtype, m.qk_head_dim, sizes["sequence"], backend="gpu")
     T, S, E, F = sizes["tensor"], sizes["sequence"], sizes["expert"], sizes["fsdp"]
@@ -173,6 +172,11 @@ def estimate(cfg: Config, sizes: dict[str, int], gpu: GPU, microbatches: int | N
     t = s // S
     rows = cfg.train.global_batch_size // micro // dp  # rows per device and (accumulation) microbatch
     b = rows // in_flight  # rows each block call runs on (a pipeline microbatch)
+    # the work outside the schedule (embedding, those blocks, head, loss) splits its rows over the stages too
+    # where they divide (jaxtron.training.pipeline.Schedule.outside); else every stage runs all of its rows
+    spread = stages if stages > 1 and rows % stages == 0 else 1
+    outside_rows = rows / spread  # rows per device of the work outside the schedule
+    layers_here = staged_blocks // stages + outside / spread  # blocks this stage runs, in full-row equivalents
     h, f, d = m.embed_dim, m.mlp_dim, m.qk_head_dim  # latent attention: values padded to the query-key size
     nq, nk = m.num_heads * d // T, m.num_kv_heads * d // T
     ft = f // T
@@ -223,8 +227,8 @@ def estimate(cfg: Config, sizes: dict[str, int], gpu: GPU, microbatches: int | N
     block_saved = saved * c + xs * stack_copy + saved_scores * 4.0
     memory["activations"] = float(passes * (staged_blocks // per_pass * block_saved
                                             + moe_layers // per_pass * moe_saved * c)
-                                  # the blocks outside the schedule run once on all of its microbatches
-                                  + in_flight * (outside * block_saved + mtp_moe * moe_saved * c))
+                                  # the blocks outside the schedule run once on all of its rows
+                                  + in_flight / spread * (outside * block_saved + mtp_moe * moe_saved * c))
     if pipelined:  # the schedule's carries: each iteration's stage input, and every microbatch's latest output
         memory["pipeline_buffers"] = float((iterations + in_flight) * xs * work_c)
 
@@ -245,7 +249,7 @@ def estimate(cfg: Config, sizes: dict[str, int], gpu: GPU, microbatches: int | N
     vocab = m.vocab_size // T
     head_params = [p for p in params if not p.in_blocks and "vocab" in p.names]
     head_gathered = sum(p.shard_elements(sizes, without=("fsdp",)) for p in head_params)
-    loss_work = (LOGIT_COPIES * 4.0 * rows * t * vocab / cfg.train.logit_chunks
+    loss_work = (LOGIT_COPIES * 4.0 * outside_rows * t * vocab / cfg.train.logit_chunks
                  + head_gathered * (HEAD_COPIES * work_c + 4.0)
                  # a pipelined program on XLA:CPU copies the AdamW moments before the loss's backward pass
                  + (memory["optimizer"] if cpu_program and pipelined else 0.0))
@@ -266,11 +270,11 @@ def estimate(cfg: Config, sizes: dict[str, int], gpu: GPU, microbatches: int | N
     forward_passes = 3 + (1 if run.remat == "full" else 0)  # forward, backward (twice the traffic), recompute
     # bytes per device: a tensor group of T devices shares its tokens and splits all of the work, the
     # residual-width values along the sequence and the head and MLP widths across
-    elementwise = (ELEMENTWISE_PASSES * forward_passes * (staged_blocks + outside * stages)
+    elementwise = (ELEMENTWISE_PASSES * forward_passes * (staged_blocks + outside * stages / spread)
                    * (h // T + nq + 2 * nk + ft) * c * step_tokens / (n_dev / T))
-    # the output head and the blocks outside the schedule run on every stage for its data-parallel rows
-    # (replicated over the pipeline axis)
-    if stages > 1:
+    # unless the stages split their rows, the output head and the blocks outside the schedule run on every stage
+    # for its data-parallel rows (replicated over the pipeline axis)
+    if stages > 1 and spread == 1:
         inner = hardware_flops_breakdown(dataclasses.replace(run_m, num_layers=staged_blocks, first_dense_layers=0,
                                                              mtp_depth=0), run, s, attention=impl)
         repeated = {k: v - (inner[k] if k != "logits" else 0.0) for k, v in hardware.items()}
@@ -312,6 +316,9 @@ def estimate(cfg: Config, sizes: dict[str, int], gpu: GPU, microbatches: int | N
     for axis in replicated_over:  # gradients of what the axis does not shard are summed over it
         over = sum(p.shard_elements(sizes) for p in params if axis == "data" or "experts" not in p.names)
         grad_sync += ring("all-reduce", axis, 4.0 * over, micro)
+    if spread > 1:  # the stages' gradients of what they all hold (embedding, head, blocks outside) are summed
+        grad_sync += ring("all-reduce", "pipeline", 4.0 * sum(p.shard_elements(sizes) for p in params
+                                                             if not p.staged), micro)
     time["data_comm"] = grad_sync
     layer_passes = forward_passes  # forward, backward, recompute
     # per block: the attention and MLP outputs reduce-scattered and their normed inputs all-gathered over the
@@ -320,7 +327,7 @@ def estimate(cfg: Config, sizes: dict[str, int], gpu: GPU, microbatches: int | N
     tensor_reductions = (2 * (layer_passes - 2) + 4) * layers_here * micro * in_flight
     time["tensor_comm"] = (ring("reduce-scatter", "tensor", x * work_c, tensor_reductions)
                            + ring("all-gather", "tensor", x * work_c, tensor_reductions)
-                           + ring("all-reduce", "tensor", 4.0 * rows * t * h, micro))
+                           + ring("all-reduce", "tensor", 4.0 * outside_rows * t * h, micro))
     block_calls = layers_here * micro * in_flight
     if impl == "blockwise":  # keys and values gathered in the forward pass and its recomputation; their
         # gradients reduce-scattered back in the backward pass
@@ -332,7 +339,7 @@ def estimate(cfg: Config, sizes: dict[str, int], gpu: GPU, microbatches: int | N
     if moe_layers and E > 1:
         exchange = moe_rows * h * work_c
         time["expert_comm"] = ring("all-to-all", "expert", exchange,
-                                   2 * (layer_passes - 1) * (moe_layers // stages + mtp_moe) * micro * in_flight)
+                                   2 * (layer_passes - 1) * (moe_layers // stages + mtp_moe / spread) * micro * in_flight)
     else:
         time["expert_comm"] = 0.0
     # each schedule iteration moves one microbatch's activations a stage on (a permute) and writes the last
@@ -341,6 +348,8 @@ def estimate(cfg: Config, sizes: dict[str, int], gpu: GPU, microbatches: int | N
     if stages > 1:
         coll["collective-permute"] = 2.0 * iterations * micro * boundary
     time["pipeline_comm"] = 4.0 * iterations * micro * boundary / bandwidth("pipeline") if stages > 1 else 0.0
+    if spread > 1:  # the rows come together for the schedule and part after it: an all-gather each way
+        time["pipeline_comm"] += ring("all-gather", "pipeline", rows * t * h // T * work_c, 2 * micro)
     overlapped = ("fsdp_comm", "data_comm")
     exposed = ("matmul", "attention", "elementwise", "pipeline_bubble", "tensor_comm", "sequence_comm",
                "expert_comm", "pipeline_comm")

@@ -31,7 +31,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
-from jaxtron.parallel.sharding import constrain_leading, logical_to_spec, spec_axes
+from jaxtron.parallel.sharding import (batch_over_stages, batch_split_over_stages, constrain_leading, logical_to_spec,
+                                      shard_count, spec_axes)
 from jaxtron.parallel.stages import identity_slots
 
 SCOPE = "pipeline_schedule"  # the named scope of the schedule's loop
@@ -98,7 +99,22 @@ class Schedule:
     def bubble(self) -> float:
         return bubble_fraction(self.stages, self.microbatches, self.virtual_stages)
 
+    def outside(self, rows: int):
+        """The context for the work outside the schedule on a batch of ``rows``: its rows split over the stages
+        too (``batch_over_stages``), where they divide into the data-parallel size x stages."""
+        mesh = jax.sharding.get_abstract_mesh()
+        ways = 1 if mesh.empty else shard_count(dict(mesh.shape), "activation_batch") * self.stages
+        return batch_over_stages(self.stages > 1 and rows % ways == 0)
+
     def __call__(self, body: Body, x: jax.Array, stack: Any, extras: Any) -> tuple[jax.Array, dict]:
+        if not batch_split_over_stages():
+            return self._run(body, x, stack, extras)
+        with batch_over_stages(False):  # the rows come together for the schedule: each stage runs all of them
+            x, extras = jax.tree.map(lambda a: constrain_leading(a, "activation_batch"), (x, extras))
+            out, stats = self._run(body, x, stack, extras)
+            return constrain_leading(out, "activation_batch"), stats
+
+    def _run(self, body: Body, x: jax.Array, stack: Any, extras: Any) -> tuple[jax.Array, dict]:
         s_, v_, m_ = self.stages, self.virtual_stages, self.microbatches
         periods = jax.tree.leaves(stack)[0].shape[0]
         check_schedule(periods, s_, v_, m_)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import time
 from typing import Any, Sequence
@@ -15,7 +16,7 @@ from flax import nnx
 from jaxtron.models.transformer import logits_of
 from jaxtron.parallel.sharding import BATCH_AXES, constrain
 from jaxtron.training.optimizer import schedule_count
-from jaxtron.training.pipeline import split_rows
+from jaxtron.training.pipeline import Schedule, split_rows
 from jaxtron.training.state import Setup, TrainState
 
 Batch = dict[str, jax.Array]
@@ -91,6 +92,15 @@ def loss_sums(params: Any, graphdef: Any, batch: Batch, z_loss: float, logit_chu
     prediction, ``mtp_loss`` times the mean over depths of each depth's mean cross-entropy (``mtp_loss`` metric);
     None skips the prediction modules (validation: their losses are training only).
     """
+    outside = stack_runner.outside(batch["inputs"].shape[0]) if isinstance(stack_runner, Schedule) else \
+        contextlib.nullcontext()
+    with outside:  # a pipeline's stages split the rows of the work outside its schedule
+        return _loss_sums(params, graphdef, batch, z_loss, logit_chunks, router_aux_loss, router_z_loss,
+                          stack_runner, mtp_loss)
+
+
+def _loss_sums(params, graphdef, batch, z_loss, logit_chunks, router_aux_loss, router_z_loss, stack_runner,
+               mtp_loss):
     model = nnx.merge(graphdef, params)
     tokens, positions, segments = batch["inputs"], batch.get("positions"), batch.get("segment_ids")
     residual, stats = model.residual_and_stats(tokens, positions, segments, stack_runner)
