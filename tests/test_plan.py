@@ -69,6 +69,21 @@ def test_dry_run_memory_and_collectives_follow_the_mesh():
     assert np.isfinite(moe.compile_s) and jax.device_count() == 8
 
 
+@pytest.mark.parametrize("mesh,schedule", [(dict(pipeline=4, fsdp=2), dict(microbatches=4)),
+                                           (dict(pipeline=2, fsdp=4), dict(microbatches=4, virtual_stages=2))])
+def test_pipelined_collectives_are_estimated_iteration_by_iteration(mesh, schedule):
+    """A stage gathers its blocks' weights over fsdp, and reduce-scatters their gradients, in every iteration of
+    the schedule, the fill and drain included (4 stages x 4 microbatches: 7 iterations for 4 microbatches)."""
+    cfg = tiny_config(mesh, model=dict(embed_dim=256, mlp_dim=512, num_layers=8), train=dict(global_batch_size=16),
+                      pipeline=schedule)
+    compiled = {k: v["bytes"] for k, v in dry_run(cfg).collectives.items()}
+    est = estimate(cfg, cfg.check_devices(8), H100, cpu_program=True).collectives
+    assert est["all-gather"] == pytest.approx(compiled["all-gather"], rel=0.1)
+    # XLA:CPU reduces with all-reduce where a GPU reduce-scatters
+    assert est["all-reduce"] + est["reduce-scatter"] == pytest.approx(
+        compiled["all-reduce"] + compiled["reduce-scatter"], rel=0.1)
+
+
 # --- the analytic estimate, the mesh search and the CLI ---
 
 import dataclasses  # noqa: E402

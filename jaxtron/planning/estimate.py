@@ -156,6 +156,9 @@ def estimate(cfg: Config, sizes: dict[str, int], gpu: GPU, microbatches: int | N
     pipelined = (stages, in_flight) != (1, 1)
     iterations = in_flight * virtual + stages - 1 if pipelined else 1
     bubble = bubble_fraction(stages, in_flight, virtual)
+    # a stage runs its blocks in every iteration, the fill and drain included (on zeros): their collectives run
+    # this many times as often as the microbatches' useful work needs
+    busy = iterations / (in_flight * virtual) if pipelined else 1.0
     # an uneven split runs identity periods too (pipeline.uneven_stages): they cost a period's memory and work
     period = m.period
     pads = padding(m.stack_periods, stages, virtual)
@@ -176,7 +179,8 @@ def estimate(cfg: Config, sizes: dict[str, int], gpu: GPU, microbatches: int | N
     # where they divide (jaxtron.training.pipeline.Schedule.outside); else every stage runs all of its rows
     spread = stages if stages > 1 and rows % stages == 0 else 1
     outside_rows = rows / spread  # rows per device of the work outside the schedule
-    layers_here = staged_blocks // stages + outside / spread  # blocks this stage runs, in full-row equivalents
+    # blocks this stage runs per microbatch, the idle iterations' included, in full-row equivalents
+    layers_here = staged_blocks // stages * busy + outside / spread
     h, f, d = m.embed_dim, m.mlp_dim, m.qk_head_dim  # latent attention: values padded to the query-key size
     nq, nk = m.num_heads * d // T, m.num_kv_heads * d // T
     ft = f // T
@@ -307,10 +311,12 @@ def estimate(cfg: Config, sizes: dict[str, int], gpu: GPU, microbatches: int | N
     gathered = {True: 0, False: 0}  # elements gathered over fsdp: the staged blocks' and the rest
     for p in params:
         gathered[p.staged] += p.shard_elements(sizes, without=("fsdp",))
-    # a pipeline stage gathers its blocks' weights again for every pipeline microbatch that passes
-    time["fsdp_comm"] = (ring("all-gather", "fsdp", work_c * gathered[True], gathers * in_flight)
+    # a pipeline stage gathers its blocks' weights again in every iteration of the schedule, and reduce-scatters
+    # their gradients in every iteration of its backward pass
+    time["fsdp_comm"] = (ring("all-gather", "fsdp", work_c * gathered[True], gathers * in_flight * busy)
                          + ring("all-gather", "fsdp", work_c * gathered[False], gathers)
-                         + ring("reduce-scatter", "fsdp", 4.0 * (gathered[True] + gathered[False]), micro))
+                         + ring("reduce-scatter", "fsdp", 4.0 * gathered[True], micro * in_flight * busy)
+                         + ring("reduce-scatter", "fsdp", 4.0 * gathered[False], micro))
     replicated_over = [a for a in ("data", "expert") if sizes[a] > 1]
     grad_sync = 0.0
     for axis in replicated_over:  # gradients of what the axis does not shard are summed over it
@@ -339,7 +345,8 @@ def estimate(cfg: Config, sizes: dict[str, int], gpu: GPU, microbatches: int | N
     if moe_layers and E > 1:
         exchange = moe_rows * h * work_c
         time["expert_comm"] = ring("all-to-all", "expert", exchange,
-                                   2 * (layer_passes - 1) * (moe_layers // stages + mtp_moe / spread) * micro * in_flight)
+                                   2 * (layer_passes - 1) * (moe_layers // stages * busy + mtp_moe / spread) * micro
+                                   * in_flight)
     else:
         time["expert_comm"] = 0.0
     # each schedule iteration moves one microbatch's activations a stage on (a permute) and writes the last

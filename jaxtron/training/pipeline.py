@@ -112,7 +112,7 @@ class Schedule:
         with batch_over_stages(False):  # the rows come together for the schedule: each stage runs all of them
             x, extras = jax.tree.map(lambda a: constrain_leading(a, "activation_batch"), (x, extras))
             out, stats = self._run(body, x, stack, extras)
-            return constrain_leading(out, "activation_batch"), stats
+        return constrain_leading(out, "activation_batch"), stats  # and part again after it
 
     def _run(self, body: Body, x: jax.Array, stack: Any, extras: Any) -> tuple[jax.Array, dict]:
         s_, v_, m_ = self.stages, self.virtual_stages, self.microbatches
