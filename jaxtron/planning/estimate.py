@@ -349,14 +349,18 @@ def estimate(cfg: Config, sizes: dict[str, int], gpu: GPU, microbatches: int | N
                                    * in_flight)
     else:
         time["expert_comm"] = 0.0
-    # each schedule iteration moves one microbatch's activations a stage on (a permute) and writes the last
-    # stage's output where every stage reads (about a broadcast), forward and backward; between dependent steps
-    boundary = x * work_c
+    # each schedule iteration moves one microbatch's activations a stage on (the residual stream between blocks,
+    # split over the tensor group): a permute forward, and in the backward pass the shift back and the wrap-around
+    # from the first stage to the last as two (one swap on two stages); the finished microbatches, kept on the
+    # first stage, reach the rest once per step (forward and backward); between dependent steps
+    boundary = xs * work_c
+    collected = rows * t * h // T * work_c
     if stages > 1:
-        coll["collective-permute"] = 2.0 * iterations * micro * boundary
-    time["pipeline_comm"] = 4.0 * iterations * micro * boundary / bandwidth("pipeline") if stages > 1 else 0.0
+        hops = 2.0 if stages == 2 else 3.0
+        coll["collective-permute"] = (hops * iterations * boundary + 2.0 * collected) * micro
+    time["pipeline_comm"] = coll.get("collective-permute", 0.0) / bandwidth("pipeline")
     if spread > 1:  # the rows come together for the schedule and part after it: an all-gather each way
-        time["pipeline_comm"] += ring("all-gather", "pipeline", rows * t * h // T * work_c, 2 * micro)
+        time["pipeline_comm"] += ring("all-gather", "pipeline", collected, 2 * micro)
     overlapped = ("fsdp_comm", "data_comm")
     exposed = ("matmul", "attention", "elementwise", "pipeline_bubble", "tensor_comm", "sequence_comm",
                "expert_comm", "pipeline_comm")

@@ -155,25 +155,39 @@ class Schedule:
         micro_x = split_rows(x, m_)
         micro_extras = jax.tree.map(lambda a: split_rows(a, m_), extras)
 
+        first = (stage_ids == 0)  # [S]: stage 0 takes each iteration's entering microbatch
+
+        def on_first(mask_of, a, b):
+            """a where the stage is stage 0 (and ``mask_of`` holds), else b; both [S, ...]."""
+            keep = (first & mask_of).reshape(s_, *(1,) * (a.ndim - 1))
+            return jnp.where(keep, a, b)
+
         def iteration(carry, t):
-            held, current = carry  # [S, ...] the item each stage works on; [M, ...] each microbatch's latest
-            pick = lambda a: jax.lax.dynamic_index_in_dim(a, t % m_, 0, False)
-            entering = (pick(current), jax.tree.map(pick, micro_extras))
-            held = on_stages(jax.tree.map(lambda h, e: h.at[0].set(e), held, entering))
+            # held [S, ...]: the item each stage works on; queue [S, M, ...]: each microbatch's latest activations,
+            # of which stage 0's copy is the one read and written (the others stay as they began). Reading and
+            # writing it where it lives keeps the schedule's traffic to the one permute of the stage shift
+            held, queue = carry
+            pick = lambda a, axis: jax.lax.dynamic_index_in_dim(a, t % m_, axis, False)
+            entering = jax.tree.map(lambda a: pick(a, 0), micro_extras)
+            held = (on_first(True, pick(queue, 1), held[0]), jax.tree.map(lambda h, e: h.at[0].set(e), held[1],
+                                                                             entering))
+            held = on_stages(held)
             rounds = jnp.clip((t - stage_ids) // m_, 0, v_ - 1)  # the round of the item each stage holds
             out, stats = run_stages(staged, stage_ids, rounds, held)
-            out = constrain_leading(out, "stages")
-            done = t - (s_ - 1)  # the item the last stage finished: microbatch done % M of round done // M
-            slot = done % m_
-            kept = jax.lax.dynamic_index_in_dim(current, slot, 0, False)
-            current = jax.lax.dynamic_update_index_in_dim(current, jnp.where(done >= 0, out[s_ - 1], kept), slot, 0)
-            moved = jax.tree.map(lambda a: jnp.roll(a, 1, axis=0), (out, held[1]))
-            return (on_stages(moved), current), stats
+            moved = on_stages(jax.tree.map(lambda a: jnp.roll(a, 1, axis=0), (constrain_leading(out, "stages"),
+                                                                                 held[1])))
+            # the item the last stage finished (now on stage 0): microbatch done % M of round done // M
+            done = t - (s_ - 1)
+            written = jax.lax.dynamic_update_index_in_dim(queue, moved[0][:, None], done % m_, 1)
+            queue = constrain_leading(on_first(done >= 0, written, queue), "stages")
+            return (moved, queue), stats
 
         start = jax.tree.map(lambda a: jnp.zeros((s_, *a.shape[1:]), a.dtype), (micro_x, micro_extras))
+        queue = constrain_leading(jnp.broadcast_to(micro_x, (s_, *micro_x.shape)), "stages")
         iterations = m_ * v_ + s_ - 1
         with jax.named_scope(SCOPE):  # the loop's HLO ops carry the name (profiles find its iterations by it)
-            (_, current), stats = jax.lax.scan(iteration, (on_stages(start), micro_x), jnp.arange(iterations))
+            (_, queue), stats = jax.lax.scan(iteration, (on_stages(start), queue), jnp.arange(iterations))
+        current = queue[0]
         # stats [iterations, S, P, ...] -> [periods, ...]: microbatch m's pass of round r over stage s happened in
         # iteration r * M + m + s; stacked [M, V, S, P] its periods are in the order they ran ((r * S + s) * P + p),
         # of which the identity ones are left out
