@@ -10,7 +10,8 @@ moving parameters. With V = 1 this is the natural order.
 Each iteration every stage applies its P periods to the microbatch it holds (one program, vmapped over the
 stage dimension, which the rules table shards over the pipeline axis), then the activations move one stage on
 (a roll along that dimension: a collective permute). Stage 0 takes the next microbatch; what the last stage
-finishes is kept per microbatch until its next round starts (M >= S guarantees it finished before). There are
+finishes, which the roll brings to stage 0, is kept there per microbatch until its next round starts (M >= S
+guarantees it finished before), so that no other traffic happens within an iteration. There are
 M * V + S - 1 iterations for M * V stage passes of work on each stage: the bubble is (S - 1) / (M * V + S - 1).
 Reverse-mode differentiation of the loop is the backward pass in the reverse order (fill-drain, GPipe-like:
 the activations of every iteration are kept, as the remat policy allows). The weights are not: each period
