@@ -158,9 +158,9 @@ class Schedule:
 
         first = (stage_ids == 0)  # [S]: stage 0 takes each iteration's entering microbatch
 
-        def on_first(mask_of, a, b):
-            """a where the stage is stage 0 (and ``mask_of`` holds), else b; both [S, ...]."""
-            keep = (first & mask_of).reshape(s_, *(1,) * (a.ndim - 1))
+        def on_first(cond, a, b):
+            """a on stage 0 where ``cond`` holds, b elsewhere; both [S, ...] (each stage keeps its own)."""
+            keep = (first & cond).reshape(s_, *(1,) * (a.ndim - 1))
             return jnp.where(keep, a, b)
 
         def iteration(carry, t):
@@ -169,10 +169,9 @@ class Schedule:
             # writing it where it lives keeps the schedule's traffic to the one permute of the stage shift
             held, queue = carry
             pick = lambda a, axis: jax.lax.dynamic_index_in_dim(a, t % m_, axis, False)
-            entering = jax.tree.map(lambda a: pick(a, 0), micro_extras)
-            held = (on_first(True, pick(queue, 1), held[0]), jax.tree.map(lambda h, e: h.at[0].set(e), held[1],
-                                                                             entering))
-            held = on_stages(held)
+            x_in = on_first(True, pick(queue, 1), held[0])  # stage 0's pick of its queue: the entering microbatch
+            extras_in = jax.tree.map(lambda h, e: h.at[0].set(pick(e, 0)), held[1], micro_extras)
+            held = on_stages((x_in, extras_in))
             rounds = jnp.clip((t - stage_ids) // m_, 0, v_ - 1)  # the round of the item each stage holds
             out, stats = run_stages(staged, stage_ids, rounds, held)
             moved = on_stages(jax.tree.map(lambda a: jnp.roll(a, 1, axis=0), (constrain_leading(out, "stages"),
