@@ -11,7 +11,7 @@ starts (a step that fails or runs out of time is recorded and the rest go on):
 2. ceilings: bf16 and fp8 8192^3 matmuls, HBM copy bandwidth, and ragged_dot against one dense GEMM of the same
    FLOPs (about 1x: a grouped GEMM; about the number of groups: dense expansion); then attention: cuDNN's
    causal kernel against the blockwise XLA kernel of a sharded sequence at 8k and 32k tokens (time, rate and
-   largest difference);
+   largest difference), and whether the fused kernel takes DeepSeek-V3's head size (192);
 3. the GPU tests (``pytest -m gpu``);
 4. MFU of the real train step, bf16 and FP8 (``CASES``): each case in a fresh process so its peak memory is its
    own, median of 10 timed steps after compile and warm-up (``benchmarks/mfu.py``).
@@ -215,7 +215,7 @@ def gpu_test_files() -> list[str]:
 def plan_steps(smoke: bool, python: str) -> list[Step]:
     probes = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gpu_probes.py")
     probe_argv = (python, probes, "--result", "{result}", *(("--smoke",) if smoke else ()))
-    boxes = {"environment": 60, "ceilings": 90, "attention": 120, "gpu tests": 150, "mfu": 150}
+    boxes = {"environment": 60, "ceilings": 90, "attention": 150, "gpu tests": 150, "mfu": 150}
     steps = [Step("environment", boxes["environment"], (*probe_argv, "environment")),
              Step("ceilings", boxes["ceilings"], (*probe_argv, "ceilings")),
              Step("attention", boxes["attention"], (*probe_argv, "attention")),
@@ -336,6 +336,13 @@ def markdown(report: dict) -> str:
             lines.append(f"| {length} tokens | {_fmt(r['whole']['best_s'])} s, {_fmt(r['whole']['tflops'])} TFLOP/s | "
                          f"{_fmt(r['blockwise']['best_s'])} s, {_fmt(r['blockwise']['tflops'])} TFLOP/s | "
                          f"{r['blockwise_over_whole']:.2f}x | {r['max_abs_difference']:.2e} |")
+        lines.append("")
+        lines += ["| latent attention (DeepSeek-V3 head sizes), forward + backward | kernel | time | "
+                  "largest difference from XLA (fp32) |", "|---|---|---|---|"]
+        for r in att.get("latent", []):
+            result = (r["error"], "") if "error" in r else (f"{_fmt(r['best_s'])} s", f"{r['max_abs_difference']:.2e}")
+            lines.append(f"| {r['heads']} heads, {r['length']} tokens, q/k {r['qk_head_dim']}, v {r['v_head_dim']} | "
+                         f"{r['implementation']} | {result[0]} | {result[1]} |")
         lines.append("")
     tests = next((s.get("result") for s in report["steps"] if s["name"] == "gpu tests"), None)
     if tests and tests.get("tests"):
