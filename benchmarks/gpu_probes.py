@@ -170,7 +170,7 @@ def _attention_probe(smoke: bool) -> dict:
     return out
 
 
-def _latent_attention_probe(smoke: bool, reference: str) -> list[dict]:
+def _latent_attention_probe(smoke: bool, reference: str) -> dict:
     """DeepSeek-V3's head size (queries and keys 192; values 128, padded to 192 as jaxtron does, since
     ``jax.nn.dot_product_attention`` wants one size for all three) under the fused kernel: whether it takes it
     (jax's cuDNN path allows up to 256 on Hopper; jaxtron's choice of kernel stops at 128 until this shows it),
@@ -181,27 +181,24 @@ def _latent_attention_probe(smoke: bool, reference: str) -> list[dict]:
     import mfu
 
     heads, length = (4, 256) if smoke else (128, 4096)
-    qk = 24 if smoke else 192
-    rows = []
-    for v_dim in (qk,):
-        keys = jax.random.split(jax.random.key(v_dim), 3)
-        q, k = (jax.random.normal(x, (1, length, heads, qk), jnp.bfloat16) for x in keys[:2])
-        v = jax.random.normal(keys[2], (1, length, heads, v_dim), jnp.bfloat16)
-        row = {"qk_head_dim": qk, "v_head_dim": v_dim, "heads": heads, "length": length, "implementation": reference}
-        try:
-            def attend(q, k, v):
-                return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=reference)
+    d = 24 if smoke else 192
+    keys = jax.random.split(jax.random.key(d), 3)
+    q, k, v = (jax.random.normal(x, (1, length, heads, d), jnp.bfloat16) for x in keys)
+    row = {"head_dim": d, "heads": heads, "length": length, "implementation": reference}
 
-            loss = jax.jit(jax.value_and_grad(lambda q, k, v: jnp.sum(attend(q, k, v).astype(jnp.float32) ** 2),
-                                              argnums=(0, 1, 2)))
-            row.update(_summary(mfu.call_times(loss, q, k, v, repeats=5)))
-            want = jax.nn.dot_product_attention(*(a.astype(jnp.float32) for a in (q, k, v)), is_causal=True,
-                                                implementation="xla")
-            row["max_abs_difference"] = float(jnp.max(jnp.abs(jax.jit(attend)(q, k, v).astype(jnp.float32) - want)))
-        except Exception as e:  # noqa: BLE001  (a refused shape is the answer, not a crash)
-            row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
-        rows.append(row)
-    return rows
+    def attend(q, k, v):
+        return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=reference)
+
+    try:
+        loss = jax.jit(jax.value_and_grad(lambda q, k, v: jnp.sum(attend(q, k, v).astype(jnp.float32) ** 2),
+                                          argnums=(0, 1, 2)))
+        row.update(_summary(mfu.call_times(loss, q, k, v, repeats=5)))
+        want = jax.nn.dot_product_attention(*(a.astype(jnp.float32) for a in (q, k, v)), is_causal=True,
+                                            implementation="xla")
+        row["max_abs_difference"] = float(jnp.max(jnp.abs(jax.jit(attend)(q, k, v).astype(jnp.float32) - want)))
+    except Exception as e:  # noqa: BLE001  (a refused shape is the answer, not a crash)
+        row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
+    return row
 
 
 def _mfu_case(smoke: bool, index: int) -> dict:

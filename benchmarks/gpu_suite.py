@@ -339,9 +339,10 @@ def markdown(report: dict) -> str:
         lines.append("")
         lines += ["| latent attention (DeepSeek-V3 head sizes), forward + backward | kernel | time | "
                   "largest difference from XLA (fp32) |", "|---|---|---|---|"]
-        for r in att.get("latent", []):
+        r = att.get("latent")
+        if r:
             result = (r["error"], "") if "error" in r else (f"{_fmt(r['best_s'])} s", f"{r['max_abs_difference']:.2e}")
-            lines.append(f"| {r['heads']} heads, {r['length']} tokens, q/k {r['qk_head_dim']}, v {r['v_head_dim']} | "
+            lines.append(f"| {r['heads']} heads, {r['length']} tokens, head size {r['head_dim']} | "
                          f"{r['implementation']} | {result[0]} | {result[1]} |")
         lines.append("")
     tests = next((s.get("result") for s in report["steps"] if s["name"] == "gpu tests"), None)

@@ -9,9 +9,9 @@ export or fine-tuning are put back into the model's natural order the same way.
 
 With ``pipeline.uneven_stages`` the periods need not split evenly: the stack is filled up to the next multiple of
 stages x virtual stages with identity periods (``PAD`` in an order), spread over the last stages, in the last
-slots of each (``identity_slots``). They are zeros, the schedule skips their effect on the hidden state, so they never receive a gradient;
-they cost a period's memory and compute each. A restore into a schedule with another number of them drops or adds
-them; export and fine-tuning never see them.
+slots of each (``identity_slots``). They are zeros, the schedule skips their effect on the hidden state, so they
+never receive a gradient; they cost a period's memory and compute each. A restore into a schedule with another
+number of them drops or adds them; export and fine-tuning never see them.
 """
 
 from __future__ import annotations

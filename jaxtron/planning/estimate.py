@@ -351,8 +351,9 @@ def estimate(cfg: Config, sizes: dict[str, int], gpu: GPU, microbatches: int | N
         time["expert_comm"] = 0.0
     # each schedule iteration moves one microbatch's activations a stage on (the residual stream between blocks,
     # split over the tensor group): a permute forward, and in the backward pass the shift back and the wrap-around
-    # from the first stage to the last as two (one swap on two stages); the finished microbatches, kept on the
-    # first stage, reach the rest once per step (forward and backward); between dependent steps
+    # from the first stage to the last as two (on two stages XLA mostly runs them as one swap, as compiled on
+    # pipeline=2 x fsdp=4; tests/test_plan.py); the finished microbatches, kept on the first stage, reach the rest
+    # once per step (forward and backward); between dependent steps
     boundary = xs * work_c
     collected = rows * t * h // T * work_c
     if stages > 1:

@@ -16,7 +16,7 @@ from flax import nnx
 from jaxtron.models.transformer import logits_of
 from jaxtron.parallel.sharding import BATCH_AXES, constrain
 from jaxtron.training.optimizer import schedule_count
-from jaxtron.training.pipeline import Schedule, split_rows
+from jaxtron.training.pipeline import split_rows
 from jaxtron.training.state import Setup, TrainState
 
 Batch = dict[str, jax.Array]
@@ -92,43 +92,37 @@ def loss_sums(params: Any, graphdef: Any, batch: Batch, z_loss: float, logit_chu
     prediction, ``mtp_loss`` times the mean over depths of each depth's mean cross-entropy (``mtp_loss`` metric);
     None skips the prediction modules (validation: their losses are training only).
     """
-    outside = stack_runner.outside(batch["inputs"].shape[0]) if isinstance(stack_runner, Schedule) else \
-        contextlib.nullcontext()
-    with outside:  # a pipeline's stages split the rows of the work outside its schedule
-        return _loss_sums(params, graphdef, batch, z_loss, logit_chunks, router_aux_loss, router_z_loss,
-                          stack_runner, mtp_loss)
-
-
-def _loss_sums(params, graphdef, batch, z_loss, logit_chunks, router_aux_loss, router_z_loss, stack_runner,
-               mtp_loss):
-    model = nnx.merge(graphdef, params)
-    tokens, positions, segments = batch["inputs"], batch.get("positions"), batch.get("segment_ids")
-    residual, stats = model.residual_and_stats(tokens, positions, segments, stack_runner)
-    x = model.final_norm(residual)
-    weights = batch.get("loss_mask")
-    weights = jnp.ones(batch["targets"].shape, jnp.float32) if weights is None else weights.astype(jnp.float32)
-    sums = _token_sums if logit_chunks == 1 else functools.partial(_chunked_token_sums, chunks=logit_chunks)
-    head = model.output_head()
-    ce_sum, z_sum = sums(x, head, batch["targets"], weights)
-    objective = ce_sum + z_loss * z_sum if z_loss else ce_sum
-    count = jnp.sum(weights)
-    extra = {}
-    if model.mtp is not None and mtp_loss is not None:
-        outputs, mtp_stats = model.mtp_hidden(residual, tokens, positions, segments)
-        stats = {k: jnp.concatenate([stats[k], mtp_stats[k]]) for k in stats} if stats else stats
-        means = []
-        for k, hidden in enumerate(outputs, start=1):
-            valid = weights * jnp.roll(weights, -k, axis=1) * (jnp.arange(weights.shape[1]) < weights.shape[1] - k)
-            if segments is not None:  # the token k ahead must be of the same document
-                valid = valid * (jnp.roll(segments, -k, axis=1) == segments)
-            ce_k, _ = sums(hidden, head, jnp.roll(batch["targets"], -k, axis=1), valid)
-            means.append(ce_k / jnp.maximum(jnp.sum(valid), 1.0))
-        extra["mtp_loss"] = jnp.mean(jnp.stack(means))
-        objective += count * mtp_loss * extra["mtp_loss"]
-    moe = moe_metrics(stats)
-    if moe:
-        objective += count * (router_aux_loss * moe["moe_aux_loss"] + router_z_loss * moe["moe_z_loss"])
-    return objective, (ce_sum, count, {**moe, **extra})
+    # a runner may shape the work outside it: a pipeline's stages split its rows (``Schedule.outside``)
+    outside = getattr(stack_runner, "outside", None)
+    with outside(batch["inputs"].shape[0]) if outside else contextlib.nullcontext():
+        model = nnx.merge(graphdef, params)
+        tokens, positions, segments = batch["inputs"], batch.get("positions"), batch.get("segment_ids")
+        residual, stats = model.residual_and_stats(tokens, positions, segments, stack_runner)
+        x = model.final_norm(residual)
+        weights = batch.get("loss_mask")
+        weights = jnp.ones(batch["targets"].shape, jnp.float32) if weights is None else weights.astype(jnp.float32)
+        sums = _token_sums if logit_chunks == 1 else functools.partial(_chunked_token_sums, chunks=logit_chunks)
+        head = model.output_head()
+        ce_sum, z_sum = sums(x, head, batch["targets"], weights)
+        objective = ce_sum + z_loss * z_sum if z_loss else ce_sum
+        count = jnp.sum(weights)
+        extra = {}
+        if model.mtp is not None and mtp_loss is not None:
+            outputs, mtp_stats = model.mtp_hidden(residual, tokens, positions, segments)
+            stats = {k: jnp.concatenate([stats[k], mtp_stats[k]]) for k in stats} if stats else stats
+            means = []
+            for k, hidden in enumerate(outputs, start=1):
+                valid = weights * jnp.roll(weights, -k, axis=1) * (jnp.arange(weights.shape[1]) < weights.shape[1] - k)
+                if segments is not None:  # the token k ahead must be of the same document
+                    valid = valid * (jnp.roll(segments, -k, axis=1) == segments)
+                ce_k, _ = sums(hidden, head, jnp.roll(batch["targets"], -k, axis=1), valid)
+                means.append(ce_k / jnp.maximum(jnp.sum(valid), 1.0))
+            extra["mtp_loss"] = jnp.mean(jnp.stack(means))
+            objective += count * mtp_loss * extra["mtp_loss"]
+        moe = moe_metrics(stats)
+        if moe:
+            objective += count * (router_aux_loss * moe["moe_aux_loss"] + router_z_loss * moe["moe_z_loss"])
+        return objective, (ce_sum, count, {**moe, **extra})
 
 
 def split_microbatches(batch: Batch, k: int) -> Batch:
