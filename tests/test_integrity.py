@@ -187,7 +187,7 @@ def test_checksums_of_an_asynchronous_save_are_recorded_off_the_loop(tmp_path, m
     with jax.set_mesh(mesh):
         state = state_lib.init_state(CFG, "xla", state_lib.state_shardings(mesh, setup.abstract_state))
     record = integrity.record
-    monkeypatch.setattr(integrity, "record", lambda *a: (time.sleep(1.5), record(*a)))  # a slow disk
+    monkeypatch.setattr(integrity, "record", lambda *a, **k: (time.sleep(1.5), record(*a, **k)))  # a slow disk
     ckpt = Checkpointer(str(tmp_path), keep=1)
     start = time.perf_counter()
     ckpt.save(1, state, {"step": 1}, CFG.to_dict())
@@ -270,3 +270,47 @@ def test_two_processes_record_their_own_files_and_fall_back_together(tmp_path):
         assert f"is damaged: {victim} truncated (1 of {recorded[1][victim]['size']} bytes)" in out
     assert [json.loads(l)["step"] for l in open(tmp_path / "metrics.jsonl")] == [1, 2, 3]
     assert os.path.isdir(tmp_path / integrity.DAMAGED_DIR / "2") and checkpoint_cli(["verify", str(tmp_path)]) == 0
+
+
+def _wait_for(condition, seconds=10.0):
+    end = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < end, "the watcher did not read the file's chunks in time"
+        time.sleep(0.02)
+
+
+def test_files_are_hashed_while_written_and_read_again_only_where_needed(tmp_path, monkeypatch):
+    """The watcher reads a step's files chunk by chunk while they grow (in orbax's temporary directory,
+    through its rename). At the commit a file is completed from its running hash only if its sampled chunks
+    still hold what was read; a file written again after it was read, or never read, is hashed whole."""
+    chunk = 4096
+    monkeypatch.setattr(integrity, "CHUNK_BYTES", chunk)
+    checkpoints = tmp_path / "checkpoints"
+    step = checkpoints / "7.orbax-checkpoint-tmp-123"
+    names = ("state/d/appended", "state/d/first_rewritten", "state/d/shrunk", "state/ocdbt.process_1/d/theirs")
+    for rel in names + ("../8/state/d/other_step",):
+        (step / rel).parent.mkdir(parents=True, exist_ok=True)
+        (step / rel).write_bytes(os.urandom(3 * chunk))
+    watcher = integrity.Watcher(str(checkpoints), 7, process_index=0).start()
+    progress = lambda rel: watcher.files.get(((st := os.stat(step / rel)).st_dev, st.st_ino))  # noqa: E731
+    _wait_for(lambda: all(progress(rel) is not None and progress(rel).offset == 3 * chunk for rel in names[:3]))
+    with open(step / "state/d/appended", "ab") as f:  # grows while watched: two more chunks and a partial one
+        f.write(os.urandom(2 * chunk + 100))
+    _wait_for(lambda: progress("state/d/appended").offset == 5 * chunk)
+    with open(step / "state/d/first_rewritten", "r+b") as f:  # same size, its first chunk written again
+        f.write(os.urandom(10))
+    (step / "state/d/shrunk").write_bytes(os.urandom(chunk // 2))
+    known = watcher.stop()
+    assert {p.offset for p in known.values()} == {5 * chunk, 3 * chunk}  # nothing of process 1's or step 8's
+    os.rename(step, checkpoints / "7")  # orbax's commit
+    (checkpoints / "7" / "commit_success.txt").write_text("done")  # written after the watch ended
+    whole = []
+    hash_file = integrity.hash_file
+    monkeypatch.setattr(integrity, "hash_file", lambda p: (whole.append(os.path.basename(p)), hash_file(p))[1])
+    manifest = integrity.record(str(checkpoints / "7"), 0, 1, known=known)
+    assert sorted(whole) == ["commit_success.txt", "first_rewritten", "shrunk"]
+    assert sorted(manifest["files"]) == ["commit_success.txt", "state/d/appended", "state/d/first_rewritten",
+                                         "state/d/shrunk"]
+    for rel, entry in manifest["files"].items():
+        assert entry["hash"] == hash_file(str(checkpoints / "7" / rel)), rel
+    assert integrity.check(str(checkpoints / "7")) is None

@@ -7,6 +7,12 @@ tree metadata, shardings, the merged OCDBT root, the JSON items, commit markers)
 alone. So a path with a ``process_<i>`` component belongs to process i and every other path to process 0:
 each file is recorded exactly once, by the process whose page cache still holds it.
 
+Files are hashed while the save is still running (``Watcher``): orbax writes its array files front to
+back, and each is read back chunk by chunk right behind the writer, from the page cache that has just
+received it, in parallel with the rest of the save. At the commit only what the watcher has not read
+(each file's last partial chunk, small metadata files, anything rewritten) is read, plus a few sampled
+chunks per file that confirm the running hash still describes the file.
+
 Verification does not follow that attribution (a run may restore with another number of processes):
 the recorded files are split over the verifying processes by size, each hashes its share, and the
 verdicts are gathered so that every process reaches the same decision.
@@ -17,7 +23,10 @@ from __future__ import annotations
 import json
 import logging
 import os
+import random
 import re
+import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Iterable
 
@@ -33,7 +42,9 @@ NO_MANIFEST = ("no integrity manifest (cut off between the save and its checksum
 CHUNK_BYTES = 8 << 20  # memory per hashing thread stays bounded whatever the file size
 THREADS = min(4, os.cpu_count() or 1)  # xxhash releases the GIL: files are hashed in parallel
 _PROCESS_PART = re.compile(r"(?:^|\.)process_(\d+)$")
-MESSAGE_BYTES = 400  # a verdict travels between processes as a fixed-size byte array
+MESSAGE_BYTES = 400
+POLL_S = 0.05  # how often a Watcher looks for new whole chunks
+SAMPLED_CHUNKS = 2  # chunks re-read at the commit, besides the first and the last, to confirm a running hash  # a verdict travels between processes as a fixed-size byte array
 
 
 def hash_file(path: str) -> str:
@@ -70,13 +81,143 @@ def _hash_all(step_dir: str, paths: list[str]) -> list[str]:
         return list(pool.map(lambda p: hash_file(os.path.join(step_dir, p)), paths))
 
 
-def record(step_dir: str, process_index: int = 0, process_count: int = 1) -> dict:
-    """Hashes the files of a committed step directory that this process wrote and writes its manifest
-    (atomically: a manifest is either complete or absent)."""
+class _Progress:
+    """What a Watcher has read of one file so far: the running hash of its first ``offset`` bytes (whole
+    chunks) and each of those chunks' own hash, to check later that they were not written again."""
+    __slots__ = ("digest", "offset", "chunks")
+
+    def __init__(self):
+        self.digest, self.offset, self.chunks = xxhash.xxh3_128(), 0, []
+
+
+def _read_chunk(f, offset: int, buffer: bytearray) -> memoryview | None:
+    """CHUNK_BYTES of an open file from ``offset``, or None if the file ends before."""
+    f.seek(offset)
+    n, view = 0, memoryview(buffer)
+    while n < len(buffer) and (got := f.readinto(view[n:])):
+        n += got
+    return view if n == len(buffer) else None
+
+
+class Watcher:
+    """Hashes the files this process writes for one step while orbax is still writing them (module
+    docstring): ``start()`` before the save, then ``record(..., known=watcher.stop())`` once it is committed.
+
+    Each file's whole chunks are fed to a running hash as soon as they exist, from the page cache that has
+    just received them. A file is known by its device and inode, which orbax's renames of the temporary
+    step directory keep. Reading behind the writer is exact for files written once, front to back, which is
+    how tensorstore writes the OCDBT data files that hold the arrays. ``record`` checks that assumption
+    before it trusts a running hash: it re-reads the first and last chunk and SAMPLED_CHUNKS others, and
+    hashes the whole file again if any differs, if the file shrank, or if it is new."""
+
+    def __init__(self, checkpoints_dir: str, step: int, process_index: int = 0):
+        self.directory, self.step, self.process_index = checkpoints_dir, str(step), process_index
+        self.files: dict[tuple[int, int], _Progress] = {}
+        self.hash_s = 0.0  # time spent reading and hashing in the background, for benchmarks
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"checksums-watch-{step}", daemon=True)
+        self._error: BaseException | None = None
+
+    def start(self) -> "Watcher":
+        self._thread.start()
+        return self
+
+    def stop(self) -> dict[tuple[int, int], _Progress]:
+        """Ends the watch (after the chunks being read) and returns what was read of each file."""
+        self._stop.set()
+        self._thread.join()
+        if self._error is not None:  # a failed watch only costs the reading it did not do
+            log.warning("hashing checkpoint files during the save failed (%s); they are hashed after it", self._error)
+        return self.files
+
+    def _growing(self) -> list[tuple[str, _Progress, int]]:
+        """This process's files of the step with at least one whole chunk not read yet."""
+        found = []
+        try:
+            tops = [n for n in os.listdir(self.directory) if n == self.step or n.startswith(self.step + ".")]
+        except FileNotFoundError:
+            return found
+        for top in tops:
+            root_dir = os.path.join(self.directory, top)
+            for root, _, names in os.walk(root_dir):
+                for name in names:
+                    path = os.path.join(root, name)
+                    rel = os.path.relpath(path, root_dir).replace(os.sep, "/")
+                    if rel.startswith("integrity.") or writer_of(rel) != self.process_index:
+                        continue
+                    try:
+                        st = os.stat(path)
+                    except FileNotFoundError:  # renamed or removed meanwhile
+                        continue
+                    progress = self.files.setdefault((st.st_dev, st.st_ino), _Progress())
+                    if st.st_size < progress.offset:  # written anew: start over
+                        progress = self.files[(st.st_dev, st.st_ino)] = _Progress()
+                    if st.st_size - progress.offset >= CHUNK_BYTES:
+                        found.append((path, progress, st.st_size))
+        return found
+
+    @staticmethod
+    def _advance(path: str, progress: _Progress, size: int) -> None:
+        buffer = bytearray(CHUNK_BYTES)
+        try:
+            with open(path, "rb", buffering=0) as f:
+                while progress.offset + CHUNK_BYTES <= size:
+                    view = _read_chunk(f, progress.offset, buffer)
+                    if view is None:
+                        return
+                    progress.digest.update(view)
+                    progress.chunks.append(xxhash.xxh3_64_intdigest(view))
+                    progress.offset += CHUNK_BYTES
+        except FileNotFoundError:
+            pass
+
+    def _run(self) -> None:
+        try:
+            with ThreadPoolExecutor(THREADS) as pool:
+                while not self._stop.wait(POLL_S):
+                    growing = self._growing()
+                    if growing:
+                        start = time.perf_counter()
+                        list(pool.map(lambda g: self._advance(*g), growing))
+                        self.hash_s += time.perf_counter() - start
+        except BaseException as e:  # noqa: BLE001 - reported by stop()
+            self._error = e
+
+
+def _finish(path: str, progress: _Progress | None) -> str:
+    """The file's hash: the watcher's running hash completed with the bytes after it, if the sampled chunks
+    still hold what it read; otherwise the whole file read again."""
+    if progress is None or not progress.chunks:
+        return hash_file(path)
+    n = len(progress.chunks)
+    sampled = {0, n - 1} | set(random.Random(path).sample(range(n), min(n, SAMPLED_CHUNKS)))
+    buffer = bytearray(CHUNK_BYTES)
+    with open(path, "rb", buffering=0) as f:
+        for i in sorted(sampled):
+            view = _read_chunk(f, i * CHUNK_BYTES, buffer)
+            if view is None or xxhash.xxh3_64_intdigest(view) != progress.chunks[i]:
+                log.warning("%s changed after it was hashed during the save; hashing it again", path)
+                return hash_file(path)
+        digest = progress.digest.copy()
+        f.seek(progress.offset)
+        while got := f.readinto(buffer):
+            digest.update(memoryview(buffer)[:got])
+    return digest.hexdigest()
+
+
+def record(step_dir: str, process_index: int = 0, process_count: int = 1,
+           known: dict[tuple[int, int], _Progress] | None = None) -> dict:
+    """Hashes the files of a committed step directory that this process wrote (completing what a ``Watcher``
+    read of them during the save) and writes its manifest (atomically: a manifest is either complete or
+    absent)."""
     paths = [p for p in _files(step_dir) if writer_of(p) == process_index]
-    sizes = [os.path.getsize(os.path.join(step_dir, p)) for p in paths]
+    stats = [os.stat(os.path.join(step_dir, p)) for p in paths]
+    known = known or {}
+    with ThreadPoolExecutor(THREADS) as pool:
+        hashes = list(pool.map(lambda p, st: _finish(os.path.join(step_dir, p), known.get((st.st_dev, st.st_ino))),
+                               paths, stats))
     manifest = {"process_index": process_index, "process_count": process_count, "hash": "xxh3_128",
-                "files": {p: {"size": s, "hash": h} for p, s, h in zip(paths, sizes, _hash_all(step_dir, paths))}}
+                "files": {p: {"size": st.st_size, "hash": h} for p, st, h in zip(paths, stats, hashes)}}
     path = os.path.join(step_dir, MANIFEST.format(process_index))
     with open(path + ".tmp", "w") as f:
         json.dump(manifest, f, indent=0)

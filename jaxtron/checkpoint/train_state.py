@@ -78,6 +78,7 @@ class Checkpointer:
         self.manager = ocp.CheckpointManager(self.directory, options=options, item_handlers=handlers)
         self._recording: threading.Thread | None = None
         self._recording_error: BaseException | None = None
+        self.last_watch_hash_s = 0.0  # seconds the last save's files were hashed while it ran (benchmarks)
         incomplete = sorted(n for n in os.listdir(self.directory) if "tmp" in n) if os.path.isdir(self.directory) else []
         if incomplete:  # a save cut off midway (the process died while writing): never loaded
             log.warning("ignoring incomplete checkpoint(s) %s, cut off while being written; the latest complete "
@@ -95,25 +96,35 @@ class Checkpointer:
         self._finish_recording()  # the previous save's checksums are complete before this save starts
         args = ocp.args.Composite(state=ocp.args.PyTreeSave(state), data=ocp.args.JsonSave(data_state),
                                   config=ocp.args.JsonSave(config))
-        self.manager.save(step, args=args, force=True)
-        if not self.checksums:
+        watcher = integrity.Watcher(self.directory, step, jax.process_index()).start() if self.checksums else None
+        try:
+            self.manager.save(step, args=args, force=True)
+        except BaseException:
+            if watcher is not None:
+                watcher.stop()
+            raise
+        if watcher is None:
             return
         if self.async_save:
-            self._recording = threading.Thread(target=self._record_in_background, args=(step,),
+            self._recording = threading.Thread(target=self._record_in_background, args=(step, watcher),
                                                name=f"checksums-step-{step}")
             self._recording.start()
         else:
-            self._record(step)
+            self._record(step, watcher)
 
-    def _record(self, step: int) -> None:
-        # Only committed files are hashed: waiting here also keeps orbax from removing old steps meanwhile,
+    def _record(self, step: int, watcher: integrity.Watcher) -> None:
+        # Only committed files are recorded: waiting here also keeps orbax from removing old steps meanwhile,
         # since its garbage collection runs inside the next save, which waits for this thread first.
-        self.manager.wait_until_finished()
-        integrity.record(self.step_dir(step), jax.process_index(), jax.process_count())
-
-    def _record_in_background(self, step: int) -> None:
         try:
-            self._record(step)
+            self.manager.wait_until_finished()
+        finally:
+            known = watcher.stop()
+        self.last_watch_hash_s = watcher.hash_s
+        integrity.record(self.step_dir(step), jax.process_index(), jax.process_count(), known=known)
+
+    def _record_in_background(self, step: int, watcher: integrity.Watcher) -> None:
+        try:
+            self._record(step, watcher)
         except BaseException as e:  # re-raised in the loop's thread by _finish_recording
             self._recording_error = e
 
