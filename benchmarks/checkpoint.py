@@ -184,6 +184,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--dir", default=None, help="where to write (default: a temporary directory)")
     parser.add_argument("--zstd", action="store_true", help="compress as orbax does by default (the loop does not)")
     parser.add_argument("--saves-only", action="store_true", help="time the saves alone (no restores, no hashing alone)")
+    parser.add_argument("--hash-after-commit", action="store_true",
+                        help="read nothing while saving: every file is hashed after the commit (for comparison)")
     parser.add_argument("--output", default=None)
     try:
         spec, overrides, rest = split_overrides(argv)
@@ -193,6 +195,8 @@ def main(argv: list[str]) -> int:
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    if args.hash_after_commit:
+        integrity.Watcher._growing = lambda self: []
     directory = tempfile.mkdtemp(prefix="ckpt-bench-", dir=args.dir)
     try:
         result = bench(cfg, directory, args.repeats, args.zstd, args.saves_only)
@@ -221,7 +225,8 @@ def main(argv: list[str]) -> int:
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                             cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
     report = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "commit": commit,
-              "config": args.config, "zstd": args.zstd, "overrides": [f"--config.{k}={v}" for k, v in overrides],
+              "config": args.config, "zstd": args.zstd,
+              "hash_after_commit": args.hash_after_commit, "overrides": [f"--config.{k}={v}" for k, v in overrides],
               "jax": jax.__version__, "cpus": os.cpu_count(), "python": platform.python_version(), **result}
     print(json.dumps({k: v for k, v in report.items() if k not in ("saves", "hashes", "restores")}, indent=1))
     if args.output:
