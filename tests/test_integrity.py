@@ -291,6 +291,9 @@ def test_files_are_hashed_while_written_and_read_again_only_where_needed(tmp_pat
     for rel in names + ("../8/state/d/other_step",):
         (step / rel).parent.mkdir(parents=True, exist_ok=True)
         (step / rel).write_bytes(os.urandom(3 * chunk))
+    listed = []
+    walk = os.walk
+    monkeypatch.setattr(integrity.os, "walk", lambda top: ((listed.append(r), r, d, f)[1:] for r, d, f in walk(top)))
     watcher = integrity.Watcher(str(checkpoints), 7, process_index=0).start()
     progress = lambda rel: watcher.files.get(((st := os.stat(step / rel)).st_dev, st.st_ino))  # noqa: E731
     _wait_for(lambda: all(progress(rel) is not None and progress(rel).offset == 3 * chunk for rel in names[:3]))
@@ -302,6 +305,7 @@ def test_files_are_hashed_while_written_and_read_again_only_where_needed(tmp_pat
     (step / "state/d/shrunk").write_bytes(os.urandom(chunk // 2))
     known = watcher.stop()
     assert {p.offset for p in known.values()} == {5 * chunk, 3 * chunk}  # nothing of process 1's or step 8's
+    assert listed and not any("process_1" in r for r in listed)  # process 1's folder is not even listed
     os.rename(step, checkpoints / "7")  # orbax's commit
     (checkpoints / "7" / "commit_success.txt").write_text("done")  # written after the watch ended
     whole = []

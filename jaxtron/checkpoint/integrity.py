@@ -43,7 +43,7 @@ CHUNK_BYTES = 8 << 20  # memory per hashing thread stays bounded whatever the fi
 THREADS = min(4, os.cpu_count() or 1)  # xxhash releases the GIL: files are hashed in parallel
 _PROCESS_PART = re.compile(r"(?:^|\.)process_(\d+)$")
 MESSAGE_BYTES = 400
-POLL_S = 0.05  # how often a Watcher looks for new whole chunks
+POLL_S = 0.25  # how often a Watcher looks for new whole chunks (a page cache holds far more than 0.25 s of writes)
 SAMPLED_CHUNKS = 2  # chunks re-read at the commit, besides the first and the last, to confirm a running hash  # a verdict travels between processes as a fixed-size byte array
 
 
@@ -139,7 +139,10 @@ class Watcher:
             return found
         for top in tops:
             root_dir = os.path.join(self.directory, top)
-            for root, _, names in os.walk(root_dir):
+            for root, dirs, names in os.walk(root_dir):
+                # other processes' folders are never listed: on a shared file system every process polls
+                dirs[:] = [d for d in dirs if (m := _PROCESS_PART.search(d)) is None
+                           or int(m.group(1)) == self.process_index]
                 for name in names:
                     path = os.path.join(root, name)
                     rel = os.path.relpath(path, root_dir).replace(os.sep, "/")
