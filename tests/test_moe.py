@@ -488,6 +488,34 @@ def test_sigmoid_router_with_bias_and_groups_matches_deepseek_v3():
     assert float(jnp.sum(stats["load"])) == pytest.approx(1.0)
 
 
+@pytest.mark.parametrize("router", ["softmax", "sigmoid"])
+def test_routing_keeps_each_device_to_its_own_tokens(router):
+    """Top-k is per token: with the batch split over 8 devices the routing gathers nothing (XLA's own
+    partitioning of TopK gathered every device's router scores onto every device), and it chooses as on one
+    device."""
+    groups = dict(router_groups=4, router_top_groups=2) if router == "sigmoid" else {}
+    cfg = ModelConfig(num_heads=4, num_kv_heads=4, num_experts=16, experts_per_token=2, router=router, **groups)
+    logits = jax.random.normal(jax.random.key(0), (16, 8, 16), jnp.float32)
+    bias = 0.3 * jax.random.normal(jax.random.key(1), (16,)) if router == "sigmoid" else None
+
+    def ids_and_weights(logits):
+        ids, weights, stats = route(cfg, logits, bias=bias)
+        return ids, weights, stats["aux_loss"]
+
+    want = jax.jit(ids_and_weights)(logits)
+    mesh = _mesh(dict(data=2, fsdp=2, expert=2))
+    with jax.set_mesh(mesh):
+        sharded = jax.device_put(logits, jax.sharding.NamedSharding(
+            mesh, sharding.logical_to_spec(("activation_batch", None, None))))
+        step = jax.jit(ids_and_weights)
+        hlo = step.lower(sharded).compile().as_text()
+        got = step(sharded)
+    assert "all-gather" not in hlo
+    np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(want[0]))
+    np.testing.assert_allclose(np.asarray(got[1]), np.asarray(want[1]), rtol=1e-6)
+    np.testing.assert_allclose(float(got[2]), float(want[2]), rtol=1e-6)
+
+
 def _deepseek_max_loads(rate: float, steps: int) -> tuple[list[float], jax.Array]:
     def one_step_from_zero(setup, state, batch, new_state):
         bias = np.asarray(new_state.params["moe_layers"]["mlp"]["router_bias"].get_value())

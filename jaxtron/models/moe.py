@@ -92,17 +92,17 @@ def route(cfg: ModelConfig, logits: jax.Array, row_capacity: int | None = None,
         choice = probs + jax.lax.stop_gradient(bias) if bias is not None else probs
         if cfg.router_groups > 1:
             grouped = choice.reshape(*choice.shape[:-1], cfg.router_groups, -1)
-            best = jnp.sum(jax.lax.top_k(grouped, 2)[0], axis=-1)  # [b, t, groups]
-            _, top_groups = jax.lax.top_k(best, cfg.router_top_groups)
+            best = jnp.sum(_top_k(grouped, 2)[0], axis=-1)  # [b, t, groups]
+            _, top_groups = _top_k(best, cfg.router_top_groups)
             allowed = jnp.sum(jax.nn.one_hot(top_groups, cfg.router_groups, dtype=jnp.int32), axis=-2) > 0
             choice = jnp.where(allowed[..., None], grouped, -jnp.inf).reshape(choice.shape)
-        _, ids = jax.lax.top_k(choice, k)
+        _, ids = _top_k(choice, k)
         weights = jnp.take_along_axis(probs, ids, axis=-1)
         if cfg.router_renormalize:
             weights = weights / (jnp.sum(weights, axis=-1, keepdims=True) + 1e-20)
     else:
         probs = jax.nn.softmax(logits, axis=-1)
-        weights, ids = jax.lax.top_k(probs, k)
+        weights, ids = _top_k(probs, k)
         if cfg.router_renormalize:
             weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
     if cfg.router_scale != 1.0:
@@ -127,6 +127,17 @@ def route(cfg: ModelConfig, logits: jax.Array, row_capacity: int | None = None,
         weights = jnp.where(keep, weights, 0.0)
         stats["dropped"] = 1.0 - jnp.mean(keep.astype(jnp.float32))
     return ids, weights, stats
+
+
+def _top_k(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
+    """``jax.lax.top_k`` along the last axis of per-token values [batch, length, ...], run on each device's own
+    tokens: left to XLA's partitioner, a TopK of a batch-split input gathered the whole batch's values onto
+    every device (``tests/test_moe.py``). check_vma off for the pipeline stage's vmap, as in ``MoE._routed``."""
+    if jax.sharding.get_abstract_mesh().empty:
+        return jax.lax.top_k(x, k)
+    spec = logical_to_spec(ROUTE_AXES[:2] + (None,) * (x.ndim - 2))
+    return jax.shard_map(lambda a: tuple(jax.lax.top_k(a, k)), in_specs=spec, out_specs=(spec, spec),
+                         check_vma=False)(x)
 
 
 def _rank_in_row(chosen: jax.Array) -> jax.Array:
