@@ -42,9 +42,9 @@ NO_MANIFEST = ("no integrity manifest (cut off between the save and its checksum
 CHUNK_BYTES = 8 << 20  # memory per hashing thread stays bounded whatever the file size
 THREADS = min(4, os.cpu_count() or 1)  # xxhash releases the GIL: files are hashed in parallel
 _PROCESS_PART = re.compile(r"(?:^|\.)process_(\d+)$")
-MESSAGE_BYTES = 400
+MESSAGE_BYTES = 400  # a verdict travels between processes as a fixed-size byte array
 POLL_S = 0.25  # how often a Watcher looks for new whole chunks (a page cache holds far more than 0.25 s of writes)
-SAMPLED_CHUNKS = 2  # chunks re-read at the commit, besides the first and the last, to confirm a running hash  # a verdict travels between processes as a fixed-size byte array
+SAMPLED_CHUNKS = 2  # chunks re-read at the commit, besides the first and the last, to confirm a running hash
 
 
 def hash_file(path: str) -> str:
