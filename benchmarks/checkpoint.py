@@ -183,7 +183,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--dir", default=None, help="where to write (default: a temporary directory)")
     parser.add_argument("--zstd", action="store_true", help="compress as orbax does by default (the loop does not)")
-    parser.add_argument("--saves-only", action="store_true", help="time the saves alone (no restores, no hashing alone)")
+    parser.add_argument("--saves-only", action="store_true",
+                        help="time the saves alone (no restores, no hashing alone)")
     parser.add_argument("--hash-after-commit", action="store_true",
                         help="read nothing while saving: every file is hashed after the commit (for comparison)")
     parser.add_argument("--output", default=None)
