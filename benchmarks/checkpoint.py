@@ -2,6 +2,7 @@
 what integrity checksums add to both.
 
     python benchmarks/checkpoint.py [CONFIG] [--config.a.b=v ...] [--repeats 3] [--zstd] [--dir DIR] [--output FILE]
+                                    [--saves-only] [--hash-after-commit]
 
 The state (fp32 parameters plus AdamW moments, step, counters) of CONFIG (default: configs/llama3_1b.py,
 1.24B parameters) is filled with random values on one device and saved the way the training loop saves,
@@ -9,7 +10,10 @@ synchronously and asynchronously, each with and without checksums. "blocked" is 
 training loop waiting; "total" is until the files are complete, synced to disk and (with checksums) their
 manifest written. Restores are timed cold (the page cache dropped first, when this process may) and warm
 (files still in the page cache), each with and without verifying the files first; hashing the files alone is
-timed too.
+timed too. With checksums, "during the save" is the time the watcher thread spent reading files while they
+were written, and "after the commit" the reading left for ``integrity.record``; ``--hash-after-commit``
+turns the watcher off (every file read after the commit, for comparison) and ``--saves-only`` times the
+saves alone.
 """
 
 from __future__ import annotations
