@@ -66,12 +66,16 @@ def writer_of(relative_path: str) -> int:
     return 0
 
 
-def _files(step_dir: str) -> list[str]:
+def _files(step_dir: str, process_index: int) -> list[str]:
+    """The files of a step directory that process ``process_index`` wrote (relative paths, sorted); other
+    processes' folders are never listed (on a shared file system every process does this)."""
     found = []
-    for root, _, names in os.walk(step_dir):
+    for root, dirs, names in os.walk(step_dir):
+        dirs[:] = [d for d in dirs if (m := _PROCESS_PART.search(d)) is None or int(m.group(1)) == process_index]
         for name in names:
             rel = os.path.relpath(os.path.join(root, name), step_dir).replace(os.sep, "/")
-            if not rel.startswith("integrity."):  # the manifests themselves, also while being written
+            # the manifests themselves (also while being written) are not recorded
+            if not rel.startswith("integrity.") and writer_of(rel) == process_index:
                 found.append(rel)
     return sorted(found)
 
@@ -138,25 +142,17 @@ class Watcher:
         except FileNotFoundError:
             return found
         for top in tops:
-            root_dir = os.path.join(self.directory, top)
-            for root, dirs, names in os.walk(root_dir):
-                # other processes' folders are never listed: on a shared file system every process polls
-                dirs[:] = [d for d in dirs if (m := _PROCESS_PART.search(d)) is None
-                           or int(m.group(1)) == self.process_index]
-                for name in names:
-                    path = os.path.join(root, name)
-                    rel = os.path.relpath(path, root_dir).replace(os.sep, "/")
-                    if rel.startswith("integrity.") or writer_of(rel) != self.process_index:
-                        continue
-                    try:
-                        st = os.stat(path)
-                    except FileNotFoundError:  # renamed or removed meanwhile
-                        continue
-                    progress = self.files.setdefault((st.st_dev, st.st_ino), _Progress())
-                    if st.st_size < progress.offset:  # written anew: start over
-                        progress = self.files[(st.st_dev, st.st_ino)] = _Progress()
-                    if st.st_size - progress.offset >= CHUNK_BYTES:
-                        found.append((path, progress, st.st_size))
+            for rel in _files(os.path.join(self.directory, top), self.process_index):
+                path = os.path.join(self.directory, top, rel)
+                try:
+                    st = os.stat(path)
+                except FileNotFoundError:  # renamed or removed meanwhile
+                    continue
+                progress = self.files.setdefault((st.st_dev, st.st_ino), _Progress())
+                if st.st_size < progress.offset:  # written anew: start over
+                    progress = self.files[(st.st_dev, st.st_ino)] = _Progress()
+                if st.st_size - progress.offset >= CHUNK_BYTES:
+                    found.append((path, progress, st.st_size))
         return found
 
     @staticmethod
@@ -213,7 +209,7 @@ def record(step_dir: str, process_index: int = 0, process_count: int = 1,
     """Hashes the files of a committed step directory that this process wrote (completing what a ``Watcher``
     read of them during the save) and writes its manifest (atomically: a manifest is either complete or
     absent)."""
-    paths = [p for p in _files(step_dir) if writer_of(p) == process_index]
+    paths = _files(step_dir, process_index)
     stats = [os.stat(os.path.join(step_dir, p)) for p in paths]
     known = known or {}
     with ThreadPoolExecutor(THREADS) as pool:
