@@ -195,8 +195,6 @@ BAD = [
      "'execution.attention' is 'cudnn' but the backend is cpu", "use 'auto' or 'xla'"),
     ("cudnn_in_float32", lambda d: resolve_implementation("cudnn", jnp.float32, backend="gpu"),
      "'execution.attention' is 'cudnn' but compute dtype float32 is not 16-bit", "use 'auto' or 'xla'"),
-    ("cudnn_with_sharded_sequence", lambda d: resolve_implementation("cudnn", jnp.bfloat16, 128, 2, backend="gpu"),
-     "'execution.attention' is 'cudnn' but the sequence is sharded 2 ways (mesh.sequence)", "use 'auto' or 'xla'"),
     ("cudnn_with_odd_head_dim", lambda d: resolve_implementation("cudnn", jnp.bfloat16, 100, 1, backend="gpu"),
      "'execution.attention' is 'cudnn' but head_dim 100 is not a multiple of 8 up to 128", "use 'auto' or 'xla'"),
     ("float16_compute", lambda d: ExecutionConfig(dtype="float16"), "'execution.dtype'",
@@ -338,6 +336,8 @@ def test_attention_choice_resolves():
     assert resolve_implementation("auto", jnp.bfloat16, 256, 1, backend="gpu") == "xla"
     assert resolve_implementation("auto", jnp.bfloat16, 64, 1, backend="gpu") == "cudnn"
     assert resolve_implementation("cudnn", jnp.bfloat16, backend="gpu") == "cudnn"
+    # a sharded sequence: cuDNN by chunks when asked for, the blockwise kernel under 'auto'
+    assert resolve_implementation("cudnn", jnp.bfloat16, 128, 2, backend="gpu") == "cudnn"
     assert resolve_implementation("xla", jnp.bfloat16, backend="cpu") == "xla"
 
 

@@ -243,6 +243,25 @@ def test_context_parallel_losses_on_packed_text_match_single_device(mesh_name, p
     np.testing.assert_allclose(_losses(summary), expected, rtol=1e-5)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("mesh_name", ["data2_sequence2_tensor2", "fsdp2_sequence4"])
+def test_cudnn_by_chunks_losses_on_packed_text_match_single_device(mesh_name, packed_text, packed_single_device_run,
+                                                                   tmp_path, caplog, monkeypatch):
+    """'cudnn' on a sharded sequence runs by chunks of the loader's layout (``ops/chunked.py``): the same calls
+    in the XLA kernel here (cuDNN needs a GPU), through the loader, the rules table and the model."""
+    from jaxtron.ops import attention as attention_ops
+    from jaxtron.ops import chunked
+
+    monkeypatch.setattr(attention_ops, "cudnn_unsupported", lambda *a: None)
+    monkeypatch.setattr(chunked, "CUDNN", chunked.XlaKernel(block_q=16, block_k=16))
+    cfg = tiny_config(SEQUENCE_MESHES[mesh_name], execution=dict(attention="cudnn"),
+                      data=dict(source="store", path=packed_text, seq_len=64, validation_fraction=0.05))
+    with caplog.at_level("INFO", logger="jaxtron.training.loop"):
+        summary = run(cfg, str(tmp_path), use_tqdm=False)
+    assert "attention cudnn" in caplog.text
+    np.testing.assert_allclose(_losses(summary), _losses(packed_single_device_run), rtol=1e-5)
+
+
 QWEN3_STYLE = {  # per-head query and key norms, head size not embed / heads (16); the MoE one with 4 experts
     "qwen3": dict(qk_norm=True, head_dim=32),
     "qwen3_moe": dict(qk_norm=True, head_dim=32, num_experts=4, experts_per_token=2, router_renormalize=True),

@@ -212,7 +212,7 @@ class ExecutionConfig:
 
     dtype: str = "float32"  # compute dtype; parameters are always float32
     remat: str = "none"  # none | full | save_dots | save_attention | save_dots_attention
-    attention: str = "auto"  # auto | xla | cudnn
+    attention: str = "auto"  # auto | xla | cudnn | blockwise (see jaxtron/ops/attention.py)
     attention_max_segments: int = 64  # cuDNN: most documents a packed row may hold (a batch with more is refused)
     fp8: bool = False  # FP8 matmuls (current scaling) in every projection of the blocks; see jaxtron/ops/fp8.py
     fp8_skip_layers: int = 0  # with fp8: the first and the last this many blocks keep 16-bit matmuls

@@ -3,7 +3,9 @@
 'xla' is the reference path everywhere (whole score matrices); 'cudnn' is the fused flash-attention kernel on
 NVIDIA GPUs; 'blockwise' is flash-style attention written in XLA (``ops/blockwise.py``), which 'auto' takes when
 the sequence axis is sharded (context parallelism): each device keeps its queries and gathers the keys and
-values of the whole sequence, and no [length, length] matrix is held.
+values of the whole sequence, and no [length, length] matrix is held. An explicit 'cudnn' on a sharded sequence
+runs cuDNN on those gathered keys by chunks (``ops/chunked.py``): a few calls per chunk of queries, shaped by
+lengths, merged by their softmax statistics.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from jaxtron.config.schema import ConfigError
-from jaxtron.parallel.sharding import constrain
+from jaxtron.parallel.sharding import constrain, logical_to_spec, spec_axes
 
 OUTPUT_NAME = "attention_out"  # checkpoint name of the attention output (remat policies can keep it)
 Q_AXES = ("activation_batch", "activation_length", "activation_heads", "activation_head_dim")
@@ -31,21 +33,20 @@ def cudnn_unsupported(dtype: jnp.dtype, head_dim: int, sequence_shards: int, bac
         return f"compute dtype {jnp.dtype(dtype).name} is not 16-bit"
     if head_dim % 8 or head_dim > 128:
         return f"head_dim {head_dim} is not a multiple of 8 up to 128"
-    if sequence_shards > 1:  # JAX's cuDNN partitioner refuses a sharded sequence axis
-        return f"the sequence is sharded {sequence_shards} ways (mesh.sequence)"
     return None
 
 
 def resolve_implementation(choice: str, dtype: jnp.dtype, head_dim: int = 128, sequence_shards: int = 1,
                            backend: str | None = None) -> str:
-    """'auto' -> 'cudnn' where JAX's cuDNN kernel supports the configuration, else 'blockwise' when the sequence
-    is sharded and 'xla' when it is not.
+    """'auto' -> 'blockwise' when the sequence is sharded, else 'cudnn' where JAX's cuDNN kernel supports the
+    configuration and 'xla' where it does not. (On a sharded sequence cuDNN runs by chunks only when asked for,
+    until a GPU has measured it against the blockwise kernel.)
 
     An explicit 'cudnn' that cannot run is a ConfigError naming the reason.
     """
     reason = cudnn_unsupported(dtype, head_dim, sequence_shards, backend or jax.default_backend())
     if choice == "auto":
-        return ("blockwise" if sequence_shards > 1 else "xla") if reason else "cudnn"
+        return "blockwise" if sequence_shards > 1 else ("xla" if reason else "cudnn")
     if choice == "cudnn" and reason:
         raise ConfigError(f"config field 'execution.attention' is 'cudnn' but {reason}; use 'auto' or 'xla'.")
     return choice
@@ -56,6 +57,14 @@ def cpu_implementation(choice: str, dtype: jnp.dtype, head_dim: int, sequence_sh
     ``choice`` resolved for the CPU, an explicit 'cudnn' taken as 'auto' since it cannot compile there."""
     return resolve_implementation("auto" if choice == "cudnn" else choice, dtype, head_dim, sequence_shards,
                                   backend="cpu")
+
+
+def _sequence_axes() -> tuple[str, ...]:
+    """The mesh axes of more than one device that split the queries' sequence (none outside a mesh)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return ()
+    return tuple(a for a in spec_axes(logical_to_spec(Q_AXES), 1) if mesh.shape[a] > 1)
 
 
 def segment_layout(segment_ids: jax.Array, max_segments: int) -> tuple[jax.Array, jax.Array]:
@@ -101,17 +110,25 @@ def dot_product_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, implement
     token's position in its document) decide causality, so the columns may hold the tokens in any order (the
     loader's load-balanced layout of a sharded sequence); without them, the column order is the token order.
     With cuDNN, packed documents go to the kernel as per-document lengths and offsets (at most ``max_segments``
-    per row; cuDNN runs only on an unsharded sequence, whose columns are in order).
+    per row); on a sharded sequence it runs by chunks of the loader's layout, which needs the segment ids and
+    positions.
     """
     q = constrain(q, Q_AXES)
+    chunks = implementation == "cudnn" and bool(_sequence_axes())
+    if chunks and (segment_ids is None or positions is None):
+        raise ValueError("cuDNN attention on a sharded sequence needs the loader's segment ids and positions")
     # blockwise attention gathers the keys and values itself, inside its shard_map: they enter it sharded like
     # the queries (gathering them here as well would gather twice)
-    kv_axes = KV_SHARDED_AXES if implementation == "blockwise" else KV_AXES
+    kv_axes = KV_SHARDED_AXES if implementation == "blockwise" or chunks else KV_AXES
     k = constrain(k, kv_axes)
     v = constrain(v, kv_axes)
     order = positions if segment_ids is not None and positions is not None else \
         jnp.broadcast_to(jnp.arange(q.shape[1]), q.shape[:2])
-    if implementation == "cudnn" and segment_ids is not None:
+    if chunks:
+        from jaxtron.ops import chunked
+        out = chunked.context_parallel_attention(q, k, v, constrain(positions, Q_AXES[:2]),
+                                                 constrain(segment_ids, Q_AXES[:2]), max_segments=max_segments)
+    elif implementation == "cudnn" and segment_ids is not None:
         out = _cudnn_packed(q, k, v, segment_ids, max_segments)
     elif implementation == "blockwise":
         from jaxtron.ops.blockwise import context_parallel_attention

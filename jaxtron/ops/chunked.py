@@ -156,9 +156,10 @@ def chunk_attention(kernel, q, k, v, positions, segment_ids, k_row, v_row, start
     and ``segment_ids`` [b, C] the loader's) given the whole row's keys and values ``k_row``, ``v_row`` in token
     order and the chunk's first column ``start`` in that row (may be traced)."""
     size = q.shape[1]
-    first = positions[:, 0]  # > 0: the chunk begins inside a document that began earlier
-    leading = jnp.sum(jnp.cumprod(segment_ids == segment_ids[:, :1], axis=1), axis=1)
-    x = jnp.where(first > 0, leading, 0).astype(jnp.int32)
+    first = positions[:, 0]  # > 0: the chunk begins inside a document that began this many tokens earlier
+    # the head: the chunk's tokens in its first document (with first == 0 its earlier part is empty and the head
+    # is that document's causal attention alone)
+    x = jnp.sum(jnp.cumprod(segment_ids == segment_ids[:, :1], axis=1), axis=1).astype(jnp.int32)
     shift = start - first  # the document's first column in the row
     roll = jax.vmap(lambda a, s: jnp.roll(a, -s, axis=0))
     head = merged(kernel, (True, False), q,
@@ -199,9 +200,11 @@ def shard_attention(kernel, q, k, v, positions, segment_ids, k_all, v_all, shard
     return jnp.concatenate(outs, axis=1)
 
 
-def context_parallel_attention(q, k, v, positions, segment_ids, *, kernel=CUDNN, max_segments: int = 64):
+def context_parallel_attention(q, k, v, positions, segment_ids, *, kernel=None, max_segments: int = 64):
     """Causal attention with the sequence sharded as the rules table says, by chunks (see the module): q [b, L,
-    heads, d], k, v [b, L, kv_heads, d], ``positions`` and ``segment_ids`` [b, L] as the loader lays them out."""
+    heads, d], k, v [b, L, kv_heads, d], ``positions`` and ``segment_ids`` [b, L] as the loader lays them out.
+    ``kernel``: the cuDNN one unless given."""
+    kernel = kernel or CUDNN
     from jaxtron.ops.attention import KV_SHARDED_AXES, Q_AXES
     from jaxtron.parallel.sharding import logical_to_spec, spec_axes
 
