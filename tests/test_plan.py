@@ -206,7 +206,22 @@ def test_dominant_term_follows_the_bottleneck():
     slow_network = dataclasses.replace(H100, network_bandwidth=1e9)
     assert estimate(cfg, sizes, slow_network).dominant == "fsdp_comm"
     sharded_sequence = estimate(cfg, dict(sizes, fsdp=8, sequence=2), H100)
-    assert sharded_sequence.attention == "blockwise"  # cuDNN's kernel does not take a sharded sequence
+    assert sharded_sequence.attention == "blockwise"  # 'auto' on a sharded sequence: the blockwise XLA kernel
+
+
+def test_cudnn_by_chunks_is_estimated_at_the_cudnn_rate_with_the_same_gathers():
+    """'cudnn' on a sharded sequence (ops/chunked.py): attention at cuDNN's rate on the causal FLOPs plus the
+    duplicated head (1 / (2 x sequence)), with the blockwise kernel's key and value traffic."""
+    base = _config("llama3_1b", **{"data.seq_len": "32768", "model.max_seq_len": "32768",
+                                   "train.logit_chunks": "8", "train.global_batch_size": "8"})
+    sizes = dict(data=1, fsdp=4, sequence=2, expert=1, tensor=1)
+    cudnn = dataclasses.replace(base, execution=dataclasses.replace(base.execution, attention="cudnn"))
+    chunks, blocks = estimate(cudnn, sizes, H100), estimate(base, sizes, H100)
+    assert (chunks.attention, blocks.attention) == ("cudnn", "blockwise")
+    rate = H100.attention_efficiency / H100.xla_attention_efficiency
+    assert chunks.time["attention"] == pytest.approx(blocks.time["attention"] / rate * (1 + 1 / 4))
+    assert chunks.time["sequence_comm"] == pytest.approx(blocks.time["sequence_comm"])
+    assert chunks.collectives == blocks.collectives
 
 
 def test_405b_on_8_gpus_of_80gb_is_refused_with_the_reason(capsys):

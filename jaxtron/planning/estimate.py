@@ -53,6 +53,10 @@ MOE_COPIES = 1.5  # the MoE block's exchange buffers and expert hidden values (r
 SCORE_COPIES = 3.0  # XLA attention's float32 [batch, heads, q, k] arrays in the backward: scores, probs, grads
 BLOCK_SCORE_COPIES = 4.0  # blockwise attention's float32 arrays of one pair of blocks in the backward: s, p, dp, ds
 ATTENTION_BLOCK = 512  # blockwise attention's block of queries and of keys (ops/blockwise.py)
+# cuDNN by chunks on a sharded sequence (ops/chunked.py), in the block's backward: the gathered keys and values
+# in token order, each of the two chunks' rolled copy, and the 16-bit gradients of all three (assumed: a GPU
+# program cannot be compiled here)
+CHUNK_KV_COPIES = 6.0
 WEIGHT_COPIES = 2.0  # gathered block weights besides their float32 gradient: this block's and the next one's
 LOGIT_COPIES = 2.0  # float32 logits of one slice: the logits and their gradient
 HEAD_COPIES = 2.0  # embedding and output head gathered over fsdp besides their gradient
@@ -169,6 +173,7 @@ def estimate(cfg: Config, sizes: dict[str, int], gpu: GPU, microbatches: int | N
     impl = cpu_implementation(run.attention, run.dtype, m.qk_head_dim, sizes["sequence"]) if cpu_program \
         else resolve_implementation(run.attention, run.dtype, m.qk_head_dim, sizes["sequence"], backend="gpu")
     T, S, E, F = sizes["tensor"], sizes["sequence"], sizes["expert"], sizes["fsdp"]
+    chunks = impl == "cudnn" and S > 1  # cuDNN by chunks of the load-balanced layout (ops/chunked.py)
     dp = sizes["data"] * F * E
     c = 2 if run.dtype == "bfloat16" else 4
     s = cfg.data.seq_len
@@ -247,6 +252,8 @@ def estimate(cfg: Config, sizes: dict[str, int], gpu: GPU, microbatches: int | N
     if impl == "blockwise":  # local queries, and the arrays of one pair of blocks
         pair = b * heads * block_size(t, ATTENTION_BLOCK) * block_size(s_kv, ATTENTION_BLOCK)
         flash = 4.0 * (attn["kv"] + attn["q"] + BLOCK_SCORE_COPIES * pair)
+    elif chunks:
+        flash = c * CHUNK_KV_COPIES * attn["kv"]
     layer_work = ((LAYER_COPIES * everything + MOE_COPIES * (moe_values if moe_layers else 0)) * work_c
                   + SCORE_COPIES * scores * 4.0 + flash
                   + block_weights * (WEIGHT_COPIES * work_c + 4.0))  # gathered copies and the float32 gradient
@@ -269,7 +276,9 @@ def estimate(cfg: Config, sizes: dict[str, int], gpu: GPU, microbatches: int | N
     hardware = hardware_flops_breakdown(run_m, run, s, attention=impl)
     step_tokens = cfg.train.global_batch_size * s
     matmul = sum(v for k, v in hardware.items() if k != "attention_scores")
-    scores_flops = hardware["attention_scores"]
+    # by chunks, a chunk's first document is computed twice on its own keys (once merged with its earlier keys):
+    # at most a diagonal block per chunk, 1 / (2 x sequence) of a device's causal work
+    scores_flops = hardware["attention_scores"] * (1 + 1 / (2 * S) if chunks else 1)
     attention_eff = gpu.attention_efficiency if impl == "cudnn" else gpu.xla_attention_efficiency
     forward_passes = 3 + (1 if run.remat == "full" else 0)  # forward, backward (twice the traffic), recompute
     # bytes per device: a tensor group of T devices shares its tokens and splits all of the work, the
@@ -335,8 +344,8 @@ def estimate(cfg: Config, sizes: dict[str, int], gpu: GPU, microbatches: int | N
                            + ring("all-gather", "tensor", x * work_c, tensor_reductions)
                            + ring("all-reduce", "tensor", 4.0 * outside_rows * t * h, micro))
     block_calls = layers_here * micro * in_flight
-    if impl == "blockwise":  # keys and values gathered in the forward pass and its recomputation; their
-        # gradients reduce-scattered back in the backward pass
+    if impl == "blockwise" or chunks:  # keys and values gathered in the forward pass and its recomputation;
+        # their gradients reduce-scattered back in the backward pass
         time["sequence_comm"] = (ring("all-gather", "sequence", attn["kv"] * work_c,
                                       (2 if run.remat != "none" else 1) * block_calls)
                                  + ring("reduce-scatter", "sequence", attn["kv"] * work_c, block_calls))
