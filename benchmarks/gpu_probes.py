@@ -167,6 +167,59 @@ def _attention_probe(smoke: bool) -> dict:
         row["blockwise_over_whole"] = row["blockwise"]["best_s"] / row["whole"]["best_s"]
         out["lengths"][str(length)] = row
     out["latent"] = _latent_attention_probe(smoke, reference)
+    out["chunks"] = _chunks_probe(smoke, reference)
+    return out
+
+
+def _chunks_probe(smoke: bool, reference: str) -> dict:
+    """One device's share of causal attention on a sequence split 8 ways (2 on a CPU), forward and backward:
+    its two load-balanced chunks of queries against the whole row's keys, by the blockwise XLA kernel (what
+    'auto' runs) and by cuDNN in chunks (``ops/chunked.py``, what 'cudnn' runs; the XLA kernel on a CPU), with
+    their largest output difference and the rate each reaches on the shard's causal FLOPs. Which is faster
+    decides what 'auto' should take on a sharded sequence."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    import mfu
+    from jaxtron.ops import chunked
+    from jaxtron.ops.blockwise import blockwise_attention
+    from jaxtron.parallel.sharding import sequence_order
+
+    heads, kv_heads, d, shards = (4, 2, 16, 2) if smoke else (32, 8, 128, 8)
+    kernel = chunked.CUDNN if reference == "cudnn" else chunked.XlaKernel()
+    out = {"shards": shards, "kernel": reference, "lengths": {}}
+    for length in ((256,) if smoke else (8192, 32768)):
+        keys = jax.random.split(jax.random.key(length + 1), 3)
+        order = sequence_order(length, shards)
+        cols = slice(0, length // shards)  # shard 0: chunks 0 and 2 x shards - 1
+        k_all, v_all = (jax.random.normal(x, (1, length, kv_heads, d), jnp.bfloat16) for x in keys[1:])
+        q = jax.random.normal(keys[0], (1, length // shards, heads, d), jnp.bfloat16)
+        pos = jnp.asarray(order[cols])[None]
+        seg = jnp.ones_like(pos)
+
+        def by_blocks(q, k_all, v_all):
+            return blockwise_attention(q, k_all, v_all, pos, jnp.asarray(order)[None])[0]
+
+        def by_chunks(q, k_all, v_all):
+            return chunked.shard_attention(kernel, q, k_all[:, cols], v_all[:, cols], pos, seg, k_all, v_all,
+                                           0, shards, max_segments=1)
+
+        flops = 3.5 * 2 * 2 * heads * length ** 2 * d / 2 / shards
+        row, outputs = {}, {}
+        for name, fn in (("blockwise", by_blocks), ("chunks", by_chunks)):
+            try:
+                loss = jax.jit(jax.value_and_grad(
+                    lambda q, k, v, fn=fn: jnp.sum(fn(q, k, v).astype(jnp.float32) ** 2), argnums=(0, 1, 2)))
+                t = _summary(mfu.call_times(loss, q, k_all, v_all, repeats=5))
+                row[name] = {**t, "tflops": flops / t["best_s"] / 1e12}
+                outputs[name] = np.asarray(jax.jit(fn)(q, k_all, v_all).astype(jnp.float32))
+            except Exception as e:  # noqa: BLE001  (a kernel that fails here is the result)
+                row[name] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"}
+        if len(outputs) == 2:
+            row["max_abs_difference"] = float(np.max(np.abs(outputs["chunks"] - outputs["blockwise"])))
+            row["chunks_over_blockwise"] = row["chunks"]["best_s"] / row["blockwise"]["best_s"]
+        out["lengths"][str(length)] = row
     return out
 
 

@@ -345,6 +345,18 @@ def markdown(report: dict) -> str:
             lines.append(f"| {r['heads']} heads, {r['length']} tokens, head size {r['head_dim']} | "
                          f"{r['implementation']} | {result[0]} | {result[1]} |")
         lines.append("")
+        ch = att.get("chunks")
+        if ch:
+            lines += [f"| one device of sequence={ch['shards']}, forward + backward | blockwise (XLA) | "
+                      f"{ch['kernel']} by chunks | chunks / blockwise | largest difference |", "|---|---|---|---|---|"]
+
+            def cell(r):
+                return r["error"] if "error" in r else f"{_fmt(r['best_s'])} s, {_fmt(r['tflops'])} TFLOP/s"
+            for length, r in ch["lengths"].items():
+                ratio = f"{r['chunks_over_blockwise']:.2f}x" if "chunks_over_blockwise" in r else ""
+                diff = f"{r['max_abs_difference']:.2e}" if "max_abs_difference" in r else ""
+                lines.append(f"| {length} tokens | {cell(r['blockwise'])} | {cell(r['chunks'])} | {ratio} | {diff} |")
+            lines.append("")
     tests = next((s.get("result") for s in report["steps"] if s["name"] == "gpu tests"), None)
     if tests and tests.get("tests"):
         lines += ["| GPU test | outcome |", "|---|---|"]

@@ -58,6 +58,9 @@ def test_the_smoke_run_goes_through_every_step_and_writes_its_results(tmp_path):
     latent = steps["attention"]["latent"]  # DeepSeek-V3's head size, shrunk
     assert latent["head_dim"] == 24 and "error" not in latent, latent
     assert latent["max_abs_difference"] < 0.05 and latent["best_s"] > 0
+    chunks = steps["attention"]["chunks"]["lengths"]["256"]  # one shard: the XLA kernel by chunks on a CPU
+    assert "error" not in chunks["chunks"] and chunks["max_abs_difference"] < 0.05, chunks
+    assert chunks["chunks_over_blockwise"] == pytest.approx(chunks["chunks"]["best_s"] / chunks["blockwise"]["best_s"])
 
     tests = {t["name"]: t["outcome"] for t in steps["gpu tests"]["tests"]}
     assert tests["test_attention::test_the_private_cudnn_function_still_takes_the_call_jaxtron_makes"] == "passed"
