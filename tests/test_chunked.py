@@ -205,10 +205,25 @@ def test_cudnn_chunks_equal_whole_matrix_attention_on_a_gpu():
             chunked.CUDNN, qz[:, c], kz[:, c], vz[:, c], pz[:, c], sz[:, c], kz, vz, i, shards, max_segments=8)
             for i, c in enumerate(slice(i * width, (i + 1) * width) for i in range(shards))], axis=1)
 
-    got = jax.jit(by_shards)(q, k, v).astype(jnp.float32)
-    assert float(jnp.linalg.norm((got - want).ravel()) / jnp.linalg.norm(want.ravel())) < 1e-2
+    def relative(got, want):
+        return float(jnp.linalg.norm((got.astype(jnp.float32) - want).ravel()) / jnp.linalg.norm(want.ravel()))
+
+    assert relative(jax.jit(by_shards)(q, k, v), want) < 1e-2
     grads = jax.jit(jax.grad(lambda *a: _loss(by_shards(*a).astype(jnp.float32), 0.0), argnums=(0, 1, 2)))(q, k, v)
     inverse = np.argsort(order)
     for g, w in zip(grads, want_grads):
-        w = w[:, inverse]
-        assert float(jnp.linalg.norm((g.astype(jnp.float32) - w).ravel()) / jnp.linalg.norm(w.ravel())) < 2e-2
+        assert relative(g, w[:, inverse]) < 2e-2
+
+    # the same calls inside the shard_map a mesh runs (one GPU: a sequence axis of 1, the row in two chunks)
+    mesh = jax.make_mesh((1,) * 6, NAMES, axis_types=(AxisType.Explicit,) * 6)
+    want, want_grads = _expected(q, k, v, seg, np.arange(length))
+    with jax.set_mesh(mesh):
+        rows = NamedSharding(mesh, P(("data", "fsdp", "expert"), "sequence"))
+        heads = NamedSharding(mesh, P(("data", "fsdp", "expert"), "sequence", "tensor"))
+        pos_s, seg_s = jax.device_put(pos, rows), jax.device_put(seg, rows)
+        f = jax.jit(lambda q, k, v: chunked.context_parallel_attention(q, k, v, pos_s, seg_s, max_segments=8))
+        bf = [jax.device_put(x.astype(jnp.bfloat16), heads) for x in (q, k, v)]
+        assert relative(f(*bf), want) < 1e-2
+        grads = jax.jit(jax.grad(lambda *a: _loss(f(*a).astype(jnp.float32), 0.0), argnums=(0, 1, 2)))(*bf)
+    for g, w in zip(grads, want_grads):
+        assert relative(g, w) < 2e-2
