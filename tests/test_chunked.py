@@ -97,7 +97,7 @@ def test_merged_calls_backpropagate_through_the_merged_statistics():
     which is what differentiating the calls one by one gives when their statistics carry no gradient)."""
     q, k, v = _inputs(9, 2, 16)
     n = jnp.full((2,), 16, jnp.int32)
-    calls = ((k[:, :8], v[:, :8], n, jnp.array([8, 3], jnp.int32)), (k[:, 8:], v[:, 8:], n, jnp.array([8, 0])))
+    lengths = ((n, jnp.array([8, 3], jnp.int32), None, None), (n, jnp.array([8, 0], jnp.int32), None, None))
     keep = jnp.concatenate([jnp.arange(8)[None] < jnp.array([[8], [3]]), jnp.arange(8)[None] < jnp.array([[8], [0]])], 1)
 
     def reference(q, k, v):  # the same keys as one full (non-causal) set
@@ -106,7 +106,7 @@ def test_merged_calls_backpropagate_through_the_merged_statistics():
         return jnp.einsum("bhqk,bkhd->bqhd", p, jnp.repeat(v, 2, axis=2))
 
     def merged(q, k, v):
-        c = ((k[:, :8], v[:, :8]) + calls[0][2:], (k[:, 8:], v[:, 8:]) + calls[1][2:])
+        c = ((k[:, :8], v[:, :8]) + lengths[0], (k[:, 8:], v[:, 8:]) + lengths[1])
         return chunked.merged(KERNEL, (False, False), q, c)
 
     np.testing.assert_allclose(merged(q, k, v), reference(q, k, v), rtol=1e-5, atol=1e-5)

@@ -2,15 +2,15 @@
 
 The loader lays a row of L tokens over S sequence shards in chunks of C tokens (``sharding.sequence_order``:
 2S chunks, shard i holding chunks i and 2S-1-i). Each device keeps its two chunks of queries and gathers the
-row's keys and values in token order. A chunk of queries then needs at most three kernel calls, all of them
+row's keys and values. A chunk of queries then needs at most three kernel calls, all of them
 shaped by the chunk alone, whatever the device:
 
 - ``rest``: the chunk against its own keys, causal inside each packed document (the kernel's ragged layout).
   Its rows are right for every document that begins inside the chunk.
 - ``head``: the chunk's first x tokens, when they continue a document that began p > 0 tokens earlier (p is
   the first token's position): causal against themselves (queries and keys 0..x of the chunk), merged with
-  those x queries against the document's p earlier keys (the gathered row rolled so the document starts at key
-  0, all p visible). The two calls are merged by their softmax statistics, and the backward of each runs on
+  those x queries against the document's p earlier keys (the gathered row's columns picked so the document
+  starts at key 0, all p visible). The two calls are merged by their softmax statistics, and the backward of each runs on
   the merged output and statistics, as flash attention's backward does for several blocks of keys.
 
 Every call is a causal or a full block bounded by query and key lengths, which is what a fused kernel with
@@ -118,17 +118,25 @@ def _valid(q, q_len, kv_len):
     return (rows & (kv_len[:, None] > 0))[..., None]
 
 
+def _picked(x, take):
+    """``x`` [b, L, ...] with its columns picked per row by ``take`` [b, L] (None: as it is)."""
+    return x if take is None else jnp.take_along_axis(x, take.reshape(*take.shape, *(1,) * (x.ndim - 2)), axis=1)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
 def merged(kernel, causal: tuple[bool, ...], q, calls):
-    """Attention of ``q`` over the union of the key sets of ``calls`` (each (k, v, q_len, kv_len), causal per
-    ``causal``): every call's output weighted by its share of the softmax. Rows no call computes are zero."""
+    """Attention of ``q`` over the union of the key sets of ``calls``, each (k, v, q_len, kv_len, take, give)
+    and causal per ``causal``: the kernel runs on k, v with their columns picked by ``take`` [b, L] (a permutation
+    of each row, None for none; ``give`` is its inverse), and every call's output is weighted by its share of the
+    softmax. Picking inside keeps only k and v for the backward, not a permuted copy per call. Rows no call
+    computes are zero."""
     return _merged_fwd(kernel, causal, q, calls)[0]
 
 
 def _merged_fwd(kernel, causal, q, calls):
     parts = []
-    for (k, v, q_len, kv_len), c in zip(calls, causal):
-        out, lse = kernel.forward(q, k, v, q_len, kv_len, c)
+    for (k, v, q_len, kv_len, take, _), c in zip(calls, causal):
+        out, lse = kernel.forward(q, _picked(k, take), _picked(v, take), q_len, kv_len, c)
         ok = _valid(q, q_len, kv_len)
         parts.append((jnp.where(ok[..., None], out, 0).astype(q.dtype), jnp.where(ok, lse, blockwise.MASKED)))
     out, lse = blockwise.combine(parts)
@@ -138,32 +146,38 @@ def _merged_fwd(kernel, causal, q, calls):
 def _merged_bwd(kernel, causal, res, d_out):
     q, calls, out, lse = res
     dq, d_calls = jnp.zeros(q.shape, jnp.float32), []
-    for (k, v, q_len, kv_len), c in zip(calls, causal):
+    for (k, v, q_len, kv_len, take, give), c in zip(calls, causal):
         ok = _valid(q, q_len, kv_len)
         # rows outside the call get no cotangent and a statistic that makes their probabilities 0
         g = jnp.where(ok[..., None], d_out, 0).astype(d_out.dtype)
-        dq_c, dk, dv = kernel.backward(q, k, v, q_len, kv_len, c, out, jnp.where(ok, lse, -blockwise.MASKED), g)
+        dq_c, dk, dv = kernel.backward(q, _picked(k, take), _picked(v, take), q_len, kv_len, c, out,
+                                       jnp.where(ok, lse, -blockwise.MASKED), g)
         dq = dq + dq_c.astype(jnp.float32)
-        d_calls.append((dk, dv, None, None))
+        d_calls.append((_picked(dk, give), _picked(dv, give), None, None, None, None))
     return dq.astype(q.dtype), tuple(d_calls)
 
 
 merged.defvjp(_merged_fwd, _merged_bwd)
 
 
-def chunk_attention(kernel, q, k, v, positions, segment_ids, k_row, v_row, start, max_segments: int):
+def chunk_attention(kernel, q, k, v, positions, segment_ids, k_all, v_all, in_order, start, max_segments: int):
     """Causal attention of one chunk of queries q [b, C, heads, d] (keys k, v of the same chunk; ``positions``
-    and ``segment_ids`` [b, C] the loader's) given the whole row's keys and values ``k_row``, ``v_row`` in token
-    order and the chunk's first column ``start`` in that row (may be traced)."""
-    size = q.shape[1]
+    and ``segment_ids`` [b, C] the loader's) given the whole row's keys and values ``k_all``, ``v_all`` [b, L, ...]
+    in any column order, ``in_order`` [L] (numpy) the column holding each token, and the chunk's first token ``start``
+    (may be traced)."""
+    size, length = q.shape[1], k_all.shape[1]
     first = positions[:, 0]  # > 0: the chunk begins inside a document that began this many tokens earlier
     # the head: the chunk's tokens in its first document (with first == 0 its earlier part is empty and the head
     # is that document's causal attention alone)
     x = jnp.sum(jnp.cumprod(segment_ids == segment_ids[:, :1], axis=1), axis=1).astype(jnp.int32)
-    shift = start - first  # the document's first column in the row
-    roll = jax.vmap(lambda a, s: jnp.roll(a, -s, axis=0))
+    # the document's earlier keys first: key j of the call is token (doc start + j) mod L, in column in_order[.]
+    begin = (start - first)[:, None]
+    tokens = jnp.arange(length)[None, :]
+    take = jnp.asarray(in_order, jnp.int32)[(tokens + begin) % length]
+    # the inverse: column i holds token order[i], which is key (order[i] - doc start) mod L of the call
+    give = (jnp.asarray(np.argsort(in_order), jnp.int32)[None, :] - begin) % length
     head = merged(kernel, (True, False), q,
-                  ((k, v, x, x), (roll(k_row, shift), roll(v_row, shift), x, first.astype(jnp.int32))))
+                  ((k, v, x, x, None, None), (k_all, v_all, x, first.astype(jnp.int32), take, give)))
     # with no document beginning inside any row's chunk, the whole chunk is the head
     rest = jax.lax.cond(jnp.any(x < size), lambda: kernel.packed(q, k, v, segment_ids, max_segments),
                         lambda: jnp.zeros_like(q))
@@ -190,13 +204,12 @@ def shard_attention(kernel, q, k, v, positions, segment_ids, k_all, v_all, shard
     size = length // (2 * shards)
     from jaxtron.parallel.sharding import sequence_order
     in_order = np.argsort(sequence_order(length, shards))  # the gathered column holding each token
-    k_row, v_row = jnp.take(k_all, in_order, axis=1), jnp.take(v_all, in_order, axis=1)
     starts = jnp.asarray(shard_chunks(length, shards), jnp.int32)[shard]
     outs = []
     for j in range(2):
         cols = slice(j * size, (j + 1) * size)
         outs.append(chunk_attention(kernel, q[:, cols], k[:, cols], v[:, cols], positions[:, cols],
-                                    segment_ids[:, cols], k_row, v_row, starts[j], max_segments))
+                                    segment_ids[:, cols], k_all, v_all, in_order, starts[j], max_segments))
     return jnp.concatenate(outs, axis=1)
 
 

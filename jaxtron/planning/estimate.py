@@ -53,10 +53,11 @@ MOE_COPIES = 1.5  # the MoE block's exchange buffers and expert hidden values (r
 SCORE_COPIES = 3.0  # XLA attention's float32 [batch, heads, q, k] arrays in the backward: scores, probs, grads
 BLOCK_SCORE_COPIES = 4.0  # blockwise attention's float32 arrays of one pair of blocks in the backward: s, p, dp, ds
 ATTENTION_BLOCK = 512  # blockwise attention's block of queries and of keys (ops/blockwise.py)
-# cuDNN by chunks on a sharded sequence (ops/chunked.py), in the block's backward: the gathered keys and values
-# in token order, each of the two chunks' rolled copy, and the 16-bit gradients of all three (assumed: a GPU
-# program cannot be compiled here)
-CHUNK_KV_COPIES = 6.0
+# cuDNN by chunks on a sharded sequence (ops/chunked.py), in the block's backward, in units of the gathered keys
+# and values: a call's copy with the document's keys first, its 16-bit gradients, those put back in column order,
+# and their sum over the two chunks (assumed: a GPU program cannot be compiled here; benchmarks/README.md has the
+# CPU compile of the same structure with the XLA kernel in cuDNN's place)
+CHUNK_KV_COPIES = 4.0
 WEIGHT_COPIES = 2.0  # gathered block weights besides their float32 gradient: this block's and the next one's
 LOGIT_COPIES = 2.0  # float32 logits of one slice: the logits and their gradient
 HEAD_COPIES = 2.0  # embedding and output head gathered over fsdp besides their gradient
