@@ -98,7 +98,8 @@ def test_merged_calls_backpropagate_through_the_merged_statistics():
     q, k, v = _inputs(9, 2, 16)
     n = jnp.full((2,), 16, jnp.int32)
     lengths = ((n, jnp.array([8, 3], jnp.int32), None, None), (n, jnp.array([8, 0], jnp.int32), None, None))
-    keep = jnp.concatenate([jnp.arange(8)[None] < jnp.array([[8], [3]]), jnp.arange(8)[None] < jnp.array([[8], [0]])], 1)
+    below = jnp.arange(8)[None]
+    keep = jnp.concatenate([below < jnp.array([[8], [3]]), below < jnp.array([[8], [0]])], 1)
 
     def reference(q, k, v):  # the same keys as one full (non-causal) set
         s = jnp.einsum("bqhd,bkhd->bhqk", q, jnp.repeat(k, 2, axis=2)) / np.sqrt(8)

@@ -2,16 +2,16 @@
 
 The loader lays a row of L tokens over S sequence shards in chunks of C tokens (``sharding.sequence_order``:
 2S chunks, shard i holding chunks i and 2S-1-i). Each device keeps its two chunks of queries and gathers the
-row's keys and values. A chunk of queries then needs at most three kernel calls, all of them
-shaped by the chunk alone, whatever the device:
+row's keys and values. A chunk of queries then needs at most three kernel calls, of the same shapes on every
+device (which chunk it is only changes lengths and which keys are picked):
 
 - ``rest``: the chunk against its own keys, causal inside each packed document (the kernel's ragged layout).
   Its rows are right for every document that begins inside the chunk.
 - ``head``: the chunk's first x tokens, when they continue a document that began p > 0 tokens earlier (p is
   the first token's position): causal against themselves (queries and keys 0..x of the chunk), merged with
   those x queries against the document's p earlier keys (the gathered row's columns picked so the document
-  starts at key 0, all p visible). The two calls are merged by their softmax statistics, and the backward of each runs on
-  the merged output and statistics, as flash attention's backward does for several blocks of keys.
+  starts at key 0, all p visible). The two calls are merged by their softmax statistics, and the backward of
+  each runs on the merged output and statistics, as flash attention's backward does for several blocks of keys.
 
 Every call is a causal or a full block bounded by query and key lengths, which is what a fused kernel with
 padding masks computes without a [length, length] mask. ``XLA`` implements the calls with the blockwise kernel
@@ -30,6 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxtron.ops import blockwise
+from jaxtron.parallel.sharding import logical_to_spec, sequence_order, spec_axes
 
 FAR = 1 << 30  # a key index past every query: hidden by the causal test
 
@@ -162,9 +163,9 @@ merged.defvjp(_merged_fwd, _merged_bwd)
 
 def chunk_attention(kernel, q, k, v, positions, segment_ids, k_all, v_all, in_order, start, max_segments: int):
     """Causal attention of one chunk of queries q [b, C, heads, d] (keys k, v of the same chunk; ``positions``
-    and ``segment_ids`` [b, C] the loader's) given the whole row's keys and values ``k_all``, ``v_all`` [b, L, ...]
-    in any column order, ``in_order`` [L] (numpy) the column holding each token, and the chunk's first token ``start``
-    (may be traced)."""
+    and ``segment_ids`` [b, C] the loader's) given the whole row's keys and values ``k_all``, ``v_all``
+    [b, L, ...] in any column order, ``in_order`` [L] (numpy) the column holding each token, and the chunk's
+    first token ``start`` (may be traced)."""
     size, length = q.shape[1], k_all.shape[1]
     first = positions[:, 0]  # > 0: the chunk begins inside a document that began this many tokens earlier
     # the head: the chunk's tokens in its first document (with first == 0 its earlier part is empty and the head
@@ -187,8 +188,6 @@ def chunk_attention(kernel, q, k, v, positions, segment_ids, k_all, v_all, in_or
 def shard_chunks(length: int, shards: int) -> np.ndarray:
     """[shards, n]: the first token of each run of ``length // (2 * shards)`` consecutive tokens shard i holds
     in the loader's layout (two per shard), checked to be runs."""
-    from jaxtron.parallel.sharding import sequence_order
-
     size = length // (2 * shards)
     runs = sequence_order(length, shards).reshape(shards, 2, size)
     if not np.all(np.diff(runs, axis=-1) == 1):
@@ -202,7 +201,6 @@ def shard_attention(kernel, q, k, v, positions, segment_ids, k_all, v_all, shard
     same columns) against ``k_all``, ``v_all`` [b, L, kv_heads, d], the row's keys gathered in shard order."""
     length = k_all.shape[1]
     size = length // (2 * shards)
-    from jaxtron.parallel.sharding import sequence_order
     in_order = np.argsort(sequence_order(length, shards))  # the gathered column holding each token
     starts = jnp.asarray(shard_chunks(length, shards), jnp.int32)[shard]
     outs = []
@@ -219,7 +217,6 @@ def context_parallel_attention(q, k, v, positions, segment_ids, *, kernel=None, 
     ``kernel``: the cuDNN one unless given."""
     kernel = kernel or CUDNN
     from jaxtron.ops.attention import KV_SHARDED_AXES, Q_AXES
-    from jaxtron.parallel.sharding import logical_to_spec, spec_axes
 
     q_spec, kv_spec = logical_to_spec(Q_AXES), logical_to_spec(KV_SHARDED_AXES)
     row_spec = logical_to_spec(Q_AXES[:2])
