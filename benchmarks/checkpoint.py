@@ -215,8 +215,8 @@ def main(argv: list[str]) -> int:
                                                 "gb_per_s")}
         plain, summed = (result[f"save_{mode}{x}"]["total_s"]["median"] for x in ("", "_checksums"))
         result[f"save_{mode}_checksums_added"] = summed / plain - 1
-        share = result[f"save_{mode}_checksums"]["hash_s"]["median"] / (
-            result[f"save_{mode}_checksums"]["total_s"]["median"] - result[f"save_{mode}_checksums"]["hash_s"]["median"])
+        checked = result[f"save_{mode}_checksums"]
+        share = checked["hash_s"]["median"] / (checked["total_s"]["median"] - checked["hash_s"]["median"])
         result[f"save_{mode}_hashing_added"] = share  # hashing time over the rest of the same saves
     for cache in ("cold", "warm"):
         rows = [r for r in result["hashes"] if r["cache"].startswith(cache)]

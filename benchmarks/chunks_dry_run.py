@@ -17,8 +17,10 @@ import subprocess
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+from plan_validation import GIB, _commit  # noqa: E402
+
 LENGTHS = (8192, 32768, 131072)
-GIB = 2 ** 30
 
 
 def compile_one(length: int, implementation: str) -> dict:
@@ -45,8 +47,7 @@ def main() -> int:
     if args.one:  # one compile per process: XLA:CPU keeps what it compiled
         print(json.dumps(compile_one(int(args.one[0]), args.one[1])))
         return 0
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                            text=True).stdout.strip()
+    commit = _commit()
     rows = []
     for length in LENGTHS:
         for attention in ("blockwise", "cudnn"):

@@ -194,25 +194,38 @@ def context_parallel_attention(q: jax.Array, k: jax.Array, v: jax.Array, index: 
     in its row (causality follows it, so any layout of the tokens over the devices is exact). The keys of
     grouped-query attention are a fraction of the queries' size, which makes gathering them cheaper than passing
     them around a ring; no device ever holds a [length, length] score matrix. Outside a mesh: the plain call."""
-    from jaxtron.parallel.sharding import logical_to_spec, spec_axes
-
-    from jaxtron.ops.attention import KV_SHARDED_AXES, Q_AXES
-    mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty:
+    if jax.sharding.get_abstract_mesh().empty:
         return blockwise_attention(q, k, v, index, index, segment_ids, segment_ids, block_q=block_q,
                                    block_k=block_k)[0]
-    q_spec = logical_to_spec(Q_AXES)
-    kv_spec = logical_to_spec(KV_SHARDED_AXES)
-    row_spec = logical_to_spec(Q_AXES[:2])
-    sequence = spec_axes(q_spec, 1)
 
-    def gathered(x):
-        return jax.lax.all_gather(x, sequence, axis=1, tiled=True) if sequence else x
-
-    def local(q, k, v, index, segments):
+    def local(q, k, v, index, segments, gathered, shard, shards):
         return blockwise_attention(q, gathered(k), gathered(v), index, gathered(index), segments,
                                    None if segments is None else gathered(segments), block_q=block_q,
                                    block_k=block_k)[0]
 
-    return jax.shard_map(local, in_specs=(q_spec, kv_spec, kv_spec, row_spec, row_spec), out_specs=q_spec,
-                         check_vma=False)(q, k, v, index, segment_ids)
+    return over_sequence(local, q, k, v, index, segment_ids)
+
+
+def over_sequence(local, q: jax.Array, k: jax.Array, v: jax.Array, rows: jax.Array,
+                  segment_ids: jax.Array | None) -> jax.Array:
+    """Runs ``local(q, k, v, rows, segment_ids, gathered, shard, shards)`` on each device's part of a sharded
+    sequence, as the rules table splits queries, keys, values and [b, L] row arrays (a ``shard_map``):
+    ``gathered(x)`` all-gathers a local array's columns over the sequence axes (in shard order), ``shard`` is this
+    device's index among the ``shards`` along them. Returns the queries' shape, sharded like them."""
+    from jaxtron.ops.attention import KV_SHARDED_AXES, Q_AXES
+    from jaxtron.parallel.sharding import logical_to_spec, spec_axes
+
+    q_spec, kv_spec = logical_to_spec(Q_AXES), logical_to_spec(KV_SHARDED_AXES)
+    row_spec = logical_to_spec(Q_AXES[:2])
+    sequence = spec_axes(q_spec, 1)
+    shards = math.prod(jax.sharding.get_abstract_mesh().shape[a] for a in sequence)
+
+    def gathered(x):
+        return jax.lax.all_gather(x, sequence, axis=1, tiled=True) if sequence else x
+
+    def body(q, k, v, rows, segments):
+        shard = jax.lax.axis_index(sequence) if sequence else 0
+        return local(q, k, v, rows, segments, gathered, shard, shards)
+
+    return jax.shard_map(body, in_specs=(q_spec, kv_spec, kv_spec, row_spec, row_spec), out_specs=q_spec,
+                         check_vma=False)(q, k, v, rows, segment_ids)

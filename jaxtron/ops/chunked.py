@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxtron.ops import blockwise
-from jaxtron.parallel.sharding import logical_to_spec, sequence_order, spec_axes
+from jaxtron.parallel.sharding import sequence_order
 
 FAR = 1 << 30  # a key index past every query: hidden by the causal test
 
@@ -216,19 +216,9 @@ def context_parallel_attention(q, k, v, positions, segment_ids, *, kernel=None, 
     heads, d], k, v [b, L, kv_heads, d], ``positions`` and ``segment_ids`` [b, L] as the loader lays them out.
     ``kernel``: the cuDNN one unless given."""
     kernel = kernel or CUDNN
-    from jaxtron.ops.attention import KV_SHARDED_AXES, Q_AXES
 
-    q_spec, kv_spec = logical_to_spec(Q_AXES), logical_to_spec(KV_SHARDED_AXES)
-    row_spec = logical_to_spec(Q_AXES[:2])
-    sequence = spec_axes(q_spec, 1)
-    mesh = jax.sharding.get_abstract_mesh()
-    shards = math.prod(mesh.shape[a] for a in sequence)
+    def local(q, k, v, positions, segment_ids, gathered, shard, shards):
+        return shard_attention(kernel, q, k, v, positions, segment_ids, gathered(k), gathered(v), shard, shards,
+                               max_segments)
 
-    def local(q, k, v, positions, segment_ids):
-        k_all = jax.lax.all_gather(k, sequence, axis=1, tiled=True)
-        v_all = jax.lax.all_gather(v, sequence, axis=1, tiled=True)
-        return shard_attention(kernel, q, k, v, positions, segment_ids, k_all, v_all,
-                               jax.lax.axis_index(sequence), shards, max_segments)
-
-    return jax.shard_map(local, in_specs=(q_spec, kv_spec, kv_spec, row_spec, row_spec), out_specs=q_spec,
-                         check_vma=False)(q, k, v, positions, segment_ids)
+    return blockwise.over_sequence(local, q, k, v, positions, segment_ids)

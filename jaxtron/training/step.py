@@ -170,8 +170,9 @@ def train_step(setup: Setup, state: TrainState, batch: Batch,
     stop. ``metrics["nonfinite_stopped"]`` is the step that reached ``max_nonfinite_in_row`` (-1: none); from
     then on no update is applied. ``metrics["nonfinite_kind"]`` says what was not finite in this step (0: nothing,
     1: the loss, 2: the gradients, 3: both). ``metrics["learning_rate"]`` is the rate optax applied: its schedule
-    count stops at skipped updates while ``state.step`` goes on. ``metrics["state_finite"]`` tells whether the new state may be saved (checked
-    here, where the state is read anyway, rather than by reading it again at save time).
+    count stops at skipped updates while ``state.step`` goes on. ``metrics["state_finite"]`` tells whether the new
+    state may be saved (checked here, where the state is read anyway, rather than by reading it again at save
+    time).
     """
     grads, ce_sum, count, moe = gradients(setup, state.params, batch)
     block_load = moe.pop("block_load", None)
