@@ -24,6 +24,23 @@ def _result_bytes(line: str) -> int:
     return total
 
 
+_GROUPS = re.compile(r"replica_groups=\{(\{[\d,]*\}(?:,\{[\d,]*\})*)\}")
+_MESH_GROUPS = re.compile(r"replica_groups=mesh\[([^\]]*)\] \{([^}]*)\}")
+
+
+def _alone(line: str) -> bool:
+    """Whether every group of the collective holds one device (the shard_map transpose sums over mesh axes of
+    size 1): such a collective moves nothing."""
+    groups = _GROUPS.search(line)
+    if groups:
+        return all("," not in g for g in re.findall(r"\{([\d,]*)\}", groups.group(1)))
+    mesh = _MESH_GROUPS.search(line)
+    if mesh:
+        sizes = dict(re.findall(r"'(\w+)'=(\d+)", mesh.group(1)))
+        return math.prod(int(sizes.get(a, 1)) for a in re.findall(r"'(\w+)'", mesh.group(2))) == 1
+    return False
+
+
 def _kind(line: str) -> str | None:
     for kind in COLLECTIVES:
         if f" {kind}(" in line or f" {kind}-start(" in line:
@@ -75,7 +92,8 @@ def _multipliers(comps: dict[str, list[str]], entry: str) -> dict[str, int]:
 
 def collectives(hlo_text: str) -> dict[str, dict[str, float]]:
     """Count and result bytes of each collective kind executed per step in compiled HLO text: a collective in
-    a loop body counts once per iteration (known trip counts), an async start/done pair once."""
+    a loop body counts once per iteration (known trip counts), an async start/done pair once, one whose groups
+    each hold a single device not at all."""
     out = {k: {"count": 0, "bytes": 0.0} for k in COLLECTIVES}
     comps, entry = _computations(hlo_text)
     runs = _multipliers(comps, entry) if entry else {}
@@ -83,7 +101,7 @@ def collectives(hlo_text: str) -> dict[str, dict[str, float]]:
         times = runs.get(name, 0)
         for line in lines:
             kind = _kind(line)
-            if kind is None or "-done(" in line or not times:
+            if kind is None or "-done(" in line or not times or _alone(line):
                 continue
             out[kind]["count"] += times
             out[kind]["bytes"] += times * _result_bytes(line)

@@ -17,7 +17,8 @@ The model follows what jaxtron's train step does, not an idealised trainer:
   picks; it dominates where the state is sharded little and the activations are small).
 - Step time: matmul FLOPs (model FLOPs plus the remat recompute) at the measured GEMM rate, attention at the
   attention kernel's rate, elementwise traffic at HBM bandwidth, and each collective at the NVLink or the
-  network bandwidth of the axis it runs over. Gathers and gradient reductions over ``fsdp``/``data`` overlap
+  network bandwidth of the axis it runs over. Gathers and gradient reductions over ``fsdp``/``data`` (and the
+  gradient sums over ``sequence``, which also splits the tokens of a step but no parameter) overlap
   with compute (XLA's latency-hiding scheduler); tensor and expert collectives sit between dependent matmuls and
   are counted in full, as is the all-gather of keys and values over ``sequence`` (context parallelism: each
   layer's keys depend on its input, so nothing can fetch them ahead).
@@ -308,14 +309,16 @@ def estimate(cfg: Config, sizes: dict[str, int], gpu: GPU, microbatches: int | N
 
     coll = {"all-gather": 0.0, "reduce-scatter": 0.0, "all-reduce": 0.0, "all-to-all": 0.0}
 
-    def ring(kind: str, axis: str, result_bytes: float, times: float) -> float:
-        """Seconds of ``times`` collectives with ``result_bytes`` results over ``axis`` (ring algorithms)."""
-        n = sizes[axis]
+    def ring(kind: str, axis: str | tuple[str, ...], result_bytes: float, times: float) -> float:
+        """Seconds of ``times`` collectives with ``result_bytes`` results over ``axis`` (one mesh axis, or
+        several as one group of devices; ring algorithms at the slowest of their links)."""
+        axes = (axis,) if isinstance(axis, str) else axis
+        n = math.prod(sizes[a] for a in axes)
         if n == 1 or result_bytes == 0:
             return 0.0
         coll[kind] += times * result_bytes
         moved = result_bytes * (n - 1) / n * (2 if kind == "all-reduce" else 1)
-        return times * moved / bandwidth(axis)
+        return times * moved / min(bandwidth(a) for a in axes)
 
     gathers = 2 * micro  # forward and the backward's recompute/use: the weights are gathered twice per step
     gathered = {True: 0, False: 0}  # elements gathered over fsdp: the staged blocks' and the rest
@@ -327,11 +330,14 @@ def estimate(cfg: Config, sizes: dict[str, int], gpu: GPU, microbatches: int | N
                          + ring("all-gather", "fsdp", work_c * gathered[False], gathers)
                          + ring("reduce-scatter", "fsdp", 4.0 * gathered[True], micro * in_flight * busy)
                          + ring("reduce-scatter", "fsdp", 4.0 * gathered[False], micro))
-    replicated_over = [a for a in ("data", "expert") if sizes[a] > 1]
+    # the axes that split the batch's tokens but not (all) the parameters sum the gradients of what they do not
+    # shard, in one all-reduce over all of them: every parameter over ``data`` and ``sequence`` (the tokens of
+    # a row; no parameter is split over it), and over ``expert`` too where it is not an expert's
     grad_sync = 0.0
-    for axis in replicated_over:  # gradients of what the axis does not shard are summed over it
-        over = sum(p.shard_elements(sizes) for p in params if axis == "data" or "experts" not in p.names)
-        grad_sync += ring("all-reduce", axis, 4.0 * over, micro)
+    for expert_owned in (False, True):
+        over = sum(p.shard_elements(sizes) for p in params if ("experts" in p.names) == expert_owned)
+        grad_sync += ring("all-reduce", ("data", "sequence") + (() if expert_owned else ("expert",)), 4.0 * over,
+                          micro)
     if spread > 1:  # the stages' gradients of what they all hold (embedding, head, blocks outside) are summed
         grad_sync += ring("all-reduce", "pipeline", 4.0 * sum(p.shard_elements(sizes) for p in params
                                                              if not p.staged), micro)
