@@ -30,7 +30,7 @@ HLO = """HloModule m
 
 ENTRY %main (x: f32[2]) -> f32[8] {
   %w = (s32[], f32[8]) while((s32[], f32[8]) %t), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"3"}}
-  %rs = bf16[4]{0} reduce-scatter(bf16[16]{0} %y), dimensions={0}, to_apply=%sum
+  %rs = bf16[4]{0} reduce-scatter(bf16[16]{0} %y), replica_groups=[2,4]<=[8], dimensions={0}, to_apply=%sum
   %a2a-start = (f32[4], f32[4]) all-to-all-start(f32[4]{0} %z)
   %a2a-done = f32[4]{0} all-to-all-done((f32[4], f32[4]) %a2a-start)
   %alone = f32[64]{0} all-reduce(f32[64]{0} %q), replica_groups={{0},{1},{2},{3}}, to_apply=%sum
@@ -45,7 +45,7 @@ def test_collectives_count_loop_iterations_and_result_bytes():
     assert got["all-gather"] == {"count": 3, "bytes": 3 * 8 * 4}  # in a loop body run 3 times
     # a collective whose groups hold one device each moves nothing; one over an axis of 4 counts
     assert got["all-reduce"] == {"count": 3 + 1, "bytes": 3 * 8 * 4 + 2 * 4}
-    assert got["reduce-scatter"] == {"count": 1, "bytes": 4 * 2}
+    assert got["reduce-scatter"] == {"count": 1, "bytes": 4 * 4 * 2}  # what it reduces: its result x 4 devices
     assert got["all-to-all"]["count"] == 1  # an async pair is one collective
     assert got["collective-permute"]["count"] == 0
 
@@ -116,16 +116,18 @@ def _config(name: str, **overrides):
 
 def test_gradients_are_summed_over_the_sequence_axis_as_over_data():
     """No parameter is split over ``sequence``, so, as over ``data``, every gradient is summed over it: the
-    compiled program's all-reduces are the estimate's, and the estimate prices them as data parallelism's."""
+    compiled program's all-reduces are the estimate's, and the estimate prices them as data parallelism's. The
+    keys and values gathered over it, and their gradients reduce-scattered back, match too."""
     cfg = tiny_config(dict(fsdp=1, sequence=8), model=dict(embed_dim=256, mlp_dim=512, num_layers=4,
                                                            max_seq_len=256),
                       data=dict(seq_len=256), train=dict(global_batch_size=16))
-    compiled = dry_run(cfg).collectives["all-reduce"]["bytes"]
+    compiled = {k: v["bytes"] for k, v in dry_run(cfg).collectives.items()}
     sizes = cfg.check_devices(8)
     est = estimate(cfg, sizes, H100, cpu_program=True)
     params = sum(math.prod(p.shape) for p in parameters(cfg.model))
     assert est.collectives["all-reduce"] == pytest.approx(4 * params)  # float32 gradients, once a step
-    assert compiled == pytest.approx(est.collectives["all-reduce"], rel=0.02)
+    for kind in ("all-reduce", "all-gather", "reduce-scatter"):
+        assert compiled[kind] == pytest.approx(est.collectives[kind], rel=0.02), kind
     data = estimate(cfg, dict(sizes, sequence=1, data=8), H100)
     assert est.time["data_comm"] == pytest.approx(data.time["data_comm"]) and est.time["data_comm"] > 0
 

@@ -1,5 +1,6 @@
 """Collectives of a compiled XLA program, read from its HLO text: how many of each kind run per execution
-and how many bytes their results hold (per device), with loop bodies counted once per iteration."""
+and how many bytes they work on (per device: an all-gather's or all-reduce's result, a reduce-scatter's input),
+with loop bodies counted once per iteration."""
 
 from __future__ import annotations
 
@@ -24,21 +25,25 @@ def _result_bytes(line: str) -> int:
     return total
 
 
-_GROUPS = re.compile(r"replica_groups=\{(\{[\d,]*\}(?:,\{[\d,]*\})*)\}")
+_LISTED_GROUPS = re.compile(r"replica_groups=\{\{([\d,]*)\}")
+_IOTA_GROUPS = re.compile(r"replica_groups=\[(\d+),(\d+)\]<=")
 _MESH_GROUPS = re.compile(r"replica_groups=mesh\[([^\]]*)\] \{([^}]*)\}")
 
 
-def _alone(line: str) -> bool:
-    """Whether every group of the collective holds one device (the shard_map transpose sums over mesh axes of
-    size 1): such a collective moves nothing."""
-    groups = _GROUPS.search(line)
-    if groups:
-        return all("," not in g for g in re.findall(r"\{([\d,]*)\}", groups.group(1)))
+def _group_size(line: str) -> int | None:
+    """How many devices each group of the collective holds (replica groups listed, in iota form or over named
+    mesh axes); None when the line says nothing of its groups."""
+    listed = _LISTED_GROUPS.search(line)
+    if listed:
+        return len(listed.group(1).split(",")) if listed.group(1) else None
+    iota = _IOTA_GROUPS.search(line)
+    if iota:
+        return int(iota.group(2))
     mesh = _MESH_GROUPS.search(line)
     if mesh:
         sizes = dict(re.findall(r"'(\w+)'=(\d+)", mesh.group(1)))
-        return math.prod(int(sizes.get(a, 1)) for a in re.findall(r"'(\w+)'", mesh.group(2))) == 1
-    return False
+        return math.prod(int(sizes.get(a, 1)) for a in re.findall(r"'(\w+)'", mesh.group(2)))
+    return None
 
 
 def _kind(line: str) -> str | None:
@@ -91,9 +96,10 @@ def _multipliers(comps: dict[str, list[str]], entry: str) -> dict[str, int]:
 
 
 def collectives(hlo_text: str) -> dict[str, dict[str, float]]:
-    """Count and result bytes of each collective kind executed per step in compiled HLO text: a collective in
-    a loop body counts once per iteration (known trip counts), an async start/done pair once, one whose groups
-    each hold a single device not at all."""
+    """Count and bytes of each collective kind executed per step in compiled HLO text: a collective in a loop
+    body counts once per iteration (known trip counts), an async start/done pair once, one whose groups each hold
+    a single device not at all. Bytes are the whole buffer a collective works on: the result of an all-gather,
+    all-reduce, all-to-all or permute, the input of a reduce-scatter (its result times the group's size)."""
     out = {k: {"count": 0, "bytes": 0.0} for k in COLLECTIVES}
     comps, entry = _computations(hlo_text)
     runs = _multipliers(comps, entry) if entry else {}
@@ -101,8 +107,11 @@ def collectives(hlo_text: str) -> dict[str, dict[str, float]]:
         times = runs.get(name, 0)
         for line in lines:
             kind = _kind(line)
-            if kind is None or "-done(" in line or not times or _alone(line):
+            group = _group_size(line)
+            if kind is None or "-done(" in line or not times or group == 1:
                 continue
             out[kind]["count"] += times
-            out[kind]["bytes"] += times * _result_bytes(line)
+            # a reduce-scatter's result is one part of what it reduces: count what it reduces, as for the others
+            parts = (group or 1) if kind == "reduce-scatter" else 1
+            out[kind]["bytes"] += times * _result_bytes(line) * parts
     return out
