@@ -88,7 +88,9 @@ def arguments(doc: str, table: str, recompile: bool = False) -> argparse.Namespa
     if recompile:
         parser.add_argument("--recompile", metavar="TEXT", default=None,
                             help="as --estimate-only, but compile anew the pairs with an override containing TEXT")
-    return parser.parse_args()
+    args = parser.parse_args()
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)  # before hours of compiling, not after
+    return args
 
 
 def main() -> int:
