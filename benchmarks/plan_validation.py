@@ -89,7 +89,7 @@ def arguments(doc: str, table: str, recompile: bool = False) -> argparse.Namespa
         parser.add_argument("--recompile", metavar="TEXT", default=None,
                             help="as --estimate-only, but compile anew the pairs with an override containing TEXT")
     args = parser.parse_args()
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)  # before hours of compiling, not after
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)  # before the compiling, not after it
     return args
 
 
