@@ -40,7 +40,7 @@ ENTRY %main (x: f32[2]) -> f32[8] {
 """
 
 
-def test_collectives_count_loop_iterations_and_result_bytes():
+def test_collectives_count_loop_iterations_and_the_bytes_each_works_on():
     got = collectives(HLO)
     assert got["all-gather"] == {"count": 3, "bytes": 3 * 8 * 4}  # in a loop body run 3 times
     # a collective whose groups hold one device each moves nothing; one over an axis of 4 counts

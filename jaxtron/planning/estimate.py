@@ -309,15 +309,16 @@ def estimate(cfg: Config, sizes: dict[str, int], gpu: GPU, microbatches: int | N
 
     coll = {"all-gather": 0.0, "reduce-scatter": 0.0, "all-reduce": 0.0, "all-to-all": 0.0}
 
-    def ring(kind: str, axis: str | tuple[str, ...], result_bytes: float, times: float) -> float:
-        """Seconds of ``times`` collectives with ``result_bytes`` results over ``axis`` (one mesh axis, or
-        several as one group of devices; ring algorithms at the slowest of their links)."""
+    def ring(kind: str, axis: str | tuple[str, ...], whole_bytes: float, times: float) -> float:
+        """Seconds of ``times`` collectives over ``axis`` (one mesh axis, or several as one group of devices;
+        ring algorithms at the slowest of their links) on ``whole_bytes`` buffers: an all-gather's result, a
+        reduce-scatter's input, what an all-reduce reduces (as ``jaxtron.metrics.collectives`` counts them)."""
         axes = (axis,) if isinstance(axis, str) else axis
         n = math.prod(sizes[a] for a in axes)
-        if n == 1 or result_bytes == 0:
+        if n == 1 or whole_bytes == 0:
             return 0.0
-        coll[kind] += times * result_bytes
-        moved = result_bytes * (n - 1) / n * (2 if kind == "all-reduce" else 1)
+        coll[kind] += times * whole_bytes
+        moved = whole_bytes * (n - 1) / n * (2 if kind == "all-reduce" else 1)
         return times * moved / min(bandwidth(a) for a in axes)
 
     gathers = 2 * micro  # forward and the backward's recompute/use: the weights are gathered twice per step
@@ -335,9 +336,9 @@ def estimate(cfg: Config, sizes: dict[str, int], gpu: GPU, microbatches: int | N
     # a row; no parameter is split over it), and over ``expert`` too where it is not an expert's
     grad_sync = 0.0
     for expert_owned in (False, True):
+        axes = ("data", "sequence") if expert_owned else ("data", "sequence", "expert")
         over = sum(p.shard_elements(sizes) for p in params if ("experts" in p.names) == expert_owned)
-        grad_sync += ring("all-reduce", ("data", "sequence") + (() if expert_owned else ("expert",)), 4.0 * over,
-                          micro)
+        grad_sync += ring("all-reduce", axes, 4.0 * over, micro)
     if spread > 1:  # the stages' gradients of what they all hold (embedding, head, blocks outside) are summed
         grad_sync += ring("all-reduce", "pipeline", 4.0 * sum(p.shard_elements(sizes) for p in params
                                                              if not p.staged), micro)
