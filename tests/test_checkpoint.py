@@ -191,3 +191,32 @@ def test_a_save_cut_off_midway_is_ignored_and_a_corrupted_one_set_aside(tmp_path
     assert f"checkpoint 3 in {tmp_path / CHECKPOINT_DIR} is damaged: {name} checksum mismatch; falling back" in caplog.text
     assert [h["step"] for h in summary["history"]] == [3, 4]
     assert os.path.isdir(tmp_path / "checkpoints_damaged" / "3")
+
+
+OLD_CHECKPOINTS = os.path.join(REPO, "tests", "fixtures", "checkpoints")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["llama_pipeline", "qwen3_moe", "deepseek"])
+def test_checkpoints_written_by_an_earlier_version_still_restore(name, tmp_path, caplog):
+    """Checkpoints kept from an earlier version (tests/fixtures/make_old_checkpoints.py; commit.txt names it), with
+    that version's config field names: each resumes at step 2 and trains step 3 to the loss and parameters that
+    version reached."""
+    fixture = os.path.join(OLD_CHECKPOINTS, name)
+    shutil.copytree(os.path.join(fixture, "checkpoints"), tmp_path / CHECKPOINT_DIR)
+    from jaxtron.config.loader import from_mapping
+    with open(os.path.join(fixture, "config.json")) as f:
+        cfg = from_mapping(json.load(f))
+    with open(os.path.join(fixture, "expected.json")) as f:
+        expected = json.load(f)
+    summary = run(cfg, str(tmp_path), use_tqdm=False)
+    assert [h["step"] for h in summary["history"]] == [3]
+    np.testing.assert_allclose(summary["history"][0]["loss"], expected["losses"]["3"], rtol=1e-6)
+    flat = jax.tree_util.tree_flatten_with_path(nnx.to_pure_dict(summary["state"].params))[0]
+    got = {}
+    for path, value in flat:
+        x = np.asarray(value, np.float64).ravel()
+        got["/".join(str(p.key) for p in path)] = [x.sum(), (x * np.sin(np.arange(x.size))).sum()]
+    assert sorted(got) == sorted(expected["params"])
+    for key, (total, weighted) in expected["params"].items():
+        np.testing.assert_allclose(got[key], [total, weighted], rtol=1e-5, atol=1e-6, err_msg=key)
