@@ -31,18 +31,18 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
+import jax
+import jax.numpy as jnp
+import numpy as np
 
-from jaxtron.checkpoint import integrity  # noqa: E402
-from jaxtron.checkpoint.train_state import Checkpointer  # noqa: E402
-from jaxtron.config.schema import ConfigError  # noqa: E402
-from jaxtron.config.loader import load_config, split_overrides  # noqa: E402
-from jaxtron.parallel.mesh import make_mesh  # noqa: E402
-from jaxtron.metrics.flops import param_count  # noqa: E402
-from jaxtron.training import state as state_lib  # noqa: E402
-from jaxtron.training.loop import save_checkpoint  # noqa: E402
+from jaxtron.checkpoint import integrity
+from jaxtron.checkpoint.train_state import Checkpointer
+from jaxtron.config.loader import load_config, split_overrides
+from jaxtron.config.schema import ConfigError
+from jaxtron.metrics.flops import param_count
+from jaxtron.parallel.mesh import make_mesh
+from jaxtron.training import state as state_lib
+from jaxtron.training.loop import save_checkpoint
 
 DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs",
                               "llama3_1b.py")

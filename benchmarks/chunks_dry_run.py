@@ -18,7 +18,7 @@ import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
-from plan_validation import GIB, _commit  # noqa: E402
+from plan_validation import GIB, _commit
 
 LENGTHS = (8192, 32768, 131072)
 

@@ -22,7 +22,7 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 sys.path.insert(0, ROOT)
-from plan_validation import GIB, TOLERANCE, _commit, arguments, compile_one, estimate_of  # noqa: E402
+from plan_validation import GIB, TOLERANCE, _commit, arguments, compile_one, estimate_of
 
 LENGTHS = (8192, 32768, 131072)
 SEQUENCE = (1, 2, 4, 8)

@@ -22,8 +22,8 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from jaxtron.interop.hf import llama  # noqa: E402
-from jaxtron.interop.hf import safetensors as st  # noqa: E402
+from jaxtron.interop.hf import llama
+from jaxtron.interop.hf import safetensors as st
 
 
 def write_model(directory: str, hidden: int, layers: int, vocab: int) -> tuple[int, int]:

@@ -31,20 +31,20 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import jax  # noqa: E402
-import numpy as np  # noqa: E402
+import jax
+import numpy as np
 
-from jaxtron.config.schema import ConfigError  # noqa: E402
-from jaxtron.data.corpus import stdlib_files  # noqa: E402
-from jaxtron.data.loader import BatchIterator  # noqa: E402
-from jaxtron.data.packing import PackedSplit  # noqa: E402
-from jaxtron.data.prepare import prepare  # noqa: E402
-from jaxtron.data.store import TokenStore  # noqa: E402
-from jaxtron.parallel.mesh import make_mesh  # noqa: E402
+from jaxtron.config.schema import ConfigError
+from jaxtron.data.corpus import stdlib_files
+from jaxtron.data.loader import BatchIterator
+from jaxtron.data.packing import PackedSplit
+from jaxtron.data.prepare import prepare
+from jaxtron.data.store import TokenStore
+from jaxtron.parallel.mesh import make_mesh
 
 
 def train_bpe(files: list[str], path: str, vocab: int = 4096) -> str:
-    from tokenizers import Tokenizer, models, pre_tokenizers, trainers, decoders
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()

@@ -18,10 +18,9 @@ import sys
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [os.path.dirname(HERE), HERE]  # the source tree, and benchmarks/mfu.py
 
-from gpu_suite import CASES, REPO  # noqa: E402
-from jaxtron.ops import gpu_preset  # noqa: E402
+from gpu_suite import CASES, REPO
 
-
+from jaxtron.ops import gpu_preset
 
 
 def _environment(smoke: bool) -> dict:
@@ -62,8 +61,8 @@ def _summary(times: list[float]) -> dict:
 def _ceilings(smoke: bool) -> dict:
     import jax
     import jax.numpy as jnp
-
     import mfu
+
     from jaxtron.ops import fp8
 
     size = 512 if smoke else 8192
@@ -105,7 +104,6 @@ def _ragged_dot_probe(smoke: bool) -> dict:
     with each GPU option that may give it a grouped kernel (an option this jaxlib does not know is recorded)."""
     import jax
     import jax.numpy as jnp
-
     import mfu
 
     groups, rows, k, n = (4, 512, 128, 128) if smoke else (8, 16384, 4096, 4096)
@@ -135,8 +133,8 @@ def _attention_probe(smoke: bool) -> dict:
     backward 2.5 times the forward)."""
     import jax
     import jax.numpy as jnp
-
     import mfu
+
     from jaxtron.ops.blockwise import blockwise_attention
 
     heads, kv_heads, d = (4, 2, 16) if smoke else (32, 8, 128)
@@ -179,9 +177,9 @@ def _chunks_probe(smoke: bool, reference: str) -> dict:
     decides what 'auto' should take on a sharded sequence."""
     import jax
     import jax.numpy as jnp
+    import mfu
     import numpy as np
 
-    import mfu
     from jaxtron.ops import chunked
     from jaxtron.ops.blockwise import blockwise_attention
     from jaxtron.parallel.sharding import sequence_order
@@ -230,7 +228,6 @@ def _latent_attention_probe(smoke: bool, reference: str) -> dict:
     its forward + backward time, and its largest difference from XLA's whole-matrix attention in float32."""
     import jax
     import jax.numpy as jnp
-
     import mfu
 
     heads, length = (4, 256) if smoke else (128, 4096)

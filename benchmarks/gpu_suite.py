@@ -44,8 +44,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
 # neither imports jax: the parent process never touches the GPU
-from jaxtron.ops import gpu_preset  # noqa: E402
-from jaxtron.metrics.hardware import peak_flops  # noqa: E402
+from jaxtron.metrics.hardware import peak_flops
+from jaxtron.ops import gpu_preset
 
 START = time.monotonic()
 

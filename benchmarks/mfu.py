@@ -27,18 +27,18 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from jaxtron.ops import gpu_preset  # noqa: E402
-from jaxtron.config.schema import ConfigError  # noqa: E402
-from jaxtron.config.loader import load_config, split_overrides  # noqa: E402
-from jaxtron.data.loader import SyntheticSource, global_batch  # noqa: E402
-from jaxtron.parallel.mesh import make_mesh  # noqa: E402
-from jaxtron.metrics.flops import param_count  # noqa: E402
-from jaxtron.metrics.throughput import Throughput  # noqa: E402
-from jaxtron.ops.attention import resolve_implementation  # noqa: E402
-from jaxtron.parallel.sharding import batch_sharding, shard_count  # noqa: E402
-from jaxtron.training import state as state_lib  # noqa: E402
-from jaxtron.training.preemption import StopVotes  # noqa: E402
-from jaxtron.training.step import compile_train_step  # noqa: E402
+from jaxtron.config.loader import load_config, split_overrides
+from jaxtron.config.schema import ConfigError
+from jaxtron.data.loader import SyntheticSource, global_batch
+from jaxtron.metrics.flops import param_count
+from jaxtron.metrics.throughput import Throughput
+from jaxtron.ops import gpu_preset
+from jaxtron.ops.attention import resolve_implementation
+from jaxtron.parallel.mesh import make_mesh
+from jaxtron.parallel.sharding import batch_sharding, shard_count
+from jaxtron.training import state as state_lib
+from jaxtron.training.preemption import StopVotes
+from jaxtron.training.step import compile_train_step
 
 
 def call_times(fn, *args, repeats: int = 5) -> list[float]:

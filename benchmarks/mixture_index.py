@@ -14,7 +14,7 @@ import grain
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from jaxtron.data.packing import Mixture  # noqa: E402
+from jaxtron.data.packing import Mixture
 
 
 class _Indices:

@@ -23,13 +23,21 @@ import tempfile
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import jax  # noqa: E402
-import numpy as np  # noqa: E402
+import jax
+import numpy as np
 
-from jaxtron.config.schema import (Config, DataConfig, ExecutionConfig, MeshConfig, ModelConfig,  # noqa: E402
-                                   OptimizerConfig, PipelineConfig, TrainConfig)
-from jaxtron.planning.dry_run import dry_run  # noqa: E402
-from jaxtron.training.loop import run  # noqa: E402
+from jaxtron.config.schema import (
+    Config,
+    DataConfig,
+    ExecutionConfig,
+    MeshConfig,
+    ModelConfig,
+    OptimizerConfig,
+    PipelineConfig,
+    TrainConfig,
+)
+from jaxtron.planning.dry_run import dry_run
+from jaxtron.training.loop import run
 
 # (name, mesh, pipeline): the same 8 devices, the rest of them fsdp
 LAYOUTS = [("fsdp=8", dict(pipeline=1, fsdp=8), PipelineConfig()),

@@ -35,9 +35,9 @@ def cpu_xla_flags(devices: int = 8) -> str:
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + cpu_xla_flags()).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-import jax  # noqa: E402
-import pytest  # noqa: E402
-from absl import flags  # noqa: E402
+import jax
+import pytest
+from absl import flags
 
 jax.config.update("jax_default_matmul_precision", "highest")
 flags.FLAGS(["pytest"])  # the test process is the program: libraries' absl flags (grain's) take their defaults

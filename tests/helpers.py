@@ -4,8 +4,15 @@ from __future__ import annotations
 
 import dataclasses
 
-from jaxtron.config.schema import (Config, DataConfig, ExecutionConfig, MeshConfig, ModelConfig, OptimizerConfig,
-                                   TrainConfig)
+from jaxtron.config.schema import (
+    Config,
+    DataConfig,
+    ExecutionConfig,
+    MeshConfig,
+    ModelConfig,
+    OptimizerConfig,
+    TrainConfig,
+)
 
 MESHES = {
     "data8": dict(data=8, fsdp=1),

@@ -104,7 +104,8 @@ def test_no_whole_score_matrix_is_held():
 def test_context_parallel_attention_equals_one_device(mesh_shape):
     """Queries split over the sequence axis (with batch and heads split too): outputs and gradients are those of
     the unsharded computation, packed documents included."""
-    from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+    from jax.sharding import AxisType, NamedSharding
+    from jax.sharding import PartitionSpec as P
 
     from jaxtron.ops.blockwise import context_parallel_attention
 

@@ -11,16 +11,16 @@ import time
 import jax
 import numpy as np
 import pytest
-from flax import nnx
-
 from conftest import REPO
+from flax import nnx
 from helpers import tiny_config
+from test_multiprocess import TINY, _env
+
 from jaxtron.checkpoint.train_state import CHECKPOINT_DIR, Checkpointer, CheckpointError, _check_compatible
 from jaxtron.parallel.mesh import make_mesh
 from jaxtron.training import state as state_lib
 from jaxtron.training.loop import run
 from jaxtron.training.preemption import PREEMPTED_EXIT_CODE
-from test_multiprocess import TINY, _env
 
 
 def _leaves(state):

@@ -8,11 +8,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+from test_blockwise import _loss, _reference
 
 from jaxtron.ops import chunked
 from jaxtron.parallel.sharding import sequence_order
-from test_blockwise import _loss, _reference
 
 KERNEL = chunked.XlaKernel(block_q=8, block_k=4)
 NAMES = ("pipeline", "data", "fsdp", "sequence", "expert", "tensor")

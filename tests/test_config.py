@@ -13,12 +13,20 @@ import textwrap
 
 import jax.numpy as jnp
 import pytest
-
 from conftest import cpu_xla_flags
 
-from jaxtron.config.schema import (SECTIONS, Config, ConfigError, DataConfig, ExecutionConfig, MeshConfig,
-                                   ModelConfig, OptimizerConfig, TrainConfig)
 from jaxtron.config.loader import load_config, parse_command_line
+from jaxtron.config.schema import (
+    SECTIONS,
+    Config,
+    ConfigError,
+    DataConfig,
+    ExecutionConfig,
+    MeshConfig,
+    ModelConfig,
+    OptimizerConfig,
+    TrainConfig,
+)
 from jaxtron.ops.attention import resolve_implementation
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

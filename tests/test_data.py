@@ -10,14 +10,12 @@ import sys
 import jax
 import numpy as np
 import pytest
-
 from conftest import REPO, cpu_xla_flags
 from helpers import tiny_config
 
 from jaxtron.config.schema import ConfigError
 from jaxtron.data.errors import DataError
-from jaxtron.data.loader import (BatchIterator, LocalBatch, _local_columns, _local_indices, global_batch,
-                                 make_sources)
+from jaxtron.data.loader import BatchIterator, LocalBatch, _local_columns, _local_indices, global_batch, make_sources
 from jaxtron.data.packing import Mixture, PackedSplit
 from jaxtron.data.prepare import main as prepare_main
 from jaxtron.data.prepare import prepare
@@ -64,8 +62,8 @@ def _error_line(capsys) -> str:
 @pytest.fixture(scope="module")
 def tokenizer_files(tmp_path_factory):
     """A tiny byte-level BPE tokenizer.json and a tiny SentencePiece model, trained here (no network)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     import sentencepiece
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     root = tmp_path_factory.mktemp("tokenizers")
     bpe = Tokenizer(models.BPE())

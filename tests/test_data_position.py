@@ -7,8 +7,8 @@ import threading
 
 import jax
 import pytest
-
 from helpers import tiny_config
+
 from jaxtron.config.schema import DataConfig
 from jaxtron.data import position as position_lib
 from jaxtron.data.errors import DataError

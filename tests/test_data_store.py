@@ -8,7 +8,6 @@ import os
 import jax
 import numpy as np
 import pytest
-
 from helpers import tiny_config
 
 from jaxtron.data.corpus import ensure_builtin

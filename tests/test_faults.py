@@ -7,8 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-
 from helpers import tiny_config
+
 from jaxtron.checkpoint.train_state import CHECKPOINT_DIR
 from jaxtron.data.loader import SyntheticSource
 from jaxtron.training import loop as loop_lib
@@ -115,9 +115,8 @@ def test_skipped_steps_warn_stop_by_default_and_the_logged_learning_rate_is_the_
     monkeypatch.setattr(loop_lib, "make_sources", lambda cfg: (NaNSteps({2, 3, 6, 7, 8, 9, 10}), None, {}))
     cfg = tiny_config(train=dict(steps=20, eval_batches=0, max_nonfinite_in_row=limit), checkpoint=dict(every=0),
                       optimizer=dict(warmup_steps=4, learning_rate=1e-2))
-    with caplog.at_level("WARNING", logger="jaxtron.training.loop"):
-        with pytest.raises(loop_lib.NonFiniteError) as stop:
-            loop_lib.run(cfg, str(tmp_path), use_tqdm=False, devices=jax.devices()[:1])
+    with caplog.at_level("WARNING", logger="jaxtron.training.loop"), pytest.raises(loop_lib.NonFiniteError) as stop:
+        loop_lib.run(cfg, str(tmp_path), use_tqdm=False, devices=jax.devices()[:1])
     assert str(stop.value).startswith("5 non-finite steps in a row, from step 6 to step 10 (step 6: non-finite loss "
                                       "and gradients);")
     warnings = [r.getMessage() for r in caplog.records if "not finite" in r.getMessage()]

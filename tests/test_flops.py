@@ -241,6 +241,7 @@ def test_deepseek_v3_flops_by_hand():
     output 128 x 128 x 7168), 3 dense SwiGLUs of 18432, 58 MoE blocks of 8 routed + 1 shared expert of 2048 and a
     router over 256, the logits over 129280; scores over 192 (QK) and 128 (AV) per head, causal half."""
     import os
+
     from jaxtron.config.loader import load_config
     cfg = load_config(os.path.join(os.path.dirname(os.path.dirname(__file__)), "configs", "deepseek_v3.py")).model
     attention = 7168 * 1536 + 1536 * 128 * 192 + 7168 * 576 + 512 * 128 * 256 + 128 * 128 * 7168
@@ -263,6 +264,7 @@ def test_deepseek_v3_multi_token_prediction_module_by_hand():
     FLOPs that block, the projection and its own logits."""
     import dataclasses
     import os
+
     from jaxtron.config.loader import load_config
     cfg = load_config(os.path.join(os.path.dirname(os.path.dirname(__file__)), "configs", "deepseek_v3.py")).model
     with_mtp = dataclasses.replace(cfg, mtp_depth=1)

@@ -104,6 +104,7 @@ def test_an_fp8_model_tracks_the_exact_one_and_keeps_chosen_layers_exact():
 @pytest.mark.slow
 def test_fp8_trains_inside_scanned_layers_with_remat_and_gradient_accumulation(tmp_path):
     from conftest import REPO
+
     from jaxtron.config.loader import load_config
     from jaxtron.training.loop import run
     common = dict(data__source="synthetic", model__num_layers="2", model__embed_dim="64", model__num_heads="4",

@@ -4,6 +4,7 @@ import os
 import subprocess
 
 from conftest import REPO
+
 from jaxtron.ops import gpu_preset
 
 

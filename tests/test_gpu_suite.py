@@ -10,8 +10,8 @@ import time
 import zipfile
 
 import pytest
-
 from conftest import REPO
+
 from jaxtron.config.loader import load_config
 from jaxtron.planning.estimate import estimate
 from jaxtron.planning.gpus import gpu

@@ -7,10 +7,10 @@ import shutil
 
 import numpy as np
 import pytest
-
 from conftest import REPO
-from jaxtron.interop import convert, score
+
 from jaxtron.config.loader import load_config
+from jaxtron.interop import convert, score
 from jaxtron.interop.hf import llama
 from jaxtron.interop.hf import safetensors as st
 
@@ -261,8 +261,8 @@ def test_init_from_a_missing_or_mismatched_checkpoint_is_one_sentence(imported, 
     import subprocess
     import sys
 
-    from jaxtron.checkpoint.train_state import CheckpointError
     from jaxtron.checkpoint.params import restore_params
+    from jaxtron.checkpoint.train_state import CheckpointError
     with pytest.raises(CheckpointError, match="holds neither params/"):
         restore_params(str(tmp_path / "none"), None, None)
     # through train.py: parameters of another model are refused in one line, exit 2

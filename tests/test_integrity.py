@@ -13,14 +13,15 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
-from flax import nnx
-
 from conftest import REPO
+from flax import nnx
 from helpers import tiny_config
+
 from jaxtron.checkpoint import integrity
-from jaxtron.checkpoint.train_state import CHECKPOINT_DIR, Checkpointer, CheckpointError, main as checkpoint_cli
-from jaxtron.parallel.mesh import make_mesh
 from jaxtron.checkpoint.params import restore_params
+from jaxtron.checkpoint.train_state import CHECKPOINT_DIR, Checkpointer, CheckpointError
+from jaxtron.checkpoint.train_state import main as checkpoint_cli
+from jaxtron.parallel.mesh import make_mesh
 from jaxtron.training import state as state_lib
 from jaxtron.training.loop import run
 
@@ -295,7 +296,7 @@ def test_files_are_hashed_while_written_and_read_again_only_where_needed(tmp_pat
     walk = os.walk
     monkeypatch.setattr(integrity.os, "walk", lambda top: ((listed.append(r), r, d, f)[1:] for r, d, f in walk(top)))
     watcher = integrity.Watcher(str(checkpoints), 7, process_index=0).start()
-    progress = lambda rel: watcher.files.get(((st := os.stat(step / rel)).st_dev, st.st_ino))  # noqa: E731
+    progress = lambda rel: watcher.files.get(((st := os.stat(step / rel)).st_dev, st.st_ino))
     _wait_for(lambda: all(progress(rel) is not None and progress(rel).offset == 3 * chunk for rel in names[:3]))
     with open(step / "state/d/appended", "ab") as f:  # grows while watched: two more chunks and a partial one
         f.write(os.urandom(2 * chunk + 100))

@@ -4,8 +4,8 @@ import json
 import os
 
 import pytest
-
 from helpers import learning_run, logged_entropy
+
 from jaxtron.data.corpus import stdlib_files, unigram_entropy
 from jaxtron.data.store import MANIFEST, TokenStore
 

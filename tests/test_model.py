@@ -7,18 +7,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
-
 from conftest import REPO
+from flax import nnx
 from helpers import tiny_config
-from jaxtron.config.schema import ModelConfig
+
 from jaxtron.config.loader import load_config
+from jaxtron.config.schema import ModelConfig
 from jaxtron.data.loader import SyntheticSource
-from jaxtron.parallel.mesh import make_mesh
 from jaxtron.metrics.flops import param_count
 from jaxtron.models import build_model
 from jaxtron.models.layers import apply_rope, rope_frequencies
 from jaxtron.ops.attention import dot_product_attention
+from jaxtron.parallel.mesh import make_mesh
 from jaxtron.training import state as state_lib
 from jaxtron.training.step import loss_sums
 

@@ -10,18 +10,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
-
 from conftest import REPO
+from flax import nnx
 from helpers import learning_run, logged_entropy, tiny_config
-from jaxtron.config.schema import ConfigError, ExecutionConfig, ModelConfig
+
 from jaxtron.config.loader import load_config
+from jaxtron.config.schema import ConfigError, ExecutionConfig, ModelConfig
 from jaxtron.data.loader import SyntheticSource
-from jaxtron.parallel.mesh import make_mesh
 from jaxtron.metrics import flops
 from jaxtron.models import build_model
-from jaxtron.parallel import sharding
 from jaxtron.models.moe import ExpertAxes, MoE, capacity, route
+from jaxtron.parallel import sharding
+from jaxtron.parallel.mesh import make_mesh
 from jaxtron.training import state as state_lib
 from jaxtron.training.loop import run
 from jaxtron.training.step import gradients, train_step

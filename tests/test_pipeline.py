@@ -13,9 +13,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from helpers import tiny_config
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
-from helpers import tiny_config
 from jaxtron.config.schema import ConfigError
 from jaxtron.parallel.stages import reorder, storage_order, to_natural
 from jaxtron.training.loop import run
@@ -318,7 +318,7 @@ def test_a_checkpoint_resumes_on_other_pipeline_degrees(tmp_path):
     with open(tmp_path / "run" / "checkpoints" / "2" / "config" / "metadata") as f:
         assert json.load(f)["layer_order"] == [0, 2, 1, 3]
     # export reads the stage-major stack back in the model's order, whole (load) and parameter by parameter
-    from jaxtron.interop.convert import _Slices, _run_config, load
+    from jaxtron.interop.convert import _run_config, _Slices, load
     stored = np.asarray(nnx.to_pure_dict(first["state"].params)["layers"]["mlp"]["wo"])
     natural = to_natural(stored, [0, 2, 1, 3])
     assert not np.array_equal(stored, natural)

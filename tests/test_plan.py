@@ -6,10 +6,10 @@ import math
 import jax
 import numpy as np
 import pytest
-
 from helpers import tiny_config
-from jaxtron.parallel.mesh import make_mesh
+
 from jaxtron.metrics.collectives import collectives
+from jaxtron.parallel.mesh import make_mesh
 from jaxtron.planning.dry_run import dry_run
 from jaxtron.training import state as state_lib
 
@@ -93,19 +93,19 @@ def test_pipelined_collectives_are_estimated_iteration_by_iteration(mesh, schedu
 
 # --- the analytic estimate, the mesh search and the CLI ---
 
-import dataclasses  # noqa: E402
-import os  # noqa: E402
-import subprocess  # noqa: E402
-import sys  # noqa: E402
+import dataclasses
+import os
+import subprocess
+import sys
 
-import pytest  # noqa: E402
+import pytest
+from conftest import FAST_COMPILE_FLAGS, REPO
 
-from conftest import FAST_COMPILE_FLAGS, REPO  # noqa: E402
-from jaxtron.planning import cli as plan_cli  # noqa: E402
-from jaxtron.config.loader import load_config  # noqa: E402
-from jaxtron.planning import search  # noqa: E402
-from jaxtron.planning.estimate import estimate, parameters  # noqa: E402
-from jaxtron.planning.gpus import gpu  # noqa: E402
+from jaxtron.config.loader import load_config
+from jaxtron.planning import cli as plan_cli
+from jaxtron.planning import search
+from jaxtron.planning.estimate import estimate, parameters
+from jaxtron.planning.gpus import gpu
 
 H100 = gpu("h100")
 

@@ -8,10 +8,10 @@ import struct
 import jax
 import matplotlib.image
 import pytest
-
 from helpers import tiny_config
-from jaxtron.metrics import bubble, report
+
 from jaxtron.config.schema import ConfigError, ProfileConfig
+from jaxtron.metrics import bubble, report
 from jaxtron.metrics import summary as summary_lib
 from jaxtron.metrics.plots import write_plots
 from jaxtron.training import profiling

@@ -6,9 +6,10 @@ import jax
 import numpy as np
 import pytest
 from flax import nnx
-from jax.sharding import NamedSharding, PartitionSpec as P
-
 from helpers import MESHES, tiny_config
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
 from jaxtron.parallel import sharding
 from jaxtron.parallel.mesh import make_mesh
 from jaxtron.training import state as state_lib

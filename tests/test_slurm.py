@@ -17,10 +17,10 @@ import time
 
 import numpy as np
 import pytest
-
 from conftest import REPO
-from jaxtron.parallel.launch import PEER_LOST_EXIT_CODE
 from test_multiprocess import TINY, _env, _losses
+
+from jaxtron.parallel.launch import PEER_LOST_EXIT_CODE
 
 REQUIRED = os.environ.get("JAXTRON_REQUIRE_SLURM") == "1"
 

@@ -7,7 +7,6 @@ import jax
 import numpy as np
 import pytest
 from flax import nnx
-
 from helpers import MESHES, tiny_config
 from jax.sharding import NamedSharding
 
@@ -132,9 +131,10 @@ def test_weight_decay_shrinks_matrices_but_never_norms():
 
 
 def test_a_model_too_large_for_the_devices_is_refused_before_allocating(tmp_path):
-    from jaxtron.config.schema import ConfigError
-    from jaxtron.config.loader import load_config
     from conftest import REPO
+
+    from jaxtron.config.loader import load_config
+    from jaxtron.config.schema import ConfigError
     cfg = load_config(os.path.join(REPO, "configs", "llama3_70b.py"))  # ~790 GiB of fp32 state on a CPU host
     with pytest.raises(ConfigError, match=r"config field 'mesh' leaves \d+\.\d GiB of parameters and optimizer "
                                           r"state in all but this host has"):

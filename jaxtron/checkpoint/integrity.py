@@ -27,8 +27,8 @@ import random
 import re
 import threading
 import time
+from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Iterable
 
 import numpy as np
 import xxhash
@@ -88,7 +88,7 @@ def _hash_all(step_dir: str, paths: list[str]) -> list[str]:
 class _Progress:
     """What a Watcher has read of one file so far: the running hash of its first ``offset`` bytes (whole
     chunks) and each of those chunks' own hash, to check later that they were not written again."""
-    __slots__ = ("digest", "offset", "chunks")
+    __slots__ = ("chunks", "digest", "offset")
 
     def __init__(self):
         self.digest, self.offset, self.chunks = xxhash.xxh3_128(), 0, []
@@ -122,7 +122,7 @@ class Watcher:
         self._thread = threading.Thread(target=self._run, name=f"checksums-watch-{step}", daemon=True)
         self._error: BaseException | None = None
 
-    def start(self) -> "Watcher":
+    def start(self) -> Watcher:
         self._thread.start()
         return self
 

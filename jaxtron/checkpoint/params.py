@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -19,8 +20,13 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from jaxtron.checkpoint import integrity
-from jaxtron.checkpoint.train_state import (CHECKPOINT_DIR, LAYER_ORDER, RESTORE_BUFFER_GB, CheckpointError,
-                                           abstract_with_shardings)
+from jaxtron.checkpoint.train_state import (
+    CHECKPOINT_DIR,
+    LAYER_ORDER,
+    RESTORE_BUFFER_GB,
+    CheckpointError,
+    abstract_with_shardings,
+)
 from jaxtron.parallel.sharding import without_leading_axes
 from jaxtron.parallel.stages import reorder, resized
 

@@ -15,7 +15,8 @@ import logging
 import os
 import re
 import typing
-from typing import Any, Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import ml_collections
 from absl import flags

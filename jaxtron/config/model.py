@@ -8,7 +8,6 @@ from typing import Any
 
 from jaxtron.config.checks import _check, _choice, _non_negative, _positive
 
-
 DTYPES = ("float32", "bfloat16")  # float16 would need loss scaling, which bfloat16 does not
 
 

@@ -73,10 +73,10 @@ class DataPosition:
     tokens_per_step: int
 
     @classmethod
-    def start(cls, cfg: Config, fingerprint_now: dict[str, Any]) -> "DataPosition":
+    def start(cls, cfg: Config, fingerprint_now: dict[str, Any]) -> DataPosition:
         return cls(0, 0, 0, fingerprint_now, cfg.train.global_batch_size * cfg.data.seq_len)
 
-    def at(self, step: int) -> "DataPosition":
+    def at(self, step: int) -> DataPosition:
         """The position after ``step`` steps of this setup (step >= self.step)."""
         return dataclasses.replace(self, step=step,
                                    consumed_tokens=self.consumed_tokens + (step - self.step) * self.tokens_per_step)

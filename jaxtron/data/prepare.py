@@ -24,7 +24,7 @@ import logging
 import multiprocessing
 import os
 import sys
-from typing import Iterator, Sequence
+from collections.abc import Iterator, Sequence
 
 import numpy as np
 

@@ -23,7 +23,8 @@ import logging
 import os
 import shutil
 import sys
-from typing import Any, Iterable, Sequence
+from collections.abc import Iterable, Sequence
+from typing import Any
 
 import numpy as np
 

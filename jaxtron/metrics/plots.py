@@ -8,7 +8,7 @@ from typing import Any
 import matplotlib
 
 matplotlib.use("Agg")  # files only: no display on clusters
-import matplotlib.pyplot as plt  # noqa: E402
+import matplotlib.pyplot as plt
 
 
 def _series(records: list[dict[str, Any]], key: str) -> tuple[list[int], list[float]]:

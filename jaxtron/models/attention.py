@@ -9,8 +9,15 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxtron.config.schema import ExecutionConfig, ModelConfig
-from jaxtron.models.layers import (Norm, apply_rope, compute_dtype, param, rope_attention_factor, rope_frequencies,
-                                   yarn_mscale)
+from jaxtron.models.layers import (
+    Norm,
+    apply_rope,
+    compute_dtype,
+    param,
+    rope_attention_factor,
+    rope_frequencies,
+    yarn_mscale,
+)
 from jaxtron.ops import attention as attention_ops
 from jaxtron.ops import fp8 as fp8_ops
 

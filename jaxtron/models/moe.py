@@ -51,7 +51,7 @@ class ExpertAxes:
     mlp: tuple[str, ...]  # split the intermediate width: the partial outputs are summed over them
 
     @classmethod
-    def from_rules(cls) -> "ExpertAxes":
+    def from_rules(cls) -> ExpertAxes:
         gate, down = logical_to_spec(GATE_UP_AXES), logical_to_spec(DOWN_AXES)
         axes = cls(spec_axes(gate, 0), spec_axes(gate, 1), spec_axes(gate, 2))
         if (spec_axes(down, 0), spec_axes(down, 2), spec_axes(down, 1)) != (axes.experts, axes.embed, axes.mlp):

@@ -33,7 +33,7 @@ import re
 import sys
 import threading
 import time
-from typing import Callable, Mapping
+from collections.abc import Callable, Mapping
 
 from jaxtron.config.schema import ConfigError, DistributedConfig
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 import socket
-from typing import Hashable, Sequence
+from collections.abc import Hashable, Sequence
 
 import jax
 import numpy as np

@@ -10,7 +10,8 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import math
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import jax
 import numpy as np
@@ -204,7 +205,7 @@ def describe(mesh: Mesh, params: Any) -> str:
         total += math.prod(value.shape) * value.dtype.itemsize
         per_device += math.prod(shard) * value.dtype.itemsize
         key = ".".join(str(p) for p in path)
-        lines.append(f"{key:<28} {str(tuple(value.shape)):<22} {str(names):<44} {str(shard):<22} {spec}")
+        lines.append(f"{key:<28} {tuple(value.shape)!s:<22} {names!s:<44} {shard!s:<22} {spec}")
     lines += ["", f"parameters: {total / 2**20:.1f} MiB in all, {per_device / 2**20:.1f} MiB per device "
                   "(AdamW keeps two more copies of the same shape and sharding)"]
     return "\n".join(lines)

@@ -16,7 +16,8 @@ number of them drops or adds them; export and fine-tuning never see them.
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -24,7 +25,6 @@ import numpy as np
 from flax import nnx
 
 from jaxtron.parallel.sharding import logical_names
-
 
 PAD = -1  # an identity period's entry in a storage order
 

@@ -150,10 +150,9 @@ def run(argv: list[str]) -> int:
 def compile_report(cfg, sizes: dict[str, int], n: int, gpu, estimate) -> dict:
     """Compiles the step for ``sizes`` and prints the compiler's numbers beside the estimate of the same program
     (the attention the CPU compiles: XLA's, blockwise when the sequence is sharded)."""
-    import dataclasses
     import math
 
-    from jaxtron.config.schema import ConfigError, MeshConfig
+    from jaxtron.config.schema import ConfigError
     from jaxtron.planning.dry_run import describe, dry_run
 
     if math.prod(sizes.values()) != n:

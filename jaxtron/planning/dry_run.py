@@ -17,8 +17,8 @@ import jax.numpy as jnp
 from jaxtron.checkpoint.train_state import abstract_with_shardings
 from jaxtron.config.schema import Config
 from jaxtron.metrics.collectives import collectives
-from jaxtron.parallel.mesh import make_mesh
 from jaxtron.ops.attention import cpu_implementation
+from jaxtron.parallel.mesh import make_mesh
 from jaxtron.parallel.sharding import batch_sharding, per_device_sharding, shard_count
 from jaxtron.training import state as state_lib
 from jaxtron.training.step import train_step

@@ -25,15 +25,22 @@ input.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
-from jaxtron.parallel.sharding import (batch_over_stages, batch_split_over_stages, constrain_leading, logical_to_spec,
-                                      shard_count, spec_axes)
+from jaxtron.parallel.sharding import (
+    batch_over_stages,
+    batch_split_over_stages,
+    constrain_leading,
+    logical_to_spec,
+    shard_count,
+    spec_axes,
+)
 from jaxtron.parallel.stages import identity_slots
 
 SCOPE = "pipeline_schedule"  # the named scope of the schedule's loop

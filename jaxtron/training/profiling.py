@@ -15,7 +15,7 @@ import json
 import logging
 import os
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import jax
 

@@ -16,8 +16,8 @@ from jaxtron.models import build_model
 from jaxtron.models.transformer import REMAT_POLICIES
 from jaxtron.parallel.sharding import shard_count, tree_shardings
 from jaxtron.parallel.stages import padding, reorder, storage_order
-from jaxtron.training.pipeline import Schedule
 from jaxtron.training.optimizer import learning_rate_schedule, make_optimizer
+from jaxtron.training.pipeline import Schedule
 
 
 @struct.dataclass

@@ -5,7 +5,8 @@ from __future__ import annotations
 import contextlib
 import functools
 import time
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp

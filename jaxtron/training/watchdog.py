@@ -17,7 +17,7 @@ import logging
 import statistics
 import threading
 import time
-from typing import Callable
+from collections.abc import Callable
 
 log = logging.getLogger(__name__)
 

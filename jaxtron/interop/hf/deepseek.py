@@ -11,7 +11,8 @@ with its ``e_score_correction_bias``.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import numpy as np
 

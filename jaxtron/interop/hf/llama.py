@@ -13,7 +13,8 @@ with each head's queries and keys RMS-normalised before RoPE (``model.qk_norm``)
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import numpy as np
 

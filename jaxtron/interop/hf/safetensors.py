@@ -14,7 +14,7 @@ import json
 import math
 import os
 import struct
-from typing import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 
 import ml_dtypes
 import numpy as np
