@@ -20,7 +20,7 @@ sys.path[:0] = [os.path.dirname(HERE), HERE]  # the source tree, and benchmarks/
 
 from gpu_suite import CASES, REPO
 
-from jaxtron.ops import gpu_preset
+from jaxtron.gpu import preset as gpu_preset
 
 
 def _environment(smoke: bool) -> dict:

@@ -45,7 +45,7 @@ sys.path.insert(0, REPO)
 
 # neither imports jax: the parent process never touches the GPU
 from jaxtron.metrics.hardware import peak_flops
-from jaxtron.ops import gpu_preset
+from jaxtron.gpu import preset as gpu_preset
 
 START = time.monotonic()
 

@@ -32,7 +32,7 @@ from jaxtron.config.schema import ConfigError
 from jaxtron.data.loader import SyntheticSource, global_batch
 from jaxtron.metrics.flops import param_count
 from jaxtron.metrics.throughput import Throughput
-from jaxtron.ops import gpu_preset
+from jaxtron.gpu import preset as gpu_preset
 from jaxtron.ops.attention import resolve_implementation
 from jaxtron.parallel.mesh import make_mesh
 from jaxtron.parallel.sharding import batch_sharding, shard_count

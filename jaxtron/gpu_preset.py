@@ -1,8 +1,8 @@
-"""`python -m jaxtron.gpu_preset`: the GPU environment and XLA flags, or --check against the installed jaxlib (the code lives in `jaxtron/ops/gpu_preset.py`)."""
+"""`python -m jaxtron.gpu_preset`: the GPU environment and XLA flags, or --check against the installed jaxlib (the code lives in `jaxtron/gpu/preset.py`)."""
 
 import sys
 
-from jaxtron.ops.gpu_preset import main
+from jaxtron.gpu.preset import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -18,7 +18,7 @@ _COMPILE_FLAGS = ("--xla_backend_optimization_level=0", "--xla_llvm_disable_expe
 def _known_compile_flags() -> str:
     known = os.environ.get("JAXTRON_TEST_COMPILE_FLAGS")
     if known is None:
-        from jaxtron.ops.gpu_preset import unknown_flags  # imports no jax
+        from jaxtron.gpu.preset import unknown_flags  # imports no jax
         unknown = set(unknown_flags(" ".join(_COMPILE_FLAGS)))
         known = os.environ["JAXTRON_TEST_COMPILE_FLAGS"] = " ".join(f for f in _COMPILE_FLAGS if f not in unknown)
     return known

@@ -10,8 +10,9 @@ import pytest
 
 from jaxtron.data.errors import DataError
 from jaxtron.data.loader import check_segments
-from jaxtron.ops import attention
-from jaxtron.ops.attention import dot_product_attention, segment_layout
+from jaxtron.ops import cudnn as cudnn_ops
+from jaxtron.ops.attention import dot_product_attention
+from jaxtron.ops.cudnn import segment_layout
 
 RNG = np.random.default_rng(0)
 
@@ -86,7 +87,8 @@ def test_cudnn_matches_the_xla_reference_on_a_gpu(packed):
 @pytest.mark.gpu
 def test_the_private_cudnn_function_still_takes_the_call_jaxtron_makes(monkeypatch):
     """Packed documents reach cuDNN through ``jax._src.cudnn.fused_attention_stablehlo`` (JAX exposes offsets
-    nowhere else): the very call ``_cudnn_packed`` makes must bind to that function's current signature."""
+    nowhere else): the very call ``cudnn.packed_attention`` (ops/cudnn.py) makes must bind to that function's current
+    signature."""
     from jax._src.cudnn import fused_attention_stablehlo as cudnn
 
     signature, calls = inspect.signature(cudnn.dot_product_attention), []
@@ -99,7 +101,7 @@ def test_the_private_cudnn_function_still_takes_the_call_jaxtron_makes(monkeypat
     q = jnp.zeros((2, 16, 4, 8), jnp.bfloat16)
     kv = jnp.zeros((2, 16, 2, 8), jnp.bfloat16)
     ids = jnp.asarray(_packed_segment_ids(2, 16, [3, 2]))
-    attention._cudnn_packed(q, kv, kv, ids, max_segments=4)
+    cudnn_ops.packed_attention(q, kv, kv, ids, max_segments=4)
     (bound,) = calls
     assert bound["mask_type"] is cudnn.MaskType.PADDING_CAUSAL and bound["qkv_layout"] == "BTNH"
     assert bound["q_offsets"].shape == (2, 5) and bound["q_seqlen"].shape == (2, 4)

@@ -1,11 +1,11 @@
-"""The GPU preset (jaxtron/ops/gpu_preset.py): its flags are accepted by the installed jaxlib, env.sh exports it."""
+"""The GPU preset (jaxtron/gpu/preset.py): its flags are accepted by the installed jaxlib, env.sh exports it."""
 
 import os
 import subprocess
 
 from conftest import REPO
 
-from jaxtron.ops import gpu_preset
+from jaxtron.gpu import preset as gpu_preset
 
 
 def test_the_installed_jaxlib_takes_the_preset_and_names_a_flag_it_does_not_know():

@@ -15,6 +15,7 @@ from jaxtron.models.layers import Norm, compute_dtype, embed_lookup, param
 from jaxtron.models.mlp import MLP
 from jaxtron.models.moe import MoE
 from jaxtron.ops import attention as attention_ops
+from jaxtron.ops import cudnn as cudnn_ops
 from jaxtron.parallel.sharding import constrain
 
 # the residual stream: split along the sequence over the sequence and tensor axes (sequence parallelism)
@@ -27,7 +28,7 @@ LOGIT_AXES = ("activation_batch", "activation_length", "activation_vocab")
 def _attention_saveable(prim, *_, **__) -> bool:
     """The outputs of the attention kernel: the output and, for cuDNN's flash kernel, its softmax statistics
     (both needed by the backward kernel; saving only the output would rerun the forward kernel)."""
-    return prim.name.startswith("dot_product_attention_fwd")
+    return cudnn_ops.is_forward(prim)
 
 
 _save_attention = jax.checkpoint_policies.save_from_both_policies(

@@ -1,4 +1,4 @@
-"""Attention: one entry point, implementation chosen from config plus platform.
+"""Attention: one entry point, implementation chosen from config plus platform (this file only dispatches).
 
 'xla' is the reference path everywhere (whole score matrices); 'cudnn' is the fused flash-attention kernel on
 NVIDIA GPUs; 'blockwise' is flash-style attention written in XLA (``ops/blockwise.py``), which 'auto' takes when
@@ -6,23 +6,24 @@ the sequence axis is sharded (context parallelism): each device keeps its querie
 values of the whole sequence, and no [length, length] matrix is held. An explicit 'cudnn' on a sharded sequence
 runs cuDNN on those gathered keys by chunks (``ops/chunked.py``): a few calls per chunk of queries, shaped by
 lengths, merged by their softmax statistics.
+
+The files below depend only downward: ``sequence.py`` (the operands' logical layout and the ``shard_map`` over a
+sharded sequence), ``blockwise.py`` (the XLA kernel), ``cudnn.py`` (every call into jax's private cuDNN module),
+``chunked.py`` (the chunk path, on either kernel), then this dispatcher.
 """
 
 from __future__ import annotations
-
-import math
 
 import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from jaxtron.config.schema import ConfigError
-from jaxtron.parallel.sharding import constrain, logical_to_spec, spec_axes
+from jaxtron.ops import blockwise, chunked, cudnn
+from jaxtron.ops.sequence import KV_AXES, KV_SHARDED_AXES, Q_AXES, ROW_AXES, sequence_axes
+from jaxtron.parallel.sharding import constrain
 
 OUTPUT_NAME = "attention_out"  # checkpoint name of the attention output (remat policies can keep it)
-Q_AXES = ("activation_batch", "activation_length", "activation_heads", "activation_head_dim")
-KV_AXES = ("activation_batch", "activation_kv_length", "activation_kv_heads", "activation_head_dim")
-KV_SHARDED_AXES = ("activation_batch", "activation_length", "activation_kv_heads", "activation_head_dim")
 
 
 def cudnn_unsupported(dtype: jnp.dtype, head_dim: int, sequence_shards: int, backend: str) -> str | None:
@@ -59,46 +60,6 @@ def cpu_implementation(choice: str, dtype: jnp.dtype, head_dim: int, sequence_sh
                                   backend="cpu")
 
 
-def _sequence_axes() -> tuple[str, ...]:
-    """The mesh axes of more than one device that split the queries' sequence (none outside a mesh)."""
-    mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty:
-        return ()
-    return tuple(a for a in spec_axes(logical_to_spec(Q_AXES), 1) if mesh.shape[a] > 1)
-
-
-def segment_layout(segment_ids: jax.Array, max_segments: int) -> tuple[jax.Array, jax.Array]:
-    """Packed rows as cuDNN's ragged attention wants them: [batch, M] document lengths and [batch, M+1]
-    document start offsets (the last one the row's end), both padded with -1, M = ``max_segments``.
-
-    ``segment_ids`` [batch, length] numbers the documents of each row 1, 2, ... in order (jaxtron's loader);
-    a row of more than M documents must be refused before it gets here (the loader does, see
-    ``check_segments``): its extra documents would be left out of the layout.
-    """
-    batch, length = segment_ids.shape
-    starts = jnp.concatenate([jnp.ones((batch, 1), bool), segment_ids[:, 1:] != segment_ids[:, :-1]], axis=1)
-    first = jnp.sort(jnp.where(starts, jnp.arange(length), length), axis=1)  # starts, then `length`s
-    if first.shape[1] < max_segments + 1:
-        first = jnp.pad(first, ((0, 0), (0, max_segments + 1 - first.shape[1])), constant_values=length)
-    bounds = first[:, :max_segments + 1]  # the c document starts in order, then `length` repeated
-    count = jnp.sum(starts, axis=1, keepdims=True)  # documents per row
-    j = jnp.arange(max_segments + 1)[None, :]
-    offsets = jnp.where(j <= count, bounds, -1).astype(jnp.int32)
-    lengths = jnp.where(j[:, :-1] < count, bounds[:, 1:] - bounds[:, :-1], -1).astype(jnp.int32)
-    return lengths, offsets
-
-
-def _cudnn_packed(q, k, v, segment_ids, max_segments: int) -> jax.Array:
-    """cuDNN flash attention over packed documents: each document is its own causal sequence inside the
-    kernel (ragged offsets), so no [length, length] mask is built and nothing attends across documents."""
-    from jax._src.cudnn import fused_attention_stablehlo as cudnn  # JAX exposes offsets only here
-
-    lengths, offsets = segment_layout(segment_ids, max_segments)
-    return cudnn.dot_product_attention(
-        q, k, v, q_seqlen=lengths, kv_seqlen=lengths, q_offsets=offsets, kv_offsets=offsets,
-        scale=1.0 / math.sqrt(q.shape[-1]), mask_type=cudnn.MaskType.PADDING_CAUSAL, qkv_layout="BTNH")
-
-
 def dot_product_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, implementation: str = "xla",
                           segment_ids: jax.Array | None = None, positions: jax.Array | None = None,
                           max_segments: int = 64) -> jax.Array:
@@ -114,7 +75,7 @@ def dot_product_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, implement
     positions.
     """
     q = constrain(q, Q_AXES)
-    chunks = implementation == "cudnn" and bool(_sequence_axes())
+    chunks = implementation == "cudnn" and bool(sequence_axes())
     if chunks and (segment_ids is None or positions is None):
         raise ValueError("cuDNN attention on a sharded sequence needs the loader's segment ids and positions")
     # blockwise attention gathers the keys and values itself, inside its shard_map: they enter it sharded like
@@ -125,14 +86,12 @@ def dot_product_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, implement
     order = positions if segment_ids is not None and positions is not None else \
         jnp.broadcast_to(jnp.arange(q.shape[1]), q.shape[:2])
     if chunks:
-        from jaxtron.ops import chunked
-        out = chunked.context_parallel_attention(q, k, v, constrain(positions, Q_AXES[:2]),
-                                                 constrain(segment_ids, Q_AXES[:2]), max_segments=max_segments)
+        out = chunked.context_parallel_attention(q, k, v, constrain(positions, ROW_AXES),
+                                                 constrain(segment_ids, ROW_AXES), max_segments=max_segments)
     elif implementation == "cudnn" and segment_ids is not None:
-        out = _cudnn_packed(q, k, v, segment_ids, max_segments)
+        out = cudnn.packed_attention(q, k, v, segment_ids, max_segments)
     elif implementation == "blockwise":
-        from jaxtron.ops.blockwise import context_parallel_attention
-        out = context_parallel_attention(q, k, v, constrain(order, Q_AXES[:2]), segment_ids)
+        out = blockwise.context_parallel_attention(q, k, v, constrain(order, ROW_AXES), segment_ids)
     else:
         mask = None
         if segment_ids is not None:

@@ -8,7 +8,8 @@ skipped. Besides the output it returns each query's log-sum-exp of scores (its s
 results over disjoint key sets can be combined (``combine``).
 
 The backward pass is hand-written (``jax.custom_vjp``): it recomputes each block's probabilities from the saved
-log-sum-exp instead of keeping them, as flash attention does.
+log-sum-exp instead of keeping them, as flash attention does. ``forward`` and ``backward`` are public so that a
+caller merging several calls (``ops/chunked.py``) can run the backward of each on the merged statistics.
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ import math
 
 import jax
 import jax.numpy as jnp
+
+from jaxtron.ops.sequence import over_sequence
 
 MASKED = -1e30  # the score of a hidden key: finite, so a row that sees nothing gives no NaN
 
@@ -59,7 +62,9 @@ def _blocked(q, k, v, q_pos, k_pos, q_seg, k_seg, block_q, block_k):
     return (bq, g, 1.0 / math.sqrt(d)), queries, keys
 
 
-def _forward(q, k, v, q_pos, k_pos, q_seg, k_seg, block_q, block_k):
+def forward(q, k, v, q_pos, k_pos, q_seg, k_seg, block_q: int, block_k: int) -> tuple[jax.Array, jax.Array]:
+    """(output [b, Lq, heads, d], log-sum-exp [b, Lq, heads]) of ``blockwise_attention``, without its custom
+    gradient; document ids may be None for both."""
     # the masks depend on positions only; inside a differentiated scan (the layer stack) that would make them
     # loop-invariant, and autodiff would compute them ahead of the loop for every pair of blocks at once
     q, q_pos, k_pos, q_seg, k_seg = jax.lax.optimization_barrier((q, q_pos, k_pos, q_seg, k_seg))
@@ -102,18 +107,28 @@ def _forward(q, k, v, q_pos, k_pos, q_seg, k_seg, block_q, block_k):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8))
 def _attention(q, k, v, q_pos, k_pos, q_seg, k_seg, block_q, block_k):
-    return _forward(q, k, v, q_pos, k_pos, q_seg, k_seg, block_q, block_k)
+    return forward(q, k, v, q_pos, k_pos, q_seg, k_seg, block_q, block_k)
 
 
 def _attention_fwd(q, k, v, q_pos, k_pos, q_seg, k_seg, block_q, block_k):
-    out, lse = _forward(q, k, v, q_pos, k_pos, q_seg, k_seg, block_q, block_k)
+    out, lse = forward(q, k, v, q_pos, k_pos, q_seg, k_seg, block_q, block_k)
     return (out, lse), (q, k, v, q_pos, k_pos, q_seg, k_seg, out, lse)
 
 
 def _attention_bwd(block_q, block_k, res, cotangents):
     q, k, v, q_pos, k_pos, q_seg, k_seg, out, lse = res
-    d_out, d_lse = cotangents
-    b, lq, h, d = q.shape
+    return (*backward(q, k, v, q_pos, k_pos, q_seg, k_seg, out, lse, *cotangents, block_q, block_k),
+            None, None, None, None)
+
+
+def backward(q, k, v, q_pos, k_pos, q_seg, k_seg, out, lse, d_out, d_lse, block_q: int,
+             block_k: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Gradients of q, k, v for the output ``out`` and log-sum-exp ``lse`` of a ``forward`` call, or of a merge
+    of several calls this one is part of (then ``out`` and ``lse`` are the merged ones), with cotangents ``d_out``
+    and ``d_lse`` (None: zero)."""
+    if d_lse is None:
+        d_lse = jnp.zeros(lse.shape, jnp.float32)
+    b, lq, _, d = q.shape
     kvh = k.shape[2]
     (bq, g, scale), (qs, qps, qss), keys = _blocked(q, k, v, q_pos, k_pos, q_seg, k_seg, block_q, block_k)
     # per query: D = sum(dO * O), the softmax's own term; both it and d_lse enter every score's gradient
@@ -156,7 +171,7 @@ def _attention_bwd(block_q, block_k, res, cotangents):
     zero = jnp.zeros(k.shape, jnp.float32)
     (dk, dv), dq = jax.lax.scan(one_query_block, (zero, zero), (qs, dos, lses, deltas, qps, qss))
     dq = _unblocks(dq).reshape(q.shape)
-    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None, None, None
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)
@@ -205,27 +220,3 @@ def context_parallel_attention(q: jax.Array, k: jax.Array, v: jax.Array, index: 
 
     return over_sequence(local, q, k, v, index, segment_ids)
 
-
-def over_sequence(local, q: jax.Array, k: jax.Array, v: jax.Array, rows: jax.Array,
-                  segment_ids: jax.Array | None) -> jax.Array:
-    """Runs ``local(q, k, v, rows, segment_ids, gathered, shard, shards)`` on each device's part of a sharded
-    sequence, as the rules table splits queries, keys, values and [b, L] row arrays (a ``shard_map``):
-    ``gathered(x)`` all-gathers a local array's columns over the sequence axes (in shard order), ``shard`` is this
-    device's index among the ``shards`` along them. Returns the queries' shape, sharded like them."""
-    from jaxtron.ops.attention import KV_SHARDED_AXES, Q_AXES
-    from jaxtron.parallel.sharding import logical_to_spec, spec_axes
-
-    q_spec, kv_spec = logical_to_spec(Q_AXES), logical_to_spec(KV_SHARDED_AXES)
-    row_spec = logical_to_spec(Q_AXES[:2])
-    sequence = spec_axes(q_spec, 1)
-    shards = math.prod(jax.sharding.get_abstract_mesh().shape[a] for a in sequence)
-
-    def gathered(x):
-        return jax.lax.all_gather(x, sequence, axis=1, tiled=True) if sequence else x
-
-    def body(q, k, v, rows, segments):
-        shard = jax.lax.axis_index(sequence) if sequence else 0
-        return local(q, k, v, rows, segments, gathered, shard, shards)
-
-    return jax.shard_map(body, in_specs=(q_spec, kv_spec, kv_spec, row_spec, row_spec), out_specs=q_spec,
-                         check_vma=False)(q, k, v, rows, segment_ids)

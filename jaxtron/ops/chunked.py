@@ -23,13 +23,13 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxtron.ops import blockwise
+from jaxtron.ops import blockwise, cudnn
+from jaxtron.ops.sequence import over_sequence
 from jaxtron.parallel.sharding import sequence_order
 
 FAR = 1 << 30  # a key index past every query: hidden by the causal test
@@ -52,13 +52,13 @@ class XlaKernel:
     def forward(self, q, k, v, q_len, kv_len, causal):
         """(output, log-sum-exp [b, t, heads]) of queries 0..q_len against keys 0..kv_len, causal or not."""
         q_idx, k_idx = self._indices(q, k, q_len, kv_len, causal)
-        return blockwise._forward(q, k, v, q_idx, k_idx, None, None, self.block_q, self.block_k)
+        return blockwise.forward(q, k, v, q_idx, k_idx, None, None, self.block_q, self.block_k)
 
     def backward(self, q, k, v, q_len, kv_len, causal, out, lse, d_out):
         """Gradients of q, k, v for the output and statistics ``out``, ``lse`` of a merge this call is part of."""
         q_idx, k_idx = self._indices(q, k, q_len, kv_len, causal)
-        res = (q, k, v, q_idx, k_idx, None, None, out, lse)
-        return blockwise._attention_bwd(self.block_q, self.block_k, res, (d_out, jnp.zeros_like(lse)))[:3]
+        return blockwise.backward(q, k, v, q_idx, k_idx, None, None, out, lse, d_out, None, self.block_q,
+                                  self.block_k)
 
     def packed(self, q, k, v, segment_ids, max_segments):
         """Causal attention inside each document of a chunk whose columns are in token order."""
@@ -67,47 +67,21 @@ class XlaKernel:
                                              block_q=self.block_q, block_k=self.block_k)[0]
 
 
-def _cudnn_module():
-    from jax._src.cudnn import fused_attention_stablehlo as cudnn  # statistics in, and the backward, only here
-    return cudnn
-
-
 @dataclasses.dataclass(frozen=True)
 class CudnnKernel:
-    """The chunk calls in JAX's cuDNN flash attention (NVIDIA GPUs, 16-bit inputs).
-
-    The forward returns cuDNN's softmax statistics (float32 [b, heads, t], the natural log-sum-exp of the scaled
-    scores); the backward is cuDNN's own, given the merged output and statistics instead of the call's. Lengths
-    of 0 are raised to 1 for the kernel: the merge discards those rows and gives them no gradient."""
-
-    @staticmethod
-    def _mask(cudnn, causal):
-        return cudnn.MaskType.PADDING_CAUSAL if causal else cudnn.MaskType.PADDING
+    """The chunk calls in JAX's cuDNN flash attention (NVIDIA GPUs, 16-bit inputs; ``ops/cudnn.py``): the
+    forward returns cuDNN's softmax statistics, the backward is cuDNN's own given the merged output and statistics
+    instead of the call's. Lengths of 0 are raised to 1 for the kernel: the merge discards those rows and gives
+    them no gradient."""
 
     def forward(self, q, k, v, q_len, kv_len, causal):
-        cudnn = _cudnn_module()
-        out, stats = cudnn.dot_product_attention(
-            q, k, v, q_seqlen=jnp.maximum(q_len, 1).astype(jnp.int32),
-            kv_seqlen=jnp.maximum(kv_len, 1).astype(jnp.int32), scale=1.0 / math.sqrt(q.shape[-1]),
-            mask_type=self._mask(cudnn, causal), qkv_layout="BTNH", return_residual=True)
-        return out, jnp.swapaxes(stats, 1, 2)
+        return cudnn.forward_with_stats(q, k, v, q_len, kv_len, causal)
 
     def backward(self, q, k, v, q_len, kv_len, causal, out, lse, d_out):
-        cudnn = _cudnn_module()
-        unused = jnp.zeros(0, q.dtype)
-        res = (q, k, v, unused, jnp.maximum(q_len, 1).astype(jnp.int32), jnp.maximum(kv_len, 1).astype(jnp.int32),
-               unused, unused, unused, unused, jnp.swapaxes(lse, 1, 2).astype(jnp.float32), out.astype(q.dtype))
-        # the rule's arguments before ``res`` are the custom_vjp's static ones: scale, seed, dropout rate, (bias,
-        # bias gradient), mask, layout, window, cuDNN version, return_residual
-        grads = cudnn._dot_product_attention_bwd_rule(
-            1.0 / math.sqrt(q.shape[-1]), 42, 0.0, (False, False), self._mask(cudnn, causal),
-            cudnn._normalize_layout("BTNH").value, None, cudnn.check_cudnn_version(), False, res,
-            d_out.astype(q.dtype))
-        return tuple(grads[:3])
+        return cudnn.backward_from_stats(q, k, v, q_len, kv_len, causal, out, lse, d_out)
 
     def packed(self, q, k, v, segment_ids, max_segments):
-        from jaxtron.ops.attention import _cudnn_packed
-        return _cudnn_packed(q, k, v, segment_ids, max_segments)
+        return cudnn.packed_attention(q, k, v, segment_ids, max_segments)
 
 
 XLA, CUDNN = XlaKernel(), CudnnKernel()
@@ -221,4 +195,4 @@ def context_parallel_attention(q, k, v, positions, segment_ids, *, kernel=None, 
         return shard_attention(kernel, q, k, v, positions, segment_ids, gathered(k), gathered(v), shard, shards,
                                max_segments)
 
-    return blockwise.over_sequence(local, q, k, v, positions, segment_ids)
+    return over_sequence(local, q, k, v, positions, segment_ids)

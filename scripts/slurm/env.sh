@@ -1,5 +1,5 @@
 # The environment every jaxtron process starts with on a GPU cluster; sourced by train.sbatch.
-# The settings and the reason for each live in jaxtron/ops/gpu_preset.py, the one preset for all GPU runs;
+# The settings and the reason for each live in jaxtron/gpu/preset.py, the one preset for all GPU runs;
 # a variable exported before sbatch keeps its value (XLA_FLAGS: appended after the preset's flags).
 # `python -m jaxtron.gpu_preset --check` checks the XLA flags against the installed jaxlib.
 jaxtron_root=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)

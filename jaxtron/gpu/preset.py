@@ -21,11 +21,11 @@ import sys
 # variable -> (value, reason)
 ENV: dict[str, tuple[str, str]] = {
     "XLA_PYTHON_CLIENT_MEM_FRACTION": (
-        "0.92", "jax preallocates 75% of GPU memory by default; the run's own memory check (check_fits) already "
-                "refuses a state that cannot fit, so the step may use almost all of it"),
+        "0.92", ("jax preallocates 75% of GPU memory by default; the run's own memory check (check_fits) already "
+                 "refuses a state that cannot fit, so the step may use almost all of it")),
     "NCCL_DEBUG": ("WARN", "NCCL prints its setup and errors once per process; INFO floods the log with every ring"),
-    "PYTHONUNBUFFERED": ("1", "output reaches the job log as it is written, so the last lines before a failure "
-                              "are not lost"),
+    "PYTHONUNBUFFERED": ("1", ("output reaches the job log as it is written, so the last lines before a failure "
+                               "are not lost")),
 }
 
 # --xla_flag -> (value, reason with the measurement: benchmark, before -> after)
@@ -54,7 +54,7 @@ def unknown_flags(flags: str) -> list[str]:
         return []
     env = {**os.environ, "XLA_FLAGS": flags, "JAX_PLATFORMS": "cpu"}
     out = subprocess.run([sys.executable, "-c", "import jax; jax.devices()"], env=env, capture_output=True,
-                         text=True, timeout=300)
+                         text=True, timeout=300, check=False)
     unknown = re.findall(r"Unknown flags? in XLA_FLAGS: (.*)", out.stderr)
     if out.returncode != 0 and not unknown:
         raise RuntimeError(f"jax did not start with XLA_FLAGS={flags!r}: {out.stderr.strip()[-500:]}")
@@ -73,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     bad = unknown_flags(flags)
     if bad:
         print(f"error: the installed jaxlib does not know {', '.join(bad)}; remove it from XLA_FLAGS or the "
-              "preset (jaxtron/ops/gpu_preset.py).", file=sys.stderr)
+              "preset (jaxtron/gpu/preset.py).", file=sys.stderr)
         return 2
     print(f"all {len(flags.split())} XLA flags are accepted by the installed jaxlib")
     return 0

@@ -1,0 +1,93 @@
+"""Every call into JAX's private cuDNN attention module (``jax._src.cudnn.fused_attention_stablehlo``).
+
+JAX's public ``jax.nn.dot_product_attention`` reaches the same cuDNN flash kernel, but it takes neither ragged
+document offsets (packed rows) nor gives a backward that accepts merged softmax statistics; both exist only in the
+private module. Keeping every use here means one file to read when jax changes it, and the tests bind each call
+made here to the installed signatures (``tests/test_attention.py``, ``tests/test_chunked.py``), so such a change
+fails on a CPU rather than on a GPU.
+
+All inputs are [batch, length, heads, head_dim] ("BTNH"), 16-bit; lengths are int32 per row.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from jax._src.cudnn import fused_attention_stablehlo as _cudnn
+
+LAYOUT = "BTNH"
+FORWARD_PRIMITIVE = "dot_product_attention_fwd"  # the name of cuDNN's forward primitive (and its wrappers)
+
+
+def is_forward(primitive) -> bool:
+    """Whether a primitive is cuDNN's attention forward, whose outputs (the attention and its softmax statistics)
+    its backward needs: a remat policy that keeps them runs the forward kernel once."""
+    return primitive.name.startswith(FORWARD_PRIMITIVE)
+
+
+def segment_layout(segment_ids: jax.Array, max_segments: int) -> tuple[jax.Array, jax.Array]:
+    """Packed rows as cuDNN's ragged attention wants them: [batch, M] document lengths and [batch, M+1]
+    document start offsets (the last one the row's end), both padded with -1, M = ``max_segments``.
+
+    ``segment_ids`` [batch, length] numbers the documents of each row 1, 2, ... in order (jaxtron's loader);
+    a row of more than M documents must be refused before it gets here (the loader does, see
+    ``check_segments``): its extra documents would be left out of the layout.
+    """
+    batch, length = segment_ids.shape
+    starts = jnp.concatenate([jnp.ones((batch, 1), bool), segment_ids[:, 1:] != segment_ids[:, :-1]], axis=1)
+    first = jnp.sort(jnp.where(starts, jnp.arange(length), length), axis=1)  # starts, then `length`s
+    if first.shape[1] < max_segments + 1:
+        first = jnp.pad(first, ((0, 0), (0, max_segments + 1 - first.shape[1])), constant_values=length)
+    bounds = first[:, :max_segments + 1]  # the c document starts in order, then `length` repeated
+    count = jnp.sum(starts, axis=1, keepdims=True)  # documents per row
+    j = jnp.arange(max_segments + 1)[None, :]
+    offsets = jnp.where(j <= count, bounds, -1).astype(jnp.int32)
+    lengths = jnp.where(j[:, :-1] < count, bounds[:, 1:] - bounds[:, :-1], -1).astype(jnp.int32)
+    return lengths, offsets
+
+
+def packed_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array,
+                     max_segments: int) -> jax.Array:
+    """Causal flash attention over packed documents: each document is its own causal sequence inside the kernel
+    (ragged offsets), so no [length, length] mask is built and nothing attends across documents."""
+    lengths, offsets = segment_layout(segment_ids, max_segments)
+    return _cudnn.dot_product_attention(
+        q, k, v, q_seqlen=lengths, kv_seqlen=lengths, q_offsets=offsets, kv_offsets=offsets,
+        scale=1.0 / math.sqrt(q.shape[-1]), mask_type=_cudnn.MaskType.PADDING_CAUSAL, qkv_layout=LAYOUT)
+
+
+def _mask(causal: bool):
+    return _cudnn.MaskType.PADDING_CAUSAL if causal else _cudnn.MaskType.PADDING
+
+
+def _lengths(n: jax.Array) -> jax.Array:
+    """Lengths for the kernel: 0 is raised to 1 (the kernel needs one row or key; callers discard those rows)."""
+    return jnp.maximum(n, 1).astype(jnp.int32)
+
+
+def forward_with_stats(q: jax.Array, k: jax.Array, v: jax.Array, q_len: jax.Array, kv_len: jax.Array,
+                       causal: bool) -> tuple[jax.Array, jax.Array]:
+    """Queries 0..q_len against keys 0..kv_len (per row), causal or not -> (output, softmax statistics [b, t,
+    heads]: float32, the natural log-sum-exp of the scaled scores)."""
+    out, stats = _cudnn.dot_product_attention(
+        q, k, v, q_seqlen=_lengths(q_len), kv_seqlen=_lengths(kv_len), scale=1.0 / math.sqrt(q.shape[-1]),
+        mask_type=_mask(causal), qkv_layout=LAYOUT, return_residual=True)
+    return out, jnp.swapaxes(stats, 1, 2)
+
+
+def backward_from_stats(q: jax.Array, k: jax.Array, v: jax.Array, q_len: jax.Array, kv_len: jax.Array,
+                        causal: bool, out: jax.Array, lse: jax.Array,
+                        d_out: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Gradients of q, k, v of the ``forward_with_stats`` call, given the output ``out`` and statistics ``lse``
+    [b, t, heads] of a merge the call is part of (flash attention's backward over several blocks of keys)."""
+    unused = jnp.zeros(0, q.dtype)
+    res = (q, k, v, unused, _lengths(q_len), _lengths(kv_len), unused, unused, unused, unused,
+           jnp.swapaxes(lse, 1, 2).astype(jnp.float32), out.astype(q.dtype))
+    # the rule's arguments before ``res`` are the custom_vjp's static ones: scale, seed, dropout rate, (bias,
+    # bias gradient), mask, layout, window, cuDNN version, return_residual
+    grads = _cudnn._dot_product_attention_bwd_rule(
+        1.0 / math.sqrt(q.shape[-1]), 42, 0.0, (False, False), _mask(causal), _cudnn._normalize_layout(LAYOUT).value,
+        None, _cudnn.check_cudnn_version(), False, res, d_out.astype(q.dtype))
+    return tuple(grads[:3])

@@ -1,0 +1,136 @@
+"""The package's imports: no circle between modules, and none running back up the data flow of DESIGN.md.
+
+Every ``import`` statement counts, the ones inside functions too (a lazy import is still a dependency).
+"""
+
+from __future__ import annotations
+
+import ast
+import os
+
+from conftest import REPO
+
+PACKAGE = os.path.join(REPO, "jaxtron")
+
+# The data flow as layers of subpackages, lowest first: a subpackage imports from its own layer's members only
+# itself, and otherwise only lower layers. The modules at the package top (the command line) come last.
+LAYERS = (
+    ("config", "gpu"),
+    ("parallel",),
+    ("ops", "data", "checkpoint", "metrics"),
+    ("models",),
+    ("training",),
+    ("interop", "planning"),
+)
+
+
+def modules() -> dict[str, str]:
+    """Dotted module name -> file, for every module of the package."""
+    found = {}
+    for folder, _, files in os.walk(PACKAGE):
+        for name in files:
+            if name.endswith(".py"):
+                path = os.path.join(folder, name)
+                dotted = os.path.relpath(path[:-3], REPO).replace(os.sep, ".")
+                found[dotted.removesuffix(".__init__")] = path
+    return found
+
+
+def import_graph() -> dict[str, set[str]]:
+    """Module -> the package's modules it imports (``from a import b`` counts a.b when b is a module, else a)."""
+    found = modules()
+    graph = {}
+    for module, path in found.items():
+        package = module if path.endswith("__init__.py") else module.rpartition(".")[0]
+        targets = set()
+        for node in ast.walk(ast.parse(open(path).read(), path)):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    parts = package.split(".")
+                    base = ".".join(parts[:len(parts) - node.level + 1] + ([base] if base else []))
+                names = [f"{base}.{a.name}" for a in node.names]
+            else:
+                continue
+            for name in names:  # each to the most specific module it names or belongs to
+                while name and name not in found:
+                    name = name.rpartition(".")[0]
+                if name:
+                    targets.add(name)
+        graph[module] = targets - {module}
+    return graph
+
+
+def circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan's algorithm, iteratively)."""
+    index, low, stack, on_stack, out = {}, {}, [], set(), []
+    for root in graph:
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = len(index)
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(graph[child]))))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                component = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    component.append(member)
+                    if member == node:
+                        break
+                if len(component) > 1:
+                    out.append(sorted(component))
+    return out
+
+
+def layer(module: str) -> int:
+    """The layer of a module's subpackage; the package top (command line, forwarders) is above them all."""
+    parts = module.split(".")
+    if len(parts) > 2 or (len(parts) == 2 and os.path.isdir(os.path.join(PACKAGE, parts[1]))):
+        for i, members in enumerate(LAYERS):
+            if parts[1] in members:
+                return i
+        raise AssertionError(f"subpackage jaxtron.{parts[1]} has no layer in tests/test_imports.py: add it")
+    return len(LAYERS)
+
+
+def test_the_graph_finds_imports_of_every_form_and_a_circle():
+    graph = import_graph()
+    assert "jaxtron.ops.sequence" in graph["jaxtron.ops.blockwise"]  # from jaxtron.ops.sequence import ...
+    assert "jaxtron.ops.cudnn" in graph["jaxtron.ops.attention"]  # from jaxtron.ops import cudnn
+    assert "jaxtron.config.schema" in graph["jaxtron.training.loop"]
+    assert circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert circles({"a": {"b"}, "b": set()}) == []
+
+
+def test_no_module_imports_itself_back_through_others():
+    assert circles(import_graph()) == []
+
+
+def test_no_import_runs_back_up_the_data_flow():
+    graph = import_graph()
+    upward = []
+    for module, targets in sorted(graph.items()):
+        for target in sorted(targets):
+            same_package = module.split(".")[:2] == target.split(".")[:2]
+            if not same_package and layer(target) >= layer(module):
+                upward.append(f"{module} -> {target}")
+    assert upward == []
