@@ -80,9 +80,10 @@ def dry_run(cfg: Config, devices: list | None = None, implementation: str | None
 def describe(result: DryRun) -> str:
     gib = 2.0 ** 30
     lines = [f"mesh {', '.join(f'{k}={v}' for k, v in result.mesh.items())}: compiled in {result.compile_s:.1f} s",
-             f"per device: arguments {result.argument_bytes / gib:.2f} GiB (parameters, optimizer state, batch), "
-             f"temporaries {result.temp_bytes / gib:.2f} GiB, outputs {result.output_bytes / gib:.2f} GiB "
-             f"({result.alias_bytes / gib:.2f} GiB in place of donated inputs); peak {result.peak_bytes / gib:.2f} GiB",
+             (f"per device: arguments {result.argument_bytes / gib:.2f} GiB (parameters, optimizer state, batch), "
+              f"temporaries {result.temp_bytes / gib:.2f} GiB, outputs {result.output_bytes / gib:.2f} GiB "
+              f"({result.alias_bytes / gib:.2f} GiB in place of donated inputs); peak {result.peak_bytes / gib:.2f} "
+              "GiB"),
              "collectives per step and device (loop bodies counted once per iteration):"]
     for kind, c in result.collectives.items():
         if c["count"]:

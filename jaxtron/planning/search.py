@@ -7,6 +7,7 @@ import math
 
 from jaxtron.config.schema import MESH_AXES, Config, ConfigError, MeshConfig
 from jaxtron.parallel.mesh import full_sizes, split_over_nodes
+from jaxtron.parallel.sharding import shard_count
 from jaxtron.planning.estimate import Estimate, estimate
 from jaxtron.planning.gpus import GPU
 
@@ -76,19 +77,18 @@ class Row:
 def _microbatch_options(cfg: Config, sizes: dict[str, int]) -> list[int]:
     """Microbatch counts from the config's up, each leaving a whole number of rows per device (and per pipeline
     microbatch, at least one per stage)."""
-    dp = sizes["data"] * sizes["fsdp"] * sizes["expert"]
-    rows = cfg.train.global_batch_size // dp
-    stages = sizes.get("pipeline", 1)
+    rows = cfg.train.global_batch_size // shard_count(sizes, "activation_batch")
+    stages = shard_count(sizes, "layers")
     return [k for k in divisors(rows) if k >= cfg.train.microbatches and (rows // k) % stages == 0]
 
 
 def _in_flight_options(cfg: Config, sizes: dict[str, int], microbatches: int) -> list[int | None]:
     """Pipeline microbatch counts to try on a pipeline mesh: the config's (at least one per stage), then 2x and
     4x the stage count, each splitting the rows of a device evenly; [None] (the config's) without a pipeline."""
-    stages = sizes["pipeline"]
+    stages = shard_count(sizes, "layers")
     if stages == 1:
         return [None]
-    rows = cfg.train.global_batch_size // microbatches // (sizes["data"] * sizes["fsdp"] * sizes["expert"])
+    rows = cfg.train.global_batch_size // microbatches // shard_count(sizes, "activation_batch")
     wanted = [cfg.pipeline.schedule(stages)[0], 2 * stages, 4 * stages]
     return sorted({m for m in wanted if m >= stages and rows % m == 0}) or [None]
 
@@ -121,7 +121,7 @@ def plan(cfg: Config, n: int, gpu: GPU) -> list[Row]:
 
 def _digits(x: float) -> int:
     """Digits before the point, so steps are compared to 3 significant figures."""
-    return int(math.floor(math.log10(x))) + 1 if x > 0 else 0
+    return math.floor(math.log10(x)) + 1 if x > 0 else 0
 
 
 def refusal(cfg: Config, n: int, gpu: GPU, rows: list[Row]) -> str:

@@ -1,0 +1,152 @@
+"""The collectives of a training step: bytes per collective kind, and their seconds by the mesh axes they run over.
+
+Each collective runs at the NVLink or the network bandwidth of the axis it runs over. Gathers and gradient
+reductions over ``fsdp``/``data`` (and the gradient sums over ``sequence``, which also splits the tokens of a step
+but no parameter) overlap with compute (XLA's latency-hiding scheduler); tensor and expert collectives sit between
+dependent matmuls and are counted in full, as is the all-gather of keys and values over ``sequence`` (context
+parallelism: each layer's keys depend on its input, so nothing can fetch them ahead).
+"""
+
+from __future__ import annotations
+
+import math
+
+from jaxtron.config.schema import Config
+from jaxtron.parallel.mesh import split_over_nodes
+from jaxtron.planning.gpus import GPU
+from jaxtron.planning.params import Param
+from jaxtron.planning.shape import BlockValues, StepShape
+
+
+class Collectives:
+    """The collectives of one step on one device: ``ring`` and ``permute`` return their seconds and add their bytes
+    to ``bytes`` (per step and device, by collective kind)."""
+
+    def __init__(self, mesh: dict[str, int], gpu: GPU):
+        self.mesh = mesh
+        devices = math.prod(mesh.values())
+        # how many nodes each mesh axis spans
+        self.across = split_over_nodes(mesh, max(1, devices // gpu.gpus_per_node)) \
+            if devices > gpu.gpus_per_node else {a: 1 for a in mesh}
+        self.gpu = gpu
+        self.bytes = {"all-gather": 0.0, "reduce-scatter": 0.0, "all-reduce": 0.0, "all-to-all": 0.0}
+
+    def bandwidth(self, axis: str) -> float:
+        """Bus bandwidth of a collective over ``axis``: the network's where the axis spans nodes, else NVLink's."""
+        return self.gpu.network_bandwidth if self.across[axis] > 1 else self.gpu.nvlink_bandwidth
+
+    def ring(self, kind: str, axis: str | tuple[str, ...], whole_bytes: float, times: float) -> float:
+        """Seconds of ``times`` collectives over ``axis`` (one mesh axis, or several as one group of devices;
+        ring algorithms at the slowest of their links) on ``whole_bytes`` buffers: an all-gather's result, a
+        reduce-scatter's input, what an all-reduce reduces (as ``jaxtron.metrics.collectives`` counts them)."""
+        axes = (axis,) if isinstance(axis, str) else axis
+        n = math.prod(self.mesh[a] for a in axes)
+        if n == 1 or whole_bytes == 0:
+            return 0.0
+        self.bytes[kind] += times * whole_bytes
+        moved = whole_bytes * (n - 1) / n * (2 if kind == "all-reduce" else 1)
+        return times * moved / min(self.bandwidth(a) for a in axes)
+
+    def permute(self, axis: str, whole_bytes: float) -> float:
+        """Seconds of collective-permutes over ``axis`` that move ``whole_bytes`` in all."""
+        self.bytes["collective-permute"] = whole_bytes
+        return whole_bytes / self.bandwidth(axis)
+
+
+def fsdp_time(shape: StepShape, params: tuple[Param, ...], coll: Collectives) -> float:
+    """The weights gathered over ``fsdp`` and their gradients reduce-scattered back."""
+    micro = shape.microbatches
+    gathers = 2 * micro  # forward and the backward's recompute/use: the weights are gathered twice per step
+    gathered = {True: 0, False: 0}  # elements gathered over fsdp: the staged blocks' and the rest
+    for p in params:
+        gathered[p.staged] += p.shard_elements(shape.mesh, without=("fsdp",))
+    # a pipeline stage gathers its blocks' weights again in every iteration of the schedule, and reduce-scatters
+    # their gradients in every iteration of its backward pass
+    in_flight, busy = shape.in_flight, shape.busy
+    return (coll.ring("all-gather", "fsdp", shape.work_bytes * gathered[True], gathers * in_flight * busy)
+            + coll.ring("all-gather", "fsdp", shape.work_bytes * gathered[False], gathers)
+            + coll.ring("reduce-scatter", "fsdp", 4.0 * gathered[True], micro * in_flight * busy)
+            + coll.ring("reduce-scatter", "fsdp", 4.0 * gathered[False], micro))
+
+
+def data_time(shape: StepShape, params: tuple[Param, ...], coll: Collectives) -> float:
+    """The gradient sums over the axes that split the batch's tokens but not (all) the parameters."""
+    # they sum the gradients of what they do not shard, in one all-reduce over all of them: every parameter over
+    # ``data`` and ``sequence`` (the tokens of a row; no parameter is split over it), and over ``expert`` too
+    # where it is not an expert's
+    grad_sync = 0.0
+    for expert_owned in (False, True):
+        axes = ("data", "sequence") if expert_owned else ("data", "sequence", "expert")
+        over = sum(p.shard_elements(shape.mesh) for p in params if ("experts" in p.names) == expert_owned)
+        grad_sync += coll.ring("all-reduce", axes, 4.0 * over, shape.microbatches)
+    if shape.spread > 1:  # the stages' gradients of what they all hold (embedding, head, blocks outside) are summed
+        unstaged = sum(p.shard_elements(shape.mesh) for p in params if not p.staged)
+        grad_sync += coll.ring("all-reduce", "pipeline", 4.0 * unstaged, shape.microbatches)
+    return grad_sync
+
+
+def tensor_time(shape: StepShape, block: BlockValues, coll: Collectives) -> float:
+    """The tensor group's reduce-scatters and all-gathers around each block's projections, and the loss's."""
+    # per block: the attention and MLP outputs reduce-scattered and their normed inputs all-gathered over the
+    # tensor group in each forward pass (an all-reduce's traffic in two halves), twice as many in the backward
+    # pass, plus the loss's hidden-state gradient
+    reductions = ((2 * (shape.forward_passes - 2) + 4) * shape.layers_per_stage * shape.microbatches
+                  * shape.in_flight)
+    residual = block.residual * shape.work_bytes
+    return (coll.ring("reduce-scatter", "tensor", residual, reductions)
+            + coll.ring("all-gather", "tensor", residual, reductions)
+            + coll.ring("all-reduce", "tensor", 4.0 * shape.outside_rows * shape.local_len * block.embed,
+                        shape.microbatches))
+
+
+def sequence_time(cfg: Config, shape: StepShape, block: BlockValues, coll: Collectives) -> float:
+    """The keys and values gathered over ``sequence`` (context parallelism)."""
+    block_calls = shape.layers_per_stage * shape.microbatches * shape.in_flight
+    kv = block.attention["kv"] * shape.work_bytes
+    if shape.attention == "blockwise" or shape.chunks:  # keys and values gathered in the forward pass and its
+        # recomputation; their gradients reduce-scattered back in the backward pass
+        return (coll.ring("all-gather", "sequence", kv, (2 if cfg.execution.remat != "none" else 1) * block_calls)
+                + coll.ring("reduce-scatter", "sequence", kv, block_calls))
+    return coll.ring("all-gather", "sequence", kv, (shape.forward_passes - 1) * block_calls)
+
+
+def expert_time(shape: StepShape, block: BlockValues, coll: Collectives) -> float:
+    """The MoE blocks' all-to-all exchanges over ``expert``."""
+    if not (shape.moe_layers and shape.expert > 1):
+        return 0.0
+    exchange = block.moe_rows * block.embed * shape.work_bytes
+    moe_blocks = shape.moe_layers // shape.stages * shape.busy + shape.outside_moe_layers / shape.spread
+    return coll.ring("all-to-all", "expert", exchange,
+                     2 * (shape.forward_passes - 1) * moe_blocks * shape.microbatches * shape.in_flight)
+
+
+def pipeline_time(shape: StepShape, block: BlockValues, coll: Collectives) -> float:
+    """The pipeline stages' exchanges of activations."""
+    # each schedule iteration moves one microbatch's activations a stage on (the residual stream between blocks,
+    # split over the tensor group): a permute forward, and in the backward pass the shift back and the wrap-around
+    # from the first stage to the last as two (on two stages XLA mostly runs them as one swap, as compiled on
+    # pipeline=2 x fsdp=4; tests/test_plan.py); the finished microbatches, kept on the first stage, reach the rest
+    # once per step (forward and backward); between dependent steps
+    boundary = block.residual_split * shape.work_bytes
+    collected = shape.rows * shape.local_len * block.embed // shape.tensor * shape.work_bytes
+    seconds = 0.0
+    if shape.stages > 1:
+        hops = 2.0 if shape.stages == 2 else 3.0
+        seconds = coll.permute("pipeline", (hops * shape.iterations * boundary + 2.0 * collected)
+                               * shape.microbatches)
+    if shape.spread > 1:  # the rows come together for the schedule and part after it: an all-gather each way
+        seconds += coll.ring("all-gather", "pipeline", collected, 2 * shape.microbatches)
+    return seconds
+
+
+def communication_time(cfg: Config, shape: StepShape, block: BlockValues, params: tuple[Param, ...],
+                       gpu: GPU) -> tuple[dict[str, float], dict[str, float]]:
+    """(seconds per step by communication term, bytes per step and device by collective kind)."""
+    coll = Collectives(shape.mesh, gpu)
+    time = {"fsdp_comm": fsdp_time(shape, params, coll),
+            "data_comm": data_time(shape, params, coll),
+            "tensor_comm": tensor_time(shape, block, coll),
+            "sequence_comm": sequence_time(cfg, shape, block, coll),
+            "expert_comm": expert_time(shape, block, coll),
+            "pipeline_comm": pipeline_time(shape, block, coll)}
+    return time, coll.bytes

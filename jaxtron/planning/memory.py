@@ -1,0 +1,137 @@
+"""Per-device memory of a training step, term by term.
+
+The model follows what jaxtron's train step does, not an idealised trainer:
+- Parameters, AdamW moments and gradients are float32 (16 bytes per parameter, one more gradient buffer with
+  microbatches), sharded as ``jaxtron.parallel.sharding.RULES`` says; the shard sizes are computed from the real
+  model's parameter shapes and logical axis names.
+- Activations kept for the backward pass follow ``execution.remat`` (which block outputs are saved per layer). The
+  residual stream between blocks is split along the sequence over ``tensor`` as well as ``sequence``
+  (Megatron-style sequence parallelism, ``activation_residual_length``); the normed inputs of attention and the
+  MLP are gathered whole over the tensor group.
+- Working space is the largest of three phases: the backward pass of one block (its recomputed intermediates and
+  their gradients, XLA attention's float32 score matrices or blockwise attention's float32 key and value gradients
+  over the gathered sequence and its per-block scores, the block's weights gathered over ``fsdp`` in float32 and
+  their gradients before the reduce-scatter, the MoE exchange buffers) and the loss (float32 logits of one
+  ``train.logit_chunks`` slice, embedding and output head gathered over ``fsdp``) and, in the CPU program, the
+  optimizer update (XLA:CPU holds the new parameters and moments beside the old ones until the non-finite check
+  picks; it dominates where the state is sharded little and the activations are small).
+
+The few copy counts below (how many buffers of a kind are live at the peak) were read off XLA's buffer
+assignment of compiled steps; ``benchmarks/plan_validation.md`` compares the totals with the compiler's.
+"""
+
+from __future__ import annotations
+
+from jaxtron.config.schema import Config
+from jaxtron.ops.blockwise import block_size
+from jaxtron.planning.params import Param, state_elements
+from jaxtron.planning.shape import BlockValues, StepShape
+
+# live copies at the peak, per kind of buffer (see the module docstring)
+LAYER_COPIES = 1.65  # one block's intermediates during its backward: recomputed values and their gradients
+MOE_COPIES = 1.5  # the MoE block's exchange buffers and expert hidden values (rows padded to the worst case)
+SCORE_COPIES = 3.0  # XLA attention's float32 [batch, heads, q, k] arrays in the backward: scores, probs, grads
+BLOCK_SCORE_COPIES = 4.0  # blockwise attention's float32 arrays of one pair of blocks in the backward: s, p, dp, ds
+ATTENTION_BLOCK = 512  # blockwise attention's block of queries and of keys (ops/blockwise.py)
+# cuDNN by chunks on a sharded sequence (ops/chunked.py), in the block's backward, in units of the gathered keys
+# and values: a call's copy with the document's keys first, its 16-bit gradients, those put back in column order,
+# and their sum over the two chunks (assumed: a GPU program cannot be compiled here; benchmarks/README.md has the
+# CPU compile of the same structure with the XLA kernel in cuDNN's place)
+CHUNK_KV_COPIES = 4.0
+WEIGHT_COPIES = 2.0  # gathered block weights besides their float32 gradient: this block's and the next one's
+LOGIT_COPIES = 2.0  # float32 logits of one slice: the logits and their gradient
+HEAD_COPIES = 2.0  # embedding and output head gathered over fsdp besides their gradient
+UPDATE_COPIES = 3.0  # XLA:CPU's update: new float32 parameters and both moments, before the skip-or-apply select
+
+
+def state_memory(shape: StepShape, params: tuple[Param, ...]) -> dict[str, float]:
+    """Bytes of the train state and the batch: float32 parameters, two AdamW moments, gradients (+ the microbatch
+    accumulator), and the step's five int32 batch arrays."""
+    shard = state_elements(params, shape.mesh)
+    return {"parameters": 4.0 * shard, "optimizer": 8.0 * shard,
+            "gradients": 4.0 * shard * (2 if shape.microbatches > 1 else 1),
+            "batch": 5 * 4.0 * shape.rows * shape.microbatches * shape.local_len}
+
+
+def saved_per_block(cfg: Config, block: BlockValues) -> tuple[int, int, int]:
+    """Elements one block keeps for its backward pass under ``execution.remat``: (values in the compute dtype,
+    float32 attention scores, MoE values in the compute dtype)."""
+    remat, x, xs, attn = cfg.execution.remat, block.residual, block.residual_split, block.attention
+    # save_dots keeps the projections' outputs: the two of residual width are whole (before their reduce-scatter)
+    saved = {"none": block.everything, "full": xs, "save_attention": xs + attn["out"],
+             "save_dots": xs + 2 * x + attn["q"] + attn["kv"] + block.mlp["gate_up"],
+             "save_dots_attention": xs + 2 * x + attn["q"] + attn["kv"] + attn["out"] + block.mlp["gate_up"]}[remat]
+    scores = 2 * block.scores if remat == "none" else 0  # scores and probabilities kept for the backward
+    moe = block.moe_values if remat in ("none", "save_dots", "save_dots_attention") else 0
+    return saved, scores, moe
+
+
+def activation_memory(cfg: Config, shape: StepShape, block: BlockValues) -> dict[str, float]:
+    """Bytes of the values saved for the backward pass ('activations') and of a pipeline schedule's carries
+    ('pipeline_buffers', with a pipeline only)."""
+    c = shape.value_bytes
+    saved, saved_scores, moe_saved = saved_per_block(cfg, block)
+    # every iteration of the schedule leaves the saved values of the blocks the stage ran, the idle ones of the
+    # fill and drain included (they compute on zeros): iterations x blocks of one pass, for a pipeline microbatch
+    passes, per_pass = (shape.iterations, shape.virtual_stages * shape.stages) if shape.pipelined else (1, 1)
+    block_saved = saved * c + block.residual_split * shape.stack_copy_bytes + saved_scores * 4.0
+    memory = {"activations": float(passes * (shape.staged_blocks // per_pass * block_saved
+                                             + shape.moe_layers // per_pass * moe_saved * c)
+                                   # the blocks outside the schedule run once on all of its rows
+                                   + shape.in_flight / shape.spread * (shape.outside_blocks * block_saved
+                                                                       + shape.outside_moe_layers * moe_saved * c))}
+    if shape.pipelined:  # the schedule's carries: each iteration's stage input, and every microbatch's latest output
+        memory["pipeline_buffers"] = float((shape.iterations + shape.in_flight) * block.residual_split
+                                           * shape.work_bytes)
+    return memory
+
+
+def block_work(shape: StepShape, block: BlockValues, params: tuple[Param, ...]) -> float:
+    """Bytes of working space in one block's backward pass."""
+    per_block = {}  # elements of one block's weights gathered over fsdp, per stack ('layers', 'moe_layers')
+    for p in params:
+        if p.in_blocks:
+            stack = p.path.split(".")[0]
+            whole = p.shard_elements(shape.mesh, without=("fsdp", "pipeline"))  # the whole stack, one block of each
+            per_block[stack] = per_block.get(stack, 0) + whole // p.shape[0]
+    block_weights = max(per_block.values())
+    flash = 0.0  # blockwise attention's backward: float32 gradients of the gathered keys and values, of the
+    if shape.attention == "blockwise":  # local queries, and the arrays of one pair of blocks
+        pair = (shape.block_rows * block.heads * block_size(shape.local_len, ATTENTION_BLOCK)
+                * block_size(shape.kv_len, ATTENTION_BLOCK))
+        flash = 4.0 * (block.attention["kv"] + block.attention["q"] + BLOCK_SCORE_COPIES * pair)
+    elif shape.chunks:
+        flash = shape.value_bytes * CHUNK_KV_COPIES * block.attention["kv"]
+    work_c = shape.work_bytes
+    return ((LAYER_COPIES * block.everything + MOE_COPIES * (block.moe_values if shape.moe_layers else 0)) * work_c
+            + SCORE_COPIES * block.scores * 4.0 + flash
+            + block_weights * (WEIGHT_COPIES * work_c + 4.0))  # gathered copies and the float32 gradient
+
+
+def loss_work(cfg: Config, shape: StepShape, block: BlockValues, params: tuple[Param, ...],
+              optimizer_bytes: float) -> float:
+    """Bytes of working space in the loss and its backward pass; ``optimizer_bytes``: the AdamW moments'."""
+    head_params = [p for p in params if not p.in_blocks and "vocab" in p.names]
+    head_gathered = sum(p.shard_elements(shape.mesh, without=("fsdp",)) for p in head_params)
+    return (LOGIT_COPIES * 4.0 * shape.outside_rows * shape.local_len * block.vocab / cfg.train.logit_chunks
+            + head_gathered * (HEAD_COPIES * shape.work_bytes + 4.0)
+            # a pipelined program on XLA:CPU copies the AdamW moments before the loss's backward pass
+            + (optimizer_bytes if shape.cpu_program and shape.pipelined else 0.0))
+
+
+def update_work(shape: StepShape, params: tuple[Param, ...]) -> float:
+    """Bytes of working space in the optimizer update."""
+    # XLA:CPU's optimizer update holds the new state beside the old until the step's finiteness check picks one
+    # (a GPU's fusions write it in place of the donated state; unmeasured there, so not counted)
+    return UPDATE_COPIES * 4.0 * state_elements(params, shape.mesh) if shape.cpu_program else 0.0
+
+
+def memory(cfg: Config, shape: StepShape, block: BlockValues, params: tuple[Param, ...]) -> dict[str, float]:
+    """Bytes per device by term: the state, the batch, the saved activations (and pipeline carries), and the
+    working space of the step's largest phase."""
+    terms = state_memory(shape, params)
+    terms.update(activation_memory(cfg, shape, block))
+    terms["working"] = float(max(block_work(shape, block, params),
+                                 loss_work(cfg, shape, block, params, terms["optimizer"]),
+                                 update_work(shape, params)))
+    return terms

@@ -1,0 +1,55 @@
+"""The model's parameters as the planner sees them: shapes, logical axis names, and the share one device holds."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from collections.abc import Mapping
+
+import jax
+from flax import nnx
+
+from jaxtron.config.schema import ExecutionConfig, ModelConfig
+from jaxtron.models import build_model
+from jaxtron.parallel.sharding import logical_names, logical_to_spec
+
+
+@dataclasses.dataclass(frozen=True)
+class Param:
+    path: str  # e.g. 'moe_layers.mlp.wo'
+    shape: tuple[int, ...]
+    names: tuple[str | None, ...]
+
+    @property
+    def in_blocks(self) -> bool:
+        """A stacked block parameter: of the periods a pipeline runs, or of the blocks outside it."""
+        return bool(self.names) and self.names[0] in ("layers", "unstaged_layers")
+
+    @property
+    def staged(self) -> bool:
+        """A parameter of the periods a pipeline schedule runs (each stage holds its own)."""
+        return bool(self.names) and self.names[0] == "layers"
+
+    def shard_elements(self, sizes: Mapping[str, int], without: tuple[str, ...] = ()) -> int:
+        """Elements one device holds (ceil division, as jax pads uneven shards); ``without``: mesh axes whose
+        sharding is undone (e.g. 'fsdp' for the gathered weights)."""
+        total = 1
+        for dim, axes in zip(self.shape, logical_to_spec(self.names)):
+            axes = () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
+            ways = math.prod(sizes.get(a, 1) for a in axes if a not in without)
+            total *= -(-dim // ways)
+        return total
+
+
+@functools.lru_cache(maxsize=8)
+def parameters(model: ModelConfig) -> tuple[Param, ...]:
+    """Shapes and logical names of the model's parameters (abstract: nothing is allocated)."""
+    state = jax.eval_shape(lambda: nnx.split(build_model(model, ExecutionConfig(), 0, "xla"), nnx.Param)[1])
+    return tuple(Param(".".join(map(str, path)), tuple(v.get_value().shape), logical_names(v))
+                 for path, v in nnx.to_flat_state(state))
+
+
+def state_elements(params: tuple[Param, ...], sizes: Mapping[str, int]) -> int:
+    """Parameter elements one device holds: the float32 weights, each AdamW moment and the gradient have as many."""
+    return sum(p.shard_elements(sizes) for p in params)

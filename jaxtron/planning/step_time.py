@@ -1,0 +1,74 @@
+"""Roofline step time: the compute terms, and how they combine with the communication terms into a step.
+
+Matmul FLOPs (model FLOPs plus the remat recompute) run at the measured GEMM rate, attention at the attention
+kernel's rate, elementwise traffic at HBM bandwidth; the stages of a pipeline idle through its bubble. The
+collectives (``jaxtron.planning.collectives``) either overlap with this compute or add to it (``OVERLAPPED``,
+``EXPOSED``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from jaxtron.config.schema import Config
+from jaxtron.metrics.flops import flops_breakdown, hardware_flops_breakdown
+from jaxtron.planning.gpus import GPU
+from jaxtron.planning.shape import BlockValues, StepShape
+
+# elementwise traffic of one block per token, in units of (h + q + 2k + f): norms, rotary, residual adds,
+# activation function and casts, forward only (the backward moves about twice as much)
+ELEMENTWISE_PASSES = 6.0
+
+COMPUTE_TERMS = ("matmul", "attention", "elementwise", "pipeline_bubble")
+# gathers and gradient reductions over fsdp/data (and sequence) overlap with compute (XLA's latency-hiding
+# scheduler); the other collectives sit between dependent computations (see jaxtron.planning.collectives)
+OVERLAPPED = ("fsdp_comm", "data_comm")
+EXPOSED = ("matmul", "attention", "elementwise", "pipeline_bubble", "tensor_comm", "sequence_comm",
+           "expert_comm", "pipeline_comm")
+
+
+def compute_time(cfg: Config, shape: StepShape, block: BlockValues, gpu: GPU) -> dict[str, float]:
+    """Seconds per step of the compute terms: 'matmul', 'attention', 'elementwise' and 'pipeline_bubble'."""
+    run = cfg.execution
+    peak = gpu.peak_flops["bfloat16"] if run.dtype == "bfloat16" else gpu.peak_flops["bfloat16"] / 2  # fp32: TF32
+    # model FLOPs plus what the remat policy re-runs, from the table HFU uses (jaxtron.metrics.flops.RECOMPUTED)
+    hardware = hardware_flops_breakdown(shape.model, run, shape.seq_len, attention=shape.attention)
+    matmul = sum(v for k, v in hardware.items() if k != "attention_scores")
+    # by chunks, a chunk's first document is computed twice on its own keys (once merged with its earlier keys):
+    # at most a diagonal block per chunk, 1 / (2 x sequence) of a device's causal work
+    scores_flops = hardware["attention_scores"] * (1 + 1 / (2 * shape.sequence) if shape.chunks else 1)
+    attention_eff = gpu.attention_efficiency if shape.attention == "cudnn" else gpu.xla_attention_efficiency
+    tensor, stages, spread = shape.tensor, shape.stages, shape.spread
+    # bytes per device: a tensor group of T devices shares its tokens and splits all of the work, the
+    # residual-width values along the sequence and the head and MLP widths across
+    elementwise = (ELEMENTWISE_PASSES * shape.forward_passes
+                   * (shape.staged_blocks + shape.outside_blocks * stages / spread)
+                   * (block.embed // tensor + block.q_width + 2 * block.kv_width + block.mlp_width)
+                   * shape.value_bytes * shape.step_tokens / (shape.devices / tensor))
+    # unless the stages split their rows, the output head and the blocks outside the schedule run on every stage
+    # for its data-parallel rows (replicated over the pipeline axis)
+    if stages > 1 and spread == 1:
+        staged_only = dataclasses.replace(shape.model, num_layers=shape.staged_blocks, first_dense_layers=0,
+                                          mtp_depth=0)
+        inner = hardware_flops_breakdown(staged_only, run, shape.seq_len, attention=shape.attention)
+        repeated = {k: v - (inner[k] if k != "logits" else 0.0) for k, v in hardware.items()}
+        matmul += sum(v for k, v in repeated.items() if k != "attention_scores") * (stages - 1)
+        scores_flops += repeated["attention_scores"] * (stages - 1)
+    time = {"matmul": matmul * shape.step_tokens / shape.devices / (peak * gpu.matmul_efficiency),
+            "attention": scores_flops * shape.step_tokens / shape.devices / (peak * attention_eff),
+            "elementwise": elementwise / gpu.hbm_bandwidth}
+    # the stages idle through the fill and drain: the bubble's share of the schedule's iterations
+    time["pipeline_bubble"] = sum(time.values()) * shape.bubble / (1 - shape.bubble)
+    return time
+
+
+def step_seconds(time: dict[str, float]) -> float:
+    """The step: the compute or the overlapped communication, whichever lasts longer, plus the exposed
+    communication."""
+    compute = sum(time[k] for k in COMPUTE_TERMS)
+    return max(compute, sum(time[k] for k in OVERLAPPED)) + sum(time[k] for k in EXPOSED if k not in COMPUTE_TERMS)
+
+
+def model_flops(cfg: Config, shape: StepShape) -> float:
+    """Model FLOPs per device and step (the MFU numerator: no recompute, causal attention counted as half)."""
+    return sum(flops_breakdown(cfg.model, shape.seq_len).values()) * shape.step_tokens / shape.devices
