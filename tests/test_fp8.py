@@ -78,7 +78,7 @@ def _loss_and_grads(cfg: Config, tokens):
     graphdef, params = nnx.split(build_model(cfg.model, cfg.execution, 0))
 
     def loss(p):
-        logits = nnx.merge(graphdef, p)(tokens[:, :-1])
+        logits = nnx.merge(graphdef, p)(tokens[:, :-1]).logits()
         return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), tokens[:, 1:, None], -1))
 
     return jax.jit(jax.value_and_grad(loss))(params)
@@ -141,7 +141,7 @@ def test_xla_emits_fp8_gemms_for_every_projection_on_a_gpu():
     graphdef, params = nnx.split(build_model(cfg.model, cfg.execution, 0, "cudnn"))
 
     def loss(p):
-        return jnp.mean(nnx.merge(graphdef, p)(tokens[:, :-1]))
+        return jnp.mean(nnx.merge(graphdef, p)(tokens[:, :-1]).logits())
 
     hlo = jax.jit(jax.grad(loss)).lower(params).compile().as_text()
     # 7 projections per block (q, k, v, o, gate, up, down), each with one forward and two backward GEMMs; the

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 from conftest import REPO
 
+from jaxtron import cli
 from jaxtron.config.loader import load_config
 from jaxtron.interop import convert, score
 from jaxtron.interop.hf import llama
@@ -105,7 +106,7 @@ def test_export_shards_with_an_index(imported, tmp_path, monkeypatch):
 
 def test_safetensors_writer_and_reader_agree_on_every_dtype(tmp_path):
     rng = np.random.default_rng(0)
-    arrays = {f"t.{code}": rng.normal(size=(3, 5)).astype(dtype) for code, dtype in st.DTYPES.items()}
+    arrays = {f"t.{code}": rng.normal(size=(3, 5)).astype(dtype) for code, dtype in st.SAFETENSORS_DTYPES.items()}
     arrays["empty"] = np.zeros((0, 4), np.float32)
     path = str(tmp_path / "model.safetensors")
     st.write(path, [(k, v.shape, v.dtype) for k, v in arrays.items()], arrays.__getitem__, {"format": "pt"})
@@ -143,7 +144,7 @@ def _rewrite_without(directory, drop=None, reshape=None):
 
 
 def _fails(capsys, argv, *fragments):
-    assert convert.main(argv) == 2
+    assert cli.run("convert", argv) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: ") and len(err.splitlines()) == 1 and "Traceback" not in err
     for fragment in fragments:
@@ -202,16 +203,16 @@ def test_bad_input_gets_one_sentence_naming_the_problem(tmp_path, capsys):
 
 @pytest.mark.slow
 def test_score_refuses_bad_tokens(imported, tmp_path, capsys):
-    bad = str(tmp_path / "bad.npy")
+    bad, out = str(tmp_path / "bad.npy"), str(tmp_path / "o.npy")
     np.save(bad, np.full((1, 4), 96, np.int32))
-    assert score.main(["--checkpoint", imported["llama"], "--tokens", bad, "--output", str(tmp_path / "o.npy")]) == 2
+    assert cli.run("score", ["--checkpoint", imported["llama"], "--tokens", bad, "--output", out]) == 2
     assert "outside the model's vocabulary of 96" in capsys.readouterr().err
     np.save(bad, np.zeros((4,), np.int32))
-    assert score.main(["--checkpoint", imported["llama"], "--tokens", bad, "--output", str(tmp_path / "o.npy")]) == 2
+    assert cli.run("score", ["--checkpoint", imported["llama"], "--tokens", bad, "--output", out]) == 2
     assert "shape [batch, length]" in capsys.readouterr().err
     good = os.path.join(FIXTURES, "tokens.npy")
     out = str(tmp_path / "logits.npy")
-    assert score.main(["--checkpoint", imported["mixtral"], "--tokens", good, "--output", out]) == 0
+    assert cli.run("score", ["--checkpoint", imported["mixtral"], "--tokens", good, "--output", out]) == 0
     assert np.load(out).shape == (2, 24, 96)
 
 

@@ -91,9 +91,9 @@ def _model_and_tokens(**model):
                                                tie_embeddings=True, num_kv_heads=4)])
 def test_causal_no_token_sees_the_future(variant):
     _, model, tokens = _model_and_tokens(**variant)
-    logits = model(tokens)
+    logits = model(tokens).logits()
     changed = tokens.at[:, 10:].set((tokens[:, 10:] + 1) % 256)
-    other = model(changed)
+    other = model(changed).logits()
     np.testing.assert_allclose(logits[:, :10], other[:, :10], rtol=1e-5, atol=1e-6)
     assert not np.allclose(logits[:, 10:], other[:, 10:])
 
@@ -103,12 +103,12 @@ def test_segments_do_not_attend_across_documents():
     _, model, tokens = _model_and_tokens()
     segments = jnp.array([[0] * 6 + [1] * 10, [0] * 16])
     positions = jnp.array([list(range(6)) + list(range(10)), list(range(16))])
-    base = model(tokens, positions, segments)
+    base = model(tokens, positions, segments).logits()
     changed = tokens.at[0, :6].set((tokens[0, :6] + 7) % 256)  # edit the first document only
-    other = model(changed, positions, segments)
+    other = model(changed, positions, segments).logits()
     np.testing.assert_allclose(base[0, 6:], other[0, 6:], rtol=1e-5, atol=1e-6)  # the second one cannot see it
     # the second document alone, from position 0, gives the same logits
-    alone = model(tokens[:1, 6:], positions[:1, 6:], jnp.zeros((1, 10), jnp.int32))
+    alone = model(tokens[:1, 6:], positions[:1, 6:], jnp.zeros((1, 10), jnp.int32)).logits()
     np.testing.assert_allclose(base[0, 6:], alone[0], rtol=1e-4, atol=1e-5)
 
 
@@ -156,9 +156,9 @@ def test_remat_policies_change_memory_not_results():
 def test_bf16_compute_keeps_fp32_parameters():
     cfg = tiny_config(execution=dict(dtype="bfloat16"))
     model = build_model(cfg.model, cfg.execution, 0)
-    logits = model(jnp.zeros((1, 8), jnp.int32))
+    logits = model(jnp.zeros((1, 8), jnp.int32)).logits()
     assert logits.dtype == jnp.float32  # the head accumulates into float32 for the loss
-    text = str(jax.make_jaxpr(lambda t: model(t))(jnp.zeros((1, 8), jnp.int32)))
+    text = str(jax.make_jaxpr(lambda t: model(t).logits())(jnp.zeros((1, 8), jnp.int32)))
     import re
     bf16_dots = re.findall(r":bf16\[[0-9,]*\] = dot_general", text)
     assert len(bf16_dots) >= 7, text  # q, k, v, o, gate, up, down compute in bf16
@@ -193,13 +193,19 @@ def test_bf16_embedding_gradient_is_accumulated_in_float32():
     assert err < 0.01, err  # bf16 compute noise only; a bf16 scatter-add gives tens of percent here
 
 
+def test_every_remat_choice_of_the_config_has_a_policy():
+    from jaxtron.config.model import REMAT_CHOICES
+    from jaxtron.models.stack import remat_names
+    assert remat_names() == REMAT_CHOICES
+
+
 @pytest.mark.parametrize("remat,count", [("full", 0), ("save_dots", 1), ("save_attention", 1),
                                          ("save_dots_attention", 2)])
 def test_remat_policies_that_keep_the_attention_output(remat, count, capsys):
     cfg = tiny_config(model=dict(num_layers=2), execution=dict(remat=remat))
     graphdef, params = nnx.split(build_model(cfg.model, cfg.execution, 0))
     tokens = jnp.zeros((2, 16), jnp.int32)
-    jax.ad_checkpoint.print_saved_residuals(lambda p: jnp.sum(nnx.merge(graphdef, p)(tokens)), params)
+    jax.ad_checkpoint.print_saved_residuals(lambda p: jnp.sum(nnx.merge(graphdef, p)(tokens).logits()), params)
     # residuals of the layer scan shaped [layers, batch, length, heads, head_dim]: the query projection (a
     # dot) and the attention output
     shape = f"[2,2,16,{cfg.model.num_heads},{cfg.model.resolved_head_dim}] output of scan"

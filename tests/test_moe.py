@@ -250,7 +250,8 @@ def test_moe_every_second_block_runs_blocks_in_order():
     assert params["moe_layers"]["mlp"]["wi_up"].get_value().shape == (2, 4, 64, 128)  # blocks 1 and 3: MoE
     assert sum(math.prod(x.shape) for x in jax.tree.leaves(params)) == flops.param_count(cfg)
     tokens = jax.random.randint(jax.random.key(5), (2, 16), 0, cfg.vocab_size)
-    x_model, stats = jax.jit(lambda t: model.hidden_and_stats(t))(tokens)
+    out = jax.jit(lambda t: model(t))(tokens)
+    x_model, stats = out.hidden, out.stats
     assert stats["load"].shape == (2, 4)
     # by hand: dense 0, MoE 0, dense 1, MoE 1
     dense_def, dense = nnx.split(model.layers)

@@ -91,7 +91,7 @@ def test_describe_lists_every_parameter_with_its_physical_sharding():
     cfg = tiny_config(dict(fsdp=4, tensor=2))
     mesh = make_mesh(cfg.check_devices(8))
     setup = state_lib.setup(cfg, "xla")
-    text = sharding.describe(mesh, setup.abstract_state.params)
+    text = sharding.sharding_table(mesh, setup.abstract_state.params)
     for name, spec in EXPECTED.items():
         line = next(l for l in text.splitlines() if l.startswith(name + " "))
         assert line.rstrip().endswith(str(spec)), line

@@ -133,10 +133,10 @@ def test_fp8_flops_are_the_projections_of_the_fp8_blocks():
 @pytest.mark.parametrize("layers, skip, moe_every, experts", [
     (6, 0, 1, 0), (6, 1, 1, 0), (8, 2, 2, 4), (8, 2, 1, 4), (12, 3, 3, 4), (9, 0, 3, 4)])
 def test_fp8_block_count_matches_the_models_layer_groups(layers, skip, moe_every, experts):
-    from jaxtron.models.transformer import layer_groups
+    from jaxtron.models.stack import layer_groups
 
     cfg = small(num_layers=layers, fp8=True, fp8_skip_layers=skip, moe_every=moe_every, num_experts=experts)
-    blocks = [i for start, end, fp8 in layer_groups(cfg.model, cfg.execution) if fp8 for i in range(start, end)]
+    blocks = [i for group in layer_groups(cfg.model, cfg.execution) if group.fp8 for i in range(group.first, group.end)]
     moe_blocks = [i for i in blocks if experts and (i + 1) % moe_every == 0]
     assert flops.fp8_blocks(cfg.model, cfg.execution) == (len(blocks), len(blocks) - len(moe_blocks))
 
@@ -199,7 +199,7 @@ def test_compiled_gradient_recomputes_what_the_table_says():
         graphdef, params = nnx.split(build_model(base, run, 0, "xla"), nnx.Param)
 
         def blocks(p):
-            return jnp.sum(nnx.merge(graphdef, p).hidden(tokens))
+            return jnp.sum(nnx.merge(graphdef, p)(tokens).hidden)
 
         cost = jax.jit(jax.grad(blocks)).lower(params).compile().cost_analysis()
         return (cost[0] if isinstance(cost, list) else cost)["flops"] / (b * s)

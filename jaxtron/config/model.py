@@ -8,7 +8,7 @@ from typing import Any
 
 from jaxtron.config.checks import _check, _choice, _non_negative, _positive
 
-DTYPES = ("float32", "bfloat16")  # float16 would need loss scaling, which bfloat16 does not
+COMPUTE_DTYPES = ("float32", "bfloat16")  # float16 would need loss scaling, which bfloat16 does not
 
 
 def _not_architecture(default: Any) -> Any:
@@ -202,7 +202,7 @@ class ModelConfig:
         return self.head_dim or self.embed_dim // self.num_heads
 
 
-REMAT_POLICIES = ("none", "full", "save_dots", "save_attention", "save_dots_attention")
+REMAT_CHOICES = ("none", "full", "save_dots", "save_attention", "save_dots_attention")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -219,8 +219,8 @@ class ExecutionConfig:
     capacity_factor: float = 1.25  # capacity mode: slots per expert and row = ceil(factor * length * k / experts)
 
     def __post_init__(self):
-        _choice(self.dtype, "execution.dtype", DTYPES)
-        _choice(self.remat, "execution.remat", REMAT_POLICIES)
+        _choice(self.dtype, "execution.dtype", COMPUTE_DTYPES)
+        _choice(self.remat, "execution.remat", REMAT_CHOICES)
         _choice(self.attention, "execution.attention", ("auto", "xla", "cudnn", "blockwise"))
         _positive(self.attention_max_segments, "execution.attention_max_segments")
         _non_negative(self.fp8_skip_layers, "execution.fp8_skip_layers")

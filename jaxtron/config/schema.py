@@ -13,7 +13,7 @@ import math
 from typing import Any
 
 from jaxtron.config.checks import ConfigError, _check, _choice, _non_negative, _positive
-from jaxtron.config.model import DTYPES, REMAT_POLICIES, ExecutionConfig, ModelConfig  # noqa: F401 (re-exported)
+from jaxtron.config.model import ExecutionConfig, ModelConfig  # noqa: F401 (re-exported)
 
 # outermost to innermost device order: pipeline stages span nodes, tensor groups stay inside one
 MESH_AXES = ("pipeline", "data", "fsdp", "sequence", "expert", "tensor")

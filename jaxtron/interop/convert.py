@@ -1,7 +1,7 @@
 """Convert between Hugging Face model directories and jaxtron checkpoints (Llama family, Qwen3 and Mixtral).
 
-    python -m jaxtron.convert from-hf HF_DIR OUT_DIR    # config.json + safetensors -> OUT_DIR/params, config.py
-    python -m jaxtron.convert to-hf CKPT_DIR OUT_DIR    # a converted model or a training run -> config.json + safetensors
+    jaxtron convert from-hf HF_DIR OUT_DIR    # config.json + safetensors -> OUT_DIR/params, config.py
+    jaxtron convert to-hf CKPT_DIR OUT_DIR    # a converted model or a training run -> config.json + safetensors
 
 Import reads one tensor at a time into disk-backed buffers of the stacked parameters, so host memory holds
 one tensor plus what the page cache keeps, not the model. Nothing is ever loaded with pickle.
@@ -15,7 +15,6 @@ import logging
 import math
 import os
 import shutil
-import sys
 from typing import Any
 
 import numpy as np
@@ -226,7 +225,7 @@ def to_hf(ckpt_dir: str, out_dir: str, dtype: str = "float32") -> dict:
     cfg = run_cfg.model
     hf = llama.hf_config(cfg, run_cfg.train.router_aux_loss)
     hf["torch_dtype"] = dtype
-    np_dtype = np.dtype(st.DTYPES[{"float32": "F32", "bfloat16": "BF16", "float16": "F16"}[dtype]])
+    np_dtype = np.dtype(st.SAFETENSORS_DTYPES[{"float32": "F32", "bfloat16": "BF16", "float16": "F16"}[dtype]])
     if os.path.exists(out_dir) and os.listdir(out_dir):
         raise ConfigError(f"output directory '{out_dir}' is not empty; choose a new one.")
     source = _Slices(ckpt_dir, cfg, step_dir)
@@ -262,10 +261,11 @@ def to_hf(ckpt_dir: str, out_dir: str, dtype: str = "float32") -> dict:
     return hf
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str]) -> int:
+    """`jaxtron convert from-hf|to-hf`: converts as the command line ``argv`` says."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S")
     logging.getLogger("absl").setLevel(logging.WARNING)
-    parser = argparse.ArgumentParser(prog="python -m jaxtron.convert", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="jaxtron convert", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     a = sub.add_parser("from-hf", help="Hugging Face directory -> jaxtron parameters and config.py")
     a.add_argument("hf_dir")
@@ -276,16 +276,12 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
                    help="dtype of the written tensors (default float32, the training precision)")
     args = parser.parse_args(argv)
-    try:
-        if args.command == "from-hf":
-            cfg = from_hf(args.hf_dir, args.out_dir)
-            log.info("wrote %s/params and %s/config.py (%s, %d layers%s)", args.out_dir, args.out_dir, cfg.name,
-                     cfg.num_layers, f", {cfg.num_experts} experts" if cfg.num_experts else "")
-        else:
-            to_hf(args.ckpt_dir, args.out_dir, args.dtype)
-            log.info("wrote %s/config.json and safetensors", args.out_dir)
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    if args.command == "from-hf":
+        cfg = from_hf(args.hf_dir, args.out_dir)
+        log.info("wrote %s/params and %s/config.py (%s, %d layers%s)", args.out_dir, args.out_dir, cfg.name,
+                 cfg.num_layers, f", {cfg.num_experts} experts" if cfg.num_experts else "")
+    else:
+        to_hf(args.ckpt_dir, args.out_dir, args.dtype)
+        log.info("wrote %s/config.json and safetensors", args.out_dir)
     return 0
 

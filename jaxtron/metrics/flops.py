@@ -48,7 +48,7 @@ _BLOCK = ("attention_qkv", "attention_out", "scores_qk", "scores_av", "mlp_in", 
 
 # The matmuls whose forward a remat policy runs a second time in the backward pass, per attention
 # implementation. jax.checkpoint re-runs only what the backward pass needs and the policy did not save
-# (jaxtron/models/transformer.py, REMAT_POLICIES), so:
+# (jaxtron/models/stack.py, remat_policy), so:
 # - the MLP's down projection is never re-run: only its input (and weight) is needed for its gradients,
 #   and its output only feeds the residual sum. The expert down projection is re-run whenever the experts
 #   are, because the gradient of the router weights needs each expert's output;

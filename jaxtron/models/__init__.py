@@ -8,8 +8,9 @@ from jaxtron.config.schema import ExecutionConfig, ModelConfig
 from jaxtron.models.transformer import Transformer
 
 
-def build_model(cfg: ModelConfig, run: ExecutionConfig, seed: int, attention_impl: str = "xla") -> Transformer:
-    """Creates the model: the architecture ``cfg`` run as ``run`` says (dtype, remat, fp8, MoE mode; resolve
-    ``run.attention`` into ``attention_impl`` first). Parameters are placed by the caller (jaxtron.training.state)."""
+def build_model(cfg: ModelConfig, execution: ExecutionConfig, seed: int, attention_impl: str = "xla") -> Transformer:
+    """Creates the model: the architecture ``cfg`` run as ``execution`` says (dtype, remat, fp8, MoE mode; resolve
+    ``execution.attention`` into ``attention_impl`` first). Parameters are placed by the caller
+    (jaxtron.training.state)."""
     with nnx.use_eager_sharding(False):
-        return Transformer(cfg, run, nnx.Rngs(params=seed), attention_impl)
+        return Transformer(cfg, execution, nnx.Rngs(params=seed), attention_impl)

@@ -26,10 +26,10 @@ class _SelfAttention(nnx.Module):
     """What both attentions share: how they run (compute dtype, kernel, packed-document limit) and the kernel
     call."""
 
-    def _runs(self, cfg: ModelConfig, run: ExecutionConfig, implementation: str) -> None:
+    def _runs(self, cfg: ModelConfig, execution: ExecutionConfig, implementation: str) -> None:
         self.cfg = cfg
-        self.dtype = compute_dtype(run)
-        self.max_segments = run.attention_max_segments
+        self.dtype = compute_dtype(execution)
+        self.max_segments = execution.attention_max_segments
         self.implementation = implementation
 
     def _attend(self, q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array,
@@ -40,7 +40,7 @@ class _SelfAttention(nnx.Module):
 
 
 class Attention(_SelfAttention):
-    def __init__(self, cfg: ModelConfig, run: ExecutionConfig, rngs: nnx.Rngs, implementation: str):
+    def __init__(self, cfg: ModelConfig, execution: ExecutionConfig, rngs: nnx.Rngs, implementation: str):
         d, n, g, h = cfg.embed_dim, cfg.num_heads, cfg.num_kv_heads, cfg.resolved_head_dim
         out_std = cfg.init_std / math.sqrt(2 * cfg.num_layers)
         self.wq = param(rngs, (d, n, h), ("embed", "heads", "head_dim"), cfg.init_std)
@@ -48,9 +48,9 @@ class Attention(_SelfAttention):
         self.wv = param(rngs, (d, g, h), ("embed", "kv_heads", "head_dim"), cfg.init_std)
         self.wo = param(rngs, (n, h, d), ("heads", "head_dim", "embed"), out_std)
         # Qwen3: each head's queries and keys RMS-normalised (one scale of head_dim, shared by the heads)
-        self.q_norm = Norm(cfg, run, size=h, kind="rmsnorm") if cfg.qk_norm else None
-        self.k_norm = Norm(cfg, run, size=h, kind="rmsnorm") if cfg.qk_norm else None
-        self._runs(cfg, run, implementation)
+        self.q_norm = Norm(cfg, execution, size=h, kind="rmsnorm") if cfg.qk_norm else None
+        self.k_norm = Norm(cfg, execution, size=h, kind="rmsnorm") if cfg.qk_norm else None
+        self._runs(cfg, execution, implementation)
 
     def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array | None,
                  fp8: bool = False) -> jax.Array:
@@ -77,23 +77,23 @@ class LatentAttention(_SelfAttention):
     padding is cut from the output; the softmax scale 1/sqrt(query size) times YaRN's correction squared (the
     kernels scale by 1/sqrt(query size)) is folded into the queries."""
 
-    def __init__(self, cfg: ModelConfig, run: ExecutionConfig, rngs: nnx.Rngs, implementation: str):
+    def __init__(self, cfg: ModelConfig, execution: ExecutionConfig, rngs: nnx.Rngs, implementation: str):
         d, n, rope = cfg.embed_dim, cfg.num_heads, cfg.qk_rope_head_dim
         qk, v = cfg.qk_head_dim, cfg.resolved_v_head_dim
         out_std = cfg.init_std / math.sqrt(2 * cfg.num_layers)
         if cfg.q_lora_rank:
             self.wq_a = param(rngs, (d, cfg.q_lora_rank), ("embed", "latent"), cfg.init_std)
-            self.q_norm = Norm(cfg, run, size=cfg.q_lora_rank, kind="rmsnorm")
+            self.q_norm = Norm(cfg, execution, size=cfg.q_lora_rank, kind="rmsnorm")
             self.wq_b = param(rngs, (cfg.q_lora_rank, n, qk), ("latent", "heads", "head_dim"), cfg.init_std)
         else:
             self.wq = param(rngs, (d, n, qk), ("embed", "heads", "head_dim"), cfg.init_std)
         # the latent and the shared rotated key, from one matrix
         self.wkv_a = param(rngs, (d, cfg.kv_lora_rank + rope), ("embed", "latent"), cfg.init_std)
-        self.kv_norm = Norm(cfg, run, size=cfg.kv_lora_rank, kind="rmsnorm")
+        self.kv_norm = Norm(cfg, execution, size=cfg.kv_lora_rank, kind="rmsnorm")
         self.wkv_b = param(rngs, (cfg.kv_lora_rank, n, cfg.resolved_head_dim + v), ("latent", "heads", "head_dim"),
                            cfg.init_std)
         self.wo = param(rngs, (n, v, d), ("heads", "head_dim", "embed"), out_std)
-        self._runs(cfg, run, implementation)
+        self._runs(cfg, execution, implementation)
 
     def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array | None,
                  fp8: bool = False) -> jax.Array:

@@ -20,8 +20,8 @@ def param(rngs: nnx.Rngs, shape: Sequence[int], names: Sequence[str], std: float
     return nnx.Param(value, out_sharding=tuple(names))
 
 
-def compute_dtype(run: ExecutionConfig) -> jnp.dtype:
-    return jnp.dtype(run.dtype)
+def compute_dtype(execution: ExecutionConfig) -> jnp.dtype:
+    return jnp.dtype(execution.dtype)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
@@ -52,9 +52,10 @@ class Norm(nnx.Module):
     """RMSNorm (scale only) or LayerNorm (scale and bias) over the last axis of ``size`` (default: the embedding);
     statistics in float32. ``kind`` overrides ``model.norm`` (Qwen3's per-head query and key norms are RMSNorm)."""
 
-    def __init__(self, cfg: ModelConfig, run: ExecutionConfig, size: int | None = None, kind: str | None = None):
+    def __init__(self, cfg: ModelConfig, execution: ExecutionConfig, size: int | None = None,
+                 kind: str | None = None):
         self.eps = cfg.norm_eps
-        self.dtype = compute_dtype(run)
+        self.dtype = compute_dtype(execution)
         size = size or cfg.embed_dim
         self.scale = nnx.Param(jnp.ones((size,), jnp.float32), out_sharding=("norm",))
         self.bias = nnx.Param(jnp.zeros((size,), jnp.float32), out_sharding=("norm",)) \

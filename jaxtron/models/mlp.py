@@ -16,15 +16,16 @@ HIDDEN_AXES = ("activation_batch", "activation_length", "activation_mlp")
 
 
 class MLP(nnx.Module):
-    def __init__(self, cfg: ModelConfig, run: ExecutionConfig, rngs: nnx.Rngs, width: int = 0):
+    def __init__(self, cfg: ModelConfig, execution: ExecutionConfig, rngs: nnx.Rngs, width: int = 0):
         d, f = cfg.embed_dim, width or cfg.mlp_dim
         self.gated = cfg.activation == "swiglu"
         self.wi_gate = param(rngs, (d, f), ("embed", "mlp"), cfg.init_std) if self.gated else None
         self.wi_up = param(rngs, (d, f), ("embed", "mlp"), cfg.init_std)
         self.wo = param(rngs, (f, d), ("mlp", "embed"), cfg.init_std / math.sqrt(2 * cfg.num_layers))
-        self.dtype = compute_dtype(run)
+        self.dtype = compute_dtype(execution)
 
-    def __call__(self, x: jax.Array, fp8: bool = False) -> jax.Array:
+    def __call__(self, x: jax.Array, fp8: bool = False) -> tuple[jax.Array, dict[str, jax.Array]]:
+        """x [batch, length, embed] -> (output of the same shape, {}: a dense MLP routes nothing)."""
         dt, einsum = self.dtype, fp8_ops.projection(fp8)
         up = einsum("btd,df->btf", x, self.wi_up[...].astype(dt))
         if self.gated:
@@ -33,4 +34,4 @@ class MLP(nnx.Module):
         else:
             hidden = jax.nn.gelu(up)
         hidden = constrain(hidden, HIDDEN_AXES)
-        return einsum("btf,fd->btd", hidden, self.wo[...].astype(dt))
+        return einsum("btf,fd->btd", hidden, self.wo[...].astype(dt)), {}

@@ -270,31 +270,32 @@ class MoE(nnx.Module):
     ``execution.fp8``). The sigmoid router carries a balancing bias (logical axis ``bias``): no gradient reaches
     it, the train step moves it (``train.router_bias_rate``)."""
 
-    def __init__(self, cfg: ModelConfig, run: ExecutionConfig, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, execution: ExecutionConfig, rngs: nnx.Rngs):
         d, f, e = cfg.embed_dim, cfg.resolved_expert_dim, cfg.num_experts
-        self.cfg, self.run = cfg, run
+        self.cfg, self.execution = cfg, execution
         self.router = param(rngs, (d, e), ("embed", None), cfg.init_std)
         self.router_bias = nnx.Param(jnp.zeros((e,), jnp.float32), out_sharding=("bias",)) \
             if cfg.router == "sigmoid" else None
         self.wi_gate = param(rngs, (e, d, f), GATE_UP_AXES, cfg.init_std)
         self.wi_up = param(rngs, (e, d, f), GATE_UP_AXES, cfg.init_std)
         self.wo = param(rngs, (e, f, d), DOWN_AXES, cfg.init_std / math.sqrt(2 * cfg.num_layers))
-        self.shared = MLP(cfg, run, rngs, cfg.shared_experts * f) if cfg.shared_experts else None
+        self.shared = MLP(cfg, execution, rngs, cfg.shared_experts * f) if cfg.shared_experts else None
 
     def __call__(self, x: jax.Array, fp8: bool = False) -> tuple[jax.Array, dict[str, jax.Array]]:
         """x [batch, length, embed] -> (output of the same shape, routing stats; see ``route``)."""
         cfg = self.cfg
         logits = jnp.einsum("btd,de->bte", x.astype(jnp.float32), self.router[...])
-        row_capacity = capacity(cfg, self.run.capacity_factor, x.shape[1]) if self.run.moe_mode == "capacity" else None
+        capacity_mode = self.execution.moe_mode == "capacity"
+        row_capacity = capacity(cfg, self.execution.capacity_factor, x.shape[1]) if capacity_mode else None
         bias = self.router_bias[...] if self.router_bias is not None else None
         ids, weights, stats = route(cfg, logits, row_capacity, bias)
         y = self._routed(constrain(x, TOKEN_AXES), ids, weights, row_capacity)
         if self.shared is not None:
-            y = y + self.shared(x, fp8)
+            y = y + self.shared(x, fp8)[0]
         return y, stats
 
     def _routed(self, x: jax.Array, ids: jax.Array, weights: jax.Array, row_capacity: int | None) -> jax.Array:
-        cfg, dt = self.cfg, compute_dtype(self.run)
+        cfg, dt = self.cfg, compute_dtype(self.execution)
         ids, weights = constrain(ids, ROUTE_AXES), constrain(weights, ROUTE_AXES)
         gate, up, down = (w[...].astype(dt) for w in (self.wi_gate, self.wi_up, self.wo))
         if jax.sharding.get_abstract_mesh().empty:

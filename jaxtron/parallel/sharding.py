@@ -191,7 +191,7 @@ def per_device_sharding(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, PartitionSpec(mesh.axis_names))
 
 
-def describe(mesh: Mesh, params: Any) -> str:
+def sharding_table(mesh: Mesh, params: Any) -> str:
     """The rules table and every parameter's shape, logical names, per-device shard and physical sharding."""
     lines = ["mesh: " + ", ".join(f"{a}={s}" for a, s in mesh.shape.items()), "", "rules (logical -> mesh):"]
     lines += [f"  {name:<22} -> {target}" for name, target in RULES]

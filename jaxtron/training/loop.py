@@ -24,7 +24,7 @@ from jaxtron.metrics.throughput import Throughput
 from jaxtron.metrics.writers import MetricsWriter
 from jaxtron.ops.attention import resolve_implementation
 from jaxtron.parallel.mesh import make_mesh, process_aware_mesh
-from jaxtron.parallel.sharding import batch_sharding, describe, shard_count
+from jaxtron.parallel.sharding import batch_sharding, shard_count, sharding_table
 from jaxtron.training import state as state_lib
 from jaxtron.training.preemption import PREEMPTED_EXIT_CODE, PreemptionWatcher, StopVotes
 from jaxtron.training.profiling import ProfileWindow, device_memory
@@ -94,7 +94,7 @@ def run(cfg: Config, workdir: str, *, print_sharding: bool = False, use_tqdm: bo
         setup = state_lib.setup(cfg, implementation, sizes)
         shardings = state_lib.state_shardings(mesh, setup.abstract_state)
         if print_sharding:
-            print(describe(mesh, setup.abstract_state.params))
+            print(sharding_table(mesh, setup.abstract_state.params))
             return {}
         state_lib.check_fits(setup.abstract_state, shardings, devices)
         _check_workdir(workdir)

@@ -93,7 +93,7 @@ def _period_policy(policy: Callable | None, stages: int) -> Callable:
 
 @dataclasses.dataclass(frozen=True)
 class Schedule:
-    """A runner of the model's layer stack (``Transformer.hidden_and_stats(stack_runner=...)``) on ``stages``
+    """A runner of the model's layer stack (``Transformer(..., stack_runner=...)``, ``models/stack.py``) on ``stages``
     pipeline stages. Stats come back per period of the model ([periods, ...] in its order, as a plain scan
     gives them), each the mean over the microbatches."""
 

@@ -13,7 +13,7 @@ from jax.sharding import Mesh
 
 from jaxtron.config.schema import Config, ConfigError
 from jaxtron.models import build_model
-from jaxtron.models.transformer import REMAT_POLICIES
+from jaxtron.models.stack import remat_policy
 from jaxtron.parallel.sharding import shard_count, tree_shardings
 from jaxtron.parallel.stages import padding, reorder, storage_order
 from jaxtron.training.optimizer import learning_rate_schedule, make_optimizer
@@ -35,7 +35,7 @@ class Setup:
     graphdef: Any = struct.field(pytree_node=False)
     tx: optax.GradientTransformation = struct.field(pytree_node=False)
     abstract_state: TrainState = struct.field(pytree_node=False)
-    schedule: Any = struct.field(pytree_node=False)
+    learning_rate: Any = struct.field(pytree_node=False)  # optimizer count -> the rate (an optax schedule)
     microbatches: int = struct.field(pytree_node=False, default=1)
     max_nonfinite_in_row: int = struct.field(pytree_node=False, default=0)
     z_loss: float = struct.field(pytree_node=False, default=0.0)
@@ -50,12 +50,12 @@ class Setup:
     layer_order: tuple[int, ...] | None = struct.field(pytree_node=False, default=None)
 
 
-def schedule(cfg: Config, stages: int) -> Schedule | None:
+def pipeline_schedule(cfg: Config, stages: int) -> Schedule | None:
     """The pipeline schedule of ``stages`` stages (None without a pipeline and its microbatches)."""
     microbatches, virtual = cfg.pipeline.schedule(stages)
     if (stages, microbatches) == (1, 1):
         return None
-    return Schedule(stages, microbatches, virtual, REMAT_POLICIES.get(cfg.execution.remat),
+    return Schedule(stages, microbatches, virtual, remat_policy(cfg.execution.remat),
                     padding(cfg.model.stack_periods, stages, virtual))
 
 
@@ -104,11 +104,11 @@ def setup(cfg: Config, attention_impl: str, sizes: dict[str, int] | None = None)
 
     state = jax.eval_shape(abstract)
     return Setup(graphdef=holder["graphdef"], tx=holder["tx"], abstract_state=state,
-                 schedule=learning_rate_schedule(cfg.optimizer, cfg.train.steps),
+                 learning_rate=learning_rate_schedule(cfg.optimizer, cfg.train.steps),
                  microbatches=cfg.train.microbatches, z_loss=cfg.train.z_loss, logit_chunks=cfg.train.logit_chunks,
                  router_aux_loss=cfg.train.router_aux_loss, router_z_loss=cfg.train.router_z_loss,
                  router_bias_rate=cfg.train.router_bias_rate, mtp_loss=cfg.train.mtp_loss,
-                 max_nonfinite_in_row=cfg.train.max_nonfinite_in_row, stack_runner=schedule(cfg, stages),
+                 max_nonfinite_in_row=cfg.train.max_nonfinite_in_row, stack_runner=pipeline_schedule(cfg, stages),
                  layer_order=layer_order(cfg, stages))
 
 

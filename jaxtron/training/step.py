@@ -97,30 +97,27 @@ def loss_sums(params: Any, graphdef: Any, batch: Batch, z_loss: float, logit_chu
     outside = getattr(stack_runner, "outside", None)
     with outside(batch["inputs"].shape[0]) if outside else contextlib.nullcontext():
         model = nnx.merge(graphdef, params)
-        tokens, positions, segments = batch["inputs"], batch.get("positions"), batch.get("segment_ids")
-        residual, stats = model.residual_and_stats(tokens, positions, segments, stack_runner)
-        x = model.final_norm(residual)
+        segments = batch.get("segment_ids")
+        out = model(batch["inputs"], batch.get("positions"), segments, stack_runner=stack_runner,
+                    mtp=mtp_loss is not None)
         weights = batch.get("loss_mask")
         weights = jnp.ones(batch["targets"].shape, jnp.float32) if weights is None else weights.astype(jnp.float32)
         sums = _token_sums if logit_chunks == 1 else functools.partial(_chunked_token_sums, chunks=logit_chunks)
-        head = model.output_head()
-        ce_sum, z_sum = sums(x, head, batch["targets"], weights)
+        ce_sum, z_sum = sums(out.hidden, out.head, batch["targets"], weights)
         objective = ce_sum + z_loss * z_sum if z_loss else ce_sum
         count = jnp.sum(weights)
         extra = {}
-        if model.mtp is not None and mtp_loss is not None:
-            outputs, mtp_stats = model.mtp_hidden(residual, tokens, positions, segments)
-            stats = {k: jnp.concatenate([stats[k], mtp_stats[k]]) for k in stats} if stats else stats
+        if out.mtp_hidden:
             means = []
-            for k, hidden in enumerate(outputs, start=1):
+            for k, hidden in enumerate(out.mtp_hidden, start=1):
                 valid = weights * jnp.roll(weights, -k, axis=1) * (jnp.arange(weights.shape[1]) < weights.shape[1] - k)
                 if segments is not None:  # the token k ahead must be of the same document
                     valid = valid * (jnp.roll(segments, -k, axis=1) == segments)
-                ce_k, _ = sums(hidden, head, jnp.roll(batch["targets"], -k, axis=1), valid)
+                ce_k, _ = sums(hidden, out.head, jnp.roll(batch["targets"], -k, axis=1), valid)
                 means.append(ce_k / jnp.maximum(jnp.sum(valid), 1.0))
             extra["mtp_loss"] = jnp.mean(jnp.stack(means))
             objective += count * mtp_loss * extra["mtp_loss"]
-        moe = moe_metrics(stats)
+        moe = moe_metrics(out.stats)
         if moe:
             objective += count * (router_aux_loss * moe["moe_aux_loss"] + router_z_loss * moe["moe_z_loss"])
         return objective, (ce_sum, count, {**moe, **extra})
@@ -179,7 +176,7 @@ def train_step(setup: Setup, state: TrainState, batch: Batch,
     block_load = moe.pop("block_load", None)
     grads = jax.tree.map(lambda g: g / count, grads)
     loss, grad_norm = ce_sum / count, optax.tree.norm(grads)
-    learning_rate = setup.schedule(schedule_count(state.opt_state))  # read before the update counts this step
+    learning_rate = setup.learning_rate(schedule_count(state.opt_state))  # read before the update counts this step
     updates, opt_state = setup.tx.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
     bias_spread = None

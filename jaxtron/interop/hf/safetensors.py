@@ -22,9 +22,9 @@ from safetensors import SafetensorError, safe_open
 
 from jaxtron.config.schema import ConfigError
 
-DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
+SAFETENSORS_DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
           "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_}
-NAMES = {np.dtype(v): k for k, v in DTYPES.items()}
+NAMES = {np.dtype(v): k for k, v in SAFETENSORS_DTYPES.items()}
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
 
@@ -45,10 +45,10 @@ class SafetensorsFile:
                 for name in f.keys():
                     view = f.get_slice(name)
                     code, shape = view.get_dtype(), tuple(view.get_shape())
-                    if code not in DTYPES:
+                    if code not in SAFETENSORS_DTYPES:
                         raise FormatError(f"tensor '{name}' in '{path}' is of dtype {code}; supported dtypes are "
-                                          f"{', '.join(DTYPES)}.")
-                    self.tensors[name] = (np.dtype(DTYPES[code]), shape)
+                                          f"{', '.join(SAFETENSORS_DTYPES)}.")
+                    self.tensors[name] = (np.dtype(SAFETENSORS_DTYPES[code]), shape)
         except (SafetensorError, OSError) as e:
             raise FormatError(f"'{path}' is not a readable safetensors file; it is truncated or corrupt "
                               f"({str(e).strip()}).") from None
