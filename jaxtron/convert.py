@@ -1,8 +1,7 @@
-"""`python -m jaxtron.convert`: Hugging Face checkpoints to jaxtron parameters and back (the code lives in `jaxtron/interop/convert.py`)."""
-
-import sys
-
-from jaxtron.interop.convert import main
+"""`python -m jaxtron.convert`: the same as `jaxtron convert` (the code lives in `jaxtron/interop/convert.py`)."""
 
 if __name__ == "__main__":
-    sys.exit(main())
+    import sys
+
+    from jaxtron.cli import run
+    sys.exit(run("convert"))

@@ -1,8 +1,7 @@
-"""`python -m jaxtron.gpu_preset`: the GPU environment and XLA flags, or --check against the installed jaxlib (the code lives in `jaxtron/gpu/preset.py`)."""
-
-import sys
-
-from jaxtron.gpu.preset import main
+"""`python -m jaxtron.gpu_preset`: the same as `jaxtron gpu-preset` (the code lives in `jaxtron/gpu/preset.py`)."""
 
 if __name__ == "__main__":
-    sys.exit(main())
+    import sys
+
+    from jaxtron.cli import run
+    sys.exit(run("gpu-preset"))

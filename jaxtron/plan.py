@@ -1,8 +1,7 @@
-"""`python -m jaxtron.plan`: ranked meshes and memory for a model on N GPUs (the code lives in `jaxtron/planning/cli.py`)."""
-
-import sys
-
-from jaxtron.planning.cli import main
+"""`python -m jaxtron.plan`: the same as `jaxtron plan` (the code lives in `jaxtron/planning/cli.py`)."""
 
 if __name__ == "__main__":
-    sys.exit(main())
+    import sys
+
+    from jaxtron.cli import run
+    sys.exit(run("plan"))

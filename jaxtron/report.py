@@ -1,8 +1,7 @@
-"""`python -m jaxtron.report`: a run's sustained numbers and plots, or two runs compared (the code lives in `jaxtron/metrics/report.py`)."""
-
-import sys
-
-from jaxtron.metrics.report import main
+"""`python -m jaxtron.report`: the same as `jaxtron report` (the code lives in `jaxtron/metrics/report.py`)."""
 
 if __name__ == "__main__":
-    sys.exit(main())
+    import sys
+
+    from jaxtron.cli import run
+    sys.exit(run("report"))

@@ -1,8 +1,7 @@
-"""`python -m jaxtron.score`: logits of converted or trained parameters on given token ids (the code lives in `jaxtron/interop/score.py`)."""
-
-import sys
-
-from jaxtron.interop.score import main
+"""`python -m jaxtron.score`: the same as `jaxtron score` (the code lives in `jaxtron/interop/score.py`)."""
 
 if __name__ == "__main__":
-    sys.exit(main())
+    import sys
+
+    from jaxtron.cli import run
+    sys.exit(run("score"))

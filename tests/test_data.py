@@ -13,11 +13,11 @@ import pytest
 from conftest import REPO, cpu_xla_flags
 from helpers import tiny_config
 
+from jaxtron import cli
 from jaxtron.config.schema import ConfigError
 from jaxtron.data.errors import DataError
 from jaxtron.data.loader import BatchIterator, LocalBatch, _local_columns, _local_indices, global_batch, make_sources
 from jaxtron.data.packing import Mixture, PackedSplit
-from jaxtron.data.prepare import main as prepare_main
 from jaxtron.data.prepare import prepare
 from jaxtron.data.store import StoreWriter, TokenStore
 from jaxtron.data.tokenizers import load_tokenizer
@@ -141,7 +141,7 @@ def test_prepare_counts_contents_and_determinism(corpus, tokenizer_files, tmp_pa
     encoded = [e + [eos] for e in encoded if e]  # empty documents are skipped; the others end with EOS
     assert len(encoded) == 3 + 12  # the empty JSONL record and the blank line hold no document
 
-    assert prepare_main(_prepare_args(corpus, hf, tmp_path / "a", "--workers", "1")) == 0
+    assert cli.run("prepare", _prepare_args(corpus, hf, tmp_path / "a", "--workers", "1")) == 0
     manifest = json.load(open(tmp_path / "a" / "manifest.json"))
     assert manifest["num_documents"] == 15
     assert manifest["num_tokens"] == sum(len(e) for e in encoded)
@@ -162,9 +162,9 @@ def test_prepare_counts_contents_and_determinism(corpus, tokenizer_files, tmp_pa
 
     reference = _files(tmp_path / "a")
     assert sorted(reference) == ["docs-00000.bin", "manifest.json", "tokens-00000.bin"]
-    assert prepare_main(_prepare_args(corpus, hf, tmp_path / "a", "--workers", "1", "--overwrite")) == 0
+    assert cli.run("prepare", _prepare_args(corpus, hf, tmp_path / "a", "--workers", "1", "--overwrite")) == 0
     assert _files(tmp_path / "a") == reference
-    assert prepare_main(_prepare_args(corpus, hf, tmp_path / "b", "--workers", "2")) == 0
+    assert cli.run("prepare", _prepare_args(corpus, hf, tmp_path / "b", "--workers", "2")) == 0
     assert _files(tmp_path / "b") == reference
     assert not os.path.exists(str(tmp_path / "a") + ".tmp")
 
@@ -218,13 +218,14 @@ def test_bad_inputs_are_one_line_errors(tmp_path, capsys, big_vocab_tokenizer):
     text = _write(tmp_path / "one.txt", "some text")
 
     pattern = str(tmp_path / "nothing" / "*.txt")
-    assert prepare_main(["--input", pattern, "--tokenizer", "byte", "--output", out]) == 2
+    assert cli.run("prepare", ["--input", pattern, "--tokenizer", "byte", "--output", out]) == 2
     assert _error_line(capsys) == f"--input '{pattern}' matches no files; check the path or quote the glob."
 
     (tmp_path / "empty").mkdir()
     for i in range(2):
         _write(tmp_path / "empty" / f"e{i}.txt", "")
-    assert prepare_main(["--input", str(tmp_path / "empty" / "*.txt"), "--tokenizer", "byte", "--output", out]) == 2
+    empty = str(tmp_path / "empty" / "*.txt")
+    assert cli.run("prepare", ["--input", empty, "--tokenizer", "byte", "--output", out]) == 2
     assert "the inputs hold no text" in _error_line(capsys)
 
     binary = _write(tmp_path / "garbage.model", b"\x00\x01\x02not a model\xff" * 8, "wb")
@@ -232,17 +233,17 @@ def test_bad_inputs_are_one_line_errors(tmp_path, capsys, big_vocab_tokenizer):
     half_json = _write(tmp_path / "half.json", '{"model": {"type": "BPE"')
     for path, what in [(binary, "is not a SentencePiece model"), (not_tokenizer, "is not a Hugging Face tokenizer"),
                        (half_json, "starts like JSON but is not valid JSON")]:
-        assert prepare_main(["--input", text, "--tokenizer", path, "--output", out]) == 2
+        assert cli.run("prepare", ["--input", text, "--tokenizer", path, "--output", out]) == 2
         message = _error_line(capsys)
         assert message.startswith(f"tokenizer file '{path}' {what}"), message
-    assert prepare_main(["--input", text, "--tokenizer", str(tmp_path / "missing.json"), "--output", out]) == 2
+    assert cli.run("prepare", ["--input", text, "--tokenizer", str(tmp_path / "missing.json"), "--output", out]) == 2
     assert "missing.json' is neither 'byte' nor an existing file" in _error_line(capsys)
 
-    assert prepare_main(["--input", text, "--tokenizer", big_vocab_tokenizer, "--output", out,
+    assert cli.run("prepare", ["--input", text, "--tokenizer", big_vocab_tokenizer, "--output", out,
                          "--dtype", "uint16", "--no-eos"]) == 2
     assert _error_line(capsys) == ("a vocabulary of 70000 tokens does not fit the token dtype uint16; "
                                    "use --dtype auto or a larger dtype.")
-    assert prepare_main(["--input", text, "--tokenizer", "byte", "--output", out, "--dtype", "int8"]) == 2
+    assert cli.run("prepare", ["--input", text, "--tokenizer", "byte", "--output", out, "--dtype", "int8"]) == 2
     assert "token dtype 'int8' is not one of auto, uint16, uint32" in _error_line(capsys)
     # auto picks uint32 for the same vocabulary
     manifest = prepare([_write(tmp_path / "w.txt", "w1 w69999 w65536")], big_vocab_tokenizer, out, workers=1,
@@ -257,11 +258,13 @@ def test_bad_inputs_are_one_line_errors(tmp_path, capsys, big_vocab_tokenizer):
                           (no_field, f"line 3 of '{no_field}' has no text field 'text'; pass the right --text-field."),
                           (not_object, f"line 1 of '{not_object}' has no text field 'text'; "
                                        "pass the right --text-field.")]:
-        assert prepare_main(["--input", path, "--tokenizer", "byte", "--output", out + "_j", "--workers", "1"]) == 2
+        assert cli.run("prepare", ["--input", path, "--tokenizer", "byte", "--output", out + "_j",
+                                   "--workers", "1"]) == 2
         assert _error_line(capsys) == message
         assert not os.path.exists(out + "_j") and not os.path.exists(out + "_j.tmp")  # nothing half-written
     latin1 = _write(tmp_path / "latin1.txt", "caf\xe9".encode("latin-1"), "wb")
-    assert prepare_main(["--input", latin1, "--tokenizer", "byte", "--output", out + "_l", "--workers", "1"]) == 2
+    assert cli.run("prepare", ["--input", latin1, "--tokenizer", "byte", "--output", out + "_l",
+                               "--workers", "1"]) == 2
     assert _error_line(capsys) == f"input file '{latin1}' is not UTF-8 text (byte 3); convert it or leave it out."
 
 

@@ -10,14 +10,13 @@ import numpy as np
 import pytest
 from helpers import tiny_config
 
+from jaxtron import cli
 from jaxtron.data.corpus import ensure_builtin
 from jaxtron.data.errors import DataError
 from jaxtron.data.loader import BatchLimits, LocalBatch, global_batch, make_sources
 from jaxtron.data.packing import STRIPES, PackedSplit, split_ranges
-from jaxtron.data.prepare import main as prepare_main
 from jaxtron.data.prepare import prepare
 from jaxtron.data.store import MANIFEST, StoreWriter, TokenStore
-from jaxtron.data.store import main as store_main
 from jaxtron.data.tokenizers import load_tokenizer
 from jaxtron.parallel.mesh import make_mesh
 from jaxtron.training.loop import batch_limits
@@ -63,20 +62,21 @@ def test_the_end_of_document_token_is_found_named_or_refused(tmp_path, capsys):
     bos_only = _word_tokenizer(tmp_path / "bos.json", ["<s>"], "<s> $A")
     text = _write(tmp_path / "t.txt", "a b")
     out = str(tmp_path / "out")
-    assert prepare_main(["--input", text, "--tokenizer", bos_only, "--output", out]) == 2
+    assert cli.run("prepare", ["--input", text, "--tokenizer", bos_only, "--output", out]) == 2
     assert _error_line(capsys) == (f"tokenizer file '{bos_only}' has no end-of-document token that jaxtron "
                                    "recognises (none of </s>, <|end_of_text|>, <|endoftext|>, <eos>); name it with "
                                    "--eos TOKEN or pass --no-eos.")
-    assert prepare_main(["--input", text, "--tokenizer", bos_only, "--output", out, "--eos", "zz"]) == 2
+    assert cli.run("prepare", ["--input", text, "--tokenizer", bos_only, "--output", out, "--eos", "zz"]) == 2
     assert _error_line(capsys) == f"--eos 'zz' is not a token of '{bos_only}'; name one of its tokens or pass --no-eos."
-    assert prepare_main(["--input", text, "--tokenizer", "byte", "--output", out, "--eos", "a"]) == 2
+    assert cli.run("prepare", ["--input", text, "--tokenizer", "byte", "--output", out, "--eos", "a"]) == 2
     assert _error_line(capsys) == ("--eos 'a' cannot be used with the byte tokenizer, which has no end-of-document "
                                    "token; leave --eos out.")
     assert not os.path.exists(out)
-    assert prepare_main(["--input", text, "--tokenizer", bos_only, "--output", out, "--no-eos"]) == 0
+    assert cli.run("prepare", ["--input", text, "--tokenizer", bos_only, "--output", out, "--no-eos"]) == 0
     store = TokenStore(out)
     assert store.eos_id is None and store.read(0, store.num_tokens).tolist() == [1, 2]
-    assert prepare_main(["--input", text, "--tokenizer", bos_only, "--output", out, "--eos", "<s>", "--overwrite"]) == 0
+    assert cli.run("prepare", ["--input", text, "--tokenizer", bos_only, "--output", out, "--eos", "<s>",
+                               "--overwrite"]) == 0
     assert TokenStore(out).read(0, 3).tolist() == [1, 2, 3] and TokenStore(out).eos_id == 3
 
     import sentencepiece
@@ -84,7 +84,7 @@ def test_the_end_of_document_token_is_found_named_or_refused(tmp_path, capsys):
     sentencepiece.SentencePieceTrainer.train(input=corpus, model_prefix=str(tmp_path / "noeos"), vocab_size=40,
                                              eos_id=-1, hard_vocab_limit=False, minloglevel=2)
     model = str(tmp_path / "noeos.model")
-    assert prepare_main(["--input", text, "--tokenizer", model, "--output", str(tmp_path / "sp")]) == 2
+    assert cli.run("prepare", ["--input", text, "--tokenizer", model, "--output", str(tmp_path / "sp")]) == 2
     assert _error_line(capsys) == (f"tokenizer file '{model}' was trained without an end-of-document piece; name one "
                                    "with --eos PIECE or pass --no-eos.")
     assert load_tokenizer(model, eos="<unk>").eos_id == 0
@@ -217,14 +217,14 @@ def test_checksums_are_checked_on_demand_and_once_per_run(tmp_path, monkeypatch,
     path = str(tmp_path / "s")
     store = _doc_store(path, [40] * 10, shard_tokens=100)
     assert len(store.shards) == 5
-    assert store_main([path]) == 0
+    assert cli.run("verify-data", [path]) == 0
     tokens = os.path.join(path, store.shards[0]["tokens"])
     data = bytearray(open(tokens, "rb").read())
     data[0] ^= 1
     open(tokens, "wb").write(bytes(data))
     message = (f"shard file '{tokens}' does not match its checksum in the manifest; the store is corrupted, "
                "prepare it again.")
-    assert store_main([path]) == 2 and _error_line(capsys) == message
+    assert cli.run("verify-data", [path]) == 2 and _error_line(capsys) == message
 
     cfg = tiny_config(model=dict(vocab_size=20000), data=dict(source="store", path=path, seq_len=8, verify=True))
     assert make_sources(tiny_config(model=dict(vocab_size=20000), data=dict(source="store", path=path, seq_len=8)))
@@ -246,22 +246,22 @@ def test_checksums_are_checked_on_demand_and_once_per_run(tmp_path, monkeypatch,
 def test_prepare_refuses_an_existing_output_unless_overwrite(tmp_path, capsys):
     first, second = _write(tmp_path / "1.txt", "first"), _write(tmp_path / "2.txt", "second text")
     out = str(tmp_path / "store")
-    assert prepare_main(["--input", first, "--tokenizer", "byte", "--output", out]) == 0
+    assert cli.run("prepare", ["--input", first, "--tokenizer", "byte", "--output", out]) == 0
     manifest = open(os.path.join(out, MANIFEST)).read()
-    assert prepare_main(["--input", second, "--tokenizer", "byte", "--output", out]) == 2
+    assert cli.run("prepare", ["--input", second, "--tokenizer", "byte", "--output", out]) == 2
     assert _error_line(capsys) == (f"--output '{out}' already exists and is not empty; pass --overwrite to replace "
                                    "it or choose another directory.")
     assert open(os.path.join(out, MANIFEST)).read() == manifest  # untouched
-    assert prepare_main(["--input", second, "--tokenizer", "byte", "--output", out, "--overwrite"]) == 0
+    assert cli.run("prepare", ["--input", second, "--tokenizer", "byte", "--output", out, "--overwrite"]) == 0
     assert TokenStore(out).num_tokens == len("second text")
     assert sorted(os.listdir(tmp_path)) == ["1.txt", "2.txt", "store"]  # no .tmp or .old left behind
 
     other = tmp_path / "notes"
     other.mkdir()
     _write(other / "keep.txt", "mine")
-    assert prepare_main(["--input", first, "--tokenizer", "byte", "--output", str(other)]) == 2
+    assert cli.run("prepare", ["--input", first, "--tokenizer", "byte", "--output", str(other)]) == 2
     assert "already exists and is not empty" in _error_line(capsys) and os.listdir(other) == ["keep.txt"]
     with pytest.raises(DataError, match="exists but holds no token store"):
         ensure_builtin("stdlib", str(other))
     (tmp_path / "empty").mkdir()
-    assert prepare_main(["--input", first, "--tokenizer", "byte", "--output", str(tmp_path / "empty")]) == 0
+    assert cli.run("prepare", ["--input", first, "--tokenizer", "byte", "--output", str(tmp_path / "empty")]) == 0

@@ -1,6 +1,8 @@
 """The package's imports: no circle between modules, and none running back up the data flow of DESIGN.md.
 
-Every ``import`` statement counts, the ones inside functions too (a lazy import is still a dependency).
+Every ``import`` statement counts, the ones inside functions too (a lazy import is still a dependency), except those
+under ``if __name__ == "__main__":``: that block runs only when the module is the program (``python -m ...``), so it
+is an entry point above the whole package, as the `jaxtron` command is, not a dependency of the module.
 """
 
 from __future__ import annotations
@@ -36,6 +38,20 @@ def modules() -> dict[str, str]:
     return found
 
 
+def is_main_guard(node: ast.stmt) -> bool:
+    """Whether ``node`` is ``if __name__ == "__main__":``."""
+    return (isinstance(node, ast.If) and isinstance(node.test, ast.Compare) and isinstance(node.test.left, ast.Name)
+            and node.test.left.id == "__name__" and isinstance(node.test.comparators[0], ast.Constant)
+            and node.test.comparators[0].value == "__main__")
+
+
+def library_nodes(tree: ast.Module):
+    """Every node of a module but those of its ``if __name__ == "__main__":`` blocks."""
+    for statement in tree.body:
+        if not is_main_guard(statement):
+            yield from ast.walk(statement)
+
+
 def import_graph() -> dict[str, set[str]]:
     """Module -> the package's modules it imports (``from a import b`` counts a.b when b is a module, else a)."""
     found = modules()
@@ -43,7 +59,9 @@ def import_graph() -> dict[str, set[str]]:
     for module, path in found.items():
         package = module if path.endswith("__init__.py") else module.rpartition(".")[0]
         targets = set()
-        for node in ast.walk(ast.parse(open(path).read(), path)):
+        with open(path) as f:
+            tree = ast.parse(f.read(), path)
+        for node in library_nodes(tree):
             if isinstance(node, ast.Import):
                 names = [a.name for a in node.names]
             elif isinstance(node, ast.ImportFrom):
@@ -66,10 +84,10 @@ def import_graph() -> dict[str, set[str]]:
 def circles(graph: dict[str, set[str]]) -> list[list[str]]:
     """The strongly connected components of more than one module (Tarjan's algorithm, iteratively)."""
     index, low, stack, on_stack, out = {}, {}, [], set(), []
-    for root in graph:
+    for root, targets in graph.items():
         if root in index:
             continue
-        work = [(root, iter(sorted(graph[root])))]
+        work = [(root, iter(sorted(targets)))]
         index[root] = low[root] = len(index)
         stack.append(root)
         on_stack.add(root)
@@ -117,6 +135,9 @@ def test_the_graph_finds_imports_of_every_form_and_a_circle():
     assert "jaxtron.ops.sequence" in graph["jaxtron.ops.blockwise"]  # from jaxtron.ops.sequence import ...
     assert "jaxtron.ops.cudnn" in graph["jaxtron.ops.attention"]  # from jaxtron.ops import cudnn
     assert "jaxtron.config.schema" in graph["jaxtron.training.loop"]
+    assert "jaxtron.data.errors" in graph["jaxtron.data.store"] and "jaxtron.cli" not in graph["jaxtron.data.store"]
+    guards = ast.parse('if __name__ == "__main__":\n    pass\nif x == "__main__":\n    pass').body
+    assert [is_main_guard(n) for n in guards] == [True, False]
     assert circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     assert circles({"a": {"b"}, "b": set()}) == []
 

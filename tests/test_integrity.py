@@ -17,10 +17,10 @@ from conftest import REPO
 from flax import nnx
 from helpers import tiny_config
 
+from jaxtron import cli
 from jaxtron.checkpoint import integrity
 from jaxtron.checkpoint.params import restore_params
 from jaxtron.checkpoint.train_state import CHECKPOINT_DIR, Checkpointer, CheckpointError
-from jaxtron.checkpoint.train_state import main as checkpoint_cli
 from jaxtron.parallel.mesh import make_mesh
 from jaxtron.training import state as state_lib
 from jaxtron.training.loop import run
@@ -119,7 +119,7 @@ def test_damage_in_the_latest_checkpoint_falls_back_to_the_previous_one(kind, tr
 @pytest.mark.parametrize("kind", KINDS)
 def test_damage_in_an_older_checkpoint_is_reported_and_the_latest_restored(kind, trained, workdir, capsys):
     reason = damage(workdir, 1, kind)
-    assert checkpoint_cli(["verify", workdir]) == 2
+    assert cli.main(["verify", workdir]) == 2
     lines = capsys.readouterr().out.splitlines()
     assert lines[0] == f"step 1: damaged: {reason}"
     assert [re.fullmatch(r"step (\d): intact \(\d+ files, 1\.\d MB\)", l)[1] for l in lines[1:3]] == ["2", "3"]
@@ -138,7 +138,7 @@ def test_a_run_resumes_bit_exactly_from_the_newest_intact_checkpoint(trained, wo
     assert summary["history"][0]["loss"] == trained[2][2]["loss"]
     for a, b in zip(_saved_leaves(workdir, 3), _saved_leaves(trained[0], 3)):
         np.testing.assert_array_equal(a, b)
-    assert checkpoint_cli(["verify", workdir]) == 0  # the new step 3 has its checksums
+    assert cli.main(["verify", workdir]) == 0  # the new step 3 has its checksums
     assert [json.loads(l)["step"] for l in open(os.path.join(workdir, "metrics.jsonl"))] == [1, 2, 3]
 
 
@@ -231,13 +231,13 @@ def test_files_are_attributed_to_their_writer_and_verified_once_by_several_proce
 
 @pytest.mark.slow
 def test_the_verify_command_exit_codes(trained, tmp_path):
-    cli = [sys.executable, "-m", "jaxtron.checkpoint", "verify"]
-    ok = subprocess.run([*cli, trained[0]], cwd=REPO, capture_output=True, text=True, timeout=120)
+    verify = [sys.executable, "-m", "jaxtron.checkpoint", "verify"]
+    ok = subprocess.run([*verify, trained[0]], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert ok.returncode == 0 and ok.stdout.splitlines()[-1].startswith("3 of 3 checkpoints intact")
-    none = subprocess.run([*cli, str(tmp_path)], cwd=REPO, capture_output=True, text=True, timeout=120)
+    none = subprocess.run([*verify, str(tmp_path)], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert none.returncode == 2 and none.stderr == (f"'{tmp_path}/checkpoints' holds no checkpoint; point verify "
                                                     "at the --workdir of a run that saved one.\n")
-    assert checkpoint_cli(["check", str(tmp_path)]) == 2
+    assert cli.main(["check", str(tmp_path)], commands=("verify",)) == 2
 
 
 @pytest.mark.slow
@@ -263,14 +263,14 @@ def test_two_processes_record_their_own_files_and_fall_back_together(tmp_path):
     recorded = [json.load(open(os.path.join(step_dir, f"integrity.process_{i}.json")))["files"] for i in (0, 1)]
     assert recorded[1] and all(integrity.writer_of(p) == 1 for p in recorded[1])
     assert any("ocdbt.process_1/" in p for p in recorded[1]) and not set(recorded[0]) & set(recorded[1])
-    assert checkpoint_cli(["verify", str(tmp_path)]) == 0
+    assert cli.main(["verify", str(tmp_path)]) == 0
     victim = max((p for p in recorded[1] if "ocdbt.process_1/d/" in p), key=lambda p: recorded[1][p]["size"])
     os.truncate(os.path.join(step_dir, victim), 1)
     outputs = train(3)
     for out in outputs:  # both processes give the same verdict and resume from step 1
         assert f"is damaged: {victim} truncated (1 of {recorded[1][victim]['size']} bytes)" in out
     assert [json.loads(l)["step"] for l in open(tmp_path / "metrics.jsonl")] == [1, 2, 3]
-    assert os.path.isdir(tmp_path / integrity.DAMAGED_DIR / "2") and checkpoint_cli(["verify", str(tmp_path)]) == 0
+    assert os.path.isdir(tmp_path / integrity.DAMAGED_DIR / "2") and cli.main(["verify", str(tmp_path)]) == 0
 
 
 def _wait_for(condition, seconds=10.0):

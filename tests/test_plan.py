@@ -101,8 +101,8 @@ import sys
 import pytest
 from conftest import FAST_COMPILE_FLAGS, REPO
 
+from jaxtron import cli
 from jaxtron.config.loader import load_config
-from jaxtron.planning import cli as plan_cli
 from jaxtron.planning import search
 from jaxtron.planning.estimate import estimate, parameters
 from jaxtron.planning.gpus import gpu
@@ -247,18 +247,18 @@ def test_cudnn_by_chunks_is_estimated_at_the_cudnn_rate_with_the_same_gathers():
 
 
 def test_405b_on_8_gpus_of_80gb_is_refused_with_the_reason(capsys):
-    assert plan_cli.main([f"--config={REPO}/configs/llama3_405b.py", "--gpus=8", "--gpu=h100"]) == 2
+    assert cli.run("plan", [f"--config={REPO}/configs/llama3_405b.py", "--gpus=8", "--gpu=h100"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "405.9B parameters" in err and "16 bytes" in err and "per GPU" in err
     assert "doubling the GPU count, the first on which a mesh fits is 128" in err
 
 
 def test_plan_cli_rejects_bad_requests(capsys):
-    assert plan_cli.main([f"--config={REPO}/configs/llama3_8b.py", "--gpus=12"]) == 2
+    assert cli.run("plan", [f"--config={REPO}/configs/llama3_8b.py", "--gpus=12"]) == 2
     assert "whole number of 8-GPU nodes" in capsys.readouterr().err
-    assert plan_cli.main([f"--config={REPO}/configs/llama3_8b.py", "--gpus=8", "--gpu=v100"]) == 2
+    assert cli.run("plan", [f"--config={REPO}/configs/llama3_8b.py", "--gpus=8", "--gpu=v100"]) == 2
     assert "h100" in capsys.readouterr().err
-    assert plan_cli.main([f"--config={REPO}/configs/llama3_8b.py", "--gpus=8", "--compile=fsdp=x"]) == 2
+    assert cli.run("plan", [f"--config={REPO}/configs/llama3_8b.py", "--gpus=8", "--compile=fsdp=x"]) == 2
     assert "AXIS=SIZE" in capsys.readouterr().err
 
 

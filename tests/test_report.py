@@ -10,8 +10,9 @@ import matplotlib.image
 import pytest
 from helpers import tiny_config
 
+from jaxtron import cli
 from jaxtron.config.schema import ConfigError, ProfileConfig
-from jaxtron.metrics import bubble, report
+from jaxtron.metrics import bubble
 from jaxtron.metrics import summary as summary_lib
 from jaxtron.metrics.plots import write_plots
 from jaxtron.training import profiling
@@ -79,7 +80,7 @@ def test_the_report_reads_the_run_and_its_communication_share(profiled_run, caps
     assert comm["steps"] == [3, 4] and comm["devices"] == 8
     assert comm["share"]["all-gather"] > 0 and 0 < sum(comm["share"].values()) < comm["device_busy_share"] <= 1
     assert s["collectives"]["all-gather"]["count"] > 0  # fsdp gathers in the compiled step
-    assert report.main([profiled_run, "--no_plots"]) == 0
+    assert cli.run("report", [profiled_run, "--no_plots"]) == 0
     out = capsys.readouterr().out
     assert "communication share over the profiler window (steps 3-4, 8 device(s)" in out and "all-gather" in out
 
@@ -138,17 +139,17 @@ def test_report_compares_two_runs_and_refuses_bad_input(tmp_path, capsys):
     a, b = str(tmp_path / "a"), str(tmp_path / "b")
     _write_run(a, [_line(s, 1.0) for s in range(10, 101, 10)])
     _write_run(b, [_line(s, 0.5) for s in range(10, 101, 10)])
-    assert report.main([a, "--vs", b, "--json", str(tmp_path / "both.json")]) == 0
+    assert cli.run("report", [a, "--vs", b, "--json", str(tmp_path / "both.json")]) == 0
     out = capsys.readouterr().out
     row = next(line for line in out.splitlines() if line.startswith("tokens/s"))
     assert row.split()[-1] == "2.000"  # B runs twice as many tokens per second
     assert os.path.isfile(os.path.join(b, "throughput.png"))
     assert [r["workdir"] for r in json.load(open(tmp_path / "both.json"))] == [a, b]
-    assert report.main([str(tmp_path / "missing")]) == 2
+    assert cli.run("report", [str(tmp_path / "missing")]) == 2
     assert "has no metrics.jsonl" in capsys.readouterr().err
     with open(os.path.join(a, "metrics.jsonl"), "a") as f:
         f.write("{not json\n")
-    assert report.main([a]) == 2
+    assert cli.run("report", [a]) == 2
     err = capsys.readouterr().err
     assert "line 11 is not JSON" in err and err.count("\n") == 1
 
@@ -169,7 +170,7 @@ def test_report_flags_skipped_steps(tmp_path, capsys):
     counts = {10: 0, 20: 0, 30: 1, 40: 1, 50: 3}
     lines = [{**_line(step, 0.5), "nonfinite_steps": n} for step, n in counts.items()]
     _write_run(str(tmp_path / "bad"), lines, steps=50)
-    assert report.main([str(tmp_path / "bad"), "--no_plots", "--json", str(tmp_path / "bad.json")]) == 0
+    assert cli.run("report", [str(tmp_path / "bad"), "--no_plots", "--json", str(tmp_path / "bad.json")]) == 0
     out = capsys.readouterr().out
     warning = "WARNING: 3 step(s) were skipped as non-finite (first logged at step 30)"
     assert warning in out and out.splitlines()[1].startswith(warning)  # right under the run's first line
@@ -178,7 +179,7 @@ def test_report_flags_skipped_steps(tmp_path, capsys):
     assert written["warnings"] and written["warnings"][0].startswith("3 step(s) were skipped as non-finite")
     clean = [{**_line(step, 0.5), "nonfinite_steps": 0} for step in counts]
     _write_run(str(tmp_path / "good"), clean, steps=50)
-    assert report.main([str(tmp_path / "good"), "--no_plots"]) == 0
+    assert cli.run("report", [str(tmp_path / "good"), "--no_plots"]) == 0
     assert "WARNING" not in capsys.readouterr().out
     assert summary_lib.summarize(str(tmp_path / "good"))["warnings"] == []
 
@@ -200,7 +201,7 @@ def test_report_states_the_flop_weighted_peak_of_fp8_runs(tmp_path, capsys):
     # the two middle blocks run their projections and MLP in FP8; scores and logits stay 16-bit
     fp8 = 2 * 6 * (h * (q + 2 * k) + q * h + 3 * h * f)
     total = layers * 6 * (h * (q + 2 * k) + q * s + q * h + 3 * h * f) + 6 * h * vocab
-    assert report.main([workdir, "--no_plots", "--json", str(tmp_path / "s.json")]) == 0
+    assert cli.run("report", [workdir, "--no_plots", "--json", str(tmp_path / "s.json")]) == 0
     out = capsys.readouterr().out
     line = next(x for x in out.splitlines() if "MFU against the" in x)
     assert f"FLOP-weighted dense peak: FP8 matmuls are {fp8 / total:.1%} of the model FLOPs" in line
@@ -252,5 +253,5 @@ def test_the_report_measures_each_pipeline_stages_idle_share(tmp_path, capsys):
     assert idle["measured_stages"] == [0, 1] and idle["iterations"] == 3
     for share in idle["of_loops"]:
         assert 0.5 < share / idle["formula"] < 2, idle
-    assert report.main([str(tmp_path), "--no_plots"]) == 0
+    assert cli.run("report", [str(tmp_path), "--no_plots"]) == 0
     assert "pipeline idle share per stage over the profiler window" in capsys.readouterr().out

@@ -1,8 +1,7 @@
-"""`python -m jaxtron.checkpoint verify WORKDIR`: checks a run's checkpoints against their checksums."""
-
-import sys
-
-from jaxtron.checkpoint.train_state import main
+"""`python -m jaxtron.checkpoint verify WORKDIR`: the same as `jaxtron verify WORKDIR`."""
 
 if __name__ == "__main__":
-    sys.exit(main())
+    import sys
+
+    from jaxtron.cli import main
+    sys.exit(main(commands=("verify",)))

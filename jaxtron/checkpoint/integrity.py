@@ -20,11 +20,13 @@ verdicts are gathered so that every process reaches the same decision.
 
 from __future__ import annotations
 
+import argparse
 import json
 import logging
 import os
 import random
 import re
+import sys
 import threading
 import time
 from collections.abc import Iterable
@@ -375,3 +377,13 @@ def report(workdir: str) -> tuple[list[str], int]:
     lines += [f"{n}: a save cut off while being written; never loaded" for n in incomplete]
     lines.append(f"{len(steps) - damaged} of {len(steps)} checkpoints intact in {directory}")
     return lines, 2 if damaged else 0
+
+
+def main(argv: list[str]) -> int:
+    """`jaxtron verify WORKDIR`: one line per checkpoint of the run; exit 2 if any is damaged or there is none."""
+    parser = argparse.ArgumentParser(prog="jaxtron verify", description="Check a run's checkpoints against the "
+                                     "checksums recorded when they were saved.")
+    parser.add_argument("workdir", metavar="WORKDIR", help="the --workdir of a run")
+    lines, code = report(parser.parse_args(argv).workdir)
+    print("\n".join(lines), file=sys.stdout if code == 0 or len(lines) > 1 else sys.stderr)
+    return code

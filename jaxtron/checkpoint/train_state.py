@@ -8,7 +8,7 @@ checkpoint written on one mesh restores onto another.
 Integrity: after each save is committed, every process records checksums of the files it wrote
 (``jaxtron.checkpoint.integrity``), in a background thread for asynchronous saves. Before a restore the files are
 verified; the run resumes from the newest intact checkpoint, and newer damaged ones are moved to
-``<workdir>/checkpoints_damaged/``. ``python -m jaxtron.checkpoint verify WORKDIR`` checks a run's checkpoints.
+``<workdir>/checkpoints_damaged/``. ``jaxtron verify WORKDIR`` checks a run's checkpoints.
 """
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import sys
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -80,7 +79,8 @@ class Checkpointer:
         self._recording: threading.Thread | None = None
         self._recording_error: BaseException | None = None
         self.last_watch_hash_s = 0.0  # seconds the last save's files were hashed while it ran (benchmarks)
-        incomplete = sorted(n for n in os.listdir(self.directory) if "tmp" in n) if os.path.isdir(self.directory) else []
+        incomplete = (sorted(n for n in os.listdir(self.directory) if "tmp" in n)
+                      if os.path.isdir(self.directory) else [])
         if incomplete:  # a save cut off midway (the process died while writing): never loaded
             log.warning("ignoring incomplete checkpoint(s) %s, cut off while being written; the latest complete "
                         "one is step %s", ", ".join(incomplete), self.manager.latest_step())
@@ -126,7 +126,7 @@ class Checkpointer:
     def _record_in_background(self, step: int, watcher: integrity.Watcher) -> None:
         try:
             self._record(step, watcher)
-        except BaseException as e:  # re-raised in the loop's thread by _finish_recording
+        except BaseException as e:  # noqa: BLE001 (re-raised in the loop's thread by _finish_recording)
             self._recording_error = e
 
     def _finish_recording(self) -> None:
@@ -233,16 +233,3 @@ def _check_compatible(saved: dict, cfg: Config, where: str) -> None:
     if differ:
         raise CheckpointError(f"checkpoint '{where}' is of another model architecture ({'; '.join(differ)}); "
                               "use the config it was written with or a new --workdir.")
-
-
-
-def main(argv: list[str] | None = None) -> int:
-    """``python -m jaxtron.checkpoint verify WORKDIR``: one line per checkpoint, exit 2 if any is damaged."""
-    argv = sys.argv[1:] if argv is None else argv
-    if len(argv) != 2 or argv[0] != "verify":
-        print("usage: python -m jaxtron.checkpoint verify WORKDIR (the --workdir of a run)", file=sys.stderr)
-        return 2
-    lines, code = integrity.report(argv[1])
-    print("\n".join(lines), file=sys.stdout if code == 0 or len(lines) > 1 else sys.stderr)
-    return code
-

@@ -14,6 +14,7 @@ import importlib.util
 import logging
 import os
 import re
+import textwrap
 import typing
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -71,7 +72,7 @@ def parse_command_line(argv: Sequence[str], default_spec: str | None = None,
     spec, argv = _split_config_spec(list(argv))
     spec = spec or default_spec
     if any(a in ("--help", "-h", "--helpfull") for a in argv[1:]):
-        raise HelpRequested(_flag_values(argv, defaults(), define).get_help())
+        raise HelpRequested(_help(define, default_spec))
     if spec is None:
         raise ConfigError("option '--config' is missing; pass --config=configs/<name>.py.")
     paths = _override_paths(argv)
@@ -100,6 +101,29 @@ def parse_command_line(argv: Sequence[str], default_spec: str | None = None,
 
 class HelpRequested(Exception):
     """``--help`` was asked for: the message is the options' help text."""
+
+
+def _help(define: Callable[[flags.FlagValues], None] | None, default_spec: str | None) -> str:
+    """The help of a command's own flags (those ``define`` adds) and of ``--config``. The config's fields are named
+    in one line, not listed: they are many, and jaxtron/config/schema.py documents each."""
+    values = flags.FlagValues()
+    if define is not None:
+        define(values)
+    if default_spec and os.path.isabs(default_spec) and default_spec.startswith(os.getcwd() + os.sep):
+        default_spec = os.path.relpath(default_spec)  # as the user would write it from here
+    default = f" (default: {default_spec})" if default_spec else ""
+    overrides = ("overrides any field of the config, e.g. --config.train.steps=100; the sections and fields are "
+                 "documented in jaxtron/config/schema.py")
+    rows = [("--config=FILE[:ARG]", f"a config file whose get_config([ARG]) returns a ConfigDict{default}"),
+            ("--config.<section>.<field>=VALUE", overrides)]
+    own = {flag.name: flag for module_flags in values.flags_by_module_dict().values() for flag in module_flags}
+    for flag in sorted(own.values(), key=lambda flag: flag.name):
+        name = f"--{flag.name}" if flag.boolean else f"--{flag.name}={flag.flag_type().upper()}"
+        default = f" (default: {str(flag.default).lower() if flag.boolean else flag.default})" \
+            if flag.default is not None else ""
+        rows.append((name, flag.help + default))
+    return "options:\n" + "\n".join(f"  {name}\n" + textwrap.fill(text, 100, initial_indent=" " * 6,
+                                                                 subsequent_indent=" " * 6) for name, text in rows)
 
 
 def defaults() -> ml_collections.ConfigDict:

@@ -1,6 +1,6 @@
 """Tokenize text files into a token store.
 
-    python -m jaxtron.data.prepare --input 'corpus/**/*.txt' [--input 'more/*.jsonl' ...] \\
+    jaxtron prepare --input 'corpus/**/*.txt' [--input 'more/*.jsonl' ...] \\
         --tokenizer byte|tokenizer.json|sp.model --output DIR [--text-field text] [--workers N] \\
         [--eos TOKEN | --no-eos] [--overwrite]
 
@@ -180,9 +180,10 @@ def _drain_one(pending: collections.deque, writer: StoreWriter, bar) -> None:
         bar.update(size)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def main(argv: Sequence[str]) -> int:
+    """`jaxtron prepare`: writes the token store the command line ``argv`` describes."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S")
-    parser = argparse.ArgumentParser(prog="python -m jaxtron.data.prepare", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="jaxtron prepare", description=__doc__.split("\n")[0])
     parser.add_argument("--input", action="append", required=True, help="file or glob (repeatable; ** recurses)")
     parser.add_argument("--tokenizer", required=True, help="'byte', a tokenizer.json, or a SentencePiece .model")
     parser.add_argument("--output", required=True, help="directory of the token store")
@@ -199,20 +200,17 @@ def main(argv: Sequence[str] | None = None) -> int:
                      help="append no end-of-document token (the model does not learn to stop)")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing --output (atomically)")
     args = parser.parse_args(argv)
-    try:
-        if args.workers is not None and args.workers < 1:
-            raise DataError("--workers must be at least 1; pass a positive count.")
-        manifest = prepare(args.input, args.tokenizer, args.output, args.text_field, args.workers,
-                           progress=sys.stderr.isatty(), shard_tokens=args.shard_tokens, dtype=args.dtype,
-                           eos=args.eos, overwrite=args.overwrite)
-    except DataError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    if args.workers is not None and args.workers < 1:
+        raise DataError("--workers must be at least 1; pass a positive count.")
+    manifest = prepare(args.input, args.tokenizer, args.output, args.text_field, args.workers,
+                       progress=sys.stderr.isatty(), shard_tokens=args.shard_tokens, dtype=args.dtype,
+                       eos=args.eos, overwrite=args.overwrite)
     log.info("wrote %s: %d documents, %d tokens (%s, vocabulary %d, end-of-document id %s) in %d shard(s)",
              args.output, manifest["num_documents"], manifest["num_tokens"], manifest["dtype"],
              manifest["vocab_size"], manifest["eos_id"], len(manifest["shards"]))
     return 0
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+if __name__ == "__main__":  # `python -m jaxtron.data.prepare` is `jaxtron prepare`
+    from jaxtron.cli import run
+    sys.exit(run("prepare"))

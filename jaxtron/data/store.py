@@ -10,12 +10,13 @@ The manifest is written last, into a directory that is renamed into place, so a 
 complete or absent.
 
 Opening a store checks the manifest and every file's size; hashing every shard against the manifest
-is a separate, explicit step (``TokenStore.verify``, or ``python -m jaxtron.data.store DIR``), because
+is a separate, explicit step (``TokenStore.verify``, or ``jaxtron verify-data DIR``), because
 it reads the whole corpus. Document offsets stay memory-mapped per shard: a process holds no copy of them.
 """
 
 from __future__ import annotations
 
+import argparse
 import array
 import hashlib
 import json
@@ -86,7 +87,7 @@ class StoreWriter:
     def _open_shard(self) -> None:
         index = len(self.shards)
         self._tokens_name, self._docs_name = f"tokens-{index:05d}.bin", f"docs-{index:05d}.bin"
-        self._tokens = open(os.path.join(self.tmp, self._tokens_name), "wb")
+        self._tokens = open(os.path.join(self.tmp, self._tokens_name), "wb")  # noqa: SIM115 (open while the shard fills)
         self._digest = hashlib.sha256()  # hashed while written: no second pass over the shard
         self._offsets = array.array("Q", [0])  # 8 bytes per document, not a Python int object each
 
@@ -265,24 +266,20 @@ class TokenStore:
         return parts[0] if len(parts) == 1 else np.concatenate(parts)  # inside one shard: a view, no copy
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m jaxtron.data.store DIR [DIR ...]``: checks every shard of the stores against their SHA-256."""
+def main(argv: Sequence[str]) -> int:
+    """`jaxtron verify-data STORE_DIR [STORE_DIR ...]`: checks every shard of the stores against their SHA-256."""
+    parser = argparse.ArgumentParser(prog="jaxtron verify-data", description="Hash every shard of token stores "
+                                     "against their manifests (this reads the whole corpus).")
+    parser.add_argument("stores", nargs="+", metavar="STORE_DIR", help="a directory written by jaxtron prepare")
+    args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S")
-    paths = list(sys.argv[1:] if argv is None else argv)
-    if not paths or any(p.startswith("-") for p in paths):
-        print("usage: python -m jaxtron.data.store STORE_DIR [STORE_DIR ...]  (hashes every shard against the "
-              "manifest)", file=sys.stderr)
-        return 2
-    try:
-        for path in paths:
-            store = TokenStore(path, verify=True)
-            log.info("%s: %d shard(s), %d documents, %d tokens match the manifest", path, len(store.shards),
-                     store.num_documents, store.num_tokens)
-    except DataError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    for path in args.stores:
+        store = TokenStore(path, verify=True)
+        log.info("%s: %d shard(s), %d documents, %d tokens match the manifest", path, len(store.shards),
+                 store.num_documents, store.num_tokens)
     return 0
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+if __name__ == "__main__":  # `python -m jaxtron.data.store DIR` is `jaxtron verify-data DIR`
+    from jaxtron.cli import run
+    sys.exit(run("verify-data"))

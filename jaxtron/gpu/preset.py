@@ -1,7 +1,7 @@
 """The one preset of environment and XLA flags for GPU runs, each setting with its reason.
 
-    eval "$(python -m jaxtron.gpu_preset)"      # what scripts/slurm/env.sh does: export the preset
-    python -m jaxtron.gpu_preset --check        # are the flags accepted by the installed jaxlib?
+    eval "$(jaxtron gpu-preset)"      # export the preset (scripts/slurm/env.sh: python -m jaxtron.gpu_preset)
+    jaxtron gpu-preset --check        # are the flags accepted by the installed jaxlib?
 
 A variable already set in the environment wins over the preset, so one run can try another value. XLA flags
 come and go between jaxlib releases and an unknown one aborts the process at start, so ``--check`` (and the
@@ -61,8 +61,9 @@ def unknown_flags(flags: str) -> list[str]:
     return [f for line in unknown for f in line.split()]
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m jaxtron.gpu_preset", description=__doc__.split("\n")[0])
+def main(argv: list[str]) -> int:
+    """`jaxtron gpu-preset [--check]`: prints the preset's exports, or checks its flags; returns the exit code."""
+    parser = argparse.ArgumentParser(prog="jaxtron gpu-preset", description=__doc__.split("\n")[0])
     parser.add_argument("--check", action="store_true",
                         help="check the preset's XLA flags plus $XLA_FLAGS against the installed jaxlib")
     args = parser.parse_args(argv)

@@ -1,8 +1,8 @@
 """Score token ids with a jaxtron model: the float32 logits of a forward pass, to compare with another implementation.
 
-    python -m jaxtron.score --checkpoint DIR --tokens TOKENS.npy --output LOGITS.npy [--dtype float32]
+    jaxtron score --checkpoint DIR --tokens TOKENS.npy --output LOGITS.npy [--dtype float32]
 
-DIR is a converted model (``python -m jaxtron.convert from-hf``) or a training run's workdir (its latest
+DIR is a converted model (``jaxtron convert from-hf``) or a training run's workdir (its latest
 checkpoint). TOKENS.npy holds int token ids of shape [batch, length]; LOGITS.npy receives float32 logits of
 shape [batch, length, vocab]. Runs on one device, in float32 unless --dtype says otherwise.
 """
@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import argparse
 import logging
-import sys
 
 import numpy as np
 
 from jaxtron.config.schema import ConfigError, ExecutionConfig, ModelConfig
+
+log = logging.getLogger(__name__)
 
 
 def read_tokens(path: str, cfg: ModelConfig) -> np.ndarray:
@@ -49,25 +50,22 @@ def score(checkpoint: str, tokens_path: str, dtype: str = "float32") -> np.ndarr
     state = nnx.state(model, nnx.Param)
     nnx.replace_by_pure_dict(state, nest(params))
     graphdef = nnx.graphdef(model)
-    forward = jax.jit(lambda state, tokens: nnx.merge(graphdef, state)(tokens))
+    forward = jax.jit(lambda state, tokens: nnx.merge(graphdef, state)(tokens).logits())
     return np.asarray(forward(state, tokens), dtype=np.float32)
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str]) -> int:
+    """`jaxtron score`: writes the logits the command line ``argv`` asks for."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S")
     logging.getLogger("absl").setLevel(logging.WARNING)
-    parser = argparse.ArgumentParser(prog="python -m jaxtron.score", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="jaxtron score", description=__doc__.split("\n")[0])
     parser.add_argument("--checkpoint", required=True, help="converted model or training workdir")
     parser.add_argument("--tokens", required=True, help=".npy of int token ids [batch, length]")
     parser.add_argument("--output", required=True, help=".npy file for float32 logits [batch, length, vocab]")
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="compute dtype")
     args = parser.parse_args(argv)
-    try:
-        logits = score(args.checkpoint, args.tokens, args.dtype)
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    logits = score(args.checkpoint, args.tokens, args.dtype)
     np.save(args.output, logits)
-    logging.info("wrote %s: float32 logits of shape %s", args.output, logits.shape)
+    log.info("wrote %s: float32 logits of shape %s", args.output, logits.shape)
     return 0
 

@@ -1,7 +1,7 @@
 """Summarise a run from its files, and compare two runs.
 
-    python -m jaxtron.report WORKDIR                 # summary, and loss.png / throughput.png next to metrics.jsonl
-    python -m jaxtron.report WORKDIR --vs OTHER      # the same numbers side by side, with OTHER / WORKDIR
+    jaxtron report WORKDIR                 # summary, and loss.png / throughput.png next to metrics.jsonl
+    jaxtron report WORKDIR --vs OTHER      # the same numbers side by side, with OTHER / WORKDIR
 
 Sustained values are medians over the steady-state log intervals (the rule is printed with them; see
 ``jaxtron.metrics.summary``). The communication share needs a profiler window
@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from typing import Any
 
 ROWS = (  # (summary key, label, format)
@@ -89,32 +88,28 @@ def compare(a: dict[str, Any], b: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m jaxtron.report", description=__doc__.split("\n")[0])
+def main(argv: list[str]) -> int:
+    """`jaxtron report`: prints the summary of a run (or two side by side) and writes its plots."""
+    parser = argparse.ArgumentParser(prog="jaxtron report", description=__doc__.split("\n")[0])
     parser.add_argument("workdir", help="the --workdir of a run")
     parser.add_argument("--vs", default=None, metavar="OTHER_WORKDIR", help="compare with this run")
     parser.add_argument("--no_plots", action="store_true", help="do not write PNG plots")
     parser.add_argument("--json", default=None, help="also write the summary (or both) to this file")
-    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
-    from jaxtron.config.schema import ConfigError
+    args = parser.parse_args(argv)
     from jaxtron.metrics.summary import read_metrics, summarize
 
-    try:
-        runs = [summarize(args.workdir)] + ([summarize(args.vs)] if args.vs else [])
-        for run in runs:
-            print(describe(run))
-            if not args.no_plots:
-                from jaxtron.metrics.plots import write_plots
-                paths = write_plots(read_metrics(run["workdir"]), run["workdir"], run["workdir"])
-                print("plots: " + ", ".join(paths))
-            print()
-        if args.vs:
-            print(compare(*runs))
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump(runs if args.vs else runs[0], f, indent=1)
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    runs = [summarize(args.workdir)] + ([summarize(args.vs)] if args.vs else [])
+    for run in runs:
+        print(describe(run))
+        if not args.no_plots:
+            from jaxtron.metrics.plots import write_plots
+            paths = write_plots(read_metrics(run["workdir"]), run["workdir"], run["workdir"])
+            print("plots: " + ", ".join(paths))
+        print()
+    if args.vs:
+        print(compare(*runs))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(runs if args.vs else runs[0], f, indent=1)
     return 0
 

@@ -54,7 +54,7 @@ def parse_args(argv: list[str]):
     from jaxtron.config.loader import parse_command_line
     from jaxtron.config.schema import ConfigError
 
-    cfg, args, spec = parse_command_line(["python -m jaxtron.plan", *argv], "configs/default.py", _define)
+    cfg, args, spec = parse_command_line(["jaxtron plan", *argv], "configs/default.py", _define)
     if args.gpus is None:
         raise ConfigError("option '--gpus' is missing; give the GPU count, e.g. --gpus=8.")
     if args.seq_len is not None:
@@ -179,17 +179,14 @@ def compile_report(cfg, sizes: dict[str, int], n: int, gpu, estimate) -> dict:
                 collectives=result.collectives, estimated_collectives=est.collectives)
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str]) -> int:
+    """`jaxtron plan`: prints the ranked meshes (and the dry run) the command line ``argv`` asks for."""
     from jaxtron.config.loader import HelpRequested
-    from jaxtron.config.schema import ConfigError
 
     try:
-        return run(sys.argv[1:] if argv is None else argv)
+        return run(argv)
     except HelpRequested as e:
-        print(f"usage: python -m jaxtron.plan --config=configs/X.py --gpus=N [--gpu=NAME] "
+        print(f"usage: jaxtron plan --config=configs/X.py --gpus=N [--gpu=NAME] "
               f"[--config.<section>.<field>=VALUE ...]\n\n{e}")
         return 0
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
 

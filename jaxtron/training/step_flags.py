@@ -15,7 +15,6 @@ from jaxtron.training.watchdog import Watchdog
 
 log = logging.getLogger(__name__)
 
-NONFINITE_EXIT_CODE = 3
 STEP_FLAGS = ("stop_requested", "nonfinite_stopped", "state_finite", "nonfinite_kind")  # for the loop, not metrics
 NONFINITE_KINDS = {1: "loss", 2: "gradients", 3: "loss and gradients"}
 

@@ -1,0 +1,66 @@
+"""`jaxtron train`: a config file and its overrides -> a training run (``jaxtron.training.loop.run``).
+
+    jaxtron train --config=configs/X.py --workdir=DIR [--config.<section>.<field>=VALUE ...] [--print_sharding]
+
+Exits 0 when the run reached ``train.steps``, and with ``PREEMPTED_EXIT_CODE`` when a signal stopped it after a
+checkpoint; errors end as every command's do (jaxtron/cli.py).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+# configs/ sits beside the package in the repository
+DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+                              "configs", "default.py")
+USAGE = "usage: jaxtron train --config=configs/X.py --workdir=DIR [--config.<section>.<field>=VALUE ...]"
+
+
+def _define(values) -> None:
+    from absl import flags
+    flags.DEFINE_string("workdir", None, "directory for metrics, TensorBoard events and checkpoints (default: "
+                        "runs/<config file name>)", flag_values=values)
+    flags.DEFINE_bool("print_sharding", False, "print the logical-axis rules and every parameter's sharding, then "
+                      "exit", flag_values=values)
+
+
+def parse_args(argv: list[str]):
+    """(Config, workdir, print_sharding) of the command line ``argv`` (without the program name)."""
+    from absl import flags
+
+    from jaxtron.config.loader import parse_command_line
+
+    cfg, values, spec = parse_command_line(["jaxtron train", *argv], DEFAULT_CONFIG, _define)
+    workdir = values.workdir
+    if workdir is None:
+        workdir = os.path.join("runs", os.path.splitext(os.path.basename(spec.partition(":")[0]))[0])
+    if not flags.FLAGS.is_parsed():  # the libraries' own absl flags (grain's) take their defaults
+        flags.FLAGS(["jaxtron"])
+    return cfg, workdir, values.print_sharding
+
+
+def main(argv: list[str]) -> int:
+    """Trains as the command line ``argv`` says; returns the exit code."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S")
+    logging.getLogger("jax._src.xla_bridge").setLevel(logging.WARNING)  # "no TPU found" is not news
+    logging.getLogger("absl").setLevel(logging.WARNING)  # orbax logs every file operation at INFO
+    from jaxtron.config.loader import HelpRequested
+
+    try:
+        cfg, workdir, print_sharding = parse_args(argv)
+    except HelpRequested as e:
+        print(f"{USAGE}\n\n{e}")
+        return 0
+    from jaxtron.parallel import launch
+    launch.initialize(cfg.distributed)  # before anything asks jax about devices
+    import jax
+    if jax.process_index() != 0:
+        logging.getLogger().setLevel(logging.WARNING)
+    from jaxtron.training.loop import run
+    from jaxtron.training.preemption import PREEMPTED_EXIT_CODE
+    try:
+        summary = run(cfg, workdir, print_sharding=print_sharding)
+    finally:
+        launch.finish()  # all processes leave together
+    return PREEMPTED_EXIT_CODE if summary.get("preempted") else 0
