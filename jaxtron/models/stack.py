@@ -1,0 +1,167 @@
+"""The layer stack: blocks whose parameters are stacked along one logical axis, and the one function that runs it.
+
+A model's blocks live in at most two stacks, each in block order: the dense blocks and the MoE blocks. The unit the
+stack is stepped over is a *period*: ``moe_every`` blocks of an MoE model (its dense blocks, then its MoE block), one
+block of a dense model. An MoE model's dense prefix (``first_dense_layers``) belongs to no period: it runs first,
+as a plain scan, and a pipeline schedule never stages it. With ``execution.fp8_skip_layers`` the blocks run as
+groups, the first and last ones in 16 bits and the ones between with FP8 matmuls (``layer_groups``).
+
+``run_stack`` scans the periods of each group in order, or hands them to a runner (a pipeline schedule,
+``jaxtron.training.pipeline.Schedule``), which calls ``body(hidden, one period's parameters, extras)`` however it
+places the periods. Every block runs under the remat policy ``execution.remat`` names (``remat_policy``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import itertools
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxtron.config.schema import ExecutionConfig, ModelConfig
+from jaxtron.ops import attention as attention_ops
+from jaxtron.ops import cudnn as cudnn_ops
+
+Stats = dict[str, jax.Array]
+# body(hidden [b, T, D], one period's parameters, extras) -> (hidden, that period's routing stats)
+Body = Callable[[jax.Array, Any, tuple], tuple[jax.Array, Stats]]
+# runner(body, hidden, the periods' parameters stacked [periods, ...], extras) -> (hidden, stats [periods, ...])
+StackRunner = Callable[[Body, jax.Array, Any, tuple], tuple[jax.Array, Stats]]
+
+
+def _attention_saveable(prim, *_, **__) -> bool:
+    """The outputs of the attention kernel: the output and, for cuDNN's flash kernel, its softmax statistics
+    (both needed by the backward kernel; saving only the output would rerun the forward kernel)."""
+    return cudnn_ops.is_forward(prim)
+
+
+_save_attention = jax.checkpoint_policies.save_from_both_policies(
+    jax.checkpoint_policies.save_only_these_names(attention_ops.OUTPUT_NAME), _attention_saveable)
+
+# execution.remat -> the jax checkpoint policy of a block ("none": no checkpoint at all)
+_POLICIES = {
+    "full": jax.checkpoint_policies.nothing_saveable,
+    # keep every weight matmul's output; recompute only elementwise ops and attention scores
+    "save_dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    # keep the attention output, so a flash-attention kernel runs once forward and once backward
+    "save_attention": _save_attention,
+    "save_dots_attention": jax.checkpoint_policies.save_from_both_policies(
+        jax.checkpoint_policies.dots_with_no_batch_dims_saveable, _save_attention),
+}
+
+
+def remat_policy(name: str) -> Callable | None:
+    """The checkpoint policy ``execution.remat`` names (None for 'none': everything is kept)."""
+    return _POLICIES.get(name)
+
+
+def remat_names() -> tuple[str, ...]:
+    """Every policy name this module implements, 'none' first."""
+    return ("none", *_POLICIES)
+
+
+@dataclasses.dataclass(frozen=True)
+class Group:
+    """A run of blocks ``first`` .. ``end`` - 1 that is scanned together."""
+    first: int
+    end: int
+    fp8: bool  # its projections use FP8 matmuls (expert GEMMs stay 16-bit)
+    prefix: bool  # it is (part of) the dense prefix: a plain scan, never staged
+
+
+def layer_groups(cfg: ModelConfig, execution: ExecutionConfig) -> list[Group]:
+    """The runs of blocks scanned together: cut at the dense prefix and, with ``execution.fp8_skip_layers``, where
+    the 16-bit first and last blocks meet the FP8 ones."""
+    n, skip = cfg.num_layers, execution.fp8_skip_layers if execution.fp8 else 0
+    cuts = sorted({0, n, cfg.prefix_layers, skip, n - skip})
+    return [Group(a, b, execution.fp8 and skip <= a < n - skip, b <= cfg.prefix_layers)
+            for a, b in itertools.pairwise(cuts)]
+
+
+def stacked(make: Callable[[nnx.Rngs], nnx.Module], rngs: nnx.Rngs, count: int, axis: str) -> nnx.Module | None:
+    """``count`` modules ``make(rngs)`` with their parameters stacked along the logical axis ``axis`` (None for
+    zero): ``layers`` for the periods a pipeline schedule runs, ``unstaged_layers`` for those it never does."""
+    if not count:
+        return None
+
+    @nnx.split_rngs(splits=count)
+    @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: axis})
+    def make_all(rngs: nnx.Rngs) -> nnx.Module:
+        return make(rngs)
+
+    return make_all(rngs)
+
+
+def scan_stack(body: Body, x: jax.Array, stack: Any, extras: tuple) -> tuple[jax.Array, Stats]:
+    """The runner without a pipeline: one scan over the periods in order; stats stacked [periods, ...]."""
+    return jax.lax.scan(lambda h, period: body(h, period, extras), x, stack)
+
+
+def _block_fn(graphdef: Any, fp8: bool, remat: str) -> Callable | None:
+    """(hidden, one block's parameters, positions[, segment ids]) -> (hidden, stats) for blocks of ``graphdef``,
+    rematerialised per ``remat``."""
+    if graphdef is None:
+        return None
+
+    def apply(h, block, positions, segment_ids=None):
+        return nnx.merge(graphdef, block)(h, positions, segment_ids, fp8)
+
+    policy = remat_policy(remat)
+    return apply if policy is None else jax.checkpoint(apply, policy=policy, prevent_cse=False)
+
+
+def _period(dense_fn: Callable | None, moe_fn: Callable | None, dense_per_period: int, h: jax.Array,
+            period: tuple[Any, Any], extras: tuple) -> tuple[jax.Array, Stats]:
+    """One period: its dense blocks ([dense_per_period, ...] when more than one), then its MoE block."""
+    dense, moe = period
+    if dense is not None and dense_per_period == 1:
+        h, _ = dense_fn(h, dense, *extras)
+    elif dense is not None:
+        for j in range(dense_per_period):
+            h, _ = dense_fn(h, jax.tree.map(lambda a, j=j: a[j], dense), *extras)
+    return (h, {}) if moe is None else moe_fn(h, moe, *extras)
+
+
+def _periods(tree: Any, per: int, first: int, end: int, whole: bool) -> Any:
+    """The blocks of periods ``first`` .. ``end`` - 1 of a stack holding ``per`` blocks per period: [periods, per,
+    ...] (per > 1) or [periods, ...]; all of it as stored when ``whole`` (a pipeline's stored stack may hold
+    identity periods after the model's)."""
+    if tree is None or not per:
+        return None
+    if per == 1:
+        return tree if whole else jax.tree.map(lambda a: a[first:end], tree)
+    return jax.tree.map(lambda a: a[first * per:end * per].reshape(end - first, per, *a.shape[1:]), tree)
+
+
+def run_stack(cfg: ModelConfig, execution: ExecutionConfig, dense: nnx.Module | None, moe: nnx.Module | None,
+              x: jax.Array, extras: tuple, runner: StackRunner | None = None) -> tuple[jax.Array, Stats]:
+    """Runs the dense and MoE stacks (stacked modules or None) on the residual stream ``x``: the prefix, then the
+    periods of each group through ``runner`` (default: a scan). ``extras`` are the positions and, for packed rows,
+    the segment ids. Returns the stack's output and the MoE blocks' routing stats, each stacked along its first
+    axis in block order (empty for a dense model)."""
+    dense_def, dense_state = nnx.split(dense) if dense is not None else (None, None)
+    moe_def, moe_state = nnx.split(moe) if moe is not None else (None, None)
+    prefix, period = cfg.prefix_layers, cfg.period
+    dense_per_period = period - 1 if cfg.num_experts else 1
+    stats = []
+    for group in layer_groups(cfg, execution):
+        dense_fn = _block_fn(dense_def, group.fp8, execution.remat)
+        if group.prefix:
+            blocks = jax.tree.map(lambda a, g=group: a[g.first:g.end], dense_state)
+            x, _ = scan_stack(lambda h, block, ex, f=dense_fn: f(h, block, *ex), x, blocks, extras)
+            continue
+        first, end = (group.first - prefix) // period, (group.end - prefix) // period
+        whole = (first, end) == (0, cfg.stack_periods)
+        periods = (_periods(dense_state, dense_per_period, first, end, whole),
+                   _periods(moe_state, 1, first, end, whole))
+        body = functools.partial(_period, dense_fn, _block_fn(moe_def, group.fp8, execution.remat), dense_per_period)
+        x, group_stats = (runner or scan_stack)(body, x, periods, extras)
+        stats.append(group_stats)
+    if not stats or not stats[0]:
+        return x, {}
+    return x, {k: jnp.concatenate([s[k] for s in stats]) for k in stats[0]}
