@@ -40,6 +40,7 @@ from jaxtron.checkpoint.train_state import Checkpointer
 from jaxtron.config.loader import load_config, split_overrides
 from jaxtron.config.schema import ConfigError
 from jaxtron.metrics.flops import param_count
+from jaxtron.parallel.checks import check_devices
 from jaxtron.parallel.mesh import make_mesh
 from jaxtron.training import state as state_lib
 from jaxtron.training.loop import save_checkpoint
@@ -99,7 +100,7 @@ def directory_bytes(path: str) -> int:
 
 def bench(cfg, directory: str, repeats: int, compress: bool, saves_only: bool = False) -> dict:
     devices = jax.devices()[:1]
-    mesh = make_mesh(cfg.check_devices(1), devices)
+    mesh = make_mesh(check_devices(cfg, 1), devices)
     with jax.set_mesh(mesh):
         setup = state_lib.setup(cfg, "xla")
         shardings = state_lib.state_shardings(mesh, setup.abstract_state)
@@ -228,8 +229,8 @@ def main(argv: list[str]) -> int:
             result[f"restore_{cache}{'_verified' if verify else ''}"] = {
                 k: summarize(rows, k) for k in ("seconds", "gb_per_s")}
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                            cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
-    report = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "commit": commit,
+                            cwd=os.path.dirname(os.path.abspath(__file__)), check=False).stdout.strip()
+    report = {"date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"), "commit": commit,
               "config": args.config, "zstd": args.zstd,
               "hash_after_commit": args.hash_after_commit, "overrides": [f"--config.{k}={v}" for k, v in overrides],
               "jax": jax.__version__, "cpus": os.cpu_count(), "python": platform.python_version(), **result}

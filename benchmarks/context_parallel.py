@@ -68,11 +68,11 @@ def write(path: str, rows: list[dict]) -> None:
     lines = [
         "# Context parallelism: compiled memory per device",
         "",
-        f"Command: `python benchmarks/context_parallel.py` (compiled at commit {commits}, jax {jax.__version__}, "
+        (f"Command: `python benchmarks/context_parallel.py` (compiled at commit {commits}, jax {jax.__version__}, "
         f"{platform.machine()} CPU, {DEVICES} fake devices). Llama-3.2 1B, bfloat16 compute, remat full, blockwise "
         "attention, one row per data-parallel rank (global batch 8 / sequence), fsdp over the other devices, loss "
         "in slices of 4096 tokens. Compiled: XLA's peak per device (arguments + temporaries). Estimated: "
-        "`estimate(cfg, mesh, cpu_program=True)`.",
+        "`estimate(cfg, mesh, cpu_program=True)`."),
         "",
         f"{inside} of {len(rows)} estimates are within {TOLERANCE:.0%} of the compiled peak.",
         "",

@@ -12,8 +12,9 @@ builds before the arrays go to its devices), after a warm-up, for each sequence 
 under /tmp, then starts --processes processes at once, each standing for one process of a run
 (jax.process_index / process_count set to its rank), and times in each, after its imports, the data
 start-up: make_sources (open the store, build the train split, the unigram fact) plus the first batch
-of 64 rows of 2048. The processes import first and start the clock together. Each --code DIR is a jaxtron source tree to time (e.g. an older commit extracted with
-git archive), the default this one; --verify adds data.verify=true runs. The store is deleted afterwards.
+of 64 rows of 2048. The processes import first and start the clock together. Each --code DIR is a jaxtron
+source tree to time (e.g. an older commit extracted with git archive), the default this one; --verify adds
+data.verify=true runs. The store is deleted afterwards.
 """
 
 from __future__ import annotations
@@ -184,9 +185,9 @@ def main(argv: list[str]) -> int:
         runs = startup(args)
         if args.output:
             commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                    cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip() or None
+                                    cwd=os.path.dirname(os.path.abspath(__file__)), check=False).stdout.strip() or None
             with open(args.output, "w") as f:
-                json.dump({"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                json.dump({"date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
                            "command": " ".join(["python", "benchmarks/data.py", *argv]), "commit": commit,
                            "cpus": os.cpu_count(), "startup": runs}, f, indent=2)
         return 0
@@ -204,8 +205,8 @@ def main(argv: list[str]) -> int:
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                            cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip() or None
-    report = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                            cwd=os.path.dirname(os.path.abspath(__file__)), check=False).stdout.strip() or None
+    report = {"date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
               "command": " ".join(["python", "benchmarks/data.py", *argv]), "commit": commit,
               "cpus": os.cpu_count(), "python": platform.python_version(), "prepare": prepares, "loader": loads}
     if args.output:

@@ -44,7 +44,7 @@ def _environment(smoke: bool) -> dict:
             out[key] = f"unknown ({type(e).__name__})"
     if shutil.which("nvidia-smi"):
         smi = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total,driver_version,clocks.max.sm,power.limit",
-                              "--format=csv,noheader"], capture_output=True, text=True, timeout=60)
+                              "--format=csv,noheader"], capture_output=True, text=True, timeout=60, check=False)
         out["nvidia_smi"] = smi.stdout.strip() or smi.stderr.strip()
     out["preset_env"] = {name: os.environ.get(name) for name in gpu_preset.ENV}
     out["xla_flags"] = os.environ.get("XLA_FLAGS", "")
@@ -149,7 +149,7 @@ def _attention_probe(smoke: bool) -> dict:
         def whole(q, k, v):
             return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=reference)
 
-        def blocks(q, k, v):
+        def blocks(q, k, v, pos=pos):
             return blockwise_attention(q, k, v, pos, pos)[0]
 
         flops = 3.5 * 2 * 2 * heads * length ** 2 * d / 2
@@ -196,10 +196,10 @@ def _chunks_probe(smoke: bool, reference: str) -> dict:
         pos = jnp.asarray(order[cols])[None]
         seg = jnp.ones_like(pos)
 
-        def by_blocks(q, k_all, v_all):
+        def by_blocks(q, k_all, v_all, pos=pos, order=order):
             return blockwise_attention(q, k_all, v_all, pos, jnp.asarray(order)[None])[0]
 
-        def by_chunks(q, k_all, v_all):
+        def by_chunks(q, k_all, v_all, pos=pos, seg=seg, cols=cols):
             return chunked.shard_attention(kernel, q, k_all[:, cols], v_all[:, cols], pos, seg, k_all, v_all,
                                            0, shards, max_segments=1)
 

@@ -3,8 +3,8 @@
     PYTHONPATH=. python3 benchmarks/gpu_suite.py --out DIR          # on the GPU machine, from the source tree
     PYTHONPATH=. python3 benchmarks/gpu_suite.py --out DIR --smoke  # the same code paths on a CPU, tiny shapes
 
-Steps, in order, each in its own process (``gpu_probes.py``, or pytest) with its own time box, each writing its results to DIR before the next
-starts (a step that fails or runs out of time is recorded and the rest go on):
+Steps, in order, each in its own process (``gpu_probes.py``, or pytest) with its own time box, each writing its
+results to DIR before the next starts (a step that fails or runs out of time is recorded and the rest go on):
 
 1. environment: device, memory, driver, jax/jaxlib/CUDA/cuDNN versions, the GPU preset and whether the installed
    jaxlib accepts its XLA flags;
@@ -44,8 +44,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
 # neither imports jax: the parent process never touches the GPU
-from jaxtron.metrics.hardware import peak_flops
 from jaxtron.gpu import preset as gpu_preset
+from jaxtron.metrics.hardware import peak_flops
 
 START = time.monotonic()
 
@@ -77,11 +77,14 @@ CASES = (
     Case("llama3_1b bf16", "configs/llama3_1b.py", _LLAMA1B),
     Case("llama3_1b fp8", "configs/llama3_1b.py", (*_LLAMA1B, ("execution.fp8", "True"))),
     Case("llama3_1b 32k bf16", "configs/llama3_1b.py", _LLAMA1B_32K),
-    Case("mixtral_8x7b 1/32 layers dropless", "configs/mixtral_8x7b.py", (*_MIXTRAL, ("execution.moe_mode", "dropless"))),
-    Case("mixtral_8x7b 1/32 layers capacity", "configs/mixtral_8x7b.py", (*_MIXTRAL, ("execution.moe_mode", "capacity"))),
+    Case("mixtral_8x7b 1/32 layers dropless", "configs/mixtral_8x7b.py",
+         (*_MIXTRAL, ("execution.moe_mode", "dropless"))),
+    Case("mixtral_8x7b 1/32 layers capacity", "configs/mixtral_8x7b.py",
+         (*_MIXTRAL, ("execution.moe_mode", "capacity"))),
 )
-SMOKE_SHAPE = {"model.num_layers": "1", "model.embed_dim": "64", "model.num_heads": "4", "model.num_kv_heads": "2",
-               "model.head_dim": "16", "model.mlp_dim": "128", "model.vocab_size": "512", "data.seq_len": "64",
+SMOKE_SHAPE = {"model.num_layers": "1", "model.embed_dim": "64", "model.attention.num_heads": "4",
+               "model.attention.num_kv_heads": "2", "model.attention.head_dim": "16", "model.mlp_dim": "128",
+               "model.vocab_size": "512", "data.seq_len": "64",
                "train.global_batch_size": "4", "train.logit_chunks": "2"}
 
 
@@ -238,7 +241,7 @@ def install_wheels(wheel_dir: str, log, target: str | None = None) -> dict:
            "--no-cache-dir", "--upgrade", "--target", target, *wheels]
     log.write(f"\n===== wheels: {' '.join(cmd)}\n")
     log.flush()
-    rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, timeout=300).returncode
+    rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, timeout=300, check=False).returncode
     names = [os.path.basename(w) for w in wheels]
     if rc != 0:
         return {"status": f"pip failed (exit {rc}); the steps run without them", "dir": wheel_dir, "wheels": names}
@@ -271,9 +274,9 @@ def _commit(given: str | None) -> str:
         return given
     try:
         sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True,
-                             timeout=30).stdout.strip()
+                             timeout=30, check=False).stdout.strip()
         dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO,
-                               capture_output=True, text=True, timeout=30).stdout.strip()
+                               capture_output=True, text=True, timeout=30, check=False).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         return "unknown"
     return (sha + (" with local changes" if dirty else "")) if sha else "unknown"
@@ -284,7 +287,9 @@ def _fmt(x, digits: int = 4) -> str:
 
 
 def _of_peak(tflops: float, peak: float | None) -> str:
-    return "no datasheet peak" if peak is None else f"{100 * tflops / (peak / 1e12):.1f}% of the {peak / 1e12:g} dense peak"
+    if peak is None:
+        return "no datasheet peak"
+    return f"{100 * tflops / (peak / 1e12):.1f}% of the {peak / 1e12:g} dense peak"
 
 
 def markdown(report: dict) -> str:
@@ -314,13 +319,13 @@ def markdown(report: dict) -> str:
         bf, f8, cp, rd = ceil["bf16_matmul"], ceil["fp8_matmul"], ceil["hbm_copy"], ceil["ragged_dot"]
         peak = {p: peak_flops(device, p)[0] for p in ("bfloat16", "fp8")}
         lines += ["| ceiling | best | median | note |", "|---|---|---|---|",
-                  f"| bf16 {n}^3 matmul | {_fmt(bf['tflops'])} TFLOP/s | {_fmt(2 * n ** 3 / bf['median_s'] / 1e12)} "
-                  f"TFLOP/s | {_of_peak(bf['tflops'], peak['bfloat16'])} |",
-                  f"| fp8 {n}^3 matmul | {_fmt(f8['tflops'])} TFLOP/s | {_fmt(2 * n ** 3 / f8['median_s'] / 1e12)} "
+                  (f"| bf16 {n}^3 matmul | {_fmt(bf['tflops'])} TFLOP/s | {_fmt(2 * n ** 3 / bf['median_s'] / 1e12)} "
+                  f"TFLOP/s | {_of_peak(bf['tflops'], peak['bfloat16'])} |"),
+                  (f"| fp8 {n}^3 matmul | {_fmt(f8['tflops'])} TFLOP/s | {_fmt(2 * n ** 3 / f8['median_s'] / 1e12)} "
                   f"TFLOP/s | {_of_peak(f8['tflops'], peak['fp8'])}; cuBLASLt FP8 GEMM in the HLO: "
-                  f"{'yes' if f8['cublaslt_fp8_gemm'] else 'no'} |",
-                  f"| HBM copy ({_fmt(cp['bytes'] / 2**30, 3)} GiB read + written) | {_fmt(cp['tb_per_s'])} TB/s | "
-                  f"{_fmt(cp['bytes'] / cp['median_s'] / 1e12)} TB/s | |"]
+                  f"{'yes' if f8['cublaslt_fp8_gemm'] else 'no'} |"),
+                  (f"| HBM copy ({_fmt(cp['bytes'] / 2**30, 3)} GiB read + written) | {_fmt(cp['tb_per_s'])} TB/s | "
+                  f"{_fmt(cp['bytes'] / cp['median_s'] / 1e12)} TB/s | |")]
         for name, v in rd.items():
             if isinstance(v, dict):
                 value = v.get("error") or f"{v['over_dense']:.2f}x one dense GEMM of the same FLOPs"
@@ -329,16 +334,16 @@ def markdown(report: dict) -> str:
         lines.append("")
     att = next((s.get("result") for s in report["steps"] if s["name"] == "attention"), None)
     if att:
-        lines += [f"| causal attention, {att['heads']} heads ({att['kv_heads']} kv) x {att['head_dim']}, forward + "
+        lines += [(f"| causal attention, {att['heads']} heads ({att['kv_heads']} kv) x {att['head_dim']}, forward + "
                   f"backward | {att['reference']} | blockwise (XLA) | blockwise / {att['reference']} | "
-                  "largest difference |", "|---|---|---|---|---|"]
+                  "largest difference |"), "|---|---|---|---|---|"]
         for length, r in att["lengths"].items():
             lines.append(f"| {length} tokens | {_fmt(r['whole']['best_s'])} s, {_fmt(r['whole']['tflops'])} TFLOP/s | "
                          f"{_fmt(r['blockwise']['best_s'])} s, {_fmt(r['blockwise']['tflops'])} TFLOP/s | "
                          f"{r['blockwise_over_whole']:.2f}x | {r['max_abs_difference']:.2e} |")
         lines.append("")
-        lines += ["| latent attention (DeepSeek-V3 head sizes), forward + backward | kernel | time | "
-                  "largest difference from XLA (fp32) |", "|---|---|---|---|"]
+        lines += [("| latent attention (DeepSeek-V3 head sizes), forward + backward | kernel | time | "
+                  "largest difference from XLA (fp32) |"), "|---|---|---|---|"]
         r = att.get("latent")
         if r:
             result = (r["error"], "") if "error" in r else (f"{_fmt(r['best_s'])} s", f"{r['max_abs_difference']:.2e}")
@@ -347,8 +352,8 @@ def markdown(report: dict) -> str:
         lines.append("")
         ch = att.get("chunks")
         if ch:
-            lines += [f"| one device of sequence={ch['shards']}, forward + backward | blockwise (XLA) | "
-                      f"{ch['kernel']} by chunks | chunks / blockwise | largest difference |", "|---|---|---|---|---|"]
+            lines += [(f"| one device of sequence={ch['shards']}, forward + backward | blockwise (XLA) | "
+                      f"{ch['kernel']} by chunks | chunks / blockwise | largest difference |"), "|---|---|---|---|---|"]
 
             def cell(r):
                 return r["error"] if "error" in r else f"{_fmt(r['best_s'])} s, {_fmt(r['tflops'])} TFLOP/s"
@@ -365,8 +370,8 @@ def markdown(report: dict) -> str:
         lines.append("")
     rows = [s for s in report["steps"] if s["name"].startswith("mfu: ")]
     if rows:
-        lines += ["| case | precision | attention | remat | seq | batch | step s (min-max) | tokens/s | "
-                  "TFLOP/s | MFU | of ceiling | peak mem |", "|" + "---|" * 12]
+        lines += [("| case | precision | attention | remat | seq | batch | step s (min-max) | tokens/s | "
+                  "TFLOP/s | MFU | of ceiling | peak mem |"), "|" + "---|" * 12]
         for s in rows:
             r = s.get("result")
             if not r:
@@ -434,7 +439,7 @@ def main(argv: list[str]) -> int:
             return 2
     deadline = START + budget
     os.makedirs(args.out, exist_ok=True)
-    report = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    report = {"date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
               "command": " ".join(["python3", "benchmarks/gpu_suite.py", *argv]), "commit": _commit(args.commit),
               "smoke": args.smoke, "budget_s": budget, "host": platform.node(), "steps": []}
     with open(os.path.join(args.out, "log.txt"), "w") as log:

@@ -3,10 +3,10 @@
     python benchmarks/mfu.py configs/default.py [configs/llama3_8b.py ...] [--steps 10] [--warmup 2]
         [--output results.json] [--sweep mesh.expert=1,2,4,8] [--config.<section>.<field>=<value> ...]
 
-Overrides apply to every config; ``--sweep FIELD=V1,V2,...`` runs every config once per value of FIELD. Each config is compiled, warmed up, then timed step by step
-(each step waits for the device); the table reports the median step time and its spread
-(min-max), tokens/s, model TFLOP/s per device, MFU against the dense peak, the fraction of a
-matmul ceiling measured in the same process, and peak device memory where the backend reports it.
+Overrides apply to every config; ``--sweep FIELD=V1,V2,...`` runs every config once per value of FIELD. Each
+config is compiled, warmed up, then timed step by step (each step waits for the device); the table reports the
+median step time and its spread (min-max), tokens/s, model TFLOP/s per device, MFU against the dense peak, the
+fraction of a matmul ceiling measured in the same process, and peak device memory where the backend reports it.
 """
 
 from __future__ import annotations
@@ -30,10 +30,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from jaxtron.config.loader import load_config, split_overrides
 from jaxtron.config.schema import ConfigError
 from jaxtron.data.loader import SyntheticSource, global_batch
+from jaxtron.gpu import preset as gpu_preset
 from jaxtron.metrics.flops import param_count
 from jaxtron.metrics.throughput import Throughput
-from jaxtron.gpu import preset as gpu_preset
 from jaxtron.ops.attention import resolve_implementation
+from jaxtron.parallel.checks import check_devices
 from jaxtron.parallel.mesh import make_mesh
 from jaxtron.parallel.sharding import batch_sharding, shard_count
 from jaxtron.training import state as state_lib
@@ -69,7 +70,7 @@ def bench_one(spec: str, overrides, steps: int, warmup: int) -> dict:
     cfg = load_config(spec, overrides)
     cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, source="synthetic"))
     devices = jax.devices()
-    sizes = cfg.check_devices(len(devices))
+    sizes = check_devices(cfg, len(devices))
     mesh = make_mesh(sizes, devices)
     impl = resolve_implementation(cfg.execution.attention, jnp.dtype(cfg.execution.dtype),
                                   cfg.model.qk_head_dim,
@@ -143,15 +144,16 @@ def main(argv: list[str]) -> int:
         if args.sweep:
             field, _, values = args.sweep.partition("=")
             if not field or not values:
-                raise ConfigError(f"--sweep {args.sweep!r} is not FIELD=V1,V2,...; write e.g. --sweep mesh.expert=1,2,4.")
+                raise ConfigError(f"--sweep {args.sweep!r} is not FIELD=V1,V2,...; write e.g. "
+                                  "--sweep mesh.expert=1,2,4.")
             variants = [[*overrides, (field, v)] for v in values.split(",")]
         rows = [bench_one(spec, v, args.steps, args.warmup) for spec in args.configs for v in variants]
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                            cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip() or None
-    report = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                            cwd=os.path.dirname(os.path.abspath(__file__)), check=False).stdout.strip() or None
+    report = {"date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
               "command": " ".join([os.path.basename(sys.executable), "benchmarks/mfu.py", *argv]), "commit": commit,
               "device_kind": jax.devices()[0].device_kind, "device_count": jax.device_count(),
               "jax": jax.__version__, "python": platform.python_version(),
@@ -160,7 +162,8 @@ def main(argv: list[str]) -> int:
     if args.output:
         with open(args.output, "w") as f:
             json.dump(report, f, indent=2)
-    print(f"{report['command']}  (commit {commit}, {report['device_count']}x {report['device_kind']}, jax {jax.__version__})")
+    print(f"{report['command']}  (commit {commit}, {report['device_count']}x {report['device_kind']}, "
+          f"jax {jax.__version__})")
     print("timing: median of per-step wall times after compile and warm-up, each step waited for")
     print(table(rows))
     if any(r["mfu_basis"] != "dense datasheet peak" for r in rows):

@@ -51,8 +51,8 @@ LAYOUTS = [("fsdp=8", dict(pipeline=1, fsdp=8), PipelineConfig()),
 
 def config(mesh: dict, pipeline: PipelineConfig, steps: int) -> Config:
     """An 8-layer Llama-style model of 2.2M parameters, float32, sequence 128, 32 rows per step."""
-    model = ModelConfig(name="bench", vocab_size=1024, embed_dim=128, num_layers=8, num_heads=4, num_kv_heads=2,
-                        mlp_dim=512, max_seq_len=128)
+    model = ModelConfig(name="bench", vocab_size=1024, embed_dim=128, num_layers=8,
+                        attention=dict(num_heads=4, num_kv_heads=2), mlp_dim=512, max_seq_len=128)
     return Config(model=model, execution=ExecutionConfig(dtype="float32"), mesh=MeshConfig(**mesh),
                   pipeline=pipeline, train=TrainConfig(steps=steps, global_batch_size=32, log_every=1, eval_batches=0),
                   optimizer=OptimizerConfig(warmup_steps=1), data=DataConfig(source="synthetic", seq_len=128))
@@ -80,8 +80,8 @@ def main() -> None:
               f"({min(times):.3f}-{max(times):.3f})  state+batch {rows[-1]['argument_mib']:.1f} MiB  "
               f"temporaries {rows[-1]['temp_mib']:.1f} MiB  peak {rows[-1]['peak_mib']:.1f} MiB", flush=True)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                            cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
-    report = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), commit=commit,
+                            cwd=os.path.dirname(os.path.abspath(__file__)), check=False).stdout.strip()
+    report = dict(date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"), commit=commit,
                   jax=jax.__version__, cpus=os.cpu_count(), devices=jax.device_count(), steps=args.steps, rows=rows)
     if args.output:
         with open(args.output, "w") as f:

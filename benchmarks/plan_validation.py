@@ -45,9 +45,9 @@ PAIRS = [  # (config, devices, overrides)
     # grouped GEMM to every row times every local expert; jaxtron/models/moe.py); flat and pipelined (58 MoE
     # layers on 4 stages, 2 identity ones)
     ("deepseek_v3", 64, ["data.seq_len=4096", "train.global_batch_size=256", "execution.moe_mode=capacity",
-                         "model.num_experts=32", "mesh.fsdp=8", "mesh.expert=8"]),
+                         "model.moe.num_experts=32", "mesh.fsdp=8", "mesh.expert=8"]),
     ("deepseek_v3", 64, ["data.seq_len=4096", "train.global_batch_size=256", "execution.moe_mode=capacity",
-                         "model.num_experts=32", "mesh.fsdp=2", "mesh.expert=8", "mesh.pipeline=4",
+                         "model.moe.num_experts=32", "mesh.fsdp=2", "mesh.expert=8", "mesh.pipeline=4",
                          "pipeline.uneven_stages=True"]),
 ]
 GIB = 2.0**30
@@ -71,10 +71,11 @@ def estimate_of(config: str, devices: int, overrides: list[str]):
     """(mesh sizes, the planner's estimate) of the program ``compile_one`` compiles for the same arguments."""
     sys.path.insert(0, ROOT)
     from jaxtron.config.loader import load_config
+    from jaxtron.parallel.checks import check_devices
     from jaxtron.planning.estimate import estimate
     from jaxtron.planning.gpus import gpu
     cfg = load_config(os.path.join(ROOT, "configs", f"{config}.py"), [tuple(a.split("=", 1)) for a in overrides])
-    sizes = cfg.check_devices(devices)
+    sizes = check_devices(cfg, devices)
     return sizes, estimate(cfg, sizes, gpu("h100"), cpu_program=True)
 
 
@@ -120,7 +121,7 @@ def main() -> int:
 
 def _commit() -> str:
     return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                          text=True).stdout.strip()
+                          text=True, check=False).stdout.strip()
 
 
 def write(path: str, rows: list[dict]) -> None:
@@ -131,15 +132,15 @@ def write(path: str, rows: list[dict]) -> None:
     lines = [
         "# Planner memory estimate vs the compiler",
         "",
-        f"Command: `python benchmarks/plan_validation.py` (compiled at commit {commit}, jax {jax.__version__}, "
+        (f"Command: `python benchmarks/plan_validation.py` (compiled at commit {commit}, jax {jax.__version__}, "
         f"{platform.machine()} CPU, fake devices). Compiled: XLA's memory analysis of the real train step "
         "(arguments + temporaries + outputs not aliased to donated inputs), per device. Estimated: "
-        "`jaxtron.planning.estimate.estimate(cfg, mesh, cpu_program=True)`, the analytic model of the same program.",
+        "`jaxtron.planning.estimate.estimate(cfg, mesh, cpu_program=True)`, the analytic model of the same program."),
         "",
         f"{inside} of {len(rows)} estimates are within {TOLERANCE:.0%} of the compiled peak.",
         "",
-        "| model | devices | mesh | seq | rows/device | remat | micro | pipeline (M x V) | dtype | "
-        "compiled GiB (args + temp) | estimated GiB | error |",
+        ("| model | devices | mesh | seq | rows/device | remat | micro | pipeline (M x V) | dtype | "
+        "compiled GiB (args + temp) | estimated GiB | error |"),
         "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
@@ -156,8 +157,8 @@ def write(path: str, rows: list[dict]) -> None:
             f"{over.get('train.microbatches', 1)} | {schedule} | {over['execution.dtype']} | {c['peak'] / GIB:.2f} "
             f"({c['arguments'] / GIB:.2f} + {c['temp'] / GIB:.2f}) | {r['estimated'] / GIB:.2f} | "
             f"{100 * r['error']:+.1f}% |")
-    lines += ["", "Collective bytes per step and device, compiled vs estimated (GiB; XLA:CPU emits all-reduce where "
-              "a GPU reduce-scatters, so those two are summed):", "",
+    lines += ["", ("Collective bytes per step and device, compiled vs estimated (GiB; XLA:CPU emits all-reduce where "
+              "a GPU reduce-scatters, so those two are summed):"), "",
               "| model | mesh | dtype | all-gather | all-reduce + reduce-scatter | all-to-all | collective-permute |",
               "|---|---|---|---|---|---|---|"]
     for r in rows:

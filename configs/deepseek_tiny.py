@@ -14,11 +14,13 @@ import ml_collections
 def get_config():
     c = ml_collections.ConfigDict()
     version = f"{sys.version_info.major}{sys.version_info.minor}"
-    c.model = dict(name="deepseek_tiny", vocab_size=256, embed_dim=128, num_layers=4, num_heads=4, num_kv_heads=4,
-                   head_dim=32, qk_rope_head_dim=16, v_head_dim=32, q_lora_rank=64, kv_lora_rank=32, mlp_dim=384,
-                   max_seq_len=1024, rope_theta=10_000.0, tie_embeddings=True, num_experts=16, experts_per_token=2,
-                   expert_dim=64, shared_experts=1, first_dense_layers=1, router="sigmoid", router_groups=4,
-                   router_top_groups=2, router_scale=1.0, router_renormalize=True)
+    c.model = dict(name="deepseek_tiny", vocab_size=256, embed_dim=128, num_layers=4, mlp_dim=384, max_seq_len=1024,
+                   tie_embeddings=True, rope=dict(theta=10_000.0),
+                   attention=dict(num_heads=4, num_kv_heads=4, head_dim=32, qk_rope_head_dim=16, v_head_dim=32,
+                                  q_lora_rank=64, kv_lora_rank=32),
+                   moe=dict(num_experts=16, experts_per_token=2, expert_dim=64, shared_experts=1, first_dense_layers=1,
+                            router="sigmoid", router_groups=4, router_top_groups=2, router_scale=1.0,
+                            router_renormalize=True))
     c.execution = dict(dtype="float32", moe_mode="dropless")
     c.train = dict(steps=300, seed=0, global_batch_size=16, log_every=20, eval_every=100, eval_batches=8,
                    router_aux_loss=0.0, router_z_loss=0.0, router_bias_rate=0.001)

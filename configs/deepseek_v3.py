@@ -15,14 +15,15 @@ import ml_collections
 
 def get_config():
     c = ml_collections.ConfigDict()
-    c.model = dict(name="deepseek_v3", vocab_size=129280, embed_dim=7168, num_layers=61, num_heads=128,
-                   num_kv_heads=128, head_dim=128, qk_rope_head_dim=64, v_head_dim=128, q_lora_rank=1536,
-                   kv_lora_rank=512, mlp_dim=18432, norm_eps=1e-6, rope_theta=10000.0, rope_scaling="yarn",
-                   rope_scaling_factor=40.0, rope_original_max_len=4096, rope_beta_fast=32.0, rope_beta_slow=1.0,
-                   rope_mscale=1.0, rope_mscale_all_dim=1.0, max_seq_len=163840, tie_embeddings=False,
-                   num_experts=256, experts_per_token=8, expert_dim=2048, shared_experts=1, first_dense_layers=3,
-                   moe_every=1, router="sigmoid", router_groups=8, router_top_groups=4, router_scale=2.5,
-                   router_renormalize=True, init_std=0.006)
+    c.model = dict(name="deepseek_v3", vocab_size=129280, embed_dim=7168, num_layers=61, mlp_dim=18432, norm_eps=1e-6,
+                   max_seq_len=163840, tie_embeddings=False, init_std=0.006,
+                   attention=dict(num_heads=128, num_kv_heads=128, head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
+                                  q_lora_rank=1536, kv_lora_rank=512),
+                   rope=dict(theta=10000.0, scaling="yarn", factor=40.0, original_max_len=4096, beta_fast=32.0,
+                             beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0),
+                   moe=dict(num_experts=256, experts_per_token=8, expert_dim=2048, shared_experts=1,
+                            first_dense_layers=3, every=1, router="sigmoid", router_groups=8, router_top_groups=4,
+                            router_scale=2.5, router_renormalize=True))
     c.execution = dict(dtype="bfloat16", remat="full", moe_mode="dropless")
     c.train = dict(steps=1000, global_batch_size=1024, log_every=10, eval_batches=0, router_aux_loss=0.0001,
                    router_z_loss=0.0, router_bias_rate=0.001)

@@ -5,10 +5,10 @@ import ml_collections
 
 def get_config():
     c = ml_collections.ConfigDict()
-    c.model = dict(name="llama3_1b", vocab_size=128256, embed_dim=2048, num_layers=16, num_heads=32, num_kv_heads=8,
-                   head_dim=64, mlp_dim=8192, norm_eps=1e-5, rope_theta=500_000.0, rope_scaling_factor=32.0,
-                   rope_low_freq_factor=1.0, rope_high_freq_factor=4.0, rope_original_max_len=8192, max_seq_len=131072,
-                   tie_embeddings=True)
+    c.model = dict(name="llama3_1b", vocab_size=128256, embed_dim=2048, num_layers=16, mlp_dim=8192, norm_eps=1e-5,
+                   max_seq_len=131072, tie_embeddings=True, attention=dict(num_heads=32, num_kv_heads=8, head_dim=64),
+                   rope=dict(theta=500_000.0, factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                             original_max_len=8192))
     c.execution = dict(dtype="bfloat16", remat="full")
     c.train = dict(steps=1000, global_batch_size=256, log_every=10, eval_batches=0)
     c.optimizer = dict(learning_rate=3e-4, warmup_steps=100, weight_decay=0.1)

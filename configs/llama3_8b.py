@@ -8,9 +8,9 @@ import ml_collections
 
 def get_config():
     c = ml_collections.ConfigDict()
-    c.model = dict(name="llama3_8b", vocab_size=128256, embed_dim=4096, num_layers=32, num_heads=32, num_kv_heads=8,
-                   head_dim=128, mlp_dim=14336, norm_eps=1e-5, rope_theta=500_000.0, max_seq_len=8192,
-                   tie_embeddings=False)
+    c.model = dict(name="llama3_8b", vocab_size=128256, embed_dim=4096, num_layers=32, mlp_dim=14336, norm_eps=1e-5,
+                   max_seq_len=8192, tie_embeddings=False, attention=dict(num_heads=32, num_kv_heads=8, head_dim=128),
+                   rope=dict(theta=500_000.0))
     c.execution = dict(dtype="bfloat16", remat="full")
     c.train = dict(steps=1000, global_batch_size=64, log_every=10, eval_batches=0)
     c.optimizer = dict(learning_rate=3e-4, warmup_steps=100, weight_decay=0.1)

@@ -13,9 +13,9 @@ import ml_collections
 def get_config():
     c = ml_collections.ConfigDict()
     version = f"{sys.version_info.major}{sys.version_info.minor}"
-    c.model = dict(name="mixtral_tiny", vocab_size=256, embed_dim=128, num_layers=4, num_heads=4, num_kv_heads=2,
-                   mlp_dim=256, max_seq_len=1024, rope_theta=10_000.0, tie_embeddings=True, num_experts=8,
-                   experts_per_token=2)
+    c.model = dict(name="mixtral_tiny", vocab_size=256, embed_dim=128, num_layers=4, mlp_dim=256, max_seq_len=1024,
+                   tie_embeddings=True, attention=dict(num_heads=4, num_kv_heads=2), rope=dict(theta=10_000.0),
+                   moe=dict(num_experts=8, experts_per_token=2))
     c.execution = dict(dtype="float32", moe_mode="dropless")
     c.train = dict(steps=300, seed=0, global_batch_size=16, log_every=20, eval_every=100, eval_batches=8,
                    router_aux_loss=0.01, router_z_loss=0.001)

@@ -21,12 +21,12 @@ def get_config(size: str = "8b"):
         raise ValueError(f"unknown Qwen3 size {size!r}, not one of {', '.join(SIZES)}")
     embed, layers, heads, kv_heads, width, experts, tied = SIZES[size]
     c = ml_collections.ConfigDict()
-    c.model = dict(name=f"qwen3_{size}", vocab_size=151936, embed_dim=embed, num_layers=layers, num_heads=heads,
-                   num_kv_heads=kv_heads, head_dim=128, qk_norm=True, mlp_dim=width, norm_eps=1e-6,
-                   rope_theta=1_000_000.0, max_seq_len=40960, tie_embeddings=tied)
+    c.model = dict(name=f"qwen3_{size}", vocab_size=151936, embed_dim=embed, num_layers=layers, mlp_dim=width,
+                   norm_eps=1e-6, max_seq_len=40960, tie_embeddings=tied, rope=dict(theta=1_000_000.0),
+                   attention=dict(num_heads=heads, num_kv_heads=kv_heads, head_dim=128, qk_norm=True))
     c.train = dict(steps=1000, global_batch_size=256, log_every=10, eval_batches=0)
     if experts:
-        c.model.update(num_experts=experts, experts_per_token=8, moe_every=1, router_renormalize=True)
+        c.model.moe = dict(num_experts=experts, experts_per_token=8, every=1, router_renormalize=True)
         c.train.router_aux_loss = 0.001
     c.execution = dict(dtype="bfloat16", remat="full")
     c.optimizer = dict(learning_rate=3e-4, warmup_steps=100, weight_decay=0.1)

@@ -12,6 +12,7 @@ from jaxtron.config.schema import (
     ModelConfig,
     OptimizerConfig,
     TrainConfig,
+    replace,
 )
 
 MESHES = {
@@ -25,16 +26,18 @@ MESHES = {
 
 def tiny_config(mesh: dict | None = None, **sections) -> Config:
     """A 2-layer GQA model on synthetic tokens, computing in float32; every dimension divides 8. ``sections``:
-    fields to replace, per section (``model=dict(num_layers=3)``, ``execution=dict(remat="full")``)."""
-    model = ModelConfig(name="test", vocab_size=256, embed_dim=64, num_layers=2, num_heads=4, num_kv_heads=2,
-                        mlp_dim=128, max_seq_len=64, rope_theta=10_000.0)
+    fields to replace, per section (``model=dict(num_layers=3, moe=dict(num_experts=4))``, ``execution=dict(remat=
+    "full")``); a model group given as a dict changes only the fields it names."""
+    model = ModelConfig(name="test", vocab_size=256, embed_dim=64, num_layers=2,
+                        attention=dict(num_heads=4, num_kv_heads=2), rope=dict(theta=10_000.0), mlp_dim=128,
+                        max_seq_len=64)
     execution = ExecutionConfig(dtype="float32")
     train = TrainConfig(steps=3, seed=0, global_batch_size=8, log_every=1, eval_batches=0)
     optimizer = OptimizerConfig(learning_rate=1e-2, warmup_steps=1)
     data = DataConfig(source="synthetic", seq_len=32)
     cfg = Config(model=model, execution=execution, mesh=MeshConfig(**(mesh or dict(fsdp=1))), train=train,
                  optimizer=optimizer, data=data)
-    return dataclasses.replace(cfg, **{k: dataclasses.replace(getattr(cfg, k), **v) for k, v in sections.items()})
+    return dataclasses.replace(cfg, **{k: replace(getattr(cfg, k), **v) for k, v in sections.items()})
 
 
 def largest_float_array(hlo: str) -> int:
@@ -59,10 +62,19 @@ def learning_run(config: str, workdir, devices: int, *args: str):
     env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_")}
     env.update(XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", JAX_PLATFORMS="cpu")
     return subprocess.run([sys.executable, "train.py", f"--config={os.path.join(repo, 'configs', config)}", *args,
-                           f"--workdir={workdir}"], cwd=repo, env=env, capture_output=True, text=True, timeout=600)
+                           f"--workdir={workdir}"], cwd=repo, env=env, capture_output=True, text=True, timeout=600,
+                          check=False)
 
 
 def logged_entropy(log: str) -> float:
     """The unigram entropy of the training text that a run logs."""
     import re
     return float(re.search(r"unigram entropy of the training text ([0-9.]+)", log)[1])
+
+
+def metrics_lines(workdir) -> list[dict]:
+    """The lines a run wrote to ``workdir/metrics.jsonl``, parsed."""
+    import json
+    from pathlib import Path
+
+    return [json.loads(line) for line in Path(workdir, "metrics.jsonl").read_text().splitlines() if line.strip()]

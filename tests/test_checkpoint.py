@@ -2,21 +2,24 @@
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import jax
 import numpy as np
 import pytest
 from conftest import REPO
 from flax import nnx
-from helpers import tiny_config
+from helpers import metrics_lines, tiny_config
 from test_multiprocess import TINY, _env
 
 from jaxtron.checkpoint.train_state import CHECKPOINT_DIR, Checkpointer, CheckpointError, _check_compatible
+from jaxtron.parallel.checks import check_devices
 from jaxtron.parallel.mesh import make_mesh
 from jaxtron.training import state as state_lib
 from jaxtron.training.loop import run
@@ -40,7 +43,7 @@ def test_resume_from_an_earlier_checkpoint_is_bit_exact(tmp_path):
     assert [h["loss"] for h in second["history"]] == [h["loss"] for h in first["history"][2:]]
     for a, b in zip(_leaves(second["state"]), _leaves(first["state"])):
         np.testing.assert_array_equal(a, b)
-    lines = [json.loads(l) for l in open(tmp_path / "metrics.jsonl")]
+    lines = metrics_lines(tmp_path)
     assert [l["step"] for l in lines] == [1, 2, 3, 4, 5, 6]  # the lost steps were logged again, once
 
 
@@ -55,7 +58,7 @@ def test_a_finished_run_is_not_trained_again(tmp_path):
 @pytest.mark.slow
 def test_a_checkpoint_restores_onto_other_meshes_with_identical_values(tmp_path):
     cfg = tiny_config(dict(fsdp=8))
-    mesh = make_mesh(cfg.check_devices(8))
+    mesh = make_mesh(check_devices(cfg, 8))
     setup = state_lib.setup(cfg, "xla")
     with jax.set_mesh(mesh):
         state = state_lib.init_state(cfg, "xla", state_lib.state_shardings(mesh, setup.abstract_state))
@@ -64,7 +67,7 @@ def test_a_checkpoint_restores_onto_other_meshes_with_identical_values(tmp_path)
     ckpt.close()
     for sizes, devices in ((dict(data=2, fsdp=2, tensor=2), jax.devices()), (dict(fsdp=4), jax.devices()[:4])):
         other = tiny_config(sizes)
-        mesh2 = make_mesh(other.check_devices(len(devices)), devices)
+        mesh2 = make_mesh(check_devices(other, len(devices)), devices)
         shardings = state_lib.state_shardings(mesh2, setup.abstract_state)
         restored, data = Checkpointer(str(tmp_path), keep=1).restore(1, setup.abstract_state, shardings, other)
         assert data == {"step": 1}
@@ -97,13 +100,26 @@ def test_compatibility_compares_every_architecture_field_and_reads_older_layouts
     _check_compatible(saved, cfg, "old")
     renamed = {**saved, "model": {**saved["model"], "name": "other", "init_std": 0.5}}
     _check_compatible(renamed, cfg, "renamed")  # a label and the initialisation are not the architecture
-    for field, value in (("rope_theta", 1234.0), ("norm_eps", 1e-3), ("router_renormalize", False),
-                         ("rope_scaling_factor", 8.0), ("activation", "gelu")):
-        changed = {**saved, "model": {**saved["model"], field: value}}
-        with pytest.raises(CheckpointError, match=rf"another model architecture \(model\.{field} "):
+    for path, value in (("rope.theta", 1234.0), ("norm_eps", 1e-3), ("moe.router_renormalize", False),
+                        ("rope.factor", 8.0), ("activation", "gelu"), ("attention.num_kv_heads", 4)):
+        changed = json.loads(json.dumps(saved))
+        *groups, name = path.split(".")
+        target = changed["model"]
+        for group in groups:
+            target = target[group]
+        target[name] = value
+        with pytest.raises(CheckpointError, match=rf"another model architecture \(model\.{re.escape(path)} "):
             _check_compatible(changed, cfg, "changed")
-    fewer = {**saved, "model": {k: v for k, v in saved["model"].items() if k not in ("num_experts", "moe_every")}}
+    fewer = {**saved, "model": {k: v for k, v in saved["model"].items() if k not in ("moe", "mtp")}}
     _check_compatible(fewer, cfg, "older")  # fields added since have their defaults
+    # the flat layout of the model fields, before they were grouped: read where they live now
+    m = cfg.model
+    flat = {**saved, "model": {k: v for k, v in saved["model"].items() if k not in ("rope", "attention", "moe", "mtp")}}
+    flat["model"].update(rope_theta=m.rope.theta, num_heads=m.attention.num_heads,
+                         num_kv_heads=m.attention.num_kv_heads, num_experts=0)
+    _check_compatible(flat, cfg, "flat")
+    with pytest.raises(CheckpointError, match=r"another model architecture \(model\.attention\.num_kv_heads 4 != 2\)"):
+        _check_compatible({**flat, "model": {**flat["model"], "num_kv_heads": 4}}, cfg, "flat")
 
 
 ARGS = [*TINY, "--config.train.steps=12", "--config.checkpoint.every=3", "--config.checkpoint.keep=2"]
@@ -119,7 +135,7 @@ def _wait_for_step(workdir, step, proc, timeout=240):
     path = os.path.join(workdir, "metrics.jsonl")
     while time.time() < deadline and proc.poll() is None:
         if os.path.exists(path):
-            steps = [json.loads(l)["step"] for l in open(path) if l.strip()]
+            steps = [json.loads(l)["step"] for l in Path(path).read_text().splitlines() if l.strip()]
             if steps and max(steps) >= step:
                 return
         time.sleep(0.02)
@@ -149,7 +165,7 @@ def test_sigkill_then_restart_ends_bit_exact(kill_at, uninterrupted, tmp_path):
     assert _train(tmp_path).wait(timeout=300) == 0
     for a, b in zip(_final_state(tmp_path), _final_state(uninterrupted)):
         np.testing.assert_array_equal(a, b)
-    losses = lambda w: {l["step"]: l["loss"] for l in map(json.loads, open(os.path.join(w, "metrics.jsonl")))}
+    losses = lambda w: {line["step"]: line["loss"] for line in metrics_lines(w)}
     assert losses(tmp_path) == losses(uninterrupted)
 
 
@@ -160,7 +176,7 @@ def test_sigterm_checkpoints_at_the_next_step_and_exits_with_the_preemption_code
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=120) == PREEMPTED_EXIT_CODE
     saved = [int(s) for s in os.listdir(tmp_path / CHECKPOINT_DIR) if s.isdigit()]
-    logged = max(json.loads(l)["step"] for l in open(tmp_path / "metrics.jsonl"))
+    logged = max(line["step"] for line in metrics_lines(tmp_path))
     assert len(saved) == 1 and saved[0] >= logged >= 2
 
 
@@ -181,14 +197,15 @@ def test_a_save_cut_off_midway_is_ignored_and_a_corrupted_one_set_aside(tmp_path
     # flip bytes in the array data of the newest checkpoint: named, set aside, and the run resumes from step 2
     data_files = [os.path.join(d, f) for d, _, fs in os.walk(tmp_path / CHECKPOINT_DIR / "3" / "state" / "d")
                   for f in fs]
-    blob = bytearray(open(data_files[0], "rb").read())
+    blob = bytearray(Path(data_files[0]).read_bytes())
     blob[len(blob) // 2:] = bytes(b ^ 0xFF for b in blob[len(blob) // 2:])
-    open(data_files[0], "wb").write(blob)
+    Path(data_files[0]).write_bytes(blob)
     caplog.clear()
     with caplog.at_level("WARNING"):
         summary = run(tiny_config(train=dict(steps=4)), str(tmp_path), use_tqdm=False, devices=jax.devices()[:1])
     name = os.path.relpath(data_files[0], tmp_path / CHECKPOINT_DIR / "3")
-    assert f"checkpoint 3 in {tmp_path / CHECKPOINT_DIR} is damaged: {name} checksum mismatch; falling back" in caplog.text
+    damaged = f"checkpoint 3 in {tmp_path / CHECKPOINT_DIR} is damaged: {name} checksum mismatch; falling back"
+    assert damaged in caplog.text
     assert [h["step"] for h in summary["history"]] == [3, 4]
     assert os.path.isdir(tmp_path / "checkpoints_damaged" / "3")
 

@@ -28,6 +28,7 @@ from jaxtron.config.schema import (
     TrainConfig,
 )
 from jaxtron.ops.attention import resolve_implementation
+from jaxtron.parallel.checks import check_devices
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT = os.path.join(REPO, "configs", "default.py")
@@ -152,16 +153,17 @@ BAD = [
      "set --config.execution.attention to one of those"),
     ("unknown_data_source", lambda d: cli("--config.data.source=web"),
      "'data.source' is 'web'", "set --config.data.source to one of those"),
-    ("kv_heads_not_dividing_heads", lambda d: cli("--config.model.num_kv_heads=4"),
-     "'model.num_kv_heads' (4) must divide model.num_heads (6)", "choose a divisor of model.num_heads"),
-    ("head_dim_underivable", lambda d: ModelConfig(embed_dim=100, num_heads=6, num_kv_heads=2),
-     "'model.head_dim' is 0 (derived) but model.embed_dim (100)", "set model.head_dim explicitly"),
+    ("kv_heads_not_dividing_heads", lambda d: cli("--config.model.attention.num_kv_heads=4"),
+     "'model.attention.num_kv_heads' (4) must divide model.attention.num_heads (6)",
+     "choose a divisor of model.attention.num_heads"),
+    ("head_dim_underivable", lambda d: ModelConfig(embed_dim=100, attention=dict(num_heads=6, num_kv_heads=2)),
+     "'model.attention.head_dim' is 0 (derived) but model.embed_dim (100)", "set model.attention.head_dim explicitly"),
     ("seq_len_over_max", lambda d: cli("--config.data.seq_len=2048"),
      "'data.seq_len' (2048) exceeds model.max_seq_len (1024)", "shorten the sequence or raise model.max_seq_len"),
     ("vocab_too_small_for_bytes", lambda d: cli("--config.model.vocab_size=100"),
      "'model.vocab_size' (100) is too small", "use at least 256"),
-    ("rope_factors_inverted", lambda d: ModelConfig(rope_low_freq_factor=4.0, rope_high_freq_factor=2.0),
-     "'model.rope_high_freq_factor' (2.0) must exceed model.rope_low_freq_factor (4.0)", "raise it or lower"),
+    ("rope_factors_inverted", lambda d: ModelConfig(rope=dict(low_freq_factor=4.0, high_freq_factor=2.0)),
+     "'model.rope.high_freq_factor' (2.0) must exceed model.rope.low_freq_factor (4.0)", "raise it or lower"),
     # --- the mesh and everything that depends on the device count
     ("mesh_zero_axis", lambda d: MeshConfig(data=0),
      "'mesh.data' is 0", "use a positive size or -1"),
@@ -169,36 +171,37 @@ BAD = [
      "'mesh.tensor' is -1 but so is mesh.fsdp", "give a positive size to all but one of them"),
     ("mesh_rest_not_dividing", lambda d: mesh(tensor=3).resolve(8),
      "'mesh.fsdp' is -1 but the other axes multiply to 3", "choose axis sizes whose product divides the device count"),
-    ("mesh_product_not_device_count", lambda d: Config(mesh=MeshConfig(fsdp=3)).check_devices(8),
+    ("mesh_product_not_device_count", lambda d: check_devices(Config(mesh=MeshConfig(fsdp=3)), 8),
      "'mesh.*' (pipeline=1, data=1, fsdp=3, sequence=1, expert=1, tensor=1) multiply to 3 but there are 8 devices",
      "make pipeline*data*fsdp*sequence*expert*tensor equal the device count or set one axis to -1"),
     ("heads_not_divisible_by_tensor",
-     lambda d: Config(model=ModelConfig(embed_dim=192, num_heads=6, num_kv_heads=2),
-                      mesh=mesh(tensor=4)).check_devices(8),
-     "'model.num_heads' (6) is not divisible by mesh.tensor (4)", "choose a mesh.tensor that divides 6"),
+     lambda d: check_devices(Config(model=ModelConfig(embed_dim=192, attention=dict(num_heads=6, num_kv_heads=2)),
+                                    mesh=mesh(tensor=4)), 8),
+     "'model.attention.num_heads' (6) is not divisible by mesh.tensor (4)", "choose a mesh.tensor that divides 6"),
     ("kv_heads_not_divisible_by_tensor",
-     lambda d: Config(model=ModelConfig(num_heads=8, num_kv_heads=2), mesh=mesh(tensor=4)).check_devices(8),
-     "'model.num_kv_heads' (2) is not divisible by mesh.tensor (4)", "choose a mesh.tensor that divides 2"),
+     lambda d: check_devices(Config(model=ModelConfig(attention=dict(num_heads=8, num_kv_heads=2)),
+                                    mesh=mesh(tensor=4)), 8),
+     "'model.attention.num_kv_heads' (2) is not divisible by mesh.tensor (4)", "choose a mesh.tensor that divides 2"),
     ("embed_not_divisible_by_fsdp",
-     lambda d: Config(model=ModelConfig(embed_dim=100, num_heads=4, num_kv_heads=2)).check_devices(8),
+     lambda d: check_devices(Config(model=ModelConfig(embed_dim=100, attention=dict(num_heads=4, num_kv_heads=2))), 8),
      "'model.embed_dim' (100) is not divisible by mesh.fsdp (8)", "choose a mesh.fsdp that divides 100"),
     ("batch_not_divisible_by_data_parallel",
-     lambda d: Config(train=TrainConfig(global_batch_size=12)).check_devices(8),
-     "'train.global_batch_size' (12, 12 per microbatch) is not divisible by the data-parallel size "
-     "data*fsdp*expert = 8", "use a multiple of 8"),
+     lambda d: check_devices(Config(train=TrainConfig(global_batch_size=12)), 8),
+     ("'train.global_batch_size' (12, 12 per microbatch) is not divisible by the data-parallel size "
+     "data*fsdp*expert = 8"), "use a multiple of 8"),
     ("batch_with_microbatches_not_divisible",
-     lambda d: Config(train=TrainConfig(global_batch_size=24, microbatches=2),
-                      mesh=mesh(data=2, expert=2)).check_devices(8),
-     "'train.global_batch_size' (24, 12 per microbatch) is not divisible by the data-parallel size "
-     "data*fsdp*expert = 8", "use a multiple of 16"),
+     lambda d: check_devices(Config(train=TrainConfig(global_batch_size=24, microbatches=2),
+                      mesh=mesh(data=2, expert=2)), 8),
+     ("'train.global_batch_size' (24, 12 per microbatch) is not divisible by the data-parallel size "
+     "data*fsdp*expert = 8"), "use a multiple of 16"),
     ("seq_len_not_divisible_by_sequence",
-     lambda d: Config(data=DataConfig(seq_len=250), mesh=mesh(sequence=4)).check_devices(8),
+     lambda d: check_devices(Config(data=DataConfig(seq_len=250), mesh=mesh(sequence=4)), 8),
      "'data.seq_len' (250) is not divisible by 2 x mesh.sequence (8), the chunks of the load-balanced layout",
      "use a multiple of 8"),
     ("seq_len_not_divisible_by_sequence_and_tensor",
-     lambda d: Config(data=DataConfig(seq_len=20), mesh=mesh(sequence=2, tensor=4)).check_devices(8),
-     "'data.seq_len' (20) is not divisible by mesh.sequence x mesh.tensor (8), over which the residual stream is "
-     "split", "use a multiple of 8"),
+     lambda d: check_devices(Config(data=DataConfig(seq_len=20), mesh=mesh(sequence=2, tensor=4)), 8),
+     ("'data.seq_len' (20) is not divisible by mesh.sequence x mesh.tensor (8), over which the residual stream is "
+     "split"), "use a multiple of 8"),
     ("cudnn_on_cpu", lambda d: resolve_implementation("cudnn", jnp.bfloat16, backend="cpu"),
      "'execution.attention' is 'cudnn' but the backend is cpu", "use 'auto' or 'xla'"),
     ("cudnn_in_float32", lambda d: resolve_implementation("cudnn", jnp.float32, backend="gpu"),
@@ -208,26 +211,28 @@ BAD = [
     ("float16_compute", lambda d: ExecutionConfig(dtype="float16"), "'execution.dtype'",
      "set --config.execution.dtype"),
     # --- DeepSeek-V3's parts: latent attention, the sigmoid router and its groups, the balancing bias
-    ("latent_attention_with_fewer_kv_heads", lambda d: ModelConfig(num_heads=8, num_kv_heads=4, kv_lora_rank=16),
-     "'model.num_kv_heads' (4) must equal model.num_heads (8) with latent attention", "set model.num_kv_heads=8"),
-    ("groups_with_softmax_router", lambda d: ModelConfig(num_experts=8, router_groups=4),
-     "'model.router_groups' (4) needs model.router='sigmoid'", "set model.router='sigmoid'"),
-    ("groups_not_dividing_experts", lambda d: ModelConfig(num_experts=8, router="sigmoid", router_groups=3),
-     "'model.router_groups' (3) must divide model.num_experts (8)", "choose a divisor of it"),
-    ("top_k_beyond_the_groups", lambda d: ModelConfig(num_experts=16, experts_per_token=6, router="sigmoid",
-                                                      router_groups=4, router_top_groups=1),
-     "'model.experts_per_token' (6) exceeds the 4 experts", "raise model.router_top_groups"),
-    ("dense_prefix_with_moe_every", lambda d: ModelConfig(num_experts=4, num_layers=4, moe_every=2,
-                                                         first_dense_layers=1),
-     "'model.first_dense_layers' (1) needs model.moe_every=1", "set model.moe_every=1"),
-    ("unknown_rope_scaling", lambda d: cli("--config.model.rope_scaling=ntk"),
-     "'model.rope_scaling' is 'ntk', which is not one of 'llama3', 'yarn'", "set --config.model.rope_scaling"),
-    ("bias_rate_with_softmax_router", lambda d: cli("--config.model.num_experts=4",
+    ("latent_attention_with_fewer_kv_heads",
+     lambda d: ModelConfig(attention=dict(num_heads=8, num_kv_heads=4, kv_lora_rank=16)),
+     "'model.attention.num_kv_heads' (4) must equal model.attention.num_heads (8) with latent attention",
+     "set model.attention.num_kv_heads=8"),
+    ("groups_with_softmax_router", lambda d: ModelConfig(moe=dict(num_experts=8, router_groups=4)),
+     "'model.moe.router_groups' (4) needs model.moe.router='sigmoid'", "set model.moe.router='sigmoid'"),
+    ("groups_not_dividing_experts", lambda d: ModelConfig(moe=dict(num_experts=8, router="sigmoid", router_groups=3)),
+     "'model.moe.router_groups' (3) must divide model.moe.num_experts (8)", "choose a divisor of it"),
+    ("top_k_beyond_the_groups", lambda d: ModelConfig(moe=dict(num_experts=16, experts_per_token=6, router="sigmoid",
+                                                               router_groups=4, router_top_groups=1)),
+     "'model.moe.experts_per_token' (6) exceeds the 4 experts", "raise model.moe.router_top_groups"),
+    ("dense_prefix_with_moe_every", lambda d: ModelConfig(moe=dict(num_experts=4, every=2, first_dense_layers=1),
+                                                          num_layers=4),
+     "'model.moe.first_dense_layers' (1) needs model.moe.every=1", "set model.moe.every=1"),
+    ("unknown_rope_scaling", lambda d: cli("--config.model.rope.scaling=ntk"),
+     "'model.rope.scaling' is 'ntk', which is not one of 'llama3', 'yarn'", "set --config.model.rope.scaling"),
+    ("bias_rate_with_softmax_router", lambda d: cli("--config.model.moe.num_experts=4",
                                                     "--config.train.router_bias_rate=0.001"),
-     "'train.router_bias_rate' (0.001) moves the sigmoid router's balancing bias", "model.router='sigmoid'"),
-    ("mtp_on_a_sharded_sequence", lambda d: cli("--config.model.mtp_depth=1", "--config.mesh.sequence=2",
-                                                 "--config.mesh.fsdp=1").check_devices(2),
-     "'model.mtp_depth' (1) shifts each row by whole tokens", "use mesh.sequence=1"),
+     "'train.router_bias_rate' (0.001) moves the sigmoid router's balancing bias", "model.moe.router='sigmoid'"),
+    ("mtp_on_a_sharded_sequence", lambda d: check_devices(cli("--config.model.mtp.depth=1", "--config.mesh.sequence=2",
+                                                 "--config.mesh.fsdp=1"), 2),
+     "'model.mtp.depth' (1) shifts each row by whole tokens", "use mesh.sequence=1"),
     ("decay_not_after_warmup", lambda d: OptimizerConfig(warmup_steps=100, decay_steps=50),
      "'optimizer.decay_steps' (50) must exceed optimizer.warmup_steps (100)", "raise it or set it to 0"),
 ]
@@ -257,12 +262,12 @@ def test_bad_config_error_has_no_chained_traceback(tmp_path):
 
 def test_overrides_of_each_type_land_typed_in_the_frozen_config():
     cfg = cli("--config.train.steps=7", "--config.optimizer.learning_rate=1e-3", "--config.optimizer.b1=0.8",
-              "--config.model.rope_theta=2", "--config.model.tie_embeddings=false", "--config.data.source=synthetic",
+              "--config.model.rope.theta=2", "--config.model.tie_embeddings=false", "--config.data.source=synthetic",
               "--config.execution.remat", "save_dots")  # the '--flag value' form too
     assert cfg.train.steps == 7 and type(cfg.train.steps) is int
     assert cfg.optimizer.learning_rate == 1e-3 and type(cfg.optimizer.learning_rate) is float
     assert cfg.optimizer.b1 == 0.8
-    assert cfg.model.rope_theta == 2.0 and type(cfg.model.rope_theta) is float  # '2' for a float field
+    assert cfg.model.rope.theta == 2.0 and type(cfg.model.rope.theta) is float  # '2' for a float field
     assert cfg.model.tie_embeddings is False  # the default config file sets it True
     assert cfg.data.source == "synthetic" and cfg.execution.remat == "save_dots"
     # untouched values keep what the config file set
@@ -293,7 +298,31 @@ def test_a_config_file_of_the_older_layout_loads_with_its_fields_moved(tmp_path,
     assert "config field 'model.dtype' is now 'execution.dtype'" in caplog.text
 
 
-OVERRIDES = [("model.rope_theta", "1e4", 1e4), ("execution.remat", "full", "full"), ("mesh.tensor", "2", 2),
+def test_a_config_file_of_flat_model_fields_loads_into_the_groups_with_a_warning_each(tmp_path, caplog):
+    flat = ("c.model = dict(num_layers=4, num_heads=4, num_kv_heads=2, qk_norm=True, rope_theta=1e6, "
+            "rope_scaling_factor=8.0, num_experts=4, moe_every=2, router_renormalize=False, mtp_depth=1, "
+            "attention='xla')")
+    nested = (("c.model = dict(num_layers=4, attention=dict(num_heads=4, num_kv_heads=2, qk_norm=True), "
+              "rope=dict(theta=1e6, factor=8.0), moe=dict(num_experts=4, every=2, router_renormalize=False), "
+              "mtp=dict(depth=1))"), "c.execution = dict(attention='xla')")
+    with caplog.at_level("WARNING"):
+        old = cli(f"--config={file_setting_path(tmp_path, flat)}", "--config.model.moe.experts_per_token=1")
+    moved = {line.split("'")[1]: line.split("'")[3] for line in caplog.text.splitlines() if "is now" in line}
+    assert moved == {"model.num_heads": "model.attention.num_heads",
+                     "model.num_kv_heads": "model.attention.num_kv_heads", "model.qk_norm": "model.attention.qk_norm",
+                     "model.rope_theta": "model.rope.theta",
+                     "model.rope_scaling_factor": "model.rope.factor", "model.num_experts": "model.moe.num_experts",
+                     "model.moe_every": "model.moe.every", "model.router_renormalize": "model.moe.router_renormalize",
+                     "model.mtp_depth": "model.mtp.depth", "model.attention": "execution.attention"}
+    (tmp_path / "nested").mkdir()
+    new = cli(f"--config={file_setting_path(tmp_path / 'nested', *nested)}", "--config.model.moe.experts_per_token=1")
+    assert old == new and new.model.moe.experts_per_token == 1 and new.execution.attention == "xla"
+    with pytest.raises(ConfigError, match=r"'model.num_experts' is now 'model.moe.num_experts'; set "
+                                          r"--config.model.moe.num_experts instead"):
+        cli("--config.model.num_experts=4")
+
+
+OVERRIDES = [("model.rope.theta", "1e4", 1e4), ("execution.remat", "full", "full"), ("mesh.tensor", "2", 2),
              ("train.z_loss", "1e-4", 1e-4), ("optimizer.b2", "0.9", 0.9), ("data.seq_len", "64", 64),
              ("checkpoint.keep", "5", 5), ("distributed.heartbeat_timeout_s", "30", 30),
              ("profile.processes", "all", "all"), ("pipeline.virtual_stages", "2", 2)]
@@ -305,8 +334,9 @@ def test_a_field_the_file_does_not_set_can_be_overridden_in_every_section(tmp_pa
     path = file_setting_path(tmp_path, "c.train = dict(steps=3)")
     cfg = cli(f"--config={path}", *(f"--config.{p}={text}" for p, text, _ in OVERRIDES))
     for p, _, expected in OVERRIDES:
-        section, name = p.split(".")
-        value = getattr(getattr(cfg, section), name)
+        value = cfg
+        for name in p.split("."):
+            value = getattr(value, name)
         assert value == expected and type(value) is type(expected), p
     assert cfg.train.steps == 3
 
@@ -320,16 +350,16 @@ def test_explicit_config_file_and_sections_absent_from_it(tmp_path):
 
 def test_int_for_float_field_in_a_config_file_is_accepted(tmp_path):
     cfg = file_setting(tmp_path, "c.optimizer = dict(learning_rate=1, weight_decay=0)",
-                       "c.model = dict(rope_theta=10000)")
+                       "c.model = dict(rope=dict(theta=10000))")
     assert cfg.optimizer.learning_rate == 1.0 and type(cfg.optimizer.learning_rate) is float
-    assert type(cfg.optimizer.weight_decay) is float and type(cfg.model.rope_theta) is float
+    assert type(cfg.optimizer.weight_decay) is float and type(cfg.model.rope.theta) is float
 
 
 def test_mesh_rest_axis_resolves():
     assert MeshConfig(fsdp=-1).resolve(8) == dict(pipeline=1, data=1, fsdp=8, sequence=1, expert=1, tensor=1)
     assert MeshConfig(data=2, fsdp=-1, tensor=2).resolve(8)["fsdp"] == 2
     assert MeshConfig(fsdp=4, tensor=2).resolve(8) == dict(pipeline=1, data=1, fsdp=4, sequence=1, expert=1, tensor=2)
-    sizes = Config(mesh=MeshConfig(fsdp=-1, tensor=2)).check_devices(8)
+    sizes = check_devices(Config(mesh=MeshConfig(fsdp=-1, tensor=2)), 8)
     assert sizes == dict(pipeline=1, data=1, fsdp=4, sequence=1, expert=1, tensor=2)
 
 
@@ -376,7 +406,7 @@ def test_main_reports_bad_config_file(capsys, tmp_path):
 def run_train(tmp_path, *args: str) -> subprocess.CompletedProcess:
     env = dict(os.environ, XLA_FLAGS=cpu_xla_flags(), JAX_PLATFORMS="cpu")
     return subprocess.run([sys.executable, "train.py", *args, f"--workdir={tmp_path / 'run'}"], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=300)
+                          capture_output=True, text=True, timeout=300, check=False)
 
 
 def test_cli_unknown_field_exits_2_without_traceback(tmp_path):
@@ -390,9 +420,9 @@ def test_cli_mesh_mismatch_exits_2_without_traceback(tmp_path):
     proc = run_train(tmp_path, "--config.mesh.fsdp=3")
     assert proc.returncode == 2, proc.stderr
     error_lines = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
-    assert error_lines == ["error: config fields 'mesh.*' (pipeline=1, data=1, fsdp=3, sequence=1, expert=1, "
+    assert error_lines == [("error: config fields 'mesh.*' (pipeline=1, data=1, fsdp=3, sequence=1, expert=1, "
                            "tensor=1) multiply to 3 but there are 8 devices; make pipeline*data*fsdp*sequence*expert*"
-                           "tensor equal the device count or set one axis to -1."], proc.stderr
+                           "tensor equal the device count or set one axis to -1.")], proc.stderr
     assert "Traceback" not in proc.stderr
     assert not os.path.exists(tmp_path / "run")  # nothing was written
 

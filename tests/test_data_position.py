@@ -4,6 +4,7 @@ import dataclasses
 import json
 import logging
 import threading
+from pathlib import Path
 
 import jax
 import pytest
@@ -67,7 +68,7 @@ def test_a_changed_batch_size_is_refused_then_continued_from_the_consumed_tokens
     resumed = _run(longer, tmp_path, None)
     assert sorted(sources[-1].asked)[:16] == list(range(64, 80))
     assert resumed["history"][-1]["consumed_tokens"] == 80 * 32
-    saved = json.load(open(tmp_path / "checkpoints" / "7" / "data" / "metadata"))
+    saved = json.loads(Path(tmp_path / "checkpoints" / "7" / "data" / "metadata").read_text())
     assert saved["consumed_tokens"] == 80 * 32 and saved["sample_offset"] == 64 - 6 * 16
 
 

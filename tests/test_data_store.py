@@ -1,9 +1,11 @@
 """Token stores: end-of-document tokens, the spread validation split, row-local positions, checksums on
 demand, old formats, and prepare's refusal to replace an existing output."""
 
+import itertools
 import json
 import logging
 import os
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -43,7 +45,8 @@ def _word_tokenizer(path, extra: list[str], template: str | None = None) -> str:
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     if template:
         names = [w for w in template.split() if w != "$A"]
-        tok.post_processor = processors.TemplateProcessing(single=template, special_tokens=[(n, vocab[n]) for n in names])
+        tok.post_processor = processors.TemplateProcessing(single=template,
+                                                           special_tokens=[(n, vocab[n]) for n in names])
     tok.save(str(path))
     return str(path)
 
@@ -108,14 +111,14 @@ def test_stores_of_format_1_still_load_and_newer_formats_are_refused(tmp_path, c
     prepare([_write(tmp_path / "a.txt", "a b a")], _word_tokenizer(tmp_path / "t.json", ["</s>"]),
             str(tmp_path / "s"), workers=1)
     path = os.path.join(str(tmp_path / "s"), MANIFEST)
-    manifest = json.load(open(path))
+    manifest = json.loads(Path(path).read_text())
     old = {k: v for k, v in manifest.items() if k != "eos_id"}
-    json.dump({**old, "format": 1}, open(path, "w"))
+    Path(path).write_text(json.dumps({**old, "format": 1}))
     with caplog.at_level(logging.WARNING):
         store = TokenStore(str(tmp_path / "s"))
     assert store.format == 1 and store.eos_id is None and store.num_tokens == 4
     assert "has no end-of-document tokens" in caplog.text
-    json.dump({**manifest, "format": 3}, open(path, "w"))
+    Path(path).write_text(json.dumps({**manifest, "format": 3}))
     with pytest.raises(DataError) as e:
         TokenStore(str(tmp_path / "s"))
     assert str(e.value) == (f"store '{tmp_path / 's'}' has format 3, newer than the format 2 this jaxtron reads; "
@@ -146,7 +149,7 @@ def test_validation_documents_come_from_the_whole_corpus(tmp_path):
     # train and validation tile the store exactly
     edges = sorted(map(tuple, np.concatenate([train, validation]).tolist()))
     assert edges[0][0] == 0 and edges[-1][1] == store.num_tokens
-    assert all(a[1] == b[0] for a, b in zip(edges, edges[1:]))
+    assert all(a[1] == b[0] for a, b in itertools.pairwise(edges))
 
     split = PackedSplit(store, 16, "train", 0.05, seed=0)
     rows = split.rows(np.arange(split.num_windows))
@@ -219,9 +222,9 @@ def test_checksums_are_checked_on_demand_and_once_per_run(tmp_path, monkeypatch,
     assert len(store.shards) == 5
     assert cli.run("verify-data", [path]) == 0
     tokens = os.path.join(path, store.shards[0]["tokens"])
-    data = bytearray(open(tokens, "rb").read())
+    data = bytearray(Path(tokens).read_bytes())
     data[0] ^= 1
-    open(tokens, "wb").write(bytes(data))
+    Path(tokens).write_bytes(bytes(data))
     message = (f"shard file '{tokens}' does not match its checksum in the manifest; the store is corrupted, "
                "prepare it again.")
     assert cli.run("verify-data", [path]) == 2 and _error_line(capsys) == message
@@ -235,7 +238,7 @@ def test_checksums_are_checked_on_demand_and_once_per_run(tmp_path, monkeypatch,
     monkeypatch.setattr(TokenStore, "verify", lambda self, shards: hashed.extend(shards))
     monkeypatch.setattr(jax, "process_count", lambda: 3)
     for process in range(3):  # of three processes each hashes its share, so shard 0 once
-        monkeypatch.setattr(jax, "process_index", lambda: process)
+        monkeypatch.setattr(jax, "process_index", lambda process=process: process)
         make_sources(cfg)
     assert sorted(hashed) == [0, 1, 2, 3, 4]
 
@@ -247,11 +250,11 @@ def test_prepare_refuses_an_existing_output_unless_overwrite(tmp_path, capsys):
     first, second = _write(tmp_path / "1.txt", "first"), _write(tmp_path / "2.txt", "second text")
     out = str(tmp_path / "store")
     assert cli.run("prepare", ["--input", first, "--tokenizer", "byte", "--output", out]) == 0
-    manifest = open(os.path.join(out, MANIFEST)).read()
+    manifest = Path(out, MANIFEST).read_text()
     assert cli.run("prepare", ["--input", second, "--tokenizer", "byte", "--output", out]) == 2
     assert _error_line(capsys) == (f"--output '{out}' already exists and is not empty; pass --overwrite to replace "
                                    "it or choose another directory.")
-    assert open(os.path.join(out, MANIFEST)).read() == manifest  # untouched
+    assert Path(out, MANIFEST).read_text() == manifest  # untouched
     assert cli.run("prepare", ["--input", second, "--tokenizer", "byte", "--output", out, "--overwrite"]) == 0
     assert TokenStore(out).num_tokens == len("second text")
     assert sorted(os.listdir(tmp_path)) == ["1.txt", "2.txt", "store"]  # no .tmp or .old left behind

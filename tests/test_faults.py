@@ -163,8 +163,8 @@ def test_the_watchdog_names_a_slow_step_and_the_process(caplog):
     with caplog.at_level("WARNING"):
         dog.completed(10)
     assert dog.slow_steps == 1
-    assert caplog.messages == ["watchdog: step 10 took 2 s on process 3, 20.0 times the median of the last 9 "
-                               "steps (0.1 s)"]
+    assert caplog.messages == [("watchdog: step 10 took 2 s on process 3, 20.0 times the median of the last 9 "
+                               "steps (0.1 s)")]
 
 
 def test_the_watchdog_reports_a_hang_once_and_an_input_wait_by_its_step(caplog):
@@ -182,8 +182,8 @@ def test_the_watchdog_reports_a_hang_once_and_an_input_wait_by_its_step(caplog):
         assert dog.check()
         clock.now += 5
         assert not dog.check()  # once per step
-    assert caplog.messages == ["watchdog: step 6 has run for 1.1 s on process 3 and has not finished, 5.5 times "
-                               "the median of the last 5 steps (0.2 s); a peer process may be stuck or gone"]
+    assert caplog.messages == [("watchdog: step 6 has run for 1.1 s on process 3 and has not finished, 5.5 times "
+                               "the median of the last 5 steps (0.2 s); a peer process may be stuck or gone")]
     dog.completed(6)
     caplog.clear()
     with caplog.at_level("WARNING"):
@@ -196,8 +196,8 @@ def test_the_watchdog_reports_a_hang_once_and_an_input_wait_by_its_step(caplog):
         assert not dog.check()
         dog.completed(7)
     assert caplog.messages == [
-        "watchdog: the input batch of step 8 has not arrived after 2 s on process 3, 10.0 times the median step "
-        "(0.2 s); the input pipeline may be stuck",
+        ("watchdog: the input batch of step 8 has not arrived after 2 s on process 3, 10.0 times the median step "
+        "(0.2 s); the input pipeline may be stuck"),
         "watchdog: the input batch of step 8 took 3 s to arrive on process 3, 15.0 times the median step (0.2 s)"]
     assert list(dog.durations)[-1] == pytest.approx(0.2)
 

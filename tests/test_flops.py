@@ -1,4 +1,4 @@
-"""FLOP, parameter and peak accounting against published numbers (REFERENCES.md); metric writers."""
+"""FLOP, parameter and peak accounting against published numbers (docs/references.md); metric writers."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import struct
 
 import pytest
 
-from jaxtron.config.schema import ExecutionConfig, ModelConfig
+from jaxtron.config.schema import ExecutionConfig, ModelConfig, replace
 from jaxtron.metrics import flops, hardware
 from jaxtron.metrics.writers import MetricsWriter, format_line
 
@@ -32,15 +32,15 @@ SEQ, VOCAB, A100_PEAK = 2048, 51200, 312e12
 
 
 def gpt(heads: int, hidden: int, layers: int, vocab: int = VOCAB) -> ModelConfig:
-    return ModelConfig(vocab_size=vocab, embed_dim=hidden, num_layers=layers, num_heads=heads,
-                       num_kv_heads=heads, mlp_dim=4 * hidden, activation="gelu", norm="layernorm",
-                       position_embedding="learned", max_seq_len=2048, tie_embeddings=True)
+    return ModelConfig(vocab_size=vocab, embed_dim=hidden, num_layers=layers,
+                       attention=dict(num_heads=heads, num_kv_heads=heads), mlp_dim=4 * hidden, activation="gelu",
+                       norm="layernorm", position_embedding="learned", max_seq_len=2048, tie_embeddings=True)
 
 
 def llama3(hidden: int, layers: int, heads: int, mlp: int) -> ModelConfig:
-    return ModelConfig(vocab_size=128256, embed_dim=hidden, num_layers=layers, num_heads=heads,
-                       num_kv_heads=8, mlp_dim=mlp, activation="swiglu", norm="rmsnorm",
-                       position_embedding="rope", tie_embeddings=False)
+    return ModelConfig(vocab_size=128256, embed_dim=hidden, num_layers=layers,
+                       attention=dict(num_heads=heads, num_kv_heads=8), mlp_dim=mlp, activation="swiglu",
+                       norm="rmsnorm", position_embedding="rope", tie_embeddings=False)
 
 
 @pytest.mark.parametrize("row", NARAYANAN, ids=[f"{r[0]}B" for r in NARAYANAN])
@@ -128,7 +128,7 @@ def test_llama3_8b_flops_per_token_by_hand():
 
 
 def test_h200_published_llama3_8b_mfu():
-    # REFERENCES.md: 10,471 tok/s on one H200 is 57.8% by 6P + 12*L*h*s, about 51% by our accounting.
+    # docs/references.md: 10,471 tok/s on one H200 is 57.8% by 6P + 12*L*h*s, about 51% by our accounting.
     cfg = llama3(4096, 32, 32, 14336)
     peak, _ = hardware.peak_flops("NVIDIA H200", "bfloat16")
     ours = hardware.mfu(10_471 * flops.flops_per_token(cfg, 4096), peak)
@@ -262,12 +262,11 @@ def test_deepseek_v3_flops_by_hand():
 def test_deepseek_v3_multi_token_prediction_module_by_hand():
     """One MTP depth adds its norms (embedding, hidden, output), the 2h x h projection and an MoE block, and in
     FLOPs that block, the projection and its own logits."""
-    import dataclasses
     import os
 
     from jaxtron.config.loader import load_config
     cfg = load_config(os.path.join(os.path.dirname(os.path.dirname(__file__)), "configs", "deepseek_v3.py")).model
-    with_mtp = dataclasses.replace(cfg, mtp_depth=1)
+    with_mtp = replace(cfg, mtp=dict(depth=1))
     attention = 7168 * 1536 + 1536 + 1536 * 128 * 192 + 7168 * 576 + 512 + 512 * 128 * 256 + 128 * 128 * 7168
     moe_block = 2 * 7168 + attention + 257 * 3 * 7168 * 2048 + 7168 * 256 + 256
     module = 3 * 7168 + 2 * 7168 * 7168 + moe_block

@@ -9,7 +9,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from jaxtron.config.schema import Config, ConfigError, DataConfig, ExecutionConfig, ModelConfig
+from jaxtron.config.schema import Config, ConfigError, DataConfig, ExecutionConfig, ModelConfig, replace
 from jaxtron.ops import fp8
 
 RNG = np.random.default_rng(0)
@@ -64,9 +64,9 @@ def test_fp8_einsum_forward_and_gradients_match_the_reference():
 def _tiny(model: dict | None = None, **execution) -> Config:
     """A 4-layer model (``model``: fields to change) run in float32 with XLA attention (``execution``: fields to
     change, e.g. fp8=True); a Config, which checks the FP8 fields against the layers."""
-    base = dict(name="tiny", vocab_size=64, embed_dim=64, num_layers=4, num_heads=4, num_kv_heads=2, mlp_dim=128,
-                max_seq_len=32)
-    return Config(model=ModelConfig(**{**base, **(model or {})}),
+    base = ModelConfig(name="tiny", vocab_size=64, embed_dim=64, num_layers=4,
+                       attention=dict(num_heads=4, num_kv_heads=2), mlp_dim=128, max_seq_len=32)
+    return Config(model=replace(base, **(model or {})),
                   execution=ExecutionConfig(**{**dict(dtype="float32", attention="xla"), **execution}),
                   data=DataConfig(seq_len=32))
 
@@ -107,8 +107,9 @@ def test_fp8_trains_inside_scanned_layers_with_remat_and_gradient_accumulation(t
 
     from jaxtron.config.loader import load_config
     from jaxtron.training.loop import run
-    common = dict(data__source="synthetic", model__num_layers="2", model__embed_dim="64", model__num_heads="4",
-                  model__num_kv_heads="2", model__mlp_dim="128", data__seq_len="32", train__global_batch_size="16",
+    common = dict(data__source="synthetic", model__num_layers="2", model__embed_dim="64",
+                  model__attention__num_heads="4", model__attention__num_kv_heads="2", model__mlp_dim="128",
+                  data__seq_len="32", train__global_batch_size="16",
                   train__steps="12", train__log_every="4", train__eval_batches="0", checkpoint__every="0",
                   execution__remat="full", train__microbatches="2")
     losses = {}

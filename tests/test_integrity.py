@@ -1,6 +1,8 @@
 """Checkpoint integrity: checksums at save, verification and fallback at restore, the verify CLI."""
 
+import functools
 import json
+import operator
 import os
 import re
 import shutil
@@ -8,6 +10,7 @@ import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -15,12 +18,13 @@ import orbax.checkpoint as ocp
 import pytest
 from conftest import REPO
 from flax import nnx
-from helpers import tiny_config
+from helpers import metrics_lines, tiny_config
 
 from jaxtron import cli
 from jaxtron.checkpoint import integrity
 from jaxtron.checkpoint.params import restore_params
 from jaxtron.checkpoint.train_state import CHECKPOINT_DIR, Checkpointer, CheckpointError
+from jaxtron.parallel.checks import check_devices
 from jaxtron.parallel.mesh import make_mesh
 from jaxtron.training import state as state_lib
 from jaxtron.training.loop import run
@@ -39,7 +43,7 @@ def _leaves(state):
 
 
 def _abstract():
-    mesh = make_mesh(CFG.check_devices(1), jax.devices()[:1])
+    mesh = make_mesh(check_devices(CFG, 1), jax.devices()[:1])
     setup = state_lib.setup(CFG, "xla")
     return setup.abstract_state, state_lib.state_shardings(mesh, setup.abstract_state)
 
@@ -139,7 +143,7 @@ def test_a_run_resumes_bit_exactly_from_the_newest_intact_checkpoint(trained, wo
     for a, b in zip(_saved_leaves(workdir, 3), _saved_leaves(trained[0], 3)):
         np.testing.assert_array_equal(a, b)
     assert cli.main(["verify", workdir]) == 0  # the new step 3 has its checksums
-    assert [json.loads(l)["step"] for l in open(os.path.join(workdir, "metrics.jsonl"))] == [1, 2, 3]
+    assert [line["step"] for line in metrics_lines(workdir)] == [1, 2, 3]
 
 
 def test_no_intact_checkpoint_is_an_error_and_nothing_is_moved(workdir):
@@ -155,9 +159,9 @@ def test_no_intact_checkpoint_is_an_error_and_nothing_is_moved(workdir):
 def test_a_verified_checkpoint_that_orbax_cannot_read_is_damage_too(trained, workdir, caplog):
     step_dir = os.path.join(workdir, CHECKPOINT_DIR, "3")
     path = _largest(step_dir)
-    blob = bytearray(open(path, "rb").read())
+    blob = bytearray(Path(path).read_bytes())
     blob[len(blob) // 2:] = bytes(b ^ 0xFF for b in blob[len(blob) // 2:])
-    open(path, "wb").write(blob)
+    Path(path).write_bytes(blob)
     integrity.record(step_dir)  # checksums of already damaged files: verification passes
     assert integrity.check(step_dir) is None
     with caplog.at_level("WARNING"):
@@ -183,7 +187,7 @@ def test_init_from_reads_the_newest_intact_checkpoint_of_a_run(trained, workdir,
 
 @pytest.mark.slow
 def test_checksums_of_an_asynchronous_save_are_recorded_off_the_loop(tmp_path, monkeypatch):
-    mesh = make_mesh(CFG.check_devices(1), jax.devices()[:1])
+    mesh = make_mesh(check_devices(CFG, 1), jax.devices()[:1])
     setup = state_lib.setup(CFG, "xla")
     with jax.set_mesh(mesh):
         state = state_lib.init_state(CFG, "xla", state_lib.state_shardings(mesh, setup.abstract_state))
@@ -214,12 +218,12 @@ def test_files_are_attributed_to_their_writer_and_verified_once_by_several_proce
     integrity.record(str(tmp_path), 0, 2)
     assert integrity.check(str(tmp_path)) == "no integrity manifest of process 1 (integrity.process_1.json)"
     integrity.record(str(tmp_path), 1, 2)
-    recorded = [json.load(open(tmp_path / f"integrity.process_{i}.json"))["files"] for i in (0, 1)]
+    recorded = [json.loads(Path(tmp_path / f"integrity.process_{i}.json").read_text())["files"] for i in (0, 1)]
     assert sorted([*recorded[0], *recorded[1]]) == sorted(files)  # each file once
     manifest = integrity.read_manifests(str(tmp_path))
     for n in (1, 2, 3):  # restoring with another number of processes: shares are disjoint and cover all
         shares = [integrity.share(manifest, i, n) for i in range(n)]
-        assert sorted(sum(shares, [])) == sorted(files)
+        assert sorted(functools.reduce(operator.iadd, shares, [])) == sorted(files)
     assert [sum(files[p] for p in s) for s in (integrity.share(manifest, i, 2) for i in (0, 1))] == [1110, 1200]
     with open(tmp_path / "state/ocdbt.process_1/d/b", "r+b") as f:
         f.write(b"\0\0")
@@ -232,9 +236,9 @@ def test_files_are_attributed_to_their_writer_and_verified_once_by_several_proce
 @pytest.mark.slow
 def test_the_verify_command_exit_codes(trained, tmp_path):
     verify = [sys.executable, "-m", "jaxtron.checkpoint", "verify"]
-    ok = subprocess.run([*verify, trained[0]], cwd=REPO, capture_output=True, text=True, timeout=120)
+    ok = subprocess.run([*verify, trained[0]], cwd=REPO, capture_output=True, text=True, timeout=120, check=False)
     assert ok.returncode == 0 and ok.stdout.splitlines()[-1].startswith("3 of 3 checkpoints intact")
-    none = subprocess.run([*verify, str(tmp_path)], cwd=REPO, capture_output=True, text=True, timeout=120)
+    none = subprocess.run([*verify, str(tmp_path)], cwd=REPO, capture_output=True, text=True, timeout=120, check=False)
     assert none.returncode == 2 and none.stderr == (f"'{tmp_path}/checkpoints' holds no checkpoint; point verify "
                                                     "at the --workdir of a run that saved one.\n")
     assert cli.main(["check", str(tmp_path)], commands=("verify",)) == 2
@@ -260,7 +264,7 @@ def test_two_processes_record_their_own_files_and_fall_back_together(tmp_path):
 
     train(2)
     step_dir = os.path.join(tmp_path, CHECKPOINT_DIR, "2")
-    recorded = [json.load(open(os.path.join(step_dir, f"integrity.process_{i}.json")))["files"] for i in (0, 1)]
+    recorded = [json.loads(Path(step_dir, f"integrity.process_{i}.json").read_text())["files"] for i in (0, 1)]
     assert recorded[1] and all(integrity.writer_of(p) == 1 for p in recorded[1])
     assert any("ocdbt.process_1/" in p for p in recorded[1]) and not set(recorded[0]) & set(recorded[1])
     assert cli.main(["verify", str(tmp_path)]) == 0
@@ -269,7 +273,7 @@ def test_two_processes_record_their_own_files_and_fall_back_together(tmp_path):
     outputs = train(3)
     for out in outputs:  # both processes give the same verdict and resume from step 1
         assert f"is damaged: {victim} truncated (1 of {recorded[1][victim]['size']} bytes)" in out
-    assert [json.loads(l)["step"] for l in open(tmp_path / "metrics.jsonl")] == [1, 2, 3]
+    assert [line["step"] for line in metrics_lines(tmp_path)] == [1, 2, 3]
     assert os.path.isdir(tmp_path / integrity.DAMAGED_DIR / "2") and cli.main(["verify", str(tmp_path)]) == 0
 
 

@@ -1,10 +1,9 @@
 """The main job prepares its corpus once and learns real text: its loss falls well below the unigram entropy."""
 
-import json
 import os
 
 import pytest
-from helpers import learning_run, logged_entropy
+from helpers import learning_run, logged_entropy, metrics_lines
 
 from jaxtron.data.corpus import stdlib_files, unigram_entropy
 from jaxtron.data.store import MANIFEST, TokenStore
@@ -25,7 +24,7 @@ def test_default_config_prepares_its_corpus_once_and_learns_it(tmp_path):
     entropy = logged_entropy(first.stderr)
     assert 2.5 < entropy < 4.5
     assert abs(entropy - unigram_entropy(store.read(0, store.num_tokens // 2), 256)) < 0.2
-    lines = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
+    lines = metrics_lines(tmp_path / "run")
     assert [line["step"] for line in lines if "loss" in line] == [20, 40, 60]
     evals = [line for line in lines if "eval/loss" in line]
     assert [line["step"] for line in evals] == [40, 60]

@@ -23,8 +23,9 @@ from jaxtron.training import state as state_lib
 from jaxtron.training.step import loss_sums
 
 # config (FILE[:ARG] under configs/) -> published parameter count
-PUBLISHED = {"llama3_1b": 1.24e9, "llama3_8b": 8.03e9, "llama3_70b": 70.55e9, "llama3_405b": 405.85e9, "gpt3_175b": 175e9,
-             "deepseek_v3": 671e9, "qwen3:8b": 8.19e9, "qwen3:32b": 32.8e9, "qwen3:30b-a3b": 30.5e9, "qwen3:235b-a22b": 235e9}
+PUBLISHED = {"llama3_1b": 1.24e9, "llama3_8b": 8.03e9, "llama3_70b": 70.55e9, "llama3_405b": 405.85e9,
+             "gpt3_175b": 175e9, "deepseek_v3": 671e9, "qwen3:8b": 8.19e9, "qwen3:32b": 32.8e9, "qwen3:30b-a3b": 30.5e9,
+             "qwen3:235b-a22b": 235e9}
 # Qwen3's model cards also give the count without the token embedding and output head (0.6B's total is given
 # only as "0.6B")
 PUBLISHED_NON_EMBEDDING = {"qwen3:0.6b": 0.44e9, "qwen3:8b": 6.95e9, "qwen3:32b": 31.2e9, "qwen3:30b-a3b": 29.9e9,
@@ -50,12 +51,12 @@ def test_config_parameter_counts_match_published(name):
 
 
 def test_rope_frequencies_plain_and_llama31_scaled():
-    plain = ModelConfig(embed_dim=1024, num_heads=8, head_dim=128, rope_theta=500_000.0)
+    plain = ModelConfig(embed_dim=1024, attention=dict(num_heads=8, head_dim=128), rope=dict(theta=500_000.0))
     freq = np.asarray(rope_frequencies(plain))
     np.testing.assert_allclose(freq, [500_000.0 ** (-2 * i / 128) for i in range(64)], rtol=1e-6)
-    scaled_cfg = ModelConfig(embed_dim=1024, num_heads=8, head_dim=128, rope_theta=500_000.0,
-                             rope_scaling_factor=8.0, rope_low_freq_factor=1.0, rope_high_freq_factor=4.0,
-                             rope_original_max_len=8192)
+    scaled_cfg = ModelConfig(embed_dim=1024, attention=dict(num_heads=8, head_dim=128),
+                             rope=dict(theta=500_000.0, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                                       original_max_len=8192))
     scaled = np.asarray(rope_frequencies(scaled_cfg))
     for f, s in zip(freq, scaled):
         wavelength = 2 * math.pi / f
@@ -71,7 +72,8 @@ def test_rope_frequencies_plain_and_llama31_scaled():
 
 
 def test_rope_scores_depend_only_on_relative_position():
-    cfg = ModelConfig(embed_dim=64, num_heads=2, num_kv_heads=2, head_dim=32, rope_theta=10_000.0)
+    cfg = ModelConfig(embed_dim=64, attention=dict(num_heads=2, num_kv_heads=2, head_dim=32),
+                      rope=dict(theta=10_000.0))
     inv = rope_frequencies(cfg)
     q, k = jax.random.normal(jax.random.key(0), (2, 1, 1, 1, 32))
     score = lambda i, j: float(jnp.sum(apply_rope(q, jnp.array([[i]]), inv) * apply_rope(k, jnp.array([[j]]), inv)))
@@ -88,7 +90,7 @@ def _model_and_tokens(**model):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("variant", [{}, dict(activation="gelu", norm="layernorm", position_embedding="learned",
-                                               tie_embeddings=True, num_kv_heads=4)])
+                                               tie_embeddings=True, attention=dict(num_kv_heads=4))])
 def test_causal_no_token_sees_the_future(variant):
     _, model, tokens = _model_and_tokens(**variant)
     logits = model(tokens).logits()
@@ -141,7 +143,7 @@ def test_remat_policies_change_memory_not_results():
         cfg = tiny_config(model=dict(num_layers=4), execution=dict(remat=remat), data=dict(seq_len=64))
         setup = state_lib.setup(cfg, "xla")
         params = state_lib.init_state(cfg, "xla", None).params
-        fn = jax.jit(jax.value_and_grad(lambda p: loss_sums(p, setup.graphdef, batch, 0.0)[0]))
+        fn = jax.jit(jax.value_and_grad(lambda p, setup=setup: loss_sums(p, setup.graphdef, batch, 0.0)[0]))
         temp[remat] = fn.lower(params).compile().memory_analysis().temp_size_in_bytes
         loss, grads = fn(params)
         results[remat] = (float(loss), jax.tree.leaves(nnx.to_pure_dict(grads)))
@@ -183,7 +185,7 @@ def test_bf16_embedding_gradient_is_accumulated_in_float32():
         cfg = tiny_config(execution=dict(dtype=dtype))
         setup = state_lib.setup(cfg, "xla")
         params = state_lib.init_state(cfg, "xla", None).params
-        g = jax.jit(jax.grad(lambda p: loss_sums(p, setup.graphdef, batch, 0.0)[0]))(params)
+        g = jax.jit(jax.grad(lambda p, setup=setup: loss_sums(p, setup.graphdef, batch, 0.0)[0]))(params)
         grads[dtype] = np.asarray(g["embedding"].get_value())
         assert g["embedding"].get_value().dtype == jnp.float32
     counts = np.bincount(tokens[:, :-1].ravel())
@@ -208,7 +210,7 @@ def test_remat_policies_that_keep_the_attention_output(remat, count, capsys):
     jax.ad_checkpoint.print_saved_residuals(lambda p: jnp.sum(nnx.merge(graphdef, p)(tokens).logits()), params)
     # residuals of the layer scan shaped [layers, batch, length, heads, head_dim]: the query projection (a
     # dot) and the attention output
-    shape = f"[2,2,16,{cfg.model.num_heads},{cfg.model.resolved_head_dim}] output of scan"
+    shape = f"[2,2,16,{cfg.model.attention.num_heads},{cfg.model.resolved_head_dim}] output of scan"
     assert capsys.readouterr().out.count(shape) == count
 
 
@@ -224,7 +226,8 @@ def test_logits_in_chunks_give_the_same_loss_and_gradients_in_less_memory():
                           train=dict(logit_chunks=chunks, z_loss=1e-3))
         setup = state_lib.setup(cfg, "xla")
         params = state_lib.init_state(cfg, "xla", None).params
-        fn = jax.jit(jax.value_and_grad(lambda p: loss_sums(p, setup.graphdef, batch, 1e-3, setup.logit_chunks)[0]))
+        fn = jax.jit(jax.value_and_grad(
+            lambda p, setup=setup: loss_sums(p, setup.graphdef, batch, 1e-3, setup.logit_chunks)[0]))
         temp[chunks] = fn.lower(params).compile().memory_analysis().temp_size_in_bytes
         with jax.set_mesh(mesh):  # the same on a mesh that shards the sequence and the vocabulary
             shardings = state_lib.state_shardings(mesh, setup.abstract_state).params
@@ -242,13 +245,13 @@ def test_rope_angles_stay_accurate_for_every_position_a_row_can_hold():
     there the float32 rotation matches a float64 one to 1e-3 (at a document offset of 1e6 it was off by 0.07)."""
     from jaxtron.config.schema import ModelConfig
     from jaxtron.models.layers import apply_rope, rope_frequencies
-    cfg = ModelConfig(embed_dim=4096, num_heads=32, rope_theta=500_000.0, max_seq_len=8192)
+    cfg = ModelConfig(embed_dim=4096, attention=dict(num_heads=32), rope=dict(theta=500_000.0), max_seq_len=8192)
     dim = cfg.resolved_head_dim
     positions = np.arange(cfg.max_seq_len)[None]
     x = np.zeros((1, positions.shape[1], 1, dim), np.float32)
     x[..., 0] = 1.0  # rotates into (cos, sin) of each frequency's angle
     got = np.asarray(apply_rope(jnp.asarray(x), jnp.asarray(positions), rope_frequencies(cfg)))[0, :, 0]
-    angles = positions[0, :, None] * (1.0 / cfg.rope_theta ** (np.arange(0, dim, 2) / dim))
+    angles = positions[0, :, None] * (1.0 / cfg.rope.theta ** (np.arange(0, dim, 2) / dim))
     assert np.abs(got[:, 0] - np.cos(angles[:, 0])).max() < 1e-3
     assert np.abs(got[:, dim // 2] - np.sin(angles[:, 0])).max() < 1e-3
 
@@ -261,8 +264,8 @@ def test_sequence_parallelism_splits_the_residual_stream_over_the_tensor_group(m
     from jaxtron.planning.dry_run import dry_run
     layers, rows, length, width, tensor = 16, 4, 1024, 256, 4
     cfg = tiny_config(dict(fsdp=2, tensor=tensor), data=dict(seq_len=length), train=dict(global_batch_size=8),
-                      model=dict(embed_dim=width, num_layers=layers, num_heads=8, num_kv_heads=4, mlp_dim=512,
-                                 max_seq_len=length),
+                      model=dict(embed_dim=width, num_layers=layers, attention=dict(num_heads=8, num_kv_heads=4),
+                                 mlp_dim=512, max_seq_len=length),
                       execution=dict(remat="full", attention="blockwise"))
     split = dry_run(cfg)
     monkeypatch.setitem(sharding._RULES, "activation_residual_length", "sequence")  # the stream whole per rank

@@ -2,7 +2,6 @@
 on every mesh, auxiliary losses, parameter and FLOP counts of the Mixtral configs."""
 
 import dataclasses
-import json
 import math
 import os
 
@@ -12,15 +11,16 @@ import numpy as np
 import pytest
 from conftest import REPO
 from flax import nnx
-from helpers import learning_run, logged_entropy, tiny_config
+from helpers import learning_run, logged_entropy, metrics_lines, tiny_config
 
 from jaxtron.config.loader import load_config
-from jaxtron.config.schema import ConfigError, ExecutionConfig, ModelConfig
+from jaxtron.config.schema import ConfigError, ExecutionConfig, ModelConfig, replace
 from jaxtron.data.loader import SyntheticSource
 from jaxtron.metrics import flops
 from jaxtron.models import build_model
 from jaxtron.models.moe import ExpertAxes, MoE, capacity, route
 from jaxtron.parallel import sharding
+from jaxtron.parallel.checks import check_devices
 from jaxtron.parallel.mesh import make_mesh
 from jaxtron.training import state as state_lib
 from jaxtron.training.loop import run
@@ -38,14 +38,14 @@ LAYER_MESHES = {
 
 def _layer_cfg(**kw) -> ModelConfig:
     # init_std 0.3 makes outputs O(1), so the tolerances below are relative ones
-    base = dict(embed_dim=32, num_layers=2, num_heads=4, num_kv_heads=2, mlp_dim=48, init_std=0.3,
-                num_experts=E, experts_per_token=K)
-    return ModelConfig(**{**base, **kw})
+    base = ModelConfig(embed_dim=32, num_layers=2, attention=dict(num_heads=4, num_kv_heads=2), mlp_dim=48,
+                       init_std=0.3, moe=dict(num_experts=E, experts_per_token=K))
+    return replace(base, **kw)
 
 
-def _layer(cfg: ModelConfig, execution: ExecutionConfig = ExecutionConfig()):
+def _layer(cfg: ModelConfig, execution: ExecutionConfig | None = None):
     with nnx.use_eager_sharding(False):
-        return nnx.split(MoE(cfg, execution, nnx.Rngs(params=0)))
+        return nnx.split(MoE(cfg, execution or ExecutionConfig(), nnx.Rngs(params=0)))
 
 
 def _mesh(sizes):
@@ -226,7 +226,7 @@ def test_router_weights_and_auxiliary_losses():
     top = np.argsort(-probs, axis=-1)[..., :K]
     picked = np.take_along_axis(probs, top, -1)
     for renormalize in (True, False):
-        ids, w, stats = route(_layer_cfg(router_renormalize=renormalize), logits)
+        ids, w, stats = route(_layer_cfg(moe=dict(router_renormalize=renormalize)), logits)
         np.testing.assert_array_equal(np.asarray(ids), top)
         want = picked / picked.sum(-1, keepdims=True) if renormalize else picked
         np.testing.assert_allclose(np.asarray(w), want, rtol=1e-6)
@@ -242,7 +242,7 @@ def test_router_weights_and_auxiliary_losses():
 
 @pytest.mark.slow
 def test_moe_every_second_block_runs_blocks_in_order():
-    config = tiny_config(model=dict(num_layers=4, num_experts=4, experts_per_token=2, moe_every=2, init_std=0.2))
+    config = tiny_config(model=dict(num_layers=4, moe=dict(num_experts=4, experts_per_token=2, every=2), init_std=0.2))
     cfg = config.model
     model = build_model(cfg, config.execution, 0)
     params = nnx.state(model, nnx.Param)
@@ -259,8 +259,8 @@ def test_moe_every_second_block_runs_blocks_in_order():
     positions = jnp.broadcast_to(jnp.arange(16), tokens.shape)
     x = jnp.take(model.embedding[...], tokens, axis=0)
     for i in range(2):
-        x, _ = nnx.merge(dense_def, jax.tree.map(lambda a: a[i], dense))(x, positions, None)
-        x, _ = nnx.merge(moe_def, jax.tree.map(lambda a: a[i], moe))(x, positions, None)
+        x, _ = nnx.merge(dense_def, jax.tree.map(lambda a, i=i: a[i], dense))(x, positions, None)
+        x, _ = nnx.merge(moe_def, jax.tree.map(lambda a, i=i: a[i], moe))(x, positions, None)
     np.testing.assert_allclose(np.asarray(x_model), np.asarray(model.final_norm(x)), atol=2e-5)
 
 
@@ -275,7 +275,7 @@ def test_mixtral_parameter_counts_match_published(name):
     total, active = MIXTRAL[name]
     assert counted == flops.param_count(cfg.model) == pytest.approx(total, rel=5e-3)
     assert flops.param_count(cfg.model, active=True) == pytest.approx(active, rel=1e-2)
-    cfg.check_devices(64)  # the config's own mesh is valid on 64 devices
+    check_devices(cfg, 64)  # the config's own mesh is valid on 64 devices
 
 
 def test_flops_count_only_the_active_experts_and_the_router():
@@ -285,7 +285,7 @@ def test_flops_count_only_the_active_experts_and_the_router():
     terms = flops.flops_breakdown(cfg, 4096)
     assert terms["experts"] == 6.0 * L * 2 * 3 * h * f and terms["mlp"] == 0  # top-2 of 8 experts, no dense MLP
     assert terms["router"] == 6.0 * L * h * 8
-    dense = dataclasses.replace(cfg, num_experts=0)  # the same model with one MLP per block
+    dense = replace(cfg, moe=dict(num_experts=0))  # the same model with one MLP per block
     assert flops.flops_per_token(cfg, 4096) - flops.flops_per_token(dense, 4096) == \
         pytest.approx(6.0 * L * (3 * h * f + 8 * h))
     # save_dots keeps weight matmuls without batch dimensions; the expert GEMMs are recomputed like attention scores
@@ -299,27 +299,30 @@ def test_flops_count_only_the_active_experts_and_the_router():
 
 
 @pytest.mark.parametrize("field, value", [
-    ("model.num_experts", 6),  # mesh.expert = 4 does not divide 6
-    ("model.moe_every", 3),
-    ("model.experts_per_token", 9),
+    ("model.moe.num_experts", 6),  # mesh.expert = 4 does not divide 6
+    ("model.moe.every", 3),
+    ("model.moe.experts_per_token", 9),
     ("execution.moe_mode", "token_choice"),
     ("model.activation", "gelu"),
     ("execution.capacity_factor", 0.0),
 ])
 def test_bad_moe_config_names_the_field(field, value):
-    section, name = field.split(".")
-    sections = {"model": dict(num_layers=4, num_experts=8)}
-    sections.setdefault(section, {})[name] = value
+    section, *groups, name = field.split(".")
+    sections = {"model": dict(num_layers=4, moe=dict(num_experts=8))}
+    target = sections.setdefault(section, {})
+    for group in groups:
+        target = target[group]
+    target[name] = value
     with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
         cfg = tiny_config(dict(fsdp=2, expert=4), **sections)
-        cfg.check_devices(8)
+        check_devices(cfg, 8)
 
 
 def _losses(summary):
     return np.array([h["loss"] for h in summary["history"]])
 
 
-MOE = dict(num_experts=4, experts_per_token=2)
+MOE = dict(moe=dict(num_experts=4, experts_per_token=2))
 
 
 @pytest.fixture(scope="module")
@@ -343,7 +346,7 @@ def test_training_losses_are_the_same_on_every_mesh(mesh, single_device_moe_run,
 @pytest.mark.slow
 def test_routing_metrics_are_logged(single_device_moe_run):
     workdir, _ = single_device_moe_run
-    lines = [json.loads(line) for line in open(os.path.join(workdir, "metrics.jsonl"))]
+    lines = metrics_lines(workdir)
     last = [line for line in lines if "loss" in line][-1]
     load = [last[f"expert_load/{e}"] for e in range(4)]
     assert sum(load) == pytest.approx(1.0) and min(load) > 0
@@ -412,7 +415,7 @@ def _learns_with_experts_split_over_two_devices(config: str, tmp_path) -> list[d
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "'expert': 2" in proc.stderr  # the mesh of the run's first log line: half the experts on each device
     entropy = logged_entropy(proc.stderr)
-    lines = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
+    lines = metrics_lines(tmp_path / "run")
     logged = [line for line in lines if "loss" in line]
     validation = [line["eval/loss"] for line in lines if "eval/loss" in line]
     assert logged[-1]["step"] == 60 and logged[-1]["loss_avg"] < entropy - 0.5 and validation[-1] < entropy - 0.5
@@ -473,8 +476,9 @@ def _deepseek_choice(logits, bias, groups, top_groups, k, scale):
 
 
 def test_sigmoid_router_with_bias_and_groups_matches_deepseek_v3():
-    cfg = ModelConfig(num_heads=4, num_kv_heads=4, num_experts=16, experts_per_token=3, router="sigmoid",
-                      router_groups=4, router_top_groups=1, router_scale=2.5)
+    cfg = ModelConfig(attention=dict(num_heads=4, num_kv_heads=4),
+                      moe=dict(num_experts=16, experts_per_token=3, router="sigmoid", router_groups=4,
+                               router_top_groups=1, router_scale=2.5))
     logits = np.asarray(jax.random.normal(jax.random.key(0), (2, 24, 16)), np.float32)
     bias = np.asarray(0.5 * jax.random.normal(jax.random.key(1), (16,)), np.float32)
     ids, weights, stats = route(cfg, jnp.asarray(logits), bias=jnp.asarray(bias))
@@ -495,7 +499,8 @@ def test_routing_keeps_each_device_to_its_own_tokens(router):
     partitioning of TopK gathered every device's router scores onto every device), and it chooses as on one
     device."""
     groups = dict(router_groups=4, router_top_groups=2) if router == "sigmoid" else {}
-    cfg = ModelConfig(num_heads=4, num_kv_heads=4, num_experts=16, experts_per_token=2, router=router, **groups)
+    cfg = ModelConfig(attention=dict(num_heads=4, num_kv_heads=4),
+                      moe=dict(num_experts=16, experts_per_token=2, router=router, **groups))
     logits = jax.random.normal(jax.random.key(0), (16, 8, 16), jnp.float32)
     bias = 0.3 * jax.random.normal(jax.random.key(1), (16,)) if router == "sigmoid" else None
 
@@ -524,7 +529,7 @@ def _deepseek_max_loads(rate: float, steps: int) -> tuple[list[float], jax.Array
         assert set(np.unique(np.abs(bias)).tolist()) <= {0.0, np.float32(rate)}
         assert rate == 0 or bias[:, 0].tolist() == [-np.float32(rate)] * 2  # the skewed start overloads 0
 
-    loads, state = _skewed_run(steps, dict(MOE, router="sigmoid", num_kv_heads=4),
+    loads, state = _skewed_run(steps, dict(moe=dict(MOE["moe"], router="sigmoid"), attention=dict(num_kv_heads=4)),
                                dict(router_aux_loss=0.0, router_bias_rate=rate), one_step_from_zero)
     return loads, state.params["moe_layers"]["mlp"]["router_bias"].get_value()
 

@@ -37,7 +37,7 @@ ENTRY %main (x: f32[2]) -> f32[8] {
   %alone2 = f32[64]{0} all-reduce(f32[64]{0} %q), replica_groups=mesh['axis_0'=1,'axis_1'=4] {'axis_0'}, to_apply=%sum
   %pair = f32[2]{0} all-reduce(f32[2]{0} %q), replica_groups=mesh['axis_0'=1,'axis_1'=4] {'axis_1'}, to_apply=%sum
 }
-"""
+"""  # noqa: E501 (an HLO instruction is one line)
 
 
 def test_collectives_count_loop_iterations_and_the_bytes_each_works_on():
@@ -54,7 +54,7 @@ def test_collectives_count_loop_iterations_and_the_bytes_each_works_on():
 def test_dry_run_memory_and_collectives_follow_the_mesh():
     fsdp = dry_run(tiny_config(dict(fsdp=8)))
     cfg = tiny_config(dict(fsdp=8))
-    sizes = cfg.check_devices(8)
+    sizes = check_devices(cfg, 8)
     setup = state_lib.setup(cfg, "xla")
     state_bytes = state_lib.state_bytes_per_device(
         setup.abstract_state, state_lib.state_shardings(make_mesh(sizes), setup.abstract_state))
@@ -67,7 +67,7 @@ def test_dry_run_memory_and_collectives_follow_the_mesh():
     data = dry_run(tiny_config(dict(data=8, fsdp=1)))
     assert data.collectives["all-gather"]["count"] == 0 and data.collectives["all-reduce"]["count"] > 0
     assert data.argument_bytes > 4 * fsdp.argument_bytes  # replicated state
-    moe = dry_run(tiny_config(dict(fsdp=2, expert=4), model=dict(num_experts=4)))
+    moe = dry_run(tiny_config(dict(fsdp=2, expert=4), model=dict(moe=dict(num_experts=4))))
     # per MoE block: rows out, counts, outputs back, and two transposed row exchanges
     assert moe.collectives["all-to-all"]["count"] >= 2 * 5
     assert np.isfinite(moe.compile_s) and jax.device_count() == 8
@@ -82,7 +82,7 @@ def test_pipelined_collectives_are_estimated_iteration_by_iteration(mesh, schedu
     cfg = tiny_config(mesh, model=dict(embed_dim=256, mlp_dim=512, num_layers=8), train=dict(global_batch_size=16),
                       pipeline=schedule)
     compiled = {k: v["bytes"] for k, v in dry_run(cfg).collectives.items()}
-    est = estimate(cfg, cfg.check_devices(8), H100, cpu_program=True).collectives
+    est = estimate(cfg, check_devices(cfg, 8), H100, cpu_program=True).collectives
     assert est["all-gather"] == pytest.approx(compiled["all-gather"], rel=0.1)
     # XLA:CPU reduces with all-reduce where a GPU reduce-scatters
     assert est["all-reduce"] + est["reduce-scatter"] == pytest.approx(
@@ -103,6 +103,7 @@ from conftest import FAST_COMPILE_FLAGS, REPO
 
 from jaxtron import cli
 from jaxtron.config.loader import load_config
+from jaxtron.parallel.checks import check_devices
 from jaxtron.planning import search
 from jaxtron.planning.estimate import estimate, parameters
 from jaxtron.planning.gpus import gpu
@@ -122,7 +123,7 @@ def test_gradients_are_summed_over_the_sequence_axis_as_over_data():
                                                            max_seq_len=256),
                       data=dict(seq_len=256), train=dict(global_batch_size=16))
     compiled = {k: v["bytes"] for k, v in dry_run(cfg).collectives.items()}
-    sizes = cfg.check_devices(8)
+    sizes = check_devices(cfg, 8)
     est = estimate(cfg, sizes, H100, cpu_program=True)
     params = sum(math.prod(p.shape) for p in parameters(cfg.model))
     assert est.collectives["all-reduce"] == pytest.approx(4 * params)  # float32 gradients, once a step
@@ -134,10 +135,10 @@ def test_gradients_are_summed_over_the_sequence_axis_as_over_data():
 
 @pytest.mark.parametrize("mesh,model", [(dict(fsdp=8), {}), (dict(fsdp=4, tensor=2), {}),
                                         (dict(data=2, fsdp=2, sequence=2), {}),
-                                        (dict(fsdp=2, expert=4), dict(num_experts=4))])
+                                        (dict(fsdp=2, expert=4), dict(moe=dict(num_experts=4)))])
 def test_estimated_state_is_what_the_real_shardings_hold(mesh, model):
     cfg = tiny_config(mesh, model=model)
-    sizes = cfg.check_devices(8)
+    sizes = check_devices(cfg, 8)
     setup = state_lib.setup(cfg, "xla")
     exact = state_lib.state_bytes_per_device(
         setup.abstract_state, state_lib.state_shardings(make_mesh(sizes), setup.abstract_state))
@@ -267,7 +268,8 @@ def test_plan_cli_ranks_and_compiles(tmp_path):
     out = tmp_path / "plan.json"
     proc = subprocess.run([sys.executable, "-m", "jaxtron.plan", f"--config={REPO}/configs/default.py", "--gpus=8",
                            "--gpu=h200", "--compile=data=2,fsdp=4", f"--json={out}"],
-                          cwd=REPO, capture_output=True, text=True, env={**os.environ, "XLA_FLAGS": FAST_COMPILE_FLAGS})
+                          cwd=REPO, capture_output=True, text=True, env={**os.environ, "XLA_FLAGS": FAST_COMPILE_FLAGS},
+                          check=False)
     assert proc.returncode == 0, proc.stderr
     assert "valid meshes" in proc.stdout and "dry run of data=2 fsdp=4 on 8 fake CPU devices" in proc.stdout
     assert "estimate of the same program" in proc.stdout

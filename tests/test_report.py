@@ -4,11 +4,12 @@ import gzip
 import json
 import os
 import struct
+from pathlib import Path
 
 import jax
 import matplotlib.image
 import pytest
-from helpers import tiny_config
+from helpers import metrics_lines, tiny_config
 
 from jaxtron import cli
 from jaxtron.config.schema import ConfigError, ProfileConfig
@@ -29,7 +30,7 @@ def profiled_run(tmp_path_factory):
 
 
 def _trace_events(workdir):
-    window = json.load(open(os.path.join(workdir, "profile", "window.json")))
+    window = json.loads(Path(workdir, "profile", "window.json").read_text())
     with gzip.open(os.path.join(workdir, "profile", window["trace"]), "rt") as f:
         return window, json.load(f)["traceEvents"]
 
@@ -45,7 +46,7 @@ def test_the_profiler_traces_exactly_the_window(profiled_run):
 
 @pytest.mark.slow
 def test_metrics_lines_carry_data_wait_memory_and_compile_time(profiled_run):
-    lines = [json.loads(line) for line in open(os.path.join(profiled_run, "metrics.jsonl"))]
+    lines = metrics_lines(profiled_run)
     train = [line for line in lines if "step_time_s" in line]
     assert [line["step"] for line in train] == [1, 2, 3, 4, 5, 6]
     assert "compile_time_s" in train[0] and all("compile_time_s" not in line for line in train[1:])
@@ -73,7 +74,7 @@ def test_the_report_reads_the_run_and_its_communication_share(profiled_run, caps
     assert s["steps_done"] == 6 and s["checkpoints"] == [6] and s["nonfinite_steps"] == 0
     # 6 intervals of one step: step 1 carries the compile time, steps 3-4 were traced; 10% of 6 steps is 1
     assert (s["intervals"], s["steady_intervals"]) == (6, 3)
-    lines = [json.loads(line) for line in open(os.path.join(profiled_run, "metrics.jsonl"))]
+    lines = metrics_lines(profiled_run)
     counted = [line["tokens_per_sec"] for line in lines if line["step"] in (2, 5, 6) and "tokens_per_sec" in line]
     assert s["tokens_per_sec"] == sorted(counted)[1]
     comm = s["communication"]
@@ -90,11 +91,11 @@ def _write_run(workdir, lines, steps=100, window=None):
     os.makedirs(os.path.join(workdir, "checkpoints", "100"))
     with open(os.path.join(workdir, "metrics.jsonl"), "w") as f:
         f.writelines(json.dumps(line) + "\n" for line in lines)
-    json.dump({"train": {"steps": steps}, "profile": {"dir": ""}}, open(os.path.join(workdir, "config.json"), "w"))
+    Path(workdir, "config.json").write_text(json.dumps({"train": {"steps": steps}, "profile": {"dir": ""}}))
     if window:
         os.makedirs(os.path.join(workdir, "profile"))
-        json.dump({"start_step": window[0], "end_step": window[1], "wall_s": 1.0, "trace": None},
-                  open(os.path.join(workdir, "profile", "window.json"), "w"))
+        window = {"start_step": window[0], "end_step": window[1], "wall_s": 1.0, "trace": None}
+        Path(workdir, "profile", "window.json").write_text(json.dumps(window))
 
 
 def _line(step, time, **extra):
@@ -129,7 +130,7 @@ def test_plots_are_valid_png_files(tmp_path):
     paths = write_plots(lines, str(tmp_path), "test")
     assert [os.path.basename(p) for p in paths] == ["loss.png", "throughput.png"]
     for path in paths:
-        data = open(path, "rb").read()
+        data = Path(path).read_bytes()
         assert data[:8] == b"\x89PNG\r\n\x1a\n" and data[12:16] == b"IHDR"
         assert struct.unpack(">II", data[16:24]) == (700, 400)
         assert matplotlib.image.imread(path).shape[:2] == (400, 700)
@@ -144,7 +145,7 @@ def test_report_compares_two_runs_and_refuses_bad_input(tmp_path, capsys):
     row = next(line for line in out.splitlines() if line.startswith("tokens/s"))
     assert row.split()[-1] == "2.000"  # B runs twice as many tokens per second
     assert os.path.isfile(os.path.join(b, "throughput.png"))
-    assert [r["workdir"] for r in json.load(open(tmp_path / "both.json"))] == [a, b]
+    assert [r["workdir"] for r in json.loads(Path(tmp_path / "both.json").read_text())] == [a, b]
     assert cli.run("report", [str(tmp_path / "missing")]) == 2
     assert "has no metrics.jsonl" in capsys.readouterr().err
     with open(os.path.join(a, "metrics.jsonl"), "a") as f:
@@ -174,7 +175,7 @@ def test_report_flags_skipped_steps(tmp_path, capsys):
     out = capsys.readouterr().out
     warning = "WARNING: 3 step(s) were skipped as non-finite (first logged at step 30)"
     assert warning in out and out.splitlines()[1].startswith(warning)  # right under the run's first line
-    written = json.load(open(tmp_path / "bad.json"))
+    written = json.loads(Path(tmp_path / "bad.json").read_text())
     assert written["nonfinite_steps"] == 3 and written["nonfinite_first_step"] == 30
     assert written["warnings"] and written["warnings"][0].startswith("3 step(s) were skipped as non-finite")
     clean = [{**_line(step, 0.5), "nonfinite_steps": 0} for step in counts]
@@ -190,14 +191,14 @@ def test_report_states_the_flop_weighted_peak_of_fp8_runs(tmp_path, capsys):
     from jaxtron.config.schema import ExecutionConfig, ModelConfig
 
     h, q, k, f, s, layers, vocab = 64, 64, 32, 128, 32, 4, 256
-    model = ModelConfig(vocab_size=vocab, embed_dim=h, num_layers=layers, num_heads=4, num_kv_heads=2, mlp_dim=f,
-                        max_seq_len=s)
+    model = ModelConfig(vocab_size=vocab, embed_dim=h, num_layers=layers, attention=dict(num_heads=4, num_kv_heads=2),
+                        mlp_dim=f, max_seq_len=s)
     execution = ExecutionConfig(dtype="bfloat16", fp8=True, fp8_skip_layers=1)
     workdir = str(tmp_path)
     _write_run(workdir, [_line(step, 0.5) for step in range(10, 101, 10)])  # 2 / t TFLOP/s at mfu 0.1 / t
-    json.dump({"train": {"steps": 100}, "profile": {"dir": ""}, "model": dataclasses.asdict(model),
-               "execution": dataclasses.asdict(execution), "data": {"seq_len": s}},
-              open(os.path.join(workdir, "config.json"), "w"))
+    config = {"train": {"steps": 100}, "profile": {"dir": ""}, "model": dataclasses.asdict(model),
+              "execution": dataclasses.asdict(execution), "data": {"seq_len": s}}
+    Path(workdir, "config.json").write_text(json.dumps(config))
     # the two middle blocks run their projections and MLP in FP8; scores and logits stay 16-bit
     fp8 = 2 * 6 * (h * (q + 2 * k) + q * h + 3 * h * f)
     total = layers * 6 * (h * (q + 2 * k) + q * s + q * h + 3 * h * f) + 6 * h * vocab
@@ -206,13 +207,13 @@ def test_report_states_the_flop_weighted_peak_of_fp8_runs(tmp_path, capsys):
     line = next(x for x in out.splitlines() if "MFU against the" in x)
     assert f"FLOP-weighted dense peak: FP8 matmuls are {fp8 / total:.1%} of the model FLOPs" in line
     assert "the rest at the bfloat16 peak (20 TFLOP/s per device)" in line
-    basis = json.load(open(tmp_path / "s.json"))["mfu_basis"]
+    basis = json.loads(Path(tmp_path / "s.json").read_text())["mfu_basis"]
     assert basis["fp8_flops_share"] == pytest.approx(fp8 / total, rel=1e-12)
     assert basis["peak_tflops"] == pytest.approx(20)
     # without FP8 the basis is the plain dense peak of the compute dtype
-    config = json.load(open(os.path.join(workdir, "config.json")))
+    config = json.loads(Path(workdir, "config.json").read_text())
     config["execution"]["fp8"] = False
-    json.dump(config, open(os.path.join(workdir, "config.json"), "w"))
+    Path(workdir, "config.json").write_text(json.dumps(config))
     text = summary_lib.summarize(workdir)["mfu_basis"]["text"]
     assert text == "dense bfloat16 datasheet peak (20 TFLOP/s per device)"
 
@@ -245,7 +246,7 @@ def test_the_report_measures_each_pipeline_stages_idle_share(tmp_path, capsys):
                       train=dict(steps=4, global_batch_size=16), pipeline=dict(microbatches=2),
                       profile=dict(start_step=1, end_step=3))
     run(cfg, str(tmp_path), use_tqdm=False)
-    layout = json.load(open(tmp_path / "profile" / "pipeline.json"))
+    layout = json.loads(Path(tmp_path / "profile" / "pipeline.json").read_text())
     assert set(layout["loops"]) == {"forward", "backward"}
     assert sorted(layout["stage_of_device"].values()) == [0] * 4 + [1] * 4
     idle = summary_lib.summarize(str(tmp_path))["pipeline_idle"]

@@ -11,6 +11,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxtron.parallel import sharding
+from jaxtron.parallel.checks import check_devices
 from jaxtron.parallel.mesh import make_mesh
 from jaxtron.training import state as state_lib
 
@@ -39,7 +40,7 @@ def _flat(tree):
 @pytest.mark.parametrize("mesh_name", list(MESHES))
 def test_parameters_are_sharded_by_the_rules_from_init(mesh_name):
     cfg = tiny_config(MESHES[mesh_name])
-    sizes = cfg.check_devices(8)
+    sizes = check_devices(cfg, 8)
     mesh = make_mesh(sizes)
     with jax.set_mesh(mesh):
         setup = state_lib.setup(cfg, "xla")
@@ -89,7 +90,7 @@ def test_batch_is_sharded_over_data_fsdp_expert_and_length_over_sequence():
 
 def test_describe_lists_every_parameter_with_its_physical_sharding():
     cfg = tiny_config(dict(fsdp=4, tensor=2))
-    mesh = make_mesh(cfg.check_devices(8))
+    mesh = make_mesh(check_devices(cfg, 8))
     setup = state_lib.setup(cfg, "xla")
     text = sharding.sharding_table(mesh, setup.abstract_state.params)
     for name, spec in EXPECTED.items():
@@ -101,7 +102,7 @@ def test_describe_lists_every_parameter_with_its_physical_sharding():
 @pytest.mark.slow
 def test_initialisation_never_materialises_the_full_state_on_one_device():
     cfg = tiny_config(dict(fsdp=8), model=dict(embed_dim=256, mlp_dim=1024, num_layers=4))
-    mesh = make_mesh(cfg.check_devices(8))
+    mesh = make_mesh(check_devices(cfg, 8))
     with jax.set_mesh(mesh):
         setup = state_lib.setup(cfg, "xla")
         shardings = state_lib.state_shardings(mesh, setup.abstract_state)

@@ -7,17 +7,18 @@ requeues the job and it resumes. CI starts the cluster and sets JAXTRON_REQUIRE_
 cannot be skipped.
 """
 
-import json
 import os
 import shutil
 import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
 from conftest import REPO
+from helpers import metrics_lines
 from test_multiprocess import TINY, _env, _losses
 
 from jaxtron.parallel.launch import PEER_LOST_EXIT_CODE
@@ -28,7 +29,7 @@ REQUIRED = os.environ.get("JAXTRON_REQUIRE_SLURM") == "1"
 def _slurm_up() -> bool:
     if not shutil.which("srun") or not shutil.which("sinfo"):
         return False
-    out = subprocess.run(["sinfo", "-h", "-o", "%T"], capture_output=True, text=True, timeout=30)
+    out = subprocess.run(["sinfo", "-h", "-o", "%T"], capture_output=True, text=True, timeout=30, check=False)
     return out.returncode == 0 and any(s in ("idle", "mixed", "allocated") for s in out.stdout.split())
 
 
@@ -52,7 +53,7 @@ def _srun(workdir, *extra, **popen):
 
 def _one_process(workdir, *extra):
     return subprocess.run([sys.executable, "train.py", *ARGS, "--config.mesh.fsdp=8", *extra, f"--workdir={workdir}"],
-                          cwd=REPO, env=_env(8), capture_output=True, text=True, timeout=300)
+                          cwd=REPO, env=_env(8), capture_output=True, text=True, timeout=300, check=False)
 
 
 @pytest.fixture(scope="module")
@@ -74,7 +75,7 @@ def test_srun_trains_like_one_process_and_resumes_on_another_count(reference, tm
     again = _one_process(tmp_path)  # now one process with 8 devices
     assert again.returncode == 0, again.stderr[-3000:]
     assert "resumed from the checkpoint of step 3" in again.stderr
-    lines = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+    lines = metrics_lines(tmp_path)
     assert [line["step"] for line in lines] == [1, 2, 3, 4, 5]
     np.testing.assert_allclose([line["loss"] for line in lines], reference, rtol=1e-5)
 
@@ -104,8 +105,8 @@ def _task_pid(workdir, rank: int, timeout=60) -> int:
     while time.time() < deadline:
         for pid in filter(str.isdigit, os.listdir("/proc")):
             try:
-                cmdline = open(f"/proc/{pid}/cmdline", "rb").read().split(b"\0")
-                environ = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
+                cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+                environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
             except OSError:
                 continue
             if f"--workdir={workdir}".encode() in cmdline and any(a.endswith(b"train.py") for a in cmdline) and \
@@ -146,7 +147,8 @@ def test_a_killed_task_ends_the_step_and_a_new_srun_resumes(tmp_path):
 
 
 def _job_field(job: str, field: str) -> str:
-    out = subprocess.run(["scontrol", "show", "job", job], capture_output=True, text=True, timeout=30).stdout
+    out = subprocess.run(["scontrol", "show", "job", job], capture_output=True, text=True, timeout=30,
+                         check=False).stdout
     for token in out.split():
         if token.startswith(field + "="):
             return token.split("=", 1)[1]
@@ -163,7 +165,7 @@ def test_sbatch_requeues_a_job_that_lost_a_process_and_it_resumes(tmp_path):
          f"--chdir={tmp_path}", os.path.join(REPO, "scripts", "slurm", "train.sbatch"), *ARGS, *TWO_PROCESSES,
          "--config.train.steps=40", "--config.checkpoint.every=4", "--config.distributed.heartbeat_timeout_s=20",
          f"--workdir={workdir}"],
-        env=env, capture_output=True, text=True, timeout=60)
+        env=env, capture_output=True, text=True, timeout=60, check=False)
     assert submit.returncode == 0, submit.stderr
     job = submit.stdout.strip().split(";")[0]
     try:
@@ -179,7 +181,7 @@ def test_sbatch_requeues_a_job_that_lost_a_process_and_it_resumes(tmp_path):
             assert time.time() < deadline + 300, _job_field(job, "JobState")
             time.sleep(1)
     finally:
-        subprocess.run(["scancel", job], timeout=30)
+        subprocess.run(["scancel", job], timeout=30, check=False)
     log = (tmp_path / f"jaxtron-{job}.out").read_text()
     assert _job_field(job, "JobState") == "COMPLETED", log[-4000:]
     assert "attempt 1," in log and f"requeueing job {job}" in log and "attempt 2," in log, log[-4000:]
@@ -187,5 +189,5 @@ def test_sbatch_requeues_a_job_that_lost_a_process_and_it_resumes(tmp_path):
                for line in log.splitlines() if "resumed from the checkpoint of step" in line]
     assert resumed and resumed[0] >= 4, log[-4000:]
     assert log.rstrip().splitlines()[-1].startswith("jaxtron: train.py exited with 0"), log[-4000:]
-    steps = [json.loads(line)["step"] for line in open(workdir / "metrics.jsonl")]
+    steps = [line["step"] for line in metrics_lines(workdir)]
     assert steps == list(range(1, 41))  # the lines after the checkpoint were dropped and written again

@@ -7,7 +7,7 @@ import dataclasses
 
 import pytest
 
-from jaxtron.config.schema import Config, DataConfig, ExecutionConfig, ModelConfig, TrainConfig
+from jaxtron.config.schema import Config, DataConfig, ExecutionConfig, ModelConfig, TrainConfig, replace
 from jaxtron.metrics import flops, hardware
 from jaxtron.metrics.throughput import Throughput
 
@@ -22,11 +22,15 @@ EXECUTION_FIELDS = {f.name for f in dataclasses.fields(ExecutionConfig)}
 def small(**change) -> Config:
     """A run of the 4-layer model below in bfloat16, sequence S, global batch 8. ``change`` replaces fields of the
     model (the architecture) or of its execution (remat, attention, fp8, ...), whichever has the name."""
-    model = dict(vocab_size=V, embed_dim=H, num_layers=4, num_heads=4, num_kv_heads=2, mlp_dim=F, max_seq_len=S)
+    model = ModelConfig(vocab_size=V, embed_dim=H, num_layers=4, attention=dict(num_heads=4, num_kv_heads=2),
+                        mlp_dim=F, max_seq_len=S)
     execution = dict(dtype="bfloat16")
     for name, value in change.items():
-        (execution if name in EXECUTION_FIELDS else model)[name] = value
-    return Config(model=ModelConfig(**model), execution=ExecutionConfig(**execution), data=DataConfig(seq_len=S),
+        if name in EXECUTION_FIELDS:
+            execution[name] = value
+        else:
+            model = replace(model, **{name: value})
+    return Config(model=model, execution=ExecutionConfig(**execution), data=DataConfig(seq_len=S),
                   train=TrainConfig(global_batch_size=8))
 
 
@@ -71,7 +75,7 @@ def expected_recompute(remat: str, attention: str, dense_layers: int, moe_layers
 @pytest.mark.parametrize("remat", POLICIES)
 @pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
 def test_hfu_minus_mfu_is_the_policys_recompute(remat, attention, moe):
-    cfg = small(remat=remat, **(dict(num_experts=4, experts_per_token=2, moe_every=2) if moe else {}))
+    cfg = small(remat=remat, **(dict(moe=dict(num_experts=4, experts_per_token=2, every=2)) if moe else {}))
     dense_layers, moe_layers = (2, 2) if moe else (4, 0)
     throughput = Throughput(cfg, 1, H100, attention)
     step = throughput(2.0, 4)  # 0.5 s per step
@@ -97,7 +101,7 @@ def test_planner_step_time_uses_the_same_recompute(remat, attention):
     from jaxtron.planning.gpus import GPUS
 
     gpu = GPUS["h100"]
-    cfg = small(remat=remat, attention=attention, num_experts=4, experts_per_token=2, moe_every=2)
+    cfg = small(remat=remat, attention=attention, moe=dict(num_experts=4, experts_per_token=2, every=2))
     est = estimate(cfg, dict(data=1, fsdp=2, sequence=1, expert=1, tensor=1), gpu)
     assert est.attention == attention
     peak = gpu.peak_flops["bfloat16"]
@@ -121,7 +125,7 @@ def test_fp8_flops_are_the_projections_of_the_fp8_blocks():
     assert flops.fp8_flops_per_token(dense.model, dense.execution, S) == 4 * (per_block_attention + per_block_mlp)
     assert flops.fp8_flops_per_token(dense.model, dataclasses.replace(dense.execution, fp8=False), S) == 0
     # MoE every 2nd block; blocks 2 and 3 use FP8, block 3 is MoE: its attention is FP8, its experts are not
-    moe = small(num_layers=6, fp8=True, fp8_skip_layers=2, num_experts=4, experts_per_token=2, moe_every=2)
+    moe = small(num_layers=6, fp8=True, fp8_skip_layers=2, moe=dict(num_experts=4, experts_per_token=2, every=2))
     assert flops.fp8_flops_per_token(moe.model, moe.execution, S) == 2 * per_block_attention + 1 * per_block_mlp
     # with remat, the re-run projections are FP8 too (save_attention re-runs all four and gate/up)
     redo = dataclasses.replace(dense.execution, remat="save_attention")
@@ -135,7 +139,7 @@ def test_fp8_flops_are_the_projections_of_the_fp8_blocks():
 def test_fp8_block_count_matches_the_models_layer_groups(layers, skip, moe_every, experts):
     from jaxtron.models.stack import layer_groups
 
-    cfg = small(num_layers=layers, fp8=True, fp8_skip_layers=skip, moe_every=moe_every, num_experts=experts)
+    cfg = small(num_layers=layers, fp8=True, fp8_skip_layers=skip, moe=dict(every=moe_every, num_experts=experts))
     blocks = [i for group in layer_groups(cfg.model, cfg.execution) if group.fp8 for i in range(group.first, group.end)]
     moe_blocks = [i for i in blocks if experts and (i + 1) % moe_every == 0]
     assert flops.fp8_blocks(cfg.model, cfg.execution) == (len(blocks), len(blocks) - len(moe_blocks))
@@ -191,8 +195,8 @@ def test_compiled_gradient_recomputes_what_the_table_says():
     from jaxtron.models import build_model
 
     b, s = 2, 128
-    base = ModelConfig(vocab_size=64, embed_dim=256, num_layers=2, num_heads=2, num_kv_heads=1, mlp_dim=768,
-                       max_seq_len=s)
+    base = ModelConfig(vocab_size=64, embed_dim=256, num_layers=2, attention=dict(num_heads=2, num_kv_heads=1),
+                       mlp_dim=768, max_seq_len=s)
     tokens = jnp.zeros((b, s), jnp.int32)
 
     def compiled_flops(run: ExecutionConfig) -> float:

@@ -2,14 +2,16 @@
 
 import json
 import os
+from pathlib import Path
 
 import jax
 import numpy as np
 import pytest
 from flax import nnx
-from helpers import MESHES, tiny_config
+from helpers import MESHES, metrics_lines, tiny_config
 from jax.sharding import NamedSharding
 
+from jaxtron.parallel.checks import check_devices
 from jaxtron.parallel.sharding import logical_to_spec
 from jaxtron.training.loop import run
 
@@ -61,7 +63,7 @@ def test_accumulated_gradients_equal_large_batch_gradients():
     for k in (1, 4):
         setup = state_lib.setup(tiny_config(dict(fsdp=1), train=dict(microbatches=k)), "xla")
         state = state_lib.init_state(cfg, "xla", None)
-        grads, ce_sum, count, _ = jax.jit(lambda p, b: gradients(setup, p, b))(state.params, batch)
+        grads, ce_sum, count, _ = jax.jit(lambda p, b, setup=setup: gradients(setup, p, b))(state.params, batch)
         results.append((nnx.to_pure_dict(grads), float(ce_sum), float(count)))
     (g1, ce1, n1), (g4, ce4, n4) = results
     assert n1 == n4 == 8 * 32 and ce1 == pytest.approx(ce4, rel=1e-6)
@@ -80,7 +82,7 @@ def test_microbatches_on_a_sharded_mesh(single_device_run, tmp_path):
 @pytest.mark.slow
 def test_metrics_file_has_the_contract_fields(single_device_run, tmp_path):
     summary = run(tiny_config(dict(fsdp=8)), str(tmp_path), use_tqdm=False)
-    lines = [json.loads(l) for l in open(os.path.join(tmp_path, "metrics.jsonl"))]
+    lines = metrics_lines(tmp_path)
     assert [l["step"] for l in lines] == [1, 2, 3]
     assert lines[0]["compile_time_s"] == summary["compile_time_s"] > 0  # logged once, with the first step
     assert "compile_time_s" not in lines[1]
@@ -96,7 +98,7 @@ def test_metrics_file_has_the_contract_fields(single_device_run, tmp_path):
     assert lines[1]["learning_rate"] == pytest.approx(1e-3 + 0.5 * 9e-3 * (1 + np.cos(np.pi * 0.5)), rel=1e-5)
     assert lines[2]["learning_rate"] == pytest.approx(1e-3, rel=1e-5)
     assert any(f.startswith("events.out.tfevents") for f in os.listdir(tmp_path))
-    assert json.load(open(os.path.join(tmp_path, "config.json")))["mesh"]["fsdp"] == 8
+    assert json.loads(Path(tmp_path, "config.json").read_text())["mesh"]["fsdp"] == 8
 
 
 @pytest.mark.slow
@@ -149,9 +151,9 @@ def test_state_bytes_per_device_follow_the_shardings():
     setup = state_lib.setup(cfg, "xla")
     total = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(setup.abstract_state))
     one = state_lib.state_bytes_per_device(setup.abstract_state, state_lib.state_shardings(
-        make_mesh(tiny_config().check_devices(1), jax.devices()[:1]), setup.abstract_state))
+        make_mesh(check_devices(tiny_config(), 1), jax.devices()[:1]), setup.abstract_state))
     eight = state_lib.state_bytes_per_device(setup.abstract_state, state_lib.state_shardings(
-        make_mesh(cfg.check_devices(8)), setup.abstract_state))
+        make_mesh(check_devices(cfg, 8)), setup.abstract_state))
     assert one == total
     norms = sum(x.size * 4 for p, x in jax.tree_util.tree_flatten_with_path(setup.abstract_state)[0]
                 if "norm" in jax.tree_util.keystr(p))  # replicated, so every device holds them whole
@@ -263,16 +265,20 @@ def test_cudnn_by_chunks_losses_on_packed_text_match_single_device(mesh_name, pa
 
 
 QWEN3_STYLE = {  # per-head query and key norms, head size not embed / heads (16); the MoE one with 4 experts
-    "qwen3": dict(qk_norm=True, head_dim=32),
-    "qwen3_moe": dict(qk_norm=True, head_dim=32, num_experts=4, experts_per_token=2, router_renormalize=True),
+    "qwen3": dict(attention=dict(qk_norm=True, head_dim=32)),
+    "qwen3_moe": dict(attention=dict(qk_norm=True, head_dim=32),
+                      moe=dict(num_experts=4, experts_per_token=2, router_renormalize=True)),
     # latent attention with a low-rank query and YaRN (its softmax correction too), a dense block, then two MoE
     # blocks of 8 experts of width 32 in 4 groups plus a shared one, and a multi-token prediction module (an MoE
     # block of its own); the balancing biases move every step
-    "deepseek_v3": dict(num_layers=3, num_kv_heads=4, head_dim=16, qk_rope_head_dim=8, v_head_dim=12, q_lora_rank=32,
-                        kv_lora_rank=24, rope_scaling="yarn", rope_scaling_factor=4.0, rope_original_max_len=16,
-                        rope_mscale=1.0, rope_mscale_all_dim=1.0, num_experts=8, experts_per_token=2, expert_dim=32,
-                        shared_experts=1, first_dense_layers=1, router="sigmoid", router_groups=4,
-                        router_top_groups=2, router_scale=2.5, mtp_depth=1),
+    "deepseek_v3": dict(num_layers=3,
+                        attention=dict(num_kv_heads=4, head_dim=16, qk_rope_head_dim=8, v_head_dim=12, q_lora_rank=32,
+                                       kv_lora_rank=24),
+                        rope=dict(scaling="yarn", factor=4.0, original_max_len=16, mscale=1.0, mscale_all_dim=1.0),
+                        moe=dict(num_experts=8, experts_per_token=2, expert_dim=32, shared_experts=1,
+                                 first_dense_layers=1, router="sigmoid", router_groups=4, router_top_groups=2,
+                                 router_scale=2.5),
+                        mtp=dict(depth=1)),
 }
 
 

@@ -25,6 +25,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from jaxtron.checkpoint import integrity
+from jaxtron.config.loader import migrate
 from jaxtron.config.schema import Config, ConfigError, ModelConfig
 from jaxtron.parallel.stages import reorder, resized
 
@@ -226,10 +227,21 @@ def _check_compatible(saved: dict, cfg: Config, where: str) -> None:
     """A checkpoint of another architecture (any field of ``ModelConfig.architecture_fields``) is refused with
     the differing fields named; how the model runs (``execution``) may change between runs."""
     current = cfg.to_dict()["model"]
+    saved_model = migrate(saved).get("model", {})  # a checkpoint of an older layout names fields as it did
     defaults = dataclasses.asdict(ModelConfig())  # fields added after a checkpoint was written have their default
-    model = {**defaults, **saved.get("model", {})}
-    differ = [f"model.{k} {model[k]!r} != {current[k]!r}" for k in ModelConfig.architecture_fields()
-              if model[k] != current[k]]
+
+    def value(tree: dict, path: str, default: Any = None) -> Any:
+        for name in path.split("."):
+            if not isinstance(tree, dict) or name not in tree:
+                return default
+            tree = tree[name]
+        return tree
+
+    differ = []
+    for path in ModelConfig.architecture_fields():
+        old, new = value(saved_model, path, value(defaults, path)), value(current, path)
+        if old != new:
+            differ.append(f"model.{path} {old!r} != {new!r}")
     if differ:
         raise CheckpointError(f"checkpoint '{where}' is of another model architecture ({'; '.join(differ)}); "
                               "use the config it was written with or a new --workdir.")

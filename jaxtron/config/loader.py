@@ -23,6 +23,7 @@ import ml_collections
 from absl import flags
 from ml_collections import config_flags
 
+from jaxtron.config.model import FLAT_MODEL_FIELDS
 from jaxtron.config.schema import SECTIONS, Config, ConfigError
 
 log = logging.getLogger(__name__)
@@ -37,13 +38,13 @@ def load_config_file(spec: str) -> ml_collections.ConfigDict:
     module = importlib.util.module_from_spec(module_spec)
     try:
         module_spec.loader.exec_module(module)
-    except Exception as e:  # a user's file may raise anything; report it in one sentence
+    except Exception as e:  # noqa: BLE001 - a user's file may raise anything; report it in one sentence
         raise ConfigError(f"config file '{path}' failed to load ({_one_line(e)}); fix the file.") from None
     if not hasattr(module, "get_config"):
         raise ConfigError(f"config file '{path}' defines no get_config(); add one returning a ConfigDict.")
     try:
         config = module.get_config(arg) if arg else module.get_config()
-    except Exception as e:  # as above: the user's get_config() may raise anything
+    except Exception as e:  # noqa: BLE001 - as above: the user's get_config() may raise anything
         if isinstance(e, (TypeError, ValueError)) and arg:  # a signature or a value it does not take
             raise ConfigError(f"config file '{path}' get_config() rejected the argument {arg!r} ({_one_line(e)}); "
                               "check the ':ARG' part of --config.") from None
@@ -79,9 +80,13 @@ def parse_command_line(argv: Sequence[str], default_spec: str | None = None,
     for path in paths:
         field_type(path)  # raises for unknown sections and fields
     merged = _over_defaults(migrate(load_config_file(spec).to_dict(), warn=True))
-    for section in {path.split(".")[0] for path in paths}:
-        if not isinstance(merged[section], ml_collections.ConfigDict):
-            raise _not_a_group(section, merged[section])
+    for path in paths:  # each group on an override's way must be a group in the file too
+        names = path.split(".")
+        for i in range(1, len(names)):
+            where = ".".join(names[:i])
+            content = merged[where]
+            if not isinstance(content, ml_collections.ConfigDict):
+                raise _not_a_group(where, content)
     try:
         values = _flag_values(argv, merged, define)
         rest = values(argv)[1:]
@@ -132,17 +137,20 @@ def defaults() -> ml_collections.ConfigDict:
 
 
 def _over_defaults(values: Mapping[str, Any]) -> ml_collections.ConfigDict:
-    """A config file's values laid over ``defaults()`` (an int where the default is a float becomes a float, so
-    that an override of that field parses as a float); what the schema does not know is kept for
+    """A config file's values laid over ``defaults()``, group by group (an int where the default is a float becomes
+    a float, so that an override of that field parses as a float); what the schema does not know is kept for
     ``from_mapping`` to name."""
+    def lay(out: dict, given: Mapping[str, Any]) -> None:
+        for name, value in given.items():
+            default = out.get(name)
+            if isinstance(default, dict) and isinstance(value, Mapping):
+                lay(default, value)
+            else:
+                widen = isinstance(default, float) and type(value) is int
+                out[name] = float(value) if widen else value
+
     out = defaults().to_dict()
-    for section, content in values.items():
-        if isinstance(content, Mapping) and isinstance(out.get(section), dict):
-            for name, value in content.items():
-                widen = isinstance(out[section].get(name), float) and type(value) is int
-                out[section][name] = float(value) if widen else value
-        else:
-            out[section] = content
+    lay(out, values)
     return ml_collections.ConfigDict(out)
 
 
@@ -217,45 +225,78 @@ def _field_types(cls) -> dict[str, type]:
     return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
 
 
-# Fields that left the model section when it became architecture only: old name -> new name.
+# Fields that moved since an older layout: old dotted path -> new one. The execution fields and the router losses
+# left the model section when it became the architecture alone; the model's family-specific fields went into groups.
 MOVED = {**{f"model.{name}": f"execution.{name}" for name in (
     "dtype", "remat", "attention", "attention_max_segments", "fp8", "fp8_skip_layers", "moe_mode", "capacity_factor")},
-         "model.router_aux_loss": "train.router_aux_loss", "model.router_z_loss": "train.router_z_loss"}
+         "model.router_aux_loss": "train.router_aux_loss", "model.router_z_loss": "train.router_z_loss",
+         **{f"model.{old}": f"model.{new}" for old, new in FLAT_MODEL_FIELDS.items()}}
 
 
 def migrate(values: Mapping[str, Any], warn: bool = False) -> dict[str, Any]:
     """A nested config mapping with fields of an older layout (a checkpoint's saved config, an older config file)
     moved to where they live now; a value set at the new place wins. ``warn``: log each move (a config file)."""
-    out = {section: dict(content) if isinstance(content, Mapping) else content for section, content in values.items()}
+    out = _copy(values)
     for old, new in MOVED.items():
-        old_section, old_name = old.split(".")
-        if isinstance(out.get(old_section), dict) and old_name in out[old_section]:
-            value = out[old_section].pop(old_name)
-            new_section, new_name = new.split(".")
-            if isinstance(out.setdefault(new_section, {}), dict):
-                out[new_section].setdefault(new_name, value)
-                if warn:
-                    log.warning("config field '%s' is now '%s'; rename it in the config file", old, new)
+        *old_parents, old_name = old.split(".")
+        parent = _walk(out, old_parents)
+        if not isinstance(parent, dict) or old_name not in parent or isinstance(parent[old_name], dict):
+            continue  # absent, or the name of a group now (model.attention): nothing to move
+        value = parent.pop(old_name)
+        *new_parents, new_name = new.split(".")
+        target = out
+        for name in new_parents:
+            target = target.setdefault(name, {})
+            if not isinstance(target, dict):
+                break
+        else:
+            target.setdefault(new_name, value)
+        if warn:
+            log.warning("config field '%s' is now '%s'; rename it in the config file", old, new)
     return out
 
 
+def _copy(values: Mapping[str, Any]) -> dict[str, Any]:
+    return {k: _copy(v) if isinstance(v, Mapping) else v for k, v in values.items()}
+
+
+def _walk(tree: Any, names: Sequence[str]) -> Any:
+    for name in names:
+        tree = tree.get(name) if isinstance(tree, dict) else None
+    return tree
+
+
 def field_type(path: str) -> type:
-    """The type of a dotted field path such as 'train.steps'; ConfigError if it does not exist."""
+    """The type of a dotted field path such as 'train.steps' or 'model.rope.theta'; ConfigError if it does not
+    exist (or names a group rather than a field)."""
     if path in MOVED:
         raise ConfigError(f"config field '{path}' is now '{MOVED[path]}'; set --config.{MOVED[path]} instead.")
-    section, _, name = path.partition(".")
+    section, *names = path.split(".")
     if section not in SECTIONS:
         raise ConfigError(f"config section '{section}' does not exist; use one of {', '.join(SECTIONS)}.")
-    types = _field_types(SECTIONS[section])
-    if not name:
+    cls, where = SECTIONS[section], section
+    if not names:
         raise ConfigError(f"config section '{section}' cannot be set as a whole; set one of its fields with "
                           f"--config.{section}.<field>=VALUE.")
-    if name not in types:
-        close = difflib.get_close_matches(name, types, n=1)
-        guess = f"'{section}.{close[0]}' (closest match) or another field" if close else "one of the fields"
-        raise ConfigError(f"config field '{path}' does not exist; use {guess} of '{section}': "
-                          f"{', '.join(sorted(types))}.")
-    return types[name]
+    for i, name in enumerate(names):
+        types = _field_types(cls)
+        if name not in types:
+            close = difflib.get_close_matches(name, types, n=1)
+            guess = f"'{where}.{close[0]}' (closest match) or another field" if close else "one of the fields"
+            fields = sorted(n for n, t in types.items() if not dataclasses.is_dataclass(t))
+            groups = sorted(n for n, t in types.items() if dataclasses.is_dataclass(t))
+            also = f" (or a field of its groups {', '.join(groups)})" if groups else ""
+            raise ConfigError(f"config field '{path}' does not exist; use {guess} of '{where}': "
+                              f"{', '.join(fields)}{also}.")
+        kind, where = types[name], f"{where}.{name}"
+        if dataclasses.is_dataclass(kind):
+            if i == len(names) - 1:
+                raise ConfigError(f"config group '{where}' cannot be set as a whole; set one of its fields with "
+                                  f"--config.{where}.<field>=VALUE.")
+            cls = kind
+        elif i < len(names) - 1:
+            raise ConfigError(f"config field '{path}' does not exist; '{where}' is a field, not a group.")
+    return kind
 
 
 def _coerce(path: str, kind: type, value: Any) -> Any:
@@ -267,8 +308,9 @@ def _coerce(path: str, kind: type, value: Any) -> Any:
                       f"({value!r}); fix it in the config file or with --config.{path}.")
 
 
-def _not_a_group(section: str, content: Any) -> ConfigError:
-    return ConfigError(f"config section '{section}' must be a group of fields, not {content!r}; make it a dict of "
+def _not_a_group(where: str, content: Any) -> ConfigError:
+    kind = "section" if "." not in where else "group"
+    return ConfigError(f"config {kind} '{where}' must be a group of fields, not {content!r}; make it a dict of "
                        "fields in the config file.")
 
 
@@ -279,11 +321,18 @@ def from_mapping(values: Mapping[str, Any]) -> Config:
     for section, content in migrate(values).items():
         if section not in SECTIONS:
             raise ConfigError(f"config section '{section}' does not exist; use one of {', '.join(SECTIONS)}.")
-        if not isinstance(content, Mapping):
-            raise _not_a_group(section, content)
-        kwargs = {}
-        for name, value in content.items():
-            path = f"{section}.{name}"
-            kwargs[name] = _coerce(path, field_type(path), value)
-        sections[section] = SECTIONS[section](**kwargs)
+        sections[section] = _build(section, SECTIONS[section], content)
     return Config(**sections)
+
+
+def _build(where: str, cls: type, content: Any) -> Any:
+    """The dataclass ``cls`` from a mapping of its fields (and of its groups' fields), each checked for type."""
+    if not isinstance(content, Mapping):
+        raise _not_a_group(where, content)
+    kwargs = {}
+    for name, value in content.items():
+        path = f"{where}.{name}"
+        types = _field_types(cls)
+        kind = types[name] if name in types else field_type(path)  # field_type names an unknown field
+        kwargs[name] = _build(path, kind, value) if dataclasses.is_dataclass(kind) else _coerce(path, kind, value)
+    return cls(**kwargs)

@@ -1,20 +1,170 @@
 """The model's sections of the config: the architecture (``ModelConfig``, what a checkpoint's parameters belong
-to) and how it runs (``ExecutionConfig``). ``jaxtron.config.schema`` gathers them with the other sections."""
+to) and how it runs (``ExecutionConfig``). ``jaxtron.config.schema`` gathers them with the other sections.
+
+The architecture's fields that only some families use sit in groups: ``rope`` (rotary positions and their scaling
+for long contexts), ``attention`` (heads, per-head norms, DeepSeek's latent attention), ``moe`` (experts and their
+router) and ``mtp`` (multi-token prediction). A config file of the flat layout (``model.rope_theta``,
+``model.num_experts``, ...) still loads, with a warning naming each field's new place (``jaxtron.config.loader``).
+"""
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from typing import Any
 
-from jaxtron.config.checks import _check, _choice, _non_negative, _positive
+from jaxtron.config.checks import ConfigError, _check, _choice, _non_negative, _positive
 
 COMPUTE_DTYPES = ("float32", "bfloat16")  # float16 would need loss scaling, which bfloat16 does not
+REMAT_CHOICES = ("none", "full", "save_dots", "save_attention", "save_dots_attention")
 
 
 def _not_architecture(default: Any) -> Any:
     """A model field that does not define the function the trained parameters compute (a label, the
     initialisation): a checkpoint resumes under another value."""
     return dataclasses.field(default=default, metadata={"architecture": False})
+
+
+def replace(obj: Any, **changes: Any) -> Any:
+    """``dataclasses.replace`` that merges: a change given as a mapping to a field holding a dataclass (a model's
+    group) changes only the fields it names, ``replace(model, moe=dict(num_experts=8))``."""
+    for name, value in changes.items():
+        current = getattr(obj, name)
+        if isinstance(value, Mapping) and dataclasses.is_dataclass(current):
+            changes[name] = replace(current, **value)
+    return dataclasses.replace(obj, **changes)
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeConfig:
+    """Rotary position embeddings (``model.position_embedding='rope'``) and their stretching for long contexts;
+    the names follow the ``rope_scaling`` entries of Hugging Face's config.json."""
+
+    theta: float = 500_000.0
+    scaling: str = "llama3"  # how a factor > 1 stretches the frequencies: llama3 (Llama-3.1) | yarn (DeepSeek-V3)
+    factor: float = 1.0  # 1.0: no scaling
+    low_freq_factor: float = 1.0  # llama3
+    high_freq_factor: float = 4.0  # llama3
+    original_max_len: int = 8192  # the context the frequencies were trained for
+    beta_fast: float = 32.0  # yarn: rotations per original context below which frequencies are kept
+    beta_slow: float = 1.0  # yarn: rotations above which they are divided by the factor (a ramp between)
+    mscale: float = 0.0  # yarn: the "mscale" of config.json (0: not given)
+    mscale_all_dim: float = 0.0  # yarn: "mscale_all_dim" (0: not given); latent attention also scales the softmax
+
+    def __post_init__(self):
+        for name in ("theta", "factor", "low_freq_factor", "original_max_len", "beta_fast", "beta_slow"):
+            _positive(getattr(self, name), f"model.rope.{name}")
+        _check(self.high_freq_factor > self.low_freq_factor, "model.rope.high_freq_factor",
+               f"({self.high_freq_factor}) must exceed model.rope.low_freq_factor ({self.low_freq_factor})",
+               "raise it or lower model.rope.low_freq_factor")
+        _choice(self.scaling, "model.rope.scaling", ("llama3", "yarn"))
+        for name in ("mscale", "mscale_all_dim"):
+            _non_negative(getattr(self, name), f"model.rope.{name}")
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionConfig:
+    """The heads: grouped-query attention (Llama, Qwen3), or multi-head latent attention (DeepSeek-V3) when
+    ``kv_lora_rank`` > 0: keys and values come from one compressed latent, each head's query and key are
+    ``head_dim`` (not rotated) plus ``qk_rope_head_dim`` (rotated; the key's part is one per token, shared by the
+    heads) wide, and values ``v_head_dim`` wide."""
+
+    num_heads: int = 8
+    num_kv_heads: int = 4
+    head_dim: int = 0  # 0 means embed_dim // num_heads
+    qk_norm: bool = False  # RMSNorm over each head's queries and keys before RoPE (Qwen3)
+    q_lora_rank: int = 0  # latent: rank of the queries' low-rank projection (0: one full-rank projection)
+    kv_lora_rank: int = 0  # latent: rank of the keys' and values' compressed latent (0: grouped-query attention)
+    qk_rope_head_dim: int = 64  # latent: the rotated part of each head's query and key
+    v_head_dim: int = 0  # latent: each head's value size (0 means head_dim)
+
+    def __post_init__(self):
+        _positive(self.num_heads, "model.attention.num_heads")
+        _positive(self.num_kv_heads, "model.attention.num_kv_heads")
+        for name in ("head_dim", "q_lora_rank", "kv_lora_rank", "v_head_dim"):
+            _non_negative(getattr(self, name), f"model.attention.{name}")
+        _check(self.num_heads % self.num_kv_heads == 0, "model.attention.num_kv_heads",
+               f"({self.num_kv_heads}) must divide model.attention.num_heads ({self.num_heads}) for grouped-query "
+               "attention", "choose a divisor of model.attention.num_heads")
+        if self.kv_lora_rank:
+            _positive(self.qk_rope_head_dim, "model.attention.qk_rope_head_dim")
+            _check(self.qk_rope_head_dim % 2 == 0, "model.attention.qk_rope_head_dim",
+                   f"({self.qk_rope_head_dim}) must be even (rotary pairs)", "choose an even size")
+            _check(self.num_kv_heads == self.num_heads, "model.attention.num_kv_heads",
+                   f"({self.num_kv_heads}) must equal model.attention.num_heads ({self.num_heads}) with latent "
+                   "attention (model.attention.kv_lora_rank > 0), whose keys and values have one head per query "
+                   "head", f"set model.attention.num_kv_heads={self.num_heads}")
+
+    @property
+    def latent(self) -> bool:
+        return self.kv_lora_rank > 0
+
+
+@dataclasses.dataclass(frozen=True)
+class MoEConfig:
+    """Mixture of experts (``jaxtron/models/moe.py``); ``num_experts`` = 0 is a dense model."""
+
+    num_experts: int = 0  # routed experts per MoE block, each a SwiGLU of width expert_dim
+    experts_per_token: int = 2  # top-k: experts each token is sent to
+    expert_dim: int = 0  # each expert's intermediate width (0: model.mlp_dim, the dense blocks' width)
+    shared_experts: int = 0  # experts every token visits (DeepSeek): one dense SwiGLU of shared_experts*expert_dim
+    first_dense_layers: int = 0  # the first this many blocks are dense (DeepSeek's first_k_dense_replace)
+    every: int = 1  # after those, every this many blocks the last one is MoE (1: all); the others are dense
+    router: str = "softmax"  # softmax (Mixtral, Qwen3) | sigmoid (DeepSeek-V3: sigmoid scores, a balancing bias)
+    router_renormalize: bool = True  # rescale the top-k router weights of a token to sum to 1 (Mixtral)
+    router_groups: int = 1  # sigmoid: the experts form this many groups (n_group) ...
+    router_top_groups: int = 1  # ... and a token's experts come from the best this many of them (topk_group)
+    router_scale: float = 1.0  # the routed experts' weights are multiplied by this (routed_scaling_factor)
+
+    def __post_init__(self):
+        _non_negative(self.num_experts, "model.moe.num_experts")
+        if not self.num_experts:
+            return
+        _check(1 <= self.experts_per_token <= self.num_experts, "model.moe.experts_per_token",
+               f"({self.experts_per_token}) must lie between 1 and model.moe.num_experts ({self.num_experts})",
+               "choose a top-k in that range")
+        _positive(self.every, "model.moe.every")
+        _non_negative(self.expert_dim, "model.moe.expert_dim")
+        _non_negative(self.shared_experts, "model.moe.shared_experts")
+        _non_negative(self.first_dense_layers, "model.moe.first_dense_layers")
+        _check(not self.first_dense_layers or self.every == 1, "model.moe.first_dense_layers",
+               f"({self.first_dense_layers}) needs model.moe.every=1 (dense blocks first, then only MoE ones), "
+               f"not {self.every}", "set model.moe.every=1")
+        _choice(self.router, "model.moe.router", ("softmax", "sigmoid"))
+        _positive(self.router_scale, "model.moe.router_scale")
+        _positive(self.router_groups, "model.moe.router_groups")
+        _check(self.num_experts % self.router_groups == 0, "model.moe.router_groups",
+               f"({self.router_groups}) must divide model.moe.num_experts ({self.num_experts})",
+               "choose a divisor of it")
+        _check(1 <= self.router_top_groups <= self.router_groups, "model.moe.router_top_groups",
+               f"({self.router_top_groups}) must lie between 1 and model.moe.router_groups ({self.router_groups})",
+               "choose a count in that range")
+        _check(self.router == "sigmoid" or self.router_groups == 1, "model.moe.router_groups",
+               f"({self.router_groups}) needs model.moe.router='sigmoid' (group-limited routing is DeepSeek's)",
+               "set model.moe.router='sigmoid' or model.moe.router_groups=1")
+        per_group = self.num_experts // self.router_groups
+        _check(self.router_groups == 1 or per_group >= 2, "model.moe.router_groups",
+               f"({self.router_groups}) leaves {per_group} expert per group; a group's score is its best two",
+               "use fewer groups")
+        _check(self.experts_per_token <= self.router_top_groups * per_group, "model.moe.experts_per_token",
+               f"({self.experts_per_token}) exceeds the {self.router_top_groups * per_group} experts of the "
+               f"model.moe.router_top_groups={self.router_top_groups} groups a token may use",
+               "raise model.moe.router_top_groups or lower the top-k")
+
+
+@dataclasses.dataclass(frozen=True)
+class MTPConfig:
+    """Multi-token prediction (DeepSeek-V3): module k (1..depth) predicts the token k + 1 ahead from the previous
+    depth's hidden states and the embedding of the token k ahead, through one more block."""
+
+    depth: int = 0
+
+    def __post_init__(self):
+        _non_negative(self.depth, "model.mtp.depth")
+
+
+# the groups of ModelConfig: field name -> its dataclass
+GROUPS = {"rope": RopeConfig, "attention": AttentionConfig, "moe": MoEConfig, "mtp": MTPConfig}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -26,145 +176,71 @@ class ModelConfig:
     vocab_size: int = 256
     embed_dim: int = 256
     num_layers: int = 4
-    num_heads: int = 8
-    num_kv_heads: int = 4
-    head_dim: int = 0  # 0 means embed_dim // num_heads
-    qk_norm: bool = False  # RMSNorm over each head's queries and keys before RoPE (Qwen3)
     mlp_dim: int = 768
     activation: str = "swiglu"  # swiglu (gated, 3 matrices) | gelu (plain, 2 matrices)
     norm: str = "rmsnorm"  # rmsnorm | layernorm
     norm_eps: float = 1e-5
     position_embedding: str = "rope"  # rope | learned
     max_seq_len: int = 8192  # positions the model supports (size of learned position table)
-    rope_theta: float = 500_000.0
-    rope_scaling_factor: float = 1.0  # Llama-3.1 frequency scaling; 1.0 disables it
-    rope_low_freq_factor: float = 1.0
-    rope_high_freq_factor: float = 4.0
-    rope_original_max_len: int = 8192
-    rope_scaling: str = "llama3"  # how a rope_scaling_factor > 1 stretches the frequencies: llama3 | yarn
-    rope_beta_fast: float = 32.0  # yarn: rotations per original context below which frequencies are kept
-    rope_beta_slow: float = 1.0  # yarn: rotations above which they are divided by the factor (a ramp between)
-    rope_mscale: float = 0.0  # yarn: the "mscale" of config.json (0: not given)
-    rope_mscale_all_dim: float = 0.0  # yarn: "mscale_all_dim" (0: not given); MLA also scales the softmax by it
-    # multi-head latent attention (DeepSeek-V3) when kv_lora_rank > 0: keys and values come from one compressed
-    # latent, each head's query and key are head_dim (not rotated) plus qk_rope_head_dim (rotated; the key's part
-    # is one per token, shared by the heads) wide, and values v_head_dim wide
-    q_lora_rank: int = 0  # rank of the queries' low-rank projection (0: one full-rank projection)
-    kv_lora_rank: int = 0  # rank of the keys' and values' compressed latent (0: grouped-query attention)
-    qk_rope_head_dim: int = 64
-    v_head_dim: int = 0  # 0 means head_dim
     tie_embeddings: bool = False
     init_std: float = _not_architecture(0.02)
-    # mixture of experts (jaxtron/models/moe.py); num_experts = 0 is a dense model
-    num_experts: int = 0  # routed experts per MoE block, each a SwiGLU of width expert_dim
-    experts_per_token: int = 2  # top-k: experts each token is sent to
-    expert_dim: int = 0  # each expert's intermediate width (0: mlp_dim, the dense blocks' width)
-    shared_experts: int = 0  # experts every token visits (DeepSeek): one dense SwiGLU of shared_experts*expert_dim
-    first_dense_layers: int = 0  # the first this many blocks are dense (DeepSeek's first_k_dense_replace)
-    moe_every: int = 1  # after those, every this many blocks the last one is MoE (1: all); the others are dense
-    router: str = "softmax"  # softmax (Mixtral, Qwen3) | sigmoid (DeepSeek-V3: sigmoid scores, a balancing bias)
-    router_renormalize: bool = True  # rescale the top-k router weights of a token to sum to 1 (Mixtral)
-    router_groups: int = 1  # sigmoid: the experts form this many groups (n_group) ...
-    router_top_groups: int = 1  # ... and a token's experts come from the best this many of them (topk_group)
-    router_scale: float = 1.0  # the routed experts' weights are multiplied by this (routed_scaling_factor)
-    # multi-token prediction (DeepSeek-V3): module k (1..mtp_depth) predicts the token k + 1 ahead from the
-    # previous depth's hidden states and the embedding of the token k ahead, through one more block
-    mtp_depth: int = 0
+    rope: RopeConfig = dataclasses.field(default_factory=RopeConfig)
+    attention: AttentionConfig = dataclasses.field(default_factory=AttentionConfig)
+    moe: MoEConfig = dataclasses.field(default_factory=MoEConfig)
+    mtp: MTPConfig = dataclasses.field(default_factory=MTPConfig)
 
     def __post_init__(self):
-        for name in ("vocab_size", "embed_dim", "num_layers", "num_heads", "num_kv_heads", "mlp_dim",
-                     "max_seq_len", "rope_original_max_len"):
+        for name, cls in GROUPS.items():  # a group may be given as a mapping of its fields
+            value = getattr(self, name)
+            if isinstance(value, Mapping):
+                object.__setattr__(self, name, cls(**value))
+            elif not isinstance(value, cls):
+                raise ConfigError(f"config field 'model.{name}' must be a group of fields, not {value!r}; give it as "
+                                  f"a dict of the fields of {cls.__name__}.")
+        for name in ("vocab_size", "embed_dim", "num_layers", "mlp_dim", "max_seq_len", "norm_eps", "init_std"):
             _positive(getattr(self, name), f"model.{name}")
-        _non_negative(self.head_dim, "model.head_dim")
-        for name in ("norm_eps", "rope_theta", "init_std", "rope_scaling_factor", "rope_low_freq_factor"):
-            _positive(getattr(self, name), f"model.{name}")
-        _check(self.rope_high_freq_factor > self.rope_low_freq_factor, "model.rope_high_freq_factor",
-               f"({self.rope_high_freq_factor}) must exceed model.rope_low_freq_factor ({self.rope_low_freq_factor})",
-               "raise it or lower model.rope_low_freq_factor")
-        _check(self.num_heads % self.num_kv_heads == 0, "model.num_kv_heads",
-               f"({self.num_kv_heads}) must divide model.num_heads ({self.num_heads}) for grouped-query attention",
-               "choose a divisor of model.num_heads")
-        _check(self.head_dim > 0 or self.embed_dim % self.num_heads == 0, "model.head_dim",
-               f"is 0 (derived) but model.embed_dim ({self.embed_dim}) is not divisible by model.num_heads "
-               f"({self.num_heads})", "set model.head_dim explicitly")
         _choice(self.activation, "model.activation", ("swiglu", "gelu"))
         _choice(self.norm, "model.norm", ("rmsnorm", "layernorm"))
         _choice(self.position_embedding, "model.position_embedding", ("rope", "learned"))
-        _choice(self.rope_scaling, "model.rope_scaling", ("llama3", "yarn"))
-        for name in ("rope_beta_fast", "rope_beta_slow"):
-            _positive(getattr(self, name), f"model.{name}")
-        for name in ("q_lora_rank", "kv_lora_rank", "v_head_dim", "rope_mscale", "rope_mscale_all_dim", "mtp_depth"):
-            _non_negative(getattr(self, name), f"model.{name}")
-        if self.kv_lora_rank:
-            self._check_mla()
-        _non_negative(self.num_experts, "model.num_experts")
-        if self.num_experts:
-            self._check_moe()
-
-    def _check_mla(self) -> None:
-        _positive(self.qk_rope_head_dim, "model.qk_rope_head_dim")
-        _check(self.qk_rope_head_dim % 2 == 0, "model.qk_rope_head_dim", f"({self.qk_rope_head_dim}) must be even "
-               "(rotary pairs)", "choose an even size")
-        _check(self.num_kv_heads == self.num_heads, "model.num_kv_heads",
-               f"({self.num_kv_heads}) must equal model.num_heads ({self.num_heads}) with latent attention "
-               "(model.kv_lora_rank > 0), whose keys and values have one head per query head",
-               f"set model.num_kv_heads={self.num_heads}")
-        _check(self.position_embedding == "rope" and not self.qk_norm, "model.kv_lora_rank",
-               "> 0 (latent attention) needs model.position_embedding='rope' and model.qk_norm=False",
-               "set those or model.kv_lora_rank=0")
-
-    def _check_moe(self) -> None:
-        _check(self.activation == "swiglu", "model.activation", f"is {self.activation!r} but experts are SwiGLU",
-               "set model.activation='swiglu' or model.num_experts=0")
-        _check(1 <= self.experts_per_token <= self.num_experts, "model.experts_per_token",
-               f"({self.experts_per_token}) must lie between 1 and model.num_experts ({self.num_experts})",
-               "choose a top-k in that range")
-        _positive(self.moe_every, "model.moe_every")
-        _non_negative(self.expert_dim, "model.expert_dim")
-        _non_negative(self.shared_experts, "model.shared_experts")
-        _check(0 <= self.first_dense_layers < self.num_layers, "model.first_dense_layers",
-               f"({self.first_dense_layers}) must lie between 0 and model.num_layers - 1 ({self.num_layers - 1})",
-               "leave at least one MoE block")
-        _check(not self.first_dense_layers or self.moe_every == 1, "model.first_dense_layers",
-               f"({self.first_dense_layers}) needs model.moe_every=1 (dense blocks first, then only MoE ones), "
-               f"not {self.moe_every}", "set model.moe_every=1")
-        _check(self.num_layers % self.moe_every == 0, "model.moe_every",
-               f"({self.moe_every}) must divide model.num_layers ({self.num_layers})", "choose a divisor of it")
-        _choice(self.router, "model.router", ("softmax", "sigmoid"))
-        _positive(self.router_scale, "model.router_scale")
-        _positive(self.router_groups, "model.router_groups")
-        _check(self.num_experts % self.router_groups == 0, "model.router_groups",
-               f"({self.router_groups}) must divide model.num_experts ({self.num_experts})", "choose a divisor of it")
-        _check(1 <= self.router_top_groups <= self.router_groups, "model.router_top_groups",
-               f"({self.router_top_groups}) must lie between 1 and model.router_groups ({self.router_groups})",
-               "choose a count in that range")
-        _check(self.router == "sigmoid" or self.router_groups == 1, "model.router_groups",
-               f"({self.router_groups}) needs model.router='sigmoid' (group-limited routing is DeepSeek's)",
-               "set model.router='sigmoid' or model.router_groups=1")
-        per_group = self.num_experts // self.router_groups
-        _check(self.router_groups == 1 or per_group >= 2, "model.router_groups",
-               f"({self.router_groups}) leaves {per_group} expert per group; a group's score is its best two",
-               "use fewer groups")
-        _check(self.experts_per_token <= self.router_top_groups * per_group, "model.experts_per_token",
-               f"({self.experts_per_token}) exceeds the {self.router_top_groups * per_group} experts of the "
-               f"model.router_top_groups={self.router_top_groups} groups a token may use",
-               "raise model.router_top_groups or lower the top-k")
+        a = self.attention
+        _check(a.head_dim > 0 or self.embed_dim % a.num_heads == 0, "model.attention.head_dim",
+               f"is 0 (derived) but model.embed_dim ({self.embed_dim}) is not divisible by model.attention.num_heads "
+               f"({a.num_heads})", "set model.attention.head_dim explicitly")
+        _check(not a.latent or (self.position_embedding == "rope" and not a.qk_norm), "model.attention.kv_lora_rank",
+               "> 0 (latent attention) needs model.position_embedding='rope' and model.attention.qk_norm=False",
+               "set those or model.attention.kv_lora_rank=0")
+        if self.moe.num_experts:
+            m = self.moe
+            _check(self.activation == "swiglu", "model.activation", f"is {self.activation!r} but experts are SwiGLU",
+                   "set model.activation='swiglu' or model.moe.num_experts=0")
+            _check(m.first_dense_layers < self.num_layers, "model.moe.first_dense_layers",
+                   f"({m.first_dense_layers}) must lie between 0 and model.num_layers - 1 ({self.num_layers - 1})",
+                   "leave at least one MoE block")
+            _check(self.num_layers % m.every == 0, "model.moe.every",
+                   f"({m.every}) must divide model.num_layers ({self.num_layers})", "choose a divisor of it")
 
     @classmethod
     def architecture_fields(cls) -> tuple[str, ...]:
-        """The fields a checkpoint's parameters belong to: all but a label and the initialisation."""
-        return tuple(f.name for f in dataclasses.fields(cls) if f.metadata.get("architecture", True))
+        """The dotted paths (``embed_dim``, ``rope.theta``, ...) of the fields a checkpoint's parameters belong
+        to: all but a label and the initialisation."""
+        paths = []
+        for f in dataclasses.fields(cls):
+            if f.name in GROUPS:
+                paths += [f"{f.name}.{g.name}" for g in dataclasses.fields(GROUPS[f.name])]
+            elif f.metadata.get("architecture", True):
+                paths.append(f.name)
+        return tuple(paths)
 
     @property
     def period(self) -> int:
-        """Blocks in one period of the scanned stack: ``moe_every`` for an MoE model, else 1."""
-        return self.moe_every if self.num_experts else 1
+        """Blocks in one period of the scanned stack: ``moe.every`` for an MoE model, else 1."""
+        return self.moe.every if self.moe.num_experts else 1
 
     @property
     def prefix_layers(self) -> int:
-        """The dense blocks before the MoE ones (``first_dense_layers`` of an MoE model): a stack of their own,
+        """The dense blocks before the MoE ones (``moe.first_dense_layers`` of an MoE model): a stack of their own,
         run before the scanned periods (and before a pipeline schedule, on every stage)."""
-        return self.first_dense_layers if self.num_experts else 0
+        return self.moe.first_dense_layers if self.moe.num_experts else 0
 
     @property
     def stack_periods(self) -> int:
@@ -173,36 +249,33 @@ class ModelConfig:
 
     @property
     def num_moe_layers(self) -> int:
-        return (self.num_layers - self.prefix_layers) // self.moe_every if self.num_experts else 0
+        return (self.num_layers - self.prefix_layers) // self.moe.every if self.moe.num_experts else 0
 
     def is_moe_block(self, i: int) -> bool:
-        """Whether block i is MoE: after the ``first_dense_layers``, the last of every ``moe_every`` blocks."""
-        j = i - self.first_dense_layers
-        return bool(self.num_experts) and j >= 0 and (j + 1) % self.moe_every == 0
+        """Whether block i is MoE: after the ``moe.first_dense_layers``, the last of every ``moe.every`` blocks."""
+        j = i - self.moe.first_dense_layers
+        return bool(self.moe.num_experts) and j >= 0 and (j + 1) % self.moe.every == 0
 
     @property
     def resolved_expert_dim(self) -> int:
-        return self.expert_dim or self.mlp_dim
+        return self.moe.expert_dim or self.mlp_dim
 
     @property
     def latent_attention(self) -> bool:
-        return self.kv_lora_rank > 0
+        return self.attention.latent
+
+    @property
+    def resolved_head_dim(self) -> int:
+        return self.attention.head_dim or self.embed_dim // self.attention.num_heads
 
     @property
     def resolved_v_head_dim(self) -> int:
-        return self.v_head_dim or self.resolved_head_dim
+        return self.attention.v_head_dim or self.resolved_head_dim
 
     @property
     def qk_head_dim(self) -> int:
         """Each head's query and key size: head_dim, plus the rotary part with latent attention."""
-        return self.resolved_head_dim + (self.qk_rope_head_dim if self.latent_attention else 0)
-
-    @property
-    def resolved_head_dim(self) -> int:
-        return self.head_dim or self.embed_dim // self.num_heads
-
-
-REMAT_CHOICES = ("none", "full", "save_dots", "save_attention", "save_dots_attention")
+        return self.resolved_head_dim + (self.attention.qk_rope_head_dim if self.latent_attention else 0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -226,3 +299,19 @@ class ExecutionConfig:
         _non_negative(self.fp8_skip_layers, "execution.fp8_skip_layers")
         _choice(self.moe_mode, "execution.moe_mode", ("dropless", "capacity"))
         _positive(self.capacity_factor, "execution.capacity_factor")
+
+
+# the flat layout's model fields -> their place in the groups (old dotted path under 'model' -> new one)
+FLAT_MODEL_FIELDS = {
+    **{f"rope_{name}": f"rope.{name}" for name in (
+        "theta", "low_freq_factor", "high_freq_factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim")},
+    "rope_scaling": "rope.scaling", "rope_scaling_factor": "rope.factor",
+    "rope_original_max_len": "rope.original_max_len",
+    **{name: f"attention.{name}" for name in (
+        "num_heads", "num_kv_heads", "head_dim", "qk_norm", "q_lora_rank", "kv_lora_rank", "qk_rope_head_dim",
+        "v_head_dim")},
+    **{name: f"moe.{name}" for name in (
+        "num_experts", "experts_per_token", "expert_dim", "shared_experts", "first_dense_layers", "router",
+        "router_renormalize", "router_groups", "router_top_groups", "router_scale")},
+    "moe_every": "moe.every", "mtp_depth": "mtp.depth",
+}

@@ -13,7 +13,7 @@ import math
 from typing import Any
 
 from jaxtron.config.checks import ConfigError, _check, _choice, _non_negative, _positive
-from jaxtron.config.model import ExecutionConfig, ModelConfig  # noqa: F401 (re-exported)
+from jaxtron.config.model import ExecutionConfig, ModelConfig, replace  # noqa: F401 (re-exported)
 
 # outermost to innermost device order: pipeline stages span nodes, tensor groups stay inside one
 MESH_AXES = ("pipeline", "data", "fsdp", "sequence", "expert", "tensor")
@@ -92,7 +92,7 @@ class TrainConfig:
     # sigmoid router: after every step each block's balancing bias moves this much toward balance, up for experts
     # below the mean load and down for those above (auxiliary-loss-free balancing; no gradient involved)
     router_bias_rate: float = 0.0
-    mtp_loss: float = 0.3  # multi-token prediction (model.mtp_depth): weight of the modules' mean cross-entropy
+    mtp_loss: float = 0.3  # multi-token prediction (model.mtp.depth): weight of the modules' mean cross-entropy
     logit_chunks: int = 1  # logits and loss in this many slices of the sequence: never all float32 logits at once
     max_nonfinite_in_row: int = 5  # stop (exit 3) after this many skipped (non-finite) updates in a row (0: never)
     eval_every: int = 0  # steps between validation losses (0: only at the end)
@@ -276,8 +276,8 @@ class Config:
         _check(not x.fp8 or 2 * x.fp8_skip_layers < m.num_layers, "execution.fp8_skip_layers",
                f"({x.fp8_skip_layers}) leaves no FP8 block among model.num_layers ({m.num_layers})",
                "lower it, or set execution.fp8=False")
-        _check(not (x.fp8 and m.num_experts) or x.fp8_skip_layers % m.moe_every == 0, "execution.fp8_skip_layers",
-               f"({x.fp8_skip_layers}) must be a multiple of model.moe_every ({m.moe_every})",
+        _check(not (x.fp8 and m.moe.num_experts) or x.fp8_skip_layers % m.moe.every == 0, "execution.fp8_skip_layers",
+               f"({x.fp8_skip_layers}) must be a multiple of model.moe.every ({m.moe.every})",
                "round it to a multiple")
         _check(d.seq_len <= m.max_seq_len, "data.seq_len",
                f"({d.seq_len}) exceeds model.max_seq_len ({m.max_seq_len})",
@@ -287,77 +287,12 @@ class Config:
         _check(self.profile.end_step <= self.train.steps, "profile.end_step",
                f"({self.profile.end_step}) is beyond train.steps ({self.train.steps})",
                "end the window at or before the last step")
-        _check(not self.train.router_bias_rate or m.router == "sigmoid", "train.router_bias_rate",
-               f"({self.train.router_bias_rate}) moves the sigmoid router's balancing bias, but model.router is "
-               f"{m.router!r}", "set it to 0 or use model.router='sigmoid'")
+        _check(not self.train.router_bias_rate or m.moe.router == "sigmoid", "train.router_bias_rate",
+               f"({self.train.router_bias_rate}) moves the sigmoid router's balancing bias, but model.moe.router is "
+               f"{m.moe.router!r}", "set it to 0 or use model.moe.router='sigmoid'")
         _check(d.seq_len % self.train.logit_chunks == 0, "train.logit_chunks",
                f"({self.train.logit_chunks}) must divide data.seq_len ({d.seq_len})", "choose a divisor of it")
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         return {name: dataclasses.asdict(getattr(self, name)) for name in SECTIONS}
 
-    def check_devices(self, num_devices: int) -> dict[str, int]:
-        """Checks everything that depends on the device count; returns the resolved mesh sizes."""
-        sizes = self.mesh.resolve(num_devices)
-        m, t = self.model, self.train
-        tp = sizes["tensor"]
-        widths = (("expert_dim", m.resolved_expert_dim),) if m.num_experts else ()
-        for name, value in (("num_heads", m.num_heads), ("num_kv_heads", m.num_kv_heads),
-                            ("mlp_dim", m.mlp_dim), ("vocab_size", m.vocab_size), *widths):
-            _check(value % tp == 0, f"model.{name}", f"({value}) is not divisible by mesh.tensor ({tp})",
-                   f"choose a mesh.tensor that divides {value}")
-        ep = sizes["expert"]
-        _check(m.num_experts == 0 or m.num_experts % ep == 0, "model.num_experts",
-               f"({m.num_experts}) is not divisible by mesh.expert ({ep})",
-               f"choose a mesh.expert that divides {m.num_experts}")
-        fsdp = sizes["fsdp"]
-        _check(m.embed_dim % fsdp == 0, "model.embed_dim", f"({m.embed_dim}) is not divisible by mesh.fsdp ({fsdp})",
-               f"choose a mesh.fsdp that divides {m.embed_dim}")
-        dp = sizes["data"] * sizes["fsdp"] * sizes["expert"]
-        micro = t.global_batch_size // t.microbatches
-        _check(micro % dp == 0, "train.global_batch_size",
-               f"({t.global_batch_size}, {micro} per microbatch) is not divisible by the data-parallel size "
-               f"data*fsdp*expert = {dp}", f"use a multiple of {dp * t.microbatches}")
-        self._check_pipeline(sizes["pipeline"], micro, dp)
-        sp, tp, n = sizes["sequence"], sizes["tensor"], self.data.seq_len
-        _check(sp == 1 or not m.mtp_depth, "model.mtp_depth", f"({m.mtp_depth}) shifts each row by whole tokens, "
-               f"which the load-balanced layout of mesh.sequence={sp} does not keep in order",
-               "set it to 0 or use mesh.sequence=1")
-        # the load-balanced layout gives each sequence shard two chunks of a row; between blocks the residual
-        # stream is split further over the tensor group (jaxtron.parallel.sharding.RULES)
-        chunks = 2 * sp if sp > 1 else 1
-        _check(n % chunks == 0, "data.seq_len", f"({n}) is not divisible by 2 x mesh.sequence ({chunks}), the "
-               "chunks of the load-balanced layout", f"use a multiple of {chunks}")
-        _check(n % (sp * tp) == 0, "data.seq_len", f"({n}) is not divisible by mesh.sequence x mesh.tensor "
-               f"({sp * tp}), over which the residual stream is split", f"use a multiple of {math.lcm(chunks, sp * tp)}")
-        return sizes
-
-    def _check_pipeline(self, stages: int, batch: int, dp: int) -> None:
-        """The schedule's sizes: the scanned periods of blocks split into stages x virtual stages, at least one
-        microbatch per stage, each microbatch divisible by the data-parallel size."""
-        m, x = self.model, self.execution
-        microbatches, virtual = self.pipeline.schedule(stages)
-        period, periods, prefix = m.period, m.stack_periods, m.prefix_layers
-        unit = f"periods of model.moe_every={period} blocks" if period > 1 else "layers"
-        unit += f" after the {prefix} dense ones" if prefix else ""
-        split = stages * virtual
-        _check(periods % split == 0 or self.pipeline.uneven_stages, "model.num_layers",
-               f"({m.num_layers}: {periods} {unit}) cannot be split into mesh.pipeline={stages} stages x "
-               f"pipeline.virtual_stages={virtual}", "choose stage and virtual stage counts whose product divides "
-               "it, or set --config.pipeline.uneven_stages=True to fill the last stages up with identity layers")
-        pads = -periods % split
-        _check(-(-pads // stages) < (periods + pads) // stages, "model.num_layers",  # (spread over the stages)
-               f"({m.num_layers}: {periods} {unit}) would leave a stage of mesh.pipeline={stages} x "
-               f"pipeline.virtual_stages={virtual} with only identity layers", "use fewer stages or virtual stages")
-        if stages == 1 and microbatches == 1:
-            return
-        _check(microbatches >= stages, "pipeline.microbatches",
-               f"({microbatches}) cannot keep mesh.pipeline={stages} stages busy",
-               f"set --config.pipeline.microbatches to at least {stages}")
-        _check(batch % (microbatches * dp) == 0, "pipeline.microbatches",
-               f"({microbatches}) times the data-parallel size {dp} does not divide the {batch} rows of a batch"
-               + (" (train.global_batch_size / train.microbatches)" if self.train.microbatches > 1 else ""),
-               f"choose a global batch size that is a multiple of {microbatches * dp * self.train.microbatches}")
-        _check(not (x.fp8 and x.fp8_skip_layers), "execution.fp8_skip_layers",
-               f"({x.fp8_skip_layers}) keeps some blocks in 16 bits, which a pipelined stack cannot mix with FP8 "
-               "ones", "set it to 0 or use mesh.pipeline=1 and pipeline.microbatches=1")

@@ -5,8 +5,8 @@ one), 'segment_ids' (documents inside a packed row, from 1), 'positions' (restar
 document and at the row's start, so below model.max_seq_len, which the loader checks) and 'loss_mask'.
 When the mesh shards the sequence, the columns of a row follow the rules table's load-balanced layout
 (``jaxtron.parallel.sharding.sequence_order``): each token keeps its position and document id, only the column
-that holds it changes. Batch ``step`` depends only on (seed, step): the iterator's whole state is the next step number, and a
-resumed run sees exactly the batches it would have seen.
+that holds it changes. Batch ``step`` depends only on (seed, step): the iterator's whole state is the next step
+number, and a resumed run sees exactly the batches it would have seen.
 """
 
 from __future__ import annotations

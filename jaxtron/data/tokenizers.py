@@ -72,7 +72,7 @@ class HFTokenizer:
         self.path, self.eos = path, eos
         try:
             self._tok = _Tokenizer.from_file(path)
-        except Exception as e:  # the library raises its own exception types for malformed files
+        except Exception as e:  # noqa: BLE001 - the library raises its own exception types for malformed files
             raise DataError(f"tokenizer file '{path}' is not a Hugging Face tokenizer.json ({str(e).splitlines()[0]}); "
                             "pass a tokenizer.json, a SentencePiece .model or 'byte'.") from None
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
@@ -137,7 +137,7 @@ class SentencePieceTokenizer:
         self._sp = sentencepiece.SentencePieceProcessor()
         try:
             self._sp.Load(path)
-        except Exception as e:  # OSError or RuntimeError depending on the version
+        except Exception as e:  # noqa: BLE001 - OSError or RuntimeError depending on the version
             raise DataError(f"tokenizer file '{path}' is not a SentencePiece model ({str(e).splitlines()[0]}); "
                             "pass a tokenizer.json, a SentencePiece .model or 'byte'.") from None
         self.vocab_size = self._sp.GetPieceSize()

@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from jaxtron.config.schema import Config, ConfigError, ExecutionConfig, ModelConfig
-from jaxtron.interop.hf import llama
+from jaxtron.interop.hf import registry
 from jaxtron.interop.hf import safetensors as st
 
 log = logging.getLogger(__name__)
@@ -61,9 +61,17 @@ def _config_file(cfg: ModelConfig, train: dict[str, Any], out_dir: str) -> str:
     """A config file for train.py: this model, fine-tuning from OUT_DIR's parameters (``train``: fields of the
     train section that the Hugging Face config sets)."""
     import dataclasses
-    defaults = ModelConfig()
-    model = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)
-             if getattr(cfg, f.name) != getattr(defaults, f.name)}
+
+    def differing(obj, defaults) -> dict[str, Any]:
+        """The fields of ``obj`` that differ from ``defaults``; a group as a dict of its own differing fields."""
+        out = {}
+        for f in dataclasses.fields(obj):
+            value, default = getattr(obj, f.name), getattr(defaults, f.name)
+            if value != default:
+                out[f.name] = differing(value, default) if dataclasses.is_dataclass(value) else value
+        return out
+
+    model = differing(cfg, ModelConfig())
     train = dict(init_from=os.path.abspath(out_dir), steps=1000, global_batch_size=8, eval_batches=0, **train)
     return f'''"""{cfg.name}, converted from Hugging Face by `python -m jaxtron.convert from-hf`.
 
@@ -90,8 +98,8 @@ def from_hf(hf_dir: str, out_dir: str) -> ModelConfig:
     """Imports a Hugging Face directory; writes OUT_DIR/params (orbax) and OUT_DIR/config.py."""
     hf = _read_hf_config(hf_dir)
     files = st.ModelFiles(hf_dir)
-    cfg = llama.model_config(hf, name=os.path.basename(os.path.normpath(hf_dir)), tensor_names=set(files.names()))
-    plan = list(llama.tensors(cfg, hf))
+    cfg = registry.model_config(hf, name=os.path.basename(os.path.normpath(hf_dir)), tensor_names=set(files.names()))
+    plan = list(registry.tensors(cfg, hf))
     expected = {t.hf_name for t in plan}
     for t in plan:
         if t.hf_name not in files:
@@ -130,7 +138,7 @@ def from_hf(hf_dir: str, out_dir: str) -> ModelConfig:
     save_params(out_dir, buffers, {t.param: len(t.index) for t in plan})
     shutil.rmtree(staging)
     with open(os.path.join(out_dir, "config.py"), "w") as f:
-        f.write(_config_file(cfg, llama.train_fields(hf), out_dir))
+        f.write(_config_file(cfg, registry.train_fields(hf), out_dir))
     return cfg
 
 
@@ -223,13 +231,13 @@ def to_hf(ckpt_dir: str, out_dir: str, dtype: str = "float32") -> dict:
     written parameter by parameter, so host memory holds one slice (a converted model) or one parameter."""
     run_cfg, step_dir = _run_config(ckpt_dir)
     cfg = run_cfg.model
-    hf = llama.hf_config(cfg, run_cfg.train.router_aux_loss)
+    hf = registry.hf_config(cfg, run_cfg.train.router_aux_loss)
     hf["torch_dtype"] = dtype
     np_dtype = np.dtype(st.SAFETENSORS_DTYPES[{"float32": "F32", "bfloat16": "BF16", "float16": "F16"}[dtype]])
     if os.path.exists(out_dir) and os.listdir(out_dir):
         raise ConfigError(f"output directory '{out_dir}' is not empty; choose a new one.")
     source = _Slices(ckpt_dir, cfg, step_dir)
-    plan = sorted(llama.tensors(cfg), key=lambda t: t.param)  # stable: each parameter's slices together
+    plan = sorted(registry.tensors(cfg), key=lambda t: t.param)  # stable: each parameter's slices together
     os.makedirs(out_dir, exist_ok=True)
     shards, size = [[]], 0
     for t in plan:
@@ -279,7 +287,7 @@ def main(argv: list[str]) -> int:
     if args.command == "from-hf":
         cfg = from_hf(args.hf_dir, args.out_dir)
         log.info("wrote %s/params and %s/config.py (%s, %d layers%s)", args.out_dir, args.out_dir, cfg.name,
-                 cfg.num_layers, f", {cfg.num_experts} experts" if cfg.num_experts else "")
+                 cfg.num_layers, f", {cfg.moe.num_experts} experts" if cfg.moe.num_experts else "")
     else:
         to_hf(args.ckpt_dir, args.out_dir, args.dtype)
         log.info("wrote %s/config.json and safetensors", args.out_dir)

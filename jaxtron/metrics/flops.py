@@ -29,9 +29,7 @@ matmuls that the remat policy re-runs (``RECOMPUTED``); MFU uses model FLOPs, HF
 
 from __future__ import annotations
 
-import dataclasses
-
-from jaxtron.config.schema import ExecutionConfig, ModelConfig
+from jaxtron.config.schema import ExecutionConfig, ModelConfig, replace
 
 # The matmuls of one training step, finer than the Megatron terms so that a remat policy can be described
 # exactly. Each belongs to one term of ``flops_breakdown``.
@@ -80,8 +78,8 @@ def attention_params(cfg: ModelConfig) -> int:
     key norms; latent attention's norms of its low-rank query and of its key-value latent)."""
     before, after, _, _ = _attention_sizes(cfg)
     if cfg.latent_attention:
-        return before + after + cfg.q_lora_rank + cfg.kv_lora_rank
-    return before + after + (2 * cfg.resolved_head_dim if cfg.qk_norm else 0)
+        return before + after + cfg.attention.q_lora_rank + cfg.attention.kv_lora_rank
+    return before + after + (2 * cfg.resolved_head_dim if cfg.attention.qk_norm else 0)
 
 
 def param_count(cfg: ModelConfig, active: bool = False) -> int:
@@ -93,13 +91,13 @@ def param_count(cfg: ModelConfig, active: bool = False) -> int:
     attention = attention_params(cfg)
     mlp = _mlp_matrices(cfg) * h * cfg.mlp_dim
     expert = 3 * h * cfg.resolved_expert_dim
-    experts = cfg.experts_per_token if active else cfg.num_experts
-    router = h * cfg.num_experts + (cfg.num_experts if cfg.router == "sigmoid" else 0)
-    moe = experts * expert + cfg.shared_experts * expert + router
+    experts = cfg.moe.experts_per_token if active else cfg.moe.num_experts
+    router = h * cfg.moe.num_experts + (cfg.moe.num_experts if cfg.moe.router == "sigmoid" else 0)
+    moe = experts * expert + cfg.moe.shared_experts * expert + router
     moe_layers = cfg.num_moe_layers
     total = (cfg.num_layers - moe_layers) * (2 * norm + attention + mlp) + moe_layers * (2 * norm + attention + moe)
     # each MTP depth: two input norms, the projection, a block, a final norm (embedding and head are shared)
-    total += cfg.mtp_depth * (3 * norm + 2 * h * h + 2 * norm + attention + (moe if cfg.num_experts else mlp))
+    total += cfg.mtp.depth * (3 * norm + 2 * h * h + 2 * norm + attention + (moe if cfg.moe.num_experts else mlp))
     total += cfg.vocab_size * h + norm  # token embedding, final norm
     if not cfg.tie_embeddings:
         total += cfg.vocab_size * h  # output head
@@ -111,14 +109,15 @@ def param_count(cfg: ModelConfig, active: bool = False) -> int:
 def _attention_sizes(cfg: ModelConfig) -> tuple[int, int, int, int]:
     """(projection parameters before the scores, after them, query-key width, value width) of one block's
     attention, the widths summed over heads."""
-    h, n = cfg.embed_dim, cfg.num_heads
+    h, n = cfg.embed_dim, cfg.attention.num_heads
     if cfg.latent_attention:
-        qk, rank, v = cfg.qk_head_dim, cfg.kv_lora_rank, cfg.resolved_v_head_dim
-        query = h * cfg.q_lora_rank + cfg.q_lora_rank * n * qk if cfg.q_lora_rank else h * n * qk
-        return query + h * (rank + cfg.qk_rope_head_dim) + rank * n * (cfg.resolved_head_dim + v), n * v * h, \
+        a = cfg.attention
+        qk, rank, v = cfg.qk_head_dim, a.kv_lora_rank, cfg.resolved_v_head_dim
+        query = h * a.q_lora_rank + a.q_lora_rank * n * qk if a.q_lora_rank else h * n * qk
+        return query + h * (rank + a.qk_rope_head_dim) + rank * n * (cfg.resolved_head_dim + v), n * v * h, \
             n * qk, n * v
     q = n * cfg.resolved_head_dim
-    k = cfg.num_kv_heads * cfg.resolved_head_dim
+    k = cfg.attention.num_kv_heads * cfg.resolved_head_dim
     return h * (q + 2 * k), q * h, q, q
 
 
@@ -128,7 +127,7 @@ def matmul_breakdown(cfg: ModelConfig, seq_len: int, causal: bool = True) -> dic
     qkv, out, qk, v = _attention_sizes(cfg)
     keys = s / 2 if causal else s  # causal attention touches half the keys
     dense, moe = L - cfg.num_moe_layers, cfg.num_moe_layers
-    shared = cfg.shared_experts * cfg.resolved_expert_dim
+    shared = cfg.moe.shared_experts * cfg.resolved_expert_dim
     out = {
         "attention_qkv": 6.0 * L * qkv,
         "attention_out": 6.0 * L * out,
@@ -138,15 +137,15 @@ def matmul_breakdown(cfg: ModelConfig, seq_len: int, causal: bool = True) -> dic
         "mlp_out": 6.0 * dense * h * cfg.mlp_dim,
         "shared_in": 6.0 * moe * h * shared * 2,
         "shared_out": 6.0 * moe * h * shared,
-        "experts": 6.0 * moe * cfg.experts_per_token * h * cfg.resolved_expert_dim * 3,
-        "router": 6.0 * moe * h * cfg.num_experts,
+        "experts": 6.0 * moe * cfg.moe.experts_per_token * h * cfg.resolved_expert_dim * 3,
+        "router": 6.0 * moe * h * cfg.moe.num_experts,
         "logits": 6.0 * h * cfg.vocab_size,
         "mtp": 0.0,
     }
-    if cfg.mtp_depth:  # one more block per depth, of the kind the MoE blocks are (or the dense ones)
-        one = matmul_breakdown(dataclasses.replace(cfg, num_layers=1, first_dense_layers=0, mtp_depth=0), seq_len,
-                               causal)
-        out["mtp"] = cfg.mtp_depth * (sum(one.values()) + 6.0 * 2 * h * h)
+    if cfg.mtp.depth:  # one more block per depth, of the kind the MoE blocks are (or the dense ones)
+        one = matmul_breakdown(replace(cfg, num_layers=1, moe=dict(first_dense_layers=0), mtp=dict(depth=0)),
+                               seq_len, causal)
+        out["mtp"] = cfg.mtp.depth * (sum(one.values()) + 6.0 * 2 * h * h)
     return out
 
 

@@ -13,7 +13,7 @@ import math
 import os
 import sys
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, Self
 
 import numpy as np
 
@@ -105,7 +105,8 @@ class MetricsWriter:
                                   "or pass tensorboard=False") from e
             self._tb = SummaryWriter(logdir=workdir, flush_secs=30)
         # Appending keeps the lines of an earlier (e.g. preempted) run in the same workdir.
-        self._jsonl = open(os.path.join(workdir, METRICS_FILE), "a", encoding="utf-8")
+        # open for the writer's life, closed by close()
+        self._jsonl = open(os.path.join(workdir, METRICS_FILE), "a", encoding="utf-8")  # noqa: SIM115
         if use_tqdm is None:
             use_tqdm = sys.stdout.isatty()
         self._bar = None
@@ -165,7 +166,7 @@ class MetricsWriter:
             self._tb.close()
         self._jsonl.close()
 
-    def __enter__(self) -> MetricsWriter:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc_info: object) -> None:

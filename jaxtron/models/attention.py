@@ -41,15 +41,15 @@ class _SelfAttention(nnx.Module):
 
 class Attention(_SelfAttention):
     def __init__(self, cfg: ModelConfig, execution: ExecutionConfig, rngs: nnx.Rngs, implementation: str):
-        d, n, g, h = cfg.embed_dim, cfg.num_heads, cfg.num_kv_heads, cfg.resolved_head_dim
+        d, n, g, h = cfg.embed_dim, cfg.attention.num_heads, cfg.attention.num_kv_heads, cfg.resolved_head_dim
         out_std = cfg.init_std / math.sqrt(2 * cfg.num_layers)
         self.wq = param(rngs, (d, n, h), ("embed", "heads", "head_dim"), cfg.init_std)
         self.wk = param(rngs, (d, g, h), ("embed", "kv_heads", "head_dim"), cfg.init_std)
         self.wv = param(rngs, (d, g, h), ("embed", "kv_heads", "head_dim"), cfg.init_std)
         self.wo = param(rngs, (n, h, d), ("heads", "head_dim", "embed"), out_std)
         # Qwen3: each head's queries and keys RMS-normalised (one scale of head_dim, shared by the heads)
-        self.q_norm = Norm(cfg, execution, size=h, kind="rmsnorm") if cfg.qk_norm else None
-        self.k_norm = Norm(cfg, execution, size=h, kind="rmsnorm") if cfg.qk_norm else None
+        self.q_norm = Norm(cfg, execution, size=h, kind="rmsnorm") if cfg.attention.qk_norm else None
+        self.k_norm = Norm(cfg, execution, size=h, kind="rmsnorm") if cfg.attention.qk_norm else None
         self._runs(cfg, execution, implementation)
 
     def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array | None,
@@ -78,38 +78,38 @@ class LatentAttention(_SelfAttention):
     kernels scale by 1/sqrt(query size)) is folded into the queries."""
 
     def __init__(self, cfg: ModelConfig, execution: ExecutionConfig, rngs: nnx.Rngs, implementation: str):
-        d, n, rope = cfg.embed_dim, cfg.num_heads, cfg.qk_rope_head_dim
+        d, n, rope = cfg.embed_dim, cfg.attention.num_heads, cfg.attention.qk_rope_head_dim
         qk, v = cfg.qk_head_dim, cfg.resolved_v_head_dim
         out_std = cfg.init_std / math.sqrt(2 * cfg.num_layers)
-        if cfg.q_lora_rank:
-            self.wq_a = param(rngs, (d, cfg.q_lora_rank), ("embed", "latent"), cfg.init_std)
-            self.q_norm = Norm(cfg, execution, size=cfg.q_lora_rank, kind="rmsnorm")
-            self.wq_b = param(rngs, (cfg.q_lora_rank, n, qk), ("latent", "heads", "head_dim"), cfg.init_std)
+        if cfg.attention.q_lora_rank:
+            self.wq_a = param(rngs, (d, cfg.attention.q_lora_rank), ("embed", "latent"), cfg.init_std)
+            self.q_norm = Norm(cfg, execution, size=cfg.attention.q_lora_rank, kind="rmsnorm")
+            self.wq_b = param(rngs, (cfg.attention.q_lora_rank, n, qk), ("latent", "heads", "head_dim"), cfg.init_std)
         else:
             self.wq = param(rngs, (d, n, qk), ("embed", "heads", "head_dim"), cfg.init_std)
         # the latent and the shared rotated key, from one matrix
-        self.wkv_a = param(rngs, (d, cfg.kv_lora_rank + rope), ("embed", "latent"), cfg.init_std)
-        self.kv_norm = Norm(cfg, execution, size=cfg.kv_lora_rank, kind="rmsnorm")
-        self.wkv_b = param(rngs, (cfg.kv_lora_rank, n, cfg.resolved_head_dim + v), ("latent", "heads", "head_dim"),
-                           cfg.init_std)
+        self.wkv_a = param(rngs, (d, cfg.attention.kv_lora_rank + rope), ("embed", "latent"), cfg.init_std)
+        self.kv_norm = Norm(cfg, execution, size=cfg.attention.kv_lora_rank, kind="rmsnorm")
+        self.wkv_b = param(rngs, (cfg.attention.kv_lora_rank, n, cfg.resolved_head_dim + v),
+                           ("latent", "heads", "head_dim"), cfg.init_std)
         self.wo = param(rngs, (n, v, d), ("heads", "head_dim", "embed"), out_std)
         self._runs(cfg, execution, implementation)
 
     def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array | None,
                  fp8: bool = False) -> jax.Array:
         cfg, dt, einsum = self.cfg, self.dtype, fp8_ops.projection(fp8)
-        nope, v_dim, rank = cfg.resolved_head_dim, cfg.resolved_v_head_dim, cfg.kv_lora_rank
-        if cfg.q_lora_rank:
+        nope, v_dim, rank = cfg.resolved_head_dim, cfg.resolved_v_head_dim, cfg.attention.kv_lora_rank
+        if cfg.attention.q_lora_rank:
             q = self.q_norm(einsum("btd,dr->btr", x, self.wq_a[...].astype(dt)))
             q = einsum("btr,rnh->btnh", q, self.wq_b[...].astype(dt))
         else:
             q = einsum("btd,dnh->btnh", x, self.wq[...].astype(dt))
         latent = einsum("btd,dr->btr", x, self.wkv_a[...].astype(dt))
         kv = einsum("btr,rnh->btnh", self.kv_norm(latent[..., :rank]), self.wkv_b[...].astype(dt))
-        inv_freq, scale = rope_frequencies(cfg, cfg.qk_rope_head_dim), rope_attention_factor(cfg)
+        inv_freq, scale = rope_frequencies(cfg, cfg.attention.qk_rope_head_dim), rope_attention_factor(cfg)
         q_rope = apply_rope(q[..., nope:], positions, inv_freq, scale)
         k_rope = apply_rope(latent[:, :, None, rank:], positions, inv_freq, scale)
-        k_rope = jnp.broadcast_to(k_rope, (*kv.shape[:3], cfg.qk_rope_head_dim))
+        k_rope = jnp.broadcast_to(k_rope, (*kv.shape[:3], cfg.attention.qk_rope_head_dim))
         softmax = mla_softmax_factor(cfg)
         q = jnp.concatenate([q[..., :nope], q_rope], axis=-1)
         if softmax != 1.0:
@@ -125,6 +125,6 @@ class LatentAttention(_SelfAttention):
 def mla_softmax_factor(cfg: ModelConfig) -> float:
     """Latent attention's softmax scale over 1/sqrt(query size): YaRN's correction for ``rope_mscale_all_dim``,
     squared (DeepSeek-V3), else 1."""
-    if cfg.rope_scaling != "yarn" or cfg.rope_scaling_factor == 1.0 or not cfg.rope_mscale_all_dim:
+    if cfg.rope.scaling != "yarn" or cfg.rope.factor == 1.0 or not cfg.rope.mscale_all_dim:
         return 1.0
-    return yarn_mscale(cfg.rope_scaling_factor, cfg.rope_mscale_all_dim) ** 2
+    return yarn_mscale(cfg.rope.factor, cfg.rope.mscale_all_dim) ** 2

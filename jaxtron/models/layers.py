@@ -76,18 +76,18 @@ def rope_frequencies(cfg: ModelConfig, dim: int | None = None) -> jax.Array:
     """Inverse frequencies of rotary embeddings over ``dim`` (default: the head size) rotated dimensions, stretched
     when ``rope_scaling_factor`` > 1 as ``rope_scaling`` says (Llama-3.1's bands or YaRN's ramp)."""
     dim = dim or cfg.resolved_head_dim
-    inv_freq = 1.0 / (cfg.rope_theta ** (jnp.arange(0, dim, 2, dtype=jnp.float32) / dim))
-    factor = cfg.rope_scaling_factor
+    inv_freq = 1.0 / (cfg.rope.theta ** (jnp.arange(0, dim, 2, dtype=jnp.float32) / dim))
+    factor = cfg.rope.factor
     if factor == 1.0:
         return inv_freq
-    if cfg.rope_scaling == "yarn":
+    if cfg.rope.scaling == "yarn":
         return _yarn(cfg, inv_freq, dim)
     wavelen = 2 * math.pi / inv_freq
-    low_freq_wavelen = cfg.rope_original_max_len / cfg.rope_low_freq_factor
-    high_freq_wavelen = cfg.rope_original_max_len / cfg.rope_high_freq_factor
+    low_freq_wavelen = cfg.rope.original_max_len / cfg.rope.low_freq_factor
+    high_freq_wavelen = cfg.rope.original_max_len / cfg.rope.high_freq_factor
     # Long wavelengths are divided by the factor, short ones kept, the band between interpolated.
-    smooth = (cfg.rope_original_max_len / wavelen - cfg.rope_low_freq_factor) / (
-        cfg.rope_high_freq_factor - cfg.rope_low_freq_factor)
+    smooth = (cfg.rope.original_max_len / wavelen - cfg.rope.low_freq_factor) / (
+        cfg.rope.high_freq_factor - cfg.rope.low_freq_factor)
     interpolated = (1 - smooth) * inv_freq / factor + smooth * inv_freq
     scaled = jnp.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
     middle = (wavelen <= low_freq_wavelen) & (wavelen >= high_freq_wavelen)
@@ -99,12 +99,12 @@ def _yarn(cfg: ModelConfig, inv_freq: jax.Array, dim: int) -> jax.Array:
     the factor, those turning more than ``rope_beta_fast`` times are kept, with a linear ramp over the
     (whole-numbered) dimensions between."""
     def dimension(rotations):  # the rotated dimension that turns `rotations` times over the original context
-        return dim * math.log(cfg.rope_original_max_len / (rotations * 2 * math.pi)) / (2 * math.log(cfg.rope_theta))
+        return dim * math.log(cfg.rope.original_max_len / (rotations * 2 * math.pi)) / (2 * math.log(cfg.rope.theta))
 
-    low = max(math.floor(dimension(cfg.rope_beta_fast)), 0)
-    high = min(math.ceil(dimension(cfg.rope_beta_slow)), dim - 1)
+    low = max(math.floor(dimension(cfg.rope.beta_fast)), 0)
+    high = min(math.ceil(dimension(cfg.rope.beta_slow)), dim - 1)
     ramp = jnp.clip((jnp.arange(dim // 2, dtype=jnp.float32) - low) / ((high - low) or 0.001), 0.0, 1.0)
-    return inv_freq / cfg.rope_scaling_factor * ramp + inv_freq * (1 - ramp)
+    return inv_freq / cfg.rope.factor * ramp + inv_freq * (1 - ramp)
 
 
 def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
@@ -114,11 +114,11 @@ def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
 
 def rope_attention_factor(cfg: ModelConfig) -> float:
     """What YaRN multiplies the rotated queries and keys by (1 for no scaling or Llama-3.1's)."""
-    if cfg.rope_scaling != "yarn" or cfg.rope_scaling_factor == 1.0:
+    if cfg.rope.scaling != "yarn" or cfg.rope.factor == 1.0:
         return 1.0
-    f = cfg.rope_scaling_factor
-    if cfg.rope_mscale and cfg.rope_mscale_all_dim:
-        return yarn_mscale(f, cfg.rope_mscale) / yarn_mscale(f, cfg.rope_mscale_all_dim)
+    f = cfg.rope.factor
+    if cfg.rope.mscale and cfg.rope.mscale_all_dim:
+        return yarn_mscale(f, cfg.rope.mscale) / yarn_mscale(f, cfg.rope.mscale_all_dim)
     return yarn_mscale(f)
 
 

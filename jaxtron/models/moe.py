@@ -67,14 +67,14 @@ class ExpertAxes:
 
 def capacity(cfg: ModelConfig, factor: float, length: int) -> int:
     """Slots per expert in each batch row (capacity mode, ``execution.capacity_factor``)."""
-    return max(1, math.ceil(factor * length * cfg.experts_per_token / cfg.num_experts))
+    return max(1, math.ceil(factor * length * cfg.moe.experts_per_token / cfg.moe.num_experts))
 
 
 def route(cfg: ModelConfig, logits: jax.Array, row_capacity: int | None = None,
           bias: jax.Array | None = None) -> tuple[jax.Array, jax.Array, dict[str, jax.Array]]:
     """Router logits [batch, length, experts] (float32) -> (expert ids [b, t, k], weights [b, t, k], stats).
 
-    ``model.router`` 'softmax' (Mixtral, Qwen3): the k largest probabilities. 'sigmoid' (DeepSeek-V3): sigmoid
+    ``model.moe.router`` 'softmax' (Mixtral, Qwen3): the k largest probabilities. 'sigmoid' (DeepSeek-V3): sigmoid
     scores; the experts are chosen by score plus ``bias`` (the balancing bias, which gets no gradient), only among
     the ``router_top_groups`` groups whose best two biased scores sum highest, and weighted by their unbiased
     scores. Either way the weights are renormalised to sum to 1 when ``router_renormalize`` and multiplied by
@@ -86,31 +86,31 @@ def route(cfg: ModelConfig, logits: jax.Array, row_capacity: int | None = None,
     ``z_loss`` (mean squared log-partition), ``load`` (fraction of the assignments each expert received, before
     capacity) and ``dropped`` (fraction of assignments over capacity).
     """
-    num_experts, k = cfg.num_experts, cfg.experts_per_token
-    if cfg.router == "sigmoid":
+    num_experts, k = cfg.moe.num_experts, cfg.moe.experts_per_token
+    if cfg.moe.router == "sigmoid":
         probs = jax.nn.sigmoid(logits)
         choice = probs + jax.lax.stop_gradient(bias) if bias is not None else probs
-        if cfg.router_groups > 1:
-            grouped = choice.reshape(*choice.shape[:-1], cfg.router_groups, -1)
+        if cfg.moe.router_groups > 1:
+            grouped = choice.reshape(*choice.shape[:-1], cfg.moe.router_groups, -1)
             best = jnp.sum(_top_k(grouped, 2)[0], axis=-1)  # [b, t, groups]
-            _, top_groups = _top_k(best, cfg.router_top_groups)
-            allowed = jnp.sum(jax.nn.one_hot(top_groups, cfg.router_groups, dtype=jnp.int32), axis=-2) > 0
+            _, top_groups = _top_k(best, cfg.moe.router_top_groups)
+            allowed = jnp.sum(jax.nn.one_hot(top_groups, cfg.moe.router_groups, dtype=jnp.int32), axis=-2) > 0
             choice = jnp.where(allowed[..., None], grouped, -jnp.inf).reshape(choice.shape)
         _, ids = _top_k(choice, k)
         weights = jnp.take_along_axis(probs, ids, axis=-1)
-        if cfg.router_renormalize:
+        if cfg.moe.router_renormalize:
             weights = weights / (jnp.sum(weights, axis=-1, keepdims=True) + 1e-20)
     else:
         probs = jax.nn.softmax(logits, axis=-1)
         weights, ids = _top_k(probs, k)
-        if cfg.router_renormalize:
+        if cfg.moe.router_renormalize:
             weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
-    if cfg.router_scale != 1.0:
-        weights = weights * cfg.router_scale
+    if cfg.moe.router_scale != 1.0:
+        weights = weights * cfg.moe.router_scale
     chosen = jax.nn.one_hot(ids, num_experts, dtype=jnp.float32)  # [b, t, k, E]
     row_load = jnp.mean(jnp.sum(chosen, axis=2), axis=1) / k  # [b, E]
     load = jnp.mean(row_load, axis=0)
-    if cfg.router == "sigmoid":  # sequence-wise, as DeepSeek-V3's complementary balance loss
+    if cfg.moe.router == "sigmoid":  # sequence-wise, as DeepSeek-V3's complementary balance loss
         shares = probs / jnp.sum(probs, axis=-1, keepdims=True)
         aux = num_experts * jnp.mean(jnp.sum(row_load * jnp.mean(shares, axis=1), axis=-1))
     else:
@@ -271,15 +271,15 @@ class MoE(nnx.Module):
     it, the train step moves it (``train.router_bias_rate``)."""
 
     def __init__(self, cfg: ModelConfig, execution: ExecutionConfig, rngs: nnx.Rngs):
-        d, f, e = cfg.embed_dim, cfg.resolved_expert_dim, cfg.num_experts
+        d, f, e = cfg.embed_dim, cfg.resolved_expert_dim, cfg.moe.num_experts
         self.cfg, self.execution = cfg, execution
         self.router = param(rngs, (d, e), ("embed", None), cfg.init_std)
         self.router_bias = nnx.Param(jnp.zeros((e,), jnp.float32), out_sharding=("bias",)) \
-            if cfg.router == "sigmoid" else None
+            if cfg.moe.router == "sigmoid" else None
         self.wi_gate = param(rngs, (e, d, f), GATE_UP_AXES, cfg.init_std)
         self.wi_up = param(rngs, (e, d, f), GATE_UP_AXES, cfg.init_std)
         self.wo = param(rngs, (e, f, d), DOWN_AXES, cfg.init_std / math.sqrt(2 * cfg.num_layers))
-        self.shared = MLP(cfg, execution, rngs, cfg.shared_experts * f) if cfg.shared_experts else None
+        self.shared = MLP(cfg, execution, rngs, cfg.moe.shared_experts * f) if cfg.moe.shared_experts else None
 
     def __call__(self, x: jax.Array, fp8: bool = False) -> tuple[jax.Array, dict[str, jax.Array]]:
         """x [batch, length, embed] -> (output of the same shape, routing stats; see ``route``)."""
@@ -299,14 +299,14 @@ class MoE(nnx.Module):
         ids, weights = constrain(ids, ROUTE_AXES), constrain(weights, ROUTE_AXES)
         gate, up, down = (w[...].astype(dt) for w in (self.wi_gate, self.wi_up, self.wo))
         if jax.sharding.get_abstract_mesh().empty:
-            return experts_local(x, ids, weights, gate, up, down, cfg.num_experts, row_capacity, None)
+            return experts_local(x, ids, weights, gate, up, down, cfg.moe.num_experts, row_capacity, None)
         token_spec, route_spec = logical_to_spec(TOKEN_AXES), logical_to_spec(ROUTE_AXES)
         axes = ExpertAxes.from_rules()
 
         # check_vma off: under a pipeline stage's vmap (spmd_axis_name) the inputs vary over the stage axis while
         # the constants made inside do not, which the check refuses; every collective here is written explicitly
         def local(x, ids, weights, gate, up, down):
-            return experts_local(x, ids, weights, gate, up, down, cfg.num_experts, row_capacity, axes)
+            return experts_local(x, ids, weights, gate, up, down, cfg.moe.num_experts, row_capacity, axes)
 
         y = jax.shard_map(local, in_specs=(token_spec, route_spec, route_spec, logical_to_spec(GATE_UP_AXES),
                                            logical_to_spec(GATE_UP_AXES), logical_to_spec(DOWN_AXES)),

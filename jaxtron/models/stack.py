@@ -147,7 +147,7 @@ def run_stack(cfg: ModelConfig, execution: ExecutionConfig, dense: nnx.Module | 
     dense_def, dense_state = nnx.split(dense) if dense is not None else (None, None)
     moe_def, moe_state = nnx.split(moe) if moe is not None else (None, None)
     prefix, period = cfg.prefix_layers, cfg.period
-    dense_per_period = period - 1 if cfg.num_experts else 1
+    dense_per_period = period - 1 if cfg.moe.num_experts else 1
     stats = []
     for group in layer_groups(cfg, execution):
         dense_fn = _block_fn(dense_def, group.fp8, execution.remat)

@@ -58,7 +58,7 @@ class MTPModule(nnx.Module):
         self.embed_norm = Norm(cfg, execution)
         self.hidden_norm = Norm(cfg, execution)
         self.proj = param(rngs, (2 * d, d), (None, "embed"), cfg.init_std)
-        self.block = Block(cfg, execution, rngs, attention_impl, moe=cfg.num_experts > 0)
+        self.block = Block(cfg, execution, rngs, attention_impl, moe=cfg.moe.num_experts > 0)
         self.norm = Norm(cfg, execution)
         self.dtype = compute_dtype(execution)
 
@@ -107,7 +107,7 @@ class Transformer(nnx.Module):
                               "unstaged_layers" if cfg.prefix_layers else "layers")
         self.moe_layers = stacked(block(True), rngs, moe, "layers")
         self.final_norm = Norm(cfg, execution)
-        self.mtp = stacked(lambda rngs: MTPModule(cfg, execution, rngs, attention_impl), rngs, cfg.mtp_depth,
+        self.mtp = stacked(lambda rngs: MTPModule(cfg, execution, rngs, attention_impl), rngs, cfg.mtp.depth,
                            "unstaged_layers")
         self.head = None if cfg.tie_embeddings else param(rngs, (d, v), ("embed", "vocab"), cfg.init_std)
 
@@ -139,7 +139,7 @@ class Transformer(nnx.Module):
         stacked [depths, ...]."""
         graphdef, stack = nnx.split(self.mtp)
         outputs, stats, h = [], [], residual
-        for k in range(1, self.cfg.mtp_depth + 1):
+        for k in range(1, self.cfg.mtp.depth + 1):
             module = nnx.merge(graphdef, jax.tree.map(lambda a, k=k: a[k - 1], stack))
             ahead = embed_lookup(self.embedding[...], jnp.roll(tokens, -k, axis=1), compute_dtype(self.execution))
             h, normed, block_stats = module(h, ahead, positions, segment_ids)

@@ -271,5 +271,5 @@ class PeerMonitor:
         try:
             while len(self.client.get_live_nodes(ids)) > 1:  # returns once the others asked too or disconnected
                 time.sleep(0.05)
-        except Exception:  # noqa: BLE001 - nothing left to wait for
-            pass
+        except Exception as e:  # noqa: BLE001 - the coordination service is gone: nothing left to wait for
+            log.debug("stopped waiting for the other processes: %s", e)

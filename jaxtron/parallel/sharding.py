@@ -206,6 +206,6 @@ def sharding_table(mesh: Mesh, params: Any) -> str:
         per_device += math.prod(shard) * value.dtype.itemsize
         key = ".".join(str(p) for p in path)
         lines.append(f"{key:<28} {tuple(value.shape)!s:<22} {names!s:<44} {shard!s:<22} {spec}")
-    lines += ["", f"parameters: {total / 2**20:.1f} MiB in all, {per_device / 2**20:.1f} MiB per device "
-                  "(AdamW keeps two more copies of the same shape and sharding)"]
+    lines += ["", (f"parameters: {total / 2**20:.1f} MiB in all, {per_device / 2**20:.1f} MiB per device "
+                  "(AdamW keeps two more copies of the same shape and sharding)")]
     return "\n".join(lines)

@@ -117,7 +117,7 @@ def run(argv: list[str]) -> int:
 
     m = cfg.model
     print(f"{m.name}: {param_count(m) / 1e9:.2f}B parameters"
-          + (f" ({param_count(m, active=True) / 1e9:.2f}B active)" if m.num_experts else "")
+          + (f" ({param_count(m, active=True) / 1e9:.2f}B active)" if m.moe.num_experts else "")
           + f", sequence {cfg.data.seq_len}, global batch {cfg.train.global_batch_size}, "
             f"remat {cfg.execution.remat}, {cfg.execution.dtype}; {args.gpus} x {gpu.name} "
             f"({gpu.usable_bytes / GIB:.0f} GiB usable each)")

@@ -18,6 +18,7 @@ from jaxtron.checkpoint.train_state import abstract_with_shardings
 from jaxtron.config.schema import Config
 from jaxtron.metrics.collectives import collectives
 from jaxtron.ops.attention import cpu_implementation
+from jaxtron.parallel.checks import check_devices
 from jaxtron.parallel.mesh import make_mesh
 from jaxtron.parallel.sharding import batch_sharding, per_device_sharding, shard_count
 from jaxtron.training import state as state_lib
@@ -53,7 +54,7 @@ def dry_run(cfg: Config, devices: list | None = None, implementation: str | None
     """Compiles ``cfg``'s train step on its mesh over ``devices`` (default: all) without allocating it, with the
     attention ``implementation`` (default: what the config's resolves to on the CPU; 'cudnn' as 'auto')."""
     devices = list(devices if devices is not None else jax.devices())
-    sizes = cfg.check_devices(len(devices))
+    sizes = check_devices(cfg, len(devices))
     if implementation is None:
         implementation = cpu_implementation(cfg.execution.attention, jnp.dtype(cfg.execution.dtype),
                                             cfg.model.qk_head_dim, shard_count(sizes, "activation_length"))

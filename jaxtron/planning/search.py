@@ -6,6 +6,7 @@ import dataclasses
 import math
 
 from jaxtron.config.schema import MESH_AXES, Config, ConfigError, MeshConfig
+from jaxtron.parallel.checks import check_devices
 from jaxtron.parallel.mesh import full_sizes, split_over_nodes
 from jaxtron.parallel.sharding import shard_count
 from jaxtron.planning.estimate import Estimate, estimate
@@ -35,7 +36,7 @@ def layout_problem(cfg: Config, sizes: dict[str, int], gpu: GPU) -> str | None:
     """Why the mesh cannot run this model on whole nodes of ``gpu``, or None."""
     n = math.prod(sizes.values())
     try:
-        with_mesh(cfg, sizes).check_devices(n)
+        check_devices(with_mesh(cfg, sizes), n)
     except ConfigError as e:
         return str(e)
     sizes = full_sizes(sizes)
@@ -57,7 +58,7 @@ def candidate_meshes(cfg: Config, n: int, gpu: GPU) -> list[dict[str, int]]:
             if tensor > gpu.gpus_per_node:
                 continue
             rest = n // pipeline // tensor
-            for expert in divisors(rest) if cfg.model.num_experts else [1]:
+            for expert in divisors(rest) if cfg.model.moe.num_experts else [1]:
                 for sequence in divisors(rest // expert):
                     for fsdp in divisors(rest // expert // sequence):
                         data = rest // expert // sequence // fsdp

@@ -85,7 +85,7 @@ def step_shape(cfg: Config, sizes: dict[str, int], microbatches: int | None = No
     # an uneven split runs identity periods too (pipeline.uneven_stages): they cost a period's memory and work
     pads = padding(m.stack_periods, stages, virtual)
     run_m = dataclasses.replace(m, num_layers=m.num_layers + pads * m.period) if pads else m
-    outside = m.prefix_layers + m.mtp_depth
+    outside = m.prefix_layers + m.mtp.depth
     sequence = shard_count(sizes, "activation_length")
     if cpu_program:
         impl = cpu_implementation(run.attention, run.dtype, m.qk_head_dim, sequence)
@@ -106,7 +106,7 @@ def step_shape(cfg: Config, sizes: dict[str, int], microbatches: int | None = No
         microbatches=micro, in_flight=in_flight, virtual_stages=virtual, pipelined=pipelined, iterations=iterations,
         bubble=bubble_fraction(stages, in_flight, virtual), busy=busy, spread=spread,
         model=run_m, identity_layers=pads * m.period, staged_blocks=staged_blocks, outside_blocks=outside,
-        moe_layers=run_m.num_moe_layers, outside_moe_layers=m.mtp_depth if m.num_experts else 0,
+        moe_layers=run_m.num_moe_layers, outside_moe_layers=m.mtp.depth if m.moe.num_experts else 0,
         layers_per_stage=staged_blocks // stages * busy + outside / spread,
         seq_len=cfg.data.seq_len, local_len=local_len, kv_len=cfg.data.seq_len if sequence > 1 else local_len,
         rows=rows, block_rows=rows // in_flight, outside_rows=rows / spread,
@@ -144,20 +144,21 @@ def block_values(cfg: Config, shape: StepShape) -> BlockValues:
     m, run, sizes = cfg.model, cfg.execution, shape.mesh
     b, t, tensor = shape.block_rows, shape.local_len, shape.tensor
     h, d = m.embed_dim, m.qk_head_dim
-    q_width = m.num_heads * d // shard_count(sizes, "activation_heads")
-    kv_width = m.num_kv_heads * d // shard_count(sizes, "activation_kv_heads")
+    q_width = m.attention.num_heads * d // shard_count(sizes, "activation_heads")
+    kv_width = m.attention.num_kv_heads * d // shard_count(sizes, "activation_kv_heads")
     mlp_width = m.mlp_dim // shard_count(sizes, "activation_mlp")
-    heads = m.num_heads // shard_count(sizes, "activation_heads")
+    heads = m.attention.num_heads // shard_count(sizes, "activation_heads")
     x = b * t * h
     attention = {"q": b * t * q_width, "kv": 2 * b * shape.kv_len * kv_width, "out": b * t * q_width}
     if m.latent_attention:  # the low-rank query, the key-value latent and the shared rotated key
-        attention["latent"] = b * t * (m.q_lora_rank + m.kv_lora_rank + m.qk_rope_head_dim)
+        a = m.attention
+        attention["latent"] = b * t * (a.q_lora_rank + a.kv_lora_rank + a.qk_rope_head_dim)
     mlp = {"gate_up": 2 * b * t * mlp_width, "act": b * t * mlp_width}
-    tokens, k = b * t, m.experts_per_token
+    tokens, k = b * t, m.moe.experts_per_token
     moe_rows = 0
     if shape.moe_layers:
         moe_rows = tokens * k * shape.expert if run.moe_mode == "dropless" else \
-            m.num_experts * b * capacity(m, run.capacity_factor, t)
+            m.moe.num_experts * b * capacity(m, run.capacity_factor, t)
     expert_width = m.resolved_expert_dim // shard_count(sizes, "activation_mlp")
     return BlockValues(
         embed=h, q_width=q_width, kv_width=kv_width, mlp_width=mlp_width, expert_width=expert_width, heads=heads,

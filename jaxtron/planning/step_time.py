@@ -8,9 +8,7 @@ collectives (``jaxtron.planning.collectives``) either overlap with this compute 
 
 from __future__ import annotations
 
-import dataclasses
-
-from jaxtron.config.schema import Config
+from jaxtron.config.schema import Config, replace
 from jaxtron.metrics.flops import flops_breakdown, hardware_flops_breakdown
 from jaxtron.planning.gpus import GPU
 from jaxtron.planning.shape import BlockValues, StepShape
@@ -48,8 +46,8 @@ def compute_time(cfg: Config, shape: StepShape, block: BlockValues, gpu: GPU) ->
     # unless the stages split their rows, the output head and the blocks outside the schedule run on every stage
     # for its data-parallel rows (replicated over the pipeline axis)
     if stages > 1 and spread == 1:
-        staged_only = dataclasses.replace(shape.model, num_layers=shape.staged_blocks, first_dense_layers=0,
-                                          mtp_depth=0)
+        staged_only = replace(shape.model, num_layers=shape.staged_blocks, moe=dict(first_dense_layers=0),
+                              mtp=dict(depth=0))
         inner = hardware_flops_breakdown(staged_only, run, shape.seq_len, attention=shape.attention)
         repeated = {k: v - (inner[k] if k != "logits" else 0.0) for k, v in hardware.items()}
         matmul += sum(v for k, v in repeated.items() if k != "attention_scores") * (stages - 1)

@@ -23,6 +23,7 @@ from jaxtron.metrics.collectives import collectives
 from jaxtron.metrics.throughput import Throughput
 from jaxtron.metrics.writers import MetricsWriter
 from jaxtron.ops.attention import resolve_implementation
+from jaxtron.parallel.checks import check_devices
 from jaxtron.parallel.mesh import make_mesh, process_aware_mesh
 from jaxtron.parallel.sharding import batch_sharding, shard_count, sharding_table
 from jaxtron.training import state as state_lib
@@ -85,7 +86,7 @@ def run(cfg: Config, workdir: str, *, print_sharding: bool = False, use_tqdm: bo
     Returns a summary of the run: final and held-out loss, throughput, the logged history and the state.
     """
     devices = list(devices) if devices is not None else jax.devices()
-    sizes = cfg.check_devices(len(devices))
+    sizes = check_devices(cfg, len(devices))
     mesh = process_aware_mesh(sizes, devices) if jax.process_count() > 1 else make_mesh(sizes, devices)
     implementation = resolve_implementation(cfg.execution.attention, jnp.dtype(cfg.execution.dtype),
                                             cfg.model.qk_head_dim,
@@ -146,7 +147,7 @@ class Trainer:
     def _log_start(self) -> None:
         cfg = self.cfg
         active = f" ({flops_lib.param_count(cfg.model, active=True) / 1e6:.4g}M active per token)" \
-            if cfg.model.num_experts else ""
+            if cfg.model.moe.num_experts else ""
         log.info("model %s: %.4gM parameters%s; mesh %s; attention %s; compute %s", cfg.model.name,
                  flops_lib.param_count(cfg.model) / 1e6, active, dict(self.mesh.shape), self.implementation,
                  cfg.execution.dtype)
@@ -338,7 +339,7 @@ def _hlo_text(compiled) -> str | None:
     where the backend cannot print an executable (the report then says what it lacks)."""
     try:
         return compiled.as_text()
-    except Exception as e:
+    except Exception as e:  # noqa: BLE001 - backends raise their own types; the run goes on without the text
         log.warning("could not read the compiled step's HLO (%s); no collectives.json and no per-stage idle share",
                     e)
         return None

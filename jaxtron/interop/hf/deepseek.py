@@ -21,7 +21,8 @@ from jaxtron.interop.hf.safetensors import FormatError
 
 
 def model_fields(hf: dict, get: Callable, tensor_names: Any = ()) -> dict[str, Any]:
-    """The ModelConfig fields particular to DeepSeek-V3 (``get(hf, key[, default])`` reads a required key). The
+    """The ModelConfig fields particular to DeepSeek-V3, per group (``get(hf, key[, default])`` reads a required
+    key). The
     multi-token prediction modules that config.json announces (``num_nextn_predict_layers``) come along when the
     checkpoint's ``tensor_names`` hold the first one's projection; transformers writes the field for models
     without them."""
@@ -34,31 +35,33 @@ def model_fields(hf: dict, get: Callable, tensor_names: Any = ()) -> dict[str, A
             raise FormatError(f"config.json sets {key}={hf[key]!r}; jaxtron's DeepSeek-V3 needs {key}={ok!r}.")
     depth = int(hf.get("num_nextn_predict_layers") or 0)
     mtp = depth if f"model.layers.{get(hf, 'num_hidden_layers')}.eh_proj.weight" in tensor_names else 0
-    return dict(
-        mtp_depth=mtp, num_kv_heads=heads, head_dim=get(hf, "qk_nope_head_dim"), qk_rope_head_dim=get(hf, "qk_rope_head_dim"),
-        v_head_dim=get(hf, "v_head_dim"), q_lora_rank=get(hf, "q_lora_rank", 0), kv_lora_rank=get(hf, "kv_lora_rank"),
-        num_experts=get(hf, "n_routed_experts"), experts_per_token=get(hf, "num_experts_per_tok"),
-        expert_dim=get(hf, "moe_intermediate_size"), shared_experts=get(hf, "n_shared_experts", 0),
-        first_dense_layers=get(hf, "first_k_dense_replace", 0), moe_every=1, router="sigmoid",
-        router_groups=get(hf, "n_group", 1), router_top_groups=get(hf, "topk_group", 1),
-        router_scale=float(get(hf, "routed_scaling_factor", 1.0)),
-        router_renormalize=bool(get(hf, "norm_topk_prob", False)))
+    attention = dict(num_kv_heads=heads, head_dim=get(hf, "qk_nope_head_dim"),
+                     qk_rope_head_dim=get(hf, "qk_rope_head_dim"), v_head_dim=get(hf, "v_head_dim"),
+                     q_lora_rank=get(hf, "q_lora_rank", 0), kv_lora_rank=get(hf, "kv_lora_rank"))
+    moe = dict(num_experts=get(hf, "n_routed_experts"), experts_per_token=get(hf, "num_experts_per_tok"),
+               expert_dim=get(hf, "moe_intermediate_size"), shared_experts=get(hf, "n_shared_experts", 0),
+               first_dense_layers=get(hf, "first_k_dense_replace", 0), every=1, router="sigmoid",
+               router_groups=get(hf, "n_group", 1), router_top_groups=get(hf, "topk_group", 1),
+               router_scale=float(get(hf, "routed_scaling_factor", 1.0)),
+               router_renormalize=bool(get(hf, "norm_topk_prob", False)))
+    return {"attention": attention, "moe": moe, "mtp": dict(depth=mtp)}
 
 
 def hf_fields(cfg: ModelConfig) -> dict[str, Any]:
     """config.json's DeepSeek-V3 fields of a jaxtron model with latent attention and a sigmoid router."""
-    if not (cfg.num_experts and cfg.router == "sigmoid" and cfg.moe_every == 1):
+    if not (cfg.moe.num_experts and cfg.moe.router == "sigmoid" and cfg.moe.every == 1):
         raise FormatError("a model with latent attention exports as DeepSeek-V3, which needs experts in every block "
-                          "after the first dense ones (model.moe_every=1) and model.router='sigmoid'.")
-    return {"qk_nope_head_dim": cfg.resolved_head_dim, "qk_rope_head_dim": cfg.qk_rope_head_dim,
-            "head_dim": cfg.qk_rope_head_dim, "qk_head_dim": cfg.qk_head_dim, "v_head_dim": cfg.resolved_v_head_dim,
-            "q_lora_rank": cfg.q_lora_rank or None, "kv_lora_rank": cfg.kv_lora_rank,
-            "n_routed_experts": cfg.num_experts, "num_experts_per_tok": cfg.experts_per_token,
-            "moe_intermediate_size": cfg.resolved_expert_dim, "n_shared_experts": cfg.shared_experts,
-            "first_k_dense_replace": cfg.first_dense_layers, "n_group": cfg.router_groups,
-            "topk_group": cfg.router_top_groups, "routed_scaling_factor": cfg.router_scale,
-            "norm_topk_prob": cfg.router_renormalize, "rope_interleave": True,
-            "num_nextn_predict_layers": cfg.mtp_depth}
+                          "after the first dense ones (model.moe.every=1) and model.moe.router='sigmoid'.")
+    return {"qk_nope_head_dim": cfg.resolved_head_dim, "qk_rope_head_dim": cfg.attention.qk_rope_head_dim,
+            "head_dim": cfg.attention.qk_rope_head_dim, "qk_head_dim": cfg.qk_head_dim,
+            "v_head_dim": cfg.resolved_v_head_dim,
+            "q_lora_rank": cfg.attention.q_lora_rank or None, "kv_lora_rank": cfg.attention.kv_lora_rank,
+            "n_routed_experts": cfg.moe.num_experts, "num_experts_per_tok": cfg.moe.experts_per_token,
+            "moe_intermediate_size": cfg.resolved_expert_dim, "n_shared_experts": cfg.moe.shared_experts,
+            "first_k_dense_replace": cfg.moe.first_dense_layers, "n_group": cfg.moe.router_groups,
+            "topk_group": cfg.moe.router_top_groups, "routed_scaling_factor": cfg.moe.router_scale,
+            "norm_topk_prob": cfg.moe.router_renormalize, "rope_interleave": True,
+            "num_nextn_predict_layers": cfg.mtp.depth}
 
 
 def _halves(size: int, start: int) -> np.ndarray:
@@ -71,7 +74,8 @@ def attention_tensors(cfg: ModelConfig, pre: str, stack: str, j: int, tensor: Ca
                       interleaved: bool = True) -> Iterator:
     """The latent attention tensors of block ``pre`` (``tensor(hf_name, shape, param, index, to_jaxtron,
     to_hf)`` builds one)."""
-    d, n, rope, rank = cfg.embed_dim, cfg.num_heads, cfg.qk_rope_head_dim, cfg.kv_lora_rank
+    a = cfg.attention
+    d, n, rope, rank = cfg.embed_dim, a.num_heads, a.qk_rope_head_dim, a.kv_lora_rank
     nope, qk, v = cfg.resolved_head_dim, cfg.qk_head_dim, cfg.resolved_v_head_dim
     q_order = _halves(rope, nope) if interleaved else np.arange(qk)
     kv_order = _halves(rope, rank) if interleaved else np.arange(rank + rope)
@@ -82,8 +86,8 @@ def attention_tensors(cfg: ModelConfig, pre: str, stack: str, j: int, tensor: Ca
         return (lambda x: x.T.reshape(rows, n, qk)[..., q_order],
                 lambda x: x[..., q_back].reshape(rows, n * qk).T)
 
-    if cfg.q_lora_rank:
-        r = cfg.q_lora_rank
+    if cfg.attention.q_lora_rank:
+        r = cfg.attention.q_lora_rank
         yield tensor(pre + "self_attn.q_a_proj.weight", (r, d), att + "wq_a", (j,), *TRANSPOSE)
         yield tensor(pre + "self_attn.q_a_layernorm.weight", (r,), att + "q_norm.scale", (j,), *SAME)
         yield tensor(pre + "self_attn.q_b_proj.weight", (n * qk, r), att + "wq_b", (j,), *query(r))
@@ -103,9 +107,9 @@ def moe_extras(cfg: ModelConfig, pre: str, stack: str, j: int, tensor: Callable)
     shared expert."""
     d = cfg.embed_dim
     mlp = f"{stack}.mlp."
-    yield tensor(pre + "mlp.gate.e_score_correction_bias", (cfg.num_experts,), mlp + "router_bias", (j,), *SAME)
-    if cfg.shared_experts:
-        s = cfg.shared_experts * cfg.resolved_expert_dim
+    yield tensor(pre + "mlp.gate.e_score_correction_bias", (cfg.moe.num_experts,), mlp + "router_bias", (j,), *SAME)
+    if cfg.moe.shared_experts:
+        s = cfg.moe.shared_experts * cfg.resolved_expert_dim
         yield tensor(pre + "mlp.shared_experts.gate_proj.weight", (s, d), mlp + "shared.wi_gate", (j,), *TRANSPOSE)
         yield tensor(pre + "mlp.shared_experts.up_proj.weight", (s, d), mlp + "shared.wi_up", (j,), *TRANSPOSE)
         yield tensor(pre + "mlp.shared_experts.down_proj.weight", (d, s), mlp + "shared.wo", (j,), *TRANSPOSE)

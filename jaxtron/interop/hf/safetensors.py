@@ -42,7 +42,7 @@ class SafetensorsFile:
         try:
             with safe_open(path, framework="numpy") as f:
                 self.metadata = f.metadata() or {}
-                for name in f.keys():
+                for name in f.keys():  # noqa: SIM118 - a safe_open handle is not iterable
                     view = f.get_slice(name)
                     code, shape = view.get_dtype(), tuple(view.get_shape())
                     if code not in SAFETENSORS_DTYPES:

@@ -1,0 +1,86 @@
+"""What a config needs of its devices: each size the rules table splits must divide into its pieces.
+
+How many pieces a dimension is cut into is the rules table's answer (``shard_count``), never an axis product written
+here: the data-parallel size is how many ways ``activation_batch`` splits, the tensor size how many ways ``heads``
+splits, and so on. The messages name the mesh axes the table uses, so a user knows which ``mesh.*`` field to change.
+"""
+
+from __future__ import annotations
+
+import math
+
+from jaxtron.config.checks import _check
+from jaxtron.config.schema import Config
+from jaxtron.parallel.sharding import logical_to_spec, shard_count, spec_axes
+
+
+def mesh_axes(logical: str, join: str = " x ") -> str:
+    """The mesh fields that split a logical axis, as a user writes them: 'mesh.tensor', 'mesh.sequence x
+    mesh.tensor'; ``join='*'`` gives a product of axis names, 'data*fsdp*expert'."""
+    axes = spec_axes(logical_to_spec((logical,)), 0)
+    return "*".join(axes) if join == "*" else join.join(f"mesh.{a}" for a in axes)
+
+
+def check_devices(cfg: Config, num_devices: int) -> dict[str, int]:
+    """Checks everything about ``cfg`` that depends on the device count; returns the resolved mesh sizes."""
+    sizes = cfg.mesh.resolve(num_devices)
+    m, t = cfg.model, cfg.train
+    widths = [("attention.num_heads", m.attention.num_heads, "heads"),
+              ("attention.num_kv_heads", m.attention.num_kv_heads, "kv_heads"),
+              ("mlp_dim", m.mlp_dim, "mlp"), ("vocab_size", m.vocab_size, "vocab"), ("embed_dim", m.embed_dim, "embed")]
+    if m.moe.num_experts:
+        widths += [("moe.expert_dim", m.resolved_expert_dim, "mlp"), ("moe.num_experts", m.moe.num_experts, "experts")]
+    for field, value, logical in widths:
+        ways = shard_count(sizes, logical)
+        _check(value % ways == 0, f"model.{field}", f"({value}) is not divisible by {mesh_axes(logical)} ({ways})",
+               f"choose a {mesh_axes(logical)} that divides {value}")
+    dp = shard_count(sizes, "activation_batch")
+    micro = t.global_batch_size // t.microbatches
+    _check(micro % dp == 0, "train.global_batch_size",
+           f"({t.global_batch_size}, {micro} per microbatch) is not divisible by the data-parallel size "
+           f"{mesh_axes('activation_batch', '*')} = {dp}", f"use a multiple of {dp * t.microbatches}")
+    _check_pipeline(cfg, shard_count(sizes, "layers"), micro, dp)
+    sp, n = shard_count(sizes, "activation_length"), cfg.data.seq_len
+    _check(sp == 1 or not m.mtp.depth, "model.mtp.depth", f"({m.mtp.depth}) shifts each row by whole tokens, "
+           f"which the load-balanced layout of mesh.sequence={sp} does not keep in order",
+           "set it to 0 or use mesh.sequence=1")
+    # the load-balanced layout gives each sequence shard two chunks of a row; between blocks the residual stream is
+    # split further (over the tensor group: activation_residual_length)
+    chunks = 2 * sp if sp > 1 else 1
+    _check(n % chunks == 0, "data.seq_len", f"({n}) is not divisible by 2 x mesh.sequence ({chunks}), the "
+           "chunks of the load-balanced layout", f"use a multiple of {chunks}")
+    residual = shard_count(sizes, "activation_residual_length")
+    _check(n % residual == 0, "data.seq_len", f"({n}) is not divisible by {mesh_axes('activation_residual_length')} "
+           f"({residual}), over which the residual stream is split", f"use a multiple of {math.lcm(chunks, residual)}")
+    return sizes
+
+
+def _check_pipeline(cfg: Config, stages: int, batch: int, dp: int) -> None:
+    """The schedule's sizes: the scanned periods of blocks split into stages x virtual stages, at least one
+    microbatch per stage, each microbatch divisible by the data-parallel size."""
+    m, x = cfg.model, cfg.execution
+    microbatches, virtual = cfg.pipeline.schedule(stages)
+    period, periods, prefix = m.period, m.stack_periods, m.prefix_layers
+    unit = f"periods of model.moe.every={period} blocks" if period > 1 else "layers"
+    unit += f" after the {prefix} dense ones" if prefix else ""
+    split = stages * virtual
+    _check(periods % split == 0 or cfg.pipeline.uneven_stages, "model.num_layers",
+           f"({m.num_layers}: {periods} {unit}) cannot be split into mesh.pipeline={stages} stages x "
+           f"pipeline.virtual_stages={virtual}", "choose stage and virtual stage counts whose product divides "
+           "it, or set --config.pipeline.uneven_stages=True to fill the last stages up with identity layers")
+    pads = -periods % split
+    _check(-(-pads // stages) < (periods + pads) // stages, "model.num_layers",  # (spread over the stages)
+           f"({m.num_layers}: {periods} {unit}) would leave a stage of mesh.pipeline={stages} x "
+           f"pipeline.virtual_stages={virtual} with only identity layers", "use fewer stages or virtual stages")
+    if stages == 1 and microbatches == 1:
+        return
+    _check(microbatches >= stages, "pipeline.microbatches",
+           f"({microbatches}) cannot keep mesh.pipeline={stages} stages busy",
+           f"set --config.pipeline.microbatches to at least {stages}")
+    _check(batch % (microbatches * dp) == 0, "pipeline.microbatches",
+           f"({microbatches}) times the data-parallel size {dp} does not divide the {batch} rows of a batch"
+           + (" (train.global_batch_size / train.microbatches)" if cfg.train.microbatches > 1 else ""),
+           f"choose a global batch size that is a multiple of {microbatches * dp * cfg.train.microbatches}")
+    _check(not (x.fp8 and x.fp8_skip_layers), "execution.fp8_skip_layers",
+           f"({x.fp8_skip_layers}) keeps some blocks in 16 bits, which a pipelined stack cannot mix with FP8 "
+           "ones", "set it to 0 or use mesh.pipeline=1 and pipeline.microbatches=1")
