@@ -70,8 +70,8 @@ def main() -> None:
         with tempfile.TemporaryDirectory() as workdir:
             cfg = dataclasses.replace(cfg, checkpoint=dataclasses.replace(cfg.checkpoint, every=0))
             summary = run(cfg, workdir, use_tqdm=False)
-        times = [h["step_time_s"] for h in summary["history"]][2:]
-        bubble = summary["history"][-1].get("pipeline_bubble", 0.0)
+        times = [h["step_time_s"] for h in summary.history][2:]
+        bubble = summary.history[-1].get("pipeline_bubble", 0.0)
         rows.append(dict(layout=name, mesh=mesh, pipeline=dataclasses.asdict(pipeline), bubble=bubble,
                          step_time_median_s=float(np.median(times)), step_time_min_s=min(times),
                          step_time_max_s=max(times), argument_mib=compiled.argument_bytes / 2**20,

@@ -39,9 +39,9 @@ def test_resume_from_an_earlier_checkpoint_is_bit_exact(tmp_path):
     for step in ("4", "6"):  # as if the run had died right after saving step 2
         shutil.rmtree(tmp_path / CHECKPOINT_DIR / step)
     second = run(cfg, str(tmp_path), use_tqdm=False)
-    assert [h["step"] for h in second["history"]] == [3, 4, 5, 6]
-    assert [h["loss"] for h in second["history"]] == [h["loss"] for h in first["history"][2:]]
-    for a, b in zip(_leaves(second["state"]), _leaves(first["state"])):
+    assert [h["step"] for h in second.history] == [3, 4, 5, 6]
+    assert [h["loss"] for h in second.history] == [h["loss"] for h in first.history[2:]]
+    for a, b in zip(_leaves(second.state), _leaves(first.state)):
         np.testing.assert_array_equal(a, b)
     lines = metrics_lines(tmp_path)
     assert [l["step"] for l in lines] == [1, 2, 3, 4, 5, 6]  # the lost steps were logged again, once
@@ -52,7 +52,7 @@ def test_a_finished_run_is_not_trained_again(tmp_path):
     cfg = tiny_config(train=dict(steps=2), checkpoint=dict(every=0))
     run(cfg, str(tmp_path), use_tqdm=False, devices=jax.devices()[:1])
     again = run(cfg, str(tmp_path), use_tqdm=False, devices=jax.devices()[:1])
-    assert again["history"] == [] and sorted(os.listdir(tmp_path / CHECKPOINT_DIR)) == ["2"]
+    assert again.history == [] and sorted(os.listdir(tmp_path / CHECKPOINT_DIR)) == ["2"]
 
 
 @pytest.mark.slow
@@ -88,7 +88,7 @@ def test_a_checkpoint_of_another_model_architecture_is_refused(tmp_path):
     # how the model runs is not its architecture: the same model resumes in bfloat16 with remat and another name
     same = tiny_config(train=dict(steps=2), execution=dict(dtype="bfloat16", remat="full"), model=dict(name="b"))
     summary = run(same, str(tmp_path), use_tqdm=False, devices=jax.devices()[:1])
-    assert [h["step"] for h in summary["history"]] == [2]
+    assert [h["step"] for h in summary.history] == [2]
 
 
 def test_compatibility_compares_every_architecture_field_and_reads_older_layouts():
@@ -193,7 +193,7 @@ def test_a_save_cut_off_midway_is_ignored_and_a_corrupted_one_set_aside(tmp_path
         summary = run(more, str(tmp_path), use_tqdm=False, devices=jax.devices()[:1])
     assert "ignoring incomplete checkpoint(s) 3.orbax-checkpoint-tmp-1700000000" in caplog.text
     assert "the latest complete one is step 2" in caplog.text
-    assert [h["step"] for h in summary["history"]] == [3]  # resumed from the complete step 2
+    assert [h["step"] for h in summary.history] == [3]  # resumed from the complete step 2
     # flip bytes in the array data of the newest checkpoint: named, set aside, and the run resumes from step 2
     data_files = [os.path.join(d, f) for d, _, fs in os.walk(tmp_path / CHECKPOINT_DIR / "3" / "state" / "d")
                   for f in fs]
@@ -206,7 +206,7 @@ def test_a_save_cut_off_midway_is_ignored_and_a_corrupted_one_set_aside(tmp_path
     name = os.path.relpath(data_files[0], tmp_path / CHECKPOINT_DIR / "3")
     damaged = f"checkpoint 3 in {tmp_path / CHECKPOINT_DIR} is damaged: {name} checksum mismatch; falling back"
     assert damaged in caplog.text
-    assert [h["step"] for h in summary["history"]] == [3, 4]
+    assert [h["step"] for h in summary.history] == [3, 4]
     assert os.path.isdir(tmp_path / "checkpoints_damaged" / "3")
 
 
@@ -227,9 +227,9 @@ def test_checkpoints_written_by_an_earlier_version_still_restore(name, tmp_path,
     with open(os.path.join(fixture, "expected.json")) as f:
         expected = json.load(f)
     summary = run(cfg, str(tmp_path), use_tqdm=False)
-    assert [h["step"] for h in summary["history"]] == [3]
-    np.testing.assert_allclose(summary["history"][0]["loss"], expected["losses"]["3"], rtol=1e-6)
-    flat = jax.tree_util.tree_flatten_with_path(nnx.to_pure_dict(summary["state"].params))[0]
+    assert [h["step"] for h in summary.history] == [3]
+    np.testing.assert_allclose(summary.history[0]["loss"], expected["losses"]["3"], rtol=1e-6)
+    flat = jax.tree_util.tree_flatten_with_path(nnx.to_pure_dict(summary.state.params))[0]
     got = {}
     for path, value in flat:
         x = np.asarray(value, np.float64).ravel()
@@ -237,3 +237,22 @@ def test_checkpoints_written_by_an_earlier_version_still_restore(name, tmp_path,
     assert sorted(got) == sorted(expected["params"])
     for key, (total, weighted) in expected["params"].items():
         np.testing.assert_allclose(got[key], [total, weighted], rtol=1e-5, atol=1e-6, err_msg=key)
+
+
+def test_a_failure_while_building_the_run_closes_what_it_had_opened(tmp_path, monkeypatch):
+    """The step compiles inside the try that closes the run's parts: a failure there leaves no checkpointer (with
+    its background threads) or loader open."""
+    from jaxtron.training import loop
+
+    closed = []
+    for cls in (loop.Checkpointer, loop.BatchIterator):
+        monkeypatch.setattr(cls, "close", lambda self, real=cls.close: (closed.append(type(self).__name__),
+                                                                       real(self)))
+
+    def fail(*args, **kwargs):
+        raise RuntimeError("compilation failed")
+
+    monkeypatch.setattr(loop, "compile_train_step", fail)
+    with pytest.raises(RuntimeError, match="compilation failed"):
+        run(tiny_config(train=dict(steps=1)), str(tmp_path), use_tqdm=False, devices=jax.devices()[:1])
+    assert sorted(closed) == ["BatchIterator", "Checkpointer"]

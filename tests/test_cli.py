@@ -90,7 +90,7 @@ def test_train_ends_a_diverged_run_with_3_and_a_preempted_one_with_75(monkeypatc
     from jaxtron.training import loop
     from jaxtron.training.preemption import PREEMPTED_EXIT_CODE
 
-    def diverged(cfg, workdir, print_sharding):
+    def diverged(cfg, workdir):
         raise NonFiniteError("the loss was not finite in 5 steps in a row; lower the learning rate.")
 
     monkeypatch.setattr(loop, "run", diverged)
@@ -98,9 +98,9 @@ def test_train_ends_a_diverged_run_with_3_and_a_preempted_one_with_75(monkeypatc
     err = capsys.readouterr().err
     assert err.splitlines()[-1] == "error: the loss was not finite in 5 steps in a row; lower the learning rate.", err
     assert "Traceback" not in err
-    monkeypatch.setattr(loop, "run", lambda cfg, workdir, print_sharding: {"preempted": True})
+    monkeypatch.setattr(loop, "run", lambda cfg, workdir: loop.RunSummary(None, [], preempted="SIGTERM"))
     assert cli.main(["train", f"--workdir={tmp_path}"]) == PREEMPTED_EXIT_CODE == 75
-    monkeypatch.setattr(loop, "run", lambda cfg, workdir, print_sharding: {"preempted": False})
+    monkeypatch.setattr(loop, "run", lambda cfg, workdir: loop.RunSummary(None, []))
     assert cli.main(["train", f"--workdir={tmp_path}"]) == 0
 
 

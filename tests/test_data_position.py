@@ -61,13 +61,13 @@ def test_a_changed_batch_size_is_refused_then_continued_from_the_consumed_tokens
     summary = _run(accept, tmp_path, None)
     # step 5 starts at sample 32, the first the old setup had not read; steps 5 and 6 read 32..63, once each
     assert sorted(sources[-1].asked)[:32] == list(range(32, 64))
-    assert [h["consumed_tokens"] for h in summary["history"]] == [(32 + 16) * 32, (32 + 32) * 32]
+    assert [h["consumed_tokens"] for h in summary.history] == [(32 + 16) * 32, (32 + 32) * 32]
 
     # the new setup is recorded: a plain restart with it resumes exactly, without the flag
     longer = dataclasses.replace(bigger, train=dataclasses.replace(bigger.train, steps=7))
     resumed = _run(longer, tmp_path, None)
     assert sorted(sources[-1].asked)[:16] == list(range(64, 80))
-    assert resumed["history"][-1]["consumed_tokens"] == 80 * 32
+    assert resumed.history[-1]["consumed_tokens"] == 80 * 32
     saved = json.loads(Path(tmp_path / "checkpoints" / "7" / "data" / "metadata").read_text())
     assert saved["consumed_tokens"] == 80 * 32 and saved["sample_offset"] == 64 - 6 * 16
 

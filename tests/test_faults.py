@@ -86,7 +86,7 @@ def test_skipping_without_a_limit_trains_on(tmp_path, monkeypatch):
     monkeypatch.setattr(loop_lib, "make_sources", lambda cfg: (source, None, {}))
     cfg = tiny_config(train=dict(steps=4, eval_batches=0, max_nonfinite_in_row=0), checkpoint=dict(every=0))
     summary = loop_lib.run(cfg, str(tmp_path), use_tqdm=False, devices=jax.devices()[:1])
-    assert [h["nonfinite_steps"] for h in summary["history"]] == [0, 1, 2, 3]
+    assert [h["nonfinite_steps"] for h in summary.history] == [0, 1, 2, 3]
 
 
 class NaNSteps(SyntheticSource):
@@ -224,7 +224,7 @@ def test_a_stalled_input_batch_is_reported_in_a_real_run(tmp_path, monkeypatch, 
         summary = loop_lib.run(cfg, str(tmp_path), use_tqdm=False, devices=jax.devices()[:1])
     watchdog = [m for m in caplog.messages if m.startswith("watchdog:")]
     assert watchdog and all(m.startswith("watchdog: the input batch of step 15 ") for m in watchdog), watchdog
-    assert "took" in watchdog[-1] and "on process 0" in watchdog[-1] and summary["slow_steps"] == 1
+    assert "took" in watchdog[-1] and "on process 0" in watchdog[-1] and summary.slow_steps == 1
 
 
 @pytest.mark.slow

@@ -117,7 +117,7 @@ def test_fp8_trains_inside_scanned_layers_with_remat_and_gradient_accumulation(t
         overrides = [(k.replace("__", "."), v) for k, v in {**common, **extra}.items()]
         cfg = load_config(f"{REPO}/configs/default.py", overrides)
         summary = run(cfg, str(tmp_path / name), use_tqdm=False)
-        losses[name] = [h["loss"] for h in summary["history"]]
+        losses[name] = [h["loss"] for h in summary.history]
     assert losses["exact"][-1] < losses["exact"][0]  # it learns
     np.testing.assert_allclose(losses["fp8"], losses["exact"], rtol=1e-2)
     assert losses["fp8"] != losses["exact"]

@@ -235,8 +235,8 @@ def test_converted_config_fine_tunes_from_the_imported_parameters(imported, tmp_
     cfg = load_config(spec, overrides)
     assert cfg.train.init_from == imported["llama"] and cfg.model.vocab_size == 96
     summary = run(cfg, str(tmp_path / "run"), use_tqdm=False, devices=jax.devices()[:1])
-    assert int(summary["state"].step) == 1  # a fresh start, not a resumed run
-    imported_params, started = convert.load(imported["llama"])[1], _flat(summary["state"].params)
+    assert int(summary.state.step) == 1  # a fresh start, not a resumed run
+    imported_params, started = convert.load(imported["llama"])[1], _flat(summary.state.params)
     assert imported_params.keys() == started.keys()
     for k in started:
         np.testing.assert_allclose(started[k], imported_params[k], atol=1e-6, err_msg=k)
@@ -246,8 +246,8 @@ def test_converted_config_fine_tunes_from_the_imported_parameters(imported, tmp_
     # a training run's workdir is a valid init_from too: its latest parameters, a fresh optimizer
     again = run(load_config(spec, overrides + [("train.init_from", str(tmp_path / "run"))]), str(tmp_path / "b"),
                 use_tqdm=False, devices=jax.devices()[:1])
-    assert int(again["state"].step) == 1
-    for k, v in _flat(again["state"].params).items():
+    assert int(again.state.step) == 1
+    for k, v in _flat(again.state.params).items():
         np.testing.assert_allclose(v, started[k], atol=1e-6, err_msg=k)
     # a training run exports like a converted model: its parameters, in Hugging Face layout
     convert.to_hf(str(tmp_path / "run"), str(tmp_path / "hf"))
@@ -286,9 +286,9 @@ def test_init_from_restores_a_converted_mixtral_onto_a_mesh(imported, tmp_path):
                  ("mesh.tensor", "2"), ("optimizer.learning_rate", "1e-9"), ("optimizer.warmup_steps", "0")]
     summary = run(load_config(os.path.join(imported["mixtral"], "config.py"), overrides), str(tmp_path / "run"),
                   use_tqdm=False)
-    wi = summary["state"].params["moe_layers"]["mlp"]["wi_up"].get_value()
+    wi = summary.state.params["moe_layers"]["mlp"]["wi_up"].get_value()
     assert wi.sharding.shard_shape(wi.shape) == (2, 2, 16, 24)  # experts, embed and width all split
-    started, imported_params = _flat(summary["state"].params), convert.load(imported["mixtral"])[1]
+    started, imported_params = _flat(summary.state.params), convert.load(imported["mixtral"])[1]
     for k in started:
         np.testing.assert_allclose(started[k], imported_params[k], atol=1e-6, err_msg=k)
 

@@ -56,7 +56,7 @@ def trained(tmp_path_factory):
     ckpt = Checkpointer(workdir, keep=5)
     states = {s: ckpt.restore(s, *_abstract(), CFG)[0] for s in (1, 2, 3)}
     ckpt.close()
-    return workdir, states, summary["history"]
+    return workdir, states, summary.history
 
 
 @pytest.fixture
@@ -138,8 +138,8 @@ def test_damage_in_an_older_checkpoint_is_reported_and_the_latest_restored(kind,
 def test_a_run_resumes_bit_exactly_from_the_newest_intact_checkpoint(trained, workdir):
     damage(workdir, 3, "bit_flip")
     summary = run(CFG, workdir, use_tqdm=False, devices=jax.devices()[:1])
-    assert [h["step"] for h in summary["history"]] == [3]
-    assert summary["history"][0]["loss"] == trained[2][2]["loss"]
+    assert [h["step"] for h in summary.history] == [3]
+    assert summary.history[0]["loss"] == trained[2][2]["loss"]
     for a, b in zip(_saved_leaves(workdir, 3), _saved_leaves(trained[0], 3)):
         np.testing.assert_array_equal(a, b)
     assert cli.main(["verify", workdir]) == 0  # the new step 3 has its checksums

@@ -319,7 +319,7 @@ def test_bad_moe_config_names_the_field(field, value):
 
 
 def _losses(summary):
-    return np.array([h["loss"] for h in summary["history"]])
+    return np.array([h["loss"] for h in summary.history])
 
 
 MOE = dict(moe=dict(num_experts=4, experts_per_token=2))
@@ -339,7 +339,7 @@ def test_training_losses_are_the_same_on_every_mesh(mesh, single_device_moe_run,
     expected = _losses(single_device_moe_run[1])
     assert len(expected) == 3 and np.all(np.diff(expected) != 0)
     np.testing.assert_allclose(_losses(summary), expected, rtol=1e-5)
-    wi = summary["state"].params["moe_layers"]["mlp"]["wi_up"].get_value()
+    wi = summary.state.params["moe_layers"]["mlp"]["wi_up"].get_value()
     assert wi.sharding.shard_shape(wi.shape)[1] == 4 // mesh.get("expert", 1)  # experts really split
 
 

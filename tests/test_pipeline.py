@@ -203,7 +203,7 @@ def test_stacks_move_between_period_orders():
 
 
 def _losses(summary):
-    return np.array([h["loss"] for h in summary["history"]])
+    return np.array([h["loss"] for h in summary.history])
 
 
 BASE = dict(model=dict(num_layers=4), train=dict(global_batch_size=16))
@@ -235,14 +235,14 @@ def test_pipeline_meshes_train_like_one_device(name, one_device, tmp_path):
     assert len(expected) == 3 and np.all(np.diff(expected) != 0)
     np.testing.assert_allclose(_losses(summary), expected, rtol=1e-5)
     # the stages hold their own layers: the stacked axis is split over the pipeline axis
-    wq = summary["state"].params["layers"]["attn"]["wq"].get_value()
+    wq = summary.state.params["layers"]["attn"]["wq"].get_value()
     assert wq.sharding.shard_shape(wq.shape)[0] == 4 // mesh["pipeline"]
-    assert summary["history"][-1]["pipeline_bubble"] == pytest.approx(
+    assert summary.history[-1]["pipeline_bubble"] == pytest.approx(
         bubble_fraction(mesh["pipeline"], pipeline["microbatches"], pipeline.get("virtual_stages", 1)))
     # after three updates the parameters (back in natural order) are those of one device: gradients agree
     order = storage_order(4, mesh["pipeline"], pipeline.get("virtual_stages", 1))
-    got = nnx.to_pure_dict(summary["state"].params)["layers"]["mlp"]["wo"]
-    want = nnx.to_pure_dict(one_device["state"].params)["layers"]["mlp"]["wo"]
+    got = nnx.to_pure_dict(summary.state.params)["layers"]["mlp"]["wo"]
+    want = nnx.to_pure_dict(one_device.state.params)["layers"]["mlp"]["wo"]
     # (Adam divides by sqrt(v): near-zero gradients amplify rounding; 2e-4 is 2% of one lr=1e-2 update)
     np.testing.assert_allclose(to_natural(np.asarray(got), order), np.asarray(want), rtol=1e-4, atol=2e-4)
 
@@ -257,7 +257,7 @@ def test_experts_in_pipeline_stages_train_like_one_device(tmp_path):
     got = run(tiny_config(dict(pipeline=2, fsdp=2, expert=2), pipeline=dict(microbatches=4), **moe),
               str(tmp_path / "pipe"), use_tqdm=False)
     for key in ("loss", "moe_aux_loss", "moe_max_load"):
-        np.testing.assert_allclose([h[key] for h in got["history"]], [h[key] for h in ref["history"]], rtol=1e-5)
+        np.testing.assert_allclose([h[key] for h in got.history], [h[key] for h in ref.history], rtol=1e-5)
 
 
 @pytest.mark.slow
@@ -276,14 +276,14 @@ def test_deepseek_trains_pipelined_like_one_device(tmp_path):
     assert len(expected) == 3 and np.all(np.diff(expected) != 0)
     np.testing.assert_allclose(_losses(got), expected, rtol=1e-5)
     for key in ("mtp_loss", "moe_bias_spread"):
-        np.testing.assert_allclose([h[key] for h in got["history"]], [h[key] for h in ref["history"]], rtol=1e-5)
+        np.testing.assert_allclose([h[key] for h in got.history], [h[key] for h in ref.history], rtol=1e-5)
     # routing is discrete: a near-tie between two experts' scores may go the other way under another reduction
     # order; at most one assignment a step (1 / (tokens x k) of a block's load, averaged over the 5 MoE blocks)
     tokens = 16 * tiny_config(dict(fsdp=1)).data.seq_len
     one = model["moe"]["num_experts"] / (tokens * model["moe"]["experts_per_token"] * 5)
-    np.testing.assert_allclose([h["moe_max_load"] for h in got["history"]],
-                               [h["moe_max_load"] for h in ref["history"]], rtol=0, atol=1.01 * one)
-    params, want = nnx.to_pure_dict(got["state"].params), nnx.to_pure_dict(ref["state"].params)
+    np.testing.assert_allclose([h["moe_max_load"] for h in got.history],
+                               [h["moe_max_load"] for h in ref.history], rtol=0, atol=1.01 * one)
+    params, want = nnx.to_pure_dict(got.state.params), nnx.to_pure_dict(ref.state.params)
     bias = to_natural(np.asarray(params["moe_layers"]["mlp"]["router_bias"]), [0, 2, 1, 3])
     reference = np.asarray(want["moe_layers"]["mlp"]["router_bias"])
     assert len({tuple(b) for b in reference}) == 4  # each block's bias went its own way
@@ -291,9 +291,9 @@ def test_deepseek_trains_pipelined_like_one_device(tmp_path):
     np.testing.assert_array_equal(params["mtp"]["block"]["mlp"]["router_bias"],
                                   want["mtp"]["block"]["mlp"]["router_bias"])
     # the dense block and the prediction module are whole on every stage; the MoE blocks split over them
-    prefix = got["state"].params["layers"]["mlp"]["wi_up"].get_value()
+    prefix = got.state.params["layers"]["mlp"]["wi_up"].get_value()
     assert prefix.sharding.shard_shape(prefix.shape)[0] == 1
-    moe_bias = got["state"].params["moe_layers"]["mlp"]["router_bias"].get_value()
+    moe_bias = got.state.params["moe_layers"]["mlp"]["router_bias"].get_value()
     assert moe_bias.sharding.shard_shape(moe_bias.shape)[0] == 2
 
 
@@ -321,7 +321,7 @@ def test_a_checkpoint_resumes_on_other_pipeline_degrees(tmp_path):
         assert json.load(f)["layer_order"] == [0, 2, 1, 3]
     # export reads the stage-major stack back in the model's order, whole (load) and parameter by parameter
     from jaxtron.interop.convert import _run_config, _Slices, load
-    stored = np.asarray(nnx.to_pure_dict(first["state"].params)["layers"]["mlp"]["wo"])
+    stored = np.asarray(nnx.to_pure_dict(first.state.params)["layers"]["mlp"]["wo"])
     natural = to_natural(stored, [0, 2, 1, 3])
     assert not np.array_equal(stored, natural)
     np.testing.assert_array_equal(load(str(tmp_path / "run"))[1]["layers.mlp.wo"], natural)
@@ -334,7 +334,7 @@ def test_a_checkpoint_resumes_on_other_pipeline_degrees(tmp_path):
         shutil.rmtree(workdir / "checkpoints" / "4")
         resumed = run(tiny_config(mesh, pipeline=dict(microbatches=microbatches), **base), str(workdir),
                       use_tqdm=False)
-        assert [h["step"] for h in resumed["history"]] == [3, 4]
+        assert [h["step"] for h in resumed.history] == [3, 4]
         np.testing.assert_allclose(_losses(resumed), _losses(first)[2:], rtol=1e-5)
 
 
@@ -350,7 +350,7 @@ def test_an_uneven_split_trains_and_resumes_like_one_device(tmp_path):
                use_tqdm=False)
     assert len(_losses(one)) == 4 and np.all(np.diff(_losses(one)) != 0)
     np.testing.assert_allclose(_losses(pipe), _losses(one), rtol=1e-5)
-    stored = np.asarray(nnx.to_pure_dict(pipe["state"].params)["layers"]["mlp"]["wo"])
+    stored = np.asarray(nnx.to_pure_dict(pipe.state.params)["layers"]["mlp"]["wo"])
     assert stored.shape[0] == 4 and not stored[3].any()  # the identity layer stays zero: it gets no gradient
     with open(tmp_path / "pipe" / "checkpoints" / "2" / "config" / "metadata") as f:
         assert json.load(f)["layer_order"] == [0, 1, 2, -1]
@@ -362,7 +362,7 @@ def test_an_uneven_split_trains_and_resumes_like_one_device(tmp_path):
         shutil.copytree(tmp_path / source, tmp_path / name)
         shutil.rmtree(tmp_path / name / "checkpoints" / "4")
         resumed = run(tiny_config(mesh, **extra, **base), str(tmp_path / name), use_tqdm=False)
-        assert [h["step"] for h in resumed["history"]] == [3, 4]
+        assert [h["step"] for h in resumed.history] == [3, 4]
         np.testing.assert_allclose(_losses(resumed), _losses(one)[2:], rtol=1e-5)
 
 

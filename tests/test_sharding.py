@@ -88,7 +88,7 @@ def test_batch_is_sharded_over_data_fsdp_expert_and_length_over_sequence():
     assert {s.data.shape for s in x.addressable_shards} == {(8 // 4, 16 // 2)}
 
 
-def test_describe_lists_every_parameter_with_its_physical_sharding():
+def test_sharding_table_lists_every_parameter_with_its_physical_sharding():
     cfg = tiny_config(dict(fsdp=4, tensor=2))
     mesh = make_mesh(check_devices(cfg, 8))
     setup = state_lib.setup(cfg, "xla")

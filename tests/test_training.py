@@ -17,7 +17,7 @@ from jaxtron.training.loop import run
 
 
 def _losses(summary):
-    return np.array([h["loss"] for h in summary["history"]])
+    return np.array([h["loss"] for h in summary.history])
 
 
 @pytest.fixture(scope="module")
@@ -34,7 +34,7 @@ def test_losses_match_single_device(mesh_name, single_device_run, tmp_path):
     assert len(expected) == 3 and np.all(np.diff(expected) != 0)
     np.testing.assert_allclose(_losses(summary), expected, rtol=1e-5)
     # the run really used the requested mesh and the rules' sharding
-    wq = summary["state"].params["layers"]["attn"]["wq"].get_value()
+    wq = summary.state.params["layers"]["attn"]["wq"].get_value()
     mesh = wq.sharding.mesh
     assert {a: s for a, s in mesh.shape.items() if s > 1} == {a: s for a, s in MESHES[mesh_name].items() if s > 1}
     assert wq.sharding.is_equivalent_to(
@@ -46,8 +46,8 @@ def test_microbatches_equal_one_large_batch(single_device_run, tmp_path):
     cfg = tiny_config(dict(fsdp=1), train=dict(microbatches=4))
     summary = run(cfg, str(tmp_path), use_tqdm=False, devices=jax.devices()[:1])
     np.testing.assert_allclose(_losses(summary), _losses(single_device_run), rtol=1e-5)
-    got = jax.tree.leaves(nnx.to_pure_dict(summary["state"].params))
-    want = jax.tree.leaves(nnx.to_pure_dict(single_device_run["state"].params))
+    got = jax.tree.leaves(nnx.to_pure_dict(summary.state.params))
+    want = jax.tree.leaves(nnx.to_pure_dict(single_device_run.state.params))
     for a, b in zip(got, want):  # Adam divides by sqrt(v): near-zero gradients amplify rounding a little
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-4)  # 1% of one lr=1e-2 update
 
@@ -84,7 +84,7 @@ def test_metrics_file_has_the_contract_fields(single_device_run, tmp_path):
     summary = run(tiny_config(dict(fsdp=8)), str(tmp_path), use_tqdm=False)
     lines = metrics_lines(tmp_path)
     assert [l["step"] for l in lines] == [1, 2, 3]
-    assert lines[0]["compile_time_s"] == summary["compile_time_s"] > 0  # logged once, with the first step
+    assert lines[0]["compile_time_s"] == summary.compile_time_s > 0  # logged once, with the first step
     assert "compile_time_s" not in lines[1]
     for line in lines:
         for key in ("step", "loss", "grad_norm", "learning_rate", "step_time_s", "tokens_per_sec",
@@ -189,8 +189,8 @@ def test_learned_positions_train_on_documents_longer_than_the_position_table(tmp
                               data=DataConfig(source="store", path=str(tmp_path / "store"), seq_len=32,
                                               validation_fraction=0.0))
     summary = run(cfg, str(tmp_path / "run"), use_tqdm=False, devices=jax.devices()[:1])
-    assert all(np.isfinite(h["loss"]) for h in summary["history"])
-    assert summary["history"][-1]["nonfinite_steps"] == 0
+    assert all(np.isfinite(h["loss"]) for h in summary.history)
+    assert summary.history[-1]["nonfinite_steps"] == 0
 
 
 @pytest.fixture(scope="module")
@@ -306,9 +306,9 @@ def test_new_families_losses_match_single_device(family, mesh_name, qwen3_single
     assert len(expected) == 3 and np.all(np.diff(expected) != 0)
     np.testing.assert_allclose(_losses(summary), expected, rtol=1e-5)
     if family == "deepseek_v3":  # the balancing bias moved the same way on every mesh
-        bias = summary["state"].params["moe_layers"]["mlp"]["router_bias"].get_value()
-        reference = qwen3_single_device_runs[family]["state"].params["moe_layers"]["mlp"]["router_bias"].get_value()
+        bias = summary.state.params["moe_layers"]["mlp"]["router_bias"].get_value()
+        reference = qwen3_single_device_runs[family].state.params["moe_layers"]["mlp"]["router_bias"].get_value()
         assert np.abs(np.asarray(bias)).max() > 0 and np.array_equal(np.asarray(bias), np.asarray(reference))
         return
-    stack = summary["state"].params["moe_layers" if family == "qwen3_moe" else "layers"]
+    stack = summary.state.params["moe_layers" if family == "qwen3_moe" else "layers"]
     assert stack["attn"]["q_norm"]["scale"].get_value().shape == (2, 32)  # one scale per layer, of the head size

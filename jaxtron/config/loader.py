@@ -117,8 +117,9 @@ def _help(define: Callable[[flags.FlagValues], None] | None, default_spec: str |
     if default_spec and os.path.isabs(default_spec) and default_spec.startswith(os.getcwd() + os.sep):
         default_spec = os.path.relpath(default_spec)  # as the user would write it from here
     default = f" (default: {default_spec})" if default_spec else ""
-    overrides = ("overrides any field of the config, e.g. --config.train.steps=100; the sections and fields are "
-                 "documented in jaxtron/config/schema.py")
+    overrides = ("overrides any field of the config, e.g. --config.train.steps=100 or, in a group of the model's "
+                 "fields, --config.model.rope.theta=1e6; the sections and fields are documented in "
+                 "jaxtron/config/schema.py and jaxtron/config/model.py")
     rows = [("--config=FILE[:ARG]", f"a config file whose get_config([ARG]) returns a ConfigDict{default}"),
             ("--config.<section>.<field>=VALUE", overrides)]
     own = {flag.name: flag for module_flags in values.flags_by_module_dict().values() for flag in module_flags}

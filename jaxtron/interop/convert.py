@@ -1,4 +1,5 @@
-"""Convert between Hugging Face model directories and jaxtron checkpoints (Llama family, Qwen3 and Mixtral).
+"""Convert between Hugging Face model directories and jaxtron checkpoints (Llama, Qwen3 dense and MoE, Mixtral and
+DeepSeek-V3; the families are listed in ``jaxtron.interop.hf.registry``).
 
     jaxtron convert from-hf HF_DIR OUT_DIR    # config.json + safetensors -> OUT_DIR/params, config.py
     jaxtron convert to-hf CKPT_DIR OUT_DIR    # a converted model or a training run -> config.json + safetensors

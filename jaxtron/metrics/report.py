@@ -42,7 +42,7 @@ def _value(summary: dict[str, Any], key: str, fmt: str) -> str:
     return fmt.format(int(value) if fmt == "{:d}" else value)
 
 
-def describe(s: dict[str, Any]) -> str:
+def summary_text(s: dict[str, Any]) -> str:
     lines = [f"run {s['workdir']}: {s['steps_done']} of {s['train_steps']} steps",
              f"sustained values: {s['rule']} ({s['steady_intervals']} of {s['intervals']} intervals count)"]
     lines[1:1] = [f"WARNING: {warning}" for warning in s.get("warnings", [])]
@@ -100,7 +100,7 @@ def main(argv: list[str]) -> int:
 
     runs = [summarize(args.workdir)] + ([summarize(args.vs)] if args.vs else [])
     for run in runs:
-        print(describe(run))
+        print(summary_text(run))
         if not args.no_plots:
             from jaxtron.metrics.plots import write_plots
             paths = write_plots(read_metrics(run["workdir"]), run["workdir"], run["workdir"])

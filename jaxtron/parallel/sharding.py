@@ -1,8 +1,9 @@
 """THE logical-axis rules table and the helpers that turn logical names into shardings.
 
 Models name the axes of every parameter and activation with logical names; this module alone
-decides which mesh axes shard them. Changing data/fsdp/tensor/sequence/expert degrees is a
-config change, never a model change.
+decides which mesh axes shard them. Changing the pipeline/data/fsdp/sequence/expert/tensor degrees is a config
+change, never a model change; code that must name mesh axes itself (a ``shard_map``) asks this table which ones a
+logical name maps to (``logical_to_spec``, ``spec_axes``, ``shard_count``).
 """
 
 from __future__ import annotations

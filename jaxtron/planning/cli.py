@@ -22,7 +22,7 @@ GIB = 2.0**30
 
 
 def parse_mesh(text: str) -> dict[str, int]:
-    """'fsdp=8,tensor=8' -> sizes of all five axes (the ones not named are 1)."""
+    """'fsdp=8,tensor=8' -> sizes of all six mesh axes (the ones not named are 1)."""
     from jaxtron.config.schema import MESH_AXES, ConfigError
 
     sizes = dict.fromkeys(MESH_AXES, 1)
@@ -153,7 +153,7 @@ def compile_report(cfg, sizes: dict[str, int], n: int, gpu, estimate) -> dict:
     import math
 
     from jaxtron.config.schema import ConfigError
-    from jaxtron.planning.dry_run import describe, dry_run
+    from jaxtron.planning.dry_run import dry_run, dry_run_text
 
     if math.prod(sizes.values()) != n:
         raise ConfigError(f"--compile mesh {_mesh_text(sizes)} has {math.prod(sizes.values())} devices but --gpus is "
@@ -165,7 +165,7 @@ def compile_report(cfg, sizes: dict[str, int], n: int, gpu, estimate) -> dict:
                                    sizes.get("sequence", 1))
     print(f"\ndry run of {_mesh_text(sizes)} on {n} fake CPU devices ({attention} attention):")
     result = dry_run(cfg)
-    print(describe(result))
+    print(dry_run_text(result))
     est = estimate(cfg, sizes, gpu, cpu_program=True)
     state = est.memory["parameters"] + est.memory["optimizer"] + est.memory["batch"]
     error = est.memory_bytes / result.peak_bytes - 1

@@ -78,7 +78,7 @@ def dry_run(cfg: Config, devices: list | None = None, implementation: str | None
                   collectives=collectives(compiled.as_text()), flops=float(compiled.cost_analysis()["flops"]))
 
 
-def describe(result: DryRun) -> str:
+def dry_run_text(result: DryRun) -> str:
     gib = 2.0 ** 30
     lines = [f"mesh {', '.join(f'{k}={v}' for k, v in result.mesh.items())}: compiled in {result.compile_s:.1f} s",
              (f"per device: arguments {result.argument_bytes / gib:.2f} GiB (parameters, optimizer state, batch), "

@@ -57,10 +57,13 @@ def main(argv: list[str]) -> int:
     import jax
     if jax.process_index() != 0:
         logging.getLogger().setLevel(logging.WARNING)
-    from jaxtron.training.loop import run
+    from jaxtron.training.loop import run, sharding_report
     from jaxtron.training.preemption import PREEMPTED_EXIT_CODE
     try:
-        summary = run(cfg, workdir, print_sharding=print_sharding)
+        if print_sharding:
+            print(sharding_report(cfg))
+            return 0
+        summary = run(cfg, workdir)
     finally:
         launch.finish()  # all processes leave together
-    return PREEMPTED_EXIT_CODE if summary.get("preempted") else 0
+    return PREEMPTED_EXIT_CODE if summary.preempted else 0

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import logging
@@ -79,27 +80,62 @@ def evaluate(cfg: Config, eval_fn, params, source, mesh, implementation: str = "
     return total / count
 
 
-def run(cfg: Config, workdir: str, *, print_sharding: bool = False, use_tqdm: bool | None = None,
-        devices: list[jax.Device] | None = None) -> dict[str, Any]:
-    """Trains ``cfg`` on ``devices`` (default: all) and writes metrics into ``workdir``.
+@dataclasses.dataclass
+class RunSummary:
+    """What a training run ended with."""
 
-    Returns a summary of the run: final and held-out loss, throughput, the logged history and the state.
-    """
+    state: Any  # the final train state
+    history: list[dict[str, Any]]  # the lines this process logged in this run, each with its step
+    preempted: str | None = None  # why the run stopped before train.steps (a signal, another process's request)
+    stopped_at: int | None = None  # the step it checkpointed then
+    final_loss: float | None = None  # mean train loss of the last log interval
+    validation_loss: float | None = None  # mean cross-entropy over the validation batches at the end
+    compile_time_s: float | None = None
+    slow_steps: int = 0  # steps the watchdog reported as slow
+    tokens_per_sec: float | None = None  # of the last log interval, as the next three
+    tflops_per_device: float | None = None
+    mfu: float | None = None
+    data: dict[str, Any] = dataclasses.field(default_factory=dict)  # facts of the training text (tokens, entropy)
+
+
+@dataclasses.dataclass(frozen=True)
+class Placement:
+    """Where a run computes: its mesh, the static parts of the step, the state's shardings and the attention."""
+
+    mesh: Any
+    setup: state_lib.Setup
+    shardings: state_lib.TrainState
+    implementation: str
+
+
+def place(cfg: Config, devices: list[jax.Device] | None = None) -> Placement:
+    """The mesh of ``cfg`` over ``devices`` (default: all), the step's setup and the state's shardings."""
     devices = list(devices) if devices is not None else jax.devices()
     sizes = check_devices(cfg, len(devices))
     mesh = process_aware_mesh(sizes, devices) if jax.process_count() > 1 else make_mesh(sizes, devices)
     implementation = resolve_implementation(cfg.execution.attention, jnp.dtype(cfg.execution.dtype),
-                                            cfg.model.qk_head_dim,
-                                            shard_count(sizes, "activation_length"))
+                                            cfg.model.qk_head_dim, shard_count(sizes, "activation_length"))
     with jax.set_mesh(mesh):
         setup = state_lib.setup(cfg, implementation, sizes)
         shardings = state_lib.state_shardings(mesh, setup.abstract_state)
-        if print_sharding:
-            print(sharding_table(mesh, setup.abstract_state.params))
-            return {}
-        state_lib.check_fits(setup.abstract_state, shardings, devices)
+    return Placement(mesh, setup, shardings, implementation)
+
+
+def sharding_report(cfg: Config, devices: list[jax.Device] | None = None) -> str:
+    """The rules table and every parameter's logical and physical sharding on the mesh of ``cfg``."""
+    placement = place(cfg, devices)
+    with jax.set_mesh(placement.mesh):
+        return sharding_table(placement.mesh, placement.setup.abstract_state.params)
+
+
+def run(cfg: Config, workdir: str, *, use_tqdm: bool | None = None,
+        devices: list[jax.Device] | None = None) -> RunSummary:
+    """Trains ``cfg`` on ``devices`` (default: all) and writes metrics and checkpoints into ``workdir``."""
+    placement = place(cfg, devices)
+    with jax.set_mesh(placement.mesh):
+        state_lib.check_fits(placement.setup.abstract_state, placement.shardings, list(placement.mesh.devices.flat))
         _check_workdir(workdir)
-        return Trainer(cfg, workdir, mesh, setup, shardings, implementation, use_tqdm).train()
+        return Trainer(cfg, workdir, placement, use_tqdm).train()
 
 
 class Meter:
@@ -129,20 +165,87 @@ class Meter:
 
 
 class Trainer:
-    """One training run, from components built once to the summary; ``train`` reads top to bottom."""
+    """One training run, from its components to its summary; ``train`` reads top to bottom."""
 
-    def __init__(self, cfg: Config, workdir: str, mesh, setup, shardings, implementation: str,
-                 use_tqdm: bool | None):
-        self.cfg, self.workdir, self.mesh, self.setup = cfg, workdir, mesh, setup
-        self.shardings, self.implementation = shardings, implementation
+    def __init__(self, cfg: Config, workdir: str, placement: Placement, use_tqdm: bool | None):
+        self.cfg, self.workdir, self.use_tqdm = cfg, workdir, use_tqdm
+        self.mesh, self.setup = placement.mesh, placement.setup
+        self.shardings, self.implementation = placement.shardings, placement.implementation
         self.is_main = jax.process_index() == 0
+        self.history: list[dict[str, Any]] = []
+        # built by _build, inside train's try; _close closes whichever of them exist
+        self.checkpointer = self.batches = self.writer = self.profile = self.watchdog = self.preemption = None
+
+    def train(self) -> RunSummary:
+        t, done = self.cfg.train, 0
+        try:
+            done = self._build()
+            if done >= t.steps:  # a finished run: nothing left to train
+                log.info("the run already reached train.steps = %d; raise it to train further", t.steps)
+                return RunSummary(self.state, [])
+            self.watchdog.start(done)
+            for step in range(self.start, t.steps):
+                done = step + 1
+                metrics = self._step(step, done)
+                if done < t.steps:
+                    self._next_batch(done)
+                self.profile.after_step(done, lambda: jax.block_until_ready(self.state))
+                log_now = done % t.log_every == 0 or done == t.steps
+                # steps that log or save wait for the device anyway, so their own flags are read now
+                stop = self.flags.read(done if log_now or self._save_due(done) else done - 1)
+                # one process alone needs no agreement: it stops at the first step boundary after the signal
+                stop |= jax.process_count() == 1 and self.preemption.requested is not None
+                if log_now:
+                    self._log(done, metrics)
+                if t.eval_every and done % t.eval_every == 0 and done < t.steps:
+                    self._evaluate_midway(done)
+                if stop and done < t.steps:
+                    return self._stop(done)
+                self._save(done)
+            return self._finish()
+        finally:
+            self._close(done)
+
+    def _build(self) -> int:
+        """Every component of the run, in the order each needs the others: the data sources, the checkpointer and
+        the state (restored or fresh), then, when steps are left, the loader at the resumed position, the compiled
+        step and what runs beside it. Returns the step the run starts from."""
+        cfg, t, mesh = self.cfg, self.cfg.train, self.mesh
         self.train_source, self.validation, self.facts = make_sources(cfg)
         self._log_start()
         c = cfg.checkpoint
-        self.checkpointer = Checkpointer(workdir, c.keep, c.keep_every, c.async_save)
+        self.checkpointer = Checkpointer(self.workdir, c.keep, c.keep_every, c.async_save)
         self.state, self.position = self._restore_or_init()
         self.start = self.position.step
-        self.use_tqdm = use_tqdm
+        if self.start >= t.steps:
+            return self.start
+        self.batches = BatchIterator(self.train_source, mesh, t.global_batch_size, step=self.start,
+                                     workers=cfg.data.workers, limits=batch_limits(cfg, self.implementation),
+                                     sample_offset=self.position.offset)
+        self.batch = next(self.batches)
+        self.votes = StopVotes(mesh)
+        self.compiled, self.compile_s = compile_train_step(self.setup, self.shardings, batch_sharding(mesh),
+                                                           self.state, self.batch, self.votes(False))
+        throughput = Throughput(cfg, mesh.size, mesh.devices.flat[0].device_kind, self.implementation)
+        log.info("compiled the train step in %.1f s; %.4g model TFLOP per step; %s", self.compile_s,
+                 throughput.model_flops / 1e12, throughput.peak_note)
+        hlo = _hlo_text(self.compiled)  # printed once: collectives.json and the pipeline layout read it
+        if self.is_main and hlo is not None:
+            with open(os.path.join(self.workdir, "collectives.json"), "w") as f:  # for jaxtron.metrics.report
+                json.dump(collectives(hlo), f, indent=1)
+        self.eval_fn = jax.jit(functools.partial(eval_step, self.setup),
+                               in_shardings=(self.shardings.params, batch_sharding(mesh)))
+        self.writer = MetricsWriter(self.workdir, t.steps, use_tqdm=self.use_tqdm) if self.is_main else None
+        schedule = self.setup.stack_runner
+        self.meter = Meter(throughput, {"pipeline_bubble": schedule.bubble} if schedule else None)
+        self.profile = ProfileWindow(cfg.profile, self.workdir, self.start)
+        if schedule and self.profile.enabled:  # what the report needs to find each stage's idle iterations
+            self.profile.write_pipeline_layout(self.mesh, schedule, hlo)
+        self.preemption = PreemptionWatcher()
+        self.watchdog = Watchdog(t.watchdog_factor, jax.process_index())
+        streak = NonFiniteStreak(t.max_nonfinite_in_row, self.start, int(jax.device_get(self.state.nonfinite)[1]))
+        self.flags = StepFlags(streak, self.watchdog)
+        return self.start
 
     def _log_start(self) -> None:
         cfg = self.cfg
@@ -174,12 +277,8 @@ class Trainer:
         def check_data(saved: dict) -> None:
             resumed["position"] = data_position.resume(cfg, data_setup, saved)
 
-        try:
-            restored = self.checkpointer.restore_latest(self.setup.abstract_state, self.shardings, cfg, check_data,
-                                                        self.setup.layer_order)
-        except ConfigError:
-            self.checkpointer.close()
-            raise
+        restored = self.checkpointer.restore_latest(self.setup.abstract_state, self.shardings, cfg, check_data,
+                                                    self.setup.layer_order)
         if restored is not None:
             position = resumed["position"]
             log.info("resumed from the checkpoint of step %d in %s", position.step, self.checkpointer.directory)
@@ -193,71 +292,6 @@ class Trainer:
             state = state.replace(params=params)
             log.info("parameters from %s; optimizer state fresh", cfg.train.init_from)
         return state, data_position.DataPosition.start(cfg, data_setup)
-
-    def _build_step(self) -> None:
-        """The loader at the resumed position, the compiled step and what runs beside it."""
-        cfg, t, mesh = self.cfg, self.cfg.train, self.mesh
-        self.batches = BatchIterator(self.train_source, mesh, t.global_batch_size, step=self.start,
-                                     workers=cfg.data.workers, limits=batch_limits(cfg, self.implementation),
-                                     sample_offset=self.position.offset)
-        self.batch = next(self.batches)
-        self.votes = StopVotes(mesh)
-        self.compiled, self.compile_s = compile_train_step(self.setup, self.shardings, batch_sharding(mesh),
-                                                           self.state, self.batch, self.votes(False))
-        throughput = Throughput(cfg, mesh.size, mesh.devices.flat[0].device_kind, self.implementation)
-        log.info("compiled the train step in %.1f s; %.4g model TFLOP per step; %s", self.compile_s,
-                 throughput.model_flops / 1e12, throughput.peak_note)
-        hlo = _hlo_text(self.compiled)  # printed once: collectives.json and the pipeline layout read it
-        if self.is_main and hlo is not None:
-            with open(os.path.join(self.workdir, "collectives.json"), "w") as f:  # for jaxtron.metrics.report
-                json.dump(collectives(hlo), f, indent=1)
-        self.eval_fn = jax.jit(functools.partial(eval_step, self.setup),
-                               in_shardings=(self.shardings.params, batch_sharding(mesh)))
-        self.writer = MetricsWriter(self.workdir, t.steps, use_tqdm=self.use_tqdm) if self.is_main else None
-        schedule = self.setup.stack_runner
-        self.meter = Meter(throughput, {"pipeline_bubble": schedule.bubble} if schedule else None)
-        self.profile = ProfileWindow(cfg.profile, self.workdir, self.start)
-        if schedule and self.profile.enabled:  # what the report needs to find each stage's idle iterations
-            self.profile.write_pipeline_layout(self.mesh, schedule, hlo)
-        self.preemption = PreemptionWatcher()
-        self.watchdog = Watchdog(t.watchdog_factor, jax.process_index())
-        streak = NonFiniteStreak(t.max_nonfinite_in_row, self.start, int(jax.device_get(self.state.nonfinite)[1]))
-        self.flags = StepFlags(streak, self.watchdog)
-        self.history: list[dict[str, Any]] = []
-
-    def train(self) -> dict[str, Any]:
-        t = self.cfg.train
-        if self.start >= t.steps:  # a finished run: nothing left to train
-            self.checkpointer.close()
-            log.info("the run already reached train.steps = %d; raise it to train further", t.steps)
-            return {"preempted": None, "history": [], "state": self.state, "final_loss": None,
-                    "validation_loss": None}
-        self._build_step()
-        done = self.start
-        self.watchdog.start(self.start)
-        try:
-            for step in range(self.start, t.steps):
-                done = step + 1
-                metrics = self._step(step, done)
-                if done < t.steps:
-                    self._next_batch(done)
-                self.profile.after_step(done, lambda: jax.block_until_ready(self.state))
-                log_now = done % t.log_every == 0 or done == t.steps
-                save_now = bool(self.cfg.checkpoint.every) and done % self.cfg.checkpoint.every == 0
-                # steps that log or save wait for the device anyway, so their own flags are read now
-                stop = self.flags.read(done if log_now or save_now else done - 1)
-                # one process alone needs no agreement: it stops at the first step boundary after the signal
-                stop |= jax.process_count() == 1 and self.preemption.requested is not None
-                if log_now:
-                    self._log(done, metrics)
-                if t.eval_every and done % t.eval_every == 0 and done < t.steps:
-                    self._evaluate_midway(done)
-                if stop and done < t.steps:
-                    return self._stop(done)
-                self._save(done, force=done == t.steps)  # periodic saves, and always the last step
-            return self._finish()
-        finally:
-            self._close(done)
 
     def _step(self, step: int, done: int) -> dict[str, Any]:
         self.profile.before_step(step, lambda: jax.block_until_ready(self.state))
@@ -293,9 +327,13 @@ class Trainer:
         self.meter.restart_clock()
         self.watchdog.resume()
 
-    def _save(self, done: int, force: bool) -> None:
+    def _save_due(self, done: int) -> bool:
+        """Whether the state after ``done`` steps is saved: every ``checkpoint.every`` steps, and the last one."""
         every = self.cfg.checkpoint.every
-        if not (force or (every and done % every == 0)):
+        return done == self.cfg.train.steps or bool(every) and done % every == 0
+
+    def _save(self, done: int, force: bool = False) -> None:
+        if not (force or self._save_due(done)):
             return
         self.flags.read(done)  # a state is saved only once its step's flags were read
         self.watchdog.pause()
@@ -303,35 +341,35 @@ class Trainer:
                         self.position.at(done).to_dict(), self.setup.layer_order)
         self.watchdog.resume()
 
-    def _stop(self, done: int) -> dict[str, Any]:
+    def _stop(self, done: int) -> RunSummary:
         """A preemption signal or another process's stop request: checkpoint this step and leave."""
         self._save(done, force=True)
         self.checkpointer.wait()
         why = self.preemption.requested or "a stop request from another process"
         log.warning("checkpointed step %d after %s; exiting with %d", done, why, PREEMPTED_EXIT_CODE)
-        return {"preempted": why, "stopped_at": done, "history": self.history, "state": self.state}
+        return RunSummary(self.state, self.history, preempted=why, stopped_at=done)
 
-    def _finish(self) -> dict[str, Any]:
+    def _finish(self) -> RunSummary:
         last = self.history[-1]
         validation_loss = evaluate(self.cfg, self.eval_fn, self.state.params, self.validation, self.mesh,
                                    self.implementation)
-        summary = {"preempted": None, "final_loss": last.get("loss_avg"), "validation_loss": validation_loss,
-                   "compile_time_s": self.compile_s, "slow_steps": self.watchdog.slow_steps, **self.facts,
-                   **{k: last.get(k) for k in ("tokens_per_sec", "tflops_per_device", "mfu")}}
+        summary = RunSummary(self.state, self.history, final_loss=last.get("loss_avg"),
+                             validation_loss=validation_loss, compile_time_s=self.compile_s,
+                             slow_steps=self.watchdog.slow_steps, tokens_per_sec=last.get("tokens_per_sec"),
+                             tflops_per_device=last.get("tflops_per_device"), mfu=last.get("mfu"), data=self.facts)
         if self.writer:
             if validation_loss is not None:
                 self.writer.write(self.cfg.train.steps, {"eval/loss": validation_loss})
             self.writer.log(_summary_line(summary))
-        return {**summary, "history": self.history, "state": self.state}
+        return summary
 
     def _close(self, done: int) -> None:
-        self.profile.close(done)
-        self.watchdog.close()
-        self.preemption.close()
-        self.checkpointer.close()  # waits for a save in flight
-        self.batches.close()
-        if self.writer:
-            self.writer.close()
+        """Stops and closes what was built (the checkpointer last but the loader: it waits for a save in flight)."""
+        if self.profile is not None:
+            self.profile.close(done)
+        for part in (self.watchdog, self.preemption, self.checkpointer, self.batches, self.writer):
+            if part is not None:
+                part.close()
 
 
 def _hlo_text(compiled) -> str | None:
@@ -357,10 +395,10 @@ def _drop_metrics_after(workdir: str, step: int) -> None:
     os.replace(path + ".tmp", path)
 
 
-def _summary_line(summary: dict[str, Any]) -> str:
-    parts = [f"train loss {summary['final_loss']:.4f} nats/token (mean of the last log interval)"]
-    if summary.get("validation_loss") is not None:
-        parts.append(f"validation loss {summary['validation_loss']:.4f}")
-    if summary.get("unigram_entropy") is not None:
-        parts.append(f"unigram entropy of the text {summary['unigram_entropy']:.4f}")
+def _summary_line(summary: RunSummary) -> str:
+    parts = [f"train loss {summary.final_loss:.4f} nats/token (mean of the last log interval)"]
+    if summary.validation_loss is not None:
+        parts.append(f"validation loss {summary.validation_loss:.4f}")
+    if summary.data.get("unigram_entropy") is not None:
+        parts.append(f"unigram entropy of the text {summary.data['unigram_entropy']:.4f}")
     return "done: " + "; ".join(parts)
