@@ -180,48 +180,49 @@ def recomputed(remat: str, attention: str = "xla") -> tuple[str, ...]:
     return RECOMPUTED[remat]["cudnn" if attention == "blockwise" else attention]
 
 
-def _hardware_matmuls(cfg: ModelConfig, run: ExecutionConfig, seq_len: int, causal: bool,
+def _hardware_matmuls(cfg: ModelConfig, execution: ExecutionConfig, seq_len: int, causal: bool,
                       attention: str) -> dict[str, float]:
     model = matmul_breakdown(cfg, seq_len, causal)
-    again = recomputed(run.remat, attention)
+    again = recomputed(execution.remat, attention)
     return {name: value * (4.0 / 3.0 if name in again else 1.0) for name, value in model.items()}
 
 
-def hardware_flops_breakdown(cfg: ModelConfig, run: ExecutionConfig, seq_len: int, causal: bool = True,
+def hardware_flops_breakdown(cfg: ModelConfig, execution: ExecutionConfig, seq_len: int, causal: bool = True,
                              attention: str = "xla") -> dict[str, float]:
-    """``flops_breakdown`` plus, per term, the forward FLOPs that ``run.remat`` re-runs (a third of the
+    """``flops_breakdown`` plus, per term, the forward FLOPs that ``execution.remat`` re-runs (a third of the
     training FLOPs of each recomputed matmul)."""
-    return _terms(_hardware_matmuls(cfg, run, seq_len, causal, attention))
+    return _terms(_hardware_matmuls(cfg, execution, seq_len, causal, attention))
 
 
-def hardware_flops_per_token(cfg: ModelConfig, run: ExecutionConfig, seq_len: int, causal: bool = True,
+def hardware_flops_per_token(cfg: ModelConfig, execution: ExecutionConfig, seq_len: int, causal: bool = True,
                              attention: str = "xla") -> float:
-    """Model FLOPs plus the forward recompute implied by ``run.remat``; the HFU numerator."""
-    return sum(_hardware_matmuls(cfg, run, seq_len, causal, attention).values())
+    """Model FLOPs plus the forward recompute implied by ``execution.remat``; the HFU numerator."""
+    return sum(_hardware_matmuls(cfg, execution, seq_len, causal, attention).values())
 
 
-def fp8_blocks(cfg: ModelConfig, run: ExecutionConfig) -> tuple[int, int]:
+def fp8_blocks(cfg: ModelConfig, execution: ExecutionConfig) -> tuple[int, int]:
     """(blocks whose projections run as FP8 matmuls, how many of them are dense) under ``execution.fp8``.
 
-    The blocks between the first and the last ``fp8_skip_layers`` use FP8 (jaxtron/models/transformer.py,
+    The blocks between the first and the last ``fp8_skip_layers`` use FP8 (jaxtron/models/stack.py,
     ``layer_groups``); the expert GEMMs of their MoE blocks stay 16-bit, the shared experts do not.
     """
-    if not run.fp8:
+    if not execution.fp8:
         return 0, 0
-    blocks = range(run.fp8_skip_layers, cfg.num_layers - run.fp8_skip_layers)
+    blocks = range(execution.fp8_skip_layers, cfg.num_layers - execution.fp8_skip_layers)
     return len(blocks), sum(not cfg.is_moe_block(i) for i in blocks)
 
 
-def fp8_flops_per_token(cfg: ModelConfig, run: ExecutionConfig, seq_len: int, hardware: bool = False,
+def fp8_flops_per_token(cfg: ModelConfig, execution: ExecutionConfig, seq_len: int, hardware: bool = False,
                         causal: bool = True, attention: str = "xla") -> float:
     """The part of the model FLOPs (``hardware``: of the hardware FLOPs) done as FP8 matmuls: the attention
     projections of the FP8 blocks, the MLP of their dense ones and the shared experts of their MoE ones, forward
     and backward (the gradient matmuls are FP8 too, see jaxtron/ops/fp8.py), and their recompute. Scores,
     routed experts, router and logits stay 16-bit."""
-    blocks, dense = fp8_blocks(cfg, run)
+    blocks, dense = fp8_blocks(cfg, execution)
     if not blocks:
         return 0.0
-    m = _hardware_matmuls(cfg, run, seq_len, causal, attention) if hardware else matmul_breakdown(cfg, seq_len, causal)
+    m = _hardware_matmuls(cfg, execution, seq_len, causal, attention) if hardware else \
+        matmul_breakdown(cfg, seq_len, causal)
     per_block = (m["attention_qkv"] + m["attention_out"]) / cfg.num_layers
     dense_layers, moe_layers = cfg.num_layers - cfg.num_moe_layers, cfg.num_moe_layers
     per_dense = (m["mlp_in"] + m["mlp_out"]) / dense_layers if dense_layers else 0.0

@@ -180,19 +180,19 @@ def mfu_basis(config: dict[str, Any], records: list[dict[str, Any]]) -> dict[str
     try:
         config = migrate(config)  # a run of an older layout
         model = ModelConfig(**config["model"])
-        run = ExecutionConfig(**config.get("execution", {}))
+        execution = ExecutionConfig(**config.get("execution", {}))
         seq_len = int(config["data"]["seq_len"])
     except (KeyError, TypeError, ValueError, AttributeError):  # ConfigError is a ValueError
         return None
-    share = fp8_flops_per_token(model, run, seq_len) / flops_per_token(model, seq_len)
+    share = fp8_flops_per_token(model, execution, seq_len) / flops_per_token(model, seq_len)
     peak = next((r["tflops_per_device"] / r["mfu"] for r in records
                  if isinstance(r.get("mfu"), (int, float)) and r["mfu"] > 0
                  and isinstance(r.get("tflops_per_device"), (int, float))), None)
     if share:
         text = (f"FLOP-weighted dense peak: FP8 matmuls are {share:.1%} of the model FLOPs, counted at the fp8 peak, "
-                f"the rest at the {run.dtype} peak")
+                f"the rest at the {execution.dtype} peak")
     else:
-        text = f"dense {run.dtype} datasheet peak"
+        text = f"dense {execution.dtype} datasheet peak"
     text += f" ({peak:.5g} TFLOP/s per device)" if peak else " (none known for this device: MFU is n/a)"
     return {"text": text, "fp8_flops_share": share, "peak_tflops": peak}
 

@@ -21,17 +21,17 @@ class Throughput:
     """
 
     def __init__(self, cfg: Config, num_devices: int, device_kind: str, attention: str):
-        m, run, seq = cfg.model, cfg.execution, cfg.data.seq_len
+        m, execution, seq = cfg.model, cfg.execution, cfg.data.seq_len
         tokens = cfg.train.global_batch_size * seq
         self.tokens_per_step = tokens
         self.num_devices = num_devices
         self.model_flops = flops_lib.flops_per_token(m, seq) * tokens
-        self.hardware_flops = flops_lib.hardware_flops_per_token(m, run, seq, attention=attention) * tokens
-        fp8 = flops_lib.fp8_flops_per_token(m, run, seq) * tokens
-        fp8_hardware = flops_lib.fp8_flops_per_token(m, run, seq, hardware=True, attention=attention) * tokens
+        self.hardware_flops = flops_lib.hardware_flops_per_token(m, execution, seq, attention=attention) * tokens
+        fp8 = flops_lib.fp8_flops_per_token(m, execution, seq) * tokens
+        fp8_hardware = flops_lib.fp8_flops_per_token(m, execution, seq, hardware=True, attention=attention) * tokens
         self.fp8_share = fp8 / self.model_flops  # of the model FLOPs
-        self.peak, note = hardware.flop_weighted_peak(device_kind, run.dtype, fp8, self.model_flops)
-        self.hardware_peak, _ = hardware.flop_weighted_peak(device_kind, run.dtype, fp8_hardware,
+        self.peak, note = hardware.flop_weighted_peak(device_kind, execution.dtype, fp8, self.model_flops)
+        self.hardware_peak, _ = hardware.flop_weighted_peak(device_kind, execution.dtype, fp8_hardware,
                                                             self.hardware_flops)
         self.peak_note = f"MFU against the {note}" if self.peak is not None else note
 

@@ -75,7 +75,7 @@ def step_shape(cfg: Config, sizes: dict[str, int], microbatches: int | None = No
                pipeline_microbatches: int | None = None) -> StepShape:
     """The shape of a step of ``cfg`` on the mesh ``sizes`` (arguments as ``jaxtron.planning.estimate.estimate``)."""
     sizes = full_sizes(sizes)
-    m, run = cfg.model, cfg.execution
+    m, execution = cfg.model, cfg.execution
     micro = microbatches or cfg.train.microbatches
     stages = shard_count(sizes, "layers")
     in_flight, virtual = cfg.pipeline.schedule(stages)
@@ -88,10 +88,10 @@ def step_shape(cfg: Config, sizes: dict[str, int], microbatches: int | None = No
     outside = m.prefix_layers + m.mtp.depth
     sequence = shard_count(sizes, "activation_length")
     if cpu_program:
-        impl = cpu_implementation(run.attention, run.dtype, m.qk_head_dim, sequence)
+        impl = cpu_implementation(execution.attention, execution.dtype, m.qk_head_dim, sequence)
     else:
-        impl = resolve_implementation(run.attention, run.dtype, m.qk_head_dim, sequence, backend="gpu")
-    value_bytes = 2 if run.dtype == "bfloat16" else 4
+        impl = resolve_implementation(execution.attention, execution.dtype, m.qk_head_dim, sequence, backend="gpu")
+    value_bytes = 2 if execution.dtype == "bfloat16" else 4
     local_len = cfg.data.seq_len // sequence
     data_parallel = shard_count(sizes, "activation_batch")
     rows = cfg.train.global_batch_size // micro // data_parallel
@@ -114,7 +114,7 @@ def step_shape(cfg: Config, sizes: dict[str, int], microbatches: int | None = No
         attention=impl, chunks=impl == "cudnn" and sequence > 1, cpu_program=cpu_program,
         value_bytes=value_bytes, work_bytes=4 if cpu_program else value_bytes,
         stack_copy_bytes=4 if cpu_program and value_bytes < 4 else 0,
-        forward_passes=3 + (1 if run.remat == "full" else 0))
+        forward_passes=3 + (1 if execution.remat == "full" else 0))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -141,7 +141,7 @@ class BlockValues:
 
 def block_values(cfg: Config, shape: StepShape) -> BlockValues:
     """One block's values for a step of ``cfg`` of this shape."""
-    m, run, sizes = cfg.model, cfg.execution, shape.mesh
+    m, execution, sizes = cfg.model, cfg.execution, shape.mesh
     b, t, tensor = shape.block_rows, shape.local_len, shape.tensor
     h, d = m.embed_dim, m.qk_head_dim
     q_width = m.attention.num_heads * d // shard_count(sizes, "activation_heads")
@@ -157,8 +157,8 @@ def block_values(cfg: Config, shape: StepShape) -> BlockValues:
     tokens, k = b * t, m.moe.experts_per_token
     moe_rows = 0
     if shape.moe_layers:
-        moe_rows = tokens * k * shape.expert if run.moe_mode == "dropless" else \
-            m.moe.num_experts * b * capacity(m, run.capacity_factor, t)
+        moe_rows = tokens * k * shape.expert if execution.moe_mode == "dropless" else \
+            m.moe.num_experts * b * capacity(m, execution.capacity_factor, t)
     expert_width = m.resolved_expert_dim // shard_count(sizes, "activation_mlp")
     return BlockValues(
         embed=h, q_width=q_width, kv_width=kv_width, mlp_width=mlp_width, expert_width=expert_width, heads=heads,

@@ -27,10 +27,10 @@ EXPOSED = ("matmul", "attention", "elementwise", "pipeline_bubble", "tensor_comm
 
 def compute_time(cfg: Config, shape: StepShape, block: BlockValues, gpu: GPU) -> dict[str, float]:
     """Seconds per step of the compute terms: 'matmul', 'attention', 'elementwise' and 'pipeline_bubble'."""
-    run = cfg.execution
-    peak = gpu.peak_flops["bfloat16"] if run.dtype == "bfloat16" else gpu.peak_flops["bfloat16"] / 2  # fp32: TF32
+    execution = cfg.execution
+    peak = gpu.peak_flops["bfloat16"] if execution.dtype == "bfloat16" else gpu.peak_flops["bfloat16"] / 2  # fp32: TF32
     # model FLOPs plus what the remat policy re-runs, from the table HFU uses (jaxtron.metrics.flops.RECOMPUTED)
-    hardware = hardware_flops_breakdown(shape.model, run, shape.seq_len, attention=shape.attention)
+    hardware = hardware_flops_breakdown(shape.model, execution, shape.seq_len, attention=shape.attention)
     matmul = sum(v for k, v in hardware.items() if k != "attention_scores")
     # by chunks, a chunk's first document is computed twice on its own keys (once merged with its earlier keys):
     # at most a diagonal block per chunk, 1 / (2 x sequence) of a device's causal work
@@ -48,7 +48,7 @@ def compute_time(cfg: Config, shape: StepShape, block: BlockValues, gpu: GPU) ->
     if stages > 1 and spread == 1:
         staged_only = replace(shape.model, num_layers=shape.staged_blocks, moe=dict(first_dense_layers=0),
                               mtp=dict(depth=0))
-        inner = hardware_flops_breakdown(staged_only, run, shape.seq_len, attention=shape.attention)
+        inner = hardware_flops_breakdown(staged_only, execution, shape.seq_len, attention=shape.attention)
         repeated = {k: v - (inner[k] if k != "logits" else 0.0) for k, v in hardware.items()}
         matmul += sum(v for k, v in repeated.items() if k != "attention_scores") * (stages - 1)
         scores_flops += repeated["attention_scores"] * (stages - 1)

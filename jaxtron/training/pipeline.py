@@ -207,7 +207,7 @@ class Schedule:
 
 def check_schedule(periods: int, stages: int, virtual_stages: int, microbatches: int) -> None:
     """ValueError naming what the schedule cannot do with these sizes (configs are checked earlier, in
-    ``Config.check_devices``; this guards direct callers)."""
+    ``jaxtron.parallel.checks.check_devices``; this guards direct callers)."""
     if periods % (stages * virtual_stages):
         raise ValueError(f"{periods} periods do not split into {stages} stages x {virtual_stages} virtual stages")
     if microbatches < stages:
