@@ -11,7 +11,9 @@ All inputs are [batch, length, heads, head_dim] ("BTNH"), 16-bit; lengths are in
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Iterator
 
 import jax
 import jax.numpy as jnp
@@ -19,6 +21,25 @@ from jax._src.cudnn import fused_attention_stablehlo as _cudnn
 
 LAYOUT = "BTNH"
 FORWARD_PRIMITIVE = "dot_product_attention_fwd"  # the name of cuDNN's forward primitive (and its wrappers)
+
+
+@contextlib.contextmanager
+def compute_capability(major: int, minor: int) -> Iterator[None]:
+    """Within this context jax's cuDNN attention takes the GPU to be of this compute capability. It asks the default
+    backend's first device, which is the CPU when compiling for a GPU target (``jaxtron.gpu.target``), and would
+    then refuse what only Hopper runs: the packed layout and head sizes above 128."""
+    given = (major, minor)
+    saved = _cudnn.check_compute_capability, _cudnn.is_cuda_compute_capability_equal
+
+    def parse(capability: str) -> tuple[int, ...]:
+        return tuple(int(x) for x in capability.split("."))
+
+    _cudnn.check_compute_capability = lambda capability: given >= parse(capability)
+    _cudnn.is_cuda_compute_capability_equal = lambda capability: given == parse(capability)
+    try:
+        yield
+    finally:
+        _cudnn.check_compute_capability, _cudnn.is_cuda_compute_capability_equal = saved
 
 
 def is_forward(primitive) -> bool:

@@ -36,7 +36,9 @@ class DryRun:
     alias_bytes: int  # outputs written in place of donated inputs
     temp_bytes: int  # activations and working space
     collectives: dict[str, dict[str, float]]  # kind -> {"count", "bytes"} per step and device
-    flops: float  # per device and step, as XLA's cost analysis of the partitioned program counts them
+    # per device and step, as XLA's cost analysis of the partitioned program counts them (None where the backend has
+    # none: a compile for a GPU target without the GPU)
+    flops: float | None
 
     @property
     def peak_bytes(self) -> int:
@@ -54,10 +56,16 @@ def dry_run(cfg: Config, devices: list | None = None, implementation: str | None
     """Compiles ``cfg``'s train step on its mesh over ``devices`` (default: all) without allocating it, with the
     attention ``implementation`` (default: what the config's resolves to on the CPU; 'cudnn' as 'auto')."""
     devices = list(devices if devices is not None else jax.devices())
-    sizes = check_devices(cfg, len(devices))
     if implementation is None:
+        sizes = check_devices(cfg, len(devices))
         implementation = cpu_implementation(cfg.execution.attention, jnp.dtype(cfg.execution.dtype),
                                             cfg.model.qk_head_dim, shard_count(sizes, "activation_length"))
+    return _compile(cfg, devices, implementation)[0]
+
+
+def _compile(cfg: Config, devices: list, implementation: str) -> tuple[DryRun, str]:
+    """(the dry run, the optimized HLO text) of ``cfg``'s train step over ``devices``."""
+    sizes = check_devices(cfg, len(devices))
     mesh = make_mesh(sizes, devices)
     with jax.set_mesh(mesh):
         setup = state_lib.setup(cfg, implementation, sizes)
@@ -71,11 +79,30 @@ def dry_run(cfg: Config, devices: list | None = None, implementation: str | None
         start = time.perf_counter()
         compiled = step.lower(state, batch, votes).compile()
         compile_s = time.perf_counter() - start
-    memory = compiled.memory_analysis()
-    return DryRun(mesh=dict(mesh.shape), compile_s=compile_s,
-                  argument_bytes=int(memory.argument_size_in_bytes), output_bytes=int(memory.output_size_in_bytes),
-                  alias_bytes=int(memory.alias_size_in_bytes), temp_bytes=int(memory.temp_size_in_bytes),
-                  collectives=collectives(compiled.as_text()), flops=float(compiled.cost_analysis()["flops"]))
+    memory, cost, text = compiled.memory_analysis(), compiled.cost_analysis(), compiled.as_text()
+    result = DryRun(mesh=dict(mesh.shape), compile_s=compile_s,
+                    argument_bytes=int(memory.argument_size_in_bytes), output_bytes=int(memory.output_size_in_bytes),
+                    alias_bytes=int(memory.alias_size_in_bytes), temp_bytes=int(memory.temp_size_in_bytes),
+                    collectives=collectives(text), flops=float(cost["flops"]) if cost else None)
+    return result, text
+
+
+def dry_run_on_target(cfg: Config, gpu: str, count: int) -> tuple[DryRun, str]:
+    """Compiles ``cfg``'s train step for ``count`` compile-only GPUs of the target ``gpu`` ('h100', 'h200'), with
+    the attention a GPU run of it picks; -> (the dry run, the optimized HLO text). The process must have started
+    jax as ``jaxtron.gpu.target.environment`` says."""
+    from jaxtron.gpu import target
+    from jaxtron.ops import cudnn
+    from jaxtron.ops.attention import resolve_implementation
+
+    devices = target.devices(gpu, count)
+    sizes = check_devices(cfg, count)
+    implementation = resolve_implementation(cfg.execution.attention, jnp.dtype(cfg.execution.dtype),
+                                            cfg.model.qk_head_dim, shard_count(sizes, "activation_length"),
+                                            backend="gpu")
+    with cudnn.compute_capability(*target.target(gpu).compute_capability):
+        result, text = _compile(cfg, devices, implementation)
+    return result, text
 
 
 def dry_run_text(result: DryRun) -> str:

@@ -1,0 +1,113 @@
+"""Compile-only H100 and H200 devices: XLA compiles jaxtron's programs for these GPUs without one present
+("deviceless" compilation), so the program a GPU would run (its kernels, memory and collectives) can be read on any
+machine that has jax's CUDA plugin installed (``python -m pip install -e ".[gpu-target]"``).
+
+The devices come from ``jax.experimental.topologies.get_topology_desc`` and a target spec that ships with jaxtron
+(``specs/``: the device facts, each file saying where they come from). N GPUs are laid out in nodes of 8, as on an
+HGX machine. What such a compile cannot see: autotuning (GEMMs stay XLA's untuned defaults), cuDNN's workspace
+(cuDNN's own compiler passes need a device), and any timing.
+
+A process that compiles for the target starts jax on the CPU with the flags a deviceless compile needs
+(``environment``), and one whose compile aborts XLA must not be the caller's: run it in a subprocess.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.metadata
+import importlib.util
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+from jaxtron.config.checks import ConfigError
+
+SPECS = Path(__file__).with_name("specs")
+GPUS_PER_NODE = 8
+INSTALL = 'python -m pip install -e ".[gpu-target]"'
+# --flag: why a deviceless compile needs it
+DEVICELESS_FLAGS = {
+    # a sort (MoE routing's top-k) otherwise asks CUB for a device to pick its kernel on, and the compile aborts
+    "--xla_gpu_deviceless_cub_mode": "DEVICELESS_CUB_DISABLED",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+    name: str  # as --gpu names it
+    spec_file: str  # in specs/
+    compute_capability: tuple[int, int]
+
+
+TARGETS = {"h100": Target("h100", "h100_sxm.txtpb", (9, 0)), "h200": Target("h200", "h200_sxm.txtpb", (9, 0))}
+
+
+def target(name: str) -> Target:
+    """The target called ``name``; ConfigError for another name."""
+    if name not in TARGETS:
+        raise ConfigError(f"GPU target '{name}' is not known; use one of {', '.join(TARGETS)}.")
+    return TARGETS[name]
+
+
+def plugin_installed() -> bool:
+    """Whether jax's CUDA plugin, which compiles for NVIDIA GPUs, is installed."""
+    return importlib.util.find_spec("jax_cuda12_plugin") is not None
+
+
+def require_plugin(name: str) -> None:
+    if not plugin_installed():
+        raise ConfigError(f"compiling for the {name} target needs jax's CUDA plugin, which is not installed; "
+                          f"install it with {INSTALL}.")
+
+
+def installed_cudnn() -> tuple[int, int, int] | None:
+    """The version of the cuDNN library the plugin uses (from its package), or None."""
+    try:
+        version = importlib.metadata.version("nvidia-cudnn-cu12")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    major, minor, patch = (int(part) for part in version.split(".")[:3])
+    return major, minor, patch
+
+
+def spec(name: str) -> str:
+    """The target spec of ``name`` as XLA reads it, its cuDNN version the installed one (XLA picks the cuDNN kernels
+    and their workarounds by it)."""
+    text = (SPECS / target(name).spec_file).read_text()
+    cudnn = installed_cudnn()
+    if cudnn is not None:
+        major, minor, patch = cudnn
+        version = f"dnn_version_info {{\n  major: {major}\n  minor: {minor}\n  patch: {patch}\n}}"
+        text = re.sub(r"dnn_version_info \{[^}]*\}", version, text)
+    return text
+
+
+def environment(base: dict[str, str] | None = None, preset_flags: str = "") -> dict[str, str]:
+    """The environment of a process that compiles for a target: jax on the CPU (the plugin would look for a GPU),
+    and the deviceless flags after ``preset_flags`` (the GPU preset's) and the caller's own XLA_FLAGS."""
+    env = dict(os.environ if base is None else base)
+    flags = [preset_flags, env.get("XLA_FLAGS", "")]
+    flags += [f"{flag}={value}" for flag, value in DEVICELESS_FLAGS.items() if flag not in env.get("XLA_FLAGS", "")]
+    env["XLA_FLAGS"] = " ".join(f for f in flags if f)
+    env["JAX_PLATFORMS"] = "cpu"
+    return env
+
+
+def topology(count: int) -> str:
+    """``count`` GPUs in nodes of ``GPUS_PER_NODE`` as jax writes a topology: '1x<nodes>x<GPUs per node>'."""
+    if count < 1 or (count > GPUS_PER_NODE and count % GPUS_PER_NODE):
+        raise ConfigError(f"{count} GPUs do not fill nodes of {GPUS_PER_NODE}; use 1 to {GPUS_PER_NODE} GPUs or a "
+                          f"multiple of {GPUS_PER_NODE}.")
+    per_node = min(count, GPUS_PER_NODE)
+    return f"1x{count // per_node}x{per_node}"
+
+
+def devices(name: str, count: int) -> list[Any]:
+    """``count`` compile-only devices of the target ``name`` (in nodes of 8). Needs the CUDA plugin."""
+    target(name)
+    require_plugin(name)
+    from jax.experimental import topologies
+
+    layout = topology(count)
+    return list(topologies.get_topology_desc(platform="cuda", topology=layout, target_config=spec(name)).devices)

@@ -1,0 +1,42 @@
+"""The kernels a compiled GPU program calls, read from its optimized HLO text: library calls by their custom-call
+target (cuDNN attention forward and backward, cuBLAS GEMMs by operand precision) and fusions by the emitter that
+generates them (a Triton GEMM, a cuDNN fusion)."""
+
+from __future__ import annotations
+
+import collections
+import re
+
+_CUSTOM_CALL = re.compile(r'custom-call\(.*?custom_call_target="([^"]+)"')
+_FUSION_KIND = re.compile(r'\bfusion\(.*?"kind":"(__[a-z_]+)"')
+
+
+def kernels(hlo_text: str) -> dict[str, int]:
+    """Kernel name -> how many calls the program text holds (a loop body's once): custom-call targets such as
+    ``__cudnn$fmhaSoftmax`` or ``__cublas$lt$matmul$f8``, and fusion kinds such as ``__triton_gemm``."""
+    counts: collections.Counter[str] = collections.Counter()
+    for line in hlo_text.splitlines():
+        match = _CUSTOM_CALL.search(line) or _FUSION_KIND.search(line)
+        if match:
+            counts[match.group(1)] += 1
+    return dict(sorted(counts.items()))
+
+
+def float8_operands(hlo_text: str) -> int:
+    """How many GEMM calls (cuBLAS custom calls and GEMM fusions) take a float8 operand. The text names operands
+    without their types, so each operand's type is read where it is defined (instruction names are unique in a
+    module)."""
+    element_type = dict(_DEFINITION.findall(hlo_text))
+    calls = 0
+    for line in hlo_text.splitlines():
+        if "__cublas$" not in line and not re.search(r'"kind":"__\w*gemm', line):
+            continue
+        operands = re.search(r"\b(?:custom-call|fusion)\((.*?)\)", line)
+        names = re.findall(r"%[\w.\-]+", operands.group(1)) if operands else []
+        if any(element_type.get(name, "").startswith("f8") for name in names):
+            calls += 1
+    return calls
+
+
+# "%name = f8e4m3fn[..." -> (%name, f8e4m3fn): the element type of every instruction with an array result
+_DEFINITION = re.compile(r"^\s*(?:ROOT\s+)?(%[\w.\-]+) = ([a-z][a-z0-9]*)\[", re.MULTILINE)

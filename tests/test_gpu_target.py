@@ -1,0 +1,97 @@
+"""The compile-only H100/H200 target (jaxtron/gpu/target.py) and the kernel census of a compiled GPU program.
+
+The compiles need jax's CUDA plugin (`python -m pip install -e ".[gpu-target]"`); without it those tests are skipped
+and say so. Each compile runs in a subprocess started as the target says (jax on the CPU, the deviceless flags), so
+that an XLA abort cannot take the test process with it.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+from conftest import REPO
+
+from jaxtron.config.checks import ConfigError
+from jaxtron.gpu import target
+from jaxtron.metrics.kernels import float8_operands, kernels
+
+needs_plugin = pytest.mark.skipif(not target.plugin_installed(),
+                                  reason=f"jax's CUDA plugin is not installed ({target.INSTALL})")
+
+
+def test_targets_are_named_and_laid_out_in_nodes_of_eight():
+    assert target.topology(1) == "1x1x1" and target.topology(8) == "1x1x8" and target.topology(64) == "1x8x8"
+    with pytest.raises(ConfigError, match=r"^12 GPUs do not fill nodes of 8; use 1 to 8 GPUs or a multiple of 8\.$"):
+        target.topology(12)
+    with pytest.raises(ConfigError, match=r"^GPU target 'a100' is not known; use one of h100, h200\.$"):
+        target.devices("a100", 8)
+
+
+def test_a_missing_plugin_is_one_sentence_naming_the_install(monkeypatch):
+    monkeypatch.setattr(target, "plugin_installed", lambda: False)
+    with pytest.raises(ConfigError) as info:
+        target.devices("h100", 8)
+    assert str(info.value) == ("compiling for the h100 target needs jax's CUDA plugin, which is not installed; "
+                               'install it with python -m pip install -e ".[gpu-target]".')
+
+
+def test_the_specs_ship_with_the_package_and_take_the_installed_cudnn(monkeypatch):
+    monkeypatch.setattr(target, "installed_cudnn", lambda: (9, 31, 2))
+    for name, memory, device in (("h100", 84942979072, "NVIDIA H100 80GB HBM3"),
+                                 ("h200", 151397597184, "NVIDIA H200 141GB HBM3e")):
+        text = target.spec(name)
+        assert f"device_memory_size: {memory}" in text and f'device_description_str: "{device}"' in text
+        assert "dnn_version_info {\n  major: 9\n  minor: 31\n  patch: 2\n}" in text
+        assert "runtime_version {" in text  # without it XLA compiles no FP8 GEMM
+    env = target.environment({"XLA_FLAGS": "--xla_dump_to=/tmp/x"}, preset_flags="--xla_a=1")
+    assert env["JAX_PLATFORMS"] == "cpu"
+    assert env["XLA_FLAGS"] == "--xla_a=1 --xla_dump_to=/tmp/x --xla_gpu_deviceless_cub_mode=DEVICELESS_CUB_DISABLED"
+
+
+HLO = """
+ENTRY %main {
+  %a = f8e4m3fn[64,32]{1,0} parameter(0)
+  %b = f8e4m3fn[32,16]{1,0} parameter(1)
+  %c = bf16[64,32]{1,0} parameter(2)
+  %mm = (bf16[64,16]{1,0}, s8[1024]{0}) custom-call(%a, %b), custom_call_target="__cublas$lt$matmul$f8"
+  %mm.1 = (bf16[64,16]{1,0}, s8[1024]{0}) custom-call(%c, %c), custom_call_target="__cublas$lt$matmul"
+  %g = bf16[64,16]{1,0} fusion(%c, %b), kind=kCustom, calls=%f, backend_config={"fusion_backend_config":{"kind":"__triton_nested_gemm_fusion"}}
+  %att = (bf16[2,8,4,64]{3,2,1,0}, f32[2,4,8]{2,1,0}) custom-call(%c), custom_call_target="__cudnn$fmhaSoftmax"
+}
+"""  # noqa: E501 (an HLO instruction is one line)
+
+
+def test_the_kernel_census_reads_library_calls_gemm_fusions_and_float8_operands():
+    assert kernels(HLO) == {"__cublas$lt$matmul": 1, "__cublas$lt$matmul$f8": 1, "__cudnn$fmhaSoftmax": 1,
+                            "__triton_nested_gemm_fusion": 1}
+    assert float8_operands(HLO) == 2  # the f8 cuBLAS call and the fusion that reads %b
+
+
+def _compile_on_target(*overrides: str, gpus: int = 1, config: str = "configs/default.py") -> dict:
+    """The default config's train step compiled for ``gpus`` H100s in a subprocess: peak GiB, kernels, device."""
+    code = (
+        "import json, sys\n"
+        "from jaxtron.config.loader import load_config\n"
+        "from jaxtron.planning.dry_run import dry_run_on_target\n"
+        "from jaxtron.metrics.kernels import kernels, float8_operands\n"
+        "cfg = load_config(sys.argv[1], [tuple(a.split('=', 1)) for a in sys.argv[3:]])\n"
+        "result, text = dry_run_on_target(cfg, 'h100', int(sys.argv[2]))\n"
+        "print(json.dumps(dict(peak=result.peak_bytes, kernels=kernels(text), f8=float8_operands(text))))\n")
+    out = subprocess.run([sys.executable, "-c", code, f"{REPO}/{config}", str(gpus), *overrides], cwd=REPO,
+                         env=target.environment(), capture_output=True, text=True, timeout=600, check=False)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+@needs_plugin
+@pytest.mark.slow
+def test_cudnn_attention_compiles_for_the_h100_forward_and_backward_on_packed_rows():
+    """The dry run's batch carries document ids, so this is cuDNN's packed layout, which only Hopper takes: the
+    target answers jax's compute-capability question for the H100."""
+    got = _compile_on_target("execution.dtype=bfloat16", "execution.attention=cudnn", "mesh.fsdp=1")
+    assert got["kernels"].get("__cudnn$fmhaSoftmax") == 1, got
+    assert got["kernels"].get("__cudnn$fmhaSoftmaxBackward") == 1, got
+    assert 0 < got["peak"] < 2 ** 30
