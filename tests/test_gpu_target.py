@@ -95,3 +95,20 @@ def test_cudnn_attention_compiles_for_the_h100_forward_and_backward_on_packed_ro
     assert got["kernels"].get("__cudnn$fmhaSoftmax") == 1, got
     assert got["kernels"].get("__cudnn$fmhaSoftmaxBackward") == 1, got
     assert 0 < got["peak"] < 2 ** 30
+
+
+@needs_plugin
+@pytest.mark.slow
+def test_plan_compiles_for_the_gpu_target_and_reports_its_kernels(tmp_path, capsys):
+    from jaxtron import cli
+
+    out, hlo = tmp_path / "plan.json", tmp_path / "step.hlo"
+    assert cli.run("plan", [f"--config={REPO}/configs/default.py", "--gpus=8", "--gpu=h100", "--compile=fsdp=8",
+                            "--config.execution.dtype=bfloat16", "--config.execution.attention=cudnn",
+                            f"--json={out}", f"--hlo={hlo}"]) == 0
+    printed = capsys.readouterr().out
+    assert "dry run of fsdp=8 compiled for 8 x H100 SXM 80GB (compile-only devices, no GPU)" in printed
+    compiled = json.loads(out.read_text())["dry_run"]
+    assert compiled["target"] == "h100" and compiled["kernels"]["__cudnn$fmhaSoftmaxBackward"] == 1
+    assert compiled["compiled_peak"] > 0 and compiled["collectives"]["all-gather"]["count"] > 0
+    assert "__cudnn$fmhaSoftmax" in hlo.read_text()

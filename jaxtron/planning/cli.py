@@ -1,15 +1,17 @@
 """Choose the mesh before spending GPU hours.
 
-    python -m jaxtron.plan --config=configs/llama3_70b.py --gpus=64 --gpu=h100
-    python -m jaxtron.plan --config=configs/llama3_8b.py --gpus=8 --gpu=h100 --compile=fsdp=8
+    jaxtron plan --config=configs/llama3_70b.py --gpus=64 --gpu=h100
+    jaxtron plan --config=configs/llama3_8b.py --gpus=8 --gpu=h100 --compile=fsdp=8 [--hlo=step.hlo]
 
 The first form enumerates every valid mesh of the GPU count (divisibility; tensor and expert groups inside a
 node; memory fit, raising the microbatch count where that makes a mesh fit), estimates per-device memory and
 step time with the analytic model of ``jaxtron.planning.estimate`` and prints them ranked, naming the term
-that dominates each row. ``--compile=MESH`` also compiles the real train step for that mesh on fake CPU devices
-(abstract inputs: nothing is allocated) and prints XLA's memory analysis and the collectives of the compiled
-program next to the estimate for the same program. Sequence length and global batch come from the config;
-``--seq_len``, ``--global_batch_size`` or any ``--config.<section>.<field>=<value>`` override them.
+that dominates each row. ``--compile=MESH`` also compiles the real train step for that mesh (abstract inputs:
+nothing is allocated) and prints XLA's memory analysis, the kernels and the collectives of the compiled program next
+to the estimate for the same program: for compile-only devices of the ``--gpu`` when jax's CUDA plugin is installed
+(``jaxtron.gpu.target``), else on fake CPU devices (XLA:CPU's program), and it says which. Sequence length and
+global batch come from the config; ``--seq_len``, ``--global_batch_size`` or any
+``--config.<section>.<field>=<value>`` override them.
 """
 
 from __future__ import annotations
@@ -45,6 +47,8 @@ def _define(values) -> None:
     flags.DEFINE_string("compile", None, "also compile the train step for this mesh, e.g. fsdp=8,tensor=8 (other "
                         "axes 1)", flag_values=values)
     flags.DEFINE_string("json", None, "write the ranked estimates (and the dry run) to this file", flag_values=values)
+    flags.DEFINE_string("hlo", None, "with --compile for a GPU target: write the optimized HLO text to this file",
+                        flag_values=values)
 
 
 def parse_args(argv: list[str]):
@@ -140,33 +144,52 @@ def run(argv: list[str]) -> int:
         print(f"\nbest: {_layout_text(best)}, {best.microbatches} microbatch(es), attention {best.attention}: "
               f"{memory_text(best, gpu.usable_bytes)}")
     if compile_sizes is not None:
-        report["dry_run"] = compile_report(cfg, compile_sizes, args.gpus, gpu, estimate)
+        report["dry_run"] = compile_report(cfg, compile_sizes, args.gpus, args.gpu.strip().lower(), gpu, estimate,
+                                           args.hlo)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=1)
     return status
 
 
-def compile_report(cfg, sizes: dict[str, int], n: int, gpu, estimate) -> dict:
-    """Compiles the step for ``sizes`` and prints the compiler's numbers beside the estimate of the same program
-    (the attention the CPU compiles: XLA's, blockwise when the sequence is sharded)."""
+def compile_report(cfg, sizes: dict[str, int], n: int, gpu_name: str, gpu, estimate, hlo_path: str | None) -> dict:
+    """Compiles the step for ``sizes`` and prints the compiler's numbers beside the estimate of the same program:
+    for ``gpu_name``'s compile-only devices when jax's CUDA plugin is installed (the attention a GPU run picks),
+    else on fake CPU devices (XLA:CPU's program: XLA attention, blockwise when the sequence is sharded)."""
     import math
 
     from jaxtron.config.schema import ConfigError
-    from jaxtron.planning.dry_run import dry_run, dry_run_text
+    from jaxtron.gpu import target
+    from jaxtron.metrics.flops import hardware_flops_per_token
+    from jaxtron.planning.dry_run import DryRun, dry_run, dry_run_text, on_target_in_subprocess
 
     if math.prod(sizes.values()) != n:
         raise ConfigError(f"--compile mesh {_mesh_text(sizes)} has {math.prod(sizes.values())} devices but --gpus is "
                           f"{n}; make the sizes multiply to {n}.")
     from jaxtron.planning.search import with_mesh
     cfg = with_mesh(cfg, sizes)  # as the table estimated it
-    from jaxtron.ops.attention import cpu_implementation
-    attention = cpu_implementation(cfg.execution.attention, cfg.execution.dtype, cfg.model.qk_head_dim,
-                                   sizes.get("sequence", 1))
-    print(f"\ndry run of {_mesh_text(sizes)} on {n} fake CPU devices ({attention} attention):")
-    result = dry_run(cfg)
+    on_target = gpu_name in target.TARGETS and target.plugin_installed()
+    kernels, float8_gemms = None, None
+    if on_target:
+        print(f"\ndry run of {_mesh_text(sizes)} compiled for {n} x {gpu.name} (compile-only devices, no GPU):")
+        found = on_target_in_subprocess(cfg, gpu_name, n, hlo_path)
+        kernels, float8_gemms = found.pop("kernels"), found.pop("float8_gemms")
+        found.pop("peak_bytes")
+        result = DryRun(**found)
+    else:
+        from jaxtron.ops.attention import cpu_implementation
+        attention = cpu_implementation(cfg.execution.attention, cfg.execution.dtype, cfg.model.qk_head_dim,
+                                       sizes.get("sequence", 1))
+        why = (f"jax's CUDA plugin is not installed; {target.INSTALL} compiles for the {gpu_name}"
+               if gpu_name in target.TARGETS else f"no compile-only target for {gpu_name}")
+        print(f"\ndry run of {_mesh_text(sizes)} on {n} fake CPU devices ({attention} attention; {why}):")
+        result = dry_run(cfg)
     print(dry_run_text(result))
-    est = estimate(cfg, sizes, gpu, cpu_program=True)
+    if kernels is not None:
+        print("kernels: " + ", ".join(f"{name} {count}" for name, count in kernels.items()))
+        if cfg.execution.fp8:
+            print(f"GEMMs with float8 operands: {float8_gemms}")
+    est = estimate(cfg, sizes, gpu, cpu_program=not on_target)
     state = est.memory["parameters"] + est.memory["optimizer"] + est.memory["batch"]
     error = est.memory_bytes / result.peak_bytes - 1
     print(f"estimate of the same program: peak {est.memory_bytes / GIB:.2f} GiB ({100 * error:+.1f}% of the "
@@ -174,9 +197,13 @@ def compile_report(cfg, sizes: dict[str, int], n: int, gpu, estimate) -> dict:
           f"{(est.memory_bytes - state) / GIB:.2f} GiB")
     print("estimated collective bytes per step and device: " +
           ", ".join(f"{k} {v / 2**20:.0f} MiB" for k, v in est.collectives.items() if v))
+    tokens = cfg.train.global_batch_size * cfg.data.seq_len
+    model_flops = hardware_flops_per_token(cfg.model, cfg.execution, cfg.data.seq_len) * tokens / n
     return dict(mesh=sizes, compiled_peak=result.peak_bytes, compiled_arguments=result.argument_bytes,
                 compiled_temp=result.temp_bytes, estimated_peak=est.memory_bytes, compile_s=result.compile_s,
-                collectives=result.collectives, estimated_collectives=est.collectives)
+                collectives=result.collectives, estimated_collectives=est.collectives,
+                target=gpu_name if on_target else "cpu", kernels=kernels, flops=result.flops,
+                model_flops=model_flops)
 
 
 def main(argv: list[str]) -> int:

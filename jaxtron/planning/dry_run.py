@@ -9,13 +9,15 @@ cuDNN kernel), and the CPU backend's memory analysis and collective combining ca
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 
 from jaxtron.checkpoint.train_state import abstract_with_shardings
-from jaxtron.config.schema import Config
+from jaxtron.config.schema import Config, ConfigError
 from jaxtron.metrics.collectives import collectives
 from jaxtron.ops.attention import cpu_implementation
 from jaxtron.parallel.checks import check_devices
@@ -105,6 +107,52 @@ def dry_run_on_target(cfg: Config, gpu: str, count: int) -> tuple[DryRun, str]:
     return result, text
 
 
+def on_target_in_subprocess(cfg: Config, gpu: str, count: int, hlo_path: str | None = None,
+                            timeout_s: float = 1800) -> dict[str, Any]:
+    """``dry_run_on_target`` in a process of its own (jax started as the target needs; an XLA abort ends that
+    process, not this one): the dry run's fields, ``kernels`` (name -> calls) and ``float8_gemms``. The optimized
+    HLO text goes to ``hlo_path`` when given. A failed compile is a ConfigError naming its last line."""
+    import json
+    import subprocess
+    import sys
+    import tempfile
+
+    from jaxtron.gpu import preset, target
+
+    target.require_plugin(gpu)
+    with tempfile.TemporaryDirectory() as folder:
+        config_path = os.path.join(folder, "config.json")
+        with open(config_path, "w") as f:
+            json.dump(cfg.to_dict(), f)
+        args = [sys.executable, "-m", "jaxtron.planning.dry_run", config_path, gpu, str(count), hlo_path or ""]
+        out = subprocess.run(args, env=target.environment(preset_flags=preset.xla_flags()), capture_output=True,
+                             text=True, timeout=timeout_s, check=False)
+    if out.returncode != 0:
+        last = (out.stderr.strip().splitlines() or ["no output"])[-1]
+        raise ConfigError(f"the compile for the {gpu} target failed (exit {out.returncode}: {last[:300]}); the "
+                          "program does not build for that GPU as configured.")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def _target_main(argv: list[str]) -> int:
+    """CONFIG_JSON GPU COUNT [HLO_FILE]: ``dry_run_on_target``'s result as one JSON line."""
+    import json
+
+    from jaxtron.config.loader import from_mapping
+    from jaxtron.metrics.kernels import float8_operands, kernels
+
+    config_path, gpu, count, hlo_path = (argv + [""])[:4]
+    with open(config_path) as f:
+        cfg = from_mapping(json.load(f))
+    result, text = dry_run_on_target(cfg, gpu, int(count))
+    if hlo_path:
+        with open(hlo_path, "w") as f:
+            f.write(text)
+    print(json.dumps({**dataclasses.asdict(result), "peak_bytes": result.peak_bytes, "kernels": kernels(text),
+                      "float8_gemms": float8_operands(text)}))
+    return 0
+
+
 def dry_run_text(result: DryRun) -> str:
     gib = 2.0 ** 30
     lines = [f"mesh {', '.join(f'{k}={v}' for k, v in result.mesh.items())}: compiled in {result.compile_s:.1f} s",
@@ -117,3 +165,9 @@ def dry_run_text(result: DryRun) -> str:
         if c["count"]:
             lines.append(f"  {kind:<20} {c['count']:>4}  {c['bytes'] / 2**20:10.1f} MiB")
     return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.exit(_target_main(sys.argv[1:]))
