@@ -2,6 +2,7 @@
 (any backend), and cuDNN against XLA (GPU only)."""
 
 import inspect
+import math
 
 import jax
 import jax.numpy as jnp
@@ -95,7 +96,7 @@ def test_the_private_cudnn_function_still_takes_the_call_jaxtron_makes(monkeypat
 
     def bind_only(*args, **kwargs):
         calls.append(signature.bind(*args, **kwargs).arguments)  # TypeError if a name or position changed
-        return args[0]
+        return args[0], jnp.zeros((8, 4, 16), jnp.float32)  # the output and the statistics
 
     monkeypatch.setattr(cudnn, "dot_product_attention", bind_only)
     q = jnp.zeros((2, 16, 4, 8), jnp.bfloat16)
@@ -105,7 +106,64 @@ def test_the_private_cudnn_function_still_takes_the_call_jaxtron_makes(monkeypat
     (bound,) = calls
     assert bound["mask_type"] is cudnn.MaskType.PADDING_CAUSAL and bound["qkv_layout"] == "BTNH"
     assert bound["q_offsets"].shape == (2, 5) and bound["q_seqlen"].shape == (2, 4)
-    assert bound["scale"] == pytest.approx(8 ** -0.5)
+    assert bound["scale"] == pytest.approx(8 ** -0.5) and bound["return_residual"]
+
+
+def _document_attention(q, k, v, offsets):
+    """Causal attention inside each document of the packed layout's ``offsets`` (an XLA reference) and each query's
+    log-sum-exp [b, heads, length]."""
+    t = jnp.arange(q.shape[1])
+    starts = jnp.where(offsets[:, :-1] >= 0, offsets[:, :-1], q.shape[1] + 1)
+    doc = jnp.sum(starts[:, None, :] <= t[None, :, None], axis=-1)  # [b, length]: each token's document
+    seen = (doc[:, :, None] == doc[:, None, :]) & (t[None, None, :] <= t[None, :, None])  # [b, q, k]
+    group = q.shape[2] // k.shape[2]
+    kk, vv = jnp.repeat(k, group, axis=2), jnp.repeat(v, group, axis=2)
+    scores = jnp.einsum("bqhd,bkhd->bhqk", q, kk) / math.sqrt(q.shape[-1])
+    scores = jnp.where(seen[:, None], scores, -1e30)
+    lse = jax.nn.logsumexp(scores, axis=-1)
+    return jnp.einsum("bhqk,bkhd->bqhd", jnp.exp(scores - lse[..., None]), vv), lse
+
+
+def test_packed_cudnn_attention_takes_vmap_and_grad_in_either_order(monkeypatch):
+    """Under a pipeline's vmap, jax's batching rule for the cuDNN kernel reshapes the packed layout's lengths as if
+    there were one per row and fails; ``packed_attention`` folds the mapped axis into the rows itself, around its
+    forward and its backward. Here the two cuDNN calls are replaced by the XLA reference, whose backward checks that
+    it got the forward's own output and statistics: the values and gradients must equal the reference's, mapped
+    over stages, differentiated inside or outside the map."""
+    from jax._src.cudnn import fused_attention_stablehlo as cudnn
+
+    def forward(q, k, v, *, q_offsets, return_residual, **_):
+        assert return_residual
+        return _document_attention(q, k, v, q_offsets)
+
+    def backward_rule(*args):
+        q, k, v, _, _, _, offsets, _, _, _, stats, out = args[-2]
+        (want_out, want_stats), vjp = jax.vjp(lambda *a: _document_attention(*a, offsets), q, k, v)
+        wrong = jnp.maximum(jnp.max(jnp.abs(out - want_out)), jnp.max(jnp.abs(stats - want_stats))) > 1e-5
+        grads = vjp((args[-1], jnp.zeros_like(want_stats)))
+        return (*(jnp.where(wrong, jnp.nan, g) for g in grads), None, None, None, None, None, None, None)
+
+    monkeypatch.setattr(cudnn, "dot_product_attention", forward)
+    monkeypatch.setattr(cudnn, "_dot_product_attention_bwd_rule", backward_rule)
+    stages, length = 3, 16
+    q = jax.random.normal(jax.random.key(0), (stages, 2, length, 4, 8))
+    kv = jax.random.normal(jax.random.key(1), (stages, 2, length, 2, 8))
+    ids = jnp.stack([jnp.asarray(_packed_segment_ids(2, length, [3, 2])) for _ in range(stages)])
+
+    def ours(q, kv, ids):
+        return jnp.sum(jnp.sin(cudnn_ops.packed_attention(q, kv, kv, ids, 4)))
+
+    def reference(q, kv, ids):
+        return jnp.sum(jnp.sin(_document_attention(q, kv, kv, cudnn_ops.segment_layout(ids, 4)[1])[0]))
+
+    want = [jax.value_and_grad(reference, argnums=(0, 1))(q[i], kv[i], ids[i]) for i in range(stages)]
+    inside = jax.jit(jax.vmap(jax.value_and_grad(ours, argnums=(0, 1))))(q, kv, ids)
+    outside = jax.jit(jax.grad(lambda q, kv: jnp.sum(jax.vmap(ours)(q, kv, ids)), argnums=(0, 1)))(q, kv)
+    for i, (value, (dq, dkv)) in enumerate(want):
+        np.testing.assert_allclose(inside[0][i], value, rtol=1e-5)
+        for got in (inside[1], outside):
+            np.testing.assert_allclose(got[0][i], dq, rtol=1e-4, atol=1e-6)
+            np.testing.assert_allclose(got[1][i], dkv, rtol=1e-4, atol=1e-6)
 
 
 @pytest.mark.gpu

@@ -112,3 +112,15 @@ def test_plan_compiles_for_the_gpu_target_and_reports_its_kernels(tmp_path, caps
     assert compiled["target"] == "h100" and compiled["kernels"]["__cudnn$fmhaSoftmaxBackward"] == 1
     assert compiled["compiled_peak"] > 0 and compiled["collectives"]["all-gather"]["count"] > 0
     assert "__cudnn$fmhaSoftmax" in hlo.read_text()
+
+
+@needs_plugin
+@pytest.mark.slow
+def test_a_pipeline_runs_cudnn_packed_attention_and_save_attention_keeps_its_forward():
+    """A pipeline maps its stages with jax.vmap, which jax's own batching rule for packed cuDNN attention cannot
+    take (ops/cudnn.py folds the stages into the rows instead); remat's save_attention keeps the forward kernel's
+    outputs, so it runs once."""
+    got = _compile_on_target("execution.dtype=bfloat16", "execution.attention=cudnn", "mesh.pipeline=2",
+                             "mesh.fsdp=4", "pipeline.microbatches=2", "execution.remat=save_attention", gpus=8)
+    assert got["kernels"].get("__cudnn$fmhaSoftmax") == 1, got
+    assert got["kernels"].get("__cudnn$fmhaSoftmaxBackward") == 1, got

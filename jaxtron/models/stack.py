@@ -41,7 +41,8 @@ def _attention_saveable(prim, *_, **__) -> bool:
 
 
 _save_attention = jax.checkpoint_policies.save_from_both_policies(
-    jax.checkpoint_policies.save_only_these_names(attention_ops.OUTPUT_NAME), _attention_saveable)
+    jax.checkpoint_policies.save_only_these_names(attention_ops.OUTPUT_NAME, cudnn_ops.PACKED_OUTPUT_NAME,
+                                                  cudnn_ops.PACKED_STATS_NAME), _attention_saveable)
 
 # execution.remat -> the jax checkpoint policy of a block ("none": no checkpoint at all)
 _POLICIES = {

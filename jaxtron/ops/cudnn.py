@@ -12,15 +12,19 @@ All inputs are [batch, length, heads, head_dim] ("BTNH"), 16-bit; lengths are in
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import jax
 import jax.numpy as jnp
 from jax._src.cudnn import fused_attention_stablehlo as _cudnn
+from jax.ad_checkpoint import checkpoint_name
 
 LAYOUT = "BTNH"
 FORWARD_PRIMITIVE = "dot_product_attention_fwd"  # the name of cuDNN's forward primitive (and its wrappers)
+# the checkpoint names of packed attention's forward outputs, which its backward kernel needs
+PACKED_OUTPUT_NAME, PACKED_STATS_NAME = "cudnn_packed_out", "cudnn_packed_stats"
 
 
 @contextlib.contextmanager
@@ -69,14 +73,70 @@ def segment_layout(segment_ids: jax.Array, max_segments: int) -> tuple[jax.Array
     return lengths, offsets
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
 def packed_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array,
                      max_segments: int) -> jax.Array:
     """Causal flash attention over packed documents: each document is its own causal sequence inside the kernel
-    (ragged offsets), so no [length, length] mask is built and nothing attends across documents."""
-    lengths, offsets = segment_layout(segment_ids, max_segments)
-    return _cudnn.dot_product_attention(
-        q, k, v, q_seqlen=lengths, kv_seqlen=lengths, q_offsets=offsets, kv_offsets=offsets,
-        scale=1.0 / math.sqrt(q.shape[-1]), mask_type=_cudnn.MaskType.PADDING_CAUSAL, qkv_layout=LAYOUT)
+    (ragged offsets), so no [length, length] mask is built and nothing attends across documents.
+
+    Its forward and backward kernels are each called through ``_row_batched``, so that under ``jax.vmap`` (a
+    pipeline's stages) the mapped axis joins the rows: jax's own batching rule for the kernel reshapes the
+    packed layout's per-row lengths as if there were one per row, and fails."""
+    return _packed_kernels(max_segments)[0](q, k, v, segment_ids)[0]
+
+
+def _packed_fwd(q, k, v, segment_ids, max_segments):
+    # the output and the softmax statistics [rows * max_segments, heads, length] are named so that a remat policy
+    # can keep them (models/stack.py: the attention outputs), as it keeps cuDNN's own forward outputs
+    out, stats = _packed_kernels(max_segments)[0](q, k, v, segment_ids)
+    out, stats = checkpoint_name(out, PACKED_OUTPUT_NAME), checkpoint_name(stats, PACKED_STATS_NAME)
+    return out, (q, k, v, segment_ids, out, stats)
+
+
+def _packed_bwd(max_segments, res, d_out):
+    q, k, v, segment_ids, out, stats = res
+    return (*_packed_kernels(max_segments)[1](q, k, v, segment_ids, out, stats, d_out), None)
+
+
+packed_attention.defvjp(_packed_fwd, _packed_bwd)
+
+
+def _row_batched(fn: Callable) -> Callable:
+    """``fn`` of arrays whose first axis is the rows, made to take a ``jax.vmap`` axis by folding it into the rows
+    (and the outputs' first axes back out of them)."""
+    batched = jax.custom_batching.custom_vmap(fn)
+
+    @batched.def_vmap
+    def rule(axis_size, in_batched, *args):
+        args = [x if b else jnp.broadcast_to(x, (axis_size, *x.shape)) for x, b in zip(args, in_batched)]
+        outs = batched(*(x.reshape(-1, *x.shape[2:]) for x in args))
+        return tuple(y.reshape(axis_size, -1, *y.shape[1:]) for y in outs), tuple(True for _ in outs)
+
+    return batched
+
+
+@functools.cache
+def _packed_kernels(max_segments: int) -> tuple[Callable, Callable]:
+    """(forward, backward) of packed attention with up to ``max_segments`` documents a row, each batched by rows."""
+
+    def forward(q, k, v, segment_ids):
+        lengths, offsets = segment_layout(segment_ids, max_segments)
+        out, stats = _cudnn.dot_product_attention(
+            q, k, v, q_seqlen=lengths, kv_seqlen=lengths, q_offsets=offsets, kv_offsets=offsets,
+            scale=1.0 / math.sqrt(q.shape[-1]), mask_type=_cudnn.MaskType.PADDING_CAUSAL, qkv_layout=LAYOUT,
+            return_residual=True)
+        return out, stats
+
+    def backward(q, k, v, segment_ids, out, stats, d_out):
+        lengths, offsets = segment_layout(segment_ids, max_segments)
+        unused = jnp.zeros(0, q.dtype)
+        res = (q, k, v, unused, lengths, lengths, offsets, offsets, unused, unused, stats, out)
+        grads = _cudnn._dot_product_attention_bwd_rule(
+            1.0 / math.sqrt(q.shape[-1]), 42, 0.0, (False, False), _cudnn.MaskType.PADDING_CAUSAL,
+            _cudnn._normalize_layout(LAYOUT).value, None, True, False, res, d_out)
+        return tuple(grads[:3])
+
+    return _row_batched(forward), _row_batched(backward)
 
 
 def _mask(causal: bool):
