@@ -208,6 +208,10 @@ BAD = [
      "'execution.attention' is 'cudnn' but compute dtype float32 is not 16-bit", "use 'auto' or 'xla'"),
     ("cudnn_with_odd_head_dim", lambda d: resolve_implementation("cudnn", jnp.bfloat16, 100, 1, backend="gpu"),
      "'execution.attention' is 'cudnn' but head_dim 100 is not a multiple of 8 up to 128", "use 'auto' or 'xla'"),
+    ("cudnn_with_head_dim_over_256_on_hopper",
+     lambda d: resolve_implementation("cudnn", jnp.bfloat16, 264, 1, backend="gpu", capability=(9, 0)),
+     "'execution.attention' is 'cudnn' but head_dim 264 is not a multiple of 8 up to 256, as cuDNN needs on this GPU",
+     "use 'auto' or 'xla'"),
     ("float16_compute", lambda d: ExecutionConfig(dtype="float16"), "'execution.dtype'",
      "set --config.execution.dtype"),
     # --- DeepSeek-V3's parts: latent attention, the sigmoid router and its groups, the balancing bias
@@ -367,6 +371,9 @@ def test_attention_choice_resolves():
     assert resolve_implementation("auto", jnp.bfloat16, backend="cpu") == "xla"
     assert resolve_implementation("auto", jnp.bfloat16, backend="gpu") == "cudnn"
     assert resolve_implementation("auto", jnp.float32, backend="gpu") == "xla"
+    # DeepSeek-V3's heads (192 wide) run in cuDNN on Hopper, not on older GPUs
+    assert resolve_implementation("auto", jnp.bfloat16, 192, backend="gpu", capability=(9, 0)) == "cudnn"
+    assert resolve_implementation("auto", jnp.bfloat16, 192, backend="gpu", capability=(8, 0)) == "xla"
     # cuDNN cannot take a sharded sequence or an unusual head size: auto falls back to blockwise attention for
     # a sharded sequence (context parallelism) and to the XLA path otherwise
     assert resolve_implementation("auto", jnp.bfloat16, 128, 2, backend="gpu") == "blockwise"

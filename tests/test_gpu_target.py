@@ -124,3 +124,14 @@ def test_a_pipeline_runs_cudnn_packed_attention_and_save_attention_keeps_its_for
                              "mesh.fsdp=4", "pipeline.microbatches=2", "execution.remat=save_attention", gpus=8)
     assert got["kernels"].get("__cudnn$fmhaSoftmax") == 1, got
     assert got["kernels"].get("__cudnn$fmhaSoftmaxBackward") == 1, got
+
+
+@needs_plugin
+@pytest.mark.slow
+def test_deepseek_v3_heads_run_in_cudnn_on_the_h100():
+    """DeepSeek-V3's query and key heads are 192 wide (128 + 64 rotary): Hopper's cuDNN takes heads up to 256, so a
+    GPU run picks cuDNN for them; its MoE blocks sort (routing's top-k) under the deviceless flags."""
+    got = _compile_on_target("execution.dtype=bfloat16", "execution.attention=cudnn", "mesh.fsdp=4", "mesh.expert=2",
+                             "model.attention.head_dim=128", "model.attention.qk_rope_head_dim=64",
+                             "model.attention.v_head_dim=128", gpus=8, config="configs/deepseek_tiny.py")
+    assert got["kernels"].get("__cudnn$fmhaSoftmaxBackward", 0) >= 1, got

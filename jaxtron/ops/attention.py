@@ -26,26 +26,43 @@ from jaxtron.parallel.sharding import constrain
 OUTPUT_NAME = "attention_out"  # checkpoint name of the attention output (remat policies can keep it)
 
 
-def cudnn_unsupported(dtype: jnp.dtype, head_dim: int, sequence_shards: int, backend: str) -> str | None:
-    """Why JAX's cuDNN flash attention cannot run this configuration, or None when it can."""
+HOPPER = (9, 0)
+
+
+def cudnn_unsupported(dtype: jnp.dtype, head_dim: int, sequence_shards: int, backend: str,
+                      capability: tuple[int, int] | None = None) -> str | None:
+    """Why JAX's cuDNN flash attention cannot run this configuration on a GPU of compute ``capability`` (None:
+    taken to be older than Hopper), or None when it can. Hopper takes heads up to 256 wide, older GPUs up to 128."""
     if backend != "gpu":
         return f"the backend is {backend}, not a GPU"
     if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
         return f"compute dtype {jnp.dtype(dtype).name} is not 16-bit"
-    if head_dim % 8 or head_dim > 128:
-        return f"head_dim {head_dim} is not a multiple of 8 up to 128"
+    widest = 256 if capability is not None and tuple(capability) >= HOPPER else 128
+    if head_dim % 8 or head_dim > widest:
+        on = "this GPU" if capability is not None else "a GPU older than Hopper"
+        return f"head_dim {head_dim} is not a multiple of 8 up to {widest}, as cuDNN needs on {on}"
     return None
 
 
+def device_capability() -> tuple[int, int] | None:
+    """The compute capability of the first local GPU, or None without one."""
+    if jax.default_backend() != "gpu":
+        return None
+    major, minor = jax.local_devices()[0].compute_capability.split(".")[:2]
+    return int(major), int(minor)
+
+
 def resolve_implementation(choice: str, dtype: jnp.dtype, head_dim: int = 128, sequence_shards: int = 1,
-                           backend: str | None = None) -> str:
+                           backend: str | None = None, capability: tuple[int, int] | None = None) -> str:
     """'auto' -> 'blockwise' when the sequence is sharded, else 'cudnn' where JAX's cuDNN kernel supports the
     configuration and 'xla' where it does not. (On a sharded sequence cuDNN runs by chunks only when asked for,
     until a GPU has measured it against the blockwise kernel.)
 
-    An explicit 'cudnn' that cannot run is a ConfigError naming the reason.
+    An explicit 'cudnn' that cannot run is a ConfigError naming the reason. ``capability``: the GPU's compute
+    capability (default: the local GPU's, when there is one).
     """
-    reason = cudnn_unsupported(dtype, head_dim, sequence_shards, backend or jax.default_backend())
+    reason = cudnn_unsupported(dtype, head_dim, sequence_shards, backend or jax.default_backend(),
+                               capability or device_capability())
     if choice == "auto":
         return "blockwise" if sequence_shards > 1 else ("xla" if reason else "cudnn")
     if choice == "cudnn" and reason:

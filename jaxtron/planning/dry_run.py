@@ -101,7 +101,7 @@ def dry_run_on_target(cfg: Config, gpu: str, count: int) -> tuple[DryRun, str]:
     sizes = check_devices(cfg, count)
     implementation = resolve_implementation(cfg.execution.attention, jnp.dtype(cfg.execution.dtype),
                                             cfg.model.qk_head_dim, shard_count(sizes, "activation_length"),
-                                            backend="gpu")
+                                            backend="gpu", capability=target.target(gpu).compute_capability)
     with cudnn.compute_capability(*target.target(gpu).compute_capability):
         result, text = _compile(cfg, devices, implementation)
     return result, text

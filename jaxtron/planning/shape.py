@@ -11,7 +11,7 @@ import math
 
 from jaxtron.config.schema import Config, ModelConfig
 from jaxtron.models.moe import capacity
-from jaxtron.ops.attention import cpu_implementation, resolve_implementation
+from jaxtron.ops.attention import HOPPER, cpu_implementation, resolve_implementation
 from jaxtron.parallel.mesh import full_sizes
 from jaxtron.parallel.sharding import shard_count
 from jaxtron.parallel.stages import padding
@@ -90,7 +90,9 @@ def step_shape(cfg: Config, sizes: dict[str, int], microbatches: int | None = No
     if cpu_program:
         impl = cpu_implementation(execution.attention, execution.dtype, m.qk_head_dim, sequence)
     else:
-        impl = resolve_implementation(execution.attention, execution.dtype, m.qk_head_dim, sequence, backend="gpu")
+        # the planner's GPUs (planning/gpus.py) are all Hopper
+        impl = resolve_implementation(execution.attention, execution.dtype, m.qk_head_dim, sequence, backend="gpu",
+                                      capability=HOPPER)
     value_bytes = 2 if execution.dtype == "bfloat16" else 4
     local_len = cfg.data.seq_len // sequence
     data_parallel = shard_count(sizes, "activation_batch")
