@@ -160,7 +160,7 @@ def test_packed_cudnn_attention_takes_vmap_and_grad_in_either_order(monkeypatch)
     inside = jax.jit(jax.vmap(jax.value_and_grad(ours, argnums=(0, 1))))(q, kv, ids)
     outside = jax.jit(jax.grad(lambda q, kv: jnp.sum(jax.vmap(ours)(q, kv, ids)), argnums=(0, 1)))(q, kv)
     for i, (value, (dq, dkv)) in enumerate(want):
-        np.testing.assert_allclose(inside[0][i], value, rtol=1e-5)
+        np.testing.assert_allclose(inside[0][i], value, rtol=1e-4)  # jitted against eager float32 sums
         for got in (inside[1], outside):
             np.testing.assert_allclose(got[0][i], dq, rtol=1e-4, atol=1e-6)
             np.testing.assert_allclose(got[1][i], dkv, rtol=1e-4, atol=1e-6)
