@@ -135,3 +135,15 @@ def test_deepseek_v3_heads_run_in_cudnn_on_the_h100():
                              "model.attention.head_dim=128", "model.attention.qk_rope_head_dim=64",
                              "model.attention.v_head_dim=128", gpus=8, config="configs/deepseek_tiny.py")
     assert got["kernels"].get("__cudnn$fmhaSoftmaxBackward", 0) >= 1, got
+
+
+@needs_plugin
+@pytest.mark.slow
+def test_with_fp8_every_block_projection_gemm_takes_float8_operands_on_the_h100():
+    """The default model's 7 projections a block (q, k, v, o; gate, up, down), forward and both backward: 21 GEMMs
+    with float8 operands (ops/fp8.py: operands kept in FP8 and dequantized at the GEMM, and the compiler options
+    that let XLA fold them into FP8 GEMMs); only the output head's 3 stay 16-bit."""
+    got = _compile_on_target("execution.dtype=bfloat16", "execution.attention=cudnn", "mesh.fsdp=1",
+                             "execution.fp8=true")
+    assert got["f8"] == 21 and got["kernels"]["__cublas$lt$matmul$f8"] == 21, got
+    assert got["kernels"]["__cublas$lt$matmul"] == 3, got

@@ -79,7 +79,7 @@ def _compile(cfg: Config, devices: list, implementation: str) -> tuple[DryRun, s
                        in_shardings=(shardings, batch_sharding(mesh), votes.sharding),
                        out_shardings=(shardings, None), donate_argnums=0)
         start = time.perf_counter()
-        compiled = step.lower(state, batch, votes).compile()
+        compiled = step.lower(state, batch, votes).compile(compiler_options=dict(setup.compiler_options))
         compile_s = time.perf_counter() - start
     memory, cost, text = compiled.memory_analysis(), compiled.cost_analysis(), compiled.as_text()
     result = DryRun(mesh=dict(mesh.shape), compile_s=compile_s,

@@ -14,6 +14,7 @@ from jax.sharding import Mesh
 from jaxtron.config.schema import Config, ConfigError
 from jaxtron.models import build_model
 from jaxtron.models.stack import remat_policy
+from jaxtron.ops import fp8 as fp8_ops
 from jaxtron.parallel.sharding import shard_count, tree_shardings
 from jaxtron.parallel.stages import padding, reorder, storage_order
 from jaxtron.training.optimizer import learning_rate_schedule, make_optimizer
@@ -48,6 +49,8 @@ class Setup:
     # scan, natural order)
     stack_runner: Schedule | None = struct.field(pytree_node=False, default=None)
     layer_order: tuple[int, ...] | None = struct.field(pytree_node=False, default=None)
+    # XLA options the step compiles with (ops/fp8.py: what FP8 projections need), as (name, value) pairs
+    compiler_options: tuple[tuple[str, object], ...] = struct.field(pytree_node=False, default=())
 
 
 def pipeline_schedule(cfg: Config, stages: int) -> Schedule | None:
@@ -109,7 +112,8 @@ def setup(cfg: Config, attention_impl: str, sizes: dict[str, int] | None = None)
                  router_aux_loss=cfg.train.router_aux_loss, router_z_loss=cfg.train.router_z_loss,
                  router_bias_rate=cfg.train.router_bias_rate, mtp_loss=cfg.train.mtp_loss,
                  max_nonfinite_in_row=cfg.train.max_nonfinite_in_row, stack_runner=pipeline_schedule(cfg, stages),
-                 layer_order=layer_order(cfg, stages))
+                 layer_order=layer_order(cfg, stages),
+                 compiler_options=tuple(fp8_ops.compiler_options(cfg.execution.fp8).items()))
 
 
 def state_shardings(mesh: Mesh, abstract_state: TrainState) -> TrainState:

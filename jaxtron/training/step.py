@@ -222,5 +222,5 @@ def compile_train_step(setup: Setup, shardings: TrainState, batch_sharding, stat
                                                                           stop_votes.sharding),
                       out_shardings=(shardings, None), donate_argnums=0)
     start = time.perf_counter()
-    compiled = step_fn.lower(state, batch, stop_votes).compile()
+    compiled = step_fn.lower(state, batch, stop_votes).compile(compiler_options=dict(setup.compiler_options))
     return compiled, time.perf_counter() - start
