@@ -147,3 +147,15 @@ def test_with_fp8_every_block_projection_gemm_takes_float8_operands_on_the_h100(
                              "execution.fp8=true")
     assert got["f8"] == 21 and got["kernels"]["__cublas$lt$matmul$f8"] == 21, got
     assert got["kernels"]["__cublas$lt$matmul"] == 3, got
+
+
+def test_a_head_size_the_targets_cudnn_refuses_is_one_sentence_and_exit_2(capsys):
+    from jaxtron import cli
+
+    assert cli.run("plan", [f"--config={REPO}/configs/default.py", "--gpus=8", "--gpu=h100",
+                            "--config.execution.dtype=bfloat16", "--config.execution.attention=cudnn",
+                            "--config.model.attention.head_dim=264", "--config.model.attention.num_heads=2",
+                            "--config.model.attention.num_kv_heads=2"]) == 2
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        "error: config field 'execution.attention' is 'cudnn' but head_dim 264 is not a multiple of 8 up to 256, as "
+        "cuDNN needs on this GPU; use 'auto' or 'xla'.")

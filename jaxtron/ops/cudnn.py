@@ -121,20 +121,11 @@ def _packed_kernels(max_segments: int) -> tuple[Callable, Callable]:
 
     def forward(q, k, v, segment_ids):
         lengths, offsets = segment_layout(segment_ids, max_segments)
-        out, stats = _cudnn.dot_product_attention(
-            q, k, v, q_seqlen=lengths, kv_seqlen=lengths, q_offsets=offsets, kv_offsets=offsets,
-            scale=1.0 / math.sqrt(q.shape[-1]), mask_type=_cudnn.MaskType.PADDING_CAUSAL, qkv_layout=LAYOUT,
-            return_residual=True)
-        return out, stats
+        return _forward(q, k, v, lengths, lengths, _cudnn.MaskType.PADDING_CAUSAL, offsets)
 
     def backward(q, k, v, segment_ids, out, stats, d_out):
         lengths, offsets = segment_layout(segment_ids, max_segments)
-        unused = jnp.zeros(0, q.dtype)
-        res = (q, k, v, unused, lengths, lengths, offsets, offsets, unused, unused, stats, out)
-        grads = _cudnn._dot_product_attention_bwd_rule(
-            1.0 / math.sqrt(q.shape[-1]), 42, 0.0, (False, False), _cudnn.MaskType.PADDING_CAUSAL,
-            _cudnn._normalize_layout(LAYOUT).value, None, True, False, res, d_out)
-        return tuple(grads[:3])
+        return _backward(q, k, v, lengths, lengths, _cudnn.MaskType.PADDING_CAUSAL, out, stats, d_out, offsets)
 
     return _row_batched(forward), _row_batched(backward)
 
@@ -148,13 +139,33 @@ def _lengths(n: jax.Array) -> jax.Array:
     return jnp.maximum(n, 1).astype(jnp.int32)
 
 
+def _forward(q, k, v, q_seqlen, kv_seqlen, mask, offsets=None) -> tuple[jax.Array, jax.Array]:
+    """cuDNN's forward: (output, softmax statistics as the kernel lays them out)."""
+    ragged = {} if offsets is None else dict(q_offsets=offsets, kv_offsets=offsets)
+    return _cudnn.dot_product_attention(q, k, v, q_seqlen=q_seqlen, kv_seqlen=kv_seqlen,
+                                        scale=1.0 / math.sqrt(q.shape[-1]), mask_type=mask, qkv_layout=LAYOUT,
+                                        return_residual=True, **ragged)
+
+
+def _backward(q, k, v, q_seqlen, kv_seqlen, mask, out, stats, d_out,
+              offsets=None) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """cuDNN's backward of a ``_forward`` call, given an output and statistics (its own, or a merge's)."""
+    unused = jnp.zeros(0, q.dtype)
+    offsets = unused if offsets is None else offsets
+    res = (q, k, v, unused, q_seqlen, kv_seqlen, offsets, offsets, unused, unused, stats, out)
+    # the rule's arguments before ``res`` are the custom_vjp's static ones: scale, seed, dropout rate, (bias,
+    # bias gradient), mask, layout, window, is_training, return_residual
+    grads = _cudnn._dot_product_attention_bwd_rule(
+        1.0 / math.sqrt(q.shape[-1]), 42, 0.0, (False, False), mask, _cudnn._normalize_layout(LAYOUT).value, None,
+        True, False, res, d_out)
+    return tuple(grads[:3])
+
+
 def forward_with_stats(q: jax.Array, k: jax.Array, v: jax.Array, q_len: jax.Array, kv_len: jax.Array,
                        causal: bool) -> tuple[jax.Array, jax.Array]:
     """Queries 0..q_len against keys 0..kv_len (per row), causal or not -> (output, softmax statistics [b, t,
     heads]: float32, the natural log-sum-exp of the scaled scores)."""
-    out, stats = _cudnn.dot_product_attention(
-        q, k, v, q_seqlen=_lengths(q_len), kv_seqlen=_lengths(kv_len), scale=1.0 / math.sqrt(q.shape[-1]),
-        mask_type=_mask(causal), qkv_layout=LAYOUT, return_residual=True)
+    out, stats = _forward(q, k, v, _lengths(q_len), _lengths(kv_len), _mask(causal))
     return out, jnp.swapaxes(stats, 1, 2)
 
 
@@ -163,12 +174,5 @@ def backward_from_stats(q: jax.Array, k: jax.Array, v: jax.Array, q_len: jax.Arr
                         d_out: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Gradients of q, k, v of the ``forward_with_stats`` call, given the output ``out`` and statistics ``lse``
     [b, t, heads] of a merge the call is part of (flash attention's backward over several blocks of keys)."""
-    unused = jnp.zeros(0, q.dtype)
-    res = (q, k, v, unused, _lengths(q_len), _lengths(kv_len), unused, unused, unused, unused,
-           jnp.swapaxes(lse, 1, 2).astype(jnp.float32), out.astype(q.dtype))
-    # the rule's arguments before ``res`` are the custom_vjp's static ones: scale, seed, dropout rate, (bias,
-    # bias gradient), mask, layout, window, cuDNN version, return_residual
-    grads = _cudnn._dot_product_attention_bwd_rule(
-        1.0 / math.sqrt(q.shape[-1]), 42, 0.0, (False, False), _mask(causal), _cudnn._normalize_layout(LAYOUT).value,
-        None, _cudnn.check_cudnn_version(), False, res, d_out.astype(q.dtype))
-    return tuple(grads[:3])
+    return _backward(q, k, v, _lengths(q_len), _lengths(kv_len), _mask(causal), out.astype(q.dtype),
+                     jnp.swapaxes(lse, 1, 2).astype(jnp.float32), d_out.astype(q.dtype))

@@ -156,6 +156,7 @@ def compile_report(cfg, sizes: dict[str, int], n: int, gpu_name: str, gpu, estim
     """Compiles the step for ``sizes`` and prints the compiler's numbers beside the estimate of the same program:
     for ``gpu_name``'s compile-only devices when jax's CUDA plugin is installed (the attention a GPU run picks),
     else on fake CPU devices (XLA:CPU's program: XLA attention, blockwise when the sequence is sharded)."""
+    import dataclasses
     import math
 
     from jaxtron.config.schema import ConfigError
@@ -173,9 +174,8 @@ def compile_report(cfg, sizes: dict[str, int], n: int, gpu_name: str, gpu, estim
     if on_target:
         print(f"\ndry run of {_mesh_text(sizes)} compiled for {n} x {gpu.name} (compile-only devices, no GPU):")
         found = on_target_in_subprocess(cfg, gpu_name, n, hlo_path)
-        kernels, float8_gemms = found.pop("kernels"), found.pop("float8_gemms")
-        found.pop("peak_bytes")
-        result = DryRun(**found)
+        kernels, float8_gemms = found["kernels"], found["float8_gemms"]
+        result = DryRun(**{f.name: found[f.name] for f in dataclasses.fields(DryRun)})
     else:
         from jaxtron.ops.attention import cpu_implementation
         attention = cpu_implementation(cfg.execution.attention, cfg.execution.dtype, cfg.model.qk_head_dim,

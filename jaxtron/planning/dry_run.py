@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import time
 from typing import Any
 
@@ -127,16 +128,21 @@ def on_target_in_subprocess(cfg: Config, gpu: str, count: int, hlo_path: str | N
         args = [sys.executable, "-m", "jaxtron.planning.dry_run", config_path, gpu, str(count), hlo_path or ""]
         out = subprocess.run(args, env=target.environment(preset_flags=preset.xla_flags()), capture_output=True,
                              text=True, timeout=timeout_s, check=False)
+    if out.returncode == 2:  # bad input, said in one sentence there
+        raise ConfigError(out.stderr.strip().splitlines()[-1].removeprefix("error: "))
     if out.returncode != 0:
-        last = (out.stderr.strip().splitlines() or ["no output"])[-1]
+        errors = [line for line in out.stderr.splitlines() if re.match(r"[\w.]*(Error|Exception)\b", line)]
+        last = (errors or out.stderr.strip().splitlines() or ["no output"])[-1]
         raise ConfigError(f"the compile for the {gpu} target failed (exit {out.returncode}: {last[:300]}); the "
                           "program does not build for that GPU as configured.")
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def _target_main(argv: list[str]) -> int:
-    """CONFIG_JSON GPU COUNT [HLO_FILE]: ``dry_run_on_target``'s result as one JSON line."""
+    """CONFIG_JSON GPU COUNT [HLO_FILE]: ``dry_run_on_target``'s result as one JSON line (bad input: its sentence on
+    stderr, exit 2)."""
     import json
+    import sys
 
     from jaxtron.config.loader import from_mapping
     from jaxtron.metrics.kernels import float8_operands, kernels
@@ -144,12 +150,15 @@ def _target_main(argv: list[str]) -> int:
     config_path, gpu, count, hlo_path = (argv + [""])[:4]
     with open(config_path) as f:
         cfg = from_mapping(json.load(f))
-    result, text = dry_run_on_target(cfg, gpu, int(count))
+    try:
+        result, text = dry_run_on_target(cfg, gpu, int(count))
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     if hlo_path:
         with open(hlo_path, "w") as f:
             f.write(text)
-    print(json.dumps({**dataclasses.asdict(result), "peak_bytes": result.peak_bytes, "kernels": kernels(text),
-                      "float8_gemms": float8_operands(text)}))
+    print(json.dumps({**dataclasses.asdict(result), "kernels": kernels(text), "float8_gemms": float8_operands(text)}))
     return 0
 
 

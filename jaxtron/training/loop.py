@@ -12,7 +12,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from jaxtron.checkpoint.params import restore_params
 from jaxtron.checkpoint.train_state import LAYER_ORDER, Checkpointer
@@ -29,9 +28,9 @@ from jaxtron.parallel.mesh import make_mesh, process_aware_mesh
 from jaxtron.parallel.sharding import batch_sharding, shard_count, sharding_table
 from jaxtron.training import state as state_lib
 from jaxtron.training.preemption import PREEMPTED_EXIT_CODE, PreemptionWatcher, StopVotes
-from jaxtron.training.profiling import ProfileWindow, device_memory
+from jaxtron.training.profiling import Meter, ProfileWindow
 from jaxtron.training.step import compile_train_step, eval_step
-from jaxtron.training.step_flags import NonFiniteError, NonFiniteStreak, StepFlags, scalar_metrics
+from jaxtron.training.step_flags import NonFiniteError, NonFiniteStreak, StepFlags
 from jaxtron.training.watchdog import Watchdog
 
 log = logging.getLogger(__name__)
@@ -136,32 +135,6 @@ def run(cfg: Config, workdir: str, *, use_tqdm: bool | None = None,
         state_lib.check_fits(placement.setup.abstract_state, placement.shardings, list(placement.mesh.devices.flat))
         _check_workdir(workdir)
         return Trainer(cfg, workdir, placement, use_tqdm).train()
-
-
-class Meter:
-    """What one log interval measured: its losses (kept on the device until the log step), wall time and the
-    time the host blocked on the loader."""
-
-    def __init__(self, throughput: Throughput, constants: dict[str, float] | None = None):
-        self.throughput, self.constants = throughput, constants or {}
-        self.reset()
-
-    def reset(self) -> None:
-        self.start, self.losses, self.data_wait = time.perf_counter(), [], 0.0
-
-    def restart_clock(self) -> None:  # evaluation time is not training time
-        self.start, self.data_wait = time.perf_counter(), 0.0
-
-    def values(self, metrics: dict[str, Any]) -> dict[str, float]:
-        steps, interval = len(self.losses), time.perf_counter() - self.start
-        values = scalar_metrics(jax.device_get(metrics))
-        values["loss_avg"] = float(np.mean(jax.device_get(self.losses)))  # since the last log line
-        values.update(self.throughput(interval, steps))
-        values.update(interval_steps=steps, data_wait_s=self.data_wait / steps,  # per step, host blocked on data
-                      data_wait_share=self.data_wait / interval)
-        values.update(device_memory())
-        values.update(self.constants)
-        return values
 
 
 class Trainer:

@@ -1,4 +1,5 @@
-"""A profiler window over chosen steps, step annotations, and device memory readings for the loop.
+"""What the loop measures: a profiler window over chosen steps, step annotations, device memory readings, and each
+log interval's losses, time and data wait (``Meter``).
 
 The trace (``jax.profiler``, viewable in TensorBoard's profile plugin or Perfetto) starts once step
 ``profile.start_step`` has finished on the device and stops once step ``profile.end_step`` has, so it holds
@@ -16,10 +17,14 @@ import logging
 import os
 import time
 from collections.abc import Callable
+from typing import Any
 
 import jax
+import numpy as np
 
 from jaxtron.config.schema import ProfileConfig
+from jaxtron.metrics.throughput import Throughput
+from jaxtron.training.step_flags import scalar_metrics
 
 log = logging.getLogger(__name__)
 
@@ -116,3 +121,29 @@ def device_memory() -> dict[str, float]:
     if peak:
         out["memory_peak_gib"] = max(peak) / 2**30
     return out
+
+
+class Meter:
+    """What one log interval measured: its losses (kept on the device until the log step), wall time and the
+    time the host blocked on the loader."""
+
+    def __init__(self, throughput: Throughput, constants: dict[str, float] | None = None):
+        self.throughput, self.constants = throughput, constants or {}
+        self.reset()
+
+    def reset(self) -> None:
+        self.start, self.losses, self.data_wait = time.perf_counter(), [], 0.0
+
+    def restart_clock(self) -> None:  # evaluation time is not training time
+        self.start, self.data_wait = time.perf_counter(), 0.0
+
+    def values(self, metrics: dict[str, Any]) -> dict[str, float]:
+        steps, interval = len(self.losses), time.perf_counter() - self.start
+        values = scalar_metrics(jax.device_get(metrics))
+        values["loss_avg"] = float(np.mean(jax.device_get(self.losses)))  # since the last log line
+        values.update(self.throughput(interval, steps))
+        values.update(interval_steps=steps, data_wait_s=self.data_wait / steps,  # per step, host blocked on data
+                      data_wait_share=self.data_wait / interval)
+        values.update(device_memory())
+        values.update(self.constants)
+        return values
