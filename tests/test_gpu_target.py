@@ -16,6 +16,7 @@ from conftest import REPO
 
 from jaxtron.config.checks import ConfigError
 from jaxtron.gpu import target
+from jaxtron.metrics.hlo import matmul_flops
 from jaxtron.metrics.kernels import float8_operands, kernels
 
 needs_plugin = pytest.mark.skipif(not target.plugin_installed(),
@@ -70,6 +71,35 @@ def test_the_kernel_census_reads_library_calls_gemm_fusions_and_float8_operands(
     assert float8_operands(HLO) == 2  # the f8 cuBLAS call and the fusion that reads %b
 
 
+LOOP_HLO = """
+%body (p: (s32[], bf16[8,16])) -> (s32[], bf16[8,16]) {
+  %p = (s32[], bf16[8,16]{1,0}) parameter(0)
+  %x = bf16[8,16]{1,0} get-tuple-element(%p), index=1
+  %w = bf16[16,16]{1,0} constant({...})
+  %d = bf16[8,16]{1,0} dot(%x, %w), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+
+ENTRY %main (a: bf16[64,32], b: bf16[16,32]) -> bf16[64,16] {
+  %a = bf16[64,32]{1,0} parameter(0)
+  %b = bf16[16,32]{1,0} parameter(1)
+  %loop = (s32[], bf16[8,16]{1,0}) while(%init), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"3"}}
+  %mm = (bf16[64,16]{1,0}, s8[1024]{0}) custom-call(%a, %b), custom_call_target="__cublas$lt$matmul", backend_config={"gemm_backend_config":{"dot_dimension_numbers":{"lhs_contracting_dimensions":["1"],"rhs_contracting_dimensions":["1"]}}}
+  %f = (bf16[2,4,128,64]{3,1,2,0}, f32[2,4,128]{2,1,0}) custom-call(%q, %k, %v), custom_call_target="__cudnn$fmhaSoftmax", operand_layout_constraints={bf16[2,128,4,64]{3,2,1,0}, bf16[2,128,2,64]{3,2,1,0}, bf16[2,128,2,32]{3,2,1,0}}, backend_config={"cudnn_fmha_backend_config": {"mask_type": "CAUSAL"}}
+  %g = (bf16[2,4,128,64]{3,1,2,0}) custom-call(%q, %k, %v), custom_call_target="__cudnn$fmhaSoftmaxBackward", operand_layout_constraints={bf16[2,128,4,64]{3,2,1,0}, bf16[2,128,2,64]{3,2,1,0}, bf16[2,128,2,32]{3,2,1,0}}, backend_config={"cudnn_fmha_backend_config": {"mask_type": "NO_MASK"}}
+}
+"""  # noqa: E501
+
+
+def test_matmul_flops_count_loop_bodies_per_iteration_and_library_calls_from_their_shapes():
+    got = matmul_flops(LOOP_HLO)
+    assert got["dot"] == 3 * 2 * (8 * 16) * 16  # the loop body's dot, 3 iterations
+    assert got["gemm"] == 2 * (64 * 16) * 32  # the cuBLAS call's output times its contracted 32
+    causal = 2 * 4 * 128 * (128 - 64)  # batch x query heads x the causal score pairs
+    full = 2 * 4 * 128 * 128
+    # forward QK^T (64) and PV (32); backward the recomputed QK^T, dP, dV, dQ and dK
+    assert got["attention"] == 2 * causal * (64 + 32) + 2 * full * (3 * 64 + 2 * 32)
+
+
 def _compile_on_target(*overrides: str, gpus: int = 1, config: str = "configs/default.py") -> dict:
     """The default config's train step compiled for ``gpus`` H100s in a subprocess: peak GiB, kernels, device."""
     code = (
@@ -111,6 +141,8 @@ def test_plan_compiles_for_the_gpu_target_and_reports_its_kernels(tmp_path, caps
     compiled = json.loads(out.read_text())["dry_run"]
     assert compiled["target"] == "h100" and compiled["kernels"]["__cudnn$fmhaSoftmaxBackward"] == 1
     assert compiled["compiled_peak"] > 0 and compiled["collectives"]["all-gather"]["count"] > 0
+    # cuDNN's backward recomputes the scores, which the model's count (recompute included) leaves to the kernel
+    assert 1.0 < compiled["flops"] / compiled["model_flops"] < 1.05, compiled
     assert "__cudnn$fmhaSoftmax" in hlo.read_text()
 
 

@@ -280,7 +280,10 @@ def test_plan_cli_ranks_and_compiles(tmp_path):
     compiled = report["dry_run"]
     # the keys scripts read
     assert compiled["target"] == ("h200" if plugin_installed() else "cpu") and compiled["model_flops"] > 0
-    assert (compiled["kernels"] is None) != plugin_installed() and "flops" in compiled
+    assert (compiled["kernels"] is None) != plugin_installed()
+    # the compiled matmuls against the model's (recompute included): XLA attention computes every score pair where
+    # the model counts the causal half, cuDNN's backward recomputes the scores
+    assert 1.0 < compiled["flops"] / compiled["model_flops"] < 1.12, compiled
     if compiled["target"] != "cpu":
         return  # the estimate of the GPU program is not calibrated on the target's compiles yet
     # the estimate of the compiled program: within 15% of XLA's peak (benchmarks/plan_validation.md has the

@@ -7,6 +7,8 @@ from __future__ import annotations
 import collections
 import re
 
+from jaxtron.metrics.hlo import definitions
+
 _CUSTOM_CALL = re.compile(r'custom-call\(.*?custom_call_target="([^"]+)"')
 _FUSION_KIND = re.compile(r'\bfusion\(.*?"kind":"(__[a-z_]+)"')
 
@@ -26,7 +28,7 @@ def float8_operands(hlo_text: str) -> int:
     """How many GEMM calls (cuBLAS custom calls and GEMM fusions) take a float8 operand. The text names operands
     without their types, so each operand's type is read where it is defined (instruction names are unique in a
     module)."""
-    element_type = dict(_DEFINITION.findall(hlo_text))
+    element_type = {name: dtype for name, (dtype, _) in definitions(hlo_text).items()}
     calls = 0
     for line in hlo_text.splitlines():
         if "__cublas$" not in line and not re.search(r'"kind":"__\w*gemm', line):
@@ -37,6 +39,3 @@ def float8_operands(hlo_text: str) -> int:
             calls += 1
     return calls
 
-
-# "%name = f8e4m3fn[..." -> (%name, f8e4m3fn): the element type of every instruction with an array result
-_DEFINITION = re.compile(r"^\s*(?:ROOT\s+)?(%[\w.\-]+) = ([a-z][a-z0-9]*)\[", re.MULTILINE)

@@ -199,6 +199,9 @@ def compile_report(cfg, sizes: dict[str, int], n: int, gpu_name: str, gpu, estim
           ", ".join(f"{k} {v / 2**20:.0f} MiB" for k, v in est.collectives.items() if v))
     tokens = cfg.train.global_batch_size * cfg.data.seq_len
     model_flops = hardware_flops_per_token(cfg.model, cfg.execution, cfg.data.seq_len) * tokens / n
+    print(f"matmul FLOPs per device and step: compiled {result.flops / 1e12:.4g} T (dots, GEMMs and attention "
+          f"kernels counted from their shapes), model {model_flops / 1e12:.4g} T (recompute included): "
+          f"{result.flops / model_flops:.3f}x")
     return dict(mesh=sizes, compiled_peak=result.peak_bytes, compiled_arguments=result.argument_bytes,
                 compiled_temp=result.temp_bytes, estimated_peak=est.memory_bytes, compile_s=result.compile_s,
                 collectives=result.collectives, estimated_collectives=est.collectives,

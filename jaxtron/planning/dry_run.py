@@ -20,6 +20,7 @@ import jax.numpy as jnp
 from jaxtron.checkpoint.train_state import abstract_with_shardings
 from jaxtron.config.schema import Config, ConfigError
 from jaxtron.metrics.collectives import collectives
+from jaxtron.metrics.hlo import matmul_flops
 from jaxtron.ops.attention import cpu_implementation
 from jaxtron.parallel.checks import check_devices
 from jaxtron.parallel.mesh import make_mesh
@@ -39,9 +40,9 @@ class DryRun:
     alias_bytes: int  # outputs written in place of donated inputs
     temp_bytes: int  # activations and working space
     collectives: dict[str, dict[str, float]]  # kind -> {"count", "bytes"} per step and device
-    # per device and step, as XLA's cost analysis of the partitioned program counts them (None where the backend has
-    # none: a compile for a GPU target without the GPU)
-    flops: float | None
+    # matmul FLOPs per device and step, recompute included, read from the partitioned program
+    # (jaxtron.metrics.hlo.matmul_flops: dots, cuBLAS GEMMs and cuDNN attention counted from their shapes)
+    flops: float
 
     @property
     def peak_bytes(self) -> int:
@@ -82,11 +83,11 @@ def _compile(cfg: Config, devices: list, implementation: str) -> tuple[DryRun, s
         start = time.perf_counter()
         compiled = step.lower(state, batch, votes).compile(compiler_options=dict(setup.compiler_options))
         compile_s = time.perf_counter() - start
-    memory, cost, text = compiled.memory_analysis(), compiled.cost_analysis(), compiled.as_text()
+    memory, text = compiled.memory_analysis(), compiled.as_text()
     result = DryRun(mesh=dict(mesh.shape), compile_s=compile_s,
                     argument_bytes=int(memory.argument_size_in_bytes), output_bytes=int(memory.output_size_in_bytes),
                     alias_bytes=int(memory.alias_size_in_bytes), temp_bytes=int(memory.temp_size_in_bytes),
-                    collectives=collectives(text), flops=float(cost["flops"]) if cost else None)
+                    collectives=collectives(text), flops=sum(matmul_flops(text).values()))
     return result, text
 
 

@@ -1,0 +1,155 @@
+"""Reading compiled XLA programs from their optimized HLO text: the computations and how often each runs per
+execution (loop bodies once per iteration), the element type and shape every instruction defines, and the matmul
+FLOPs the program executes, library calls included.
+
+XLA's own cost analysis counts fusions but gives nothing (-1) for custom calls, and a program compiled for a GPU
+without one has no cost analysis at all; its matmuls are mostly custom calls (cuBLAS GEMMs, cuDNN attention), so
+``matmul_flops`` counts them from their shapes.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+
+DTYPE_BYTES = {"f32": 4, "bf16": 2, "f16": 2, "s32": 4, "u32": 4, "f64": 8, "s64": 8, "pred": 1, "s8": 1, "u8": 1,
+               "f8e4m3fn": 1, "f8e5m2": 1}
+SHAPE = re.compile(r"(\w+)\[([\d,]*)\]")
+_COMPUTATION = re.compile(r"^(?:ENTRY )?%?([\w.\-]+) \(")
+_CALLS = re.compile(r"(?:body|condition|calls|to_apply)=%?([\w.\-]+)|branch_computations=\{([^}]*)\}")
+_TRIPS = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
+# "%name = f8e4m3fn[64,32]{1,0} ..." -> (%name, f8e4m3fn, "64,32"): every instruction with an array result
+_DEFINITION = re.compile(r"^\s*(?:ROOT\s+)?(%[\w.\-]+) = ([a-z][a-z0-9]*)\[([\d,]*)\]", re.MULTILINE)
+
+
+def computations(hlo_text: str) -> tuple[dict[str, list[str]], str | None]:
+    """{computation name: its instruction lines} and the entry computation's name."""
+    comps: dict[str, list[str]] = {}
+    entry, current = None, None
+    for line in hlo_text.splitlines():
+        match = _COMPUTATION.match(line)
+        if match and line.rstrip().endswith("{"):
+            current = match.group(1)
+            comps[current] = []
+            if line.startswith("ENTRY"):
+                entry = current
+        elif line.startswith("}"):
+            current = None
+        elif current is not None:
+            comps[current].append(line)
+    return comps, entry
+
+
+def runs_per_execution(hlo_text: str) -> tuple[dict[str, list[str]], dict[str, int]]:
+    """(the computations, how many times each runs per execution): a while body runs its known trip count times,
+    everything it calls as often; a computation nothing reaches runs 0 times."""
+    comps, entry = computations(hlo_text)
+    if entry is None:
+        return comps, {}
+    runs = {entry: 1}
+    stack = [entry]
+    while stack:
+        name = stack.pop()
+        for line in comps.get(name, []):
+            trips = _TRIPS.search(line)
+            for one, several in _CALLS.findall(line):
+                for callee in (c.strip().lstrip("%") for c in (one or several).split(",")):
+                    if callee not in comps:
+                        continue
+                    times = runs[name] * (int(trips.group(1)) if trips and " while(" in line else 1)
+                    if runs.get(callee, 0) < times:
+                        runs[callee] = times
+                        stack.append(callee)
+    return comps, runs
+
+
+def definitions(hlo_text: str) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """Instruction name -> (element type, dimensions) of every array-valued instruction (names are unique in a
+    module; the text names operands without their types, so this is where an operand's type is read)."""
+    return {name: (dtype, tuple(int(d) for d in dims.split(",") if d))
+            for name, dtype, dims in _DEFINITION.findall(hlo_text)}
+
+
+def result_shape(line: str) -> tuple[int, ...]:
+    """Dimensions of an instruction's result, the first element of a tuple result."""
+    match = SHAPE.search(line.split("=", 1)[1]) if "=" in line else None
+    return tuple(int(d) for d in match.group(2).split(",") if d) if match else ()
+
+
+_OPERANDS = re.compile(r"\b(?:dot|custom-call|fusion)\((.*?)\)")
+_CONTRACTING = re.compile(r"lhs_contracting_dims=\{([\d,]*)\}")
+_LAYOUT_CONSTRAINTS = re.compile(r"operand_layout_constraints=\{(.*?\})\}")  # shapes with their layouts
+_GEMM_TARGETS = ("__cublas$gemm", "__cublas$lt$matmul", "__cublas$lt$matmul$f8")
+_ATTENTION_FORWARD = ("__cudnn$fmhaSoftmax", "__cudnn$fmhaSoftmaxDropout")
+_ATTENTION_BACKWARD = ("__cudnn$fmhaSoftmaxBackward", "__cudnn$fmhaSoftmaxDropoutBackward")
+_TARGET = re.compile(r'custom_call_target="([^"]+)"')
+
+
+def _operands(line: str) -> list[str]:
+    found = _OPERANDS.search(line)
+    return re.findall(r"%[\w.\-]+", found.group(1)) if found else []
+
+
+def _gemm_flops(line: str, shapes: dict, config: dict | None) -> float:
+    """2 x output elements x contracted size, of a dot or a cuBLAS call (its dimension numbers in the config)."""
+    operands = _operands(line)
+    lhs = shapes.get(operands[0], (None, ()))[1] if operands else ()
+    if config is not None:
+        dims = config.get("gemm_backend_config", {}).get("dot_dimension_numbers", {})
+        contracting = [int(d) for d in dims.get("lhs_contracting_dimensions", [])]
+    else:
+        found = _CONTRACTING.search(line)
+        contracting = [int(d) for d in found.group(1).split(",") if d] if found else []
+    if not lhs or any(d >= len(lhs) for d in contracting):
+        return 0.0
+    return 2.0 * math.prod(result_shape(line)) * math.prod(lhs[d] for d in contracting)
+
+
+def _attention_flops(line: str, backward: bool) -> float:
+    """A cuDNN flash-attention call's matmuls, from its operands [batch, length, heads, head size] (query, key,
+    value): forward QK^T and PV; backward the recomputed QK^T, dP, dV, dQ and dK. A causal mask halves the score
+    pairs (a query block of T over S >= T keys sees T x (S - T/2) of them)."""
+    found = _LAYOUT_CONSTRAINTS.search(line)
+    if not found:
+        return 0.0
+    q, k, v = ([int(d) for d in dims.split(",") if d] for _, dims in SHAPE.findall(found.group(1))[:3])
+    batch, length, heads, qk = q
+    keys, dv = k[1], v[3]
+    pairs = batch * heads * (length * (keys - length / 2) if "CAUSAL" in line else length * keys)
+    return 2.0 * pairs * ((3 * qk + 2 * dv) if backward else (qk + dv))
+
+
+def _backend_config(line: str) -> dict:
+    start = line.find("backend_config={")
+    if start < 0:
+        return {}
+    try:
+        return json.JSONDecoder().raw_decode(line, start + len("backend_config="))[0]
+    except ValueError:
+        return {}
+
+
+def matmul_flops(hlo_text: str) -> dict[str, float]:
+    """FLOPs of the matmuls one execution of a compiled program runs, per device, by kind: ``dot`` (XLA dots,
+    inside fusions too: Triton GEMMs, XLA:CPU's), ``gemm`` (cuBLAS calls) and ``attention`` (cuDNN flash
+    attention, forward and backward), each loop body once per iteration. Elementwise work is not counted."""
+    comps, runs = runs_per_execution(hlo_text)
+    shapes = definitions(hlo_text)
+    out = {"dot": 0.0, "gemm": 0.0, "attention": 0.0}
+    for name, lines in comps.items():
+        times = runs.get(name, 0)
+        if not times:
+            continue
+        for line in lines:
+            if " dot(" in line:
+                out["dot"] += times * _gemm_flops(line, shapes, None)
+                continue
+            target = _TARGET.search(line)
+            if not target:
+                continue
+            if target.group(1) in _GEMM_TARGETS:
+                out["gemm"] += times * _gemm_flops(line, shapes, _backend_config(line))
+            elif target.group(1) in _ATTENTION_FORWARD + _ATTENTION_BACKWARD:
+                out["attention"] += times * _attention_flops(line, target.group(1) in _ATTENTION_BACKWARD)
+    return out
