@@ -101,7 +101,8 @@ def test_matmul_flops_count_loop_bodies_per_iteration_and_library_calls_from_the
 
 
 def _compile_on_target(*overrides: str, gpus: int = 1, config: str = "configs/default.py") -> dict:
-    """The default config's train step compiled for ``gpus`` H100s in a subprocess: peak GiB, kernels, device."""
+    """The default config's train step compiled for ``gpus`` H100s in a subprocess: peak bytes, kernels, GEMMs with
+    float8 operands, and the collectives' counts."""
     code = (
         "import json, sys\n"
         "from jaxtron.config.loader import load_config\n"
@@ -109,7 +110,8 @@ def _compile_on_target(*overrides: str, gpus: int = 1, config: str = "configs/de
         "from jaxtron.metrics.kernels import kernels, float8_operands\n"
         "cfg = load_config(sys.argv[1], [tuple(a.split('=', 1)) for a in sys.argv[3:]])\n"
         "result, text = dry_run_on_target(cfg, 'h100', int(sys.argv[2]))\n"
-        "print(json.dumps(dict(peak=result.peak_bytes, kernels=kernels(text), f8=float8_operands(text))))\n")
+        "print(json.dumps(dict(peak=result.peak_bytes, kernels=kernels(text), f8=float8_operands(text),\n"
+        "                      collectives={k: v['count'] for k, v in result.collectives.items()})))\n")
     out = subprocess.run([sys.executable, "-c", code, f"{REPO}/{config}", str(gpus), *overrides], cwd=REPO,
                          env=target.environment(), capture_output=True, text=True, timeout=600, check=False)
     assert out.returncode == 0, out.stderr[-3000:]
@@ -179,6 +181,31 @@ def test_with_fp8_every_block_projection_gemm_takes_float8_operands_on_the_h100(
                              "execution.fp8=true")
     assert got["f8"] == 21 and got["kernels"]["__cublas$lt$matmul$f8"] == 21, got
     assert got["kernels"]["__cublas$lt$matmul"] == 3, got
+
+
+MESHES = {  # name -> (config, GPUs, overrides): the mesh axes beyond fsdp, at 16 to 64 GPUs
+    "sequence": ("default", 16, ["mesh.fsdp=8", "mesh.sequence=2", "execution.attention=cudnn"]),
+    "tensor": ("default", 64, ["mesh.fsdp=8", "mesh.tensor=8", "model.attention.num_heads=8",
+                               "model.attention.num_kv_heads=8"]),
+    "expert": ("mixtral_tiny", 64, ["mesh.fsdp=8", "mesh.expert=8", "train.global_batch_size=64"]),
+    "pipeline": ("default", 32, ["mesh.fsdp=8", "mesh.pipeline=4", "pipeline.microbatches=4",
+                                 "train.global_batch_size=32"]),
+}
+
+
+@needs_plugin
+@pytest.mark.slow
+@pytest.mark.parametrize("axis", sorted(MESHES))
+def test_meshes_of_16_to_64_gpus_compile_with_the_attention_a_gpu_run_picks(axis):
+    """Each mesh's step compiles for the H100 with cuDNN attention forward and backward (on the sharded sequence by
+    chunks of the loader's layout, as execution.attention=cudnn asks), and runs the collectives of its axis."""
+    config, gpus, overrides = MESHES[axis]
+    got = _compile_on_target("execution.dtype=bfloat16", *overrides, gpus=gpus, config=f"configs/{config}.py")
+    assert got["kernels"].get("__cudnn$fmhaSoftmax", 0) >= 1, got
+    assert got["kernels"].get("__cudnn$fmhaSoftmaxBackward", 0) >= 1, got
+    expected = {"sequence": "all-gather", "tensor": "reduce-scatter", "expert": "all-to-all",
+                "pipeline": "collective-permute"}[axis]
+    assert got["collectives"][expected] > 0, got
 
 
 def test_a_head_size_the_targets_cudnn_refuses_is_one_sentence_and_exit_2(capsys):
