@@ -260,15 +260,46 @@ def _mfu_case(smoke: bool, index: int) -> dict:
     return {"case": case.name, **row}
 
 
+def _predictions(smoke: bool) -> dict:
+    """What the H100 target predicts for each MFU case before it runs: the case's step compiled for one
+    compile-only H100 (``jaxtron.planning.dry_run.on_target_in_subprocess``, in a process of its own on the CPU):
+    peak memory per device, the kernels it calls and its matmul FLOPs. The MFU table sets the measured peak beside
+    it. On a machine without jax's CUDA plugin each case says so. (The compiles run on the CPU, so they may share
+    the machine with a GPU step.)"""
+    from jaxtron.config.loader import load_config
+    from jaxtron.config.schema import ConfigError
+    from jaxtron.gpu import target
+    from jaxtron.planning.dry_run import on_target_in_subprocess
+
+    out = {"target": "h100", "cases": {}}
+    for case in CASES[:1] if smoke else CASES:  # a smoke run checks the path with one case
+        overrides = list(case.smoke() if smoke else case.overrides)
+        if not target.plugin_installed():
+            out["cases"][case.name] = {"error": f"jax's CUDA plugin is not installed ({target.INSTALL})"}
+            continue
+        try:
+            got = on_target_in_subprocess(load_config(os.path.join(REPO, case.config), overrides), "h100", 1)
+        except ConfigError as e:
+            out["cases"][case.name] = {"error": str(e)}
+            continue
+        peak = got["argument_bytes"] + got["output_bytes"] - got["alias_bytes"] + got["temp_bytes"]
+        out["cases"][case.name] = {"peak_bytes": peak, "kernels": got["kernels"], "flops": got["flops"],
+                                   "float8_gemms": got["float8_gemms"], "compile_s": got["compile_s"]}
+    return out
+
+
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="benchmarks/gpu_probes.py", description=__doc__.split("\n")[0])
-    parser.add_argument("step", help="environment, ceilings, attention or mfu:<index into gpu_suite.CASES>")
+    parser.add_argument("step", help=("environment, predictions, ceilings, attention or mfu:<index into "
+                                      "gpu_suite.CASES>"))
     parser.add_argument("--result", required=True, help="JSON file for the results")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes, for a CPU")
     args = parser.parse_args(argv)
     name, smoke = args.step, args.smoke
     if name == "environment":
         out = _environment(smoke)
+    elif name == "predictions":
+        out = _predictions(smoke)
     elif name == "ceilings":
         out = _ceilings(smoke)
     elif name == "attention":

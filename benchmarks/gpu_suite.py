@@ -7,7 +7,9 @@ Steps, in order, each in its own process (``gpu_probes.py``, or pytest) with its
 results to DIR before the next starts (a step that fails or runs out of time is recorded and the rest go on):
 
 1. environment: device, memory, driver, jax/jaxlib/CUDA/cuDNN versions, the GPU preset and whether the installed
-   jaxlib accepts its XLA flags;
+   jaxlib accepts its XLA flags; then predictions: each MFU case compiled for a compile-only H100 on the CPU
+   (``jaxtron/gpu/target.py``), its peak memory, kernels and matmul FLOPs, for step 4 to set beside what the
+   device measures (``--only predictions`` runs just this, on any machine with jax's CUDA plugin);
 2. ceilings: bf16 and fp8 8192^3 matmuls, HBM copy bandwidth, and ragged_dot against one dense GEMM of the same
    FLOPs (about 1x: a grouped GEMM; about the number of groups: dense expansion); then attention: cuDNN's
    causal kernel against the blockwise XLA kernel of a sharded sequence at 8k and 32k tokens (time, rate and
@@ -218,8 +220,9 @@ def gpu_test_files() -> list[str]:
 def plan_steps(smoke: bool, python: str) -> list[Step]:
     probes = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gpu_probes.py")
     probe_argv = (python, probes, "--result", "{result}", *(("--smoke",) if smoke else ()))
-    boxes = {"environment": 60, "ceilings": 90, "attention": 150, "gpu tests": 150, "mfu": 150}
+    boxes = {"environment": 60, "predictions": 150, "ceilings": 90, "attention": 150, "gpu tests": 150, "mfu": 150}
     steps = [Step("environment", boxes["environment"], (*probe_argv, "environment")),
+             Step("predictions", boxes["predictions"], (*probe_argv, "predictions")),
              Step("ceilings", boxes["ceilings"], (*probe_argv, "ceilings")),
              Step("attention", boxes["attention"], (*probe_argv, "attention")),
              Step("gpu tests", boxes["gpu tests"],
@@ -362,6 +365,9 @@ def markdown(report: dict) -> str:
                 diff = f"{r['max_abs_difference']:.2e}" if "max_abs_difference" in r else ""
                 lines.append(f"| {length} tokens | {cell(r['blockwise'])} | {cell(r['chunks'])} | {ratio} | {diff} |")
             lines.append("")
+    predictions = next((s.get("result") for s in report["steps"] if s["name"] == "predictions"), None)
+    if predictions:
+        lines += predictions_markdown(predictions)
     tests = next((s.get("result") for s in report["steps"] if s["name"] == "gpu tests"), None)
     if tests and tests.get("tests"):
         lines += ["| GPU test | outcome |", "|---|---|"]
@@ -370,8 +376,10 @@ def markdown(report: dict) -> str:
         lines.append("")
     rows = [s for s in report["steps"] if s["name"].startswith("mfu: ")]
     if rows:
+        predicted = (next((s.get("result") for s in report["steps"] if s["name"] == "predictions"), None)
+                     or {}).get("cases", {})
         lines += [("| case | precision | attention | remat | seq | batch | step s (min-max) | tokens/s | "
-                  "TFLOP/s | MFU | of ceiling | peak mem |"), "|" + "---|" * 12]
+                  "TFLOP/s | MFU | of ceiling | peak mem | H100 target's peak |"), "|" + "---|" * 13]
         for s in rows:
             r = s.get("result")
             if not r:
@@ -385,7 +393,8 @@ def markdown(report: dict) -> str:
                 f"{r['step_time_median_s']:.4f} ({r['step_time_min_s']:.4f}-{r['step_time_max_s']:.4f})",
                 _fmt(r["tokens_per_sec"]), _fmt(r["tflops_per_device"]), mfu,
                 f"{100 * r['fraction_of_matmul_ceiling']:.1f}%",
-                "n/a" if mem is None else f"{mem / 2**30:.1f} GiB"]) + " |")
+                "n/a" if mem is None else f"{mem / 2**30:.1f} GiB",
+                _predicted_peak(predicted.get(r["case"]))]) + " |")
         lines.append("")
         lines.append("MFU: model FLOPs (causal attention counted once, no recompute) against the dense bf16 peak "
                      "(FP8 rows: the FLOP-weighted peak); * no datasheet peak for this device, MFU against the "
@@ -396,6 +405,26 @@ def markdown(report: dict) -> str:
     lines += [f"| {s['name']} | {s['status']}{': ' + s['error'] if s.get('error') else ''} | {s['seconds']} |"
               for s in report["steps"]]
     return "\n".join(lines) + "\n"
+
+
+def _predicted_peak(prediction: dict | None) -> str:
+    if not prediction:
+        return "n/a"
+    return prediction.get("error", "")[:80] or f"{prediction['peak_bytes'] / 2**30:.1f} GiB"
+
+
+def predictions_markdown(result: dict) -> list[str]:
+    """The predictions step as a table: each case's compiled peak, kernels and matmul FLOPs on the H100 target."""
+    lines = [("| case (compiled for 1 x H100, no GPU) | peak | matmul TFLOP/step | GEMMs with float8 operands | "
+              "kernels |"), "|---|---|---|---|---|"]
+    for name, p in result.get("cases", {}).items():
+        if "error" in p:
+            lines.append(f"| {name} | {p['error'][:200]} | | | |")
+            continue
+        kernels = ", ".join(f"{k} {v}" for k, v in p["kernels"].items())
+        lines.append(f"| {name} | {p['peak_bytes'] / 2**30:.2f} GiB | {p['flops'] / 1e12:.4g} | {p['float8_gemms']} | "
+                     f"{kernels} |")
+    return lines + [""]
 
 
 def write(out_dir: str, report: dict) -> None:

@@ -40,12 +40,21 @@ def test_the_smoke_run_goes_through_every_step_and_writes_its_results(tmp_path):
     assert sorted(os.listdir(out)) == ["log.txt", "suite.json", "table.md"]
     report = json.loads((out / "suite.json").read_text())
     names = [s["name"] for s in report["steps"]]
-    assert names == ["environment", "ceilings", "attention", "gpu tests", *(f"mfu: {c.name}" for c in suite.CASES)]
+    assert names == ["environment", "predictions", "ceilings", "attention", "gpu tests",
+                     *(f"mfu: {c.name}" for c in suite.CASES)]
     assert all(s["status"] == "ok" for s in report["steps"]), [s for s in report["steps"] if s["status"] != "ok"]
     steps = {s["name"]: s["result"] for s in report["steps"]}
 
     env = steps["environment"]
     assert env["backend"] == "cpu" and env["device_count"] == 1 and env["xla_flags_unknown"] == []
+    from jaxtron.gpu.target import plugin_installed
+    predicted = steps["predictions"]["cases"][suite.CASES[0].name]  # the first case, compiled for an H100
+    if plugin_installed():
+        assert predicted["peak_bytes"] > 0 and predicted["kernels"]["__cudnn$fmhaSoftmaxBackward"] >= 1, predicted
+        row = f"| {suite.CASES[0].name} | {predicted['peak_bytes'] / 2**30:.2f} GiB |"
+        assert row in (out / "table.md").read_text()
+    else:
+        assert "CUDA plugin is not installed" in predicted["error"]
     ceilings = steps["ceilings"]
     for name in ("bf16_matmul", "fp8_matmul"):
         assert ceilings[name]["tflops"] == pytest.approx(2 * 512 ** 3 / ceilings[name]["best_s"] / 1e12)
