@@ -163,6 +163,7 @@ def compile_report(cfg, sizes: dict[str, int], n: int, gpu_name: str, gpu, estim
     from jaxtron.gpu import target
     from jaxtron.metrics.flops import hardware_flops_per_token
     from jaxtron.planning.dry_run import DryRun, dry_run, dry_run_text, on_target_in_subprocess
+    from jaxtron.planning.memory import UNSEEN_ON_TARGET
 
     if math.prod(sizes.values()) != n:
         raise ConfigError(f"--compile mesh {_mesh_text(sizes)} has {math.prod(sizes.values())} devices but --gpus is "
@@ -191,10 +192,13 @@ def compile_report(cfg, sizes: dict[str, int], n: int, gpu_name: str, gpu, estim
             print(f"GEMMs with float8 operands: {float8_gemms}")
     est = estimate(cfg, sizes, gpu, cpu_program=not on_target)
     state = est.memory["parameters"] + est.memory["optimizer"] + est.memory["batch"]
-    error = est.memory_bytes / result.peak_bytes - 1
-    print(f"estimate of the same program: peak {est.memory_bytes / GIB:.2f} GiB ({100 * error:+.1f}% of the "
-          f"compiled peak), of which arguments {state / GIB:.2f} GiB, temporaries "
-          f"{(est.memory_bytes - state) / GIB:.2f} GiB")
+    unseen = sum(est.memory.get(term, 0.0) for term in UNSEEN_ON_TARGET) if on_target else 0.0
+    error = (est.memory_bytes - unseen) / result.peak_bytes - 1
+    print(f"estimate of the same program: peak {(est.memory_bytes - unseen) / GIB:.2f} GiB ({100 * error:+.1f}% of "
+          f"the compiled peak), of which arguments {state / GIB:.2f} GiB, temporaries "
+          f"{(est.memory_bytes - state - unseen) / GIB:.2f} GiB"
+          + (f"; besides, cuDNN's workspace, which a compile without the GPU cannot see: {unseen / GIB:.2f} GiB"
+             if unseen else ""))
     print("estimated collective bytes per step and device: " +
           ", ".join(f"{k} {v / 2**20:.0f} MiB" for k, v in est.collectives.items() if v))
     tokens = cfg.train.global_batch_size * cfg.data.seq_len
@@ -203,7 +207,8 @@ def compile_report(cfg, sizes: dict[str, int], n: int, gpu_name: str, gpu, estim
           f"kernels counted from their shapes), model {model_flops / 1e12:.4g} T (recompute included): "
           f"{result.flops / model_flops:.3f}x")
     return dict(mesh=sizes, compiled_peak=result.peak_bytes, compiled_arguments=result.argument_bytes,
-                compiled_temp=result.temp_bytes, estimated_peak=est.memory_bytes, compile_s=result.compile_s,
+                compiled_temp=result.temp_bytes, estimated_peak=est.memory_bytes - unseen, estimated_unseen=unseen,
+                compile_s=result.compile_s,
                 collectives=result.collectives, estimated_collectives=est.collectives,
                 target=gpu_name if on_target else "cpu", kernels=kernels, flops=result.flops,
                 model_flops=model_flops)

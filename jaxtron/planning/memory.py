@@ -17,7 +17,8 @@ The model follows what jaxtron's train step does, not an idealised trainer:
   picks; it dominates where the state is sharded little and the activations are small).
 
 The few copy counts below (how many buffers of a kind are live at the peak) were read off XLA's buffer
-assignment of compiled steps; ``benchmarks/plan_validation.md`` compares the totals with the compiler's.
+assignment of compiled steps, XLA:CPU's and the H100 target's (``GPU_*``: the program a GPU runs, compiled without
+one, ``jaxtron/gpu/target.py``); ``benchmarks/plan_validation.md`` compares the totals with both compilers'.
 """
 
 from __future__ import annotations
@@ -42,6 +43,27 @@ WEIGHT_COPIES = 2.0  # gathered block weights besides their float32 gradient: th
 LOGIT_COPIES = 2.0  # float32 logits of one slice: the logits and their gradient
 HEAD_COPIES = 2.0  # embedding and output head gathered over fsdp besides their gradient
 UPDATE_COPIES = 3.0  # XLA:CPU's update: new float32 parameters and both moments, before the skip-or-apply select
+
+# The GPU program (XLA:GPU for the H100 target, jaxtron/gpu/target.py) differs, fitted on its compiled steps
+# (benchmarks/plan_validation.md, 30+ meshes of 1B to 405B, dense and MoE; XLA's allocation peak, which includes
+# the gaps its heap leaves between buffers, so these are effective counts rather than buffers one can point to):
+GPU_LOGIT_COPIES = 1.1  # the float32 logits of one slice; their gradient takes their place
+GPU_HEAD_COPIES = 0.75  # embedding and output head gathered over fsdp in 16 bits (freed as their GEMMs end)
+GPU_LAYER_COPIES = 1.1  # one block's intermediates during its backward (LAYER_COPIES on XLA:CPU)
+GPU_TENSOR_GATHER_COPIES = 4.0  # the normed inputs gathered over the tensor group, their gradients and partial sums
+GPU_WEIGHT_COPIES = 0.75  # gathered block weights (16-bit; their float32 gradients are reduce-scattered at once)
+GPU_MOE_COPIES = 1.5  # the MoE block's exchange buffers and expert hidden values (MOE_COPIES on XLA:CPU)
+# a pipeline schedule's backward loop carries the stage's gradient accumulator beside the one of the step
+GPU_PIPELINE_GRADIENT_COPIES = 1.0
+# A stacked weight whose fsdp-sharded dimension is not the one right after the stack's (the output projections:
+# [layers, ..., embed]; the experts': [layers, experts, embed, ...]) is gathered one block at a time from a
+# float32 copy of the whole stack that XLA:GPU transposes so that dimension comes first, made once per step and
+# held through it (read off the buffer assignments of the H100 compiles). One such copy per weight:
+GPU_LAYOUT_COPIES = 1.0
+# cuDNN's flash backward accumulates the query gradient in float32 in a workspace that cuDNN sizes on the device:
+# a compile without a GPU cannot see it (the call's workspace is empty there), so it is estimated, not compared
+CUDNN_WORKSPACE_Q_BYTES = 4.0
+UNSEEN_ON_TARGET = ("cudnn_workspace",)  # terms a compile without the GPU cannot see
 
 
 def state_memory(shape: StepShape, params: tuple[Param, ...]) -> dict[str, float]:
@@ -86,6 +108,25 @@ def activation_memory(cfg: Config, shape: StepShape, block: BlockValues) -> dict
     return memory
 
 
+def gpu_terms(cfg: Config, shape: StepShape, block: BlockValues, params: tuple[Param, ...]) -> dict[str, float]:
+    """Bytes only the GPU program holds: the float32 copies of weight stacks it gathers in another layout, the
+    pipeline schedule's second gradient accumulator, and cuDNN's workspace (``CUDNN_WORKSPACE_Q_BYTES`` per query
+    element, for the flash backward)."""
+    if shape.cpu_program:
+        return {}
+    terms = {}
+    if shape.mesh.get("fsdp", 1) > 1:
+        transposed = sum(p.shard_elements(shape.mesh) for p in params
+                         if p.in_blocks and p.sharded_dims("fsdp")[:1] not in ((), (1,)))
+        if transposed:
+            terms["layout_copies"] = GPU_LAYOUT_COPIES * 4.0 * transposed
+    if shape.pipelined:
+        terms["pipeline_gradients"] = GPU_PIPELINE_GRADIENT_COPIES * 4.0 * state_elements(params, shape.mesh)
+    if shape.attention == "cudnn":
+        terms["cudnn_workspace"] = CUDNN_WORKSPACE_Q_BYTES * block.attention["q"]
+    return terms
+
+
 def block_work(shape: StepShape, block: BlockValues, params: tuple[Param, ...]) -> float:
     """Bytes of working space in one block's backward pass."""
     per_block = {}  # elements of one block's weights gathered over fsdp, per stack ('layers', 'moe_layers')
@@ -103,8 +144,13 @@ def block_work(shape: StepShape, block: BlockValues, params: tuple[Param, ...]) 
     elif shape.chunks:
         flash = shape.value_bytes * CHUNK_KV_COPIES * block.attention["kv"]
     work_c = shape.work_bytes
-    return ((LAYER_COPIES * block.everything + MOE_COPIES * (block.moe_values if shape.moe_layers else 0)) * work_c
-            + SCORE_COPIES * block.scores * 4.0 + flash
+    moe = (block.moe_values if shape.moe_layers else 0) * work_c
+    if not shape.cpu_program:
+        gathered = 2 * block.residual if shape.mesh.get("tensor", 1) > 1 else 0  # the normed inputs, whole
+        return ((GPU_LAYER_COPIES * (block.everything - gathered) + GPU_TENSOR_GATHER_COPIES * gathered) * work_c
+                + GPU_MOE_COPIES * moe + SCORE_COPIES * block.scores * 4.0 + flash
+                + block_weights * GPU_WEIGHT_COPIES * work_c)
+    return (LAYER_COPIES * block.everything * work_c + MOE_COPIES * moe + SCORE_COPIES * block.scores * 4.0 + flash
             + block_weights * (WEIGHT_COPIES * work_c + 4.0))  # gathered copies and the float32 gradient
 
 
@@ -113,10 +159,13 @@ def loss_work(cfg: Config, shape: StepShape, block: BlockValues, params: tuple[P
     """Bytes of working space in the loss and its backward pass; ``optimizer_bytes``: the AdamW moments'."""
     head_params = [p for p in params if not p.in_blocks and "vocab" in p.names]
     head_gathered = sum(p.shard_elements(shape.mesh, without=("fsdp",)) for p in head_params)
-    return (LOGIT_COPIES * 4.0 * shape.outside_rows * shape.local_len * block.vocab / cfg.train.logit_chunks
+    logits = 4.0 * shape.outside_rows * shape.local_len * block.vocab / cfg.train.logit_chunks
+    if not shape.cpu_program:
+        return GPU_LOGIT_COPIES * logits + GPU_HEAD_COPIES * head_gathered * shape.work_bytes
+    return (LOGIT_COPIES * logits
             + head_gathered * (HEAD_COPIES * shape.work_bytes + 4.0)
             # a pipelined program on XLA:CPU copies the AdamW moments before the loss's backward pass
-            + (optimizer_bytes if shape.cpu_program and shape.pipelined else 0.0))
+            + (optimizer_bytes if shape.pipelined else 0.0))
 
 
 def update_work(shape: StepShape, params: tuple[Param, ...]) -> float:
@@ -131,6 +180,7 @@ def memory(cfg: Config, shape: StepShape, block: BlockValues, params: tuple[Para
     working space of the step's largest phase."""
     terms = state_memory(shape, params)
     terms.update(activation_memory(cfg, shape, block))
+    terms.update(gpu_terms(cfg, shape, block, params))
     terms["working"] = float(max(block_work(shape, block, params),
                                  loss_work(cfg, shape, block, params, terms["optimizer"]),
                                  update_work(shape, params)))

@@ -31,6 +31,11 @@ class Param:
         """A parameter of the periods a pipeline schedule runs (each stage holds its own)."""
         return bool(self.names) and self.names[0] == "layers"
 
+    def sharded_dims(self, axis: str) -> tuple[int, ...]:
+        """The dimensions the mesh axis ``axis`` shards."""
+        return tuple(i for i, axes in enumerate(logical_to_spec(self.names))
+                     if axes == axis or (isinstance(axes, tuple) and axis in axes))
+
     def shard_elements(self, sizes: Mapping[str, int], without: tuple[str, ...] = ()) -> int:
         """Elements one device holds (ceil division, as jax pads uneven shards); ``without``: mesh axes whose
         sharding is undone (e.g. 'fsdp' for the gathered weights)."""
