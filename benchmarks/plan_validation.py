@@ -137,6 +137,8 @@ def arguments(doc: str, table: str, recompile: bool = False) -> argparse.Namespa
     .json beside it holds the rows), ``--estimate-only`` and (``recompile``) ``--recompile``."""
     parser = argparse.ArgumentParser(description=doc.split("\n")[0])
     parser.add_argument("--out", default=os.path.join(ROOT, "benchmarks", table))
+    parser.add_argument("--families", action="store_true",
+                        help="print the H100 programs of one pair per config family (benchmarks/README.md), no more")
     parser.add_argument("--estimate-only", action="store_true",
                         help="keep the compiled numbers of the .json beside --out, recompute the estimates")
     if recompile:
@@ -155,6 +157,10 @@ def main() -> int:
     args = arguments(__doc__, "plan_validation.md", recompile=True)
     stored = {}
     stored_path = os.path.splitext(args.out)[0] + ".json"
+    if args.families:
+        with open(stored_path) as f:
+            print("\n".join(program_table(family_rows(json.load(f)))))
+        return 0
     if args.estimate_only or args.recompile or (args.resume and os.path.exists(stored_path)):
         with open(stored_path) as f:
             stored = {(r["config"], r["devices"], tuple(r["overrides"])): r for r in json.load(f)
@@ -248,10 +254,64 @@ def write(path: str, rows: list[dict]) -> None:
                      f"{pair(c['all-reduce'] + c['reduce-scatter'], e['all-reduce'] + e['reduce-scatter'])} | "
                      f"{pair(c['all-to-all'], e['all-to-all'])} | "
                      f"{pair(c.get('collective-permute', 0.0), e.get('collective-permute', 0.0))} |")
+    lines += ["", ("The H100 programs: compile time on this machine's 2 cores, the kernels they call (a loop body's "
+                   "once), and the matmul FLOPs per device and step counted in the compiled program (dots, GEMMs and "
+                   "cuDNN attention from their shapes; `jaxtron/metrics/hlo.py`) against the model's with "
+                   "recompute (`hardware_flops_per_token`):"), ""]
+    lines += program_table(rows)
     with open(path, "w") as f:
         f.write("\n".join(lines) + "\n")
     with open(os.path.splitext(path)[0] + ".json", "w") as f:
         json.dump(rows, f, indent=1)
+
+
+def kernel_summary(kernels: dict[str, int]) -> str:
+    """cuDNN attention calls, GEMMs by library and operand precision, other Triton and custom fusions."""
+    names = {"__cudnn$fmhaSoftmax": "cuDNN fwd", "__cudnn$fmhaSoftmaxBackward": "cuDNN bwd",
+             "__triton_nested_gemm_fusion": "Triton GEMM", "__triton_gemm": "Triton GEMM",
+             "__cublas$lt$matmul": "cuBLASLt", "__cublas$gemm": "cuBLAS", "__cublas$lt$matmul$f8": "cuBLASLt FP8",
+             "__triton": "Triton fusion", "__custom_fusion": "custom fusion"}
+    summed: dict[str, int] = {}
+    for name, count in kernels.items():
+        summed[names.get(name, name)] = summed.get(names.get(name, name), 0) + count
+    return ", ".join(f"{name} {count}" for name, count in summed.items())
+
+
+def model_flops(row: dict) -> float:
+    """The model's matmul FLOPs per device and step with what remat recomputes."""
+    from jaxtron.metrics.flops import hardware_flops_per_token
+    cfg = load(row["config"], row["overrides"])
+    tokens = cfg.train.global_batch_size * cfg.data.seq_len
+    return hardware_flops_per_token(cfg.model, cfg.execution, cfg.data.seq_len) * tokens / row["devices"]
+
+
+def family_rows(rows: list[dict]) -> list[dict]:
+    """The first pair of each config family, and the pairs that show a kernel choice: FP8, capacity against
+    dropless MoE, a pipeline, a sharded sequence."""
+    seen, picked = set(), []
+    for r in rows:
+        over = " ".join(r["overrides"])
+        family = r["config"].split(":")[0]
+        shows = any(k in over for k in ("fp8=True", "mesh.pipeline", "mesh.sequence", "moe_mode=capacity"))
+        key = (family, tuple(k for k in ("fp8=True", "mesh.pipeline", "mesh.sequence", "moe_mode") if k in over))
+        if key not in seen and (family not in {k[0] for k in seen} or shows):
+            seen.add(key)
+            picked.append(r)
+    return picked
+
+
+def program_table(rows: list[dict]) -> list[str]:
+    """Per row: the H100 compile's time, peak against the estimate and XLA:CPU's peak, kernels and FLOPs ratio."""
+    lines = [("| model | GPUs | mesh | compile s | peak GiB: H100 / estimate / XLA:CPU | kernels | TFLOP per GPU-step "
+              "| compiled / model |"), "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        t = r["target"]
+        mesh = " ".join(f"{a}={v}" for a, v in r["mesh"].items() if v > 1) or "one device"
+        ratio = t["flops"] / model_flops(r)
+        lines.append(f"| {_label(r)} | {r['devices']} | {mesh} | {t['compile_s']:.1f} | {t['peak'] / GIB:.1f} / "
+                     f"{(r['estimated_gpu'] - r['unseen']) / GIB:.1f} / {r['compiled']['peak'] / GIB:.1f} | "
+                     f"{kernel_summary(t['kernels'])} | {t['flops'] / 1e12:.1f} | {ratio:.2f} |")
+    return lines
 
 
 def _label(row: dict) -> str:

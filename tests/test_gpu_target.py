@@ -79,7 +79,17 @@ LOOP_HLO = """
   %d = bf16[8,16]{1,0} dot(%x, %w), lhs_contracting_dims={1}, rhs_contracting_dims={0}
 }
 
+%taken (q: bf16[4,8]) -> bf16[4,4] {
+  %q = bf16[4,8]{1,0} parameter(0)
+  %qq = bf16[4,4]{1,0} dot(%q, %q), lhs_contracting_dims={1}, rhs_contracting_dims={1}
+}
+
+%skipped (q: bf16[4,8]) -> bf16[4,4] {
+  %z = bf16[4,4]{1,0} constant({...})
+}
+
 ENTRY %main (a: bf16[64,32], b: bf16[16,32]) -> bf16[64,16] {
+  %c = bf16[4,4]{1,0} conditional(%p0, %q0, %q0), true_computation=%taken, false_computation=%skipped
   %a = bf16[64,32]{1,0} parameter(0)
   %b = bf16[16,32]{1,0} parameter(1)
   %loop = (s32[], bf16[8,16]{1,0}) while(%init), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"3"}}
@@ -92,7 +102,8 @@ ENTRY %main (a: bf16[64,32], b: bf16[16,32]) -> bf16[64,16] {
 
 def test_matmul_flops_count_loop_bodies_per_iteration_and_library_calls_from_their_shapes():
     got = matmul_flops(LOOP_HLO)
-    assert got["dot"] == 3 * 2 * (8 * 16) * 16  # the loop body's dot, 3 iterations
+    # the loop body's dot, 3 iterations; a conditional's branch as if taken
+    assert got["dot"] == 3 * 2 * (8 * 16) * 16 + 2 * (4 * 4) * 8
     assert got["gemm"] == 2 * (64 * 16) * 32  # the cuBLAS call's output times its contracted 32
     causal = 2 * 4 * 128 * (128 - 64)  # batch x query heads x the causal score pairs
     full = 2 * 4 * 128 * 128

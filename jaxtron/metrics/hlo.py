@@ -17,7 +17,8 @@ DTYPE_BYTES = {"f32": 4, "bf16": 2, "f16": 2, "s32": 4, "u32": 4, "f64": 8, "s64
                "f8e4m3fn": 1, "f8e5m2": 1}
 SHAPE = re.compile(r"(\w+)\[([\d,]*)\]")
 _COMPUTATION = re.compile(r"^(?:ENTRY )?%?([\w.\-]+) \(")
-_CALLS = re.compile(r"(?:body|condition|calls|to_apply)=%?([\w.\-]+)|branch_computations=\{([^}]*)\}")
+_CALLS = re.compile(r"(?:body|condition|calls|to_apply|true_computation|false_computation)=%?([\w.\-]+)"
+                    r"|branch_computations=\{([^}]*)\}")
 _TRIPS = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
 # "%name = f8e4m3fn[64,32]{1,0} ..." -> (%name, f8e4m3fn, "64,32"): every instruction with an array result
 _DEFINITION = re.compile(r"^\s*(?:ROOT\s+)?(%[\w.\-]+) = ([a-z][a-z0-9]*)\[([\d,]*)\]", re.MULTILINE)
@@ -43,7 +44,9 @@ def computations(hlo_text: str) -> tuple[dict[str, list[str]], str | None]:
 
 def runs_per_execution(hlo_text: str) -> tuple[dict[str, list[str]], dict[str, int]]:
     """(the computations, how many times each runs per execution): a while body runs its known trip count times,
-    everything it calls as often; a computation nothing reaches runs 0 times."""
+    everything it calls as often, each branch of a conditional as often as the conditional (an upper bound: a
+    kernel that skips blocks by a condition, such as causal blockwise attention, is counted as if it skipped none);
+    a computation nothing reaches runs 0 times."""
     comps, entry = computations(hlo_text)
     if entry is None:
         return comps, {}
@@ -133,7 +136,8 @@ def _backend_config(line: str) -> dict:
 def matmul_flops(hlo_text: str) -> dict[str, float]:
     """FLOPs of the matmuls one execution of a compiled program runs, per device, by kind: ``dot`` (XLA dots,
     inside fusions too: Triton GEMMs, XLA:CPU's), ``gemm`` (cuBLAS calls) and ``attention`` (cuDNN flash
-    attention, forward and backward), each loop body once per iteration. Elementwise work is not counted."""
+    attention, forward and backward), each loop body once per iteration and each branch of a conditional as if it
+    were taken. Elementwise work is not counted."""
     comps, runs = runs_per_execution(hlo_text)
     shapes = definitions(hlo_text)
     out = {"dot": 0.0, "gemm": 0.0, "attention": 0.0}
