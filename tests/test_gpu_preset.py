@@ -9,9 +9,21 @@ from jaxtron.gpu import preset as gpu_preset
 
 
 def test_the_installed_jaxlib_takes_the_preset_and_names_a_flag_it_does_not_know():
-    # a GPU scheduler flag is known to every jaxlib (GPU flags are parsed on any platform); the last is not
-    flags = f"{gpu_preset.xla_flags()} --xla_gpu_enable_latency_hiding_scheduler=true --xla_gpu_no_such_flag=1"
+    # the preset's flags, those waiting for a GPU timing and those that change nothing are known to the installed
+    # jaxlib (GPU flags are parsed on any platform); the last is not
+    listed = " ".join([*gpu_preset.WAITING, *gpu_preset.NO_CHANGE])
+    flags = f"{gpu_preset.xla_flags()} {listed} --xla_gpu_no_such_flag=1"
     assert gpu_preset.unknown_flags(flags) == ["--xla_gpu_no_such_flag=1"]
+
+
+def test_the_program_options_named_as_evidence_are_the_ones_the_code_sets():
+    from jaxtron.gpu import target
+    from jaxtron.ops import fp8
+
+    fp8_options, _ = next(v for k, v in gpu_preset.PROGRAM_OPTIONS.items() if k.startswith("jaxtron/ops/fp8.py"))
+    assert fp8_options == ", ".join(f"{k}={v}" for k, v in fp8.COMPILER_OPTIONS.items())
+    cub, _ = next(v for k, v in gpu_preset.PROGRAM_OPTIONS.items() if k.startswith("jaxtron/gpu/target.py"))
+    assert cub == " ".join(f"{k}={v}" for k, v in target.DEVICELESS_FLAGS.items())
 
 
 def test_check_refuses_an_unknown_flag_in_one_sentence(monkeypatch, capsys):
