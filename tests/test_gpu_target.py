@@ -193,6 +193,8 @@ def test_with_fp8_every_block_projection_gemm_takes_float8_operands_on_the_h100(
 
 MESHES = {  # name -> (config, GPUs, overrides): the mesh axes beyond fsdp, at 16 to 64 GPUs
     "sequence": ("default", 16, ["mesh.fsdp=8", "mesh.sequence=2", "execution.attention=cudnn"]),
+    # what 'auto' runs there: the blockwise XLA kernel, until a GPU has timed it against cuDNN by chunks
+    "sequence-auto": ("default", 16, ["mesh.fsdp=8", "mesh.sequence=2", "execution.attention=auto"]),
     "tensor": ("default", 64, ["mesh.fsdp=8", "mesh.tensor=8", "model.attention.num_heads=8",
                                "model.attention.num_kv_heads=8"]),
     "expert": ("mixtral_tiny", 64, ["mesh.fsdp=8", "mesh.expert=8", "train.global_batch_size=64"]),
@@ -207,15 +209,17 @@ MESHES = {  # name -> (config, GPUs, overrides): the mesh axes beyond fsdp, at 1
 @pytest.mark.parametrize("axis", sorted(MESHES))
 def test_meshes_of_16_to_64_gpus_compile_with_the_attention_a_gpu_run_picks(axis):
     """Each mesh's step compiles for the H100 with cuDNN attention forward and backward (on the sharded sequence by
-    chunks of the loader's layout, as execution.attention=cudnn asks), and runs the collectives of its axis. A
+    chunks of the loader's layout, as execution.attention=cudnn asks; 'auto' runs the blockwise kernel there), and
+    runs the collectives of its axis. A
     pipeline maps its stages with jax.vmap, which jax's own batching rule for packed cuDNN attention cannot take
     (ops/cudnn.py folds the stages into the rows instead)."""
     config, gpus, overrides = MESHES[axis]
     got = _compile_on_target("execution.dtype=bfloat16", *overrides, gpus=gpus, config=f"configs/{config}.py")
-    assert got["kernels"].get("__cudnn$fmhaSoftmax", 0) >= 1, got
-    assert got["kernels"].get("__cudnn$fmhaSoftmaxBackward", 0) >= 1, got
-    expected = {"sequence": "all-gather", "tensor": "reduce-scatter", "expert": "all-to-all",
-                "pipeline": "collective-permute"}[axis]
+    cudnn = axis != "sequence-auto"
+    assert (got["kernels"].get("__cudnn$fmhaSoftmax", 0) >= 1) == cudnn, got
+    assert (got["kernels"].get("__cudnn$fmhaSoftmaxBackward", 0) >= 1) == cudnn, got
+    expected = {"sequence": "all-gather", "sequence-auto": "all-gather", "tensor": "reduce-scatter",
+                "expert": "all-to-all", "pipeline": "collective-permute"}[axis]
     assert got["collectives"][expected] > 0, got
     if axis == "pipeline":
         assert got["kernels"]["__cudnn$fmhaSoftmax"] == got["kernels"]["__cudnn$fmhaSoftmaxBackward"] == 1, got

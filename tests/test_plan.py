@@ -267,6 +267,10 @@ def test_plan_cli_rejects_bad_requests(capsys):
     assert "h100" in capsys.readouterr().err
     assert cli.run("plan", [f"--config={REPO}/configs/llama3_8b.py", "--gpus=8", "--compile=fsdp=x"]) == 2
     assert "AXIS=SIZE" in capsys.readouterr().err
+    # a --compile mesh that does not fill the GPU count: one sentence naming both, before anything compiles
+    assert cli.run("plan", [f"--config={REPO}/configs/default.py", "--gpus=8", "--compile=fsdp=4"]) == 2
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        "error: --compile mesh fsdp=4 has 4 devices but --gpus is 8; make the sizes multiply to 8.")
 
 
 @pytest.mark.slow
