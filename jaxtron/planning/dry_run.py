@@ -1,9 +1,11 @@
 """Dry run: lower and compile the real train step for one mesh with abstract inputs (no parameter memory),
-then read XLA's memory analysis and the collectives of the compiled program.
+then read XLA's memory analysis, the collectives and the matmul FLOPs of the compiled program.
 
-The devices are whatever jax has: fake CPU devices (``--xla_force_host_platform_device_count``) stand in for
-GPUs. XLA:CPU partitions the program like XLA:GPU does, but attention runs as the XLA implementation (no
-cuDNN kernel), and the CPU backend's memory analysis and collective combining can differ from a GPU's.
+``dry_run`` compiles for the devices jax has: fake CPU devices (``--xla_force_host_platform_device_count``) stand
+in for GPUs. XLA:CPU partitions the program like XLA:GPU does, but attention runs as the XLA implementation (no
+cuDNN kernel), 16-bit matmul operands become float32, and its buffers differ from a GPU's. ``dry_run_on_target``
+compiles the program a GPU runs, for compile-only H100s or H200s (``jaxtron.gpu.target``), and
+``on_target_in_subprocess`` does so in a process of its own.
 """
 
 from __future__ import annotations
