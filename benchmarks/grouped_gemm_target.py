@@ -55,7 +55,7 @@ for part, fn, useful in (("forward", grouped, 1), ("forward+backward", both, 3))
     compiled = jax.jit(fn).lower(lhs, rhs, sizes).compile()
     text = compiled.as_text()
     out[part] = {"kernels": kernels(text), "temp_bytes": compiled.memory_analysis().temp_size_in_bytes,
-                 "dot_flops_over_useful": sum(matmul_flops(text).values()) / (useful * 2 * rows * depth * width)}
+                 "flops_over_useful": sum(matmul_flops(text).values()) / (useful * 2 * rows * depth * width)}
 print(json.dumps(out))
 """
 
@@ -83,11 +83,11 @@ def main() -> int:
         json.dump(rows, f, indent=1)
     lines = ["# Grouped expert GEMMs compiled for the H100", "",
              (f"Command: `python benchmarks/grouped_gemm_target.py` (jax {jax.__version__}, compile-only H100, no "
-              f"GPU): {GROUPS} groups, {ROWS} rows of {DEPTH} into {WIDTH}, bfloat16. \"XLA dots / useful\": the "
-              "FLOPs of the dots XLA sees in the compiled program over the useful ones (forward 1, forward and "
-              "backward 3 ragged GEMMs); a Pallas kernel is a custom call XLA does not count, and computes the "
-              "useful FLOPs by construction."), "",
-             "| implementation | part | kernels | temporaries GiB | XLA dots / useful |", "|---|---|---|---|---|"]
+              f"GPU): {GROUPS} groups, {ROWS} rows of {DEPTH} into {WIDTH}, bfloat16. \"counted / useful\": the "
+              "matmul FLOPs counted in the compiled program (`jaxtron/metrics/hlo.py`: XLA's dots, and a grouped "
+              "GEMM kernel from its shapes) over the useful ones (forward 1, forward and backward 3 ragged "
+              "GEMMs)."), "",
+             "| implementation | part | kernels | temporaries GiB | counted / useful |", "|---|---|---|---|---|"]
     for name, row in rows.items():
         if "error" in row:
             lines.append(f"| {name} | | {row['error']} | | |")
@@ -95,7 +95,7 @@ def main() -> int:
         for part, r in row.items():
             kernels = ", ".join(f"{k} {v}" for k, v in r["kernels"].items())
             lines.append(f"| {name} | {part} | {kernels} | {r['temp_bytes'] / 2**30:.2f} | "
-                         f"{r['dot_flops_over_useful']:.2f} |")
+                         f"{r['flops_over_useful']:.2f} |")
     with open(out + ".md", "w") as f:
         f.write("\n".join(lines) + "\n")
     return 0

@@ -100,6 +100,21 @@ ENTRY %main (a: bf16[64,32], b: bf16[16,32]) -> bf16[64,16] {
 """  # noqa: E501
 
 
+GROUPED_HLO = """
+ENTRY %main (a: bf16[64,32]) -> bf16[64,48] {
+  %f = bf16[64,48]{1,0} custom-call(%a, %b, %g), custom_call_target="__gpu$xla.gpu.triton", operand_layout_constraints={bf16[64,32]{1,0}, bf16[4,32,48]{2,1,0}, s32[4]{0}}, metadata={op_name="jit(f)/tokamax:{\\"op\\":{\\"__type\\":\\"tokamax.PallasTritonRaggedDot\\"}}"}
+  %x = bf16[64,32]{1,0} custom-call(%f, %bt, %g), custom_call_target="__gpu$xla.gpu.triton", operand_layout_constraints={bf16[64,48]{1,0}, bf16[4,48,32]{2,1,0}, s32[4]{0}}, metadata={op_name="jit(f)/transpose(jvp())/tokamax:{\\"op\\":{\\"__type\\":\\"tokamax.PallasTritonRaggedDot\\"}}"}
+  %w = bf16[4,32,48]{2,1,0} custom-call(%g, %at, %f), custom_call_target="mosaic_gpu_v2", operand_layout_constraints={s32[4]{0}, bf16[32,64]{1,0}, bf16[64,48]{1,0}}, metadata={op_name="jit(f)/transpose(jvp())/tokamax:{\\"op\\":{\\"__type\\":\\"tokamax.PallasMosaicGpuRaggedDot\\"}}"}
+}
+"""  # noqa: E501
+
+
+def test_grouped_gemm_kernels_count_their_useful_flops_from_their_shapes():
+    """A grouped expert GEMM kernel (tokamax's ragged_dot in Triton or Mosaic GPU) computes 2 x rows x K x N whatever
+    the groups: forward, input gradient and weight gradient (its left operand transposed)."""
+    assert matmul_flops(GROUPED_HLO)["grouped_gemm"] == 3 * 2 * 64 * 32 * 48
+
+
 def test_matmul_flops_count_loop_bodies_per_iteration_and_library_calls_from_their_shapes():
     got = matmul_flops(LOOP_HLO)
     # the loop body's dot, 3 iterations; a conditional's branch as if taken

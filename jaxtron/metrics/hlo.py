@@ -123,6 +123,35 @@ def _attention_flops(line: str, backward: bool) -> float:
     return 2.0 * pairs * ((3 * qk + 2 * dv) if backward else (qk + dv))
 
 
+_FLOAT = ("bf16", "f16", "f32", "f8e4m3fn", "f8e5m2")
+
+
+def _grouped_gemm_flops(line: str) -> float:
+    """A grouped (ragged) GEMM kernel's matmul FLOPs, 2 x M x K x N, from its float operands and its result: the
+    forward [M, K] x [G, K, N] -> [M, N], the input gradient [M, N] x [G, N, K] -> [M, K], and the weight gradient
+    from [M, K] and [M, N] (or [K, M]) -> [G, K, N]. A library kernel is a custom call XLA cannot see into; its op
+    name says what it computes."""
+    found = _LAYOUT_CONSTRAINTS.search(line)
+    if not found:
+        return 0.0
+    operands = [tuple(int(d) for d in dims.split(",") if d) for dtype, dims in SHAPE.findall(found.group(1))
+                if dtype in _FLOAT]
+    result = result_shape(line)
+    flat = [o for o in operands if len(o) == 2]
+    if not flat:
+        return 0.0
+    if len(result) == 3:  # the weight gradient [G, K, N]: M is what is left of a 2-D operand beside K or N
+        _, k, n = result
+        a = flat[0]
+        rows = math.prod(a) // (k if k in a else n)
+        return 2.0 * rows * k * n
+    if len(result) == 2:  # [M, N] from [M, K]
+        rows, n = result
+        a = flat[0]
+        return 2.0 * rows * n * (math.prod(a) // rows)
+    return 0.0
+
+
 def _backend_config(line: str) -> dict:
     start = line.find("backend_config={")
     if start < 0:
@@ -135,12 +164,13 @@ def _backend_config(line: str) -> dict:
 
 def matmul_flops(hlo_text: str) -> dict[str, float]:
     """FLOPs of the matmuls one execution of a compiled program runs, per device, by kind: ``dot`` (XLA dots,
-    inside fusions too: Triton GEMMs, XLA:CPU's), ``gemm`` (cuBLAS calls) and ``attention`` (cuDNN flash
-    attention, forward and backward), each loop body once per iteration and each branch of a conditional as if it
+    inside fusions too: Triton GEMMs, XLA:CPU's), ``gemm`` (cuBLAS calls), ``attention`` (cuDNN flash
+    attention, forward and backward) and ``grouped_gemm`` (a grouped expert GEMM kernel, such as tokamax's
+    ``ragged_dot``, by its op name), each loop body once per iteration and each branch of a conditional as if it
     were taken. Elementwise work is not counted."""
     comps, runs = runs_per_execution(hlo_text)
     shapes = definitions(hlo_text)
-    out = {"dot": 0.0, "gemm": 0.0, "attention": 0.0}
+    out = {"dot": 0.0, "gemm": 0.0, "attention": 0.0, "grouped_gemm": 0.0}
     for name, lines in comps.items():
         times = runs.get(name, 0)
         if not times:
@@ -152,7 +182,9 @@ def matmul_flops(hlo_text: str) -> dict[str, float]:
             target = _TARGET.search(line)
             if not target:
                 continue
-            if target.group(1) in _GEMM_TARGETS:
+            if "RaggedDot" in line:  # tokamax's op name, in the kernel call's metadata
+                out["grouped_gemm"] += times * _grouped_gemm_flops(line)
+            elif target.group(1) in _GEMM_TARGETS:
                 out["gemm"] += times * _gemm_flops(line, shapes, _backend_config(line))
             elif target.group(1) in _ATTENTION_FORWARD + _ATTENTION_BACKWARD:
                 out["attention"] += times * _attention_flops(line, target.group(1) in _ATTENTION_BACKWARD)
