@@ -45,8 +45,9 @@ HEAD_COPIES = 2.0  # embedding and output head gathered over fsdp besides their 
 UPDATE_COPIES = 3.0  # XLA:CPU's update: new float32 parameters and both moments, before the skip-or-apply select
 
 # The GPU program (XLA:GPU for the H100 target, jaxtron/gpu/target.py) differs, fitted on its compiled steps
-# (benchmarks/plan_validation.md, 30+ meshes of 1B to 405B, dense and MoE; XLA's allocation peak, which includes
-# the gaps its heap leaves between buffers, so these are effective counts rather than buffers one can point to):
+# (benchmarks/plan_validation.md: 35 (model, mesh) pairs of 1B to 671B, dense and MoE; XLA's allocation peak,
+# which includes the gaps its heap leaves between buffers, so these are effective counts rather than buffers one
+# can point to):
 GPU_LOGIT_COPIES = 1.1  # the float32 logits of one slice; their gradient takes their place
 GPU_HEAD_COPIES = 0.75  # embedding and output head gathered over fsdp in 16 bits (freed as their GEMMs end)
 GPU_LAYER_COPIES = 1.1  # one block's intermediates during its backward (LAYER_COPIES on XLA:CPU)
@@ -108,7 +109,7 @@ def activation_memory(cfg: Config, shape: StepShape, block: BlockValues) -> dict
     return memory
 
 
-def gpu_terms(cfg: Config, shape: StepShape, block: BlockValues, params: tuple[Param, ...]) -> dict[str, float]:
+def gpu_terms(shape: StepShape, block: BlockValues, params: tuple[Param, ...]) -> dict[str, float]:
     """Bytes only the GPU program holds: the float32 copies of weight stacks it gathers in another layout, the
     pipeline schedule's second gradient accumulator, and cuDNN's workspace (``CUDNN_WORKSPACE_Q_BYTES`` per query
     element, for the flash backward)."""
@@ -180,7 +181,7 @@ def memory(cfg: Config, shape: StepShape, block: BlockValues, params: tuple[Para
     working space of the step's largest phase."""
     terms = state_memory(shape, params)
     terms.update(activation_memory(cfg, shape, block))
-    terms.update(gpu_terms(cfg, shape, block, params))
+    terms.update(gpu_terms(shape, block, params))
     terms["working"] = float(max(block_work(shape, block, params),
                                  loss_work(cfg, shape, block, params, terms["optimizer"]),
                                  update_work(shape, params)))
