@@ -48,6 +48,7 @@ sys.path.insert(0, REPO)
 # neither imports jax: the parent process never touches the GPU
 from jaxtron.gpu import preset as gpu_preset
 from jaxtron.metrics.hardware import peak_flops
+from jaxtron.metrics.kernels import describe
 
 START = time.monotonic()
 
@@ -421,7 +422,7 @@ def predictions_markdown(result: dict) -> list[str]:
         if "error" in p:
             lines.append(f"| {name} | {p['error'][:200]} | | | |")
             continue
-        kernels = ", ".join(f"{k} {v}" for k, v in p["kernels"].items())
+        kernels = describe(p["kernels"])
         lines.append(f"| {name} | {p['peak_bytes'] / 2**30:.2f} GiB | {p['flops'] / 1e12:.4g} | {p['float8_gemms']} | "
                      f"{kernels} |")
     return lines + [""]

@@ -265,18 +265,6 @@ def write(path: str, rows: list[dict]) -> None:
         json.dump(rows, f, indent=1)
 
 
-def kernel_summary(kernels: dict[str, int]) -> str:
-    """cuDNN attention calls, GEMMs by library and operand precision, other Triton and custom fusions."""
-    names = {"__cudnn$fmhaSoftmax": "cuDNN fwd", "__cudnn$fmhaSoftmaxBackward": "cuDNN bwd",
-             "__triton_nested_gemm_fusion": "Triton GEMM", "__triton_gemm": "Triton GEMM",
-             "__cublas$lt$matmul": "cuBLASLt", "__cublas$gemm": "cuBLAS", "__cublas$lt$matmul$f8": "cuBLASLt FP8",
-             "__triton": "Triton fusion", "__custom_fusion": "custom fusion"}
-    summed: dict[str, int] = {}
-    for name, count in kernels.items():
-        summed[names.get(name, name)] = summed.get(names.get(name, name), 0) + count
-    return ", ".join(f"{name} {count}" for name, count in summed.items())
-
-
 def model_flops(row: dict) -> float:
     """The model's matmul FLOPs per device and step with what remat recomputes."""
     from jaxtron.metrics.flops import hardware_flops_per_token
@@ -302,6 +290,8 @@ def family_rows(rows: list[dict]) -> list[dict]:
 
 def program_table(rows: list[dict]) -> list[str]:
     """Per row: the H100 compile's time, peak against the estimate and XLA:CPU's peak, kernels and FLOPs ratio."""
+    from jaxtron.metrics.kernels import describe
+
     lines = [("| model | GPUs | mesh | compile s | peak GiB: H100 / estimate / XLA:CPU | kernels | TFLOP per GPU-step "
               "| compiled / model |"), "|---|---|---|---|---|---|---|---|"]
     for r in rows:
@@ -310,7 +300,7 @@ def program_table(rows: list[dict]) -> list[str]:
         ratio = t["flops"] / model_flops(r)
         lines.append(f"| {_label(r)} | {r['devices']} | {mesh} | {t['compile_s']:.1f} | {t['peak'] / GIB:.1f} / "
                      f"{(r['estimated_gpu'] - r['unseen']) / GIB:.1f} / {r['compiled']['peak'] / GIB:.1f} | "
-                     f"{kernel_summary(t['kernels'])} | {t['flops'] / 1e12:.1f} | {ratio:.2f} |")
+                     f"{describe(t['kernels'])} | {t['flops'] / 1e12:.1f} | {ratio:.2f} |")
     return lines
 
 

@@ -17,7 +17,7 @@ from conftest import REPO
 from jaxtron.config.checks import ConfigError
 from jaxtron.gpu import target
 from jaxtron.metrics.hlo import matmul_flops
-from jaxtron.metrics.kernels import float8_operands, kernels
+from jaxtron.metrics.kernels import describe, float8_operands, kernels
 
 needs_plugin = pytest.mark.skipif(not target.plugin_installed(),
                                   reason=f"jax's CUDA plugin is not installed ({target.INSTALL})")
@@ -69,6 +69,8 @@ def test_the_kernel_census_reads_library_calls_gemm_fusions_and_float8_operands(
     assert kernels(HLO) == {"__cublas$lt$matmul": 1, "__cublas$lt$matmul$f8": 1, "__cudnn$fmhaSoftmax": 1,
                             "__triton_nested_gemm_fusion": 1}
     assert float8_operands(HLO) == 2  # the f8 cuBLAS call and the fusion that reads %b
+    assert describe(kernels(HLO)) == ("cuDNN attention forward 1, cuBLASLt FP8 GEMM 1, cuBLASLt GEMM 1, "
+                                      "Triton GEMM 1")
 
 
 LOOP_HLO = """

@@ -39,3 +39,21 @@ def float8_operands(hlo_text: str) -> int:
             calls += 1
     return calls
 
+
+
+# kernel name -> how people call it
+_NAMES = {"__cudnn$fmhaSoftmax": "cuDNN attention forward", "__cudnn$fmhaSoftmaxBackward": "cuDNN attention backward",
+          "__cublas$lt$matmul$f8": "cuBLASLt FP8 GEMM", "__cublas$lt$matmul": "cuBLASLt GEMM",
+          "__cublas$gemm": "cuBLAS GEMM", "__triton_nested_gemm_fusion": "Triton GEMM", "__triton_gemm": "Triton GEMM",
+          "__triton": "Triton fusion", "__custom_fusion": "custom fusion"}
+
+
+def describe(counts: dict[str, int]) -> str:
+    """``kernels``' counts in words, attention first, then GEMMs by library and operand precision, then the rest:
+    'cuDNN attention forward 2, ..., Triton GEMM 30, custom fusion 5'."""
+    summed: dict[str, int] = {}
+    for name, count in counts.items():
+        summed[_NAMES.get(name, name)] = summed.get(_NAMES.get(name, name), 0) + count
+    order = list(dict.fromkeys(_NAMES.values()))
+    ranked = sorted(summed, key=lambda n: (order.index(n) if n in order else len(order), n))
+    return ", ".join(f"{name} {summed[name]}" for name in ranked)

@@ -162,6 +162,7 @@ def compile_report(cfg, sizes: dict[str, int], n: int, gpu_name: str, gpu, estim
     from jaxtron.config.schema import ConfigError
     from jaxtron.gpu import target
     from jaxtron.metrics.flops import hardware_flops_per_token
+    from jaxtron.metrics.kernels import describe
     from jaxtron.planning.dry_run import DryRun, dry_run, dry_run_text, on_target_in_subprocess
     from jaxtron.planning.memory import UNSEEN_ON_TARGET
 
@@ -187,7 +188,7 @@ def compile_report(cfg, sizes: dict[str, int], n: int, gpu_name: str, gpu, estim
         result = dry_run(cfg)
     print(dry_run_text(result))
     if kernels is not None:
-        print("kernels: " + ", ".join(f"{name} {count}" for name, count in kernels.items()))
+        print(f"kernels (a loop body's once): {describe(kernels)}")
         if cfg.execution.fp8:
             print(f"GEMMs with float8 operands: {float8_gemms}")
     est = estimate(cfg, sizes, gpu, cpu_program=not on_target)
