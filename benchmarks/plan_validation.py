@@ -110,10 +110,9 @@ def compile_on_target(config: str, devices: int, overrides: list[str], gpu: str 
     peak, arguments and temporaries per device, compile seconds, collective bytes, kernels and matmul FLOPs."""
     from jaxtron.planning.dry_run import on_target_in_subprocess
     got = on_target_in_subprocess(load(config, overrides), gpu, devices)
-    peak = got["argument_bytes"] + got["output_bytes"] - got["alias_bytes"] + got["temp_bytes"]
-    return dict(peak=peak, arguments=got["argument_bytes"], temp=got["temp_bytes"], compile_s=got["compile_s"],
-                collectives={k: v["bytes"] for k, v in got["collectives"].items()}, kernels=got["kernels"],
-                flops=got["flops"])
+    return dict(peak=got["peak_bytes"], arguments=got["argument_bytes"], temp=got["temp_bytes"],
+                compile_s=got["compile_s"], collectives={k: v["bytes"] for k, v in got["collectives"].items()},
+                kernels=got["kernels"], flops=got["flops"])
 
 
 def load(config: str, overrides: list[str]):
@@ -152,8 +151,6 @@ def arguments(doc: str, table: str, recompile: bool = False) -> argparse.Namespa
 
 
 def main() -> int:
-    from jaxtron.planning.memory import UNSEEN_ON_TARGET
-
     args = arguments(__doc__, "plan_validation.md", recompile=True)
     stored = {}
     stored_path = os.path.splitext(args.out)[0] + ".json"
@@ -173,7 +170,7 @@ def main() -> int:
         cpu = before.get("compiled") or compile_one(config, devices, over)
         sizes, gpu_est = estimate_of(config, devices, over, cpu_program=False)
         cpu_est = estimate_of(config, devices, over)[1]
-        unseen = sum(gpu_est.memory.get(term, 0.0) for term in UNSEEN_ON_TARGET)
+        unseen = gpu_est.unseen_on_target_bytes
         row = dict(config=config, devices=devices, overrides=over, mesh=sizes, commit=before.get("commit") or _commit(),
                    target=target, estimated_gpu=gpu_est.memory_bytes, unseen=unseen,
                    estimated_gpu_terms=gpu_est.memory, attention=gpu_est.attention,

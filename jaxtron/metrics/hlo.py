@@ -109,14 +109,23 @@ def _gemm_flops(line: str, shapes: dict, config: dict | None) -> float:
     return 2.0 * math.prod(result_shape(line)) * math.prod(lhs[d] for d in contracting)
 
 
+def _call_operands(line: str, dtypes: tuple[str, ...] | None = None) -> list[tuple[int, ...]]:
+    """A custom call's operand shapes, from its layout constraints (of the element types ``dtypes``: all if None)."""
+    found = _LAYOUT_CONSTRAINTS.search(line)
+    if not found:
+        return []
+    return [tuple(int(d) for d in dims.split(",") if d) for dtype, dims in SHAPE.findall(found.group(1))
+            if dtypes is None or dtype in dtypes]
+
+
 def _attention_flops(line: str, backward: bool) -> float:
     """A cuDNN flash-attention call's matmuls, from its operands [batch, length, heads, head size] (query, key,
     value): forward QK^T and PV; backward the recomputed QK^T, dP, dV, dQ and dK. A causal mask halves the score
     pairs (a query block of T over S >= T keys sees T x (S - T/2) of them)."""
-    found = _LAYOUT_CONSTRAINTS.search(line)
-    if not found:
+    operands = _call_operands(line)
+    if len(operands) < 3:
         return 0.0
-    q, k, v = ([int(d) for d in dims.split(",") if d] for _, dims in SHAPE.findall(found.group(1))[:3])
+    q, k, v = operands[:3]
     batch, length, heads, qk = q
     keys, dv = k[1], v[3]
     pairs = batch * heads * (length * (keys - length / 2) if "CAUSAL" in line else length * keys)
@@ -131,13 +140,8 @@ def _grouped_gemm_flops(line: str) -> float:
     forward [M, K] x [G, K, N] -> [M, N], the input gradient [M, N] x [G, N, K] -> [M, K], and the weight gradient
     from [M, K] and [M, N] (or [K, M]) -> [G, K, N]. A library kernel is a custom call XLA cannot see into; its op
     name says what it computes."""
-    found = _LAYOUT_CONSTRAINTS.search(line)
-    if not found:
-        return 0.0
-    operands = [tuple(int(d) for d in dims.split(",") if d) for dtype, dims in SHAPE.findall(found.group(1))
-                if dtype in _FLOAT]
     result = result_shape(line)
-    flat = [o for o in operands if len(o) == 2]
+    flat = [o for o in _call_operands(line, _FLOAT) if len(o) == 2]
     if not flat:
         return 0.0
     if len(result) == 3:  # the weight gradient [G, K, N]: M is what is left of a 2-D operand beside K or N

@@ -40,7 +40,6 @@ def float8_operands(hlo_text: str) -> int:
     return calls
 
 
-
 # kernel name -> how people call it
 _NAMES = {"__cudnn$fmhaSoftmax": "cuDNN attention forward", "__cudnn$fmhaSoftmaxBackward": "cuDNN attention backward",
           "__cublas$lt$matmul$f8": "cuBLASLt FP8 GEMM", "__cublas$lt$matmul": "cuBLASLt GEMM",

@@ -164,7 +164,6 @@ def compile_report(cfg, sizes: dict[str, int], n: int, gpu_name: str, gpu, estim
     from jaxtron.metrics.flops import hardware_flops_per_token
     from jaxtron.metrics.kernels import describe
     from jaxtron.planning.dry_run import DryRun, dry_run, dry_run_text, on_target_in_subprocess
-    from jaxtron.planning.memory import UNSEEN_ON_TARGET
 
     if math.prod(sizes.values()) != n:
         raise ConfigError(f"--compile mesh {_mesh_text(sizes)} has {math.prod(sizes.values())} devices but --gpus is "
@@ -193,7 +192,7 @@ def compile_report(cfg, sizes: dict[str, int], n: int, gpu_name: str, gpu, estim
             print(f"GEMMs with float8 operands: {float8_gemms}")
     est = estimate(cfg, sizes, gpu, cpu_program=not on_target)
     state = est.memory["parameters"] + est.memory["optimizer"] + est.memory["batch"]
-    unseen = sum(est.memory.get(term, 0.0) for term in UNSEEN_ON_TARGET) if on_target else 0.0
+    unseen = est.unseen_on_target_bytes if on_target else 0.0
     error = (est.memory_bytes - unseen) / result.peak_bytes - 1
     print(f"estimate of the same program: peak {(est.memory_bytes - unseen) / GIB:.2f} GiB ({100 * error:+.1f}% of "
           f"the compiled peak), of which arguments {state / GIB:.2f} GiB, temporaries "

@@ -114,8 +114,9 @@ def dry_run_on_target(cfg: Config, gpu: str, count: int) -> tuple[DryRun, str]:
 def on_target_in_subprocess(cfg: Config, gpu: str, count: int, hlo_path: str | None = None,
                             timeout_s: float = 1800) -> dict[str, Any]:
     """``dry_run_on_target`` in a process of its own (jax started as the target needs; an XLA abort ends that
-    process, not this one): the dry run's fields, ``kernels`` (name -> calls) and ``float8_gemms``. The optimized
-    HLO text goes to ``hlo_path`` when given. A failed compile is a ConfigError naming its last line."""
+    process, not this one): the dry run's fields, ``peak_bytes``, ``kernels`` (name -> calls) and
+    ``float8_gemms``. The optimized HLO text goes to ``hlo_path`` when given. A failed compile is a ConfigError
+    naming its last line."""
     import json
     import subprocess
     import sys
@@ -161,7 +162,8 @@ def _target_main(argv: list[str]) -> int:
     if hlo_path:
         with open(hlo_path, "w") as f:
             f.write(text)
-    print(json.dumps({**dataclasses.asdict(result), "kernels": kernels(text), "float8_gemms": float8_operands(text)}))
+    print(json.dumps({**dataclasses.asdict(result), "peak_bytes": result.peak_bytes, "kernels": kernels(text),
+                      "float8_gemms": float8_operands(text)}))
     return 0
 
 

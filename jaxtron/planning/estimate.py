@@ -17,7 +17,7 @@ import dataclasses
 from jaxtron.config.schema import Config
 from jaxtron.planning.collectives import communication_time
 from jaxtron.planning.gpus import GPU
-from jaxtron.planning.memory import memory
+from jaxtron.planning.memory import UNSEEN_ON_TARGET, memory
 from jaxtron.planning.params import parameters
 from jaxtron.planning.shape import block_values, step_shape
 from jaxtron.planning.step_time import COMPUTE_TERMS, EXPOSED, OVERLAPPED, compute_time, model_flops, step_seconds
@@ -43,6 +43,11 @@ class Estimate:
     @property
     def memory_bytes(self) -> float:
         return sum(self.memory.values())
+
+    @property
+    def unseen_on_target_bytes(self) -> float:
+        """The estimated bytes a compile without the GPU cannot see (cuDNN's workspace)."""
+        return sum(self.memory.get(term, 0.0) for term in UNSEEN_ON_TARGET)
 
     @property
     def comm_s(self) -> float:
