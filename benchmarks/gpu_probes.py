@@ -100,8 +100,7 @@ def _ceilings(smoke: bool) -> dict:
 
 
 def _ragged_dot_probe(smoke: bool) -> dict:
-    """Time of ragged_dot (groups of equal size) over one dense GEMM of the same FLOPs, with XLA's defaults and
-    with each GPU option that may give it a grouped kernel (an option this jaxlib does not know is recorded)."""
+    """Time of ragged_dot (groups of equal size) over one dense GEMM of the same FLOPs, with XLA's defaults."""
     import jax
     import jax.numpy as jnp
     import mfu
@@ -113,9 +112,9 @@ def _ragged_dot_probe(smoke: bool) -> dict:
     sizes = jnp.full((groups,), rows // groups, jnp.int32)
     dense = _summary(mfu.call_times(jax.jit(jnp.matmul), x, w[0], repeats=10))
     out = {"groups": groups, "shape": [rows, k, n], "dense_gemm_best_s": dense["best_s"]}
+    # XLA's experimental ragged_dot fusion option aborted the process on the H100 target; it is timed in a process
+    # of its own by benchmarks/grouped_gemm_gpu.py, so that an abort cannot take this step's ceilings with it
     variants = {"default": {}}
-    if not smoke:
-        variants["xla_gpu_experimental_use_ragged_dot_fusion"] = {"xla_gpu_experimental_use_ragged_dot_fusion": True}
     for name, options in variants.items():
         try:
             fn = jax.jit(jax.lax.ragged_dot).lower(x, w, sizes).compile(compiler_options=options or None)

@@ -1,0 +1,200 @@
+"""Expert GEMMs on a GPU: each grouped GEMM implementation against one dense bf16 GEMM of the same useful FLOPs.
+
+    PYTHONPATH=. python3 benchmarks/grouped_gemm_gpu.py --out DIR            # on the GPU machine
+    PYTHONPATH=. python3 benchmarks/grouped_gemm_gpu.py --out DIR --smoke    # the same code paths on a CPU
+
+The shapes are the up-projection of one device's experts in the MoE configs (rows = tokens x top-k routed to the
+device, split over its local experts by random group sizes with some groups empty, as a router makes them):
+Mixtral 8x7B on expert=1 (8 groups, 4096 -> 14336), Qwen3-30B-A3B on expert=8 (16 of its 128 experts,
+2048 -> 768) and DeepSeek-V3 on expert=8 (32 of its 256 experts, 7168 -> 2048). Each implementation runs in a
+process of its own (an XLA option that aborts takes only its own row with it): ``jax.lax.ragged_dot`` as XLA
+compiles it, the same with ``xla_gpu_experimental_use_ragged_dot_fusion``, and tokamax's ``ragged_dot`` with its
+Triton and Mosaic GPU kernels. Each is checked against a float32 reference computed group by group (relative
+Frobenius error of the output and of both gradients), then timed forward and forward + backward (median of 10
+after a warm-up); TFLOP/s count the useful FLOPs only (2 x rows x K x N forward, three times that with both
+gradients), so an implementation that expands the groups densely shows it as a lower rate. DIR receives
+``grouped_gemm_gpu.json``; the table is printed last. Wheels for tokamax: ``scripts/gpu_wheels.sh``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [os.path.dirname(HERE), HERE]
+
+# name: (groups, rows, K, N)
+SHAPES = {"mixtral_8x7b expert=1": (8, 16384, 4096, 14336),
+          "qwen3_30b_a3b expert=8": (16, 32768, 2048, 768),
+          "deepseek_v3 expert=8": (32, 32768, 7168, 2048)}
+SMOKE_SHAPES = {"tiny": (4, 256, 64, 128), "tiny, many groups": (16, 256, 32, 64)}
+IMPLEMENTATIONS = ("dense", "jax.lax", "jax.lax ragged_dot_fusion", "tokamax triton", "tokamax mosaic")
+SMOKE_IMPLEMENTATIONS = ("dense", "jax.lax", "tokamax xla")
+
+
+def group_sizes(rng, groups: int, rows: int):
+    """Random sizes summing to ``rows``: uneven (gamma-weighted) with about one group in eight empty, at least one
+    group left non-empty."""
+    import numpy as np
+
+    weights = rng.gamma(1.0, size=groups)
+    weights[rng.random(groups) < 0.125] = 0.0
+    if not weights.any():
+        weights[0] = 1.0
+    return rng.multinomial(rows, weights / weights.sum()).astype(np.int32)
+
+
+def _implementation(name: str):
+    import jax
+    import jax.numpy as jnp
+
+    if name == "dense":
+        return None
+    if name.startswith("jax.lax"):
+        return jax.lax.ragged_dot
+    import tokamax
+
+    kind = name.split()[1]
+    return lambda x, w, s: tokamax.ragged_dot(x, w, s, implementation=kind, preferred_element_type=jnp.bfloat16)
+
+
+def measure(name: str, smoke: bool) -> dict:
+    """One implementation over every shape: errors against float32, then forward and forward + backward times."""
+    import jax
+    import jax.numpy as jnp
+    import mfu
+    import numpy as np
+
+    grouped = _implementation(name)
+    options = {"xla_gpu_experimental_use_ragged_dot_fusion": True} if "ragged_dot_fusion" in name else None
+    rng = np.random.default_rng(7)
+    out = {"implementation": name, "device": jax.devices()[0].device_kind, "jax": jax.__version__, "shapes": {}}
+    for shape_name, (groups, rows, k, n) in (SMOKE_SHAPES if smoke else SHAPES).items():
+        sizes = group_sizes(rng, groups, rows)
+        keys = jax.random.split(jax.random.key(int(rng.integers(1 << 30))), 3)
+        x = jax.random.normal(keys[0], (rows, k), jnp.bfloat16)
+        w = (jax.random.normal(keys[1], (groups, k, n), jnp.float32) / np.sqrt(k)).astype(jnp.bfloat16)
+        ct = jax.random.normal(keys[2], (rows, n), jnp.bfloat16)
+        s = jnp.asarray(sizes)
+        useful = 2 * rows * k * n
+        row: dict = {"groups": groups, "rows": rows, "k": k, "n": n, "empty_groups": int((sizes == 0).sum()),
+                     "largest_group": int(sizes.max()), "useful_tflop_forward": useful / 1e12}
+        if grouped is None:  # one dense GEMM of the same useful FLOPs: the rate to beat
+            def forward(x, w, s):
+                return x @ w[0]
+        else:
+            def forward(x, w, s):
+                return grouped(x, w, s)
+
+        def both(x, w, s, ct):
+            y, pullback = jax.vjp(lambda x, w: forward(x, w, s), x, w)
+            return y, *pullback(ct)
+        try:
+            fwd = jax.jit(forward).lower(x, w, s).compile(compiler_options=options)
+            fb = jax.jit(both).lower(x, w, s, ct).compile(compiler_options=options)
+            if grouped is not None:
+                row["relative_error"] = _errors(fb(x, w, s, ct), x, w, ct, sizes)
+            for part, fn, args, flops in (("forward", fwd, (x, w, s), useful),
+                                          ("forward+backward", fb, (x, w, s, ct), 3 * useful)):
+                times = sorted(mfu.call_times(fn, *args, repeats=10))
+                median = times[len(times) // 2]
+                row[part] = {"median_s": median, "best_s": times[0], "tflops": flops / median / 1e12}
+        except Exception as e:  # noqa: BLE001  (a kernel that refuses a shape is this row's result)
+            row["error"] = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:300]}"
+        out["shapes"][shape_name] = row
+    return out
+
+
+def _errors(got, x, w, ct, sizes) -> dict:
+    """Relative Frobenius error of the output and both gradients against float32 products group by group."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    hi = jax.lax.Precision.HIGHEST
+    x32, w32, ct32 = (a.astype(jnp.float32) for a in (x, w, ct))
+    ys, dxs, dws = [], [], []
+    start = 0
+    for g, size in enumerate(sizes.tolist()):
+        rows = slice(start, start + size)
+        ys.append(jnp.matmul(x32[rows], w32[g], precision=hi))
+        dxs.append(jnp.matmul(ct32[rows], w32[g].T, precision=hi))
+        dws.append(jnp.matmul(x32[rows].T, ct32[rows], precision=hi))
+        start += size
+    want = (jnp.concatenate(ys), jnp.concatenate(dxs), jnp.stack(dws))
+
+    def rel(a, b):
+        a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+        return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+    return {name: rel(a, b) for name, a, b in zip(("output", "lhs_grad", "rhs_grad"), got, want, strict=True)}
+
+
+def markdown(results: list[dict]) -> str:
+    dense = next((r for r in results if r.get("implementation") == "dense"), {})
+    lines = [f"Device: {next((r['device'] for r in results if 'device' in r), 'unknown')}; jax "
+             f"{next((r['jax'] for r in results if 'jax' in r), '?')}. Useful FLOPs only; 'of dense': the rate over "
+             "one dense bf16 GEMM of the same useful FLOPs.", "",
+             "| implementation | shape (groups, rows, K, N; empty) | forward TFLOP/s | of dense | fwd+bwd TFLOP/s | "
+             "of dense | largest relative error (out, dlhs, drhs) |", "|---|---|---|---|---|---|---|"]
+    for r in results:
+        if "error" in r and "shapes" not in r:
+            lines.append(f"| {r['implementation']} | {r['error'][:200]} | | | | | |")
+            continue
+        for shape_name, row in r["shapes"].items():
+            dims = f"{shape_name}: {row['groups']}, {row['rows']}, {row['k']}, {row['n']}; {row['empty_groups']}"
+            if "error" in row:
+                lines.append(f"| {r['implementation']} | {dims} | {row['error'][:200]} | | | | |")
+                continue
+            base = dense.get("shapes", {}).get(shape_name, {})
+            cells = []
+            for part in ("forward", "forward+backward"):
+                rate = row[part]["tflops"]
+                ref = base.get(part, {}).get("tflops")
+                cells += [f"{rate:.4g}", f"{rate / ref:.2f}" if ref else "n/a"]
+            err = row.get("relative_error")
+            err_cell = ", ".join(f"{v:.1e}" for v in err.values()) if err else "(reference)"
+            lines.append(f"| {r['implementation']} | {dims} | {' | '.join(cells)} | {err_cell} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="benchmarks/grouped_gemm_gpu.py", description=__doc__.split("\n")[0])
+    parser.add_argument("--out", required=True, help="folder for grouped_gemm_gpu.json")
+    parser.add_argument("--smoke", action="store_true", help="tiny shapes on a CPU")
+    parser.add_argument("--box", type=float, default=90.0, help="seconds each implementation's process may take")
+    parser.add_argument("--one", help=argparse.SUPPRESS)  # the child: one implementation, JSON to stdout
+    args = parser.parse_args(argv)
+    if args.one:
+        sys.argv[1:] = []  # tokamax reads absl flags from the command line, which are not its own here
+        print("RESULT " + json.dumps(measure(args.one, args.smoke)))
+        return 0
+    os.makedirs(args.out, exist_ok=True)
+    results = []
+    for name in SMOKE_IMPLEMENTATIONS if args.smoke else IMPLEMENTATIONS:
+        start = time.monotonic()
+        cmd = [sys.executable, os.path.abspath(__file__), "--out", args.out, "--one", name,
+               *(["--smoke"] if args.smoke else [])]
+        try:
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.box, check=False)
+            found = [line[7:] for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+            if found:
+                results.append(json.loads(found[-1]))
+            else:
+                tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+                results.append({"implementation": name, "error": f"exit code {proc.returncode}: {tail[:300]}"})
+        except subprocess.TimeoutExpired:
+            results.append({"implementation": name, "error": f"stopped after {args.box:.0f} s"})
+        results[-1]["seconds"] = round(time.monotonic() - start, 1)
+        with open(os.path.join(args.out, "grouped_gemm_gpu.json"), "w") as f:
+            json.dump(results, f, indent=2)
+    print(markdown(results))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
