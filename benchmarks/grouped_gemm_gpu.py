@@ -57,7 +57,20 @@ def _implementation(name: str):
         return None
     if name.startswith("jax.lax"):
         return jax.lax.ragged_dot
-    import tokamax
+    try:
+        import tokamax
+    except ModuleNotFoundError as e:
+        if e.name != "xprof":
+            raise
+        # tokamax imports xprof's kernel-statistics tool for its own profiling helpers, which this benchmark does
+        # not call; a placeholder module lets its kernels load where xprof is not installed
+        import types
+        stub = types.ModuleType("xprof.cli.tools.get_kernel_stats_tool")
+        for name in ("xprof", "xprof.cli", "xprof.cli.tools"):
+            sys.modules.setdefault(name, types.ModuleType(name))
+        sys.modules["xprof.cli.tools"].get_kernel_stats_tool = stub
+        sys.modules[stub.__name__] = stub
+        import tokamax
 
     kind = name.split()[1]
     return lambda x, w, s: tokamax.ragged_dot(x, w, s, implementation=kind, preferred_element_type=jnp.bfloat16)
@@ -111,27 +124,37 @@ def measure(name: str, smoke: bool) -> dict:
 
 
 def _errors(got, x, w, ct, sizes) -> dict:
-    """Relative Frobenius error of the output and both gradients against float32 products group by group."""
+    """Relative Frobenius error of the output and both gradients against float32 products group by group (one
+    compiled program: each group's rows taken as a window of the largest group's size and masked)."""
     import jax
     import jax.numpy as jnp
     import numpy as np
 
+    window = int(sizes.max())
+    starts = jnp.asarray(np.cumsum(sizes) - sizes, jnp.int32)
     hi = jax.lax.Precision.HIGHEST
-    x32, w32, ct32 = (a.astype(jnp.float32) for a in (x, w, ct))
-    ys, dxs, dws = [], [], []
-    start = 0
-    for g, size in enumerate(sizes.tolist()):
-        rows = slice(start, start + size)
-        ys.append(jnp.matmul(x32[rows], w32[g], precision=hi))
-        dxs.append(jnp.matmul(ct32[rows], w32[g].T, precision=hi))
-        dws.append(jnp.matmul(x32[rows].T, ct32[rows], precision=hi))
-        start += size
-    want = (jnp.concatenate(ys), jnp.concatenate(dxs), jnp.stack(dws))
 
-    def rel(a, b):
-        a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-        return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
-    return {name: rel(a, b) for name, a, b in zip(("output", "lhs_grad", "rhs_grad"), got, want, strict=True)}
+    @jax.jit
+    def squared(got_y, got_dx, got_dw, x, w, ct, sizes, starts):
+        pad = lambda a: jnp.pad(a.astype(jnp.float32), ((0, window), (0, 0)))  # noqa: E731
+        x, ct, got_y, got_dx = pad(x), pad(ct), pad(got_y), pad(got_dx)
+
+        def one(g):
+            take = lambda a: jax.lax.dynamic_slice_in_dim(a, starts[g], window)  # noqa: E731
+            mask = (jnp.arange(window) < sizes[g])[:, None]
+            xg, ctg = jnp.where(mask, take(x), 0), jnp.where(mask, take(ct), 0)
+            wg = w[g].astype(jnp.float32)
+            want = (jnp.matmul(xg, wg, precision=hi), jnp.matmul(ctg, wg.T, precision=hi),
+                    jnp.matmul(xg.T, ctg, precision=hi))
+            have = (jnp.where(mask, take(got_y), 0), jnp.where(mask, take(got_dx), 0), got_dw[g].astype(jnp.float32))
+            return jnp.stack([jnp.sum((h - v) ** 2) for h, v in zip(have, want, strict=True)]), \
+                jnp.stack([jnp.sum(v ** 2) for v in want])
+        diff, norm = jax.lax.map(one, jnp.arange(w.shape[0]))
+        return diff.sum(0), norm.sum(0)
+
+    diff, norm = (np.asarray(a, np.float64) for a in squared(*got, x, w, ct, jnp.asarray(sizes), starts))
+    rel = np.sqrt(diff / np.maximum(norm, 1e-30))
+    return dict(zip(("output", "lhs_grad", "rhs_grad"), map(float, rel), strict=True))
 
 
 def markdown(results: list[dict]) -> str:
