@@ -66,8 +66,8 @@ def _implementation(name: str):
         # not call; a placeholder module lets its kernels load where xprof is not installed
         import types
         stub = types.ModuleType("xprof.cli.tools.get_kernel_stats_tool")
-        for name in ("xprof", "xprof.cli", "xprof.cli.tools"):
-            sys.modules.setdefault(name, types.ModuleType(name))
+        for parent in ("xprof", "xprof.cli", "xprof.cli.tools"):
+            sys.modules.setdefault(parent, types.ModuleType(parent))
         sys.modules["xprof.cli.tools"].get_kernel_stats_tool = stub
         sys.modules[stub.__name__] = stub
         import tokamax
@@ -190,6 +190,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--out", required=True, help="folder for grouped_gemm_gpu.json")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on a CPU")
     parser.add_argument("--box", type=float, default=90.0, help="seconds each implementation's process may take")
+    parser.add_argument("--only", help="comma-separated implementations to run (default: all)")
     parser.add_argument("--one", help=argparse.SUPPRESS)  # the child: one implementation, JSON to stdout
     args = parser.parse_args(argv)
     if args.one:
@@ -198,7 +199,10 @@ def main(argv: list[str]) -> int:
         return 0
     os.makedirs(args.out, exist_ok=True)
     results = []
-    for name in SMOKE_IMPLEMENTATIONS if args.smoke else IMPLEMENTATIONS:
+    names = SMOKE_IMPLEMENTATIONS if args.smoke else IMPLEMENTATIONS
+    if args.only:
+        names = [n.strip() for n in args.only.split(",")]
+    for name in names:
         start = time.monotonic()
         cmd = [sys.executable, os.path.abspath(__file__), "--out", args.out, "--one", name,
                *(["--smoke"] if args.smoke else [])]

@@ -144,7 +144,8 @@ def test_xla_emits_fp8_gemms_for_every_projection_on_a_gpu():
     def loss(p):
         return jnp.mean(nnx.merge(graphdef, p)(tokens[:, :-1]).logits())
 
-    hlo = jax.jit(jax.grad(loss)).lower(params).compile().as_text()
+    # compiled as the train step compiles an FP8 program (Setup carries these options into the step's compile)
+    hlo = jax.jit(jax.grad(loss)).lower(params).compile(compiler_options=fp8.compiler_options(True)).as_text()
     # 7 projections per block (q, k, v, o, gate, up, down), each with one forward and two backward GEMMs; the
     # scanned blocks share one loop body
     assert hlo.count('custom_call_target="__cublas$lt$matmul$f8"') >= 21, hlo[:2000]
