@@ -136,11 +136,11 @@ def _errors(got, x, w, ct, sizes) -> dict:
 
     @jax.jit
     def squared(got_y, got_dx, got_dw, x, w, ct, sizes, starts):
-        pad = lambda a: jnp.pad(a.astype(jnp.float32), ((0, window), (0, 0)))  # noqa: E731
+        pad = lambda a: jnp.pad(a.astype(jnp.float32), ((0, window), (0, 0)))
         x, ct, got_y, got_dx = pad(x), pad(ct), pad(got_y), pad(got_dx)
 
         def one(g):
-            take = lambda a: jax.lax.dynamic_slice_in_dim(a, starts[g], window)  # noqa: E731
+            take = lambda a: jax.lax.dynamic_slice_in_dim(a, starts[g], window)
             mask = (jnp.arange(window) < sizes[g])[:, None]
             xg, ctg = jnp.where(mask, take(x), 0), jnp.where(mask, take(ct), 0)
             wg = w[g].astype(jnp.float32)
@@ -159,11 +159,11 @@ def _errors(got, x, w, ct, sizes) -> dict:
 
 def markdown(results: list[dict]) -> str:
     dense = next((r for r in results if r.get("implementation") == "dense"), {})
-    lines = [f"Device: {next((r['device'] for r in results if 'device' in r), 'unknown')}; jax "
+    lines = [(f"Device: {next((r['device'] for r in results if 'device' in r), 'unknown')}; jax "
              f"{next((r['jax'] for r in results if 'jax' in r), '?')}. Useful FLOPs only; 'of dense': the rate over "
-             "one dense bf16 GEMM of the same useful FLOPs.", "",
-             "| implementation | shape (groups, rows, K, N; empty) | forward TFLOP/s | of dense | fwd+bwd TFLOP/s | "
-             "of dense | largest relative error (out, dlhs, drhs) |", "|---|---|---|---|---|---|---|"]
+             "one dense bf16 GEMM of the same useful FLOPs."), "",
+             ("| implementation | shape (groups, rows, K, N; empty) | forward TFLOP/s | of dense | fwd+bwd TFLOP/s | "
+             "of dense | largest relative error (out, dlhs, drhs) |"), "|---|---|---|---|---|---|---|"]
     for r in results:
         if "error" in r and "shapes" not in r:
             lines.append(f"| {r['implementation']} | {r['error'][:200]} | | | | | |")
