@@ -290,6 +290,7 @@ class ExecutionConfig:
     fp8_skip_layers: int = 0  # with fp8: the first and the last this many blocks keep 16-bit matmuls
     moe_mode: str = "dropless"  # dropless (grouped GEMM over all routed tokens) | capacity (per-row expert capacity)
     capacity_factor: float = 1.25  # capacity mode: slots per expert and row = ceil(factor * length * k / experts)
+    expert_gemm: str = "auto"  # dropless mode's grouped GEMM: auto | xla | tokamax (see jaxtron/ops/grouped.py)
 
     def __post_init__(self):
         _choice(self.dtype, "execution.dtype", COMPUTE_DTYPES)
@@ -299,6 +300,7 @@ class ExecutionConfig:
         _non_negative(self.fp8_skip_layers, "execution.fp8_skip_layers")
         _choice(self.moe_mode, "execution.moe_mode", ("dropless", "capacity"))
         _positive(self.capacity_factor, "execution.capacity_factor")
+        _choice(self.expert_gemm, "execution.expert_gemm", ("auto", "xla", "tokamax"))
 
 
 # the flat layout's model fields -> their place in the groups (old dotted path under 'model' -> new one)

@@ -19,8 +19,9 @@ are weighted and summed, and the partial products of the split intermediate widt
   them, and each expert runs one dense batched GEMM over its slots. Buffers and FLOPs are
   ``capacity_factor`` times the routed work, on any backend.
 
-How fast ``ragged_dot`` is depends on the backend. XLA:CPU expands it to a dense GEMM of every row with
-every local expert (E_local times the routed FLOPs); a GPU can run it as a grouped GEMM.
+The grouped GEMM is ``ops/grouped.py``'s (``execution.expert_gemm``): ``jax.lax.ragged_dot``, which XLA (CPU and
+GPU alike) expands to a dense GEMM of every row with every local expert (E_local times the routed FLOPs), or
+tokamax's grouped kernel, which 'auto' takes on Hopper GPUs.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from flax import nnx
 from jaxtron.config.schema import ExecutionConfig, ModelConfig
 from jaxtron.models.layers import compute_dtype, param
 from jaxtron.models.mlp import MLP
+from jaxtron.ops import grouped
 from jaxtron.parallel.sharding import constrain, logical_to_spec, spec_axes
 
 TOKEN_AXES = ("activation_batch", "activation_length", "activation_embed")
@@ -157,10 +159,11 @@ def _within_capacity(chosen: jax.Array, slots: int) -> jax.Array:
 
 
 def _swiglu_grouped(rows: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array,
-                    group_sizes: jax.Array) -> jax.Array:
-    """Rows sorted by expert [m, d] -> expert outputs [m, d]; rows past sum(group_sizes) give zeros."""
-    h = jax.nn.silu(jax.lax.ragged_dot(rows, gate, group_sizes)) * jax.lax.ragged_dot(rows, up, group_sizes)
-    return jax.lax.ragged_dot(h, down, group_sizes)
+                    group_sizes: jax.Array, gemm: str) -> jax.Array:
+    """Rows sorted by expert [m, d] -> expert outputs [m, d]; rows past sum(group_sizes) give zeros. ``gemm``:
+    the grouped GEMM's implementation (``ops/grouped.py``)."""
+    h = jax.nn.silu(grouped.matmul(rows, gate, group_sizes, gemm)) * grouped.matmul(rows, up, group_sizes, gemm)
+    return grouped.matmul(h, down, group_sizes, gemm)
 
 
 def _swiglu_batched(slots: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array) -> jax.Array:
@@ -171,13 +174,13 @@ def _swiglu_batched(slots: jax.Array, gate: jax.Array, up: jax.Array, down: jax.
 
 def experts_local(x: jax.Array, ids: jax.Array, weights: jax.Array, gate: jax.Array, up: jax.Array,
                   down: jax.Array, num_experts: int, row_capacity: int | None,
-                  axes: ExpertAxes | None) -> jax.Array:
+                  axes: ExpertAxes | None, gemm: str = "xla") -> jax.Array:
     """One device's part of the expert computation (called inside shard_map with the mesh axes to talk over,
     or alone without a mesh: ``axes`` None).
 
     x [b, t, d], ids/weights [b, t, k] (id ``num_experts`` = dropped); gate/up [E_local, d_shard, f_shard],
     down [E_local, f_shard, d_shard]. ``row_capacity``: slots per expert and row (capacity mode) or None
-    (dropless).
+    (dropless). ``gemm``: dropless mode's grouped GEMM (``execution.expert_gemm``).
     """
     axes = axes or ExpertAxes((), (), ())
     b, t, d = x.shape
@@ -186,7 +189,7 @@ def experts_local(x: jax.Array, ids: jax.Array, weights: jax.Array, gate: jax.Ar
         down = jax.lax.all_gather(down, axes.embed, axis=2, tiled=True)
     ep = jax.lax.axis_size(axes.experts) if axes.experts else 1  # expert shards
     if row_capacity is None:
-        out = _dropless(x.reshape(b * t, d), ids.reshape(-1), gate, up, down, num_experts, axes.experts, ep)
+        out = _dropless(x.reshape(b * t, d), ids.reshape(-1), gate, up, down, num_experts, axes.experts, ep, gemm)
     else:
         out = _with_capacity(x, ids, gate, up, down, num_experts, min(row_capacity, t), axes.experts, ep)
     out = out.reshape(b * t, ids.shape[-1], d)  # [token, choice, d]
@@ -196,7 +199,8 @@ def experts_local(x: jax.Array, ids: jax.Array, weights: jax.Array, gate: jax.Ar
     return y.reshape(b, t, d)
 
 
-def _dropless(tokens, ids, gate, up, down, num_experts: int, expert_axes: tuple[str, ...], ep: int) -> jax.Array:
+def _dropless(tokens, ids, gate, up, down, num_experts: int, expert_axes: tuple[str, ...], ep: int,
+              gemm: str) -> jax.Array:
     """Assignments sorted by expert, one grouped GEMM (ragged_dot) per matrix; -> outputs [n * k, d] in
     assignment order. With the experts split over ``expert_axes`` (``ep`` shards) each destination shard gets a
     buffer of all n * k rows (the worst case)."""
@@ -206,14 +210,15 @@ def _dropless(tokens, ids, gate, up, down, num_experts: int, expert_axes: tuple[
     rows = tokens[order // k]
     counts = jnp.sum(jax.nn.one_hot(ids, num_experts, dtype=jnp.int32), axis=0)
     if ep == 1:
-        out_sorted = _swiglu_grouped(rows, gate, up, down, counts)
+        out_sorted = _swiglu_grouped(rows, gate, up, down, counts, gemm)
     else:
-        out_sorted = _exchange_sorted(rows, sorted_ids, counts, gate, up, down, expert_axes, ep, num_experts // ep)
+        out_sorted = _exchange_sorted(rows, sorted_ids, counts, gate, up, down, expert_axes, ep, num_experts // ep,
+                                      gemm)
     return out_sorted[jnp.argsort(order)]
 
 
 def _exchange_sorted(rows, sorted_ids, counts, gate, up, down, expert_axes: tuple[str, ...], ep: int,
-                     local_experts: int):
+                     local_experts: int, gemm: str):
     """Sends sorted rows to the expert shards that own their experts (a fixed buffer of all the rows per
     shard), runs the local experts on what arrives, and returns each row's output in the sorted order."""
     m, d = rows.shape
@@ -229,7 +234,7 @@ def _exchange_sorted(rows, sorted_ids, counts, gate, up, down, expert_axes: tupl
     bounds = jnp.cumsum(recv_counts, axis=1)  # [ep, local_experts]
     local_id = jax.vmap(lambda bound: jnp.searchsorted(bound, slot, side="right"))(bounds)  # [ep, m]
     regroup = jnp.argsort(local_id.reshape(ep * m), stable=True)  # unused slots (id local_experts) last
-    computed = _swiglu_grouped(recv.reshape(ep * m, d)[regroup], gate, up, down, jnp.sum(recv_counts, 0))
+    computed = _swiglu_grouped(recv.reshape(ep * m, d)[regroup], gate, up, down, jnp.sum(recv_counts, 0), gemm)
     back = computed[jnp.argsort(regroup)].reshape(ep, m, d)
     back = jax.lax.all_to_all(back, expert_axes, 0, 0, tiled=True)  # back[j, s]: output of send[j, s]
     shard = jnp.minimum(sorted_ids // local_experts, ep - 1)
@@ -298,15 +303,16 @@ class MoE(nnx.Module):
         cfg, dt = self.cfg, compute_dtype(self.execution)
         ids, weights = constrain(ids, ROUTE_AXES), constrain(weights, ROUTE_AXES)
         gate, up, down = (w[...].astype(dt) for w in (self.wi_gate, self.wi_up, self.wo))
+        gemm = grouped.resolve(self.execution.expert_gemm)
         if jax.sharding.get_abstract_mesh().empty:
-            return experts_local(x, ids, weights, gate, up, down, cfg.moe.num_experts, row_capacity, None)
+            return experts_local(x, ids, weights, gate, up, down, cfg.moe.num_experts, row_capacity, None, gemm)
         token_spec, route_spec = logical_to_spec(TOKEN_AXES), logical_to_spec(ROUTE_AXES)
         axes = ExpertAxes.from_rules()
 
         # check_vma off: under a pipeline stage's vmap (spmd_axis_name) the inputs vary over the stage axis while
         # the constants made inside do not, which the check refuses; every collective here is written explicitly
         def local(x, ids, weights, gate, up, down):
-            return experts_local(x, ids, weights, gate, up, down, cfg.moe.num_experts, row_capacity, axes)
+            return experts_local(x, ids, weights, gate, up, down, cfg.moe.num_experts, row_capacity, axes, gemm)
 
         y = jax.shard_map(local, in_specs=(token_spec, route_spec, route_spec, logical_to_spec(GATE_UP_AXES),
                                            logical_to_spec(GATE_UP_AXES), logical_to_spec(DOWN_AXES)),

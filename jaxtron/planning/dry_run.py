@@ -98,7 +98,7 @@ def dry_run_on_target(cfg: Config, gpu: str, count: int) -> tuple[DryRun, str]:
     the attention a GPU run of it picks; -> (the dry run, the optimized HLO text). The process must have started
     jax as ``jaxtron.gpu.target.environment`` says."""
     from jaxtron.gpu import target
-    from jaxtron.ops import cudnn
+    from jaxtron.ops import cudnn, grouped
     from jaxtron.ops.attention import resolve_implementation
 
     devices = target.devices(gpu, count)
@@ -106,7 +106,7 @@ def dry_run_on_target(cfg: Config, gpu: str, count: int) -> tuple[DryRun, str]:
     implementation = resolve_implementation(cfg.execution.attention, jnp.dtype(cfg.execution.dtype),
                                             cfg.model.qk_head_dim, shard_count(sizes, "activation_length"),
                                             backend="gpu", capability=target.target(gpu).compute_capability)
-    with cudnn.compute_capability(*target.target(gpu).compute_capability):
+    with cudnn.compute_capability(*target.target(gpu).compute_capability), grouped.on_target(devices[0]):
         result, text = _compile(cfg, devices, implementation)
     return result, text
 

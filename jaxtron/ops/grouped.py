@@ -1,0 +1,132 @@
+"""The expert GEMM: rows sorted by expert [m, k] times each expert's matrix [groups, k, n], in one place.
+
+- 'xla': ``jax.lax.ragged_dot``, the reference on every backend. XLA:GPU (jax 0.10.2 to 0.11.2) computes it as
+  one dense GEMM of every row with every group (measured on an H200: 6.6x one dense GEMM's time at 8 groups;
+  ``benchmarks/gpu_h200_2026-11-26.md``), and XLA:CPU likewise.
+- 'tokamax': tokamax's ``ragged_dot``, whose Mosaic GPU kernel on Hopper computes each group's rows against
+  its own matrix only (compiled for the H100 target: the useful FLOPs exactly, ``benchmarks/grouped_gemm_target.md``).
+  Forward and input gradient are tokamax's kernel; the weight gradient is its ragged-contracting kernel asked for
+  a float32 result (tokamax's own backward asks for the weights' dtype, and its bf16 weight gradient was 2-3% off
+  a float32 reference on the H200, ten times the bf16 rounding of its other two products). Rows past the
+  groups' total are zeros, as with ``jax.lax.ragged_dot``. Off a GPU, tokamax runs its XLA implementation, so
+  the same code path is tested on a CPU.
+- 'auto': 'tokamax' on a Hopper GPU (or when compiling for one, ``on_target``) where tokamax is installed, else
+  'xla'.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib.util
+from collections.abc import Iterator
+
+import jax
+import jax.numpy as jnp
+
+from jaxtron.config.schema import ConfigError
+
+IMPLEMENTATIONS = ("auto", "xla", "tokamax")
+INSTALL = 'python -m pip install -e ".[gpu]" (tokamax)'
+
+# rows [m, k] x weights [groups, k, n], transposed weights [groups, n, k], and the weight gradient [groups, k, n]
+# written with lists as tokamax compares them
+_FORWARD = jax.lax.RaggedDotDimensionNumbers(dot_dimension_numbers=(([1], [1]), ([], [])),
+                                             lhs_ragged_dimensions=[0], rhs_group_dimensions=[0])
+_TRANSPOSED_WEIGHTS = jax.lax.RaggedDotDimensionNumbers(dot_dimension_numbers=(([1], [2]), ([], [])),
+                                                        lhs_ragged_dimensions=[0], rhs_group_dimensions=[0])
+_RAGGED_CONTRACTING = jax.lax.RaggedDotDimensionNumbers(dot_dimension_numbers=(([0], [0]), ([], [])),
+                                                        lhs_ragged_dimensions=[0], rhs_group_dimensions=[])
+
+_target: list[jax.Device] = []  # the compile-only GPU being compiled for (``on_target``), innermost last
+
+
+def tokamax_installed() -> bool:
+    return importlib.util.find_spec("tokamax") is not None
+
+
+def _gpu() -> jax.Device | None:
+    """The GPU the program is for: the target being compiled for, else the default device when it is a GPU."""
+    if _target:
+        return _target[-1]
+    device = jax.devices()[0]
+    return device if device.platform == "gpu" else None
+
+
+def _hopper_or_newer(device: jax.Device | None) -> bool:
+    capability = getattr(device, "compute_capability", None) if device is not None else None
+    return capability is not None and float(capability) >= 9.0
+
+
+def resolve(choice: str) -> str:
+    """'auto' -> 'tokamax' on Hopper or newer with tokamax installed, else 'xla'; an explicit 'tokamax' without
+    tokamax installed is a ConfigError."""
+    if choice not in IMPLEMENTATIONS:
+        raise ConfigError(f"config field 'execution.expert_gemm' is {choice!r}; use one of "
+                          f"{', '.join(IMPLEMENTATIONS)}.")
+    if choice == "auto":
+        return "tokamax" if tokamax_installed() and _hopper_or_newer(_gpu()) else "xla"
+    if choice == "tokamax" and not tokamax_installed():
+        raise ConfigError(f"config field 'execution.expert_gemm' is 'tokamax' but tokamax is not installed; "
+                          f"install it ({INSTALL}) or use 'auto' or 'xla'.")
+    return choice
+
+
+@contextlib.contextmanager
+def on_target(device: jax.Device) -> Iterator[None]:
+    """Within this context the expert GEMM is chosen for ``device``, a compile-only GPU (``jaxtron.gpu.target``):
+    'auto' resolves for it, and tokamax, which picks its kernel for jax's default device (the CPU when compiling
+    without a GPU), is pointed at it."""
+    from jax.extend import backend
+
+    saved = backend.get_default_device
+    _target.append(device)
+    backend.get_default_device = lambda: device
+    try:
+        yield
+    finally:
+        backend.get_default_device = saved
+        _target.pop()
+
+
+def matmul(rows: jax.Array, weights: jax.Array, group_sizes: jax.Array, implementation: str = "xla") -> jax.Array:
+    """rows [m, k] sorted by group, weights [groups, k, n], group_sizes [groups] -> [m, n] in the rows' dtype:
+    each group's rows times its matrix; rows past sum(group_sizes) give zeros."""
+    if resolve(implementation) == "xla":
+        return jax.lax.ragged_dot(rows, weights, group_sizes)
+    return _tokamax_matmul(rows, weights, group_sizes)
+
+
+def _kernel():
+    """tokamax's ragged_dot_general with the kernel for the device compiled for: Mosaic GPU on Hopper, its XLA
+    implementation elsewhere (a CPU test)."""
+    import tokamax
+
+    return functools.partial(tokamax.ragged_dot_general,
+                             implementation="mosaic" if _hopper_or_newer(_gpu()) else "xla")
+
+
+def _zero_past_groups(out: jax.Array, group_sizes: jax.Array) -> jax.Array:
+    valid = jnp.arange(out.shape[0]) < jnp.sum(group_sizes)
+    return jnp.where(valid[:, None], out, jnp.zeros((), out.dtype))
+
+
+@jax.custom_vjp
+def _tokamax_matmul(rows, weights, group_sizes):
+    out = _kernel()(rows, weights, group_sizes, _FORWARD, preferred_element_type=rows.dtype)
+    return _zero_past_groups(out, group_sizes)
+
+
+def _tokamax_fwd(rows, weights, group_sizes):
+    return _tokamax_matmul(rows, weights, group_sizes), (rows, weights, group_sizes)
+
+
+def _tokamax_bwd(res, d_out):
+    rows, weights, group_sizes = res
+    d_out = _zero_past_groups(d_out, group_sizes)  # rows past the groups took no part in the product
+    d_rows = _kernel()(d_out, weights, group_sizes, _TRANSPOSED_WEIGHTS, preferred_element_type=rows.dtype)
+    d_weights = _kernel()(rows, d_out, group_sizes, _RAGGED_CONTRACTING, preferred_element_type=jnp.float32)
+    return _zero_past_groups(d_rows, group_sizes), d_weights.astype(weights.dtype), None
+
+
+_tokamax_matmul.defvjp(_tokamax_fwd, _tokamax_bwd)

@@ -1,0 +1,118 @@
+"""The expert GEMM (jaxtron/ops/grouped.py): tokamax's grouped GEMM against jax.lax.ragged_dot, the choice 'auto'
+makes, bad values, and on a GPU the kernel a run takes: grouped, and within bf16 rounding of float32."""
+
+import types
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxtron.config.schema import ConfigError, ExecutionConfig
+from jaxtron.ops import grouped
+
+needs_tokamax = pytest.mark.skipif(not grouped.tokamax_installed(),
+                                   reason=f"tokamax is not installed ({grouped.INSTALL})")
+RNG = np.random.default_rng(3)
+
+
+def _case(groups: int, rows: int, k: int, n: int, dtype=jnp.float32, spare: int = 0):
+    """Random operands and group sizes with empty groups, summing to ``rows - spare`` (rows past the groups)."""
+    weights = RNG.gamma(1.0, size=groups)
+    weights[RNG.random(groups) < 0.3] = 0.0
+    weights[0] = max(weights[0], 0.5)
+    sizes = RNG.multinomial(rows - spare, weights / weights.sum()).astype(np.int32)
+    assert (sizes == 0).any()
+    x, w, ct = (jnp.asarray(RNG.normal(size=shape), dtype) for shape in ((rows, k), (groups, k, n), (rows, n)))
+    return x, w, jnp.asarray(sizes), ct
+
+
+def _with_gradients(implementation, x, w, sizes, ct):
+    y, pullback = jax.vjp(lambda x, w: grouped.matmul(x, w, sizes, implementation), x, w)
+    return (y, *pullback(ct))
+
+
+@needs_tokamax
+@pytest.mark.parametrize("groups,rows,k,n,spare", [(8, 96, 16, 24, 0), (5, 64, 8, 12, 9), (16, 40, 4, 8, 3)])
+def test_the_tokamax_gemm_equals_ragged_dot_with_both_gradients(groups, rows, k, n, spare):
+    """Off a GPU tokamax runs its XLA implementation through jaxtron's own VJP (the weight gradient asked for in
+    float32): the output, the input gradient and the weight gradient equal jax.lax.ragged_dot's in float32,
+    empty groups and rows past the groups included (zeros there)."""
+    x, w, sizes, ct = _case(groups, rows, k, n, spare=spare)
+    want = jax.jit(lambda *a: _with_gradients("xla", *a))(x, w, sizes, ct)
+    got = jax.jit(lambda *a: _with_gradients("tokamax", *a))(x, w, sizes, ct)
+    for name, g, v in zip(("output", "input gradient", "weight gradient"), got, want, strict=True):
+        assert g.shape == v.shape and g.dtype == v.dtype, name
+        np.testing.assert_allclose(np.asarray(g), np.asarray(v), rtol=1e-6, atol=1e-6, err_msg=name)
+    if spare:
+        assert not np.asarray(got[0])[rows - spare:].any() and not np.asarray(got[1])[rows - spare:].any()
+    # a group with no rows has a zero weight gradient
+    empty = np.flatnonzero(np.asarray(sizes) == 0)
+    assert not np.asarray(got[2])[empty].any()
+
+
+def test_auto_takes_tokamax_only_for_a_hopper_gpu(monkeypatch):
+    monkeypatch.setattr(grouped, "tokamax_installed", lambda: True)
+    assert grouped.resolve("auto") == "xla"  # these tests run on the CPU
+    hopper = types.SimpleNamespace(platform="gpu", compute_capability="9.0")
+    ampere = types.SimpleNamespace(platform="gpu", compute_capability="8.0")
+    with grouped.on_target(hopper):
+        assert grouped.resolve("auto") == "tokamax"
+        from jax.extend import backend
+        assert backend.get_default_device() is hopper  # tokamax picks its kernel for this device
+    with grouped.on_target(ampere):
+        assert grouped.resolve("auto") == "xla"
+    assert grouped.resolve("auto") == "xla" and grouped.resolve("xla") == "xla"
+    monkeypatch.setattr(grouped, "tokamax_installed", lambda: False)
+    with grouped.on_target(hopper):
+        assert grouped.resolve("auto") == "xla"
+
+
+def test_bad_expert_gemm_values_are_one_sentence(monkeypatch):
+    with pytest.raises(ConfigError, match=r"execution.expert_gemm.*'cublas'"):
+        ExecutionConfig(expert_gemm="cublas")
+    monkeypatch.setattr(grouped, "tokamax_installed", lambda: False)
+    with pytest.raises(ConfigError) as info:
+        grouped.resolve("tokamax")
+    message = str(info.value)
+    assert message == ("config field 'execution.expert_gemm' is 'tokamax' but tokamax is not installed; install it "
+                       f"({grouped.INSTALL}) or use 'auto' or 'xla'."), message
+
+
+on_gpu = pytest.mark.skipif(jax.default_backend() != "gpu", reason="the GPU's expert GEMM is a GPU question")
+
+
+@pytest.mark.gpu
+@on_gpu
+@pytest.mark.parametrize("part", ["forward", "input gradient", "weight gradient"])
+def test_the_expert_gemm_a_gpu_run_takes_stays_grouped(part):
+    """What dropless experts run on a GPU ('auto'): no array in the compiled program much larger than its
+    operands. Expanded densely (every row against every expert, as XLA does with jax.lax.ragged_dot), the
+    program holds [groups, rows, ...] arrays and computes ``groups`` times the FLOPs."""
+    from helpers import largest_float_array
+
+    groups, rows, k, n = 8, 8192, 256, 512
+    x, w, dy = (jax.random.normal(key, shape, jnp.bfloat16) for key, shape in
+                zip(jax.random.split(jax.random.key(0), 3), ((rows, k), (groups, k, n), (rows, n))))
+    sizes = jnp.full((groups,), rows // groups, jnp.int32)
+    fn = {"forward": lambda x, w: grouped.matmul(x, w, sizes, "auto"),
+          "input gradient": lambda x, w: jax.vjp(lambda a: grouped.matmul(a, w, sizes, "auto"), x)[1](dy)[0],
+          "weight gradient": lambda x, w: jax.vjp(lambda b: grouped.matmul(x, b, sizes, "auto"), w)[1](dy)[0]}[part]
+    hlo = jax.jit(fn).lower(x, w).compile().as_text()
+    operands = max(rows * k, groups * k * n, rows * n)
+    assert largest_float_array(hlo) < 2 * operands, f"the {part} of the expert GEMM is expanded densely"
+
+
+@pytest.mark.gpu
+@on_gpu
+def test_the_gpu_expert_gemm_is_within_bf16_rounding_of_float32():
+    """bf16 operands, random group sizes with empty groups: each of the three products against float32 group by
+    group, by relative Frobenius norm (bf16 rounding of the result is about 2e-3)."""
+    x, w, sizes, ct = _case(16, 4096, 512, 256, jnp.bfloat16, spare=100)
+    got = jax.jit(lambda *a: _with_gradients("auto", *a))(x, w, sizes, ct)
+    with jax.default_matmul_precision("float32"):  # not TF32
+        want = jax.jit(lambda *a: _with_gradients("xla", *a))(*(a.astype(jnp.float32) for a in (x, w)), sizes,
+                                                             ct.astype(jnp.float32))
+    for name, g, v in zip(("output", "input gradient", "weight gradient"), got, want, strict=True):
+        g, v = np.asarray(g, np.float64), np.asarray(v, np.float64)
+        assert np.linalg.norm(g - v) / np.linalg.norm(v) < 5e-3, name
