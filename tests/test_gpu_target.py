@@ -141,6 +141,7 @@ def _compile_on_target(*overrides: str, gpus: int = 1, config: str = "configs/de
         "result, text = dry_run_on_target(cfg, 'h100', int(sys.argv[2]))\n"
         "print(json.dumps(dict(peak=result.peak_bytes, kernels=kernels(text), f8=float8_operands(text),\n"
         "                      collectives={k: v['count'] for k, v in result.collectives.items()},\n"
+        "                      collective_bytes={k: v['bytes'] for k, v in result.collectives.items()},\n"
         "                      flops=result.flops)))\n")
     out = subprocess.run([sys.executable, "-c", code, f"{REPO}/{config}", str(gpus), *overrides], cwd=REPO,
                          env=target.environment(), capture_output=True, text=True, timeout=600, check=False)
@@ -257,8 +258,11 @@ def test_meshes_of_16_to_64_gpus_compile_with_the_attention_a_gpu_run_picks(axis
     assert (got["kernels"].get("__cudnn$fmhaSoftmax", 0) >= 1) == cudnn, got
     assert (got["kernels"].get("__cudnn$fmhaSoftmaxBackward", 0) >= 1) == cudnn, got
     expected = {"sequence": "all-gather", "sequence-auto": "all-gather", "tensor": "reduce-scatter",
-                "expert": "all-to-all", "pipeline": "collective-permute"}[axis]
+                "expert": "ragged-all-to-all", "pipeline": "collective-permute"}[axis]
     assert got["collectives"][expected] > 0, got
+    if axis == "expert":  # only the routed rows travel: 64 x 128 tokens / 64 GPUs x top-2, 128 wide, bf16, 4 layers
+        per_exchange = got["collective_bytes"]["ragged-all-to-all"] / got["collectives"]["ragged-all-to-all"]
+        assert per_exchange == 128 * 2 * 128 * 2, got
     if axis == "pipeline":
         assert got["kernels"]["__cudnn$fmhaSoftmax"] == got["kernels"]["__cudnn$fmhaSoftmaxBackward"] == 1, got
 

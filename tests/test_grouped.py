@@ -71,6 +71,8 @@ def test_auto_takes_tokamax_only_for_a_hopper_gpu(monkeypatch):
 def test_bad_expert_gemm_values_are_one_sentence(monkeypatch):
     with pytest.raises(ConfigError, match=r"execution.expert_gemm.*'cublas'"):
         ExecutionConfig(expert_gemm="cublas")
+    with pytest.raises(ConfigError, match=r"execution.moe_exchange.*'nccl'"):
+        ExecutionConfig(moe_exchange="nccl")
     monkeypatch.setattr(grouped, "tokamax_installed", lambda: False)
     with pytest.raises(ConfigError) as info:
         grouped.resolve("tokamax")

@@ -130,6 +130,41 @@ def test_dropless_experts_on_the_tokamax_gemm_equal_the_xla_gemm_on_an_expert_me
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("mesh_name", ["fsdp2_expert2_tensor2", "data2_expert4"])
+def test_the_ragged_exchange_equals_the_padded_one(mesh_name):
+    """execution.moe_exchange=ragged (emulated on a CPU, where XLA lacks ragged_all_to_all; ops/exchange.py) sends
+    each expert shard only its rows and brings them home: outputs and gradients equal the padded exchange's."""
+    x = jax.random.normal(jax.random.key(5), (8, 16, 32))
+    mesh = _mesh(LAYER_MESHES[mesh_name])
+    results = []
+    for exchange in ("padded", "ragged"):
+        graphdef, state = _layer(_layer_cfg(), ExecutionConfig(moe_exchange=exchange))
+
+        def loss(s, x, graphdef=graphdef):
+            return jnp.sum(jnp.sin(nnx.merge(graphdef, s)(x)[0]))
+        with jax.set_mesh(mesh):
+            results.append(jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))(state, x))
+    assert float(results[0][0]) != 0.0
+    for got, want in zip(jax.tree.leaves(results[1]), jax.tree.leaves(results[0]), strict=True):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
+
+
+def test_the_ragged_layout_places_every_chunk():
+    """Three peers; counts[s, j] rows go from s to j. Device 1 sends its chunks from where they start in its sorted
+    rows to where they land in each receiver (after the lower peers' chunks), and finds its own incoming chunks
+    packed peer by peer; the way back names where each chunk came from."""
+    from jaxtron.ops import exchange
+
+    counts = jnp.array([[2, 0, 3], [1, 4, 2], [0, 5, 1]])
+    plan = exchange.layout(counts, jnp.array(1))
+    np.testing.assert_array_equal(plan.send_offsets, [0, 1, 5])
+    np.testing.assert_array_equal(plan.send_sizes, [1, 4, 2])
+    np.testing.assert_array_equal(plan.remote_offsets, [2, 0, 3])  # after peer 0's 2, 0, 3 rows at each receiver
+    np.testing.assert_array_equal(plan.recv_offsets, [0, 0, 4])
+    np.testing.assert_array_equal(plan.recv_sizes, [0, 4, 5])
+    np.testing.assert_array_equal(plan.home_offsets, [2, 1, 0])  # peer 0's chunk for 1 began after its 2 for 0
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["dropless", "capacity"])
 @pytest.mark.parametrize("changes", [{"embed": None, "mlp": None}, {"experts": "fsdp", "embed": "expert"}],

@@ -40,6 +40,28 @@ ENTRY %main (x: f32[2]) -> f32[8] {
 """  # noqa: E501 (an HLO instruction is one line)
 
 
+RAGGED = """HloModule ragged
+
+ENTRY %main (x: bf16[512,128]) -> bf16[512,128] {
+  %rows = bf16[512,128]{1,0} parameter(0)
+  %buffer = bf16[4096,128]{1,0} broadcast(bf16[] %zero), dimensions={}
+  %start = ((bf16[512,128]{1,0}, bf16[4096,128]{1,0}, s64[8]{0}, s64[8]{0}, s64[8]{0}, s64[8]{0}), bf16[4096,128]{1,0}) ragged-all-to-all-start(%rows, %buffer, %o, %s, %r, %z), channel_id=1, replica_groups={{0,1,2,3,4,5,6,7}}
+  %done = bf16[4096,128]{1,0} ragged-all-to-all-done(%start)
+  %home = bf16[512,128]{1,0} broadcast(bf16[] %zero), dimensions={}
+  ROOT %back = bf16[512,128]{1,0} ragged-all-to-all(%done, %home, %o, %s, %r, %z), channel_id=2, replica_groups={{0,1,2,3,4,5,6,7}}
+}
+"""  # noqa: E501 (an HLO instruction is one line)
+
+
+def test_a_ragged_all_to_all_counts_the_rows_it_can_move_not_its_worst_case_buffer():
+    """Out: 512 rows sent into a receive buffer of 4096 (every peer's rows); back: from that buffer into the 512
+    rows' home. Each moves at most 512 rows of 128 bf16 (the smaller of what it may send and receive), async or
+    not; the padded all-to-all they replace moves the whole buffer."""
+    got = collectives(RAGGED)
+    assert got["ragged-all-to-all"] == {"count": 2, "bytes": 2 * 512 * 128 * 2}
+    assert got["all-to-all"]["count"] == 0
+
+
 def test_collectives_count_loop_iterations_and_the_bytes_each_works_on():
     got = collectives(HLO)
     assert got["all-gather"] == {"count": 3, "bytes": 3 * 8 * 4}  # in a loop body run 3 times

@@ -291,6 +291,7 @@ class ExecutionConfig:
     moe_mode: str = "dropless"  # dropless (grouped GEMM over all routed tokens) | capacity (per-row expert capacity)
     capacity_factor: float = 1.25  # capacity mode: slots per expert and row = ceil(factor * length * k / experts)
     expert_gemm: str = "auto"  # dropless mode's grouped GEMM: auto | xla | tokamax (see jaxtron/ops/grouped.py)
+    moe_exchange: str = "auto"  # dropless mode's all-to-all: auto | padded | ragged (see jaxtron/ops/exchange.py)
 
     def __post_init__(self):
         _choice(self.dtype, "execution.dtype", COMPUTE_DTYPES)
@@ -301,6 +302,7 @@ class ExecutionConfig:
         _choice(self.moe_mode, "execution.moe_mode", ("dropless", "capacity"))
         _positive(self.capacity_factor, "execution.capacity_factor")
         _choice(self.expert_gemm, "execution.expert_gemm", ("auto", "xla", "tokamax"))
+        _choice(self.moe_exchange, "execution.moe_exchange", ("auto", "padded", "ragged"))
 
 
 # the flat layout's model fields -> their place in the groups (old dotted path under 'model' -> new one)

@@ -1,15 +1,33 @@
 """Collectives of a compiled XLA program, read from its HLO text: how many of each kind run per execution
-and how many bytes they work on (per device: an all-gather's or all-reduce's result, a reduce-scatter's input),
-with loop bodies counted once per iteration."""
+and how many bytes they work on (per device: an all-gather's or all-reduce's result, a reduce-scatter's input, a
+ragged all-to-all's rows to send), with loop bodies counted once per iteration."""
 
 from __future__ import annotations
 
 import math
 import re
 
-from jaxtron.metrics.hlo import DTYPE_BYTES, SHAPE, runs_per_execution
+from jaxtron.metrics.hlo import DTYPE_BYTES, SHAPE, definitions, runs_per_execution
 
-COLLECTIVES = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
+COLLECTIVES = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "ragged-all-to-all", "collective-permute")
+
+
+def _bytes(dtype: str, dims) -> int:
+    return DTYPE_BYTES.get(dtype, 0) * math.prod(dims)
+
+
+def _sent_bytes(line: str, defined: dict) -> int:
+    """What a ragged all-to-all moves per device, bounded statically: its operand (all this device may send) or its
+    output buffer (all it may receive), whichever is smaller. Dropless MoE sends every sorted row out (the operand)
+    and brings back as many rows as it sent (the output), while its receive buffers are sized for the worst case."""
+    shapes = [(dtype, [int(d) for d in dims.split(",") if d]) for dtype, dims in SHAPE.findall(line.split("=", 1)[1])]
+    if "-start(" in line and len(shapes) >= 2:  # ((operand, output, offsets and sizes), result)
+        return min(_bytes(*shapes[0]), _bytes(*shapes[1]))
+    operand = re.search(r"ragged-all-to-all\((%[\w.\-]+)", line)
+    result = _bytes(*shapes[0]) if shapes else 0
+    if not operand or operand.group(1) not in defined:
+        return result
+    return min(result, _bytes(*defined[operand.group(1)]))
 
 
 def _result_bytes(line: str) -> int:
@@ -56,9 +74,11 @@ def collectives(hlo_text: str) -> dict[str, dict[str, float]]:
     """Count and bytes of each collective kind executed per step in compiled HLO text: a collective in a loop
     body counts once per iteration (known trip counts), an async start/done pair once, one whose groups each hold
     a single device not at all. Bytes are the whole buffer a collective works on: the result of an all-gather,
-    all-reduce, all-to-all or permute, the input of a reduce-scatter (its result times the group's size)."""
+    all-reduce, all-to-all or permute, the input of a reduce-scatter (its result times the group's size); for a
+    ragged all-to-all, whose sizes are known only when it runs, the smaller of its operand and its output."""
     out = {k: {"count": 0, "bytes": 0.0} for k in COLLECTIVES}
     comps, runs = runs_per_execution(hlo_text)
+    defined = definitions(hlo_text) if "ragged-all-to-all" in hlo_text else {}
     for name, lines in comps.items():
         times = runs.get(name, 0)
         for line in lines:
@@ -69,5 +89,6 @@ def collectives(hlo_text: str) -> dict[str, dict[str, float]]:
             out[kind]["count"] += times
             # a reduce-scatter's result is one part of what it reduces: count what it reduces, as for the others
             parts = (group or 1) if kind == "reduce-scatter" else 1
-            out[kind]["bytes"] += times * _result_bytes(line) * parts
+            size = _sent_bytes(line, defined) if kind == "ragged-all-to-all" else _result_bytes(line) * parts
+            out[kind]["bytes"] += times * size
     return out

@@ -36,7 +36,7 @@ from flax import nnx
 from jaxtron.config.schema import ExecutionConfig, ModelConfig
 from jaxtron.models.layers import compute_dtype, param
 from jaxtron.models.mlp import MLP
-from jaxtron.ops import grouped
+from jaxtron.ops import exchange, grouped
 from jaxtron.parallel.sharding import constrain, logical_to_spec, spec_axes
 
 TOKEN_AXES = ("activation_batch", "activation_length", "activation_embed")
@@ -174,13 +174,14 @@ def _swiglu_batched(slots: jax.Array, gate: jax.Array, up: jax.Array, down: jax.
 
 def experts_local(x: jax.Array, ids: jax.Array, weights: jax.Array, gate: jax.Array, up: jax.Array,
                   down: jax.Array, num_experts: int, row_capacity: int | None,
-                  axes: ExpertAxes | None, gemm: str = "xla") -> jax.Array:
+                  axes: ExpertAxes | None, gemm: str = "xla", exchange_mode: str = "padded") -> jax.Array:
     """One device's part of the expert computation (called inside shard_map with the mesh axes to talk over,
     or alone without a mesh: ``axes`` None).
 
     x [b, t, d], ids/weights [b, t, k] (id ``num_experts`` = dropped); gate/up [E_local, d_shard, f_shard],
     down [E_local, f_shard, d_shard]. ``row_capacity``: slots per expert and row (capacity mode) or None
-    (dropless). ``gemm``: dropless mode's grouped GEMM (``execution.expert_gemm``).
+    (dropless). ``gemm``, ``exchange_mode``: dropless mode's grouped GEMM and all-to-all (``execution.expert_gemm``,
+    ``execution.moe_exchange``, resolved).
     """
     axes = axes or ExpertAxes((), (), ())
     b, t, d = x.shape
@@ -189,7 +190,8 @@ def experts_local(x: jax.Array, ids: jax.Array, weights: jax.Array, gate: jax.Ar
         down = jax.lax.all_gather(down, axes.embed, axis=2, tiled=True)
     ep = jax.lax.axis_size(axes.experts) if axes.experts else 1  # expert shards
     if row_capacity is None:
-        out = _dropless(x.reshape(b * t, d), ids.reshape(-1), gate, up, down, num_experts, axes.experts, ep, gemm)
+        out = _dropless(x.reshape(b * t, d), ids.reshape(-1), gate, up, down, num_experts, axes.experts, ep, gemm,
+                        exchange_mode)
     else:
         out = _with_capacity(x, ids, gate, up, down, num_experts, min(row_capacity, t), axes.experts, ep)
     out = out.reshape(b * t, ids.shape[-1], d)  # [token, choice, d]
@@ -200,7 +202,7 @@ def experts_local(x: jax.Array, ids: jax.Array, weights: jax.Array, gate: jax.Ar
 
 
 def _dropless(tokens, ids, gate, up, down, num_experts: int, expert_axes: tuple[str, ...], ep: int,
-              gemm: str) -> jax.Array:
+              gemm: str, exchange_mode: str) -> jax.Array:
     """Assignments sorted by expert, one grouped GEMM (ragged_dot) per matrix; -> outputs [n * k, d] in
     assignment order. With the experts split over ``expert_axes`` (``ep`` shards) each destination shard gets a
     buffer of all n * k rows (the worst case)."""
@@ -211,6 +213,8 @@ def _dropless(tokens, ids, gate, up, down, num_experts: int, expert_axes: tuple[
     counts = jnp.sum(jax.nn.one_hot(ids, num_experts, dtype=jnp.int32), axis=0)
     if ep == 1:
         out_sorted = _swiglu_grouped(rows, gate, up, down, counts, gemm)
+    elif exchange_mode == "ragged":
+        out_sorted = _exchange_ragged(rows, counts, gate, up, down, expert_axes, ep, num_experts // ep, gemm)
     else:
         out_sorted = _exchange_sorted(rows, sorted_ids, counts, gate, up, down, expert_axes, ep, num_experts // ep,
                                       gemm)
@@ -240,6 +244,25 @@ def _exchange_sorted(rows, sorted_ids, counts, gate, up, down, expert_axes: tupl
     shard = jnp.minimum(sorted_ids // local_experts, ep - 1)
     index = jnp.clip(jnp.arange(m) - starts[shard], 0, m - 1)
     return jnp.where((sorted_ids < local_experts * ep)[:, None], back[shard, index], 0)
+
+
+def _exchange_ragged(rows, counts, gate, up, down, expert_axes: tuple[str, ...], ep: int, local_experts: int,
+                     gemm: str):
+    """``_exchange_sorted`` moving only the routed rows (``ops/exchange.py``): each expert shard gets exactly the
+    rows of its experts, packed peer by peer into a buffer of the worst case's size (every row of every peer),
+    runs its local experts on them and sends each output home to its place in the sorted order."""
+    m = rows.shape[0]
+    per_shard = counts.reshape(ep, local_experts)  # rows for each (destination shard, its local expert)
+    matrix = jax.lax.all_gather(jnp.sum(per_shard, axis=1), expert_axes)  # [source, destination] row counts
+    plan = exchange.layout(matrix, jax.lax.axis_index(expert_axes))
+    received = exchange.dispatch(rows, ep * m, plan, expert_axes)  # [ep * m, d]: peer by peer, then zeros
+    recv_counts = jax.lax.all_to_all(per_shard, expert_axes, 0, 0, tiled=True)  # [source, local expert]
+    # each peer's rows arrive sorted by expert; regroup all of them by local expert for the grouped GEMM
+    segment = jnp.searchsorted(jnp.cumsum(recv_counts.reshape(-1)), jnp.arange(ep * m), side="right")
+    local_id = jnp.where(segment < ep * local_experts, segment % local_experts, local_experts)  # unused: last
+    regroup = jnp.argsort(local_id, stable=True)
+    computed = _swiglu_grouped(received[regroup], gate, up, down, jnp.sum(recv_counts, 0), gemm)
+    return exchange.combine(computed[jnp.argsort(regroup)], m, plan, expert_axes)
 
 
 def _with_capacity(x, ids, gate, up, down, num_experts: int, slots: int, expert_axes: tuple[str, ...],
@@ -303,7 +326,7 @@ class MoE(nnx.Module):
         cfg, dt = self.cfg, compute_dtype(self.execution)
         ids, weights = constrain(ids, ROUTE_AXES), constrain(weights, ROUTE_AXES)
         gate, up, down = (w[...].astype(dt) for w in (self.wi_gate, self.wi_up, self.wo))
-        gemm = grouped.resolve(self.execution.expert_gemm)
+        gemm, exchanged = grouped.resolve(self.execution.expert_gemm), exchange.resolve(self.execution.moe_exchange)
         if jax.sharding.get_abstract_mesh().empty:
             return experts_local(x, ids, weights, gate, up, down, cfg.moe.num_experts, row_capacity, None, gemm)
         token_spec, route_spec = logical_to_spec(TOKEN_AXES), logical_to_spec(ROUTE_AXES)
@@ -312,7 +335,8 @@ class MoE(nnx.Module):
         # check_vma off: under a pipeline stage's vmap (spmd_axis_name) the inputs vary over the stage axis while
         # the constants made inside do not, which the check refuses; every collective here is written explicitly
         def local(x, ids, weights, gate, up, down):
-            return experts_local(x, ids, weights, gate, up, down, cfg.moe.num_experts, row_capacity, axes, gemm)
+            return experts_local(x, ids, weights, gate, up, down, cfg.moe.num_experts, row_capacity, axes, gemm,
+                                 exchanged)
 
         y = jax.shard_map(local, in_specs=(token_spec, route_spec, route_spec, logical_to_spec(GATE_UP_AXES),
                                            logical_to_spec(GATE_UP_AXES), logical_to_spec(DOWN_AXES)),

@@ -45,7 +45,7 @@ def tokamax_installed() -> bool:
     return importlib.util.find_spec("tokamax") is not None
 
 
-def _gpu() -> jax.Device | None:
+def target_gpu() -> jax.Device | None:
     """The GPU the program is for: the target being compiled for, else the default device when it is a GPU."""
     if _target:
         return _target[-1]
@@ -65,7 +65,7 @@ def resolve(choice: str) -> str:
         raise ConfigError(f"config field 'execution.expert_gemm' is {choice!r}; use one of "
                           f"{', '.join(IMPLEMENTATIONS)}.")
     if choice == "auto":
-        return "tokamax" if tokamax_installed() and _hopper_or_newer(_gpu()) else "xla"
+        return "tokamax" if tokamax_installed() and _hopper_or_newer(target_gpu()) else "xla"
     if choice == "tokamax" and not tokamax_installed():
         raise ConfigError(f"config field 'execution.expert_gemm' is 'tokamax' but tokamax is not installed; "
                           f"install it ({INSTALL}) or use 'auto' or 'xla'.")
@@ -103,7 +103,7 @@ def _kernel():
     import tokamax
 
     return functools.partial(tokamax.ragged_dot_general,
-                             implementation="mosaic" if _hopper_or_newer(_gpu()) else "xla")
+                             implementation="mosaic" if _hopper_or_newer(target_gpu()) else "xla")
 
 
 def _zero_past_groups(out: jax.Array, group_sizes: jax.Array) -> jax.Array:

@@ -1,0 +1,93 @@
+"""The ragged exchange of dropless experts: each device sends each peer only the rows routed to that peer.
+
+``ragged_all_to_all`` has ``jax.lax.ragged_all_to_all``'s signature and meaning. On a GPU (and when compiling for
+one, ``grouped.on_target``) it is that collective, which moves the routed rows alone. XLA:CPU does not implement it
+(UNIMPLEMENTED, jax 0.10.2), so on a CPU it is emulated with the fixed-size ``all_to_all`` (every chunk padded to
+the operand's length, the receiver's offsets exchanged beside it): the same result, so the index arithmetic
+around it is tested on CPU meshes; on a GPU the real collective is checked against it.
+
+``layout`` computes every offset and size both exchanges of an MoE block need from the per-peer row counts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from jaxtron.config.schema import ConfigError
+from jaxtron.ops import grouped
+
+CHOICES = ("auto", "padded", "ragged")
+
+
+def native() -> bool:
+    """Whether the program is for a GPU, where XLA implements ragged_all_to_all."""
+    return grouped.target_gpu() is not None
+
+
+def resolve(choice: str) -> str:
+    """``execution.moe_exchange``: 'auto' -> 'ragged' on a GPU, 'padded' elsewhere. 'ragged' off a GPU runs the
+    emulation (what tests compare with 'padded')."""
+    if choice not in CHOICES:
+        raise ConfigError(f"config field 'execution.moe_exchange' is {choice!r}; use one of {', '.join(CHOICES)}.")
+    return ("ragged" if native() else "padded") if choice == "auto" else choice
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """One device's view of a ragged exchange over ``ep`` peers, from the matrix ``counts[s, j]`` of rows peer s
+    sends peer j: where its outgoing chunks start and land, and where incoming chunks sit in its receive buffer
+    (peer by peer, without gaps)."""
+    send_offsets: jax.Array  # [ep] start of the chunk for peer j in this device's sorted rows
+    send_sizes: jax.Array  # [ep] rows for peer j
+    remote_offsets: jax.Array  # [ep] where that chunk lands in peer j's receive buffer
+    recv_offsets: jax.Array  # [ep] where peer s's chunk sits in this device's receive buffer
+    recv_sizes: jax.Array  # [ep] rows from peer s
+    home_offsets: jax.Array  # [ep] where peer s's chunk started in peer s's sorted rows (the way back)
+
+
+def layout(counts: jax.Array, me: jax.Array) -> Layout:
+    """``counts`` [ep, ep] (every device's sends, gathered), ``me`` this device's index along the exchange axes."""
+    before_in_row = jnp.cumsum(counts, axis=1) - counts  # [s, j]: where s's chunk for j starts among s's rows
+    before_in_column = jnp.cumsum(counts, axis=0) - counts  # [s, j]: where s's chunk lands among j's received rows
+    return Layout(send_offsets=before_in_row[me], send_sizes=counts[me], remote_offsets=before_in_column[me],
+                  recv_offsets=before_in_column[:, me], recv_sizes=counts[:, me], home_offsets=before_in_row[:, me])
+
+
+def dispatch(rows: jax.Array, out_rows: int, plan: Layout, axes: tuple[str, ...]) -> jax.Array:
+    """Sorted rows [m, d] -> the rows routed to this device [out_rows, d], peer by peer (zeros past them)."""
+    buffer = jnp.zeros((out_rows, *rows.shape[1:]), rows.dtype)
+    return ragged_all_to_all(rows, buffer, plan.send_offsets, plan.send_sizes, plan.remote_offsets,
+                             plan.recv_sizes, axes)
+
+
+def combine(computed: jax.Array, out_rows: int, plan: Layout, axes: tuple[str, ...]) -> jax.Array:
+    """``dispatch`` backwards: the computed rows [n, d] go home -> [out_rows, d] in the sorted order sent."""
+    buffer = jnp.zeros((out_rows, *computed.shape[1:]), computed.dtype)
+    return ragged_all_to_all(computed, buffer, plan.recv_offsets, plan.recv_sizes, plan.home_offsets,
+                             plan.send_sizes, axes)
+
+
+def ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes,
+                      axes: tuple[str, ...]) -> jax.Array:
+    """``jax.lax.ragged_all_to_all`` over ``axes`` on a GPU, its fixed-size emulation elsewhere."""
+    if native():
+        return jax.lax.ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes,
+                                         axis_name=axes)
+    return _emulated(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, axes)
+
+
+def _emulated(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, axes):
+    """Each chunk padded to the operand's length and sent by ``all_to_all``, with the offset it must land at;
+    the receiver writes the first ``recv_sizes[s]`` rows of peer s's chunk there."""
+    m = operand.shape[0]
+    ep = input_offsets.shape[0]
+    slot = jnp.arange(m)
+    take = jnp.clip(input_offsets[:, None] + slot[None, :], 0, m - 1)  # [ep, m]
+    chunks = jnp.where((slot[None, :] < send_sizes[:, None])[..., None], operand[take], 0)
+    chunks = jax.lax.all_to_all(chunks, axes, 0, 0, tiled=True)  # chunks[s]: what peer s sent here
+    lands = jax.lax.all_to_all(output_offsets.reshape(ep, 1), axes, 0, 0, tiled=True)[:, 0]  # [ep]
+    place = jnp.where(slot[None, :] < recv_sizes[:, None], lands[:, None] + slot[None, :], output.shape[0])
+    return output.at[place.reshape(-1)].set(chunks.reshape(ep * m, *operand.shape[1:]), mode="drop")
