@@ -39,8 +39,11 @@ ROWS = {  # name -> (config, GPUs, overrides)
 VARIANTS = {  # name -> overrides
     "dropless, ragged_dot, padded exchange (before)": ["execution.moe_mode=dropless", "execution.expert_gemm=xla",
                                                       "execution.moe_exchange=padded"],
-    "dropless, grouped GEMM": ["execution.moe_mode=dropless", "execution.expert_gemm=auto"],
-    "dropless, grouped GEMM, FP8": ["execution.moe_mode=dropless", "execution.expert_gemm=auto", "execution.fp8=True"],
+    "dropless, grouped GEMM, ragged exchange": ["execution.moe_mode=dropless", "execution.expert_gemm=auto"],
+    "the same, receive factor 1.25": ["execution.moe_mode=dropless", "execution.expert_gemm=auto",
+                                      "execution.moe_receive_factor=1.25"],
+    "the same, FP8": ["execution.moe_mode=dropless", "execution.expert_gemm=auto",
+                      "execution.moe_receive_factor=1.25", "execution.fp8=True"],
     "capacity 1.25": ["execution.moe_mode=capacity"],
 }
 

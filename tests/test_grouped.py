@@ -73,6 +73,8 @@ def test_bad_expert_gemm_values_are_one_sentence(monkeypatch):
         ExecutionConfig(expert_gemm="cublas")
     with pytest.raises(ConfigError, match=r"execution.moe_exchange.*'nccl'"):
         ExecutionConfig(moe_exchange="nccl")
+    with pytest.raises(ConfigError, match=r"execution.moe_receive_factor.*>= 0"):
+        ExecutionConfig(moe_receive_factor=-1.0)
     monkeypatch.setattr(grouped, "tokamax_installed", lambda: False)
     with pytest.raises(ConfigError) as info:
         grouped.resolve("tokamax")

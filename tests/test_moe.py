@@ -149,6 +149,32 @@ def test_the_ragged_exchange_equals_the_padded_one(mesh_name):
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
 
 
+def test_a_full_receive_buffer_drops_the_rows_past_it_and_counts_them():
+    """execution.moe_receive_factor=0.75 on data=2 x expert=4: each device receives at most 0.75 x its own 32
+    routed rows. Simulated with numpy from the routing: each receiver takes its peers' chunks in peer order, the
+    first rows of a chunk first; the rows past its buffer get no expert output. The layer equals the loop over
+    experts without those assignments, and its 'dropped' stat is their share."""
+    x = jax.random.normal(jax.random.key(6), (8, 16, 32))
+    graphdef, state = _layer(_layer_cfg(), ExecutionConfig(moe_receive_factor=0.75))
+    with jax.set_mesh(_mesh(LAYER_MESHES["data2_expert4"])):  # batch rows over (data, fsdp, expert)
+        y, stats = jax.jit(lambda s, x: nnx.merge(graphdef, s)(x))(state, x)
+    layer = nnx.merge(graphdef, state)
+    ids = np.asarray(route(layer.cfg, x @ layer.router[...])[0]).reshape(8, -1)  # [batch row = device, t * k]
+    ep, local, room = 4, E // 4, 24
+    keep = np.ones(ids.shape, bool)
+    for group in (range(4), range(4, 8)):  # the devices of one expert group: one batch row each
+        orders = [np.argsort(ids[r], kind="stable") for r in group]
+        counts = np.array([[np.sum(ids[r] // local == j) for j in range(ep)] for r in group])
+        fits = np.clip(room - (np.cumsum(counts, 0) - counts), 0, counts)
+        for source, r in enumerate(group):
+            starts = np.cumsum(counts[source]) - counts[source]
+            for j in range(ep):
+                keep[r, orders[source][starts[j] + fits[source, j]:starts[j] + counts[source, j]]] = False
+    assert 0.05 < 1 - keep.mean() < 0.5  # the buffers did fill
+    np.testing.assert_allclose(float(stats["dropped"]), 1 - keep.mean(), rtol=1e-6)
+    _close(y, _reference(graphdef, state, x, keep=keep.reshape(8, 16, K)), 1e-5)
+
+
 def test_the_ragged_layout_places_every_chunk():
     """Three peers; counts[s, j] rows go from s to j. Device 1 sends its chunks from where they start in its sorted
     rows to where they land in each receiver (after the lower peers' chunks), and finds its own incoming chunks

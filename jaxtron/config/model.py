@@ -292,6 +292,9 @@ class ExecutionConfig:
     capacity_factor: float = 1.25  # capacity mode: slots per expert and row = ceil(factor * length * k / experts)
     expert_gemm: str = "auto"  # dropless mode's grouped GEMM: auto | xla | tokamax (see jaxtron/ops/grouped.py)
     moe_exchange: str = "auto"  # dropless mode's all-to-all: auto | padded | ragged (see jaxtron/ops/exchange.py)
+    # dropless with expert parallelism: each device's receive buffer holds this many times its own routed rows
+    # (rows past it are dropped and counted); 0 sizes it for the worst case, every peer's rows, and drops nothing
+    moe_receive_factor: float = 0.0
 
     def __post_init__(self):
         _choice(self.dtype, "execution.dtype", COMPUTE_DTYPES)
@@ -303,6 +306,7 @@ class ExecutionConfig:
         _positive(self.capacity_factor, "execution.capacity_factor")
         _choice(self.expert_gemm, "execution.expert_gemm", ("auto", "xla", "tokamax"))
         _choice(self.moe_exchange, "execution.moe_exchange", ("auto", "padded", "ragged"))
+        _non_negative(self.moe_receive_factor, "execution.moe_receive_factor")
 
 
 # the flat layout's model fields -> their place in the groups (old dotted path under 'model' -> new one)

@@ -174,14 +174,16 @@ def _swiglu_batched(slots: jax.Array, gate: jax.Array, up: jax.Array, down: jax.
 
 def experts_local(x: jax.Array, ids: jax.Array, weights: jax.Array, gate: jax.Array, up: jax.Array,
                   down: jax.Array, num_experts: int, row_capacity: int | None,
-                  axes: ExpertAxes | None, gemm: str = "xla", exchange_mode: str = "padded") -> jax.Array:
+                  axes: ExpertAxes | None, gemm: str = "xla", exchange_mode: str = "padded",
+                  receive_factor: float = 0.0) -> tuple[jax.Array, jax.Array]:
     """One device's part of the expert computation (called inside shard_map with the mesh axes to talk over,
     or alone without a mesh: ``axes`` None).
 
     x [b, t, d], ids/weights [b, t, k] (id ``num_experts`` = dropped); gate/up [E_local, d_shard, f_shard],
     down [E_local, f_shard, d_shard]. ``row_capacity``: slots per expert and row (capacity mode) or None
-    (dropless). ``gemm``, ``exchange_mode``: dropless mode's grouped GEMM and all-to-all (``execution.expert_gemm``,
-    ``execution.moe_exchange``, resolved).
+    (dropless). ``gemm``, ``exchange_mode``, ``receive_factor``: dropless mode's grouped GEMM, all-to-all and
+    receive buffers (``execution.expert_gemm`` and ``moe_exchange`` resolved, ``moe_receive_factor``).
+    -> (outputs [b, t, d], how many of this device's assignments a full receive buffer dropped).
     """
     axes = axes or ExpertAxes((), (), ())
     b, t, d = x.shape
@@ -189,36 +191,42 @@ def experts_local(x: jax.Array, ids: jax.Array, weights: jax.Array, gate: jax.Ar
         gate, up = (jax.lax.all_gather(w, axes.embed, axis=1, tiled=True) for w in (gate, up))
         down = jax.lax.all_gather(down, axes.embed, axis=2, tiled=True)
     ep = jax.lax.axis_size(axes.experts) if axes.experts else 1  # expert shards
+    dropped = jnp.zeros((), jnp.float32)
     if row_capacity is None:
-        out = _dropless(x.reshape(b * t, d), ids.reshape(-1), gate, up, down, num_experts, axes.experts, ep, gemm,
-                        exchange_mode)
+        out, dropped = _dropless(x.reshape(b * t, d), ids.reshape(-1), gate, up, down, num_experts, axes.experts,
+                                 ep, gemm, exchange_mode, receive_factor)
     else:
         out = _with_capacity(x, ids, gate, up, down, num_experts, min(row_capacity, t), axes.experts, ep)
     out = out.reshape(b * t, ids.shape[-1], d)  # [token, choice, d]
     y = jnp.einsum("nkd,nk->nd", out, weights.reshape(b * t, -1).astype(out.dtype))
     if axes.mlp:
         y = jax.lax.psum(y, axes.mlp)  # each shard computed its slice of the intermediate width
-    return y.reshape(b, t, d)
+    return y.reshape(b, t, d), dropped
 
 
 def _dropless(tokens, ids, gate, up, down, num_experts: int, expert_axes: tuple[str, ...], ep: int,
-              gemm: str, exchange_mode: str) -> jax.Array:
+              gemm: str, exchange_mode: str, receive_factor: float) -> tuple[jax.Array, jax.Array]:
     """Assignments sorted by expert, one grouped GEMM (ragged_dot) per matrix; -> outputs [n * k, d] in
     assignment order. With the experts split over ``expert_axes`` (``ep`` shards) each destination shard gets a
-    buffer of all n * k rows (the worst case)."""
+    buffer of all n * k rows (the worst case); the ragged exchange's receive buffers may be smaller
+    (``receive_factor``), and then -> also how many rows did not fit."""
     k = ids.shape[0] // tokens.shape[0]
     order = jnp.argsort(ids, stable=True)  # dropped ids (none in dropless mode) would sort last
     sorted_ids = ids[order]
     rows = tokens[order // k]
     counts = jnp.sum(jax.nn.one_hot(ids, num_experts, dtype=jnp.int32), axis=0)
+    dropped = jnp.zeros((), jnp.float32)
     if ep == 1:
         out_sorted = _swiglu_grouped(rows, gate, up, down, counts, gemm)
     elif exchange_mode == "ragged":
-        out_sorted = _exchange_ragged(rows, counts, gate, up, down, expert_axes, ep, num_experts // ep, gemm)
+        receive_rows = ep * rows.shape[0] if not receive_factor else \
+            min(ep * rows.shape[0], math.ceil(receive_factor * rows.shape[0]))
+        out_sorted, dropped = _exchange_ragged(rows, counts, gate, up, down, expert_axes, ep, num_experts // ep,
+                                               gemm, receive_rows)
     else:
         out_sorted = _exchange_sorted(rows, sorted_ids, counts, gate, up, down, expert_axes, ep, num_experts // ep,
                                       gemm)
-    return out_sorted[jnp.argsort(order)]
+    return out_sorted[jnp.argsort(order)], dropped
 
 
 def _exchange_sorted(rows, sorted_ids, counts, gate, up, down, expert_axes: tuple[str, ...], ep: int,
@@ -247,22 +255,29 @@ def _exchange_sorted(rows, sorted_ids, counts, gate, up, down, expert_axes: tupl
 
 
 def _exchange_ragged(rows, counts, gate, up, down, expert_axes: tuple[str, ...], ep: int, local_experts: int,
-                     gemm: str):
-    """``_exchange_sorted`` moving only the routed rows (``ops/exchange.py``): each expert shard gets exactly the
-    rows of its experts, packed peer by peer into a buffer of the worst case's size (every row of every peer),
-    runs its local experts on them and sends each output home to its place in the sorted order."""
+                     gemm: str, receive_rows: int):
+    """``_exchange_sorted`` moving only the routed rows (``ops/exchange.py``): each expert shard gets the rows of
+    its experts, packed peer by peer into a buffer of ``receive_rows`` (the worst case: every row of every peer),
+    runs its local experts on them and sends each output home to its place in the sorted order. Rows that do not
+    fit the receiver's buffer stay home with a zero output. -> (outputs, rows of this device that did not fit)."""
     m = rows.shape[0]
     per_shard = counts.reshape(ep, local_experts)  # rows for each (destination shard, its local expert)
     matrix = jax.lax.all_gather(jnp.sum(per_shard, axis=1), expert_axes)  # [source, destination] row counts
-    plan = exchange.layout(matrix, jax.lax.axis_index(expert_axes))
-    received = exchange.dispatch(rows, ep * m, plan, expert_axes)  # [ep * m, d]: peer by peer, then zeros
+    me = jax.lax.axis_index(expert_axes)
+    sent = exchange.fit(matrix, receive_rows) if receive_rows < ep * m else matrix
+    plan = exchange.layout(matrix, me, sent)
+    received = exchange.dispatch(rows, receive_rows, plan, expert_axes)  # peer by peer, then zeros
     recv_counts = jax.lax.all_to_all(per_shard, expert_axes, 0, 0, tiled=True)  # [source, local expert]
+    # what arrived of each peer's chunk is its first rows: their counts per local expert
+    arrived = jnp.minimum(jnp.cumsum(recv_counts, axis=1), plan.recv_sizes[:, None])
+    recv_counts = arrived - jnp.pad(arrived, ((0, 0), (1, 0)))[:, :-1]
     # each peer's rows arrive sorted by expert; regroup all of them by local expert for the grouped GEMM
-    segment = jnp.searchsorted(jnp.cumsum(recv_counts.reshape(-1)), jnp.arange(ep * m), side="right")
+    segment = jnp.searchsorted(jnp.cumsum(recv_counts.reshape(-1)), jnp.arange(receive_rows), side="right")
     local_id = jnp.where(segment < ep * local_experts, segment % local_experts, local_experts)  # unused: last
     regroup = jnp.argsort(local_id, stable=True)
     computed = _swiglu_grouped(received[regroup], gate, up, down, jnp.sum(recv_counts, 0), gemm)
-    return exchange.combine(computed[jnp.argsort(regroup)], m, plan, expert_axes)
+    out = exchange.combine(computed[jnp.argsort(regroup)], m, plan, expert_axes)
+    return out, jnp.sum(matrix[me] - sent[me]).astype(jnp.float32)
 
 
 def _with_capacity(x, ids, gate, up, down, num_experts: int, slots: int, expert_axes: tuple[str, ...],
@@ -317,28 +332,38 @@ class MoE(nnx.Module):
         row_capacity = capacity(cfg, self.execution.capacity_factor, x.shape[1]) if capacity_mode else None
         bias = self.router_bias[...] if self.router_bias is not None else None
         ids, weights, stats = route(cfg, logits, row_capacity, bias)
-        y = self._routed(constrain(x, TOKEN_AXES), ids, weights, row_capacity)
+        y, dropped = self._routed(constrain(x, TOKEN_AXES), ids, weights, row_capacity)
+        if not capacity_mode:  # assignments that found no room in a receive buffer
+            stats["dropped"] = dropped / ids.size
         if self.shared is not None:
             y = y + self.shared(x, fp8)[0]
         return y, stats
 
-    def _routed(self, x: jax.Array, ids: jax.Array, weights: jax.Array, row_capacity: int | None) -> jax.Array:
+    def _routed(self, x: jax.Array, ids: jax.Array, weights: jax.Array,
+                row_capacity: int | None) -> tuple[jax.Array, jax.Array]:
+        """-> (outputs, assignments a receive buffer dropped, over all devices)."""
         cfg, dt = self.cfg, compute_dtype(self.execution)
         ids, weights = constrain(ids, ROUTE_AXES), constrain(weights, ROUTE_AXES)
         gate, up, down = (w[...].astype(dt) for w in (self.wi_gate, self.wi_up, self.wo))
-        gemm, exchanged = grouped.resolve(self.execution.expert_gemm), exchange.resolve(self.execution.moe_exchange)
+        execution = self.execution
+        gemm, exchanged = grouped.resolve(execution.expert_gemm), exchange.resolve(execution.moe_exchange)
+        if execution.moe_receive_factor and execution.moe_exchange == "auto":
+            exchanged = "ragged"  # only the ragged exchange has receive buffers to size
         if jax.sharding.get_abstract_mesh().empty:
             return experts_local(x, ids, weights, gate, up, down, cfg.moe.num_experts, row_capacity, None, gemm)
         token_spec, route_spec = logical_to_spec(TOKEN_AXES), logical_to_spec(ROUTE_AXES)
+        token_axes = spec_axes(token_spec, 0) + spec_axes(token_spec, 1)
         axes = ExpertAxes.from_rules()
 
         # check_vma off: under a pipeline stage's vmap (spmd_axis_name) the inputs vary over the stage axis while
         # the constants made inside do not, which the check refuses; every collective here is written explicitly
         def local(x, ids, weights, gate, up, down):
-            return experts_local(x, ids, weights, gate, up, down, cfg.moe.num_experts, row_capacity, axes, gemm,
-                                 exchanged)
+            y, dropped = experts_local(x, ids, weights, gate, up, down, cfg.moe.num_experts, row_capacity, axes,
+                                       gemm, exchanged, execution.moe_receive_factor)
+            return y, jax.lax.psum(dropped, token_axes) if token_axes else dropped  # over the devices of other tokens
 
-        y = jax.shard_map(local, in_specs=(token_spec, route_spec, route_spec, logical_to_spec(GATE_UP_AXES),
-                                           logical_to_spec(GATE_UP_AXES), logical_to_spec(DOWN_AXES)),
-                          out_specs=token_spec, check_vma=False)(x, ids, weights, gate, up, down)
-        return constrain(y, TOKEN_AXES)
+        y, dropped = jax.shard_map(local, in_specs=(token_spec, route_spec, route_spec, logical_to_spec(GATE_UP_AXES),
+                                                    logical_to_spec(GATE_UP_AXES), logical_to_spec(DOWN_AXES)),
+                                   out_specs=(token_spec, logical_to_spec(())), check_vma=False)(
+            x, ids, weights, gate, up, down)
+        return constrain(y, TOKEN_AXES), dropped

@@ -6,7 +6,8 @@ one, ``grouped.on_target``) it is that collective, which moves the routed rows a
 the operand's length, the receiver's offsets exchanged beside it): the same result, so the index arithmetic
 around it is tested on CPU meshes; on a GPU the real collective is checked against it.
 
-``layout`` computes every offset and size both exchanges of an MoE block need from the per-peer row counts.
+``layout`` computes every offset and size both exchanges of an MoE block need from the per-peer row counts, and
+``fit`` which rows fit receive buffers smaller than the worst case.
 """
 
 from __future__ import annotations
@@ -48,12 +49,22 @@ class Layout:
     home_offsets: jax.Array  # [ep] where peer s's chunk started in peer s's sorted rows (the way back)
 
 
-def layout(counts: jax.Array, me: jax.Array) -> Layout:
-    """``counts`` [ep, ep] (every device's sends, gathered), ``me`` this device's index along the exchange axes."""
-    before_in_row = jnp.cumsum(counts, axis=1) - counts  # [s, j]: where s's chunk for j starts among s's rows
-    before_in_column = jnp.cumsum(counts, axis=0) - counts  # [s, j]: where s's chunk lands among j's received rows
-    return Layout(send_offsets=before_in_row[me], send_sizes=counts[me], remote_offsets=before_in_column[me],
-                  recv_offsets=before_in_column[:, me], recv_sizes=counts[:, me], home_offsets=before_in_row[:, me])
+def layout(counts: jax.Array, me: jax.Array, sent: jax.Array | None = None) -> Layout:
+    """``counts`` [ep, ep] (every device's rows for every peer, gathered), ``me`` this device's index along the
+    exchange axes. ``sent`` [ep, ep] (default ``counts``): the rows that actually go, the first ``sent[s, j]`` of
+    each chunk (``fit``); the rest of a chunk stays home and gets no output."""
+    sent = counts if sent is None else sent
+    chunk_starts = jnp.cumsum(counts, axis=1) - counts  # [s, j]: where s's chunk for j starts among s's rows
+    landing = jnp.cumsum(sent, axis=0) - sent  # [s, j]: where s's chunk lands among j's received rows
+    return Layout(send_offsets=chunk_starts[me], send_sizes=sent[me], remote_offsets=landing[me],
+                  recv_offsets=landing[:, me], recv_sizes=sent[:, me], home_offsets=chunk_starts[:, me])
+
+
+def fit(counts: jax.Array, capacity: int) -> jax.Array:
+    """The rows of ``counts`` [ep, ep] that fit receive buffers of ``capacity`` rows: each receiver takes its
+    peers' chunks in peer order until its buffer is full (the first rows of a chunk before its last)."""
+    before = jnp.cumsum(counts, axis=0) - counts
+    return jnp.clip(capacity - before, 0, counts)
 
 
 def dispatch(rows: jax.Array, out_rows: int, plan: Layout, axes: tuple[str, ...]) -> jax.Array:
