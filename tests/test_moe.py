@@ -111,42 +111,40 @@ def test_dropless_equals_loop_over_experts_with_gradients(mesh_name):
         _close(g, w, 1e-5)
 
 
+def _loss_and_grads_under(executions: list[ExecutionConfig], mesh_name: str, seed: int) -> list:
+    """The MoE layer's loss (whose gradient depends on every output) and its gradients on a mesh, once for each
+    execution config, from the same parameters and inputs."""
+    x = jax.random.normal(jax.random.key(seed), (8, 16, 32))
+    results = []
+    for execution in executions:
+        graphdef, state = _layer(_layer_cfg(), execution)
+
+        def loss(s, x, graphdef=graphdef):
+            return jnp.sum(jnp.sin(nnx.merge(graphdef, s)(x)[0]))
+        with jax.set_mesh(_mesh(LAYER_MESHES[mesh_name])):
+            results.append(jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))(state, x))
+    assert float(results[0][0]) != 0.0
+    return results
+
+
 @pytest.mark.skipif(not grouped.tokamax_installed(), reason=f"tokamax is not installed ({grouped.INSTALL})")
 def test_dropless_experts_on_the_tokamax_gemm_equal_the_xla_gemm_on_an_expert_mesh():
     """execution.expert_gemm only changes the kernel: on an expert mesh (the exchange's buffers hold rows past the
     groups) the MoE layer's outputs and gradients with tokamax's grouped GEMM (its XLA implementation on a CPU,
     through jaxtron's VJP) equal those with jax.lax.ragged_dot."""
-    x = jax.random.normal(jax.random.key(4), (8, 16, 32))
-    mesh = _mesh(LAYER_MESHES["fsdp2_expert2_tensor2"])
-    results = []
-    for gemm in ("xla", "tokamax"):
-        graphdef, state = _layer(_layer_cfg(), ExecutionConfig(expert_gemm=gemm))
-
-        def loss(s, x, graphdef=graphdef):
-            return jnp.sum(jnp.sin(nnx.merge(graphdef, s)(x)[0]))
-        with jax.set_mesh(mesh):
-            results.append(jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))(state, x))
-    for got, want in zip(jax.tree.leaves(results[1]), jax.tree.leaves(results[0]), strict=True):
-        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-6)
+    want, got = _loss_and_grads_under([ExecutionConfig(expert_gemm=g) for g in ("xla", "tokamax")],
+                                      "fsdp2_expert2_tensor2", 4)
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.parametrize("mesh_name", ["fsdp2_expert2_tensor2", "data2_expert4"])
 def test_the_ragged_exchange_equals_the_padded_one(mesh_name):
     """execution.moe_exchange=ragged (emulated on a CPU, where XLA lacks ragged_all_to_all; ops/exchange.py) sends
     each expert shard only its rows and brings them home: outputs and gradients equal the padded exchange's."""
-    x = jax.random.normal(jax.random.key(5), (8, 16, 32))
-    mesh = _mesh(LAYER_MESHES[mesh_name])
-    results = []
-    for exchange in ("padded", "ragged"):
-        graphdef, state = _layer(_layer_cfg(), ExecutionConfig(moe_exchange=exchange))
-
-        def loss(s, x, graphdef=graphdef):
-            return jnp.sum(jnp.sin(nnx.merge(graphdef, s)(x)[0]))
-        with jax.set_mesh(mesh):
-            results.append(jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))(state, x))
-    assert float(results[0][0]) != 0.0
-    for got, want in zip(jax.tree.leaves(results[1]), jax.tree.leaves(results[0]), strict=True):
-        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
+    want, got = _loss_and_grads_under([ExecutionConfig(moe_exchange=e) for e in ("padded", "ragged")], mesh_name, 5)
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-6)
 
 
 def test_a_full_receive_buffer_drops_the_rows_past_it_and_counts_them():
