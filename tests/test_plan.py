@@ -126,6 +126,7 @@ from conftest import FAST_COMPILE_FLAGS, REPO
 from jaxtron import cli
 from jaxtron.config.loader import load_config
 from jaxtron.parallel.checks import check_devices
+from jaxtron.parallel.mesh import split_over_nodes
 from jaxtron.planning import search
 from jaxtron.planning.estimate import estimate, parameters
 from jaxtron.planning.gpus import gpu
@@ -181,16 +182,43 @@ def test_more_microbatches_or_remat_need_less_activation_memory():
     assert none.time["matmul"] < one.time["matmul"]  # no recompute
 
 
-def test_meshes_divide_the_model_and_keep_tensor_and_expert_inside_a_node():
+def test_meshes_divide_the_model_keep_tensor_inside_a_node_and_let_experts_span_nodes():
     cfg = _config("llama3_70b")
     meshes = search.candidate_meshes(cfg, 64, H100)
     assert meshes and all(math.prod(m.values()) == 64 and m["tensor"] <= 8 and m["expert"] == 1 for m in meshes)
     assert dict(pipeline=1, data=1, fsdp=8, sequence=1, expert=1, tensor=8) in meshes
     assert "num_kv_heads" in search.layout_problem(cfg, dict(data=1, fsdp=4, sequence=1, expert=1, tensor=16), H100)
+    assert search.layout_problem(_config("gpt3_175b"), dict(data=1, fsdp=1, sequence=1, expert=1, tensor=16),
+                                 H100) == "tensor = 16 exceeds the 8 GPUs of a node"
     moe = _config("mixtral_8x7b")
     assert {m["expert"] for m in search.candidate_meshes(moe, 16, H100)} == {1, 2, 4, 8}
-    too_wide = dict(data=1, fsdp=4, sequence=1, expert=4, tensor=4)
-    assert "exceeds the 8 GPUs of a node" in search.layout_problem(moe, too_wide, H100)
+    assert search.layout_problem(moe, dict(data=1, fsdp=4, sequence=1, expert=4, tensor=4), H100) is None
+    # DeepSeek-V3's own expert=64 on 64 nodes: the group spans the 8 nodes its 64 GPUs need, no more
+    deepseek = _config("deepseek_v3")
+    sizes = dict(pipeline=1, data=1, fsdp=8, sequence=1, expert=64, tensor=1)
+    assert search.layout_problem(deepseek, sizes, H100) is None
+    assert split_over_nodes(sizes, 64)["expert"] == 8
+
+
+def test_expert_exchanges_that_leave_the_node_are_priced_at_the_network_rate():
+    """DeepSeek-V3 on 1024 H100s: its own expert=64 (and the published TP2 PP16 layout with experts over 32 x 2
+    GPUs) are candidates that fit with receive buffers of 2x (configs/deepseek_v3.py); an expert group of 64 spans
+    8 nodes, so 7/8 of each exchange crosses InfiniBand, and the same exchange inside a node of 8 costs less."""
+    from jaxtron.planning.estimate import estimate
+
+    cfg = _config("deepseek_v3")
+    meshes = search.candidate_meshes(cfg, 1024, H100)
+    for sizes in (dict(pipeline=1, data=1, fsdp=8, sequence=1, expert=64, tensor=2),
+                  dict(pipeline=16, data=1, fsdp=1, sequence=1, expert=32, tensor=2)):
+        assert sizes in meshes
+        assert search.best_for_mesh(cfg, sizes, H100).fits, sizes
+    wide = estimate(cfg, dict(pipeline=1, data=1, fsdp=16, sequence=1, expert=64, tensor=1), H100)
+    narrow = estimate(cfg, dict(pipeline=1, data=1, fsdp=128, sequence=1, expert=8, tensor=1), H100)
+    # the same routed rows leave each device (dropless sends each row once): over 8 nodes 56/64 of them cross
+    # InfiniBand (the 7/64 for the node's other GPUs cross NVLink meanwhile); inside a node 7/8 cross NVLink
+    assert wide.collectives["all-to-all"] == pytest.approx(narrow.collectives["all-to-all"])
+    ratio = wide.time["expert_comm"] / narrow.time["expert_comm"]
+    assert ratio == pytest.approx((56 / 64) / (7 / 8) * H100.nvlink_bandwidth / H100.network_bandwidth, rel=1e-6)
 
 
 def test_top_choices_follow_published_practice():

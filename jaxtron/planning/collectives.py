@@ -47,6 +47,18 @@ class Collectives:
         moved = whole_bytes * (n - 1) / n * (2 if kind == "all-reduce" else 1)
         return times * moved / min(self.bandwidth(a) for a in axes)
 
+    def all_to_all(self, axis: str, whole_bytes: float, times: float) -> float:
+        """Seconds of ``times`` all-to-alls over ``axis`` sending ``whole_bytes`` each: the share for the devices of
+        other nodes crosses the network while the share for this node's devices crosses NVLink, both at once."""
+        n = self.mesh[axis]
+        if n == 1 or whole_bytes == 0:
+            return 0.0
+        self.bytes["all-to-all"] += times * whole_bytes
+        local = n // self.across[axis]  # the group's devices in one node
+        network = whole_bytes * (n - local) / n / self.gpu.network_bandwidth
+        nvlink = whole_bytes * (local - 1) / n / self.gpu.nvlink_bandwidth
+        return times * max(network, nvlink)
+
     def permute(self, axis: str, whole_bytes: float) -> float:
         """Seconds of collective-permutes over ``axis`` that move ``whole_bytes`` in all."""
         self.bytes["collective-permute"] = whole_bytes
@@ -111,13 +123,14 @@ def sequence_time(cfg: Config, shape: StepShape, block: BlockValues, coll: Colle
 
 
 def expert_time(shape: StepShape, block: BlockValues, coll: Collectives) -> float:
-    """The MoE blocks' all-to-all exchanges over ``expert``."""
+    """The MoE blocks' all-to-all exchanges over ``expert``: in dropless mode the routed rows alone (the ragged
+    exchange a GPU runs), in capacity mode the capacity slots."""
     if not (shape.moe_layers and shape.expert > 1):
         return 0.0
-    exchange = block.moe_rows * block.embed * shape.work_bytes
+    exchange = block.moe_exchanged * block.embed * shape.work_bytes
     moe_blocks = shape.moe_layers // shape.stages * shape.busy + shape.outside_moe_layers / shape.spread
-    return coll.ring("all-to-all", "expert", exchange,
-                     2 * (shape.forward_passes - 1) * moe_blocks * shape.microbatches * shape.in_flight)
+    return coll.all_to_all("expert", exchange,
+                           2 * (shape.forward_passes - 1) * moe_blocks * shape.microbatches * shape.in_flight)
 
 
 def pipeline_time(shape: StepShape, block: BlockValues, coll: Collectives) -> float:

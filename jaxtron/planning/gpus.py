@@ -11,6 +11,10 @@ Rates are what one GPU sustains:
   backward together (assumed 0.5: published flash-attention forward kernels on H100 reach 60-75% of peak at
   head_dim 128, backward kernels 40-55%). XLA's attention materialises the score matrix and is assumed to
   reach a quarter of the peak.
+- ``grouped_gemm_efficiency``: fraction of the dense peak that dropless MoE's grouped expert GEMM reaches forward
+  and backward (tokamax's Mosaic GPU kernel on an H200, 2026-11-26: 253 and 234 TFLOP/s on Mixtral's and
+  DeepSeek-V3's expert shapes, 179 on Qwen3-30B-A3B's narrow one; ``benchmarks/gpu_h200_2026-11-26.md``). Capacity
+  mode's batched GEMM runs at ``matmul_efficiency`` on its padded slots.
 - ``hbm_bandwidth``: device memory bytes/s for the elementwise work (norms, rotary, activations, casts).
 - ``nvlink_bandwidth``: NCCL bus bandwidth inside a node (NVLink 4 moves 450 GB/s per direction per GPU;
   assumed 80% of it is reached by ring/NVLS collectives of large messages).
@@ -39,6 +43,7 @@ class GPU:
     hbm_bandwidth: float  # bytes/s
     nvlink_bandwidth: float  # bytes/s, bus bandwidth inside a node
     network_bandwidth: float  # bytes/s per GPU, bus bandwidth across nodes
+    grouped_gemm_efficiency: float = 240 / 989.4
     gpus_per_node: int = 8
     usable_memory_fraction: float = 0.90
 

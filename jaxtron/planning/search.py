@@ -40,17 +40,20 @@ def layout_problem(cfg: Config, sizes: dict[str, int], gpu: GPU) -> str | None:
     except ConfigError as e:
         return str(e)
     sizes = full_sizes(sizes)
-    if sizes["tensor"] * sizes["expert"] > gpu.gpus_per_node:
-        return f"tensor x expert = {sizes['tensor'] * sizes['expert']} exceeds the {gpu.gpus_per_node} GPUs of a node"
+    if sizes["tensor"] > gpu.gpus_per_node:
+        return f"tensor = {sizes['tensor']} exceeds the {gpu.gpus_per_node} GPUs of a node"
     if n > gpu.gpus_per_node:
         across = split_over_nodes(sizes, n // gpu.gpus_per_node)
-        if across["tensor"] > 1 or across["expert"] > 1:
-            return "tensor or expert groups would span nodes"
+        # an expert group may span nodes (its tokens cross the network, its weights stay put): the mesh lays it
+        # over as few nodes as the axes outside it leave (parallel/mesh.py), and the estimate prices its exchanges
+        if across["tensor"] > 1:
+            return "tensor groups would span nodes"
     return None
 
 
 def candidate_meshes(cfg: Config, n: int, gpu: GPU) -> list[dict[str, int]]:
-    """Every mesh of ``n`` devices that divides the model and keeps tensor and expert groups inside a node.
+    """Every mesh of ``n`` devices that divides the model and keeps tensor groups inside a node (expert groups may
+    span nodes).
     A dense model gets no expert axis (it would only be another name for data parallelism)."""
     out = []
     for pipeline in divisors(n):

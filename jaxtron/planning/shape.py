@@ -137,7 +137,8 @@ class BlockValues:
     scores: int  # XLA attention's float32 [batch, heads, q, k] scores (other kernels: none)
     # the block input, its two norms, two residual sums and the MLP output split; both normed inputs gathered
     everything: int
-    moe_rows: int  # rows each device's expert GEMMs run over: worst-case (dropless) or capacity buffers
+    moe_rows: int  # rows each device's expert GEMMs run over: dropless receive buffers or capacity buffers
+    moe_exchanged: int  # rows each device sends its expert shards per exchange: routed (dropless) or its slots
     moe_values: int  # the MoE exchange buffers in and out, the expert hidden values and the sorted rows
 
 
@@ -157,10 +158,13 @@ def block_values(cfg: Config, shape: StepShape) -> BlockValues:
         attention["latent"] = b * t * (a.q_lora_rank + a.kv_lora_rank + a.qk_rope_head_dim)
     mlp = {"gate_up": 2 * b * t * mlp_width, "act": b * t * mlp_width}
     tokens, k = b * t, m.moe.experts_per_token
-    moe_rows = 0
-    if shape.moe_layers:
-        moe_rows = tokens * k * shape.expert if execution.moe_mode == "dropless" else \
-            m.moe.num_experts * b * capacity(m, execution.capacity_factor, t)
+    moe_rows = moe_exchanged = 0
+    if shape.moe_layers and execution.moe_mode == "dropless":
+        # the receive buffer: every peer's rows (the worst case), or moe_receive_factor times the device's own
+        factor = min(shape.expert, execution.moe_receive_factor) if execution.moe_receive_factor else shape.expert
+        moe_rows, moe_exchanged = math.ceil(tokens * k * factor), tokens * k
+    elif shape.moe_layers:
+        moe_rows = moe_exchanged = m.moe.num_experts * b * capacity(m, execution.capacity_factor, t)
     expert_width = m.resolved_expert_dim // shard_count(sizes, "activation_mlp")
     return BlockValues(
         embed=h, q_width=q_width, kv_width=kv_width, mlp_width=mlp_width, expert_width=expert_width, heads=heads,
@@ -168,4 +172,5 @@ def block_values(cfg: Config, shape: StepShape) -> BlockValues:
         attention=attention, mlp=mlp,
         scores=b * heads * t * shape.kv_len if shape.attention == "xla" else 0,
         everything=6 * (x // tensor) + (2 * x if tensor > 1 else 0) + sum(attention.values()) + sum(mlp.values()),
-        moe_rows=moe_rows, moe_values=moe_rows * (2 * h + 3 * expert_width) + 2 * tokens * k * h)
+        moe_rows=moe_rows, moe_exchanged=moe_exchanged,
+        moe_values=moe_rows * (2 * h + 3 * expert_width) + 2 * tokens * k * h)

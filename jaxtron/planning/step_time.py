@@ -31,7 +31,12 @@ def compute_time(cfg: Config, shape: StepShape, block: BlockValues, gpu: GPU) ->
     peak = gpu.peak_flops["bfloat16"] if execution.dtype == "bfloat16" else gpu.peak_flops["bfloat16"] / 2  # fp32: TF32
     # model FLOPs plus what the remat policy re-runs, from the table HFU uses (jaxtron.metrics.flops.RECOMPUTED)
     hardware = hardware_flops_breakdown(shape.model, execution, shape.seq_len, attention=shape.attention)
-    matmul = sum(v for k, v in hardware.items() if k != "attention_scores")
+    # the routed experts' GEMMs run at the grouped GEMM's rate (dropless), or over capacity_factor times their
+    # rows at the dense rate (capacity mode's padded slots); the matmul term carries them at the dense rate's scale
+    experts = hardware.get("experts", 0.0)
+    expert_scale = gpu.matmul_efficiency / gpu.grouped_gemm_efficiency if execution.moe_mode == "dropless" else \
+        execution.capacity_factor
+    matmul = sum(v for k, v in hardware.items() if k != "attention_scores") + experts * (expert_scale - 1)
     # by chunks, a chunk's first document is computed twice on its own keys (once merged with its earlier keys):
     # at most a diagonal block per chunk, 1 / (2 x sequence) of a device's causal work
     scores_flops = hardware["attention_scores"] * (1 + 1 / (2 * shape.sequence) if shape.chunks else 1)
