@@ -15,9 +15,22 @@ packages=(
   array-record==0.8.6       # grain's
   portpicker==1.6.0         # grain's
   importlib_resources==7.1.0  # etils[epath], grain's
+  tokamax==0.0.17           # the grouped expert GEMM (jaxtron/ops/grouped.py); needs the machines' jax 0.11
+  einshape==1.0             # tokamax's
+  qwix==0.1.8               # tokamax's
+  immutabledict==4.3.1      # tokamax's
+  pydantic==2.14.4          # tokamax's
+  pydantic-core==2.50.5     # pydantic's
+  annotated-types==0.8.0    # pydantic's
+  typing-inspection==0.4.5  # pydantic's
+  typing-extensions==4.16.0  # pydantic's (newer than the machines')
+  xprof==2.24.2             # tokamax imports its kernel-statistics tool
+  fire==0.7.1               # xprof's
+  termcolor==3.3.0          # fire's
 )
 mkdir -p "$dest"
 python3 -m pip download --quiet --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-  --abi cp312 --abi abi3 --abi none --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
+  --abi cp312 --abi abi3 --abi none --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 \
+  --platform manylinux_2_17_x86_64 \
   --platform manylinux2014_x86_64 --platform any --dest "$dest" "${packages[@]}"
 ls -1 "$dest"/*.whl

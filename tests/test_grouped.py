@@ -76,10 +76,11 @@ def test_bad_expert_gemm_values_are_one_sentence(monkeypatch):
     with pytest.raises(ConfigError, match=r"execution.moe_receive_factor.*>= 0"):
         ExecutionConfig(moe_receive_factor=-1.0)
     monkeypatch.setattr(grouped, "tokamax_installed", lambda: False)
+    monkeypatch.setattr(grouped, "_tokamax_problem", lambda: "it is not installed")
     with pytest.raises(ConfigError) as info:
         grouped.resolve("tokamax")
     message = str(info.value)
-    assert message == ("config field 'execution.expert_gemm' is 'tokamax' but tokamax is not installed; install it "
+    assert message == ("config field 'execution.expert_gemm' is 'tokamax' but it is not installed; install it "
                        f"({grouped.INSTALL}) or use 'auto' or 'xla'."), message
 
 

@@ -42,7 +42,19 @@ _target: list[jax.Device] = []  # the compile-only GPU being compiled for (``on_
 
 
 def tokamax_installed() -> bool:
-    return importlib.util.find_spec("tokamax") is not None
+    """Whether tokamax imports here (installed, with what it imports)."""
+    return _tokamax_problem() is None
+
+
+@functools.cache
+def _tokamax_problem() -> str | None:
+    if importlib.util.find_spec("tokamax") is None:
+        return "it is not installed"
+    try:
+        import tokamax  # noqa: F401
+    except ImportError as e:
+        return f"importing it failed ({type(e).__name__}: {e})"
+    return None
 
 
 def target_gpu() -> jax.Device | None:
@@ -65,9 +77,9 @@ def resolve(choice: str) -> str:
         raise ConfigError(f"config field 'execution.expert_gemm' is {choice!r}; use one of "
                           f"{', '.join(IMPLEMENTATIONS)}.")
     if choice == "auto":
-        return "tokamax" if tokamax_installed() and _hopper_or_newer(target_gpu()) else "xla"
+        return "tokamax" if _hopper_or_newer(target_gpu()) and tokamax_installed() else "xla"
     if choice == "tokamax" and not tokamax_installed():
-        raise ConfigError(f"config field 'execution.expert_gemm' is 'tokamax' but tokamax is not installed; "
+        raise ConfigError(f"config field 'execution.expert_gemm' is 'tokamax' but {_tokamax_problem() or 'it fails'}; "
                           f"install it ({INSTALL}) or use 'auto' or 'xla'.")
     return choice
 
