@@ -230,6 +230,16 @@ def test_dropless_experts_run_grouped_gemms_of_their_useful_flops_on_the_h100():
     assert 0.95 < got["flops"] / model < 1.3, (got["flops"], model)
 
 
+@needs_plugin
+@pytest.mark.slow
+def test_with_fp8_capacity_mode_experts_run_batched_fp8_gemms_on_the_h100():
+    """Capacity mode's experts are batched GEMMs; with execution.fp8 each of their three, forward and both
+    backward, takes float8 operands like the attention projections: 7 GEMMs a block x 3 = 21 (ops/fp8.py)."""
+    got = _compile_on_target("execution.dtype=bfloat16", "model.num_layers=2", "execution.moe_mode=capacity",
+                             "execution.fp8=true", config="configs/mixtral_tiny.py")
+    assert got["f8"] == 21 and got["kernels"]["__cublas$lt$matmul$f8"] == 21, got
+
+
 MESHES = {  # name -> (config, GPUs, overrides): the mesh axes beyond fsdp, at 16 to 64 GPUs
     "sequence": ("default", 16, ["mesh.fsdp=8", "mesh.sequence=2", "execution.attention=cudnn"]),
     # what 'auto' runs there: the blockwise XLA kernel, until a GPU has timed it against cuDNN by chunks

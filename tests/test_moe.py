@@ -19,7 +19,7 @@ from jaxtron.data.loader import SyntheticSource
 from jaxtron.metrics import flops
 from jaxtron.models import build_model
 from jaxtron.models.moe import ExpertAxes, MoE, capacity, route
-from jaxtron.ops import grouped
+from jaxtron.ops import fp8, grouped
 from jaxtron.parallel import sharding
 from jaxtron.parallel.checks import check_devices
 from jaxtron.parallel.mesh import make_mesh
@@ -171,6 +171,33 @@ def test_a_full_receive_buffer_drops_the_rows_past_it_and_counts_them():
     assert 0.05 < 1 - keep.mean() < 0.5  # the buffers did fill
     np.testing.assert_allclose(float(stats["dropped"]), 1 - keep.mean(), rtol=1e-6)
     _close(y, _reference(graphdef, state, x, keep=keep.reshape(8, 16, K)), 1e-5)
+
+
+def test_fp8_experts_in_capacity_mode_equal_the_experts_on_the_fp8_grid():
+    """execution.fp8 in capacity mode: each batched expert GEMM takes its operands rounded to e4m3 with one
+    current scale for the whole operand (every token row, every expert's weights, every hidden row). Written out
+    token by token with those roundings, the layer's output agrees to 2e-4 of its scale; without FP8 it is 8% off."""
+    x = jax.random.normal(jax.random.key(7), (4, 16, 32))
+    graphdef, state = _layer(_layer_cfg(), ExecutionConfig(moe_mode="capacity", capacity_factor=8.0))
+    layer = nnx.merge(graphdef, state)
+    y8, stats = jax.jit(lambda s, x: nnx.merge(graphdef, s)(x, fp8=True))(state, x)
+    y, _ = jax.jit(lambda s, x: nnx.merge(graphdef, s)(x))(state, x)
+    assert float(stats["dropped"]) == 0.0  # room for every assignment
+
+    def on_grid(a):
+        scale = fp8.current_scale(a, fp8.E4M3)
+        return fp8.dequantize(fp8.quantize(a, scale, fp8.E4M3), scale, a.dtype)
+    ids, weights, _ = route(layer.cfg, x @ layer.router[...])
+    ids, weights = np.asarray(ids).reshape(-1, K), np.asarray(weights).reshape(-1, K)
+    rows = on_grid(x.reshape(-1, 32))
+    gate, up, down = (on_grid(p[...]) for p in (layer.wi_gate, layer.wi_up, layer.wo))
+    pairs = [(n, j) for n in range(rows.shape[0]) for j in range(K)]
+    hidden = on_grid(jnp.stack([jax.nn.silu(rows[n] @ gate[ids[n, j]]) * (rows[n] @ up[ids[n, j]]) for n, j in pairs]))
+    out = jnp.stack([hidden[i] @ down[ids[n, j]] for i, (n, j) in enumerate(pairs)]).reshape(-1, K, 32)
+    want = jnp.einsum("nkd,nk->nd", out, weights).reshape(x.shape)
+    scale = float(jnp.max(jnp.abs(want)))
+    assert float(jnp.max(jnp.abs(y8 - want))) < 1e-3 * scale
+    assert float(jnp.max(jnp.abs(y - want))) > 1e-2 * scale
 
 
 def test_the_ragged_layout_places_every_chunk():

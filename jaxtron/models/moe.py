@@ -37,6 +37,7 @@ from jaxtron.config.schema import ExecutionConfig, ModelConfig
 from jaxtron.models.layers import compute_dtype, param
 from jaxtron.models.mlp import MLP
 from jaxtron.ops import exchange, grouped
+from jaxtron.ops import fp8 as fp8_ops
 from jaxtron.parallel.sharding import constrain, logical_to_spec, spec_axes
 
 TOKEN_AXES = ("activation_batch", "activation_length", "activation_embed")
@@ -158,6 +159,15 @@ def _within_capacity(chosen: jax.Array, slots: int) -> jax.Array:
     return _rank_in_row(chosen) < slots
 
 
+@dataclasses.dataclass(frozen=True)
+class ExpertRun:
+    """How the experts run, the execution config's choices resolved (``ops/grouped.py``, ``ops/exchange.py``)."""
+    gemm: str = "xla"  # dropless mode's grouped GEMM
+    exchange: str = "padded"  # dropless mode's all-to-all
+    receive_factor: float = 0.0  # dropless receive buffers: 0 the worst case, else this many times the routed rows
+    fp8: bool = False  # capacity mode's batched GEMMs in FP8 (ops/fp8.py); dropless experts stay 16-bit
+
+
 def _swiglu_grouped(rows: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array,
                     group_sizes: jax.Array, gemm: str) -> jax.Array:
     """Rows sorted by expert [m, d] -> expert outputs [m, d]; rows past sum(group_sizes) give zeros. ``gemm``:
@@ -166,24 +176,25 @@ def _swiglu_grouped(rows: jax.Array, gate: jax.Array, up: jax.Array, down: jax.A
     return grouped.matmul(h, down, group_sizes, gemm)
 
 
-def _swiglu_batched(slots: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array) -> jax.Array:
-    """Fixed slots of each expert [E, m, d] -> outputs [E, m, d]: one batched GEMM per matrix."""
-    h = jax.nn.silu(jnp.einsum("emd,edf->emf", slots, gate)) * jnp.einsum("emd,edf->emf", slots, up)
-    return jnp.einsum("emf,efd->emd", h, down)
+def _swiglu_batched(slots: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array, fp8: bool) -> jax.Array:
+    """Fixed slots of each expert [E, m, d] -> outputs [E, m, d]: one batched GEMM per matrix. With ``fp8`` each
+    is an FP8 GEMM with current scaling over the whole operand, all local experts together: cuBLASLt's FP8 GEMM
+    takes one scale per operand, and so XLA folds it into a batched FP8 GEMM (``ops/fp8.py``)."""
+    einsum = fp8_ops.projection(fp8)
+    h = jax.nn.silu(einsum("emd,edf->emf", slots, gate)) * einsum("emd,edf->emf", slots, up)
+    return einsum("emf,efd->emd", h, down)
 
 
 def experts_local(x: jax.Array, ids: jax.Array, weights: jax.Array, gate: jax.Array, up: jax.Array,
                   down: jax.Array, num_experts: int, row_capacity: int | None,
-                  axes: ExpertAxes | None, gemm: str = "xla", exchange_mode: str = "padded",
-                  receive_factor: float = 0.0) -> tuple[jax.Array, jax.Array]:
+                  axes: ExpertAxes | None, run: ExpertRun = ExpertRun()) -> tuple[jax.Array, jax.Array]:
     """One device's part of the expert computation (called inside shard_map with the mesh axes to talk over,
     or alone without a mesh: ``axes`` None).
 
     x [b, t, d], ids/weights [b, t, k] (id ``num_experts`` = dropped); gate/up [E_local, d_shard, f_shard],
     down [E_local, f_shard, d_shard]. ``row_capacity``: slots per expert and row (capacity mode) or None
-    (dropless). ``gemm``, ``exchange_mode``, ``receive_factor``: dropless mode's grouped GEMM, all-to-all and
-    receive buffers (``execution.expert_gemm`` and ``moe_exchange`` resolved, ``moe_receive_factor``).
-    -> (outputs [b, t, d], how many of this device's assignments a full receive buffer dropped).
+    (dropless). ``run``: the kernels, exchange and precision. -> (outputs [b, t, d], how many of this device's
+    assignments a full receive buffer dropped).
     """
     axes = axes or ExpertAxes((), (), ())
     b, t, d = x.shape
@@ -194,9 +205,9 @@ def experts_local(x: jax.Array, ids: jax.Array, weights: jax.Array, gate: jax.Ar
     dropped = jnp.zeros((), jnp.float32)
     if row_capacity is None:
         out, dropped = _dropless(x.reshape(b * t, d), ids.reshape(-1), gate, up, down, num_experts, axes.experts,
-                                 ep, gemm, exchange_mode, receive_factor)
+                                 ep, run)
     else:
-        out = _with_capacity(x, ids, gate, up, down, num_experts, min(row_capacity, t), axes.experts, ep)
+        out = _with_capacity(x, ids, gate, up, down, num_experts, min(row_capacity, t), axes.experts, ep, run.fp8)
     out = out.reshape(b * t, ids.shape[-1], d)  # [token, choice, d]
     y = jnp.einsum("nkd,nk->nd", out, weights.reshape(b * t, -1).astype(out.dtype))
     if axes.mlp:
@@ -205,11 +216,11 @@ def experts_local(x: jax.Array, ids: jax.Array, weights: jax.Array, gate: jax.Ar
 
 
 def _dropless(tokens, ids, gate, up, down, num_experts: int, expert_axes: tuple[str, ...], ep: int,
-              gemm: str, exchange_mode: str, receive_factor: float) -> tuple[jax.Array, jax.Array]:
+              run: ExpertRun) -> tuple[jax.Array, jax.Array]:
     """Assignments sorted by expert, one grouped GEMM (ragged_dot) per matrix; -> outputs [n * k, d] in
     assignment order. With the experts split over ``expert_axes`` (``ep`` shards) each destination shard gets a
     buffer of all n * k rows (the worst case); the ragged exchange's receive buffers may be smaller
-    (``receive_factor``), and then -> also how many rows did not fit."""
+    (``run.receive_factor``), and then -> also how many rows did not fit."""
     k = ids.shape[0] // tokens.shape[0]
     order = jnp.argsort(ids, stable=True)  # dropped ids (none in dropless mode) would sort last
     sorted_ids = ids[order]
@@ -217,15 +228,15 @@ def _dropless(tokens, ids, gate, up, down, num_experts: int, expert_axes: tuple[
     counts = jnp.sum(jax.nn.one_hot(ids, num_experts, dtype=jnp.int32), axis=0)
     dropped = jnp.zeros((), jnp.float32)
     if ep == 1:
-        out_sorted = _swiglu_grouped(rows, gate, up, down, counts, gemm)
-    elif exchange_mode == "ragged":
-        receive_rows = ep * rows.shape[0] if not receive_factor else \
-            min(ep * rows.shape[0], math.ceil(receive_factor * rows.shape[0]))
+        out_sorted = _swiglu_grouped(rows, gate, up, down, counts, run.gemm)
+    elif run.exchange == "ragged":
+        receive_rows = ep * rows.shape[0] if not run.receive_factor else \
+            min(ep * rows.shape[0], math.ceil(run.receive_factor * rows.shape[0]))
         out_sorted, dropped = _exchange_ragged(rows, counts, gate, up, down, expert_axes, ep, num_experts // ep,
-                                               gemm, receive_rows)
+                                               run.gemm, receive_rows)
     else:
         out_sorted = _exchange_sorted(rows, sorted_ids, counts, gate, up, down, expert_axes, ep, num_experts // ep,
-                                      gemm)
+                                      run.gemm)
     return out_sorted[jnp.argsort(order)], dropped
 
 
@@ -281,7 +292,7 @@ def _exchange_ragged(rows, counts, gate, up, down, expert_axes: tuple[str, ...],
 
 
 def _with_capacity(x, ids, gate, up, down, num_experts: int, slots: int, expert_axes: tuple[str, ...],
-                   ep: int) -> jax.Array:
+                   ep: int, fp8: bool) -> jax.Array:
     """Capacity mode: every expert has ``slots`` fixed places per local row; kept assignments are scattered
     into them, the slots of each expert shard are exchanged as one block, and each expert runs one dense
     batched GEMM over its slots. -> outputs [b * t * k, d] in assignment order (zeros for dropped ones)."""
@@ -300,7 +311,7 @@ def _with_capacity(x, ids, gate, up, down, num_experts: int, slots: int, expert_
     if ep > 1:
         buffer = jax.lax.all_to_all(buffer, expert_axes, 0, 0, tiled=True)  # [source shard, local expert, ...]
     grouped = jnp.swapaxes(buffer, 0, 1).reshape(local_experts, ep * b * slots, d)
-    out = _swiglu_batched(grouped, gate, up, down).reshape(local_experts, ep, b * slots, d)
+    out = _swiglu_batched(grouped, gate, up, down, fp8).reshape(local_experts, ep, b * slots, d)
     out = jnp.swapaxes(out, 0, 1)
     if ep > 1:
         out = jax.lax.all_to_all(out, expert_axes, 0, 0, tiled=True)  # back to the shard the rows came from
@@ -332,25 +343,26 @@ class MoE(nnx.Module):
         row_capacity = capacity(cfg, self.execution.capacity_factor, x.shape[1]) if capacity_mode else None
         bias = self.router_bias[...] if self.router_bias is not None else None
         ids, weights, stats = route(cfg, logits, row_capacity, bias)
-        y, dropped = self._routed(constrain(x, TOKEN_AXES), ids, weights, row_capacity)
+        y, dropped = self._routed(constrain(x, TOKEN_AXES), ids, weights, row_capacity, fp8)
         if not capacity_mode:  # assignments that found no room in a receive buffer
             stats["dropped"] = dropped / ids.size
         if self.shared is not None:
             y = y + self.shared(x, fp8)[0]
         return y, stats
 
-    def _routed(self, x: jax.Array, ids: jax.Array, weights: jax.Array,
-                row_capacity: int | None) -> tuple[jax.Array, jax.Array]:
+    def _routed(self, x: jax.Array, ids: jax.Array, weights: jax.Array, row_capacity: int | None,
+                fp8: bool) -> tuple[jax.Array, jax.Array]:
         """-> (outputs, assignments a receive buffer dropped, over all devices)."""
         cfg, dt = self.cfg, compute_dtype(self.execution)
         ids, weights = constrain(ids, ROUTE_AXES), constrain(weights, ROUTE_AXES)
         gate, up, down = (w[...].astype(dt) for w in (self.wi_gate, self.wi_up, self.wo))
         execution = self.execution
-        gemm, exchanged = grouped.resolve(execution.expert_gemm), exchange.resolve(execution.moe_exchange)
+        exchanged = exchange.resolve(execution.moe_exchange)
         if execution.moe_receive_factor and execution.moe_exchange == "auto":
             exchanged = "ragged"  # only the ragged exchange has receive buffers to size
+        run = ExpertRun(grouped.resolve(execution.expert_gemm), exchanged, execution.moe_receive_factor, fp8)
         if jax.sharding.get_abstract_mesh().empty:
-            return experts_local(x, ids, weights, gate, up, down, cfg.moe.num_experts, row_capacity, None, gemm)
+            return experts_local(x, ids, weights, gate, up, down, cfg.moe.num_experts, row_capacity, None, run)
         token_spec, route_spec = logical_to_spec(TOKEN_AXES), logical_to_spec(ROUTE_AXES)
         token_axes = spec_axes(token_spec, 0) + spec_axes(token_spec, 1)
         axes = ExpertAxes.from_rules()
@@ -359,7 +371,7 @@ class MoE(nnx.Module):
         # the constants made inside do not, which the check refuses; every collective here is written explicitly
         def local(x, ids, weights, gate, up, down):
             y, dropped = experts_local(x, ids, weights, gate, up, down, cfg.moe.num_experts, row_capacity, axes,
-                                       gemm, exchanged, execution.moe_receive_factor)
+                                       run)
             return y, jax.lax.psum(dropped, token_axes) if token_axes else dropped  # over the devices of other tokens
 
         y, dropped = jax.shard_map(local, in_specs=(token_spec, route_spec, route_spec, logical_to_spec(GATE_UP_AXES),
