@@ -112,10 +112,20 @@ ENTRY %main (a: bf16[64,32]) -> bf16[64,48] {
 """  # noqa: E501
 
 
+VMAPPED_GROUPED_HLO = """
+ENTRY %main (a: bf16[2,64,32]) -> bf16[2,64,48] {
+  %f = bf16[2,64,48]{2,1,0} custom-call(%s, %a, %b), custom_call_target="mosaic_gpu_v2", operand_layout_constraints={s32[2,4]{1,0}, bf16[2,64,32]{2,1,0}, bf16[2,4,32,48]{3,2,1,0}}, metadata={op_name="jit(f)/vmap(tokamax:{\"op\":{\"__type\":\"tokamax.PallasMosaicGpuRaggedDot\"}})"}
+  %w = bf16[2,4,32,48]{3,2,1,0} custom-call(%s, %at, %f), custom_call_target="mosaic_gpu_v2", operand_layout_constraints={s32[2,4]{1,0}, bf16[2,32,64]{2,1,0}, bf16[2,64,48]{2,1,0}}, metadata={op_name="jit(f)/vmap(tokamax:{\"op\":{\"__type\":\"tokamax.PallasMosaicGpuRaggedDot\"}})"}
+}
+"""  # noqa: E501
+
+
 def test_grouped_gemm_kernels_count_their_useful_flops_from_their_shapes():
     """A grouped expert GEMM kernel (tokamax's ragged_dot in Triton or Mosaic GPU) computes 2 x rows x K x N whatever
-    the groups: forward, input gradient and weight gradient (its left operand transposed)."""
+    the groups: forward, input gradient and weight gradient (its left operand transposed). Under jax.vmap (2
+    pipeline stages here) each shape has a batch dimension more, and the kernel runs once per stage."""
     assert matmul_flops(GROUPED_HLO)["grouped_gemm"] == 3 * 2 * 64 * 32 * 48
+    assert matmul_flops(VMAPPED_GROUPED_HLO)["grouped_gemm"] == 2 * 2 * (2 * 64 * 32 * 48)
 
 
 def test_matmul_flops_count_loop_bodies_per_iteration_and_library_calls_from_their_shapes():

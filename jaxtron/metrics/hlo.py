@@ -139,20 +139,26 @@ def _grouped_gemm_flops(line: str) -> float:
     """A grouped (ragged) GEMM kernel's matmul FLOPs, 2 x M x K x N, from its float operands and its result: the
     forward [M, K] x [G, K, N] -> [M, N], the input gradient [M, N] x [G, N, K] -> [M, K], and the weight gradient
     from [M, K] and [M, N] (or [K, M]) -> [G, K, N]. A library kernel is a custom call XLA cannot see into; its op
-    name says what it computes."""
+    name says what it computes. Under ``jax.vmap`` (a pipeline's stages) every shape gains leading batch dimensions,
+    as many as the rows operand has beyond two; the kernel computes once per batch element."""
+    floats = _call_operands(line, _FLOAT)
+    batch_rank = min((len(o) for o in floats), default=2) - 2
+    if batch_rank < 0:
+        return 0.0
     result = result_shape(line)
-    flat = [o for o in _call_operands(line, _FLOAT) if len(o) == 2]
+    batch, result = math.prod(result[:batch_rank]), result[batch_rank:]
+    flat = [o[batch_rank:] for o in floats if len(o) == batch_rank + 2]
     if not flat:
         return 0.0
     if len(result) == 3:  # the weight gradient [G, K, N]: M is what is left of a 2-D operand beside K or N
         _, k, n = result
         a = flat[0]
         rows = math.prod(a) // (k if k in a else n)
-        return 2.0 * rows * k * n
+        return 2.0 * batch * rows * k * n
     if len(result) == 2:  # [M, N] from [M, K]
         rows, n = result
         a = flat[0]
-        return 2.0 * rows * n * (math.prod(a) // rows)
+        return 2.0 * batch * rows * n * (math.prod(a) // rows)
     return 0.0
 
 
