@@ -109,8 +109,12 @@ def test_planner_step_time_uses_the_same_recompute(remat, attention):
     per_token = 2 / (8 * S)  # two devices share the step's tokens
     matmul = est.time["matmul"] * peak * gpu.matmul_efficiency * per_token
     scores = est.time["attention"] * peak * attention_rate * per_token
+    # the routed experts (dropless) run at the grouped GEMM's rate: the matmul term carries them scaled to it
+    experts = flops.hardware_flops_breakdown(cfg.model, cfg.execution, S, attention=attention)["experts"]
+    assert experts > 0
     assert matmul + scores == pytest.approx(
-        flops.hardware_flops_per_token(cfg.model, cfg.execution, S, attention=attention), rel=1e-9)
+        flops.hardware_flops_per_token(cfg.model, cfg.execution, S, attention=attention)
+        + experts * (gpu.matmul_efficiency / gpu.grouped_gemm_efficiency - 1), rel=1e-9)
     model_scores = flops.flops_breakdown(cfg.model, S)["attention_scores"]
     again = 4 * sum(forward_per_layer()[p] for p in ("qk", "av") if p in EXPECTED[(remat, attention)])
     assert scores == pytest.approx(model_scores + again, rel=1e-9)
