@@ -64,16 +64,13 @@ def routed_bytes(cfg, gpus: int) -> float:
 
 def largest_exchange(hlo: str) -> float:
     """Bytes of the largest all-to-all of the program (ragged: what it may move, ``metrics/collectives.py``)."""
-    from jaxtron.metrics import collectives as c
+    from jaxtron.metrics.collectives import collective_bytes
     from jaxtron.metrics.hlo import definitions
 
-    defined, largest = definitions(hlo), 0.0
-    for line in hlo.splitlines():
-        if "ragged-all-to-all(" in line or "ragged-all-to-all-start(" in line:
-            largest = max(largest, c._sent_bytes(line, defined))
-        elif " all-to-all(" in line or " all-to-all-start(" in line:
-            largest = max(largest, c._result_bytes(line))
-    return largest
+    defined = definitions(hlo)
+    return max((collective_bytes(line, defined) for line in hlo.splitlines()
+                if any(f" {kind}{end}(" in line for kind in ("all-to-all", "ragged-all-to-all")
+                       for end in ("", "-start"))), default=0.0)
 
 
 def compile_one(config: str, gpus: int, overrides: list[str]) -> dict:

@@ -75,13 +75,16 @@ def test_bad_expert_gemm_values_are_one_sentence(monkeypatch):
         ExecutionConfig(moe_exchange="nccl")
     with pytest.raises(ConfigError, match=r"execution.moe_receive_factor.*>= 0"):
         ExecutionConfig(moe_receive_factor=-1.0)
+    with pytest.raises(ConfigError, match=r"moe_receive_factor' \(1.5\) sizes the ragged exchange's receive buffers"
+                                          r".*set execution.moe_exchange to 'auto' or 'ragged'"):
+        ExecutionConfig(moe_exchange="padded", moe_receive_factor=1.5)
     monkeypatch.setattr(grouped, "tokamax_installed", lambda: False)
     monkeypatch.setattr(grouped, "_tokamax_problem", lambda: "it is not installed")
     with pytest.raises(ConfigError) as info:
         grouped.resolve("tokamax")
     message = str(info.value)
     assert message == ("config field 'execution.expert_gemm' is 'tokamax' but it is not installed; install it "
-                       f"({grouped.INSTALL}) or use 'auto' or 'xla'."), message
+                       f"with {grouped.INSTALL} or use 'auto' or 'xla'."), message
 
 
 on_gpu = pytest.mark.skipif(jax.default_backend() != "gpu", reason="the GPU's expert GEMM is a GPU question")

@@ -307,6 +307,9 @@ class ExecutionConfig:
         _choice(self.expert_gemm, "execution.expert_gemm", ("auto", "xla", "tokamax"))
         _choice(self.moe_exchange, "execution.moe_exchange", ("auto", "padded", "ragged"))
         _non_negative(self.moe_receive_factor, "execution.moe_receive_factor")
+        _check(not (self.moe_receive_factor and self.moe_exchange == "padded"), "execution.moe_receive_factor",
+               f"({self.moe_receive_factor}) sizes the ragged exchange's receive buffers, and "
+               "execution.moe_exchange is 'padded'", "set execution.moe_exchange to 'auto' or 'ragged'")
 
 
 # the flat layout's model fields -> their place in the groups (old dotted path under 'model' -> new one)

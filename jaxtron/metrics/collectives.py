@@ -34,12 +34,7 @@ def _result_bytes(line: str) -> int:
     """Bytes of the result of one HLO instruction line (a tuple result sums its parts)."""
     head = line.split("=", 1)[1].split(")", 1)[0] if "=" in line else line
     head = head.split(" " + _kind(line), 1)[0] if _kind(line) else head
-    total = 0
-    for dtype, dims in SHAPE.findall(head):
-        size = DTYPE_BYTES.get(dtype)
-        if size is not None:
-            total += size * math.prod(int(d) for d in dims.split(",") if d)
-    return total
+    return sum(_bytes(dtype, [int(d) for d in dims.split(",") if d]) for dtype, dims in SHAPE.findall(head))
 
 
 _LISTED_GROUPS = re.compile(r"replica_groups=\{\{([\d,]*)\}")
@@ -70,6 +65,16 @@ def _kind(line: str) -> str | None:
     return None
 
 
+def collective_bytes(line: str, defined: dict) -> int:
+    """The bytes one collective instruction works on (``collectives`` says which for each kind); ``defined``:
+    ``metrics.hlo.definitions`` of the program, where a ragged all-to-all's operand is read."""
+    kind = _kind(line)
+    if kind == "ragged-all-to-all":
+        return _sent_bytes(line, defined)
+    # a reduce-scatter's result is one part of what it reduces: count what it reduces, as for the others
+    return _result_bytes(line) * ((_group_size(line) or 1) if kind == "reduce-scatter" else 1)
+
+
 def collectives(hlo_text: str) -> dict[str, dict[str, float]]:
     """Count and bytes of each collective kind executed per step in compiled HLO text: a collective in a loop
     body counts once per iteration (known trip counts), an async start/done pair once, one whose groups each hold
@@ -87,8 +92,5 @@ def collectives(hlo_text: str) -> dict[str, dict[str, float]]:
             if kind is None or "-done(" in line or not times or group == 1:
                 continue
             out[kind]["count"] += times
-            # a reduce-scatter's result is one part of what it reduces: count what it reduces, as for the others
-            parts = (group or 1) if kind == "reduce-scatter" else 1
-            size = _sent_bytes(line, defined) if kind == "ragged-all-to-all" else _result_bytes(line) * parts
-            out[kind]["bytes"] += times * size
+            out[kind]["bytes"] += times * collective_bytes(line, defined)
     return out

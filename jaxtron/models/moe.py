@@ -357,10 +357,9 @@ class MoE(nnx.Module):
         ids, weights = constrain(ids, ROUTE_AXES), constrain(weights, ROUTE_AXES)
         gate, up, down = (w[...].astype(dt) for w in (self.wi_gate, self.wi_up, self.wo))
         execution = self.execution
-        exchanged = exchange.resolve(execution.moe_exchange)
-        if execution.moe_receive_factor and execution.moe_exchange == "auto":
-            exchanged = "ragged"  # only the ragged exchange has receive buffers to size
-        run = ExpertRun(grouped.resolve(execution.expert_gemm), exchanged, execution.moe_receive_factor, fp8)
+        run = ExpertRun(grouped.resolve(execution.expert_gemm),
+                        exchange.resolve(execution.moe_exchange, execution.moe_receive_factor),
+                        execution.moe_receive_factor, fp8)
         if jax.sharding.get_abstract_mesh().empty:
             return experts_local(x, ids, weights, gate, up, down, cfg.moe.num_experts, row_capacity, None, run)
         token_spec, route_spec = logical_to_spec(TOKEN_AXES), logical_to_spec(ROUTE_AXES)

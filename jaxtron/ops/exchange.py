@@ -17,10 +17,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from jaxtron.config.schema import ConfigError
 from jaxtron.ops import grouped
-
-CHOICES = ("auto", "padded", "ragged")
 
 
 def native() -> bool:
@@ -28,12 +25,13 @@ def native() -> bool:
     return grouped.target_gpu() is not None
 
 
-def resolve(choice: str) -> str:
-    """``execution.moe_exchange``: 'auto' -> 'ragged' on a GPU, 'padded' elsewhere. 'ragged' off a GPU runs the
-    emulation (what tests compare with 'padded')."""
-    if choice not in CHOICES:
-        raise ConfigError(f"config field 'execution.moe_exchange' is {choice!r}; use one of {', '.join(CHOICES)}.")
-    return ("ragged" if native() else "padded") if choice == "auto" else choice
+def resolve(choice: str, receive_factor: float = 0.0) -> str:
+    """``execution.moe_exchange``: 'auto' -> 'ragged' on a GPU, and wherever ``receive_factor`` bounds the receive
+    buffers (only the ragged exchange has them); 'padded' elsewhere. 'ragged' off a GPU runs the emulation (what
+    tests compare with 'padded')."""
+    if choice == "auto":
+        return "ragged" if native() or receive_factor else "padded"
+    return choice
 
 
 @dataclasses.dataclass(frozen=True)
