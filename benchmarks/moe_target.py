@@ -5,6 +5,7 @@ capacity mode.
 
     python benchmarks/moe_target.py                  # writes benchmarks/moe_target.md and .json (about 20 minutes)
     python benchmarks/moe_target.py --rows mixtral   # the rows whose name starts so
+    python benchmarks/moe_target.py --variants "the same, FP8"   # these variants only (the others are kept)
 
 Per device and step: XLA's peak memory and temporaries, matmul FLOPs counted in the program (``metrics/hlo.py``:
 dots, library GEMMs, attention and grouped GEMM kernels from their shapes) over the model's (recompute included),
@@ -45,6 +46,7 @@ VARIANTS = {  # name -> overrides
     "the same, FP8": ["execution.moe_mode=dropless", "execution.expert_gemm=auto",
                       "execution.moe_receive_factor=1.25", "execution.fp8=True"],
     "capacity 1.25": ["execution.moe_mode=capacity"],
+    "capacity 1.25, FP8": ["execution.moe_mode=capacity", "execution.fp8=True"],
 }
 
 
@@ -124,6 +126,7 @@ def markdown(results: dict) -> str:
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="benchmarks/moe_target.py", description=__doc__.split("\n")[0])
     parser.add_argument("--rows", default="", help="only the rows whose name starts with this")
+    parser.add_argument("--variants", default="", help="only these variants, separated by ';'")
     parser.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "moe_target"),
                         help="path of the results without extension (.md and .json are written)")
     args = parser.parse_args(argv)
@@ -131,19 +134,24 @@ def main(argv: list[str]) -> int:
     if not rows:
         print(f"error: --rows {args.rows!r} matches none of: {', '.join(ROWS)}.", file=sys.stderr)
         return 2
+    variants = {k: v for k, v in VARIANTS.items() if not args.variants or k in args.variants.split(";")}
+    if not variants:
+        print(f"error: --variants {args.variants!r} names none of: {'; '.join(VARIANTS)}.", file=sys.stderr)
+        return 2
     results: dict = {}
-    if os.path.exists(args.out + ".json"):  # rows not asked for this time are kept
+    if os.path.exists(args.out + ".json"):  # what was not asked for this time is kept
         with open(args.out + ".json") as f:
-            results = {k: v for k, v in json.load(f)["results"].items() if k not in rows}
+            results = {row: {v: r for v, r in done.items() if row not in rows or v not in variants}
+                       for row, done in json.load(f)["results"].items()}
     for row, (config, gpus, overrides) in rows.items():
-        results[row] = {}
-        for variant, extra in VARIANTS.items():
+        results.setdefault(row, {})
+        for variant, extra in variants.items():
             results[row][variant] = compile_one(config, gpus, BASE + overrides + extra)
             print(row, "|", variant, "|", json.dumps(results[row][variant])[:300], flush=True)
             with open(args.out + ".json", "w") as f:
                 json.dump({"command": "python benchmarks/moe_target.py " + " ".join(argv), "results": results}, f,
                           indent=1)
-    results = {k: results[k] for k in ROWS if k in results}
+    results = {k: {v: results[k][v] for v in VARIANTS if v in results[k]} for k in ROWS if k in results}
     with open(args.out + ".md", "w") as f:
         f.write(markdown(results))
     print(markdown(results))

@@ -250,6 +250,64 @@ def test_with_fp8_capacity_mode_experts_run_batched_fp8_gemms_on_the_h100():
     assert got["f8"] == 21 and got["kernels"]["__cublas$lt$matmul$f8"] == 21, got
 
 
+_FP8_GEMM = """
+import json, sys
+import jax, jax.numpy as jnp
+from jax.sharding import SingleDeviceSharding
+from jaxtron.gpu import target
+from jaxtron.metrics.hlo import matmul_flops
+from jaxtron.ops import grouped_fp8
+where = SingleDeviceSharding(target.devices("h100", 1)[0])
+rows, depth, width, groups = 2048, 512, 1024, 8
+x, w = (jax.ShapeDtypeStruct(s, jnp.bfloat16, sharding=where) for s in ((rows, depth), (groups, depth, width)))
+sizes = jax.ShapeDtypeStruct((groups,), jnp.int32, sharding=where)
+def step(x, w, sizes):
+    y, pullback = jax.vjp(lambda a, b: grouped_fp8.matmul(a, b, sizes, "pallas"), x, w)
+    return pullback(y)
+text = jax.jit(step).lower(x, w, sizes).compile().as_text()
+print(json.dumps(dict(flops=matmul_flops(text), useful=3 * 2 * rows * depth * width,
+                      patched=grouped_fp8.fp8_tensor_cores())))
+"""
+
+
+@needs_plugin
+def test_the_fp8_expert_gemm_multiplies_on_hoppers_fp8_tensor_cores(tmp_path):
+    """jaxtron's FP8 grouped GEMM compiled for the H100, forward and backward, with its PTX: the forward kernel
+    multiplies e4m3 by e4m3 with Hopper's wgmma (without ``fp8_tensor_cores`` Triton converts FP8 operands to f16
+    for mma.sync), the backward's two on bf16 wgmma, no kernel on mma.sync; the three count their useful FLOPs."""
+    env = target.environment()
+    env["XLA_FLAGS"] += f" --xla_dump_to={tmp_path}"
+    out = subprocess.run([sys.executable, "-c", _FP8_GEMM], cwd=REPO, env=env, capture_output=True, text=True,
+                         timeout=600, check=False)
+    assert out.returncode == 0, out.stderr[-3000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got["patched"] and got["flops"]["grouped_gemm"] == got["useful"], got
+    ptx = [p.read_text() for p in tmp_path.glob("*.ptx")]
+    ours = [text for text in ptx if ".entry jaxtron_fp8_RaggedDot" in text]
+    assert len(ours) == 3, len(ours)
+    assert sum("wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3" in text for text in ours) == 1
+    assert sum(".f32.bf16.bf16" in text and "wgmma.mma_async" in text for text in ours) == 2
+    assert not any("mma.sync.aligned" in text for text in ours)
+
+
+@needs_plugin
+@pytest.mark.slow
+def test_with_fp8_dropless_experts_run_jaxtrons_fp8_kernels_on_the_h100():
+    """Dropless experts under execution.fp8 on one H100: each expert GEMM is one of jaxtron's Triton kernels, three
+    forward and six backward (tokamax's Hopper kernel takes 16-bit rows), and the step's matmul FLOPs are the
+    model's within 1.3x."""
+    from jaxtron.config.loader import load_config
+    from jaxtron.metrics.flops import hardware_flops_per_token
+
+    overrides = ["execution.dtype=bfloat16", "model.num_layers=2", "execution.fp8=true"]
+    got = _compile_on_target(*overrides, config="configs/mixtral_tiny.py")
+    assert got["kernels"].get("__gpu$xla.gpu.triton", 0) == 9 and "mosaic_gpu_v2" not in got["kernels"], got
+    cfg = load_config(f"{REPO}/configs/mixtral_tiny.py", [tuple(o.split("=", 1)) for o in overrides])
+    model = hardware_flops_per_token(cfg.model, cfg.execution, cfg.data.seq_len) * \
+        cfg.train.global_batch_size * cfg.data.seq_len
+    assert 0.95 < got["flops"] / model < 1.3, (got["flops"], model)
+
+
 MESHES = {  # name -> (config, GPUs, overrides): the mesh axes beyond fsdp, at 16 to 64 GPUs
     "sequence": ("default", 16, ["mesh.fsdp=8", "mesh.sequence=2", "execution.attention=cudnn"]),
     # what 'auto' runs there: the blockwise XLA kernel, until a GPU has timed it against cuDNN by chunks

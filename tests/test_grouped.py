@@ -1,5 +1,7 @@
 """The expert GEMM (jaxtron/ops/grouped.py): tokamax's grouped GEMM against jax.lax.ragged_dot, the choice 'auto'
-makes, bad values, and on a GPU the kernel a run takes: grouped, and within bf16 rounding of float32."""
+makes, bad values, and on a GPU the kernel a run takes: grouped, and within bf16 rounding of float32. The FP8
+expert GEMM (jaxtron/ops/grouped_fp8.py): its Pallas kernels, in Pallas' interpreter, against the dequantized
+reference, and its per-expert scales."""
 
 import types
 
@@ -9,21 +11,21 @@ import numpy as np
 import pytest
 
 from jaxtron.config.schema import ConfigError, ExecutionConfig
-from jaxtron.ops import grouped
+from jaxtron.ops import fp8, grouped, grouped_fp8
 
 needs_tokamax = pytest.mark.skipif(not grouped.tokamax_installed(),
                                    reason=f"tokamax is not installed ({grouped.INSTALL})")
-RNG = np.random.default_rng(3)
+RNG = np.random.default_rng(3)  # draws that need not be the same every run
 
 
 def _case(groups: int, rows: int, k: int, n: int, dtype=jnp.float32, spare: int = 0):
     """Random operands and group sizes with empty groups, summing to ``rows - spare`` (rows past the groups)."""
-    weights = RNG.gamma(1.0, size=groups)
-    weights[RNG.random(groups) < 0.3] = 0.0
-    weights[0] = max(weights[0], 0.5)
-    sizes = RNG.multinomial(rows - spare, weights / weights.sum()).astype(np.int32)
-    assert (sizes == 0).any()
-    x, w, ct = (jnp.asarray(RNG.normal(size=shape), dtype) for shape in ((rows, k), (groups, k, n), (rows, n)))
+    rng = np.random.default_rng([groups, rows, k, n, spare])  # the same case whatever ran before
+    weights = rng.gamma(1.0, size=groups)
+    weights[rng.random(groups) < 0.3] = 0.0
+    weights[0], weights[-1] = max(weights[0], 0.5), 0.0
+    sizes = rng.multinomial(rows - spare, weights / weights.sum()).astype(np.int32)
+    x, w, ct = (jnp.asarray(rng.normal(size=shape), dtype) for shape in ((rows, k), (groups, k, n), (rows, n)))
     return x, w, jnp.asarray(sizes), ct
 
 
@@ -49,6 +51,59 @@ def test_the_tokamax_gemm_equals_ragged_dot_with_both_gradients(groups, rows, k,
     # a group with no rows has a zero weight gradient
     empty = np.flatnonzero(np.asarray(sizes) == 0)
     assert not np.asarray(got[2])[empty].any()
+
+
+@pytest.mark.parametrize("groups,rows,k,n,spare", [(5, 70, 40, 24, 8), (6, 300, 16, 136, 21)])
+def test_the_fp8_kernels_equal_the_dequantized_reference_with_both_gradients(groups, rows, k, n, spare):
+    """The Pallas kernels (interpreted on the CPU) against 16-bit GEMMs on the dequantized FP8 operands: output,
+    input gradient and weight gradient to float32 rounding. Empty groups, rows past the groups, a 300-row case of
+    three row tiles where groups cross tile boundaries, and sizes that are not tile multiples."""
+    x, w, sizes, ct = _case(groups, rows, k, n, spare=spare)
+
+    def both(kernel, interpret):
+        y, pullback = jax.vjp(lambda a, b: grouped_fp8.matmul(a, b, sizes, kernel, interpret), x, w)
+        return (y, *pullback(ct))
+    got = jax.jit(lambda: both("pallas", True))()
+    want = jax.jit(lambda: both("xla", False))()
+    for name, g, v in zip(("output", "input gradient", "weight gradient"), got, want, strict=True):
+        assert g.shape == v.shape and g.dtype == v.dtype, name
+        np.testing.assert_allclose(np.asarray(g), np.asarray(v), rtol=2e-5, atol=2e-5 * float(jnp.max(jnp.abs(v))),
+                                   err_msg=name)
+    assert not np.asarray(got[0])[rows - spare:].any() and not np.asarray(got[1])[rows - spare:].any()
+    assert not np.asarray(got[2])[np.flatnonzero(np.asarray(sizes) == 0)].any()
+
+
+def test_fp8_expert_weights_take_one_scale_per_expert():
+    """An expert whose weights are 1e5 times the others' does not take their precision: each group's output is within
+    FP8 rounding of float32 (a few percent) and visibly rounded; with one scale for all experts, the small experts'
+    weights would fall to e4m3's subnormals and zero."""
+    x = jnp.asarray(RNG.normal(size=(64, 32)), jnp.float32)
+    w = jnp.asarray(RNG.normal(size=(4, 32, 16)) * np.array([1e5, 1, 1, 1])[:, None, None], jnp.float32)
+    sizes = jnp.array([16, 20, 12, 16], jnp.int32)
+    got = np.asarray(grouped.matmul(x, w, sizes, "xla", fp8=True), np.float64)
+    exact = np.asarray(jax.lax.ragged_dot(x, w, sizes), np.float64)
+    shared = fp8.quantize_dequantize(w, fp8.E4M3)  # one scale for every expert
+    crushed = np.asarray(jax.lax.ragged_dot(fp8.quantize_dequantize(x, fp8.E4M3), shared, sizes), np.float64)
+    ends = np.cumsum(np.asarray(sizes))
+    for g, (lo, hi) in enumerate(zip(ends - np.asarray(sizes), ends, strict=True)):
+        if lo == hi:
+            continue
+        error = np.linalg.norm(got[lo:hi] - exact[lo:hi]) / np.linalg.norm(exact[lo:hi])
+        assert 1e-3 < error < 0.06, (g, error)
+        if g:
+            assert np.linalg.norm(crushed[lo:hi] - exact[lo:hi]) / np.linalg.norm(exact[lo:hi]) > 0.2, g
+
+
+def test_fp8_expert_gemms_take_jaxtrons_kernels_on_hopper_unless_xla_is_asked(monkeypatch):
+    monkeypatch.setattr(grouped, "tokamax_installed", lambda: False)
+    hopper = types.SimpleNamespace(platform="gpu", compute_capability="9.0")
+    ampere = types.SimpleNamespace(platform="gpu", compute_capability="8.0")
+    with grouped.on_target(hopper):
+        assert grouped.resolve("auto", fp8=True) == "pallas" and grouped.resolve("xla", fp8=True) == "xla"
+        assert grouped.resolve("auto") == "xla"  # tokamax is not installed: the 16-bit GEMM is XLA's
+    with grouped.on_target(ampere):
+        assert grouped.resolve("auto", fp8=True) == "xla"
+    assert grouped.resolve("auto", fp8=True) == "xla"
 
 
 def test_auto_takes_tokamax_only_for_a_hopper_gpu(monkeypatch):

@@ -173,12 +173,14 @@ def test_a_full_receive_buffer_drops_the_rows_past_it_and_counts_them():
     _close(y, _reference(graphdef, state, x, keep=keep.reshape(8, 16, K)), 1e-5)
 
 
-def test_fp8_experts_in_capacity_mode_equal_the_experts_on_the_fp8_grid():
-    """execution.fp8 in capacity mode: each batched expert GEMM takes its operands rounded to e4m3 with one
-    current scale for the whole operand (every token row, every expert's weights, every hidden row). Written out
-    token by token with those roundings, the layer's output agrees to 2e-4 of its scale; without FP8 it is 8% off."""
+@pytest.mark.parametrize("mode", ["capacity", "dropless"])
+def test_fp8_experts_equal_the_experts_on_the_fp8_grid(mode):
+    """execution.fp8: each expert GEMM takes its operands rounded to e4m3 with current scales, one for every token
+    row, one for every hidden row, and for the weights one for all experts (capacity mode's batched GEMMs) or one
+    per expert (dropless mode's grouped GEMMs, ops/grouped_fp8.py). Written out token by token with those
+    roundings, the layer's output agrees to 1e-3 of its scale; without FP8 it is over 1% off."""
     x = jax.random.normal(jax.random.key(7), (4, 16, 32))
-    graphdef, state = _layer(_layer_cfg(), ExecutionConfig(moe_mode="capacity", capacity_factor=8.0))
+    graphdef, state = _layer(_layer_cfg(), ExecutionConfig(moe_mode=mode, capacity_factor=8.0))
     layer = nnx.merge(graphdef, state)
     y8, stats = jax.jit(lambda s, x: nnx.merge(graphdef, s)(x, fp8=True))(state, x)
     y, _ = jax.jit(lambda s, x: nnx.merge(graphdef, s)(x))(state, x)
@@ -190,7 +192,8 @@ def test_fp8_experts_in_capacity_mode_equal_the_experts_on_the_fp8_grid():
     ids, weights, _ = route(layer.cfg, x @ layer.router[...])
     ids, weights = np.asarray(ids).reshape(-1, K), np.asarray(weights).reshape(-1, K)
     rows = on_grid(x.reshape(-1, 32))
-    gate, up, down = (on_grid(p[...]) for p in (layer.wi_gate, layer.wi_up, layer.wo))
+    gate, up, down = (on_grid(p[...]) if mode == "capacity" else jax.vmap(on_grid)(p[...])
+                      for p in (layer.wi_gate, layer.wi_up, layer.wo))
     pairs = [(n, j) for n in range(rows.shape[0]) for j in range(K)]
     hidden = on_grid(jnp.stack([jax.nn.silu(rows[n] @ gate[ids[n, j]]) * (rows[n] @ up[ids[n, j]]) for n, j in pairs]))
     out = jnp.stack([hidden[i] @ down[ids[n, j]] for i, (n, j) in enumerate(pairs)]).reshape(-1, K, 32)

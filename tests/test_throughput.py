@@ -128,9 +128,15 @@ def test_fp8_flops_are_the_projections_of_the_fp8_blocks():
     dense = small(num_layers=6, fp8=True, fp8_skip_layers=1)  # blocks 1..4 use FP8
     assert flops.fp8_flops_per_token(dense.model, dense.execution, S) == 4 * (per_block_attention + per_block_mlp)
     assert flops.fp8_flops_per_token(dense.model, dataclasses.replace(dense.execution, fp8=False), S) == 0
-    # MoE every 2nd block; blocks 2 and 3 use FP8, block 3 is MoE: its attention is FP8, its experts are not
+    # MoE every 2nd block; blocks 2 and 3 use FP8, block 3 is MoE: its attention is FP8, and of its 2 routed
+    # experts a token visits, the forward (dropless: grouped GEMMs, whose backward multiplies on bf16 tensor cores)
+    # or all (capacity mode: batched FP8 GEMMs)
     moe = small(num_layers=6, fp8=True, fp8_skip_layers=2, moe=dict(num_experts=4, experts_per_token=2, every=2))
-    assert flops.fp8_flops_per_token(moe.model, moe.execution, S) == 2 * per_block_attention + 1 * per_block_mlp
+    routed = 6 * 2 * 3 * H * F
+    assert flops.fp8_flops_per_token(moe.model, moe.execution, S) == \
+        2 * per_block_attention + 1 * per_block_mlp + routed / 3
+    capacity = dataclasses.replace(moe.execution, moe_mode="capacity")
+    assert flops.fp8_flops_per_token(moe.model, capacity, S) == 2 * per_block_attention + 1 * per_block_mlp + routed
     # with remat, the re-run projections are FP8 too (save_attention re-runs all four and gate/up)
     redo = dataclasses.replace(dense.execution, remat="save_attention")
     extra = 4 * (per_block_attention / 3 + 2 * 2 * H * F)

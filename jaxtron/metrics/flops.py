@@ -204,7 +204,8 @@ def fp8_blocks(cfg: ModelConfig, execution: ExecutionConfig) -> tuple[int, int]:
     """(blocks whose projections run as FP8 matmuls, how many of them are dense) under ``execution.fp8``.
 
     The blocks between the first and the last ``fp8_skip_layers`` use FP8 (jaxtron/models/stack.py,
-    ``layer_groups``); the expert GEMMs of their MoE blocks stay 16-bit, the shared experts do not.
+    ``layer_groups``), their MoE blocks' shared and routed experts too (``fp8_flops_per_token`` says how much of
+    the routed ones).
     """
     if not execution.fp8:
         return 0, 0
@@ -216,18 +217,24 @@ def fp8_flops_per_token(cfg: ModelConfig, execution: ExecutionConfig, seq_len: i
                         causal: bool = True, attention: str = "xla") -> float:
     """The part of the model FLOPs (``hardware``: of the hardware FLOPs) done as FP8 matmuls: the attention
     projections of the FP8 blocks, the MLP of their dense ones and the shared experts of their MoE ones, forward
-    and backward (the gradient matmuls are FP8 too, see jaxtron/ops/fp8.py), and their recompute. Scores,
-    routed experts, router and logits stay 16-bit."""
+    and backward (the gradient matmuls are FP8 too, see jaxtron/ops/fp8.py), and their recompute; and their routed
+    experts: all of them in capacity mode (batched FP8 GEMMs), the forward and its recompute in dropless mode (on
+    Hopper the backward's grouped GEMMs multiply the FP8 values on bf16 tensor cores, ``ops/grouped_fp8.py``).
+    Scores, router and logits stay 16-bit."""
     blocks, dense = fp8_blocks(cfg, execution)
     if not blocks:
         return 0.0
-    m = _hardware_matmuls(cfg, execution, seq_len, causal, attention) if hardware else \
-        matmul_breakdown(cfg, seq_len, causal)
+    model = matmul_breakdown(cfg, seq_len, causal)
+    m = _hardware_matmuls(cfg, execution, seq_len, causal, attention) if hardware else model
     per_block = (m["attention_qkv"] + m["attention_out"]) / cfg.num_layers
     dense_layers, moe_layers = cfg.num_layers - cfg.num_moe_layers, cfg.num_moe_layers
     per_dense = (m["mlp_in"] + m["mlp_out"]) / dense_layers if dense_layers else 0.0
     per_moe = (m["shared_in"] + m["shared_out"]) / moe_layers if moe_layers else 0.0
+    if moe_layers:
+        experts, recompute = model["experts"] / moe_layers, (m["experts"] - model["experts"]) / moe_layers
+        per_moe += experts + recompute if execution.moe_mode == "capacity" else experts / 3 + recompute
     return blocks * per_block + dense * per_dense + (blocks - dense) * per_moe
+
 
 def narayanan_flops_per_batch(batch: int, seq_len: int, layers: int, hidden: int, vocab: int,
                               recompute: bool) -> float:

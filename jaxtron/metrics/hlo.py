@@ -109,13 +109,16 @@ def _gemm_flops(line: str, shapes: dict, config: dict | None) -> float:
     return 2.0 * math.prod(result_shape(line)) * math.prod(lhs[d] for d in contracting)
 
 
-def _call_operands(line: str, dtypes: tuple[str, ...] | None = None) -> list[tuple[int, ...]]:
-    """A custom call's operand shapes, from its layout constraints (of the element types ``dtypes``: all if None)."""
+def _call_operands(line: str, dtypes: tuple[str, ...] | None = None,
+                   shapes: dict | None = None) -> list[tuple[int, ...]]:
+    """A custom call's operand shapes (of the element types ``dtypes``: all if None), from its layout constraints,
+    else (a Triton kernel's call has none) from the operands' definitions in ``shapes``."""
     found = _LAYOUT_CONSTRAINTS.search(line)
-    if not found:
-        return []
-    return [tuple(int(d) for d in dims.split(",") if d) for dtype, dims in SHAPE.findall(found.group(1))
-            if dtypes is None or dtype in dtypes]
+    if found:
+        typed = [(dtype, tuple(int(d) for d in dims.split(",") if d)) for dtype, dims in SHAPE.findall(found.group(1))]
+    else:
+        typed = [shapes[name] for name in _operands(line) if name in (shapes or {})]
+    return [dims for dtype, dims in typed if dtypes is None or dtype in dtypes]
 
 
 def _attention_flops(line: str, backward: bool) -> float:
@@ -135,14 +138,14 @@ def _attention_flops(line: str, backward: bool) -> float:
 _FLOAT = ("bf16", "f16", "f32", "f8e4m3fn", "f8e5m2")
 
 
-def _grouped_gemm_flops(line: str) -> float:
+def _grouped_gemm_flops(line: str, shapes: dict) -> float:
     """A grouped (ragged) GEMM kernel's matmul FLOPs, 2 x M x K x N, from its float operands and its result: the
     forward [M, K] x [G, K, N] -> [M, N], the input gradient [M, N] x [G, N, K] -> [M, K], and the weight gradient
     from [M, K] and [M, N] (or [K, M]) -> [G, K, N]. A library kernel is a custom call XLA cannot see into; its op
     name says what it computes. Under ``jax.vmap`` (a pipeline's stages) every shape gains leading batch dimensions,
     as many as the rows operand has beyond two; the kernel computes once per batch element."""
-    floats = _call_operands(line, _FLOAT)
-    batch_rank = min((len(o) for o in floats), default=2) - 2
+    floats = [o for o in _call_operands(line, _FLOAT, shapes) if len(o) >= 2]  # not a kernel's scales
+    batch_rank = len(floats[0]) - 2 if floats else -1  # the rows come first
     if batch_rank < 0:
         return 0.0
     result = result_shape(line)
@@ -192,8 +195,8 @@ def matmul_flops(hlo_text: str) -> dict[str, float]:
             target = _TARGET.search(line)
             if not target:
                 continue
-            if "RaggedDot" in line:  # tokamax's op name, in the kernel call's metadata
-                out["grouped_gemm"] += times * _grouped_gemm_flops(line)
+            if "RaggedDot" in line:  # tokamax's op name in the kernel call's metadata, or a jaxtron kernel's name
+                out["grouped_gemm"] += times * _grouped_gemm_flops(line, shapes)
             elif target.group(1) in _GEMM_TARGETS:
                 out["gemm"] += times * _gemm_flops(line, shapes, _backend_config(line))
             elif target.group(1) in _ATTENTION_FORWARD + _ATTENTION_BACKWARD:

@@ -165,15 +165,18 @@ class ExpertRun:
     gemm: str = "xla"  # dropless mode's grouped GEMM
     exchange: str = "padded"  # dropless mode's all-to-all
     receive_factor: float = 0.0  # dropless receive buffers: 0 the worst case, else this many times the routed rows
-    fp8: bool = False  # capacity mode's batched GEMMs in FP8 (ops/fp8.py); dropless experts stay 16-bit
+    fp8: bool = False  # the expert GEMMs in FP8: capacity mode's batched ones (ops/fp8.py), dropless mode's grouped
+    # ones (ops/grouped_fp8.py)
 
 
 def _swiglu_grouped(rows: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array,
-                    group_sizes: jax.Array, gemm: str) -> jax.Array:
-    """Rows sorted by expert [m, d] -> expert outputs [m, d]; rows past sum(group_sizes) give zeros. ``gemm``:
-    the grouped GEMM's implementation (``ops/grouped.py``)."""
-    h = jax.nn.silu(grouped.matmul(rows, gate, group_sizes, gemm)) * grouped.matmul(rows, up, group_sizes, gemm)
-    return grouped.matmul(h, down, group_sizes, gemm)
+                    group_sizes: jax.Array, run: ExpertRun) -> jax.Array:
+    """Rows sorted by expert [m, d] -> expert outputs [m, d]; rows past sum(group_sizes) give zeros. ``run``: the
+    grouped GEMM's implementation and precision (``ops/grouped.py``)."""
+    def matmul(x, w):
+        return grouped.matmul(x, w, group_sizes, run.gemm, run.fp8)
+
+    return matmul(jax.nn.silu(matmul(rows, gate)) * matmul(rows, up), down)
 
 
 def _swiglu_batched(slots: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array, fp8: bool) -> jax.Array:
@@ -228,20 +231,20 @@ def _dropless(tokens, ids, gate, up, down, num_experts: int, expert_axes: tuple[
     counts = jnp.sum(jax.nn.one_hot(ids, num_experts, dtype=jnp.int32), axis=0)
     dropped = jnp.zeros((), jnp.float32)
     if ep == 1:
-        out_sorted = _swiglu_grouped(rows, gate, up, down, counts, run.gemm)
+        out_sorted = _swiglu_grouped(rows, gate, up, down, counts, run)
     elif run.exchange == "ragged":
         receive_rows = ep * rows.shape[0] if not run.receive_factor else \
             min(ep * rows.shape[0], math.ceil(run.receive_factor * rows.shape[0]))
         out_sorted, dropped = _exchange_ragged(rows, counts, gate, up, down, expert_axes, ep, num_experts // ep,
-                                               run.gemm, receive_rows)
+                                               run, receive_rows)
     else:
         out_sorted = _exchange_sorted(rows, sorted_ids, counts, gate, up, down, expert_axes, ep, num_experts // ep,
-                                      run.gemm)
+                                      run)
     return out_sorted[jnp.argsort(order)], dropped
 
 
 def _exchange_sorted(rows, sorted_ids, counts, gate, up, down, expert_axes: tuple[str, ...], ep: int,
-                     local_experts: int, gemm: str):
+                     local_experts: int, run: ExpertRun):
     """Sends sorted rows to the expert shards that own their experts (a fixed buffer of all the rows per
     shard), runs the local experts on what arrives, and returns each row's output in the sorted order."""
     m, d = rows.shape
@@ -257,7 +260,7 @@ def _exchange_sorted(rows, sorted_ids, counts, gate, up, down, expert_axes: tupl
     bounds = jnp.cumsum(recv_counts, axis=1)  # [ep, local_experts]
     local_id = jax.vmap(lambda bound: jnp.searchsorted(bound, slot, side="right"))(bounds)  # [ep, m]
     regroup = jnp.argsort(local_id.reshape(ep * m), stable=True)  # unused slots (id local_experts) last
-    computed = _swiglu_grouped(recv.reshape(ep * m, d)[regroup], gate, up, down, jnp.sum(recv_counts, 0), gemm)
+    computed = _swiglu_grouped(recv.reshape(ep * m, d)[regroup], gate, up, down, jnp.sum(recv_counts, 0), run)
     back = computed[jnp.argsort(regroup)].reshape(ep, m, d)
     back = jax.lax.all_to_all(back, expert_axes, 0, 0, tiled=True)  # back[j, s]: output of send[j, s]
     shard = jnp.minimum(sorted_ids // local_experts, ep - 1)
@@ -266,7 +269,7 @@ def _exchange_sorted(rows, sorted_ids, counts, gate, up, down, expert_axes: tupl
 
 
 def _exchange_ragged(rows, counts, gate, up, down, expert_axes: tuple[str, ...], ep: int, local_experts: int,
-                     gemm: str, receive_rows: int):
+                     run: ExpertRun, receive_rows: int):
     """``_exchange_sorted`` moving only the routed rows (``ops/exchange.py``): each expert shard gets the rows of
     its experts, packed peer by peer into a buffer of ``receive_rows`` (the worst case: every row of every peer),
     runs its local experts on them and sends each output home to its place in the sorted order. Rows that do not
@@ -286,7 +289,7 @@ def _exchange_ragged(rows, counts, gate, up, down, expert_axes: tuple[str, ...],
     segment = jnp.searchsorted(jnp.cumsum(recv_counts.reshape(-1)), jnp.arange(receive_rows), side="right")
     local_id = jnp.where(segment < ep * local_experts, segment % local_experts, local_experts)  # unused: last
     regroup = jnp.argsort(local_id, stable=True)
-    computed = _swiglu_grouped(received[regroup], gate, up, down, jnp.sum(recv_counts, 0), gemm)
+    computed = _swiglu_grouped(received[regroup], gate, up, down, jnp.sum(recv_counts, 0), run)
     out = exchange.combine(computed[jnp.argsort(regroup)], m, plan, expert_axes)
     return out, jnp.sum(matrix[me] - sent[me]).astype(jnp.float32)
 
@@ -357,7 +360,7 @@ class MoE(nnx.Module):
         ids, weights = constrain(ids, ROUTE_AXES), constrain(weights, ROUTE_AXES)
         gate, up, down = (w[...].astype(dt) for w in (self.wi_gate, self.wi_up, self.wo))
         execution = self.execution
-        run = ExpertRun(grouped.resolve(execution.expert_gemm),
+        run = ExpertRun(grouped.resolve(execution.expert_gemm, fp8),
                         exchange.resolve(execution.moe_exchange, execution.moe_receive_factor),
                         execution.moe_receive_factor, fp8)
         if jax.sharding.get_abstract_mesh().empty:

@@ -12,6 +12,9 @@
   the same code path is tested on a CPU.
 - 'auto': 'tokamax' on a Hopper GPU (or when compiling for one, ``on_target``) where tokamax is installed, else
   'xla'.
+
+With ``fp8`` (``execution.fp8``) the GEMM takes FP8 operands: ``ops/grouped_fp8.py``, whose own kernels run on
+Hopper for any choice but 'xla'.
 """
 
 from __future__ import annotations
@@ -69,9 +72,13 @@ def _hopper_or_newer(device: jax.Device | None) -> bool:
     return capability is not None and float(capability) >= 9.0
 
 
-def resolve(choice: str) -> str:
+def resolve(choice: str, fp8: bool = False) -> str:
     """'auto' -> 'tokamax' on Hopper or newer with tokamax installed, else 'xla'; an explicit 'tokamax' without
-    tokamax installed is a ConfigError (the config has checked the value itself)."""
+    tokamax installed is a ConfigError (the config has checked the value itself). ``fp8`` (an FP8 expert GEMM,
+    ``ops/grouped_fp8.py``): 'pallas', jaxtron's own kernels, on Hopper or newer for any choice but 'xla'
+    (tokamax's Hopper kernel takes 16-bit rows only); elsewhere the 16-bit GEMM for the dequantized operands."""
+    if fp8 and choice != "xla" and _hopper_or_newer(target_gpu()):
+        return "pallas"
     if choice == "auto":
         return "tokamax" if _hopper_or_newer(target_gpu()) and tokamax_installed() else "xla"
     if choice == "tokamax" and not tokamax_installed():
@@ -97,9 +104,15 @@ def on_target(device: jax.Device) -> Iterator[None]:
         _target.pop()
 
 
-def matmul(rows: jax.Array, weights: jax.Array, group_sizes: jax.Array, implementation: str = "xla") -> jax.Array:
+def matmul(rows: jax.Array, weights: jax.Array, group_sizes: jax.Array, implementation: str = "xla",
+           fp8: bool = False) -> jax.Array:
     """rows [m, k] sorted by group, weights [groups, k, n], group_sizes [groups] -> [m, n] in the rows' dtype:
-    each group's rows times its matrix; rows past sum(group_sizes) give zeros."""
+    each group's rows times its matrix; rows past sum(group_sizes) give zeros. ``fp8``: on FP8 operands with
+    current scaling, one scale for the rows and one per group for the weights (``ops/grouped_fp8.py``)."""
+    if fp8:
+        from jaxtron.ops import grouped_fp8
+
+        return grouped_fp8.matmul(rows, weights, group_sizes, resolve(implementation, fp8=True))
     if resolve(implementation) == "xla":
         return jax.lax.ragged_dot(rows, weights, group_sizes)
     return _tokamax_matmul(rows, weights, group_sizes)
