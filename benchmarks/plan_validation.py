@@ -65,12 +65,17 @@ PAIRS = [  # (config, GPUs, overrides); ``name:arg`` is configs/name.py:arg; all
                        "mesh.tensor=8"]),
     ("gpt3_175b", 64, ["data.seq_len=2048", "train.global_batch_size=64", "model.num_layers=24", "mesh.fsdp=1",
                        "mesh.tensor=8", "mesh.pipeline=8", "pipeline.microbatches=8"]),
-    # MoE: Mixtral (expert parallel over fsdp), Qwen3-MoE, DeepSeek-V3 with 32 routed experts in capacity mode
-    ("mixtral_8x7b", 64, ["data.seq_len=4096", "train.global_batch_size=64"]),
+    # MoE: Mixtral (expert parallel over fsdp), Qwen3-MoE, DeepSeek-V3 with 32 routed experts in capacity mode;
+    # dropless ones as a Hopper GPU runs them (expert_gemm=auto: grouped GEMM kernels, the ragged exchange)
+    ("mixtral_8x7b", 64, ["data.seq_len=4096", "train.global_batch_size=64", "execution.expert_gemm=auto"]),
+    ("mixtral_8x7b", 64, ["data.seq_len=4096", "train.global_batch_size=64", "execution.expert_gemm=auto",
+                          "execution.fp8=True"]),
     ("mixtral_8x7b", 64, ["data.seq_len=4096", "train.global_batch_size=64", "mesh.fsdp=8", "mesh.expert=8",
                           "execution.moe_mode=capacity"]),
     ("mixtral_8x22b", 64, ["data.seq_len=4096", "train.global_batch_size=64", "model.num_layers=14",
-                           "mesh.fsdp=8", "mesh.expert=8"]),
+                           "mesh.fsdp=8", "mesh.expert=8", "execution.expert_gemm=auto"]),
+    ("qwen3:30b-a3b", 64, ["data.seq_len=4096", "train.global_batch_size=64", "mesh.fsdp=8", "mesh.expert=8",
+                           "execution.expert_gemm=auto", "execution.moe_receive_factor=1.25"]),
     ("qwen3:30b-a3b", 64, ["data.seq_len=4096", "train.global_batch_size=64", "mesh.fsdp=8", "mesh.expert=8",
                            "execution.moe_mode=capacity"]),
     ("deepseek_v3", 64, ["data.seq_len=4096", "train.global_batch_size=256", "execution.moe_mode=capacity",
@@ -80,6 +85,8 @@ PAIRS = [  # (config, GPUs, overrides); ``name:arg`` is configs/name.py:arg; all
                          "pipeline.uneven_stages=True"]),
     ("deepseek_v3", 64, ["data.seq_len=4096", "train.global_batch_size=64", "model.num_layers=8",
                          "mesh.fsdp=8", "mesh.expert=8", "execution.moe_mode=capacity"]),
+    ("deepseek_v3", 64, ["data.seq_len=4096", "train.global_batch_size=64", "model.num_layers=8",
+                         "mesh.fsdp=8", "mesh.expert=8", "execution.expert_gemm=auto"]),  # its receive factor, 2
 ]
 GIB = 2.0**30
 TOLERANCE = 0.15  # of the estimate of XLA:CPU's program
