@@ -82,6 +82,8 @@ CASES = (
     Case("llama3_1b 32k bf16", "configs/llama3_1b.py", _LLAMA1B_32K),
     Case("mixtral_8x7b 1/32 layers dropless", "configs/mixtral_8x7b.py",
          (*_MIXTRAL, ("execution.moe_mode", "dropless"))),
+    Case("mixtral_8x7b 1/32 layers dropless fp8", "configs/mixtral_8x7b.py",
+         (*_MIXTRAL, ("execution.moe_mode", "dropless"), ("execution.fp8", "True"))),
     Case("mixtral_8x7b 1/32 layers capacity", "configs/mixtral_8x7b.py",
          (*_MIXTRAL, ("execution.moe_mode", "capacity"))),
 )

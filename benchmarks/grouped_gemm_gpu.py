@@ -8,8 +8,10 @@ device, split over its local experts by random group sizes with some groups empt
 Mixtral 8x7B on expert=1 (8 groups, 4096 -> 14336), Qwen3-30B-A3B on expert=8 (16 of its 128 experts,
 2048 -> 768) and DeepSeek-V3 on expert=8 (32 of its 256 experts, 7168 -> 2048). Each implementation runs in a
 process of its own (an XLA option that aborts takes only its own row with it): ``jax.lax.ragged_dot`` as XLA
-compiles it, the same with ``xla_gpu_experimental_use_ragged_dot_fusion``, and tokamax's ``ragged_dot`` with its
-Triton and Mosaic GPU kernels. Each is checked against a float32 reference computed group by group (relative
+compiles it, the same with ``xla_gpu_experimental_use_ragged_dot_fusion``, tokamax's ``ragged_dot`` with its
+Triton and Mosaic GPU kernels, and what jaxtron's dropless experts call (``ops/grouped.py`` with 'auto': tokamax's
+kernels with jaxtron's backward; with FP8, ``ops/grouped_fp8.py``), beside one dense GEMM in bf16 and in FP8.
+Each is checked against a float32 reference computed group by group (relative
 Frobenius error of the output and of both gradients), then timed forward and forward + backward (median of 10
 after a warm-up); TFLOP/s count the useful FLOPs only (2 x rows x K x N forward, three times that with both
 gradients), so an implementation that expands the groups densely shows it as a lower rate. DIR receives
@@ -33,8 +35,9 @@ SHAPES = {"mixtral_8x7b expert=1": (8, 16384, 4096, 14336),
           "qwen3_30b_a3b expert=8": (16, 32768, 2048, 768),
           "deepseek_v3 expert=8": (32, 32768, 7168, 2048)}
 SMOKE_SHAPES = {"tiny": (4, 256, 64, 128), "tiny, many groups": (16, 256, 32, 64)}
-IMPLEMENTATIONS = ("dense", "jax.lax", "jax.lax ragged_dot_fusion", "tokamax triton", "tokamax mosaic")
-SMOKE_IMPLEMENTATIONS = ("dense", "jax.lax", "tokamax xla")
+IMPLEMENTATIONS = ("dense", "dense fp8", "jax.lax", "jax.lax ragged_dot_fusion", "tokamax triton", "tokamax mosaic",
+                   "jaxtron", "jaxtron fp8")
+SMOKE_IMPLEMENTATIONS = ("dense", "dense fp8", "jax.lax", "tokamax xla", "jaxtron", "jaxtron fp8")
 
 
 def group_sizes(rng, groups: int, rows: int):
@@ -53,8 +56,13 @@ def _implementation(name: str):
     import jax
     import jax.numpy as jnp
 
-    if name == "dense":
+    if name.startswith("dense"):
         return None
+    if name.startswith("jaxtron"):  # what a dropless MoE block calls: ops/grouped.py (and its FP8 form)
+        from jaxtron.ops import grouped as ops_grouped
+
+        fp8 = name.endswith("fp8")
+        return lambda x, w, s: ops_grouped.matmul(x, w, s, "auto", fp8=fp8)
     if name.startswith("jax.lax"):
         return jax.lax.ragged_dot
     try:
@@ -83,8 +91,12 @@ def measure(name: str, smoke: bool) -> dict:
     import mfu
     import numpy as np
 
+    from jaxtron.ops import fp8 as fp8_ops
+
     grouped = _implementation(name)
     options = {"xla_gpu_experimental_use_ragged_dot_fusion": True} if "ragged_dot_fusion" in name else None
+    if name == "dense fp8":  # with the options under which XLA makes it a cuBLASLt FP8 GEMM (ops/fp8.py)
+        options = fp8_ops.compiler_options(True)
     rng = np.random.default_rng(7)
     out = {"implementation": name, "device": jax.devices()[0].device_kind, "jax": jax.__version__, "shapes": {}}
     for shape_name, (groups, rows, k, n) in (SMOKE_SHAPES if smoke else SHAPES).items():
@@ -97,7 +109,10 @@ def measure(name: str, smoke: bool) -> dict:
         useful = 2 * rows * k * n
         row: dict = {"groups": groups, "rows": rows, "k": k, "n": n, "empty_groups": int((sizes == 0).sum()),
                      "largest_group": int(sizes.max()), "useful_tflop_forward": useful / 1e12}
-        if grouped is None:  # one dense GEMM of the same useful FLOPs: the rate to beat
+        if name == "dense fp8":  # the same in FP8 as the dense projections run it
+            def forward(x, w, s):
+                return fp8_ops.einsum("mk,kn->mn", x, w[0])
+        elif grouped is None:  # one dense GEMM of the same useful FLOPs: the rate to beat
             def forward(x, w, s):
                 return x @ w[0]
         else:
@@ -110,7 +125,7 @@ def measure(name: str, smoke: bool) -> dict:
         try:
             fwd = jax.jit(forward).lower(x, w, s).compile(compiler_options=options)
             fb = jax.jit(both).lower(x, w, s, ct).compile(compiler_options=options)
-            if grouped is not None:
+            if not name.startswith("dense"):
                 row["relative_error"] = _errors(fb(x, w, s, ct), x, w, ct, sizes)
             for part, fn, args, flops in (("forward", fwd, (x, w, s), useful),
                                           ("forward+backward", fb, (x, w, s, ct), 3 * useful)):

@@ -71,7 +71,7 @@ class Group:
     """A run of blocks ``first`` .. ``end`` - 1 that is scanned together."""
     first: int
     end: int
-    fp8: bool  # its projections use FP8 matmuls (expert GEMMs stay 16-bit)
+    fp8: bool  # its projections and expert GEMMs use FP8 matmuls
     prefix: bool  # it is (part of) the dense prefix: a plain scan, never staged
 
 
