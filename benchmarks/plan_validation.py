@@ -247,7 +247,7 @@ def write(path: str, rows: list[dict]) -> None:
             f"{100 * r['gpu_error']:+.1f}% | {r['unseen'] / GIB:.2f} | {c['peak'] / GIB:.2f} | "
             f"{r['estimated'] / GIB:.2f} | {100 * r['error']:+.1f}% |")
     lines += ["", ("Collective bytes per step and device on the H100 target, compiled vs estimated (GiB; all-reduce "
-                   "and reduce-scatter summed):"), "",
+                   "and reduce-scatter summed; all-to-all and ragged-all-to-all summed):"), "",
               "| model | mesh | all-gather | all-reduce + reduce-scatter | all-to-all | collective-permute |",
               "|---|---|---|---|---|---|"]
     for r in rows:
@@ -256,7 +256,7 @@ def write(path: str, rows: list[dict]) -> None:
         pair = lambda got, want: f"{got / GIB:.1f} / {want / GIB:.1f}"
         lines.append(f"| {_label(r)} | {mesh} | {pair(c['all-gather'], e['all-gather'])} | "
                      f"{pair(c['all-reduce'] + c['reduce-scatter'], e['all-reduce'] + e['reduce-scatter'])} | "
-                     f"{pair(c['all-to-all'], e['all-to-all'])} | "
+                     f"{pair(c['all-to-all'] + c.get('ragged-all-to-all', 0.0), e['all-to-all'])} | "
                      f"{pair(c.get('collective-permute', 0.0), e.get('collective-permute', 0.0))} |")
     lines += ["", ("The H100 programs: compile time on this machine's 2 cores, the kernels they call (a loop body's "
                    "once), and the matmul FLOPs per device and step counted in the compiled program (dots, GEMMs and "

@@ -66,19 +66,27 @@ class Collectives:
 
 
 def fsdp_time(shape: StepShape, params: tuple[Param, ...], coll: Collectives) -> float:
-    """The weights gathered over ``fsdp`` and their gradients reduce-scattered back."""
+    """The weights gathered over ``fsdp`` and their gradients reduce-scattered back; the gradients of weights the
+    rules table does not split over ``fsdp`` (DeepSeek-V3's up-projections of the latents, say, whose dimensions
+    are latent, heads and head size) summed over it instead, those weights never gathered."""
     micro = shape.microbatches
     gathers = 2 * micro  # forward and the backward's recompute/use: the weights are gathered twice per step
     gathered = {True: 0, False: 0}  # elements gathered over fsdp: the staged blocks' and the rest
+    replicated = 0  # elements of the weights whole on every fsdp device
     for p in params:
-        gathered[p.staged] += p.shard_elements(shape.mesh, without=("fsdp",))
+        whole = p.shard_elements(shape.mesh, without=("fsdp",))
+        if whole == p.shard_elements(shape.mesh):
+            replicated += whole
+        else:
+            gathered[p.staged] += whole
     # a pipeline stage gathers its blocks' weights again in every iteration of the schedule, and reduce-scatters
     # their gradients in every iteration of its backward pass
     in_flight, busy = shape.in_flight, shape.busy
     return (coll.ring("all-gather", "fsdp", shape.work_bytes * gathered[True], gathers * in_flight * busy)
             + coll.ring("all-gather", "fsdp", shape.work_bytes * gathered[False], gathers)
             + coll.ring("reduce-scatter", "fsdp", 4.0 * gathered[True], micro * in_flight * busy)
-            + coll.ring("reduce-scatter", "fsdp", 4.0 * gathered[False], micro))
+            + coll.ring("reduce-scatter", "fsdp", 4.0 * gathered[False], micro)
+            + coll.ring("all-reduce", "fsdp", 4.0 * replicated, micro))
 
 
 def data_time(shape: StepShape, params: tuple[Param, ...], coll: Collectives) -> float:

@@ -43,9 +43,13 @@ WEIGHT_COPIES = 2.0  # gathered block weights besides their float32 gradient: th
 LOGIT_COPIES = 2.0  # float32 logits of one slice: the logits and their gradient
 HEAD_COPIES = 2.0  # embedding and output head gathered over fsdp besides their gradient
 UPDATE_COPIES = 3.0  # XLA:CPU's update: new float32 parameters and both moments, before the skip-or-apply select
+# dropless experts on jax.lax.ragged_dot (XLA:CPU, and XLA:GPU with execution.expert_gemm=xla): the [local experts,
+# rows, ...] arrays of its dense expansion, in units of ``BlockValues.moe_expanded`` (fitted on the Qwen3-30B-A3B
+# and DeepSeek-V3 dropless pairs of benchmarks/plan_validation.md, 16 and 32 local experts: 2.9 and 3.0)
+EXPANDED_COPIES = 3.0
 
 # The GPU program (XLA:GPU for the H100 target, jaxtron/gpu/target.py) differs, fitted on its compiled steps
-# (benchmarks/plan_validation.md: 35 (model, mesh) pairs of 1B to 671B, dense and MoE; XLA's allocation peak,
+# (benchmarks/plan_validation.md: 38 (model, mesh) pairs of 1B to 671B, dense and MoE; XLA's allocation peak,
 # which includes the gaps its heap leaves between buffers, so these are effective counts rather than buffers one
 # can point to):
 GPU_LOGIT_COPIES = 1.1  # the float32 logits of one slice; their gradient takes their place
@@ -54,6 +58,9 @@ GPU_LAYER_COPIES = 1.1  # one block's intermediates during its backward (LAYER_C
 GPU_TENSOR_GATHER_COPIES = 4.0  # the normed inputs gathered over the tensor group, their gradients and partial sums
 GPU_WEIGHT_COPIES = 0.75  # gathered block weights (16-bit; their float32 gradients are reduce-scattered at once)
 GPU_MOE_COPIES = 1.5  # the MoE block's exchange buffers and expert hidden values (MOE_COPIES on XLA:CPU)
+# dropless experts on a grouped GEMM kernel (ops/grouped.py, ops/grouped_fp8.py): the weight gradients of a block's
+# local experts, which the kernels return in float32 (all three matrices live at once)
+GPU_EXPERT_GRADIENT_COPIES = 1.0
 # a pipeline schedule's backward loop carries the stage's gradient accumulator beside the one of the step
 GPU_PIPELINE_GRADIENT_COPIES = 1.0
 # A stacked weight whose fsdp-sharded dimension is not the one right after the stack's (the output projections:
@@ -137,6 +144,13 @@ def block_work(shape: StepShape, block: BlockValues, params: tuple[Param, ...]) 
             whole = p.shard_elements(shape.mesh, without=("fsdp", "pipeline"))  # the whole stack, one block of each
             per_block[stack] = per_block.get(stack, 0) + whole // p.shape[0]
     block_weights = max(per_block.values())
+    expert_grads = 0.0  # dropless experts: their kernels' float32 weight gradients, or ragged_dot's expansion
+    if shape.expert_kernel:
+        local = sum(p.shard_elements(shape.mesh, without=("fsdp", "pipeline")) // p.shape[0]
+                    for p in params if p.in_blocks and "experts" in p.names)
+        expert_grads = GPU_EXPERT_GRADIENT_COPIES * 4.0 * local
+    elif block.moe_expanded:
+        expert_grads = EXPANDED_COPIES * block.moe_expanded * shape.work_bytes
     flash = 0.0  # blockwise attention's backward: float32 gradients of the gathered keys and values, of the
     if shape.attention == "blockwise":  # local queries, and the arrays of one pair of blocks
         pair = (shape.block_rows * block.heads * block_size(shape.local_len, ATTENTION_BLOCK)
@@ -150,9 +164,9 @@ def block_work(shape: StepShape, block: BlockValues, params: tuple[Param, ...]) 
         gathered = 2 * block.residual if shape.mesh.get("tensor", 1) > 1 else 0  # the normed inputs, whole
         return ((GPU_LAYER_COPIES * (block.everything - gathered) + GPU_TENSOR_GATHER_COPIES * gathered) * work_c
                 + GPU_MOE_COPIES * moe + SCORE_COPIES * block.scores * 4.0 + flash
-                + block_weights * GPU_WEIGHT_COPIES * work_c)
+                + block_weights * GPU_WEIGHT_COPIES * work_c + expert_grads)
     return (LAYER_COPIES * block.everything * work_c + MOE_COPIES * moe + SCORE_COPIES * block.scores * 4.0 + flash
-            + block_weights * (WEIGHT_COPIES * work_c + 4.0))  # gathered copies and the float32 gradient
+            + block_weights * (WEIGHT_COPIES * work_c + 4.0) + expert_grads)  # gathered copies, float32 gradient
 
 
 def loss_work(cfg: Config, shape: StepShape, block: BlockValues, params: tuple[Param, ...],

@@ -62,6 +62,9 @@ class StepShape:
     attention: str  # the attention implementation
     chunks: bool  # cuDNN by chunks of the load-balanced layout (ops/chunked.py)
     cpu_program: bool  # XLA:CPU's program of the dry run rather than the GPU's
+    # dropless experts on a grouped GEMM kernel (the GPU's program unless execution.expert_gemm is 'xla') rather
+    # than on jax.lax.ragged_dot's dense expansion
+    expert_kernel: bool
     value_bytes: int  # bytes of a compute-dtype value
     # byte sizes: ``value_bytes`` in the GPU program; XLA:CPU holds 16-bit intermediates and gathered weights in
     # float32
@@ -114,7 +117,8 @@ def step_shape(cfg: Config, sizes: dict[str, int], microbatches: int | None = No
         rows=rows, block_rows=rows // in_flight, outside_rows=rows / spread,
         step_tokens=cfg.train.global_batch_size * cfg.data.seq_len,
         attention=impl, chunks=impl == "cudnn" and sequence > 1, cpu_program=cpu_program,
-        value_bytes=value_bytes, work_bytes=4 if cpu_program else value_bytes,
+        expert_kernel=bool(run_m.num_moe_layers) and execution.moe_mode == "dropless" and not cpu_program
+        and execution.expert_gemm != "xla", value_bytes=value_bytes, work_bytes=4 if cpu_program else value_bytes,
         stack_copy_bytes=4 if cpu_program and value_bytes < 4 else 0,
         forward_passes=3 + (1 if execution.remat == "full" else 0))
 
@@ -140,6 +144,9 @@ class BlockValues:
     moe_rows: int  # rows each device's expert GEMMs run over: dropless receive buffers or capacity buffers
     moe_exchanged: int  # rows each device sends its expert shards per exchange: routed (dropless) or its slots
     moe_values: int  # the MoE exchange buffers in and out, the expert hidden values and the sorted rows
+    # dropless mode's grouped GEMMs computed as XLA computes jax.lax.ragged_dot (every row against every local
+    # expert): what that expansion adds beyond one expert's [rows, embed + expert width]
+    moe_expanded: int
 
 
 def block_values(cfg: Config, shape: StepShape) -> BlockValues:
@@ -173,4 +180,6 @@ def block_values(cfg: Config, shape: StepShape) -> BlockValues:
         scores=b * heads * t * shape.kv_len if shape.attention == "xla" else 0,
         everything=6 * (x // tensor) + (2 * x if tensor > 1 else 0) + sum(attention.values()) + sum(mlp.values()),
         moe_rows=moe_rows, moe_exchanged=moe_exchanged,
-        moe_values=moe_rows * (2 * h + 3 * expert_width) + 2 * tokens * k * h)
+        moe_values=moe_rows * (2 * h + 3 * expert_width) + 2 * tokens * k * h,
+        moe_expanded=(m.moe.num_experts // shape.expert - 1) * moe_rows * (h + expert_width)
+        if shape.moe_layers and execution.moe_mode == "dropless" else 0)
