@@ -290,6 +290,9 @@ class Config:
         _check(not self.train.router_bias_rate or m.moe.router == "sigmoid", "train.router_bias_rate",
                f"({self.train.router_bias_rate}) moves the sigmoid router's balancing bias, but model.moe.router is "
                f"{m.moe.router!r}", "set it to 0 or use model.moe.router='sigmoid'")
+        _check(not self.train.router_bias_rate or m.num_moe_layers, "train.router_bias_rate",
+               f"({self.train.router_bias_rate}) moves the routed experts' balancing bias, but the model has no MoE "
+               f"blocks (model.moe.num_experts is {m.moe.num_experts})", "set it to 0")
         _check(d.seq_len % self.train.logit_chunks == 0, "train.logit_chunks",
                f"({self.train.logit_chunks}) must divide data.seq_len ({d.seq_len})", "choose a divisor of it")
 
