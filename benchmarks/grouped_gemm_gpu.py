@@ -60,9 +60,11 @@ def _implementation(name: str):
         return None
     if name.startswith("jaxtron"):  # what a dropless MoE block calls: ops/grouped.py (and its FP8 form)
         from jaxtron.ops import grouped as ops_grouped
+        from jaxtron.ops import grouped_fp8
 
-        fp8 = name.endswith("fp8")
-        return lambda x, w, s: ops_grouped.matmul(x, w, s, "auto", fp8=fp8)
+        if name.endswith("fp8"):
+            return lambda x, w, s: grouped_fp8.matmul(x, w, s, ops_grouped.resolve("auto", fp8=True))
+        return lambda x, w, s: ops_grouped.matmul(x, w, s, "auto")
     if name.startswith("jax.lax"):
         return jax.lax.ragged_dot
     try:

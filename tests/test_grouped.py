@@ -80,7 +80,7 @@ def test_fp8_expert_weights_take_one_scale_per_expert():
     x = jnp.asarray(RNG.normal(size=(64, 32)), jnp.float32)
     w = jnp.asarray(RNG.normal(size=(4, 32, 16)) * np.array([1e5, 1, 1, 1])[:, None, None], jnp.float32)
     sizes = jnp.array([16, 20, 12, 16], jnp.int32)
-    got = np.asarray(grouped.matmul(x, w, sizes, "xla", fp8=True), np.float64)
+    got = np.asarray(grouped_fp8.matmul(x, w, sizes, "xla"), np.float64)
     exact = np.asarray(jax.lax.ragged_dot(x, w, sizes), np.float64)
     shared = fp8.quantize_dequantize(w, fp8.E4M3)  # one scale for every expert
     crushed = np.asarray(jax.lax.ragged_dot(fp8.quantize_dequantize(x, fp8.E4M3), shared, sizes), np.float64)

@@ -36,7 +36,7 @@ from flax import nnx
 from jaxtron.config.schema import ExecutionConfig, ModelConfig
 from jaxtron.models.layers import compute_dtype, param
 from jaxtron.models.mlp import MLP
-from jaxtron.ops import exchange, grouped
+from jaxtron.ops import exchange, grouped, grouped_fp8
 from jaxtron.ops import fp8 as fp8_ops
 from jaxtron.parallel.sharding import constrain, logical_to_spec, spec_axes
 
@@ -165,8 +165,8 @@ class ExpertRun:
     gemm: str = "xla"  # dropless mode's grouped GEMM
     exchange: str = "padded"  # dropless mode's all-to-all
     receive_factor: float = 0.0  # dropless receive buffers: 0 the worst case, else this many times the routed rows
-    fp8: bool = False  # the expert GEMMs in FP8: capacity mode's batched ones (ops/fp8.py), dropless mode's grouped
-    # ones (ops/grouped_fp8.py)
+    fp8: bool = False  # the expert GEMMs in FP8, each expert's weights with their own scale: capacity mode's batched
+    # ones (ops/fp8.py), dropless mode's grouped ones (ops/grouped_fp8.py)
 
 
 def _swiglu_grouped(rows: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array,
@@ -174,16 +174,16 @@ def _swiglu_grouped(rows: jax.Array, gate: jax.Array, up: jax.Array, down: jax.A
     """Rows sorted by expert [m, d] -> expert outputs [m, d]; rows past sum(group_sizes) give zeros. ``run``: the
     grouped GEMM's implementation and precision (``ops/grouped.py``)."""
     def matmul(x, w):
-        return grouped.matmul(x, w, group_sizes, run.gemm, run.fp8)
+        return (grouped_fp8.matmul if run.fp8 else grouped.matmul)(x, w, group_sizes, run.gemm)
 
     return matmul(jax.nn.silu(matmul(rows, gate)) * matmul(rows, up), down)
 
 
 def _swiglu_batched(slots: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array, fp8: bool) -> jax.Array:
     """Fixed slots of each expert [E, m, d] -> outputs [E, m, d]: one batched GEMM per matrix. With ``fp8`` each
-    is an FP8 GEMM with current scaling over the whole operand, all local experts together: cuBLASLt's FP8 GEMM
-    takes one scale per operand, and so XLA folds it into a batched FP8 GEMM (``ops/fp8.py``)."""
-    einsum = fp8_ops.projection(fp8)
+    is a batched FP8 GEMM with current scaling, one scale for all slots and one per expert for the weights
+    (``ops/fp8.py``, ``batched_einsum``)."""
+    einsum = fp8_ops.batched_einsum if fp8 else jnp.einsum
     h = jax.nn.silu(einsum("emd,edf->emf", slots, gate)) * einsum("emd,edf->emf", slots, up)
     return einsum("emf,efd->emd", h, down)
 

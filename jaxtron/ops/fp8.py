@@ -91,6 +91,44 @@ def _einsum_bwd(equation, res, g):
 einsum.defvjp(_einsum_fwd, _einsum_bwd)
 
 
+def _quantized_per_batch(w: jax.Array, dtype) -> tuple[jax.Array, jax.Array]:
+    """(``w`` in FP8, one scale per index of its leading dimension [B]) with each slice's current scale."""
+    scale = jax.lax.stop_gradient(jax.vmap(lambda a: current_scale(a, dtype))(w))
+    return quantize(w, scale.reshape(-1, *(1,) * (w.ndim - 1)), dtype), scale
+
+
+def _per_batch(x: jax.Array, scale: jax.Array) -> jax.Array:
+    return x * scale.reshape(-1, *(1,) * (x.ndim - 1)).astype(x.dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def batched_einsum(equation: str, x: jax.Array, w: jax.Array) -> jax.Array:
+    """``jnp.einsum(equation, x, w)`` of a batched projection whose batch dimension leads all three operands (the
+    experts of capacity mode: "emd,edf->emf"), as FP8 matmuls with one current scale for ``x`` and one per batch
+    index for ``w`` (each expert's weights on their own grid). The per-index scale multiplies the result rather
+    than the operand, so XLA still folds the rest into one batched cuBLASLt FP8 GEMM, whose scales are scalars.
+    Backward as ``einsum``'s: the output gradient e5m2 times the e4m3 operands."""
+    return _batched_fwd(equation, x, w)[0]
+
+
+def _batched_fwd(equation, x, w):
+    (qx, sx), (qw, sw) = _quantized(x, E4M3), _quantized_per_batch(w, E4M3)
+    out = _per_batch(jnp.einsum(equation, dequantize(qx, sx, x.dtype), qw.astype(x.dtype)), sw)
+    return out, (qx, sx, qw, sw, jnp.zeros((0,), w.dtype))
+
+
+def _batched_bwd(equation, res, g):
+    qx, sx, qw, sw, w_like = res
+    qg, sg = _quantized(g, E5M2)
+    dtype = g.dtype
+    _, vjp = jax.vjp(lambda a, b: jnp.einsum(equation, a, b), dequantize(qx, sx, dtype), qw.astype(dtype))
+    dx, dw = vjp(dequantize(qg, sg, dtype))  # dx against the unscaled weights: each expert's scale after it
+    return _per_batch(dx, sw), dw.astype(w_like.dtype)
+
+
+batched_einsum.defvjp(_batched_fwd, _batched_bwd)
+
+
 # The XLA options a program with FP8 projections compiles with, for its GEMMs to take float8 operands. Evidence: the
 # default config's step (execution.fp8=true, bf16) compiled for the H100 target (jax 0.10.2, cuDNN 9.28), counting
 # its block projections' GEMMs, forward and both backward (21): with XLA's defaults none reads float8.

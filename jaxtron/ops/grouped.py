@@ -13,8 +13,8 @@
 - 'auto': 'tokamax' on a Hopper GPU (or when compiling for one, ``on_target``) where tokamax is installed, else
   'xla'.
 
-With ``fp8`` (``execution.fp8``) the GEMM takes FP8 operands: ``ops/grouped_fp8.py``, whose own kernels run on
-Hopper for any choice but 'xla'.
+In FP8 (``execution.fp8``) the expert GEMM is ``ops/grouped_fp8.py``'s, whose own kernels run on Hopper for any
+choice but 'xla' (``resolve(choice, fp8=True)``).
 """
 
 from __future__ import annotations
@@ -104,15 +104,9 @@ def on_target(device: jax.Device) -> Iterator[None]:
         _target.pop()
 
 
-def matmul(rows: jax.Array, weights: jax.Array, group_sizes: jax.Array, implementation: str = "xla",
-           fp8: bool = False) -> jax.Array:
+def matmul(rows: jax.Array, weights: jax.Array, group_sizes: jax.Array, implementation: str = "xla") -> jax.Array:
     """rows [m, k] sorted by group, weights [groups, k, n], group_sizes [groups] -> [m, n] in the rows' dtype:
-    each group's rows times its matrix; rows past sum(group_sizes) give zeros. ``fp8``: on FP8 operands with
-    current scaling, one scale for the rows and one per group for the weights (``ops/grouped_fp8.py``)."""
-    if fp8:
-        from jaxtron.ops import grouped_fp8
-
-        return grouped_fp8.matmul(rows, weights, group_sizes, resolve(implementation, fp8=True))
+    each group's rows times its matrix; rows past sum(group_sizes) give zeros."""
     if resolve(implementation) == "xla":
         return jax.lax.ragged_dot(rows, weights, group_sizes)
     return _tokamax_matmul(rows, weights, group_sizes)
