@@ -251,12 +251,15 @@ def test_top_choices_follow_published_practice():
     rows = search.plan(_config("llama3_70b"), 64, H100)
     top = rows[0]
     assert top.fits and top.estimate.memory_bytes <= H100.usable_bytes
-    # 70B on 64 GPUs: fsdp=64 alone is bound by its gathers (published runs add tensor parallelism), and a mesh
-    # with tensor 2 to 8 is within 5% of the best
+    # 70B on 64 GPUs: fsdp=64 alone is within 5% of the best, as MaxText trains Llama-3 70B on H100s (pure FSDP,
+    # about 48% MFU on 128), though its gathers outlast what the compute hides (calibrated on KempnerForge's
+    # runs, benchmarks/plan_calibration.md); tensor meshes pay what tensor parallelism costs those runs
     flat = next(r for r in rows if r.estimate.mesh["fsdp"] == 64)
-    assert flat.estimate.dominant == "fsdp_comm"
+    assert flat.fits and flat.estimate.step_s <= 1.05 * top.estimate.step_s
+    compute = sum(flat.estimate.time[k] for k in ("matmul", "attention", "elementwise", "pipeline_bubble"))
+    assert flat.estimate.time["fsdp_comm"] > H100.comm_overlap * compute
     tensor = next(r for r in rows if r.fits and 1 < r.estimate.mesh["tensor"] <= 8)
-    assert tensor.estimate.step_s <= 1.05 * top.estimate.step_s
+    assert tensor.estimate.step_s > flat.estimate.step_s
     assert any(not r.fits for r in rows)  # e.g. pure data parallelism cannot hold 70B on one GPU
     assert all(r.estimate.dominant in r.estimate.time for r in rows)
 
@@ -334,11 +337,50 @@ def test_405b_on_8_gpus_of_80gb_is_refused_with_the_reason(capsys):
     assert "doubling the GPU count, the first on which a mesh fits is 128" in err
 
 
+def test_nodes_of_four_keep_tensor_groups_to_four_and_price_what_crosses_them(capsys):
+    """--gpus-per-node=4 (H200 clusters of 4): no tensor group beyond 4, and fsdp over 8 GPUs crosses nodes, which
+    costs it the network's bandwidth where in nodes of 8 it stays on NVLink."""
+    assert cli.run("plan", [f"--config={REPO}/configs/llama3_8b.py", "--gpus=8", "--gpu=h200",
+                            "--gpus-per-node=4", "--top=0"]) == 0
+    table = capsys.readouterr().out
+    assert "tensor=4" in table and "tensor=8" not in table
+    cfg = _config("llama3_8b")
+    sizes = dict(pipeline=1, data=1, fsdp=8, sequence=1, expert=1, tensor=1)
+    h200 = gpu("h200")
+    four = estimate(cfg, sizes, dataclasses.replace(h200, gpus_per_node=4))
+    eight = estimate(cfg, sizes, h200)
+    assert four.time["fsdp_comm"] > 5 * eight.time["fsdp_comm"]
+
+
+def test_the_calibrated_time_model_holds_on_the_published_runs_it_was_not_fitted_on():
+    """The constants in planning/gpus.py are what fitting the time model on half of KempnerForge's H200 runs gives
+    (a new fit reproduces them), and on the other half the estimated tokens/s of each run's own layout are within
+    20% of the measured, but one at 21% (the 7B model on 32 GPUs: the smallest compute per collective);
+    benchmarks/plan_calibration.md."""
+    sys.path.insert(0, os.path.join(REPO, "benchmarks"))
+    import plan_calibration
+
+    from jaxtron.planning import published
+
+    fitted = plan_calibration.fit([r for r in published.RUNS if r.fit])
+    for name, value in fitted.items():
+        assert getattr(H100, name) == pytest.approx(value, rel=1e-3) == getattr(gpu("h200"), name), name
+    errors = {r.number: plan_calibration.estimated(r).tokens_per_s / r.tokens_per_s - 1
+              for r in published.RUNS if not r.fit}
+    assert len(errors) == 7 and sum(abs(e) <= 0.20 for e in errors.values()) >= 6, errors
+    assert max(abs(e) for e in errors.values()) < 0.22, errors
+
+
 def test_plan_cli_rejects_bad_requests(capsys):
     assert cli.run("plan", [f"--config={REPO}/configs/llama3_8b.py", "--gpus=12"]) == 2
     assert "whole number of 8-GPU nodes" in capsys.readouterr().err
     assert cli.run("plan", [f"--config={REPO}/configs/llama3_8b.py", "--gpus=8", "--gpu=v100"]) == 2
     assert "h100" in capsys.readouterr().err
+    assert cli.run("plan", [f"--config={REPO}/configs/llama3_8b.py", "--gpus=8", "--gpus-per-node=0"]) == 2
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        "error: --gpus-per-node is 0; give the positive number of GPUs in a node.")
+    assert cli.run("plan", [f"--config={REPO}/configs/llama3_8b.py", "--gpus=6", "--gpus-per-node=4"]) == 2
+    assert "whole number of 4-GPU nodes" in capsys.readouterr().err
     assert cli.run("plan", [f"--config={REPO}/configs/llama3_8b.py", "--gpus=8", "--compile=fsdp=x"]) == 2
     assert "AXIS=SIZE" in capsys.readouterr().err
     # a --compile mesh that does not fill the GPU count: one sentence naming both, before anything compiles

@@ -1,6 +1,7 @@
 """Choose the mesh before spending GPU hours.
 
     jaxtron plan --config=configs/llama3_70b.py --gpus=64 --gpu=h100
+    jaxtron plan --config=configs/llama3_70b.py --gpus=32 --gpu=h200 --gpus-per-node=4
     jaxtron plan --config=configs/llama3_8b.py --gpus=8 --gpu=h100 --compile=fsdp=8 [--hlo=step.hlo]
 
 The first form enumerates every valid mesh of the GPU count (divisibility; tensor and expert groups inside a
@@ -16,6 +17,7 @@ global batch come from the config; ``--seq_len``, ``--global_batch_size`` or any
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -41,6 +43,9 @@ def _define(values) -> None:
     from absl import flags
     flags.DEFINE_integer("gpus", None, "number of GPUs (whole nodes beyond one node)", flag_values=values)
     flags.DEFINE_string("gpu", "h100", "GPU type from jaxtron/planning/gpus.py (h100, h200)", flag_values=values)
+    flags.DEFINE_integer("gpus-per-node", None, "GPUs in a node, joined by NVLink (default 8; 4 on many H200 "
+                         "clusters): tensor groups stay inside one, and what crosses nodes goes at the network's "
+                         "rate", flag_values=values)
     flags.DEFINE_integer("seq_len", None, "override data.seq_len", flag_values=values)
     flags.DEFINE_integer("global_batch_size", None, "override train.global_batch_size", flag_values=values)
     flags.DEFINE_integer("top", 10, "rows of the ranked table to print (0: all)", flag_values=values)
@@ -106,6 +111,11 @@ def run(argv: list[str]) -> int:
     from jaxtron.planning.gpus import gpu as gpu_named
 
     gpu = gpu_named(args.gpu)
+    per_node = getattr(args, "gpus-per-node")
+    if per_node is not None:
+        if per_node < 1:
+            raise ConfigError(f"--gpus-per-node is {per_node}; give the positive number of GPUs in a node.")
+        gpu = dataclasses.replace(gpu, gpus_per_node=per_node)
     if args.gpus > gpu.gpus_per_node and args.gpus % gpu.gpus_per_node:
         raise ConfigError(f"--gpus={args.gpus} is not a whole number of {gpu.gpus_per_node}-GPU nodes; use a multiple "
                           f"of {gpu.gpus_per_node}.")

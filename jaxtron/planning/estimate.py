@@ -56,8 +56,8 @@ class Estimate:
 
     @property
     def dominant(self) -> str:
-        """The term that sets the step time: the overlapped communication when it outlasts the compute,
-        else the largest exposed term."""
+        """The term that sets the step time: the overlapped communication when it outlasts the compute (more of
+        it than the compute hides costs time too, ``step_seconds``), else the largest exposed term."""
         compute = sum(self.time[k] for k in self.exposed if k in COMPUTE_TERMS)
         hidden = sum(self.time[k] for k in self.overlapped)
         if hidden > compute:
@@ -81,7 +81,7 @@ def estimate(cfg: Config, sizes: dict[str, int], gpu: GPU, microbatches: int | N
     time = compute_time(cfg, shape, block, gpu)
     comm, collectives = communication_time(cfg, shape, block, params, gpu)
     time.update(comm)
-    step = step_seconds(time)
+    step = step_seconds(time, gpu.comm_overlap)
     return Estimate(mesh=dict(shape.mesh), microbatches=shape.microbatches,
                     pipeline_microbatches=shape.in_flight if shape.pipelined else 0, bubble=shape.bubble,
                     identity_layers=shape.identity_layers, attention=shape.attention,

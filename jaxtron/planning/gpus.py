@@ -1,12 +1,15 @@
 """The planner's constants: one table of what each GPU and its interconnect can do.
 
 Every number says where it comes from. "datasheet" numbers are the vendor's; "measured" ones were measured on
-such a machine (shared GPU notes: an H200 ran a bf16 8192^3 matmul at about 790 TFLOP/s and copied device to
-device at about 4.3 TB/s); "assumed" ones are ours and are the first to re-measure when a GPU is at hand.
+such a machine (shared GPU notes: an H200 copied device to device at about 4.3 TB/s); "fitted" ones were fitted
+on published training runs (``benchmarks/plan_calibration.py``: KempnerForge's H200 runs, fitted on 7 and checked
+on the other 7); "assumed" ones are ours and are the first to re-measure when a GPU is at hand.
 
 Rates are what one GPU sustains:
-- ``matmul_efficiency``: fraction of the dense peak that large bf16 GEMMs reach (790 / 989.4 measured on H200;
-  H100 SXM has the same tensor cores and clocks, so the same fraction is used).
+- ``matmul_efficiency``: fraction of the dense peak that a training step's GEMMs sustain (fitted: 0.715; a lone
+  bf16 8192^3 GEMM reaches 790 / 989.4 on an H200, and H100 SXM has the same tensor cores and clocks).
+- ``comm_overlap``: the share of the compute that the fsdp and data collectives hide behind (fitted: 0.76).
+- ``tensor_efficiency``: what tensor parallelism leaves of the GEMM rate (fitted: 0.67).
 - ``attention_efficiency``: fraction of the dense peak that cuDNN flash attention reaches over forward and
   backward together (assumed 0.5: published flash-attention forward kernels on H100 reach 60-75% of peak at
   head_dim 128, backward kernels 40-55%). XLA's attention materialises the score matrix and is assumed to
@@ -44,6 +47,12 @@ class GPU:
     nvlink_bandwidth: float  # bytes/s, bus bandwidth inside a node
     network_bandwidth: float  # bytes/s per GPU, bus bandwidth across nodes
     grouped_gemm_efficiency: float = 240 / 989.4
+    # the share of the compute that the gathers and gradient reductions over fsdp and data hide behind
+    # (planning/step_time.py); 1 hides them all as long as they take no longer than the compute
+    comm_overlap: float = 1.0
+    # the GEMM rate's share left under tensor parallelism (narrower GEMMs, and the tensor group's collectives
+    # between them where they are not overlapped): fitted on the published runs with a tensor axis
+    tensor_efficiency: float = 1.0
     gpus_per_node: int = 8
     usable_memory_fraction: float = 0.90
 
@@ -57,13 +66,21 @@ def _peaks(model: str) -> dict[str, float]:
 
 
 _MIB = 2**20
+# Fitted on 7 of KempnerForge's 14 H200 runs and checked on the other 7 (`python benchmarks/plan_calibration.py
+# --fit`; benchmarks/plan_calibration.md): the GEMM rate a step sustains, how much of the compute hides the fsdp
+# and data collectives, and what tensor parallelism leaves of the GEMM rate. H100 and H200 share the compute and
+# the interconnect, so both take them. The bus bandwidths stay at 80% of NVLink's 450 GB/s and of the network's
+# 50 GB/s per GPU (the script says why they are not fitted).
+_CALIBRATED = dict(matmul_efficiency=0.7153, comm_overlap=0.7614, tensor_efficiency=0.6688)
 GPUS: dict[str, GPU] = {
     # 80 GB HBM3 (81,559 MiB reported), 3.35 TB/s datasheet, of which 85% is assumed reachable
-    "h100": GPU("H100 SXM 80GB", 81_559 * _MIB, _peaks("H100 SXM"), 790 / 989.4, 0.5, 0.25,
-                0.85 * 3.35e12, 0.8 * 450e9, 0.8 * 50e9),
+    "h100": GPU("H100 SXM 80GB", 81_559 * _MIB, _peaks("H100 SXM"), attention_efficiency=0.5,
+                xla_attention_efficiency=0.25, hbm_bandwidth=0.85 * 3.35e12, nvlink_bandwidth=0.8 * 450e9,
+                network_bandwidth=0.8 * 50e9, **_CALIBRATED),
     # 141 GB HBM3e (143,771 MiB reported), 4.8 TB/s datasheet, 4.3 TB/s measured device-to-device copy
-    "h200": GPU("H200 SXM 141GB", 143_771 * _MIB, _peaks("H200 SXM"), 790 / 989.4, 0.5, 0.25,
-                4.3e12, 0.8 * 450e9, 0.8 * 50e9),
+    "h200": GPU("H200 SXM 141GB", 143_771 * _MIB, _peaks("H200 SXM"), attention_efficiency=0.5,
+                xla_attention_efficiency=0.25, hbm_bandwidth=4.3e12, nvlink_bandwidth=0.8 * 450e9,
+                network_bandwidth=0.8 * 50e9, **_CALIBRATED),
 }
 
 

@@ -57,7 +57,8 @@ def compute_time(cfg: Config, shape: StepShape, block: BlockValues, gpu: GPU) ->
         repeated = {k: v - (inner[k] if k != "logits" else 0.0) for k, v in hardware.items()}
         matmul += sum(v for k, v in repeated.items() if k != "attention_scores") * (stages - 1)
         scores_flops += repeated["attention_scores"] * (stages - 1)
-    time = {"matmul": matmul * shape.step_tokens / shape.devices / (peak * gpu.matmul_efficiency),
+    efficiency = gpu.matmul_efficiency * (gpu.tensor_efficiency if tensor > 1 else 1.0)
+    time = {"matmul": matmul * shape.step_tokens / shape.devices / (peak * efficiency),
             "attention": scores_flops * shape.step_tokens / shape.devices / (peak * attention_eff),
             "elementwise": elementwise / gpu.hbm_bandwidth}
     # the stages idle through the fill and drain: the bubble's share of the schedule's iterations
@@ -65,11 +66,14 @@ def compute_time(cfg: Config, shape: StepShape, block: BlockValues, gpu: GPU) ->
     return time
 
 
-def step_seconds(time: dict[str, float]) -> float:
-    """The step: the compute or the overlapped communication, whichever lasts longer, plus the exposed
-    communication."""
+def step_seconds(time: dict[str, float], overlap: float = 1.0) -> float:
+    """The step: the compute, plus the overlapped communication that ``overlap`` x the compute does not hide, plus
+    the exposed communication. With ``overlap`` 1 the overlapped communication costs nothing until it outlasts the
+    compute; the published runs say less of it hides (``GPU.comm_overlap``, benchmarks/plan_calibration.md)."""
     compute = sum(time[k] for k in COMPUTE_TERMS)
-    return max(compute, sum(time[k] for k in OVERLAPPED)) + sum(time[k] for k in EXPOSED if k not in COMPUTE_TERMS)
+    hidden = overlap * compute
+    return compute + max(0.0, sum(time[k] for k in OVERLAPPED) - hidden) + \
+        sum(time[k] for k in EXPOSED if k not in COMPUTE_TERMS)
 
 
 def model_flops(cfg: Config, shape: StepShape) -> float:
