@@ -238,6 +238,26 @@ BAD = [
                                                 "--config.train.router_bias_rate=0.001"),
      "'train.router_bias_rate' (0.001) moves the routed experts' balancing bias, but the model has no MoE blocks",
      "set it to 0"),
+    # --- pipeline schedules
+    ("unknown_schedule", lambda d: cli("--config.pipeline.schedule=gpipe"),
+     "'pipeline.schedule' is 'gpipe', which is not one of 'fill_drain', '1f1b'", "set --config.pipeline.schedule"),
+    ("virtual_stages_without_rounds", lambda d: cli("--config.pipeline.schedule=1f1b",
+                                                    "--config.pipeline.virtual_stages=2"),
+     "'pipeline.virtual_stages' (2) splits each stage into rounds, which the '1f1b' schedule does not run",
+     "pipeline.schedule='fill_drain'"),
+    ("1f1b_with_prediction_modules", lambda d: check_devices(cli(
+        "--config.pipeline.schedule=1f1b", "--config.model.mtp.depth=1", "--config.mesh.pipeline=2",
+        "--config.mesh.fsdp=4", "--config.pipeline.microbatches=2"), 8),
+     "'pipeline.schedule' '1f1b' does not run the multi-token prediction modules", "use pipeline.schedule="),
+    ("1f1b_under_accumulation", lambda d: check_devices(cli(
+        "--config.pipeline.schedule=1f1b", "--config.mesh.pipeline=2", "--config.mesh.fsdp=4",
+        "--config.train.microbatches=2", "--config.train.global_batch_size=32"), 8),
+     "'train.microbatches' (2) would flush the '1f1b' schedule once per part",
+     "set pipeline.microbatches to 4 and train.microbatches to 1"),
+    ("1f1b_with_too_few_microbatches", lambda d: check_devices(cli(
+        "--config.pipeline.schedule=1f1b", "--config.mesh.pipeline=4", "--config.mesh.fsdp=2",
+        "--config.pipeline.microbatches=2"), 8),
+     "'pipeline.microbatches' (2) cannot keep mesh.pipeline=4 stages busy", "at least 4"),
     ("mtp_on_a_sharded_sequence", lambda d: check_devices(cli("--config.model.mtp.depth=1", "--config.mesh.sequence=2",
                                                  "--config.mesh.fsdp=1"), 2),
      "'model.mtp.depth' (1) shifts each row by whole tokens", "use mesh.sequence=1"),

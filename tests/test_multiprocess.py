@@ -70,7 +70,8 @@ def test_pipeline_stages_on_two_processes_equal_one_process(tmp_path):
     outputs = _two_processes([*args, "--config.mesh.pipeline=2", "--config.mesh.fsdp=2", "--config.mesh.tensor=2",
                               "--config.pipeline.microbatches=2", "--config.pipeline.virtual_stages=2"],
                              tmp_path / "two")
-    assert "pipeline: 2 stages x 2 virtual stages, 2 microbatches in flight; bubble fraction 0.200" in outputs[0]
+    assert "pipeline: fill_drain schedule, 2 stages x 2 virtual stages, 2 microbatches; bubble fraction 0.200" in \
+        outputs[0]
     np.testing.assert_allclose(_losses(tmp_path / "two"), _losses(tmp_path / "one"), rtol=1e-5)
 
 

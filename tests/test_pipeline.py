@@ -297,6 +297,75 @@ def test_deepseek_trains_pipelined_like_one_device(tmp_path):
     assert moe_bias.sharding.shard_shape(moe_bias.shape)[0] == 2
 
 
+# --- the 1F1B schedule (jaxtron/training/one_f_one_b.py) ---
+
+ONE_F_ONE_B = {  # name -> (mesh, pipeline microbatches, model)
+    "pipeline2_fsdp2_tensor2": (dict(pipeline=2, fsdp=2, tensor=2), 4, dict(num_layers=4)),
+    "pipeline4_sequence2_uneven": (dict(pipeline=4, fsdp=1, sequence=2), 4, dict(num_layers=6)),
+    # MoE blocks with their experts over their own axis, and the DeepSeek-style model: latent attention, a dense
+    # first block run before the schedule, four MoE blocks, the balancing bias (without the prediction module,
+    # which the 1F1B schedule does not run yet)
+    "moe_pipeline2_fsdp2_expert2": (dict(pipeline=2, fsdp=2, expert=2), 4,
+                                    dict(num_layers=4, moe=dict(num_experts=4, every=2))),
+}
+
+
+def _deepseek_style():
+    from test_training import QWEN3_STYLE
+    return dict(QWEN3_STYLE["deepseek_v3"], num_layers=5, mtp=dict(depth=0))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", [*ONE_F_ONE_B, "deepseek_pipeline2_fsdp2_expert2"])
+def test_the_1f1b_schedule_trains_like_one_device(name, tmp_path):
+    """fp32 losses of 3 steps equal one device's running the same microbatches to 1e-5, and so do the parameters
+    after them; MoE's losses and loads too. On 4 stages the 6 layers split unevenly (2 identity layers)."""
+    if name.startswith("deepseek"):
+        mesh, microbatches, model = dict(pipeline=2, fsdp=2, expert=2), 2, _deepseek_style()
+        extra = dict(train=dict(global_batch_size=16, router_bias_rate=0.003))
+    else:
+        mesh, microbatches, model = ONE_F_ONE_B[name]
+        extra = dict(train=dict(global_batch_size=16))
+    uneven = dict(uneven_stages=True) if name.endswith("uneven") else {}
+    ref = run(tiny_config(dict(fsdp=1), model=model, pipeline=dict(microbatches=microbatches), **extra),
+              str(tmp_path / "one"), use_tqdm=False, devices=jax.devices()[:1])
+    got = run(tiny_config(mesh, model=model, pipeline=dict(microbatches=microbatches, schedule="1f1b", **uneven),
+                          **extra), str(tmp_path / "pipe"), use_tqdm=False)
+    expected = _losses(ref)
+    assert len(expected) == 3 and np.all(np.diff(expected) != 0)
+    np.testing.assert_allclose(_losses(got), expected, rtol=1e-5)
+    assert got.history[-1]["pipeline_bubble"] == pytest.approx(bubble_fraction(mesh["pipeline"], microbatches,
+                                                                               kind="1f1b"))
+    if model.get("moe"):
+        for key in ("moe_aux_loss",) + (("moe_bias_spread",) if name.startswith("deepseek") else ()):
+            np.testing.assert_allclose([h[key] for h in got.history], [h[key] for h in ref.history], rtol=1e-5)
+    # the staged stack's output projections after three updates, back in natural order (Adam divides by sqrt(v):
+    # near-zero gradients amplify rounding; 2e-4 is 2% of one lr=1e-2 update)
+    stack = "moe_layers" if model.get("moe", {}).get("first_dense_layers") else "layers"
+    want = np.asarray(nnx.to_pure_dict(ref.state.params)[stack]["mlp"]["wo"])
+    got_wo = np.asarray(nnx.to_pure_dict(got.state.params)[stack]["mlp"]["wo"])
+    np.testing.assert_allclose(to_natural(got_wo, storage_order(want.shape[0], mesh["pipeline"])), want,
+                               rtol=1e-4, atol=2e-4)
+
+
+@pytest.mark.slow
+def test_the_1f1b_schedule_holds_the_same_memory_whatever_the_microbatch_count():
+    """Compiled temporaries per device on pipeline=2 x fsdp=4, 4 rows a microbatch: the 1F1B schedule's stay
+    within 15% from 8 to 32 microbatches (a stage keeps at most 2 x stages - 1 microbatches' inputs); the
+    fill-drain schedule's grow with them (every microbatch's activations are alive when the backward starts)."""
+    from jaxtron.planning.dry_run import dry_run
+
+    temp = {}
+    for kind in ("fill_drain", "1f1b"):
+        for m in (8, 32):
+            cfg = tiny_config(dict(pipeline=2, fsdp=4), model=dict(num_layers=4, embed_dim=256, mlp_dim=512),
+                              pipeline=dict(microbatches=m, schedule=kind), train=dict(global_batch_size=4 * m))
+            temp[kind, m] = dry_run(cfg).temp_bytes
+    assert temp["1f1b", 32] <= 1.15 * temp["1f1b", 8], temp
+    assert temp["fill_drain", 32] > 2 * temp["fill_drain", 8], temp
+    assert temp["1f1b", 32] < 0.5 * temp["fill_drain", 32], temp
+
+
 def test_the_router_bias_moves_in_the_stored_order():
     """A stage-major stack with an identity period: each stored block's bias follows its own block's load; the
     identity period's stays zero."""

@@ -59,10 +59,18 @@ class MeshConfig:
         return sizes
 
 
+SCHEDULES = ("fill_drain", "1f1b")  # pipeline.schedule
+
+
 @dataclasses.dataclass(frozen=True)
 class PipelineConfig:
-    """The pipeline schedule over the ``mesh.pipeline`` stages (``jaxtron/training/pipeline.py``)."""
+    """The pipeline schedule over the ``mesh.pipeline`` stages (``jaxtron/training/pipeline.py``,
+    ``jaxtron/training/one_f_one_b.py``)."""
 
+    # 'fill_drain': every microbatch's forward, then the backward by differentiation (the activations of every
+    # microbatch in flight); '1f1b': each stage runs one forward and one backward an iteration, the loss inside the
+    # schedule, so a stage holds at most 2 x stages - 1 microbatches' inputs whatever the microbatch count
+    schedule: str = "fill_drain"
     microbatches: int = 0  # microbatches in flight in one forward and backward pass (0: one per stage)
     virtual_stages: int = 1  # each stage's layers split into this many circular repeats (shrinks the bubble)
     # layers (MoE: periods) that stages x virtual stages do not divide are filled up with identity layers at the
@@ -70,10 +78,14 @@ class PipelineConfig:
     uneven_stages: bool = False
 
     def __post_init__(self):
+        _choice(self.schedule, "pipeline.schedule", SCHEDULES)
         _non_negative(self.microbatches, "pipeline.microbatches")
         _positive(self.virtual_stages, "pipeline.virtual_stages")
+        _check(self.virtual_stages == 1 or self.schedule == "fill_drain", "pipeline.virtual_stages",
+               f"({self.virtual_stages}) splits each stage into rounds, which the '{self.schedule}' schedule does not "
+               "run", "set it to 1 or use pipeline.schedule='fill_drain'")
 
-    def schedule(self, stages: int) -> tuple[int, int]:
+    def sizes(self, stages: int) -> tuple[int, int]:
         """(microbatches, virtual stages) for this many stages (one stage has no virtual stages: its rounds
         would run the same stack in the same order)."""
         return self.microbatches or stages, self.virtual_stages if stages > 1 else 1

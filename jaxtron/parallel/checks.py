@@ -59,7 +59,7 @@ def _check_pipeline(cfg: Config, stages: int, batch: int, dp: int) -> None:
     """The schedule's sizes: the scanned periods of blocks split into stages x virtual stages, at least one
     microbatch per stage, each microbatch divisible by the data-parallel size."""
     m, x = cfg.model, cfg.execution
-    microbatches, virtual = cfg.pipeline.schedule(stages)
+    microbatches, virtual = cfg.pipeline.sizes(stages)
     period, periods, prefix = m.period, m.stack_periods, m.prefix_layers
     unit = f"periods of model.moe.every={period} blocks" if period > 1 else "layers"
     unit += f" after the {prefix} dense ones" if prefix else ""
@@ -74,6 +74,13 @@ def _check_pipeline(cfg: Config, stages: int, batch: int, dp: int) -> None:
            f"pipeline.virtual_stages={virtual} with only identity layers", "use fewer stages or virtual stages")
     if stages == 1 and microbatches == 1:
         return
+    if cfg.pipeline.schedule == "1f1b":
+        _check(not m.mtp.depth, "pipeline.schedule", f"'1f1b' does not run the multi-token prediction modules "
+               f"(model.mtp.depth={m.mtp.depth}) yet", "use pipeline.schedule='fill_drain'")
+        _check(cfg.train.microbatches == 1, "train.microbatches",
+               f"({cfg.train.microbatches}) would flush the '1f1b' schedule once per part; it runs all of a step's "
+               "microbatches in one schedule", f"set pipeline.microbatches to {microbatches * cfg.train.microbatches}"
+               " and train.microbatches to 1")
     _check(microbatches >= stages, "pipeline.microbatches",
            f"({microbatches}) cannot keep mesh.pipeline={stages} stages busy",
            f"set --config.pipeline.microbatches to at least {stages}")

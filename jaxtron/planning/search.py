@@ -93,7 +93,7 @@ def _in_flight_options(cfg: Config, sizes: dict[str, int], microbatches: int) ->
     if stages == 1:
         return [None]
     rows = cfg.train.global_batch_size // microbatches // shard_count(sizes, "activation_batch")
-    wanted = [cfg.pipeline.schedule(stages)[0], 2 * stages, 4 * stages]
+    wanted = [cfg.pipeline.sizes(stages)[0], 2 * stages, 4 * stages]
     return sorted({m for m in wanted if m >= stages and rows % m == 0}) or [None]
 
 

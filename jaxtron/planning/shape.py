@@ -81,7 +81,7 @@ def step_shape(cfg: Config, sizes: dict[str, int], microbatches: int | None = No
     m, execution = cfg.model, cfg.execution
     micro = microbatches or cfg.train.microbatches
     stages = shard_count(sizes, "layers")
-    in_flight, virtual = cfg.pipeline.schedule(stages)
+    in_flight, virtual = cfg.pipeline.sizes(stages)
     in_flight = pipeline_microbatches or in_flight
     pipelined = (stages, in_flight) != (1, 1)
     iterations = in_flight * virtual + stages - 1 if pipelined else 1

@@ -50,8 +50,11 @@ PICKED = "pipeline_period_weights"  # the name of the weights a stage picks for 
 Body = Callable[[jax.Array, Any, Any], tuple[jax.Array, dict[str, jax.Array]]]
 
 
-def bubble_fraction(stages: int, microbatches: int, virtual_stages: int = 1) -> float:
-    """Share of a stage's iterations spent idle in the fill-drain schedule."""
+def bubble_fraction(stages: int, microbatches: int, virtual_stages: int = 1, kind: str = "fill_drain") -> float:
+    """Share of a stage's iterations spent idle: in the fill-drain schedule, and in the 1F1B one, whose
+    iterations each run a forward and a backward (``one_f_one_b.py``)."""
+    if kind == "1f1b":
+        return 2 * (stages - 1) / (microbatches + 2 * (stages - 1))
     return (stages - 1) / (microbatches * virtual_stages + stages - 1)
 
 
@@ -102,10 +105,13 @@ class Schedule:
     virtual_stages: int = 1
     remat_policy: Callable | None = None  # the model's checkpoint policy (None: keep everything)
     pads: int = 0  # identity periods in the stored stack (an uneven split, ``parallel/stages.py``)
+    # how a training step's gradients are computed: 'fill_drain' differentiates this runner; '1f1b' runs
+    # ``one_f_one_b.gradients`` (this runner stays the forward of evaluation)
+    kind: str = "fill_drain"
 
     @property
     def bubble(self) -> float:
-        return bubble_fraction(self.stages, self.microbatches, self.virtual_stages)
+        return bubble_fraction(self.stages, self.microbatches, self.virtual_stages, self.kind)
 
     def outside(self, rows: int):
         """The context for the work outside the schedule on a batch of ``rows``: its rows split over the stages

@@ -55,17 +55,17 @@ class Setup:
 
 def pipeline_schedule(cfg: Config, stages: int) -> Schedule | None:
     """The pipeline schedule of ``stages`` stages (None without a pipeline and its microbatches)."""
-    microbatches, virtual = cfg.pipeline.schedule(stages)
+    microbatches, virtual = cfg.pipeline.sizes(stages)
     if (stages, microbatches) == (1, 1):
         return None
     return Schedule(stages, microbatches, virtual, remat_policy(cfg.execution.remat),
-                    padding(cfg.model.stack_periods, stages, virtual))
+                    padding(cfg.model.stack_periods, stages, virtual), cfg.pipeline.schedule)
 
 
 def layer_order(cfg: Config, stages: int) -> tuple[int, ...]:
     """The order of the periods in the stored layer stack under this many pipeline stages (``PAD``: an
     identity period filling an uneven split)."""
-    return tuple(int(i) for i in storage_order(cfg.model.stack_periods, stages, cfg.pipeline.schedule(stages)[1]))
+    return tuple(int(i) for i in storage_order(cfg.model.stack_periods, stages, cfg.pipeline.sizes(stages)[1]))
 
 
 def _init_fn(cfg: Config, attention_impl: str, stages: int | None = None):

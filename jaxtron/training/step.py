@@ -131,6 +131,10 @@ def split_microbatches(batch: Batch, k: int) -> Batch:
 def gradients(setup: Setup, params: Any, batch: Batch):
     """(summed gradients, cross-entropy sum, token count, MoE metrics) of the whole batch; gradients and sums are
     accumulated over microbatches in float32, the MoE metrics averaged over them."""
+    if getattr(setup.stack_runner, "kind", "fill_drain") == "1f1b":
+        from jaxtron.training import one_f_one_b
+
+        return one_f_one_b.gradients(setup, params, batch)
     microbatches = setup.microbatches
     grad_fn = jax.value_and_grad(functools.partial(
         loss_sums, graphdef=setup.graphdef, z_loss=setup.z_loss, logit_chunks=setup.logit_chunks,
