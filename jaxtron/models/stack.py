@@ -13,10 +13,11 @@ places the periods. Every block runs under the remat policy ``execution.remat`` 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import itertools
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
@@ -103,16 +104,31 @@ def scan_stack(body: Body, x: jax.Array, stack: Any, extras: tuple) -> tuple[jax
     return jax.lax.scan(lambda h, period: body(h, period, extras), x, stack)
 
 
+_unrematerialized: list[bool] = []  # inside ``without_remat``
+
+
+@contextlib.contextmanager
+def without_remat() -> Iterator[None]:
+    """Within this context the blocks a stack runs are not checkpointed, whatever ``execution.remat`` says: for a
+    caller that takes each block's vector-Jacobian product right after recomputing its forward (the 1F1B
+    schedule, ``jaxtron/training/one_f_one_b.py``), where a checkpoint would only run the forward twice."""
+    _unrematerialized.append(True)
+    try:
+        yield
+    finally:
+        _unrematerialized.pop()
+
+
 def _block_fn(graphdef: Any, fp8: bool, remat: str) -> Callable | None:
     """(hidden, one block's parameters, positions[, segment ids]) -> (hidden, stats) for blocks of ``graphdef``,
-    rematerialised per ``remat``."""
+    rematerialised per ``remat`` (not within ``without_remat``)."""
     if graphdef is None:
         return None
 
     def apply(h, block, positions, segment_ids=None):
         return nnx.merge(graphdef, block)(h, positions, segment_ids, fp8)
 
-    policy = remat_policy(remat)
+    policy = None if _unrematerialized else remat_policy(remat)
     return apply if policy is None else jax.checkpoint(apply, policy=policy, prevent_cse=False)
 
 

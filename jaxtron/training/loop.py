@@ -229,11 +229,9 @@ class Trainer:
                  cfg.execution.dtype)
         schedule = self.setup.stack_runner
         if schedule is not None:
-            formula = ("2 x (stages - 1) / (microbatches + 2 x (stages - 1))" if schedule.kind == "1f1b" else
-                       "(stages - 1) / (microbatches x virtual stages + stages - 1)")
             log.info("pipeline: %s schedule, %d stages x %d virtual stages, %d microbatches; bubble fraction %.3f "
-                     "(%s)", schedule.kind, schedule.stages, schedule.virtual_stages, schedule.microbatches,
-                     schedule.bubble, formula)
+                     "((stages - 1) / (microbatches x virtual stages + stages - 1))", schedule.kind, schedule.stages,
+                     schedule.virtual_stages, schedule.microbatches, schedule.bubble)
             if schedule.pads:
                 log.info("pipeline: the last stage's stack is filled with %d identity layers (uneven split; each "
                          "costs a layer's memory and compute there)", schedule.pads * cfg.model.period)

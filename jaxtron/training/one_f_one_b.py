@@ -5,18 +5,20 @@ With S stages and M microbatches, iteration t runs on every stage s (one program
 dimension that the rules table shards over the pipeline axis, as ``pipeline.py``'s fill-drain does):
 
 - the forward of microbatch t - s: stage 0 embeds microbatch t (and runs the dense prefix), the others take what
-  stage s - 1 sent; the stage keeps its input, nothing else;
+  stage s - 1 sent; the stage keeps each of its periods' inputs, nothing else;
 - on the last stage, the head and the loss of the microbatch it just finished, with their gradient;
-- the backward of microbatch t - 2(S - 1) + s: the stage's forward recomputed from the input it kept, and its
-  vector-Jacobian product with the gradient stage s + 1 sent (the last stage: the loss's); the parameters'
-  gradients are summed as they come, and stage 0 passes its input gradient back through the embedding.
+- the backward of microbatch t - 2(S - 1) + s, period by period from the last: the period's forward recomputed
+  from the input it kept and its vector-Jacobian product taken at once, with the gradient stage s + 1 sent (the
+  last stage: the loss's). The blocks run without their checkpoints here (``models/stack.without_remat``): each
+  forward runs twice in all, as under ``remat=full``, whatever ``execution.remat`` says. The parameters' gradients
+  are summed as they come, and stage 0 passes its input gradient back through the embedding.
 
 Then the activations move one stage on and the gradients one stage back (two collective permutes). A stage keeps
-the inputs of the microbatches between its forward and its backward, at most 2S - 1 (stage 0), whatever M is;
-fill-drain keeps every microbatch's. The schedule runs M + 2(S - 1) iterations: the first S - 1 carry no backward
-and the last S - 1 no forward, and each iteration's time is a forward and a backward on every stage, so the idle
-share is (2S - 2) / (M + 2S - 2) against fill-drain's (S - 1) / (M + S - 1) (the lockstep of one SPMD program:
-a stage cannot start its next forward before the others finish their backward).
+its periods' inputs for the microbatches between their forward and their backward, at most 2S - 1 (stage 0),
+whatever M is; fill-drain keeps every microbatch's. The schedule runs M + 2(S - 1) iterations: the first S - 1
+run the forward phase only and the last S - 1 the backward phase only (a condition on the iteration, the same on
+every device), so a stage idles (S - 1) forwards and (S - 1) backwards of the M of each it runs: the share
+(S - 1) / (M + S - 1), as in fill-drain.
 
 The objective is the fill-drain schedule's: the cross-entropy (and z-loss) sums of the microbatches, and the MoE
 auxiliary losses as the token count times their mean over blocks and microbatches, so both schedules compute the
@@ -33,7 +35,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxtron.models.stack import scan_stack
+from jaxtron.models.stack import scan_stack, without_remat
 from jaxtron.parallel.sharding import BATCH_AXES, constrain, constrain_leading, logical_to_spec, spec_axes
 from jaxtron.parallel.stages import identity_slots
 from jaxtron.training.pipeline import check_schedule, split_rows
@@ -84,9 +86,11 @@ def gradients(setup, params: Any, batch: Batch) -> tuple[Any, jax.Array, jax.Arr
                 for k, v in micro.items()}
 
     def pre(p, mb):
-        """-> (the stack's input, its extras, its periods, body) of microbatch ``mb``."""
+        """-> (the stack's input, its extras, its periods, body) of microbatch ``mb``; the body's blocks without
+        checkpoints (each period's backward runs right after its forward is recomputed)."""
         capture = _Capture()
-        loss_sums(p, batch=mb, z_loss=0.0, stack_runner=capture, **common)
+        with without_remat():
+            loss_sums(p, batch=mb, z_loss=0.0, stack_runner=capture, **common)
         if capture.seen is None:
             raise ValueError("the model has no stacked blocks for the 1f1b schedule to run")
         body, x, stack, extras = capture.seen
@@ -107,12 +111,20 @@ def gradients(setup, params: Any, batch: Batch) -> tuple[Any, jax.Array, jax.Arr
     staged = jax.tree.map(lambda a: constrain_leading(a.reshape(s_, per, *a.shape[1:]), "stages"), periods_0)
     stage_ids = jnp.arange(s_)
 
+    def period(w, h, ex, s, p):
+        out, stats = body(h, w, ex)
+        return jnp.where(identity[s, p], h, out), stats
+
+    def weights_of(stack_s, p):
+        return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, p, 0, False), stack_s)
+
     def stage_forward(stack_s, h, ex, s):
+        """-> (the stage's output, each period's stats [P, ...], each period's input [P, ...])."""
         def one(h, p):
-            weights_p = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, p, 0, False), stack_s)
-            out, stats = body(h, weights_p, ex)
-            return jnp.where(identity[s, p], h, out), stats
-        return jax.lax.scan(one, h, jnp.arange(per))
+            out, stats = period(weights_of(stack_s, p), h, ex, s, p)
+            return out, (stats, h)
+        out, (stats, inputs) = jax.lax.scan(one, h, jnp.arange(per))
+        return out, stats, inputs
 
     # the MoE losses' gradient: the token count times the coefficient over (MoE blocks x microbatches), for each
     # block's stats of each microbatch; identity periods get none
@@ -121,19 +133,24 @@ def gradients(setup, params: Any, batch: Batch) -> tuple[Any, jax.Array, jax.Arr
     blocks = stack_size - schedule.pads
     coefficient = {"aux_loss": setup.router_aux_loss, "z_loss": setup.router_z_loss}
 
-    def stats_cotangent(s, valid):
-        scale = count / (blocks * m_) * valid.astype(jnp.float32)
-        real = ~identity[s]  # [P]
-        return {k: (jnp.where(real.reshape(-1, *(1,) * (len(v.shape) - 1)), scale * coefficient.get(k, 0.0), 0.0)
-                    * jnp.ones(v.shape, jnp.float32)).astype(v.dtype) for k, v in stats_shape.items()}
+    def stats_cotangent(s, p, valid):
+        scale = jnp.where(identity[s, p], 0.0, count / (blocks * m_)) * valid.astype(jnp.float32)
+        return {k: jnp.full(v.shape[1:], scale * coefficient.get(k, 0.0), v.dtype) for k, v in stats_shape.items()}
 
     mesh = jax.sharding.get_abstract_mesh()
     spmd = None if mesh.empty else spec_axes(logical_to_spec(("stages",)), 0) or None
     forward_all = jax.vmap(stage_forward, spmd_axis_name=spmd)
 
-    def backward_one(stack_s, h, ex, s, dy, valid):
-        _, pullback = jax.vjp(lambda w, x: stage_forward(w, x, ex, s), stack_s, h)
-        return pullback((dy * valid.astype(dy.dtype), stats_cotangent(s, valid)))
+    def backward_one(stack_s, inputs, ex, s, dy, valid):
+        """The stage's backward, period by period from the last: each period's forward recomputed from its kept
+        input and its vector-Jacobian product taken at once. -> (the stage's weight gradients, input gradient)."""
+        def one(dy, p):
+            _, pullback = jax.vjp(lambda w, x: period(w, x, ex, s, p), weights_of(stack_s, p),
+                                  jax.lax.dynamic_index_in_dim(inputs, p, 0, False))
+            dw, dx = pullback((dy, stats_cotangent(s, p, valid)))
+            return dx, dw
+        dx, dw = jax.lax.scan(one, dy * valid.astype(dy.dtype), jnp.arange(per), reverse=True)
+        return dw, dx
 
     backward_all = jax.vmap(backward_one, spmd_axis_name=spmd)
 
@@ -146,47 +163,65 @@ def gradients(setup, params: Any, batch: Batch) -> tuple[Any, jax.Array, jax.Arr
     zeros = lambda shape, lead: jax.tree.map(lambda a: jnp.zeros((*lead, *a.shape), a.dtype), shape)
     f32 = lambda tree: jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), tree)
 
-    def iteration(carry, t):
-        moving, back, stash, grad_stack, grad_rest, sums, stats_sum = carry
-        # forward: stage 0 takes microbatch t, stage s works on microbatch t - s
+    def forward_phase(t, moving, stash, grad_rest, sums, stats_sum):
+        """Every stage's forward, the kept inputs, and the head and loss of the microbatch the last stage finished
+        (with their gradient, ``d_h``)."""
+        # stage 0 takes microbatch t, stage s works on microbatch t - s
         x0, ex0, _, _ = pre(params, pick(t))
         inputs = on_stages((moving[0].at[0].set(x0), jax.tree.map(lambda a, b: a.at[0].set(b), moving[1], ex0)))
-        out, stats = forward_all(staged, inputs[0], inputs[1], stage_ids)
+        out, stats, period_inputs = forward_all(staged, inputs[0], inputs[1], stage_ids)
         valid_f = (t - stage_ids >= 0) & (t - stage_ids < m_)
         slot_f = (t - stage_ids) % keep
         stash = on_stages(jax.vmap(lambda st, x, i, v: jax.tree.map(
             lambda a, b: jnp.where(v, jax.lax.dynamic_update_index_in_dim(a, b, i, 0), a), st, x))(
-            stash, inputs, slot_f, valid_f))
+            stash, (period_inputs, inputs[1]), slot_f, valid_f))
         stats_sum = jax.tree.map(
             lambda acc, a: acc + jnp.where(valid_f.reshape(-1, *(1,) * (a.ndim - 1)), a.astype(jnp.float32), 0.0),
             stats_sum, stats)
-        # the head and the loss of the microbatch the last stage finished
         m_head = t - (s_ - 1)
         valid_h = ((m_head >= 0) & (m_head < m_)).astype(jnp.float32)
         _, pullback, (ce, n) = jax.vjp(lambda p, h: post(p, h, pick(m_head)), params, out[s_ - 1], has_aux=True)
         d_params_post, d_h = pullback(valid_h)
+        grad_rest = jax.tree.map(lambda g, a: g + a.astype(jnp.float32), grad_rest, d_params_post)
         sums = (sums[0] + valid_h * ce, sums[1] + valid_h * n)
-        # backward: stage s on microbatch t - 2(S - 1) + s, the last stage's gradient from the loss
+        moving = on_stages(jax.tree.map(lambda a: jnp.roll(a, 1, axis=0), (out, inputs[1])))
+        return moving, stash, grad_rest, sums, stats_sum, d_h.astype(x_shape.dtype)
+
+    def backward_phase(t, back, d_h, stash, grad_stack, grad_rest):
+        """Every stage's backward (the last stage's gradient from the loss, ``d_h``), and stage 0's input gradient
+        back through the embedding (and the dense prefix)."""
         valid_b = (t - 2 * (s_ - 1) + stage_ids >= 0) & (t - 2 * (s_ - 1) + stage_ids < m_)
         slot_b = (t - 2 * (s_ - 1) + stage_ids) % keep
         saved = on_stages(jax.vmap(lambda st, i: jax.tree.map(
             lambda a: jax.lax.dynamic_index_in_dim(a, i, 0, False), st))(stash, slot_b))
-        dy = on_stages(back.at[s_ - 1].set(d_h.astype(back.dtype)))
+        dy = on_stages(back.at[s_ - 1].set(d_h))
         d_stack, dx = backward_all(staged, saved[0], saved[1], stage_ids, dy, valid_b)
         grad_stack = jax.tree.map(lambda g, d: g + d.astype(jnp.float32), grad_stack, d_stack)
-        # stage 0's input gradient back through the embedding (and the dense prefix)
         m_first = t - 2 * (s_ - 1)
         valid_0 = ((m_first >= 0) & (m_first < m_)).astype(dx.dtype)
         _, pre_pullback = jax.vjp(lambda p: pre(p, pick(m_first))[0], params)
         (d_params_pre,) = pre_pullback(dx[0] * valid_0)
-        grad_rest = jax.tree.map(lambda g, a, b: g + a.astype(jnp.float32) + b.astype(jnp.float32), grad_rest,
-                                 d_params_post, d_params_pre)
-        moving = on_stages(jax.tree.map(lambda a: jnp.roll(a, 1, axis=0), (out, inputs[1])))
-        back = on_stages(jnp.roll(dx, -1, axis=0))
+        grad_rest = jax.tree.map(lambda g, a: g + a.astype(jnp.float32), grad_rest, d_params_pre)
+        return on_stages(jnp.roll(dx, -1, axis=0)), grad_stack, grad_rest
+
+    def iteration(carry, t):
+        """The forward phase while microbatches enter (t < M + S - 1), the backward phase once the first one
+        reached the loss (t >= S - 1): the same branch on every device, so the fill carries no backward and the
+        drain no forward."""
+        moving, back, stash, grad_stack, grad_rest, sums, stats_sum = carry
+        zero_h = jnp.zeros(x_shape.shape, x_shape.dtype)
+        moving, stash, grad_rest, sums, stats_sum, d_h = jax.lax.cond(
+            t < m_ + s_ - 1, forward_phase,
+            lambda t, moving, stash, grad_rest, sums, stats_sum: (moving, stash, grad_rest, sums, stats_sum, zero_h),
+            t, moving, stash, grad_rest, sums, stats_sum)
+        back, grad_stack, grad_rest = jax.lax.cond(
+            t >= s_ - 1, backward_phase, lambda t, back, d_h, stash, grad_stack, grad_rest: (back, grad_stack,
+                                                                                             grad_rest),
+            t, back, d_h, stash, grad_stack, grad_rest)
         return (moving, back, stash, grad_stack, grad_rest, sums, stats_sum), None
 
     start = (on_stages((zeros(x_shape, (s_,)), zeros(ex_shape, (s_,)))), on_stages(zeros(x_shape, (s_,))),
-             on_stages((zeros(x_shape, (s_, keep)), zeros(ex_shape, (s_, keep)))), f32(staged), f32(params),
+             on_stages((zeros(x_shape, (s_, keep, per)), zeros(ex_shape, (s_, keep)))), f32(staged), f32(params),
              (jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32)),
              jax.tree.map(lambda a: jnp.zeros((s_, *a.shape), jnp.float32), stats_shape))
     (_, _, _, grad_stack, grad_rest, (ce_sum, n_sum), stats_sum), _ = jax.lax.scan(

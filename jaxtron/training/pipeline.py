@@ -50,11 +50,9 @@ PICKED = "pipeline_period_weights"  # the name of the weights a stage picks for 
 Body = Callable[[jax.Array, Any, Any], tuple[jax.Array, dict[str, jax.Array]]]
 
 
-def bubble_fraction(stages: int, microbatches: int, virtual_stages: int = 1, kind: str = "fill_drain") -> float:
-    """Share of a stage's iterations spent idle: in the fill-drain schedule, and in the 1F1B one, whose
-    iterations each run a forward and a backward (``one_f_one_b.py``)."""
-    if kind == "1f1b":
-        return 2 * (stages - 1) / (microbatches + 2 * (stages - 1))
+def bubble_fraction(stages: int, microbatches: int, virtual_stages: int = 1) -> float:
+    """Share of a stage's time spent idle in the fill-drain schedule, and in the 1F1B one (``one_f_one_b.py``:
+    its fill runs forwards only and its drain backwards only, so it idles as long)."""
     return (stages - 1) / (microbatches * virtual_stages + stages - 1)
 
 
@@ -111,7 +109,7 @@ class Schedule:
 
     @property
     def bubble(self) -> float:
-        return bubble_fraction(self.stages, self.microbatches, self.virtual_stages, self.kind)
+        return bubble_fraction(self.stages, self.microbatches, self.virtual_stages)
 
     def outside(self, rows: int):
         """The context for the work outside the schedule on a batch of ``rows``: its rows split over the stages
