@@ -305,6 +305,26 @@ def test_pipeline_meshes_of_the_reference_tables_are_candidates_and_estimated():
                     pipeline_microbatches=32).identity_layers == 16
 
 
+def test_the_1f1b_schedule_is_priced_and_chosen_where_fill_drains_memory_stops_it():
+    """GPT-3 175B on 128 H100s, pipeline=8 fsdp=4 tensor=4, the config's batch: 8 microbatches or 64 of it.
+    1F1B's stages keep at most 15 microbatches' period inputs, so its activations fall to 15/64 of the batch's
+    where fill-drain's keep all of it (and those of the fill and drain); the bubble is the same; and the search
+    tries it, ranking a 1F1B pipeline first."""
+    import dataclasses as dc
+
+    cfg = _config("gpt3_175b")
+    sizes = dict(pipeline=8, data=1, fsdp=4, sequence=1, expert=1, tensor=4)
+    one_f = dc.replace(cfg, pipeline=dc.replace(cfg.pipeline, schedule="1f1b"))
+    flat = [estimate(one_f, sizes, H100, pipeline_microbatches=m) for m in (8, 64)]
+    fill = [estimate(cfg, sizes, H100, pipeline_microbatches=m) for m in (8, 64)]
+    assert flat[1].memory["activations"] == pytest.approx(15 / 64 * flat[0].memory["activations"])
+    assert fill[1].memory["activations"] > 4 * flat[1].memory["activations"]  # all 64 (and 7 idle iterations')
+    assert flat[1].bubble == fill[1].bubble == pytest.approx(7 / 71)
+    assert flat[1].schedule == "1f1b" and fill[1].schedule == "fill_drain"
+    rows = search.plan(cfg, 128, H100)
+    assert rows[0].fits and rows[0].estimate.schedule == "1f1b" and rows[0].estimate.mesh["pipeline"] > 1
+
+
 def test_dominant_term_follows_the_bottleneck():
     cfg = _config("llama3_8b")
     sizes = dict(data=1, fsdp=16, sequence=1, expert=1, tensor=1)

@@ -79,8 +79,10 @@ def _mesh_text(sizes: dict[str, int]) -> str:
 
 
 def _layout_text(e) -> str:
-    """The mesh, and the identity layers that fill an uneven pipeline split (pipeline.uneven_stages=True)."""
-    return _mesh_text(e.mesh) + (f" +{e.identity_layers} identity" if e.identity_layers else "")
+    """The mesh, the identity layers that fill an uneven pipeline split (pipeline.uneven_stages=True), and the
+    1F1B schedule where that is the pipeline's."""
+    return (_mesh_text(e.mesh) + (f" +{e.identity_layers} identity" if e.identity_layers else "")
+            + (" 1f1b" if e.schedule == "1f1b" else ""))
 
 
 def table(rows, top: int) -> str:

@@ -100,6 +100,12 @@ def activation_memory(cfg: Config, shape: StepShape, block: BlockValues) -> dict
     """Bytes of the values saved for the backward pass ('activations') and of a pipeline schedule's carries
     ('pipeline_buffers', with a pipeline only)."""
     c = shape.value_bytes
+    if shape.schedule == "1f1b":  # each period's input for the microbatches between their forward and backward
+        kept = min(2 * shape.stages - 1, shape.in_flight)
+        periods = (shape.staged_blocks // cfg.model.period) // shape.stages
+        return {"activations": float(kept * periods * block.residual_split * c),
+                # the activations moving one stage on and the gradients one stage back
+                "pipeline_buffers": float(2 * block.residual_split * shape.work_bytes)}
     saved, saved_scores, moe_saved = saved_per_block(cfg, block)
     # every iteration of the schedule leaves the saved values of the blocks the stage ran, the idle ones of the
     # fill and drain included (they compute on zeros): iterations x blocks of one pass, for a pipeline microbatch

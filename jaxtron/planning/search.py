@@ -97,18 +97,46 @@ def _in_flight_options(cfg: Config, sizes: dict[str, int], microbatches: int) ->
     return sorted({m for m in wanted if m >= stages and rows % m == 0}) or [None]
 
 
+def _one_f_one_b(cfg: Config, sizes: dict[str, int]) -> Config | None:
+    """``cfg`` with the 1F1B schedule, on a pipeline mesh where it runs (no virtual stages, no prediction modules;
+    ``jaxtron/training/one_f_one_b.py``), else None."""
+    if shard_count(sizes, "layers") == 1 or cfg.pipeline.virtual_stages > 1 or cfg.model.mtp.depth:
+        return None
+    return dataclasses.replace(cfg, pipeline=dataclasses.replace(cfg.pipeline, schedule="1f1b"),
+                               train=dataclasses.replace(cfg.train, microbatches=1))
+
+
+def _one_f_one_b_options(cfg: Config, sizes: dict[str, int]) -> list[int]:
+    """1F1B's pipeline microbatch counts: the stage count times 1, 2, 4, ... up to a device's whole batch, one row
+    a microbatch (its memory does not grow with them, so more only shrink the bubble)."""
+    stages = shard_count(sizes, "layers")
+    rows = cfg.train.global_batch_size // shard_count(sizes, "activation_batch")
+    out, m = [], stages
+    while m <= rows:
+        if rows % m == 0:
+            out.append(m)
+        m *= 2
+    return out
+
+
 def best_for_mesh(cfg: Config, sizes: dict[str, int], gpu: GPU) -> Row:
     """The mesh with the fewest microbatches that fit (more microbatches: less activation memory, more
-    weight gathers) and, on a pipeline mesh, the fastest count of pipeline microbatches among those that fit
-    (more: a smaller bubble, more weight gathers and stage hops); if none fits, the estimate with the most
-    microbatches."""
+    weight gathers) and, on a pipeline mesh, the fastest schedule and count of pipeline microbatches among those
+    that fit (more: a smaller bubble, more weight gathers and stage hops; fill-drain's memory grows with them,
+    1F1B's does not); if none fits, the estimate with the most microbatches."""
     est = None
+    one_f_one_b = _one_f_one_b(cfg, sizes)
     for k in _microbatch_options(cfg, sizes):
         fitting = []
         for m in _in_flight_options(cfg, sizes, k):
             est = estimate(cfg, sizes, gpu, microbatches=k, pipeline_microbatches=m)
             if est.memory_bytes <= gpu.usable_bytes:
                 fitting.append(est)
+        if one_f_one_b is not None and k == 1:
+            for m in _one_f_one_b_options(one_f_one_b, sizes):
+                candidate = estimate(one_f_one_b, sizes, gpu, microbatches=1, pipeline_microbatches=m)
+                if candidate.memory_bytes <= gpu.usable_bytes:
+                    fitting.append(candidate)
         if fitting:
             return Row(min(fitting, key=lambda e: e.step_s), True)
     return Row(est, False)

@@ -35,6 +35,7 @@ class StepShape:
     in_flight: int  # pipeline microbatches per pass of the schedule (1 without a pipeline)
     virtual_stages: int
     pipelined: bool  # whether the blocks run in a pipeline schedule
+    schedule: str  # pipeline.schedule ('fill_drain' without a pipeline)
     iterations: int  # iterations of one pass of the schedule, fill and drain included (1 without a pipeline)
     bubble: float  # the schedule's idle share
     # a stage runs its blocks in every iteration, the fill and drain included (on zeros): their collectives run
@@ -108,7 +109,8 @@ def step_shape(cfg: Config, sizes: dict[str, int], microbatches: int | None = No
     return StepShape(
         mesh=sizes, devices=math.prod(sizes.values()), data_parallel=data_parallel, sequence=sequence,
         tensor=sizes["tensor"], expert=shard_count(sizes, "experts"), stages=stages,
-        microbatches=micro, in_flight=in_flight, virtual_stages=virtual, pipelined=pipelined, iterations=iterations,
+        microbatches=micro, in_flight=in_flight, virtual_stages=virtual, pipelined=pipelined,
+        schedule=cfg.pipeline.schedule if pipelined else "fill_drain", iterations=iterations,
         bubble=bubble_fraction(stages, in_flight, virtual), busy=busy, spread=spread,
         model=run_m, identity_layers=pads * m.period, staged_blocks=staged_blocks, outside_blocks=outside,
         moe_layers=run_m.num_moe_layers, outside_moe_layers=m.mtp.depth if m.moe.num_experts else 0,
@@ -120,7 +122,9 @@ def step_shape(cfg: Config, sizes: dict[str, int], microbatches: int | None = No
         expert_kernel=bool(run_m.num_moe_layers) and execution.moe_mode == "dropless" and not cpu_program
         and execution.expert_gemm != "xla", value_bytes=value_bytes, work_bytes=4 if cpu_program else value_bytes,
         stack_copy_bytes=4 if cpu_program and value_bytes < 4 else 0,
-        forward_passes=3 + (1 if execution.remat == "full" else 0))
+        # 1F1B recomputes every block's forward once, whatever the remat policy (training/one_f_one_b.py)
+        forward_passes=3 + (1 if execution.remat == "full" or (pipelined and cfg.pipeline.schedule == "1f1b")
+                            else 0))
 
 
 @dataclasses.dataclass(frozen=True)
