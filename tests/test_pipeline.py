@@ -300,8 +300,7 @@ def test_deepseek_trains_pipelined_like_one_device(tmp_path):
 # --- the 1F1B schedule (jaxtron/training/one_f_one_b.py) ---
 
 ONE_F_ONE_B = {  # name -> (mesh, pipeline microbatches, model)
-    "pipeline2_fsdp2_tensor2": (dict(pipeline=2, fsdp=2, tensor=2), 4, dict(num_layers=4)),
-    "pipeline4_sequence2_uneven": (dict(pipeline=4, fsdp=1, sequence=2), 4, dict(num_layers=6)),
+    "pipeline2_sequence2_tensor2_uneven": (dict(pipeline=2, fsdp=1, sequence=2, tensor=2), 4, dict(num_layers=5)),
     # MoE blocks with their experts over their own axis, and the DeepSeek-style model: latent attention, a dense
     # first block run before the schedule, four MoE blocks, the balancing bias (without the prediction module,
     # which the 1F1B schedule does not run yet)
@@ -319,7 +318,7 @@ def _deepseek_style():
 @pytest.mark.parametrize("name", [*ONE_F_ONE_B, "deepseek_pipeline2_fsdp2_expert2"])
 def test_the_1f1b_schedule_trains_like_one_device(name, tmp_path):
     """fp32 losses of 3 steps equal one device's running the same microbatches to 1e-5, and so do the parameters
-    after them; MoE's losses and loads too. On 4 stages the 6 layers split unevenly (2 identity layers)."""
+    after them; MoE's losses and loads too. On 2 stages the 5 layers split unevenly (an identity layer)."""
     if name.startswith("deepseek"):
         mesh, microbatches, model = dict(pipeline=2, fsdp=2, expert=2), 2, _deepseek_style()
         extra = dict(train=dict(global_batch_size=16, router_bias_rate=0.003))
@@ -350,19 +349,18 @@ def test_the_1f1b_schedule_trains_like_one_device(name, tmp_path):
 @pytest.mark.slow
 def test_the_1f1b_schedule_holds_the_same_memory_whatever_the_microbatch_count():
     """Compiled temporaries per device on pipeline=2 x fsdp=4, 4 rows a microbatch: the 1F1B schedule's stay
-    within 15% from 8 to 32 microbatches (a stage keeps at most 2 x stages - 1 microbatches' inputs); the
-    fill-drain schedule's grow with them (every microbatch's activations are alive when the backward starts)."""
+    within 15% from 8 to 32 microbatches (a stage keeps at most 2 x stages - 1 microbatches' inputs); at 32 the
+    fill-drain schedule's are over 4x (every microbatch's activations are alive when the backward starts;
+    benchmarks/pipeline_schedules.md has both schedules at 8 to 64)."""
     from jaxtron.planning.dry_run import dry_run
 
     temp = {}
-    for kind in ("fill_drain", "1f1b"):
-        for m in (8, 32):
-            cfg = tiny_config(dict(pipeline=2, fsdp=4), model=dict(num_layers=4, embed_dim=256, mlp_dim=512),
-                              pipeline=dict(microbatches=m, schedule=kind), train=dict(global_batch_size=4 * m))
-            temp[kind, m] = dry_run(cfg).temp_bytes
+    for kind, m in (("1f1b", 8), ("1f1b", 32), ("fill_drain", 32)):
+        cfg = tiny_config(dict(pipeline=2, fsdp=4), model=dict(num_layers=4, embed_dim=256, mlp_dim=512),
+                          pipeline=dict(microbatches=m, schedule=kind), train=dict(global_batch_size=4 * m))
+        temp[kind, m] = dry_run(cfg).temp_bytes
     assert temp["1f1b", 32] <= 1.15 * temp["1f1b", 8], temp
-    assert temp["fill_drain", 32] > 2 * temp["fill_drain", 8], temp
-    assert temp["1f1b", 32] < 0.5 * temp["fill_drain", 32], temp
+    assert temp["fill_drain", 32] > 4 * temp["1f1b", 32], temp  # (8.5 MiB at 8 or 32 microbatches: 23.5, 68.6)
 
 
 def test_the_router_bias_moves_in_the_stored_order():

@@ -29,6 +29,7 @@ takes its output in (``_Replace``); the stack's periods run as ``body`` under th
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -69,11 +70,11 @@ class _Replace:
         return self.hidden, {}
 
 
-def gradients(setup, params: Any, batch: Batch) -> tuple[Any, jax.Array, jax.Array, dict]:
+def gradients(setup, params: Any, batch: Batch, loss_sums: Callable, moe_metrics: Callable
+              ) -> tuple[Any, jax.Array, jax.Array, dict]:
     """(summed gradients, cross-entropy sum, token count, MoE metrics) of the batch under the 1F1B schedule of
-    ``setup.stack_runner``; the same numbers as ``step.gradients`` with the fill-drain schedule."""
-    from jaxtron.training.step import loss_sums, moe_metrics
-
+    ``setup.stack_runner``; the same numbers as ``step.gradients`` with the fill-drain schedule. ``loss_sums`` and
+    ``moe_metrics``: the train step's (``training/step.py``)."""
     schedule = setup.stack_runner
     s_, m_ = schedule.stages, schedule.microbatches
     micro = jax.tree.map(lambda a: split_rows(a, m_), batch)  # [M, b, ...]

@@ -16,6 +16,7 @@ from flax import nnx
 
 from jaxtron.models.transformer import logits_of
 from jaxtron.parallel.sharding import BATCH_AXES, constrain
+from jaxtron.training import one_f_one_b
 from jaxtron.training.optimizer import schedule_count
 from jaxtron.training.pipeline import split_rows
 from jaxtron.training.state import Setup, TrainState
@@ -132,9 +133,7 @@ def gradients(setup: Setup, params: Any, batch: Batch):
     """(summed gradients, cross-entropy sum, token count, MoE metrics) of the whole batch; gradients and sums are
     accumulated over microbatches in float32, the MoE metrics averaged over them."""
     if getattr(setup.stack_runner, "kind", "fill_drain") == "1f1b":
-        from jaxtron.training import one_f_one_b
-
-        return one_f_one_b.gradients(setup, params, batch)
+        return one_f_one_b.gradients(setup, params, batch, loss_sums, moe_metrics)
     microbatches = setup.microbatches
     grad_fn = jax.value_and_grad(functools.partial(
         loss_sums, graphdef=setup.graphdef, z_loss=setup.z_loss, logit_chunks=setup.logit_chunks,
