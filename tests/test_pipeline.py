@@ -247,14 +247,23 @@ def test_pipeline_meshes_train_like_one_device(name, one_device, tmp_path):
     np.testing.assert_allclose(to_natural(np.asarray(got), order), np.asarray(want), rtol=1e-4, atol=2e-4)
 
 
+MOE = dict(model=dict(num_layers=4, moe=dict(num_experts=4, every=2)), train=dict(global_batch_size=16))
+
+
+@pytest.fixture(scope="module")
+def moe_one_device(tmp_path_factory):
+    """The MoE model on one device with 4 pipeline microbatches (the routing stats are per microbatch)."""
+    return run(tiny_config(dict(fsdp=1), pipeline=dict(microbatches=4), **MOE),
+               str(tmp_path_factory.mktemp("moe_one")), use_tqdm=False, devices=jax.devices()[:1])
+
+
 @pytest.mark.slow
-def test_experts_in_pipeline_stages_train_like_one_device(tmp_path):
+@pytest.mark.xdist_group("moe_one_device")  # one worker builds the reference for both schedules
+def test_experts_in_pipeline_stages_train_like_one_device(moe_one_device, tmp_path):
     """MoE blocks inside the stages, experts split over their own axis; the routing stats are per pipeline
     microbatch, so one device runs the same microbatches."""
-    moe = dict(model=dict(num_layers=4, moe=dict(num_experts=4, every=2)), train=dict(global_batch_size=16))
-    ref = run(tiny_config(dict(fsdp=1), pipeline=dict(microbatches=4), **moe), str(tmp_path / "one"),
-              use_tqdm=False, devices=jax.devices()[:1])
-    got = run(tiny_config(dict(pipeline=2, fsdp=2, expert=2), pipeline=dict(microbatches=4), **moe),
+    ref = moe_one_device
+    got = run(tiny_config(dict(pipeline=2, fsdp=2, expert=2), pipeline=dict(microbatches=4), **MOE),
               str(tmp_path / "pipe"), use_tqdm=False)
     for key in ("loss", "moe_aux_loss", "moe_max_load"):
         np.testing.assert_allclose([h[key] for h in got.history], [h[key] for h in ref.history], rtol=1e-5)
@@ -304,8 +313,7 @@ ONE_F_ONE_B = {  # name -> (mesh, pipeline microbatches, model)
     # MoE blocks with their experts over their own axis, and the DeepSeek-style model: latent attention, a dense
     # first block run before the schedule, four MoE blocks, the balancing bias (without the prediction module,
     # which the 1F1B schedule does not run yet)
-    "moe_pipeline2_fsdp2_expert2": (dict(pipeline=2, fsdp=2, expert=2), 4,
-                                    dict(num_layers=4, moe=dict(num_experts=4, every=2))),
+    "moe_pipeline2_fsdp2_expert2": (dict(pipeline=2, fsdp=2, expert=2), 4, MOE["model"]),
 }
 
 
@@ -315,8 +323,10 @@ def _deepseek_style():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", [*ONE_F_ONE_B, "deepseek_pipeline2_fsdp2_expert2"])
-def test_the_1f1b_schedule_trains_like_one_device(name, tmp_path):
+@pytest.mark.parametrize("name", [
+    *(pytest.param(n, marks=pytest.mark.xdist_group("moe_one_device")) if n.startswith("moe") else n
+      for n in ONE_F_ONE_B), "deepseek_pipeline2_fsdp2_expert2"])
+def test_the_1f1b_schedule_trains_like_one_device(name, tmp_path, request):
     """fp32 losses of 3 steps equal one device's running the same microbatches to 1e-5, and so do the parameters
     after them; MoE's losses and loads too. On 2 stages the 5 layers split unevenly (an identity layer)."""
     if name.startswith("deepseek"):
@@ -326,8 +336,11 @@ def test_the_1f1b_schedule_trains_like_one_device(name, tmp_path):
         mesh, microbatches, model = ONE_F_ONE_B[name]
         extra = dict(train=dict(global_batch_size=16))
     uneven = dict(uneven_stages=True) if name.endswith("uneven") else {}
-    ref = run(tiny_config(dict(fsdp=1), model=model, pipeline=dict(microbatches=microbatches), **extra),
-              str(tmp_path / "one"), use_tqdm=False, devices=jax.devices()[:1])
+    if name.startswith("moe"):  # the fill-drain test's reference: the same model, batch and microbatches
+        ref = request.getfixturevalue("moe_one_device")
+    else:
+        ref = run(tiny_config(dict(fsdp=1), model=model, pipeline=dict(microbatches=microbatches), **extra),
+                  str(tmp_path / "one"), use_tqdm=False, devices=jax.devices()[:1])
     got = run(tiny_config(mesh, model=model, pipeline=dict(microbatches=microbatches, schedule="1f1b", **uneven),
                           **extra), str(tmp_path / "pipe"), use_tqdm=False)
     expected = _losses(ref)
