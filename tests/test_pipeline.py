@@ -311,15 +311,16 @@ def test_deepseek_trains_pipelined_like_one_device(tmp_path):
 ONE_F_ONE_B = {  # name -> (mesh, pipeline microbatches, model)
     "pipeline2_sequence2_tensor2_uneven": (dict(pipeline=2, fsdp=1, sequence=2, tensor=2), 4, dict(num_layers=5)),
     # MoE blocks with their experts over their own axis, and the DeepSeek-style model: latent attention, a dense
-    # first block run before the schedule, four MoE blocks, the balancing bias (without the prediction module,
-    # which the 1F1B schedule does not run yet)
+    # first block run before the schedule, two MoE blocks, the balancing bias (without the prediction module,
+    # which the 1F1B schedule does not run yet; ``_deepseek_style``)
     "moe_pipeline2_fsdp2_expert2": (dict(pipeline=2, fsdp=2, expert=2), 4, MOE["model"]),
 }
 
 
 def _deepseek_style():
+    """A dense first block run before the schedule, then two MoE blocks, one a stage."""
     from test_training import QWEN3_STYLE
-    return dict(QWEN3_STYLE["deepseek_v3"], num_layers=5, mtp=dict(depth=0))
+    return dict(QWEN3_STYLE["deepseek_v3"], num_layers=3, mtp=dict(depth=0))
 
 
 @pytest.mark.slow
