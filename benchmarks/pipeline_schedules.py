@@ -58,7 +58,7 @@ def h100(schedule: str, microbatches: int) -> dict:
         got = on_target_in_subprocess(cfg, "h100", 8)
     except ConfigError as e:
         return {"error": str(e)[:300]}
-    return {"temp": got["temp_bytes"], "compile_s": got["compile_s"]}
+    return {"temp": got["temp_bytes"], "compile_s": got["compile_s"], "kernels": got["kernels"]}
 
 
 def main() -> int:

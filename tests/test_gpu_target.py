@@ -297,18 +297,6 @@ def test_the_fp8_expert_gemm_multiplies_on_hoppers_fp8_tensor_cores(tmp_path):
     assert not any("mma.sync.aligned" in text for text in ours)
 
 
-@needs_plugin
-@pytest.mark.slow
-def test_the_1f1b_schedule_compiles_for_the_h100_recomputing_each_forward_once():
-    """The default model on pipeline=2 x fsdp=4 H100s, 32 microbatches of 4 rows, pipeline.schedule=1f1b: cuDNN
-    attention forward twice (the forward phase and the backward's recompute) and backward once, as under
-    remat=full; its temporaries are those of 8 microbatches (benchmarks/pipeline_schedules.md)."""
-    got = _compile_on_target("execution.dtype=bfloat16", "mesh.pipeline=2", "mesh.fsdp=4", "pipeline.microbatches=32",
-                             "pipeline.schedule=1f1b", "train.global_batch_size=128", gpus=8)
-    assert got["kernels"].get("__cudnn$fmhaSoftmax", 0) == 2, got["kernels"]
-    assert got["kernels"].get("__cudnn$fmhaSoftmaxBackward", 0) == 1, got["kernels"]
-
-
 MESHES = {  # name -> (config, GPUs, overrides): the mesh axes beyond fsdp, at 16 to 64 GPUs
     "sequence": ("default", 16, ["mesh.fsdp=8", "mesh.sequence=2", "execution.attention=cudnn"]),
     # what 'auto' runs there: the blockwise XLA kernel, until a GPU has timed it against cuDNN by chunks
