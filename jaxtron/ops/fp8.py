@@ -54,7 +54,7 @@ def quantize_dequantize(x: jax.Array, dtype) -> jax.Array:
     return dequantize(quantize(x, scale, dtype), scale, x.dtype)
 
 
-def _quantized(x: jax.Array, dtype) -> tuple[jax.Array, jax.Array]:
+def quantized(x: jax.Array, dtype) -> tuple[jax.Array, jax.Array]:
     """(``x`` in FP8, its scale) with the current scale of ``x``."""
     scale = jax.lax.stop_gradient(current_scale(x, dtype))
     return quantize(x, scale, dtype), scale
@@ -73,14 +73,14 @@ def einsum(equation: str, x: jax.Array, w: jax.Array) -> jax.Array:
 
 
 def _einsum_fwd(equation, x, w):
-    (qx, sx), (qw, sw) = _quantized(x, E4M3), _quantized(w, E4M3)
+    (qx, sx), (qw, sw) = quantized(x, E4M3), quantized(w, E4M3)
     out = jnp.einsum(equation, dequantize(qx, sx, x.dtype), dequantize(qw, sw, x.dtype))
     return out, (qx, sx, qw, sw, jnp.zeros((0,), w.dtype))
 
 
 def _einsum_bwd(equation, res, g):
     qx, sx, qw, sw, w_like = res
-    qg, sg = _quantized(g, E5M2)
+    qg, sg = quantized(g, E5M2)
     dtype = g.dtype
     _, vjp = jax.vjp(lambda a, b: jnp.einsum(equation, a, b), dequantize(qx, sx, dtype),
                      dequantize(qw, sw, dtype))
@@ -91,13 +91,13 @@ def _einsum_bwd(equation, res, g):
 einsum.defvjp(_einsum_fwd, _einsum_bwd)
 
 
-def _quantized_per_batch(w: jax.Array, dtype) -> tuple[jax.Array, jax.Array]:
+def quantized_per_batch(w: jax.Array, dtype) -> tuple[jax.Array, jax.Array]:
     """(``w`` in FP8, one scale per index of its leading dimension [B]) with each slice's current scale."""
     scale = jax.lax.stop_gradient(jax.vmap(lambda a: current_scale(a, dtype))(w))
     return quantize(w, scale.reshape(-1, *(1,) * (w.ndim - 1)), dtype), scale
 
 
-def _per_batch(x: jax.Array, scale: jax.Array) -> jax.Array:
+def per_batch(x: jax.Array, scale: jax.Array) -> jax.Array:
     return x * scale.reshape(-1, *(1,) * (x.ndim - 1)).astype(x.dtype)
 
 
@@ -112,18 +112,18 @@ def batched_einsum(equation: str, x: jax.Array, w: jax.Array) -> jax.Array:
 
 
 def _batched_fwd(equation, x, w):
-    (qx, sx), (qw, sw) = _quantized(x, E4M3), _quantized_per_batch(w, E4M3)
-    out = _per_batch(jnp.einsum(equation, dequantize(qx, sx, x.dtype), qw.astype(x.dtype)), sw)
+    (qx, sx), (qw, sw) = quantized(x, E4M3), quantized_per_batch(w, E4M3)
+    out = per_batch(jnp.einsum(equation, dequantize(qx, sx, x.dtype), qw.astype(x.dtype)), sw)
     return out, (qx, sx, qw, sw, jnp.zeros((0,), w.dtype))
 
 
 def _batched_bwd(equation, res, g):
     qx, sx, qw, sw, w_like = res
-    qg, sg = _quantized(g, E5M2)
+    qg, sg = quantized(g, E5M2)
     dtype = g.dtype
     _, vjp = jax.vjp(lambda a, b: jnp.einsum(equation, a, b), dequantize(qx, sx, dtype), qw.astype(dtype))
     dx, dw = vjp(dequantize(qg, sg, dtype))  # dx against the unscaled weights: each expert's scale after it
-    return _per_batch(dx, sw), dw.astype(w_like.dtype)
+    return per_batch(dx, sw), dw.astype(w_like.dtype)
 
 
 batched_einsum.defvjp(_batched_fwd, _batched_bwd)

@@ -121,7 +121,7 @@ def _kernel():
                              implementation="mosaic" if _hopper_or_newer(target_gpu()) else "xla")
 
 
-def _zero_past_groups(out: jax.Array, group_sizes: jax.Array) -> jax.Array:
+def zero_past_groups(out: jax.Array, group_sizes: jax.Array) -> jax.Array:
     valid = jnp.arange(out.shape[0]) < jnp.sum(group_sizes)
     return jnp.where(valid[:, None], out, jnp.zeros((), out.dtype))
 
@@ -129,7 +129,7 @@ def _zero_past_groups(out: jax.Array, group_sizes: jax.Array) -> jax.Array:
 @jax.custom_vjp
 def _tokamax_matmul(rows, weights, group_sizes):
     out = _kernel()(rows, weights, group_sizes, _FORWARD, preferred_element_type=rows.dtype)
-    return _zero_past_groups(out, group_sizes)
+    return zero_past_groups(out, group_sizes)
 
 
 def _tokamax_fwd(rows, weights, group_sizes):
@@ -138,10 +138,10 @@ def _tokamax_fwd(rows, weights, group_sizes):
 
 def _tokamax_bwd(res, d_out):
     rows, weights, group_sizes = res
-    d_out = _zero_past_groups(d_out, group_sizes)  # rows past the groups took no part in the product
+    d_out = zero_past_groups(d_out, group_sizes)  # rows past the groups took no part in the product
     d_rows = _kernel()(d_out, weights, group_sizes, _TRANSPOSED_WEIGHTS, preferred_element_type=rows.dtype)
     d_weights = _kernel()(rows, d_out, group_sizes, _RAGGED_CONTRACTING, preferred_element_type=jnp.float32)
-    return _zero_past_groups(d_rows, group_sizes), d_weights.astype(weights.dtype), None
+    return zero_past_groups(d_rows, group_sizes), d_weights.astype(weights.dtype), None
 
 
 _tokamax_matmul.defvjp(_tokamax_fwd, _tokamax_bwd)

@@ -210,22 +210,6 @@ def contract(a: jax.Array, b: jax.Array, group_sizes: jax.Array, scale: jax.Arra
     return out[:, :k, :n]
 
 
-def _zero_past_groups(x: jax.Array, group_sizes: jax.Array) -> jax.Array:
-    valid = jnp.arange(x.shape[0]) < jnp.sum(group_sizes)
-    return jnp.where(valid[:, None], x, jnp.zeros((), x.dtype))
-
-
-def _quantized_rows(x: jax.Array, dtype) -> tuple[jax.Array, jax.Array]:
-    scale = jax.lax.stop_gradient(fp8_ops.current_scale(x, dtype))
-    return fp8_ops.quantize(x, scale, dtype), scale
-
-
-def _quantized_experts(w: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Each expert's matrix on the e4m3 grid of its own current scale -> (FP8 [groups, k, n], scales [groups])."""
-    scale = jax.lax.stop_gradient(jax.vmap(lambda e: fp8_ops.current_scale(e, E4M3))(w))
-    return fp8_ops.quantize(w, scale[:, None, None], E4M3), scale
-
-
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
 def matmul(x: jax.Array, weights: jax.Array, group_sizes: jax.Array, implementation: str,
            interpret: bool = False) -> jax.Array:
@@ -236,17 +220,13 @@ def matmul(x: jax.Array, weights: jax.Array, group_sizes: jax.Array, implementat
 
 
 def _forward(x, w, group_sizes, implementation, interpret):
-    (qx, sx), (qw, sw) = _quantized_rows(x, E4M3), _quantized_experts(w)
+    (qx, sx), (qw, sw) = fp8_ops.quantized(x, E4M3), fp8_ops.quantized_per_batch(w, E4M3)
     if implementation == "pallas":
         out = rows(qx, jnp.swapaxes(qw, 1, 2), group_sizes, sx, sw, x.dtype, interpret)
     else:
-        out = _reference(fp8_ops.dequantize(qx, sx, x.dtype), _dequantize_experts(qw, sw, x.dtype), group_sizes,
+        out = _reference(fp8_ops.dequantize(qx, sx, x.dtype), fp8_ops.per_batch(qw.astype(x.dtype), sw), group_sizes,
                          implementation)
     return out, (qx, sx, qw, sw, group_sizes, jnp.zeros((0,), w.dtype))
-
-
-def _dequantize_experts(q: jax.Array, scale: jax.Array, dtype) -> jax.Array:
-    return q.astype(dtype) * scale[:, None, None].astype(dtype)
 
 
 def _reference(x, w, group_sizes, implementation):
@@ -255,17 +235,17 @@ def _reference(x, w, group_sizes, implementation):
 
 def _bwd(implementation, interpret, res, dy):
     qx, sx, qw, sw, group_sizes, w_like = res
-    dy = _zero_past_groups(dy, group_sizes)
-    qg, sg = _quantized_rows(dy, E5M2)
+    dy = grouped.zero_past_groups(dy, group_sizes)
+    qg, sg = fp8_ops.quantized(dy, E5M2)
     dtype = dy.dtype
     if implementation == "pallas":
         dx = rows(qg, qw, group_sizes, sg, sw, dtype, interpret)
         dw = contract(qx.T, qg.T, group_sizes, sx * sg, jnp.float32, interpret)
     else:
-        x, w = fp8_ops.dequantize(qx, sx, dtype), _dequantize_experts(qw, sw, dtype)
+        x, w = fp8_ops.dequantize(qx, sx, dtype), fp8_ops.per_batch(qw.astype(dtype), sw)
         _, pullback = jax.vjp(lambda a, b: _reference(a, b, group_sizes, implementation), x, w)
         dx, dw = pullback(fp8_ops.dequantize(qg, sg, dtype))
-    return _zero_past_groups(dx, group_sizes), dw.astype(w_like.dtype), None
+    return grouped.zero_past_groups(dx, group_sizes), dw.astype(w_like.dtype), None
 
 
 matmul.defvjp(_forward, _bwd)

@@ -103,14 +103,22 @@ def gradients(setup, params: Any, batch: Batch, loss_sums: Callable, moe_metrics
         return objective, (ce, n)
 
     first = pick(0)
-    _, _, periods_0, body = pre(params, first)
-    _, to_params = jax.vjp(lambda p: pre(p, first)[2], params)  # the stack's periods from the parameters
+    seen = {}  # what tracing the model once tells: the body and the stack input's shapes
+
+    def stack_of(p):
+        x, ex, stack, seen["body"] = pre(p, first)
+        seen["shapes"] = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), (x, ex))
+        return stack
+
+    periods_0, to_params = jax.vjp(stack_of, params)  # the stack's periods, and back to the parameters
+    body, (x_shape, ex_shape) = seen["body"], seen["shapes"]
     stack_size = jax.tree.leaves(periods_0)[0].shape[0]
     check_schedule(stack_size, s_, 1, m_)
     per = stack_size // s_
     identity = jnp.asarray(identity_slots(stack_size - schedule.pads, s_, 1)[:, 0])  # [S, P]
     staged = jax.tree.map(lambda a: constrain_leading(a.reshape(s_, per, *a.shape[1:]), "stages"), periods_0)
     stage_ids = jnp.arange(s_)
+    zeros = lambda shape, lead: jax.tree.map(lambda a: jnp.zeros((*lead, *a.shape), a.dtype), shape)
 
     def period(w, h, ex, s, p):
         out, stats = body(h, w, ex)
@@ -130,7 +138,7 @@ def gradients(setup, params: Any, batch: Batch, loss_sums: Callable, moe_metrics
     # the MoE losses' gradient: the token count times the coefficient over (MoE blocks x microbatches), for each
     # block's stats of each microbatch; identity periods get none
     stats_shape = jax.eval_shape(lambda: stage_forward(jax.tree.map(lambda a: a[0], staged),
-                                                       pre(params, first)[0], pre(params, first)[1], 0))[1]
+                                                       *zeros((x_shape, ex_shape), ()), 0))[1]
     blocks = stack_size - schedule.pads
     coefficient = {"aux_loss": setup.router_aux_loss, "z_loss": setup.router_z_loss}
 
@@ -158,10 +166,7 @@ def gradients(setup, params: Any, batch: Batch, loss_sums: Callable, moe_metrics
     def on_stages(tree):
         return jax.tree.map(lambda a: constrain_leading(a, "stages"), tree)
 
-    x_shape = jax.eval_shape(lambda: pre(params, first)[0])
-    ex_shape = jax.eval_shape(lambda: pre(params, first)[1])
     keep = 2 * s_ - 1  # inputs a stage holds between a microbatch's forward and its backward
-    zeros = lambda shape, lead: jax.tree.map(lambda a: jnp.zeros((*lead, *a.shape), a.dtype), shape)
     f32 = lambda tree: jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), tree)
 
     def forward_phase(t, moving, stash, grad_rest, sums, stats_sum):
