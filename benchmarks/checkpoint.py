@@ -103,7 +103,7 @@ def bench(cfg, directory: str, repeats: int, compress: bool, saves_only: bool = 
     mesh = make_mesh(check_devices(cfg, 1), devices)
     with jax.set_mesh(mesh):
         setup = state_lib.setup(cfg, "xla")
-        shardings = state_lib.state_shardings(mesh, setup.abstract_state)
+        shardings = state_lib.state_shardings(mesh, setup.abstract_state, setup.distributed_optimizer)
         start = time.perf_counter()
         state = random_state(setup.abstract_state, shardings)
         init_s = time.perf_counter() - start

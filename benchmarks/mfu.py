@@ -79,7 +79,7 @@ def bench_one(spec: str, overrides, steps: int, warmup: int) -> dict:
     source = SyntheticSource(cfg.model.vocab_size, cfg.data.seq_len, t.seed)
     with jax.set_mesh(mesh):
         setup = state_lib.setup(cfg, impl)
-        shardings = state_lib.state_shardings(mesh, setup.abstract_state)
+        shardings = state_lib.state_shardings(mesh, setup.abstract_state, setup.distributed_optimizer)
         state = state_lib.init_state(cfg, impl, shardings)
         batches = [global_batch(source, i, mesh, t.global_batch_size) for i in range(min(steps + warmup, 4))]
         votes = StopVotes(mesh)(False)

@@ -57,23 +57,29 @@ def test_a_finished_run_is_not_trained_again(tmp_path):
 
 @pytest.mark.slow
 def test_a_checkpoint_restores_onto_other_meshes_with_identical_values(tmp_path):
-    cfg = tiny_config(dict(fsdp=8))
+    """Saved by the distributed optimizer (moments split over data too), restored without it on other meshes and
+    with it on another: every value identical, each placed as the restoring run's shardings say."""
+    cfg = tiny_config(dict(data=4, fsdp=2), optimizer=dict(distributed=True))
     mesh = make_mesh(check_devices(cfg, 8))
     setup = state_lib.setup(cfg, "xla")
     with jax.set_mesh(mesh):
-        state = state_lib.init_state(cfg, "xla", state_lib.state_shardings(mesh, setup.abstract_state))
+        state = state_lib.init_state(cfg, "xla", state_lib.state_shardings(mesh, setup.abstract_state, True))
     ckpt = Checkpointer(str(tmp_path), keep=1, async_save=False)
     ckpt.save(1, state, {"step": 1}, cfg.to_dict())
     ckpt.close()
-    for sizes, devices in ((dict(data=2, fsdp=2, tensor=2), jax.devices()), (dict(fsdp=4), jax.devices()[:4])):
-        other = tiny_config(sizes)
+    for sizes, devices, distributed in ((dict(data=2, fsdp=2, tensor=2), jax.devices(), False),
+                                        (dict(fsdp=4), jax.devices()[:4], False),
+                                        (dict(data=8), jax.devices(), True)):
+        other = tiny_config(sizes, optimizer=dict(distributed=distributed))
         mesh2 = make_mesh(check_devices(other, len(devices)), devices)
-        shardings = state_lib.state_shardings(mesh2, setup.abstract_state)
+        shardings = state_lib.state_shardings(mesh2, setup.abstract_state, distributed)
         restored, data = Checkpointer(str(tmp_path), keep=1).restore(1, setup.abstract_state, shardings, other)
         assert data == {"step": 1}
         wq = restored.params["layers"]["attn"]["wq"].get_value()
         assert wq.sharding.is_equivalent_to(shardings.params["layers"]["attn"]["wq"], wq.ndim)
         assert len(wq.sharding.device_set) == len(devices)
+        for got, want in zip(jax.tree.leaves(restored.opt_state), jax.tree.leaves(shardings.opt_state)):
+            assert got.sharding.is_equivalent_to(want, got.ndim)
         for a, b in zip(_leaves(restored), _leaves(state)):
             np.testing.assert_array_equal(a, b)
 

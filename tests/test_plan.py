@@ -180,16 +180,21 @@ def test_weights_the_rules_keep_whole_over_fsdp_are_not_gathered_but_their_gradi
     assert est["all-reduce"] >= 4 * sum(p.shard_elements(sizes) for p in whole)
 
 
-@pytest.mark.parametrize("mesh,model", [(dict(fsdp=8), {}), (dict(fsdp=4, tensor=2), {}),
-                                        (dict(data=2, fsdp=2, sequence=2), {}),
-                                        (dict(fsdp=2, expert=4), dict(moe=dict(num_experts=4)))])
-def test_estimated_state_is_what_the_real_shardings_hold(mesh, model):
-    cfg = tiny_config(mesh, model=model)
+@pytest.mark.parametrize("mesh,model,distributed", [
+    (dict(fsdp=8), {}, False), (dict(fsdp=4, tensor=2), {}, False), (dict(data=2, fsdp=2, sequence=2), {}, False),
+    (dict(fsdp=2, expert=4), dict(moe=dict(num_experts=4)), False),
+    # the distributed optimizer: moments split over data and sequence too, and dense ones over expert
+    (dict(data=2, fsdp=2, sequence=2), {}, True), (dict(fsdp=2, expert=4), dict(moe=dict(num_experts=4)), True)])
+def test_estimated_state_is_what_the_real_shardings_hold(mesh, model, distributed):
+    cfg = tiny_config(mesh, model=model, optimizer=dict(distributed=distributed))
     sizes = check_devices(cfg, 8)
     setup = state_lib.setup(cfg, "xla")
     exact = state_lib.state_bytes_per_device(
-        setup.abstract_state, state_lib.state_shardings(make_mesh(sizes), setup.abstract_state))
+        setup.abstract_state, state_lib.state_shardings(make_mesh(sizes), setup.abstract_state, distributed))
     est = estimate(cfg, sizes, H100)
+    if distributed:
+        plain = estimate(tiny_config(mesh, model=model), sizes, H100)
+        assert est.memory["optimizer"] < 0.6 * plain.memory["optimizer"]
     # the exact count also holds a few scalars (step, optimizer counts, non-finite counters)
     assert 0 <= exact - (est.memory["parameters"] + est.memory["optimizer"]) <= 64
     assert est.memory["gradients"] == est.memory["parameters"]
@@ -323,6 +328,31 @@ def test_the_1f1b_schedule_is_priced_and_chosen_where_fill_drains_memory_stops_i
     assert flat[1].schedule == "1f1b" and fill[1].schedule == "fill_drain"
     rows = search.plan(cfg, 128, H100)
     assert rows[0].fits and rows[0].estimate.schedule == "1f1b" and rows[0].estimate.mesh["pipeline"] > 1
+
+
+def test_the_distributed_optimizer_is_priced_and_offered_where_weights_are_replicated():
+    """Megatron's GPT-3 175B layout (pipeline=8 data=4 tensor=4): the distributed optimizer keeps a quarter of the
+    moments, reduce-scatters and gathers what the all-reduce moved with one microbatch and less with more (one
+    gather a step); the search offers it on that mesh, not where fsdp already shards the moments."""
+    import dataclasses as dc
+
+    cfg = search.with_mesh(_config("gpt3_175b"), dict(pipeline=8, data=4, tensor=4))
+    sizes = dict(pipeline=8, data=4, fsdp=1, sequence=1, expert=1, tensor=4)
+    dopt = dc.replace(cfg, optimizer=dc.replace(cfg.optimizer, distributed=True))
+    for k in (1, 4):
+        plain, dist = (estimate(c, sizes, H100, microbatches=k) for c in (cfg, dopt))
+        assert dist.memory["optimizer"] == pytest.approx(plain.memory["optimizer"] / 4, rel=0.01)
+        summed = plain.collectives["all-reduce"] - dist.collectives["all-reduce"]  # the gradients over data
+        assert summed > 0.5 * plain.collectives["all-reduce"]
+        more = {kind: dist.collectives[kind] - plain.collectives[kind] for kind in ("reduce-scatter", "all-gather")}
+        assert more["reduce-scatter"] == pytest.approx(summed)  # each microbatch's
+        assert more["all-gather"] == pytest.approx(summed / k)  # the updated weights, once a step
+        if k == 1:
+            assert dist.time["data_comm"] == pytest.approx(plain.time["data_comm"])
+        else:
+            assert dist.time["data_comm"] < 0.7 * plain.time["data_comm"]
+    assert search.best_for_mesh(cfg, sizes, H100).estimate.distributed_optimizer
+    assert not search.best_for_mesh(cfg, dict(sizes, data=1, fsdp=4), H100).estimate.distributed_optimizer
 
 
 def test_dominant_term_follows_the_bottleneck():

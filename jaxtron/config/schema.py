@@ -141,6 +141,11 @@ class OptimizerConfig:
     b2: float = 0.95
     eps: float = 1e-8
     clip_norm: float = 1.0  # global gradient norm clipping; 0 disables it
+    # the distributed optimizer: the AdamW moments split over the axes that split the batch's tokens (data and
+    # sequence, and fsdp and expert where the weight is not already cut over them: the rules table's
+    # ``optimizer_state``) while the float32 weights stay as their rule places them; gradients are reduce-scattered
+    # onto the moments' shards and the updated weights gathered once per step. Checkpoints restore across it
+    distributed: bool = False
 
     def __post_init__(self):
         _positive(self.learning_rate, "optimizer.learning_rate")

@@ -54,6 +54,10 @@ RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     ("activation_mlp", "tensor"),
     ("activation_vocab", "tensor"),
     ("stages", "pipeline"),  # the pipeline schedule's stage dimension (staged layers, activations in flight)
+    # the distributed optimizer (``optimizer.distributed``): the axes that split the batch's tokens, and so hold
+    # the same sums of the weights' gradients, also split the optimizer state; each moment is cut over those its
+    # parameter is not already cut over, on the dimension that takes them (``optimizer_spec``)
+    ("optimizer_state", ("data", "fsdp", "sequence", "expert")),
 )
 
 _RULES = dict(RULES)
@@ -163,15 +167,70 @@ def logical_names(variable: nnx.Variable) -> tuple[str | None, ...]:
     return tuple(names) if names else (None,) * variable.get_value().ndim
 
 
-def tree_shardings(mesh: Mesh, tree: Any) -> Any:
-    """NamedShardings for a tree of nnx Variables (by their logical names) and plain arrays (replicated)."""
+def tree_shardings(mesh: Mesh, tree: Any, optimizer: bool = False) -> Any:
+    """NamedShardings for a tree of nnx Variables (by their logical names) and plain arrays (replicated);
+    ``optimizer``: the Variables are optimizer state of the distributed optimizer (``optimizer_spec``)."""
 
     def one(x):
-        if _is_variable(x):
-            return NamedSharding(mesh, logical_to_spec(logical_names(x)))
-        return NamedSharding(mesh, PartitionSpec())
+        if not _is_variable(x):
+            return NamedSharding(mesh, PartitionSpec())
+        if optimizer:
+            return NamedSharding(mesh, optimizer_spec(logical_names(x), x.get_value().shape, dict(mesh.shape)))
+        return NamedSharding(mesh, logical_to_spec(logical_names(x)))
 
     return jax.tree.map(one, tree, is_leaf=_is_variable)
+
+
+# dimensions the distributed optimizer leaves to their rule where another takes its axes: a stacked-layers
+# dimension cut further would make every layer's gradient go whole to one device inside the layer loop
+_STACKED = {"layers", "unstaged_layers", "stages"}
+
+
+def optimizer_spec(names: Sequence[str | None], shape: Sequence[int], sizes: Mapping[str, int]) -> PartitionSpec:
+    """The PartitionSpec of a parameter's optimizer state under the distributed optimizer: the parameter's own,
+    with each axis of ``optimizer_state`` it does not use yet (and that has more than one device) added to the
+    dimension that divides by it with the largest piece per device, dimensions no axis cuts yet first and
+    stacked-layer dimensions last. An axis no dimension divides by leaves the state replicated over it."""
+    spec = [spec_axes(logical_to_spec(names), d) for d in range(len(shape))]
+    used = {a for axes in spec for a in axes}
+    for axis in spec_axes(logical_to_spec(("optimizer_state",)), 0):
+        ways = sizes.get(axis, 1)
+        if axis in used or ways == 1:
+            continue
+        piece = [shape[d] // math.prod(sizes.get(a, 1) for a in spec[d]) for d in range(len(shape))]
+        fits = [d for d in range(len(shape)) if piece[d] % ways == 0]
+        if not fits:
+            continue
+        best = max(fits, key=lambda d: (names[d] not in _STACKED, not spec[d], piece[d]))
+        spec[best] += (axis,)
+        used.add(axis)
+    return PartitionSpec(*(None if not axes else axes[0] if len(axes) == 1 else axes for axes in spec))
+
+
+def constrain_optimizer(tree: Any) -> Any:
+    """Constrains a tree of Variables shaped like the parameters (their gradients) to the distributed
+    optimizer's sharding (no-op without a mesh): XLA then reduce-scatters the gradient sums it would otherwise
+    all-reduce."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return tree
+
+    def one(x):
+        if not _is_variable(x):
+            return x
+        spec = optimizer_spec(logical_names(x), x.get_value().shape, dict(mesh.shape))
+        return x.replace(jax.lax.with_sharding_constraint(x.get_value(), spec))
+
+    return jax.tree.map(one, tree, is_leaf=_is_variable)
+
+
+def constrain_params(tree: Any) -> Any:
+    """Constrains a tree of Variables to their parameters' own sharding (no-op without a mesh)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return tree
+    return jax.tree.map(lambda x: x.replace(constrain(x.get_value(), logical_names(x))) if _is_variable(x) else x,
+                        tree, is_leaf=_is_variable)
 
 
 def without_leading_axes(sharding: jax.sharding.Sharding, ndim: int, k: int) -> jax.sharding.Sharding:

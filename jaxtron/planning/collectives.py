@@ -89,8 +89,10 @@ def fsdp_time(shape: StepShape, params: tuple[Param, ...], coll: Collectives) ->
             + coll.ring("all-reduce", "fsdp", 4.0 * replicated, micro))
 
 
-def data_time(shape: StepShape, params: tuple[Param, ...], coll: Collectives) -> float:
-    """The gradient sums over the axes that split the batch's tokens but not (all) the parameters."""
+def data_time(shape: StepShape, params: tuple[Param, ...], coll: Collectives, distributed: bool = False) -> float:
+    """The gradient sums over the axes that split the batch's tokens but not (all) the parameters; under the
+    distributed optimizer (``distributed``) a reduce-scatter per microbatch and one all-gather of the updated
+    weights, which move what the all-reduce would in one microbatch."""
     # they sum the gradients of what they do not shard, in one all-reduce over all of them: every parameter over
     # ``data`` and ``sequence`` (the tokens of a row; no parameter is split over it), and over ``expert`` too
     # where it is not an expert's
@@ -98,7 +100,11 @@ def data_time(shape: StepShape, params: tuple[Param, ...], coll: Collectives) ->
     for expert_owned in (False, True):
         axes = ("data", "sequence") if expert_owned else ("data", "sequence", "expert")
         over = sum(p.shard_elements(shape.mesh) for p in params if ("experts" in p.names) == expert_owned)
-        grad_sync += coll.ring("all-reduce", axes, 4.0 * over, shape.microbatches)
+        if distributed:  # reduce-scattered onto the moments' shards, and the updated weights gathered once
+            grad_sync += (coll.ring("reduce-scatter", axes, 4.0 * over, shape.microbatches)
+                          + coll.ring("all-gather", axes, 4.0 * over, 1))
+        else:
+            grad_sync += coll.ring("all-reduce", axes, 4.0 * over, shape.microbatches)
     if shape.spread > 1:  # the stages' gradients of what they all hold (embedding, head, blocks outside) are summed
         unstaged = sum(p.shard_elements(shape.mesh) for p in params if not p.staged)
         grad_sync += coll.ring("all-reduce", "pipeline", 4.0 * unstaged, shape.microbatches)
@@ -165,7 +171,7 @@ def communication_time(cfg: Config, shape: StepShape, block: BlockValues, params
     """(seconds per step by communication term, bytes per step and device by collective kind)."""
     coll = Collectives(shape.mesh, gpu)
     time = {"fsdp_comm": fsdp_time(shape, params, coll),
-            "data_comm": data_time(shape, params, coll),
+            "data_comm": data_time(shape, params, coll, cfg.optimizer.distributed),
             "tensor_comm": tensor_time(shape, block, coll),
             "sequence_comm": sequence_time(cfg, shape, block, coll),
             "expert_comm": expert_time(shape, block, coll),

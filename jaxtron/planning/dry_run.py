@@ -75,7 +75,7 @@ def _compile(cfg: Config, devices: list, implementation: str) -> tuple[DryRun, s
     mesh = make_mesh(sizes, devices)
     with jax.set_mesh(mesh):
         setup = state_lib.setup(cfg, implementation, sizes)
-        shardings = state_lib.state_shardings(mesh, setup.abstract_state)
+        shardings = state_lib.state_shardings(mesh, setup.abstract_state, setup.distributed_optimizer)
         state = abstract_with_shardings(setup.abstract_state, shardings)
         votes = jax.ShapeDtypeStruct((mesh.size,), jnp.int32, sharding=per_device_sharding(mesh))
         batch = abstract_batch(cfg, mesh)

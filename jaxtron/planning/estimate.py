@@ -30,6 +30,7 @@ class Estimate:
     pipeline_microbatches: int  # in flight per pipeline pass (0: no pipeline schedule)
     schedule: str  # the pipeline schedule ('fill_drain' without a pipeline)
     bubble: float  # the pipeline schedule's idle share
+    distributed_optimizer: bool  # optimizer.distributed: the moments sharded over the batch's axes
     identity_layers: int  # blocks that fill an uneven pipeline split (pipeline.uneven_stages)
     attention: str  # the attention implementation the estimate assumes
     memory: dict[str, float]  # bytes per device by term
@@ -85,7 +86,7 @@ def estimate(cfg: Config, sizes: dict[str, int], gpu: GPU, microbatches: int | N
     step = step_seconds(time, gpu.comm_overlap)
     return Estimate(mesh=dict(shape.mesh), microbatches=shape.microbatches,
                     pipeline_microbatches=shape.in_flight if shape.pipelined else 0, schedule=shape.schedule,
-                    bubble=shape.bubble,
+                    bubble=shape.bubble, distributed_optimizer=cfg.optimizer.distributed,
                     identity_layers=shape.identity_layers, attention=shape.attention,
                     memory=memory(cfg, shape, block, params), time=time, exposed=EXPOSED, overlapped=OVERLAPPED,
                     step_s=step, mfu=model_flops(cfg, shape) / step / gpu.peak_flops["bfloat16"],

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from jaxtron.config.schema import Config
 from jaxtron.ops.blockwise import block_size
-from jaxtron.planning.params import Param, state_elements
+from jaxtron.planning.params import Param, optimizer_elements, state_elements
 from jaxtron.planning.shape import BlockValues, StepShape
 
 # live copies at the peak, per kind of buffer (see the module docstring)
@@ -74,12 +74,14 @@ CUDNN_WORKSPACE_Q_BYTES = 4.0
 UNSEEN_ON_TARGET = ("cudnn_workspace",)  # terms a compile without the GPU cannot see
 
 
-def state_memory(shape: StepShape, params: tuple[Param, ...]) -> dict[str, float]:
+def state_memory(cfg: Config, shape: StepShape, params: tuple[Param, ...]) -> dict[str, float]:
     """Bytes of the train state and the batch: float32 parameters, two AdamW moments, gradients (+ the microbatch
-    accumulator), and the step's five int32 batch arrays."""
+    accumulator), and the step's five int32 batch arrays. Under the distributed optimizer the moments and the
+    accumulator hold their shard over the batch's axes (``sharding.optimizer_spec``)."""
     shard = state_elements(params, shape.mesh)
-    return {"parameters": 4.0 * shard, "optimizer": 8.0 * shard,
-            "gradients": 4.0 * shard * (2 if shape.microbatches > 1 else 1),
+    moments = optimizer_elements(params, shape.mesh, cfg.optimizer.distributed)
+    return {"parameters": 4.0 * shard, "optimizer": 8.0 * moments,
+            "gradients": 4.0 * shard + (4.0 * moments if shape.microbatches > 1 else 0.0),
             "batch": 5 * 4.0 * shape.rows * shape.microbatches * shape.local_len}
 
 
@@ -189,20 +191,23 @@ def loss_work(cfg: Config, shape: StepShape, block: BlockValues, params: tuple[P
             + (optimizer_bytes if shape.pipelined else 0.0))
 
 
-def update_work(shape: StepShape, params: tuple[Param, ...]) -> float:
+def update_work(cfg: Config, shape: StepShape, params: tuple[Param, ...]) -> float:
     """Bytes of working space in the optimizer update."""
     # XLA:CPU's optimizer update holds the new state beside the old until the step's finiteness check picks one
     # (a GPU's fusions write it in place of the donated state; unmeasured there, so not counted)
-    return UPDATE_COPIES * 4.0 * state_elements(params, shape.mesh) if shape.cpu_program else 0.0
+    if not shape.cpu_program:
+        return 0.0
+    moments = optimizer_elements(params, shape.mesh, cfg.optimizer.distributed)
+    return UPDATE_COPIES / 3 * 4.0 * (state_elements(params, shape.mesh) + 2 * moments)
 
 
 def memory(cfg: Config, shape: StepShape, block: BlockValues, params: tuple[Param, ...]) -> dict[str, float]:
     """Bytes per device by term: the state, the batch, the saved activations (and pipeline carries), and the
     working space of the step's largest phase."""
-    terms = state_memory(shape, params)
+    terms = state_memory(cfg, shape, params)
     terms.update(activation_memory(cfg, shape, block))
     terms.update(gpu_terms(shape, block, params))
     terms["working"] = float(max(block_work(shape, block, params),
                                  loss_work(cfg, shape, block, params, terms["optimizer"]),
-                                 update_work(shape, params)))
+                                 update_work(cfg, shape, params)))
     return terms

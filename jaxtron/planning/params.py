@@ -12,7 +12,7 @@ from flax import nnx
 
 from jaxtron.config.schema import ExecutionConfig, ModelConfig
 from jaxtron.models import build_model
-from jaxtron.parallel.sharding import logical_names, logical_to_spec
+from jaxtron.parallel.sharding import logical_names, logical_to_spec, optimizer_spec
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,6 +47,16 @@ class Param:
         return total
 
 
+    def optimizer_elements(self, sizes: Mapping[str, int]) -> int:
+        """Elements one device holds of each of this parameter's AdamW moments under the distributed optimizer
+        (``jaxtron.parallel.sharding.optimizer_spec``)."""
+        total = 1
+        for dim, axes in zip(self.shape, optimizer_spec(self.names, self.shape, sizes)):
+            axes = () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
+            total *= -(-dim // math.prod(sizes.get(a, 1) for a in axes))
+        return total
+
+
 @functools.lru_cache(maxsize=8)
 def parameters(model: ModelConfig) -> tuple[Param, ...]:
     """Shapes and logical names of the model's parameters (abstract: nothing is allocated)."""
@@ -56,5 +66,14 @@ def parameters(model: ModelConfig) -> tuple[Param, ...]:
 
 
 def state_elements(params: tuple[Param, ...], sizes: Mapping[str, int]) -> int:
-    """Parameter elements one device holds: the float32 weights, each AdamW moment and the gradient have as many."""
+    """Parameter elements one device holds: the float32 weights, each AdamW moment and the gradient have as many
+    (the moments fewer under the distributed optimizer: ``optimizer_elements``)."""
     return sum(p.shard_elements(sizes) for p in params)
+
+
+def optimizer_elements(params: tuple[Param, ...], sizes: Mapping[str, int], distributed: bool) -> int:
+    """Elements one device holds of each AdamW moment (and, under the distributed optimizer, of the gradient
+    accumulator, which is sharded like them)."""
+    if not distributed:
+        return state_elements(params, sizes)
+    return sum(p.optimizer_elements(sizes) for p in params)

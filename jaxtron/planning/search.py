@@ -11,6 +11,7 @@ from jaxtron.parallel.mesh import full_sizes, split_over_nodes
 from jaxtron.parallel.sharding import shard_count
 from jaxtron.planning.estimate import Estimate, estimate
 from jaxtron.planning.gpus import GPU
+from jaxtron.planning.params import optimizer_elements, parameters, state_elements
 
 GIB = 2.0**30
 
@@ -119,26 +120,38 @@ def _one_f_one_b_options(cfg: Config, sizes: dict[str, int]) -> list[int]:
     return out
 
 
+def _optimizer_options(cfg: Config, sizes: dict[str, int]) -> list[Config]:
+    """``cfg``, and ``cfg`` with the distributed optimizer where the config has it off and it shrinks the moments
+    by a tenth or more (where the mesh replicates weights over axes that split the batch's tokens)."""
+    params = parameters(cfg.model)
+    if cfg.optimizer.distributed or optimizer_elements(params, sizes, True) > 0.9 * state_elements(params, sizes):
+        return [cfg]
+    return [cfg, dataclasses.replace(cfg, optimizer=dataclasses.replace(cfg.optimizer, distributed=True))]
+
+
 def best_for_mesh(cfg: Config, sizes: dict[str, int], gpu: GPU) -> Row:
     """The mesh with the fewest microbatches that fit (more microbatches: less activation memory, more
     weight gathers) and, on a pipeline mesh, the fastest schedule and count of pipeline microbatches among those
     that fit (more: a smaller bubble, more weight gathers and stage hops; fill-drain's memory grows with them,
-    1F1B's does not); if none fits, the estimate with the most microbatches."""
+    1F1B's does not), with or without the distributed optimizer (the same traffic in one microbatch, less with
+    more; less memory: the leaner wins a tie); if none fits, the estimate with the most microbatches."""
     est = None
-    one_f_one_b = _one_f_one_b(cfg, sizes)
+    variants = _optimizer_options(cfg, sizes)
     for k in _microbatch_options(cfg, sizes):
         fitting = []
-        for m in _in_flight_options(cfg, sizes, k):
-            est = estimate(cfg, sizes, gpu, microbatches=k, pipeline_microbatches=m)
-            if est.memory_bytes <= gpu.usable_bytes:
-                fitting.append(est)
-        if one_f_one_b is not None and k == 1:
-            for m in _one_f_one_b_options(one_f_one_b, sizes):
-                candidate = estimate(one_f_one_b, sizes, gpu, microbatches=1, pipeline_microbatches=m)
-                if candidate.memory_bytes <= gpu.usable_bytes:
-                    fitting.append(candidate)
+        for option in variants:
+            for m in _in_flight_options(option, sizes, k):
+                est = estimate(option, sizes, gpu, microbatches=k, pipeline_microbatches=m)
+                if est.memory_bytes <= gpu.usable_bytes:
+                    fitting.append(est)
+            one_f_one_b = _one_f_one_b(option, sizes)
+            if one_f_one_b is not None and k == 1:
+                for m in _one_f_one_b_options(one_f_one_b, sizes):
+                    candidate = estimate(one_f_one_b, sizes, gpu, microbatches=1, pipeline_microbatches=m)
+                    if candidate.memory_bytes <= gpu.usable_bytes:
+                        fitting.append(candidate)
         if fitting:
-            return Row(min(fitting, key=lambda e: e.step_s), True)
+            return Row(min(fitting, key=lambda e: (round(e.step_s, 3 - _digits(e.step_s)), e.memory_bytes)), True)
     return Row(est, False)
 
 

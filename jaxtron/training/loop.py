@@ -116,7 +116,7 @@ def place(cfg: Config, devices: list[jax.Device] | None = None) -> Placement:
                                             cfg.model.qk_head_dim, shard_count(sizes, "activation_length"))
     with jax.set_mesh(mesh):
         setup = state_lib.setup(cfg, implementation, sizes)
-        shardings = state_lib.state_shardings(mesh, setup.abstract_state)
+        shardings = state_lib.state_shardings(mesh, setup.abstract_state, setup.distributed_optimizer)
     return Placement(mesh, setup, shardings, implementation)
 
 

@@ -51,6 +51,8 @@ class Setup:
     layer_order: tuple[int, ...] | None = struct.field(pytree_node=False, default=None)
     # XLA options the step compiles with (ops/fp8.py: what FP8 projections need), as (name, value) pairs
     compiler_options: tuple[tuple[str, object], ...] = struct.field(pytree_node=False, default=())
+    # the distributed optimizer (``optimizer.distributed``): moments sharded as ``sharding.optimizer_spec`` says
+    distributed_optimizer: bool = struct.field(pytree_node=False, default=False)
 
 
 def pipeline_schedule(cfg: Config, stages: int) -> Schedule | None:
@@ -113,12 +115,17 @@ def setup(cfg: Config, attention_impl: str, sizes: dict[str, int] | None = None)
                  router_bias_rate=cfg.train.router_bias_rate, mtp_loss=cfg.train.mtp_loss,
                  max_nonfinite_in_row=cfg.train.max_nonfinite_in_row, stack_runner=pipeline_schedule(cfg, stages),
                  layer_order=layer_order(cfg, stages),
-                 compiler_options=tuple(fp8_ops.compiler_options(cfg.execution.fp8).items()))
+                 compiler_options=tuple(fp8_ops.compiler_options(cfg.execution.fp8).items()),
+                 distributed_optimizer=cfg.optimizer.distributed)
 
 
-def state_shardings(mesh: Mesh, abstract_state: TrainState) -> TrainState:
-    """Params and optimizer moments follow the parameters' logical names; scalars are replicated."""
-    return tree_shardings(mesh, abstract_state)
+def state_shardings(mesh: Mesh, abstract_state: TrainState, distributed_optimizer: bool = False) -> TrainState:
+    """Params and optimizer moments follow the parameters' logical names (the moments also split over the
+    batch's axes under the distributed optimizer: ``sharding.optimizer_spec``); scalars are replicated."""
+    shardings = tree_shardings(mesh, abstract_state)
+    if distributed_optimizer:
+        shardings = shardings.replace(opt_state=tree_shardings(mesh, abstract_state.opt_state, optimizer=True))
+    return shardings
 
 
 def state_bytes_per_device(abstract_state: TrainState, shardings: TrainState) -> int:

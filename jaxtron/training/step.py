@@ -15,7 +15,7 @@ import optax
 from flax import nnx
 
 from jaxtron.models.transformer import logits_of
-from jaxtron.parallel.sharding import BATCH_AXES, constrain
+from jaxtron.parallel.sharding import BATCH_AXES, constrain, constrain_optimizer, constrain_params
 from jaxtron.training import one_f_one_b
 from jaxtron.training.optimizer import schedule_count
 from jaxtron.training.pipeline import split_rows
@@ -143,15 +143,20 @@ def gradients(setup: Setup, params: Any, batch: Batch):
         (_, (ce_sum, count, moe)), grads = grad_fn(params, batch=batch)
         return grads, ce_sum, count, moe
 
+    # the distributed optimizer's accumulator holds only its shard of the sums: each microbatch's gradients are
+    # reduce-scattered onto it rather than all-reduced
+    shard = constrain_optimizer if setup.distributed_optimizer else (lambda tree: tree)
+
     def body(carry, micro):
         micro = {k: constrain(v, BATCH_AXES) for k, v in micro.items()}
         (_, sums), grads = grad_fn(params, batch=micro)
-        return jax.tree.map(jnp.add, carry, (grads, *sums)), None
+        return jax.tree.map(jnp.add, carry, (shard(grads), *sums)), None
 
     micro_batches = split_microbatches(batch, microbatches)
     first = jax.tree.map(lambda a: a[0], micro_batches)
     (_, sums), grads = jax.eval_shape(lambda: grad_fn(params, batch=first))
     init = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), (grads, *sums))
+    init = (shard(init[0]), *init[1:])
     (grads, ce_sum, count, moe), _ = jax.lax.scan(body, init, micro_batches)
     return grads, ce_sum, count, jax.tree.map(lambda a: a / microbatches, moe)
 
@@ -176,12 +181,16 @@ def train_step(setup: Setup, state: TrainState, batch: Batch,
     time).
     """
     grads, ce_sum, count, moe = gradients(setup, state.params, batch)
+    if setup.distributed_optimizer:  # each device reduces, then updates, only its shard of the moments
+        grads = constrain_optimizer(grads)
     block_load = moe.pop("block_load", None)
     grads = jax.tree.map(lambda g: g / count, grads)
     loss, grad_norm = ce_sum / count, optax.tree.norm(grads)
     learning_rate = setup.learning_rate(schedule_count(state.opt_state))  # read before the update counts this step
     updates, opt_state = setup.tx.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
+    if setup.distributed_optimizer:  # the updated weights gathered once, as their rule places them
+        params = constrain_params(params)
     bias_spread = None
     if setup.router_bias_rate:  # outside the gradients: the router bias gets none, and no optimizer update
         params, bias_spread = balance_router_bias(params, block_load, setup.router_bias_rate,
