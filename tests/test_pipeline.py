@@ -11,6 +11,7 @@ import sys
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from flax import nnx
 from helpers import tiny_config
@@ -332,13 +333,15 @@ def _deepseek_style():
     "deepseek_pipeline2_fsdp2_expert2_uneven"])
 def test_the_1f1b_schedule_trains_like_one_device(name, tmp_path, request):
     """fp32 losses of 3 steps equal one device's to 1e-5 (the MoE models' with the same microbatches: their routing
-    stats are per microbatch), and so do the parameters after them; MoE's losses and loads too."""
+    stats are per microbatch), and so do the parameters after them; MoE's losses and loads too. The MoE model runs
+    with the distributed optimizer (its dense weights' moments split over expert)."""
     if name.startswith("deepseek"):
         mesh, microbatches, model = dict(pipeline=2, fsdp=2, expert=2), 2, _deepseek_style()
         extra = dict(train=dict(global_batch_size=16, router_bias_rate=0.003))
     else:
         mesh, microbatches, model = ONE_F_ONE_B[name]
         extra = dict(train=dict(global_batch_size=16))
+    distributed = dict(optimizer=dict(distributed=True)) if name.startswith("moe") else {}
     uneven = dict(uneven_stages=True) if name.endswith("uneven") else {}
     if name.startswith("moe"):  # the fill-drain test's reference: the same model, batch and microbatches
         ref = request.getfixturevalue("moe_one_device")
@@ -348,7 +351,11 @@ def test_the_1f1b_schedule_trains_like_one_device(name, tmp_path, request):
         ref = run(tiny_config(dict(fsdp=1), model=model, pipeline=dict(microbatches=microbatches), **extra),
                   str(tmp_path / "one"), use_tqdm=False, devices=jax.devices()[:1])
     got = run(tiny_config(mesh, model=model, pipeline=dict(microbatches=microbatches, schedule="1f1b", **uneven),
-                          **extra), str(tmp_path / "pipe"), use_tqdm=False)
+                          **extra, **distributed), str(tmp_path / "pipe"), use_tqdm=False)
+    if distributed:
+        mu = optax.tree_utils.tree_get(got.state.opt_state, "mu")["layers"]["attn"]["wq"].get_value()
+        wq = got.state.params["layers"]["attn"]["wq"].get_value()
+        assert mu.sharding.shard_shape(mu.shape)[1:] != wq.sharding.shard_shape(wq.shape)[1:]
     expected = _losses(ref)
     assert len(expected) == 3 and np.all(np.diff(expected) != 0)
     np.testing.assert_allclose(_losses(got), expected, rtol=1e-5)
