@@ -312,6 +312,8 @@ def test_deepseek_trains_pipelined_like_one_device(tmp_path):
 
 ONE_F_ONE_B = {  # name -> (mesh, pipeline microbatches, model)
     "pipeline2_sequence2_tensor2": (dict(pipeline=2, fsdp=1, sequence=2, tensor=2), 4, BASE["model"]),
+    # data parallel: a stage's backward runs each device's rows apart, their weight gradients summed after the loop
+    "pipeline2_data2_tensor2": (dict(pipeline=2, data=2, tensor=2), 4, BASE["model"]),
     # MoE blocks with their experts over their own axis, and the DeepSeek-style model: latent attention, a dense
     # first block run before the schedule, three MoE blocks on two stages (an uneven split: one identity block),
     # the balancing bias (without the prediction module, which the 1F1B schedule does not run yet;
@@ -329,6 +331,7 @@ def _deepseek_style():
 @pytest.mark.slow
 @pytest.mark.parametrize("name", [
     pytest.param("pipeline2_sequence2_tensor2", marks=pytest.mark.xdist_group("one_device")),
+    pytest.param("pipeline2_data2_tensor2", marks=pytest.mark.xdist_group("one_device")),
     pytest.param("moe_pipeline2_fsdp2_expert2", marks=pytest.mark.xdist_group("moe_one_device")),
     "deepseek_pipeline2_fsdp2_expert2_uneven"])
 def test_the_1f1b_schedule_trains_like_one_device(name, tmp_path, request):

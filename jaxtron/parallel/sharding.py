@@ -63,6 +63,8 @@ RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
 _RULES = dict(RULES)
 # whether ``activation_batch`` also splits over the mesh axes of ``stages`` (see ``batch_over_stages``)
 _BATCH_OVER_STAGES = contextvars.ContextVar("batch_over_stages", default=False)
+# mesh axes an enclosing ``jax.vmap(..., spmd_axis_name=...)`` maps its dimension over (see ``axes_taken``)
+_TAKEN = contextvars.ContextVar("axes_taken", default=())
 
 BATCH_AXES = ("activation_batch", "activation_length")
 # layout of a row's tokens over the shards of ``activation_length`` (see ``sequence_order``)
@@ -71,7 +73,7 @@ SEQUENCE_LAYOUT = "zigzag"
 
 def logical_to_spec(names: Sequence[str | None]) -> PartitionSpec:
     """PartitionSpec for an array whose dimensions carry the given logical names."""
-    used: set[str] = set()
+    used: set[str] = set(_TAKEN.get())
     spec = []
     for name in names:
         if name is None:
@@ -100,6 +102,17 @@ def batch_over_stages(on: bool = True):
         yield
     finally:
         _BATCH_OVER_STAGES.reset(token)
+
+
+@contextlib.contextmanager
+def axes_taken(axes: Sequence[str]):
+    """Within this context (while tracing the body of a vmap whose ``spmd_axis_name`` is ``axes``) no logical
+    name maps onto these mesh axes: the vmapped dimension holds them."""
+    token = _TAKEN.set(tuple(_TAKEN.get()) + tuple(axes))
+    try:
+        yield
+    finally:
+        _TAKEN.reset(token)
 
 
 def batch_split_over_stages() -> bool:
@@ -156,6 +169,26 @@ def constrain_leading(x: jax.Array, name: str) -> jax.Array:
         return x
     spec = PartitionSpec(logical_to_spec((name,))[0], *(PartitionSpec.UNCONSTRAINED,) * (x.ndim - 1))
     return jax.lax.with_sharding_constraint(x, spec)
+
+
+def constrain_stages(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
+    """Constrains a [stages, ..., *names] array: its first dimension over the mesh axes of ``stages``, its last
+    ones as their logical ``names`` say, those between whole (no-op without a mesh)."""
+    middle = (None,) * (x.ndim - 1 - len(names))
+    return constrain(x, ("stages", *middle, *names))
+
+
+def constrain_stage_groups(x: jax.Array, groups: Sequence[str], names: Sequence[str | None]) -> jax.Array:
+    """Constrains a [stages, groups, ..., *names] array: its first dimension over the mesh axes of ``stages``,
+    its second over the mesh axes ``groups`` (rows that a vmap keeps apart, see ``axes_taken``), its last ones as
+    their logical ``names`` say, those between whole (no-op without a mesh)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return x
+    with axes_taken(groups):
+        rest = logical_to_spec((*(None,) * (x.ndim - 2 - len(names)), *names))
+    stages = logical_to_spec(("stages",))[0]
+    return jax.lax.with_sharding_constraint(x, PartitionSpec(stages, tuple(groups) or None, *rest))
 
 
 def _is_variable(x: Any) -> bool:
@@ -222,6 +255,17 @@ def constrain_optimizer(tree: Any) -> Any:
         return x.replace(jax.lax.with_sharding_constraint(x.get_value(), spec))
 
     return jax.tree.map(one, tree, is_leaf=_is_variable)
+
+
+def constrain_gradient(x: jax.Array, names: Sequence[str | None], optimizer: bool = False) -> jax.Array:
+    """Constrains a gradient (or an accumulator of them) of a parameter with these logical names to the parameter's
+    sharding, or with ``optimizer`` to the distributed optimizer's (no-op without a mesh)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return x
+    if optimizer:
+        return jax.lax.with_sharding_constraint(x, optimizer_spec(names, x.shape, dict(mesh.shape)))
+    return constrain(x, names)
 
 
 def constrain_params(tree: Any) -> Any:

@@ -35,9 +35,22 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 from jaxtron.models.stack import scan_stack, without_remat
-from jaxtron.parallel.sharding import BATCH_AXES, constrain, constrain_leading, logical_to_spec, spec_axes
+from jaxtron.models.transformer import EMBED_AXES
+from jaxtron.parallel.sharding import (
+    BATCH_AXES,
+    axes_taken,
+    constrain,
+    constrain_gradient,
+    constrain_leading,
+    constrain_stage_groups,
+    constrain_stages,
+    logical_names,
+    logical_to_spec,
+    spec_axes,
+)
 from jaxtron.parallel.stages import identity_slots
 from jaxtron.training.pipeline import check_schedule, split_rows
 
@@ -150,6 +163,19 @@ def gradients(setup, params: Any, batch: Batch, loss_sums: Callable, moe_metrics
     spmd = None if mesh.empty else spec_axes(logical_to_spec(("stages",)), 0) or None
     forward_all = jax.vmap(stage_forward, spmd_axis_name=spmd)
 
+    # The weight gradients' sums over the data-parallel rows wait for the end of the step. A stage's backward runs
+    # each device's rows as a group of their own (a vmap over the groups, spmd over the mesh axes that split the
+    # rows), so no iteration sums the stage's weight gradients over those axes; ``grad_stack`` keeps one sum per
+    # group and the loop's end adds them (one reduction a step where every iteration had one). Left out: axes that
+    # also split a staged weight (fsdp, expert: their gradients are reduce-scattered per iteration), and MoE stacks
+    # (their balancing losses couple the rows of a microbatch)
+    is_var = lambda x: isinstance(x, nnx.Variable)
+    stack_names = [logical_names(v)[1:] for v in jax.tree.leaves(periods_0, is_leaf=is_var)]
+    weight_axes = {a for names in stack_names for d in range(len(names)) for a in spec_axes(logical_to_spec(names), d)}
+    groups = () if mesh.empty or stats_shape else tuple(
+        a for a in spec_axes(logical_to_spec(("activation_batch",)), 0) if a not in weight_axes and mesh.shape[a] > 1)
+    g_ = int(np.prod([mesh.shape[a] for a in groups])) if groups else 1
+
     def backward_one(stack_s, inputs, ex, s, dy, valid):
         """The stage's backward, period by period from the last: each period's forward recomputed from its kept
         input and its vector-Jacobian product taken at once. -> (the stage's weight gradients, input gradient)."""
@@ -161,13 +187,54 @@ def gradients(setup, params: Any, batch: Batch, loss_sums: Callable, moe_metrics
         dx, dw = jax.lax.scan(one, dy * valid.astype(dy.dtype), jnp.arange(per), reverse=True)
         return dw, dx
 
-    backward_all = jax.vmap(backward_one, spmd_axis_name=spmd)
+    def backward_groups(stack_s, inputs, ex, s, dy, valid):
+        """``backward_one`` on each group of rows apart: -> (weight gradients [G, P, ...], input gradient)."""
+        if g_ == 1:
+            dw, dx = backward_one(stack_s, inputs, ex, s, dy, valid)
+            return jax.tree.map(lambda a: a[None], dw), dx
+        split = lambda a, axis: jnp.moveaxis(a.reshape(*a.shape[:axis], g_, a.shape[axis] // g_,
+                                                       *a.shape[axis + 1:]), axis, 0)
+        with axes_taken(groups):
+            dw, dx = jax.vmap(backward_one, in_axes=(None, 0, 0, None, 0, None), spmd_axis_name=groups)(
+                stack_s, split(inputs, 1), jax.tree.map(lambda a: split(a, 0), ex), s, split(dy, 0), valid)
+        return dw, dx.reshape(dy.shape)
+
+    backward_all = jax.vmap(backward_groups, spmd_axis_name=spmd)
 
     def on_stages(tree):
-        return jax.tree.map(lambda a: constrain_leading(a, "stages"), tree)
+        """Hidden states [S, ..., b, T, D] and extras [S, ..., b, T] constrained in full: their stage dimension
+        over the pipeline, their rows and tokens as the stack's input (left to propagation, the zeros that start
+        the stash and the buffers come out whole on every device, and so do the recomputations that read them)."""
+        def one(a):
+            if a.shape[-3:] == x_shape.shape:
+                return constrain_stages(a, EMBED_AXES)
+            if a.ndim >= 3 and a.shape[-2:] == x_shape.shape[:2]:
+                return constrain_stages(a, BATCH_AXES)
+            return constrain_leading(a, "stages")
+        return jax.tree.map(one, tree)
 
     keep = 2 * s_ - 1  # inputs a stage holds between a microbatch's forward and its backward
-    f32 = lambda tree: jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), tree)
+    # the accumulators, float32 and sharded as their parameters (under the distributed optimizer the rest as its
+    # moments): left unconstrained, XLA keeps them whole on every device. The staged weights' gradients gather in
+    # ``grad_stack`` [S, P, ...]; ``grad_rest`` holds those of the other parameters (the staged ones' get none
+    # from ``pre`` and ``post``: a scalar stands in for them)
+    param_names = [logical_names(v) for v in jax.tree.leaves(params, is_leaf=is_var)]
+    in_stack = [names[:1] == ("layers",) for names in param_names]
+    stack_def = jax.tree.structure(staged)
+    params_def = jax.tree.structure(params)
+
+    def rest_sharded(leaves):
+        return [a if staged_leaf else constrain_gradient(a, names, setup.distributed_optimizer)
+                for a, names, staged_leaf in zip(leaves, param_names, in_stack)]
+
+    def stack_sharded(leaves):
+        return [constrain_stage_groups(a, groups, names) for a, names in zip(leaves, stack_names)]
+
+    def add_rest(acc, d):
+        """``grad_rest`` plus the gradients ``d`` (a parameters tree), the staged ones left out."""
+        d = jax.tree.leaves(d)
+        return rest_sharded([g if staged_leaf else g + a.astype(jnp.float32)
+                             for g, a, staged_leaf in zip(acc, d, in_stack)])
 
     def forward_phase(t, moving, stash, grad_rest, sums, stats_sum):
         """Every stage's forward, the kept inputs, and the head and loss of the microbatch the last stage finished
@@ -188,7 +255,7 @@ def gradients(setup, params: Any, batch: Batch, loss_sums: Callable, moe_metrics
         valid_h = ((m_head >= 0) & (m_head < m_)).astype(jnp.float32)
         _, pullback, (ce, n) = jax.vjp(lambda p, h: post(p, h, pick(m_head)), params, out[s_ - 1], has_aux=True)
         d_params_post, d_h = pullback(valid_h)
-        grad_rest = jax.tree.map(lambda g, a: g + a.astype(jnp.float32), grad_rest, d_params_post)
+        grad_rest = add_rest(grad_rest, d_params_post)
         sums = (sums[0] + valid_h * ce, sums[1] + valid_h * n)
         moving = on_stages(jax.tree.map(lambda a: jnp.roll(a, 1, axis=0), (out, inputs[1])))
         return moving, stash, grad_rest, sums, stats_sum, d_h.astype(x_shape.dtype)
@@ -202,12 +269,13 @@ def gradients(setup, params: Any, batch: Batch, loss_sums: Callable, moe_metrics
             lambda a: jax.lax.dynamic_index_in_dim(a, i, 0, False), st))(stash, slot_b))
         dy = on_stages(back.at[s_ - 1].set(d_h))
         d_stack, dx = backward_all(staged, saved[0], saved[1], stage_ids, dy, valid_b)
-        grad_stack = jax.tree.map(lambda g, d: g + d.astype(jnp.float32), grad_stack, d_stack)
+        grad_stack = stack_sharded([g + d.astype(jnp.float32)
+                                    for g, d in zip(grad_stack, jax.tree.leaves(d_stack))])
         m_first = t - 2 * (s_ - 1)
         valid_0 = ((m_first >= 0) & (m_first < m_)).astype(dx.dtype)
         _, pre_pullback = jax.vjp(lambda p: pre(p, pick(m_first))[0], params)
         (d_params_pre,) = pre_pullback(dx[0] * valid_0)
-        grad_rest = jax.tree.map(lambda g, a: g + a.astype(jnp.float32), grad_rest, d_params_pre)
+        grad_rest = add_rest(grad_rest, d_params_pre)
         return on_stages(jnp.roll(dx, -1, axis=0)), grad_stack, grad_rest
 
     def iteration(carry, t):
@@ -227,14 +295,19 @@ def gradients(setup, params: Any, batch: Batch, loss_sums: Callable, moe_metrics
         return (moving, back, stash, grad_stack, grad_rest, sums, stats_sum), None
 
     start = (on_stages((zeros(x_shape, (s_,)), zeros(ex_shape, (s_,)))), on_stages(zeros(x_shape, (s_,))),
-             on_stages((zeros(x_shape, (s_, keep, per)), zeros(ex_shape, (s_, keep)))), f32(staged), f32(params),
+             on_stages((zeros(x_shape, (s_, keep, per)), zeros(ex_shape, (s_, keep)))),
+             stack_sharded([jnp.zeros((s_, g_, *a.shape[1:]), jnp.float32) for a in jax.tree.leaves(staged)]),
+             rest_sharded([jnp.zeros(() if staged_leaf else a.shape, jnp.float32)
+                           for a, staged_leaf in zip(jax.tree.leaves(params), in_stack)]),
              (jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32)),
              jax.tree.map(lambda a: jnp.zeros((s_, *a.shape), jnp.float32), stats_shape))
     (_, _, _, grad_stack, grad_rest, (ce_sum, n_sum), stats_sum), _ = jax.lax.scan(
         iteration, start, jnp.arange(m_ + 2 * (s_ - 1)))
+    grad_stack = jax.tree.unflatten(stack_def, [jnp.sum(g, axis=1) for g in grad_stack])  # the groups' sums
     (d_from_stack,) = to_params(jax.tree.map(lambda g, a: g.reshape(a.shape).astype(a.dtype), grad_stack, periods_0))
-    grads = jax.tree.map(lambda a, b, p: (a.astype(jnp.float32) + b).astype(p.dtype), d_from_stack, grad_rest,
-                         params)
+    grads = jax.tree.unflatten(params_def, [
+        (a.astype(jnp.float32) + (0.0 if staged_leaf else b)).astype(p.dtype)
+        for a, b, p, staged_leaf in zip(jax.tree.leaves(d_from_stack), grad_rest, jax.tree.leaves(params), in_stack)])
     real = np.nonzero(~np.asarray(identity_slots(stack_size - schedule.pads, s_, 1)).reshape(-1))[0]
     stats = jax.tree.map(lambda a: (a / m_).reshape(s_ * per, *a.shape[2:])[real], stats_sum)
     return grads, ce_sum, n_sum, moe_metrics(stats)
