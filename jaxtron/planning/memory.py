@@ -136,7 +136,7 @@ def gpu_terms(shape: StepShape, block: BlockValues, params: tuple[Param, ...]) -
                          if p.in_blocks and p.sharded_dims("fsdp")[:1] not in ((), (1,)))
         if transposed:
             terms["layout_copies"] = GPU_LAYOUT_COPIES * 4.0 * transposed
-    if shape.pipelined:
+    if shape.pipelined and shape.schedule != "1f1b":  # 1F1B's accumulators are the step's gradients
         terms["pipeline_gradients"] = GPU_PIPELINE_GRADIENT_COPIES * 4.0 * state_elements(params, shape.mesh)
     if shape.attention == "cudnn":
         terms["cudnn_workspace"] = CUDNN_WORKSPACE_Q_BYTES * block.attention["q"]

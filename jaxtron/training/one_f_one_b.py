@@ -176,28 +176,33 @@ def gradients(setup, params: Any, batch: Batch, loss_sums: Callable, moe_metrics
         a for a in spec_axes(logical_to_spec(("activation_batch",)), 0) if a not in weight_axes and mesh.shape[a] > 1)
     g_ = int(np.prod([mesh.shape[a] for a in groups])) if groups else 1
 
-    def backward_one(stack_s, inputs, ex, s, dy, valid):
+    def backward_one(stack_s, acc, inputs, ex, s, dy, valid):
         """The stage's backward, period by period from the last: each period's forward recomputed from its kept
-        input and its vector-Jacobian product taken at once. -> (the stage's weight gradients, input gradient)."""
-        def one(dy, p):
+        input and its vector-Jacobian product taken at once, its weight gradients added into the stage's
+        accumulator ``acc`` [P, ...] in place (no stage-sized gradient of one microbatch is ever whole).
+        -> (the accumulator, the input gradient)."""
+        def one(carry, p):
+            dy, acc = carry
             _, pullback = jax.vjp(lambda w, x: period(w, x, ex, s, p), weights_of(stack_s, p),
                                   jax.lax.dynamic_index_in_dim(inputs, p, 0, False))
             dw, dx = pullback((dy, stats_cotangent(s, p, valid)))
-            return dx, dw
-        dx, dw = jax.lax.scan(one, dy * valid.astype(dy.dtype), jnp.arange(per), reverse=True)
-        return dw, dx
+            acc = jax.tree.map(lambda a, d: jax.lax.dynamic_update_index_in_dim(
+                a, jax.lax.dynamic_index_in_dim(a, p, 0, False) + d.astype(a.dtype), p, 0), acc, dw)
+            return (dx, acc), None
+        (dx, acc), _ = jax.lax.scan(one, (dy * valid.astype(dy.dtype), acc), jnp.arange(per), reverse=True)
+        return acc, dx
 
-    def backward_groups(stack_s, inputs, ex, s, dy, valid):
-        """``backward_one`` on each group of rows apart: -> (weight gradients [G, P, ...], input gradient)."""
+    def backward_groups(stack_s, acc, inputs, ex, s, dy, valid):
+        """``backward_one`` on each group of rows apart, each into its own accumulator (``acc`` [G, P, ...])."""
         if g_ == 1:
-            dw, dx = backward_one(stack_s, inputs, ex, s, dy, valid)
-            return jax.tree.map(lambda a: a[None], dw), dx
+            acc, dx = backward_one(stack_s, jax.tree.map(lambda a: a[0], acc), inputs, ex, s, dy, valid)
+            return jax.tree.map(lambda a: a[None], acc), dx
         split = lambda a, axis: jnp.moveaxis(a.reshape(*a.shape[:axis], g_, a.shape[axis] // g_,
                                                        *a.shape[axis + 1:]), axis, 0)
         with axes_taken(groups):
-            dw, dx = jax.vmap(backward_one, in_axes=(None, 0, 0, None, 0, None), spmd_axis_name=groups)(
-                stack_s, split(inputs, 1), jax.tree.map(lambda a: split(a, 0), ex), s, split(dy, 0), valid)
-        return dw, dx.reshape(dy.shape)
+            acc, dx = jax.vmap(backward_one, in_axes=(None, 0, 0, 0, None, 0, None), spmd_axis_name=groups)(
+                stack_s, acc, split(inputs, 1), jax.tree.map(lambda a: split(a, 0), ex), s, split(dy, 0), valid)
+        return acc, dx.reshape(dy.shape)
 
     backward_all = jax.vmap(backward_groups, spmd_axis_name=spmd)
 
@@ -268,9 +273,9 @@ def gradients(setup, params: Any, batch: Batch, loss_sums: Callable, moe_metrics
         saved = on_stages(jax.vmap(lambda st, i: jax.tree.map(
             lambda a: jax.lax.dynamic_index_in_dim(a, i, 0, False), st))(stash, slot_b))
         dy = on_stages(back.at[s_ - 1].set(d_h))
-        d_stack, dx = backward_all(staged, saved[0], saved[1], stage_ids, dy, valid_b)
-        grad_stack = stack_sharded([g + d.astype(jnp.float32)
-                                    for g, d in zip(grad_stack, jax.tree.leaves(d_stack))])
+        grad_stack, dx = backward_all(staged, jax.tree.unflatten(stack_def, grad_stack), saved[0], saved[1],
+                                      stage_ids, dy, valid_b)
+        grad_stack = stack_sharded(jax.tree.leaves(grad_stack))
         m_first = t - 2 * (s_ - 1)
         valid_0 = ((m_first >= 0) & (m_first < m_)).astype(dx.dtype)
         _, pre_pullback = jax.vjp(lambda p: pre(p, pick(m_first))[0], params)
@@ -303,7 +308,10 @@ def gradients(setup, params: Any, batch: Batch, loss_sums: Callable, moe_metrics
              jax.tree.map(lambda a: jnp.zeros((s_, *a.shape), jnp.float32), stats_shape))
     (_, _, _, grad_stack, grad_rest, (ce_sum, n_sum), stats_sum), _ = jax.lax.scan(
         iteration, start, jnp.arange(m_ + 2 * (s_ - 1)))
-    grad_stack = jax.tree.unflatten(stack_def, [jnp.sum(g, axis=1) for g in grad_stack])  # the groups' sums
+    # the groups' sums, reduce-scattered onto the distributed optimizer's shards where it runs
+    grad_stack = jax.tree.unflatten(stack_def, [
+        constrain_gradient(jnp.sum(g, axis=1), ("stages", None, *names), setup.distributed_optimizer)
+        for g, names in zip(grad_stack, stack_names)])
     (d_from_stack,) = to_params(jax.tree.map(lambda g, a: g.reshape(a.shape).astype(a.dtype), grad_stack, periods_0))
     grads = jax.tree.unflatten(params_def, [
         (a.astype(jnp.float32) + (0.0 if staged_leaf else b)).astype(p.dtype)
