@@ -29,6 +29,7 @@ takes its output in (``_Replace``); the stack's periods run as ``body`` under th
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from typing import Any
 
@@ -81,6 +82,20 @@ class _Replace:
 
     def __call__(self, body, x, stack, extras):
         return self.hidden, {}
+
+
+_ACTIVE: list[Any] = [True]  # whether the backward phase of this iteration runs (see ``_active``)
+
+
+@contextlib.contextmanager
+def _active(active: jax.Array):
+    """While tracing the stages' backward: ``active`` says whether the iteration runs it (a scalar, the same on
+    every device, so the per-period branch stays a branch under the stages' vmap)."""
+    _ACTIVE.append(active)
+    try:
+        yield
+    finally:
+        _ACTIVE.pop()
 
 
 def gradients(setup, params: Any, batch: Batch, loss_sums: Callable, moe_metrics: Callable
@@ -181,11 +196,14 @@ def gradients(setup, params: Any, batch: Batch, loss_sums: Callable, moe_metrics
         input and its vector-Jacobian product taken at once, its weight gradients added into the stage's
         accumulator ``acc`` [P, ...] in place (no stage-sized gradient of one microbatch is ever whole).
         -> (the accumulator, the input gradient)."""
-        def one(carry, p):
-            dy, acc = carry
+        def vjp(dy, p):
             _, pullback = jax.vjp(lambda w, x: period(w, x, ex, s, p), weights_of(stack_s, p),
                                   jax.lax.dynamic_index_in_dim(inputs, p, 0, False))
-            dw, dx = pullback((dy, stats_cotangent(s, p, valid)))
+            return pullback((dy, stats_cotangent(s, p, valid)))
+
+        def one(carry, p):
+            dy, acc = carry
+            dw, dx = when(_ACTIVE[-1], vjp, dy, p)  # the fill's iterations run no backward
             acc = jax.tree.map(lambda a, d: jax.lax.dynamic_update_index_in_dim(
                 a, jax.lax.dynamic_index_in_dim(a, p, 0, False) + d.astype(a.dtype), p, 0), acc, dw)
             return (dx, acc), None
@@ -235,69 +253,79 @@ def gradients(setup, params: Any, batch: Batch, loss_sums: Callable, moe_metrics
     def stack_sharded(leaves):
         return [constrain_stage_groups(a, groups, names) for a, names in zip(leaves, stack_names)]
 
-    def add_rest(acc, d):
-        """``grad_rest`` plus the gradients ``d`` (a parameters tree), the staged ones left out."""
-        d = jax.tree.leaves(d)
-        return rest_sharded([g if staged_leaf else g + a.astype(jnp.float32)
-                             for g, a, staged_leaf in zip(acc, d, in_stack)])
+    def rest_of(d):
+        """The gradients ``d`` (a parameters tree) of the parameters outside the stack, as ``grad_rest`` holds
+        them (a scalar zero for each staged one)."""
+        return [jnp.zeros((), jnp.float32) if staged_leaf else a.astype(jnp.float32)
+                for a, staged_leaf in zip(jax.tree.leaves(d), in_stack)]
 
-    def forward_phase(t, moving, stash, grad_rest, sums, stats_sum):
-        """Every stage's forward, the kept inputs, and the head and loss of the microbatch the last stage finished
-        (with their gradient, ``d_h``)."""
+    def add_rest(acc, d):
+        return rest_sharded([g + a for g, a in zip(acc, d)])
+
+    def when(active, fn, *args):
+        """``fn(*args)`` where ``active`` (the same on every device), else zeros of its shapes: the fill runs no
+        backward and the drain no forward. Only per-iteration values pass through the branch; the buffers that
+        live through the loop (the stash, the accumulators) are updated outside it, so that XLA keeps one copy
+        of each."""
+        shapes = jax.eval_shape(fn, *args)
+        return jax.lax.cond(active, fn, lambda *_: jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), shapes),
+                            *args)
+
+    def forward_phase(t, moving):
+        """Every stage's forward, and the head and loss of the microbatch the last stage finished (with their
+        gradients: ``d_h`` for the stack's output, the rest's for the parameters outside the stack)."""
         # stage 0 takes microbatch t, stage s works on microbatch t - s
         x0, ex0, _, _ = pre(params, pick(t))
         inputs = on_stages((moving[0].at[0].set(x0), jax.tree.map(lambda a, b: a.at[0].set(b), moving[1], ex0)))
         out, stats, period_inputs = forward_all(staged, inputs[0], inputs[1], stage_ids)
-        valid_f = (t - stage_ids >= 0) & (t - stage_ids < m_)
-        slot_f = (t - stage_ids) % keep
-        stash = on_stages(jax.vmap(lambda st, x, i, v: jax.tree.map(
-            lambda a, b: jnp.where(v, jax.lax.dynamic_update_index_in_dim(a, b, i, 0), a), st, x))(
-            stash, (period_inputs, inputs[1]), slot_f, valid_f))
-        stats_sum = jax.tree.map(
-            lambda acc, a: acc + jnp.where(valid_f.reshape(-1, *(1,) * (a.ndim - 1)), a.astype(jnp.float32), 0.0),
-            stats_sum, stats)
         m_head = t - (s_ - 1)
         valid_h = ((m_head >= 0) & (m_head < m_)).astype(jnp.float32)
         _, pullback, (ce, n) = jax.vjp(lambda p, h: post(p, h, pick(m_head)), params, out[s_ - 1], has_aux=True)
         d_params_post, d_h = pullback(valid_h)
-        grad_rest = add_rest(grad_rest, d_params_post)
-        sums = (sums[0] + valid_h * ce, sums[1] + valid_h * n)
-        moving = on_stages(jax.tree.map(lambda a: jnp.roll(a, 1, axis=0), (out, inputs[1])))
-        return moving, stash, grad_rest, sums, stats_sum, d_h.astype(x_shape.dtype)
+        return (out, inputs[1], stats, on_stages(period_inputs), rest_of(d_params_post), d_h.astype(x_shape.dtype),
+                valid_h * ce, valid_h * n)
 
-    def backward_phase(t, back, d_h, stash, grad_stack, grad_rest):
-        """Every stage's backward (the last stage's gradient from the loss, ``d_h``), and stage 0's input gradient
-        back through the embedding (and the dense prefix)."""
+    def backward_phase(t, back, d_h, stash, grad_stack):
+        """Every stage's backward (the last stage's gradient from the loss, ``d_h``) into its accumulator, and stage
+        0's input gradient back through the embedding (and the dense prefix); -> (the gradients moving back, the
+        accumulators, the rest's gradients)."""
+        active = t >= s_ - 1
         valid_b = (t - 2 * (s_ - 1) + stage_ids >= 0) & (t - 2 * (s_ - 1) + stage_ids < m_)
         slot_b = (t - 2 * (s_ - 1) + stage_ids) % keep
         saved = on_stages(jax.vmap(lambda st, i: jax.tree.map(
             lambda a: jax.lax.dynamic_index_in_dim(a, i, 0, False), st))(stash, slot_b))
         dy = on_stages(back.at[s_ - 1].set(d_h))
-        grad_stack, dx = backward_all(staged, jax.tree.unflatten(stack_def, grad_stack), saved[0], saved[1],
-                                      stage_ids, dy, valid_b)
+        with _active(active):
+            grad_stack, dx = backward_all(staged, jax.tree.unflatten(stack_def, grad_stack), saved[0], saved[1],
+                                          stage_ids, dy, valid_b)
         grad_stack = stack_sharded(jax.tree.leaves(grad_stack))
         m_first = t - 2 * (s_ - 1)
         valid_0 = ((m_first >= 0) & (m_first < m_)).astype(dx.dtype)
-        _, pre_pullback = jax.vjp(lambda p: pre(p, pick(m_first))[0], params)
-        (d_params_pre,) = pre_pullback(dx[0] * valid_0)
-        grad_rest = add_rest(grad_rest, d_params_pre)
-        return on_stages(jnp.roll(dx, -1, axis=0)), grad_stack, grad_rest
+
+        def embedding_backward(dx0):
+            _, pre_pullback = jax.vjp(lambda p: pre(p, pick(m_first))[0], params)
+            return rest_of(pre_pullback(dx0)[0])
+
+        return on_stages(jnp.roll(dx, -1, axis=0)), grad_stack, when(active, embedding_backward, dx[0] * valid_0)
 
     def iteration(carry, t):
         """The forward phase while microbatches enter (t < M + S - 1), the backward phase once the first one
         reached the loss (t >= S - 1): the same branch on every device, so the fill carries no backward and the
         drain no forward."""
         moving, back, stash, grad_stack, grad_rest, sums, stats_sum = carry
-        zero_h = jnp.zeros(x_shape.shape, x_shape.dtype)
-        moving, stash, grad_rest, sums, stats_sum, d_h = jax.lax.cond(
-            t < m_ + s_ - 1, forward_phase,
-            lambda t, moving, stash, grad_rest, sums, stats_sum: (moving, stash, grad_rest, sums, stats_sum, zero_h),
-            t, moving, stash, grad_rest, sums, stats_sum)
-        back, grad_stack, grad_rest = jax.lax.cond(
-            t >= s_ - 1, backward_phase, lambda t, back, d_h, stash, grad_stack, grad_rest: (back, grad_stack,
-                                                                                             grad_rest),
-            t, back, d_h, stash, grad_stack, grad_rest)
-        return (moving, back, stash, grad_stack, grad_rest, sums, stats_sum), None
+        out, ex, stats, period_inputs, d_post, d_h, ce, n = when(t < m_ + s_ - 1, forward_phase, t, moving)
+        valid_f = (t - stage_ids >= 0) & (t - stage_ids < m_)
+        slot_f = (t - stage_ids) % keep
+        stash = on_stages(jax.vmap(lambda st, x, i, v: jax.tree.map(
+            lambda a, b: jnp.where(v, jax.lax.dynamic_update_index_in_dim(a, b, i, 0), a), st, x))(
+            stash, (period_inputs, ex), slot_f, valid_f))
+        stats_sum = jax.tree.map(
+            lambda acc, a: acc + jnp.where(valid_f.reshape(-1, *(1,) * (a.ndim - 1)), a.astype(jnp.float32), 0.0),
+            stats_sum, stats)
+        moving = on_stages(jax.tree.map(lambda a: jnp.roll(a, 1, axis=0), (out, ex)))
+        back, grad_stack, d_pre = backward_phase(t, back, d_h, stash, grad_stack)
+        grad_rest = add_rest(add_rest(grad_rest, d_post), d_pre)
+        return (moving, back, stash, grad_stack, grad_rest, (sums[0] + ce, sums[1] + n), stats_sum), None
 
     start = (on_stages((zeros(x_shape, (s_,)), zeros(ex_shape, (s_,)))), on_stages(zeros(x_shape, (s_,))),
              on_stages((zeros(x_shape, (s_, keep, per)), zeros(ex_shape, (s_, keep)))),
