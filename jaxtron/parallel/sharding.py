@@ -178,6 +178,34 @@ def constrain_stages(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
     return constrain(x, ("stages", *middle, *names))
 
 
+def row_groups(params: Any, sizes: Mapping[str, int]) -> tuple[str, ...]:
+    """The leading mesh axes of ``activation_batch`` (those of one device or more, up to the first that also splits
+    a parameter) on a mesh of ``sizes``: each device's rows along them form a group whose weight gradients need no
+    sum with the others' until the step's end (``training/step.py``, ``training/one_f_one_b.py``)."""
+    used = {a for v in jax.tree.leaves(params, is_leaf=_is_variable) if _is_variable(v)
+            for axes in logical_to_spec(logical_names(v)) if axes is not None
+            for a in ((axes,) if isinstance(axes, str) else axes)}
+    out = []
+    for axis in spec_axes(logical_to_spec(("activation_batch",)), 0):
+        if sizes.get(axis, 1) == 1:
+            continue
+        if axis in used:
+            break
+        out.append(axis)
+    return tuple(out)
+
+
+def constrain_groups(x: jax.Array, groups: Sequence[str], names: Sequence[str | None]) -> jax.Array:
+    """Constrains a [groups, *names] array: its first dimension over the mesh axes ``groups``, the others as their
+    logical ``names`` say (no-op without a mesh)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return x
+    with axes_taken(groups):
+        rest = logical_to_spec(names)
+    return jax.lax.with_sharding_constraint(x, PartitionSpec(tuple(groups) or None, *rest))
+
+
 def constrain_stage_groups(x: jax.Array, groups: Sequence[str], names: Sequence[str | None]) -> jax.Array:
     """Constrains a [stages, groups, ..., *names] array: its first dimension over the mesh axes of ``stages``,
     its second over the mesh axes ``groups`` (rows that a vmap keeps apart, see ``axes_taken``), its last ones as
@@ -234,7 +262,8 @@ def optimizer_spec(names: Sequence[str | None], shape: Sequence[int], sizes: Map
         fits = [d for d in range(len(shape)) if piece[d] % ways == 0]
         if not fits:
             continue
-        best = max(fits, key=lambda d: (names[d] not in _STACKED, not spec[d], piece[d]))
+        cut = [any(sizes.get(a, 1) > 1 for a in axes) for axes in spec]
+        best = max(fits, key=lambda d: (names[d] not in _STACKED, not cut[d], piece[d]))
         spec[best] += (axis,)
         used.add(axis)
     return PartitionSpec(*(None if not axes else axes[0] if len(axes) == 1 else axes for axes in spec))

@@ -89,22 +89,32 @@ def fsdp_time(shape: StepShape, params: tuple[Param, ...], coll: Collectives) ->
             + coll.ring("all-reduce", "fsdp", 4.0 * replicated, micro))
 
 
-def data_time(shape: StepShape, params: tuple[Param, ...], coll: Collectives, distributed: bool = False) -> float:
+def data_time(cfg: Config, shape: StepShape, params: tuple[Param, ...], coll: Collectives) -> float:
     """The gradient sums over the axes that split the batch's tokens but not (all) the parameters; under the
-    distributed optimizer (``distributed``) a reduce-scatter per microbatch and one all-gather of the updated
-    weights, which move what the all-reduce would in one microbatch."""
-    # they sum the gradients of what they do not shard, in one all-reduce over all of them: every parameter over
-    # ``data`` and ``sequence`` (the tokens of a row; no parameter is split over it), and over ``expert`` too
-    # where it is not an expert's
+    distributed optimizer (``optimizer.distributed``) reduce-scatters and one all-gather of the updated weights,
+    which move what the all-reduces would in one microbatch.
+
+    How often: a dense model without a pipeline sums once a step whatever its microbatches (each device's rows
+    accumulate apart, ``training/step.py``), and so does the 1F1B schedule for the staged weights (the rest's
+    gradients, the embedding's and the head's, are summed as each microbatch's head and embedding backward run);
+    otherwise once per accumulation microbatch."""
+    once = not (shape.pipelined or shape.moe_layers or shape.outside_moe_layers or cfg.model.mtp.depth)
+    distributed = cfg.optimizer.distributed
     grad_sync = 0.0
     for expert_owned in (False, True):
         axes = ("data", "sequence") if expert_owned else ("data", "sequence", "expert")
-        over = sum(p.shard_elements(shape.mesh) for p in params if ("experts" in p.names) == expert_owned)
-        if distributed:  # reduce-scattered onto the moments' shards, and the updated weights gathered once
-            grad_sync += (coll.ring("reduce-scatter", axes, 4.0 * over, shape.microbatches)
-                          + coll.ring("all-gather", axes, 4.0 * over, 1))
-        else:
-            grad_sync += coll.ring("all-reduce", axes, 4.0 * over, shape.microbatches)
+        for staged in (False, True):
+            over = sum(p.shard_elements(shape.mesh) for p in params
+                       if ("experts" in p.names) == expert_owned and p.staged == staged)
+            if shape.schedule == "1f1b":
+                times = 1 if staged else 2 * shape.in_flight
+            else:
+                times = 1 if once else shape.microbatches
+            if distributed:  # reduce-scattered onto the moments' shards, and the updated weights gathered once
+                grad_sync += (coll.ring("reduce-scatter", axes, 4.0 * over, times)
+                              + coll.ring("all-gather", axes, 4.0 * over, 1))
+            else:
+                grad_sync += coll.ring("all-reduce", axes, 4.0 * over, times)
     if shape.spread > 1:  # the stages' gradients of what they all hold (embedding, head, blocks outside) are summed
         unstaged = sum(p.shard_elements(shape.mesh) for p in params if not p.staged)
         grad_sync += coll.ring("all-reduce", "pipeline", 4.0 * unstaged, shape.microbatches)
@@ -171,7 +181,7 @@ def communication_time(cfg: Config, shape: StepShape, block: BlockValues, params
     """(seconds per step by communication term, bytes per step and device by collective kind)."""
     coll = Collectives(shape.mesh, gpu)
     time = {"fsdp_comm": fsdp_time(shape, params, coll),
-            "data_comm": data_time(shape, params, coll, cfg.optimizer.distributed),
+            "data_comm": data_time(cfg, shape, params, coll),
             "tensor_comm": tensor_time(shape, block, coll),
             "sequence_comm": sequence_time(cfg, shape, block, coll),
             "expert_comm": expert_time(shape, block, coll),

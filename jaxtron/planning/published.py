@@ -21,6 +21,7 @@ from jaxtron.config.schema import MESH_AXES, Config
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 KEMPNERFORGE = "KempnerForge MFU scaling report, 2026-04-05"
+KEMPNERFORGE_STACK = "KempnerForge"
 _MODELS = {  # name -> (config, model overrides)
     "7B": ("llama3_8b", ()),
     "13B": ("llama3_8b", (("model.embed_dim", "5120"), ("model.num_layers", "40"),
@@ -42,6 +43,7 @@ class Run:
     gpus_per_node: int = 4
     seq_len: int = 4096
     source: str = KEMPNERFORGE
+    stack: str = KEMPNERFORGE_STACK
 
     @property
     def gpus(self) -> int:
@@ -68,6 +70,78 @@ class Run:
             ("execution.remat", "full"), ("train.global_batch_size", str(rows * microbatches * ranks)),
             ("train.microbatches", str(microbatches)), ("model.max_seq_len", str(max(self.seq_len, 8192)))])
 
+
+MEGATRON = "Megatron"
+_MEGATRON_CORE = "Megatron-Core README, weak scaling on H100"
+
+
+@dataclasses.dataclass(frozen=True)
+class MegatronRun:
+    """A Megatron run: a GPT (f = 4h, MHA) or Llama shape, TFLOP/s per GPU as Megatron counts them (model FLOPs of
+    Narayanan et al., non-causal, no recompute), turned into tokens/s; micro-batches of one row, a 1F1B pipeline
+    over all of a data-parallel rank's rows where there is one, the distributed optimizer."""
+
+    number: str
+    model: str
+    mesh: tuple[tuple[str, int], ...]
+    tflops: float  # per GPU, as published
+    batch: int  # global batch (rows)
+    fit: bool
+    base: str = "gpt3_175b"  # the config the shape overrides
+    shape: tuple[tuple[str, str], ...] = ()
+    seq_len: int = 4096
+    gpu: str = "h100"
+    gpus_per_node: int = 8
+    source: str = _MEGATRON_CORE
+    stack: str = MEGATRON
+
+    gpus = Run.gpus
+    sizes = Run.sizes
+    layout = Run.layout
+
+    def config(self) -> Config:
+        pipelined = self.sizes["pipeline"] > 1
+        ranks = self.gpus // (self.sizes["tensor"] * self.sizes["pipeline"] * self.sizes["sequence"])
+        rows = self.batch // ranks
+        schedule = [("pipeline.schedule", "1f1b"), ("pipeline.microbatches", str(rows)),
+                    ("pipeline.uneven_stages", "true")] if pipelined else [("train.microbatches", str(rows))]
+        return load_config(os.path.join(REPO, "configs", f"{self.base}.py"), [
+            *self.shape, ("data.seq_len", str(self.seq_len)), ("model.max_seq_len", str(max(self.seq_len, 2048))),
+            ("execution.dtype", "bfloat16"), ("execution.remat", "full" if pipelined else "save_dots"),
+            ("train.global_batch_size", str(self.batch)), ("optimizer.distributed", "true"), *schedule])
+
+    @property
+    def tokens_per_s(self) -> float:
+        from jaxtron.metrics.flops import narayanan_flops_per_batch
+
+        model = self.config().model
+        per_token = narayanan_flops_per_batch(1, self.seq_len, model.num_layers, model.embed_dim, model.vocab_size,
+                                              recompute=False) / self.seq_len
+        return self.tflops * 1e12 * self.gpus / per_token
+
+
+def _gpt(hidden: int, heads: int, layers: int) -> tuple[tuple[str, str], ...]:
+    return (("model.embed_dim", str(hidden)), ("model.num_layers", str(layers)), ("model.mlp_dim", str(4 * hidden)),
+            ("model.attention.num_heads", str(heads)), ("model.attention.num_kv_heads", str(heads)),
+            ("model.attention.head_dim", str(hidden // heads)), ("model.vocab_size", "131072"),
+            ("model.tie_embeddings", "false"))
+
+
+# Megatron's H100 runs: Megatron-Core's weak-scaling table (``../shared/REFERENCES.md``; 48 data-parallel ranks
+# each) and its GPT-3 175B and Llama-3.1 405B figures; every other one is held out from the fit
+MEGATRON_RUNS = (
+    MegatronRun("M1", "1.7B", (("data", 48),), 408.8, 192, fit=True, shape=_gpt(2048, 16, 24)),
+    MegatronRun("M2", "7.1B", (("data", 48), ("tensor", 2)), 465.9, 192, fit=False, shape=_gpt(4096, 32, 30)),
+    MegatronRun("M3", "16B", (("data", 48), ("tensor", 4)), 489.1, 192, fit=True, shape=_gpt(6144, 48, 32)),
+    MegatronRun("M4", "70B", (("pipeline", 2), ("data", 48), ("tensor", 8)), 419.7, 384, fit=False,
+                shape=_gpt(8192, 64, 84)),
+    MegatronRun("M5", "462B", (("pipeline", 16), ("data", 48), ("tensor", 8)), 459.9, 3072, fit=True,
+                shape=_gpt(18432, 144, 112)),
+    MegatronRun("M6", "GPT-3 175B", (("pipeline", 8), ("data", 4), ("tensor", 4)), 390.0, 1536, fit=False,
+                seq_len=2048, source="Megatron-LM, GPT-3 175B on 128 H100s"),
+    MegatronRun("M7", "Llama-3.1 405B", (("pipeline", 8), ("data", 8), ("sequence", 2), ("tensor", 8)), 400.0,
+                1024, fit=False, base="llama3_405b", seq_len=8192, source="Megatron-LM, Llama-3.1 405B"),
+)
 
 # the report's 14 runs; every other one (by its number) is held out from the fit
 RUNS = (

@@ -45,11 +45,13 @@ from jaxtron.parallel.sharding import (
     axes_taken,
     constrain,
     constrain_gradient,
+    constrain_groups,
     constrain_leading,
     constrain_stage_groups,
     constrain_stages,
     logical_names,
     logical_to_spec,
+    row_groups,
     spec_axes,
 )
 from jaxtron.parallel.stages import identity_slots
@@ -186,10 +188,23 @@ def gradients(setup, params: Any, batch: Batch, loss_sums: Callable, moe_metrics
     # (their balancing losses couple the rows of a microbatch)
     is_var = lambda x: isinstance(x, nnx.Variable)
     stack_names = [logical_names(v)[1:] for v in jax.tree.leaves(periods_0, is_leaf=is_var)]
-    weight_axes = {a for names in stack_names for d in range(len(names)) for a in spec_axes(logical_to_spec(names), d)}
-    groups = () if mesh.empty or stats_shape else tuple(
-        a for a in spec_axes(logical_to_spec(("activation_batch",)), 0) if a not in weight_axes and mesh.shape[a] > 1)
+    groups = () if mesh.empty or stats_shape else row_groups(params, dict(mesh.shape))
     g_ = int(np.prod([mesh.shape[a] for a in groups])) if groups else 1
+
+    def split(a, axis=0):
+        """[..., b, ...] -> [G, ..., b / G, ...]: each group's rows (the rows' dimension at ``axis``)."""
+        return jnp.moveaxis(a.reshape(*a.shape[:axis], g_, a.shape[axis] // g_, *a.shape[axis + 1:]), axis, 0)
+
+    def by_groups(fn, in_axes, *args):
+        """``fn`` on each group of rows apart (a vmap over the groups, spmd over their mesh axes); one group: ``fn``
+        with a leading dimension of one added to what it returns."""
+        if g_ == 1:
+            return jax.tree.map(lambda a: a[None], fn(*args))
+        args = [a if axis is None else jax.tree.map(lambda x, axis=axis: split(x, axis), a)
+                for a, axis in zip(args, in_axes)]
+        with axes_taken(groups):
+            return jax.vmap(fn, in_axes=tuple(None if axis is None else 0 for axis in in_axes),
+                            spmd_axis_name=groups)(*args)
 
     def backward_one(stack_s, acc, inputs, ex, s, dy, valid):
         """The stage's backward, period by period from the last: each period's forward recomputed from its kept
@@ -215,8 +230,6 @@ def gradients(setup, params: Any, batch: Batch, loss_sums: Callable, moe_metrics
         if g_ == 1:
             acc, dx = backward_one(stack_s, jax.tree.map(lambda a: a[0], acc), inputs, ex, s, dy, valid)
             return jax.tree.map(lambda a: a[None], acc), dx
-        split = lambda a, axis: jnp.moveaxis(a.reshape(*a.shape[:axis], g_, a.shape[axis] // g_,
-                                                       *a.shape[axis + 1:]), axis, 0)
         with axes_taken(groups):
             acc, dx = jax.vmap(backward_one, in_axes=(None, 0, 0, 0, None, 0, None), spmd_axis_name=groups)(
                 stack_s, acc, split(inputs, 1), jax.tree.map(lambda a: split(a, 0), ex), s, split(dy, 0), valid)
@@ -247,17 +260,29 @@ def gradients(setup, params: Any, batch: Batch, loss_sums: Callable, moe_metrics
     params_def = jax.tree.structure(params)
 
     def rest_sharded(leaves):
-        return [a if staged_leaf else constrain_gradient(a, names, setup.distributed_optimizer)
+        """The rest's accumulators [G, ...], one per group of rows (their sum over the groups waits for the end)."""
+        return [a if staged_leaf else constrain_groups(a, groups, names)
                 for a, names, staged_leaf in zip(leaves, param_names, in_stack)]
 
     def stack_sharded(leaves):
         return [constrain_stage_groups(a, groups, names) for a, names in zip(leaves, stack_names)]
 
-    def rest_of(d):
-        """The gradients ``d`` (a parameters tree) of the parameters outside the stack, as ``grad_rest`` holds
-        them (a scalar zero for each staged one)."""
-        return [jnp.zeros((), jnp.float32) if staged_leaf else a.astype(jnp.float32)
-                for a, staged_leaf in zip(jax.tree.leaves(d), in_stack)]
+    # the head's and the embedding's backward differentiate the parameters outside the stack only (a gradient for
+    # the stack, zeros, would be made whole and carried through the groups' vmap)
+    param_leaves = jax.tree.leaves(params)
+    rest_leaves = [a for a, staged_leaf in zip(param_leaves, in_stack) if not staged_leaf]
+
+    def with_rest(rest):
+        """The parameters with ``rest`` in place of those outside the stack."""
+        it = iter(rest)
+        return jax.tree.unflatten(params_def, [a if staged_leaf else next(it)
+                                               for a, staged_leaf in zip(param_leaves, in_stack)])
+
+    def rest_of(d_rest):
+        """The gradients ``d_rest`` of the parameters outside the stack, as ``grad_rest`` holds them (a zero for each
+        staged one; [G] with the groups' dimension)."""
+        it = iter(d_rest)
+        return [jnp.zeros((), jnp.float32) if staged_leaf else next(it).astype(jnp.float32) for staged_leaf in in_stack]
 
     def add_rest(acc, d):
         return rest_sharded([g + a for g, a in zip(acc, d)])
@@ -280,10 +305,15 @@ def gradients(setup, params: Any, batch: Batch, loss_sums: Callable, moe_metrics
         out, stats, period_inputs = forward_all(staged, inputs[0], inputs[1], stage_ids)
         m_head = t - (s_ - 1)
         valid_h = ((m_head >= 0) & (m_head < m_)).astype(jnp.float32)
-        _, pullback, (ce, n) = jax.vjp(lambda p, h: post(p, h, pick(m_head)), params, out[s_ - 1], has_aux=True)
-        d_params_post, d_h = pullback(valid_h)
-        return (out, inputs[1], stats, on_stages(period_inputs), rest_of(d_params_post), d_h.astype(x_shape.dtype),
-                valid_h * ce, valid_h * n)
+
+        def head(h, mb):
+            _, pullback, (ce, n) = jax.vjp(lambda r, h: post(with_rest(r), h, mb), rest_leaves, h, has_aux=True)
+            d_rest, d_h = pullback(valid_h)
+            return rest_of(d_rest), d_h.astype(x_shape.dtype), valid_h * ce, valid_h * n
+
+        d_post, d_h, ce, n = by_groups(head, (0, 0), out[s_ - 1], pick(m_head))
+        d_h = d_h.reshape(x_shape.shape)  # the groups' rows back in place
+        return out, inputs[1], stats, on_stages(period_inputs), d_post, d_h, jnp.sum(ce), jnp.sum(n)
 
     def backward_phase(t, back, d_h, stash, grad_stack):
         """Every stage's backward (the last stage's gradient from the loss, ``d_h``) into its accumulator, and stage
@@ -302,11 +332,13 @@ def gradients(setup, params: Any, batch: Batch, loss_sums: Callable, moe_metrics
         m_first = t - 2 * (s_ - 1)
         valid_0 = ((m_first >= 0) & (m_first < m_)).astype(dx.dtype)
 
-        def embedding_backward(dx0):
-            _, pre_pullback = jax.vjp(lambda p: pre(p, pick(m_first))[0], params)
+        def embedding_backward(dx0, mb):
+            _, pre_pullback = jax.vjp(lambda r: pre(with_rest(r), mb)[0], rest_leaves)
             return rest_of(pre_pullback(dx0)[0])
 
-        return on_stages(jnp.roll(dx, -1, axis=0)), grad_stack, when(active, embedding_backward, dx[0] * valid_0)
+        d_pre = when(active, lambda dx0, mb: by_groups(embedding_backward, (0, 0), dx0, mb), dx[0] * valid_0,
+                     pick(m_first))
+        return on_stages(jnp.roll(dx, -1, axis=0)), grad_stack, d_pre
 
     def iteration(carry, t):
         """The forward phase while microbatches enter (t < M + S - 1), the backward phase once the first one
@@ -330,7 +362,7 @@ def gradients(setup, params: Any, batch: Batch, loss_sums: Callable, moe_metrics
     start = (on_stages((zeros(x_shape, (s_,)), zeros(ex_shape, (s_,)))), on_stages(zeros(x_shape, (s_,))),
              on_stages((zeros(x_shape, (s_, keep, per)), zeros(ex_shape, (s_, keep)))),
              stack_sharded([jnp.zeros((s_, g_, *a.shape[1:]), jnp.float32) for a in jax.tree.leaves(staged)]),
-             rest_sharded([jnp.zeros(() if staged_leaf else a.shape, jnp.float32)
+             rest_sharded([jnp.zeros((g_,) if staged_leaf else (g_, *a.shape), jnp.float32)
                            for a, staged_leaf in zip(jax.tree.leaves(params), in_stack)]),
              (jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32)),
              jax.tree.map(lambda a: jnp.zeros((s_, *a.shape), jnp.float32), stats_shape))
@@ -338,11 +370,11 @@ def gradients(setup, params: Any, batch: Batch, loss_sums: Callable, moe_metrics
         iteration, start, jnp.arange(m_ + 2 * (s_ - 1)))
     # the groups' sums, reduce-scattered onto the distributed optimizer's shards where it runs
     grad_stack = jax.tree.unflatten(stack_def, [
-        constrain_gradient(jnp.sum(g, axis=1), ("stages", None, *names), setup.distributed_optimizer)
+        constrain_gradient(jnp.sum(g, axis=1), ("stages", "layers", *names), setup.distributed_optimizer)
         for g, names in zip(grad_stack, stack_names)])
     (d_from_stack,) = to_params(jax.tree.map(lambda g, a: g.reshape(a.shape).astype(a.dtype), grad_stack, periods_0))
     grads = jax.tree.unflatten(params_def, [
-        (a.astype(jnp.float32) + (0.0 if staged_leaf else b)).astype(p.dtype)
+        (a.astype(jnp.float32) + (0.0 if staged_leaf else jnp.sum(b, axis=0))).astype(p.dtype)
         for a, b, p, staged_leaf in zip(jax.tree.leaves(d_from_stack), grad_rest, jax.tree.leaves(params), in_stack)])
     real = np.nonzero(~np.asarray(identity_slots(stack_size - schedule.pads, s_, 1)).reshape(-1))[0]
     stats = jax.tree.map(lambda a: (a / m_).reshape(s_ * per, *a.shape[2:])[real], stats_sum)

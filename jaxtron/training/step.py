@@ -15,7 +15,16 @@ import optax
 from flax import nnx
 
 from jaxtron.models.transformer import logits_of
-from jaxtron.parallel.sharding import BATCH_AXES, constrain, constrain_optimizer, constrain_params
+from jaxtron.parallel.sharding import (
+    BATCH_AXES,
+    axes_taken,
+    constrain,
+    constrain_groups,
+    constrain_optimizer,
+    constrain_params,
+    logical_names,
+    row_groups,
+)
 from jaxtron.training import one_f_one_b
 from jaxtron.training.optimizer import schedule_count
 from jaxtron.training.pipeline import split_rows
@@ -143,8 +152,17 @@ def gradients(setup: Setup, params: Any, batch: Batch):
         (_, (ce_sum, count, moe)), grads = grad_fn(params, batch=batch)
         return grads, ce_sum, count, moe
 
-    # the distributed optimizer's accumulator holds only its shard of the sums: each microbatch's gradients are
-    # reduce-scattered onto it rather than all-reduced
+    micro_batches = split_microbatches(batch, microbatches)
+    first = jax.tree.map(lambda a: a[0], micro_batches)
+    (_, sums), grads = jax.eval_shape(lambda: grad_fn(params, batch=first))
+    mesh = jax.sharding.get_abstract_mesh()
+    # a dense model without a pipeline sums its gradients over the data-parallel rows once a step: each device's
+    # rows are a group of their own (a vmap over the groups, spmd over the mesh axes that split the rows and no
+    # weight), each group accumulating its own sums (``row_groups``). Otherwise every microbatch's gradients are
+    # summed (the distributed optimizer's accumulator holding only its shard: reduce-scattered onto it)
+    groups = () if mesh.empty or sums[2] or setup.stack_runner is not None else row_groups(params, dict(mesh.shape))
+    if groups:
+        return _grouped_accumulation(grad_fn, params, micro_batches, grads, groups, microbatches)
     shard = constrain_optimizer if setup.distributed_optimizer else (lambda tree: tree)
 
     def body(carry, micro):
@@ -152,13 +170,37 @@ def gradients(setup: Setup, params: Any, batch: Batch):
         (_, sums), grads = grad_fn(params, batch=micro)
         return jax.tree.map(jnp.add, carry, (shard(grads), *sums)), None
 
-    micro_batches = split_microbatches(batch, microbatches)
-    first = jax.tree.map(lambda a: a[0], micro_batches)
-    (_, sums), grads = jax.eval_shape(lambda: grad_fn(params, batch=first))
     init = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), (grads, *sums))
     init = (shard(init[0]), *init[1:])
     (grads, ce_sum, count, moe), _ = jax.lax.scan(body, init, micro_batches)
     return grads, ce_sum, count, jax.tree.map(lambda a: a / microbatches, moe)
+
+
+def _grouped_accumulation(grad_fn, params: Any, micro_batches: Batch, grads_shape: Any, groups: tuple[str, ...],
+                          microbatches: int):
+    """``gradients``' accumulation with each group of rows apart (``row_groups``): -> the same four values."""
+    mesh = jax.sharding.get_abstract_mesh()
+    g_ = int(np.prod([mesh.shape[a] for a in groups]))
+    names = [logical_names(v) for v in jax.tree.leaves(grads_shape, is_leaf=lambda x: isinstance(x, nnx.Variable))]
+    treedef = jax.tree.structure(grads_shape)
+
+    def grouped(leaves):
+        return [constrain_groups(a, groups, n) for a, n in zip(leaves, names)]
+
+    def body(carry, micro):
+        micro = {k: constrain(v, BATCH_AXES) for k, v in micro.items()}
+        split = jax.tree.map(lambda a: a.reshape(g_, a.shape[0] // g_, *a.shape[1:]), micro)
+        with axes_taken(groups):
+            (_, (ce, count, _)), grads = jax.vmap(lambda mb: grad_fn(params, batch=mb), spmd_axis_name=groups)(split)
+        acc, ce_sum, n_sum = carry
+        acc = grouped([a + g.astype(a.dtype) for a, g in zip(acc, jax.tree.leaves(grads))])
+        return (acc, ce_sum + jnp.sum(ce), n_sum + jnp.sum(count)), None
+
+    zero = jnp.zeros((), jnp.float32)
+    init = (grouped([jnp.zeros((g_, *a.shape), a.dtype) for a in jax.tree.leaves(grads_shape)]), zero, zero)
+    (acc, ce_sum, count), _ = jax.lax.scan(body, init, micro_batches)
+    grads = jax.tree.unflatten(treedef, [jnp.sum(a, axis=0) for a in acc])  # the one sum over the groups
+    return grads, ce_sum, count, {}
 
 
 def all_finite(tree: Any) -> jax.Array:
