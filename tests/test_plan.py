@@ -355,6 +355,21 @@ def test_the_distributed_optimizer_is_priced_and_offered_where_weights_are_repli
     assert not search.best_for_mesh(cfg, dict(sizes, data=1, fsdp=4), H100).estimate.distributed_optimizer
 
 
+@pytest.mark.slow
+def test_accumulation_sums_the_data_parallel_gradients_once_a_step():
+    """A dense model on data=8: four accumulation microbatches sum their gradients over data once, as one does
+    (each device's rows accumulate apart, training/step.py), and the planner counts them so."""
+    compiled, estimated = {}, {}
+    for k in (1, 4):
+        cfg = tiny_config(dict(data=8), train=dict(global_batch_size=32, microbatches=k))
+        compiled[k] = dry_run(cfg).collectives["all-reduce"]["bytes"]
+        estimated[k] = estimate(cfg, check_devices(cfg, 8), H100, cpu_program=True).collectives["all-reduce"]
+    params = sum(p.shard_elements(dict(data=8)) for p in parameters(tiny_config().model))
+    assert compiled[1] >= 4 * params  # the float32 gradients, once
+    assert compiled[4] < 1.1 * compiled[1]  # not four times
+    assert estimated[4] == pytest.approx(estimated[1]) == pytest.approx(4 * params, rel=0.01)
+
+
 def test_dominant_term_follows_the_bottleneck():
     cfg = _config("llama3_8b")
     sizes = dict(data=1, fsdp=16, sequence=1, expert=1, tensor=1)

@@ -94,11 +94,12 @@ def data_time(cfg: Config, shape: StepShape, params: tuple[Param, ...], coll: Co
     distributed optimizer (``optimizer.distributed``) reduce-scatters and one all-gather of the updated weights,
     which move what the all-reduces would in one microbatch.
 
-    How often: a dense model without a pipeline sums once a step whatever its microbatches (each device's rows
-    accumulate apart, ``training/step.py``), and so does the 1F1B schedule for the staged weights (the rest's
-    gradients, the embedding's and the head's, are summed as each microbatch's head and embedding backward run);
-    otherwise once per accumulation microbatch."""
-    once = not (shape.pipelined or shape.moe_layers or shape.outside_moe_layers or cfg.model.mtp.depth)
+    How often: a dense model sums once a step, without a pipeline whatever its microbatches and under the 1F1B
+    schedule whatever its pipeline microbatches (each device's rows accumulate apart, ``training/step.py``,
+    ``training/one_f_one_b.py``); an MoE model's 1F1B stages sum as each microbatch's backward runs, its head and
+    embedding as each microbatch's head and embedding backward run; otherwise once per accumulation microbatch."""
+    dense = not (shape.moe_layers or shape.outside_moe_layers)
+    once = dense and not (shape.pipelined or cfg.model.mtp.depth)
     distributed = cfg.optimizer.distributed
     grad_sync = 0.0
     for expert_owned in (False, True):
@@ -107,7 +108,7 @@ def data_time(cfg: Config, shape: StepShape, params: tuple[Param, ...], coll: Co
             over = sum(p.shard_elements(shape.mesh) for p in params
                        if ("experts" in p.names) == expert_owned and p.staged == staged)
             if shape.schedule == "1f1b":
-                times = 1 if staged else 2 * shape.in_flight
+                times = 1 if dense else shape.in_flight * (1 if staged else 2)
             else:
                 times = 1 if once else shape.microbatches
             if distributed:  # reduce-scattered onto the moments' shards, and the updated weights gathered once
