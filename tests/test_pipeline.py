@@ -312,8 +312,9 @@ def test_deepseek_trains_pipelined_like_one_device(tmp_path):
 
 ONE_F_ONE_B = {  # name -> (mesh, pipeline microbatches, model)
     "pipeline2_sequence2_tensor2": (dict(pipeline=2, fsdp=1, sequence=2, tensor=2), 4, BASE["model"]),
-    # data parallel: a stage's backward runs each device's rows apart, their weight gradients summed after the loop
-    "pipeline2_data2_tensor2": (dict(pipeline=2, data=2, tensor=2), 4, BASE["model"]),
+    # data parallel with fsdp gathered once a step (pipeline.fsdp_gather='step'): a stage's backward runs each
+    # device's rows apart, their weight gradients summed after the loop
+    "pipeline2_data2_fsdp2_gather_once": (dict(pipeline=2, data=2, fsdp=2), 4, BASE["model"]),
     # MoE blocks with their experts over their own axis, and the DeepSeek-style model: latent attention, a dense
     # first block run before the schedule, three MoE blocks on two stages (an uneven split: one identity block),
     # the balancing bias (without the prediction module, which the 1F1B schedule does not run yet;
@@ -331,7 +332,7 @@ def _deepseek_style():
 @pytest.mark.slow
 @pytest.mark.parametrize("name", [
     pytest.param("pipeline2_sequence2_tensor2", marks=pytest.mark.xdist_group("one_device")),
-    pytest.param("pipeline2_data2_tensor2", marks=pytest.mark.xdist_group("one_device")),
+    pytest.param("pipeline2_data2_fsdp2_gather_once", marks=pytest.mark.xdist_group("one_device")),
     pytest.param("moe_pipeline2_fsdp2_expert2", marks=pytest.mark.xdist_group("moe_one_device")),
     "deepseek_pipeline2_fsdp2_expert2_uneven"])
 def test_the_1f1b_schedule_trains_like_one_device(name, tmp_path, request):
@@ -345,7 +346,8 @@ def test_the_1f1b_schedule_trains_like_one_device(name, tmp_path, request):
         mesh, microbatches, model = ONE_F_ONE_B[name]
         extra = dict(train=dict(global_batch_size=16))
     distributed = dict(optimizer=dict(distributed=True)) if name.startswith("moe") else {}
-    uneven = dict(uneven_stages=True) if name.endswith("uneven") else {}
+    schedule = dict(uneven_stages=True) if name.endswith("uneven") else \
+        dict(fsdp_gather="step") if name.endswith("gather_once") else {}
     if name.startswith("moe"):  # the fill-drain test's reference: the same model, batch and microbatches
         ref = request.getfixturevalue("moe_one_device")
     elif name.startswith("pipeline"):  # the dense model's one-device run, as the fill-drain meshes are checked
@@ -353,7 +355,7 @@ def test_the_1f1b_schedule_trains_like_one_device(name, tmp_path, request):
     else:
         ref = run(tiny_config(dict(fsdp=1), model=model, pipeline=dict(microbatches=microbatches), **extra),
                   str(tmp_path / "one"), use_tqdm=False, devices=jax.devices()[:1])
-    got = run(tiny_config(mesh, model=model, pipeline=dict(microbatches=microbatches, schedule="1f1b", **uneven),
+    got = run(tiny_config(mesh, model=model, pipeline=dict(microbatches=microbatches, schedule="1f1b", **schedule),
                           **extra, **distributed), str(tmp_path / "pipe"), use_tqdm=False)
     if distributed:
         mu = optax.tree_utils.tree_get(got.state.opt_state, "mu")["layers"]["attn"]["wq"].get_value()

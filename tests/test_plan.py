@@ -370,6 +370,24 @@ def test_accumulation_sums_the_data_parallel_gradients_once_a_step():
     assert estimated[4] == pytest.approx(estimated[1]) == pytest.approx(4 * params, rel=0.01)
 
 
+def test_a_stage_gathered_over_fsdp_once_a_step_is_priced():
+    """pipeline.fsdp_gather='step' (1F1B, Llama-3 8B on pipeline=2 fsdp=4, 8 microbatches): the stage's float32
+    weights and its gradient accumulator whole over fsdp (8 bytes per weight of the stage), one gather and one
+    reduce-scatter of them a step instead of some in every iteration."""
+    import dataclasses as dc
+
+    cfg = _config("llama3_8b", **{"pipeline.schedule": "1f1b", "train.global_batch_size": "32"})
+    sizes = dict(pipeline=2, data=1, fsdp=4, sequence=1, expert=1, tensor=1)
+    every, once = (estimate(dc.replace(cfg, pipeline=dc.replace(cfg.pipeline, fsdp_gather=g)), sizes, H100,
+                            pipeline_microbatches=8) for g in ("iteration", "step"))
+    stage = sum(p.shard_elements(sizes, without=("fsdp",)) for p in parameters(cfg.model) if p.staged)
+    assert once.gather_once and not every.gather_once and "gathered_stage" not in every.memory
+    assert once.memory["gathered_stage"] == 8 * stage
+    assert once.collectives["all-gather"] < 0.5 * every.collectives["all-gather"]
+    assert once.collectives["reduce-scatter"] < 0.2 * every.collectives["reduce-scatter"]
+    assert once.time["fsdp_comm"] < 0.5 * every.time["fsdp_comm"]
+
+
 def test_dominant_term_follows_the_bottleneck():
     cfg = _config("llama3_8b")
     sizes = dict(data=1, fsdp=16, sequence=1, expert=1, tensor=1)

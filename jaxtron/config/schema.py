@@ -60,6 +60,7 @@ class MeshConfig:
 
 
 SCHEDULES = ("fill_drain", "1f1b")  # pipeline.schedule
+FSDP_GATHERS = ("iteration", "step")  # pipeline.fsdp_gather
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,9 +77,18 @@ class PipelineConfig:
     # layers (MoE: periods) that stages x virtual stages do not divide are filled up with identity layers at the
     # end of the last stage (each costs a layer's memory and compute, changes nothing the model computes)
     uneven_stages: bool = False
+    # where a stage's weights split over fsdp are gathered: 'iteration', in every iteration of the schedule (each
+    # period's as it runs; their gradients reduce-scattered as they are made), or 'step' (1F1B), once before the
+    # schedule and held whole through it (float32, with a whole gradient accumulator: one gather and one
+    # reduce-scatter a step, for 8 bytes per weight of a stage more on each device)
+    fsdp_gather: str = "iteration"
 
     def __post_init__(self):
         _choice(self.schedule, "pipeline.schedule", SCHEDULES)
+        _choice(self.fsdp_gather, "pipeline.fsdp_gather", FSDP_GATHERS)
+        _check(self.fsdp_gather == "iteration" or self.schedule == "1f1b", "pipeline.fsdp_gather",
+               f"'{self.fsdp_gather}' holds a stage's weights whole through the '1f1b' schedule; fill-drain's backward "
+               "would sum their whole gradients over fsdp in every iteration", "use pipeline.schedule='1f1b' with it")
         _non_negative(self.microbatches, "pipeline.microbatches")
         _positive(self.virtual_stages, "pipeline.virtual_stages")
         _check(self.virtual_stages == 1 or self.schedule == "fill_drain", "pipeline.virtual_stages",

@@ -178,12 +178,14 @@ def constrain_stages(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
     return constrain(x, ("stages", *middle, *names))
 
 
-def row_groups(params: Any, sizes: Mapping[str, int]) -> tuple[str, ...]:
+def row_groups(params: Any, sizes: Mapping[str, int], whole: bool = False) -> tuple[str, ...]:
     """The leading mesh axes of ``activation_batch`` (those of one device or more, up to the first that also splits
-    a parameter) on a mesh of ``sizes``: each device's rows along them form a group whose weight gradients need no
-    sum with the others' until the step's end (``training/step.py``, ``training/one_f_one_b.py``)."""
+    a parameter; with ``whole``, up to the first that splits an expert's: the weights are ``whole_over_batch``) on a
+    mesh of ``sizes``: each device's rows along them form a group whose weight gradients need no sum with the
+    others' until the step's end (``training/step.py``, ``training/one_f_one_b.py``)."""
+    spec_of = (lambda v: whole_over_batch(logical_names(v))) if whole else (lambda v: logical_to_spec(logical_names(v)))
     used = {a for v in jax.tree.leaves(params, is_leaf=_is_variable) if _is_variable(v)
-            for axes in logical_to_spec(logical_names(v)) if axes is not None
+            for axes in spec_of(v) if axes is not None
             for a in ((axes,) if isinstance(axes, str) else axes)}
     out = []
     for axis in spec_axes(logical_to_spec(("activation_batch",)), 0):
@@ -206,15 +208,39 @@ def constrain_groups(x: jax.Array, groups: Sequence[str], names: Sequence[str | 
     return jax.lax.with_sharding_constraint(x, PartitionSpec(tuple(groups) or None, *rest))
 
 
-def constrain_stage_groups(x: jax.Array, groups: Sequence[str], names: Sequence[str | None]) -> jax.Array:
+def whole_over_batch(names: Sequence[str | None]) -> PartitionSpec:
+    """The PartitionSpec of ``names`` with the axes that split the batch's rows left out of every dimension but an
+    ``experts`` one: a weight gathered over fsdp, once for a whole pipeline schedule (``pipeline.fsdp_gather``)."""
+    batch = set(spec_axes(logical_to_spec(("activation_batch",)), 0))
+    spec = logical_to_spec(names)
+    out = []
+    for d, name in enumerate(names):
+        axes = spec_axes(spec, d)
+        if name != "experts":
+            axes = tuple(a for a in axes if a not in batch)
+        out.append(None if not axes else axes[0] if len(axes) == 1 else axes)
+    return PartitionSpec(*out)
+
+
+def constrain_whole_over_batch(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
+    """Constrains ``x`` to ``whole_over_batch(names)`` (no-op without a mesh)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return x
+    return jax.lax.with_sharding_constraint(x, whole_over_batch(names))
+
+
+def constrain_stage_groups(x: jax.Array, groups: Sequence[str], names: Sequence[str | None],
+                           whole: bool = False) -> jax.Array:
     """Constrains a [stages, groups, ..., *names] array: its first dimension over the mesh axes of ``stages``,
     its second over the mesh axes ``groups`` (rows that a vmap keeps apart, see ``axes_taken``), its last ones as
-    their logical ``names`` say, those between whole (no-op without a mesh)."""
+    their logical ``names`` say (``whole``: ``whole_over_batch``), those between whole (no-op without a mesh)."""
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty:
         return x
     with axes_taken(groups):
-        rest = logical_to_spec((*(None,) * (x.ndim - 2 - len(names)), *names))
+        middle = (None,) * (x.ndim - 2 - len(names))
+        rest = PartitionSpec(*middle, *whole_over_batch(names)) if whole else logical_to_spec((*middle, *names))
     stages = logical_to_spec(("stages",))[0]
     return jax.lax.with_sharding_constraint(x, PartitionSpec(stages, tuple(groups) or None, *rest))
 

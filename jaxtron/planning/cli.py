@@ -80,9 +80,11 @@ def _mesh_text(sizes: dict[str, int]) -> str:
 
 def _layout_text(e) -> str:
     """The mesh, the identity layers that fill an uneven pipeline split (pipeline.uneven_stages=True), the 1F1B
-    schedule where that is the pipeline's, and 'dopt' for the distributed optimizer."""
+    schedule where that is the pipeline's, 'gather-once' for a stage's weights gathered over fsdp once a step, and
+    'dopt' for the distributed optimizer."""
     return (_mesh_text(e.mesh) + (f" +{e.identity_layers} identity" if e.identity_layers else "")
-            + (" 1f1b" if e.schedule == "1f1b" else "") + (" dopt" if e.distributed_optimizer else ""))
+            + (" 1f1b" if e.schedule == "1f1b" else "") + (" gather-once" if e.gather_once else "")
+            + (" dopt" if e.distributed_optimizer else ""))
 
 
 def table(rows, top: int) -> str:
@@ -143,6 +145,7 @@ def run(argv: list[str]) -> int:
               "rows": [dict(mesh=r.estimate.mesh, fits=r.fits, microbatches=r.estimate.microbatches,
                             schedule=r.estimate.schedule, pipeline_microbatches=r.estimate.pipeline_microbatches,
                             distributed_optimizer=r.estimate.distributed_optimizer,
+                            gather_once=r.estimate.gather_once,
                             memory=r.estimate.memory, time=r.estimate.time, step_s=r.estimate.step_s,
                             mfu=r.estimate.mfu, dominant=r.estimate.dominant) for r in rows]}
     if rows:

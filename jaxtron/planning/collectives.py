@@ -71,6 +71,9 @@ def fsdp_time(shape: StepShape, params: tuple[Param, ...], coll: Collectives) ->
     are latent, heads and head size) summed over it instead, those weights never gathered."""
     micro = shape.microbatches
     gathers = 2 * micro  # forward and the backward's recompute/use: the weights are gathered twice per step
+    rest_gathers, rest_sums = gathers, micro
+    if shape.schedule == "1f1b":  # the embedding and head run per microbatch: forward, head, embedding backward
+        rest_gathers, rest_sums = 3 * shape.in_flight, 1 if shape.gather_once else 2 * shape.in_flight
     gathered = {True: 0, False: 0}  # elements gathered over fsdp: the staged blocks' and the rest
     replicated = 0  # elements of the weights whole on every fsdp device
     for p in params:
@@ -80,13 +83,20 @@ def fsdp_time(shape: StepShape, params: tuple[Param, ...], coll: Collectives) ->
         else:
             gathered[p.staged] += whole
     # a pipeline stage gathers its blocks' weights again in every iteration of the schedule, and reduce-scatters
-    # their gradients in every iteration of its backward pass
+    # their gradients in every iteration of its backward pass; with ``pipeline.fsdp_gather='step'`` once a step
+    # (the float32 weights, and the whole accumulator)
     in_flight, busy = shape.in_flight, shape.busy
+    if shape.gather_once:
+        return (coll.ring("all-gather", "fsdp", 4.0 * gathered[True], 1)
+                + coll.ring("reduce-scatter", "fsdp", 4.0 * gathered[True], 1)
+                + coll.ring("all-gather", "fsdp", shape.work_bytes * gathered[False], rest_gathers)
+                + coll.ring("reduce-scatter", "fsdp", 4.0 * gathered[False], rest_sums)
+                + coll.ring("all-reduce", "fsdp", 4.0 * replicated, rest_sums))
     return (coll.ring("all-gather", "fsdp", shape.work_bytes * gathered[True], gathers * in_flight * busy)
-            + coll.ring("all-gather", "fsdp", shape.work_bytes * gathered[False], gathers)
+            + coll.ring("all-gather", "fsdp", shape.work_bytes * gathered[False], rest_gathers)
             + coll.ring("reduce-scatter", "fsdp", 4.0 * gathered[True], micro * in_flight * busy)
-            + coll.ring("reduce-scatter", "fsdp", 4.0 * gathered[False], micro)
-            + coll.ring("all-reduce", "fsdp", 4.0 * replicated, micro))
+            + coll.ring("reduce-scatter", "fsdp", 4.0 * gathered[False], rest_sums)
+            + coll.ring("all-reduce", "fsdp", 4.0 * replicated, rest_sums))
 
 
 def data_time(cfg: Config, shape: StepShape, params: tuple[Param, ...], coll: Collectives) -> float:

@@ -31,6 +31,7 @@ class Estimate:
     schedule: str  # the pipeline schedule ('fill_drain' without a pipeline)
     bubble: float  # the pipeline schedule's idle share
     distributed_optimizer: bool  # optimizer.distributed: the moments sharded over the batch's axes
+    gather_once: bool  # pipeline.fsdp_gather='step': a stage's weights gathered over fsdp once a step
     identity_layers: int  # blocks that fill an uneven pipeline split (pipeline.uneven_stages)
     attention: str  # the attention implementation the estimate assumes
     memory: dict[str, float]  # bytes per device by term
@@ -87,6 +88,7 @@ def estimate(cfg: Config, sizes: dict[str, int], gpu: GPU, microbatches: int | N
     return Estimate(mesh=dict(shape.mesh), microbatches=shape.microbatches,
                     pipeline_microbatches=shape.in_flight if shape.pipelined else 0, schedule=shape.schedule,
                     bubble=shape.bubble, distributed_optimizer=cfg.optimizer.distributed,
+                    gather_once=shape.gather_once,
                     identity_layers=shape.identity_layers, attention=shape.attention,
                     memory=memory(cfg, shape, block, params), time=time, exposed=EXPOSED, overlapped=OVERLAPPED,
                     step_s=step, mfu=model_flops(cfg, shape) / step / gpu.peak_flops["bfloat16"],

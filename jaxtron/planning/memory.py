@@ -143,6 +143,15 @@ def gpu_terms(shape: StepShape, block: BlockValues, params: tuple[Param, ...]) -
     return terms
 
 
+def gathered_stage(shape: StepShape, params: tuple[Param, ...]) -> dict[str, float]:
+    """``pipeline.fsdp_gather='step'``: a stage's float32 weights whole over fsdp through the schedule, and its
+    gradient accumulator whole beside the step's sharded gradients."""
+    if not shape.gather_once:
+        return {}
+    whole = sum(p.shard_elements(shape.mesh, without=("fsdp",)) for p in params if p.staged)
+    return {"gathered_stage": 4.0 * whole * 2}
+
+
 def block_work(shape: StepShape, block: BlockValues, params: tuple[Param, ...]) -> float:
     """Bytes of working space in one block's backward pass."""
     per_block = {}  # elements of one block's weights gathered over fsdp, per stack ('layers', 'moe_layers')
@@ -207,6 +216,7 @@ def memory(cfg: Config, shape: StepShape, block: BlockValues, params: tuple[Para
     terms = state_memory(cfg, shape, params)
     terms.update(activation_memory(cfg, shape, block))
     terms.update(gpu_terms(shape, block, params))
+    terms.update(gathered_stage(shape, params))
     terms["working"] = float(max(block_work(shape, block, params),
                                  loss_work(cfg, shape, block, params, terms["optimizer"]),
                                  update_work(cfg, shape, params)))

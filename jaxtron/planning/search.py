@@ -103,7 +103,8 @@ def _one_f_one_b(cfg: Config, sizes: dict[str, int]) -> Config | None:
     ``jaxtron/training/one_f_one_b.py``), else None."""
     if shard_count(sizes, "layers") == 1 or cfg.pipeline.virtual_stages > 1 or cfg.model.mtp.depth:
         return None
-    return dataclasses.replace(cfg, pipeline=dataclasses.replace(cfg.pipeline, schedule="1f1b"),
+    return dataclasses.replace(cfg, pipeline=dataclasses.replace(cfg.pipeline, schedule="1f1b",
+                                                                 fsdp_gather="iteration"),
                                train=dataclasses.replace(cfg.train, microbatches=1))
 
 
@@ -146,10 +147,15 @@ def best_for_mesh(cfg: Config, sizes: dict[str, int], gpu: GPU) -> Row:
                     fitting.append(est)
             one_f_one_b = _one_f_one_b(option, sizes)
             if one_f_one_b is not None and k == 1:
-                for m in _one_f_one_b_options(one_f_one_b, sizes):
-                    candidate = estimate(one_f_one_b, sizes, gpu, microbatches=1, pipeline_microbatches=m)
-                    if candidate.memory_bytes <= gpu.usable_bytes:
-                        fitting.append(candidate)
+                gathers = [one_f_one_b]  # and with a stage's weights gathered over fsdp once a step
+                if sizes.get("fsdp", 1) > 1 and one_f_one_b.pipeline.fsdp_gather == "iteration":
+                    gathers.append(dataclasses.replace(
+                        one_f_one_b, pipeline=dataclasses.replace(one_f_one_b.pipeline, fsdp_gather="step")))
+                for schedule_cfg in gathers:
+                    for m in _one_f_one_b_options(schedule_cfg, sizes):
+                        candidate = estimate(schedule_cfg, sizes, gpu, microbatches=1, pipeline_microbatches=m)
+                        if candidate.memory_bytes <= gpu.usable_bytes:
+                            fitting.append(candidate)
         if fitting:
             return Row(min(fitting, key=lambda e: (round(e.step_s, 3 - _digits(e.step_s)), e.memory_bytes)), True)
     return Row(est, False)

@@ -36,6 +36,7 @@ class StepShape:
     virtual_stages: int
     pipelined: bool  # whether the blocks run in a pipeline schedule
     schedule: str  # pipeline.schedule ('fill_drain' without a pipeline)
+    gather_once: bool  # pipeline.fsdp_gather == 'step' on a pipeline with fsdp: the stages' weights held whole
     iterations: int  # iterations of one pass of the schedule, fill and drain included (1 without a pipeline)
     bubble: float  # the schedule's idle share
     # a stage runs its blocks in every iteration, the fill and drain included (on zeros): their collectives run
@@ -111,6 +112,7 @@ def step_shape(cfg: Config, sizes: dict[str, int], microbatches: int | None = No
         tensor=sizes["tensor"], expert=shard_count(sizes, "experts"), stages=stages,
         microbatches=micro, in_flight=in_flight, virtual_stages=virtual, pipelined=pipelined,
         schedule=cfg.pipeline.schedule if pipelined else "fill_drain", iterations=iterations,
+        gather_once=pipelined and cfg.pipeline.fsdp_gather == "step" and sizes.get("fsdp", 1) > 1,
         bubble=bubble_fraction(stages, in_flight, virtual), busy=busy, spread=spread,
         model=run_m, identity_layers=pads * m.period, staged_blocks=staged_blocks, outside_blocks=outside,
         moe_layers=run_m.num_moe_layers, outside_moe_layers=m.mtp.depth if m.moe.num_experts else 0,

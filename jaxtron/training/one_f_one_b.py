@@ -146,7 +146,7 @@ def gradients(setup, params: Any, batch: Batch, loss_sums: Callable, moe_metrics
     check_schedule(stack_size, s_, 1, m_)
     per = stack_size // s_
     identity = jnp.asarray(identity_slots(stack_size - schedule.pads, s_, 1)[:, 0])  # [S, P]
-    staged = jax.tree.map(lambda a: constrain_leading(a.reshape(s_, per, *a.shape[1:]), "stages"), periods_0)
+    staged = schedule.stage_view(periods_0, (s_, per))
     stage_ids = jnp.arange(s_)
     zeros = lambda shape, lead: jax.tree.map(lambda a: jnp.zeros((*lead, *a.shape), a.dtype), shape)
 
@@ -188,7 +188,8 @@ def gradients(setup, params: Any, batch: Batch, loss_sums: Callable, moe_metrics
     # (their balancing losses couple the rows of a microbatch)
     is_var = lambda x: isinstance(x, nnx.Variable)
     stack_names = [logical_names(v)[1:] for v in jax.tree.leaves(periods_0, is_leaf=is_var)]
-    groups = () if mesh.empty or stats_shape else row_groups(params, dict(mesh.shape))
+    # (with the stages' weights gathered once, every axis of the rows: no weight inside the loop is split over them)
+    groups = () if mesh.empty or stats_shape else row_groups(params, dict(mesh.shape), schedule.gather_once)
     g_ = int(np.prod([mesh.shape[a] for a in groups])) if groups else 1
 
     def split(a, axis=0):
@@ -265,7 +266,7 @@ def gradients(setup, params: Any, batch: Batch, loss_sums: Callable, moe_metrics
                 for a, names, staged_leaf in zip(leaves, param_names, in_stack)]
 
     def stack_sharded(leaves):
-        return [constrain_stage_groups(a, groups, names) for a, names in zip(leaves, stack_names)]
+        return [constrain_stage_groups(a, groups, names, schedule.gather_once) for a, names in zip(leaves, stack_names)]
 
     # the head's and the embedding's backward differentiate the parameters outside the stack only (a gradient for
     # the stack, zeros, would be made whole and carried through the groups' vmap)

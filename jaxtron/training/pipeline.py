@@ -31,12 +31,15 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from jaxtron.parallel.sharding import (
     batch_over_stages,
     batch_split_over_stages,
     constrain_leading,
+    constrain_whole_over_batch,
+    logical_names,
     logical_to_spec,
     shard_count,
     spec_axes,
@@ -106,6 +109,9 @@ class Schedule:
     # how a training step's gradients are computed: 'fill_drain' differentiates this runner; '1f1b' runs
     # ``one_f_one_b.gradients`` (this runner stays the forward of evaluation)
     kind: str = "fill_drain"
+    # ``pipeline.fsdp_gather == 'step'``: the stages' weights gathered over the batch's axes once, before the
+    # schedule, and held whole through it (their gradients accumulated whole, reduce-scattered once after it)
+    gather_once: bool = False
 
     @property
     def bubble(self) -> float:
@@ -117,6 +123,20 @@ class Schedule:
         mesh = jax.sharding.get_abstract_mesh()
         ways = 1 if mesh.empty else shard_count(dict(mesh.shape), "activation_batch") * self.stages
         return batch_over_stages(self.stages > 1 and rows % ways == 0)
+
+    def stage_view(self, stack: Any, lead: tuple[int, ...]) -> Any:
+        """The stored stack [periods, ...] as [stages, *lead[1:], ...]: its stage dimension over the pipeline
+        axis and, with ``gather_once``, the weights whole over the batch's axes (gathered here, once)."""
+        def one(v):
+            if not isinstance(v, nnx.Variable):
+                return constrain_leading(v.reshape(*lead, *v.shape[1:]), "stages")
+            a = v.get_value().reshape(*lead, *v.get_value().shape[1:])
+            if self.gather_once:
+                a = constrain_whole_over_batch(a, ("stages", *(None,) * (len(lead) - 1), *logical_names(v)[1:]))
+            else:
+                a = constrain_leading(a, "stages")
+            return v.replace(a)
+        return jax.tree.map(one, stack, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
     def __call__(self, body: Body, x: jax.Array, stack: Any, extras: Any) -> tuple[jax.Array, dict]:
         if not batch_split_over_stages():
@@ -133,7 +153,7 @@ class Schedule:
         per = periods // (s_ * v_)
         identity = identity_slots(periods - self.pads, s_, v_)  # [S, V, P]: the slots of the identity periods
         # [S, V, P, ...]: the stage dimension over the pipeline axis (each stage's block stays where it is stored)
-        staged = jax.tree.map(lambda a: constrain_leading(a.reshape(s_, v_, per, *a.shape[1:]), "stages"), stack)
+        staged = self.stage_view(stack, (s_, v_, per))
         stage_ids = jnp.arange(s_)
 
         def period(h, stack_s, r, p, ex):

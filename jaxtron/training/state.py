@@ -61,7 +61,8 @@ def pipeline_schedule(cfg: Config, stages: int) -> Schedule | None:
     if (stages, microbatches) == (1, 1):
         return None
     return Schedule(stages, microbatches, virtual, remat_policy(cfg.execution.remat),
-                    padding(cfg.model.stack_periods, stages, virtual), cfg.pipeline.schedule)
+                    padding(cfg.model.stack_periods, stages, virtual), cfg.pipeline.schedule,
+                    cfg.pipeline.fsdp_gather == "step")
 
 
 def layer_order(cfg: Config, stages: int) -> tuple[int, ...]:
