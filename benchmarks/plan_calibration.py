@@ -87,6 +87,18 @@ def rank_of_best(best, gpu_constants: dict[str, float] | None = None) -> tuple[i
     return 0, len(ranked), search.mesh_text(ranked[0].estimate.mesh) if ranked else "none"
 
 
+def rank_among_runs(best, gpu_constants: dict[str, float] | None = None) -> tuple[int, int]:
+    """(the planner's rank of the published best layout among the report's own runs on as many GPUs, by estimated
+    MFU, how many runs that is): the order of layouts that were measured, which the planner can be held to."""
+    from jaxtron.planning import published
+
+    gpus, model, mesh = best
+    runs = [r for r in published.RUNS if r.gpus == gpus]
+    mfu = {(r.model, r.mesh): estimated(r, gpu_constants).mfu for r in runs}
+    order = sorted(mfu, key=mfu.get, reverse=True)
+    return order.index((model, mesh)) + 1, len(order)
+
+
 def main(argv: list[str]) -> int:
     from jaxtron.planning import published
 
@@ -107,7 +119,7 @@ def main(argv: list[str]) -> int:
                          measured=run.tokens_per_s, estimated=e.tokens_per_s,
                          error=e.tokens_per_s / run.tokens_per_s - 1, step_s=e.step_s, time=e.time))
     ranks = [dict(gpus=b[0], model=b[1], layout=" ".join(f"{a}={s}" for a, s in b[2]) or "one GPU",
-                  rank=rank_of_best(b, constants)) for b in published.BEST]
+                  rank=rank_of_best(b, constants), among_runs=rank_among_runs(b, constants)) for b in published.BEST]
     held = [abs(r["error"]) for r in rows if not r["fit"]]
     lines = [f"Constants ({'fitted now' if args.fit else 'jaxtron/planning/gpus.py'}): "
              + ", ".join(f"{k} {v:.4g}" for k, v in used.items()), "",
@@ -118,18 +130,37 @@ def main(argv: list[str]) -> int:
                      f"{r['measured']:,.0f} | {r['estimated']:,.0f} | {100 * r['error']:+.1f}% |")
     within = sum(e <= 0.20 for e in held)
     lines += ["", f"Held out: {within} of {len(held)} within 20% (largest {100 * max(held):.1f}%).",
-              "", "| GPUs | the report's best layout | planner's rank of it | meshes ranked | planner's first |",
-              "|---|---|---|---|---|"]
+              "", "The report's best layout at each GPU count (by its MFU): the planner's rank of it among the report's "
+              "runs on as many GPUs (by estimated MFU), and among every mesh it searches (most of which the report did "
+              "not run: data parallelism with the distributed optimizer, pipelines, context parallelism):", "",
+              "| GPUs | the report's best layout | rank among the report's runs | rank among all meshes | meshes "
+              "ranked | planner's first |",
+              "|---|---|---|---|---|---|"]
     for r in ranks:
         rank, count, first = r["rank"]
-        lines.append(f"| {r['gpus']} | {r['model']} {r['layout']} | {rank or 'not ranked'} | {count} | {first} |")
+        among, runs = r["among_runs"]
+        lines.append(f"| {r['gpus']} | {r['model']} {r['layout']} | {among} of {runs} | {rank or 'not ranked'} | "
+                     f"{count} | {first} |")
+    megatron = []
+    for run in published.MEGATRON_RUNS:
+        e = estimated(run, constants)
+        megatron.append(dict(number=run.number, model=run.model, layout=run.layout, gpus=run.gpus,
+                             source=run.source, tflops=run.tflops, measured=run.tokens_per_s, estimated=e.tokens_per_s,
+                             error=e.tokens_per_s / run.tokens_per_s - 1, mfu=e.mfu, time=e.time))
+    lines += ["", "Megatron's H100 runs (another stack; not fitted, the constants above):", "",
+              "| # | model | layout | GPUs | published TFLOP/s | measured tok/s | estimated | error | est. MFU |",
+              "|---|---|---|---|---|---|---|---|---|"]
+    for r in megatron:
+        lines.append(f"| {r['number']} | {r['model']} | {r['layout']} | {r['gpus']} | {r['tflops']:.0f} | "
+                     f"{r['measured']:,.0f} | {r['estimated']:,.0f} | {100 * r['error']:+.1f}% | "
+                     f"{100 * r['mfu']:.1f}% |")
     text = "\n".join(lines) + "\n"
     print(text)
     if not args.fit:
         with open(args.out + ".md", "w") as f:
             f.write(text)
         with open(args.out + ".json", "w") as f:
-            json.dump({"constants": used, "runs": rows, "best": ranks}, f, indent=1)
+            json.dump({"constants": used, "runs": rows, "best": ranks, "megatron": megatron}, f, indent=1)
     return 0
 
 

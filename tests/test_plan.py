@@ -452,6 +452,8 @@ def test_the_calibrated_time_model_holds_on_the_published_runs_it_was_not_fitted
               for r in published.RUNS if not r.fit}
     assert len(errors) == 7 and sum(abs(e) <= 0.20 for e in errors.values()) >= 6, errors
     assert max(abs(e) for e in errors.values()) < 0.22, errors
+    # of the layouts the report ran on each GPU count, the planner ranks the report's best first
+    assert [plan_calibration.rank_among_runs(best)[0] for best in published.BEST] == [1] * len(published.BEST)
 
 
 def test_plan_cli_rejects_bad_requests(capsys):
