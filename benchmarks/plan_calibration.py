@@ -130,11 +130,12 @@ def main(argv: list[str]) -> int:
                      f"{r['measured']:,.0f} | {r['estimated']:,.0f} | {100 * r['error']:+.1f}% |")
     within = sum(e <= 0.20 for e in held)
     lines += ["", f"Held out: {within} of {len(held)} within 20% (largest {100 * max(held):.1f}%).",
-              "", "The report's best layout at each GPU count (by its MFU): the planner's rank of it among the report's "
-              "runs on as many GPUs (by estimated MFU), and among every mesh it searches (most of which the report did "
-              "not run: data parallelism with the distributed optimizer, pipelines, context parallelism):", "",
-              "| GPUs | the report's best layout | rank among the report's runs | rank among all meshes | meshes "
-              "ranked | planner's first |",
+              "", ("The report's best layout at each GPU count (by its MFU): the planner's rank of it among the "
+                   "report's runs on as many GPUs (by estimated MFU), and among every mesh it searches (most of which "
+                   "the report did not run: data parallelism with the distributed optimizer, pipelines, context "
+                   "parallelism):"), "",
+              ("| GPUs | the report's best layout | rank among the report's runs | rank among all meshes | meshes "
+               "ranked | planner's first |"),
               "|---|---|---|---|---|---|"]
     for r in ranks:
         rank, count, first = r["rank"]
