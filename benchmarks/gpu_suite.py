@@ -224,13 +224,14 @@ def plan_steps(smoke: bool, python: str) -> list[Step]:
     probes = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gpu_probes.py")
     probe_argv = (python, probes, "--result", "{result}", *(("--smoke",) if smoke else ()))
     boxes = {"environment": 60, "predictions": 150, "ceilings": 90, "attention": 150, "gpu tests": 150, "mfu": 150}
+    # a smoke run (CPU, independent programs) runs the probes side by side too; a GPU runs one at a time
     steps = [Step("environment", boxes["environment"], (*probe_argv, "environment")),
-             Step("predictions", boxes["predictions"], (*probe_argv, "predictions")),
-             Step("ceilings", boxes["ceilings"], (*probe_argv, "ceilings")),
-             Step("attention", boxes["attention"], (*probe_argv, "attention")),
+             Step("predictions", boxes["predictions"], (*probe_argv, "predictions"), parallel=smoke),
+             Step("ceilings", boxes["ceilings"], (*probe_argv, "ceilings"), parallel=smoke),
+             Step("attention", boxes["attention"], (*probe_argv, "attention"), parallel=smoke),
              Step("gpu tests", boxes["gpu tests"],
                   (python, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider", "-o", "addopts=",
-                   "--junitxml={result}", *gpu_test_files()), junit=True)]
+                   "--junitxml={result}", *gpu_test_files()), junit=True, parallel=smoke)]
     steps += [Step(f"mfu: {c.name}", boxes["mfu"], (*probe_argv, f"mfu:{i}"), parallel=True)
               for i, c in enumerate(CASES)]
     return steps

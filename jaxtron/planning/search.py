@@ -138,7 +138,13 @@ def best_for_mesh(cfg: Config, sizes: dict[str, int], gpu: GPU) -> Row:
     more; less memory: the leaner wins a tie); if none fits, the estimate with the most microbatches."""
     est = None
     variants = _optimizer_options(cfg, sizes)
-    for k in _microbatch_options(cfg, sizes):
+    options = _microbatch_options(cfg, sizes)
+    params = parameters(cfg.model)
+    # the float32 weights, their gradients and the leanest moments alone outgrow the GPU: no option can fit
+    floor = 8.0 * state_elements(params, sizes) + 8.0 * optimizer_elements(params, sizes, True)
+    if options and floor > gpu.usable_bytes:
+        return Row(estimate(variants[-1], sizes, gpu, microbatches=options[-1]), False)
+    for k in options:
         fitting = []
         for option in variants:
             for m in _in_flight_options(option, sizes, k):
