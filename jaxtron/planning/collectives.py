@@ -107,7 +107,9 @@ def data_time(cfg: Config, shape: StepShape, params: tuple[Param, ...], coll: Co
     How often: a dense model sums once a step, without a pipeline whatever its microbatches and under the 1F1B
     schedule whatever its pipeline microbatches (each device's rows accumulate apart, ``training/step.py``,
     ``training/one_f_one_b.py``); an MoE model's 1F1B stages sum as each microbatch's backward runs, its head and
-    embedding as each microbatch's head and embedding backward run; otherwise once per accumulation microbatch."""
+    embedding as each microbatch's head and embedding backward run; fill-drain's stages sum their weights' 16-bit
+    gradients in every iteration of the backward pass (compiled on GPT-3 175B, pipeline=8 data=4 tensor=4);
+    otherwise once per accumulation microbatch."""
     dense = not (shape.moe_layers or shape.outside_moe_layers)
     once = dense and not (shape.pipelined or cfg.model.mtp.depth)
     distributed = cfg.optimizer.distributed
@@ -117,15 +119,18 @@ def data_time(cfg: Config, shape: StepShape, params: tuple[Param, ...], coll: Co
         for staged in (False, True):
             over = sum(p.shard_elements(shape.mesh) for p in params
                        if ("experts" in p.names) == expert_owned and p.staged == staged)
+            width = 4.0
             if shape.schedule == "1f1b":
                 times = 1 if dense else shape.in_flight * (1 if staged else 2)
+            elif shape.pipelined and staged:  # fill-drain's backward sums each iteration's 16-bit weight gradients
+                times, width = shape.microbatches * shape.in_flight * shape.busy, shape.work_bytes
             else:
                 times = 1 if once else shape.microbatches
-            if distributed:  # reduce-scattered onto the moments' shards, and the updated weights gathered once
+            if distributed and width == 4.0:  # reduce-scattered onto the moments' shards, and the updated weights gathered once
                 grad_sync += (coll.ring("reduce-scatter", axes, 4.0 * over, times)
                               + coll.ring("all-gather", axes, 4.0 * over, 1))
             else:
-                grad_sync += coll.ring("all-reduce", axes, 4.0 * over, times)
+                grad_sync += coll.ring("all-reduce", axes, width * over, times)
     if shape.spread > 1:  # the stages' gradients of what they all hold (embedding, head, blocks outside) are summed
         unstaged = sum(p.shard_elements(shape.mesh) for p in params if not p.staged)
         grad_sync += coll.ring("all-reduce", "pipeline", 4.0 * unstaged, shape.microbatches)
