@@ -240,6 +240,46 @@ def test_the_idle_share_of_each_stage_is_that_of_its_fill_and_drain_iterations()
     assert bubble.idle_shares(events, {**layout, "loops": {"forward": ["param.1"]}}, 126.0) is None
 
 
+def test_the_idle_share_of_a_1f1b_stage_is_that_of_its_empty_phases():
+    """2 stages x 2 microbatches under 1F1B: 4 iterations, forward phases in 0..2 (1, 2, 4 s), backward phases in 1..3
+    (8, 16, 32 s; the fill's 0 s). Stage 0 runs forwards in iterations 0, 1 and backwards in 2, 3; stage 1 forwards
+    in 1, 2 and backwards in 1, 2; the rest is idle."""
+    layout = {"stages": 2, "microbatches": 2, "virtual_stages": 1, "stage_of_device": {"0": 0, "1": 1},
+              "schedule": "1f1b", "loops": {"forward": ["fwd", "bwd"]},
+              "phases": {"forward": ["fwd"], "backward": ["bwd"]}}
+    forward, backward = (1, 2, 4, 0), (0, 8, 16, 32)
+    events, t = [], 0.0
+    for f, b in zip(forward, backward):
+        for device in ("0", "1"):
+            events += [{"ph": "X", "ts": t * 1e6, "dur": f * 1e6, "args": {"hlo_op": "fwd", "device_ordinal": device}},
+                       {"ph": "X", "ts": (t + f) * 1e6, "dur": b * 1e6,
+                        "args": {"hlo_op": "bwd", "device_ordinal": device}}]
+        t += f + b
+    idle = bubble.idle_shares(events, layout, wall_s=126.0)
+    assert idle["iterations"] == 4 and idle["formula"] == pytest.approx(1 / 3)
+    # stage 0: forward of iteration 2 (4 s), backward of iteration 1 (8 s); stage 1: forward 0 (1 s), backward 3 (32 s)
+    assert idle["of_loops"] == pytest.approx([12 / 63, 33 / 63])
+    assert idle["of_window"] == pytest.approx([12 / 126, 33 / 126])
+
+
+def test_a_1f1b_programs_phases_are_found_by_their_scopes():
+    """The compiled 1F1B step's loop and its iterations' two phases, as the report needs them to time the phases."""
+    from jaxtron.metrics.bubble import phase_ops, schedule_loops
+    from jaxtron.planning.dry_run import _compile
+    from jaxtron.training.one_f_one_b import BACKWARD_PHASE, FORWARD_PHASE
+    from jaxtron.training.pipeline import SCOPE
+
+    cfg = tiny_config(dict(pipeline=2, fsdp=4), train=dict(global_batch_size=16),
+                      pipeline=dict(microbatches=4, schedule="1f1b"))
+    _, hlo = _compile(cfg, jax.devices(), "xla")
+    loops = schedule_loops(hlo, SCOPE)
+    assert list(loops) == ["forward"]  # one loop: no transposed one
+    phases = phase_ops(hlo, loops["forward"], {"forward": FORWARD_PHASE, "backward": BACKWARD_PHASE})
+    assert any(op.startswith("conditional") for op in phases["forward"])  # the forward phase's branch
+    assert any(op.startswith("conditional") for op in phases["backward"])
+    assert not set(phases["forward"]) & set(phases["backward"])
+
+
 @pytest.mark.slow
 def test_the_report_measures_each_pipeline_stages_idle_share(tmp_path, capsys):
     cfg = tiny_config(dict(pipeline=2, data=4, fsdp=1), model=dict(num_layers=4),

@@ -10,6 +10,11 @@ the first of them marks the start of each iteration.
 
 ``layout`` (written by the train loop next to the trace as ``pipeline.json``): stages, microbatches,
 virtual_stages, the instructions of the two loops' bodies, and the stage of each traced device.
+
+The 1F1B schedule (``jaxtron/training/one_f_one_b.py``) runs one loop of M + 2S - 2 iterations, each with a forward
+phase and a backward phase (its named scopes). Stage s's forward is idle where t - s falls outside 0..M-1 and its
+backward where t - 2(S - 1) + s does; the layout then also names the loop body's top-level instructions of each
+phase (``phases``), whose trace events time the phases of every iteration.
 """
 
 from __future__ import annotations
@@ -43,9 +48,27 @@ def schedule_loops(hlo_text: str, scope: str) -> dict[str, list[str]]:
     return loops
 
 
-def stage_layout(mesh, schedule, loops: dict[str, list[str]]) -> dict[str, Any]:
-    """What ``idle_shares`` needs besides the trace: the schedule, its loops, and the pipeline stage of each of
-    this process's devices by the ordinal its trace events carry."""
+def phase_ops(hlo_text: str, loop_body: list[str], phases: dict[str, str]) -> dict[str, list[str]]:
+    """{phase: the instructions of ``loop_body`` (a loop body's, as ``schedule_loops`` gives them) whose op name
+    lies in that phase's named scope}, for ``phases`` {phase: scope name}."""
+    wanted = set(loop_body)
+    out: dict[str, list[str]] = {phase: [] for phase in phases}
+    for line in hlo_text.splitlines():
+        ins = _INSTRUCTION.match(line)
+        op_name = re.search(r'op_name="([^"]*)"', line)
+        if not ins or ins.group(1) not in wanted or not op_name:
+            continue
+        for phase, scope in phases.items():
+            if f"/{scope}/" in op_name.group(1) or op_name.group(1).endswith(f"/{scope}"):
+                out[phase].append(ins.group(1))
+    return out
+
+
+def stage_layout(mesh, schedule, loops: dict[str, list[str]],
+                 phases: dict[str, list[str]] | None = None) -> dict[str, Any]:
+    """What ``idle_shares`` needs besides the trace: the schedule, its loops (and for 1F1B, its phases'
+    instructions), and the pipeline stage of each of this process's devices by the ordinal its trace events
+    carry."""
     import jax
 
     stage_of = {}
@@ -53,8 +76,12 @@ def stage_layout(mesh, schedule, loops: dict[str, list[str]]) -> dict[str, Any]:
         if device.process_index == jax.process_index():
             stage_of[str(device.local_hardware_id if device.local_hardware_id is not None else device.id)] = \
                 int(index[0])
-    return {"stages": schedule.stages, "microbatches": schedule.microbatches,
-            "virtual_stages": schedule.virtual_stages, "loops": loops, "stage_of_device": stage_of}
+    layout = {"stages": schedule.stages, "microbatches": schedule.microbatches,
+              "virtual_stages": schedule.virtual_stages, "loops": loops, "stage_of_device": stage_of,
+              "schedule": schedule.kind}
+    if phases is not None:
+        layout["phases"] = phases
+    return layout
 
 
 def _iterations(events: list[tuple[float, float, str]], body: list[str], count: int) -> list[tuple[float, float]]:
@@ -77,11 +104,50 @@ def _iterations(events: list[tuple[float, float, str]], body: list[str], count: 
     return spans
 
 
+def _one_f_one_b_idle(events: list[dict[str, Any]], layout: dict[str, Any]) -> dict[int, list[tuple[float, float]]]:
+    """Per stage, per traced device: (idle s, loop s) of the 1F1B loop, from its phases' events (see the module
+    docstring); each top-level instruction of a phase runs once an iteration."""
+    stages, m = layout["stages"], layout["microbatches"]
+    count = m + 2 * (stages - 1)
+    owner = {op: phase for phase, ops in layout["phases"].items() for op in ops}
+    durations: dict[tuple[str, str], list[tuple[float, float]]] = {}  # (device, op) -> [(start, seconds)]
+    for event in events:
+        args = event.get("args") or {}
+        op, device = args.get("hlo_op"), str(args.get("device_ordinal"))
+        if op in owner and event.get("ph") == "X" and device in layout["stage_of_device"]:
+            durations.setdefault((device, op), []).append((float(event["ts"]), float(event.get("dur", 0.0)) / 1e6))
+    per_stage: dict[int, list[tuple[float, float]]] = {}
+    for device, stage in layout["stage_of_device"].items():
+        idle = total = 0.0
+        for op, phase in owner.items():
+            runs = sorted(durations.get((device, op), []))
+            if not runs or len(runs) % count:
+                continue  # not every iteration of the window's steps traced: left out
+            for k, (_, seconds) in enumerate(runs):
+                t = k % count
+                first = t - stage if phase == "forward" else t - 2 * (stages - 1) + stage
+                idle += seconds if not 0 <= first < m else 0.0
+                total += seconds
+        if total:
+            per_stage.setdefault(stage, []).append((idle, total))
+    return per_stage
+
+
 def idle_shares(events: list[dict[str, Any]], layout: dict[str, Any], wall_s: float) -> dict[str, Any] | None:
-    """Per stage: the share of the schedule's loop time spent in its fill and drain iterations, and that idle
-    time as a share of the window's wall time; means over the stage's traced devices. None when the trace
-    shows no iterations of the loops (a backend that runs a loop as one op, say)."""
+    """Per stage: the share of the schedule's loop time spent in its fill and drain iterations (for 1F1B: in the
+    phases that hold no microbatch), and that idle time as a share of the window's wall time; means over the
+    stage's traced devices. None when the trace shows no iterations of the loops (a backend that runs a loop as
+    one op, say)."""
     stages, m, v = layout["stages"], layout["microbatches"], layout["virtual_stages"]
+    if layout.get("schedule") == "1f1b" and layout.get("phases"):
+        per_stage = _one_f_one_b_idle(events, layout)
+        if not per_stage:
+            return None
+        measured = sorted(per_stage)
+        return {"stages": stages, "iterations": m + 2 * (stages - 1), "formula": (stages - 1) / (m + stages - 1),
+                "measured_stages": measured,
+                "of_loops": [float(np.mean([i / t for i, t in per_stage[s]])) for s in measured],
+                "of_window": [float(np.mean([i for i, _ in per_stage[s]])) / wall_s for s in measured]}
     count = m * v + stages - 1
     owner = {op: direction for direction, body in layout["loops"].items() for op in body}
     ops: dict[tuple[str, str], list[tuple[float, float, str]]] = {}  # (device, loop) -> [(start, end, op)]

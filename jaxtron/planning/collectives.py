@@ -126,7 +126,8 @@ def data_time(cfg: Config, shape: StepShape, params: tuple[Param, ...], coll: Co
                 times, width = shape.microbatches * shape.in_flight * shape.busy, shape.work_bytes
             else:
                 times = 1 if once else shape.microbatches
-            if distributed and width == 4.0:  # reduce-scattered onto the moments' shards, and the updated weights gathered once
+            # reduce-scattered onto the moments' shards, and the updated weights gathered once
+            if distributed and width == 4.0:
                 grad_sync += (coll.ring("reduce-scatter", axes, 4.0 * over, times)
                               + coll.ring("all-gather", axes, 4.0 * over, 1))
             else:

@@ -55,7 +55,10 @@ from jaxtron.parallel.sharding import (
     spec_axes,
 )
 from jaxtron.parallel.stages import identity_slots
-from jaxtron.training.pipeline import check_schedule, split_rows
+from jaxtron.training.pipeline import SCOPE, check_schedule, split_rows
+
+FORWARD_PHASE = "one_f_one_b_forward"  # the named scopes of an iteration's two phases
+BACKWARD_PHASE = "one_f_one_b_backward"
 
 Batch = dict[str, jax.Array]
 
@@ -346,7 +349,8 @@ def gradients(setup, params: Any, batch: Batch, loss_sums: Callable, moe_metrics
         reached the loss (t >= S - 1): the same branch on every device, so the fill carries no backward and the
         drain no forward."""
         moving, back, stash, grad_stack, grad_rest, sums, stats_sum = carry
-        out, ex, stats, period_inputs, d_post, d_h, ce, n = when(t < m_ + s_ - 1, forward_phase, t, moving)
+        with jax.named_scope(FORWARD_PHASE):  # the trace times the phases by these names (metrics/bubble.py)
+            out, ex, stats, period_inputs, d_post, d_h, ce, n = when(t < m_ + s_ - 1, forward_phase, t, moving)
         valid_f = (t - stage_ids >= 0) & (t - stage_ids < m_)
         slot_f = (t - stage_ids) % keep
         stash = on_stages(jax.vmap(lambda st, x, i, v: jax.tree.map(
@@ -356,7 +360,8 @@ def gradients(setup, params: Any, batch: Batch, loss_sums: Callable, moe_metrics
             lambda acc, a: acc + jnp.where(valid_f.reshape(-1, *(1,) * (a.ndim - 1)), a.astype(jnp.float32), 0.0),
             stats_sum, stats)
         moving = on_stages(jax.tree.map(lambda a: jnp.roll(a, 1, axis=0), (out, ex)))
-        back, grad_stack, d_pre = backward_phase(t, back, d_h, stash, grad_stack)
+        with jax.named_scope(BACKWARD_PHASE):
+            back, grad_stack, d_pre = backward_phase(t, back, d_h, stash, grad_stack)
         grad_rest = add_rest(add_rest(grad_rest, d_post), d_pre)
         return (moving, back, stash, grad_stack, grad_rest, (sums[0] + ce, sums[1] + n), stats_sum), None
 
@@ -367,8 +372,9 @@ def gradients(setup, params: Any, batch: Batch, loss_sums: Callable, moe_metrics
                            for a, staged_leaf in zip(jax.tree.leaves(params), in_stack)]),
              (jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32)),
              jax.tree.map(lambda a: jnp.zeros((s_, *a.shape), jnp.float32), stats_shape))
-    (_, _, _, grad_stack, grad_rest, (ce_sum, n_sum), stats_sum), _ = jax.lax.scan(
-        iteration, start, jnp.arange(m_ + 2 * (s_ - 1)))
+    with jax.named_scope(SCOPE):  # the loop's HLO ops carry the name (profiles find its iterations by it)
+        (_, _, _, grad_stack, grad_rest, (ce_sum, n_sum), stats_sum), _ = jax.lax.scan(
+            iteration, start, jnp.arange(m_ + 2 * (s_ - 1)))
     # the groups' sums, reduce-scattered onto the distributed optimizer's shards where it runs
     grad_stack = jax.tree.unflatten(stack_def, [
         constrain_gradient(jnp.sum(g, axis=1), ("stages", "layers", *names), setup.distributed_optimizer)
