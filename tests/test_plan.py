@@ -256,11 +256,12 @@ def test_top_choices_follow_published_practice():
     rows = search.plan(_config("llama3_70b"), 64, H100)
     top = rows[0]
     assert top.fits and top.estimate.memory_bytes <= H100.usable_bytes
-    # 70B on 64 GPUs: fsdp=64 alone is within 5% of the best, as MaxText trains Llama-3 70B on H100s (pure FSDP,
-    # about 48% MFU on 128), though its gathers outlast what the compute hides (calibrated on KempnerForge's
-    # runs, benchmarks/plan_calibration.md); tensor meshes pay what tensor parallelism costs those runs
+    # 70B on 64 GPUs: fsdp=64 alone is within 10% of the best (a 1F1B pipeline over data and fsdp, its gradient
+    # sums once a step), as MaxText trains Llama-3 70B on H100s (pure FSDP, about 48% MFU on 128), though its
+    # gathers outlast what the compute hides (calibrated on KempnerForge's runs, benchmarks/plan_calibration.md);
+    # tensor meshes pay what tensor parallelism costs those runs
     flat = next(r for r in rows if r.estimate.mesh["fsdp"] == 64)
-    assert flat.fits and flat.estimate.step_s <= 1.05 * top.estimate.step_s
+    assert flat.fits and flat.estimate.step_s <= 1.10 * top.estimate.step_s
     compute = sum(flat.estimate.time[k] for k in ("matmul", "attention", "elementwise", "pipeline_bubble"))
     assert flat.estimate.time["fsdp_comm"] > H100.comm_overlap * compute
     tensor = next(r for r in rows if r.fits and 1 < r.estimate.mesh["tensor"] <= 8)

@@ -191,7 +191,9 @@ def loss_work(cfg: Config, shape: StepShape, block: BlockValues, params: tuple[P
     """Bytes of working space in the loss and its backward pass; ``optimizer_bytes``: the AdamW moments'."""
     head_params = [p for p in params if not p.in_blocks and "vocab" in p.names]
     head_gathered = sum(p.shard_elements(shape.mesh, without=("fsdp",)) for p in head_params)
-    logits = 4.0 * shape.outside_rows * shape.local_len * block.vocab / cfg.train.logit_chunks
+    # the 1F1B schedule runs the head and loss on one pipeline microbatch at a time
+    rows = shape.block_rows if shape.schedule == "1f1b" else shape.outside_rows
+    logits = 4.0 * rows * shape.local_len * block.vocab / cfg.train.logit_chunks
     if not shape.cpu_program:
         return GPU_LOGIT_COPIES * logits + GPU_HEAD_COPIES * head_gathered * shape.work_bytes
     return (LOGIT_COPIES * logits
