@@ -115,6 +115,16 @@ def axes_taken(axes: Sequence[str]):
         _TAKEN.reset(token)
 
 
+def group_map(fn, groups: Sequence[str], in_axes: Any = 0):
+    """``jax.vmap(fn, in_axes, spmd_axis_name=groups)``, traced with ``groups`` taken (``axes_taken``): the mapped
+    dimension holds groups of rows kept apart over those mesh axes, and the logical names inside ``fn`` map onto
+    the others."""
+    def call(*args):
+        with axes_taken(groups):
+            return jax.vmap(fn, in_axes=in_axes, spmd_axis_name=tuple(groups))(*args)
+    return call
+
+
 def batch_split_over_stages() -> bool:
     """Whether ``batch_over_stages`` is on."""
     return _BATCH_OVER_STAGES.get()

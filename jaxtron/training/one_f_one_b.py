@@ -42,13 +42,13 @@ from jaxtron.models.stack import scan_stack, without_remat
 from jaxtron.models.transformer import EMBED_AXES
 from jaxtron.parallel.sharding import (
     BATCH_AXES,
-    axes_taken,
     constrain,
     constrain_gradient,
     constrain_groups,
     constrain_leading,
     constrain_stage_groups,
     constrain_stages,
+    group_map,
     logical_names,
     logical_to_spec,
     row_groups,
@@ -183,15 +183,14 @@ def gradients(setup, params: Any, batch: Batch, loss_sums: Callable, moe_metrics
     spmd = None if mesh.empty else spec_axes(logical_to_spec(("stages",)), 0) or None
     forward_all = jax.vmap(stage_forward, spmd_axis_name=spmd)
 
-    # The weight gradients' sums over the data-parallel rows wait for the end of the step. A stage's backward runs
-    # each device's rows as a group of their own (a vmap over the groups, spmd over the mesh axes that split the
-    # rows), so no iteration sums the stage's weight gradients over those axes; ``grad_stack`` keeps one sum per
-    # group and the loop's end adds them (one reduction a step where every iteration had one). Left out: axes that
-    # also split a staged weight (fsdp, expert: their gradients are reduce-scattered per iteration), and MoE stacks
-    # (their balancing losses couple the rows of a microbatch)
+    # The weight gradients' sums over the data-parallel rows wait for the end of the step. A stage's backward, the
+    # head's and the embedding's run each device's rows as a group of their own (``sharding.row_groups``), so no
+    # iteration sums their weight gradients over those axes; the accumulators keep one sum per group and the
+    # loop's end adds them (one reduction a step where every iteration had one). Left out: axes that also split a
+    # weight (fsdp, expert: their gradients are reduce-scattered per iteration; with the stages' weights gathered
+    # once, every axis of the rows), and MoE stacks (their balancing losses couple the rows of a microbatch)
     is_var = lambda x: isinstance(x, nnx.Variable)
     stack_names = [logical_names(v)[1:] for v in jax.tree.leaves(periods_0, is_leaf=is_var)]
-    # (with the stages' weights gathered once, every axis of the rows: no weight inside the loop is split over them)
     groups = () if mesh.empty or stats_shape else row_groups(params, dict(mesh.shape), schedule.gather_once)
     g_ = int(np.prod([mesh.shape[a] for a in groups])) if groups else 1
 
@@ -200,15 +199,15 @@ def gradients(setup, params: Any, batch: Batch, loss_sums: Callable, moe_metrics
         return jnp.moveaxis(a.reshape(*a.shape[:axis], g_, a.shape[axis] // g_, *a.shape[axis + 1:]), axis, 0)
 
     def by_groups(fn, in_axes, *args):
-        """``fn`` on each group of rows apart (a vmap over the groups, spmd over their mesh axes); one group: ``fn``
-        with a leading dimension of one added to what it returns."""
+        """``fn`` on each group of rows apart (``sharding.group_map``); what it returns has the groups' dimension
+        first (of one, with one group). ``in_axes`` per argument: None (the same for every group), the axis of its
+        rows (split into the groups), or 'grouped' (it has the groups' dimension first already)."""
         if g_ == 1:
+            args = [jax.tree.map(lambda x: x[0], a) if axis == "grouped" else a for a, axis in zip(args, in_axes)]
             return jax.tree.map(lambda a: a[None], fn(*args))
-        args = [a if axis is None else jax.tree.map(lambda x, axis=axis: split(x, axis), a)
+        args = [a if axis in (None, "grouped") else jax.tree.map(lambda x, axis=axis: split(x, axis), a)
                 for a, axis in zip(args, in_axes)]
-        with axes_taken(groups):
-            return jax.vmap(fn, in_axes=tuple(None if axis is None else 0 for axis in in_axes),
-                            spmd_axis_name=groups)(*args)
+        return group_map(fn, groups, tuple(None if axis is None else 0 for axis in in_axes))(*args)
 
     def backward_one(stack_s, acc, inputs, ex, s, dy, valid):
         """The stage's backward, period by period from the last: each period's forward recomputed from its kept
@@ -231,12 +230,8 @@ def gradients(setup, params: Any, batch: Batch, loss_sums: Callable, moe_metrics
 
     def backward_groups(stack_s, acc, inputs, ex, s, dy, valid):
         """``backward_one`` on each group of rows apart, each into its own accumulator (``acc`` [G, P, ...])."""
-        if g_ == 1:
-            acc, dx = backward_one(stack_s, jax.tree.map(lambda a: a[0], acc), inputs, ex, s, dy, valid)
-            return jax.tree.map(lambda a: a[None], acc), dx
-        with axes_taken(groups):
-            acc, dx = jax.vmap(backward_one, in_axes=(None, 0, 0, 0, None, 0, None), spmd_axis_name=groups)(
-                stack_s, acc, split(inputs, 1), jax.tree.map(lambda a: split(a, 0), ex), s, split(dy, 0), valid)
+        acc, dx = by_groups(backward_one, (None, "grouped", 1, 0, None, 0, None), stack_s, acc, inputs, ex, s, dy,
+                            valid)
         return acc, dx.reshape(dy.shape)
 
     backward_all = jax.vmap(backward_groups, spmd_axis_name=spmd)
@@ -254,10 +249,10 @@ def gradients(setup, params: Any, batch: Batch, loss_sums: Callable, moe_metrics
         return jax.tree.map(one, tree)
 
     keep = 2 * s_ - 1  # inputs a stage holds between a microbatch's forward and its backward
-    # the accumulators, float32 and sharded as their parameters (under the distributed optimizer the rest as its
-    # moments): left unconstrained, XLA keeps them whole on every device. The staged weights' gradients gather in
-    # ``grad_stack`` [S, P, ...]; ``grad_rest`` holds those of the other parameters (the staged ones' get none
-    # from ``pre`` and ``post``: a scalar stands in for them)
+    # the accumulators, float32, one per group of rows, and sharded as their parameters: left unconstrained, XLA
+    # keeps them whole on every device. The staged weights' gradients gather in ``grad_stack`` [S, G, P, ...];
+    # ``grad_rest`` [G, ...] holds those of the other parameters (the staged ones' get none from ``pre`` and
+    # ``post``: a zero stands in for them)
     param_names = [logical_names(v) for v in jax.tree.leaves(params, is_leaf=is_var)]
     in_stack = [names[:1] == ("layers",) for names in param_names]
     stack_def = jax.tree.structure(staged)

@@ -17,11 +17,11 @@ from flax import nnx
 from jaxtron.models.transformer import logits_of
 from jaxtron.parallel.sharding import (
     BATCH_AXES,
-    axes_taken,
     constrain,
     constrain_groups,
     constrain_optimizer,
     constrain_params,
+    group_map,
     logical_names,
     row_groups,
 )
@@ -190,8 +190,7 @@ def _grouped_accumulation(grad_fn, params: Any, micro_batches: Batch, grads_shap
     def body(carry, micro):
         micro = {k: constrain(v, BATCH_AXES) for k, v in micro.items()}
         split = jax.tree.map(lambda a: a.reshape(g_, a.shape[0] // g_, *a.shape[1:]), micro)
-        with axes_taken(groups):
-            (_, (ce, count, _)), grads = jax.vmap(lambda mb: grad_fn(params, batch=mb), spmd_axis_name=groups)(split)
+        (_, (ce, count, _)), grads = group_map(lambda mb: grad_fn(params, batch=mb), groups)(split)
         acc, ce_sum, n_sum = carry
         acc = grouped([a + g.astype(a.dtype) for a, g in zip(acc, jax.tree.leaves(grads))])
         return (acc, ce_sum + jnp.sum(ce), n_sum + jnp.sum(count)), None
