@@ -33,11 +33,12 @@ def _mask_from_layout(lengths: np.ndarray, offsets: np.ndarray, length: int) -> 
     for b in range(len(lengths)):
         for j, n in enumerate(lengths[b]):
             if n < 0:
-                assert np.all(lengths[b, j:] == -1) and np.all(offsets[b, j + 1:] == -1)
+                assert np.all(lengths[b, j:] == -1) and np.all(offsets[b, j:] == -1)
                 break
             start = offsets[b, j]
-            assert offsets[b, j + 1] == start + n  # contiguous documents
+            assert start == (0 if j == 0 else offsets[b, j - 1] + lengths[b, j - 1])  # contiguous documents
             mask[b, start:start + n, start:start + n] = np.tril(np.ones((n, n), bool))
+    assert np.all(offsets[:, -1] == -1)  # starts only: the batch's end is jax's to add
     return mask
 
 
@@ -50,6 +51,30 @@ def test_segment_layout_describes_exactly_the_documents(documents, max_segments)
     want = (ids[:, :, None] == ids[:, None, :]) & np.tril(np.ones((length, length), bool))
     np.testing.assert_array_equal(_mask_from_layout(lengths, offsets, length), want)
     assert [int((n > 0).sum()) for n in lengths] == documents
+
+
+@pytest.mark.parametrize("documents,max_segments", [([3, 5], 8), ([8, 1, 4], 8), ([2, 2], 2)])
+def test_jax_turns_the_layout_into_each_documents_own_tokens(documents, max_segments):
+    """What cuDNN is given: jax's own conversion of the layout (``_fix_seqlen_offsets``: the batch's rows as one
+    packed list of documents, offsets in elements) must give document i of the batch, in order, exactly its
+    tokens. Rows after the first are where a wrong layout goes wrong (a row's end written among its starts shifted
+    every later window, and cuDNN returned NaN on a GPU)."""
+    from jax._src.cudnn import fused_attention_stablehlo as cudnn
+
+    length, heads, head_dim = 32, 2, 8
+    ids = _packed_segment_ids(len(documents), length, documents)
+    lengths, offsets = jax.jit(segment_layout, static_argnums=1)(jnp.asarray(ids), max_segments)
+    q = jnp.zeros((len(documents), length, heads, head_dim), jnp.bfloat16)
+    fixed = cudnn._fix_seqlen_offsets(lengths, lengths, offsets, offsets, q, q)
+    seqlen, starts = np.asarray(fixed[0]).ravel(), np.asarray(fixed[2]).ravel()
+    flat = (ids + 1000 * np.arange(len(documents))[:, None]).ravel()  # each token's document, unique in the batch
+    want = [np.flatnonzero(flat == d) for d in dict.fromkeys(flat)]  # each document's tokens, in order
+    assert len(want) == sum(documents)
+    for i, tokens in enumerate(want):
+        assert starts[i] % (heads * head_dim) == 0
+        begin = starts[i] // (heads * head_dim)
+        np.testing.assert_array_equal(np.arange(begin, begin + seqlen[i]), tokens)
+    assert np.all(seqlen[len(want):] == 0) and np.all(starts[len(want):] == len(documents) * length * heads * head_dim)
 
 
 def test_rows_with_more_documents_than_the_kernel_takes_are_refused():

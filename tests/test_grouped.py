@@ -37,15 +37,16 @@ def _with_gradients(implementation, x, w, sizes, ct):
 @needs_tokamax
 @pytest.mark.parametrize("groups,rows,k,n,spare", [(8, 96, 16, 24, 0), (5, 64, 8, 12, 9), (16, 40, 4, 8, 3)])
 def test_the_tokamax_gemm_equals_ragged_dot_with_both_gradients(groups, rows, k, n, spare):
-    """Off a GPU tokamax runs its XLA implementation through jaxtron's own VJP (the weight gradient asked for in
-    float32): the output, the input gradient and the weight gradient equal jax.lax.ragged_dot's in float32,
-    empty groups and rows past the groups included (zeros there)."""
+    """Off a GPU tokamax runs its XLA implementation through jaxtron's own VJP (the weight gradient by jaxtron's
+    Pallas kernel, interpreted, summing in another order: 1e-5): the output, the input gradient and the weight
+    gradient equal jax.lax.ragged_dot's in float32, empty groups and rows past the groups included (zeros there)."""
     x, w, sizes, ct = _case(groups, rows, k, n, spare=spare)
     want = jax.jit(lambda *a: _with_gradients("xla", *a))(x, w, sizes, ct)
     got = jax.jit(lambda *a: _with_gradients("tokamax", *a))(x, w, sizes, ct)
     for name, g, v in zip(("output", "input gradient", "weight gradient"), got, want, strict=True):
         assert g.shape == v.shape and g.dtype == v.dtype, name
-        np.testing.assert_allclose(np.asarray(g), np.asarray(v), rtol=1e-6, atol=1e-6, err_msg=name)
+        tolerance = 1e-5 if name == "weight gradient" else 1e-6
+        np.testing.assert_allclose(np.asarray(g), np.asarray(v), rtol=tolerance, atol=tolerance, err_msg=name)
     if spare:
         assert not np.asarray(got[0])[rows - spare:].any() and not np.asarray(got[1])[rows - spare:].any()
     # a group with no rows has a zero weight gradient

@@ -53,8 +53,11 @@ def is_forward(primitive) -> bool:
 
 
 def segment_layout(segment_ids: jax.Array, max_segments: int) -> tuple[jax.Array, jax.Array]:
-    """Packed rows as cuDNN's ragged attention wants them: [batch, M] document lengths and [batch, M+1]
-    document start offsets (the last one the row's end), both padded with -1, M = ``max_segments``.
+    """Packed rows as jax's cuDNN attention takes them: [batch, M] document lengths and [batch, M+1] document
+    start offsets, each padded with -1, M = ``max_segments``. The offsets are starts only, each within its row:
+    jax (``_fix_seqlen_offsets``) adds each row's place in the batch, packs every row's documents into one list
+    and ends the list with the batch's length itself, so a row's end written after its starts would stand in the
+    next row's place and shift every later document's window (the cuDNN call then reads the wrong tokens).
 
     ``segment_ids`` [batch, length] numbers the documents of each row 1, 2, ... in order (jaxtron's loader);
     a row of more than M documents must be refused before it gets here (the loader does, see
@@ -68,7 +71,7 @@ def segment_layout(segment_ids: jax.Array, max_segments: int) -> tuple[jax.Array
     bounds = first[:, :max_segments + 1]  # the c document starts in order, then `length` repeated
     count = jnp.sum(starts, axis=1, keepdims=True)  # documents per row
     j = jnp.arange(max_segments + 1)[None, :]
-    offsets = jnp.where(j <= count, bounds, -1).astype(jnp.int32)
+    offsets = jnp.where(j < count, bounds, -1).astype(jnp.int32)
     lengths = jnp.where(j[:, :-1] < count, bounds[:, 1:] - bounds[:, :-1], -1).astype(jnp.int32)
     return lengths, offsets
 

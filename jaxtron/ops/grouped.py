@@ -5,9 +5,10 @@
   ``benchmarks/gpu_h200_2026-11-26.md``), and XLA:CPU likewise.
 - 'tokamax': tokamax's ``ragged_dot``, whose Mosaic GPU kernel on Hopper computes each group's rows against
   its own matrix only (compiled for the H100 target: the useful FLOPs exactly, ``benchmarks/grouped_gemm_target.md``).
-  Forward and input gradient are tokamax's kernel; the weight gradient is its ragged-contracting kernel asked for
-  a float32 result (tokamax's own backward asks for the weights' dtype, and its bf16 weight gradient was 2-3% off
-  a float32 reference on the H200, ten times the bf16 rounding of its other two products). Rows past the
+  Forward and input gradient are tokamax's kernel; the weight gradient is jaxtron's Pallas kernel
+  (``grouped_fp8.contract``, float32 sums), since tokamax's ragged-contracting kernel was 4-5% off a float32
+  reference on an H200 even when asked for a float32 result, 25 times the bf16 rounding of its other two
+  products (``benchmarks/grouped_errors_h200.md``). Rows past the
   groups' total are zeros, as with ``jax.lax.ragged_dot``. Off a GPU, tokamax runs its XLA implementation, so
   the same code path is tested on a CPU.
 - 'auto': 'tokamax' on a Hopper GPU (or when compiling for one, ``on_target``) where tokamax is installed, else
@@ -31,14 +32,13 @@ from jaxtron.config.schema import ConfigError
 
 INSTALL = 'python -m pip install -e ".[gpu]"'
 
-# rows [m, k] x weights [groups, k, n], transposed weights [groups, n, k], and the weight gradient [groups, k, n]
-# written with lists as tokamax compares them
+# rows [m, k] x weights [groups, k, n] and transposed weights [groups, n, k], written with lists as tokamax
+# compares them
 _FORWARD = jax.lax.RaggedDotDimensionNumbers(dot_dimension_numbers=(([1], [1]), ([], [])),
                                              lhs_ragged_dimensions=[0], rhs_group_dimensions=[0])
 _TRANSPOSED_WEIGHTS = jax.lax.RaggedDotDimensionNumbers(dot_dimension_numbers=(([1], [2]), ([], [])),
                                                         lhs_ragged_dimensions=[0], rhs_group_dimensions=[0])
-_RAGGED_CONTRACTING = jax.lax.RaggedDotDimensionNumbers(dot_dimension_numbers=(([0], [0]), ([], [])),
-                                                        lhs_ragged_dimensions=[0], rhs_group_dimensions=[])
+
 
 _target: list[jax.Device] = []  # the compile-only GPU being compiled for (``on_target``), innermost last
 
@@ -140,8 +140,19 @@ def _tokamax_bwd(res, d_out):
     rows, weights, group_sizes = res
     d_out = zero_past_groups(d_out, group_sizes)  # rows past the groups took no part in the product
     d_rows = _kernel()(d_out, weights, group_sizes, _TRANSPOSED_WEIGHTS, preferred_element_type=rows.dtype)
-    d_weights = _kernel()(rows, d_out, group_sizes, _RAGGED_CONTRACTING, preferred_element_type=jnp.float32)
+    d_weights = _weight_gradient(rows, d_out, group_sizes)
     return zero_past_groups(d_rows, group_sizes), d_weights.astype(weights.dtype), None
 
 
 _tokamax_matmul.defvjp(_tokamax_fwd, _tokamax_bwd)
+
+
+def _weight_gradient(rows: jax.Array, d_out: jax.Array, group_sizes: jax.Array) -> jax.Array:
+    """Each group's rows transposed times its output gradient, [groups, k, n] in float32, by jaxtron's Pallas
+    kernel (``grouped_fp8.contract``: float32 sums of 16-bit products), which tokamax's ragged-contracting kernel
+    computed 4-5% off float32 on an H200 whatever the group sizes (``benchmarks/grouped_errors_h200.md``). Off a
+    Hopper GPU the kernel runs in Pallas' interpreter, so a CPU test runs the same code."""
+    from jaxtron.ops import grouped_fp8  # it imports this module
+
+    return grouped_fp8.contract(rows.T, d_out.T, group_sizes, jnp.ones((), jnp.float32), jnp.float32,
+                                interpret=not _hopper_or_newer(target_gpu()))
