@@ -13,6 +13,7 @@ quantization the module does: e4m3 rows and weights, the e5m2 output gradient), 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 
 import jax
@@ -69,6 +70,11 @@ def errors(got, want, sizes):
     return result
 
 
+def _products(matmul, x, w, sizes, ct):
+    y, pullback = jax.vjp(lambda a, b: matmul(a, b, sizes), x, w)
+    return (y, *pullback(ct))
+
+
 def run(groups, rows, k, n, interpret):
     table = []
     rng = np.random.default_rng(0)
@@ -78,22 +84,20 @@ def run(groups, rows, k, n, interpret):
         sz = jnp.asarray(sizes)
         want = reference(x, w, sizes, ct)
         for impl in ("xla", "auto"):
-            def f(x, w, impl=impl):
-                y, pull = jax.vjp(lambda a, b: grouped.matmul(a, b, sz, impl), x, w)
-                return (y, *pull(ct))
-            got = jax.jit(f)(x, w)
-            table.append(dict(layout=layout, kind=f"bf16 {impl} -> {grouped.resolve(impl)}", **errors(got, want, sizes)))
+            got = jax.jit(_products, static_argnums=0)(functools.partial(grouped.matmul, implementation=impl),
+                                                       x, w, sz, ct)
+            kind = f"bf16 {impl} -> {grouped.resolve(impl)}"
+            table.append(dict(layout=layout, kind=kind, **errors(got, want, sizes)))
         # FP8: the operands as the module quantizes them, dequantized in float64 with float32 scales
         (qx, sx), (qw, sw) = fp8_ops.quantized(x, fp8_ops.E4M3), fp8_ops.quantized_per_batch(w, fp8_ops.E4M3)
         qg, sg = fp8_ops.quantized(grouped.zero_past_groups(ct, sz), fp8_ops.E5M2)
-        deq = (np.asarray(qx, np.float64) * float(sx), np.asarray(qw, np.float64) * np.asarray(sw, np.float64)[:, None, None],
+        deq = (np.asarray(qx, np.float64) * float(sx),
+               np.asarray(qw, np.float64) * np.asarray(sw, np.float64)[:, None, None],
                np.asarray(qg, np.float64) * float(sg))
         want8 = reference(*deq[:2], sizes, deq[2])
         for impl in ("pallas", "xla"):
-            def f8(x, w, impl=impl):
-                y, pull = jax.vjp(lambda a, b: grouped_fp8.matmul(a, b, sz, impl, interpret), x, w)
-                return (y, *pull(ct))
-            got = jax.jit(f8)(x, w)
+            matmul = functools.partial(grouped_fp8.matmul, implementation=impl, interpret=interpret)
+            got = jax.jit(_products, static_argnums=0)(matmul, x, w, sz, ct)
             table.append(dict(layout=layout, kind=f"fp8 {impl}", **errors(got, want8, sizes)))
         for row in table[-4:]:
             cells = " | ".join(f"{row[p]['overall']:.1e}" + (f" (past {row[p]['past_groups_max']:.1e})"
