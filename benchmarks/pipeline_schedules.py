@@ -1,8 +1,10 @@
 """The pipeline schedules' memory against their microbatch count: the default model's train step on pipeline=2 x
 fsdp=4 (4 rows a microbatch, so the batch grows with the count), compiled on 8 fake CPU devices and for 8
-compile-only H100s, each schedule at 8, 16, 32 and 64 microbatches; XLA's temporaries per device.
+compile-only H100s, each schedule at 8, 16, 32 and 64 microbatches; XLA's temporaries per device. The interleaved
+schedule runs 2 virtual stages (the model's 4 layers as 4 chunks of one).
 
     python benchmarks/pipeline_schedules.py          # writes benchmarks/pipeline_schedules.md and .json
+    python benchmarks/pipeline_schedules.py --only interleaved   # those rows again, the others kept from the JSON
 
 The H100 compiles need jax's CUDA plugin (``python -m pip install -e ".[gpu-target]"``; without it those columns are
 left out). Each compile runs in a process of its own.
@@ -18,7 +20,7 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 COUNTS = (8, 16, 32, 64)
-SCHEDULES = ("fill_drain", "1f1b")
+SCHEDULES = ("fill_drain", "1f1b", "interleaved")
 
 _CPU = """
 import json, os, sys
@@ -35,7 +37,7 @@ print(json.dumps(dict(temp=r.temp_bytes, compile_s=r.compile_s)))
 def overrides(schedule: str, microbatches: int) -> list[str]:
     return ["mesh.pipeline=2", "mesh.fsdp=4", f"pipeline.schedule={schedule}",
             f"pipeline.microbatches={microbatches}", f"train.global_batch_size={4 * microbatches}",
-            "execution.dtype=bfloat16"]
+            "execution.dtype=bfloat16"] + (["pipeline.virtual_stages=2"] if schedule == "interleaved" else [])
 
 
 def cpu(schedule: str, microbatches: int) -> dict:
@@ -62,16 +64,27 @@ def h100(schedule: str, microbatches: int) -> dict:
 
 
 def main() -> int:
+    import argparse
+
     from jaxtron.gpu import target
 
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--only", help="comma-separated schedules to compile again (the others from the JSON)")
+    args = parser.parse_args()
+    path = os.path.join(ROOT, "benchmarks", "pipeline_schedules.json")
     rows = {}
-    for schedule in SCHEDULES:
+    if args.only and os.path.exists(path):
+        with open(path) as f:
+            rows = json.load(f)["rows"]
+    for schedule in args.only.split(",") if args.only else SCHEDULES:
         for m in COUNTS:
             row = {"cpu": cpu(schedule, m)}
             if target.plugin_installed():
                 row["h100"] = h100(schedule, m)
             rows[f"{schedule} {m}"] = row
             print(schedule, m, json.dumps(row), flush=True)
+    rows = {f"{schedule} {m}": rows[f"{schedule} {m}"] for schedule in SCHEDULES for m in COUNTS
+            if f"{schedule} {m}" in rows}
     mib = lambda r: f"{r['temp'] / 2**20:.1f}" if "temp" in r else r.get("error", "")
     lines = ["| schedule | microbatches | XLA:CPU temporaries MiB | H100 temporaries MiB |", "|---|---|---|---|"]
     for key, row in rows.items():
@@ -81,7 +94,7 @@ def main() -> int:
     print(text)
     with open(os.path.join(ROOT, "benchmarks", "pipeline_schedules.md"), "w") as f:
         f.write(text)
-    with open(os.path.join(ROOT, "benchmarks", "pipeline_schedules.json"), "w") as f:
+    with open(path, "w") as f:
         json.dump({"command": "python benchmarks/pipeline_schedules.py", "rows": rows}, f, indent=1)
     return 0
 

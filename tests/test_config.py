@@ -240,11 +240,26 @@ BAD = [
      "set it to 0"),
     # --- pipeline schedules
     ("unknown_schedule", lambda d: cli("--config.pipeline.schedule=gpipe"),
-     "'pipeline.schedule' is 'gpipe', which is not one of 'fill_drain', '1f1b'", "set --config.pipeline.schedule"),
+     "'pipeline.schedule' is 'gpipe', which is not one of 'fill_drain', '1f1b', 'interleaved'",
+     "set --config.pipeline.schedule"),
     ("virtual_stages_without_rounds", lambda d: cli("--config.pipeline.schedule=1f1b",
                                                     "--config.pipeline.virtual_stages=2"),
      "'pipeline.virtual_stages' (2) splits each stage into rounds, which the '1f1b' schedule does not run",
-     "pipeline.schedule='fill_drain'"),
+     "use pipeline.schedule='interleaved' (1F1B over virtual stages)"),
+    ("interleaved_without_virtual_stages", lambda d: cli("--config.pipeline.schedule=interleaved"),
+     "'pipeline.virtual_stages' (1) leaves the 'interleaved' schedule one chunk of layers a stage, which is plain "
+     "1F1B", "set it to 2 or more"),
+    ("interleaved_microbatches_not_in_groups_of_stages", lambda d: check_devices(cli(
+        "--config.pipeline.schedule=interleaved", "--config.pipeline.virtual_stages=2", "--config.mesh.pipeline=2",
+        "--config.mesh.fsdp=4", "--config.pipeline.microbatches=3", "--config.train.global_batch_size=24",
+        "--config.model.num_layers=4"), 8),
+     "'pipeline.microbatches' (3) does not split into groups of one microbatch per stage of mesh.pipeline=2",
+     "use a multiple of 2"),
+    ("interleaved_with_too_few_microbatches", lambda d: check_devices(cli(
+        "--config.pipeline.schedule=interleaved", "--config.pipeline.virtual_stages=2", "--config.mesh.pipeline=4",
+        "--config.mesh.fsdp=2", "--config.pipeline.microbatches=2", "--config.model.num_layers=8"), 8),
+     "'pipeline.microbatches' (2) does not split into groups of one microbatch per stage of mesh.pipeline=4",
+     "use a multiple of 4"),
     ("1f1b_with_prediction_modules", lambda d: check_devices(cli(
         "--config.pipeline.schedule=1f1b", "--config.model.mtp.depth=1", "--config.mesh.pipeline=2",
         "--config.mesh.fsdp=4", "--config.pipeline.microbatches=2"), 8),
@@ -259,7 +274,7 @@ BAD = [
         "--config.pipeline.microbatches=2"), 8),
      "'pipeline.microbatches' (2) cannot keep mesh.pipeline=4 stages busy", "at least 4"),
     ("gather_once_under_fill_drain", lambda d: cli("--config.pipeline.fsdp_gather=step"),
-     "'pipeline.fsdp_gather' 'step' holds a stage's weights whole through the '1f1b' schedule",
+     "'pipeline.fsdp_gather' 'step' holds a stage's weights whole through the '1f1b' and 'interleaved' schedules",
      "use pipeline.schedule='1f1b' with it"),
     ("unknown_fsdp_gather", lambda d: cli("--config.pipeline.fsdp_gather=layer"),
      "'pipeline.fsdp_gather' is 'layer', which is not one of 'iteration', 'step'", "set --config.pipeline.fsdp_gather"),

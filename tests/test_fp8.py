@@ -86,13 +86,23 @@ def _loss_and_grads(cfg: Config, tokens):
 
 @pytest.mark.slow
 def test_an_fp8_model_tracks_the_exact_one_and_keeps_chosen_layers_exact():
-    tokens = jnp.asarray(RNG.integers(0, 64, (4, 17)), jnp.int32)
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, 64, (4, 17)), jnp.int32)  # whatever ran before
     exact_loss, exact_grads = _loss_and_grads(_tiny(), tokens)
     fp8_loss, fp8_grads = _loss_and_grads(_tiny(fp8=True), tokens)
-    skip_loss, _ = _loss_and_grads(_tiny(fp8=True, fp8_skip_layers=1), tokens)
-    assert float(fp8_loss) != float(exact_loss)  # FP8 really ran
+    skip_loss, skip_grads = _loss_and_grads(_tiny(fp8=True, fp8_skip_layers=1), tokens)
+    assert float(fp8_loss) != float(exact_loss) != float(skip_loss)  # FP8 really ran
     assert abs(float(fp8_loss) - float(exact_loss)) < 2e-3 * float(exact_loss)
-    assert abs(float(skip_loss) - float(exact_loss)) < abs(float(fp8_loss) - float(exact_loss))
+
+    def first_layer_error(grads):
+        """The relative error of the first block's weight gradients (the stacked leaves' index 0) from exact."""
+        pairs = [(np.asarray(a)[0], np.asarray(b)[0]) for a, b in zip(jax.tree.leaves(exact_grads),
+                                                                       jax.tree.leaves(grads)) if np.ndim(a) >= 2
+                 and np.shape(a)[0] == 4]
+        return np.sqrt(sum(np.sum((a - b) ** 2) for a, b in pairs) / sum(np.sum(a ** 2) for a, _ in pairs))
+
+    # the kept block's own GEMMs are exact, only the noise of the FP8 blocks above it reaches its gradients: half
+    # the error (0.037-0.047 against 0.076-0.089 over eight batches); the loss itself moves by noise either way
+    assert first_layer_error(skip_grads) < 0.7 * first_layer_error(fp8_grads)
     leaves = zip(jax.tree.leaves(exact_grads), jax.tree.leaves(fp8_grads))
     for a, b in leaves:  # e5m2 keeps 2 mantissa bits: about 10% noise per gradient, same direction
         a, b = np.asarray(a).ravel(), np.asarray(b).ravel()

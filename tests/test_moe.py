@@ -131,11 +131,12 @@ def _loss_and_grads_under(executions: list[ExecutionConfig], mesh_name: str, see
 def test_dropless_experts_on_the_tokamax_gemm_equal_the_xla_gemm_on_an_expert_mesh():
     """execution.expert_gemm only changes the kernel: on an expert mesh (the exchange's buffers hold rows past the
     groups) the MoE layer's outputs and gradients with tokamax's grouped GEMM (its XLA implementation on a CPU,
-    through jaxtron's VJP) equal those with jax.lax.ragged_dot."""
+    through jaxtron's VJP, the weight gradient by jaxtron's Pallas kernel, interpreted: float32 sums in another
+    order, 1e-5) equal those with jax.lax.ragged_dot."""
     want, got = _loss_and_grads_under([ExecutionConfig(expert_gemm=g) for g in ("xla", "tokamax")],
                                       "fsdp2_expert2_tensor2", 4)
     for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
-        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-6, atol=1e-6)
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("mesh_name", ["fsdp2_expert2_tensor2", "data2_expert4"])

@@ -310,16 +310,29 @@ def test_deepseek_trains_pipelined_like_one_device(tmp_path):
 
 # --- the 1F1B schedule (jaxtron/training/one_f_one_b.py) ---
 
-ONE_F_ONE_B = {  # name -> (mesh, pipeline microbatches, model)
-    "pipeline2_sequence2_tensor2": (dict(pipeline=2, fsdp=1, sequence=2, tensor=2), 4, BASE["model"]),
+ONE_F_ONE_B = {  # name -> (mesh, pipeline microbatches, model, schedule fields, the one-device run to match)
+    "pipeline2_sequence2_tensor2": (dict(pipeline=2, fsdp=1, sequence=2, tensor=2), 4, "dense", {}, "one_device"),
     # data parallel with fsdp gathered once a step (pipeline.fsdp_gather='step'): a stage's backward runs each
     # device's rows apart, their weight gradients summed after the loop
-    "pipeline2_data2_fsdp2_gather_once": (dict(pipeline=2, data=2, fsdp=2), 4, BASE["model"]),
+    "pipeline2_data2_fsdp2_gather_once": (dict(pipeline=2, data=2, fsdp=2), 4, "dense", dict(fsdp_gather="step"),
+                                          "one_device"),
     # MoE blocks with their experts over their own axis, and the DeepSeek-style model: latent attention, a dense
     # first block run before the schedule, three MoE blocks on two stages (an uneven split: one identity block),
-    # the balancing bias (without the prediction module, which the 1F1B schedule does not run yet;
+    # the balancing bias (without the prediction module, which the 1F1B schedules do not run yet;
     # ``_deepseek_style``)
-    "moe_pipeline2_fsdp2_expert2": (dict(pipeline=2, fsdp=2, expert=2), 4, MOE["model"]),
+    "moe_pipeline2_fsdp2_expert2": (dict(pipeline=2, fsdp=2, expert=2), 4, "moe", {}, "moe_one_device"),
+    "deepseek_pipeline2_fsdp2_expert2_uneven": (dict(pipeline=2, fsdp=2, expert=2), 2, "deepseek",
+                                                dict(uneven_stages=True), "deepseek_one_device"),
+    # the interleaved schedule: two chunks of layers a stage, microbatches through chunk 0 then chunk 1 of every
+    # stage in groups of two; the MoE model's two periods and the DeepSeek-style model's three blocks on 2 x 2
+    # slots (identity periods in the last slots of each stage)
+    "interleaved_pipeline2_fsdp2_tensor2_virtual2": (dict(pipeline=2, fsdp=2, tensor=2), 4, "dense",
+                                                     dict(virtual_stages=2), "one_device"),
+    "interleaved_moe_pipeline2_fsdp2_expert2_uneven": (dict(pipeline=2, fsdp=2, expert=2), 4, "moe",
+                                                       dict(virtual_stages=2, uneven_stages=True), "moe_one_device"),
+    "interleaved_deepseek_pipeline2_data2_expert2_uneven": (dict(pipeline=2, data=2, fsdp=1, expert=2), 2, "deepseek",
+                                                            dict(virtual_stages=2, uneven_stages=True),
+                                                            "deepseek_one_device"),
 }
 
 
@@ -329,34 +342,34 @@ def _deepseek_style():
     return dict(QWEN3_STYLE["deepseek_v3"], num_layers=4, mtp=dict(depth=0))
 
 
+DEEPSEEK_TRAIN = dict(global_batch_size=16, router_bias_rate=0.003)
+
+
+@pytest.fixture(scope="module")
+def deepseek_one_device(tmp_path_factory):
+    """The DeepSeek-style model of the 1F1B schedules on one device, with their 2 pipeline microbatches."""
+    return run(tiny_config(dict(fsdp=1), model=_deepseek_style(), pipeline=dict(microbatches=2),
+                           train=DEEPSEEK_TRAIN), str(tmp_path_factory.mktemp("deepseek_one")), use_tqdm=False,
+               devices=jax.devices()[:1])
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", [
-    pytest.param("pipeline2_sequence2_tensor2", marks=pytest.mark.xdist_group("one_device")),
-    pytest.param("pipeline2_data2_fsdp2_gather_once", marks=pytest.mark.xdist_group("one_device")),
-    pytest.param("moe_pipeline2_fsdp2_expert2", marks=pytest.mark.xdist_group("moe_one_device")),
-    "deepseek_pipeline2_fsdp2_expert2_uneven"])
-def test_the_1f1b_schedule_trains_like_one_device(name, tmp_path, request):
-    """fp32 losses of 3 steps equal one device's to 1e-5 (the MoE models' with the same microbatches: their routing
-    stats are per microbatch), and so do the parameters after them; MoE's losses and loads too. The MoE model runs
-    with the distributed optimizer (its dense weights' moments split over expert)."""
-    if name.startswith("deepseek"):
-        mesh, microbatches, model = dict(pipeline=2, fsdp=2, expert=2), 2, _deepseek_style()
-        extra = dict(train=dict(global_batch_size=16, router_bias_rate=0.003))
-    else:
-        mesh, microbatches, model = ONE_F_ONE_B[name]
-        extra = dict(train=dict(global_batch_size=16))
-    distributed = dict(optimizer=dict(distributed=True)) if name.startswith("moe") else {}
-    schedule = dict(uneven_stages=True) if name.endswith("uneven") else \
-        dict(fsdp_gather="step") if name.endswith("gather_once") else {}
-    if name.startswith("moe"):  # the fill-drain test's reference: the same model, batch and microbatches
-        ref = request.getfixturevalue("moe_one_device")
-    elif name.startswith("pipeline"):  # the dense model's one-device run, as the fill-drain meshes are checked
-        ref = request.getfixturevalue("one_device")
-    else:
-        ref = run(tiny_config(dict(fsdp=1), model=model, pipeline=dict(microbatches=microbatches), **extra),
-                  str(tmp_path / "one"), use_tqdm=False, devices=jax.devices()[:1])
-    got = run(tiny_config(mesh, model=model, pipeline=dict(microbatches=microbatches, schedule="1f1b", **schedule),
-                          **extra, **distributed), str(tmp_path / "pipe"), use_tqdm=False)
+    pytest.param(name, marks=pytest.mark.xdist_group(reference)) for name, (*_, reference) in ONE_F_ONE_B.items()])
+def test_the_1f1b_schedules_train_like_one_device(name, tmp_path, request):
+    """'1f1b' and 'interleaved': fp32 losses of 3 steps equal one device's to 1e-5 (the MoE models' with the same
+    microbatches: their routing stats are per microbatch), and so do the parameters after them; MoE's losses and
+    loads too. The MoE models run with the distributed optimizer (their dense weights' moments split over
+    expert)."""
+    mesh, microbatches, kind, schedule, reference = ONE_F_ONE_B[name]
+    model = {"dense": BASE["model"], "moe": MOE["model"], "deepseek": _deepseek_style()}[kind]
+    extra = dict(train=DEEPSEEK_TRAIN if kind == "deepseek" else dict(global_batch_size=16))
+    distributed = dict(optimizer=dict(distributed=True)) if kind == "moe" else {}
+    ref = request.getfixturevalue(reference)
+    virtual = schedule.get("virtual_stages", 1)
+    pipeline = dict(microbatches=microbatches, schedule="interleaved" if virtual > 1 else "1f1b", **schedule)
+    got = run(tiny_config(mesh, model=model, pipeline=pipeline, **extra, **distributed), str(tmp_path / "pipe"),
+              use_tqdm=False)
     if distributed:
         mu = optax.tree_utils.tree_get(got.state.opt_state, "mu")["layers"]["attn"]["wq"].get_value()
         wq = got.state.params["layers"]["attn"]["wq"].get_value()
@@ -364,16 +377,17 @@ def test_the_1f1b_schedule_trains_like_one_device(name, tmp_path, request):
     expected = _losses(ref)
     assert len(expected) == 3 and np.all(np.diff(expected) != 0)
     np.testing.assert_allclose(_losses(got), expected, rtol=1e-5)
-    assert got.history[-1]["pipeline_bubble"] == pytest.approx(bubble_fraction(mesh["pipeline"], microbatches))
-    if model.get("moe"):
-        for key in ("moe_aux_loss",) + (("moe_bias_spread",) if name.startswith("deepseek") else ()):
+    bubble = bubble_fraction(mesh["pipeline"], microbatches, virtual)
+    assert got.history[-1]["pipeline_bubble"] == pytest.approx(bubble)
+    if kind != "dense":
+        for key in ("moe_aux_loss",) + (("moe_bias_spread",) if kind == "deepseek" else ()):
             np.testing.assert_allclose([h[key] for h in got.history], [h[key] for h in ref.history], rtol=1e-5)
     # the staged stack's output projections after three updates, back in natural order (Adam divides by sqrt(v):
     # near-zero gradients amplify rounding; 2e-4 is 2% of one lr=1e-2 update)
-    stack = "moe_layers" if model.get("moe", {}).get("first_dense_layers") else "layers"
+    stack = "moe_layers" if kind == "deepseek" else "layers"
     want = np.asarray(nnx.to_pure_dict(ref.state.params)[stack]["mlp"]["wo"])
     got_wo = np.asarray(nnx.to_pure_dict(got.state.params)[stack]["mlp"]["wo"])
-    np.testing.assert_allclose(to_natural(got_wo, storage_order(want.shape[0], mesh["pipeline"])), want,
+    np.testing.assert_allclose(to_natural(got_wo, storage_order(want.shape[0], mesh["pipeline"], virtual)), want,
                                rtol=1e-4, atol=2e-4)
 
 

@@ -59,7 +59,8 @@ class MeshConfig:
         return sizes
 
 
-SCHEDULES = ("fill_drain", "1f1b")  # pipeline.schedule
+SCHEDULES = ("fill_drain", "1f1b", "interleaved")  # pipeline.schedule
+ONE_F_ONE_B = ("1f1b", "interleaved")  # the schedules that run each stage's backward themselves
 FSDP_GATHERS = ("iteration", "step")  # pipeline.fsdp_gather
 
 
@@ -70,10 +71,13 @@ class PipelineConfig:
 
     # 'fill_drain': every microbatch's forward, then the backward by differentiation (the activations of every
     # microbatch in flight); '1f1b': each stage runs one forward and one backward an iteration, the loss inside the
-    # schedule, so a stage holds at most 2 x stages - 1 microbatches' inputs whatever the microbatch count
+    # schedule, so a stage holds at most 2 x stages - 1 microbatches' inputs whatever the microbatch count;
+    # 'interleaved': 1F1B over virtual_stages chunks of layers on each stage (the bubble shrinks by that factor,
+    # for as many more transfers between stages), microbatches in groups of one per stage
     schedule: str = "fill_drain"
     microbatches: int = 0  # microbatches in flight in one forward and backward pass (0: one per stage)
-    virtual_stages: int = 1  # each stage's layers split into this many circular repeats (shrinks the bubble)
+    # each stage's layers split into this many circular repeats (shrinks the bubble): fill-drain and interleaved
+    virtual_stages: int = 1
     # layers (MoE: periods) that stages x virtual stages do not divide are filled up with identity layers at the
     # end of the last stage (each costs a layer's memory and compute, changes nothing the model computes)
     uneven_stages: bool = False
@@ -86,14 +90,18 @@ class PipelineConfig:
     def __post_init__(self):
         _choice(self.schedule, "pipeline.schedule", SCHEDULES)
         _choice(self.fsdp_gather, "pipeline.fsdp_gather", FSDP_GATHERS)
-        _check(self.fsdp_gather == "iteration" or self.schedule == "1f1b", "pipeline.fsdp_gather",
-               f"'{self.fsdp_gather}' holds a stage's weights whole through the '1f1b' schedule; fill-drain's backward "
-               "would sum their whole gradients over fsdp in every iteration", "use pipeline.schedule='1f1b' with it")
+        _check(self.fsdp_gather == "iteration" or self.schedule in ONE_F_ONE_B, "pipeline.fsdp_gather",
+               f"'{self.fsdp_gather}' holds a stage's weights whole through the '1f1b' and 'interleaved' schedules; "
+               "fill-drain's backward would sum their whole gradients over fsdp in every iteration",
+               "use pipeline.schedule='1f1b' with it")
         _non_negative(self.microbatches, "pipeline.microbatches")
         _positive(self.virtual_stages, "pipeline.virtual_stages")
-        _check(self.virtual_stages == 1 or self.schedule == "fill_drain", "pipeline.virtual_stages",
-               f"({self.virtual_stages}) splits each stage into rounds, which the '{self.schedule}' schedule does not "
-               "run", "set it to 1 or use pipeline.schedule='fill_drain'")
+        _check(self.virtual_stages == 1 or self.schedule != "1f1b", "pipeline.virtual_stages",
+               f"({self.virtual_stages}) splits each stage into rounds, which the '1f1b' schedule does not run",
+               "set it to 1, or use pipeline.schedule='interleaved' (1F1B over virtual stages)")
+        _check(self.virtual_stages > 1 or self.schedule != "interleaved", "pipeline.virtual_stages",
+               "(1) leaves the 'interleaved' schedule one chunk of layers a stage, which is plain 1F1B",
+               "set it to 2 or more, or use pipeline.schedule='1f1b'")
 
     def sizes(self, stages: int) -> tuple[int, int]:
         """(microbatches, virtual stages) for this many stages (one stage has no virtual stages: its rounds

@@ -6,7 +6,7 @@
 - 'tokamax': tokamax's ``ragged_dot``, whose Mosaic GPU kernel on Hopper computes each group's rows against
   its own matrix only (compiled for the H100 target: the useful FLOPs exactly, ``benchmarks/grouped_gemm_target.md``).
   Forward and input gradient are tokamax's kernel; the weight gradient is jaxtron's Pallas kernel
-  (``grouped_fp8.contract``, float32 sums), since tokamax's ragged-contracting kernel was 4-5% off a float32
+  (``grouped_kernels.contract``, float32 sums), since tokamax's ragged-contracting kernel was 4-5% off a float32
   reference on an H200 even when asked for a float32 result, 25 times the bf16 rounding of its other two
   products (``benchmarks/grouped_errors_h200.md``). Rows past the
   groups' total are zeros, as with ``jax.lax.ragged_dot``. Off a GPU, tokamax runs its XLA implementation, so
@@ -29,6 +29,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxtron.config.schema import ConfigError
+from jaxtron.ops import grouped_kernels
 
 INSTALL = 'python -m pip install -e ".[gpu]"'
 
@@ -149,10 +150,8 @@ _tokamax_matmul.defvjp(_tokamax_fwd, _tokamax_bwd)
 
 def _weight_gradient(rows: jax.Array, d_out: jax.Array, group_sizes: jax.Array) -> jax.Array:
     """Each group's rows transposed times its output gradient, [groups, k, n] in float32, by jaxtron's Pallas
-    kernel (``grouped_fp8.contract``: float32 sums of 16-bit products), which tokamax's ragged-contracting kernel
+    kernel (``grouped_kernels.contract``: float32 sums of 16-bit products), which tokamax's ragged-contracting kernel
     computed 4-5% off float32 on an H200 whatever the group sizes (``benchmarks/grouped_errors_h200.md``). Off a
     Hopper GPU the kernel runs in Pallas' interpreter, so a CPU test runs the same code."""
-    from jaxtron.ops import grouped_fp8  # it imports this module
-
-    return grouped_fp8.contract(rows.T, d_out.T, group_sizes, jnp.ones((), jnp.float32), jnp.float32,
+    return grouped_kernels.contract(rows.T, d_out.T, group_sizes, jnp.ones((), jnp.float32), jnp.float32,
                                 interpret=not _hopper_or_newer(target_gpu()))

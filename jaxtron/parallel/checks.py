@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 
 from jaxtron.config.checks import _check
-from jaxtron.config.schema import Config
+from jaxtron.config.schema import ONE_F_ONE_B, Config
 from jaxtron.parallel.sharding import logical_to_spec, shard_count, spec_axes
 
 
@@ -74,13 +74,19 @@ def _check_pipeline(cfg: Config, stages: int, batch: int, dp: int) -> None:
            f"pipeline.virtual_stages={virtual} with only identity layers", "use fewer stages or virtual stages")
     if stages == 1 and microbatches == 1:
         return
-    if cfg.pipeline.schedule == "1f1b":
-        _check(not m.mtp.depth, "pipeline.schedule", f"'1f1b' does not run the multi-token prediction modules "
+    name = cfg.pipeline.schedule
+    if name in ONE_F_ONE_B:
+        _check(not m.mtp.depth, "pipeline.schedule", f"'{name}' does not run the multi-token prediction modules "
                f"(model.mtp.depth={m.mtp.depth}) yet", "use pipeline.schedule='fill_drain'")
         _check(cfg.train.microbatches == 1, "train.microbatches",
-               f"({cfg.train.microbatches}) would flush the '1f1b' schedule once per part; it runs all of a step's "
+               f"({cfg.train.microbatches}) would flush the '{name}' schedule once per part; it runs all of a step's "
                "microbatches in one schedule", f"set pipeline.microbatches to {microbatches * cfg.train.microbatches}"
                " and train.microbatches to 1")
+    if name == "interleaved":
+        _check(microbatches % stages == 0, "pipeline.microbatches",
+               f"({microbatches}) does not split into groups of one microbatch per stage of mesh.pipeline={stages}, "
+               "which the 'interleaved' schedule runs through each virtual stage in turn",
+               f"use a multiple of {stages}")
     _check(microbatches >= stages, "pipeline.microbatches",
            f"({microbatches}) cannot keep mesh.pipeline={stages} stages busy",
            f"set --config.pipeline.microbatches to at least {stages}")

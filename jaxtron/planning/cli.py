@@ -80,10 +80,10 @@ def _mesh_text(sizes: dict[str, int]) -> str:
 
 def _layout_text(e) -> str:
     """The mesh, the identity layers that fill an uneven pipeline split (pipeline.uneven_stages=True), the 1F1B
-    schedule where that is the pipeline's, 'gather-once' for a stage's weights gathered over fsdp once a step, and
-    'dopt' for the distributed optimizer."""
+    schedule ('1f1b' or 'interleaved') where that is the pipeline's, 'gather-once' for a stage's weights gathered
+    over fsdp once a step, and 'dopt' for the distributed optimizer."""
     return (_mesh_text(e.mesh) + (f" +{e.identity_layers} identity" if e.identity_layers else "")
-            + (" 1f1b" if e.schedule == "1f1b" else "") + (" gather-once" if e.gather_once else "")
+            + (f" {e.schedule}" if e.schedule != "fill_drain" else "") + (" gather-once" if e.gather_once else "")
             + (" dopt" if e.distributed_optimizer else ""))
 
 

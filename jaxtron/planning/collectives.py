@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 
-from jaxtron.config.schema import Config
+from jaxtron.config.schema import ONE_F_ONE_B, Config
 from jaxtron.parallel.mesh import split_over_nodes
 from jaxtron.planning.gpus import GPU
 from jaxtron.planning.params import Param
@@ -120,7 +120,7 @@ def data_time(cfg: Config, shape: StepShape, params: tuple[Param, ...], coll: Co
             over = sum(p.shard_elements(shape.mesh) for p in params
                        if ("experts" in p.names) == expert_owned and p.staged == staged)
             width = 4.0
-            if shape.schedule == "1f1b":
+            if shape.schedule in ONE_F_ONE_B:
                 times = 1 if dense else shape.in_flight * (1 if staged else 2)
             elif shape.pipelined and staged:  # fill-drain's backward sums each iteration's 16-bit weight gradients
                 times, width = shape.microbatches * shape.in_flight * shape.busy, shape.work_bytes

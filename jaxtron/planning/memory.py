@@ -23,7 +23,7 @@ one, ``jaxtron/gpu/target.py``); ``benchmarks/plan_validation.md`` compares the 
 
 from __future__ import annotations
 
-from jaxtron.config.schema import Config
+from jaxtron.config.schema import ONE_F_ONE_B, Config
 from jaxtron.ops.blockwise import block_size
 from jaxtron.planning.params import Param, optimizer_elements, state_elements
 from jaxtron.planning.shape import BlockValues, StepShape
@@ -102,9 +102,10 @@ def activation_memory(cfg: Config, shape: StepShape, block: BlockValues) -> dict
     """Bytes of the values saved for the backward pass ('activations') and of a pipeline schedule's carries
     ('pipeline_buffers', with a pipeline only)."""
     c = shape.value_bytes
-    if shape.schedule == "1f1b":  # each period's input for the microbatches between their forward and backward
-        kept = min(2 * shape.stages - 1, shape.in_flight)
-        periods = (shape.staged_blocks // cfg.model.period) // shape.stages
+    if shape.schedule in ONE_F_ONE_B:  # each period's input for the units between their forward and backward
+        v = shape.virtual_stages  # (interleaved: a unit is a chunk of 1/V of the stage's periods)
+        kept = min(2 * v * shape.stages - 1, shape.in_flight * v)
+        periods = (shape.staged_blocks // cfg.model.period) // (shape.stages * v)
         return {"activations": float(kept * periods * block.residual_split * c),
                 # the activations moving one stage on and the gradients one stage back
                 "pipeline_buffers": float(2 * block.residual_split * shape.work_bytes)}
@@ -136,7 +137,7 @@ def gpu_terms(shape: StepShape, block: BlockValues, params: tuple[Param, ...]) -
                          if p.in_blocks and p.sharded_dims("fsdp")[:1] not in ((), (1,)))
         if transposed:
             terms["layout_copies"] = GPU_LAYOUT_COPIES * 4.0 * transposed
-    if shape.pipelined and shape.schedule != "1f1b":  # 1F1B's accumulators are the step's gradients
+    if shape.pipelined and shape.schedule not in ONE_F_ONE_B:  # 1F1B's accumulators are the step's gradients
         terms["pipeline_gradients"] = GPU_PIPELINE_GRADIENT_COPIES * 4.0 * state_elements(params, shape.mesh)
     if shape.attention == "cudnn":
         terms["cudnn_workspace"] = CUDNN_WORKSPACE_Q_BYTES * block.attention["q"]
@@ -192,7 +193,7 @@ def loss_work(cfg: Config, shape: StepShape, block: BlockValues, params: tuple[P
     head_params = [p for p in params if not p.in_blocks and "vocab" in p.names]
     head_gathered = sum(p.shard_elements(shape.mesh, without=("fsdp",)) for p in head_params)
     # the 1F1B schedule runs the head and loss on one pipeline microbatch at a time
-    rows = shape.block_rows if shape.schedule == "1f1b" else shape.outside_rows
+    rows = shape.block_rows if shape.schedule in ONE_F_ONE_B else shape.outside_rows
     logits = 4.0 * rows * shape.local_len * block.vocab / cfg.train.logit_chunks
     if not shape.cpu_program:
         return GPU_LOGIT_COPIES * logits + GPU_HEAD_COPIES * head_gathered * shape.work_bytes

@@ -98,14 +98,21 @@ def _in_flight_options(cfg: Config, sizes: dict[str, int], microbatches: int) ->
     return sorted({m for m in wanted if m >= stages and rows % m == 0}) or [None]
 
 
-def _one_f_one_b(cfg: Config, sizes: dict[str, int]) -> Config | None:
-    """``cfg`` with the 1F1B schedule, on a pipeline mesh where it runs (no virtual stages, no prediction modules;
-    ``jaxtron/training/one_f_one_b.py``), else None."""
-    if shard_count(sizes, "layers") == 1 or cfg.pipeline.virtual_stages > 1 or cfg.model.mtp.depth:
-        return None
-    return dataclasses.replace(cfg, pipeline=dataclasses.replace(cfg.pipeline, schedule="1f1b",
+def _one_f_one_b(cfg: Config, sizes: dict[str, int]) -> list[Config]:
+    """``cfg`` with the 1F1B schedule, and with the interleaved one (``cfg``'s virtual stages, else 2) where each
+    stage's periods split evenly into those chunks, on a pipeline mesh where they run (no prediction modules;
+    ``jaxtron/training/one_f_one_b.py``); none elsewhere."""
+    stages = shard_count(sizes, "layers")
+    if stages == 1 or cfg.model.mtp.depth:
+        return []
+    base = dataclasses.replace(cfg, pipeline=dataclasses.replace(cfg.pipeline, schedule="1f1b", virtual_stages=1,
                                                                  fsdp_gather="iteration"),
                                train=dataclasses.replace(cfg.train, microbatches=1))
+    virtual = max(cfg.pipeline.virtual_stages, 2)
+    if cfg.model.stack_periods % (stages * virtual):
+        return [base]
+    return [base, dataclasses.replace(base, pipeline=dataclasses.replace(base.pipeline, schedule="interleaved",
+                                                                         virtual_stages=virtual))]
 
 
 def _one_f_one_b_options(cfg: Config, sizes: dict[str, int]) -> list[int]:
@@ -151,10 +158,9 @@ def best_for_mesh(cfg: Config, sizes: dict[str, int], gpu: GPU) -> Row:
                 est = estimate(option, sizes, gpu, microbatches=k, pipeline_microbatches=m)
                 if est.memory_bytes <= gpu.usable_bytes:
                     fitting.append(est)
-            one_f_one_b = _one_f_one_b(option, sizes)
-            if one_f_one_b is not None and k == 1:
+            for one_f_one_b in _one_f_one_b(option, sizes) if k == 1 else []:
                 gathers = [one_f_one_b]  # and with a stage's weights gathered over fsdp once a step
-                if sizes.get("fsdp", 1) > 1 and one_f_one_b.pipeline.fsdp_gather == "iteration":
+                if sizes.get("fsdp", 1) > 1:
                     gathers.append(dataclasses.replace(
                         one_f_one_b, pipeline=dataclasses.replace(one_f_one_b.pipeline, fsdp_gather="step")))
                 for schedule_cfg in gathers:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from jaxtron.config.schema import Config, ModelConfig
+from jaxtron.config.schema import ONE_F_ONE_B, Config, ModelConfig
 from jaxtron.models.moe import capacity
 from jaxtron.ops.attention import HOPPER, cpu_implementation, resolve_implementation
 from jaxtron.parallel.mesh import full_sizes
@@ -125,7 +125,7 @@ def step_shape(cfg: Config, sizes: dict[str, int], microbatches: int | None = No
         and execution.expert_gemm != "xla", value_bytes=value_bytes, work_bytes=4 if cpu_program else value_bytes,
         stack_copy_bytes=4 if cpu_program and value_bytes < 4 else 0,
         # 1F1B recomputes every block's forward once, whatever the remat policy (training/one_f_one_b.py)
-        forward_passes=3 + (1 if execution.remat == "full" or (pipelined and cfg.pipeline.schedule == "1f1b")
+        forward_passes=3 + (1 if execution.remat == "full" or (pipelined and cfg.pipeline.schedule in ONE_F_ONE_B)
                             else 0))
 
 

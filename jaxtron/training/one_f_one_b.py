@@ -1,5 +1,5 @@
-"""The 1F1B pipeline schedule (``pipeline.schedule='1f1b'``): the microbatches' forward and backward passes
-interleaved in one SPMD program, the loss computed inside the schedule.
+"""The 1F1B pipeline schedules (``pipeline.schedule='1f1b'`` and ``'interleaved'``): the microbatches' forward and
+backward passes interleaved in one SPMD program, the loss computed inside the schedule.
 
 With S stages and M microbatches, iteration t runs on every stage s (one program, vmapped over the stage
 dimension that the rules table shards over the pipeline axis, as ``pipeline.py``'s fill-drain does):
@@ -19,6 +19,17 @@ whatever M is; fill-drain keeps every microbatch's. The schedule runs M + 2(S - 
 run the forward phase only and the last S - 1 the backward phase only (a condition on the iteration, the same on
 every device), so a stage idles (S - 1) forwards and (S - 1) backwards of the M of each it runs: the share
 (S - 1) / (M + S - 1), as in fill-drain.
+
+The interleaved schedule (``pipeline.schedule='interleaved'``, V = ``pipeline.virtual_stages``) runs the same
+loop over V chunks of layers a stage, chunk c = v S + s of the S V on stage s (the stage-major stack's order, as
+fill-drain's virtual stages): a stage's forward units take the microbatches in groups of S, each group through
+chunk 0, then chunk 1, ..., so what stage S - 1 sends in one iteration is what stage 0 takes in the next (the
+same collective permute, wrapping round); its backward units take each group through chunk V - 1 down to 0.
+Stage s runs forward unit t - s and backward unit t - (V S - 1) - (S - 1 - s); the last stage's chunk V - 1
+computes the head and loss, whose gradient its backward takes in the same iteration. M V + V S + S - 2
+iterations, each a chunk (1/V of a stage) forward and backward: the idle share is (S - 1) / (M V + S - 1), as
+fill-drain's with virtual stages, for V times the transfers; a stage keeps the inputs of at most 2 V S - 1
+chunks (about 2 S stages' worth). M must be a multiple of S. With V = 1 it is the 1F1B schedule above.
 
 The objective is the fill-drain schedule's: the cross-entropy (and z-loss) sums of the microbatches, and the MoE
 auxiliary losses as the token count times their mean over blocks and microbatches, so both schedules compute the
@@ -54,7 +65,7 @@ from jaxtron.parallel.sharding import (
     row_groups,
     spec_axes,
 )
-from jaxtron.parallel.stages import identity_slots
+from jaxtron.parallel.stages import PAD, identity_slots, storage_order
 from jaxtron.training.pipeline import SCOPE, check_schedule, split_rows
 
 FORWARD_PHASE = "one_f_one_b_forward"  # the named scopes of an iteration's two phases
@@ -110,6 +121,7 @@ def gradients(setup, params: Any, batch: Batch, loss_sums: Callable, moe_metrics
     ``moe_metrics``: the train step's (``training/step.py``)."""
     schedule = setup.stack_runner
     s_, m_ = schedule.stages, schedule.microbatches
+    v_ = schedule.virtual_stages if schedule.kind == "interleaved" else 1
     micro = jax.tree.map(lambda a: split_rows(a, m_), batch)  # [M, b, ...]
     weights = batch.get("loss_mask")
     count = jnp.sum(jnp.ones(batch["targets"].shape, jnp.float32) if weights is None else weights.astype(jnp.float32))
@@ -146,9 +158,14 @@ def gradients(setup, params: Any, batch: Batch, loss_sums: Callable, moe_metrics
     periods_0, to_params = jax.vjp(stack_of, params)  # the stack's periods, and back to the parameters
     body, (x_shape, ex_shape) = seen["body"], seen["shapes"]
     stack_size = jax.tree.leaves(periods_0)[0].shape[0]
-    check_schedule(stack_size, s_, 1, m_)
-    per = stack_size // s_
-    identity = jnp.asarray(identity_slots(stack_size - schedule.pads, s_, 1)[:, 0])  # [S, P]
+    check_schedule(stack_size, s_, v_, m_)
+    if m_ % s_ and v_ > 1:
+        raise ValueError(f"{m_} microbatches do not form groups of {s_} (one per stage), which the interleaved "
+                         "schedule runs through each virtual stage in turn")
+    per = stack_size // s_  # periods of a stage: its virtual stages' (chunks') pc each, chunk v's at v * pc
+    pc = per // v_
+    layout = identity_slots(stack_size - schedule.pads, s_, v_)
+    identity = jnp.asarray(layout.reshape(s_, per))  # [S, P]
     staged = schedule.stage_view(periods_0, (s_, per))
     stage_ids = jnp.arange(s_)
     zeros = lambda shape, lead: jax.tree.map(lambda a: jnp.zeros((*lead, *a.shape), a.dtype), shape)
@@ -160,18 +177,27 @@ def gradients(setup, params: Any, batch: Batch, loss_sums: Callable, moe_metrics
     def weights_of(stack_s, p):
         return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, p, 0, False), stack_s)
 
-    def stage_forward(stack_s, h, ex, s):
-        """-> (the stage's output, each period's stats [P, ...], each period's input [P, ...])."""
+    def unit(k, backward=False):
+        """A stage's k-th forward (or backward) unit -> (whether it is one, its microbatch, its chunk). The units run
+        the microbatches in groups of S, each group through chunk 0, 1, ... (the backward: V - 1, ..., 0), so
+        what stage S - 1 hands on in one iteration is what stage 0 takes in the next. One chunk: unit k is
+        microbatch k."""
+        group, r = k // (s_ * v_), k % (s_ * v_)
+        chunk = r // s_
+        return (k >= 0) & (k < m_ * v_), group * s_ + r % s_, (v_ - 1 - chunk) if backward else chunk
+
+    def stage_forward(stack_s, h, ex, s, v):
+        """-> (the stage's output, each period's stats [pc, ...], each period's input [pc, ...]) of its chunk ``v``."""
         def one(h, p):
-            out, stats = period(weights_of(stack_s, p), h, ex, s, p)
+            out, stats = period(weights_of(stack_s, v * pc + p), h, ex, s, v * pc + p)
             return out, (stats, h)
-        out, (stats, inputs) = jax.lax.scan(one, h, jnp.arange(per))
+        out, (stats, inputs) = jax.lax.scan(one, h, jnp.arange(pc))
         return out, stats, inputs
 
     # the MoE losses' gradient: the token count times the coefficient over (MoE blocks x microbatches), for each
     # block's stats of each microbatch; identity periods get none
     stats_shape = jax.eval_shape(lambda: stage_forward(jax.tree.map(lambda a: a[0], staged),
-                                                       *zeros((x_shape, ex_shape), ()), 0))[1]
+                                                       *zeros((x_shape, ex_shape), ()), 0, 0))[1]
     blocks = stack_size - schedule.pads
     coefficient = {"aux_loss": setup.router_aux_loss, "z_loss": setup.router_z_loss}
 
@@ -209,29 +235,30 @@ def gradients(setup, params: Any, batch: Batch, loss_sums: Callable, moe_metrics
                 for a, axis in zip(args, in_axes)]
         return group_map(fn, groups, tuple(None if axis is None else 0 for axis in in_axes))(*args)
 
-    def backward_one(stack_s, acc, inputs, ex, s, dy, valid):
-        """The stage's backward, period by period from the last: each period's forward recomputed from its kept
-        input and its vector-Jacobian product taken at once, its weight gradients added into the stage's
-        accumulator ``acc`` [P, ...] in place (no stage-sized gradient of one microbatch is ever whole).
-        -> (the accumulator, the input gradient)."""
+    def backward_one(stack_s, acc, inputs, ex, s, v, dy, valid):
+        """The stage's backward of its chunk ``v``, period by period from the last: each period's forward
+        recomputed from its kept input (``inputs`` [pc, ...]) and its vector-Jacobian product taken at once, its
+        weight gradients added into the stage's accumulator ``acc`` [P, ...] in place (no stage-sized gradient of
+        one microbatch is ever whole). -> (the accumulator, the input gradient)."""
         def vjp(dy, p):
-            _, pullback = jax.vjp(lambda w, x: period(w, x, ex, s, p), weights_of(stack_s, p),
+            _, pullback = jax.vjp(lambda w, x: period(w, x, ex, s, v * pc + p), weights_of(stack_s, v * pc + p),
                                   jax.lax.dynamic_index_in_dim(inputs, p, 0, False))
-            return pullback((dy, stats_cotangent(s, p, valid)))
+            return pullback((dy, stats_cotangent(s, v * pc + p, valid)))
 
         def one(carry, p):
             dy, acc = carry
             dw, dx = when(_ACTIVE[-1], vjp, dy, p)  # the fill's iterations run no backward
+            at = v * pc + p
             acc = jax.tree.map(lambda a, d: jax.lax.dynamic_update_index_in_dim(
-                a, jax.lax.dynamic_index_in_dim(a, p, 0, False) + d.astype(a.dtype), p, 0), acc, dw)
+                a, jax.lax.dynamic_index_in_dim(a, at, 0, False) + d.astype(a.dtype), at, 0), acc, dw)
             return (dx, acc), None
-        (dx, acc), _ = jax.lax.scan(one, (dy * valid.astype(dy.dtype), acc), jnp.arange(per), reverse=True)
+        (dx, acc), _ = jax.lax.scan(one, (dy * valid.astype(dy.dtype), acc), jnp.arange(pc), reverse=True)
         return acc, dx
 
-    def backward_groups(stack_s, acc, inputs, ex, s, dy, valid):
+    def backward_groups(stack_s, acc, inputs, ex, s, v, dy, valid):
         """``backward_one`` on each group of rows apart, each into its own accumulator (``acc`` [G, P, ...])."""
-        acc, dx = by_groups(backward_one, (None, "grouped", 1, 0, None, 0, None), stack_s, acc, inputs, ex, s, dy,
-                            valid)
+        acc, dx = by_groups(backward_one, (None, "grouped", 1, 0, None, None, 0, None), stack_s, acc, inputs, ex, s,
+                            v, dy, valid)
         return acc, dx.reshape(dy.shape)
 
     backward_all = jax.vmap(backward_groups, spmd_axis_name=spmd)
@@ -248,7 +275,9 @@ def gradients(setup, params: Any, batch: Batch, loss_sums: Callable, moe_metrics
             return constrain_leading(a, "stages")
         return jax.tree.map(one, tree)
 
-    keep = 2 * s_ - 1  # inputs a stage holds between a microbatch's forward and its backward
+    # units a stage holds the inputs of between their forward and their backward: at most 2VS - 2 iterations
+    # apart (stage 0's chunk 0), one forward an iteration
+    keep = 2 * v_ * s_ - 1
     # the accumulators, float32, one per group of rows, and sharded as their parameters: left unconstrained, XLA
     # keeps them whole on every device. The staged weights' gradients gather in ``grad_stack`` [S, G, P, ...];
     # ``grad_rest`` [G, ...] holds those of the other parameters (the staged ones' get none from ``pre`` and
@@ -298,19 +327,30 @@ def gradients(setup, params: Any, batch: Batch, loss_sums: Callable, moe_metrics
     def forward_phase(t, moving):
         """Every stage's forward, and the head and loss of the microbatch the last stage finished (with their
         gradients: ``d_h`` for the stack's output, the rest's for the parameters outside the stack)."""
-        # stage 0 takes microbatch t, stage s works on microbatch t - s
-        x0, ex0, _, _ = pre(params, pick(t))
-        inputs = on_stages((moving[0].at[0].set(x0), jax.tree.map(lambda a, b: a.at[0].set(b), moving[1], ex0)))
-        out, stats, period_inputs = forward_all(staged, inputs[0], inputs[1], stage_ids)
-        m_head = t - (s_ - 1)
-        valid_h = ((m_head >= 0) & (m_head < m_)).astype(jnp.float32)
+        # stage s runs its forward unit t - s: stage 0 embeds a microbatch for chunk 0, or takes what stage S - 1
+        # handed on for a later chunk
+        _, m_in, v_in = unit(t)
+        x0, ex0, _, _ = pre(params, pick(m_in))
+        fresh = v_in == 0
+        inputs = on_stages((moving[0].at[0].set(jnp.where(fresh, x0, moving[0][0])),
+                            jax.tree.map(lambda a, b: a.at[0].set(jnp.where(fresh, b, a[0])), moving[1], ex0)))
+        _, _, chunks = unit(t - stage_ids)
+        out, stats, period_inputs = forward_all(staged, inputs[0], inputs[1], stage_ids, chunks)
+        last_valid, m_head, last_chunk = unit(t - (s_ - 1))
+        valid_h = (last_valid & (last_chunk == v_ - 1)).astype(jnp.float32)
 
         def head(h, mb):
             _, pullback, (ce, n) = jax.vjp(lambda r, h: post(with_rest(r), h, mb), rest_leaves, h, has_aux=True)
             d_rest, d_h = pullback(valid_h)
             return rest_of(d_rest), d_h.astype(x_shape.dtype), valid_h * ce, valid_h * n
 
-        d_post, d_h, ce, n = by_groups(head, (0, 0), out[s_ - 1], pick(m_head))
+        def grouped_head(h, mb):
+            return by_groups(head, (0, 0), h, mb)
+
+        if v_ > 1:  # the last stage finishes a microbatch in one iteration of V
+            d_post, d_h, ce, n = when(valid_h > 0, grouped_head, out[s_ - 1], pick(m_head))
+        else:
+            d_post, d_h, ce, n = grouped_head(out[s_ - 1], pick(m_head))
         d_h = d_h.reshape(x_shape.shape)  # the groups' rows back in place
         return out, inputs[1], stats, on_stages(period_inputs), d_post, d_h, jnp.sum(ce), jnp.sum(n)
 
@@ -318,25 +358,29 @@ def gradients(setup, params: Any, batch: Batch, loss_sums: Callable, moe_metrics
         """Every stage's backward (the last stage's gradient from the loss, ``d_h``) into its accumulator, and stage
         0's input gradient back through the embedding (and the dense prefix); -> (the gradients moving back, the
         accumulators, the rest's gradients)."""
-        active = t >= s_ - 1
-        valid_b = (t - 2 * (s_ - 1) + stage_ids >= 0) & (t - 2 * (s_ - 1) + stage_ids < m_)
-        slot_b = (t - 2 * (s_ - 1) + stage_ids) % keep
+        # stage s runs its backward unit t - (VS - 1) - (S - 1 - s): the last stage's chunk V - 1 of the
+        # microbatch whose loss this iteration computed, or what stage 0 handed back from a later chunk
+        active = t >= v_ * s_ - 1
+        j = t - (v_ * s_ - 1) - (s_ - 1) + stage_ids
+        valid_b, _, chunks = unit(j, backward=True)
+        forward_unit = j // (s_ * v_) * (s_ * v_) + chunks * s_ + j % s_  # the same microbatch and chunk's
         saved = on_stages(jax.vmap(lambda st, i: jax.tree.map(
-            lambda a: jax.lax.dynamic_index_in_dim(a, i, 0, False), st))(stash, slot_b))
-        dy = on_stages(back.at[s_ - 1].set(d_h))
+            lambda a: jax.lax.dynamic_index_in_dim(a, i, 0, False), st))(stash, forward_unit % keep))
+        dy = on_stages(back.at[s_ - 1].set(jnp.where(chunks[s_ - 1] == v_ - 1, d_h, back[s_ - 1])))
         with _active(active):
             grad_stack, dx = backward_all(staged, jax.tree.unflatten(stack_def, grad_stack), saved[0], saved[1],
-                                          stage_ids, dy, valid_b)
+                                          stage_ids, chunks, dy, valid_b)
         grad_stack = stack_sharded(jax.tree.leaves(grad_stack))
-        m_first = t - 2 * (s_ - 1)
-        valid_0 = ((m_first >= 0) & (m_first < m_)).astype(dx.dtype)
+        first_valid, m_first, first_chunk = unit(t - (v_ * s_ - 1) - (s_ - 1), backward=True)
+        valid_0 = first_valid & (first_chunk == 0)
 
         def embedding_backward(dx0, mb):
             _, pre_pullback = jax.vjp(lambda r: pre(with_rest(r), mb)[0], rest_leaves)
             return rest_of(pre_pullback(dx0)[0])
 
-        d_pre = when(active, lambda dx0, mb: by_groups(embedding_backward, (0, 0), dx0, mb), dx[0] * valid_0,
-                     pick(m_first))
+        d_pre = when(active & valid_0 if v_ > 1 else active,
+                     lambda dx0, mb: by_groups(embedding_backward, (0, 0), dx0, mb),
+                     dx[0] * valid_0.astype(dx.dtype), pick(m_first))
         return on_stages(jnp.roll(dx, -1, axis=0)), grad_stack, d_pre
 
     def iteration(carry, t):
@@ -345,15 +389,16 @@ def gradients(setup, params: Any, batch: Batch, loss_sums: Callable, moe_metrics
         drain no forward."""
         moving, back, stash, grad_stack, grad_rest, sums, stats_sum = carry
         with jax.named_scope(FORWARD_PHASE):  # the trace times the phases by these names (metrics/bubble.py)
-            out, ex, stats, period_inputs, d_post, d_h, ce, n = when(t < m_ + s_ - 1, forward_phase, t, moving)
-        valid_f = (t - stage_ids >= 0) & (t - stage_ids < m_)
+            out, ex, stats, period_inputs, d_post, d_h, ce, n = when(t < m_ * v_ + s_ - 1, forward_phase, t, moving)
+        valid_f, _, chunks = unit(t - stage_ids)
         slot_f = (t - stage_ids) % keep
         stash = on_stages(jax.vmap(lambda st, x, i, v: jax.tree.map(
             lambda a, b: jnp.where(v, jax.lax.dynamic_update_index_in_dim(a, b, i, 0), a), st, x))(
             stash, (period_inputs, ex), slot_f, valid_f))
-        stats_sum = jax.tree.map(
-            lambda acc, a: acc + jnp.where(valid_f.reshape(-1, *(1,) * (a.ndim - 1)), a.astype(jnp.float32), 0.0),
-            stats_sum, stats)
+        stats_sum = jax.tree.map(lambda acc, a: jax.vmap(
+            lambda acc_s, a_s, v, ok: jax.lax.dynamic_update_slice_in_dim(
+                acc_s, jax.lax.dynamic_slice_in_dim(acc_s, v * pc, pc, 0) + jnp.where(ok, a_s.astype(jnp.float32), 0.0),
+                v * pc, 0))(acc, a, chunks, valid_f), stats_sum, stats)
         moving = on_stages(jax.tree.map(lambda a: jnp.roll(a, 1, axis=0), (out, ex)))
         with jax.named_scope(BACKWARD_PHASE):
             back, grad_stack, d_pre = backward_phase(t, back, d_h, stash, grad_stack)
@@ -361,15 +406,15 @@ def gradients(setup, params: Any, batch: Batch, loss_sums: Callable, moe_metrics
         return (moving, back, stash, grad_stack, grad_rest, (sums[0] + ce, sums[1] + n), stats_sum), None
 
     start = (on_stages((zeros(x_shape, (s_,)), zeros(ex_shape, (s_,)))), on_stages(zeros(x_shape, (s_,))),
-             on_stages((zeros(x_shape, (s_, keep, per)), zeros(ex_shape, (s_, keep)))),
+             on_stages((zeros(x_shape, (s_, keep, pc)), zeros(ex_shape, (s_, keep)))),
              stack_sharded([jnp.zeros((s_, g_, *a.shape[1:]), jnp.float32) for a in jax.tree.leaves(staged)]),
              rest_sharded([jnp.zeros((g_,) if staged_leaf else (g_, *a.shape), jnp.float32)
                            for a, staged_leaf in zip(jax.tree.leaves(params), in_stack)]),
              (jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32)),
-             jax.tree.map(lambda a: jnp.zeros((s_, *a.shape), jnp.float32), stats_shape))
+             jax.tree.map(lambda a: jnp.zeros((s_, v_ * a.shape[0], *a.shape[1:]), jnp.float32), stats_shape))
     with jax.named_scope(SCOPE):  # the loop's HLO ops carry the name (profiles find its iterations by it)
         (_, _, _, grad_stack, grad_rest, (ce_sum, n_sum), stats_sum), _ = jax.lax.scan(
-            iteration, start, jnp.arange(m_ + 2 * (s_ - 1)))
+            iteration, start, jnp.arange(m_ * v_ + v_ * s_ + s_ - 2))
     # the groups' sums, reduce-scattered onto the distributed optimizer's shards where it runs
     grad_stack = jax.tree.unflatten(stack_def, [
         constrain_gradient(jnp.sum(g, axis=1), ("stages", "layers", *names), setup.distributed_optimizer)
@@ -378,6 +423,8 @@ def gradients(setup, params: Any, batch: Batch, loss_sums: Callable, moe_metrics
     grads = jax.tree.unflatten(params_def, [
         (a.astype(jnp.float32) + (0.0 if staged_leaf else jnp.sum(b, axis=0))).astype(p.dtype)
         for a, b, p, staged_leaf in zip(jax.tree.leaves(d_from_stack), grad_rest, jax.tree.leaves(params), in_stack)])
-    real = np.nonzero(~np.asarray(identity_slots(stack_size - schedule.pads, s_, 1)).reshape(-1))[0]
-    stats = jax.tree.map(lambda a: (a / m_).reshape(s_ * per, *a.shape[2:])[real], stats_sum)
+    order = storage_order(stack_size - schedule.pads, s_, v_)  # the model's period at each stored slot
+    real = np.nonzero(order != PAD)[0]
+    natural = real[np.argsort(order[real])]  # the stored slot of each of the model's periods, in its order
+    stats = jax.tree.map(lambda a: (a / m_).reshape(s_ * per, *a.shape[2:])[natural], stats_sum)
     return grads, ce_sum, n_sum, moe_metrics(stats)

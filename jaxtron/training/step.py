@@ -14,6 +14,7 @@ import numpy as np
 import optax
 from flax import nnx
 
+from jaxtron.config.schema import ONE_F_ONE_B
 from jaxtron.models.transformer import logits_of
 from jaxtron.parallel.sharding import (
     BATCH_AXES,
@@ -141,7 +142,7 @@ def split_microbatches(batch: Batch, k: int) -> Batch:
 def gradients(setup: Setup, params: Any, batch: Batch):
     """(summed gradients, cross-entropy sum, token count, MoE metrics) of the whole batch; gradients and sums are
     accumulated over microbatches in float32, the MoE metrics averaged over them."""
-    if getattr(setup.stack_runner, "kind", "fill_drain") == "1f1b":
+    if getattr(setup.stack_runner, "kind", "fill_drain") in ONE_F_ONE_B:
         return one_f_one_b.gradients(setup, params, batch, loss_sums, moe_metrics)
     microbatches = setup.microbatches
     grad_fn = jax.value_and_grad(functools.partial(
