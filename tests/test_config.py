@@ -247,8 +247,8 @@ BAD = [
      "'pipeline.virtual_stages' (2) splits each stage into rounds, which the '1f1b' schedule does not run",
      "use pipeline.schedule='interleaved' (1F1B over virtual stages)"),
     ("interleaved_without_virtual_stages", lambda d: cli("--config.pipeline.schedule=interleaved"),
-     "'pipeline.virtual_stages' (1) leaves the 'interleaved' schedule one chunk of layers a stage, which is plain "
-     "1F1B", "set it to 2 or more"),
+     "'pipeline.virtual_stages' (1) leaves the 'interleaved' schedule one chunk of layers a stage",
+     "set it to 2 or more"),
     ("interleaved_microbatches_not_in_groups_of_stages", lambda d: check_devices(cli(
         "--config.pipeline.schedule=interleaved", "--config.pipeline.virtual_stages=2", "--config.mesh.pipeline=2",
         "--config.mesh.fsdp=4", "--config.pipeline.microbatches=3", "--config.train.global_batch_size=24",
