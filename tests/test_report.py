@@ -262,6 +262,27 @@ def test_the_idle_share_of_a_1f1b_stage_is_that_of_its_empty_phases():
     assert idle["of_window"] == pytest.approx([12 / 126, 33 / 126])
 
 
+def test_the_idle_share_of_an_interleaved_stage_is_that_of_its_empty_phases():
+    """2 stages x 2 microbatches x 2 virtual stages: 8 iterations (M V + V S + S - 2), forward phases of 1 s,
+    backward phases of t + 1 s. Stage 0 runs forward units 0..3 in iterations 0..3 and backward units in 4..7;
+    stage 1 forwards in 1..4 and backwards in 3..6; the rest is idle."""
+    layout = {"stages": 2, "microbatches": 2, "virtual_stages": 2, "stage_of_device": {"0": 0, "1": 1},
+              "schedule": "interleaved", "loops": {"forward": ["fwd", "bwd"]},
+              "phases": {"forward": ["fwd"], "backward": ["bwd"]}}
+    events, t = [], 0.0
+    for k in range(8):
+        for device in ("0", "1"):
+            events += [{"ph": "X", "ts": t * 1e6, "dur": 1e6, "args": {"hlo_op": "fwd", "device_ordinal": device}},
+                       {"ph": "X", "ts": (t + 1) * 1e6, "dur": (k + 1) * 1e6,
+                        "args": {"hlo_op": "bwd", "device_ordinal": device}}]
+        t += k + 2
+    idle = bubble.idle_shares(events, layout, wall_s=88.0)
+    assert idle["iterations"] == 8 and idle["formula"] == pytest.approx(1 / 5)
+    # stage 0: forwards of 4..7 (4 s), backwards of 0..3 (10 s); stage 1: forwards of 0, 5..7 (4 s), backwards of
+    # 0, 1, 2, 7 (14 s); 44 s of loop each
+    assert idle["of_loops"] == pytest.approx([14 / 44, 18 / 44])
+
+
 def test_a_1f1b_programs_phases_are_found_by_their_scopes():
     """The compiled 1F1B step's loop and its iterations' two phases, as the report needs them to time the phases."""
     from jaxtron.metrics.bubble import phase_ops, schedule_loops

@@ -11,10 +11,11 @@ the first of them marks the start of each iteration.
 ``layout`` (written by the train loop next to the trace as ``pipeline.json``): stages, microbatches,
 virtual_stages, the instructions of the two loops' bodies, and the stage of each traced device.
 
-The 1F1B schedule (``jaxtron/training/one_f_one_b.py``) runs one loop of M + 2S - 2 iterations, each with a forward
-phase and a backward phase (its named scopes). Stage s's forward is idle where t - s falls outside 0..M-1 and its
-backward where t - 2(S - 1) + s does; the layout then also names the loop body's top-level instructions of each
-phase (``phases``), whose trace events time the phases of every iteration.
+The 1F1B schedules (``jaxtron/training/one_f_one_b.py``) run one loop of M V + V S + S - 2 iterations (V = 1 for
+'1f1b', the virtual stages for 'interleaved'), each with a forward phase and a backward phase (its named scopes).
+Stage s's forward is idle where its unit t - s falls outside 0..MV-1 and its backward where t - (VS - 1) -
+(S - 1 - s) does; the layout then also names the loop body's top-level instructions of each phase (``phases``),
+whose trace events time the phases of every iteration.
 """
 
 from __future__ import annotations
@@ -107,8 +108,8 @@ def _iterations(events: list[tuple[float, float, str]], body: list[str], count: 
 def _one_f_one_b_idle(events: list[dict[str, Any]], layout: dict[str, Any]) -> dict[int, list[tuple[float, float]]]:
     """Per stage, per traced device: (idle s, loop s) of the 1F1B loop, from its phases' events (see the module
     docstring); each top-level instruction of a phase runs once an iteration."""
-    stages, m = layout["stages"], layout["microbatches"]
-    count = m + 2 * (stages - 1)
+    stages, m, v = layout["stages"], layout["microbatches"], layout["virtual_stages"]
+    count = m * v + v * stages + stages - 2  # iterations of the loop (interleaved: V chunks a stage)
     owner = {op: phase for phase, ops in layout["phases"].items() for op in ops}
     durations: dict[tuple[str, str], list[tuple[float, float]]] = {}  # (device, op) -> [(start, seconds)]
     for event in events:
@@ -125,8 +126,8 @@ def _one_f_one_b_idle(events: list[dict[str, Any]], layout: dict[str, Any]) -> d
                 continue  # not every iteration of the window's steps traced: left out
             for k, (_, seconds) in enumerate(runs):
                 t = k % count
-                first = t - stage if phase == "forward" else t - 2 * (stages - 1) + stage
-                idle += seconds if not 0 <= first < m else 0.0
+                unit = t - stage if phase == "forward" else t - (v * stages - 1) - (stages - 1 - stage)
+                idle += seconds if not 0 <= unit < m * v else 0.0
                 total += seconds
         if total:
             per_stage.setdefault(stage, []).append((idle, total))
@@ -139,12 +140,13 @@ def idle_shares(events: list[dict[str, Any]], layout: dict[str, Any], wall_s: fl
     stage's traced devices. None when the trace shows no iterations of the loops (a backend that runs a loop as
     one op, say)."""
     stages, m, v = layout["stages"], layout["microbatches"], layout["virtual_stages"]
-    if layout.get("schedule") == "1f1b" and layout.get("phases"):
+    if layout.get("schedule") in ("1f1b", "interleaved") and layout.get("phases"):
         per_stage = _one_f_one_b_idle(events, layout)
         if not per_stage:
             return None
         measured = sorted(per_stage)
-        return {"stages": stages, "iterations": m + 2 * (stages - 1), "formula": (stages - 1) / (m + stages - 1),
+        return {"stages": stages, "iterations": m * v + v * stages + stages - 2,
+                "formula": (stages - 1) / (m * v + stages - 1),
                 "measured_stages": measured,
                 "of_loops": [float(np.mean([i / t for i, t in per_stage[s]])) for s in measured],
                 "of_window": [float(np.mean([i for i, _ in per_stage[s]])) / wall_s for s in measured]}

@@ -73,7 +73,7 @@ class ProfileWindow:
             return
         loops = schedule_loops(hlo, SCOPE)
         phases = None
-        if schedule.kind == "1f1b":  # one loop: its iterations' forward and backward phases, by their scopes
+        if schedule.kind in ("1f1b", "interleaved"):  # one loop: its iterations' two phases, by their scopes
             phases = phase_ops(hlo, loops.get("forward", []), {"forward": FORWARD_PHASE, "backward": BACKWARD_PHASE})
         os.makedirs(self.directory, exist_ok=True)
         with open(os.path.join(self.directory, PIPELINE_FILE), "w") as f:
