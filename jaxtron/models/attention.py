@@ -39,6 +39,28 @@ class _SelfAttention(nnx.Module):
                                                    max_segments=self.max_segments)
 
 
+def write_cache(cache: jax.Array, new: jax.Array, positions: jax.Array) -> jax.Array:
+    """``cache`` [b, S, ...] with ``new`` [b, t, ...] written at each row's ``positions`` [b, t] (the cache's slot
+    of a token is its position; positions past the cache are dropped)."""
+    rows = jnp.arange(cache.shape[0])[:, None]
+    return cache.at[rows, positions].set(new.astype(cache.dtype), mode="drop")
+
+
+def cached_attention(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array) -> jax.Array:
+    """Causal attention of queries q [b, t, n, h] at ``positions`` [b, t] over the cache's keys k and values v
+    [b, S, g, h] (slot s holds position s): each query sees the slots up to its own position. float32 scores and
+    softmax, the output in q's dtype; n a multiple of g (grouped queries)."""
+    b, t, n, h = q.shape
+    g = k.shape[2]
+    qg = q.reshape(b, t, g, n // g, h).astype(jnp.float32)
+    scores = jnp.einsum("btgqh,bsgh->bgqts", qg, k.astype(jnp.float32)) / jnp.sqrt(jnp.float32(h))
+    seen = jnp.arange(k.shape[1])[None, None, :] <= positions[:, :, None]  # [b, t, S]
+    scores = jnp.where(seen[:, None, None], scores, -jnp.inf)
+    weights = jax.nn.softmax(scores, axis=-1)
+    out = jnp.einsum("bgqts,bsgh->btgqh", weights, v.astype(jnp.float32))
+    return out.reshape(b, t, n, v.shape[-1]).astype(q.dtype)
+
+
 class Attention(_SelfAttention):
     def __init__(self, cfg: ModelConfig, execution: ExecutionConfig, rngs: nnx.Rngs, implementation: str):
         d, n, g, h = cfg.embed_dim, cfg.attention.num_heads, cfg.attention.num_kv_heads, cfg.resolved_head_dim
@@ -54,6 +76,12 @@ class Attention(_SelfAttention):
 
     def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array | None,
                  fp8: bool = False) -> jax.Array:
+        q, k, v = self._project(x, positions, fp8)
+        return fp8_ops.projection(fp8)("btnh,nhd->btd", self._attend(q, k, v, positions, segment_ids),
+                                       self.wo[...].astype(self.dtype))
+
+    def _project(self, x: jax.Array, positions: jax.Array, fp8: bool) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """Queries, keys and values [b, t, heads, head_dim], rotated."""
         dt, einsum = self.dtype, fp8_ops.projection(fp8)
         q = einsum("btd,dnh->btnh", x, self.wq[...].astype(dt))
         k = einsum("btd,dnh->btnh", x, self.wk[...].astype(dt))
@@ -64,7 +92,20 @@ class Attention(_SelfAttention):
             inv_freq, scale = rope_frequencies(self.cfg), rope_attention_factor(self.cfg)
             q = apply_rope(q, positions, inv_freq, scale)
             k = apply_rope(k, positions, inv_freq, scale)
-        return einsum("btnh,nhd->btd", self._attend(q, k, v, positions, segment_ids), self.wo[...].astype(dt))
+        return q, k, v
+
+    def decode(self, x: jax.Array, positions: jax.Array, cache: dict[str, jax.Array],
+               fp8: bool = False) -> tuple[jax.Array, dict[str, jax.Array]]:
+        """The tokens ``x`` [b, t, d] at ``positions`` with the earlier ones' keys and values from ``cache`` ("k",
+        "v": [b, S, kv_heads, head_dim]): -> (the output, the cache with these tokens' written in)."""
+        q, k, v = self._project(x, positions, fp8)
+        cache = {"k": write_cache(cache["k"], k, positions), "v": write_cache(cache["v"], v, positions)}
+        out = cached_attention(q, cache["k"], cache["v"], positions)
+        return fp8_ops.projection(fp8)("btnh,nhd->btd", out, self.wo[...].astype(self.dtype)), cache
+
+    def empty_cache(self, batch: int, length: int, dtype) -> dict[str, jax.Array]:
+        shape = (batch, length, self.cfg.attention.num_kv_heads, self.cfg.resolved_head_dim)
+        return {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)}
 
 
 class LatentAttention(_SelfAttention):
@@ -97,29 +138,63 @@ class LatentAttention(_SelfAttention):
 
     def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array | None,
                  fp8: bool = False) -> jax.Array:
+        q = self._queries(x, positions, fp8)
+        k, v = self._keys_values(*self._compressed(x, positions, fp8), fp8)
+        out = self._attend(q, k, v, positions, segment_ids)
+        return self._output(out, fp8)
+
+    def _queries(self, x: jax.Array, positions: jax.Array, fp8: bool) -> jax.Array:
+        """Each head's query [b, t, n, qk]: unrotated part then rotated part, with the softmax factor folded in."""
         cfg, dt, einsum = self.cfg, self.dtype, fp8_ops.projection(fp8)
-        nope, v_dim, rank = cfg.resolved_head_dim, cfg.resolved_v_head_dim, cfg.attention.kv_lora_rank
+        nope = cfg.resolved_head_dim
         if cfg.attention.q_lora_rank:
             q = self.q_norm(einsum("btd,dr->btr", x, self.wq_a[...].astype(dt)))
             q = einsum("btr,rnh->btnh", q, self.wq_b[...].astype(dt))
         else:
             q = einsum("btd,dnh->btnh", x, self.wq[...].astype(dt))
-        latent = einsum("btd,dr->btr", x, self.wkv_a[...].astype(dt))
-        kv = einsum("btr,rnh->btnh", self.kv_norm(latent[..., :rank]), self.wkv_b[...].astype(dt))
         inv_freq, scale = rope_frequencies(cfg, cfg.attention.qk_rope_head_dim), rope_attention_factor(cfg)
-        q_rope = apply_rope(q[..., nope:], positions, inv_freq, scale)
-        k_rope = apply_rope(latent[:, :, None, rank:], positions, inv_freq, scale)
-        k_rope = jnp.broadcast_to(k_rope, (*kv.shape[:3], cfg.attention.qk_rope_head_dim))
+        q = jnp.concatenate([q[..., :nope], apply_rope(q[..., nope:], positions, inv_freq, scale)], axis=-1)
         softmax = mla_softmax_factor(cfg)
-        q = jnp.concatenate([q[..., :nope], q_rope], axis=-1)
-        if softmax != 1.0:
-            q = q * jnp.asarray(softmax, q.dtype)
-        k = jnp.concatenate([kv[..., :nope], k_rope], axis=-1)
+        return q * jnp.asarray(softmax, q.dtype) if softmax != 1.0 else q
+
+    def _compressed(self, x: jax.Array, positions: jax.Array, fp8: bool) -> tuple[jax.Array, jax.Array]:
+        """What a token keeps for later ones: its normed latent [b, t, kv_lora_rank] and its rotated key part
+        [b, t, qk_rope_head_dim], shared by the heads (the compressed cache)."""
+        cfg, rank = self.cfg, self.cfg.attention.kv_lora_rank
+        latent = fp8_ops.projection(fp8)("btd,dr->btr", x, self.wkv_a[...].astype(self.dtype))
+        inv_freq, scale = rope_frequencies(cfg, cfg.attention.qk_rope_head_dim), rope_attention_factor(cfg)
+        return self.kv_norm(latent[..., :rank]), apply_rope(latent[:, :, None, rank:], positions, inv_freq,
+                                                            scale)[:, :, 0]
+
+    def _keys_values(self, latent: jax.Array, k_rope: jax.Array, fp8: bool) -> tuple[jax.Array, jax.Array]:
+        """Keys [b, s, n, qk] and values (padded to qk) from the compressed latent and rotated key part."""
+        cfg, nope, v_dim = self.cfg, self.cfg.resolved_head_dim, self.cfg.resolved_v_head_dim
+        kv = fp8_ops.projection(fp8)("btr,rnh->btnh", latent, self.wkv_b[...].astype(self.dtype))
+        k_rope = jnp.broadcast_to(k_rope[:, :, None], (*kv.shape[:3], cfg.attention.qk_rope_head_dim))
+        k = jnp.concatenate([kv[..., :nope], k_rope.astype(kv.dtype)], axis=-1)
         v = kv[..., nope:]
         if v_dim < cfg.qk_head_dim:
             v = jnp.pad(v, ((0, 0), (0, 0), (0, 0), (0, cfg.qk_head_dim - v_dim)))
-        out = self._attend(q, k, v, positions, segment_ids)
-        return einsum("btnh,nhd->btd", out[..., :v_dim], self.wo[...].astype(dt))
+        return k, v
+
+    def _output(self, out: jax.Array, fp8: bool) -> jax.Array:
+        return fp8_ops.projection(fp8)("btnh,nhd->btd", out[..., :self.cfg.resolved_v_head_dim],
+                                       self.wo[...].astype(self.dtype))
+
+    def decode(self, x: jax.Array, positions: jax.Array, cache: dict[str, jax.Array],
+               fp8: bool = False) -> tuple[jax.Array, dict[str, jax.Array]]:
+        """As ``Attention.decode``, the cache compressed: each token's normed latent ("latent" [b, S, rank]) and
+        rotated key part ("rope" [b, S, rope]); the keys and values of the cached tokens are expanded from them."""
+        latent, k_rope = self._compressed(x, positions, fp8)
+        cache = {"latent": write_cache(cache["latent"], latent, positions),
+                 "rope": write_cache(cache["rope"], k_rope, positions)}
+        k, v = self._keys_values(cache["latent"].astype(self.dtype), cache["rope"].astype(self.dtype), fp8)
+        return self._output(cached_attention(self._queries(x, positions, fp8), k, v, positions), fp8), cache
+
+    def empty_cache(self, batch: int, length: int, dtype) -> dict[str, jax.Array]:
+        a = self.cfg.attention
+        return {"latent": jnp.zeros((batch, length, a.kv_lora_rank), dtype),
+                "rope": jnp.zeros((batch, length, a.qk_rope_head_dim), dtype)}
 
 
 def mla_softmax_factor(cfg: ModelConfig) -> float:

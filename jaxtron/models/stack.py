@@ -182,3 +182,59 @@ def run_stack(cfg: ModelConfig, execution: ExecutionConfig, dense: nnx.Module | 
     if not stats or not stats[0]:
         return x, {}
     return x, {k: jnp.concatenate([s[k] for s in stats]) for k in stats[0]}
+
+
+Cache = dict[str, Any]  # {"layers": the dense blocks' caches stacked [blocks, ...], "moe_layers": the MoE blocks'}
+
+
+def decode_stack(cfg: ModelConfig, execution: ExecutionConfig, dense: nnx.Module | None, moe: nnx.Module | None,
+                 x: jax.Array, positions: jax.Array, cache: Cache) -> tuple[jax.Array, Cache]:
+    """``run_stack`` for generation: the tokens ``x`` at ``positions`` through the blocks in the same order, each
+    block's attention reading the earlier tokens from its cache and writing these in (``Block.decode``). ``cache``
+    holds each stack's block caches stacked as its parameters are; -> (the stack's output, the new cache)."""
+    dense_def, dense_state = nnx.split(dense) if dense is not None else (None, None)
+    moe_def, moe_state = nnx.split(moe) if moe is not None else (None, None)
+    prefix, period = cfg.prefix_layers, cfg.period
+    dense_per_period = period - 1 if cfg.moe.num_experts else 1
+    pieces: dict[str, list] = {"layers": [], "moe_layers": []}
+
+    def block_fn(graphdef, fp8):
+        return lambda h, block, c: nnx.merge(graphdef, block).decode(h, positions, c, fp8)
+
+    for group in layer_groups(cfg, execution):
+        dense_fn = block_fn(dense_def, group.fp8)
+        if group.prefix:
+            blocks, caches = (jax.tree.map(lambda a, g=group: a[g.first:g.end], t) for t in (dense_state,
+                                                                                               cache["layers"]))
+            x, c = jax.lax.scan(lambda h, bc, f=dense_fn: f(h, *bc), x, (blocks, caches))
+            pieces["layers"].append(c)
+            continue
+        first, end = (group.first - prefix) // period, (group.end - prefix) // period
+        params = (_periods(dense_state, dense_per_period, first, end, False),
+                  _periods(moe_state, 1, first, end, False))
+        caches = (_periods(cache.get("layers"), dense_per_period, first, end, False),
+                  _periods(cache.get("moe_layers"), 1, first, end, False))
+        moe_fn = block_fn(moe_def, group.fp8)
+
+        def one_period(h, pc, dense_fn=dense_fn, moe_fn=moe_fn):
+            (dense_p, moe_p), (dense_c, moe_c) = pc
+            if dense_p is not None and dense_per_period == 1:
+                h, dense_c = dense_fn(h, dense_p, dense_c)
+            elif dense_p is not None:
+                out = []
+                for j in range(dense_per_period):
+                    h, c = dense_fn(h, *jax.tree.map(lambda a, j=j: a[j], (dense_p, dense_c)))
+                    out.append(c)
+                dense_c = jax.tree.map(lambda *a: jnp.stack(a), *out)
+            if moe_p is not None:
+                h, moe_c = moe_fn(h, moe_p, moe_c)
+            return h, (dense_c, moe_c)
+
+        x, (dense_c, moe_c) = jax.lax.scan(one_period, x, (params, caches))
+        if dense_c is not None:
+            pieces["layers"].append(jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), dense_c)
+                                    if dense_per_period > 1 else dense_c)
+        if moe_c is not None:
+            pieces["moe_layers"].append(moe_c)
+    new = {name: jax.tree.map(lambda *a: jnp.concatenate(a), *parts) for name, parts in pieces.items() if parts}
+    return x, new

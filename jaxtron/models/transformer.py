@@ -18,7 +18,7 @@ from jaxtron.models.attention import Attention, LatentAttention
 from jaxtron.models.layers import Norm, compute_dtype, embed_lookup, param
 from jaxtron.models.mlp import MLP
 from jaxtron.models.moe import MoE
-from jaxtron.models.stack import StackRunner, Stats, run_stack, stacked
+from jaxtron.models.stack import Cache, StackRunner, Stats, decode_stack, run_stack, stacked
 from jaxtron.parallel.sharding import constrain
 
 # the residual stream: split along the sequence over the sequence and tensor axes (sequence parallelism)
@@ -46,6 +46,15 @@ class Block(nnx.Module):
         x = constrain(x + self.attn(h, positions, segment_ids, fp8), EMBED_AXES)
         y, stats = self.mlp(constrain(self.mlp_norm(x), BLOCK_INPUT_AXES), fp8)
         return constrain(x + y, EMBED_AXES), stats
+
+    def decode(self, x: jax.Array, positions: jax.Array, cache: dict[str, jax.Array],
+               fp8: bool = False) -> tuple[jax.Array, dict[str, jax.Array]]:
+        """The block on tokens ``x`` at ``positions``, its attention over the earlier tokens in ``cache``: -> (the
+        output, the cache with these tokens in)."""
+        a, cache = self.attn.decode(self.attn_norm(x), positions, cache, fp8)
+        x = x + a
+        y, _ = self.mlp(self.mlp_norm(x), fp8)
+        return x + y, cache
 
 
 class MTPModule(nnx.Module):
@@ -130,6 +139,28 @@ class Transformer(nnx.Module):
             mtp_hidden, mtp_stats = self._predict_ahead(residual, tokens, positions, segment_ids)
             stats = {k: jnp.concatenate([stats[k], mtp_stats[k]]) for k in stats}
         return ModelOutput(self.final_norm(residual), self.output_head(), stats, mtp_hidden)
+
+    def decode(self, tokens: jax.Array, positions: jax.Array, cache: Cache) -> tuple[jax.Array, Cache]:
+        """Generation's forward: tokens [batch, t] at ``positions`` [batch, t] (each row's own), every block's
+        attention over the earlier tokens of ``cache`` (``empty_cache``) -> (float32 logits [batch, t, vocab], the
+        cache with these tokens in). A prompt's prefill and each decoding step are calls of this; the logits equal
+        the full forward's at the same positions."""
+        dtype = compute_dtype(self.execution)
+        x = embed_lookup(self.embedding[...], tokens, dtype)
+        if self.positions is not None:
+            x = x + embed_lookup(self.positions[...], positions, dtype, "position")
+        x, cache = decode_stack(self.cfg, self.execution, self.layers, self.moe_layers, x, positions, cache)
+        return logits_of(self.final_norm(x), self.output_head()), cache
+
+    def empty_cache(self, batch: int, length: int, dtype=jnp.bfloat16) -> Cache:
+        """Zero caches for ``batch`` rows of up to ``length`` positions, each stack's stacked as its blocks."""
+        cache = {}
+        for name, stack in (("layers", self.layers), ("moe_layers", self.moe_layers)):
+            if stack is not None:
+                count = jax.tree.leaves(nnx.state(stack, nnx.Param))[0].shape[0]
+                cache[name] = jax.tree.map(lambda a, n=count: jnp.zeros((n, *a.shape), a.dtype),
+                                           stack.attn.empty_cache(batch, length, dtype))  # (shapes from the config)
+        return cache
 
     def _predict_ahead(self, residual: jax.Array, tokens: jax.Array, positions: jax.Array,
                        segment_ids: jax.Array | None) -> tuple[tuple[jax.Array, ...], Stats]:
