@@ -74,7 +74,8 @@ def planned(name: str) -> dict:
 
 def _row(row) -> dict:
     e = row.estimate
-    return dict(mesh=e.mesh, fits=row.fits, schedule=e.schedule, microbatches=e.microbatches,
+    return dict(mesh=e.mesh, fits=row.fits, schedule=e.schedule, virtual_stages=e.virtual_stages,
+                microbatches=e.microbatches,
                 pipeline_microbatches=e.pipeline_microbatches, distributed_optimizer=e.distributed_optimizer,
                 identity_layers=e.identity_layers, memory_gib=e.memory_bytes / GIB, step_s=e.step_s, mfu=e.mfu,
                 tokens_per_s=e.tokens_per_s, unseen_gib=e.unseen_on_target_bytes / GIB, attention=e.attention)
@@ -87,7 +88,7 @@ def as_run(name: str, plan: dict, layers: int | None = None):
     config = ROWS[name][0]
     p = plan["published"]
     cfg = search.with_mesh(load(config), {k: v for k, v in p["mesh"].items()})
-    pipeline = dataclasses.replace(cfg.pipeline, schedule=p["schedule"],
+    pipeline = dataclasses.replace(cfg.pipeline, schedule=p["schedule"], virtual_stages=p.get("virtual_stages", 1),
                                    microbatches=p["pipeline_microbatches"] or cfg.pipeline.microbatches)
     cfg = dataclasses.replace(
         cfg, pipeline=pipeline, train=dataclasses.replace(cfg.train, microbatches=p["microbatches"]),
@@ -165,7 +166,8 @@ def _how(p: dict) -> str:
     if p["identity_layers"]:
         parts.append(f"+{p['identity_layers']} identity")
     if p["pipeline_microbatches"]:
-        parts.append(f"{p['schedule'].replace('_', '-')} x{p['pipeline_microbatches']}")
+        virtual = f" ({p['virtual_stages']} virtual stages)" if p.get("virtual_stages", 1) > 1 else ""
+        parts.append(f"{p['schedule'].replace('_', '-')} x{p['pipeline_microbatches']}{virtual}")
     if p["microbatches"] > 1:
         parts.append(f"{p['microbatches']} accumulation microbatches")
     if p["distributed_optimizer"]:

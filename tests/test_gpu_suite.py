@@ -31,17 +31,25 @@ def _load():
 suite = _load()
 
 
+# the MFU cases the smoke test runs: dense bf16 and FP8 and the dropless MoE in FP8 (the others take the same code
+# paths with other configs; each costs a process and a compile)
+SMOKE_CASES = [c for c in suite.CASES
+               if c.name.startswith(("llama3_8b 8/32 layers", "mixtral_8x7b 1/32 layers dropless fp8"))]
+
+
 @pytest.mark.slow
 def test_the_smoke_run_goes_through_every_step_and_writes_its_results(tmp_path):
     out = tmp_path / "results"
-    proc = subprocess.run([sys.executable, SUITE, "--smoke", "--out", str(out)], capture_output=True, text=True,
-                          timeout=600, cwd=tmp_path, check=False)
+    only = ",".join(["environment", "predictions", "ceilings", "attention", "gpu tests",
+                     *(f"mfu: {c.name}" for c in SMOKE_CASES)])
+    proc = subprocess.run([sys.executable, SUITE, "--smoke", "--out", str(out), "--only", only], capture_output=True,
+                          text=True, timeout=600, cwd=tmp_path, check=False)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert sorted(os.listdir(out)) == ["log.txt", "suite.json", "table.md"]
     report = json.loads((out / "suite.json").read_text())
     names = [s["name"] for s in report["steps"]]
     assert names == ["environment", "predictions", "ceilings", "attention", "gpu tests",
-                     *(f"mfu: {c.name}" for c in suite.CASES)]
+                     *(f"mfu: {c.name}" for c in SMOKE_CASES)]
     assert all(s["status"] == "ok" for s in report["steps"]), [s for s in report["steps"] if s["status"] != "ok"]
     steps = {s["name"]: s["result"] for s in report["steps"]}
 
@@ -78,7 +86,8 @@ def test_the_smoke_run_goes_through_every_step_and_writes_its_results(tmp_path):
     assert len(tests) >= 7 and set(tests.values()) == {"passed", "skipped"}
 
     table = (out / "table.md").read_text()
-    for case in suite.CASES:
+    assert len(SMOKE_CASES) == 3
+    for case in SMOKE_CASES:
         row = steps[f"mfu: {case.name}"]
         assert row["steps_timed"] == 10 and row["tokens_per_sec"] == pytest.approx(
             row["global_batch_size"] * row["seq_len"] / row["step_time_median_s"])

@@ -326,8 +326,8 @@ ONE_F_ONE_B = {  # name -> (mesh, pipeline microbatches, model, schedule fields,
     # the interleaved schedule: two chunks of layers a stage, microbatches through chunk 0 then chunk 1 of every
     # stage in groups of two; the MoE model's two periods and the DeepSeek-style model's three blocks on 2 x 2
     # slots (identity periods in the last slots of each stage)
-    "interleaved_pipeline2_fsdp2_tensor2_virtual2": (dict(pipeline=2, fsdp=2, tensor=2), 4, "dense",
-                                                     dict(virtual_stages=2), "one_device"),
+    "interleaved_pipeline2_sequence2_tensor2_virtual2": (dict(pipeline=2, fsdp=1, sequence=2, tensor=2), 4, "dense",
+                                                         dict(virtual_stages=2), "one_device"),
     "interleaved_moe_pipeline2_fsdp2_expert2_uneven": (dict(pipeline=2, fsdp=2, expert=2), 4, "moe",
                                                        dict(virtual_stages=2, uneven_stages=True), "moe_one_device"),
     "interleaved_deepseek_pipeline2_data2_expert2_uneven": (dict(pipeline=2, data=2, fsdp=1, expert=2), 2, "deepseek",

@@ -29,6 +29,7 @@ class Estimate:
     microbatches: int
     pipeline_microbatches: int  # in flight per pipeline pass (0: no pipeline schedule)
     schedule: str  # the pipeline schedule ('fill_drain' without a pipeline)
+    virtual_stages: int  # its virtual stages (chunks of layers a stage; 1 without them)
     bubble: float  # the pipeline schedule's idle share
     distributed_optimizer: bool  # optimizer.distributed: the moments sharded over the batch's axes
     gather_once: bool  # pipeline.fsdp_gather='step': a stage's weights gathered over fsdp once a step
@@ -87,6 +88,7 @@ def estimate(cfg: Config, sizes: dict[str, int], gpu: GPU, microbatches: int | N
     step = step_seconds(time, gpu.comm_overlap)
     return Estimate(mesh=dict(shape.mesh), microbatches=shape.microbatches,
                     pipeline_microbatches=shape.in_flight if shape.pipelined else 0, schedule=shape.schedule,
+                    virtual_stages=shape.virtual_stages if shape.pipelined else 1,
                     bubble=shape.bubble, distributed_optimizer=cfg.optimizer.distributed,
                     gather_once=shape.gather_once,
                     identity_layers=shape.identity_layers, attention=shape.attention,
