@@ -40,6 +40,8 @@ COMMANDS: dict[str, Command] = {
     "verify": Command("jaxtron.checkpoint.integrity:main", "check a run's checkpoints against their checksums"),
     "convert": Command("jaxtron.interop.convert:main", "convert Hugging Face models to jaxtron checkpoints and back"),
     "score": Command("jaxtron.interop.score:main", "write a model's logits on given token ids"),
+    "generate": Command("jaxtron.inference.generate:main", "continue prompts with a trained or converted model (KV "
+                        "cache; greedy, temperature, top-k, top-p)"),
     "gpu-preset": Command("jaxtron.gpu.preset:main", "print the GPU environment and XLA flags to export, or --check "
                           "them against the installed jaxlib"),
 }

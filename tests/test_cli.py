@@ -27,6 +27,7 @@ OWN_OPTIONS = {
     "verify": ("WORKDIR",),
     "convert": ("from-hf", "to-hf"),
     "score": ("--checkpoint", "--tokens"),
+    "generate": ("--run", "--prompt", "--top-p", "--stop"),
     "gpu-preset": ("--check",),
 }
 

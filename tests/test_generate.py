@@ -1,5 +1,7 @@
 """Generation: decoding with the cache equals the full forward at every step, for every family."""
 
+import json
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -36,3 +38,116 @@ def test_decoding_with_the_cache_equals_the_full_forward_at_every_step(family):
         logits, cache = step(model, jnp.take_along_axis(tokens, at, axis=1), at, cache)
         np.testing.assert_allclose(np.asarray(logits)[0, 0], want[0, t], rtol=1e-5, atol=1e-5, err_msg=str(t))
         np.testing.assert_allclose(np.asarray(logits)[1, 0], want[1, t - 1], rtol=1e-5, atol=1e-5, err_msg=str(t))
+
+
+def _naive_greedy(model, prompt: list[int], steps: int) -> list[int]:
+    """Greedy continuation by re-running the full forward on the whole sequence for every token."""
+    tokens = list(prompt)
+    for _ in range(steps):
+        logits = model(jnp.asarray([tokens], jnp.int32)).logits()
+        tokens.append(int(jnp.argmax(logits[0, -1])))
+    return tokens[len(prompt):]
+
+
+def test_greedy_generation_of_a_batch_equals_the_full_forward_token_by_token():
+    """Two prompts of different lengths in one batch (right-padded, each row at its own position): each row's
+    greedy tokens are those of re-running the whole forward for every token; top-k 1 and a tiny top-p are greedy
+    too, and sampling at a temperature repeats with its seed."""
+    from jaxtron.inference.generate import Generator, Sampling
+
+    cfg = tiny_config(model=FAMILIES["llama"])
+    model = build_model(cfg.model, cfg.execution, 0)
+    prompts = [[3, 14, 15, 92, 65], [35, 89]]
+    generator = Generator(model)
+    got = generator.generate(prompts, 6).tokens
+    assert got == [_naive_greedy(model, p, 6) for p in prompts]
+    assert generator.generate(prompts, 6, Sampling(temperature=1.0, top_k=1)).tokens == got
+    assert generator.generate(prompts, 6, Sampling(temperature=1.0, top_p=1e-6)).tokens == got
+    a, b, c = (generator.generate(prompts, 6, Sampling(temperature=1.5, seed=s)).tokens for s in (1, 1, 2))
+    assert a == b and a != c
+
+
+def test_generation_ends_at_the_end_of_document_token_and_at_a_stop():
+    from jaxtron.inference.generate import Generator
+
+    cfg = tiny_config(model=FAMILIES["llama"])
+    generator = Generator(build_model(cfg.model, cfg.execution, 0))
+    full = generator.generate([[3, 14, 15]], 8).tokens[0]
+    eos = full[3]  # the fourth token: the row ends before it
+    assert generator.generate([[3, 14, 15]], 8, eos_id=eos).tokens[0] == full[:full.index(eos)]
+    assert generator.generate([[3, 14, 15]], 8, stop=lambda row, t: len(t) == 2).tokens[0] == full[:2]
+
+
+@pytest.mark.parametrize("family", ["llama", "deepseek_v3"])
+def test_sharded_generation_equals_one_devices_tokens(family):
+    """The parameters sharded by the rules table over tensor=2 x fsdp=4 (8 fake devices): the same greedy tokens."""
+    from jaxtron.inference.generate import Generator
+    from jaxtron.parallel.mesh import make_mesh
+
+    cfg = tiny_config(model=FAMILIES[family], execution=dict(moe_mode="dropless"))
+    model = build_model(cfg.model, cfg.execution, 0)
+    prompts = [[3, 14, 15, 92, 65], [35, 89]]
+    one = Generator(model).generate(prompts, 5).tokens
+    sharded = Generator(model, make_mesh(dict(tensor=2, fsdp=4))).generate(prompts, 5).tokens
+    assert sharded == one
+
+
+def test_a_cache_longer_than_the_model_takes_is_refused():
+    from jaxtron.config.schema import ConfigError
+    from jaxtron.inference.generate import Generator
+
+    cfg = tiny_config(model=FAMILIES["llama"])  # max_seq_len 64
+    with pytest.raises(ConfigError, match="needs a cache of 70 positions, beyond the model's max_seq_len 64"):
+        Generator(build_model(cfg.model, cfg.execution, 0)).generate([[1] * 40], 30)
+
+
+@pytest.fixture(scope="module")
+def trained_run(tmp_path_factory):
+    """A training run of the tiny model on synthetic bytes, its checkpoint at step 2."""
+    from jaxtron.training.loop import run
+
+    workdir = str(tmp_path_factory.mktemp("run"))
+    run(tiny_config(train=dict(steps=2), checkpoint=dict(every=0)), workdir, use_tqdm=False, devices=jax.devices()[:1])
+    return workdir
+
+
+def test_jaxtron_generate_continues_prompts_from_a_run(trained_run, tmp_path, capsys):
+    """One prompt streams after itself; a JSONL batch prints one JSON object per prompt; the continuation is the
+    library's greedy one on the checkpoint's parameters."""
+    from jaxtron import cli
+    from jaxtron.inference.generate import Generator, load_model
+
+    assert cli.main(["generate", "--run", trained_run, "--prompt", "def f(", "--max-new-tokens", "6",
+                     "--tokenizer", "byte"]) == 0
+    out = capsys.readouterr().out
+    model, _ = load_model(trained_run)
+    want = Generator(model).generate([list(b"def f(")], 6).tokens[0]
+    assert out == "def f(" + bytes(want).decode("utf-8", errors="replace") + "\n"
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "import os"}\n\n{"prompt": "x = "}\n')
+    assert cli.main(["generate", "--run", trained_run, "--prompts", str(prompts), "--max-new-tokens", "3",
+                     "--tokenizer", "byte", "--temperature", "0.8", "--top-k", "20", "--seed", "3"]) == 0
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [line["prompt"] for line in lines] == ["import os", "x = "]
+    assert all(len(line["completion"].encode("utf-8", errors="replace")) >= 1 for line in lines)
+
+
+def test_bad_generate_input_is_one_sentence_and_exit_2(trained_run, tmp_path, capsys):
+    from jaxtron import cli
+
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "a"}\nnot json\n')
+    cases = [
+        (["--prompts", str(bad)], f"--prompts '{bad}' line 2 is not JSON"),
+        (["--prompt", "x" * 60, "--max-new-tokens", "10"],
+         "needs a cache of 70 positions, beyond the model's max_seq_len 64"),
+        (["--prompt", "x", "--top-p", "0"], "--top-p must be in (0, 1], not 0.0"),
+        (["--prompt", "x", "--mesh", "tensor=two"], "--mesh 'tensor=two' must be AXIS=SIZE pairs"),
+        ([], "no prompt given"),
+    ]
+    for extra, message in cases:
+        assert cli.main(["generate", "--run", trained_run, "--tokenizer", "byte", *extra]) == 2, extra
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and err.count("\n") == 1 and message in err, err
+    assert cli.main(["generate", "--run", str(tmp_path / "nothing"), "--prompt", "x"]) == 2
+    assert "is not a directory" in capsys.readouterr().err

@@ -1,0 +1,1 @@
+"""Using a trained model: text generation (``generate``)."""

@@ -1,0 +1,357 @@
+"""Text generation: a model's continuations of prompts, with a KV cache (``Transformer.decode``).
+
+    jaxtron generate --run DIR --prompt "def fib(n):" [--prompt ...] [--prompts FILE.jsonl] [--max-new-tokens N]
+                     [--temperature T] [--top-k K] [--top-p P] [--seed S] [--stop STRING ...] [--mesh tensor=2,...]
+
+DIR is a training run (its newest intact checkpoint) or a converted model (``jaxtron convert from-hf``). The
+prompts go as one batch, right-padded: the prefill runs them once, then each step decodes one token of every row at
+that row's own position; both programs are compiled once per shape bucket (the prompt length and the cache length,
+each rounded up to a power of two). A row ends at the tokenizer's end-of-document token, at a stop string, or after
+``--max-new-tokens``. One prompt streams to the terminal as it is made; several are printed when done.
+``--mesh`` shards the model by the rules table over that many devices (tensor and fsdp: a model that needs several
+devices to train also generates); tokens/s of the prefill and of the decoding steps go to stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import os
+import sys
+import time
+from collections.abc import Callable, Sequence
+
+import numpy as np
+
+from jaxtron.config.schema import ConfigError
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class Sampling:
+    """How the next token is drawn: greedy at temperature 0, else from the softmax of logits / temperature, kept
+    to the ``top_k`` most likely tokens (0: all) and the fewest whose probabilities sum to ``top_p`` (1: all)."""
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int = 0
+
+    def __post_init__(self):
+        if self.temperature < 0:
+            raise ConfigError(f"--temperature must be 0 (greedy) or positive, not {self.temperature}.")
+        if self.top_k < 0:
+            raise ConfigError(f"--top-k must be 0 (all tokens) or positive, not {self.top_k}.")
+        if not 0 < self.top_p <= 1:
+            raise ConfigError(f"--top-p must be in (0, 1], not {self.top_p}.")
+
+
+def next_tokens(logits, key, sampling: Sampling):
+    """The next token of each row from its float32 logits [b, vocab]."""
+    import jax
+    import jax.numpy as jnp
+
+    if sampling.temperature == 0:
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    logits = logits / sampling.temperature
+    if sampling.top_k:
+        kth = jax.lax.top_k(logits, min(sampling.top_k, logits.shape[-1]))[0][:, -1:]
+        logits = jnp.where(logits < kth, -jnp.inf, logits)
+    if sampling.top_p < 1:
+        ordered = jnp.sort(logits, axis=-1)[:, ::-1]
+        probs = jax.nn.softmax(ordered, axis=-1)
+        before = jnp.cumsum(probs, axis=-1) - probs  # the mass of the likelier tokens
+        kept = jnp.where(before < sampling.top_p, ordered, jnp.inf)  # the first is always kept
+        logits = jnp.where(logits < jnp.min(kept, axis=-1, keepdims=True), -jnp.inf, logits)
+    return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
+
+
+def bucket(n: int, least: int = 16) -> int:
+    """``n`` rounded up to a power of two, at least ``least``: the shapes programs are compiled for."""
+    return max(least, 1 << max(0, n - 1).bit_length())
+
+
+@dataclasses.dataclass
+class Result:
+    tokens: list[list[int]]  # each row's generated token ids (its stop token or string not included)
+    prefill_tokens: int
+    prefill_s: float
+    decode_tokens: int
+    decode_s: float
+
+
+class Generator:
+    """A model's prefill and decoding step, compiled per shape; ``mesh`` (optional) shards the parameters by the
+    rules table and runs the programs over it."""
+
+    def __init__(self, model, mesh=None):
+        import jax
+        from flax import nnx
+
+        self.cfg = model.cfg
+        self.graphdef, state = nnx.split(model)
+        self.mesh = mesh
+        if mesh is not None:
+            from jaxtron.parallel.sharding import tree_shardings
+            with jax.set_mesh(mesh):
+                state = jax.device_put(state, tree_shardings(mesh, state))
+        self.state = state
+        self._prefill = jax.jit(self._prefill_fn, static_argnums=(5,))
+        self._step = jax.jit(self._step_fn, static_argnums=(5,))
+
+    def _model(self, state):
+        from flax import nnx
+        return nnx.merge(self.graphdef, state)
+
+    def _prefill_fn(self, state, tokens, lengths, cache, key, sampling):
+        """Every row's prompt at positions 0.. (right-padded; the padding's cache slots are written over as the
+        row decodes, before any query reads them) -> the first new token of each row."""
+        import jax
+        import jax.numpy as jnp
+
+        positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
+        logits, cache = self._model(state).decode(tokens, positions, cache)
+        last = jnp.take_along_axis(logits, (lengths - 1)[:, None, None], axis=1)[:, 0]
+        key, sub = jax.random.split(key)
+        return next_tokens(last, sub, sampling), cache, key
+
+    def _step_fn(self, state, tokens, positions, cache, key, sampling):
+        import jax
+
+        logits, cache = self._model(state).decode(tokens[:, None], positions[:, None], cache)
+        key, sub = jax.random.split(key)
+        return next_tokens(logits[:, 0], sub, sampling), cache, key
+
+    def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, sampling: Sampling = Sampling(),
+                 eos_id: int | None = None, stop: Callable[[int, list[int]], bool] | None = None,
+                 on_token: Callable[[int, list[int]], None] | None = None, cache_dtype: str = "float32") -> Result:
+        """Continues each prompt (token ids) by up to ``max_new_tokens``; a row also ends at ``eos_id`` or where
+        ``stop(row, its new tokens)`` says so. ``on_token(row, its new tokens)`` after each token a row gets."""
+        import jax
+        import jax.numpy as jnp
+
+        if not prompts or any(len(p) == 0 for p in prompts):
+            raise ConfigError("every prompt must hold at least one token; an empty prompt has nothing to continue.")
+        if max_new_tokens < 1:
+            raise ConfigError(f"--max-new-tokens must be at least 1, not {max_new_tokens}.")
+        longest = max(len(p) for p in prompts)
+        if longest + max_new_tokens > self.cfg.max_seq_len:
+            raise ConfigError(f"a prompt of {longest} tokens plus {max_new_tokens} new ones needs a cache of "
+                              f"{longest + max_new_tokens} positions, beyond the model's max_seq_len "
+                              f"{self.cfg.max_seq_len}; shorten the prompt or lower --max-new-tokens.")
+        # rows: the prompts, then padding rows (one token, done from the start) up to a multiple of the devices the
+        # rules table splits the batch over
+        batch, width = len(prompts), bucket(longest)
+        if self.mesh is not None:
+            from jaxtron.parallel.sharding import shard_count
+            split = shard_count(dict(self.mesh.shape), "activation_batch")
+            batch = -(-batch // split) * split
+        length = min(bucket(longest + max_new_tokens), self.cfg.max_seq_len)
+        tokens = np.zeros((batch, min(width, length)), np.int32)
+        for row, prompt in enumerate(prompts):
+            tokens[row, :len(prompt)] = prompt
+        lengths = np.asarray([len(p) for p in prompts] + [1] * (batch - len(prompts)), np.int32)
+        key = jax.random.key(sampling.seed)
+        with jax.set_mesh(self.mesh) if self.mesh is not None else _nothing():
+            cache = self._model(self.state).empty_cache(batch, length, jnp.dtype(cache_dtype))
+            start = time.perf_counter()
+            new, cache, key = self._prefill(self.state, jnp.asarray(tokens), jnp.asarray(lengths), cache, key,
+                                            sampling)
+            new = np.asarray(new)
+            prefill_s = time.perf_counter() - start
+            out: list[list[int]] = [[] for _ in range(batch)]
+            done = np.arange(batch) >= len(prompts)
+            positions = lengths.copy()
+            start, steps = time.perf_counter(), 0
+            for _ in range(max_new_tokens):
+                for row in np.flatnonzero(~done):
+                    token = int(new[row])
+                    if eos_id is not None and token == eos_id:
+                        done[row] = True
+                        continue
+                    out[row].append(token)
+                    if on_token is not None:
+                        on_token(int(row), out[row])
+                    if (stop is not None and stop(int(row), out[row])) or len(out[row]) >= max_new_tokens:
+                        done[row] = True
+                if done.all():
+                    break
+                new, cache, key = self._step(self.state, jnp.asarray(new), jnp.asarray(positions), cache, key,
+                                             sampling)
+                new = np.asarray(new)
+                positions += 1
+                steps += 1
+            decode_s = time.perf_counter() - start
+        live = len(prompts)
+        return Result(out[:live], int(lengths[:live].sum()), prefill_s, steps * live, decode_s)
+
+
+class _nothing:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *_):
+        return False
+
+
+def read_prompts(path: str) -> list[str]:
+    """The prompts of a JSONL file: one object per line with a "prompt" string."""
+    prompts = []
+    try:
+        with open(path, encoding="utf-8") as f:
+            for number, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    record = json.loads(line)
+                except ValueError:
+                    raise ConfigError(f"--prompts '{path}' line {number} is not JSON; each line must be an object "
+                                      'such as {"prompt": "..."}.') from None
+                if not isinstance(record, dict) or not isinstance(record.get("prompt"), str):
+                    raise ConfigError(f"--prompts '{path}' line {number} has no \"prompt\" string; each line must be "
+                                      'an object such as {"prompt": "..."}.')
+                prompts.append(record["prompt"])
+    except OSError as e:
+        raise ConfigError(f"--prompts '{path}' cannot be read ({e.strerror}).") from None
+    if not prompts:
+        raise ConfigError(f"--prompts '{path}' holds no prompts; write one JSON object per line.")
+    return prompts
+
+
+def run_tokenizer(directory: str, spec: str | None):
+    """The tokenizer ``--tokenizer`` names, else the one the run's token store was prepared with, else a converted
+    model's tokenizer.json; ConfigError if none is found."""
+    from jaxtron.data.errors import DataError
+    from jaxtron.data.tokenizers import load_tokenizer
+
+    candidates = [spec] if spec else []
+    if not spec:
+        from jaxtron.interop.convert import _run_config
+        try:
+            cfg, _ = _run_config(directory)
+        except ConfigError:
+            cfg = None
+        for store in (cfg.data.path.split(",") if cfg is not None and cfg.data.path else []):
+            manifest = os.path.join(os.path.expanduser(store.strip()), "manifest.json")
+            if os.path.isfile(manifest):
+                with open(manifest) as f:
+                    tokenizer = json.load(f).get("tokenizer") or {}
+                candidates.append("byte" if tokenizer.get("kind") == "byte" else tokenizer.get("path"))
+                break
+        candidates.append(os.path.join(directory, "tokenizer.json"))
+    for candidate in candidates:
+        if candidate and (candidate == "byte" or os.path.isfile(candidate)):
+            try:
+                return load_tokenizer(candidate)
+            except DataError as e:
+                raise ConfigError(str(e)) from None
+    raise ConfigError(f"no tokenizer found for '{directory}' (its run's token store names none, and it holds no "
+                      "tokenizer.json); pass --tokenizer 'byte', a tokenizer.json or a SentencePiece .model.")
+
+
+def _check_directory(directory: str) -> None:
+    if not os.path.isdir(directory):
+        raise ConfigError(f"--run '{directory}' is not a directory; pass a training run or a converted model.")
+
+
+def load_model(directory: str, dtype: str = "float32", mesh_spec: str = ""):
+    """(model, mesh or None) of a training run's newest intact checkpoint or a converted model."""
+    import jax
+    from flax import nnx
+
+    from jaxtron.checkpoint.params import nest
+    from jaxtron.config.schema import ExecutionConfig
+    from jaxtron.interop.convert import load
+    from jaxtron.models import build_model
+
+    _check_directory(directory)
+    cfg, params = load(directory)
+    model = build_model(cfg, ExecutionConfig(dtype=dtype, moe_mode="dropless"), 0)
+    state = nnx.state(model, nnx.Param)
+    nnx.replace_by_pure_dict(state, nest(params))
+    nnx.update(model, state)
+    mesh = None
+    if mesh_spec:
+        from jaxtron.parallel.mesh import make_mesh
+        sizes = {}
+        for part in mesh_spec.split(","):
+            name, _, value = part.partition("=")
+            if not value.isdigit() or int(value) < 1:
+                raise ConfigError(f"--mesh '{mesh_spec}' must be AXIS=SIZE pairs such as tensor=2,fsdp=4.")
+            sizes[name.strip()] = int(value)
+        count = int(np.prod(list(sizes.values())))
+        if count > len(jax.devices()):
+            raise ConfigError(f"--mesh '{mesh_spec}' needs {count} devices; {len(jax.devices())} are here.")
+        try:
+            mesh = make_mesh(sizes, jax.devices()[:count])
+        except (ValueError, KeyError) as e:
+            raise ConfigError(f"--mesh '{mesh_spec}' is not a mesh of jaxtron's axes ({e}).") from None
+    return model, mesh
+
+
+def main(argv: list[str]) -> int:
+    """`jaxtron generate`: prints the continuations the command line ``argv`` asks for."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S")
+    logging.getLogger("absl").setLevel(logging.WARNING)
+    parser = argparse.ArgumentParser(prog="jaxtron generate", description=__doc__.split("\n")[0])
+    parser.add_argument("--run", required=True, help="training run (newest intact checkpoint) or converted model")
+    parser.add_argument("--prompt", action="append", default=[], help="a prompt (repeat for a batch)")
+    parser.add_argument("--prompts", help='JSONL file, one {"prompt": "..."} per line')
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    parser.add_argument("--top-k", type=int, default=0)
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--stop", action="append", default=[], help="a string that ends a row (repeatable)")
+    parser.add_argument("--tokenizer", help="'byte', a tokenizer.json or a SentencePiece .model (default: the run's)")
+    parser.add_argument("--mesh", default="", help="devices to shard over, e.g. tensor=2,fsdp=4 (default: one)")
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="compute dtype")
+    args = parser.parse_args(argv)
+    sampling = Sampling(args.temperature, args.top_k, args.top_p, args.seed)
+    texts = list(args.prompt) + (read_prompts(args.prompts) if args.prompts else [])
+    if not texts:
+        raise ConfigError("no prompt given; pass --prompt TEXT or --prompts FILE.jsonl.")
+    _check_directory(args.run)
+    tokenizer = run_tokenizer(args.run, args.tokenizer)
+    model, mesh = load_model(args.run, args.dtype, args.mesh)
+    prompts = [[int(t) for t in tokenizer.encode(text)] for text in texts]
+    if tokenizer.vocab_size > model.cfg.vocab_size:
+        raise ConfigError(f"the tokenizer has {tokenizer.vocab_size} tokens, more than the model's vocabulary of "
+                          f"{model.cfg.vocab_size}; pass the tokenizer the model was trained with.")
+    printed = [""] * len(texts)
+
+    def stop(row: int, tokens: list[int]) -> bool:
+        return any(s in tokenizer.decode(tokens) for s in args.stop)
+
+    def stream(row: int, tokens: list[int]) -> None:
+        text = _cut(tokenizer.decode(tokens), args.stop)
+        sys.stdout.write(text[len(printed[row]):])
+        sys.stdout.flush()
+        printed[row] = text
+
+    if len(texts) == 1:
+        sys.stdout.write(texts[0])
+    result = Generator(model, mesh).generate(prompts, args.max_new_tokens, sampling, tokenizer.eos_id,
+                                             stop if args.stop else None, stream if len(texts) == 1 else None,
+                                             cache_dtype=args.dtype)
+    if len(texts) == 1:
+        sys.stdout.write("\n")
+    else:
+        for text, tokens in zip(texts, result.tokens, strict=True):
+            sys.stdout.write(json.dumps({"prompt": text, "completion": _cut(tokenizer.decode(tokens), args.stop)})
+                             + "\n")
+    sys.stdout.flush()
+    log.info("prefill: %d tokens in %.3f s (%.0f tokens/s, compile included); decode: %d tokens in %.3f s "
+             "(%.1f tokens/s, first step's compile included)", result.prefill_tokens, result.prefill_s,
+             result.prefill_tokens / max(result.prefill_s, 1e-9), result.decode_tokens, result.decode_s,
+             result.decode_tokens / max(result.decode_s, 1e-9))
+    return 0
+
+
+def _cut(text: str, stops: Sequence[str]) -> str:
+    """``text`` up to the first stop string in it."""
+    ends = [text.index(s) for s in stops if s in text]
+    return text[:min(ends)] if ends else text
