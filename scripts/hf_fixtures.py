@@ -1,6 +1,7 @@
 """Writes the Hugging Face parity fixtures under tests/fixtures/hf/ with transformers and torch.
 
     pip install torch transformers && python scripts/hf_fixtures.py [NAME ...]   # all, or only those models
+    python scripts/hf_fixtures.py --greedy [NAME ...]   # only greedy.npy, from the models already saved
 
 Tests only read the files this writes (CI needs neither torch nor transformers). Each model is tiny and
 random (fixed seed), saved by transformers itself, with the float32 logits its own forward pass gives on
@@ -16,7 +17,9 @@ tokens.npy:
                 experts in 4 groups (top-2 groups, top-2 experts) plus a shared expert, a non-zero balancing bias
   deepseek_v3_q/  the same with a full-rank query projection and DeepSeek's (non-yarn) default RoPE, config.json
                 in the transformers 4.x form
-Each model gets its own seed, so writing some leaves the others as they are.
+Each model gets its own seed, so writing some leaves the others as they are. Beside each model, greedy.npy holds the
+8 tokens transformers' ``generate`` continues the first 8 tokens of each row of tokens.npy with, greedily (no
+end-of-document stop), read from the saved model (``--greedy`` writes only these).
 """
 
 import json
@@ -111,7 +114,24 @@ MODELS = {"llama": (lambda: llama(False), None), "llama_tied": (lambda: llama(Tr
           "deepseek_v3": (lambda: deepseek_v3(True), None), "deepseek_v3_q": (lambda: deepseek_v3(False), None)}
 
 
+def greedy(name: str) -> None:
+    """greedy.npy of a saved fixture: transformers' greedy continuation of tokens.npy[:, :8] by 8 tokens."""
+    directory = os.path.join(OUT, name)
+    model = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+    prompt = torch.from_numpy(np.load(os.path.join(OUT, "tokens.npy"))[:, :8]).long()
+    with torch.no_grad():
+        out = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=8, min_new_tokens=8,
+                             do_sample=False, eos_token_id=None, pad_token_id=0)
+    continuation = out[:, prompt.shape[1]:].numpy().astype(np.int32)
+    np.save(os.path.join(directory, "greedy.npy"), continuation)
+    print(name, "greedy", continuation.tolist())
+
+
 def main(names: list[str]) -> None:
+    if names[:1] == ["--greedy"]:
+        for name in names[1:] or MODELS:
+            greedy(name)
+        return
     unknown = sorted(set(names) - set(MODELS))
     if unknown:
         sys.exit(f"unknown fixture(s) {unknown}; the fixtures are {sorted(MODELS)}")
@@ -143,6 +163,7 @@ def main(names: list[str]) -> None:
         print(name, "logits", logits.shape, "files", sorted(os.listdir(directory)))
         with open(os.path.join(OUT, "VERSIONS"), "a" if names else "w") as f:
             f.write(f"{name}/: torch {torch.__version__}, transformers {transformers.__version__}\n")
+        greedy(name)
 
 
 if __name__ == "__main__":

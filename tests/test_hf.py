@@ -341,3 +341,16 @@ def test_deepseek_multi_token_prediction_module_converts_both_ways(tmp_path, cap
     _fails(capsys, ["from-hf", differing, str(tmp_path / "out")],
            "'model.layers.3.shared_head.head.weight' differs from the model's own head")
     assert not os.path.exists(tmp_path / "out")
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_greedy_generation_equals_transformers_generate(name, imported):
+    """The first 8 tokens of each row continued by 8, greedily: jaxtron's tokens (KV cache, both rows in one batch)
+    are those of transformers' ``generate`` on the same model (greedy.npy, scripts/hf_fixtures.py)."""
+    from jaxtron.inference.generate import Generator, load_model
+
+    prompts = np.load(os.path.join(FIXTURES, "tokens.npy"))[:, :8]
+    want = np.load(os.path.join(FIXTURES, name, "greedy.npy"))
+    model, _ = load_model(imported[name])
+    got = Generator(model).generate([list(map(int, p)) for p in prompts], 8).tokens
+    np.testing.assert_array_equal(np.asarray(got), want)
