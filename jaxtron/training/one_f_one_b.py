@@ -344,13 +344,10 @@ def gradients(setup, params: Any, batch: Batch, loss_sums: Callable, moe_metrics
             d_rest, d_h = pullback(valid_h)
             return rest_of(d_rest), d_h.astype(x_shape.dtype), valid_h * ce, valid_h * n
 
-        def grouped_head(h, mb):
-            return by_groups(head, (0, 0), h, mb)
-
-        if v_ > 1:  # the last stage finishes a microbatch in one iteration of V
-            d_post, d_h, ce, n = when(valid_h > 0, grouped_head, out[s_ - 1], pick(m_head))
-        else:
-            d_post, d_h, ce, n = grouped_head(out[s_ - 1], pick(m_head))
+        # every iteration, masked where the last stage finished no microbatch (interleaved: V - 1 of V): behind a
+        # condition, GPT-3 175B's step held 12 GiB more per device (compiled for H100s, 32 layers on
+        # pipeline=8 data=4 tensor=4), for a head of 0.4% of its FLOPs
+        d_post, d_h, ce, n = by_groups(head, (0, 0), out[s_ - 1], pick(m_head))
         d_h = d_h.reshape(x_shape.shape)  # the groups' rows back in place
         return out, inputs[1], stats, on_stages(period_inputs), d_post, d_h, jnp.sum(ce), jnp.sum(n)
 
