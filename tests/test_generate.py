@@ -111,13 +111,16 @@ def trained_run(tmp_path_factory):
     return workdir
 
 
-def test_jaxtron_generate_continues_prompts_from_a_run(trained_run, tmp_path, capsys):
+def test_jaxtron_generate_continues_prompts_from_a_run(trained_run, tmp_path, capsys, monkeypatch):
     """One prompt streams after itself; a JSONL batch prints one JSON object per prompt; the continuation is the
-    library's greedy one on the checkpoint's parameters."""
+    library's greedy one on the checkpoint's parameters. The run is named by a relative path, as the README does."""
+    import os
+
     from jaxtron import cli
     from jaxtron.inference.generate import Generator, load_model
 
-    assert cli.main(["generate", "--run", trained_run, "--prompt", "def f(", "--max-new-tokens", "6",
+    monkeypatch.chdir(os.path.dirname(trained_run))
+    assert cli.main(["generate", "--run", os.path.basename(trained_run), "--prompt", "def f(", "--max-new-tokens", "6",
                      "--tokenizer", "byte"]) == 0
     out = capsys.readouterr().out
     model, _ = load_model(trained_run)

@@ -169,6 +169,7 @@ def load(ckpt_dir: str) -> tuple[ModelConfig, dict[str, np.ndarray]]:
 
     from jaxtron.checkpoint.params import restore_params
     from jaxtron.models import build_model
+    ckpt_dir = os.path.abspath(ckpt_dir)  # orbax takes absolute paths only
     cfg, step_dir = _run_config(ckpt_dir)
     cfg = cfg.model
     abstract = nnx.state(nnx.eval_shape(lambda: build_model(cfg, ExecutionConfig(), 0)), nnx.Param)
