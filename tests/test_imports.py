@@ -23,6 +23,7 @@ LAYERS = (
     ("models",),
     ("training",),
     ("interop", "planning"),
+    ("inference",),
 )
 
 

@@ -315,7 +315,7 @@ def test_the_1f1b_schedule_is_priced_and_chosen_where_fill_drains_memory_stops_i
     """GPT-3 175B on 128 H100s, pipeline=8 fsdp=4 tensor=4, the config's batch: 8 microbatches or 64 of it.
     1F1B's stages keep at most 15 microbatches' period inputs, so its activations fall to 15/64 of the batch's
     where fill-drain's keep all of it (and those of the fill and drain); the bubble is the same; and the search
-    tries it, ranking a 1F1B pipeline first."""
+    tries it, ranking a 1F1B pipeline (plain or interleaved) first."""
     import dataclasses as dc
 
     cfg = _config("gpt3_175b")
@@ -328,7 +328,8 @@ def test_the_1f1b_schedule_is_priced_and_chosen_where_fill_drains_memory_stops_i
     assert flat[1].bubble == fill[1].bubble == pytest.approx(7 / 71)
     assert flat[1].schedule == "1f1b" and fill[1].schedule == "fill_drain"
     rows = search.plan(cfg, 128, H100)
-    assert rows[0].fits and rows[0].estimate.schedule == "1f1b" and rows[0].estimate.mesh["pipeline"] > 1
+    assert rows[0].fits and rows[0].estimate.schedule in ("1f1b", "interleaved")
+    assert rows[0].estimate.mesh["pipeline"] > 1
 
 
 def test_the_distributed_optimizer_is_priced_and_offered_where_weights_are_replicated():
