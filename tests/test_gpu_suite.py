@@ -31,10 +31,10 @@ def _load():
 suite = _load()
 
 
-# the MFU cases the smoke test runs: dense bf16 and FP8 and the dropless MoE in FP8 (the others take the same code
-# paths with other configs; each costs a process and a compile)
+# the MFU cases the smoke test runs: dense bf16, and the dropless MoE in FP8 (its attention projections FP8 too;
+# the others take the same code paths with other configs, and each costs a process and a compile)
 SMOKE_CASES = [c for c in suite.CASES
-               if c.name.startswith(("llama3_8b 8/32 layers", "mixtral_8x7b 1/32 layers dropless fp8"))]
+               if c.name in ("llama3_8b 8/32 layers bf16", "mixtral_8x7b 1/32 layers dropless fp8")]
 
 
 @pytest.mark.slow
@@ -86,7 +86,7 @@ def test_the_smoke_run_goes_through_every_step_and_writes_its_results(tmp_path):
     assert len(tests) >= 7 and set(tests.values()) == {"passed", "skipped"}
 
     table = (out / "table.md").read_text()
-    assert len(SMOKE_CASES) == 3
+    assert len(SMOKE_CASES) == 2
     for case in SMOKE_CASES:
         row = steps[f"mfu: {case.name}"]
         assert row["steps_timed"] == 10 and row["tokens_per_sec"] == pytest.approx(
