@@ -154,3 +154,28 @@ def test_bad_generate_input_is_one_sentence_and_exit_2(trained_run, tmp_path, ca
         assert err.startswith("error: ") and err.count("\n") == 1 and message in err, err
     assert cli.main(["generate", "--run", str(tmp_path / "nothing"), "--prompt", "x"]) == 2
     assert "is not a directory" in capsys.readouterr().err
+
+
+def test_a_converted_model_generates_with_the_tokenizer_it_was_converted_with(tmp_path, capsys):
+    """``convert from-hf`` copies the Hugging Face directory's tokenizer files; ``jaxtron generate`` then finds
+    tokenizer.json there, with its end-of-document token."""
+    import os
+    import shutil
+
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    from jaxtron import cli
+    from jaxtron.interop import convert
+
+    hf = tmp_path / "hf"
+    shutil.copytree(os.path.join(os.path.dirname(__file__), "fixtures", "hf", "llama"), hf)
+    words = ["<|endoftext|>", "[UNK]", *(f"w{i}" for i in range(94))]  # the fixture's 96-token vocabulary
+    tokenizer = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer.save(str(hf / "tokenizer.json"))
+    convert.from_hf(str(hf), str(tmp_path / "converted"))
+    assert (tmp_path / "converted" / "tokenizer.json").read_bytes() == (hf / "tokenizer.json").read_bytes()
+    assert cli.main(["generate", "--run", str(tmp_path / "converted"), "--prompt", "w1 w2 w3",
+                     "--max-new-tokens", "4"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("w1 w2 w3") and len(out) > len("w1 w2 w3\n")

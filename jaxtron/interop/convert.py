@@ -140,7 +140,14 @@ def from_hf(hf_dir: str, out_dir: str) -> ModelConfig:
     shutil.rmtree(staging)
     with open(os.path.join(out_dir, "config.py"), "w") as f:
         f.write(_config_file(cfg, registry.train_fields(hf), out_dir))
+    for name in TOKENIZER_FILES:  # the tokenizer travels with the model (``jaxtron generate`` finds it there)
+        if os.path.isfile(os.path.join(hf_dir, name)):
+            shutil.copyfile(os.path.join(hf_dir, name), os.path.join(out_dir, name))
     return cfg
+
+
+# a Hugging Face directory's tokenizer files, copied into a converted model as they are
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model")
 
 
 def _run_config(ckpt_dir: str) -> tuple[Config, str | None]:
