@@ -72,8 +72,10 @@ def fsdp_time(shape: StepShape, params: tuple[Param, ...], coll: Collectives) ->
     micro = shape.microbatches
     gathers = 2 * micro  # forward and the backward's recompute/use: the weights are gathered twice per step
     rest_gathers, rest_sums = gathers, micro
-    if shape.schedule == "1f1b":  # the embedding and head run per microbatch: forward, head, embedding backward
-        rest_gathers, rest_sums = 3 * shape.in_flight, 1 if shape.gather_once else 2 * shape.in_flight
+    if shape.schedule in ONE_F_ONE_B:  # the embedding and head run per microbatch: forward, head, embedding backward
+        # (interleaved: the embedding and the head in each of a microbatch's V forward iterations)
+        rest_gathers = (2 * shape.virtual_stages + 1) * shape.in_flight
+        rest_sums = 1 if shape.gather_once else 2 * shape.in_flight
     gathered = {True: 0, False: 0}  # elements gathered over fsdp: the staged blocks' and the rest
     replicated = 0  # elements of the weights whole on every fsdp device
     for p in params:

@@ -8,7 +8,7 @@ collectives (``jaxtron.planning.collectives``) either overlap with this compute 
 
 from __future__ import annotations
 
-from jaxtron.config.schema import Config, replace
+from jaxtron.config.schema import ONE_F_ONE_B, Config, replace
 from jaxtron.metrics.flops import flops_breakdown, hardware_flops_breakdown
 from jaxtron.planning.gpus import GPU
 from jaxtron.planning.shape import BlockValues, StepShape
@@ -30,7 +30,7 @@ def compute_time(cfg: Config, shape: StepShape, block: BlockValues, gpu: GPU) ->
     execution = cfg.execution
     peak = gpu.peak_flops["bfloat16"] if execution.dtype == "bfloat16" else gpu.peak_flops["bfloat16"] / 2  # fp32: TF32
     # model FLOPs plus what the remat policy re-runs, from the table HFU uses (jaxtron.metrics.flops.RECOMPUTED)
-    if shape.schedule == "1f1b":  # it recomputes every block's forward once, as remat='full' does
+    if shape.schedule in ONE_F_ONE_B:  # it recomputes every block's forward once, as remat='full' does
         execution = replace(execution, remat="full")
     hardware = hardware_flops_breakdown(shape.model, execution, shape.seq_len, attention=shape.attention)
     # the routed experts' GEMMs run at the grouped GEMM's rate (dropless), or over capacity_factor times their
