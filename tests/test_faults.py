@@ -223,8 +223,14 @@ def test_a_stalled_input_batch_is_reported_in_a_real_run(tmp_path, monkeypatch, 
     with caplog.at_level("WARNING"):
         summary = loop_lib.run(cfg, str(tmp_path), use_tqdm=False, devices=jax.devices()[:1])
     watchdog = [m for m in caplog.messages if m.startswith("watchdog:")]
-    assert watchdog and all(m.startswith("watchdog: the input batch of step 15 ") for m in watchdog), watchdog
-    assert "took" in watchdog[-1] and "on process 0" in watchdog[-1] and summary.slow_steps == 1
+    inputs = [m for m in watchdog if m.startswith("watchdog: the input batch")]
+    assert inputs and all(m.startswith("watchdog: the input batch of step 15 ") for m in inputs), watchdog
+    assert "took" in inputs[-1] and "on process 0" in inputs[-1]
+    # on a loaded machine a step of its own can run long too (its median is 0.02 s): reported as the step's, not
+    # as an input's, and counted when it ends
+    others = [m for m in watchdog if m not in inputs]
+    assert all(m.startswith("watchdog: step ") for m in others), watchdog
+    assert summary.slow_steps == 1 + sum(" took " in m for m in others), watchdog
 
 
 @pytest.mark.slow
