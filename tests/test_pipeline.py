@@ -491,3 +491,46 @@ def test_train_py_refuses_an_impossible_schedule_in_one_sentence(tmp_path):
         "error: config field 'pipeline.microbatches' (2) cannot keep mesh.pipeline=4 stages busy; set "
         "--config.pipeline.microbatches to at least 4.")
     assert "Traceback" not in done.stderr
+
+
+@pytest.mark.parametrize("stages,microbatches,virtual", [(2, 4, 1), (4, 8, 1), (2, 4, 2), (4, 8, 3), (3, 3, 2)])
+def test_the_1f1b_timetable_runs_each_unit_once_after_what_it_needs(stages, microbatches, virtual):
+    """parallel/timetable.py: each stage runs every (microbatch, chunk) forward once and backward once; a forward
+    comes one iteration after the stage before it ran it (chunk 0 on stage 0 embeds; a later chunk on stage 0 takes
+    the last stage's previous chunk), a backward one iteration after the stage after it (the last stage: its own
+    forward of the last chunk, in the same iteration, or stage 0's later chunk), and the kept inputs are not
+    written over before they are read."""
+    from jaxtron.parallel import timetable as tt
+
+    done_f, done_b = {}, {}  # (stage, microbatch, chunk) -> iteration
+    for t in range(tt.iterations(stages, microbatches, virtual)):
+        for s in range(stages):
+            if t < tt.forward_iterations(stages, microbatches, virtual):
+                ok, m, c = tt.unit(tt.forward_unit(t, s), stages, microbatches, virtual)
+                if ok:
+                    assert (s, m, c) not in done_f
+                    done_f[s, m, c] = t
+            if t >= tt.first_backward(stages, virtual):
+                ok, m, c = tt.unit(tt.backward_unit(t, s, stages, virtual), stages, microbatches, virtual, True)
+                if ok:
+                    assert (s, m, c) not in done_b
+                    done_b[s, m, c] = t
+    every = {(s, m, c) for s in range(stages) for m in range(microbatches) for c in range(virtual)}
+    assert set(done_f) == set(done_b) == every
+    last = stages - 1
+    for s, m, c in every:
+        if s > 0:
+            assert done_f[s, m, c] == done_f[s - 1, m, c] + 1
+        elif c > 0:
+            assert done_f[0, m, c] == done_f[last, m, c - 1] + 1
+        if s < last:
+            assert done_b[s, m, c] == done_b[s + 1, m, c] + 1
+        elif c < virtual - 1:
+            assert done_b[last, m, c] == done_b[0, m, c + 1] + 1
+        else:
+            assert done_b[last, m, c] == done_f[last, m, c]
+        # the stash slot of this unit's inputs is not written again before its backward reads it
+        k = tt.forward_unit(done_f[s, m, c], s)
+        j = tt.backward_unit(done_b[s, m, c], s, stages, virtual)
+        assert tt.forward_unit_of_backward(j, stages, virtual) == k
+        assert done_b[s, m, c] - done_f[s, m, c] < tt.kept(stages, virtual)

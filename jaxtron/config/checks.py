@@ -23,3 +23,18 @@ def _non_negative(value: float, field: str) -> None:
 def _choice(value: str, field: str, choices: tuple[str, ...]) -> None:
     _check(value in choices, field, f"is {value!r}, which is not one of {', '.join(map(repr, choices))}",
            f"set --config.{field} to one of those")
+
+
+def jsonl_records(path: str, name: str, fix: str):
+    """(line number, record) of each non-blank line of the JSON Lines file ``path``; a ConfigError "``name`` line N
+    is not JSON; ``fix``." for a line that is not. (The callers check the records' fields with their own words.)"""
+    import json
+
+    with open(path, encoding="utf-8") as f:
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                yield number, json.loads(line)
+            except ValueError:
+                raise ConfigError(f"{name} line {number} is not JSON; {fix}.") from None

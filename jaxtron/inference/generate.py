@@ -15,6 +15,7 @@ devices to train also generates); tokens/s of the prefill and of the decoding st
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import logging
@@ -25,6 +26,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
+from jaxtron.config.checks import jsonl_records
 from jaxtron.config.schema import ConfigError
 
 log = logging.getLogger(__name__)
@@ -155,7 +157,7 @@ class Generator:
             tokens[row, :len(prompt)] = prompt
         lengths = np.asarray([len(p) for p in prompts] + [1] * (batch - len(prompts)), np.int32)
         key = jax.random.key(sampling.seed)
-        with jax.set_mesh(self.mesh) if self.mesh is not None else _nothing():
+        with jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext():
             cache = self._model(self.state).empty_cache(batch, length, jnp.dtype(cache_dtype))
             start = time.perf_counter()
             new, cache, key = self._prefill(self.state, jnp.asarray(tokens), jnp.asarray(lengths), cache, key,
@@ -189,31 +191,15 @@ class Generator:
         return Result(out[:live], int(lengths[:live].sum()), prefill_s, steps * live, decode_s)
 
 
-class _nothing:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *_):
-        return False
-
-
 def read_prompts(path: str) -> list[str]:
     """The prompts of a JSONL file: one object per line with a "prompt" string."""
     prompts = []
+    shape = 'each line must be an object such as {"prompt": "..."}'
     try:
-        with open(path, encoding="utf-8") as f:
-            for number, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    record = json.loads(line)
-                except ValueError:
-                    raise ConfigError(f"--prompts '{path}' line {number} is not JSON; each line must be an object "
-                                      'such as {"prompt": "..."}.') from None
-                if not isinstance(record, dict) or not isinstance(record.get("prompt"), str):
-                    raise ConfigError(f"--prompts '{path}' line {number} has no \"prompt\" string; each line must be "
-                                      'an object such as {"prompt": "..."}.')
-                prompts.append(record["prompt"])
+        for number, record in jsonl_records(path, f"--prompts '{path}'", shape):
+            if not isinstance(record, dict) or not isinstance(record.get("prompt"), str):
+                raise ConfigError(f"--prompts '{path}' line {number} has no \"prompt\" string; {shape}.")
+            prompts.append(record["prompt"])
     except OSError as e:
         raise ConfigError(f"--prompts '{path}' cannot be read ({e.strerror}).") from None
     if not prompts:

@@ -25,6 +25,8 @@ from typing import Any
 
 import numpy as np
 
+from jaxtron.parallel import timetable
+
 _WHILE = re.compile(r"%(while[.\w-]*) = .*?body=%([\w.-]+).*?op_name=\"([^\"]*)\"")
 _COMPUTATION = re.compile(r"^%([\w.-]+) .*\{$")
 _INSTRUCTION = re.compile(r"^\s+(?:ROOT )?%([\w.-]+) = ")
@@ -109,7 +111,7 @@ def _one_f_one_b_idle(events: list[dict[str, Any]], layout: dict[str, Any]) -> d
     """Per stage, per traced device: (idle s, loop s) of the 1F1B loop, from its phases' events (see the module
     docstring); each top-level instruction of a phase runs once an iteration."""
     stages, m, v = layout["stages"], layout["microbatches"], layout["virtual_stages"]
-    count = m * v + v * stages + stages - 2  # iterations of the loop (interleaved: V chunks a stage)
+    count = timetable.iterations(stages, m, v)
     owner = {op: phase for phase, ops in layout["phases"].items() for op in ops}
     durations: dict[tuple[str, str], list[tuple[float, float]]] = {}  # (device, op) -> [(start, seconds)]
     for event in events:
@@ -126,8 +128,9 @@ def _one_f_one_b_idle(events: list[dict[str, Any]], layout: dict[str, Any]) -> d
                 continue  # not every iteration of the window's steps traced: left out
             for k, (_, seconds) in enumerate(runs):
                 t = k % count
-                unit = t - stage if phase == "forward" else t - (v * stages - 1) - (stages - 1 - stage)
-                idle += seconds if not 0 <= unit < m * v else 0.0
+                unit = timetable.forward_unit(t, stage) if phase == "forward" else \
+                    timetable.backward_unit(t, stage, stages, v)
+                idle += seconds if not timetable.unit(unit, stages, m, v)[0] else 0.0
                 total += seconds
         if total:
             per_stage.setdefault(stage, []).append((idle, total))
@@ -145,7 +148,7 @@ def idle_shares(events: list[dict[str, Any]], layout: dict[str, Any], wall_s: fl
         if not per_stage:
             return None
         measured = sorted(per_stage)
-        return {"stages": stages, "iterations": m * v + v * stages + stages - 2,
+        return {"stages": stages, "iterations": timetable.iterations(stages, m, v),
                 "formula": (stages - 1) / (m * v + stages - 1),
                 "measured_stages": measured,
                 "of_loops": [float(np.mean([i / t for i, t in per_stage[s]])) for s in measured],

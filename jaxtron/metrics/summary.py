@@ -19,6 +19,7 @@ import re
 import statistics
 from typing import Any
 
+from jaxtron.config.checks import jsonl_records
 from jaxtron.config.loader import migrate
 from jaxtron.config.schema import ConfigError, ExecutionConfig, ModelConfig
 from jaxtron.metrics.bubble import idle_shares
@@ -37,17 +38,10 @@ def read_metrics(workdir: str) -> list[dict[str, Any]]:
     if not os.path.isfile(path):
         raise ConfigError(f"'{workdir}' has no metrics.jsonl; pass the --workdir of a jaxtron run.")
     records = []
-    with open(path, encoding="utf-8") as f:
-        for number, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError:
-                raise ConfigError(f"{path} line {number} is not JSON; the file is damaged.") from None
-            if not isinstance(record, dict) or not isinstance(record.get("step"), int):
-                raise ConfigError(f"{path} line {number} has no integer 'step'; the file is damaged.") from None
-            records.append(record)
+    for number, record in jsonl_records(path, path, "the file is damaged"):
+        if not isinstance(record, dict) or not isinstance(record.get("step"), int):
+            raise ConfigError(f"{path} line {number} has no integer 'step'; the file is damaged.")
+        records.append(record)
     return records
 
 

@@ -20,16 +20,10 @@ run the forward phase only and the last S - 1 the backward phase only (a conditi
 every device), so a stage idles (S - 1) forwards and (S - 1) backwards of the M of each it runs: the share
 (S - 1) / (M + S - 1), as in fill-drain.
 
-The interleaved schedule (``pipeline.schedule='interleaved'``, V = ``pipeline.virtual_stages``) runs the same
-loop over V chunks of layers a stage, chunk c = v S + s of the S V on stage s (the stage-major stack's order, as
-fill-drain's virtual stages): a stage's forward units take the microbatches in groups of S, each group through
-chunk 0, then chunk 1, ..., so what stage S - 1 sends in one iteration is what stage 0 takes in the next (the
-same collective permute, wrapping round); its backward units take each group through chunk V - 1 down to 0.
-Stage s runs forward unit t - s and backward unit t - (V S - 1) - (S - 1 - s); the last stage's chunk V - 1
-computes the head and loss, whose gradient its backward takes in the same iteration. M V + V S + S - 2
-iterations, each a chunk (1/V of a stage) forward and backward: the idle share is (S - 1) / (M V + S - 1), as
-fill-drain's with virtual stages, for V times the transfers; a stage keeps the inputs of at most 2 V S - 1
-chunks (about 2 S stages' worth). M must be a multiple of S. With V = 1 it is the 1F1B schedule above.
+The interleaved schedule (``pipeline.schedule='interleaved'``) runs the same loop over V chunks of layers a stage
+(chunk v S + s on stage s, the stage-major stack's order), the timetable of ``parallel/timetable.py``: M V + V S
++ S - 2 iterations of a chunk's forward and backward, idle share (S - 1) / (M V + S - 1), at most 2 V S - 1
+chunks' inputs kept. With V = 1 it is the 1F1B schedule above.
 
 The objective is the fill-drain schedule's: the cross-entropy (and z-loss) sums of the microbatches, and the MoE
 auxiliary losses as the token count times their mean over blocks and microbatches, so both schedules compute the
@@ -51,6 +45,7 @@ from flax import nnx
 
 from jaxtron.models.stack import scan_stack, without_remat
 from jaxtron.models.transformer import EMBED_AXES
+from jaxtron.parallel import timetable
 from jaxtron.parallel.sharding import (
     BATCH_AXES,
     constrain,
@@ -178,13 +173,8 @@ def gradients(setup, params: Any, batch: Batch, loss_sums: Callable, moe_metrics
         return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, p, 0, False), stack_s)
 
     def unit(k, backward=False):
-        """A stage's k-th forward (or backward) unit -> (whether it is one, its microbatch, its chunk). The units run
-        the microbatches in groups of S, each group through chunk 0, 1, ... (the backward: V - 1, ..., 0), so
-        what stage S - 1 hands on in one iteration is what stage 0 takes in the next. One chunk: unit k is
-        microbatch k."""
-        group, r = k // (s_ * v_), k % (s_ * v_)
-        chunk = r // s_
-        return (k >= 0) & (k < m_ * v_), group * s_ + r % s_, (v_ - 1 - chunk) if backward else chunk
+        """(whether it is one, its microbatch, its chunk) of a stage's k-th unit (``parallel/timetable.py``)."""
+        return timetable.unit(k, s_, m_, v_, backward)
 
     def stage_forward(stack_s, h, ex, s, v):
         """-> (the stage's output, each period's stats [pc, ...], each period's input [pc, ...]) of its chunk ``v``."""
@@ -275,9 +265,7 @@ def gradients(setup, params: Any, batch: Batch, loss_sums: Callable, moe_metrics
             return constrain_leading(a, "stages")
         return jax.tree.map(one, tree)
 
-    # units a stage holds the inputs of between their forward and their backward: at most 2VS - 2 iterations
-    # apart (stage 0's chunk 0), one forward an iteration
-    keep = 2 * v_ * s_ - 1
+    keep = timetable.kept(s_, v_)  # units whose inputs a stage holds between their forward and their backward
     # the accumulators, float32, one per group of rows, and sharded as their parameters: left unconstrained, XLA
     # keeps them whole on every device. The staged weights' gradients gather in ``grad_stack`` [S, G, P, ...];
     # ``grad_rest`` [G, ...] holds those of the other parameters (the staged ones' get none from ``pre`` and
@@ -329,14 +317,14 @@ def gradients(setup, params: Any, batch: Batch, loss_sums: Callable, moe_metrics
         gradients: ``d_h`` for the stack's output, the rest's for the parameters outside the stack)."""
         # stage s runs its forward unit t - s: stage 0 embeds a microbatch for chunk 0, or takes what stage S - 1
         # handed on for a later chunk
-        _, m_in, v_in = unit(t)
+        _, m_in, v_in = unit(timetable.forward_unit(t, 0))
         x0, ex0, _, _ = pre(params, pick(m_in))
         fresh = v_in == 0
         inputs = on_stages((moving[0].at[0].set(jnp.where(fresh, x0, moving[0][0])),
                             jax.tree.map(lambda a, b: a.at[0].set(jnp.where(fresh, b, a[0])), moving[1], ex0)))
-        _, _, chunks = unit(t - stage_ids)
+        _, _, chunks = unit(timetable.forward_unit(t, stage_ids))
         out, stats, period_inputs = forward_all(staged, inputs[0], inputs[1], stage_ids, chunks)
-        last_valid, m_head, last_chunk = unit(t - (s_ - 1))
+        last_valid, m_head, last_chunk = unit(timetable.forward_unit(t, s_ - 1))
         valid_h = (last_valid & (last_chunk == v_ - 1)).astype(jnp.float32)
 
         def head(h, mb):
@@ -357,26 +345,25 @@ def gradients(setup, params: Any, batch: Batch, loss_sums: Callable, moe_metrics
         accumulators, the rest's gradients)."""
         # stage s runs its backward unit t - (VS - 1) - (S - 1 - s): the last stage's chunk V - 1 of the
         # microbatch whose loss this iteration computed, or what stage 0 handed back from a later chunk
-        active = t >= v_ * s_ - 1
-        j = t - (v_ * s_ - 1) - (s_ - 1) + stage_ids
+        active = t >= timetable.first_backward(s_, v_)
+        j = timetable.backward_unit(t, stage_ids, s_, v_)
         valid_b, _, chunks = unit(j, backward=True)
-        forward_unit = j // (s_ * v_) * (s_ * v_) + chunks * s_ + j % s_  # the same microbatch and chunk's
+        slot_b = timetable.forward_unit_of_backward(j, s_, v_) % keep  # where that microbatch and chunk's inputs are
         saved = on_stages(jax.vmap(lambda st, i: jax.tree.map(
-            lambda a: jax.lax.dynamic_index_in_dim(a, i, 0, False), st))(stash, forward_unit % keep))
+            lambda a: jax.lax.dynamic_index_in_dim(a, i, 0, False), st))(stash, slot_b))
         dy = on_stages(back.at[s_ - 1].set(jnp.where(chunks[s_ - 1] == v_ - 1, d_h, back[s_ - 1])))
         with _active(active):
             grad_stack, dx = backward_all(staged, jax.tree.unflatten(stack_def, grad_stack), saved[0], saved[1],
                                           stage_ids, chunks, dy, valid_b)
         grad_stack = stack_sharded(jax.tree.leaves(grad_stack))
-        first_valid, m_first, first_chunk = unit(t - (v_ * s_ - 1) - (s_ - 1), backward=True)
-        valid_0 = first_valid & (first_chunk == 0)
+        first_valid, m_first, first_chunk = unit(timetable.backward_unit(t, 0, s_, v_), backward=True)
+        valid_0 = first_valid & (first_chunk == 0)  # (only in an iteration that runs the backward phase)
 
         def embedding_backward(dx0, mb):
             _, pre_pullback = jax.vjp(lambda r: pre(with_rest(r), mb)[0], rest_leaves)
             return rest_of(pre_pullback(dx0)[0])
 
-        d_pre = when(active & valid_0 if v_ > 1 else active,
-                     lambda dx0, mb: by_groups(embedding_backward, (0, 0), dx0, mb),
+        d_pre = when(valid_0, lambda dx0, mb: by_groups(embedding_backward, (0, 0), dx0, mb),
                      dx[0] * valid_0.astype(dx.dtype), pick(m_first))
         return on_stages(jnp.roll(dx, -1, axis=0)), grad_stack, d_pre
 
@@ -386,9 +373,10 @@ def gradients(setup, params: Any, batch: Batch, loss_sums: Callable, moe_metrics
         drain no forward."""
         moving, back, stash, grad_stack, grad_rest, sums, stats_sum = carry
         with jax.named_scope(FORWARD_PHASE):  # the trace times the phases by these names (metrics/bubble.py)
-            out, ex, stats, period_inputs, d_post, d_h, ce, n = when(t < m_ * v_ + s_ - 1, forward_phase, t, moving)
-        valid_f, _, chunks = unit(t - stage_ids)
-        slot_f = (t - stage_ids) % keep
+            out, ex, stats, period_inputs, d_post, d_h, ce, n = when(
+                t < timetable.forward_iterations(s_, m_, v_), forward_phase, t, moving)
+        valid_f, _, chunks = unit(timetable.forward_unit(t, stage_ids))
+        slot_f = timetable.forward_unit(t, stage_ids) % keep
         stash = on_stages(jax.vmap(lambda st, x, i, v: jax.tree.map(
             lambda a, b: jnp.where(v, jax.lax.dynamic_update_index_in_dim(a, b, i, 0), a), st, x))(
             stash, (period_inputs, ex), slot_f, valid_f))
@@ -411,7 +399,7 @@ def gradients(setup, params: Any, batch: Batch, loss_sums: Callable, moe_metrics
              jax.tree.map(lambda a: jnp.zeros((s_, v_ * a.shape[0], *a.shape[1:]), jnp.float32), stats_shape))
     with jax.named_scope(SCOPE):  # the loop's HLO ops carry the name (profiles find its iterations by it)
         (_, _, _, grad_stack, grad_rest, (ce_sum, n_sum), stats_sum), _ = jax.lax.scan(
-            iteration, start, jnp.arange(m_ * v_ + v_ * s_ + s_ - 2))
+            iteration, start, jnp.arange(timetable.iterations(s_, m_, v_)))
     # the groups' sums, reduce-scattered onto the distributed optimizer's shards where it runs
     grad_stack = jax.tree.unflatten(stack_def, [
         constrain_gradient(jnp.sum(g, axis=1), ("stages", "layers", *names), setup.distributed_optimizer)
