@@ -75,7 +75,9 @@ def test_generation_ends_at_the_end_of_document_token_and_at_a_stop():
     full = generator.generate([[3, 14, 15]], 8).tokens[0]
     eos = full[3]  # the fourth token: the row ends before it
     assert generator.generate([[3, 14, 15]], 8, eos_id=eos).tokens[0] == full[:full.index(eos)]
-    assert generator.generate([[3, 14, 15]], 8, stop=lambda row, t: len(t) == 2).tokens[0] == full[:2]
+    stopped = generator.generate([[3, 14, 15]], 8, stop=lambda row, t: len(t) == 2)
+    assert stopped.tokens[0] == full[:2]
+    assert stopped.decode_tokens == 1 and stopped.prefill_tokens == 3  # the first new token is the prefill's
 
 
 @pytest.mark.parametrize("family", ["llama", "deepseek_v3"])

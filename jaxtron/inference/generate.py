@@ -167,7 +167,7 @@ class Generator:
             out: list[list[int]] = [[] for _ in range(batch)]
             done = np.arange(batch) >= len(prompts)
             positions = lengths.copy()
-            start, steps = time.perf_counter(), 0
+            start, decoded = time.perf_counter(), 0  # tokens the decoding steps make for rows still going
             for _ in range(max_new_tokens):
                 for row in np.flatnonzero(~done):
                     token = int(new[row])
@@ -181,14 +181,14 @@ class Generator:
                         done[row] = True
                 if done.all():
                     break
+                decoded += int((~done[:len(prompts)]).sum())
                 new, cache, key = self._step(self.state, jnp.asarray(new), jnp.asarray(positions), cache, key,
                                              sampling)
                 new = np.asarray(new)
                 positions += 1
-                steps += 1
             decode_s = time.perf_counter() - start
         live = len(prompts)
-        return Result(out[:live], int(lengths[:live].sum()), prefill_s, steps * live, decode_s)
+        return Result(out[:live], int(lengths[:live].sum()), prefill_s, decoded, decode_s)
 
 
 def read_prompts(path: str) -> list[str]:
