@@ -185,7 +185,7 @@ class DataConfig:
     source: str = "synthetic"  # store (prepared token stores) | synthetic (random tokens, no I/O)
     path: str = ""  # store directory; several comma-separated directories make a mixture
     weights: str = ""  # comma-separated mixture weights, one per path ('' = equal)
-    prepare: str = ""  # a built-in corpus ('stdlib') prepared into data.path on first use
+    prepare: str = ""  # a built-in corpus ('stdlib', or 'stdlib-chat' conversations) prepared into data.path on first use
     seq_len: int = 256
     validation_fraction: float = 0.05  # documents held out: the last ones of each of 100 stripes of a store
     verify: bool = False  # hash every shard before training (processes split them); sizes are always checked
@@ -197,7 +197,7 @@ class DataConfig:
         _positive(self.seq_len, "data.seq_len")
         _check(self.source != "store" or bool(self.path.strip()), "data.path",
                "is empty but data.source is 'store'", "set it to a prepared store's directory")
-        _choice(self.prepare, "data.prepare", ("", "stdlib"))
+        _choice(self.prepare, "data.prepare", ("", "stdlib", "stdlib-chat"))
         _check(0 <= self.validation_fraction < 1, "data.validation_fraction",
                f"must lie in [0, 1) (got {self.validation_fraction})", "set it inside that range")
         _non_negative(self.workers, "data.workers")

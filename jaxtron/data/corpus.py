@@ -1,10 +1,19 @@
-"""Built-in offline corpora, prepared into a token store on first use."""
+"""Built-in offline corpora, prepared into a token store on first use.
+
+``stdlib``: the standard library's Python source as byte tokens, for pretraining. ``stdlib-chat``: conversations
+made from the same source for supervised fine-tuning: a user asks what a documented public function does, and the
+assistant answers with its signature in backticks and the first sentence of its docstring, rendered with the plain
+byte-level chat template (jaxtron.data.chat.PLAIN_TEMPLATE).
+"""
 
 from __future__ import annotations
 
+import ast
+import json
 import logging
 import os
 import sysconfig
+import tempfile
 
 import numpy as np
 
@@ -37,22 +46,71 @@ def _is_utf8(path: str) -> bool:
         return False
 
 
+BUILTIN = ("stdlib", "stdlib-chat")
+
+
+def function_questions(path: str, module: str) -> list[dict]:
+    """Conversations about the documented public top-level functions of one source file."""
+    with open(path, encoding="utf-8") as f:
+        try:
+            tree = ast.parse(f.read())
+        except (SyntaxError, ValueError):
+            return []
+    found = []
+    for node in tree.body:
+        if not isinstance(node, ast.FunctionDef) or node.name.startswith("_"):
+            continue
+        doc = ast.get_docstring(node) or ""
+        summary = " ".join(doc.strip().split("\n\n")[0].split())
+        if not 10 <= len(summary) <= 200:
+            continue
+        name = f"{module}.{node.name}"
+        found.append({"messages": [
+            {"role": "user", "content": f"What does {name} do?"},
+            {"role": "assistant", "content": f"`{name}({ast.unparse(node.args)})`: {summary}"}]})
+    return found
+
+
+def stdlib_conversations(root: str | None = None) -> list[dict]:
+    """The ``stdlib-chat`` conversations, in the sorted order of the standard library's files."""
+    root = root or sysconfig.get_paths()["stdlib"]
+    conversations = []
+    for path in stdlib_files(root):
+        parts = os.path.relpath(path, root)[:-3].split(os.sep)
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        if parts and not any(p.startswith("_") for p in parts):
+            conversations += function_questions(path, ".".join(parts))
+    return conversations
+
+
 def ensure_builtin(name: str, path: str) -> None:
     """Prepares built-in corpus ``name`` into ``path`` unless a complete store is already there."""
     if os.path.isfile(os.path.join(path, MANIFEST)):
         return
-    if name != "stdlib":
-        raise DataError(f"built-in corpus '{name}' does not exist; use data.prepare='stdlib' or ''.")
+    if name not in BUILTIN:
+        raise DataError(f"built-in corpus '{name}' does not exist; use data.prepare='stdlib', 'stdlib-chat' or ''.")
     if os.path.isdir(path) and os.listdir(path) or os.path.isfile(path):
         raise DataError(f"data.path '{path}' exists but holds no token store; point data.path at an empty or "
                         "missing directory for data.prepare, or remove it.")
     from jaxtron.data.prepare import prepare
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    if name == "stdlib-chat":
+        from jaxtron.data.chat import PLAIN_TEMPLATE, ChatTemplate
+        conversations = stdlib_conversations()
+        log.info("preparing %d conversations about the standard library's functions into %s (once)",
+                 len(conversations), path)
+        with tempfile.TemporaryDirectory() as tmp:
+            jsonl = os.path.join(tmp, "stdlib-chat.jsonl")
+            with open(jsonl, "w", encoding="utf-8") as f:
+                f.writelines(json.dumps(c) + "\n" for c in conversations)
+            prepare([jsonl], "byte", path, chat=ChatTemplate(PLAIN_TEMPLATE, origin="jaxtron's plain template"))
+        return
     files = stdlib_files()
     if not files:
         raise DataError("no Python source files were found in the standard library; use "
                         "--config.data.source=synthetic on this machine.")
     log.info("preparing the standard library's %d source files as byte tokens into %s (once)", len(files), path)
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     prepare(files, "byte", path)
 
 

@@ -6,7 +6,7 @@ its tokens, the runs back to back, form one stream, and window ``i`` is the stre
 document and the start of others: segment ids number the documents inside it, positions count from 0
 at the start of each document or, for a document that began before the window, at the window's start
 (so every position is below L, whatever the document's length, as in Megatron and MaxText), and the
-loss mask drops targets that begin a new document. Sample ``g`` of the run maps, through a seeded global
+loss mask drops targets that begin a new document and, in a conversation store, targets the assistant did not write. Sample ``g`` of the run maps, through a seeded global
 shuffle (a new permutation each epoch, jaxtron.data.shuffle), to a window. Everything is a pure function
 of (seed, g): any process can build any row, and a run resumes from a step number.
 """
@@ -112,8 +112,11 @@ class PackedSplit:
         t = np.broadcast_to(np.arange(L + 1), doc.shape)
         positions = (t - np.maximum.accumulate(np.where(new, t, 0), axis=1)).astype(np.int32)
         segments = np.cumsum(new, axis=1).astype(np.int32)
+        loss_mask = ~new[:, 1:]
+        if self.store.has_loss_mask:  # a conversation store: only what the assistant wrote is a target
+            loss_mask &= self.store.take_mask(where[:, 1:]).astype(bool)
         return {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "segment_ids": segments[:, :-1],
-                "positions": positions[:, :-1], "loss_mask": (~new[:, 1:]).astype(np.int32)}
+                "positions": positions[:, :-1], "loss_mask": loss_mask.astype(np.int32)}
 
 
 class Mixture:

@@ -4,6 +4,8 @@ Layout of a store directory:
   manifest.json           format, tokenizer, end-of-document id, dtype, counts, and per shard its files, sizes, sha256
   tokens-00000.bin        the tokens of whole documents, back to back, in the manifest's dtype
   docs-00000.bin          uint64 start offsets of the shard's documents (plus the end), relative to the shard
+  mask-00000.bin          (format 3, conversations) uint8 per token: 1 where the token is a target that carries
+                          loss (what the assistant wrote), 0 elsewhere
 Format 2 ends every document with the tokenizer's end-of-document token (``eos_id``; null for the byte
 tokenizer, which has none). Format 1 stores (no ``eos_id``, no end-of-document tokens) still load.
 The manifest is written last, into a directory that is renamed into place, so a store is either
@@ -34,7 +36,7 @@ from jaxtron.data.errors import DataError
 log = logging.getLogger(__name__)
 
 MANIFEST = "manifest.json"
-FORMAT = 2
+FORMAT = 3  # the newest format read; stores without a loss mask are written as format 2, which older readers take
 DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
 
 
@@ -82,6 +84,7 @@ class StoreWriter:
         shutil.rmtree(self.tmp, ignore_errors=True)
         os.makedirs(self.tmp)
         self.shards: list[dict[str, Any]] = []
+        self.masked: bool | None = None  # whether documents come with loss masks: all of them or none
         self._open_shard()
 
     def _open_shard(self) -> None:
@@ -90,20 +93,31 @@ class StoreWriter:
         self._tokens = open(os.path.join(self.tmp, self._tokens_name), "wb")  # noqa: SIM115 (open while the shard fills)
         self._digest = hashlib.sha256()  # hashed while written: no second pass over the shard
         self._offsets = array.array("Q", [0])  # 8 bytes per document, not a Python int object each
+        self._mask_name = f"mask-{index:05d}.bin"
+        self._mask = None
+        self._mask_digest = hashlib.sha256()
 
     def _close_shard(self) -> None:
         self._tokens.close()
         offsets = np.frombuffer(self._offsets, dtype=np.uint64).astype("<u8")
         offsets.tofile(os.path.join(self.tmp, self._docs_name))
-        self.shards.append({
-            "tokens": self._tokens_name, "docs": self._docs_name, "num_tokens": int(self._offsets[-1]),
-            "num_documents": len(self._offsets) - 1, "tokens_sha256": self._digest.hexdigest(),
-            "docs_sha256": hashlib.sha256(offsets.tobytes()).hexdigest()})
+        shard = {"tokens": self._tokens_name, "docs": self._docs_name, "num_tokens": int(self._offsets[-1]),
+                 "num_documents": len(self._offsets) - 1, "tokens_sha256": self._digest.hexdigest(),
+                 "docs_sha256": hashlib.sha256(offsets.tobytes()).hexdigest()}
+        if self._mask is not None:
+            self._mask.close()
+            shard.update(mask=self._mask_name, mask_sha256=self._mask_digest.hexdigest())
+        self.shards.append(shard)
 
-    def add(self, tokens: np.ndarray) -> None:
-        """One document (empty ones are skipped)."""
+    def add(self, tokens: np.ndarray, mask: np.ndarray | None = None) -> None:
+        """One document (empty ones are skipped), with its loss mask (1 on tokens that are trained on) if the
+        store has them: every document of a store has one, or none does."""
         if tokens.size == 0:
             return
+        if self.masked is None:
+            self.masked = mask is not None
+        if self.masked != (mask is not None) or mask is not None and mask.shape != tokens.shape:
+            raise ValueError("every document of a store needs a loss mask of its own length, or none does")
         if tokens.max() >= self.vocab_size:
             raise DataError(f"a token id {int(tokens.max())} is outside the tokenizer's vocabulary of "
                             f"{self.vocab_size}; the tokenizer file is inconsistent.")
@@ -114,13 +128,21 @@ class StoreWriter:
         self._tokens.write(data)
         self._digest.update(data)
         self._offsets.append(self._offsets[-1] + tokens.size)
+        if mask is not None:
+            if self._mask is None:
+                self._mask = open(os.path.join(self.tmp, self._mask_name), "wb")  # noqa: SIM115
+            data = np.asarray(mask, np.uint8).tobytes()
+            self._mask.write(data)
+            self._mask_digest.update(data)
 
-    def finish(self, tokenizer: dict, sources: list[str], eos_id: int | None = None) -> dict:
+    def finish(self, tokenizer: dict, sources: list[str], eos_id: int | None = None, **extra: Any) -> dict:
+        """Publishes the store; ``extra`` goes into the manifest too (a conversation store's chat template)."""
         self._close_shard()
         shards = [s for s in self.shards if s["num_documents"] > 0]
-        manifest = {"format": FORMAT, "tokenizer": tokenizer, "vocab_size": self.vocab_size, "dtype": self.dtype,
-                    "eos_id": eos_id, "num_documents": sum(s["num_documents"] for s in shards),
-                    "num_tokens": sum(s["num_tokens"] for s in shards), "sources": sources, "shards": shards}
+        manifest = {"format": FORMAT if self.masked else 2, "tokenizer": tokenizer, "vocab_size": self.vocab_size,
+                    "dtype": self.dtype, "eos_id": eos_id, "num_documents": sum(s["num_documents"] for s in shards),
+                    "num_tokens": sum(s["num_tokens"] for s in shards), "sources": sources, "shards": shards,
+                    "loss_mask": bool(self.masked), **extra}
         if manifest["num_tokens"] == 0:
             shutil.rmtree(self.tmp, ignore_errors=True)
             raise DataError("the inputs hold no text (every document is empty); check --input and --text-field.")
@@ -143,6 +165,8 @@ class StoreWriter:
 
     def abort(self) -> None:
         self._tokens.close()
+        if self._mask is not None:
+            self._mask.close()
         shutil.rmtree(self.tmp, ignore_errors=True)
 
 
@@ -179,18 +203,24 @@ class TokenStore:
             log.warning("store %s (format %d) has no end-of-document tokens: a model trained on it does not learn "
                         "where documents end; prepare it again to add them", path, fmt)
         self.format, self.dtype = fmt, dtype
-        self._tokens, self._docs, starts, doc_counts = [], [], [0], [0]
+        self.has_loss_mask = bool(self.manifest.get("loss_mask"))
+        self._tokens, self._docs, self._masks, starts, doc_counts = [], [], [], [0], [0]
         for shard in self.shards:
             tokens_file = os.path.join(path, shard["tokens"])
             docs_file = os.path.join(path, shard["docs"])
-            for file, expected in ((tokens_file, shard["num_tokens"] * np.dtype(dtype).itemsize),
-                                   (docs_file, (shard["num_documents"] + 1) * 8)):
+            files = [(tokens_file, shard["num_tokens"] * np.dtype(dtype).itemsize),
+                     (docs_file, (shard["num_documents"] + 1) * 8)]
+            if self.has_loss_mask:
+                files.append((os.path.join(path, shard.get("mask", "missing-mask")), shard["num_tokens"]))
+            for file, expected in files:
                 size = os.path.getsize(file) if os.path.isfile(file) else -1
                 if size != expected:
                     raise DataError(f"shard file '{file}' has {max(size, 0)} bytes but the manifest says {expected}; "
                                     "the store is truncated or incomplete, prepare it again.")
             self._tokens.append(np.memmap(tokens_file, dtype=dtype, mode="r"))
             self._docs.append(np.memmap(docs_file, dtype="<u8", mode="r"))
+            if self.has_loss_mask:
+                self._masks.append(np.memmap(os.path.join(path, shard["mask"]), dtype=np.uint8, mode="r"))
             starts.append(starts[-1] + shard["num_tokens"])
             doc_counts.append(doc_counts[-1] + shard["num_documents"])
         self.shard_starts = np.asarray(starts, dtype=np.int64)  # token index where each shard begins
@@ -204,7 +234,10 @@ class TokenStore:
         """Hashes shards ``shards`` (default: all) and refuses any that differ from the manifest's SHA-256."""
         for i in range(len(self.shards)) if shards is None else shards:
             shard = self.shards[i]
-            for name, key in ((shard["tokens"], "tokens_sha256"), (shard["docs"], "docs_sha256")):
+            names = [(shard["tokens"], "tokens_sha256"), (shard["docs"], "docs_sha256")]
+            if self.has_loss_mask:
+                names.append((shard["mask"], "mask_sha256"))
+            for name, key in names:
                 file = os.path.join(self.path, name)
                 if file_sha256(file) != shard[key]:
                     raise DataError(f"shard file '{file}' does not match its checksum in the manifest; "
@@ -231,6 +264,12 @@ class TokenStore:
         """The token position where each document begins; document ``num_documents`` gives the end."""
         return self._by_shard(documents, self.shard_docs, np.int64,
                               lambda s, local: self.shard_starts[s] + self._docs[s][local].astype(np.int64))
+
+    def take_mask(self, positions: np.ndarray) -> np.ndarray:
+        """The loss mask (1: trained on) at store positions ``positions``; all ones for a store without masks."""
+        if not self.has_loss_mask:
+            return np.ones(np.shape(positions), np.uint8)
+        return self._by_shard(positions, self.shard_starts, np.uint8, lambda s, local: self._masks[s][local])
 
     def take(self, positions: np.ndarray) -> np.ndarray:
         """The tokens at store positions ``positions`` (any shape), read shard by shard."""

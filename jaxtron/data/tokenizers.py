@@ -108,6 +108,12 @@ class HFTokenizer:
     def encode(self, text: str) -> np.ndarray:
         return np.asarray(self._tok.encode(text, add_special_tokens=False).ids, dtype=np.uint32)
 
+    def encode_offsets(self, text: str) -> tuple[np.ndarray, np.ndarray]:
+        """Token ids and the character offset where each token begins."""
+        encoding = self._tok.encode(text, add_special_tokens=False)
+        return (np.asarray(encoding.ids, dtype=np.uint32),
+                np.asarray([a for a, _ in encoding.offsets], dtype=np.int64).reshape(-1))
+
     def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
         return [np.asarray(e.ids, dtype=np.uint32) for e in self._tok.encode_batch(texts, add_special_tokens=False)]
 

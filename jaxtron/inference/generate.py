@@ -2,6 +2,7 @@
 
     jaxtron generate --run DIR --prompt "def fib(n):" [--prompt ...] [--prompts FILE.jsonl] [--max-new-tokens N]
                      [--temperature T] [--top-k K] [--top-p P] [--seed S] [--stop STRING ...] [--mesh tensor=2,...]
+                     [--chat [--chat-template FILE]]
 
 DIR is a training run (its newest intact checkpoint) or a converted model (``jaxtron convert from-hf``). The
 prompts go as one batch, right-padded: the prefill runs them once, then each step decodes one token of every row at
@@ -10,6 +11,9 @@ each rounded up to a power of two). A row ends at the tokenizer's end-of-documen
 ``--max-new-tokens``. One prompt streams to the terminal as it is made; several are printed when done.
 ``--mesh`` shards the model by the rules table over that many devices (tensor and fsdp: a model that needs several
 devices to train also generates); tokens/s of the prefill and of the decoding steps go to stderr.
+``--chat`` takes each prompt as a user's message: rendered with the chat template the run was fine-tuned with (its
+conversation store's), a converted model's own, or ``--chat-template``'s, with the assistant's turn begun; a reply
+ends at the template's end-of-turn marker too.
 """
 
 from __future__ import annotations
@@ -207,6 +211,21 @@ def read_prompts(path: str) -> list[str]:
     return prompts
 
 
+def run_store_manifest(directory: str) -> dict:
+    """The manifest of the first token store of a training run's data ({} for a converted model or none)."""
+    from jaxtron.interop.convert import _run_config
+    try:
+        cfg, _ = _run_config(directory)
+    except ConfigError:
+        return {}
+    for store in (cfg.data.path.split(",") if cfg.data.path else []):
+        manifest = os.path.join(os.path.expanduser(store.strip()), "manifest.json")
+        if os.path.isfile(manifest):
+            with open(manifest) as f:
+                return json.load(f)
+    return {}
+
+
 def run_tokenizer(directory: str, spec: str | None):
     """The tokenizer ``--tokenizer`` names, else the one the run's token store was prepared with, else a converted
     model's tokenizer.json; ConfigError if none is found."""
@@ -215,18 +234,9 @@ def run_tokenizer(directory: str, spec: str | None):
 
     candidates = [spec] if spec else []
     if not spec:
-        from jaxtron.interop.convert import _run_config
-        try:
-            cfg, _ = _run_config(directory)
-        except ConfigError:
-            cfg = None
-        for store in (cfg.data.path.split(",") if cfg is not None and cfg.data.path else []):
-            manifest = os.path.join(os.path.expanduser(store.strip()), "manifest.json")
-            if os.path.isfile(manifest):
-                with open(manifest) as f:
-                    tokenizer = json.load(f).get("tokenizer") or {}
-                candidates.append("byte" if tokenizer.get("kind") == "byte" else tokenizer.get("path"))
-                break
+        tokenizer = run_store_manifest(directory).get("tokenizer") or {}
+        if tokenizer:
+            candidates.append("byte" if tokenizer.get("kind") == "byte" else tokenizer.get("path"))
         candidates.append(os.path.join(directory, "tokenizer.json"))
     for candidate in candidates:
         if candidate and (candidate == "byte" or os.path.isfile(candidate)):
@@ -236,6 +246,20 @@ def run_tokenizer(directory: str, spec: str | None):
                 raise ConfigError(str(e)) from None
     raise ConfigError(f"no tokenizer found for '{directory}' (its run's token store names none, and it holds no "
                       "tokenizer.json); pass --tokenizer 'byte', a tokenizer.json or a SentencePiece .model.")
+
+
+def run_chat_template(directory: str, spec: str | None, tokenizer):
+    """The chat template ``--chat-template`` names, else the run's conversation store's, else the tokenizer's own."""
+    from jaxtron.data.chat import ChatTemplate, load_template
+    from jaxtron.data.errors import DataError
+
+    stored = None if spec else run_store_manifest(directory).get("chat_template")
+    try:
+        if stored:
+            return ChatTemplate(stored["source"], stored.get("special_tokens"), stored.get("origin", "the run's store"))
+        return load_template(getattr(tokenizer, "path", "byte"), spec)
+    except DataError as e:
+        raise ConfigError(str(e)) from None
 
 
 def _check_directory(directory: str) -> None:
@@ -295,13 +319,23 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--tokenizer", help="'byte', a tokenizer.json or a SentencePiece .model (default: the run's)")
     parser.add_argument("--mesh", default="", help="devices to shard over, e.g. tensor=2,fsdp=4 (default: one)")
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="compute dtype")
+    parser.add_argument("--chat", action="store_true", help="each prompt is a user's message in the chat template")
+    parser.add_argument("--chat-template", help="with --chat: a .jinja file or tokenizer_config.json (default: the "
+                                                "run's conversation store's template, or the tokenizer's own)")
     args = parser.parse_args(argv)
+    if args.chat_template and not args.chat:
+        raise ConfigError("--chat-template is used only with --chat; add --chat or leave it out.")
     sampling = Sampling(args.temperature, args.top_k, args.top_p, args.seed)
     texts = list(args.prompt) + (read_prompts(args.prompts) if args.prompts else [])
     if not texts:
         raise ConfigError("no prompt given; pass --prompt TEXT or --prompts FILE.jsonl.")
     _check_directory(args.run)
     tokenizer = run_tokenizer(args.run, args.tokenizer)
+    if args.chat:
+        template = run_chat_template(args.run, args.chat_template, tokenizer)
+        texts = [template.render([{"role": "user", "content": t}], add_generation_prompt=True) for t in texts]
+        if template.end_of_turn():
+            args.stop.append(template.end_of_turn())
     model, mesh = load_model(args.run, args.dtype, args.mesh)
     prompts = [[int(t) for t in tokenizer.encode(text)] for text in texts]
     if tokenizer.vocab_size > model.cfg.vocab_size:
