@@ -144,8 +144,8 @@ def test_bad_conversation_input_is_one_sentence_and_exit_2(tmp_path, capsys):
     plain = tmp_path / "plain.jinja"
     plain.write_text(PLAIN_TEMPLATE)
     cases = [
-        ([talk], [], "has no chat template (no 'tokenizer_config.json' with a chat_template and no "
-                     "'chat_template.jinja' beside it); pass one with --chat-template FILE."),
+        ([talk], [], ("has no chat template (no 'tokenizer_config.json' with a chat_template and no "
+                     "'chat_template.jinja' beside it); pass one with --chat-template FILE.")),
         ([no_messages], ["--chat-template", str(plain)], "line 1 of '" + no_messages + "' has no 'messages' list"),
         ([no_reply], ["--chat-template", str(plain)], "has no assistant message"),
         ([talk], ["--chat-template", str(broken)], "is not valid jinja (line 1"),

@@ -185,7 +185,7 @@ class DataConfig:
     source: str = "synthetic"  # store (prepared token stores) | synthetic (random tokens, no I/O)
     path: str = ""  # store directory; several comma-separated directories make a mixture
     weights: str = ""  # comma-separated mixture weights, one per path ('' = equal)
-    prepare: str = ""  # a built-in corpus ('stdlib', or 'stdlib-chat' conversations) prepared into data.path on first use
+    prepare: str = ""  # a built-in corpus ('stdlib'; 'stdlib-chat': conversations) prepared into data.path once
     seq_len: int = 256
     validation_fraction: float = 0.05  # documents held out: the last ones of each of 100 stripes of a store
     verify: bool = False  # hash every shard before training (processes split them); sizes are always checked

@@ -17,10 +17,11 @@ drop earlier reasoning, say) have no such prefixes and are refused with a senten
 from __future__ import annotations
 
 import datetime
+import itertools
 import json
 import os
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 
@@ -101,7 +102,7 @@ def _compile(source: str, origin: str):
         """``{% generation %}...{% endgeneration %}`` marks assistant text for transformers; here it renders its body
         (the spans come from the renderings' prefixes, which works with or without the tag)."""
 
-        tags = {"generation"}
+        tags: ClassVar[set[str]] = {"generation"}
 
         def parse(self, parser):
             lineno = next(parser.stream).lineno
@@ -140,7 +141,8 @@ def load_template(tokenizer: str, template: str | None = None) -> ChatTemplate:
     special = {k: t for k in SPECIAL_TOKENS if (t := _token_text(config.get(k))) is not None}
     if template:
         if not os.path.isfile(template):
-            raise DataError(f"--chat-template '{template}' is not a file; pass a .jinja file or a tokenizer_config.json.")
+            raise DataError(f"--chat-template '{template}' is not a file; pass a .jinja file or a "
+                            "tokenizer_config.json.")
         if template.endswith(".json"):
             given = _read_json(template)
             special.update({k: t for k in SPECIAL_TOKENS if (t := _token_text(given.get(k))) is not None})
@@ -207,7 +209,7 @@ def encode_conversation(tokenizer, template: ChatTemplate, messages: Sequence[di
         return ids, mask
     cuts = sorted({0, len(text), *(c for span in spans for c in span)})
     parts, masks = [], []
-    for a, b in zip(cuts[:-1], cuts[1:]):
+    for a, b in itertools.pairwise(cuts):
         ids = tokenizer.encode(text[a:b])
         parts.append(ids)
         masks.append(np.full(len(ids), any(s <= a < e for s, e in spans), np.uint8))

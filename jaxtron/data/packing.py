@@ -6,8 +6,9 @@ its tokens, the runs back to back, form one stream, and window ``i`` is the stre
 document and the start of others: segment ids number the documents inside it, positions count from 0
 at the start of each document or, for a document that began before the window, at the window's start
 (so every position is below L, whatever the document's length, as in Megatron and MaxText), and the
-loss mask drops targets that begin a new document and, in a conversation store, targets the assistant did not write. Sample ``g`` of the run maps, through a seeded global
-shuffle (a new permutation each epoch, jaxtron.data.shuffle), to a window. Everything is a pure function
+loss mask drops targets that begin a new document and, in a conversation store, targets the assistant did not
+write. Sample ``g`` of the run maps, through a seeded global shuffle (a new permutation each epoch,
+jaxtron.data.shuffle), to a window. Everything is a pure function
 of (seed, g): any process can build any row, and a run resumes from a step number.
 """
 
