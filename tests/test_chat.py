@@ -173,3 +173,35 @@ def test_the_builtin_conversations_ask_about_documented_functions(tmp_path):
     assert conversation["messages"] == [
         {"role": "user", "content": "What does pkg.mod.shown do?"},
         {"role": "assistant", "content": "`pkg.mod.shown(a, b=1, *rest)`: Add things together."}]
+
+
+def test_real_templates_render_and_tokenize_as_transformers_apply_chat_template():
+    """Qwen2.5's and GLM-4.5's own templates (tests/fixtures/chat/README.md), with tools, tool calls and generation
+    prompts: the text and token ids equal transformers' (expected.json, written by scripts/chat_fixtures.py)."""
+    from jaxtron.data.tokenizers import load_tokenizer
+
+    with open(os.path.join(FIXTURES, "expected.json"), encoding="utf-8") as f:
+        expected = json.load(f)
+    tokenizer = load_tokenizer(os.path.join(FIXTURES, "tokenizer.json"))
+    assert len(expected["cases"]) == 16
+    for case in expected["cases"]:
+        with open(os.path.join(FIXTURES, case["template"]), encoding="utf-8") as f:
+            template = ChatTemplate(f.read(), case["special_tokens"])
+        text = template.render(case["messages"], case["add_generation_prompt"], tools=case["tools"])
+        assert text == case["text"], (case["template"], case["conversation"])
+        assert tokenizer.encode(text).tolist() == case["ids"]
+
+
+@pytest.mark.parametrize("name, replies", [
+    ("qwen2_5.jinja", ["Hello, how can I help?<|im_end|>\n", "4.<|im_end|>\n"]),
+    ("glm4moe.jinja", ["\n<think></think>\nHello, how can I help?", "\n<think></think>\n4."])])
+def test_a_real_templates_assistant_tokens_are_its_replies(name, replies):
+    from jaxtron.data.tokenizers import load_tokenizer
+
+    tokenizer = load_tokenizer(os.path.join(FIXTURES, "tokenizer.json"))
+    template = load_template(os.path.join(FIXTURES, "tokenizer.json"), os.path.join(FIXTURES, name))
+    ids, mask = encode_conversation(tokenizer, template, TALK[:1] + [
+        {"role": "user", "content": "Hi!"}, {"role": "assistant", "content": "Hello, how can I help?"},
+        {"role": "user", "content": "What is 2+2?"}, {"role": "assistant", "content": "4."}])
+    pieces = tokenizer._tok.id_to_token  # the fixture's tokens are single characters and the templates' markers
+    assert _marked(ids, mask, lambda t: "".join(pieces(i) for i in t)) == "|".join(replies)

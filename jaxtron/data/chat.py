@@ -63,7 +63,8 @@ class ChatTemplate:
     def render(self, messages: Sequence[dict], add_generation_prompt: bool = False, **variables: Any) -> str:
         import jinja2
         try:
-            return self._compiled.render(messages=list(messages), add_generation_prompt=add_generation_prompt,
+            return self._compiled.render(messages=[_plain(m) for m in messages],
+                                         add_generation_prompt=add_generation_prompt,
                                          tools=variables.pop("tools", None), documents=variables.pop("documents", None),
                                          **{**self.special_tokens, **variables})
         except jinja2.TemplateError as e:
@@ -91,6 +92,16 @@ class ChatTemplate:
         messages = [{"role": "user", "content": "question"}, {"role": "assistant", "content": MARK}]
         text = self.render(messages)
         return text[text.rindex(MARK) + len(MARK):].strip() if MARK in text else ""
+
+
+REASONING = ("reasoning_content", "thinking", "reasoning")  # one message's reasoning, by the names templates read
+
+
+def _plain(message: dict) -> dict:
+    """A message as transformers hands it to a template: keys holding None dropped, reasoning under every name."""
+    message = {k: v for k, v in message.items() if v is not None}
+    reasoning = next((message[k] for k in REASONING if k in message), None)
+    return message if reasoning is None else {"thinking": reasoning, **message, "reasoning_content": reasoning}
 
 
 def _compile(source: str, origin: str):
