@@ -205,3 +205,45 @@ def test_a_real_templates_assistant_tokens_are_its_replies(name, replies):
         {"role": "user", "content": "What is 2+2?"}, {"role": "assistant", "content": "4."}])
     pieces = tokenizer._tok.id_to_token  # the fixture's tokens are single characters and the templates' markers
     assert _marked(ids, mask, lambda t: "".join(pieces(i) for i in t)) == "|".join(replies)
+
+
+@pytest.mark.slow
+def test_a_tiny_model_fine_tuned_on_conversations_learns_the_assistants_format(tmp_path, capsys):
+    """A conversation set (count from a to b) prepared with `jaxtron prepare --chat` and fine-tuned on from a base
+    run (train.init_from): the validation loss, on the assistant's tokens only, falls far below their unigram
+    entropy, and a greedy reply to a question it never saw has the answers' shape and ends at the template's
+    end-of-turn marker."""
+    import re
+
+    import jax
+    from helpers import metrics_lines, tiny_config
+
+    from jaxtron import cli
+    from jaxtron.training.loop import run
+
+    pairs = [(a, b) for a in range(1, 16) for b in range(a + 1, 16) if (a, b) != (4, 9)]
+    talk = [{"messages": [{"role": "user", "content": f"Count from {a} to {b}."},
+                          {"role": "assistant", "content": ", ".join(map(str, range(a, b + 1))) + "."}]}
+            for a, b in pairs]
+    data = _write(tmp_path / "count.jsonl", talk)
+    template = tmp_path / "plain.jinja"
+    template.write_text(PLAIN_TEMPLATE)
+    store = str(tmp_path / "store")
+    assert cli.main(["prepare", "--input", data, "--tokenizer", "byte", "--output", store, "--chat",
+                     "--chat-template", str(template)]) == 0
+    base = str(tmp_path / "base")
+    run(tiny_config(train=dict(steps=1), checkpoint=dict(every=0)), base, use_tqdm=False, devices=jax.devices()[:1])
+    cfg = tiny_config(model=dict(max_seq_len=128),
+                      train=dict(steps=250, global_batch_size=16, log_every=50, eval_every=250, eval_batches=2,
+                                 init_from=base),
+                      optimizer=dict(learning_rate=3e-3, warmup_steps=10),
+                      data=dict(source="store", path=store, seq_len=64, validation_fraction=0.1),
+                      checkpoint=dict(every=0))
+    summary = run(cfg, str(tmp_path / "sft"), use_tqdm=False, devices=jax.devices()[:1])
+    entropy = summary.data["unigram_entropy"]  # of the assistant's tokens: digits, commas, blanks, the marker
+    losses = [line["eval/loss"] for line in metrics_lines(tmp_path / "sft") if "eval/loss" in line]
+    assert losses and losses[-1] < entropy - 1.0, (losses, entropy)
+    assert cli.main(["generate", "--run", str(tmp_path / "sft"), "--chat", "--prompt", "Count from 4 to 9.",
+                     "--max-new-tokens", "60"]) == 0
+    reply = capsys.readouterr().out.split("<|assistant|>\n", 1)[1]
+    assert re.fullmatch(r"\d+(, \d+)*\.\n", reply), reply  # ended at <|end|>, which is cut from the text

@@ -287,10 +287,30 @@ class ProfileConfig:
         return text == "all" or process_index in {int(p) for p in text.split(",")}
 
 
+@dataclasses.dataclass(frozen=True)
+class LoraConfig:
+    """Low-rank adapters (LoRA): each target projection W computes x W + (alpha / rank) (x A) B, with A
+    [inputs, rank] and B [rank, outputs] (B starts at zero) the only trained parameters; the base model, loaded
+    from ``train.init_from``, stays frozen and holds no optimizer state, and checkpoints hold the adapters alone
+    (``jaxtron.models.lora``)."""
+
+    rank: int = 0  # 0: no adapters (full fine-tuning or pretraining)
+    alpha: float = 16.0
+    # projections by name: q, k, v, o (attention), gate, up, down (the MLP), q_a, q_b, kv_a, kv_b (latent
+    # attention); Hugging Face's q_proj, ..., down_proj name the same ones
+    targets: str = "q,k,v,o"
+
+    def __post_init__(self):
+        _non_negative(self.rank, "lora.rank")
+        _check(self.alpha > 0, "lora.alpha", f"must be positive (got {self.alpha})", "use e.g. 16 or 2 * lora.rank")
+        _check(not self.rank or bool(self.targets.strip()), "lora.targets", "is empty",
+               "name projections, e.g. 'q,k,v,o'")
+
+
 SECTIONS = {"model": ModelConfig, "execution": ExecutionConfig, "mesh": MeshConfig, "pipeline": PipelineConfig,
             "train": TrainConfig,
             "optimizer": OptimizerConfig, "data": DataConfig, "checkpoint": CheckpointConfig,
-            "distributed": DistributedConfig, "profile": ProfileConfig}
+            "distributed": DistributedConfig, "profile": ProfileConfig, "lora": LoraConfig}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -305,6 +325,7 @@ class Config:
     checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
     distributed: DistributedConfig = dataclasses.field(default_factory=DistributedConfig)
     profile: ProfileConfig = dataclasses.field(default_factory=ProfileConfig)
+    lora: LoraConfig = dataclasses.field(default_factory=LoraConfig)
 
     def __post_init__(self):
         m, d, x = self.model, self.data, self.execution
@@ -328,6 +349,12 @@ class Config:
         _check(not self.train.router_bias_rate or m.num_moe_layers, "train.router_bias_rate",
                f"({self.train.router_bias_rate}) moves the routed experts' balancing bias, but the model has no MoE "
                f"blocks (model.moe.num_experts is {m.moe.num_experts})", "set it to 0")
+        _check(not self.lora.rank or self.pipeline.schedule not in ONE_F_ONE_B, "lora.rank",
+               f"({self.lora.rank}) cannot be used with pipeline.schedule={self.pipeline.schedule!r}, whose stages "
+               "compute every parameter's gradient themselves", "use pipeline.schedule='fill_drain' for LoRA")
+        _check(not self.lora.rank or bool(self.train.init_from), "train.init_from",
+               f"is empty but lora.rank is {self.lora.rank}: adapters train on top of a model",
+               "point it at a run or a converted model to adapt")
         _check(d.seq_len % self.train.logit_chunks == 0, "train.logit_chunks",
                f"({self.train.logit_chunks}) must divide data.seq_len ({d.seq_len})", "choose a divisor of it")
 

@@ -62,7 +62,8 @@ def function_questions(path: str, module: str) -> list[dict]:
             continue
         doc = ast.get_docstring(node) or ""
         summary = " ".join(doc.strip().split("\n\n")[0].split())
-        if not 10 <= len(summary) <= 200:
+        summary = summary.split(". ")[0].rstrip(".") + "."  # the first sentence
+        if not 10 <= len(summary) <= 100:
             continue
         name = f"{module}.{node.name}"
         found.append({"messages": [

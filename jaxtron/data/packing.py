@@ -90,9 +90,13 @@ class PackedSplit:
 
     def token_parts(self, limit: int) -> list[np.ndarray]:
         """At most ``limit`` tokens of the split, the same share from the start of each of its runs of
-        documents (so from the whole store), one array (a view of the memory map) per run."""
+        documents (so from the whole store), one array (a view of the memory map) per run; in a conversation
+        store, only those of them that carry loss."""
         share = max(1, limit // len(self.ranges))
-        return [self.store.read(int(b), int(min(e - b, share))) for b, e in self.ranges]
+        parts = [(int(b), int(min(e - b, share))) for b, e in self.ranges]
+        if self.store.has_loss_mask:
+            return [self.store.read(b, n)[self.store.take_mask(np.arange(b, b + n)).astype(bool)] for b, n in parts]
+        return [self.store.read(b, n) for b, n in parts]
 
     def rows(self, samples: np.ndarray) -> dict[str, np.ndarray]:
         """The packed sequences of global samples ``samples``."""

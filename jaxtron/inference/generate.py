@@ -347,7 +347,7 @@ def main(argv: list[str]) -> int:
         return any(s in tokenizer.decode(tokens) for s in args.stop)
 
     def stream(row: int, tokens: list[int]) -> None:
-        text = _cut(tokenizer.decode(tokens), args.stop)
+        text = _held(_cut(tokenizer.decode(tokens), args.stop), args.stop)
         sys.stdout.write(text[len(printed[row]):])
         sys.stdout.flush()
         printed[row] = text
@@ -358,7 +358,8 @@ def main(argv: list[str]) -> int:
                                              stop if args.stop else None, stream if len(texts) == 1 else None,
                                              cache_dtype=args.dtype)
     if len(texts) == 1:
-        sys.stdout.write("\n")
+        final = _cut(tokenizer.decode(result.tokens[0]), args.stop)
+        sys.stdout.write(final[len(printed[0]):] + "\n")
     else:
         for text, tokens in zip(texts, result.tokens, strict=True):
             sys.stdout.write(json.dumps({"prompt": text, "completion": _cut(tokenizer.decode(tokens), args.stop)})
@@ -369,6 +370,12 @@ def main(argv: list[str]) -> int:
              result.prefill_tokens / max(result.prefill_s, 1e-9), result.decode_tokens, result.decode_s,
              result.decode_tokens / max(result.decode_s, 1e-9))
     return 0
+
+
+def _held(text: str, stops: Sequence[str]) -> str:
+    """``text`` without an ending that may be the start of a stop string (streamed only once it is not)."""
+    held = max((k for stop in stops for k in range(1, len(stop)) if text.endswith(stop[:k])), default=0)
+    return text[:len(text) - held]
 
 
 def _cut(text: str, stops: Sequence[str]) -> str:

@@ -177,12 +177,72 @@ def load(ckpt_dir: str) -> tuple[ModelConfig, dict[str, np.ndarray]]:
     from jaxtron.checkpoint.params import restore_params
     from jaxtron.models import build_model
     ckpt_dir = os.path.abspath(ckpt_dir)  # orbax takes absolute paths only
-    cfg, step_dir = _run_config(ckpt_dir)
-    cfg = cfg.model
+    run_cfg, step_dir = _run_config(ckpt_dir)
+    if run_cfg.lora.rank:  # the adapters merged into the base they were trained on
+        from jaxtron.models import lora
+        _, base = load(_lora_base(ckpt_dir, run_cfg))
+        return run_cfg.model, lora.merged({**base, **_adapters(ckpt_dir, run_cfg, step_dir)}, run_cfg.lora)
+    cfg = run_cfg.model
     abstract = nnx.state(nnx.eval_shape(lambda: build_model(cfg, ExecutionConfig(), 0)), nnx.Param)
     cpu = jax.sharding.SingleDeviceSharding(jax.devices("cpu")[0])
     params = restore_params(ckpt_dir, abstract, jax.tree.map(lambda _: cpu, abstract), step_dir)
     return cfg, {".".join(map(str, p)): np.asarray(v.get_value()) for p, v in nnx.to_flat_state(params)}
+
+
+def _lora_base(ckpt_dir: str, run_cfg: Config) -> str:
+    """The model a LoRA run adapted (its train.init_from), which must still be there."""
+    base = os.path.expanduser(run_cfg.train.init_from)
+    if not os.path.isdir(base):
+        raise ConfigError(f"'{ckpt_dir}' holds LoRA adapters of the model in '{run_cfg.train.init_from}' "
+                          "(train.init_from), which is not a directory here; run from where the run was started or "
+                          "restore that model there.")
+    return os.path.abspath(base)
+
+
+def _adapters(ckpt_dir: str, run_cfg: Config, step_dir: str) -> dict[str, np.ndarray]:
+    """{dotted path: float32 array} of a LoRA run's adapters (small: read whole), the layer stack in natural order."""
+    import jax
+    from flax import nnx
+
+    from jaxtron.checkpoint.params import restore_params
+    from jaxtron.models import build_model, lora
+
+    def build():
+        return lora.add_adapters(build_model(run_cfg.model, ExecutionConfig(), 0), run_cfg.lora, 0)
+
+    abstract = nnx.state(nnx.eval_shape(build), lora.Adapter)
+    cpu = jax.sharding.SingleDeviceSharding(jax.devices("cpu")[0])
+    params = restore_params(ckpt_dir, abstract, jax.tree.map(lambda _: cpu, abstract), step_dir)
+    return {".".join(map(str, p)): np.asarray(v.get_value()) for p, v in nnx.to_flat_state(params)}
+
+
+class _Merged:
+    """A LoRA run's parameters for export: its base's, each adapted weight read whole with its adapters folded in."""
+
+    def __init__(self, ckpt_dir: str, run_cfg: Config, step_dir: str):
+        base = _lora_base(ckpt_dir, run_cfg)
+        self.base = _source(base, *_run_config(base))
+        self.adapters, self.lora, self.cached = _adapters(ckpt_dir, run_cfg, step_dir), run_cfg.lora, (None, None)
+
+    def whole(self, param: str) -> np.ndarray:
+        if param + "_lora_a" not in self.adapters:
+            return self.base.whole(param)
+        from jaxtron.models import lora
+        pair = {k: self.adapters[param + k] for k in ("_lora_a", "_lora_b")}
+        return lora.merged({param: self.base.whole(param), **{param + k: v for k, v in pair.items()}},
+                           self.lora)[param]
+
+    def get(self, param: str, index: tuple[int, ...]) -> np.ndarray:
+        if param + "_lora_a" not in self.adapters:
+            return self.base.get(param, index)
+        if self.cached[0] != param:
+            self.cached = (param, self.whole(param))
+        return self.cached[1][index]
+
+
+def _source(ckpt_dir: str, run_cfg: Config, step_dir: str | None):
+    """Where export reads a checkpoint's parameters: slices, or a LoRA run's merged weights."""
+    return _Merged(ckpt_dir, run_cfg, step_dir) if run_cfg.lora.rank else _Slices(ckpt_dir, run_cfg.model, step_dir)
 
 
 class _Slices:
@@ -203,6 +263,14 @@ class _Slices:
             self.shapes = {path: var.get_value() for path, var in variables.items()}
             self.layer_order = saved_layer_order(step_dir)
             self.stacked = {path for path, var in variables.items() if logical_names(var)[:1] == ("layers",)}
+
+    def whole(self, param: str) -> np.ndarray:
+        """One parameter entire."""
+        if not self.converted:
+            return self._run_param(param)
+        k = self.manifest[param]["split"]
+        shape = tuple(self.manifest[param]["shape"])
+        return np.stack([self.get(param, i) for i in np.ndindex(*shape[:k])]).reshape(shape)
 
     def get(self, param: str, index: tuple[int, ...]) -> np.ndarray:
         from jaxtron.checkpoint.params import read_slice
@@ -245,7 +313,7 @@ def to_hf(ckpt_dir: str, out_dir: str, dtype: str = "float32") -> dict:
     np_dtype = np.dtype(st.SAFETENSORS_DTYPES[{"float32": "F32", "bfloat16": "BF16", "float16": "F16"}[dtype]])
     if os.path.exists(out_dir) and os.listdir(out_dir):
         raise ConfigError(f"output directory '{out_dir}' is not empty; choose a new one.")
-    source = _Slices(ckpt_dir, cfg, step_dir)
+    source = _source(os.path.abspath(ckpt_dir), run_cfg, step_dir)
     plan = sorted(registry.tensors(cfg), key=lambda t: t.param)  # stable: each parameter's slices together
     os.makedirs(out_dir, exist_ok=True)
     shards, size = [[]], 0

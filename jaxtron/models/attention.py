@@ -18,6 +18,7 @@ from jaxtron.models.layers import (
     rope_frequencies,
     yarn_mscale,
 )
+from jaxtron.models.lora import project
 from jaxtron.ops import attention as attention_ops
 from jaxtron.ops import fp8 as fp8_ops
 
@@ -77,15 +78,13 @@ class Attention(_SelfAttention):
     def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array | None,
                  fp8: bool = False) -> jax.Array:
         q, k, v = self._project(x, positions, fp8)
-        return fp8_ops.projection(fp8)("btnh,nhd->btd", self._attend(q, k, v, positions, segment_ids),
-                                       self.wo[...].astype(self.dtype))
+        return project(fp8_ops.projection(fp8), "btnh,nhd->btd", self._attend(q, k, v, positions, segment_ids),
+                       self, "wo", self.dtype)
 
     def _project(self, x: jax.Array, positions: jax.Array, fp8: bool) -> tuple[jax.Array, jax.Array, jax.Array]:
         """Queries, keys and values [b, t, heads, head_dim], rotated."""
         dt, einsum = self.dtype, fp8_ops.projection(fp8)
-        q = einsum("btd,dnh->btnh", x, self.wq[...].astype(dt))
-        k = einsum("btd,dnh->btnh", x, self.wk[...].astype(dt))
-        v = einsum("btd,dnh->btnh", x, self.wv[...].astype(dt))
+        q, k, v = (project(einsum, "btd,dnh->btnh", x, self, w, dt) for w in ("wq", "wk", "wv"))
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         if self.cfg.position_embedding == "rope":
@@ -101,7 +100,7 @@ class Attention(_SelfAttention):
         q, k, v = self._project(x, positions, fp8)
         cache = {"k": write_cache(cache["k"], k, positions), "v": write_cache(cache["v"], v, positions)}
         out = cached_attention(q, cache["k"], cache["v"], positions)
-        return fp8_ops.projection(fp8)("btnh,nhd->btd", out, self.wo[...].astype(self.dtype)), cache
+        return project(fp8_ops.projection(fp8), "btnh,nhd->btd", out, self, "wo", self.dtype), cache
 
     def empty_cache(self, batch: int, length: int, dtype) -> dict[str, jax.Array]:
         shape = (batch, length, self.cfg.attention.num_kv_heads, self.cfg.resolved_head_dim)
@@ -148,10 +147,10 @@ class LatentAttention(_SelfAttention):
         cfg, dt, einsum = self.cfg, self.dtype, fp8_ops.projection(fp8)
         nope = cfg.resolved_head_dim
         if cfg.attention.q_lora_rank:
-            q = self.q_norm(einsum("btd,dr->btr", x, self.wq_a[...].astype(dt)))
-            q = einsum("btr,rnh->btnh", q, self.wq_b[...].astype(dt))
+            q = self.q_norm(project(einsum, "btd,dr->btr", x, self, "wq_a", dt))
+            q = project(einsum, "btr,rnh->btnh", q, self, "wq_b", dt)
         else:
-            q = einsum("btd,dnh->btnh", x, self.wq[...].astype(dt))
+            q = project(einsum, "btd,dnh->btnh", x, self, "wq", dt)
         inv_freq, scale = rope_frequencies(cfg, cfg.attention.qk_rope_head_dim), rope_attention_factor(cfg)
         q = jnp.concatenate([q[..., :nope], apply_rope(q[..., nope:], positions, inv_freq, scale)], axis=-1)
         softmax = mla_softmax_factor(cfg)
@@ -161,7 +160,7 @@ class LatentAttention(_SelfAttention):
         """What a token keeps for later ones: its normed latent [b, t, kv_lora_rank] and its rotated key part
         [b, t, qk_rope_head_dim], shared by the heads (the compressed cache)."""
         cfg, rank = self.cfg, self.cfg.attention.kv_lora_rank
-        latent = fp8_ops.projection(fp8)("btd,dr->btr", x, self.wkv_a[...].astype(self.dtype))
+        latent = project(fp8_ops.projection(fp8), "btd,dr->btr", x, self, "wkv_a", self.dtype)
         inv_freq, scale = rope_frequencies(cfg, cfg.attention.qk_rope_head_dim), rope_attention_factor(cfg)
         return self.kv_norm(latent[..., :rank]), apply_rope(latent[:, :, None, rank:], positions, inv_freq,
                                                             scale)[:, :, 0]
@@ -169,7 +168,7 @@ class LatentAttention(_SelfAttention):
     def _keys_values(self, latent: jax.Array, k_rope: jax.Array, fp8: bool) -> tuple[jax.Array, jax.Array]:
         """Keys [b, s, n, qk] and values (padded to qk) from the compressed latent and rotated key part."""
         cfg, nope, v_dim = self.cfg, self.cfg.resolved_head_dim, self.cfg.resolved_v_head_dim
-        kv = fp8_ops.projection(fp8)("btr,rnh->btnh", latent, self.wkv_b[...].astype(self.dtype))
+        kv = project(fp8_ops.projection(fp8), "btr,rnh->btnh", latent, self, "wkv_b", self.dtype)
         k_rope = jnp.broadcast_to(k_rope[:, :, None], (*kv.shape[:3], cfg.attention.qk_rope_head_dim))
         k = jnp.concatenate([kv[..., :nope], k_rope.astype(kv.dtype)], axis=-1)
         v = kv[..., nope:]
@@ -178,8 +177,8 @@ class LatentAttention(_SelfAttention):
         return k, v
 
     def _output(self, out: jax.Array, fp8: bool) -> jax.Array:
-        return fp8_ops.projection(fp8)("btnh,nhd->btd", out[..., :self.cfg.resolved_v_head_dim],
-                                       self.wo[...].astype(self.dtype))
+        return project(fp8_ops.projection(fp8), "btnh,nhd->btd", out[..., :self.cfg.resolved_v_head_dim], self,
+                       "wo", self.dtype)
 
     def decode(self, x: jax.Array, positions: jax.Array, cache: dict[str, jax.Array],
                fp8: bool = False) -> tuple[jax.Array, dict[str, jax.Array]]:

@@ -9,6 +9,7 @@ from flax import nnx
 
 from jaxtron.config.schema import ExecutionConfig, ModelConfig
 from jaxtron.models.layers import compute_dtype, param
+from jaxtron.models.lora import project
 from jaxtron.ops import fp8 as fp8_ops
 from jaxtron.parallel.sharding import constrain
 
@@ -27,11 +28,11 @@ class MLP(nnx.Module):
     def __call__(self, x: jax.Array, fp8: bool = False) -> tuple[jax.Array, dict[str, jax.Array]]:
         """x [batch, length, embed] -> (output of the same shape, {}: a dense MLP routes nothing)."""
         dt, einsum = self.dtype, fp8_ops.projection(fp8)
-        up = einsum("btd,df->btf", x, self.wi_up[...].astype(dt))
+        up = project(einsum, "btd,df->btf", x, self, "wi_up", dt)
         if self.gated:
-            gate = einsum("btd,df->btf", x, self.wi_gate[...].astype(dt))
+            gate = project(einsum, "btd,df->btf", x, self, "wi_gate", dt)
             hidden = jax.nn.silu(gate) * up
         else:
             hidden = jax.nn.gelu(up)
         hidden = constrain(hidden, HIDDEN_AXES)
-        return einsum("btf,fd->btd", hidden, self.wo[...].astype(dt)), {}
+        return project(einsum, "btf,fd->btd", hidden, self, "wo", dt), {}

@@ -29,6 +29,7 @@ RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     ("kv_heads", "tensor"),
     ("head_dim", None),
     ("latent", None),  # the low-rank latents of multi-head latent attention (small: kept whole)
+    ("lora_rank", None),  # the rank of low-rank adapters (small: kept whole)
     ("mlp", "tensor"),
     ("experts", "expert"),
     ("layers", "pipeline"),  # the stacked blocks: one contiguous block of periods per pipeline stage

@@ -12,6 +12,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from flax import nnx
 
 from jaxtron.checkpoint.params import restore_params
 from jaxtron.checkpoint.train_state import LAYER_ORDER, Checkpointer
@@ -22,6 +23,7 @@ from jaxtron.metrics import flops as flops_lib
 from jaxtron.metrics.collectives import collectives
 from jaxtron.metrics.throughput import Throughput
 from jaxtron.metrics.writers import MetricsWriter
+from jaxtron.models import lora
 from jaxtron.ops.attention import resolve_implementation
 from jaxtron.parallel.checks import check_devices
 from jaxtron.parallel.mesh import make_mesh, process_aware_mesh
@@ -46,7 +48,8 @@ def save_checkpoint(checkpointer: Checkpointer, step: int, state, cfg: Config, s
     config = cfg.to_dict()
     if layer_order is not None:
         config[LAYER_ORDER] = list(layer_order)
-    checkpointer.save(step, state, data_state or {"step": step}, config)
+    # a LoRA run saves its adapters alone: the frozen base is train.init_from's, read again on resume
+    checkpointer.save(step, lora.saved_part(state), data_state or {"step": step}, config)
 
 
 def _check_workdir(workdir: str) -> None:
@@ -250,21 +253,38 @@ class Trainer:
         def check_data(saved: dict) -> None:
             resumed["position"] = data_position.resume(cfg, data_setup, saved)
 
-        restored = self.checkpointer.restore_latest(self.setup.abstract_state, self.shardings, cfg, check_data,
-                                                    self.setup.layer_order)
+        abstract = self.setup.abstract_state
+        restored = self.checkpointer.restore_latest(lora.saved_part(abstract), lora.saved_part(self.shardings,
+                                                                                               abstract),
+                                                    cfg, check_data, self.setup.layer_order)
         if restored is not None:
             position = resumed["position"]
             log.info("resumed from the checkpoint of step %d in %s", position.step, self.checkpointer.directory)
             if self.is_main:
                 _drop_metrics_after(self.workdir, position.step)
-            return restored[0], position
+            state = restored[0]
+            if cfg.lora.rank:  # the checkpoint holds the adapters; the frozen base is train.init_from's
+                state = state.replace(params=lora.join(state.params, self._base_params()))
+            return state, position
         state = state_lib.init_state(cfg, self.implementation, self.shardings)
         if cfg.train.init_from:  # fine-tuning start: these parameters, a fresh optimizer and step 0
-            params = restore_params(cfg.train.init_from, self.setup.abstract_state.params, self.shardings.params,
-                                    layer_order=self.setup.layer_order)
-            state = state.replace(params=params)
-            log.info("parameters from %s; optimizer state fresh", cfg.train.init_from)
+            adapters, _ = lora.split(state.params)
+            base = self._base_params()
+            state = state.replace(params=lora.join(adapters, base) if cfg.lora.rank else base)
+            log.info("parameters from %s; %s", cfg.train.init_from,
+                     f"LoRA adapters of rank {cfg.lora.rank} fresh, the base frozen" if cfg.lora.rank
+                     else "optimizer state fresh")
         return state, data_position.DataPosition.start(cfg, data_setup)
+
+    def _base_params(self):
+        """train.init_from's parameters (a LoRA run's base: everything but the adapters), placed as this run's."""
+        params, shardings = self.setup.abstract_state.params, self.shardings.params
+        base = {p for p, v in nnx.to_flat_state(params) if not isinstance(v, lora.Adapter)}
+        def keep(path, _):
+            return path in base
+
+        return restore_params(self.cfg.train.init_from, nnx.filter_state(params, keep),
+                              nnx.filter_state(shardings, keep), layer_order=self.setup.layer_order)
 
     def _step(self, step: int, done: int) -> dict[str, Any]:
         self.profile.before_step(step, lambda: jax.block_until_ready(self.state))

@@ -12,7 +12,7 @@ from flax import nnx, struct
 from jax.sharding import Mesh
 
 from jaxtron.config.schema import Config, ConfigError
-from jaxtron.models import build_model
+from jaxtron.models import build_model, lora
 from jaxtron.models.stack import remat_policy
 from jaxtron.ops import fp8 as fp8_ops
 from jaxtron.parallel.sharding import shard_count, tree_shardings
@@ -78,11 +78,14 @@ def _init_fn(cfg: Config, attention_impl: str, stages: int | None = None):
 
     def init() -> tuple[Any, TrainState]:
         model = build_model(cfg.model, cfg.execution, cfg.train.seed, attention_impl)
+        if cfg.lora.rank:
+            lora.add_adapters(model, cfg.lora, cfg.train.seed)
         graphdef, params = nnx.split(model, nnx.Param)
         params = reorder(params, None, order)  # each layer initialised as without a pipeline, stored stage-major
-        tx = make_optimizer(cfg.optimizer, cfg.train.steps, params)
+        trainable, _ = lora.split(params)  # a LoRA run's optimizer sees (and holds state for) the adapters alone
+        tx = make_optimizer(cfg.optimizer, cfg.train.steps, trainable)
         return graphdef, tx, TrainState(step=jax.numpy.zeros((), jax.numpy.int32), params=params,
-                                        opt_state=tx.init(params),
+                                        opt_state=tx.init(trainable),
                                         nonfinite=jax.numpy.array([0, 0, -1], jax.numpy.int32))
     return init
 

@@ -15,6 +15,7 @@ import optax
 from flax import nnx
 
 from jaxtron.config.schema import ONE_F_ONE_B
+from jaxtron.models import lora
 from jaxtron.models.transformer import logits_of
 from jaxtron.parallel.sharding import (
     BATCH_AXES,
@@ -145,10 +146,15 @@ def gradients(setup: Setup, params: Any, batch: Batch):
     if getattr(setup.stack_runner, "kind", "fill_drain") in ONE_F_ONE_B:
         return one_f_one_b.gradients(setup, params, batch, loss_sums, moe_metrics)
     microbatches = setup.microbatches
-    grad_fn = jax.value_and_grad(functools.partial(
+    loss_fn = functools.partial(
         loss_sums, graphdef=setup.graphdef, z_loss=setup.z_loss, logit_chunks=setup.logit_chunks,
         router_aux_loss=setup.router_aux_loss, router_z_loss=setup.router_z_loss,
-        stack_runner=setup.stack_runner, mtp_loss=setup.mtp_loss), has_aux=True)
+        stack_runner=setup.stack_runner, mtp_loss=setup.mtp_loss)
+    params, frozen = lora.split(params)
+    if frozen is not None:  # LoRA: gradients of the adapters alone; the base is a constant, with no gradient work
+        loss_fn = functools.partial(lambda trainable, batch, f: f(lora.join(trainable, frozen), batch=batch),
+                                    f=loss_fn)
+    grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
     if microbatches == 1:
         (_, (ce_sum, count, moe)), grads = grad_fn(params, batch=batch)
         return grads, ce_sum, count, moe
@@ -222,15 +228,16 @@ def train_step(setup: Setup, state: TrainState, batch: Batch,
     state may be saved (checked here, where the state is read anyway, rather than by reading it again at save
     time).
     """
-    grads, ce_sum, count, moe = gradients(setup, state.params, batch)
+    grads, ce_sum, count, moe = gradients(setup, state.params, batch)  # of the adapters alone in a LoRA run
+    trainable, frozen = lora.split(state.params)
     if setup.distributed_optimizer:  # each device reduces, then updates, only its shard of the moments
         grads = constrain_optimizer(grads)
     block_load = moe.pop("block_load", None)
     grads = jax.tree.map(lambda g: g / count, grads)
     loss, grad_norm = ce_sum / count, optax.tree.norm(grads)
     learning_rate = setup.learning_rate(schedule_count(state.opt_state))  # read before the update counts this step
-    updates, opt_state = setup.tx.update(grads, state.opt_state, state.params)
-    params = optax.apply_updates(state.params, updates)
+    updates, opt_state = setup.tx.update(grads, state.opt_state, trainable)
+    params = lora.join(optax.apply_updates(trainable, updates), frozen)
     if setup.distributed_optimizer:  # the updated weights gathered once, as their rule places them
         params = constrain_params(params)
     bias_spread = None
