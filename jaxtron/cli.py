@@ -42,6 +42,8 @@ COMMANDS: dict[str, Command] = {
     "score": Command("jaxtron.interop.score:main", "write a model's logits on given token ids"),
     "generate": Command("jaxtron.inference.generate:main", "continue prompts with a trained or converted model (KV "
                         "cache; greedy, temperature, top-k, top-p)"),
+    "lm-eval": Command("jaxtron.inference.harness:main", "evaluate a run with lm-evaluation-harness tasks "
+                       "(lm_eval's options, --model jaxtron)"),
     "gpu-preset": Command("jaxtron.gpu.preset:main", "print the GPU environment and XLA flags to export, or --check "
                           "them against the installed jaxlib"),
 }

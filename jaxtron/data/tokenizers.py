@@ -29,7 +29,7 @@ class Tokenizer(Protocol):
 
     def encode(self, text: str) -> np.ndarray: ...
 
-    def decode(self, ids) -> str: ...
+    def decode(self, ids, skip_special: bool = False) -> str: ...
 
     def describe(self) -> dict: ...
 
@@ -55,7 +55,7 @@ class ByteTokenizer:
     def encode(self, text: str) -> np.ndarray:
         return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.uint32)
 
-    def decode(self, ids) -> str:
+    def decode(self, ids, skip_special: bool = False) -> str:
         return bytes(np.asarray(ids, dtype=np.uint8)).decode("utf-8", errors="replace")
 
     def describe(self) -> dict:
@@ -117,8 +117,20 @@ class HFTokenizer:
     def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
         return [np.asarray(e.ids, dtype=np.uint32) for e in self._tok.encode_batch(texts, add_special_tokens=False)]
 
-    def decode(self, ids) -> str:
-        return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
+    def decode(self, ids, skip_special: bool = False) -> str:
+        return self._tok.decode([int(i) for i in ids], skip_special_tokens=skip_special)
+
+    @property
+    def bos_id(self) -> int | None:
+        """The beginning-of-sequence token tokenizer_config.json beside the file names, if any."""
+        config = os.path.join(os.path.dirname(os.path.abspath(self.path)), "tokenizer_config.json")
+        try:
+            with open(config, encoding="utf-8") as f:
+                bos = json.load(f).get("bos_token")
+        except (OSError, ValueError, AttributeError):
+            return None
+        bos = bos.get("content") if isinstance(bos, dict) else bos
+        return self._tok.token_to_id(bos) if isinstance(bos, str) else None
 
     def describe(self) -> dict:
         return {"kind": self.kind, "path": os.path.abspath(self.path), "sha256": file_sha256(self.path),
@@ -162,7 +174,7 @@ class SentencePieceTokenizer:
     def encode(self, text: str) -> np.ndarray:
         return np.asarray(self._sp.EncodeAsIds(text), dtype=np.uint32)
 
-    def decode(self, ids) -> str:
+    def decode(self, ids, skip_special: bool = False) -> str:
         return self._sp.DecodeIds([int(i) for i in ids])
 
     def describe(self) -> dict:

@@ -1,0 +1,138 @@
+"""lm-evaluation-harness: jaxtron's model scores local tasks as lm-eval's own Hugging Face model does."""
+
+import json
+import os
+import shutil
+
+import jax
+import numpy as np
+import pytest
+
+lm_eval = pytest.importorskip("lm_eval")
+
+FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures")
+TASKS = os.path.join(FIXTURES, "lmeval", "tasks")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def offline(tmp_path_factory):
+    """No network, and the datasets cache in a temporary directory."""
+    saved = {k: os.environ.get(k) for k in ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE", "HF_HOME")}
+    os.environ.update(HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1", HF_HOME=str(tmp_path_factory.mktemp("hf_home")))
+    yield
+    for k, v in saved.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory):
+    """The tiny Llama fixture with its 96-token tokenizer, converted to jaxtron (tokenizer files copied along)."""
+    from jaxtron.interop import convert
+
+    root = tmp_path_factory.mktemp("lmeval")
+    shutil.copytree(os.path.join(FIXTURES, "hf", "llama"), root / "hf")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(os.path.join(FIXTURES, "lmeval", name), root / "hf")
+    convert.from_hf(str(root / "hf"), str(root / "converted"))
+    return str(root / "converted")
+
+
+def _evaluate(lm, tasks):
+    from lm_eval.tasks import TaskManager
+
+    return lm_eval.simple_evaluate(model=lm, tasks=tasks, bootstrap_iters=0, log_samples=True,
+                                   task_manager=TaskManager(include_path=TASKS, include_defaults=False))
+
+
+def test_local_tasks_score_as_with_lm_evals_hugging_face_model(converted):
+    """Multiple choice (loglikelihood), generation (generate_until) and perplexity (loglikelihood_rolling) tasks on
+    the converted checkpoint give lm-eval's Hugging Face model's per-sample results on the original one
+    (hf_results.json, written by scripts/lmeval_fixtures.py): loglikelihoods to 1e-5, the same greedy flags, the
+    same generated text, the same accuracy."""
+    from jaxtron.inference.harness import JaxtronLM
+
+    with open(os.path.join(FIXTURES, "lmeval", "hf_results.json")) as f:
+        want = json.load(f)["tasks"]
+    results = _evaluate(JaxtronLM(run=converted, batch_size=4), list(want))
+    for task, expected in want.items():
+        samples = sorted(results["samples"][task], key=lambda s: s["doc_id"])
+        assert len(samples) == len(expected["samples"]) > 0
+        for got, ref in zip(samples, expected["samples"]):
+            for a, b in zip(got["resps"], ref["resps"]):
+                if isinstance(b[0], str):
+                    assert a[0] == b[0], (task, got["doc_id"])
+                elif isinstance(b[0], list):  # (loglikelihood, is_greedy)
+                    np.testing.assert_allclose(a[0][0], b[0][0], rtol=1e-5, err_msg=task)
+                    assert bool(a[0][1]) == b[0][1]
+                else:
+                    np.testing.assert_allclose(a[0], b[0], rtol=1e-5, err_msg=task)
+        for metric, value in expected["metrics"].items():
+            if metric != "sample_len":
+                np.testing.assert_allclose(float(results["results"][task][metric]), value, rtol=1e-5)
+    assert results["results"]["jaxtron_sums"]["acc,none"] == want["jaxtron_sums"]["metrics"]["acc,none"]
+
+
+def test_loglikelihoods_equal_jaxtrons_own_scoring(converted):
+    """A request's loglikelihood is the sum of the model's own log-softmax at the continuation's tokens, in batches
+    of mixed lengths; a sequence beyond max_seq_len keeps its end."""
+    import jax.numpy as jnp
+    from lm_eval.api.instance import Instance
+
+    from jaxtron.inference.generate import load_model
+    from jaxtron.inference.harness import JaxtronLM
+
+    lm = JaxtronLM(run=converted, batch_size=3)
+    model, _ = load_model(converted)
+    pairs = [("Question: 2 + 3 =\nAnswer:", " 5"), ("ab", "c"), ("Hello", " world!"), ("x" * 200, " yz"),
+             ("1 2 3", " 4 5")]
+    got = lm.loglikelihood([Instance("loglikelihood", {}, pair, i) for i, pair in enumerate(pairs)])
+    for (context, continuation), (logp, greedy) in zip(pairs, got):
+        ids = lm.tok_encode(context + continuation)[-(model.cfg.max_seq_len + 1):]
+        n = len(lm.tok_encode(continuation))
+        logits = np.asarray(model(jnp.asarray([ids[:-1]], jnp.int32)).logits()[0], np.float64)
+        logsoftmax = logits - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True)) \
+            - logits.max(-1, keepdims=True)
+        picked = logsoftmax[np.arange(len(ids) - 1), ids[1:]][-n:]
+        np.testing.assert_allclose(logp, picked.sum(), rtol=1e-5)
+        assert greedy == bool((logits.argmax(-1)[-n:] == np.asarray(ids[1:])[-n:]).all())
+
+
+def test_a_sharded_model_scores_as_one_device(converted):
+    from jaxtron.inference.harness import JaxtronLM
+
+    one = _evaluate(JaxtronLM(run=converted, batch_size=4), ["jaxtron_sums"])
+    eight = _evaluate(JaxtronLM(run=converted, batch_size=4, mesh="tensor=2,fsdp=4"), ["jaxtron_sums"])
+    assert len(jax.devices()) >= 8
+    a = [s["resps"] for s in sorted(one["samples"]["jaxtron_sums"], key=lambda s: s["doc_id"])]
+    b = [s["resps"] for s in sorted(eight["samples"]["jaxtron_sums"], key=lambda s: s["doc_id"])]
+    np.testing.assert_allclose(np.array([[r[0][0] for r in x] for x in a]),
+                               np.array([[r[0][0] for r in x] for x in b]), rtol=1e-5)
+
+
+@pytest.mark.slow
+def test_jaxtron_lm_eval_runs_local_tasks_end_to_end(converted, tmp_path, capsys):
+    """`jaxtron lm-eval --model jaxtron ...` is lm-eval's command line: it writes the results file."""
+    from jaxtron import cli
+
+    assert cli.main(["lm-eval", "--model", "jaxtron", "--model_args", f"run={converted}", "--tasks",
+                     "jaxtron_sums,jaxtron_count", "--include_path", TASKS, "--batch_size", "4",
+                     "--output_path", str(tmp_path / "out")]) == 0
+    found = [os.path.join(d, f) for d, _, files in os.walk(tmp_path / "out") for f in files if f.endswith(".json")]
+    assert found
+    with open(found[0]) as f:
+        results = json.load(f)["results"]
+    assert set(results) == {"jaxtron_sums", "jaxtron_count"} and 0 <= results["jaxtron_sums"]["acc,none"] <= 1
+    assert "jaxtron_sums" in capsys.readouterr().out
+
+
+def test_bad_lm_eval_input_is_one_sentence(tmp_path):
+    from jaxtron.config.schema import ConfigError
+    from jaxtron.inference.harness import JaxtronLM
+
+    with pytest.raises(ConfigError, match="needs run=DIR"):
+        JaxtronLM()
+    with pytest.raises(ConfigError, match="is not a directory; pass a training run or a converted model"):
+        JaxtronLM(run=str(tmp_path / "nothing"))
