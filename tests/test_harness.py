@@ -136,3 +136,55 @@ def test_bad_lm_eval_input_is_one_sentence(tmp_path):
         JaxtronLM()
     with pytest.raises(ConfigError, match="is not a directory; pass a training run or a converted model"):
         JaxtronLM(run=str(tmp_path / "nothing"))
+
+
+@pytest.fixture(scope="module")
+def byte_store(tmp_path_factory):
+    from jaxtron.data.prepare import prepare
+
+    root = tmp_path_factory.mktemp("text")
+    for i in range(12):
+        (root / f"{i}.txt").write_text(f"Question: {i} + {i} =\nAnswer: {2 * i}\n" * 20)
+    prepare([str(root / "*.txt")], "byte", str(root / "store"))
+    return str(root / "store")
+
+
+@pytest.mark.slow
+def test_train_eval_tasks_are_scored_beside_the_validation_loss(byte_store, tmp_path):
+    """train.eval_tasks runs during training every train.eval_every steps and at the end; the scores logged at the
+    end equal lm-eval's scores of the run's final checkpoint."""
+    from helpers import metrics_lines, tiny_config
+
+    from jaxtron.inference.harness import JaxtronLM
+    from jaxtron.training.loop import run
+
+    cfg = tiny_config(model=dict(max_seq_len=128),
+                      train=dict(steps=4, eval_every=2, eval_batches=1, eval_tasks="jaxtron_sums,jaxtron_count",
+                                 eval_tasks_path=TASKS, eval_tasks_limit=4),
+                      data=dict(source="store", path=byte_store, seq_len=32), checkpoint=dict(every=0))
+    summary = run(cfg, str(tmp_path / "run"), use_tqdm=False, devices=jax.devices()[:1])
+    lines = [line for line in metrics_lines(tmp_path / "run") if "eval/jaxtron_sums/acc" in line]
+    assert [line["step"] for line in lines] == [2, 4]
+    assert all("eval/loss" in line and "eval/jaxtron_count/exact_match" in line for line in lines)
+    assert summary.data["eval/jaxtron_sums/acc"] == lines[-1]["eval/jaxtron_sums/acc"]
+    from lm_eval.tasks import TaskManager  # the same four documents the run scored
+    again = lm_eval.simple_evaluate(model=JaxtronLM(run=str(tmp_path / "run")), tasks=["jaxtron_sums"], limit=4,
+                                    bootstrap_iters=0, task_manager=TaskManager(include_path=TASKS,
+                                                                                include_defaults=False))
+    assert again["results"]["jaxtron_sums"]["acc,none"] == lines[-1]["eval/jaxtron_sums/acc"]
+
+
+def test_bad_eval_tasks_are_one_sentence(byte_store, tmp_path):
+    from helpers import tiny_config
+
+    from jaxtron.config.schema import ConfigError
+    from jaxtron.training.loop import run
+
+    with pytest.raises(ConfigError, match="train.eval_tasks_path.*is not a directory"):
+        tiny_config(train=dict(eval_tasks="x", eval_tasks_path=str(tmp_path / "none")))
+    with pytest.raises(ConfigError, match="needs a tokenizer, but data.source is not 'store'"):
+        tiny_config(train=dict(eval_tasks="x", eval_tasks_path=TASKS))
+    cfg = tiny_config(train=dict(steps=1, eval_tasks="jaxtron_sums,nope", eval_tasks_path=TASKS),
+                      data=dict(source="store", path=byte_store, seq_len=32))
+    with pytest.raises(ConfigError, match="names 'nope', not a task of the YAML files in train.eval_tasks_path"):
+        run(cfg, str(tmp_path / "run"), use_tqdm=False, devices=jax.devices()[:1])

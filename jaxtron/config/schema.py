@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from typing import Any
 
 from jaxtron.config.checks import ConfigError, _check, _choice, _non_negative, _positive
@@ -129,6 +130,11 @@ class TrainConfig:
     eval_batches: int = 4  # validation batches per evaluation (0: no validation)
     watchdog_factor: float = 5.0  # warn when a step takes this many times the recent median (0: off)
     init_from: str = ""  # start from these parameters (a converted model or a run's workdir), optimizer fresh
+    # lm-evaluation-harness tasks (comma-separated names) scored with the validation loss, from the task YAMLs in
+    # eval_tasks_path (local data only); eval_tasks_limit: documents per task (0: all)
+    eval_tasks: str = ""
+    eval_tasks_path: str = ""
+    eval_tasks_limit: int = 0
 
     def __post_init__(self):
         for name in ("steps", "global_batch_size", "microbatches", "log_every", "logit_chunks"):
@@ -138,6 +144,10 @@ class TrainConfig:
             _non_negative(getattr(self, name), f"train.{name}")
         _non_negative(self.eval_batches, "train.eval_batches")
         _non_negative(self.eval_every, "train.eval_every")
+        _non_negative(self.eval_tasks_limit, "train.eval_tasks_limit")
+        _check(not self.eval_tasks.strip() or os.path.isdir(os.path.expanduser(self.eval_tasks_path)),
+               "train.eval_tasks_path", f"('{self.eval_tasks_path}') is not a directory",
+               "point it at a directory of lm-eval task YAMLs whose data are local files")
         _non_negative(self.max_nonfinite_in_row, "train.max_nonfinite_in_row")
         _check(self.watchdog_factor == 0 or self.watchdog_factor > 1, "train.watchdog_factor",
                f"is {self.watchdog_factor}", "use 0 to turn the watchdog off or a factor above 1, e.g. 5")
@@ -349,6 +359,10 @@ class Config:
         _check(not self.train.router_bias_rate or m.num_moe_layers, "train.router_bias_rate",
                f"({self.train.router_bias_rate}) moves the routed experts' balancing bias, but the model has no MoE "
                f"blocks (model.moe.num_experts is {m.moe.num_experts})", "set it to 0")
+        _check(not self.train.eval_tasks.strip() or d.source == "store", "train.eval_tasks",
+               "needs a tokenizer, but data.source is not 'store'", "train on a token store or leave it empty")
+        _check(not self.train.eval_tasks.strip() or self.mesh.pipeline == 1, "train.eval_tasks",
+               f"cannot run on a pipeline of {self.mesh.pipeline} stages yet", "leave it empty under mesh.pipeline")
         _check(not self.lora.rank or self.pipeline.schedule not in ONE_F_ONE_B, "lora.rank",
                f"({self.lora.rank}) cannot be used with pipeline.schedule={self.pipeline.schedule!r}, whose stages "
                "compute every parameter's gradient themselves", "use pipeline.schedule='fill_drain' for LoRA")

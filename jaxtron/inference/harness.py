@@ -14,9 +14,9 @@ continuation's tokens summed (and whether each was the greedy choice); requests 
 of similar length, right-padded to a power of two, each shape compiled once. A sequence longer than the model's
 ``max_seq_len`` keeps its end. ``loglikelihood_rolling`` scores a whole text in windows of ``max_seq_len`` tokens, each
 conditioned on the end of the one before (lm-eval's disjoint rolling windows), starting from the prefix token: the
-tokenizer's beginning-of-sequence token, else its end-of-document token, else a newline (byte-level models). ``generate_until`` decodes
-greedily (or samples, if the task asks) with the KV cache of ``jaxtron generate``, ending at the task's ``until``
-strings, the end-of-document token or ``max_gen_toks``.
+tokenizer's beginning-of-sequence token, else its end-of-document token, else a newline (byte-level models).
+``generate_until`` decodes greedily (or samples, if the task asks) with the KV cache of ``jaxtron generate``, ending
+at the task's ``until`` strings, the end-of-document token or ``max_gen_toks``.
 """
 
 from __future__ import annotations
@@ -175,7 +175,8 @@ class JaxtronLM(TemplateLM):
                 prompts = [p[-room:] for p in prompts]
                 result = self.generator.generate(
                     prompts, max_tokens, Sampling(temperature=temperature), self.tokenizer.eos_id,
-                    stop=(lambda row, tokens: any(s in self.tok_decode(tokens) for s in until)) if until else None)
+                    stop=(lambda row, tokens, until=until: any(s in self.tok_decode(tokens) for s in until))
+                    if until else None)
                 for i, tokens in zip(chunk, result.tokens):
                     text = self.tok_decode(tokens)
                     ends = [text.index(s) for s in until if s in text]

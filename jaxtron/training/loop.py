@@ -151,6 +151,7 @@ class Trainer:
         self.history: list[dict[str, Any]] = []
         # built by _build, inside train's try; _close closes whichever of them exist
         self.checkpointer = self.batches = self.writer = self.profile = self.watchdog = self.preemption = None
+        self.tasks = None  # train.eval_tasks' evaluator
 
     def train(self) -> RunSummary:
         t, done = self.cfg.train, 0
@@ -211,6 +212,9 @@ class Trainer:
                 json.dump(collectives(hlo), f, indent=1)
         self.eval_fn = jax.jit(functools.partial(eval_step, self.setup),
                                in_shardings=(self.shardings.params, batch_sharding(mesh)))
+        if t.eval_tasks.strip():
+            from jaxtron.training.downstream import TaskEvaluator
+            self.tasks = TaskEvaluator(cfg, self.setup.graphdef, mesh)
         self.writer = MetricsWriter(self.workdir, t.steps, use_tqdm=self.use_tqdm) if self.is_main else None
         schedule = self.setup.stack_runner
         self.meter = Meter(throughput, {"pipeline_bubble": schedule.bubble} if schedule else None)
@@ -315,8 +319,10 @@ class Trainer:
     def _evaluate_midway(self, done: int) -> None:
         self.watchdog.pause()
         loss = evaluate(self.cfg, self.eval_fn, self.state.params, self.validation, self.mesh, self.implementation)
-        if self.writer and loss is not None:
-            self.writer.write(done, {"eval/loss": loss})
+        scores = {"eval/loss": loss} if loss is not None else {}
+        scores.update(self.tasks(self.state.params) if self.tasks else {})
+        if self.writer and scores:
+            self.writer.write(done, scores)
         self.meter.restart_clock()
         self.watchdog.resume()
 
@@ -350,9 +356,12 @@ class Trainer:
                              validation_loss=validation_loss, compile_time_s=self.compile_s,
                              slow_steps=self.watchdog.slow_steps, tokens_per_sec=last.get("tokens_per_sec"),
                              tflops_per_device=last.get("tflops_per_device"), mfu=last.get("mfu"), data=self.facts)
+        scores = {"eval/loss": validation_loss} if validation_loss is not None else {}
+        scores.update(self.tasks(self.state.params) if self.tasks else {})
+        summary.data = {**summary.data, **{k: v for k, v in scores.items() if k != "eval/loss"}}
         if self.writer:
-            if validation_loss is not None:
-                self.writer.write(self.cfg.train.steps, {"eval/loss": validation_loss})
+            if scores:
+                self.writer.write(self.cfg.train.steps, scores)
             self.writer.log(_summary_line(summary))
         return summary
 
