@@ -1,4 +1,5 @@
-"""`python train.py ARGS`: the same as `jaxtron train ARGS` (the code lives in `jaxtron/training/cli.py`)."""
+"""`python train.py ARGS`: the same as `jaxtron train ARGS` (the code lives in `jaxtron/training/cli.py`, wired in
+`jaxtron/train.py`)."""
 
 import sys
 

@@ -30,7 +30,7 @@ class Command(NamedTuple):
 
 
 COMMANDS: dict[str, Command] = {
-    "train": Command("jaxtron.training.cli:main", "train a model from a config file (any field overridable)"),
+    "train": Command("jaxtron.train:main", "train a model from a config file (any field overridable)"),
     "plan": Command("jaxtron.planning.cli:main", "rank the meshes of a model on N GPUs by estimated memory and step "
                     "time; --compile checks one with XLA"),
     "report": Command("jaxtron.metrics.report:main", "summarise a run (throughput, MFU, loss) and plot it, or "

@@ -27,7 +27,8 @@ OWN_OPTIONS = {
     "verify": ("WORKDIR",),
     "convert": ("from-hf", "to-hf"),
     "score": ("--checkpoint", "--tokens"),
-    "generate": ("--run", "--prompt", "--top-p", "--stop"),
+    "generate": ("--run", "--prompt", "--top-p", "--stop", "--chat"),
+    "lm-eval": ("--model", "--model_args", "--tasks", "--include_path"),
     "gpu-preset": ("--check",),
 }
 
@@ -91,7 +92,7 @@ def test_train_ends_a_diverged_run_with_3_and_a_preempted_one_with_75(monkeypatc
     from jaxtron.training import loop
     from jaxtron.training.preemption import PREEMPTED_EXIT_CODE
 
-    def diverged(cfg, workdir):
+    def diverged(cfg, workdir, **_):
         raise NonFiniteError("the loss was not finite in 5 steps in a row; lower the learning rate.")
 
     monkeypatch.setattr(loop, "run", diverged)
@@ -99,9 +100,9 @@ def test_train_ends_a_diverged_run_with_3_and_a_preempted_one_with_75(monkeypatc
     err = capsys.readouterr().err
     assert err.splitlines()[-1] == "error: the loss was not finite in 5 steps in a row; lower the learning rate.", err
     assert "Traceback" not in err
-    monkeypatch.setattr(loop, "run", lambda cfg, workdir: loop.RunSummary(None, [], preempted="SIGTERM"))
+    monkeypatch.setattr(loop, "run", lambda cfg, workdir, **_: loop.RunSummary(None, [], preempted="SIGTERM"))
     assert cli.main(["train", f"--workdir={tmp_path}"]) == PREEMPTED_EXIT_CODE == 75
-    monkeypatch.setattr(loop, "run", lambda cfg, workdir: loop.RunSummary(None, []))
+    monkeypatch.setattr(loop, "run", lambda cfg, workdir, **_: loop.RunSummary(None, []))
     assert cli.main(["train", f"--workdir={tmp_path}"]) == 0
 
 

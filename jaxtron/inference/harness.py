@@ -209,7 +209,17 @@ def main(argv: list[str]) -> int:
     except ImportError:
         raise ConfigError("lm-eval is not installed; install it with pip install -e \".[eval]\".") from None
     register()
-    sys.argv = ["lm_eval", *argv]
+    if not argv or argv[0] in ("-h", "--help"):  # lm-eval's `run` options, under this command's name
+        import contextlib
+        import io
+
+        text = io.StringIO()
+        sys.argv = ["lm-eval", "run", "--help"]
+        with contextlib.redirect_stdout(text), contextlib.suppress(SystemExit):
+            cli_evaluate()
+        print(text.getvalue().replace("usage: lm-eval run", "usage: jaxtron lm-eval", 1))
+        return 0
+    sys.argv = ["lm-eval", *argv]
     cli_evaluate()
     return 0
 

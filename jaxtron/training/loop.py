@@ -8,6 +8,7 @@ import json
 import logging
 import os
 import time
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -131,20 +132,23 @@ def sharding_report(cfg: Config, devices: list[jax.Device] | None = None) -> str
 
 
 def run(cfg: Config, workdir: str, *, use_tqdm: bool | None = None,
-        devices: list[jax.Device] | None = None) -> RunSummary:
-    """Trains ``cfg`` on ``devices`` (default: all) and writes metrics and checkpoints into ``workdir``."""
+        devices: list[jax.Device] | None = None, evaluator: Callable | None = None) -> RunSummary:
+    """Trains ``cfg`` on ``devices`` (default: all) and writes metrics and checkpoints into ``workdir``.
+    ``evaluator(cfg, graphdef, mesh)`` builds what scores ``train.eval_tasks`` (params -> {metric: value};
+    ``jaxtron.inference.downstream.TaskEvaluator``, which ``jaxtron train`` passes)."""
     placement = place(cfg, devices)
     with jax.set_mesh(placement.mesh):
         state_lib.check_fits(placement.setup.abstract_state, placement.shardings, list(placement.mesh.devices.flat))
         _check_workdir(workdir)
-        return Trainer(cfg, workdir, placement, use_tqdm).train()
+        return Trainer(cfg, workdir, placement, use_tqdm, evaluator).train()
 
 
 class Trainer:
     """One training run, from its components to its summary; ``train`` reads top to bottom."""
 
-    def __init__(self, cfg: Config, workdir: str, placement: Placement, use_tqdm: bool | None):
-        self.cfg, self.workdir, self.use_tqdm = cfg, workdir, use_tqdm
+    def __init__(self, cfg: Config, workdir: str, placement: Placement, use_tqdm: bool | None,
+                 evaluator: Callable | None = None):
+        self.cfg, self.workdir, self.use_tqdm, self.evaluator = cfg, workdir, use_tqdm, evaluator
         self.mesh, self.setup = placement.mesh, placement.setup
         self.shardings, self.implementation = placement.shardings, placement.implementation
         self.is_main = jax.process_index() == 0
@@ -213,8 +217,11 @@ class Trainer:
         self.eval_fn = jax.jit(functools.partial(eval_step, self.setup),
                                in_shardings=(self.shardings.params, batch_sharding(mesh)))
         if t.eval_tasks.strip():
-            from jaxtron.training.downstream import TaskEvaluator
-            self.tasks = TaskEvaluator(cfg, self.setup.graphdef, mesh)
+            if self.evaluator is None:
+                raise ConfigError("config field 'train.eval_tasks' is set but this run was given no task evaluator; "
+                                  "train with `jaxtron train` (or pass run(..., evaluator=jaxtron.inference."
+                                  "downstream.TaskEvaluator)).")
+            self.tasks = self.evaluator(cfg, self.setup.graphdef, mesh)
         self.writer = MetricsWriter(self.workdir, t.steps, use_tqdm=self.use_tqdm) if self.is_main else None
         schedule = self.setup.stack_runner
         self.meter = Meter(throughput, {"pipeline_bubble": schedule.bubble} if schedule else None)
