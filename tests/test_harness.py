@@ -73,6 +73,16 @@ def test_local_tasks_score_as_with_lm_evals_hugging_face_model(converted):
             if metric != "sample_len":
                 np.testing.assert_allclose(float(results["results"][task][metric]), value, rtol=1e-5)
     assert results["results"]["jaxtron_sums"]["acc,none"] == want["jaxtron_sums"]["metrics"]["acc,none"]
+    # and the checkpoint exported back to Hugging Face is the one lm-eval's model scored, tensor for tensor
+    from jaxtron.interop import convert
+    from jaxtron.interop.hf.safetensors import ModelFiles
+
+    exported = os.path.join(os.path.dirname(converted), "exported")
+    convert.to_hf(converted, exported)
+    original, written = ModelFiles(os.path.join(FIXTURES, "hf", "llama")), ModelFiles(exported)
+    assert sorted(written.names()) == sorted(original.names())
+    for name in original.names():
+        np.testing.assert_array_equal(written.read(name), original.read(name), err_msg=name)
 
 
 def test_loglikelihoods_equal_jaxtrons_own_scoring(converted):

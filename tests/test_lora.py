@@ -23,9 +23,9 @@ def base_run(tmp_path_factory):
     return workdir
 
 
-def _lora_cfg(base: str, mesh=None, **train):
+def _lora_cfg(base: str, mesh=None, dropout: float = 0.0, **train):
     return tiny_config(mesh, train=dict(steps=4, init_from=base, **train), checkpoint=dict(every=2, async_save=False),
-                       lora=dict(rank=4, alpha=8.0, targets="q,v,o,down"))
+                       lora=dict(rank=4, alpha=8.0, targets="q,v,o,down", dropout=dropout))
 
 
 def _flat(params) -> dict[str, np.ndarray]:
@@ -125,16 +125,24 @@ def test_a_lora_run_trains_the_adapters_alone_and_saves_only_them(base_run, tmp_
         tree = checkpointer.metadata(saved).item_metadata.tree
     names = {".".join(map(str, p)) for p, _ in jax.tree_util.tree_flatten_with_path(tree["params"])[0]}
     assert names and all("_lora_" in n for n in names), names
+    # the gradients the step computes are the adapters' alone
+    from jaxtron.data.loader import SyntheticSource
+    from jaxtron.training.step import gradients
+    batch = {k: jnp.asarray(v) for k, v in SyntheticSource(256, cfg.data.seq_len, 0).rows(np.arange(8)).items()}
+    grads = gradients(setup, summary.state.params, batch)[0]
+    assert set(_flat(grads)) == set(adapters) and all(np.any(g) for g in _flat(grads).values())
 
 
-def test_a_lora_run_resumes_bit_exactly_and_matches_on_a_mesh(base_run, tmp_path):
+@pytest.mark.parametrize("dropout", [0.0, 0.2])
+def test_a_lora_run_resumes_bit_exactly_and_matches_on_a_mesh(base_run, tmp_path, dropout):
     """Stopped after step 2 and resumed, a LoRA run ends with the same adapters as one that ran straight through;
-    on fsdp=2 x tensor=2 x data=2 its losses equal one device's."""
+    on fsdp=2 x tensor=2 x data=2 its losses equal one device's; with dropout too (the masks are the step's)."""
     import shutil
 
-    straight = run(_lora_cfg(base_run), str(tmp_path / "run"), use_tqdm=False, devices=jax.devices()[:1])
+    one = jax.devices()[:1]
+    straight = run(_lora_cfg(base_run, dropout=dropout), str(tmp_path / "run"), use_tqdm=False, devices=one)
     shutil.rmtree(tmp_path / "run" / "checkpoints" / "4")  # as if the run had died right after saving step 2
-    resumed = run(_lora_cfg(base_run), str(tmp_path / "run"), use_tqdm=False, devices=jax.devices()[:1])
+    resumed = run(_lora_cfg(base_run, dropout=dropout), str(tmp_path / "run"), use_tqdm=False, devices=one)
     assert [h["step"] for h in resumed.history] == [3, 4]
     assert [h["loss"] for h in resumed.history] == [h["loss"] for h in straight.history[2:]]
     got = _flat(resumed.state.params)
@@ -142,11 +150,17 @@ def test_a_lora_run_resumes_bit_exactly_and_matches_on_a_mesh(base_run, tmp_path
         np.testing.assert_array_equal(got[k], want, err_msg=k)
     for a, b in zip(jax.tree.leaves(straight.state.opt_state), jax.tree.leaves(resumed.state.opt_state)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-    sharded = run(_lora_cfg(base_run, dict(fsdp=2, tensor=2, data=2)), str(tmp_path / "mesh"), use_tqdm=False)
+    sharded = run(_lora_cfg(base_run, dict(fsdp=2, tensor=2, data=2), dropout=dropout), str(tmp_path / "mesh"),
+                  use_tqdm=False)
     np.testing.assert_allclose([h["loss"] for h in sharded.history], [h["loss"] for h in straight.history],
                                rtol=1e-5)
     a = sharded.state.params["layers"]["attn"]["wq_lora_b"].get_value()
     assert "tensor" in str(a.sharding.spec)  # B of the query is split over the heads, as the query is
+    if dropout:  # the masks change the training, and each layer has its own seed
+        plain = run(_lora_cfg(base_run), str(tmp_path / "plain"), use_tqdm=False, devices=one)
+        assert [h["loss"] for h in plain.history][1:] != [h["loss"] for h in straight.history][1:]
+        seeds = np.asarray(straight.state.params["layers"]["attn"]["lora_seed"].get_value())
+        assert seeds.shape == (2,) and len(set(seeds.tolist())) == 2
 
 
 def test_a_lora_run_generates_and_exports_its_merged_model(base_run, tmp_path, capsys):

@@ -299,7 +299,7 @@ class ProfileConfig:
 
 @dataclasses.dataclass(frozen=True)
 class LoraConfig:
-    """Low-rank adapters (LoRA): each target projection W computes x W + (alpha / rank) (x A) B, with A
+    """Low-rank adapters (LoRA): each target projection W computes x W + (alpha / rank) (drop(x) A) B, with A
     [inputs, rank] and B [rank, outputs] (B starts at zero) the only trained parameters; the base model, loaded
     from ``train.init_from``, stays frozen and holds no optimizer state, and checkpoints hold the adapters alone
     (``jaxtron.models.lora``)."""
@@ -309,9 +309,12 @@ class LoraConfig:
     # projections by name: q, k, v, o (attention), gate, up, down (the MLP), q_a, q_b, kv_a, kv_b (latent
     # attention); Hugging Face's q_proj, ..., down_proj name the same ones
     targets: str = "q,k,v,o"
+    dropout: float = 0.0  # dropout on each adapter's input (training steps only)
 
     def __post_init__(self):
         _non_negative(self.rank, "lora.rank")
+        _check(0 <= self.dropout < 1, "lora.dropout", f"must lie in [0, 1) (got {self.dropout})",
+               "use e.g. 0.05, or 0 for none")
         _check(self.alpha > 0, "lora.alpha", f"must be positive (got {self.alpha})", "use e.g. 16 or 2 * lora.rank")
         _check(not self.rank or bool(self.targets.strip()), "lora.targets", "is empty",
                "name projections, e.g. 'q,k,v,o'")

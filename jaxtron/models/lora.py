@@ -6,13 +6,21 @@ W's logical axis names on the dimensions they share with it (the rank is ``lora_
 table shards them as it shards W. A starts as a scaled normal, B at zero: an adapted model starts equal to its
 base. The adapters are ``Adapter`` variables (a kind of ``nnx.Param``), added to a built model by ``add_adapters``;
 the modules call ``project`` for every target projection. ``merged`` folds them into the base weights (export).
+
+With ``lora.dropout`` p > 0 the adapters' input is dropped out (kept values scaled by 1 / (1 - p)) in training steps,
+inside ``dropout(key)``: the train step's key (the run's seed and the step) folded with each layer's ``Seed`` (a
+stacked integer the layer's adapters carry, so every layer and projection draws its own mask) and the projection.
+Outside it (evaluation, generation) nothing is dropped.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import math
 import re
-from collections.abc import Callable
+import zlib
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
@@ -27,6 +35,24 @@ RANK = "lora_rank"
 
 class Adapter(nnx.Param):
     """A LoRA matrix: the only parameters a LoRA run trains."""
+
+
+class Seed(nnx.Param):
+    """Each stacked layer's number for its adapters' dropout masks (an integer: never trained)."""
+
+
+OWN = (Adapter, Seed)  # what a LoRA run adds to its base, and what its checkpoints hold
+_dropout_key: contextvars.ContextVar = contextvars.ContextVar("lora_dropout_key", default=None)
+
+
+@contextlib.contextmanager
+def dropout(key: jax.Array) -> Iterator[None]:
+    """Adapters with ``lora.dropout`` drop out their input, with masks drawn from ``key``, inside this block."""
+    token = _dropout_key.set(key)
+    try:
+        yield
+    finally:
+        _dropout_key.reset(token)
 
 
 # projection name -> (attribute, modules that have it, input dimensions of the unstacked weight, its rank)
@@ -81,8 +107,17 @@ def add_adapters(model: nnx.Module, cfg: LoraConfig, seed: int) -> nnx.Module:
 
     key = jax.random.key(seed)
     with nnx.use_eager_sharding(False):  # placed by the caller, as build_model's parameters are
-        for index, (module, attribute, name) in enumerate(_targets(model, cfg)):
+        targets = _targets(model, cfg)
+        for index, (module, attribute, name) in enumerate(targets):
             _add(module, attribute, name, cfg, jax.random.fold_in(key, index), logical_names)
+        if cfg.dropout:
+            for index, module in enumerate({id(m): m for m, _, _ in targets}.values()):
+                weight = getattr(module, next(a for m, a, _ in targets if m is module))
+                stack = weight.get_value().ndim - next(PROJECTIONS[n][3] for m, _, n in targets if m is module)
+                lead, names = weight.get_value().shape[:stack], logical_names(weight)[:stack]
+                numbers = index * (1 << 20) + jnp.arange(math.prod(lead), dtype=jnp.int32).reshape(lead)
+                module.lora_seed = Seed(numbers, out_sharding=names)
+                module.lora_dropout = cfg.dropout
     return model
 
 
@@ -109,6 +144,11 @@ def project(einsum: Callable, equation: str, x: jax.Array, module: nnx.Module, a
     if a is None:
         return y
     b = getattr(module, f"{attribute}_lora_b")
+    rate, key = getattr(module, "lora_dropout", 0.0), _dropout_key.get()
+    if rate and key is not None:
+        key = jax.random.fold_in(jax.random.fold_in(key, module.lora_seed[...]), zlib.crc32(attribute.encode()) >> 1)
+        keep = jax.random.bernoulli(key, 1.0 - rate, x.shape)
+        x = jnp.where(keep, x / jnp.asarray(1.0 - rate, x.dtype), jnp.zeros((), x.dtype))
     inputs, out = equation.split("->")
     xs, ws = inputs.split(",")
     contracted = "".join(c for c in ws if c in xs)
@@ -119,7 +159,8 @@ def project(einsum: Callable, equation: str, x: jax.Array, module: nnx.Module, a
 
 
 def is_adapter(path: str) -> bool:
-    return bool(re.search(r"_lora_[ab]$", path))
+    """Whether a dotted parameter path is a LoRA variable (an adapter matrix or a layer's dropout seed)."""
+    return bool(re.search(r"_lora_[ab]$|\blora_seed$", path))
 
 
 def merged(flat: dict[str, np.ndarray], cfg: LoraConfig) -> dict[str, np.ndarray]:
@@ -148,11 +189,16 @@ def join(trainable: Any, frozen: Any) -> Any:
     return trainable if frozen is None else nnx.merge_state(frozen, trainable)
 
 
+def own(params: Any, like: Any = None) -> Any:
+    """The LoRA variables (adapters and seeds) of a parameter State, or of a tree shaped like ``like``'s."""
+    paths = {p for p, v in nnx.to_flat_state(params if like is None else like) if isinstance(v, OWN)}
+    return nnx.filter_state(params, lambda path, _: path in paths)
+
+
 def saved_part(state: Any, like: Any = None) -> Any:
     """What a checkpoint holds of a train state (or of a tree shaped like one, its shardings say): everything,
-    with only the adapters of the parameters when ``like``'s (default: the state's own) parameters hold adapters."""
-    adapters = {p for p, v in nnx.to_flat_state((state if like is None else like).params)
-                if isinstance(v, Adapter)}
-    if not adapters:
+    with only the LoRA variables of the parameters when ``like``'s (default: the state's own) parameters have some."""
+    reference = (state if like is None else like).params
+    if not any(isinstance(v, OWN) for _, v in nnx.to_flat_state(reference)):
         return state
-    return state.replace(params=nnx.filter_state(state.params, lambda path, _: path in adapters))
+    return state.replace(params=own(state.params, reference))

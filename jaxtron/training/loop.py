@@ -279,18 +279,17 @@ class Trainer:
             return state, position
         state = state_lib.init_state(cfg, self.implementation, self.shardings)
         if cfg.train.init_from:  # fine-tuning start: these parameters, a fresh optimizer and step 0
-            adapters, _ = lora.split(state.params)
             base = self._base_params()
-            state = state.replace(params=lora.join(adapters, base) if cfg.lora.rank else base)
+            state = state.replace(params=lora.join(lora.own(state.params), base) if cfg.lora.rank else base)
             log.info("parameters from %s; %s", cfg.train.init_from,
                      f"LoRA adapters of rank {cfg.lora.rank} fresh, the base frozen" if cfg.lora.rank
                      else "optimizer state fresh")
         return state, data_position.DataPosition.start(cfg, data_setup)
 
     def _base_params(self):
-        """train.init_from's parameters (a LoRA run's base: everything but the adapters), placed as this run's."""
+        """train.init_from's parameters (a LoRA run's base: all but its adapters and seeds), placed as this run's."""
         params, shardings = self.setup.abstract_state.params, self.shardings.params
-        base = {p for p, v in nnx.to_flat_state(params) if not isinstance(v, lora.Adapter)}
+        base = {p for p, v in nnx.to_flat_state(params) if not isinstance(v, lora.OWN)}
         def keep(path, _):
             return path in base
 

@@ -53,6 +53,7 @@ class Setup:
     compiler_options: tuple[tuple[str, object], ...] = struct.field(pytree_node=False, default=())
     # the distributed optimizer (``optimizer.distributed``): moments sharded as ``sharding.optimizer_spec`` says
     distributed_optimizer: bool = struct.field(pytree_node=False, default=False)
+    seed: int = struct.field(pytree_node=False, default=0)  # train.seed: the step's randomness (LoRA dropout)
 
 
 def pipeline_schedule(cfg: Config, stages: int) -> Schedule | None:
@@ -120,7 +121,7 @@ def setup(cfg: Config, attention_impl: str, sizes: dict[str, int] | None = None)
                  max_nonfinite_in_row=cfg.train.max_nonfinite_in_row, stack_runner=pipeline_schedule(cfg, stages),
                  layer_order=layer_order(cfg, stages),
                  compiler_options=tuple(fp8_ops.compiler_options(cfg.execution.fp8).items()),
-                 distributed_optimizer=cfg.optimizer.distributed)
+                 distributed_optimizer=cfg.optimizer.distributed, seed=cfg.train.seed)
 
 
 def state_shardings(mesh: Mesh, abstract_state: TrainState, distributed_optimizer: bool = False) -> TrainState:

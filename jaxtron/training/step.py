@@ -228,7 +228,8 @@ def train_step(setup: Setup, state: TrainState, batch: Batch,
     state may be saved (checked here, where the state is read anyway, rather than by reading it again at save
     time).
     """
-    grads, ce_sum, count, moe = gradients(setup, state.params, batch)  # of the adapters alone in a LoRA run
+    with lora.dropout(jax.random.fold_in(jax.random.key(setup.seed), state.step)):  # used by LoRA's dropout only
+        grads, ce_sum, count, moe = gradients(setup, state.params, batch)  # of the adapters alone in a LoRA run
     trainable, frozen = lora.split(state.params)
     if setup.distributed_optimizer:  # each device reduces, then updates, only its shard of the moments
         grads = constrain_optimizer(grads)
