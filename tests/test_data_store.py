@@ -118,10 +118,10 @@ def test_stores_of_format_1_still_load_and_newer_formats_are_refused(tmp_path, c
         store = TokenStore(str(tmp_path / "s"))
     assert store.format == 1 and store.eos_id is None and store.num_tokens == 4
     assert "has no end-of-document tokens" in caplog.text
-    Path(path).write_text(json.dumps({**manifest, "format": 3}))
+    Path(path).write_text(json.dumps({**manifest, "format": 4}))
     with pytest.raises(DataError) as e:
         TokenStore(str(tmp_path / "s"))
-    assert str(e.value) == (f"store '{tmp_path / 's'}' has format 3, newer than the format 2 this jaxtron reads; "
+    assert str(e.value) == (f"store '{tmp_path / 's'}' has format 4, newer than the format 3 this jaxtron reads; "
                             "update jaxtron or prepare the store with this version.")
 
 
