@@ -163,6 +163,15 @@ def test_a_lora_run_resumes_bit_exactly_and_matches_on_a_mesh(base_run, tmp_path
         assert seeds.shape == (2,) and len(set(seeds.tolist())) == 2
 
 
+def test_a_lora_run_on_a_pipeline_trains_like_one_device(base_run, tmp_path):
+    """The adapters are stacked with their layers, so the fill-drain pipeline stages them as it stages the base.
+    (Without dropout: its masks are drawn per microbatch, and a pipeline's microbatches are other arrays.)"""
+    one = run(_lora_cfg(base_run), str(tmp_path / "one"), use_tqdm=False, devices=jax.devices()[:1])
+    staged = run(_lora_cfg(base_run, dict(pipeline=2, fsdp=2)), str(tmp_path / "staged"), use_tqdm=False,
+                 devices=jax.devices()[:4])
+    np.testing.assert_allclose([h["loss"] for h in staged.history], [h["loss"] for h in one.history], rtol=1e-5)
+
+
 def test_a_lora_run_generates_and_exports_its_merged_model(base_run, tmp_path, capsys):
     """`jaxtron generate` and `convert to-hf` read a LoRA run as its base with the adapters folded in; the exported
     model, imported again, computes the adapted model's logits."""
