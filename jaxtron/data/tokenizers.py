@@ -7,6 +7,7 @@ string names one, None prepares without. The byte tokenizer has none (see ByteTo
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from typing import Protocol
@@ -120,7 +121,7 @@ class HFTokenizer:
     def decode(self, ids, skip_special: bool = False) -> str:
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=skip_special)
 
-    @property
+    @functools.cached_property
     def bos_id(self) -> int | None:
         """The beginning-of-sequence token tokenizer_config.json beside the file names, if any."""
         config = os.path.join(os.path.dirname(os.path.abspath(self.path)), "tokenizer_config.json")
