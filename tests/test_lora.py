@@ -136,7 +136,7 @@ def test_a_lora_run_trains_the_adapters_alone_and_saves_only_them(base_run, tmp_
 @pytest.mark.parametrize("dropout", [0.0, 0.2])
 def test_a_lora_run_resumes_bit_exactly_and_matches_on_a_mesh(base_run, tmp_path, dropout):
     """Stopped after step 2 and resumed, a LoRA run ends with the same adapters as one that ran straight through;
-    on fsdp=2 x tensor=2 x data=2 its losses equal one device's; with dropout too (the masks are the step's)."""
+    on fsdp=2 x tensor=2 its losses equal one device's; with dropout too (the masks are the step's)."""
     import shutil
 
     one = jax.devices()[:1]
@@ -150,8 +150,10 @@ def test_a_lora_run_resumes_bit_exactly_and_matches_on_a_mesh(base_run, tmp_path
         np.testing.assert_array_equal(got[k], want, err_msg=k)
     for a, b in zip(jax.tree.leaves(straight.state.opt_state), jax.tree.leaves(resumed.state.opt_state)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-    sharded = run(_lora_cfg(base_run, dict(fsdp=2, tensor=2, data=2), dropout=dropout), str(tmp_path / "mesh"),
-                  use_tqdm=False)
+    # 4 devices: on 8, XLA:CPU runs this program's independent collectives concurrently and, on 2 cores, can starve
+    # one device's thread until its rendezvous times out (an abort, seen under load)
+    sharded = run(_lora_cfg(base_run, dict(fsdp=2, tensor=2), dropout=dropout), str(tmp_path / "mesh"),
+                  use_tqdm=False, devices=jax.devices()[:4])
     np.testing.assert_allclose([h["loss"] for h in sharded.history], [h["loss"] for h in straight.history],
                                rtol=1e-5)
     a = sharded.state.params["layers"]["attn"]["wq_lora_b"].get_value()
