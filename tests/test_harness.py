@@ -110,6 +110,20 @@ def test_loglikelihoods_equal_jaxtrons_own_scoring(converted):
         assert greedy == bool((logits.argmax(-1)[-n:] == np.asarray(ids[1:])[-n:]).all())
 
 
+def test_generation_keeps_a_long_prompts_end_and_the_models_length(converted):
+    """A prompt longer than max_seq_len keeps its end; more new tokens than the model holds are cut to fit."""
+    from lm_eval.api.instance import Instance
+
+    from jaxtron.inference.harness import JaxtronLM
+
+    lm = JaxtronLM(run=converted, batch_size=2)
+    requests = [Instance("generate_until", {}, ("x" * 300, {"until": ["\n"], "max_gen_toks": 500}), 0),
+                Instance("generate_until", {}, ("ab", {"until": ["b"], "max_gen_toks": 4}), 1)]
+    long, short = lm.generate_until(requests)
+    assert isinstance(long, str) and len(lm.tok_encode(long)) <= 127
+    assert len(lm.tok_encode(short)) <= 4 and "b" not in short
+
+
 def test_a_sharded_model_scores_as_one_device(converted):
     from jaxtron.inference.harness import JaxtronLM
 

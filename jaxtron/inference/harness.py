@@ -168,11 +168,11 @@ class JaxtronLM(TemplateLM):
             groups.setdefault(_settings(request.args[1]), []).append(i)
         out: list[str] = [""] * len(requests)
         for (until, max_tokens, temperature), rows in groups.items():
+            max_tokens = min(max_tokens, self.max_length - 1)  # a prompt keeps at least its last token
+            room = self.max_length - max_tokens  # a longer prompt keeps its end
             for start in range(0, len(rows), self.scorer.batch_size):
                 chunk = rows[start:start + self.scorer.batch_size]
-                prompts = [self.tok_encode(requests[i].args[0]) or [self.prefix_token_id] for i in chunk]
-                room = self.max_length - max_tokens
-                prompts = [p[-room:] for p in prompts]
+                prompts = [(self.tok_encode(requests[i].args[0]) or [self.prefix_token_id])[-room:] for i in chunk]
                 result = self.generator.generate(
                     prompts, max_tokens, Sampling(temperature=temperature), self.tokenizer.eos_id,
                     stop=(lambda row, tokens, until=until: any(s in self.tok_decode(tokens) for s in until))
