@@ -10,22 +10,21 @@ that first:
     python -m jaxtron.generate --run runs/sft --chat --prompt "What does json.dumps do?"
 """
 
+import importlib.util
+import os
 import sys
-
-import ml_collections
 
 
 def get_config():
-    c = ml_collections.ConfigDict()
+    # the main job's config (configs/default.py): its model, whose parameters this run starts from, and its mesh
+    spec = importlib.util.spec_from_file_location("default", os.path.join(os.path.dirname(__file__), "default.py"))
+    default = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(default)
+    c = default.get_config()
     version = f"{sys.version_info.major}{sys.version_info.minor}"
-    # the model must be the main job's (configs/default.py), whose parameters it starts from
-    c.model = dict(name="tiny", vocab_size=256, embed_dim=192, num_layers=4, mlp_dim=512, max_seq_len=1024,
-                   tie_embeddings=True, attention=dict(num_heads=6, num_kv_heads=2), rope=dict(theta=10_000.0))
-    c.execution = dict(dtype="float32")
     c.train = dict(steps=300, seed=0, global_batch_size=16, log_every=20, eval_every=100, eval_batches=4,
                    init_from="runs/default")  # or --config.train.init_from=DIR
     c.optimizer = dict(learning_rate=2e-3, warmup_steps=20, weight_decay=0.1, min_lr_ratio=0.1)
     c.data = dict(source="store", prepare="stdlib-chat", path=f"~/.cache/jaxtron/stdlib-chat-py{version}-byte",
                   seq_len=256, validation_fraction=0.05)
-    c.mesh = dict(data=1, fsdp=-1, tensor=1, sequence=1, expert=1)
     return c

@@ -247,3 +247,13 @@ def test_a_tiny_model_fine_tuned_on_conversations_learns_the_assistants_format(t
                      "--max-new-tokens", "60"]) == 0
     reply = capsys.readouterr().out.split("<|assistant|>\n", 1)[1]
     assert re.fullmatch(r"\d+(, \d+)*\.\n", reply), reply  # ended at <|end|>, which is cut from the text
+
+
+def test_the_sft_config_fine_tunes_the_main_jobs_model():
+    from conftest import REPO
+
+    from jaxtron.config.loader import load_config
+
+    sft, default = (load_config(os.path.join(REPO, "configs", f"{name}.py")) for name in ("sft", "default"))
+    assert sft.model == default.model and sft.mesh == default.mesh
+    assert sft.train.init_from == "runs/default" and sft.data.prepare == "stdlib-chat" and sft.lora.rank == 0

@@ -114,16 +114,9 @@ def _tokenize_unit(unit: tuple[str, list, int]) -> list[tuple[np.ndarray, np.nda
     else:
         field, lines = payload
         texts = []
-        for path, number, line in lines:
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except ValueError:
-                raise DataError(f"line {number} of '{path}' is not valid JSON; fix or remove it.") from None
+        for where, record in _records(lines):
             if not isinstance(record, dict) or not isinstance(record.get(field), str):
-                raise DataError(f"line {number} of '{path}' has no text field '{field}'; "
-                                "pass the right --text-field.") from None
+                raise DataError(f"{where} has no text field '{field}'; pass the right --text-field.") from None
             texts.append(record[field])
     encode_batch = getattr(_worker_tokenizer, "encode_batch", None)
     docs = encode_batch(texts) if encode_batch else [_worker_tokenizer.encode(t) for t in texts]
@@ -133,17 +126,23 @@ def _tokenize_unit(unit: tuple[str, list, int]) -> list[tuple[np.ndarray, np.nda
     return [(np.append(d, np.uint32(eos)), None) for d in docs if d.size]  # empty texts stay empty: no lone EOS
 
 
-def _conversations(lines: list) -> list[tuple[np.ndarray, np.ndarray]]:
-    docs = []
-    eos = _worker_tokenizer.eos_id
+def _records(lines: list) -> Iterator[tuple[str, object]]:
+    """(where, parsed JSON) of each non-blank JSONL line of a unit."""
     for path, number, line in lines:
         if not line.strip():
             continue
+        where = f"line {number} of '{path}'"
         try:
-            record = json.loads(line)
+            yield where, json.loads(line)
         except ValueError:
-            raise DataError(f"line {number} of '{path}' is not valid JSON; fix or remove it.") from None
-        messages = conversation(record, f"line {number} of '{path}'")
+            raise DataError(f"{where} is not valid JSON; fix or remove it.") from None
+
+
+def _conversations(lines: list) -> list[tuple[np.ndarray, np.ndarray]]:
+    docs = []
+    eos = _worker_tokenizer.eos_id
+    for where, record in _records(lines):
+        messages = conversation(record, where)
         ids, mask = encode_conversation(_worker_tokenizer, _worker_chat, messages)
         if eos is not None:  # the document's end is not the assistant's to predict: the template's marker is
             ids, mask = np.append(ids, np.uint32(eos)), np.append(mask, np.uint8(0))

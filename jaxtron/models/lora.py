@@ -189,9 +189,10 @@ def join(trainable: Any, frozen: Any) -> Any:
     return trainable if frozen is None else nnx.merge_state(frozen, trainable)
 
 
-def own(params: Any, like: Any = None) -> Any:
-    """The LoRA variables (adapters and seeds) of a parameter State, or of a tree shaped like ``like``'s."""
-    paths = {p for p, v in nnx.to_flat_state(params if like is None else like) if isinstance(v, OWN)}
+def own(params: Any, like: Any = None, lora: bool = True) -> Any:
+    """The LoRA variables (adapters and seeds) of a parameter State, or of a tree shaped like ``like``'s (its
+    shardings, say); with ``lora=False`` the rest: the base model."""
+    paths = {p for p, v in nnx.to_flat_state(params if like is None else like) if isinstance(v, OWN) == lora}
     return nnx.filter_state(params, lambda path, _: path in paths)
 
 

@@ -13,9 +13,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from flax import nnx
 
-from jaxtron.checkpoint.params import restore_params
 from jaxtron.checkpoint.train_state import LAYER_ORDER, Checkpointer
 from jaxtron.config.schema import Config, ConfigError
 from jaxtron.data import position as data_position
@@ -265,6 +263,8 @@ class Trainer:
             resumed["position"] = data_position.resume(cfg, data_setup, saved)
 
         abstract = self.setup.abstract_state
+        init_from = functools.partial(state_lib.init_from_params, cfg, abstract.params, self.shardings.params,
+                                      self.setup.layer_order)
         restored = self.checkpointer.restore_latest(lora.saved_part(abstract), lora.saved_part(self.shardings,
                                                                                                abstract),
                                                     cfg, check_data, self.setup.layer_order)
@@ -275,26 +275,16 @@ class Trainer:
                 _drop_metrics_after(self.workdir, position.step)
             state = restored[0]
             if cfg.lora.rank:  # the checkpoint holds the adapters; the frozen base is train.init_from's
-                state = state.replace(params=lora.join(state.params, self._base_params()))
+                state = state.replace(params=lora.join(state.params, init_from()))
             return state, position
         state = state_lib.init_state(cfg, self.implementation, self.shardings)
         if cfg.train.init_from:  # fine-tuning start: these parameters, a fresh optimizer and step 0
-            base = self._base_params()
+            base = init_from()
             state = state.replace(params=lora.join(lora.own(state.params), base) if cfg.lora.rank else base)
             log.info("parameters from %s; %s", cfg.train.init_from,
                      f"LoRA adapters of rank {cfg.lora.rank} fresh, the base frozen" if cfg.lora.rank
                      else "optimizer state fresh")
         return state, data_position.DataPosition.start(cfg, data_setup)
-
-    def _base_params(self):
-        """train.init_from's parameters (a LoRA run's base: all but its adapters and seeds), placed as this run's."""
-        params, shardings = self.setup.abstract_state.params, self.shardings.params
-        base = {p for p, v in nnx.to_flat_state(params) if not isinstance(v, lora.OWN)}
-        def keep(path, _):
-            return path in base
-
-        return restore_params(self.cfg.train.init_from, nnx.filter_state(params, keep),
-                              nnx.filter_state(shardings, keep), layer_order=self.setup.layer_order)
 
     def _step(self, step: int, done: int) -> dict[str, Any]:
         self.profile.before_step(step, lambda: jax.block_until_ready(self.state))
@@ -322,13 +312,18 @@ class Trainer:
         self.history.append({"step": done, **values})
         self.meter.reset()
 
-    def _evaluate_midway(self, done: int) -> None:
-        self.watchdog.pause()
+    def _scores(self, done: int) -> dict[str, float]:
+        """The validation loss and train.eval_tasks' scores of the state now, written to the metrics at ``done``."""
         loss = evaluate(self.cfg, self.eval_fn, self.state.params, self.validation, self.mesh, self.implementation)
         scores = {"eval/loss": loss} if loss is not None else {}
         scores.update(self.tasks(self.state.params) if self.tasks else {})
         if self.writer and scores:
             self.writer.write(done, scores)
+        return scores
+
+    def _evaluate_midway(self, done: int) -> None:
+        self.watchdog.pause()
+        self._scores(done)
         self.meter.restart_clock()
         self.watchdog.resume()
 
@@ -355,19 +350,14 @@ class Trainer:
         return RunSummary(self.state, self.history, preempted=why, stopped_at=done)
 
     def _finish(self) -> RunSummary:
-        last = self.history[-1]
-        validation_loss = evaluate(self.cfg, self.eval_fn, self.state.params, self.validation, self.mesh,
-                                   self.implementation)
+        last, scores = self.history[-1], self._scores(self.cfg.train.steps)
+        tasks = {k: v for k, v in scores.items() if k != "eval/loss"}
         summary = RunSummary(self.state, self.history, final_loss=last.get("loss_avg"),
-                             validation_loss=validation_loss, compile_time_s=self.compile_s,
+                             validation_loss=scores.get("eval/loss"), compile_time_s=self.compile_s,
                              slow_steps=self.watchdog.slow_steps, tokens_per_sec=last.get("tokens_per_sec"),
-                             tflops_per_device=last.get("tflops_per_device"), mfu=last.get("mfu"), data=self.facts)
-        scores = {"eval/loss": validation_loss} if validation_loss is not None else {}
-        scores.update(self.tasks(self.state.params) if self.tasks else {})
-        summary.data = {**summary.data, **{k: v for k, v in scores.items() if k != "eval/loss"}}
+                             tflops_per_device=last.get("tflops_per_device"), mfu=last.get("mfu"),
+                             data={**self.facts, **tasks})
         if self.writer:
-            if scores:
-                self.writer.write(self.cfg.train.steps, scores)
             self.writer.log(_summary_line(summary))
         return summary
 

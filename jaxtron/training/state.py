@@ -164,6 +164,14 @@ def sharded_init(cfg: Config, attention_impl: str, shardings: TrainState | None)
     return jax.jit(lambda: init()[2], out_shardings=shardings)
 
 
+def init_from_params(cfg: Config, abstract_params: Any, shardings: Any, layer_order) -> Any:
+    """``train.init_from``'s parameters, placed as this run's (``shardings``, the stack in ``layer_order``): all of
+    them, or a LoRA run's base (all but its adapters and their seeds, which that model does not have)."""
+    from jaxtron.checkpoint.params import restore_params
+    return restore_params(cfg.train.init_from, lora.own(abstract_params, lora=False),
+                          lora.own(shardings, abstract_params, lora=False), layer_order=layer_order)
+
+
 def init_state(cfg: Config, attention_impl: str, shardings: TrainState | None) -> TrainState:
     """Initialises directly into the target shardings (under the mesh they belong to): no device ever holds the
     full model."""
