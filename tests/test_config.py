@@ -260,10 +260,6 @@ BAD = [
         "--config.mesh.fsdp=2", "--config.pipeline.microbatches=2", "--config.model.num_layers=8"), 8),
      "'pipeline.microbatches' (2) does not split into groups of one microbatch per stage of mesh.pipeline=4",
      "use a multiple of 4"),
-    ("1f1b_with_prediction_modules", lambda d: check_devices(cli(
-        "--config.pipeline.schedule=1f1b", "--config.model.mtp.depth=1", "--config.mesh.pipeline=2",
-        "--config.mesh.fsdp=4", "--config.pipeline.microbatches=2"), 8),
-     "'pipeline.schedule' '1f1b' does not run the multi-token prediction modules", "use pipeline.schedule="),
     ("1f1b_under_accumulation", lambda d: check_devices(cli(
         "--config.pipeline.schedule=1f1b", "--config.mesh.pipeline=2", "--config.mesh.fsdp=4",
         "--config.train.microbatches=2", "--config.train.global_batch_size=32"), 8),

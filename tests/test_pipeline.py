@@ -318,8 +318,7 @@ ONE_F_ONE_B = {  # name -> (mesh, pipeline microbatches, model, schedule fields,
                                           "one_device"),
     # MoE blocks with their experts over their own axis, and the DeepSeek-style model: latent attention, a dense
     # first block run before the schedule, three MoE blocks on two stages (an uneven split: one identity block),
-    # the balancing bias (without the prediction module, which the 1F1B schedules do not run yet;
-    # ``_deepseek_style``)
+    # the balancing bias and the prediction module (run with the head, a microbatch at a time; ``_deepseek_style``)
     "moe_pipeline2_fsdp2_expert2": (dict(pipeline=2, fsdp=2, expert=2), 4, "moe", {}, "moe_one_device"),
     "deepseek_pipeline2_fsdp2_expert2_uneven": (dict(pipeline=2, fsdp=2, expert=2), 2, "deepseek",
                                                 dict(uneven_stages=True), "deepseek_one_device"),
@@ -337,9 +336,10 @@ ONE_F_ONE_B = {  # name -> (mesh, pipeline microbatches, model, schedule fields,
 
 
 def _deepseek_style():
-    """A dense first block run before the schedule, then three MoE blocks."""
+    """A dense first block run before the schedule, then three MoE blocks and a prediction module (an MoE block of
+    its own, balanced by its own bias)."""
     from test_training import QWEN3_STYLE
-    return dict(QWEN3_STYLE["deepseek_v3"], num_layers=4, mtp=dict(depth=0))
+    return dict(QWEN3_STYLE["deepseek_v3"], num_layers=4)
 
 
 DEEPSEEK_TRAIN = dict(global_batch_size=16, router_bias_rate=0.003)
@@ -380,7 +380,7 @@ def test_the_1f1b_schedules_train_like_one_device(name, tmp_path, request):
     bubble = bubble_fraction(mesh["pipeline"], microbatches, virtual)
     assert got.history[-1]["pipeline_bubble"] == pytest.approx(bubble)
     if kind != "dense":
-        for key in ("moe_aux_loss",) + (("moe_bias_spread",) if kind == "deepseek" else ()):
+        for key in ("moe_aux_loss",) + (("moe_bias_spread", "mtp_loss") if kind == "deepseek" else ()):
             np.testing.assert_allclose([h[key] for h in got.history], [h[key] for h in ref.history], rtol=1e-5)
     # the staged stack's output projections after three updates, back in natural order (Adam divides by sqrt(v):
     # near-zero gradients amplify rounding; 2e-4 is 2% of one lr=1e-2 update)

@@ -184,6 +184,15 @@ class Transformer(nnx.Module):
         return head.astype(compute_dtype(self.execution))
 
 
+def mtp_valid(weights: jax.Array, segments: jax.Array | None, k: int) -> jax.Array:
+    """Which positions of [batch, length] rows the multi-token prediction depth ``k`` scores: the token k ahead
+    must be in the row (not wrapped around), of the same document, and weighted like the position itself."""
+    valid = weights * jnp.roll(weights, -k, axis=1) * (jnp.arange(weights.shape[1]) < weights.shape[1] - k)
+    if segments is not None:
+        valid = valid * (jnp.roll(segments, -k, axis=1) == segments)
+    return valid
+
+
 def logits_of(x: jax.Array, head: jax.Array) -> jax.Array:
     """[batch, length, embed] x [embed, vocab] -> float32 logits, straight out of the matmul (the loss needs
     float32 and no 16-bit copy is kept besides)."""

@@ -100,10 +100,9 @@ def _in_flight_options(cfg: Config, sizes: dict[str, int], microbatches: int) ->
 
 def _one_f_one_b(cfg: Config, sizes: dict[str, int]) -> list[Config]:
     """``cfg`` with the 1F1B schedule, and with the interleaved one (``cfg``'s virtual stages, else 2) where each
-    stage's periods split evenly into those chunks, on a pipeline mesh where they run (no prediction modules;
-    ``jaxtron/training/one_f_one_b.py``); none elsewhere."""
+    stage's periods split evenly into those chunks, on a pipeline mesh; none elsewhere."""
     stages = shard_count(sizes, "layers")
-    if stages == 1 or cfg.model.mtp.depth:
+    if stages == 1:
         return []
     base = dataclasses.replace(cfg, pipeline=dataclasses.replace(cfg.pipeline, schedule="1f1b", virtual_stages=1,
                                                                  fsdp_gather="iteration"),

@@ -44,7 +44,7 @@ import numpy as np
 from flax import nnx
 
 from jaxtron.models.stack import scan_stack, without_remat
-from jaxtron.models.transformer import EMBED_AXES
+from jaxtron.models.transformer import EMBED_AXES, mtp_valid
 from jaxtron.parallel import timetable
 from jaxtron.parallel.sharding import (
     BATCH_AXES,
@@ -85,14 +85,15 @@ class _Capture:
 
 
 class _Replace:
-    """A stack runner that returns ``hidden`` as the stack's output (no stats: the MoE losses are counted by the
-    schedule)."""
+    """A stack runner that returns ``hidden`` as the stack's output, with stats of no blocks (the schedule counts
+    the stack's MoE losses; the prediction modules' stats, which the model appends, stay theirs alone)."""
 
     def __init__(self, hidden: jax.Array):
         self.hidden = hidden
 
     def __call__(self, body, x, stack, extras):
-        return self.hidden, {}
+        stats = jax.eval_shape(lambda: scan_stack(body, x, stack, extras))[1]
+        return self.hidden, jax.tree.map(lambda s: jnp.zeros((0, *s.shape[1:]), s.dtype), stats)
 
 
 _ACTIVE: list[Any] = [True]  # whether the backward phase of this iteration runs (see ``_active``)
@@ -119,8 +120,16 @@ def gradients(setup, params: Any, batch: Batch, loss_sums: Callable, moe_metrics
     v_ = schedule.virtual_stages if schedule.kind == "interleaved" else 1
     micro = jax.tree.map(lambda a: split_rows(a, m_), batch)  # [M, b, ...]
     weights = batch.get("loss_mask")
-    count = jnp.sum(jnp.ones(batch["targets"].shape, jnp.float32) if weights is None else weights.astype(jnp.float32))
-    common = dict(graphdef=setup.graphdef, logit_chunks=setup.logit_chunks, mtp_loss=None)
+    weights = jnp.ones(batch["targets"].shape, jnp.float32) if weights is None else weights.astype(jnp.float32)
+    count = jnp.sum(weights)
+    common = dict(graphdef=setup.graphdef, logit_chunks=setup.logit_chunks)
+    # the prediction modules run with the head, a microbatch at a time: each depth's cross-entropy sum enters the
+    # objective with the weight the whole batch gives it (the token count x mtp_loss over the depths and over the
+    # positions the depth scores in the whole batch), so the microbatches add up to the fill-drain objective
+    depth = jax.tree.leaves(params["mtp"])[0].shape[0] if "mtp" in params else 0
+    valid_k = jnp.stack([jnp.sum(mtp_valid(weights, batch.get("segment_ids"), k)) for k in range(1, depth + 1)]) \
+        if depth else jnp.zeros((0,), jnp.float32)
+    mtp_weights = count * setup.mtp_loss / (max(depth, 1) * jnp.maximum(valid_k, 1.0))
 
     def pick(t):
         return {k: constrain(jax.lax.dynamic_index_in_dim(v, jnp.clip(t, 0, m_ - 1), 0, False), BATCH_AXES)
@@ -138,9 +147,16 @@ def gradients(setup, params: Any, batch: Batch, loss_sums: Callable, moe_metrics
         return x, extras, stack, body
 
     def post(p, h, mb):
-        """-> (cross-entropy plus z-loss sums, (cross-entropy sum, token count)) of ``h``, the stack's output."""
-        objective, (ce, n, _) = loss_sums(p, batch=mb, z_loss=setup.z_loss, stack_runner=_Replace(h), **common)
-        return objective, (ce, n)
+        """-> (the objective's sums of the head, the loss and the prediction modules, (cross-entropy sum, token
+        count, the modules' cross-entropy sums [depth], their blocks' routing stats [depth, ...])) of ``h``, the
+        stack's output."""
+        objective, (ce, n, extra) = loss_sums(p, batch=mb, z_loss=setup.z_loss, stack_runner=_Replace(h),
+                                              mtp_loss=setup.mtp_loss if depth else None, mtp_weights=mtp_weights,
+                                              **common)
+        mtp_stats = extra.get("mtp_stats", {})
+        # their MoE losses, weighted as the stack's blocks' are (``stats_cotangent``)
+        objective += sum(scale_blocks * coefficient.get(k, 0.0) * jnp.sum(v) for k, v in mtp_stats.items())
+        return objective, (ce, n, extra.get("mtp_sums", valid_k), mtp_stats)
 
     first = pick(0)
     seen = {}  # what tracing the model once tells: the body and the stack input's shapes
@@ -188,11 +204,12 @@ def gradients(setup, params: Any, batch: Batch, loss_sums: Callable, moe_metrics
     # block's stats of each microbatch; identity periods get none
     stats_shape = jax.eval_shape(lambda: stage_forward(jax.tree.map(lambda a: a[0], staged),
                                                        *zeros((x_shape, ex_shape), ()), 0, 0))[1]
-    blocks = stack_size - schedule.pads
+    blocks = stack_size - schedule.pads + (depth if stats_shape else 0)  # an MoE model's modules have MoE blocks
     coefficient = {"aux_loss": setup.router_aux_loss, "z_loss": setup.router_z_loss}
+    scale_blocks = count / (blocks * m_)
 
     def stats_cotangent(s, p, valid):
-        scale = jnp.where(identity[s, p], 0.0, count / (blocks * m_)) * valid.astype(jnp.float32)
+        scale = jnp.where(identity[s, p], 0.0, scale_blocks) * valid.astype(jnp.float32)
         return {k: jnp.full(v.shape[1:], scale * coefficient.get(k, 0.0), v.dtype) for k, v in stats_shape.items()}
 
     mesh = jax.sharding.get_abstract_mesh()
@@ -328,16 +345,19 @@ def gradients(setup, params: Any, batch: Batch, loss_sums: Callable, moe_metrics
         valid_h = (last_valid & (last_chunk == v_ - 1)).astype(jnp.float32)
 
         def head(h, mb):
-            _, pullback, (ce, n) = jax.vjp(lambda r, h: post(with_rest(r), h, mb), rest_leaves, h, has_aux=True)
+            _, pullback, (ce, n, mtp_ce, mtp_stats) = jax.vjp(lambda r, h: post(with_rest(r), h, mb), rest_leaves,
+                                                              h, has_aux=True)
             d_rest, d_h = pullback(valid_h)
-            return rest_of(d_rest), d_h.astype(x_shape.dtype), valid_h * ce, valid_h * n
+            mtp = jax.tree.map(lambda a: valid_h * a.astype(jnp.float32), (mtp_ce, mtp_stats))
+            return rest_of(d_rest), d_h.astype(x_shape.dtype), valid_h * ce, valid_h * n, mtp
 
         # every iteration, masked where the last stage finished no microbatch (interleaved: V - 1 of V): behind a
         # condition, GPT-3 175B's step held 12 GiB more per device (compiled for H100s, 32 layers on
         # pipeline=8 data=4 tensor=4), for a head of 0.4% of its FLOPs
-        d_post, d_h, ce, n = by_groups(head, (0, 0), out[s_ - 1], pick(m_head))
+        d_post, d_h, ce, n, mtp = by_groups(head, (0, 0), out[s_ - 1], pick(m_head))
         d_h = d_h.reshape(x_shape.shape)  # the groups' rows back in place
-        return out, inputs[1], stats, on_stages(period_inputs), d_post, d_h, jnp.sum(ce), jnp.sum(n)
+        return (out, inputs[1], stats, on_stages(period_inputs), d_post, d_h, jnp.sum(ce), jnp.sum(n),
+                jax.tree.map(lambda a: jnp.sum(a, axis=0), mtp))
 
     def backward_phase(t, back, d_h, stash, grad_stack):
         """Every stage's backward (the last stage's gradient from the loss, ``d_h``) into its accumulator, and stage
@@ -371,9 +391,9 @@ def gradients(setup, params: Any, batch: Batch, loss_sums: Callable, moe_metrics
         """The forward phase while microbatches enter (t < M + S - 1), the backward phase once the first one
         reached the loss (t >= S - 1): the same branch on every device, so the fill carries no backward and the
         drain no forward."""
-        moving, back, stash, grad_stack, grad_rest, sums, stats_sum = carry
+        moving, back, stash, grad_stack, grad_rest, sums, stats_sum, mtp_sum = carry
         with jax.named_scope(FORWARD_PHASE):  # the trace times the phases by these names (metrics/bubble.py)
-            out, ex, stats, period_inputs, d_post, d_h, ce, n = when(
+            out, ex, stats, period_inputs, d_post, d_h, ce, n, mtp = when(
                 t < timetable.forward_iterations(s_, m_, v_), forward_phase, t, moving)
         valid_f, _, chunks = unit(timetable.forward_unit(t, stage_ids))
         slot_f = timetable.forward_unit(t, stage_ids) % keep
@@ -388,17 +408,22 @@ def gradients(setup, params: Any, batch: Batch, loss_sums: Callable, moe_metrics
         with jax.named_scope(BACKWARD_PHASE):
             back, grad_stack, d_pre = backward_phase(t, back, d_h, stash, grad_stack)
         grad_rest = add_rest(add_rest(grad_rest, d_post), d_pre)
-        return (moving, back, stash, grad_stack, grad_rest, (sums[0] + ce, sums[1] + n), stats_sum), None
+        return (moving, back, stash, grad_stack, grad_rest, (sums[0] + ce, sums[1] + n), stats_sum,
+                jax.tree.map(jnp.add, mtp_sum, mtp)), None
 
+    # the prediction modules' cross-entropy sums and routing stats, summed over the microbatches
+    mtp_zeros = jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32),
+                             jax.eval_shape(lambda h: post(params, h, first)[1][2:], x_shape))
     start = (on_stages((zeros(x_shape, (s_,)), zeros(ex_shape, (s_,)))), on_stages(zeros(x_shape, (s_,))),
              on_stages((zeros(x_shape, (s_, keep, pc)), zeros(ex_shape, (s_, keep)))),
              stack_sharded([jnp.zeros((s_, g_, *a.shape[1:]), jnp.float32) for a in jax.tree.leaves(staged)]),
              rest_sharded([jnp.zeros((g_,) if staged_leaf else (g_, *a.shape), jnp.float32)
                            for a, staged_leaf in zip(jax.tree.leaves(params), in_stack)]),
              (jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32)),
-             jax.tree.map(lambda a: jnp.zeros((s_, v_ * a.shape[0], *a.shape[1:]), jnp.float32), stats_shape))
+             jax.tree.map(lambda a: jnp.zeros((s_, v_ * a.shape[0], *a.shape[1:]), jnp.float32), stats_shape),
+             mtp_zeros)
     with jax.named_scope(SCOPE):  # the loop's HLO ops carry the name (profiles find its iterations by it)
-        (_, _, _, grad_stack, grad_rest, (ce_sum, n_sum), stats_sum), _ = jax.lax.scan(
+        (_, _, _, grad_stack, grad_rest, (ce_sum, n_sum), stats_sum, (mtp_ce, mtp_stats)), _ = jax.lax.scan(
             iteration, start, jnp.arange(timetable.iterations(s_, m_, v_)))
     # the groups' sums, reduce-scattered onto the distributed optimizer's shards where it runs
     grad_stack = jax.tree.unflatten(stack_def, [
@@ -411,5 +436,10 @@ def gradients(setup, params: Any, batch: Batch, loss_sums: Callable, moe_metrics
     order = storage_order(stack_size - schedule.pads, s_, v_)  # the model's period at each stored slot
     real = np.nonzero(order != PAD)[0]
     natural = real[np.argsort(order[real])]  # the stored slot of each of the model's periods, in its order
-    stats = jax.tree.map(lambda a: (a / m_).reshape(s_ * per, *a.shape[2:])[natural], stats_sum)
-    return grads, ce_sum, n_sum, moe_metrics(stats)
+    stats = jax.tree.map(lambda a, b: jnp.concatenate([(a / m_).reshape(s_ * per, *a.shape[2:])[natural], b / m_]),
+                         stats_sum, mtp_stats) if mtp_stats else \
+        jax.tree.map(lambda a: (a / m_).reshape(s_ * per, *a.shape[2:])[natural], stats_sum)
+    metrics = moe_metrics(stats)
+    if depth:  # the modules' loss as the fill-drain step reports it: the mean over depths of each one's mean
+        metrics["mtp_loss"] = jnp.mean(mtp_ce / jnp.maximum(valid_k, 1.0))
+    return grads, ce_sum, n_sum, metrics

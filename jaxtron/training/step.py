@@ -16,7 +16,7 @@ from flax import nnx
 
 from jaxtron.config.schema import ONE_F_ONE_B
 from jaxtron.models import lora
-from jaxtron.models.transformer import logits_of
+from jaxtron.models.transformer import logits_of, mtp_valid
 from jaxtron.parallel.sharding import (
     BATCH_AXES,
     constrain,
@@ -97,13 +97,18 @@ def balance_router_bias(params: Any, block_load: jax.Array, rate: float,
 
 def loss_sums(params: Any, graphdef: Any, batch: Batch, z_loss: float, logit_chunks: int = 1,
               router_aux_loss: float = 0.0, router_z_loss: float = 0.0,
-              stack_runner: Any = None, mtp_loss: float | None = None) -> tuple[jax.Array, tuple]:
+              stack_runner: Any = None, mtp_loss: float | None = None,
+              mtp_weights: jax.Array | None = None) -> tuple[jax.Array, tuple]:
     """(objective summed over tokens, (cross-entropy sum, token count, MoE and MTP metrics)).
 
     Sums rather than means so microbatches add up exactly to the large batch. The MoE auxiliary losses are
     means over the batch, so they enter the objective multiplied by the token count; so does multi-token
     prediction, ``mtp_loss`` times the mean over depths of each depth's mean cross-entropy (``mtp_loss`` metric);
     None skips the prediction modules (validation: their losses are training only).
+
+    ``mtp_weights`` [depth]: the prediction modules' cross-entropy sums enter the objective times these instead (a
+    1F1B schedule's microbatch, weighted by the whole batch's counts); the metrics then hold those sums
+    (``mtp_sums``) and the routing stats of the modules' blocks (``mtp_stats``) in place of their means.
     """
     # a runner may shape the work outside it: a pipeline's stages split its rows (``Schedule.outside``)
     outside = getattr(stack_runner, "outside", None)
@@ -120,14 +125,16 @@ def loss_sums(params: Any, graphdef: Any, batch: Batch, z_loss: float, logit_chu
         count = jnp.sum(weights)
         extra = {}
         if out.mtp_hidden:
-            means = []
+            ce_k, valid_k = [], []
             for k, hidden in enumerate(out.mtp_hidden, start=1):
-                valid = weights * jnp.roll(weights, -k, axis=1) * (jnp.arange(weights.shape[1]) < weights.shape[1] - k)
-                if segments is not None:  # the token k ahead must be of the same document
-                    valid = valid * (jnp.roll(segments, -k, axis=1) == segments)
-                ce_k, _ = sums(hidden, out.head, jnp.roll(batch["targets"], -k, axis=1), valid)
-                means.append(ce_k / jnp.maximum(jnp.sum(valid), 1.0))
-            extra["mtp_loss"] = jnp.mean(jnp.stack(means))
+                valid = mtp_valid(weights, segments, k)
+                ce_k.append(sums(hidden, out.head, jnp.roll(batch["targets"], -k, axis=1), valid)[0])
+                valid_k.append(jnp.sum(valid))
+            ce_k = jnp.stack(ce_k)
+            if mtp_weights is not None:
+                objective += jnp.sum(mtp_weights * ce_k)
+                return objective, (ce_sum, count, {"mtp_sums": ce_k, "mtp_stats": out.stats})
+            extra["mtp_loss"] = jnp.mean(ce_k / jnp.maximum(jnp.stack(valid_k), 1.0))
             objective += count * mtp_loss * extra["mtp_loss"]
         moe = moe_metrics(out.stats)
         if moe:
