@@ -1,21 +1,26 @@
-"""Calibrates the planner's time model on published runs and checks it on the ones it was not fitted on.
+"""Calibrates the planner's time model on published runs, and checks it on each run with constants fitted without it.
 
-    python benchmarks/plan_calibration.py             # the table with the constants in jaxtron/planning/gpus.py
-    python benchmarks/plan_calibration.py --fit       # fits the constants anew on the fit runs and prints them
+    python benchmarks/plan_calibration.py             # the tables, with the constants in jaxtron/planning/gpus.py
+    python benchmarks/plan_calibration.py --fit       # fits the constants anew on all the runs and prints them
 
-The runs are ``jaxtron/planning/published.py``'s (KempnerForge's 14 H200 runs in nodes of 4). For each, the
-planner estimates tokens/s for the run's own layout, batch and microbatches (``estimate``, the GPU's node size
-as the run's). ``--fit`` fits the three constants of the time model that no compile can tell, by least squares of
-the log of estimated over measured tokens/s on the runs marked ``fit``, starting from the current ones:
+The runs are ``jaxtron/planning/published.py``'s: KempnerForge's 14 H200 runs in nodes of 4, and Megatron's H100
+runs. For each, the planner estimates tokens/s for the run's own layout, batch and microbatches (``estimate``, the
+GPU's node size as the run's). ``--fit`` fits the four constants of the time model that no compile can tell, by
+least squares of the log of estimated over measured tokens/s on KempnerForge's runs:
 
 - ``matmul_efficiency``: the share of the dense bf16 peak a step's GEMMs sustain;
 - ``comm_overlap``: how much of the compute the gathers and gradient reductions over fsdp and data hide behind
   (1: all of it, as long as they take no longer than the compute);
-- ``tensor_efficiency``: what tensor parallelism leaves of the GEMM rate.
+- ``comm_interference``: the share of the hidden collectives' time the step still pays (their kernels share the
+  SMs and memory bandwidth with the GEMMs);
+- ``tensor_efficiency``: what tensor parallelism leaves of the GEMM rate in KempnerForge's stack (beyond its
+  collectives' bytes, which the model counts); Megatron's own is fitted on Megatron's runs with the other three
+  fixed.
 
-The fitted values go into ``jaxtron/planning/gpus.py`` by hand (the table then says which constants it used); the
-table, its errors and the planner's rank of each GPU count's best published layout are written to
-``benchmarks/plan_calibration.md`` and ``.json``.
+Each run's held-out error comes from the constants fitted on the other 13 (leave-one-out), so no run checks a fit
+it took part in. The fitted values go into ``jaxtron/planning/gpus.py`` by hand; the tables, their errors and the
+planner's rank of each GPU count's best published layout are written to ``benchmarks/plan_calibration.md`` and
+``.json``.
 """
 
 from __future__ import annotations
@@ -33,16 +38,24 @@ sys.path.insert(0, ROOT)
 
 # The bandwidths stay the table's (80% of NVLink's 450 GB/s and of the network's 50 GB/s per GPU, what NCCL's bus
 # bandwidth reaches). Fitted, NVLink's runs to its bound: the tensor group's cost in these runs follows its compute,
-# not its bytes (TP=2 costs as much of the step as TP=4), which ``tensor_efficiency`` carries. The network's does
-# not move: in the fit runs that cross nodes the gathers stay within what the compute hides.
-CONSTANTS = ("matmul_efficiency", "comm_overlap", "tensor_efficiency")
+# not its bytes (TP=2 costs as much of the step as TP=4), which ``tensor_efficiency`` carries.
+CONSTANTS = ("matmul_efficiency", "comm_overlap", "comm_interference", "tensor_efficiency")
+BOUNDS = ((0.2, 0.95), (0.0, 1.0), (0.0, 1.0), (0.2, 1.0))
 
 
 def gpu_of(run, constants: dict[str, float] | None = None):
-    from jaxtron.planning.gpus import gpu
+    """The planner's GPU for ``run``: its table entry with the run's node size and its stack's tensor-parallel cost
+    (``STACK_TENSOR_EFFICIENCY``), ``constants`` in place of the table's (their ``tensor_efficiency`` is
+    KempnerForge's: it applies to KempnerForge's runs alone)."""
+    from jaxtron.planning.gpus import STACK_TENSOR_EFFICIENCY, gpu
+    from jaxtron.planning.published import KEMPNERFORGE_STACK
 
-    out = dataclasses.replace(gpu(run.gpu), gpus_per_node=run.gpus_per_node)
-    return dataclasses.replace(out, **constants) if constants else out
+    out = dataclasses.replace(gpu(run.gpu), gpus_per_node=run.gpus_per_node,
+                              tensor_efficiency=STACK_TENSOR_EFFICIENCY[run.stack])
+    if constants:
+        out = dataclasses.replace(out, **{k: v for k, v in constants.items()
+                                          if k != "tensor_efficiency" or run.stack == KEMPNERFORGE_STACK})
+    return out
 
 
 def estimated(run, constants: dict[str, float] | None = None):
@@ -51,23 +64,58 @@ def estimated(run, constants: dict[str, float] | None = None):
     return estimate(run.config(), run.sizes, gpu_of(run, constants))
 
 
-def fit(runs) -> dict[str, float]:
-    """The constants minimizing the squared log error on ``runs`` (bounded to physical ranges)."""
+def table_constants() -> dict[str, float]:
+    """The constants the planner uses for KempnerForge's runs (``jaxtron/planning/gpus.py``)."""
+    from jaxtron.planning import published
+
+    return {name: getattr(gpu_of(published.RUNS[0]), name) for name in CONSTANTS}
+
+
+def _least_squares(residuals, start: list[float], bounds) -> list[float]:
     import numpy as np
     from scipy.optimize import least_squares
 
-    start = gpu_of(runs[0])
-    x0 = np.array([getattr(start, name) for name in CONSTANTS])
-    scale = x0.copy()
+    lower, upper = (np.array(b, float) for b in zip(*bounds))
+    scale = np.where(np.array(start) > 0, start, 1.0)
+    x0 = np.clip(np.where(np.array(start) > 0, 1.0, 0.1), lower / scale, upper / scale)
+    result = least_squares(lambda x: residuals(x * scale), x0, bounds=(lower / scale, upper / scale), x_scale=1.0)
+    return [float(v) for v in result.x * scale]
+
+
+def fit(runs, start: dict[str, float] | None = None) -> dict[str, float]:
+    """The constants minimizing the squared log error on KempnerForge's ``runs``, searched from ``start`` (default:
+    the table's), within physical bounds."""
+    start = start or table_constants()
 
     def residuals(x):
-        constants = dict(zip(CONSTANTS, x * scale, strict=True))
+        constants = dict(zip(CONSTANTS, x, strict=True))
         return [math.log(estimated(r, constants).tokens_per_s / r.tokens_per_s) for r in runs]
 
-    lower = np.array([0.2, 0.0, 0.2]) / scale
-    upper = np.array([0.95, 1.0, 1.0]) / scale
-    result = least_squares(residuals, np.clip(np.ones_like(x0), lower, upper), bounds=(lower, upper))
-    return dict(zip(CONSTANTS, (float(v) for v in result.x * scale), strict=True))
+    return dict(zip(CONSTANTS, _least_squares(residuals, [start[k] for k in CONSTANTS], BOUNDS), strict=True))
+
+
+def fit_stack_tensor_efficiency(runs, constants: dict[str, float]) -> float:
+    """Another stack's ``tensor_efficiency``, fitted on its ``runs`` with tensor parallelism, ``constants``' others
+    fixed."""
+    from jaxtron.planning.estimate import estimate
+
+    runs = [r for r in runs if r.sizes["tensor"] > 1]
+    shared = {k: v for k, v in constants.items() if k != "tensor_efficiency"}
+
+    def residuals(x):
+        return [math.log(estimate(r.config(), r.sizes, dataclasses.replace(
+            gpu_of(r), **shared, tensor_efficiency=float(x[0]))).tokens_per_s / r.tokens_per_s) for r in runs]
+
+    return _least_squares(residuals, [0.8], [BOUNDS[CONSTANTS.index("tensor_efficiency")]])[0]
+
+
+def held_out(runs, constants: dict[str, float]) -> dict[int, dict[str, float]]:
+    """Each run's estimate with the constants fitted on the others (searched from ``constants``)."""
+    out = {}
+    for run in runs:
+        others = fit([r for r in runs if r is not run], start=constants)
+        out[run.number] = dict(constants=others, estimated=estimated(run, others).tokens_per_s)
+    return out
 
 
 def rank_of_best(best, gpu_constants: dict[str, float] | None = None) -> tuple[int, int, str]:
@@ -103,37 +151,47 @@ def main(argv: list[str]) -> int:
     from jaxtron.planning import published
 
     parser = argparse.ArgumentParser(prog="benchmarks/plan_calibration.py", description=__doc__.split("\n")[0])
-    parser.add_argument("--fit", action="store_true", help="fit the constants anew and print them")
+    parser.add_argument("--fit", action="store_true", help="fit the constants anew on all the runs and print them")
     parser.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "plan_calibration"),
                         help="path of the results without extension (.md and .json are written)")
     args = parser.parse_args(argv)
-    constants = None
+    constants = table_constants()
     if args.fit:
-        constants = fit([r for r in published.RUNS if r.fit])
-        print("fitted: " + ", ".join(f"{k}={v:.4g}" for k, v in constants.items()))
-    used = {name: getattr(gpu_of(published.RUNS[0], constants), name) for name in CONSTANTS}
+        constants = fit(published.RUNS, start=constants)
+        megatron_te = fit_stack_tensor_efficiency(published.MEGATRON_RUNS, constants)
+        print("fitted: " + ", ".join(f"{k}={v:.4g}" for k, v in constants.items())
+              + f"; Megatron's tensor_efficiency={megatron_te:.4g}")
+        return 0
+    others = held_out(published.RUNS, constants)
     rows = []
     for run in published.RUNS:
         e = estimated(run, constants)
-        rows.append(dict(number=run.number, model=run.model, layout=run.layout, gpus=run.gpus, fit=run.fit,
+        out = others[run.number]
+        rows.append(dict(number=run.number, model=run.model, layout=run.layout, gpus=run.gpus,
                          measured=run.tokens_per_s, estimated=e.tokens_per_s,
-                         error=e.tokens_per_s / run.tokens_per_s - 1, step_s=e.step_s, time=e.time))
+                         error=e.tokens_per_s / run.tokens_per_s - 1, held_out=out["estimated"],
+                         held_out_error=out["estimated"] / run.tokens_per_s - 1, held_out_constants=out["constants"],
+                         step_s=e.step_s, time=e.time))
     ranks = [dict(gpus=b[0], model=b[1], layout=" ".join(f"{a}={s}" for a, s in b[2]) or "one GPU",
-                  rank=rank_of_best(b, constants), among_runs=rank_among_runs(b, constants)) for b in published.BEST]
-    held = [abs(r["error"]) for r in rows if not r["fit"]]
-    lines = [f"Constants ({'fitted now' if args.fit else 'jaxtron/planning/gpus.py'}): "
-             + ", ".join(f"{k} {v:.4g}" for k, v in used.items()), "",
-             "| # | model | layout | GPUs | fitted on | measured tok/s | estimated | error |",
-             "|---|---|---|---|---|---|---|---|"]
+                  rank=rank_of_best(b), among_runs=rank_among_runs(b)) for b in published.BEST]
+    held = [abs(r["held_out_error"]) for r in rows]
+    spread = {k: (min(r["held_out_constants"][k] for r in rows), max(r["held_out_constants"][k] for r in rows))
+              for k in CONSTANTS}
+    lines = ["Constants (jaxtron/planning/gpus.py, fitted on all 14 runs): "
+             + ", ".join(f"{k} {v:.4g}" for k, v in constants.items()) + "; fitted on 13 runs at a time: "
+             + ", ".join(f"{k} {lo:.3g}-{hi:.3g}" for k, (lo, hi) in spread.items()), "",
+             ("| # | model | layout | GPUs | measured tok/s | estimated | error | held out: fitted on the other 13 | "
+              "error |"), "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        lines.append(f"| {r['number']} | {r['model']} | {r['layout']} | {r['gpus']} | {'yes' if r['fit'] else 'no'} | "
-                     f"{r['measured']:,.0f} | {r['estimated']:,.0f} | {100 * r['error']:+.1f}% |")
+        lines.append(f"| {r['number']} | {r['model']} | {r['layout']} | {r['gpus']} | {r['measured']:,.0f} | "
+                     f"{r['estimated']:,.0f} | {100 * r['error']:+.1f}% | {r['held_out']:,.0f} | "
+                     f"{100 * r['held_out_error']:+.1f}% |")
     within = sum(e <= 0.20 for e in held)
     lines += ["", f"Held out: {within} of {len(held)} within 20% (largest {100 * max(held):.1f}%).",
               "", ("The report's best layout at each GPU count (by its MFU): the planner's rank of it among the "
                    "report's runs on as many GPUs (by estimated MFU), and among every mesh it searches (most of which "
                    "the report did not run: data parallelism with the distributed optimizer, pipelines, context "
-                   "parallelism):"), "",
+                   "parallelism), each with KempnerForge's tensor-parallel cost:"), "",
               ("| GPUs | the report's best layout | rank among the report's runs | rank among all meshes | meshes "
                "ranked | planner's first |"),
               "|---|---|---|---|---|---|"]
@@ -144,11 +202,12 @@ def main(argv: list[str]) -> int:
                      f"{count} | {first} |")
     megatron = []
     for run in published.MEGATRON_RUNS:
-        e = estimated(run, constants)
+        e = estimated(run)
         megatron.append(dict(number=run.number, model=run.model, layout=run.layout, gpus=run.gpus,
                              source=run.source, tflops=run.tflops, measured=run.tokens_per_s, estimated=e.tokens_per_s,
                              error=e.tokens_per_s / run.tokens_per_s - 1, mfu=e.mfu, time=e.time))
-    lines += ["", "Megatron's H100 runs (another stack; not fitted, the constants above):", "",
+    lines += ["", ("Megatron's H100 runs (another stack; the constants above, and Megatron's tensor-parallel cost, "
+                   f"tensor_efficiency {gpu_of(published.MEGATRON_RUNS[0]).tensor_efficiency:.3g}):"), "",
               "| # | model | layout | GPUs | published TFLOP/s | measured tok/s | estimated | error | est. MFU |",
               "|---|---|---|---|---|---|---|---|---|"]
     for r in megatron:
@@ -157,11 +216,10 @@ def main(argv: list[str]) -> int:
                      f"{100 * r['mfu']:.1f}% |")
     text = "\n".join(lines) + "\n"
     print(text)
-    if not args.fit:
-        with open(args.out + ".md", "w") as f:
-            f.write(text)
-        with open(args.out + ".json", "w") as f:
-            json.dump({"constants": used, "runs": rows, "best": ranks, "megatron": megatron}, f, indent=1)
+    with open(args.out + ".md", "w") as f:
+        f.write(text)
+    with open(args.out + ".json", "w") as f:
+        json.dump({"constants": constants, "runs": rows, "best": ranks, "megatron": megatron}, f, indent=1)
     return 0
 
 

@@ -256,16 +256,22 @@ def test_top_choices_follow_published_practice():
     rows = search.plan(_config("llama3_70b"), 64, H100)
     top = rows[0]
     assert top.fits and top.estimate.memory_bytes <= H100.usable_bytes
-    # 70B on 64 GPUs: fsdp=64 alone is within 10% of the best (a 1F1B pipeline over data and fsdp, its gradient
-    # sums once a step), as MaxText trains Llama-3 70B on H100s (pure FSDP, about 48% MFU on 128), though its
-    # gathers outlast what the compute hides (calibrated on KempnerForge's runs, benchmarks/plan_calibration.md);
-    # tensor meshes pay what tensor parallelism costs those runs
+    # 70B on 64 GPUs: fsdp=64 alone is within 10% of the best, as MaxText trains Llama-3 70B on H100s (pure FSDP,
+    # about 48% MFU on 128); its gathers hide behind the compute but for what they take from it (calibrated on
+    # KempnerForge's runs, benchmarks/plan_calibration.md); tensor meshes pay their collectives' bytes
     flat = next(r for r in rows if r.estimate.mesh["fsdp"] == 64)
     assert flat.fits and flat.estimate.step_s <= 1.10 * top.estimate.step_s
-    compute = sum(flat.estimate.time[k] for k in ("matmul", "attention", "elementwise", "pipeline_bubble"))
-    assert flat.estimate.time["fsdp_comm"] > H100.comm_overlap * compute
+    time = flat.estimate.time
+    compute = sum(time[k] for k in ("matmul", "attention", "elementwise", "pipeline_bubble"))
+    hidden = time["fsdp_comm"] + time["data_comm"]
+    exposed = sum(time[k] for k in ("tensor_comm", "sequence_comm", "expert_comm", "pipeline_comm"))
+    assert H100.comm_overlap * compute > hidden > 0.5 * compute
+    assert flat.estimate.step_s == pytest.approx(compute + H100.comm_interference * hidden + exposed)
     tensor = next(r for r in rows if r.fits and 1 < r.estimate.mesh["tensor"] <= 8)
-    assert tensor.estimate.step_s > flat.estimate.step_s
+    t = tensor.estimate.time
+    assert t["tensor_comm"] > 0
+    assert tensor.estimate.step_s >= sum(t[k] for k in ("matmul", "attention", "elementwise", "pipeline_bubble",
+                                                        "tensor_comm"))
     assert any(not r.fits for r in rows)  # e.g. pure data parallelism cannot hold 70B on one GPU
     assert all(r.estimate.dominant in r.estimate.time for r in rows)
 
@@ -433,22 +439,28 @@ def test_nodes_of_four_keep_tensor_groups_to_four_and_price_what_crosses_them(ca
 
 
 def test_the_calibrated_time_model_holds_on_the_published_runs_it_was_not_fitted_on():
-    """The constants in planning/gpus.py are what fitting the time model on half of KempnerForge's H200 runs gives
-    (a new fit reproduces them), and on the other half the estimated tokens/s of each run's own layout are within
-    20% of the measured, but one at 21% (the 7B model on 32 GPUs: the smallest compute per collective);
-    benchmarks/plan_calibration.md."""
+    """The constants in planning/gpus.py are what fitting the time model on KempnerForge's 14 H200 runs gives (a new
+    fit reproduces them). Fitted on the other 13, the estimated tokens/s of the run with the largest held-out error
+    (the 7B model on 32 GPUs: the least compute per collective) is within 20% of the measured
+    (benchmarks/plan_calibration.md has every run's)."""
     sys.path.insert(0, os.path.join(REPO, "benchmarks"))
     import plan_calibration
 
     from jaxtron.planning import published
+    from jaxtron.planning.gpus import STACK_TENSOR_EFFICIENCY
 
-    fitted = plan_calibration.fit([r for r in published.RUNS if r.fit])
+    table = plan_calibration.table_constants()
+    fitted = plan_calibration.fit(published.RUNS, start=table)
     for name, value in fitted.items():
-        assert getattr(H100, name) == pytest.approx(value, rel=1e-3) == getattr(gpu("h200"), name), name
-    errors = {r.number: plan_calibration.estimated(r).tokens_per_s / r.tokens_per_s - 1
-              for r in published.RUNS if not r.fit}
-    assert len(errors) == 7 and sum(abs(e) <= 0.20 for e in errors.values()) >= 6, errors
-    assert max(abs(e) for e in errors.values()) < 0.22, errors
+        assert table[name] == pytest.approx(value, rel=1e-3, abs=1e-4), name
+        if name != "tensor_efficiency":
+            assert getattr(H100, name) == table[name] == getattr(gpu("h200"), name), name
+    assert STACK_TENSOR_EFFICIENCY["KempnerForge"] == table["tensor_efficiency"]
+    assert H100.tensor_efficiency == 1.0  # jaxtron's own: assumed until measured
+    run = next(r for r in published.RUNS if r.number == 12)
+    others = plan_calibration.fit([r for r in published.RUNS if r is not run], start=table)
+    error = plan_calibration.estimated(run, others).tokens_per_s / run.tokens_per_s - 1
+    assert abs(error) <= 0.20, (error, others)
     # of the layouts the report ran on each GPU count, the planner ranks the report's best first
     assert [plan_calibration.rank_among_runs(best)[0] for best in published.BEST] == [1] * len(published.BEST)
 

@@ -85,7 +85,7 @@ def estimate(cfg: Config, sizes: dict[str, int], gpu: GPU, microbatches: int | N
     time = compute_time(cfg, shape, block, gpu)
     comm, collectives = communication_time(cfg, shape, block, params, gpu)
     time.update(comm)
-    step = step_seconds(time, gpu.comm_overlap)
+    step = step_seconds(time, gpu.comm_overlap, gpu.comm_interference)
     return Estimate(mesh=dict(shape.mesh), microbatches=shape.microbatches,
                     pipeline_microbatches=shape.in_flight if shape.pipelined else 0, schedule=shape.schedule,
                     virtual_stages=shape.virtual_stages if shape.pipelined else 1,

@@ -7,8 +7,8 @@ rank takes 4 rows per microbatch (70B: 2) over 2 microbatches (13B and 70B: 4); 
 time and the token count per step agree with it. The models: "7B" is Llama-3 8B; "13B" is Llama-3 with width 5120,
 40 layers, 40 query and 8 key-value heads and an MLP of 17920 (its 14.84B parameters); "70B" is Llama-3 70B.
 
-A run is ``fit`` when the calibration fits the time model's constants on it (``benchmarks/plan_calibration.py``);
-the others are the check: the planner's tokens/s for their own layouts, which it was not fitted on.
+The time model's constants are fitted on KempnerForge's runs, and each run is checked with the constants fitted on
+the other 13 (``benchmarks/plan_calibration.py``).
 """
 
 from __future__ import annotations
@@ -38,7 +38,6 @@ class Run:
     model: str  # '7B', '13B' or '70B'
     mesh: tuple[tuple[str, int], ...]  # the mesh axes beyond 1
     tokens_per_s: float  # measured
-    fit: bool  # the calibration fits on it
     gpu: str = "h200"
     gpus_per_node: int = 4
     seq_len: int = 4096
@@ -86,7 +85,6 @@ class MegatronRun:
     mesh: tuple[tuple[str, int], ...]
     tflops: float  # per GPU, as published
     batch: int  # global batch (rows)
-    fit: bool
     base: str = "gpt3_175b"  # the config the shape overrides
     shape: tuple[tuple[str, str], ...] = ()
     seq_len: int = 4096
@@ -128,37 +126,37 @@ def _gpt(hidden: int, heads: int, layers: int) -> tuple[tuple[str, str], ...]:
 
 
 # Megatron's H100 runs: Megatron-Core's weak-scaling table (``../shared/REFERENCES.md``; 48 data-parallel ranks
-# each) and its GPT-3 175B and Llama-3.1 405B figures; every other one is held out from the fit
+# each) and its GPT-3 175B and Llama-3.1 405B figures
 MEGATRON_RUNS = (
-    MegatronRun("M1", "1.7B", (("data", 48),), 408.8, 192, fit=True, shape=_gpt(2048, 16, 24)),
-    MegatronRun("M2", "7.1B", (("data", 48), ("tensor", 2)), 465.9, 192, fit=False, shape=_gpt(4096, 32, 30)),
-    MegatronRun("M3", "16B", (("data", 48), ("tensor", 4)), 489.1, 192, fit=True, shape=_gpt(6144, 48, 32)),
-    MegatronRun("M4", "70B", (("pipeline", 2), ("data", 48), ("tensor", 8)), 419.7, 384, fit=False,
+    MegatronRun("M1", "1.7B", (("data", 48),), 408.8, 192, shape=_gpt(2048, 16, 24)),
+    MegatronRun("M2", "7.1B", (("data", 48), ("tensor", 2)), 465.9, 192, shape=_gpt(4096, 32, 30)),
+    MegatronRun("M3", "16B", (("data", 48), ("tensor", 4)), 489.1, 192, shape=_gpt(6144, 48, 32)),
+    MegatronRun("M4", "70B", (("pipeline", 2), ("data", 48), ("tensor", 8)), 419.7, 384,
                 shape=_gpt(8192, 64, 84)),
-    MegatronRun("M5", "462B", (("pipeline", 16), ("data", 48), ("tensor", 8)), 459.9, 3072, fit=True,
+    MegatronRun("M5", "462B", (("pipeline", 16), ("data", 48), ("tensor", 8)), 459.9, 3072,
                 shape=_gpt(18432, 144, 112)),
-    MegatronRun("M6", "GPT-3 175B", (("pipeline", 8), ("data", 4), ("tensor", 4)), 390.0, 1536, fit=False,
+    MegatronRun("M6", "GPT-3 175B", (("pipeline", 8), ("data", 4), ("tensor", 4)), 390.0, 1536,
                 seq_len=2048, source="Megatron-LM, GPT-3 175B on 128 H100s"),
     MegatronRun("M7", "Llama-3.1 405B", (("pipeline", 8), ("data", 8), ("sequence", 2), ("tensor", 8)), 400.0,
-                1024, fit=False, base="llama3_405b", seq_len=8192, source="Megatron-LM, Llama-3.1 405B"),
+                1024, base="llama3_405b", seq_len=8192, source="Megatron-LM, Llama-3.1 405B"),
 )
 
-# the report's 14 runs; every other one (by its number) is held out from the fit
+# the report's 14 runs
 RUNS = (
-    Run(1, "7B", (), 10_471, fit=True),
-    Run(2, "7B", (("fsdp", 2),), 18_728, fit=False),
-    Run(3, "7B", (("tensor", 2),), 13_163, fit=True),
-    Run(4, "7B", (("fsdp", 4),), 38_983, fit=False),
-    Run(5, "7B", (("tensor", 4),), 25_135, fit=True),
-    Run(6, "7B", (("fsdp", 2), ("tensor", 2)), 25_980, fit=False),
-    Run(7, "7B", (("fsdp", 2), ("tensor", 4)), 44_299, fit=True),
-    Run(8, "13B", (("fsdp", 8),), 35_405, fit=False),
-    Run(9, "13B", (("fsdp", 2), ("tensor", 4)), 27_345, fit=True),
-    Run(10, "7B", (("fsdp", 4), ("tensor", 4)), 82_988, fit=False),
-    Run(11, "13B", (("fsdp", 4), ("tensor", 4)), 53_814, fit=True),
-    Run(12, "7B", (("fsdp", 8), ("tensor", 4)), 155_917, fit=False),
-    Run(13, "13B", (("fsdp", 8), ("tensor", 4)), 104_309, fit=True),
-    Run(14, "70B", (("fsdp", 8), ("tensor", 4)), 17_657, fit=False),
+    Run(1, "7B", (), 10_471),
+    Run(2, "7B", (("fsdp", 2),), 18_728),
+    Run(3, "7B", (("tensor", 2),), 13_163),
+    Run(4, "7B", (("fsdp", 4),), 38_983),
+    Run(5, "7B", (("tensor", 4),), 25_135),
+    Run(6, "7B", (("fsdp", 2), ("tensor", 2)), 25_980),
+    Run(7, "7B", (("fsdp", 2), ("tensor", 4)), 44_299),
+    Run(8, "13B", (("fsdp", 8),), 35_405),
+    Run(9, "13B", (("fsdp", 2), ("tensor", 4)), 27_345),
+    Run(10, "7B", (("fsdp", 4), ("tensor", 4)), 82_988),
+    Run(11, "13B", (("fsdp", 4), ("tensor", 4)), 53_814),
+    Run(12, "7B", (("fsdp", 8), ("tensor", 4)), 155_917),
+    Run(13, "13B", (("fsdp", 8), ("tensor", 4)), 104_309),
+    Run(14, "70B", (("fsdp", 8), ("tensor", 4)), 17_657),
 )
 # the report's best layout at each GPU count (by its MFU): (GPUs, model, layout)
 BEST = ((1, "7B", ()), (2, "7B", (("fsdp", 2),)), (4, "7B", (("fsdp", 4),)), (8, "13B", (("fsdp", 8),)),

@@ -68,13 +68,16 @@ def compute_time(cfg: Config, shape: StepShape, block: BlockValues, gpu: GPU) ->
     return time
 
 
-def step_seconds(time: dict[str, float], overlap: float = 1.0) -> float:
+def step_seconds(time: dict[str, float], overlap: float = 1.0, interference: float = 0.0) -> float:
     """The step: the compute, plus the overlapped communication that ``overlap`` x the compute does not hide, plus
-    the exposed communication. With ``overlap`` 1 the overlapped communication costs nothing until it outlasts the
-    compute; the published runs say less of it hides (``GPU.comm_overlap``, benchmarks/plan_calibration.md)."""
+    ``interference`` x what it does hide (running beside the GEMMs, the collectives' kernels take some of their
+    SMs and memory bandwidth), plus the exposed communication. With ``overlap`` 1 and no interference the
+    overlapped communication costs nothing until it outlasts the compute; the published runs say otherwise
+    (``GPU.comm_overlap``, ``GPU.comm_interference``, benchmarks/plan_calibration.md)."""
     compute = sum(time[k] for k in COMPUTE_TERMS)
-    hidden = overlap * compute
-    return compute + max(0.0, sum(time[k] for k in OVERLAPPED) - hidden) + \
+    overlapped = sum(time[k] for k in OVERLAPPED)
+    hidden = min(overlapped, overlap * compute)
+    return compute + interference * hidden + (overlapped - hidden) + \
         sum(time[k] for k in EXPOSED if k not in COMPUTE_TERMS)
 
 
