@@ -50,14 +50,22 @@ def pytest_runtest_logreport(report):
         os.write(2, f"\nFAILED {report.nodeid} ({report.when})\n{report.longreprtext[-6000:]}\n".encode())
 
 
+def _in_a_test_module(fixturedef) -> bool:
+    """Whether a fixture is defined in a test module (not a conftest or a plugin), read off its function: pytest
+    9.2 no longer gives a module's fixtures a base id."""
+    return getattr(fixturedef.func, "__module__", "").rsplit(".", 1)[-1].startswith("test_")
+
+
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups
 def pytest_collection_modifyitems(items):
-    """Tests that share a module-scoped fixture of a test module (a whole training run, a converted model) go to
-    one xdist worker, which computes the fixture once; spread over two workers, each would compute it."""
+    """Tests that share a module- or session-scoped fixture of a test module (a whole training run, a converted
+    model) go to one xdist worker, which computes the fixture once; spread over two workers, each would compute it.
+    The costly ones are session-scoped: a module fixture is set up again whenever the worker runs another module's
+    test between two of its own. (tests/test_suite.py checks that the groups hold.)"""
     for item in items:
         if item.get_closest_marker("xdist_group"):
             continue
         shared = sorted(name for name, defs in item._fixtureinfo.name2fixturedefs.items()
-                        if defs[-1].scope == "module" and defs[-1].baseid.startswith("tests/test_"))
+                        if defs[-1].scope in ("module", "session") and _in_a_test_module(defs[-1]))
         if shared:
             item.add_marker(pytest.mark.xdist_group(f"{item.module.__name__}.{shared[0]}"))

@@ -234,9 +234,9 @@ def test_a_tiny_model_fine_tuned_on_conversations_learns_the_assistants_format(t
     base = str(tmp_path / "base")
     run(tiny_config(train=dict(steps=1), checkpoint=dict(every=0)), base, use_tqdm=False, devices=jax.devices()[:1])
     cfg = tiny_config(model=dict(max_seq_len=128),
-                      train=dict(steps=250, global_batch_size=16, log_every=50, eval_every=250, eval_batches=2,
+                      train=dict(steps=100, global_batch_size=16, log_every=50, eval_every=100, eval_batches=2,
                                  init_from=base),
-                      optimizer=dict(learning_rate=3e-3, warmup_steps=10),
+                      optimizer=dict(learning_rate=5e-3, warmup_steps=10),
                       data=dict(source="store", path=store, seq_len=64, validation_fraction=0.1),
                       checkpoint=dict(every=0))
     summary = run(cfg, str(tmp_path / "sft"), use_tqdm=False, devices=jax.devices()[:1])

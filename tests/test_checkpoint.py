@@ -154,7 +154,7 @@ def _final_state(workdir):
     return [np.asarray(x) for x in jax.tree.leaves(tree)]
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # once per test process (tests/conftest.py)
 def uninterrupted(tmp_path_factory):
     workdir = str(tmp_path_factory.mktemp("whole"))
     assert _train(workdir).wait(timeout=300) == 0

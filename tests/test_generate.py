@@ -103,7 +103,7 @@ def test_a_cache_longer_than_the_model_takes_is_refused():
         Generator(build_model(cfg.model, cfg.execution, 0)).generate([[1] * 40], 30)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # once per test process (tests/conftest.py)
 def trained_run(tmp_path_factory):
     """A training run of the tiny model on synthetic bytes, its checkpoint at step 2."""
     from jaxtron.training.loop import run

@@ -19,7 +19,7 @@ FIXTURES = os.path.join(REPO, "tests", "fixtures", "hf")
 MODELS = ("llama", "llama_tied", "mixtral", "qwen3", "qwen3_moe", "deepseek_v3", "deepseek_v3_q")
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # once per test process (tests/conftest.py)
 def imported(tmp_path_factory):
     out = {}
     for name in MODELS:

@@ -48,7 +48,7 @@ def _abstract():
     return setup.abstract_state, state_lib.state_shardings(mesh, setup.abstract_state)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # once per test process (tests/conftest.py)
 def trained(tmp_path_factory):
     """A run of 3 steps with a checkpoint after each: its workdir, each step's restored state, the losses."""
     workdir = str(tmp_path_factory.mktemp("trained"))

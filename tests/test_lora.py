@@ -14,7 +14,7 @@ from jaxtron.models import build_model, lora
 from jaxtron.training.loop import run
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # once per test process (tests/conftest.py)
 def base_run(tmp_path_factory):
     """A base model to adapt: a tiny run of 2 steps."""
     workdir = str(tmp_path_factory.mktemp("base"))

@@ -435,7 +435,7 @@ def _losses(summary):
 MOE = dict(moe=dict(num_experts=4, experts_per_token=2))
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # once per test process (tests/conftest.py)
 def single_device_moe_run(tmp_path_factory):
     workdir = str(tmp_path_factory.mktemp("moe_single"))
     return workdir, run(tiny_config(dict(fsdp=1), model=MOE), workdir, use_tqdm=False, devices=jax.devices()[:1])

@@ -26,7 +26,7 @@ def _losses(workdir) -> list[float]:
     return [json.loads(line)["loss"] for line in open(os.path.join(workdir, "metrics.jsonl"))]
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # once per test process (tests/conftest.py)
 def one_process(tmp_path_factory):
     workdir = str(tmp_path_factory.mktemp("one"))
     subprocess.run([sys.executable, "train.py", *TINY, "--config.mesh.fsdp=8", f"--workdir={workdir}"],

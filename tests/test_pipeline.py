@@ -210,7 +210,7 @@ def _losses(summary):
 BASE = dict(model=dict(num_layers=4), train=dict(global_batch_size=16))
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # once per test process (tests/conftest.py)
 def one_device(tmp_path_factory):
     return run(tiny_config(dict(fsdp=1), **BASE), str(tmp_path_factory.mktemp("one")), use_tqdm=False,
                devices=jax.devices()[:1])
@@ -252,7 +252,7 @@ def test_pipeline_meshes_train_like_one_device(name, one_device, tmp_path):
 MOE = dict(model=dict(num_layers=4, moe=dict(num_experts=4, every=2)), train=dict(global_batch_size=16))
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # once per test process (tests/conftest.py)
 def moe_one_device(tmp_path_factory):
     """The MoE model on one device with 4 pipeline microbatches (the routing stats are per microbatch)."""
     return run(tiny_config(dict(fsdp=1), pipeline=dict(microbatches=4), **MOE),
@@ -345,7 +345,7 @@ def _deepseek_style():
 DEEPSEEK_TRAIN = dict(global_batch_size=16, router_bias_rate=0.003)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # once per test process (tests/conftest.py)
 def deepseek_one_device(tmp_path_factory):
     """The DeepSeek-style model of the 1F1B schedules on one device, with their 2 pipeline microbatches."""
     return run(tiny_config(dict(fsdp=1), model=_deepseek_style(), pipeline=dict(microbatches=2),

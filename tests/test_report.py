@@ -20,7 +20,7 @@ from jaxtron.training import profiling
 from jaxtron.training.loop import run
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # once per test process (tests/conftest.py)
 def profiled_run(tmp_path_factory):
     """Six fsdp=8 steps, logged every step, with the profiler on steps 3 and 4."""
     workdir = str(tmp_path_factory.mktemp("profiled"))

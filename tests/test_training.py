@@ -20,7 +20,7 @@ def _losses(summary):
     return np.array([h["loss"] for h in summary.history])
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # once per test process (tests/conftest.py)
 def single_device_run(tmp_path_factory):
     cfg = tiny_config(dict(fsdp=1))
     return run(cfg, str(tmp_path_factory.mktemp("single")), use_tqdm=False, devices=jax.devices()[:1])
@@ -217,7 +217,7 @@ def test_learned_positions_train_on_documents_longer_than_the_position_table(tmp
     assert summary.history[-1]["nonfinite_steps"] == 0
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # once per test process (tests/conftest.py)
 def packed_text(tmp_path_factory):
     """Real text in short documents, several to a row: the lines of a few standard-library modules."""
     import sysconfig
@@ -238,7 +238,7 @@ def _packed_config(mesh, store):
     return tiny_config(mesh, data=dict(source="store", path=store, seq_len=64, validation_fraction=0.05))
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # once per test process (tests/conftest.py)
 def packed_single_device_run(packed_text, tmp_path_factory):
     return run(_packed_config(dict(fsdp=1), packed_text), str(tmp_path_factory.mktemp("packed1")), use_tqdm=False,
                devices=jax.devices()[:1])
@@ -313,7 +313,7 @@ def _family_config(family, mesh):
     return tiny_config(mesh, model=QWEN3_STYLE[family], train=train)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # once per test process (tests/conftest.py)
 def qwen3_single_device_runs(tmp_path_factory):
     return {family: run(_family_config(family, dict(fsdp=1)), str(tmp_path_factory.mktemp(family)),
                         use_tqdm=False, devices=jax.devices()[:1]) for family in QWEN3_STYLE}
@@ -323,7 +323,7 @@ def qwen3_single_device_runs(tmp_path_factory):
 @pytest.mark.parametrize("family,mesh_name", [("qwen3", "fsdp8"), ("qwen3", "data2_fsdp2_tensor2"),
                                               ("qwen3", "fsdp2_sequence2_tensor2"), ("qwen3_moe", "fsdp4_expert2"),
                                               ("qwen3_moe", "data2_fsdp2_tensor2"), ("deepseek_v3", "fsdp4_expert2"),
-                                              ("deepseek_v3", "data2_fsdp2_tensor2"), ("deepseek_v3", "fsdp8")])
+                                              ("deepseek_v3", "data2_fsdp2_tensor2")])
 def test_new_families_losses_match_single_device(family, mesh_name, qwen3_single_device_runs, tmp_path):
     summary = run(_family_config(family, MESHES[mesh_name]), str(tmp_path), use_tqdm=False)
     expected = _losses(qwen3_single_device_runs[family])
