@@ -51,8 +51,8 @@ def pytest_runtest_logreport(report):
 
 
 def _in_a_test_module(fixturedef) -> bool:
-    """Whether a fixture is defined in a test module (not a conftest or a plugin), read off its function: pytest
-    9.2 no longer gives a module's fixtures a base id."""
+    """Whether a fixture is defined in a test module (not a conftest or a plugin), read off its function (a base id
+    depends on the pytest version and the root directory)."""
     return getattr(fixturedef.func, "__module__", "").rsplit(".", 1)[-1].startswith("test_")
 
 
