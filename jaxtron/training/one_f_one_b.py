@@ -28,8 +28,9 @@ chunks' inputs kept. With V = 1 it is the 1F1B schedule above.
 The objective is the fill-drain schedule's: the cross-entropy (and z-loss) sums of the microbatches, and the MoE
 auxiliary losses as the token count times their mean over blocks and microbatches, so both schedules compute the
 same gradients. The model is the one the training step runs: its forward up to the layer stack (``pre``) and from
-it (``post``) are the train step's own loss with a stack runner that hands the stack's input out (``_Capture``) or
-takes its output in (``_Replace``); the stack's periods run as ``body`` under the model's remat policy.
+it (``post``) are the train step's own loss with a stack runner that hands the stack's input out (``Capture``) or
+takes its output in (``Replace``), both in ``stack_cut.py``; the stack's periods run as ``body`` under the model's
+remat policy.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxtron.models.stack import scan_stack, without_remat
+from jaxtron.models.stack import without_remat
 from jaxtron.models.transformer import EMBED_AXES, mtp_valid
 from jaxtron.parallel import timetable
 from jaxtron.parallel.sharding import (
@@ -62,38 +63,12 @@ from jaxtron.parallel.sharding import (
 )
 from jaxtron.parallel.stages import PAD, identity_slots, storage_order
 from jaxtron.training.pipeline import SCOPE, check_schedule, split_rows
+from jaxtron.training.stack_cut import Capture, Replace
 
 FORWARD_PHASE = "one_f_one_b_forward"  # the named scopes of an iteration's two phases
 BACKWARD_PHASE = "one_f_one_b_backward"
 
 Batch = dict[str, jax.Array]
-
-
-class _Capture:
-    """A stack runner that runs nothing: it records the body, the stack's input, its periods and extras, and hands
-    the input on unchanged (with zero stats of the right shape)."""
-
-    def __init__(self):
-        self.seen: tuple | None = None
-
-    def __call__(self, body, x, stack, extras):
-        if self.seen is not None:
-            raise ValueError("the 1f1b schedule runs one group of stacked blocks")
-        self.seen = (body, x, stack, extras)
-        stats = jax.eval_shape(lambda: scan_stack(body, x, stack, extras))[1]
-        return x, jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), stats)
-
-
-class _Replace:
-    """A stack runner that returns ``hidden`` as the stack's output, with stats of no blocks (the schedule counts
-    the stack's MoE losses; the prediction modules' stats, which the model appends, stay theirs alone)."""
-
-    def __init__(self, hidden: jax.Array):
-        self.hidden = hidden
-
-    def __call__(self, body, x, stack, extras):
-        stats = jax.eval_shape(lambda: scan_stack(body, x, stack, extras))[1]
-        return self.hidden, jax.tree.map(lambda s: jnp.zeros((0, *s.shape[1:]), s.dtype), stats)
 
 
 _ACTIVE: list[Any] = [True]  # whether the backward phase of this iteration runs (see ``_active``)
@@ -138,7 +113,7 @@ def gradients(setup, params: Any, batch: Batch, loss_sums: Callable, moe_metrics
     def pre(p, mb):
         """-> (the stack's input, its extras, its periods, body) of microbatch ``mb``; the body's blocks without
         checkpoints (each period's backward runs right after its forward is recomputed)."""
-        capture = _Capture()
+        capture = Capture()
         with without_remat():
             loss_sums(p, batch=mb, z_loss=0.0, stack_runner=capture, **common)
         if capture.seen is None:
@@ -150,13 +125,13 @@ def gradients(setup, params: Any, batch: Batch, loss_sums: Callable, moe_metrics
         """-> (the objective's sums of the head, the loss and the prediction modules, (cross-entropy sum, token
         count, the modules' cross-entropy sums [depth], their blocks' routing stats [depth, ...])) of ``h``, the
         stack's output."""
-        objective, (ce, n, extra) = loss_sums(p, batch=mb, z_loss=setup.z_loss, stack_runner=_Replace(h),
+        objective, (ce, n, extra) = loss_sums(p, batch=mb, z_loss=setup.z_loss, stack_runner=Replace(h),
                                               mtp_loss=setup.mtp_loss if depth else None, mtp_weights=mtp_weights,
                                               **common)
         mtp_stats = extra.get("mtp_stats", {})
         # their MoE losses, weighted as the stack's blocks' are (``stats_cotangent``)
         objective += sum(scale_blocks * coefficient.get(k, 0.0) * jnp.sum(v) for k, v in mtp_stats.items())
-        return objective, (ce, n, extra.get("mtp_sums", valid_k), mtp_stats)
+        return objective, (ce, n, extra.get("mtp_sums", jnp.zeros((0,), jnp.float32)), mtp_stats)
 
     first = pick(0)
     seen = {}  # what tracing the model once tells: the body and the stack input's shapes
