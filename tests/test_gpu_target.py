@@ -336,6 +336,19 @@ def test_meshes_of_16_to_64_gpus_compile_with_the_attention_a_gpu_run_picks(axis
 
 
 @needs_plugin
+@pytest.mark.slow
+def test_fill_drain_sums_the_stage_gradients_over_data_once_a_step_on_the_h100():
+    """The fill-drain schedule's backward pass adds each period's weight gradient into one accumulator, out of which
+    XLA moves the sum over ``data``: twice the microbatches (more iterations) add no all-reduce to the step,
+    while the fsdp reduce-scatters, run in every iteration (the stage's weights gathered per iteration), grow."""
+    got = {m: _compile_on_target("execution.dtype=bfloat16", "mesh.pipeline=2", "mesh.data=2", "mesh.fsdp=2",
+                                 "mesh.tensor=1", f"pipeline.microbatches={m}", gpus=8) for m in (2, 4)}
+    assert got[4]["collectives"]["reduce-scatter"] > got[2]["collectives"]["reduce-scatter"], got
+    assert got[4]["collectives"]["all-reduce"] <= got[2]["collectives"]["all-reduce"], got
+    assert got[4]["collective_bytes"]["all-reduce"] <= got[2]["collective_bytes"]["all-reduce"], got
+
+
+@needs_plugin
 def test_an_xla_abort_in_the_compile_is_one_sentence_and_the_caller_lives_on(monkeypatch):
     """The compile runs in a process of its own: XLA aborting there (here: at start, on a flag it does not know)
     ends that process only, and the caller gets one sentence with its exit status and XLA's last error line."""

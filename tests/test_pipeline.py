@@ -135,7 +135,8 @@ def test_the_models_remat_policy_holds_under_the_stage_vmap():
     flops = {name: _compiled_gradient(Schedule(2, 2, 1, policy), 4, 2).cost_analysis()["flops"] for name, policy in
              [("none", None), ("full", jax.checkpoint_policies.nothing_saveable),
               ("dots", jax.checkpoint_policies.dots_with_no_batch_dims_saveable)]}
-    assert flops["dots"] < flops["full"] and flops["dots"] <= flops["none"] * 1.001, flops
+    # (what the dots policy recomputes, the elementwise work, is a sliver of what full recompute adds)
+    assert flops["dots"] - flops["none"] < 0.01 * (flops["full"] - flops["none"]), flops
 
 
 def test_sizes_the_schedule_cannot_run_are_named():

@@ -218,20 +218,26 @@ def test_report_states_the_flop_weighted_peak_of_fp8_runs(tmp_path, capsys):
     assert text == "dense bfloat16 datasheet peak (20 TFLOP/s per device)"
 
 
-def test_the_idle_share_of_each_stage_is_that_of_its_fill_and_drain_iterations():
+@pytest.mark.parametrize("steps", [1, 2, 3])
+def test_the_idle_share_of_each_stage_is_that_of_its_fill_and_drain_iterations(steps):
     # 2 stages x 2 microbatches: 3 iterations a loop; forward ones last 1, 2, 4 s, backward ones 8, 16, 32 s.
-    # Stage 0 idles in iteration 2 (drain), stage 1 in iteration 0 (fill); the backward loop runs 2, 1, 0.
+    # Stage 0 idles in iteration 2 (drain), stage 1 in iteration 0 (fill); the backward loop runs 2, 1, 0. Each
+    # iteration runs as ``steps`` steps of the loop (one per period of a stage; a layout without ``loop_steps``
+    # has one)
     layout = {"stages": 2, "microbatches": 2, "virtual_stages": 1, "stage_of_device": {"0": 0, "1": 1},
               "loops": {"forward": ["param.1", "fwd_a", "fwd_b"], "backward": ["bwd_a", "bwd_b"]}}
+    if steps > 1:
+        layout["loop_steps"] = 3 * steps
     events, t = [], 0.0
     for direction, durations in (("fwd", (1, 2, 4)), ("bwd", (8, 16, 32))):
         for d in durations:
-            for device in ("0", "1"):  # each iteration: its first op, then one that runs to its end
-                events += [{"ph": "X", "ts": t * 1e6, "dur": 0.1e6, "args": {"hlo_op": f"{direction}_a",
-                                                                             "device_ordinal": device}},
-                           {"ph": "X", "ts": (t + 0.1) * 1e6, "dur": (d - 0.1) * 1e6,
-                            "args": {"hlo_op": f"{direction}_b", "device_ordinal": device}}]
-            t += d
+            for _ in range(steps):
+                for device in ("0", "1"):  # each step: its first op, then one that runs to its end
+                    events += [{"ph": "X", "ts": t * 1e6, "dur": 0.1e6, "args": {"hlo_op": f"{direction}_a",
+                                                                                 "device_ordinal": device}},
+                               {"ph": "X", "ts": (t + 0.1) * 1e6, "dur": (d / steps - 0.1) * 1e6,
+                                "args": {"hlo_op": f"{direction}_b", "device_ordinal": device}}]
+                t += d / steps
     events.append({"ph": "X", "ts": 0, "dur": 1e6, "args": {"hlo_op": "fwd_a", "device_ordinal": "5"}})  # not traced
     idle = bubble.idle_shares(events, layout, wall_s=126.0)
     assert idle["measured_stages"] == [0, 1] and idle["formula"] == pytest.approx(1 / 3)
@@ -309,6 +315,7 @@ def test_the_report_measures_each_pipeline_stages_idle_share(tmp_path, capsys):
     run(cfg, str(tmp_path), use_tqdm=False)
     layout = json.loads(Path(tmp_path / "profile" / "pipeline.json").read_text())
     assert set(layout["loops"]) == {"forward", "backward"}
+    assert layout["loop_steps"] == 3 * 2  # 3 iterations of the 2 periods a stage holds
     assert sorted(layout["stage_of_device"].values()) == [0] * 4 + [1] * 4
     idle = summary_lib.summarize(str(tmp_path))["pipeline_idle"]
     # every iteration runs the same program on each stage, so the idle share is near the schedule's 1 of 3

@@ -5,8 +5,9 @@ iterations of stage ``s`` (fill) and those after its ``M * V`` stage passes (dra
 its periods on zeros then, so the trace shows it busy; what makes those iterations idle is the schedule, and
 what the trace measures is how long they took. The schedule's loops are the while ops named by
 ``jaxtron.training.pipeline.SCOPE``: the forward loop runs iterations 0..I-1, the backward loop (its
-transpose) runs them in reverse. In the trace, the loop body's own ops run once per iteration, so the start of
-the first of them marks the start of each iteration.
+transpose) runs them in reverse, each iteration as P steps of the loop (one per period of a stage's pass). In
+the trace, the loop body's own ops run once per step, so the start of the first of them marks the start of each
+step; P consecutive steps make an iteration (P: the loops' trip count over I, ``loop_steps`` in the layout).
 
 ``layout`` (written by the train loop next to the trace as ``pipeline.json``): stages, microbatches,
 virtual_stages, the instructions of the two loops' bodies, and the stage of each traced device.
@@ -28,6 +29,7 @@ import numpy as np
 from jaxtron.parallel import timetable
 
 _WHILE = re.compile(r"%(while[.\w-]*) = .*?body=%([\w.-]+).*?op_name=\"([^\"]*)\"")
+_TRIPS = re.compile(r'"known_trip_count":\{"n":"(\d+)"')
 _COMPUTATION = re.compile(r"^%([\w.-]+) .*\{$")
 _INSTRUCTION = re.compile(r"^\s+(?:ROOT )?%([\w.-]+) = ")
 
@@ -51,6 +53,17 @@ def schedule_loops(hlo_text: str, scope: str) -> dict[str, list[str]]:
     return loops
 
 
+def schedule_steps(hlo_text: str, scope: str) -> int | None:
+    """The trip count of the schedule's forward loop in a compiled program's HLO text (None: not found)."""
+    for line in hlo_text.splitlines():
+        loop = _WHILE.search(line)
+        trips = _TRIPS.search(line)
+        if loop and trips and re.search(re.escape(scope) + r"\)*/while$", loop.group(3)) \
+                and "transpose(" not in loop.group(3):
+            return int(trips.group(1))
+    return None
+
+
 def phase_ops(hlo_text: str, loop_body: list[str], phases: dict[str, str]) -> dict[str, list[str]]:
     """{phase: the instructions of ``loop_body`` (a loop body's, as ``schedule_loops`` gives them) whose op name
     lies in that phase's named scope}, for ``phases`` {phase: scope name}."""
@@ -68,10 +81,10 @@ def phase_ops(hlo_text: str, loop_body: list[str], phases: dict[str, str]) -> di
 
 
 def stage_layout(mesh, schedule, loops: dict[str, list[str]],
-                 phases: dict[str, list[str]] | None = None) -> dict[str, Any]:
+                 phases: dict[str, list[str]] | None = None, steps: int | None = None) -> dict[str, Any]:
     """What ``idle_shares`` needs besides the trace: the schedule, its loops (and for 1F1B, its phases'
-    instructions), and the pipeline stage of each of this process's devices by the ordinal its trace events
-    carry."""
+    instructions), the fill-drain loop's trip count (``steps``) and the pipeline stage of each of this process's
+    devices by the ordinal its trace events carry."""
     import jax
 
     stage_of = {}
@@ -84,6 +97,8 @@ def stage_layout(mesh, schedule, loops: dict[str, list[str]],
               "schedule": schedule.kind}
     if phases is not None:
         layout["phases"] = phases
+    if steps is not None:
+        layout["loop_steps"] = steps
     return layout
 
 
@@ -154,6 +169,7 @@ def idle_shares(events: list[dict[str, Any]], layout: dict[str, Any], wall_s: fl
                 "of_loops": [float(np.mean([i / t for i, t in per_stage[s]])) for s in measured],
                 "of_window": [float(np.mean([i for i, _ in per_stage[s]])) / wall_s for s in measured]}
     count = m * v + stages - 1
+    per = max(1, int(layout.get("loop_steps") or count) // count)  # loop steps per iteration
     owner = {op: direction for direction, body in layout["loops"].items() for op in body}
     ops: dict[tuple[str, str], list[tuple[float, float, str]]] = {}  # (device, loop) -> [(start, end, op)]
     for event in events:
@@ -166,7 +182,8 @@ def idle_shares(events: list[dict[str, Any]], layout: dict[str, Any], wall_s: fl
     for device, stage in layout["stage_of_device"].items():
         idle = total = 0.0
         for direction, body in layout["loops"].items():
-            spans = _iterations(sorted(ops.get((device, direction), [])), body, count)
+            steps = _iterations(sorted(ops.get((device, direction), [])), body, count * per)
+            spans = [(steps[k][0], steps[k + per - 1][1]) for k in range(0, len(steps) - per + 1, per)]
             for k, (a, b) in enumerate(spans):
                 t = k % count if direction == "forward" else count - 1 - k % count  # backward: in reverse
                 idle += (b - a) if (t < stage or t >= stage + m * v) else 0.0

@@ -156,30 +156,31 @@ class Schedule:
         staged = self.stage_view(stack, (s_, v_, per))
         stage_ids = jnp.arange(s_)
 
-        def period(h, stack_s, r, p, ex):
-            """Period p of round r of one stage's [V, P, ...] stack applied to h. The weights are picked inside
-            the checkpoint and named so that no policy keeps them: the backward pass picks them again, instead
-            of every iteration keeping a copy of the periods it ran."""
-            start = lambda a: (r, p) + (0,) * (a.ndim - 2)
-            pick = lambda a: jax.lax.dynamic_slice(a, start(a), (1, 1, *a.shape[2:])).reshape(a.shape[2:])
-            return body(h, checkpoint_name(jax.tree.map(pick, stack_s), PICKED), ex)
+        mesh = jax.sharding.get_abstract_mesh()
+        spmd = None if mesh.empty else spec_axes(logical_to_spec(("stages",)), 0) or None
 
-        period = jax.checkpoint(period, policy=_period_policy(self.remat_policy, s_), prevent_cse=False)
-
-        def stage_period(h, stack_s, s, r, p, ex):
-            """Period p of round r on stage s; an identity period leaves h as it is (its stats are dropped)."""
-            out, stats = period(h, stack_s, r, p, ex)
+        def stage_period(h, weights, s, r, p, ex):
+            """Period p of round r on stage s, its weights [V, ...] (period p of each round); an identity period
+            leaves h as it is (its stats are dropped)."""
+            pick = lambda a: a[0] if v_ == 1 else jax.lax.dynamic_index_in_dim(a, r, 0, False)
+            out, stats = body(h, checkpoint_name(jax.tree.map(pick, weights), PICKED), ex)
             if not self.pads:
                 return out, stats
             return jnp.where(jnp.asarray(identity)[s, r, p], h, out), stats
 
-        def stage_fn(stack_s, s, r, item):
-            h, ex = item
-            return jax.lax.scan(lambda h, p: stage_period(h, stack_s, s, r, p, ex), h, jnp.arange(per))
+        def period(h, stack, rounds, p, ex):
+            """Period p of every stage: its weights [S, V, ...] sliced from the whole [S, V, P, ...] stack at an
+            index every device shares, inside the checkpoint and named so that no policy keeps them (the backward
+            pass slices them again instead of every iteration keeping a copy of the periods it ran). The backward
+            pass adds each period's gradient in place at that index; with one round no index is batched over the
+            stages, so XLA sums the weights' gradients over the batch's axes once after the schedule rather than in
+            each iteration."""
+            weights = jax.tree.map(lambda a: checkpoint_name(jax.lax.dynamic_index_in_dim(a, p, 2, False), PICKED),
+                                   stack)
+            return jax.vmap(stage_period, in_axes=(0, 0, 0, 0, None, 0), spmd_axis_name=spmd)(
+                h, weights, stage_ids, rounds, p, ex)
 
-        mesh = jax.sharding.get_abstract_mesh()
-        spmd = None if mesh.empty else spec_axes(logical_to_spec(("stages",)), 0) or None
-        run_stages = jax.vmap(stage_fn, spmd_axis_name=spmd)
+        period = jax.checkpoint(period, policy=_period_policy(self.remat_policy, s_), prevent_cse=False)
 
         def on_stages(tree):
             return jax.tree.map(lambda a: constrain_leading(a, "stages"), tree)
@@ -194,30 +195,50 @@ class Schedule:
             keep = (first & cond).reshape(s_, *(1,) * (a.ndim - 1))
             return jnp.where(keep, a, b)
 
-        def iteration(carry, t):
+        def shift(out, ex):
+            """The activations one stage on (a roll along the stage dimension: a collective permute)."""
+            return on_stages(jax.tree.map(lambda a: jnp.roll(a, 1, axis=0), (constrain_leading(out, "stages"), ex)))
+
+        def step(carry, k):
+            """Period p of iteration t on every stage (k = t * P + p). An iteration's first period takes the
+            entering microbatch on stage 0, its last shifts the activations one stage on. The loop runs over
+            periods rather than nesting a loop of periods in a loop of iterations, so that the backward pass adds
+            each period's weight gradient in place into the one accumulator of one loop, out of which XLA moves
+            the gradients' sum over the batch's axes (once after the schedule, not once an iteration)."""
             # held [S, ...]: the item each stage works on; queue [S, M, ...]: each microbatch's latest activations,
             # of which stage 0's copy is the one read and written (the others stay as they began). Reading and
             # writing it where it lives keeps the schedule's traffic to the one permute of the stage shift
             held, queue = carry
+            t, p = k // per, k % per
             pick = lambda a, axis: jax.lax.dynamic_index_in_dim(a, t % m_, axis, False)
-            x_in = on_first(True, pick(queue, 1), held[0])  # stage 0's pick of its queue: the entering microbatch
-            extras_in = jax.tree.map(lambda h, e: h.at[0].set(pick(e, 0)), held[1], micro_extras)
+            entering = p == 0
+            x_in = on_first(entering, pick(queue, 1), held[0])  # stage 0's pick of its queue: the entering microbatch
+            extras_in = jax.tree.map(lambda h, e: on_first(entering, jnp.broadcast_to(pick(e, 0), h.shape), h),
+                                     held[1], micro_extras)
             held = on_stages((x_in, extras_in))
             rounds = jnp.clip((t - stage_ids) // m_, 0, v_ - 1)  # the round of the item each stage holds
-            out, stats = run_stages(staged, stage_ids, rounds, held)
-            moved = on_stages(jax.tree.map(lambda a: jnp.roll(a, 1, axis=0), (constrain_leading(out, "stages"),
-                                                                                 held[1])))
-            # the item the last stage finished (now on stage 0): microbatch done % M of round done // M
+            out, stats = period(held[0], staged, rounds, p, held[1])
+            last = p == per - 1
+            if per == 1:
+                moved = shift(out, held[1])
+            else:
+                moved = jax.lax.cond(last, shift, lambda o, e: on_stages((constrain_leading(o, "stages"), e)),
+                                     out, held[1])
+            # after an iteration's last period, the item the last stage finished (now on stage 0): microbatch
+            # done % M of round done // M, written into its slot of the queue (in place, one microbatch's rows)
             done = t - (s_ - 1)
-            written = jax.lax.dynamic_update_index_in_dim(queue, moved[0][:, None], done % m_, 1)
-            queue = constrain_leading(on_first(done >= 0, written, queue), "stages")
+            slot = jax.lax.dynamic_index_in_dim(queue, done % m_, 1, True)
+            slot = on_first(last & (done >= 0), moved[0][:, None], slot)
+            queue = constrain_leading(jax.lax.dynamic_update_index_in_dim(queue, slot, done % m_, 1), "stages")
             return (moved, queue), stats
 
         start = jax.tree.map(lambda a: jnp.zeros((s_, *a.shape[1:]), a.dtype), (micro_x, micro_extras))
         queue = constrain_leading(jnp.broadcast_to(micro_x, (s_, *micro_x.shape)), "stages")
         iterations = m_ * v_ + s_ - 1
         with jax.named_scope(SCOPE):  # the loop's HLO ops carry the name (profiles find its iterations by it)
-            (_, queue), stats = jax.lax.scan(iteration, (on_stages(start), queue), jnp.arange(iterations))
+            (_, queue), stats = jax.lax.scan(step, (on_stages(start), queue), jnp.arange(iterations * per))
+        # [iterations * P, S, ...] -> [iterations, S, P, ...]
+        stats = jax.tree.map(lambda a: jnp.swapaxes(a.reshape(iterations, per, *a.shape[1:]), 1, 2), stats)
         current = queue[0]
         # stats [iterations, S, P, ...] -> [periods, ...]: microbatch m's pass of round r over stage s happened in
         # iteration r * M + m + s; stacked [M, V, S, P] its periods are in the order they ran ((r * S + s) * P + p),

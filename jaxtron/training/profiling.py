@@ -65,7 +65,7 @@ class ProfileWindow:
     def write_pipeline_layout(self, mesh, schedule, hlo: str | None) -> None:
         """``pipeline.json`` next to the trace: the schedule, its loops in the compiled step's HLO text and the
         stage of each traced device (``jaxtron.metrics.bubble``); nothing without the HLO text."""
-        from jaxtron.metrics.bubble import phase_ops, schedule_loops, stage_layout
+        from jaxtron.metrics.bubble import phase_ops, schedule_loops, schedule_steps, stage_layout
         from jaxtron.training.one_f_one_b import BACKWARD_PHASE, FORWARD_PHASE
         from jaxtron.training.pipeline import SCOPE
 
@@ -77,7 +77,7 @@ class ProfileWindow:
             phases = phase_ops(hlo, loops.get("forward", []), {"forward": FORWARD_PHASE, "backward": BACKWARD_PHASE})
         os.makedirs(self.directory, exist_ok=True)
         with open(os.path.join(self.directory, PIPELINE_FILE), "w") as f:
-            json.dump(stage_layout(mesh, schedule, loops, phases), f, indent=1)
+            json.dump(stage_layout(mesh, schedule, loops, phases, schedule_steps(hlo, SCOPE)), f, indent=1)
 
     def annotate(self, step: int):
         """The context to dispatch step ``step`` in: named 'train' with its number in the trace."""
