@@ -18,6 +18,15 @@ HLO = """HloModule m
 %body (p: (s32[], f32[8])) -> (s32[], f32[8]) {
   %ag = f32[8]{0} all-gather(f32[2]{0} %x), dimensions={0}
   %ar = f32[8]{0} all-reduce(f32[8]{0} %ag), to_apply=%sum
+  %k = f32[8]{0} conditional(pred[] %c, f32[8]{0} %ar, f32[8]{0} %ar), true_computation=%shift, false_computation=%keep, metadata={op_name="jit(f)/while/body/once_in_3/cond"}
+}
+
+%shift (a: f32[8]) -> f32[8] {
+  %cp = f32[8]{0} collective-permute(f32[8]{0} %a), source_target_pairs={{0,1},{1,0}}
+}
+
+%keep (a: f32[8]) -> f32[8] {
+  %same = f32[8]{0} copy(f32[8]{0} %a)
 }
 
 %cond (p: (s32[], f32[8])) -> pred[] {
@@ -69,7 +78,8 @@ def test_collectives_count_loop_iterations_and_the_bytes_each_works_on():
     assert got["all-reduce"] == {"count": 3 + 1, "bytes": 3 * 8 * 4 + 2 * 4}
     assert got["reduce-scatter"] == {"count": 1, "bytes": 4 * 4 * 2}  # what it reduces: its result x 4 devices
     assert got["all-to-all"]["count"] == 1  # an async pair is one collective
-    assert got["collective-permute"]["count"] == 0
+    # in a conditional of the loop body that does its work once in 3 runs (jaxtron.metrics.hlo.once_in)
+    assert got["collective-permute"] == {"count": 1, "bytes": 8 * 4}
 
 
 @pytest.mark.slow

@@ -110,8 +110,10 @@ def data_time(cfg: Config, shape: StepShape, params: tuple[Param, ...], coll: Co
     schedule whatever its pipeline microbatches (each device's rows accumulate apart, ``training/step.py``,
     ``training/one_f_one_b.py``); an MoE model's 1F1B stages sum as each microbatch's backward runs, its head and
     embedding as each microbatch's head and embedding backward run; fill-drain's stages sum their weights' 16-bit
-    gradients in every iteration of the backward pass (compiled on GPT-3 175B, pipeline=8 data=4 tensor=4);
-    otherwise once per accumulation microbatch."""
+    gradients once per accumulation microbatch (XLA moves the sum out of the schedule's loop, whose backward pass
+    adds each period's gradient into one accumulator: ``training/pipeline.py``), but with virtual stages in every
+    iteration of the backward pass (each stage picks its round's weights at an index of its own, which keeps the
+    sum in the loop; compiled for the H100 target); otherwise once per accumulation microbatch."""
     dense = not (shape.moe_layers or shape.outside_moe_layers)
     once = dense and not (shape.pipelined or cfg.model.mtp.depth)
     distributed = cfg.optimizer.distributed
@@ -124,8 +126,11 @@ def data_time(cfg: Config, shape: StepShape, params: tuple[Param, ...], coll: Co
             width = 4.0
             if shape.schedule in ONE_F_ONE_B:
                 times = 1 if dense else shape.in_flight * (1 if staged else 2)
-            elif shape.pipelined and staged:  # fill-drain's backward sums each iteration's 16-bit weight gradients
-                times, width = shape.microbatches * shape.in_flight * shape.busy, shape.work_bytes
+            elif shape.pipelined and staged:  # fill-drain: the 16-bit weight gradients, summed after the loop
+                # (virtual stages: in each iteration of its backward pass)
+                times, width = shape.microbatches, shape.work_bytes
+                if shape.virtual_stages > 1:
+                    times *= shape.in_flight * shape.busy
             else:
                 times = 1 if once else shape.microbatches
             # reduce-scattered onto the moments' shards, and the updated weights gathered once

@@ -34,6 +34,7 @@ import numpy as np
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
+from jaxtron.metrics.hlo import once_in
 from jaxtron.parallel.sharding import (
     batch_over_stages,
     batch_split_over_stages,
@@ -222,8 +223,9 @@ class Schedule:
             if per == 1:
                 moved = shift(out, held[1])
             else:
-                moved = jax.lax.cond(last, shift, lambda o, e: on_stages((constrain_leading(o, "stages"), e)),
-                                     out, held[1])
+                with jax.named_scope(once_in(per)):  # (how often the permute runs, for the HLO's readers)
+                    moved = jax.lax.cond(last, shift, lambda o, e: on_stages((constrain_leading(o, "stages"), e)),
+                                         out, held[1])
             # after an iteration's last period, the item the last stage finished (now on stage 0): microbatch
             # done % M of round done // M, written into its slot of the queue (in place, one microbatch's rows)
             done = t - (s_ - 1)
