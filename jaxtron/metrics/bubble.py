@@ -26,10 +26,10 @@ from typing import Any
 
 import numpy as np
 
+from jaxtron.metrics.hlo import TRIPS
 from jaxtron.parallel import timetable
 
 _WHILE = re.compile(r"%(while[.\w-]*) = .*?body=%([\w.-]+).*?op_name=\"([^\"]*)\"")
-_TRIPS = re.compile(r'"known_trip_count":\{"n":"(\d+)"')
 _COMPUTATION = re.compile(r"^%([\w.-]+) .*\{$")
 _INSTRUCTION = re.compile(r"^\s+(?:ROOT )?%([\w.-]+) = ")
 
@@ -57,7 +57,7 @@ def schedule_steps(hlo_text: str, scope: str) -> int | None:
     """The trip count of the schedule's forward loop in a compiled program's HLO text (None: not found)."""
     for line in hlo_text.splitlines():
         loop = _WHILE.search(line)
-        trips = _TRIPS.search(line)
+        trips = TRIPS.search(line)
         if loop and trips and re.search(re.escape(scope) + r"\)*/while$", loop.group(3)) \
                 and "transpose(" not in loop.group(3):
             return int(trips.group(1))

@@ -19,7 +19,7 @@ SHAPE = re.compile(r"(\w+)\[([\d,]*)\]")
 _COMPUTATION = re.compile(r"^(?:ENTRY )?%?([\w.\-]+) \(")
 _CALLS = re.compile(r"(?:body|condition|calls|to_apply|true_computation|false_computation)=%?([\w.\-]+)"
                     r"|branch_computations=\{([^}]*)\}")
-_TRIPS = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
+TRIPS = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
 # a conditional built under jax.named_scope(once_in(n)) takes its branch with work in one of every n runs
 _ONCE_IN = re.compile(r'op_name="[^"]*/once_in_(\d+)/')
 
@@ -66,7 +66,7 @@ def runs_per_execution(hlo_text: str) -> tuple[dict[str, list[str]], dict[str, i
     while stack:
         name = stack.pop()
         for line in comps.get(name, []):
-            trips = _TRIPS.search(line)
+            trips = TRIPS.search(line)
             rare = _ONCE_IN.search(line) if " conditional(" in line else None
             for one, several in _CALLS.findall(line):
                 for callee in (c.strip().lstrip("%") for c in (one or several).split(",")):

@@ -8,7 +8,9 @@ which the rules table's cut of the ``layers`` axis over the ``pipeline`` mesh ax
 moving parameters. With V = 1 this is the natural order.
 
 Each iteration every stage applies its P periods to the microbatch it holds (one program, vmapped over the
-stage dimension, which the rules table shards over the pipeline axis), then the activations move one stage on
+stage dimension, which the rules table shards over the pipeline axis; the loop runs period by period, P steps an
+iteration, so that the backward pass adds each period's weight gradients into one accumulator and XLA sums them
+over the batch's axes once after the loop), then the activations move one stage on
 (a roll along that dimension: a collective permute). Stage 0 takes the next microbatch; what the last stage
 finishes, which the roll brings to stage 0, is kept there per microbatch until its next round starts (M >= S
 guarantees it finished before), so that no other traffic happens within an iteration. There are
