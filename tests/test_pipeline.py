@@ -15,10 +15,11 @@ import optax
 import pytest
 from flax import nnx
 from helpers import tiny_config
-from jax.sharding import AxisType, NamedSharding, PartitionSpec
+from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxtron.config.schema import ConfigError
 from jaxtron.parallel.checks import check_devices
+from jaxtron.parallel.mesh import make_mesh
 from jaxtron.parallel.stages import reorder, storage_order, to_natural
 from jaxtron.training.loop import run
 from jaxtron.training.pipeline import Schedule, bubble_fraction
@@ -67,7 +68,7 @@ def test_the_schedule_equals_the_layers_in_order(stages, virtual, microbatches, 
     want_grads = jax.grad(lambda p, x: _loss(reference(p, x)[0]), argnums=(0, 1))(params, x)
 
     schedule = Schedule(stages, microbatches, virtual, pads=pads)
-    mesh = jax.make_mesh((stages, 8 // stages), ("pipeline", "data"), axis_types=(AxisType.Auto,) * 2)
+    mesh = make_mesh({"pipeline": stages, "data": 8 // stages})
     stacked = jax.device_put({k: _stored(np.asarray(v), order) for k, v in params.items()},
                              NamedSharding(mesh, PartitionSpec("pipeline")))
     x_on_mesh = jax.device_put(x, NamedSharding(mesh, PartitionSpec("data")))
@@ -94,7 +95,7 @@ def _compiled_gradient(schedule, periods, microbatches, width=256, stages=2):
     """The compiled gradient program of ``schedule`` over a stack of ``periods`` [width, width] matmuls."""
     params = {"w": jnp.zeros((periods, width, width)), "b": jnp.zeros((periods, width))}
     x, positions = jnp.zeros((microbatches * 4, 2, width)), jnp.zeros((microbatches * 4, 2))
-    mesh = jax.make_mesh((stages, 8 // stages), ("pipeline", "data"), axis_types=(AxisType.Auto,) * 2)
+    mesh = make_mesh({"pipeline": stages, "data": 8 // stages})
     stacked = jax.device_put(params, NamedSharding(mesh, PartitionSpec("pipeline")))
     with jax.set_mesh(mesh):
         grad = jax.jit(jax.grad(lambda st, x: _loss(schedule(_body, x, st, (positions,))[0])))

@@ -189,6 +189,23 @@ def constrain_stages(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
     return constrain(x, ("stages", *middle, *names))
 
 
+def constrain_on_stages(tree: Any, hidden: Sequence[int], hidden_names: Sequence[str]) -> Any:
+    """A pipeline schedule's hidden states [stages, ..., *hidden] and their per-token extras [stages, ..., rows,
+    tokens] constrained in full: the stage dimension over the pipeline, the rows and tokens as the stack's input
+    (``hidden_names``; ``BATCH_AXES`` for the extras), the dimensions between whole. Other arrays are constrained
+    on their stage dimension only. (Left to propagation, a schedule's buffers can come out whole over the batch's
+    axes on every device, and so can what reads them.)"""
+    hidden = tuple(hidden)
+
+    def one(a):
+        if a.shape[-len(hidden):] == hidden:
+            return constrain_stages(a, hidden_names)
+        if a.ndim >= 3 and a.shape[-2:] == hidden[:2]:
+            return constrain_stages(a, BATCH_AXES)
+        return constrain_leading(a, "stages")
+    return jax.tree.map(one, tree)
+
+
 def row_groups(params: Any, sizes: Mapping[str, int], whole: bool = False) -> tuple[str, ...]:
     """The leading mesh axes of ``activation_batch`` (those of one device or more, up to the first that also splits
     a parameter; with ``whole``, up to the first that splits an expert's: the weights are ``whole_over_batch``) on a

@@ -52,9 +52,8 @@ from jaxtron.parallel.sharding import (
     constrain,
     constrain_gradient,
     constrain_groups,
-    constrain_leading,
+    constrain_on_stages,
     constrain_stage_groups,
-    constrain_stages,
     group_map,
     logical_names,
     logical_to_spec,
@@ -246,16 +245,10 @@ def gradients(setup, params: Any, batch: Batch, loss_sums: Callable, moe_metrics
     backward_all = jax.vmap(backward_groups, spmd_axis_name=spmd)
 
     def on_stages(tree):
-        """Hidden states [S, ..., b, T, D] and extras [S, ..., b, T] constrained in full: their stage dimension
-        over the pipeline, their rows and tokens as the stack's input (left to propagation, the zeros that start
-        the stash and the buffers come out whole on every device, and so do the recomputations that read them)."""
-        def one(a):
-            if a.shape[-3:] == x_shape.shape:
-                return constrain_stages(a, EMBED_AXES)
-            if a.ndim >= 3 and a.shape[-2:] == x_shape.shape[:2]:
-                return constrain_stages(a, BATCH_AXES)
-            return constrain_leading(a, "stages")
-        return jax.tree.map(one, tree)
+        """Hidden states [S, ..., b, T, D] and extras [S, ..., b, T] constrained in full (left to propagation,
+        the zeros that start the stash and the buffers come out whole on every device, and so do the
+        recomputations that read them)."""
+        return constrain_on_stages(tree, x_shape.shape, EMBED_AXES)
 
     keep = timetable.kept(s_, v_)  # units whose inputs a stage holds between their forward and their backward
     # the accumulators, float32, one per group of rows, and sharded as their parameters: left unconstrained, XLA

@@ -27,6 +27,7 @@ input.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -37,10 +38,12 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from jaxtron.metrics.hlo import once_in
+from jaxtron.models.transformer import EMBED_AXES
 from jaxtron.parallel.sharding import (
     batch_over_stages,
     batch_split_over_stages,
     constrain_leading,
+    constrain_on_stages,
     constrain_whole_over_batch,
     logical_names,
     logical_to_spec,
@@ -70,6 +73,14 @@ def split_rows(x: jax.Array, parts: int) -> jax.Array:
 def join_rows(x: jax.Array) -> jax.Array:
     """The inverse of ``split_rows``."""
     return jnp.swapaxes(x, 0, 1).reshape(x.shape[0] * x.shape[1], *x.shape[2:])
+
+
+@functools.partial(jax.checkpoint, policy=jax.checkpoint_policies.nothing_saveable)
+def keep_where(cond: jax.Array, a: jax.Array, b: jax.Array) -> jax.Array:
+    """``jnp.where(cond, a, b)`` for a ``cond`` that broadcasts against the values, under a checkpoint: the backward
+    pass recomputes the choice from ``cond`` rather than a loop keeping it, broadcast to the values' shape, for
+    every iteration."""
+    return jnp.where(cond, a, b)
 
 
 def _period_policy(policy: Callable | None, stages: int) -> Callable:
@@ -169,7 +180,7 @@ class Schedule:
             out, stats = body(h, checkpoint_name(jax.tree.map(pick, weights), PICKED), ex)
             if not self.pads:
                 return out, stats
-            return jnp.where(jnp.asarray(identity)[s, r, p], h, out), stats
+            return keep_where(jnp.asarray(identity)[s, r, p], h, out), stats
 
         def period(h, stack, rounds, p, ex):
             """Period p of every stage: its weights [S, V, ...] sliced from the whole [S, V, P, ...] stack at an
@@ -185,18 +196,19 @@ class Schedule:
 
         period = jax.checkpoint(period, policy=_period_policy(self.remat_policy, s_), prevent_cse=False)
 
-        def on_stages(tree):
-            return jax.tree.map(lambda a: constrain_leading(a, "stages"), tree)
-
         micro_x = split_rows(x, m_)
         micro_extras = jax.tree.map(lambda a: split_rows(a, m_), extras)
+
+        def on_stages(tree):
+            """The schedule's activations and queue constrained in full, their rows as the stack's input (left to
+            propagation, the queue comes out whole over the batch's axes)."""
+            return constrain_on_stages(tree, micro_x.shape[1:], EMBED_AXES)
 
         first = (stage_ids == 0)  # [S]: stage 0 takes each iteration's entering microbatch
 
         def on_first(cond, a, b):
             """a on stage 0 where ``cond`` holds, b elsewhere; both [S, ...] (each stage keeps its own)."""
-            keep = (first & cond).reshape(s_, *(1,) * (a.ndim - 1))
-            return jnp.where(keep, a, b)
+            return keep_where((first & cond).reshape(s_, *(1,) * (a.ndim - 1)), a, b)
 
         def shift(out, ex):
             """The activations one stage on (a roll along the stage dimension: a collective permute)."""
@@ -233,17 +245,19 @@ class Schedule:
             done = t - (s_ - 1)
             slot = jax.lax.dynamic_index_in_dim(queue, done % m_, 1, True)
             slot = on_first(last & (done >= 0), moved[0][:, None], slot)
-            queue = constrain_leading(jax.lax.dynamic_update_index_in_dim(queue, slot, done % m_, 1), "stages")
+            queue = on_stages(jax.lax.dynamic_update_index_in_dim(queue, slot, done % m_, 1))
             return (moved, queue), stats
 
         start = jax.tree.map(lambda a: jnp.zeros((s_, *a.shape[1:]), a.dtype), (micro_x, micro_extras))
-        queue = constrain_leading(jnp.broadcast_to(micro_x, (s_, *micro_x.shape)), "stages")
+        queue = on_stages(jnp.broadcast_to(micro_x, (s_, *micro_x.shape)))
         iterations = m_ * v_ + s_ - 1
         with jax.named_scope(SCOPE):  # the loop's HLO ops carry the name (profiles find its iterations by it)
             (_, queue), stats = jax.lax.scan(step, (on_stages(start), queue), jnp.arange(iterations * per))
         # [iterations * P, S, ...] -> [iterations, S, P, ...]
         stats = jax.tree.map(lambda a: jnp.swapaxes(a.reshape(iterations, per, *a.shape[1:]), 1, 2), stats)
-        current = queue[0]
+        # stage 0's copy, as a sum over the stages of the queue with the others' masked: slicing it would gather
+        # every stage's copy onto every device first
+        current = jnp.sum(jnp.where(first.reshape(s_, *(1,) * (queue.ndim - 1)), queue, 0), axis=0)
         # stats [iterations, S, P, ...] -> [periods, ...]: microbatch m's pass of round r over stage s happened in
         # iteration r * M + m + s; stacked [M, V, S, P] its periods are in the order they ran ((r * S + s) * P + p),
         # of which the identity ones are left out
