@@ -61,8 +61,6 @@ GPU_MOE_COPIES = 1.5  # the MoE block's exchange buffers and expert hidden value
 # dropless experts on a grouped GEMM kernel (ops/grouped.py, ops/grouped_fp8.py): the weight gradients of a block's
 # local experts, which the kernels return in float32 (all three matrices live at once)
 GPU_EXPERT_GRADIENT_COPIES = 1.0
-# a pipeline schedule's backward loop carries the stage's gradient accumulator beside the one of the step
-GPU_PIPELINE_GRADIENT_COPIES = 1.0
 # A stacked weight whose fsdp-sharded dimension is not the one right after the stack's (the output projections:
 # [layers, ..., embed]; the experts': [layers, experts, embed, ...]) is gathered one block at a time from a
 # float32 copy of the whole stack that XLA:GPU transposes so that dimension comes first, made once per step and
@@ -119,16 +117,16 @@ def activation_memory(cfg: Config, shape: StepShape, block: BlockValues) -> dict
                                    # the blocks outside the schedule run once on all of its rows
                                    + shape.in_flight / shape.spread * (shape.outside_blocks * block_saved
                                                                        + shape.outside_moe_layers * moe_saved * c))}
-    if shape.pipelined:  # the schedule's carries: each iteration's stage input, and every microbatch's latest output
-        memory["pipeline_buffers"] = float((shape.iterations + shape.in_flight) * block.residual_split
-                                           * shape.work_bytes)
+    if shape.pipelined:  # the schedule's queue of every microbatch's latest output, and its gradient
+        memory["pipeline_buffers"] = float(2 * shape.in_flight * block.residual_split * shape.work_bytes)
     return memory
 
 
 def gpu_terms(shape: StepShape, block: BlockValues, params: tuple[Param, ...]) -> dict[str, float]:
-    """Bytes only the GPU program holds: the float32 copies of weight stacks it gathers in another layout, the
-    pipeline schedule's second gradient accumulator, and cuDNN's workspace (``CUDNN_WORKSPACE_Q_BYTES`` per query
-    element, for the flash backward)."""
+    """Bytes only the GPU program holds: the float32 copies of weight stacks it gathers in another layout and
+    cuDNN's workspace (``CUDNN_WORKSPACE_Q_BYTES`` per query element, for the flash backward). (A pipeline
+    schedule's backward loop adds its gradients into the step's own: fill-drain's loop runs period by period and
+    1F1B's accumulators are the step's gradients.)"""
     if shape.cpu_program:
         return {}
     terms = {}
@@ -137,8 +135,6 @@ def gpu_terms(shape: StepShape, block: BlockValues, params: tuple[Param, ...]) -
                          if p.in_blocks and p.sharded_dims("fsdp")[:1] not in ((), (1,)))
         if transposed:
             terms["layout_copies"] = GPU_LAYOUT_COPIES * 4.0 * transposed
-    if shape.pipelined and shape.schedule not in ONE_F_ONE_B:  # 1F1B's accumulators are the step's gradients
-        terms["pipeline_gradients"] = GPU_PIPELINE_GRADIENT_COPIES * 4.0 * state_elements(params, shape.mesh)
     if shape.attention == "cudnn":
         terms["cudnn_workspace"] = CUDNN_WORKSPACE_Q_BYTES * block.attention["q"]
     return terms
