@@ -349,6 +349,29 @@ def test_fill_drain_sums_the_stage_gradients_over_data_once_a_step_on_the_h100()
 
 
 @needs_plugin
+@pytest.mark.slow
+def test_a_fill_drain_pipeline_over_data_holds_its_queue_once_and_as_the_planner_estimates(tmp_path):
+    """Fill-drain's queue of every microbatch's activations stays split over the batch's axes and is not gathered
+    over the stages to hand stage 0's copy on; the planner's estimate of the step is within 10% of the compile
+    (a mesh and microbatch count outside benchmarks/plan_validation.md)."""
+    from jaxtron import cli
+
+    out = tmp_path / "plan.json"
+    stages, micro, rows, length, width = 4, 8, 32, 2048, 2048
+    assert cli.run("plan", [f"--config={REPO}/configs/llama3_1b.py", "--gpus=8", "--gpu=h100",
+                            f"--compile=pipeline={stages},data=2", "--config.model.num_layers=4",
+                            f"--config.data.seq_len={length}", f"--config.train.global_batch_size={rows}",
+                            f"--config.pipeline.microbatches={micro}", "--config.execution.dtype=bfloat16",
+                            f"--json={out}"]) == 0
+    compiled = json.loads(out.read_text())["dry_run"]
+    queue = rows // 2 * length * width * 2  # one data replica's rows, 16-bit, as each stage's copy holds them
+    # the step's gathers (its input's rows over the stages, their gradient's) come to less than one gather of
+    # every stage's copy of the queue
+    assert compiled["collectives"]["all-gather"]["bytes"] < stages * queue, compiled["collectives"]
+    assert abs(compiled["estimated_peak"] / compiled["compiled_peak"] - 1) < 0.10, compiled
+
+
+@needs_plugin
 def test_an_xla_abort_in_the_compile_is_one_sentence_and_the_caller_lives_on(monkeypatch):
     """The compile runs in a process of its own: XLA aborting there (here: at start, on a flag it does not know)
     ends that process only, and the caller gets one sentence with its exit status and XLA's last error line."""

@@ -61,6 +61,9 @@ GPU_MOE_COPIES = 1.5  # the MoE block's exchange buffers and expert hidden value
 # dropless experts on a grouped GEMM kernel (ops/grouped.py, ops/grouped_fp8.py): the weight gradients of a block's
 # local experts, which the kernels return in float32 (all three matrices live at once)
 GPU_EXPERT_GRADIENT_COPIES = 1.0
+# The share of the step's gradients not yet made while fill-drain's loss runs (between the schedule's forward and
+# backward passes; XLA starts some of their accumulators early; fitted on the pipeline pairs)
+GPU_LOSS_FREE_GRADIENTS = 0.5
 # A stacked weight whose fsdp-sharded dimension is not the one right after the stack's (the output projections:
 # [layers, ..., embed]; the experts': [layers, experts, embed, ...]) is gathered one block at a time from a
 # float32 copy of the whole stack that XLA:GPU transposes so that dimension comes first, made once per step and
@@ -216,7 +219,10 @@ def memory(cfg: Config, shape: StepShape, block: BlockValues, params: tuple[Para
     terms.update(activation_memory(cfg, shape, block))
     terms.update(gpu_terms(shape, block, params))
     terms.update(gathered_stage(shape, params))
-    terms["working"] = float(max(block_work(shape, block, params),
-                                 loss_work(cfg, shape, block, params, terms["optimizer"]),
-                                 update_work(cfg, shape, params)))
+    loss = loss_work(cfg, shape, block, params, terms["optimizer"])
+    if shape.pipelined and not shape.cpu_program and shape.schedule not in ONE_F_ONE_B:
+        # fill-drain's loss runs between the schedule's forward pass and its backward pass, which makes the
+        # gradients: the loss's working space takes the place of those not yet made
+        loss -= GPU_LOSS_FREE_GRADIENTS * terms["gradients"]
+    terms["working"] = float(max(block_work(shape, block, params), loss, update_work(cfg, shape, params)))
     return terms
