@@ -305,9 +305,10 @@ def test_pipeline_meshes_of_the_reference_tables_are_candidates_and_estimated():
         (eight.time["matmul"] + eight.time["attention"] + eight.time["elementwise"]) * 7 / 8)
     more = estimate(gpt3, staged, H100, pipeline_microbatches=32)
     assert more.bubble < eight.bubble  # stage hops: (microbatches + 7) iterations of a microbatch's activations
-    # three permutes of a microbatch's activations an iteration, and the finished rows collected twice a step
+    # three permutes of a microbatch's activations an iteration (fill-drain hands the finished rows on by a sum over
+    # the stages and a gather of their gradient, whatever the microbatch count)
     assert more.collectives["collective-permute"] / eight.collectives["collective-permute"] == pytest.approx(
-        (3 * 39 / 32 + 2) / (3 * 15 / 8 + 2))
+        (3 * 39 / 32) / (3 * 15 / 8))
     assert more.time["pipeline_comm"] < eight.time["pipeline_comm"]
     assert eight.time["pipeline_comm"] > 0 and eight.collectives["collective-permute"] > 0
     # Llama-3.1 405B's 126 layers on TP=8, PP=8, CP=2: 16 layers a stage, the last filled with 2 identity layers

@@ -185,16 +185,21 @@ def pipeline_time(shape: StepShape, block: BlockValues, coll: Collectives) -> fl
     """The pipeline stages' exchanges of activations."""
     # each schedule iteration moves one microbatch's activations a stage on (the residual stream between blocks,
     # split over the tensor group): a permute forward, and in the backward pass the shift back and the wrap-around
-    # from the first stage to the last as two (on two stages XLA mostly runs them as one swap, as compiled on
-    # pipeline=2 x fsdp=4; tests/test_plan.py); the finished microbatches, kept on the first stage, reach the rest
-    # once per step (forward and backward); between dependent steps
+    # from the first stage to the last as two (as compiled on pipeline=2 x fsdp=4 and pipeline=4 x fsdp=2;
+    # tests/test_plan.py). The finished microbatches reach the rest once per accumulation
+    # microbatch: under 1F1B by permutes from the last stage, forward and backward; under fill-drain, whose first
+    # stage keeps them, by a sum over the stages and, in the backward pass, a gather of their gradient
     boundary = block.residual_split * shape.work_bytes
     collected = shape.rows * shape.local_len * block.embed // shape.tensor * shape.work_bytes
     seconds = 0.0
     if shape.stages > 1:
-        hops = 2.0 if shape.stages == 2 else 3.0
-        seconds = coll.permute("pipeline", (hops * shape.iterations * boundary + 2.0 * collected)
+        hops = 3.0
+        one_f_one_b = shape.schedule in ONE_F_ONE_B
+        seconds = coll.permute("pipeline", (hops * shape.iterations * boundary + 2.0 * collected * one_f_one_b)
                                * shape.microbatches)
+        if not one_f_one_b:
+            seconds += (coll.ring("all-reduce", "pipeline", collected, shape.microbatches)
+                        + coll.ring("all-gather", "pipeline", collected, shape.microbatches))
     if shape.spread > 1:  # the rows come together for the schedule and part after it: an all-gather each way
         seconds += coll.ring("all-gather", "pipeline", collected, 2 * shape.microbatches)
     return seconds
