@@ -337,12 +337,15 @@ def test_meshes_of_16_to_64_gpus_compile_with_the_attention_a_gpu_run_picks(axis
 
 @needs_plugin
 @pytest.mark.slow
-def test_fill_drain_sums_the_stage_gradients_over_data_once_a_step_on_the_h100():
+@pytest.mark.parametrize("distributed", [False, True])
+def test_fill_drain_sums_the_stage_gradients_over_data_once_a_step_on_the_h100(distributed):
     """The fill-drain schedule's backward pass adds each period's weight gradient into one accumulator, out of which
     XLA moves the sum over ``data``: twice the microbatches (more iterations) add no all-reduce to the step,
-    while the fsdp reduce-scatters, run in every iteration (the stage's weights gathered per iteration), grow."""
+    while the fsdp reduce-scatters, run in every iteration (the stage's weights gathered per iteration), grow.
+    Under the distributed optimizer too: the accumulator is sharded as the parameters, not as the moments."""
     got = {m: _compile_on_target("execution.dtype=bfloat16", "mesh.pipeline=2", "mesh.data=2", "mesh.fsdp=2",
-                                 "mesh.tensor=1", f"pipeline.microbatches={m}", gpus=8) for m in (2, 4)}
+                                 "mesh.tensor=1", f"pipeline.microbatches={m}", f"optimizer.distributed={distributed}",
+                                 gpus=8) for m in (2, 4)}
     assert got[4]["collectives"]["reduce-scatter"] > got[2]["collectives"]["reduce-scatter"], got
     assert got[4]["collectives"]["all-reduce"] <= got[2]["collectives"]["all-reduce"], got
     assert got[4]["collective_bytes"]["all-reduce"] <= got[2]["collective_bytes"]["all-reduce"], got

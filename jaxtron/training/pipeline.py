@@ -42,6 +42,7 @@ from jaxtron.models.transformer import EMBED_AXES
 from jaxtron.parallel.sharding import (
     batch_over_stages,
     batch_split_over_stages,
+    constrain,
     constrain_leading,
     constrain_on_stages,
     constrain_whole_over_batch,
@@ -140,16 +141,16 @@ class Schedule:
 
     def stage_view(self, stack: Any, lead: tuple[int, ...]) -> Any:
         """The stored stack [periods, ...] as [stages, *lead[1:], ...]: its stage dimension over the pipeline
-        axis and, with ``gather_once``, the weights whole over the batch's axes (gathered here, once)."""
+        axis and the rest as the parameter's own sharding or, with ``gather_once``, the weights whole over the
+        batch's axes (gathered here, once). Constrained in full, so that the schedule's gradient accumulator is
+        sharded as the parameter (the distributed optimizer's split over the batch's axes, left to propagate into
+        the loop, would sum each period's gradient over them in every iteration)."""
         def one(v):
             if not isinstance(v, nnx.Variable):
                 return constrain_leading(v.reshape(*lead, *v.shape[1:]), "stages")
             a = v.get_value().reshape(*lead, *v.get_value().shape[1:])
-            if self.gather_once:
-                a = constrain_whole_over_batch(a, ("stages", *(None,) * (len(lead) - 1), *logical_names(v)[1:]))
-            else:
-                a = constrain_leading(a, "stages")
-            return v.replace(a)
+            names = ("stages", *(None,) * (len(lead) - 1), *logical_names(v)[1:])
+            return v.replace(constrain_whole_over_batch(a, names) if self.gather_once else constrain(a, names))
         return jax.tree.map(one, stack, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
     def __call__(self, body: Body, x: jax.Array, stack: Any, extras: Any) -> tuple[jax.Array, dict]:
