@@ -193,13 +193,13 @@ def pipeline_time(shape: StepShape, block: BlockValues, coll: Collectives) -> fl
     collected = shape.rows * shape.local_len * block.embed // shape.tensor * shape.work_bytes
     seconds = 0.0
     if shape.stages > 1:
-        hops = 3.0
-        one_f_one_b = shape.schedule in ONE_F_ONE_B
-        seconds = coll.permute("pipeline", (hops * shape.iterations * boundary + 2.0 * collected * one_f_one_b)
-                               * shape.microbatches)
-        if not one_f_one_b:
-            seconds += (coll.ring("all-reduce", "pipeline", collected, shape.microbatches)
-                        + coll.ring("all-gather", "pipeline", collected, shape.microbatches))
+        hops = 3.0 * shape.iterations * boundary
+        if shape.schedule in ONE_F_ONE_B:
+            seconds = coll.permute("pipeline", (hops + 2.0 * collected) * shape.microbatches)
+        else:
+            seconds = (coll.permute("pipeline", hops * shape.microbatches)
+                       + coll.ring("all-reduce", "pipeline", collected, shape.microbatches)
+                       + coll.ring("all-gather", "pipeline", collected, shape.microbatches))
     if shape.spread > 1:  # the rows come together for the schedule and part after it: an all-gather each way
         seconds += coll.ring("all-gather", "pipeline", collected, 2 * shape.microbatches)
     return seconds

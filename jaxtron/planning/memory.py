@@ -187,15 +187,21 @@ def block_work(shape: StepShape, block: BlockValues, params: tuple[Param, ...]) 
 
 
 def loss_work(cfg: Config, shape: StepShape, block: BlockValues, params: tuple[Param, ...],
-              optimizer_bytes: float) -> float:
-    """Bytes of working space in the loss and its backward pass; ``optimizer_bytes``: the AdamW moments'."""
+              optimizer_bytes: float, gradient_bytes: float = 0.0) -> float:
+    """Bytes of working space in the loss and its backward pass, beyond the step's state; ``optimizer_bytes``:
+    the AdamW moments', ``gradient_bytes``: the gradients'."""
     head_params = [p for p in params if not p.in_blocks and "vocab" in p.names]
     head_gathered = sum(p.shard_elements(shape.mesh, without=("fsdp",)) for p in head_params)
     # the 1F1B schedule runs the head and loss on one pipeline microbatch at a time
     rows = shape.block_rows if shape.schedule in ONE_F_ONE_B else shape.outside_rows
     logits = 4.0 * rows * shape.local_len * block.vocab / cfg.train.logit_chunks
     if not shape.cpu_program:
-        return GPU_LOGIT_COPIES * logits + GPU_HEAD_COPIES * head_gathered * shape.work_bytes
+        work = GPU_LOGIT_COPIES * logits + GPU_HEAD_COPIES * head_gathered * shape.work_bytes
+        if shape.pipelined and shape.schedule not in ONE_F_ONE_B:
+            # fill-drain's loss runs between the schedule's forward pass and its backward pass, which makes the
+            # gradients: its working space takes the place of those not yet made
+            work -= GPU_LOSS_FREE_GRADIENTS * gradient_bytes
+        return work
     return (LOGIT_COPIES * logits
             + head_gathered * (HEAD_COPIES * shape.work_bytes + 4.0)
             # a pipelined program on XLA:CPU copies the AdamW moments before the loss's backward pass
@@ -219,10 +225,7 @@ def memory(cfg: Config, shape: StepShape, block: BlockValues, params: tuple[Para
     terms.update(activation_memory(cfg, shape, block))
     terms.update(gpu_terms(shape, block, params))
     terms.update(gathered_stage(shape, params))
-    loss = loss_work(cfg, shape, block, params, terms["optimizer"])
-    if shape.pipelined and not shape.cpu_program and shape.schedule not in ONE_F_ONE_B:
-        # fill-drain's loss runs between the schedule's forward pass and its backward pass, which makes the
-        # gradients: the loss's working space takes the place of those not yet made
-        loss -= GPU_LOSS_FREE_GRADIENTS * terms["gradients"]
-    terms["working"] = float(max(block_work(shape, block, params), loss, update_work(cfg, shape, params)))
+    terms["working"] = float(max(block_work(shape, block, params),
+                                 loss_work(cfg, shape, block, params, terms["optimizer"], terms["gradients"]),
+                                 update_work(cfg, shape, params)))
     return terms
