@@ -30,11 +30,44 @@ def _sent_bytes(line: str, defined: dict) -> int:
     return min(result, _bytes(*defined[operand.group(1)]))
 
 
+def _result_type(line: str) -> str:
+    """The type text of a collective's HLO line: what stands between ``=`` and its opcode."""
+    return re.split(rf" {_kind(line)}(?:-start)?\(", line.split("=", 1)[1], maxsplit=1)[0]
+
+
+def _tuple_parts(text: str) -> list[str]:
+    """The top-level elements of a tuple type ``(a, (b, c), d)``; a type that is no tuple is its one element."""
+    text = re.sub(r"/\*.*?\*/", "", text).strip()
+    if not text.startswith("("):
+        return [text]
+    parts, depth, start = [], 0, 1
+    for i, ch in enumerate(text):
+        if ch in "([{":
+            depth += 1
+        elif ch in ")]}":
+            depth -= 1
+            if depth == 0:
+                parts.append(text[start:i])
+                break
+        elif ch == "," and depth == 1:
+            parts.append(text[start:i])
+            start = i + 1
+    return [p.strip() for p in parts if p.strip()]
+
+
+def _type_bytes(text: str) -> int:
+    return sum(_bytes(dtype, [int(d) for d in dims.split(",") if d]) for dtype, dims in SHAPE.findall(text))
+
+
 def _result_bytes(line: str) -> int:
-    """Bytes of the result of one HLO instruction line (a tuple result sums its parts)."""
-    head = line.split("=", 1)[1].split(")", 1)[0] if "=" in line else line
-    head = head.split(" " + _kind(line), 1)[0] if _kind(line) else head
-    return sum(_bytes(dtype, [int(d) for d in dims.split(",") if d]) for dtype, dims in SHAPE.findall(head))
+    """Bytes of what one collective instruction line produces (a tuple result sums its parts). The asynchronous
+    start of any kind but an all-reduce defines a tuple of its operands and its results (a permute's start may
+    carry two scalar contexts after them): its result is the second element."""
+    kind, text = _kind(line), _result_type(line)
+    if kind and kind != "all-reduce" and f" {kind}-start(" in line:
+        parts = _tuple_parts(text)
+        text = parts[1] if len(parts) > 1 else text
+    return _type_bytes(text)
 
 
 _LISTED_GROUPS = re.compile(r"replica_groups=\{\{([\d,]*)\}")
