@@ -71,6 +71,7 @@ ENTRY %main (x: bf16[1024,14336]) -> bf16[4096,14336] {
   %ag2 = ((f32[2,64]{0,1}, /*index=1*/f32[2,1792]{1,0}), (f32[2,256]{0,1}, /*index=1*/f32[2,7168]{1,0})) all-gather-start(%a, %b), channel_id=9, replica_groups=[2,4]<=[8], dimensions={1}
   %rs = ((bf16[1,4096,14336]{2,0,1}), bf16[1,1024,14336]{2,0,1}) reduce-scatter-start(%g), channel_id=1, replica_groups=[2,4]<=[8], dimensions={1}, to_apply=%sum
   %rs2 = ((bf16[8,128]{1,0}, bf16[32,128]{1,0}), (bf16[2,128]{1,0}, bf16[8,128]{1,0})) reduce-scatter-start(%g1, %g2), channel_id=2, replica_groups=[2,4]<=[8], dimensions={0}, to_apply=%sum
+  %rs3 = bf16[2,128]{1,0} reduce-scatter(bf16[8,128]{1,0} %g3), replica_groups=mesh['axis_0'=4,'axis_1'=2], device_ids=([2,4]T(1,0)) {'axis_0'}, dimensions={0}, to_apply=%sum
   %ar = (bf16[1024]{0}, f32[16]{0}) all-reduce-start(%p, %q), channel_id=3, replica_groups=[4,2]<=[8], to_apply=%sum
   %cp = (bf16[2,512]{1,0}, bf16[2,512]{1,0}, u32[], u32[]) collective-permute-start(%h), channel_id=4, source_target_pairs={{0,1},{1,0}}
   %cp2 = ((bf16[2,512]{1,0}, s32[2,64]{1,0}), (bf16[2,512]{1,0}, s32[2,64]{1,0})) collective-permute-start(%h, %i), channel_id=5, source_target_pairs={{0,1},{1,0}}
@@ -84,7 +85,8 @@ def test_asynchronous_collectives_count_their_results_not_their_operands():
     result alone, a reduce-scatter the operand it reduces (not that times its group), a permute what it sends once."""
     got = collectives(ASYNC)
     assert got["all-gather"] == {"count": 2, "bytes": 4096 * 14336 * 2 + (2 * 256 + 2 * 7168) * 4}
-    assert got["reduce-scatter"] == {"count": 2, "bytes": 4096 * 14336 * 2 + (8 + 32) * 128 * 2}
+    # the last one synchronous, over a mesh axis of 4 named after the devices' order: its result times 4
+    assert got["reduce-scatter"] == {"count": 3, "bytes": 4096 * 14336 * 2 + (8 + 32) * 128 * 2 + 8 * 128 * 2}
     assert got["all-reduce"] == {"count": 1, "bytes": 1024 * 2 + 16 * 4}
     assert got["collective-permute"] == {"count": 2, "bytes": 2 * 512 * 2 + 2 * 512 * 2 + 2 * 64 * 4}
     assert got["all-to-all"] == {"count": 1, "bytes": 8 * 512 * 16 * 2}

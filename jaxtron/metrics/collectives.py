@@ -60,19 +60,20 @@ def _type_bytes(text: str) -> int:
 
 
 def _result_bytes(line: str) -> int:
-    """Bytes of what one collective instruction line produces (a tuple result sums its parts). The asynchronous
-    start of any kind but an all-reduce defines a tuple of its operands and its results (a permute's start may
-    carry two scalar contexts after them): its result is the second element."""
+    """Bytes of what one collective instruction line produces (a tuple result sums its parts); for the
+    asynchronous start of a reduce-scatter, of what it reduces. The start of any kind but an all-reduce defines a
+    tuple of its operands and its results (a permute's start may carry two scalar contexts after them)."""
     kind, text = _kind(line), _result_type(line)
     if kind and kind != "all-reduce" and f" {kind}-start(" in line:
         parts = _tuple_parts(text)
-        text = parts[1] if len(parts) > 1 else text
+        if len(parts) > 1:
+            text = parts[0] if kind == "reduce-scatter" else parts[1]
     return _type_bytes(text)
 
 
 _LISTED_GROUPS = re.compile(r"replica_groups=\{\{([\d,]*)\}")
 _IOTA_GROUPS = re.compile(r"replica_groups=\[(\d+),(\d+)\]<=")
-_MESH_GROUPS = re.compile(r"replica_groups=mesh\[([^\]]*)\] \{([^}]*)\}")
+_MESH_GROUPS = re.compile(r"replica_groups=mesh\[([^\]]*)\](?:, device_ids=\S+)? \{([^}]*)\}")
 
 
 def _group_size(line: str) -> int | None:
@@ -104,8 +105,9 @@ def collective_bytes(line: str, defined: dict) -> int:
     kind = _kind(line)
     if kind == "ragged-all-to-all":
         return _sent_bytes(line, defined)
-    # a reduce-scatter's result is one part of what it reduces: count what it reduces, as for the others
-    return _result_bytes(line) * ((_group_size(line) or 1) if kind == "reduce-scatter" else 1)
+    # a synchronous reduce-scatter's result is one part of what it reduces: count what it reduces, as for the others
+    scattered = kind == "reduce-scatter" and f" {kind}-start(" not in line
+    return _result_bytes(line) * ((_group_size(line) or 1) if scattered else 1)
 
 
 def collectives(hlo_text: str) -> dict[str, dict[str, float]]:
