@@ -353,6 +353,23 @@ def test_fill_drain_sums_the_stage_gradients_over_data_once_a_step_on_the_h100(d
 
 @needs_plugin
 @pytest.mark.slow
+def test_the_distributed_optimizer_reduce_scatters_fsdp_gradients_over_data_too_on_the_h100():
+    """On data=2 x fsdp=4 the distributed optimizer splits each moment over data along the dimension fsdp already
+    cuts, so one reduce-scatter over all 8 devices sums a layer's gradient onto its shard. Along another dimension
+    XLA cannot scatter over both: it all-reduced the whole gradient over the 8 devices (twice the bytes) inside the
+    layer loop, then sliced it."""
+    got = _compile_on_target("execution.dtype=bfloat16", "mesh.data=2", "mesh.fsdp=4", "mesh.tensor=1",
+                             "optimizer.distributed=True", gpus=8)
+    plain = _compile_on_target("execution.dtype=bfloat16", "mesh.data=2", "mesh.fsdp=4", "mesh.tensor=1", gpus=8)
+    summed = got["collective_bytes"]["reduce-scatter"] + got["collective_bytes"]["all-reduce"]
+    assert got["collective_bytes"]["all-reduce"] < 0.05 * summed, got
+    # the gradients' bytes as without it, where fsdp reduce-scatters them and data all-reduces a quarter of that
+    assert got["collective_bytes"]["reduce-scatter"] == pytest.approx(plain["collective_bytes"]["reduce-scatter"],
+                                                                      rel=0.05), (got, plain)
+
+
+@needs_plugin
+@pytest.mark.slow
 def test_a_fill_drain_pipeline_over_data_holds_its_queue_once_and_as_the_planner_estimates(tmp_path):
     """Fill-drain's queue of every microbatch's activations stays split over the batch's axes and is not gathered
     over the stages to hand stage 0's copy on; the planner's estimate of the step is within 10% of the compile

@@ -157,9 +157,9 @@ def test_state_bytes_per_device_follow_the_shardings():
 @pytest.mark.slow
 def test_microbatches_on_a_sharded_mesh_with_the_distributed_optimizer(single_device_run, tmp_path):
     """2 accumulation microbatches (each device's rows accumulating apart, summed over data once a step) and
-    optimizer.distributed on data=2 x fsdp=2 x tensor=2: the moments split over data besides fsdp and tensor (the
-    norms' over data and fsdp), the weights as their rules place them, and the run equal to one device's (losses to
-    1e-5, parameters to 1% of an update)."""
+    optimizer.distributed on data=2 x fsdp=2 x tensor=2: the moments split over data where fsdp splits them,
+    besides tensor (the norms' over data and fsdp), the weights as their rules place them, and the run equal to one
+    device's (losses to 1e-5, parameters to 1% of an update)."""
     import optax
 
     from jaxtron.training import state as state_lib
@@ -173,7 +173,8 @@ def test_microbatches_on_a_sharded_mesh_with_the_distributed_optimizer(single_de
     mu = optax.tree_utils.tree_get(summary.state.opt_state, "mu")
     wq, wq_mu = summary.state.params["layers"]["attn"]["wq"].get_value(), mu["layers"]["attn"]["wq"].get_value()
     assert wq.sharding.shard_shape(wq.shape) == (2, 32, 2, 16)  # [layers, embed / fsdp, heads / tensor, head_dim]
-    assert wq_mu.sharding.shard_shape(wq.shape) == (2, 32, 2, 8)  # and head_dim (the largest piece) over data
+    # and embed over data too, beside fsdp: one reduce-scatter sums the gradient onto the moments' shard
+    assert wq_mu.sharding.shard_shape(wq.shape) == (2, 16, 2, 16)
     norm_mu = mu["final_norm"]["scale"].get_value()
     assert norm_mu.sharding.shard_shape(norm_mu.shape) == (16,)  # 64 over data x fsdp
     setup = state_lib.setup(cfg, "xla")

@@ -304,10 +304,15 @@ _STACKED = {"layers", "unstaged_layers", "stages"}
 def optimizer_spec(names: Sequence[str | None], shape: Sequence[int], sizes: Mapping[str, int]) -> PartitionSpec:
     """The PartitionSpec of a parameter's optimizer state under the distributed optimizer: the parameter's own,
     with each axis of ``optimizer_state`` it does not use yet (and that has more than one device) added to the
-    dimension that divides by it with the largest piece per device, dimensions no axis cuts yet first and
-    stacked-layer dimensions last. An axis no dimension divides by leaves the state replicated over it."""
+    dimension that divides by it with the largest piece per device: a dimension that an axis of the batch cuts
+    first (fsdp, whose gathered weight's gradient is reduce-scattered along it: one reduce-scatter then sums over
+    both), then dimensions no axis cuts yet, stacked-layer dimensions last. An axis no dimension divides by leaves
+    the state replicated over it."""
     spec = [spec_axes(logical_to_spec(names), d) for d in range(len(shape))]
     used = {a for axes in spec for a in axes}
+    # axes of the batch that cut a weight (not its experts'): it is gathered over them before use
+    gathered_axes = set(spec_axes(logical_to_spec(("activation_batch",)), 0)) - set(
+        spec_axes(logical_to_spec(("experts",)), 0))
     for axis in spec_axes(logical_to_spec(("optimizer_state",)), 0):
         ways = sizes.get(axis, 1)
         if axis in used or ways == 1:
@@ -317,7 +322,8 @@ def optimizer_spec(names: Sequence[str | None], shape: Sequence[int], sizes: Map
         if not fits:
             continue
         cut = [any(sizes.get(a, 1) > 1 for a in axes) for axes in spec]
-        best = max(fits, key=lambda d: (names[d] not in _STACKED, not cut[d], piece[d]))
+        gathered = [any(a in gathered_axes and sizes.get(a, 1) > 1 for a in axes) for axes in spec]
+        best = max(fits, key=lambda d: (names[d] not in _STACKED, gathered[d], not cut[d], piece[d]))
         spec[best] += (axis,)
         used.add(axis)
     return PartitionSpec(*(None if not axes else axes[0] if len(axes) == 1 else axes for axes in spec))
