@@ -77,13 +77,15 @@ def fsdp_time(shape: StepShape, params: tuple[Param, ...], coll: Collectives) ->
         rest_gathers = (2 * shape.virtual_stages + 1) * shape.in_flight
         rest_sums = 1 if shape.gather_once else 2 * shape.in_flight
     gathered = {True: 0, False: 0}  # elements gathered over fsdp: the staged blocks' and the rest
-    replicated = 0  # elements of the weights whole on every fsdp device
+    summed = {True: 0.0, False: 0.0}  # their gradients' bytes (``gradient_width``)
+    replicated = 0.0  # gradient bytes of the weights whole on every fsdp device
     for p in params:
         whole = p.shard_elements(shape.mesh, without=("fsdp",))
         if whole == p.shard_elements(shape.mesh):
-            replicated += whole
+            replicated += gradient_width(shape, p) * whole
         else:
             gathered[p.staged] += whole
+            summed[p.staged] += gradient_width(shape, p) * whole
     # a pipeline stage gathers its blocks' weights again in every iteration of the schedule, and reduce-scatters
     # their gradients in every iteration of its backward pass; with ``pipeline.fsdp_gather='step'`` once a step
     # (the float32 weights, and the whole accumulator)
@@ -92,13 +94,20 @@ def fsdp_time(shape: StepShape, params: tuple[Param, ...], coll: Collectives) ->
         return (coll.ring("all-gather", "fsdp", 4.0 * gathered[True], 1)
                 + coll.ring("reduce-scatter", "fsdp", 4.0 * gathered[True], 1)
                 + coll.ring("all-gather", "fsdp", shape.work_bytes * gathered[False], rest_gathers)
-                + coll.ring("reduce-scatter", "fsdp", 4.0 * gathered[False], rest_sums)
-                + coll.ring("all-reduce", "fsdp", 4.0 * replicated, rest_sums))
+                + coll.ring("reduce-scatter", "fsdp", summed[False], rest_sums)
+                + coll.ring("all-reduce", "fsdp", replicated, rest_sums))
     return (coll.ring("all-gather", "fsdp", shape.work_bytes * gathered[True], gathers * in_flight * busy)
             + coll.ring("all-gather", "fsdp", shape.work_bytes * gathered[False], rest_gathers)
-            + coll.ring("reduce-scatter", "fsdp", 4.0 * gathered[True], micro * in_flight * busy)
-            + coll.ring("reduce-scatter", "fsdp", 4.0 * gathered[False], rest_sums)
-            + coll.ring("all-reduce", "fsdp", 4.0 * replicated, rest_sums))
+            + coll.ring("reduce-scatter", "fsdp", summed[True], micro * in_flight * busy)
+            + coll.ring("reduce-scatter", "fsdp", summed[False], rest_sums)
+            + coll.ring("all-reduce", "fsdp", replicated, rest_sums))
+
+
+def gradient_width(shape: StepShape, p: Param) -> float:
+    """Bytes per element of ``p``'s gradient where the backward pass sums it over a batch axis: a block weight's
+    is the compute dtype's (its 16-bit copy's gradient, summed before it is converted to float32: compiled for the
+    H100 target), the embedding's, the head's and the norms' outside the blocks float32."""
+    return float(shape.work_bytes) if p.in_blocks else 4.0
 
 
 def data_time(cfg: Config, shape: StepShape, params: tuple[Param, ...], coll: Collectives) -> float:
@@ -121,24 +130,30 @@ def data_time(cfg: Config, shape: StepShape, params: tuple[Param, ...], coll: Co
     for expert_owned in (False, True):
         axes = ("data", "sequence") if expert_owned else ("data", "sequence", "expert")
         for staged in (False, True):
-            over = sum(p.shard_elements(shape.mesh) for p in params
-                       if ("experts" in p.names) == expert_owned and p.staged == staged)
-            width = 4.0
+            group = [p for p in params if ("experts" in p.names) == expert_owned and p.staged == staged]
+            over = sum(p.shard_elements(shape.mesh) for p in group)
+            # what is summed: a float32 accumulator of the step's microbatches, or each microbatch's gradients
+            # where its backward pass makes them (``gradient_width``)
+            accumulated = True
             if shape.schedule in ONE_F_ONE_B:
                 times = 1 if dense else shape.in_flight * (1 if staged else 2)
             elif shape.pipelined and staged:  # fill-drain: the 16-bit weight gradients, summed after the loop
                 # (virtual stages: in each iteration of its backward pass)
-                times, width = shape.microbatches, shape.work_bytes
+                times, accumulated = shape.microbatches, False
                 if shape.virtual_stages > 1:
                     times *= shape.in_flight * shape.busy
             else:
                 times = 1 if once else shape.microbatches
-            # reduce-scattered onto the moments' shards, and the updated weights gathered once
-            if distributed and width == 4.0:
-                grad_sync += (coll.ring("reduce-scatter", axes, 4.0 * over, times)
+                accumulated = once and shape.microbatches > 1
+            summed = 4.0 * over if accumulated else sum(gradient_width(shape, p) * p.shard_elements(shape.mesh)
+                                                        for p in group)
+            # reduce-scattered onto the moments' shards, and the updated weights gathered once (fill-drain's
+            # accumulator is split as the parameters: summed whole)
+            if distributed and not (shape.pipelined and staged and shape.schedule not in ONE_F_ONE_B):
+                grad_sync += (coll.ring("reduce-scatter", axes, summed, times)
                               + coll.ring("all-gather", axes, 4.0 * over, 1))
             else:
-                grad_sync += coll.ring("all-reduce", axes, width * over, times)
+                grad_sync += coll.ring("all-reduce", axes, summed, times)
     if shape.spread > 1:  # the stages' gradients of what they all hold (embedding, head, blocks outside) are summed
         unstaged = sum(p.shard_elements(shape.mesh) for p in params if not p.staged)
         grad_sync += coll.ring("all-reduce", "pipeline", 4.0 * unstaged, shape.microbatches)
