@@ -370,6 +370,18 @@ def test_the_distributed_optimizer_reduce_scatters_fsdp_gradients_over_data_too_
 
 @needs_plugin
 @pytest.mark.slow
+def test_1f1b_reduce_scatters_its_fsdp_gradients_in_each_iteration_on_the_h100():
+    """The 1F1B schedule gathers a stage's weights over fsdp in every iteration and sums their gradients back in
+    every backward unit: reduce-scatters, as the weights are split (the backward runs under a condition, from which
+    XLA had returned the gradients whole: all-reduces, twice the bytes); the head's and the embedding's too."""
+    got = _compile_on_target("execution.dtype=bfloat16", "mesh.pipeline=2", "mesh.fsdp=4", "mesh.tensor=1",
+                             "pipeline.schedule=1f1b", "pipeline.microbatches=4", gpus=8)
+    summed = got["collective_bytes"]["reduce-scatter"] + got["collective_bytes"]["all-reduce"]
+    assert got["collective_bytes"]["reduce-scatter"] > 0.8 * summed, got
+
+
+@needs_plugin
+@pytest.mark.slow
 def test_a_fill_drain_pipeline_over_data_holds_its_queue_once_and_as_the_planner_estimates(tmp_path):
     """Fill-drain's queue of every microbatch's activations stays split over the batch's axes and is not gathered
     over the stages to hand stage 0's copy on; the planner's estimate of the step is within 10% of the compile

@@ -216,6 +216,19 @@ def gradients(setup, params: Any, batch: Batch, loss_sums: Callable, moe_metrics
                 for a, axis in zip(args, in_axes)]
         return group_map(fn, groups, tuple(None if axis is None else 0 for axis in in_axes))(*args)
 
+    def split_as_weights(grads, names):
+        """Weight gradients (arrays) split as their weights (logical ``names``): summed over fsdp by a
+        reduce-scatter inside the branch that makes them (left alone, XLA all-reduces them whole there and slices
+        the sum into the accumulator); with the stages' weights gathered once, as they come (the accumulators are
+        whole)."""
+        if mesh.empty or schedule.gather_once:
+            return grads
+        return [constrain(a, n) for a, n in zip(grads, names, strict=True)]
+
+    def sharded_as_weights(dw):
+        """A period's weight gradients (a tree), ``split_as_weights``."""
+        return jax.tree.unflatten(jax.tree.structure(dw), split_as_weights(jax.tree.leaves(dw), stack_names))
+
     def backward_one(stack_s, acc, inputs, ex, s, v, dy, valid):
         """The stage's backward of its chunk ``v``, period by period from the last: each period's forward
         recomputed from its kept input (``inputs`` [pc, ...]) and its vector-Jacobian product taken at once, its
@@ -224,7 +237,8 @@ def gradients(setup, params: Any, batch: Batch, loss_sums: Callable, moe_metrics
         def vjp(dy, p):
             _, pullback = jax.vjp(lambda w, x: period(w, x, ex, s, v * pc + p), weights_of(stack_s, v * pc + p),
                                   jax.lax.dynamic_index_in_dim(inputs, p, 0, False))
-            return pullback((dy, stats_cotangent(s, v * pc + p, valid)))
+            dw, dx = pullback((dy, stats_cotangent(s, v * pc + p, valid)))
+            return sharded_as_weights(dw), dx
 
         def one(carry, p):
             dy, acc = carry
@@ -282,7 +296,7 @@ def gradients(setup, params: Any, batch: Batch, loss_sums: Callable, moe_metrics
     def rest_of(d_rest):
         """The gradients ``d_rest`` of the parameters outside the stack, as ``grad_rest`` holds them (a zero for each
         staged one; [G] with the groups' dimension)."""
-        it = iter(d_rest)
+        it = iter(split_as_weights(d_rest, [n for n, staged_leaf in zip(param_names, in_stack) if not staged_leaf]))
         return [jnp.zeros((), jnp.float32) if staged_leaf else next(it).astype(jnp.float32) for staged_leaf in in_stack]
 
     def add_rest(acc, d):
