@@ -217,7 +217,8 @@ def test_weights_the_rules_keep_whole_over_fsdp_are_not_gathered_but_their_gradi
         assert over_fsdp["".join(f"[{name!r}]" for name in p.path.split("."))] == (p in split), p.path
     est = estimate(cfg, sizes, H100).collectives
     assert est["all-gather"] == pytest.approx(2 * 2 * sum(p.shard_elements(sizes, without=("fsdp",)) for p in split))
-    assert est["all-reduce"] >= 4 * sum(p.shard_elements(sizes) for p in whole)
+    # block weights both: their gradients summed in bf16, as they are made
+    assert est["all-reduce"] >= 2 * sum(p.shard_elements(sizes) for p in whole)
 
 
 @pytest.mark.parametrize("mesh,model,distributed", [
