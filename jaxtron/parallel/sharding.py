@@ -301,6 +301,18 @@ def tree_shardings(mesh: Mesh, tree: Any, optimizer: bool = False) -> Any:
 _STACKED = {"layers", "unstaged_layers", "stages"}
 
 
+def _gathered_axes() -> set[str]:
+    """The mesh axes of the batch that may cut a weight (not its experts'): it is gathered over them before use."""
+    return set(spec_axes(logical_to_spec(("activation_batch",)), 0)) - set(spec_axes(logical_to_spec(("experts",)), 0))
+
+
+def gathered_before_use(names: Sequence[str | None], sizes: Mapping[str, int]) -> bool:
+    """Whether a weight with these logical names is split over an axis of the batch (of more than one device) and
+    so gathered before use, its gradient a partial sum over that axis (fsdp)."""
+    spec = logical_to_spec(names)
+    return any(a in _gathered_axes() and sizes.get(a, 1) > 1 for d in range(len(names)) for a in spec_axes(spec, d))
+
+
 def optimizer_spec(names: Sequence[str | None], shape: Sequence[int], sizes: Mapping[str, int]) -> PartitionSpec:
     """The PartitionSpec of a parameter's optimizer state under the distributed optimizer: the parameter's own,
     with each axis of ``optimizer_state`` it does not use yet (and that has more than one device) added to the
@@ -310,9 +322,8 @@ def optimizer_spec(names: Sequence[str | None], shape: Sequence[int], sizes: Map
     the state replicated over it."""
     spec = [spec_axes(logical_to_spec(names), d) for d in range(len(shape))]
     used = {a for axes in spec for a in axes}
-    # axes of the batch that cut a weight (not its experts'): it is gathered over them before use
-    gathered_axes = set(spec_axes(logical_to_spec(("activation_batch",)), 0)) - set(
-        spec_axes(logical_to_spec(("experts",)), 0))
+    # the dimensions the weight's own rule cuts over an axis it is gathered over before use (fsdp)
+    gathered = [any(a in _gathered_axes() and sizes.get(a, 1) > 1 for a in axes) for axes in spec]
     for axis in spec_axes(logical_to_spec(("optimizer_state",)), 0):
         ways = sizes.get(axis, 1)
         if axis in used or ways == 1:
@@ -322,7 +333,6 @@ def optimizer_spec(names: Sequence[str | None], shape: Sequence[int], sizes: Map
         if not fits:
             continue
         cut = [any(sizes.get(a, 1) > 1 for a in axes) for axes in spec]
-        gathered = [any(a in gathered_axes and sizes.get(a, 1) > 1 for a in axes) for axes in spec]
         best = max(fits, key=lambda d: (names[d] not in _STACKED, gathered[d], not cut[d], piece[d]))
         spec[best] += (axis,)
         used.add(axis)

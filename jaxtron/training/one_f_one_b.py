@@ -54,6 +54,7 @@ from jaxtron.parallel.sharding import (
     constrain_groups,
     constrain_on_stages,
     constrain_stage_groups,
+    gathered_before_use,
     group_map,
     logical_names,
     logical_to_spec,
@@ -217,13 +218,14 @@ def gradients(setup, params: Any, batch: Batch, loss_sums: Callable, moe_metrics
         return group_map(fn, groups, tuple(None if axis is None else 0 for axis in in_axes))(*args)
 
     def split_as_weights(grads, names):
-        """Weight gradients (arrays) split as their weights (logical ``names``): summed over fsdp by a
-        reduce-scatter inside the branch that makes them (left alone, XLA all-reduces them whole there and slices
-        the sum into the accumulator); with the stages' weights gathered once, as they come (the accumulators are
-        whole)."""
+        """Gradients (arrays) of weights gathered before use, split as those weights (logical ``names``): summed
+        over fsdp by a reduce-scatter inside the branch that makes them (left alone, XLA all-reduces them whole
+        there and slices the sum into the accumulator); with the stages' weights gathered once, as they come (the
+        accumulators are whole)."""
         if mesh.empty or schedule.gather_once:
             return grads
-        return [constrain(a, n) for a, n in zip(grads, names, strict=True)]
+        sizes = dict(mesh.shape)
+        return [constrain(a, n) if gathered_before_use(n, sizes) else a for a, n in zip(grads, names, strict=True)]
 
     def sharded_as_weights(dw):
         """A period's weight gradients (a tree), ``split_as_weights``."""
