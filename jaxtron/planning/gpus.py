@@ -8,8 +8,8 @@ the constants fitted on the other 13); "assumed" ones are ours and are the first
 Rates are what one GPU sustains:
 - ``matmul_efficiency``: fraction of the dense peak that a training step's GEMMs sustain (fitted: 0.66; a lone
   bf16 8192^3 GEMM reaches 790 / 989.4 on an H200, and H100 SXM has the same tensor cores and clocks).
-- ``comm_overlap``: the share of the compute that the fsdp and data collectives hide behind (fitted: 0.78).
-- ``comm_interference``: the share of the hidden collectives' time the step still pays (fitted: 0.27).
+- ``comm_overlap``: the share of the compute that the fsdp and data collectives hide behind (fitted: 0.79).
+- ``comm_interference``: the share of the hidden collectives' time the step still pays (fitted: 0.30).
 - ``tensor_efficiency``: what tensor parallelism leaves of the GEMM rate beyond its collectives' bytes (assumed 1
   for jaxtron; fitted for the published stacks, ``STACK_TENSOR_EFFICIENCY``).
 - ``attention_efficiency``: fraction of the dense peak that cuDNN flash attention reaches over forward and
@@ -76,14 +76,14 @@ _MIB = 2**20
 # compute hides the fsdp and data collectives and what the hidden ones still cost. H100 and H200 share the compute
 # and the interconnect, so both take them. The bus bandwidths stay at 80% of NVLink's 450 GB/s and of the network's
 # 50 GB/s per GPU (the script says why they are not fitted).
-_CALIBRATED = dict(matmul_efficiency=0.6648, comm_overlap=0.782, comm_interference=0.2701)
+_CALIBRATED = dict(matmul_efficiency=0.6688, comm_overlap=0.7912, comm_interference=0.3011)
 # What tensor parallelism leaves of the GEMM rate, beyond its collectives' bytes (which the time model counts as
 # exposed), in each stack whose runs the model is checked on: KempnerForge's fitted on its runs with the constants
 # above (TP=2 costs it as large a share of the step as TP=4: a cost that follows the compute, not the bytes);
 # Megatron's fitted on its runs runs to the bound of 1, its tensor collectives overlapping its GEMMs. jaxtron's own
 # (``GPU.tensor_efficiency``, 1) is assumed until a multi-GPU run measures it: XLA runs the tensor group's
 # collectives between the GEMMs that need them (counted exposed), the GEMMs as they are.
-STACK_TENSOR_EFFICIENCY = {"KempnerForge": 0.7346, "Megatron": 1.0}
+STACK_TENSOR_EFFICIENCY = {"KempnerForge": 0.6965, "Megatron": 1.0}
 GPUS: dict[str, GPU] = {
     # 80 GB HBM3 (81,559 MiB reported), 3.35 TB/s datasheet, of which 85% is assumed reachable
     "h100": GPU("H100 SXM 80GB", 81_559 * _MIB, _peaks("H100 SXM"), attention_efficiency=0.5,
