@@ -190,7 +190,7 @@ def write(path: str, rows: dict) -> None:
         "DeepSeek-V3's published figure). The planner's constants are those fitted on KempnerForge's runs; its",
         "tensor parallelism costs the bytes of its collectives, not overlapped, with the GEMMs at their plain rate",
         "(Megatron's runs fit that, `benchmarks/plan_calibration.md`). Beside it, the published layout were",
-        "jaxtron's tensor parallelism to cost what KempnerForge's does, a quarter of the GEMM rate besides.",
+        "jaxtron's tensor parallelism to cost what KempnerForge's does, 30% of the GEMM rate besides.",
         "",
         ("| run | GPUs | published | planner, published layout | est. MFU | est. MFU, KempnerForge's TP cost | "
          "est. GiB | compiled GiB | planner's best | its est. MFU |"),
