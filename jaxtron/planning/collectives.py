@@ -165,13 +165,16 @@ def tensor_time(shape: StepShape, block: BlockValues, coll: Collectives) -> floa
     # per block: the attention and MLP outputs reduce-scattered and their normed inputs all-gathered over the
     # tensor group each time the block's forward runs (an all-reduce's traffic in two halves: the forward and its
     # recomputation), and as many in its backward pass (each one's transpose), plus the loss's hidden-state
-    # gradient. Compiled for H100s (Llama-3 70B fsdp=8 tensor=8, remat full) the blocks moved 12 residuals' bytes
-    # each (5 reduce-scatters, 6 all-gathers, one of them float32), as counted; without remat 10 (the forward's
-    # gathers float32) against 8 counted
-    reductions = 2 * (shape.forward_passes - 1) * shape.layers_per_stage * shape.microbatches * shape.in_flight
+    # gradient. Without the forward's recomputation XLA gathers the normed inputs once more: again in the backward
+    # (``save_dots``) or in float32 in the forward (``none``). Compiled for H100s (Llama-3 8B fsdp=4 tensor=2, 70B
+    # fsdp=8 tensor=8) the blocks moved 12 residuals' bytes each under full remat (5 reduce-scatters, 6
+    # all-gathers, one of them float32), 10 without it (4 and 6), as counted
+    blocks = shape.layers_per_stage * shape.microbatches * shape.in_flight
+    reductions = 2 * (shape.forward_passes - 1) * blocks
+    gathers = reductions + (2 * blocks if shape.forward_passes == 3 else 0)
     residual = block.residual * shape.work_bytes
     return (coll.ring("reduce-scatter", "tensor", residual, reductions)
-            + coll.ring("all-gather", "tensor", residual, reductions)
+            + coll.ring("all-gather", "tensor", residual, gathers)
             + coll.ring("all-reduce", "tensor", 4.0 * shape.outside_rows * shape.local_len * block.embed,
                         shape.microbatches))
 
