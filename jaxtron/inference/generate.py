@@ -101,7 +101,7 @@ class Generator:
         self.graphdef, state = nnx.split(model)
         self.mesh = mesh
         if mesh is not None:
-            from jaxtron.parallel.sharding import tree_shardings
+            from jaxtron.parallel.state_sharding import tree_shardings
             with jax.set_mesh(mesh):
                 state = jax.device_put(state, tree_shardings(mesh, state))
         self.state = state

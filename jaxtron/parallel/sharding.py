@@ -212,7 +212,7 @@ def row_groups(params: Any, sizes: Mapping[str, int], whole: bool = False) -> tu
     mesh of ``sizes``: each device's rows along them form a group whose weight gradients need no sum with the
     others' until the step's end (``training/step.py``, ``training/one_f_one_b.py``)."""
     spec_of = (lambda v: whole_over_batch(logical_names(v))) if whole else (lambda v: logical_to_spec(logical_names(v)))
-    used = {a for v in jax.tree.leaves(params, is_leaf=_is_variable) if _is_variable(v)
+    used = {a for v in jax.tree.leaves(params, is_leaf=is_variable) if is_variable(v)
             for axes in spec_of(v) if axes is not None
             for a in ((axes,) if isinstance(axes, str) else axes)}
     out = []
@@ -273,7 +273,8 @@ def constrain_stage_groups(x: jax.Array, groups: Sequence[str], names: Sequence[
     return jax.lax.with_sharding_constraint(x, PartitionSpec(stages, tuple(groups) or None, *rest))
 
 
-def _is_variable(x: Any) -> bool:
+def is_variable(x: Any) -> bool:
+    """Whether ``x`` is an nnx Variable (a leaf of the state trees these helpers map over)."""
     return isinstance(x, nnx.Variable)
 
 
@@ -282,98 +283,13 @@ def logical_names(variable: nnx.Variable) -> tuple[str | None, ...]:
     return tuple(names) if names else (None,) * variable.get_value().ndim
 
 
-def tree_shardings(mesh: Mesh, tree: Any, optimizer: bool = False) -> Any:
-    """NamedShardings for a tree of nnx Variables (by their logical names) and plain arrays (replicated);
-    ``optimizer``: the Variables are optimizer state of the distributed optimizer (``optimizer_spec``)."""
-
-    def one(x):
-        if not _is_variable(x):
-            return NamedSharding(mesh, PartitionSpec())
-        if optimizer:
-            return NamedSharding(mesh, optimizer_spec(logical_names(x), x.get_value().shape, dict(mesh.shape)))
-        return NamedSharding(mesh, logical_to_spec(logical_names(x)))
-
-    return jax.tree.map(one, tree, is_leaf=_is_variable)
-
-
-# dimensions the distributed optimizer leaves to their rule where another takes its axes: a stacked-layers
-# dimension cut further would make every layer's gradient go whole to one device inside the layer loop
-_STACKED = {"layers", "unstaged_layers", "stages"}
-
-
-def _gathered_axes() -> set[str]:
-    """The mesh axes of the batch that may cut a weight (not its experts'): it is gathered over them before use."""
-    return set(spec_axes(logical_to_spec(("activation_batch",)), 0)) - set(spec_axes(logical_to_spec(("experts",)), 0))
-
-
-def gathered_before_use(names: Sequence[str | None], sizes: Mapping[str, int]) -> bool:
-    """Whether a weight with these logical names is split over an axis of the batch (of more than one device) and
-    so gathered before use, its gradient a partial sum over that axis (fsdp)."""
-    spec = logical_to_spec(names)
-    return any(a in _gathered_axes() and sizes.get(a, 1) > 1 for d in range(len(names)) for a in spec_axes(spec, d))
-
-
-def optimizer_spec(names: Sequence[str | None], shape: Sequence[int], sizes: Mapping[str, int]) -> PartitionSpec:
-    """The PartitionSpec of a parameter's optimizer state under the distributed optimizer: the parameter's own,
-    with each axis of ``optimizer_state`` it does not use yet (and that has more than one device) added to the
-    dimension that divides by it with the largest piece per device: a dimension that an axis of the batch cuts
-    first (fsdp, whose gathered weight's gradient is reduce-scattered along it: one reduce-scatter then sums over
-    both), then dimensions no axis cuts yet, stacked-layer dimensions last. An axis no dimension divides by leaves
-    the state replicated over it."""
-    spec = [spec_axes(logical_to_spec(names), d) for d in range(len(shape))]
-    used = {a for axes in spec for a in axes}
-    # the dimensions the weight's own rule cuts over an axis it is gathered over before use (fsdp)
-    gathered = [any(a in _gathered_axes() and sizes.get(a, 1) > 1 for a in axes) for axes in spec]
-    for axis in spec_axes(logical_to_spec(("optimizer_state",)), 0):
-        ways = sizes.get(axis, 1)
-        if axis in used or ways == 1:
-            continue
-        piece = [shape[d] // math.prod(sizes.get(a, 1) for a in spec[d]) for d in range(len(shape))]
-        fits = [d for d in range(len(shape)) if piece[d] % ways == 0]
-        if not fits:
-            continue
-        cut = [any(sizes.get(a, 1) > 1 for a in axes) for axes in spec]
-        best = max(fits, key=lambda d: (names[d] not in _STACKED, gathered[d], not cut[d], piece[d]))
-        spec[best] += (axis,)
-        used.add(axis)
-    return PartitionSpec(*(None if not axes else axes[0] if len(axes) == 1 else axes for axes in spec))
-
-
-def constrain_optimizer(tree: Any) -> Any:
-    """Constrains a tree of Variables shaped like the parameters (their gradients) to the distributed
-    optimizer's sharding (no-op without a mesh): XLA then reduce-scatters the gradient sums it would otherwise
-    all-reduce."""
-    mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty:
-        return tree
-
-    def one(x):
-        if not _is_variable(x):
-            return x
-        spec = optimizer_spec(logical_names(x), x.get_value().shape, dict(mesh.shape))
-        return x.replace(jax.lax.with_sharding_constraint(x.get_value(), spec))
-
-    return jax.tree.map(one, tree, is_leaf=_is_variable)
-
-
-def constrain_gradient(x: jax.Array, names: Sequence[str | None], optimizer: bool = False) -> jax.Array:
-    """Constrains a gradient (or an accumulator of them) of a parameter with these logical names to the parameter's
-    sharding, or with ``optimizer`` to the distributed optimizer's (no-op without a mesh)."""
-    mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty:
-        return x
-    if optimizer:
-        return jax.lax.with_sharding_constraint(x, optimizer_spec(names, x.shape, dict(mesh.shape)))
-    return constrain(x, names)
-
-
 def constrain_params(tree: Any) -> Any:
     """Constrains a tree of Variables to their parameters' own sharding (no-op without a mesh)."""
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty:
         return tree
-    return jax.tree.map(lambda x: x.replace(constrain(x.get_value(), logical_names(x))) if _is_variable(x) else x,
-                        tree, is_leaf=_is_variable)
+    return jax.tree.map(lambda x: x.replace(constrain(x.get_value(), logical_names(x))) if is_variable(x) else x,
+                        tree, is_leaf=is_variable)
 
 
 def without_leading_axes(sharding: jax.sharding.Sharding, ndim: int, k: int) -> jax.sharding.Sharding:

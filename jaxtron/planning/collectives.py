@@ -134,12 +134,13 @@ def data_time(cfg: Config, shape: StepShape, params: tuple[Param, ...], coll: Co
             over = sum(p.shard_elements(shape.mesh) for p in group)
             # what is summed: a float32 accumulator of the step's microbatches, or each microbatch's gradients
             # where its backward pass makes them (``gradient_width``)
-            accumulated = True
+            accumulated, scattered = True, distributed
             if shape.schedule in ONE_F_ONE_B:
                 times = 1 if dense else shape.in_flight * (1 if staged else 2)
             elif shape.pipelined and staged:  # fill-drain: the 16-bit weight gradients, summed after the loop
-                # (virtual stages: in each iteration of its backward pass)
-                times, accumulated = shape.microbatches, False
+                # (virtual stages: in each iteration of its backward pass), whole under the distributed optimizer
+                # too (its accumulator is split as the parameters)
+                times, accumulated, scattered = shape.microbatches, False, False
                 if shape.virtual_stages > 1:
                     times *= shape.in_flight * shape.busy
             else:
@@ -147,9 +148,8 @@ def data_time(cfg: Config, shape: StepShape, params: tuple[Param, ...], coll: Co
                 accumulated = once and shape.microbatches > 1
             summed = 4.0 * over if accumulated else sum(gradient_width(shape, p) * p.shard_elements(shape.mesh)
                                                         for p in group)
-            # reduce-scattered onto the moments' shards, and the updated weights gathered once (fill-drain's
-            # accumulator is split as the parameters: summed whole)
-            if distributed and not (shape.pipelined and staged and shape.schedule not in ONE_F_ONE_B):
+            # reduce-scattered onto the moments' shards, and the updated weights gathered once
+            if scattered:
                 grad_sync += (coll.ring("reduce-scatter", axes, summed, times)
                               + coll.ring("all-gather", axes, 4.0 * over, 1))
             else:

@@ -78,7 +78,7 @@ UNSEEN_ON_TARGET = ("cudnn_workspace",)  # terms a compile without the GPU canno
 def state_memory(cfg: Config, shape: StepShape, params: tuple[Param, ...]) -> dict[str, float]:
     """Bytes of the train state and the batch: float32 parameters, two AdamW moments, gradients (+ the microbatch
     accumulator), and the step's five int32 batch arrays. Under the distributed optimizer the moments and the
-    accumulator hold their shard over the batch's axes (``sharding.optimizer_spec``)."""
+    accumulator hold their shard over the batch's axes (``state_sharding.optimizer_spec``)."""
     shard = state_elements(params, shape.mesh)
     moments = optimizer_elements(params, shape.mesh, cfg.optimizer.distributed)
     return {"parameters": 4.0 * shard, "optimizer": 8.0 * moments,

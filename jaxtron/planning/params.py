@@ -12,7 +12,8 @@ from flax import nnx
 
 from jaxtron.config.schema import ExecutionConfig, ModelConfig
 from jaxtron.models import build_model
-from jaxtron.parallel.sharding import logical_names, logical_to_spec, optimizer_spec
+from jaxtron.parallel.sharding import logical_names, logical_to_spec
+from jaxtron.parallel.state_sharding import optimizer_spec
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,7 +50,7 @@ class Param:
 
     def optimizer_elements(self, sizes: Mapping[str, int]) -> int:
         """Elements one device holds of each of this parameter's AdamW moments under the distributed optimizer
-        (``jaxtron.parallel.sharding.optimizer_spec``)."""
+        (``jaxtron.parallel.state_sharding.optimizer_spec``)."""
         total = 1
         for dim, axes in zip(self.shape, optimizer_spec(self.names, self.shape, sizes)):
             axes = () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)

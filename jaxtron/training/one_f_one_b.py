@@ -50,11 +50,9 @@ from jaxtron.parallel import timetable
 from jaxtron.parallel.sharding import (
     BATCH_AXES,
     constrain,
-    constrain_gradient,
     constrain_groups,
     constrain_on_stages,
     constrain_stage_groups,
-    gathered_before_use,
     group_map,
     logical_names,
     logical_to_spec,
@@ -62,6 +60,7 @@ from jaxtron.parallel.sharding import (
     spec_axes,
 )
 from jaxtron.parallel.stages import PAD, identity_slots, storage_order
+from jaxtron.parallel.state_sharding import constrain_gathered_gradients, constrain_gradient
 from jaxtron.training.pipeline import SCOPE, check_schedule, split_rows
 from jaxtron.training.stack_cut import Capture, Replace
 
@@ -218,18 +217,9 @@ def gradients(setup, params: Any, batch: Batch, loss_sums: Callable, moe_metrics
         return group_map(fn, groups, tuple(None if axis is None else 0 for axis in in_axes))(*args)
 
     def split_as_weights(grads, names):
-        """Gradients (arrays) of weights gathered before use, split as those weights (logical ``names``): summed
-        over fsdp by a reduce-scatter inside the branch that makes them (left alone, XLA all-reduces them whole
-        there and slices the sum into the accumulator); with the stages' weights gathered once, as they come (the
-        accumulators are whole)."""
-        if mesh.empty or schedule.gather_once:
-            return grads
-        sizes = dict(mesh.shape)
-        return [constrain(a, n) if gathered_before_use(n, sizes) else a for a, n in zip(grads, names, strict=True)]
-
-    def sharded_as_weights(dw):
-        """A period's weight gradients (a tree), ``split_as_weights``."""
-        return jax.tree.unflatten(jax.tree.structure(dw), split_as_weights(jax.tree.leaves(dw), stack_names))
+        """The gradients the conditional backward makes, reduce-scattered there over fsdp
+        (``constrain_gathered_gradients``); with the stages' weights gathered once, whole as the accumulators."""
+        return grads if schedule.gather_once else constrain_gathered_gradients(grads, names)
 
     def backward_one(stack_s, acc, inputs, ex, s, v, dy, valid):
         """The stage's backward of its chunk ``v``, period by period from the last: each period's forward
@@ -240,7 +230,7 @@ def gradients(setup, params: Any, batch: Batch, loss_sums: Callable, moe_metrics
             _, pullback = jax.vjp(lambda w, x: period(w, x, ex, s, v * pc + p), weights_of(stack_s, v * pc + p),
                                   jax.lax.dynamic_index_in_dim(inputs, p, 0, False))
             dw, dx = pullback((dy, stats_cotangent(s, v * pc + p, valid)))
-            return sharded_as_weights(dw), dx
+            return jax.tree.unflatten(jax.tree.structure(dw), split_as_weights(jax.tree.leaves(dw), stack_names)), dx
 
         def one(carry, p):
             dy, acc = carry

@@ -15,8 +15,9 @@ from jaxtron.config.schema import Config, ConfigError
 from jaxtron.models import build_model, lora
 from jaxtron.models.stack import remat_policy
 from jaxtron.ops import fp8 as fp8_ops
-from jaxtron.parallel.sharding import shard_count, tree_shardings
+from jaxtron.parallel.sharding import shard_count
 from jaxtron.parallel.stages import padding, reorder, storage_order
+from jaxtron.parallel.state_sharding import tree_shardings
 from jaxtron.training.optimizer import learning_rate_schedule, make_optimizer
 from jaxtron.training.pipeline import Schedule
 
@@ -51,7 +52,7 @@ class Setup:
     layer_order: tuple[int, ...] | None = struct.field(pytree_node=False, default=None)
     # XLA options the step compiles with (ops/fp8.py: what FP8 projections need), as (name, value) pairs
     compiler_options: tuple[tuple[str, object], ...] = struct.field(pytree_node=False, default=())
-    # the distributed optimizer (``optimizer.distributed``): moments sharded as ``sharding.optimizer_spec`` says
+    # the distributed optimizer (``optimizer.distributed``): moments sharded as ``state_sharding.optimizer_spec`` says
     distributed_optimizer: bool = struct.field(pytree_node=False, default=False)
     seed: int = struct.field(pytree_node=False, default=0)  # train.seed: the step's randomness (LoRA dropout)
 
@@ -126,7 +127,7 @@ def setup(cfg: Config, attention_impl: str, sizes: dict[str, int] | None = None)
 
 def state_shardings(mesh: Mesh, abstract_state: TrainState, distributed_optimizer: bool = False) -> TrainState:
     """Params and optimizer moments follow the parameters' logical names (the moments also split over the
-    batch's axes under the distributed optimizer: ``sharding.optimizer_spec``); scalars are replicated."""
+    batch's axes under the distributed optimizer: ``state_sharding.optimizer_spec``); scalars are replicated."""
     shardings = tree_shardings(mesh, abstract_state)
     if distributed_optimizer:
         shardings = shardings.replace(opt_state=tree_shardings(mesh, abstract_state.opt_state, optimizer=True))

@@ -21,12 +21,12 @@ from jaxtron.parallel.sharding import (
     BATCH_AXES,
     constrain,
     constrain_groups,
-    constrain_optimizer,
     constrain_params,
     group_map,
     logical_names,
     row_groups,
 )
+from jaxtron.parallel.state_sharding import constrain_optimizer
 from jaxtron.training import one_f_one_b
 from jaxtron.training.optimizer import schedule_count
 from jaxtron.training.pipeline import split_rows
