@@ -29,6 +29,7 @@ import numpy as np
 from flax import nnx
 
 from jaxtron.config.schema import ConfigError, LoraConfig
+from jaxtron.parallel.sharding import gathered_for_use, logical_names
 
 RANK = "lora_rank"
 
@@ -139,7 +140,11 @@ def project(einsum: Callable, equation: str, x: jax.Array, module: nnx.Module, a
             dtype: Any) -> jax.Array:
     """``einsum(equation, x, weight)`` of ``module``'s weight ``attribute``, plus its adapters' low-rank update if it
     has them (both in ``dtype``)."""
-    y = einsum(equation, x, getattr(module, attribute)[...].astype(dtype))
+    weight = getattr(module, attribute)
+    w = weight[...].astype(dtype)
+    if einsum is jnp.einsum:  # an FP8 projection's weight is left to XLA, which gathers it in FP8: half the bytes
+        w = gathered_for_use(w, logical_names(weight))
+    y = einsum(equation, x, w)
     a = getattr(module, f"{attribute}_lora_a", None)
     if a is None:
         return y

@@ -27,6 +27,7 @@ from flax import nnx
 from jaxtron.config.schema import ExecutionConfig, ModelConfig
 from jaxtron.ops import attention as attention_ops
 from jaxtron.ops import cudnn as cudnn_ops
+from jaxtron.parallel.sharding import gathering_for_use
 
 Stats = dict[str, jax.Array]
 # body(hidden [b, T, D], one period's parameters, extras) -> (hidden, that period's routing stats)
@@ -125,10 +126,14 @@ def _block_fn(graphdef: Any, fp8: bool, remat: str) -> Callable | None:
     if graphdef is None:
         return None
 
-    def apply(h, block, positions, segment_ids=None):
-        return nnx.merge(graphdef, block)(h, positions, segment_ids, fp8)
-
     policy = None if _unrematerialized else remat_policy(remat)
+    # without a policy the block keeps what its backward reads: a weight gathered for use would be kept whole
+    gather = policy is not None or bool(_unrematerialized)
+
+    def apply(h, block, positions, segment_ids=None):
+        with gathering_for_use(gather):
+            return nnx.merge(graphdef, block)(h, positions, segment_ids, fp8)
+
     return apply if policy is None else jax.checkpoint(apply, policy=policy, prevent_cse=False)
 
 

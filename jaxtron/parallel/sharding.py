@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 import math
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -66,6 +67,8 @@ _RULES = dict(RULES)
 _BATCH_OVER_STAGES = contextvars.ContextVar("batch_over_stages", default=False)
 # mesh axes an enclosing ``jax.vmap(..., spmd_axis_name=...)`` maps its dimension over (see ``axes_taken``)
 _TAKEN = contextvars.ContextVar("axes_taken", default=())
+# whether projections gather their fsdp-split weights explicitly (see ``gathered_for_use``)
+_GATHER_FOR_USE = contextvars.ContextVar("gather_for_use", default=True)
 
 BATCH_AXES = ("activation_batch", "activation_length")
 # layout of a row's tokens over the shards of ``activation_length`` (see ``sequence_order``)
@@ -256,6 +259,55 @@ def constrain_whole_over_batch(x: jax.Array, names: Sequence[str | None]) -> jax
     if mesh.empty:
         return x
     return jax.lax.with_sharding_constraint(x, whole_over_batch(names))
+
+
+@contextlib.contextmanager
+def gathering_for_use(on: bool = True):
+    """Within this context (while tracing) ``gathered_for_use`` gathers weights (``on``) or leaves them to XLA."""
+    token = _GATHER_FOR_USE.set(on)
+    try:
+        yield
+    finally:
+        _GATHER_FOR_USE.reset(token)
+
+
+def gathered_for_use(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
+    """A weight ``x`` (its trailing dimensions named ``names``, in the dtype it is used in) gathered over the axes
+    that split the batch's rows (``whole_over_batch``: fsdp) for a matmul, and its gradient constrained back to the
+    weight's own sharding, so that the gradient's sum over those axes is a reduce-scatter (no-op without a mesh).
+
+    Left to propagation, a matmul between rows split over fsdp and a weight split over fsdp may be partitioned
+    otherwise: under a pipeline's stage vmap XLA moved the output projections' weight shards onto the sequence
+    axis, gathered the activations' whole length there and all-reduced the full-length output over the tensor
+    group (Llama-3 70B, pipeline=4 fsdp=2 sequence=2 tensor=4); a plain constraint to the gathered sharding keeps
+    the gradient whole too, an all-reduce of each weight's gradient.
+
+    Within ``gathering_for_use(False)`` (blocks without a checkpoint policy, which keep every value their backward
+    pass reads) the weight is left to XLA, which gathers it again for the backward pass rather than keep it whole."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or not _GATHER_FOR_USE.get():
+        return x
+    names = tuple(names)[len(names) - x.ndim:]
+    use, own = whole_over_batch(names), logical_to_spec(names)
+    if use == own:
+        return x
+    return _gathered(x, use, own)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
+def _gathered(x: jax.Array, use: PartitionSpec, own: PartitionSpec) -> jax.Array:
+    return jax.lax.with_sharding_constraint(x, use)
+
+
+def _gathered_forward(x, use, own):
+    return jax.lax.with_sharding_constraint(x, use), None
+
+
+def _gathered_backward(use, own, _, grad):
+    return (jax.lax.with_sharding_constraint(grad, own),)
+
+
+_gathered.defvjp(_gathered_forward, _gathered_backward)
 
 
 def constrain_stage_groups(x: jax.Array, groups: Sequence[str], names: Sequence[str | None],
