@@ -503,8 +503,10 @@ def test_the_calibrated_time_model_holds_on_the_published_runs_it_was_not_fitted
     others = plan_calibration.fit([r for r in published.RUNS if r is not run], start=table)
     error = plan_calibration.estimated(run, others).tokens_per_s / run.tokens_per_s - 1
     assert abs(error) <= 0.20, (error, others)
-    # of the layouts the report ran on each GPU count, the planner ranks the report's best first
+    # of the layouts the report ran on each GPU count, the planner ranks the report's best first; and of every mesh
+    # of those kinds (fsdp, tensor, both), measured or not (13B on 16 GPUs: fsdp=16 and fsdp=8 tensor=2 too)
     assert [plan_calibration.rank_among_runs(best)[0] for best in published.BEST] == [1] * len(published.BEST)
+    assert [plan_calibration.rank_among_kinds(best)[0] for best in published.BEST] == [1] * len(published.BEST)
 
 
 def test_plan_cli_rejects_bad_requests(capsys):
