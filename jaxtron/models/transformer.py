@@ -28,6 +28,13 @@ BLOCK_INPUT_AXES = ("activation_batch", "activation_length", "activation_embed")
 LOGIT_AXES = ("activation_batch", "activation_length", "activation_vocab")
 
 
+def block_input(norm: nnx.Module, x: jax.Array) -> jax.Array:
+    """The normed input of attention or the MLP: cast to the compute dtype while split like the residual stream,
+    then gathered over the tensor group (sequence parallelism). Left to XLA, the backward pass's recomputation had
+    gathered one of a block's two in float32 and cast it after: twice the bytes."""
+    return constrain(constrain(norm(x), EMBED_AXES), BLOCK_INPUT_AXES)
+
+
 class Block(nnx.Module):
     """Pre-norm residual block: attention, then the feed-forward part (a dense MLP or a mixture of experts; both
     return their output and their routing stats, empty for the MLP)."""
@@ -42,9 +49,8 @@ class Block(nnx.Module):
     def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array | None,
                  fp8: bool = False) -> tuple[jax.Array, Stats]:
         """-> (output, routing stats of an MoE block, empty for a dense one)."""
-        h = constrain(self.attn_norm(x), BLOCK_INPUT_AXES)
-        x = constrain(x + self.attn(h, positions, segment_ids, fp8), EMBED_AXES)
-        y, stats = self.mlp(constrain(self.mlp_norm(x), BLOCK_INPUT_AXES), fp8)
+        x = constrain(x + self.attn(block_input(self.attn_norm, x), positions, segment_ids, fp8), EMBED_AXES)
+        y, stats = self.mlp(block_input(self.mlp_norm, x), fp8)
         return constrain(x + y, EMBED_AXES), stats
 
     def decode(self, x: jax.Array, positions: jax.Array, cache: dict[str, jax.Array],

@@ -55,7 +55,7 @@ EXPANDED_COPIES = 3.0
 GPU_LOGIT_COPIES = 1.1  # the float32 logits of one slice; their gradient takes their place
 GPU_HEAD_COPIES = 0.75  # embedding and output head gathered over fsdp in 16 bits (freed as their GEMMs end)
 GPU_LAYER_COPIES = 1.1  # one block's intermediates during its backward (LAYER_COPIES on XLA:CPU)
-GPU_TENSOR_GATHER_COPIES = 4.0  # the normed inputs gathered over the tensor group, their gradients and partial sums
+GPU_TENSOR_GATHER_COPIES = 3.0  # the normed inputs gathered over the tensor group (16-bit), their gradients, sums
 GPU_WEIGHT_COPIES = 0.75  # gathered block weights (16-bit; their float32 gradients are reduce-scattered at once)
 GPU_MOE_COPIES = 1.5  # the MoE block's exchange buffers and expert hidden values (MOE_COPIES on XLA:CPU)
 # dropless experts on a grouped GEMM kernel (ops/grouped.py, ops/grouped_fp8.py): the weight gradients of a block's
