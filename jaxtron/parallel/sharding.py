@@ -68,7 +68,7 @@ _BATCH_OVER_STAGES = contextvars.ContextVar("batch_over_stages", default=False)
 # mesh axes an enclosing ``jax.vmap(..., spmd_axis_name=...)`` maps its dimension over (see ``axes_taken``)
 _TAKEN = contextvars.ContextVar("axes_taken", default=())
 # whether projections gather their fsdp-split weights explicitly (see ``gathered_for_use``)
-_GATHER_FOR_USE = contextvars.ContextVar("gather_for_use", default=True)
+_GATHER_FOR_USE = contextvars.ContextVar("gather_for_use", default=False)
 
 BATCH_AXES = ("activation_batch", "activation_length")
 # layout of a row's tokens over the shards of ``activation_length`` (see ``sequence_order``)
@@ -282,8 +282,10 @@ def gathered_for_use(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
     group (Llama-3 70B, pipeline=4 fsdp=2 sequence=2 tensor=4); a plain constraint to the gathered sharding keeps
     the gradient whole too, an all-reduce of each weight's gradient.
 
-    Within ``gathering_for_use(False)`` (blocks without a checkpoint policy, which keep every value their backward
-    pass reads) the weight is left to XLA, which gathers it again for the backward pass rather than keep it whole."""
+    Only within ``gathering_for_use()``: the layer stack's blocks under a checkpoint policy, or under 1F1B's
+    explicit backward. Elsewhere the weight is left to XLA: a block without a policy keeps every value its backward
+    pass reads (XLA gathers the weight again for the backward rather than keep it whole), and a decoding step may
+    do better with the weight kept split."""
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty or not _GATHER_FOR_USE.get():
         return x
