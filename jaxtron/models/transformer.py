@@ -19,7 +19,7 @@ from jaxtron.models.layers import Norm, compute_dtype, embed_lookup, param
 from jaxtron.models.mlp import MLP
 from jaxtron.models.moe import MoE
 from jaxtron.models.stack import Cache, StackRunner, Stats, decode_stack, run_stack, stacked
-from jaxtron.parallel.sharding import constrain
+from jaxtron.parallel.sharding import constrain, gathered_cotangent
 
 # the residual stream: split along the sequence over the sequence and tensor axes (sequence parallelism)
 EMBED_AXES = ("activation_batch", "activation_residual_length", "activation_embed")
@@ -49,9 +49,10 @@ class Block(nnx.Module):
     def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array | None,
                  fp8: bool = False) -> tuple[jax.Array, Stats]:
         """-> (output, routing stats of an MoE block, empty for a dense one)."""
-        x = constrain(x + self.attn(block_input(self.attn_norm, x), positions, segment_ids, fp8), EMBED_AXES)
+        a = self.attn(block_input(self.attn_norm, x), positions, segment_ids, fp8)
+        x = constrain(x + gathered_cotangent(a, BLOCK_INPUT_AXES), EMBED_AXES)
         y, stats = self.mlp(block_input(self.mlp_norm, x), fp8)
-        return constrain(x + y, EMBED_AXES), stats
+        return constrain(x + gathered_cotangent(y, BLOCK_INPUT_AXES), EMBED_AXES), stats
 
     def decode(self, x: jax.Array, positions: jax.Array, cache: dict[str, jax.Array],
                fp8: bool = False) -> tuple[jax.Array, dict[str, jax.Array]]:

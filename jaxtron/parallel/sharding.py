@@ -261,6 +261,26 @@ def constrain_whole_over_batch(x: jax.Array, names: Sequence[str | None]) -> jax
     return jax.lax.with_sharding_constraint(x, whole_over_batch(names))
 
 
+def gathered_cotangent(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
+    """``x`` unchanged, its cotangent constrained to the sharding ``names`` map to (no-op without a mesh).
+
+    For a projection's output that a reduce-scatter splits afterwards: the backward pass then gathers the incoming
+    gradient once, for both transposed matmuls (left to XLA, each gathered its own copy)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return x
+    return _cotangent_constrained(x, logical_to_spec(names))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def _cotangent_constrained(x: jax.Array, spec: PartitionSpec) -> jax.Array:
+    return x
+
+
+_cotangent_constrained.defvjp(lambda x, spec: (x, None),
+                              lambda spec, _, grad: (jax.lax.with_sharding_constraint(grad, spec),))
+
+
 @contextlib.contextmanager
 def gathering_for_use(on: bool = True):
     """Within this context (while tracing) ``gathered_for_use`` gathers weights (``on``) or leaves them to XLA."""
