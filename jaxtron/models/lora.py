@@ -29,7 +29,8 @@ import numpy as np
 from flax import nnx
 
 from jaxtron.config.schema import ConfigError, LoraConfig
-from jaxtron.parallel.sharding import gathered_for_use, logical_names
+from jaxtron.parallel.sharding import logical_names
+from jaxtron.parallel.state_sharding import gathered_for_use
 
 RANK = "lora_rank"
 

@@ -27,7 +27,7 @@ from flax import nnx
 from jaxtron.config.schema import ExecutionConfig, ModelConfig
 from jaxtron.ops import attention as attention_ops
 from jaxtron.ops import cudnn as cudnn_ops
-from jaxtron.parallel.sharding import gathering_for_use
+from jaxtron.parallel.state_sharding import gathering_for_use
 
 Stats = dict[str, jax.Array]
 # body(hidden [b, T, D], one period's parameters, extras) -> (hidden, that period's routing stats)

@@ -19,7 +19,8 @@ from jaxtron.models.layers import Norm, compute_dtype, embed_lookup, param
 from jaxtron.models.mlp import MLP
 from jaxtron.models.moe import MoE
 from jaxtron.models.stack import Cache, StackRunner, Stats, decode_stack, run_stack, stacked
-from jaxtron.parallel.sharding import constrain, gathered_cotangent
+from jaxtron.parallel.sharding import constrain
+from jaxtron.parallel.state_sharding import gathered_cotangent
 
 # the residual stream: split along the sequence over the sequence and tensor axes (sequence parallelism)
 EMBED_AXES = ("activation_batch", "activation_residual_length", "activation_embed")

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import functools
 import math
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -67,8 +66,6 @@ _RULES = dict(RULES)
 _BATCH_OVER_STAGES = contextvars.ContextVar("batch_over_stages", default=False)
 # mesh axes an enclosing ``jax.vmap(..., spmd_axis_name=...)`` maps its dimension over (see ``axes_taken``)
 _TAKEN = contextvars.ContextVar("axes_taken", default=())
-# whether projections gather their fsdp-split weights explicitly (see ``gathered_for_use``)
-_GATHER_FOR_USE = contextvars.ContextVar("gather_for_use", default=False)
 
 BATCH_AXES = ("activation_batch", "activation_length")
 # layout of a row's tokens over the shards of ``activation_length`` (see ``sequence_order``)
@@ -259,77 +256,6 @@ def constrain_whole_over_batch(x: jax.Array, names: Sequence[str | None]) -> jax
     if mesh.empty:
         return x
     return jax.lax.with_sharding_constraint(x, whole_over_batch(names))
-
-
-def gathered_cotangent(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
-    """``x`` unchanged, its cotangent constrained to the sharding ``names`` map to (no-op without a mesh).
-
-    For a projection's output that a reduce-scatter splits afterwards: the backward pass then gathers the incoming
-    gradient once, for both transposed matmuls (left to XLA, each gathered its own copy)."""
-    mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty:
-        return x
-    return _cotangent_constrained(x, logical_to_spec(names))
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
-def _cotangent_constrained(x: jax.Array, spec: PartitionSpec) -> jax.Array:
-    return x
-
-
-_cotangent_constrained.defvjp(lambda x, spec: (x, None),
-                              lambda spec, _, grad: (jax.lax.with_sharding_constraint(grad, spec),))
-
-
-@contextlib.contextmanager
-def gathering_for_use(on: bool = True):
-    """Within this context (while tracing) ``gathered_for_use`` gathers weights (``on``) or leaves them to XLA."""
-    token = _GATHER_FOR_USE.set(on)
-    try:
-        yield
-    finally:
-        _GATHER_FOR_USE.reset(token)
-
-
-def gathered_for_use(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
-    """A weight ``x`` (its trailing dimensions named ``names``, in the dtype it is used in) gathered over the axes
-    that split the batch's rows (``whole_over_batch``: fsdp) for a matmul, and its gradient constrained back to the
-    weight's own sharding, so that the gradient's sum over those axes is a reduce-scatter (no-op without a mesh).
-
-    Left to propagation, a matmul between rows split over fsdp and a weight split over fsdp may be partitioned
-    otherwise: under a pipeline's stage vmap XLA moved the output projections' weight shards onto the sequence
-    axis, gathered the activations' whole length there and all-reduced the full-length output over the tensor
-    group (Llama-3 70B, pipeline=4 fsdp=2 sequence=2 tensor=4); a plain constraint to the gathered sharding keeps
-    the gradient whole too, an all-reduce of each weight's gradient.
-
-    Only within ``gathering_for_use()``: the layer stack's blocks under a checkpoint policy, or under 1F1B's
-    explicit backward. Elsewhere the weight is left to XLA: a block without a policy keeps every value its backward
-    pass reads (XLA gathers the weight again for the backward rather than keep it whole), and a decoding step may
-    do better with the weight kept split."""
-    mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty or not _GATHER_FOR_USE.get():
-        return x
-    names = tuple(names)[len(names) - x.ndim:]
-    use, own = whole_over_batch(names), logical_to_spec(names)
-    if use == own:
-        return x
-    return _gathered(x, use, own)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
-def _gathered(x: jax.Array, use: PartitionSpec, own: PartitionSpec) -> jax.Array:
-    return jax.lax.with_sharding_constraint(x, use)
-
-
-def _gathered_forward(x, use, own):
-    return jax.lax.with_sharding_constraint(x, use), None
-
-
-def _gathered_backward(use, own, _, grad):
-    return (jax.lax.with_sharding_constraint(grad, own),)
-
-
-_gathered.defvjp(_gathered_forward, _gathered_backward)
 
 
 def constrain_stage_groups(x: jax.Array, groups: Sequence[str], names: Sequence[str | None],

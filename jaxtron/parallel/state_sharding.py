@@ -1,10 +1,14 @@
 """Where a training state's arrays and its gradients live, on top of the rules table (``sharding``, still the one
 map from logical names to mesh axes): parameters as their rules place them; under the distributed optimizer the
 AdamW moments (and the gradient sums that feed them) split further over the batch's axes (``optimizer_spec``);
-and the gradients of weights gathered before use (fsdp), which a reduce-scatter sums where they are made."""
+the gradients of weights gathered before use (fsdp), which a reduce-scatter sums where they are made; and the
+layouts a matmul's operands and their gradients take around it (``gathered_for_use``, ``gathered_cotangent``)."""
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+import functools
 import math
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -12,11 +16,20 @@ from typing import Any
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jaxtron.parallel.sharding import constrain, is_variable, logical_names, logical_to_spec, spec_axes
+from jaxtron.parallel.sharding import (
+    constrain,
+    is_variable,
+    logical_names,
+    logical_to_spec,
+    spec_axes,
+    whole_over_batch,
+)
 
 # dimensions the distributed optimizer leaves to their rule where another takes its axes: a stacked-layers
 # dimension cut further would make every layer's gradient go whole to one device inside the layer loop
 _STACKED = {"layers", "unstaged_layers", "stages"}
+# whether projections gather their fsdp-split weights explicitly (see ``gathered_for_use``)
+_GATHER_FOR_USE = contextvars.ContextVar("gather_for_use", default=False)
 
 
 def tree_shardings(mesh: Mesh, tree: Any, optimizer: bool = False) -> Any:
@@ -105,3 +118,55 @@ def constrain_gathered_gradients(grads: Sequence[jax.Array], names: Sequence[Seq
         return list(grads)
     sizes = dict(mesh.shape)
     return [constrain(a, n) if any(_gathered_dims(n, sizes)) else a for a, n in zip(grads, names, strict=True)]
+
+
+def gathered_cotangent(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
+    """``x`` unchanged, its cotangent constrained to the sharding ``names`` map to (no-op without a mesh).
+
+    For a projection's output that a reduce-scatter splits afterwards: the backward pass then gathers the incoming
+    gradient once, for both transposed matmuls (left to XLA, each gathered its own copy)."""
+    if jax.sharding.get_abstract_mesh().empty:
+        return x
+    return _resharded(x, None, logical_to_spec(names))
+
+
+@contextlib.contextmanager
+def gathering_for_use(on: bool = True):
+    """Within this context (while tracing) ``gathered_for_use`` gathers weights (``on``) or leaves them to XLA."""
+    token = _GATHER_FOR_USE.set(on)
+    try:
+        yield
+    finally:
+        _GATHER_FOR_USE.reset(token)
+
+
+def gathered_for_use(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
+    """A weight ``x`` (its trailing dimensions named ``names``, in the dtype it is used in) gathered over the axes
+    that split the batch's rows (``whole_over_batch``: fsdp) for a matmul, and its gradient constrained back to the
+    weight's own sharding, so that the gradient's sum over those axes is a reduce-scatter (no-op without a mesh).
+
+    Left to propagation, a matmul between rows split over fsdp and a weight split over fsdp may be partitioned
+    otherwise: under a pipeline's stage vmap XLA moved the output projections' weight shards onto the sequence
+    axis, gathered the activations' whole length there and all-reduced the full-length output over the tensor
+    group (Llama-3 70B, pipeline=4 fsdp=2 sequence=2 tensor=4); a plain constraint to the gathered sharding keeps
+    the gradient whole too, an all-reduce of each weight's gradient.
+
+    Only within ``gathering_for_use()``: the layer stack's blocks under a checkpoint policy, or under 1F1B's
+    explicit backward. Elsewhere the weight is left to XLA: a block without a policy keeps every value its backward
+    pass reads (XLA gathers the weight again for the backward rather than keep it whole), and a decoding step may
+    do better with the weight kept split."""
+    if jax.sharding.get_abstract_mesh().empty or not _GATHER_FOR_USE.get():
+        return x
+    names = tuple(names)[len(names) - x.ndim:]
+    use, own = whole_over_batch(names), logical_to_spec(names)
+    return x if use == own else _resharded(x, use, own)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
+def _resharded(x: jax.Array, forward: PartitionSpec | None, backward: PartitionSpec) -> jax.Array:
+    """``x`` constrained to ``forward`` (None: left as it is), its cotangent to ``backward``."""
+    return x if forward is None else jax.lax.with_sharding_constraint(x, forward)
+
+
+_resharded.defvjp(lambda x, forward, backward: (_resharded(x, forward, backward), None),
+                  lambda forward, backward, _, grad: (jax.lax.with_sharding_constraint(grad, backward),))
