@@ -387,7 +387,7 @@ def test_1f1b_reduce_scatters_its_fsdp_gradients_in_each_iteration_on_the_h100()
 
 @needs_plugin
 @pytest.mark.slow
-@pytest.mark.parametrize("remat", ["full", "save_dots"])
+@pytest.mark.parametrize("remat", ["full", "save_dots", "none"])
 def test_the_planners_collective_bytes_on_fsdp_and_tensor_are_the_h100_compiles(remat):
     """fsdp=4 x tensor=2: the weights' 16-bit gathers, their gradients' 16-bit reduce-scatters and the tensor group's
     two reduce-scatters and two all-gathers a block per executed pass (plus a gather of the normed inputs where the
@@ -412,7 +412,9 @@ def test_the_planners_collective_bytes_on_fsdp_and_tensor_are_the_h100_compiles(
 
 @needs_plugin
 @pytest.mark.slow
-def test_a_pipeline_over_fsdp_sequence_and_tensor_projects_as_the_planner_counts_on_the_h100():
+@pytest.mark.parametrize("execution", [["execution.remat=full"], ["execution.remat=none"],
+                                       ["execution.remat=full", "execution.fp8=true"]], ids=["full", "none", "fp8"])
+def test_a_pipeline_over_fsdp_sequence_and_tensor_projects_as_the_planner_counts_on_the_h100(execution):
     """Under the stage vmap, the output projections keep the rows' sequence shards: weights gathered over fsdp,
     outputs reduce-scattered over the tensor group, gradients reduce-scattered back. Left to propagation, XLA had
     moved those weights' shards onto the sequence axis with permutes, gathered the activations' whole length and
@@ -420,19 +422,21 @@ def test_a_pipeline_over_fsdp_sequence_and_tensor_projects_as_the_planner_counts
     times the reduce-scatters, permutes 63% over the stage shift's, the planner's count of all bytes 31% under
     the compile; Llama-3 70B's published layout: 100 GiB a step more). In the backward pass the output
     projections' incoming gradient is gathered over the tensor group once for both transposed matmuls (each had
-    gathered its own: the gathers 25% over the estimate)."""
+    gathered its own: the gathers 25% over the estimate). The same without a checkpoint (the backward pass gathers
+    the weights again: had all-reduces 1.06 times the reduce-scatters) and with FP8 projections (the weights
+    gathered in FP8: had all-reduces 1.45 times the reduce-scatters, all-gathers 25% over the estimate)."""
     from jaxtron.config.loader import load_config
     from jaxtron.planning.estimate import estimate
     from jaxtron.planning.gpus import gpu
 
-    overrides = ["execution.dtype=bfloat16", "execution.remat=full", "mesh.pipeline=2", "mesh.fsdp=2",
-                 "mesh.sequence=2", "mesh.tensor=2", "data.seq_len=256"]
+    overrides = ["execution.dtype=bfloat16", *execution, "mesh.pipeline=2", "mesh.fsdp=2", "mesh.sequence=2",
+                 "mesh.tensor=2", "data.seq_len=256"]
     got = _compile_on_target(*overrides, gpus=16)["collective_bytes"]
     cfg = load_config(f"{REPO}/configs/default.py", [tuple(o.split("=", 1)) for o in overrides])
     est = estimate(cfg, dict(pipeline=2, data=1, fsdp=2, sequence=2, expert=1, tensor=2), gpu("h100")).collectives
     assert got["all-reduce"] < 0.25 * got["reduce-scatter"], got
     assert est["collective-permute"] == pytest.approx(got["collective-permute"], rel=0.15), (est, got)
-    assert est["all-gather"] == pytest.approx(got["all-gather"], rel=0.10), (est, got)
+    assert est["all-gather"] == pytest.approx(got["all-gather"], rel=0.12), (est, got)
     kinds = ("all-gather", "reduce-scatter", "all-reduce", "collective-permute")
     assert sum(est[k] for k in kinds) == pytest.approx(sum(got[k] for k in kinds), rel=0.10), (est, got)
 

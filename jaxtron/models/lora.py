@@ -30,7 +30,7 @@ from flax import nnx
 
 from jaxtron.config.schema import ConfigError, LoraConfig
 from jaxtron.parallel.sharding import logical_names
-from jaxtron.parallel.state_sharding import gathered_for_use
+from jaxtron.parallel.state_sharding import gathered_einsum, weight_layout
 
 RANK = "lora_rank"
 
@@ -143,9 +143,13 @@ def project(einsum: Callable, equation: str, x: jax.Array, module: nnx.Module, a
     has them (both in ``dtype``)."""
     weight = getattr(module, attribute)
     w = weight[...].astype(dtype)
-    if einsum is jnp.einsum:  # an FP8 projection's weight is left to XLA, which gathers it in FP8: half the bytes
-        w = gathered_for_use(w, logical_names(weight))
-    y = einsum(equation, x, w)
+    layout = weight_layout(logical_names(weight), w.ndim)
+    if layout is None:
+        y = einsum(equation, x, w)
+    elif einsum is jnp.einsum:
+        y = gathered_einsum(equation, x, w, layout)
+    else:  # FP8: gathers the weight after quantizing it
+        y = einsum(equation, x, w, layout)
     a = getattr(module, f"{attribute}_lora_a", None)
     if a is None:
         return y

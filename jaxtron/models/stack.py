@@ -127,8 +127,9 @@ def _block_fn(graphdef: Any, fp8: bool, remat: str) -> Callable | None:
         return None
 
     policy = None if _unrematerialized else remat_policy(remat)
-    # without a policy the block keeps what its backward reads: a weight gathered for use would be kept whole
-    gather = policy is not None or bool(_unrematerialized)
+    # without a checkpoint (and outside 1F1B's explicit backward, which recomputes the block first) the block keeps
+    # what its backward reads: a weight gathered for use would be kept whole from the forward to the backward pass
+    gather = "keep" if policy is not None or _unrematerialized else "regather"
 
     def apply(h, block, positions, segment_ids=None):
         with gathering_for_use(gather):

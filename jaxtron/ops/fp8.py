@@ -21,6 +21,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from jaxtron.parallel.state_sharding import WeightLayout
+
 E4M3 = jnp.float8_e4m3fn  # forward operands: max 448, 3 mantissa bits
 E5M2 = jnp.float8_e5m2  # gradients: max 57344, 2 mantissa bits
 
@@ -60,35 +62,48 @@ def quantized(x: jax.Array, dtype) -> tuple[jax.Array, jax.Array]:
     return quantize(x, scale, dtype), scale
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def einsum(equation: str, x: jax.Array, w: jax.Array) -> jax.Array:
+def einsum(equation: str, x: jax.Array, w: jax.Array, layout: WeightLayout | None = None) -> jax.Array:
     """``jnp.einsum(equation, x, w)`` of a projection (activation ``x``, weight ``w``) as an FP8 matmul.
 
     Forward: both operands e4m3 with their current scales. Backward: the output gradient e5m2, times the
     e4m3 operands, for the gradients of ``x`` and ``w`` (straight through the quantization). The result has
     ``x``'s dtype. The operands are kept for the backward in FP8 with their scales, and every matmul reads
     operands dequantized right before it: the pattern XLA's GEMM rewriter turns into one FP8 GEMM with the scales
-    as arguments."""
-    return _einsum_fwd(equation, x, w)[0]
+    as arguments.
+
+    ``layout`` (``state_sharding.weight_layout``): the weight is split over fsdp, quantized where it lies and
+    gathered in FP8 (half the bytes of a 16-bit gather), its gradient constrained back to its own sharding; the
+    backward keeps the gathered FP8 weight or, with ``layout.regather``, its own shard, gathered again there."""
+    return _einsum(equation, x, w, layout)
 
 
-def _einsum_fwd(equation, x, w):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 3))
+def _einsum(equation: str, x: jax.Array, w: jax.Array, layout: WeightLayout | None) -> jax.Array:
+    return _einsum_fwd(equation, x, w, layout)[0]
+
+
+def _einsum_fwd(equation, x, w, layout):
     (qx, sx), (qw, sw) = quantized(x, E4M3), quantized(w, E4M3)
-    out = jnp.einsum(equation, dequantize(qx, sx, x.dtype), dequantize(qw, sw, x.dtype))
-    return out, (qx, sx, qw, sw, jnp.zeros((0,), w.dtype))
+    used = qw if layout is None else layout.gathered(qw)
+    out = jnp.einsum(equation, dequantize(qx, sx, x.dtype), dequantize(used, sw, x.dtype))
+    kept = qw if layout is not None and layout.regather else used
+    return out, (qx, sx, kept, sw, jnp.zeros((0,), w.dtype))
 
 
-def _einsum_bwd(equation, res, g):
+def _einsum_bwd(equation, layout, res, g):
     qx, sx, qw, sw, w_like = res
+    if layout is not None and layout.regather:
+        qw = layout.gathered(qw)
     qg, sg = quantized(g, E5M2)
     dtype = g.dtype
     _, vjp = jax.vjp(lambda a, b: jnp.einsum(equation, a, b), dequantize(qx, sx, dtype),
                      dequantize(qw, sw, dtype))
     dx, dw = vjp(dequantize(qg, sg, dtype))
-    return dx, dw.astype(w_like.dtype)
+    dw = dw.astype(w_like.dtype)
+    return dx, dw if layout is None else layout.scattered(dw)
 
 
-einsum.defvjp(_einsum_fwd, _einsum_bwd)
+_einsum.defvjp(_einsum_fwd, _einsum_bwd)
 
 
 def quantized_per_batch(w: jax.Array, dtype) -> tuple[jax.Array, jax.Array]:

@@ -2,18 +2,21 @@
 map from logical names to mesh axes): parameters as their rules place them; under the distributed optimizer the
 AdamW moments (and the gradient sums that feed them) split further over the batch's axes (``optimizer_spec``);
 the gradients of weights gathered before use (fsdp), which a reduce-scatter sums where they are made; and the
-layouts a matmul's operands and their gradients take around it (``gathered_for_use``, ``gathered_cotangent``)."""
+layouts a matmul's operands and their gradients take around it (``weight_layout``, ``gathered_einsum``,
+``gathered_cotangent``)."""
 
 from __future__ import annotations
 
 import contextlib
 import contextvars
+import dataclasses
 import functools
 import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxtron.parallel.sharding import (
@@ -28,8 +31,10 @@ from jaxtron.parallel.sharding import (
 # dimensions the distributed optimizer leaves to their rule where another takes its axes: a stacked-layers
 # dimension cut further would make every layer's gradient go whole to one device inside the layer loop
 _STACKED = {"layers", "unstaged_layers", "stages"}
-# whether projections gather their fsdp-split weights explicitly (see ``gathered_for_use``)
-_GATHER_FOR_USE = contextvars.ContextVar("gather_for_use", default=False)
+# how projections use their fsdp-split weights (``gathering_for_use``): left to XLA (None), or gathered for use
+# and the gathered copy kept for the backward pass or gathered again there
+_GATHER_MODES = (None, "keep", "regather")
+_GATHER_FOR_USE = contextvars.ContextVar("gather_for_use", default=None)
 
 
 def tree_shardings(mesh: Mesh, tree: Any, optimizer: bool = False) -> Any:
@@ -131,35 +136,91 @@ def gathered_cotangent(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
 
 
 @contextlib.contextmanager
-def gathering_for_use(on: bool = True):
-    """Within this context (while tracing) ``gathered_for_use`` gathers weights (``on``) or leaves them to XLA."""
-    token = _GATHER_FOR_USE.set(on)
+def gathering_for_use(mode: str | None = "keep"):
+    """Within this context (while tracing) projections gather their fsdp-split weights for use (``weight_layout``),
+    keeping the gathered copy for the backward pass (``"keep"``: a block its caller recomputes before its
+    backward) or gathering it again there (``"regather"``: a block that keeps what its backward reads); ``None``
+    leaves the weights to XLA."""
+    if mode not in _GATHER_MODES:
+        raise ValueError(f"gathering_for_use takes one of {_GATHER_MODES}, not {mode!r}")
+    token = _GATHER_FOR_USE.set(mode)
     try:
         yield
     finally:
         _GATHER_FOR_USE.reset(token)
 
 
-def gathered_for_use(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
-    """A weight ``x`` (its trailing dimensions named ``names``, in the dtype it is used in) gathered over the axes
-    that split the batch's rows (``whole_over_batch``: fsdp) for a matmul, and its gradient constrained back to the
-    weight's own sharding, so that the gradient's sum over those axes is a reduce-scatter (no-op without a mesh).
+@dataclasses.dataclass(frozen=True)
+class WeightLayout:
+    """How a projection uses a weight split over the axes that split the batch's rows (fsdp): gathered
+    (``use``: ``whole_over_batch``) for its matmul, its gradient constrained back to the weight's own sharding
+    (``own``), so that the gradient's sum over those axes is a reduce-scatter where it is made; ``regather``: the
+    backward pass gathers the weight again rather than keep the gathered copy."""
+
+    use: PartitionSpec
+    own: PartitionSpec
+    regather: bool
+
+    def gathered(self, w: jax.Array) -> jax.Array:
+        """``w`` constrained to its layout for use (its cotangent left alone)."""
+        return jax.lax.with_sharding_constraint(w, self.use)
+
+    def scattered(self, grad: jax.Array) -> jax.Array:
+        """A gradient of the weight constrained to the weight's own sharding."""
+        return jax.lax.with_sharding_constraint(grad, self.own)
+
+
+def weight_layout(names: Sequence[str | None], ndim: int) -> WeightLayout | None:
+    """The ``WeightLayout`` of a weight of ``ndim`` dimensions (its trailing ones named ``names``), within
+    ``gathering_for_use``; None without a mesh, outside that context, or for a weight no batch axis splits.
 
     Left to propagation, a matmul between rows split over fsdp and a weight split over fsdp may be partitioned
-    otherwise: under a pipeline's stage vmap XLA moved the output projections' weight shards onto the sequence
-    axis, gathered the activations' whole length there and all-reduced the full-length output over the tensor
-    group (Llama-3 70B, pipeline=4 fsdp=2 sequence=2 tensor=4); a plain constraint to the gathered sharding keeps
-    the gradient whole too, an all-reduce of each weight's gradient.
-
-    Only within ``gathering_for_use()``: the layer stack's blocks under a checkpoint policy, or under 1F1B's
-    explicit backward. Elsewhere the weight is left to XLA: a block without a policy keeps every value its backward
-    pass reads (XLA gathers the weight again for the backward rather than keep it whole), and a decoding step may
-    do better with the weight kept split."""
-    if jax.sharding.get_abstract_mesh().empty or not _GATHER_FOR_USE.get():
-        return x
-    names = tuple(names)[len(names) - x.ndim:]
+    otherwise: on meshes with fsdp, sequence and tensor axes together, XLA moved the output projections' weight
+    shards onto the sequence axis (under a pipeline's stage vmap: with collective permutes), gathered the
+    activations' whole length there and all-reduced the full-length output over the tensor group (Llama-3 70B,
+    pipeline=4 fsdp=2 sequence=2 tensor=4); a plain constraint to the gathered sharding keeps the gradient whole
+    too, an all-reduce of each weight's gradient. Decoding is left to XLA: a step may do better with the weight
+    kept split."""
+    mode = _GATHER_FOR_USE.get()
+    if mode is None or jax.sharding.get_abstract_mesh().empty:
+        return None
+    names = tuple(names)[len(names) - ndim:]
     use, own = whole_over_batch(names), logical_to_spec(names)
-    return x if use == own else _resharded(x, use, own)
+    return None if use == own else WeightLayout(use, own, regather=mode == "regather")
+
+
+def gathered_einsum(equation: str, x: jax.Array, w: jax.Array, layout: WeightLayout | None) -> jax.Array:
+    """``jnp.einsum(equation, x, w)`` of a projection (activation ``x``, weight ``w`` in the compute dtype) with
+    the weight gathered for use as ``layout`` says (None: left to XLA).
+
+    Kept (``layout.regather`` false, a block under a checkpoint policy): only the weight's layout is constrained,
+    so the policy sees the matmul. Gathered again: the matmul's backward keeps the weight's own shard and gathers
+    it for the two transposed matmuls, as FSDP does (with the gathered copy kept, a block without a checkpoint
+    would hold every layer's whole weights from its forward to its backward pass)."""
+    if layout is None:
+        return jnp.einsum(equation, x, w)
+    if not layout.regather:
+        return jnp.einsum(equation, x, _resharded(w, layout.use, layout.own))
+    return _regathered_einsum(equation, x, w, layout)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 3))
+def _regathered_einsum(equation: str, x: jax.Array, w: jax.Array, layout: WeightLayout) -> jax.Array:
+    return jnp.einsum(equation, x, layout.gathered(w))
+
+
+def _regathered_fwd(equation, x, w, layout):
+    return _regathered_einsum(equation, x, w, layout), (x, w)
+
+
+def _regathered_bwd(equation, layout, res, grad):
+    x, w = res
+    _, pullback = jax.vjp(lambda a, b: jnp.einsum(equation, a, b), x, layout.gathered(w))
+    dx, dw = pullback(grad)
+    return dx, layout.scattered(dw)
+
+
+_regathered_einsum.defvjp(_regathered_fwd, _regathered_bwd)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))

@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 
 from jaxtron.config.schema import ONE_F_ONE_B, Config
+from jaxtron.models.lora import PROJECTIONS
 from jaxtron.parallel.mesh import split_over_nodes
 from jaxtron.planning.gpus import GPU
 from jaxtron.planning.params import Param
@@ -77,6 +78,7 @@ def fsdp_time(shape: StepShape, params: tuple[Param, ...], coll: Collectives) ->
         rest_gathers = (2 * shape.virtual_stages + 1) * shape.in_flight
         rest_sums = 1 if shape.gather_once else 2 * shape.in_flight
     gathered = {True: 0, False: 0}  # elements gathered over fsdp: the staged blocks' and the rest
+    used = {True: 0.0, False: 0.0}  # their bytes as gathered for use (``gather_width``)
     summed = {True: 0.0, False: 0.0}  # their gradients' bytes (``gradient_width``)
     replicated = 0.0  # gradient bytes of the weights whole on every fsdp device
     for p in params:
@@ -85,6 +87,7 @@ def fsdp_time(shape: StepShape, params: tuple[Param, ...], coll: Collectives) ->
             replicated += gradient_width(shape, p) * whole
         else:
             gathered[p.staged] += whole
+            used[p.staged] += gather_width(shape, p) * whole
             summed[p.staged] += gradient_width(shape, p) * whole
     # a pipeline stage gathers its blocks' weights again in every iteration of the schedule, and reduce-scatters
     # their gradients in every iteration of its backward pass; with ``pipeline.fsdp_gather='step'`` once a step
@@ -93,14 +96,26 @@ def fsdp_time(shape: StepShape, params: tuple[Param, ...], coll: Collectives) ->
     if shape.gather_once:
         return (coll.ring("all-gather", "fsdp", 4.0 * gathered[True], 1)
                 + coll.ring("reduce-scatter", "fsdp", 4.0 * gathered[True], 1)
-                + coll.ring("all-gather", "fsdp", shape.work_bytes * gathered[False], rest_gathers)
+                + coll.ring("all-gather", "fsdp", used[False], rest_gathers)
                 + coll.ring("reduce-scatter", "fsdp", summed[False], rest_sums)
                 + coll.ring("all-reduce", "fsdp", replicated, rest_sums))
-    return (coll.ring("all-gather", "fsdp", shape.work_bytes * gathered[True], gathers * in_flight * busy)
-            + coll.ring("all-gather", "fsdp", shape.work_bytes * gathered[False], rest_gathers)
+    return (coll.ring("all-gather", "fsdp", used[True], gathers * in_flight * busy)
+            + coll.ring("all-gather", "fsdp", used[False], rest_gathers)
             + coll.ring("reduce-scatter", "fsdp", summed[True], micro * in_flight * busy)
             + coll.ring("reduce-scatter", "fsdp", summed[False], rest_sums)
             + coll.ring("all-reduce", "fsdp", replicated, rest_sums))
+
+
+# the weights of the block projections (``models/lora.project``): an FP8 block's are gathered in FP8
+_PROJECTION_WEIGHTS = frozenset(attribute for attribute, *_ in PROJECTIONS.values())
+
+
+def gather_width(shape: StepShape, p: Param) -> float:
+    """Bytes per element of ``p`` as gathered over fsdp for use: a projection weight of an FP8 block is gathered
+    after it is quantized (one byte: ``ops/fp8.einsum``), the rest in the compute dtype."""
+    if p.in_blocks and p.path.rsplit(".", 1)[-1] in _PROJECTION_WEIGHTS and "experts" not in p.names:
+        return shape.fp8_share * 1.0 + (1.0 - shape.fp8_share) * shape.work_bytes
+    return float(shape.work_bytes)
 
 
 def gradient_width(shape: StepShape, p: Param) -> float:

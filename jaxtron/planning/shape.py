@@ -74,6 +74,7 @@ class StepShape:
     stack_copy_bytes: int  # XLA:CPU's float32 copy of the saved residual stack (per element; 0: none)
     # passes over a block's forward work per step: forward, backward (twice the traffic), and the recompute
     forward_passes: int
+    fp8_share: float = 0.0  # the share of blocks whose projections run in FP8 (execution.fp8, fp8_skip_layers)
 
 
 def step_shape(cfg: Config, sizes: dict[str, int], microbatches: int | None = None, cpu_program: bool = False,
@@ -126,7 +127,8 @@ def step_shape(cfg: Config, sizes: dict[str, int], microbatches: int | None = No
         stack_copy_bytes=4 if cpu_program and value_bytes < 4 else 0,
         # 1F1B recomputes every block's forward once, whatever the remat policy (training/one_f_one_b.py)
         forward_passes=3 + (1 if execution.remat == "full" or (pipelined and cfg.pipeline.schedule in ONE_F_ONE_B)
-                            else 0))
+                            else 0),
+        fp8_share=(m.num_layers - 2 * execution.fp8_skip_layers) / m.num_layers if execution.fp8 else 0.0)
 
 
 @dataclasses.dataclass(frozen=True)
