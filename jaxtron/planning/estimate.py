@@ -20,7 +20,15 @@ from jaxtron.planning.gpus import GPU
 from jaxtron.planning.memory import UNSEEN_ON_TARGET, memory
 from jaxtron.planning.params import parameters
 from jaxtron.planning.shape import block_values, step_shape
-from jaxtron.planning.step_time import COMPUTE_TERMS, EXPOSED, OVERLAPPED, compute_time, model_flops, step_seconds
+from jaxtron.planning.step_time import (
+    COMPUTE_TERMS,
+    EXPOSED,
+    OVERLAPPED,
+    compute_time,
+    mfu_peak,
+    model_flops,
+    step_seconds,
+)
 
 
 @dataclasses.dataclass
@@ -93,5 +101,5 @@ def estimate(cfg: Config, sizes: dict[str, int], gpu: GPU, microbatches: int | N
                     gather_once=shape.gather_once,
                     identity_layers=shape.identity_layers, attention=shape.attention,
                     memory=memory(cfg, shape, block, params), time=time, exposed=EXPOSED, overlapped=OVERLAPPED,
-                    step_s=step, mfu=model_flops(cfg, shape) / step / gpu.peak_flops["bfloat16"],
+                    step_s=step, mfu=model_flops(cfg, shape) / step / mfu_peak(cfg, shape, gpu),
                     tokens_per_s=shape.step_tokens / step, collectives=collectives)

@@ -12,6 +12,9 @@ Rates are what one GPU sustains:
 - ``comm_interference``: the share of the hidden collectives' time the step still pays (fitted: 0.30).
 - ``tensor_efficiency``: what tensor parallelism leaves of the GEMM rate beyond its collectives' bytes (assumed 1
   for jaxtron; fitted for the published stacks, ``STACK_TENSOR_EFFICIENCY``).
+- ``fp8_speedup``: how many times faster than 16-bit ones FP8 projections' GEMMs run in a step, their
+  quantization included (fitted on jaxtron's own bf16 and FP8 steps on one H200: 1.38;
+  ``benchmarks/plan_vs_gpu.py --fit-fp8``).
 - ``attention_efficiency``: fraction of the dense peak that cuDNN flash attention reaches over forward and
   backward together (assumed 0.5: published flash-attention forward kernels on H100 reach 60-75% of peak at
   head_dim 128, backward kernels 40-55%). XLA's attention materialises the score matrix and is assumed to
@@ -58,6 +61,9 @@ class GPU:
     # the GEMM rate's share left under tensor parallelism beyond its collectives' bytes (which the time model counts);
     # jaxtron's assumed 1, the published stacks' in STACK_TENSOR_EFFICIENCY
     tensor_efficiency: float = 1.0
+    # how many times faster than 16-bit ones the FP8 projections' GEMMs run in a step, their operands' quantization
+    # included (execution.fp8; planning/step_time.py); 1: no faster
+    fp8_speedup: float = 1.0
     gpus_per_node: int = 8
     usable_memory_fraction: float = 0.90
 
@@ -84,15 +90,20 @@ _CALIBRATED = dict(matmul_efficiency=0.6688, comm_overlap=0.7912, comm_interfere
 # (``GPU.tensor_efficiency``, 1) is assumed until a multi-GPU run measures it: XLA runs the tensor group's
 # collectives between the GEMMs that need them (counted exposed), the GEMMs as they are.
 STACK_TENSOR_EFFICIENCY = {"KempnerForge": 0.6965, "Megatron": 1.0}
+# Fitted on jaxtron's own steps measured in bf16 and in FP8 on one H200 (`python benchmarks/plan_vs_gpu.py --fit-fp8`:
+# Llama-3 8B at 8 layers, Llama-3.2 1B, Mixtral 8x7B at 1 layer; each pair's ratio within 5% with the speedup fitted
+# on the other two). A lone FP8 8192^3 GEMM ran 1.6 times the bf16 one in the same process; a step's FP8
+# projections gain less, their operands' quantization included.
+FP8_SPEEDUP = 1.38
 GPUS: dict[str, GPU] = {
     # 80 GB HBM3 (81,559 MiB reported), 3.35 TB/s datasheet, of which 85% is assumed reachable
     "h100": GPU("H100 SXM 80GB", 81_559 * _MIB, _peaks("H100 SXM"), attention_efficiency=0.5,
                 xla_attention_efficiency=0.25, hbm_bandwidth=0.85 * 3.35e12, nvlink_bandwidth=0.8 * 450e9,
-                network_bandwidth=0.8 * 50e9, **_CALIBRATED),
+                network_bandwidth=0.8 * 50e9, fp8_speedup=FP8_SPEEDUP, **_CALIBRATED),
     # 141 GB HBM3e (143,771 MiB reported), 4.8 TB/s datasheet, 4.3 TB/s measured device-to-device copy
     "h200": GPU("H200 SXM 141GB", 143_771 * _MIB, _peaks("H200 SXM"), attention_efficiency=0.5,
                 xla_attention_efficiency=0.25, hbm_bandwidth=4.3e12, nvlink_bandwidth=0.8 * 450e9,
-                network_bandwidth=0.8 * 50e9, **_CALIBRATED),
+                network_bandwidth=0.8 * 50e9, fp8_speedup=FP8_SPEEDUP, **_CALIBRATED),
 }
 
 

@@ -9,7 +9,7 @@ collectives (``jaxtron.planning.collectives``) either overlap with this compute 
 from __future__ import annotations
 
 from jaxtron.config.schema import ONE_F_ONE_B, Config, replace
-from jaxtron.metrics.flops import flops_breakdown, hardware_flops_breakdown
+from jaxtron.metrics.flops import flops_breakdown, fp8_flops_per_token, hardware_flops_breakdown
 from jaxtron.planning.gpus import GPU
 from jaxtron.planning.shape import BlockValues, StepShape
 
@@ -59,6 +59,9 @@ def compute_time(cfg: Config, shape: StepShape, block: BlockValues, gpu: GPU) ->
         repeated = {k: v - (inner[k] if k != "logits" else 0.0) for k, v in hardware.items()}
         matmul += sum(v for k, v in repeated.items() if k != "attention_scores") * (stages - 1)
         scores_flops += repeated["attention_scores"] * (stages - 1)
+    # the FP8 projections' GEMMs (and their recompute) run ``fp8_speedup`` times faster
+    fp8 = fp8_flops_per_token(shape.model, execution, shape.seq_len, hardware=True, attention=shape.attention)
+    matmul -= fp8 * (1.0 - 1.0 / gpu.fp8_speedup)
     efficiency = gpu.matmul_efficiency * (gpu.tensor_efficiency if tensor > 1 else 1.0)
     time = {"matmul": matmul * shape.step_tokens / shape.devices / (peak * efficiency),
             "attention": scores_flops * shape.step_tokens / shape.devices / (peak * attention_eff),
@@ -84,3 +87,14 @@ def step_seconds(time: dict[str, float], overlap: float = 1.0, interference: flo
 def model_flops(cfg: Config, shape: StepShape) -> float:
     """Model FLOPs per device and step (the MFU numerator: no recompute, causal attention counted as half)."""
     return sum(flops_breakdown(cfg.model, shape.seq_len).values()) * shape.step_tokens / shape.devices
+
+
+def mfu_peak(cfg: Config, shape: StepShape, gpu: GPU) -> float:
+    """The MFU denominator, as the train metrics take it: the dense bf16 peak, or with FP8 projections the
+    FLOP-weighted peak of the FP8 and the 16-bit model FLOPs (``jaxtron.metrics.hardware.flop_weighted_peak``)."""
+    bf16 = gpu.peak_flops["bfloat16"]
+    fp8 = fp8_flops_per_token(cfg.model, cfg.execution, shape.seq_len)
+    if not fp8 or "fp8" not in gpu.peak_flops:
+        return bf16
+    total = sum(flops_breakdown(cfg.model, shape.seq_len).values())
+    return total / (fp8 / gpu.peak_flops["fp8"] + (total - fp8) / bf16)
