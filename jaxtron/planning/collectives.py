@@ -12,7 +12,6 @@ from __future__ import annotations
 import math
 
 from jaxtron.config.schema import ONE_F_ONE_B, Config
-from jaxtron.models.lora import PROJECTIONS
 from jaxtron.parallel.mesh import split_over_nodes
 from jaxtron.planning.gpus import GPU
 from jaxtron.planning.params import Param
@@ -106,14 +105,10 @@ def fsdp_time(shape: StepShape, params: tuple[Param, ...], coll: Collectives) ->
             + coll.ring("all-reduce", "fsdp", replicated, rest_sums))
 
 
-# the weights of the block projections (``models/lora.project``): an FP8 block's are gathered in FP8
-_PROJECTION_WEIGHTS = frozenset(attribute for attribute, *_ in PROJECTIONS.values())
-
-
 def gather_width(shape: StepShape, p: Param) -> float:
     """Bytes per element of ``p`` as gathered over fsdp for use: a projection weight of an FP8 block is gathered
     after it is quantized (one byte: ``ops/fp8.einsum``), the rest in the compute dtype."""
-    if p.in_blocks and p.path.rsplit(".", 1)[-1] in _PROJECTION_WEIGHTS and "experts" not in p.names:
+    if p.projection:
         return shape.fp8_share * 1.0 + (1.0 - shape.fp8_share) * shape.work_bytes
     return float(shape.work_bytes)
 

@@ -12,8 +12,11 @@ from flax import nnx
 
 from jaxtron.config.schema import ExecutionConfig, ModelConfig
 from jaxtron.models import build_model
+from jaxtron.models.lora import PROJECTIONS
 from jaxtron.parallel.sharding import logical_names, logical_to_spec
 from jaxtron.parallel.state_sharding import optimizer_spec
+
+_PROJECTION_WEIGHTS = frozenset(attribute for attribute, *_ in PROJECTIONS.values())
 
 
 @dataclasses.dataclass(frozen=True)
@@ -26,6 +29,12 @@ class Param:
     def in_blocks(self) -> bool:
         """A stacked block parameter: of the periods a pipeline runs, or of the blocks outside it."""
         return bool(self.names) and self.names[0] in ("layers", "unstaged_layers")
+
+    @property
+    def projection(self) -> bool:
+        """A block projection's weight (``models/lora.project``: FP8 in an FP8 block, gathered for use over fsdp);
+        not a routed expert's."""
+        return self.in_blocks and self.path.rsplit(".", 1)[-1] in _PROJECTION_WEIGHTS and "experts" not in self.names
 
     @property
     def staged(self) -> bool:
