@@ -509,7 +509,7 @@ def test_the_calibrated_time_model_holds_on_the_published_runs_it_was_not_fitted
     assert [plan_calibration.rank_among_kinds(best)[0] for best in published.BEST] == [1] * len(published.BEST)
 
 
-def test_fp8_projections_are_estimated_at_the_speedup_fitted_on_jaxtrons_own_gpu_steps():
+def test_fp8_projections_are_estimated_at_the_speedup_fitted_on_jaxtrons_own_gpu_steps(capsys):
     """FP8 projections' GEMMs run ``fp8_speedup`` times the 16-bit rate, the rest of the step as in bf16, and the MFU
     is against the FLOP-weighted peak as the train metrics report it. The speedup in planning/gpus.py is what fitting
     it on the bf16/FP8 pairs of the recorded H200 run gives (benchmarks/plan_vs_gpu.py --fit-fp8), and each pair's
@@ -540,6 +540,12 @@ def test_fp8_projections_are_estimated_at_the_speedup_fitted_on_jaxtrons_own_gpu
     peak, _ = flop_weighted_peak("NVIDIA H100 80GB HBM3", "bfloat16",
                                  fp8_flops_per_token(fp8.model, fp8.execution, 4096), flops_per_token(fp8.model, 4096))
     assert fast.mfu == pytest.approx(model_flops(fp8, shape) / fast.step_s / peak, rel=1e-6)
+    # the plan says so
+    assert cli.run("plan", [f"--config={REPO}/configs/llama3_8b.py", "--gpus=8", "--top=1",
+                            "--config.execution.fp8=True"]) == 0
+    out = capsys.readouterr().out
+    assert "bfloat16 with FP8 projections" in out
+    assert f"GEMMs at {FP8_SPEEDUP:g} times the 16-bit rate" in out and "FLOP-weighted dense peak" in out
 
     path = os.path.join(REPO, "benchmarks", "gpu_h200_2026-11-26_run2.json")
     pairs = plan_vs_gpu.fp8_pairs(plan_vs_gpu.measured_rows(path))

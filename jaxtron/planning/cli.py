@@ -129,7 +129,7 @@ def run(argv: list[str]) -> int:
         os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                                    f" --xla_force_host_platform_device_count={args.gpus}").strip()
         os.environ.setdefault("JAX_PLATFORMS", "cpu")
-    from jaxtron.metrics.flops import param_count
+    from jaxtron.metrics.flops import flops_per_token, fp8_flops_per_token, param_count
     from jaxtron.planning import search
     from jaxtron.planning.estimate import estimate
 
@@ -137,7 +137,8 @@ def run(argv: list[str]) -> int:
     print(f"{m.name}: {param_count(m) / 1e9:.2f}B parameters"
           + (f" ({param_count(m, active=True) / 1e9:.2f}B active)" if m.moe.num_experts else "")
           + f", sequence {cfg.data.seq_len}, global batch {cfg.train.global_batch_size}, "
-            f"remat {cfg.execution.remat}, {cfg.execution.dtype}; {args.gpus} x {gpu.name} "
+            f"remat {cfg.execution.remat}, {cfg.execution.dtype}"
+          + (" with FP8 projections" if cfg.execution.fp8 else "") + f"; {args.gpus} x {gpu.name} "
             f"({gpu.usable_bytes / GIB:.0f} GiB usable each)")
     rows = search.plan(cfg, args.gpus, gpu)
     fitting = [r for r in rows if r.fits]
@@ -151,6 +152,11 @@ def run(argv: list[str]) -> int:
     if rows:
         print(f"{len(rows)} valid meshes, {len(fitting)} fit; ranked by estimated step time:")
         print(table(rows, args.top))
+        if cfg.execution.fp8:
+            share = fp8_flops_per_token(m, cfg.execution, cfg.data.seq_len) / flops_per_token(m, cfg.data.seq_len)
+            print(f"FP8 projections' GEMMs at {gpu.fp8_speedup:g} times the 16-bit rate (fitted on jaxtron's own "
+                  f"steps); MFU against the FLOP-weighted dense peak, FP8 matmuls {100 * share:.1f}% of the model "
+                  "FLOPs, as a run reports it")
     status = 0
     if not fitting:
         print(f"error: cannot train {m.name} on {args.gpus} x {gpu.name}: {search.refusal(cfg, args.gpus, gpu, rows)}",
