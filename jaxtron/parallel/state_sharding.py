@@ -210,7 +210,9 @@ def _regathered_einsum(equation: str, x: jax.Array, w: jax.Array, layout: Weight
 
 
 def _regathered_fwd(equation, x, w, layout):
-    return _regathered_einsum(equation, x, w, layout), (x, w)
+    # the shard kept for the backward pass held as the weight is (left to propagation, XLA:CPU's fill-drain
+    # pipeline kept it whole in every iteration)
+    return _regathered_einsum(equation, x, w, layout), (x, layout.scattered(w))
 
 
 def _regathered_bwd(equation, layout, res, grad):

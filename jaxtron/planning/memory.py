@@ -222,7 +222,7 @@ def saved_shards(cfg: Config, shape: StepShape, params: tuple[Param, ...]) -> di
     """XLA:CPU's program without a checkpoint (remat 'none'), in float32, without a pipeline: a projection that
     gathers its fsdp-split weight again in the backward pass (``state_sharding.gathered_einsum``, a custom VJP)
     saves the layer's shard, which the layer scan then holds as a copy of the parameter stack (the default model on
-    data=2 fsdp=4: 1.69 MiB a device more, against 1.50 counted here). The H100 program's peak is unchanged (bf16
+    data=2 fsdp=4: 1.10 MiB a device more, against 1.50 counted here). The H100 program's peak is unchanged (bf16
     and float32), and so is a 16-bit cast's on XLA:CPU (a new array, saved either way)."""
     if not shape.cpu_program or cfg.execution.remat != "none" or shape.pipelined or shape.value_bytes != 4:
         return {}
