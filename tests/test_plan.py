@@ -512,8 +512,8 @@ def test_the_calibrated_time_model_holds_on_the_published_runs_it_was_not_fitted
 def test_fp8_projections_are_estimated_at_the_speedup_fitted_on_jaxtrons_own_gpu_steps(capsys):
     """FP8 projections' GEMMs run ``fp8_speedup`` times the 16-bit rate, the rest of the step as in bf16, and the MFU
     is against the FLOP-weighted peak as the train metrics report it. The speedup in planning/gpus.py is what fitting
-    it on the bf16/FP8 pairs of the recorded H200 run gives (benchmarks/plan_vs_gpu.py --fit-fp8), and each pair's
-    step ratio is then within 5% of the measured one (Llama-3 8B at 8 layers: 1.24 measured)."""
+    it on the bf16/FP8 pairs of the recorded H200 run gives (benchmarks/plan_vs_gpu.py --fit-fp8), to 0.01, and each
+    pair's step ratio is then within 5% of the measured one (Llama-3 8B at 8 layers: 1.24 measured)."""
     sys.path.insert(0, os.path.join(REPO, "benchmarks"))
     import plan_vs_gpu
 
@@ -550,8 +550,12 @@ def test_fp8_projections_are_estimated_at_the_speedup_fitted_on_jaxtrons_own_gpu
     path = os.path.join(REPO, "benchmarks", "gpu_h200_2026-11-26_run2.json")
     pairs = plan_vs_gpu.fp8_pairs(plan_vs_gpu.measured_rows(path))
     assert len(pairs) == 3
-    assert plan_vs_gpu.fit_fp8_speedup(pairs, "NVIDIA H200") == pytest.approx(FP8_SPEEDUP, abs=0.006)
-    assert max(abs(e) for e in plan_vs_gpu.speedup_errors(pairs, "NVIDIA H200", FP8_SPEEDUP)) < math.log(1.05)
+    # the least-squares speedup (the sum of squares has one minimum): no better 0.01 to either side
+    errors = {x: plan_vs_gpu.speedup_errors(pairs, "NVIDIA H200", x) for x in (FP8_SPEEDUP - 0.01, FP8_SPEEDUP,
+                                                                               FP8_SPEEDUP + 0.01)}
+    cost = {x: sum(e * e for e in v) for x, v in errors.items()}
+    assert cost[FP8_SPEEDUP] <= min(cost.values()), cost
+    assert max(abs(e) for e in errors[FP8_SPEEDUP]) < math.log(1.05)
 
 
 def test_plan_cli_rejects_bad_requests(capsys):
