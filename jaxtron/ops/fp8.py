@@ -86,7 +86,7 @@ def _einsum_fwd(equation, x, w, layout):
     (qx, sx), (qw, sw) = quantized(x, E4M3), quantized(w, E4M3)
     used = qw if layout is None else layout.gathered(qw)
     out = jnp.einsum(equation, dequantize(qx, sx, x.dtype), dequantize(used, sw, x.dtype))
-    kept = qw if layout is not None and layout.regather else used
+    kept = layout.scattered(qw) if layout is not None and layout.regather else used  # the shard, held as the weight
     return out, (qx, sx, kept, sw, jnp.zeros((0,), w.dtype))
 
 
