@@ -236,6 +236,11 @@ def fp8_flops_per_token(cfg: ModelConfig, execution: ExecutionConfig, seq_len: i
     return blocks * per_block + dense * per_dense + (blocks - dense) * per_moe
 
 
+def fp8_flop_share(cfg: ModelConfig, execution: ExecutionConfig, seq_len: int) -> float:
+    """The share of the model FLOPs done as FP8 matmuls (``fp8_flops_per_token`` over ``flops_per_token``)."""
+    return fp8_flops_per_token(cfg, execution, seq_len) / flops_per_token(cfg, seq_len)
+
+
 def narayanan_flops_per_batch(batch: int, seq_len: int, layers: int, hidden: int, vocab: int,
                               recompute: bool) -> float:
     """FLOPs per iteration of Narayanan et al. 2021 (SC21), GPT with f = 4h, MHA, non-causal."""

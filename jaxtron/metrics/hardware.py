@@ -80,6 +80,12 @@ def mfu(flops_per_sec_per_device: float, peak: float | None) -> float | None:
     return flops_per_sec_per_device / peak
 
 
+def weighted_peak(fp8_flops: float, total_flops: float, fp8_peak: float, rest_peak: float) -> float:
+    """The FLOP/s of a step whose ``fp8_flops`` of ``total_flops`` run at ``fp8_peak`` and the rest at
+    ``rest_peak``: total / (fp8 / fp8 peak + rest / rest peak)."""
+    return total_flops / (fp8_flops / fp8_peak + (total_flops - fp8_flops) / rest_peak)
+
+
 def flop_weighted_peak(device_kind: str, dtype: str, fp8_flops: float, total_flops: float) -> tuple[float | None, str]:
     """Dense peak FLOP/s of one device for a step whose ``fp8_flops`` of ``total_flops`` are FP8 matmuls and the
     rest run at ``dtype``: total / (fp8 / fp8 peak + rest / ``dtype`` peak), the rate of a step in which every
@@ -94,7 +100,7 @@ def flop_weighted_peak(device_kind: str, dtype: str, fp8_flops: float, total_flo
     rest_peak, rest_note = peak_flops(device_kind, dtype)
     if fp8_peak is None or rest_peak is None:
         return None, f"{rest_note if rest_peak is None else fp8_note} (FP8 matmuls are {share:.1%} of the FLOPs)"
-    peak = total_flops / (fp8_flops / fp8_peak + (total_flops - fp8_flops) / rest_peak)
+    peak = weighted_peak(fp8_flops, total_flops, fp8_peak, rest_peak)
     precision = _DTYPE_ALIASES[dtype.strip().lower()]
     note = (f"{device_model(device_kind)} FLOP-weighted dense peak {peak / 1e12:.5g} TFLOP/s per device: FP8 matmuls "
             f"are {share:.1%} of the FLOPs, counted at the fp8 peak {fp8_peak / 1e12:g}, the rest at the {precision} "

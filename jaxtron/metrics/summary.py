@@ -24,7 +24,7 @@ from jaxtron.config.loader import migrate
 from jaxtron.config.schema import ConfigError, ExecutionConfig, ModelConfig
 from jaxtron.metrics.bubble import idle_shares
 from jaxtron.metrics.collectives import COLLECTIVES
-from jaxtron.metrics.flops import flops_per_token, fp8_flops_per_token
+from jaxtron.metrics.flops import fp8_flop_share
 
 WARMUP_FRACTION = 0.1
 SUSTAINED = ("step_time_s", "tokens_per_sec", "tflops_per_device", "mfu", "hfu", "data_wait_s", "data_wait_share")
@@ -178,7 +178,7 @@ def mfu_basis(config: dict[str, Any], records: list[dict[str, Any]]) -> dict[str
         seq_len = int(config["data"]["seq_len"])
     except (KeyError, TypeError, ValueError, AttributeError):  # ConfigError is a ValueError
         return None
-    share = fp8_flops_per_token(model, execution, seq_len) / flops_per_token(model, seq_len)
+    share = fp8_flop_share(model, execution, seq_len)
     peak = next((r["tflops_per_device"] / r["mfu"] for r in records
                  if isinstance(r.get("mfu"), (int, float)) and r["mfu"] > 0
                  and isinstance(r.get("tflops_per_device"), (int, float))), None)

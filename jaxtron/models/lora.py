@@ -30,7 +30,7 @@ from flax import nnx
 
 from jaxtron.config.schema import ConfigError, LoraConfig
 from jaxtron.parallel.sharding import logical_names
-from jaxtron.parallel.state_sharding import gathered_einsum, weight_layout
+from jaxtron.parallel.state_sharding import weight_layout
 
 RANK = "lora_rank"
 
@@ -139,17 +139,12 @@ def _add(module: nnx.Module, attribute: str, name: str, cfg: LoraConfig, key: ja
 
 def project(einsum: Callable, equation: str, x: jax.Array, module: nnx.Module, attribute: str,
             dtype: Any) -> jax.Array:
-    """``einsum(equation, x, weight)`` of ``module``'s weight ``attribute``, plus its adapters' low-rank update if it
+    """``einsum(equation, x, weight, layout)`` (``ops/fp8.projection``) of ``module``'s weight ``attribute`` (split
+    over fsdp: gathered as ``state_sharding.weight_layout`` says), plus its adapters' low-rank update if it
     has them (both in ``dtype``)."""
     weight = getattr(module, attribute)
     w = weight[...].astype(dtype)
-    layout = weight_layout(logical_names(weight), w.ndim)
-    if layout is None:
-        y = einsum(equation, x, w)
-    elif einsum is jnp.einsum:
-        y = gathered_einsum(equation, x, w, layout)
-    else:  # FP8: gathers the weight after quantizing it
-        y = einsum(equation, x, w, layout)
+    y = einsum(equation, x, w, weight_layout(logical_names(weight), w.ndim))
     a = getattr(module, f"{attribute}_lora_a", None)
     if a is None:
         return y

@@ -21,7 +21,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jaxtron.parallel.state_sharding import WeightLayout
+from jaxtron.parallel.state_sharding import WeightLayout, gathered_einsum
 
 E4M3 = jnp.float8_e4m3fn  # forward operands: max 448, 3 mantissa bits
 E5M2 = jnp.float8_e5m2  # gradients: max 57344, 2 mantissa bits
@@ -163,5 +163,6 @@ def compiler_options(fp8: bool) -> dict[str, object]:
 
 
 def projection(fp8: bool):
-    """The einsum a projection uses: FP8 or plain."""
-    return einsum if fp8 else jnp.einsum
+    """The einsum a projection uses, ``(equation, x, w, layout)``: FP8 or plain
+    (``state_sharding.gathered_einsum``), each gathering a weight split over fsdp as ``layout`` says."""
+    return einsum if fp8 else gathered_einsum

@@ -189,7 +189,7 @@ def weight_layout(names: Sequence[str | None], ndim: int) -> WeightLayout | None
     return None if use == own else WeightLayout(use, own, regather=mode == "regather")
 
 
-def gathered_einsum(equation: str, x: jax.Array, w: jax.Array, layout: WeightLayout | None) -> jax.Array:
+def gathered_einsum(equation: str, x: jax.Array, w: jax.Array, layout: WeightLayout | None = None) -> jax.Array:
     """``jnp.einsum(equation, x, w)`` of a projection (activation ``x``, weight ``w`` in the compute dtype) with
     the weight gathered for use as ``layout`` says (None: left to XLA).
 

@@ -129,7 +129,7 @@ def run(argv: list[str]) -> int:
         os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                                    f" --xla_force_host_platform_device_count={args.gpus}").strip()
         os.environ.setdefault("JAX_PLATFORMS", "cpu")
-    from jaxtron.metrics.flops import flops_per_token, fp8_flops_per_token, param_count
+    from jaxtron.metrics.flops import fp8_flop_share, param_count
     from jaxtron.planning import search
     from jaxtron.planning.estimate import estimate
 
@@ -153,7 +153,7 @@ def run(argv: list[str]) -> int:
         print(f"{len(rows)} valid meshes, {len(fitting)} fit; ranked by estimated step time:")
         print(table(rows, args.top))
         if cfg.execution.fp8:
-            share = fp8_flops_per_token(m, cfg.execution, cfg.data.seq_len) / flops_per_token(m, cfg.data.seq_len)
+            share = fp8_flop_share(m, cfg.execution, cfg.data.seq_len)
             print(f"FP8 projections' GEMMs at {gpu.fp8_speedup:g} times the 16-bit rate (fitted on jaxtron's own "
                   f"steps); MFU against the FLOP-weighted dense peak, FP8 matmuls {100 * share:.1f}% of the model "
                   "FLOPs, as a run reports it")

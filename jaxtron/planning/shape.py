@@ -10,6 +10,7 @@ import dataclasses
 import math
 
 from jaxtron.config.schema import ONE_F_ONE_B, Config, ModelConfig
+from jaxtron.metrics.flops import fp8_blocks
 from jaxtron.models.moe import capacity
 from jaxtron.ops.attention import HOPPER, cpu_implementation, resolve_implementation
 from jaxtron.parallel.mesh import full_sizes
@@ -128,7 +129,7 @@ def step_shape(cfg: Config, sizes: dict[str, int], microbatches: int | None = No
         # 1F1B recomputes every block's forward once, whatever the remat policy (training/one_f_one_b.py)
         forward_passes=3 + (1 if execution.remat == "full" or (pipelined and cfg.pipeline.schedule in ONE_F_ONE_B)
                             else 0),
-        fp8_share=(m.num_layers - 2 * execution.fp8_skip_layers) / m.num_layers if execution.fp8 else 0.0)
+        fp8_share=fp8_blocks(m, execution)[0] / m.num_layers)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -9,7 +9,8 @@ collectives (``jaxtron.planning.collectives``) either overlap with this compute 
 from __future__ import annotations
 
 from jaxtron.config.schema import ONE_F_ONE_B, Config, replace
-from jaxtron.metrics.flops import flops_breakdown, fp8_flops_per_token, hardware_flops_breakdown
+from jaxtron.metrics.flops import flops_breakdown, fp8_flop_share, fp8_flops_per_token, hardware_flops_breakdown
+from jaxtron.metrics.hardware import weighted_peak
 from jaxtron.planning.gpus import GPU
 from jaxtron.planning.shape import BlockValues, StepShape
 
@@ -93,8 +94,7 @@ def mfu_peak(cfg: Config, shape: StepShape, gpu: GPU) -> float:
     """The MFU denominator, as the train metrics take it: the dense bf16 peak, or with FP8 projections the
     FLOP-weighted peak of the FP8 and the 16-bit model FLOPs (``jaxtron.metrics.hardware.flop_weighted_peak``)."""
     bf16 = gpu.peak_flops["bfloat16"]
-    fp8 = fp8_flops_per_token(cfg.model, cfg.execution, shape.seq_len)
-    if not fp8 or "fp8" not in gpu.peak_flops:
+    share = fp8_flop_share(cfg.model, cfg.execution, shape.seq_len)
+    if not share or "fp8" not in gpu.peak_flops:
         return bf16
-    total = sum(flops_breakdown(cfg.model, shape.seq_len).values())
-    return total / (fp8 / gpu.peak_flops["fp8"] + (total - fp8) / bf16)
+    return weighted_peak(share, 1.0, gpu.peak_flops["fp8"], bf16)
