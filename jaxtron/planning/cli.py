@@ -194,11 +194,11 @@ def compile_report(cfg, sizes: dict[str, int], n: int, gpu_name: str, gpu, estim
     from jaxtron.planning.search import with_mesh
     cfg = with_mesh(cfg, sizes)  # as the table estimated it
     on_target = gpu_name in target.TARGETS and target.plugin_installed()
-    kernels, float8_gemms = None, None
+    kernels, float8_gemms, time_budget = None, None, None
     if on_target:
         print(f"\ndry run of {_mesh_text(sizes)} compiled for {n} x {gpu.name} (compile-only devices, no GPU):")
         found = on_target_in_subprocess(cfg, gpu_name, n, hlo_path)
-        kernels, float8_gemms = found["kernels"], found["float8_gemms"]
+        kernels, float8_gemms, time_budget = found["kernels"], found["float8_gemms"], found["budget"]
         result = DryRun(**{f.name: found[f.name] for f in dataclasses.fields(DryRun)})
     else:
         from jaxtron.ops.attention import cpu_implementation
@@ -213,6 +213,8 @@ def compile_report(cfg, sizes: dict[str, int], n: int, gpu_name: str, gpu, estim
         print(f"kernels (a loop body's once): {describe(kernels)}")
         if cfg.execution.fp8:
             print(f"GEMMs with float8 operands: {float8_gemms}")
+        from jaxtron.metrics.budget import text as budget_text
+        print(budget_text(time_budget))
     est = estimate(cfg, sizes, gpu, cpu_program=not on_target)
     state = est.memory["parameters"] + est.memory["optimizer"] + est.memory["batch"]
     unseen = est.unseen_on_target_bytes if on_target else 0.0
@@ -234,7 +236,7 @@ def compile_report(cfg, sizes: dict[str, int], n: int, gpu_name: str, gpu, estim
                 compile_s=result.compile_s,
                 collectives=result.collectives, estimated_collectives=est.collectives,
                 target=gpu_name if on_target else "cpu", kernels=kernels, flops=result.flops,
-                model_flops=model_flops)
+                model_flops=model_flops, budget=time_budget)
 
 
 def main(argv: list[str]) -> int:

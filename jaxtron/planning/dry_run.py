@@ -114,8 +114,8 @@ def dry_run_on_target(cfg: Config, gpu: str, count: int) -> tuple[DryRun, str]:
 def on_target_in_subprocess(cfg: Config, gpu: str, count: int, hlo_path: str | None = None,
                             timeout_s: float = 1800) -> dict[str, Any]:
     """``dry_run_on_target`` in a process of its own (jax started as the target needs; an XLA abort ends that
-    process, not this one): the dry run's fields, ``peak_bytes``, ``kernels`` (name -> calls) and
-    ``float8_gemms``. The optimized HLO text goes to ``hlo_path`` when given. A failed compile is a ConfigError
+    process, not this one): the dry run's fields, ``peak_bytes``, ``kernels`` (name -> calls), ``float8_gemms``
+    and ``budget`` (the step's time budget at the target's measured ceilings, ``jaxtron.metrics.budget``). The optimized HLO text goes to ``hlo_path`` when given. A failed compile is a ConfigError
     naming its last line."""
     import json
     import subprocess
@@ -149,6 +149,7 @@ def _target_main(argv: list[str]) -> int:
     import sys
 
     from jaxtron.config.loader import from_mapping
+    from jaxtron.metrics.budget import CEILINGS, budget
     from jaxtron.metrics.kernels import float8_operands, kernels
 
     config_path, gpu, count, hlo_path = (argv + [""])[:4]
@@ -163,7 +164,7 @@ def _target_main(argv: list[str]) -> int:
         with open(hlo_path, "w") as f:
             f.write(text)
     print(json.dumps({**dataclasses.asdict(result), "peak_bytes": result.peak_bytes, "kernels": kernels(text),
-                      "float8_gemms": float8_operands(text)}))
+                      "float8_gemms": float8_operands(text), "budget": budget(text, CEILINGS[gpu]).summary()}))
     return 0
 
 

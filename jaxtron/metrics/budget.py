@@ -1,0 +1,394 @@
+"""The step's time budget: a lower bound on one execution of a compiled GPU program, kernel by kernel, read from its
+optimized HLO text.
+
+Each kernel the program launches is priced at the ceiling that binds it: a GEMM's FLOPs at the measured matmul
+rate of its operands' precision (bf16, FP8; float32 operands at the TF32 rate, half the bf16 one), a cuDNN
+attention call's FLOPs at the attention kernel's rate, a grouped expert GEMM's at the grouped kernel's, and every
+other kernel's bytes read and written at the measured copy bandwidth (a GEMM too small to be compute-bound is
+priced by its bytes). Every launch adds a fixed cost. Loop bodies count once per iteration. Collectives are listed
+by bytes, not priced: on one GPU there are none, and on several the planner prices and overlaps them.
+
+What it cannot see: autotuned kernel choices (a deviceless compile keeps XLA's defaults; their rates are the
+ceilings'), overlap between kernels (none: one stream), and a kernel slower than its bound. The ratio of a
+measured step to its bound says how much of that there is; ``benchmarks/step_budget.md`` keeps the table.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+
+from jaxtron.metrics.collectives import COLLECTIVES, collectives
+from jaxtron.metrics.hlo import (
+    DTYPE_BYTES,
+    _attention_flops,
+    _backend_config,
+    _gemm_flops,
+    _grouped_gemm_flops,
+    computations,
+    definitions,
+    runs_per_execution,
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Ceilings:
+    """What one GPU sustains, as the GPU suite measures it (``benchmarks/gpu_suite.py``'s ceilings step)."""
+    bf16_flops: float  # a large bf16 GEMM, FLOP/s
+    fp8_flops: float  # a large FP8 GEMM (e4m3 operands, per-tensor scales), FLOP/s
+    attention_flops: float  # cuDNN's causal flash attention, forward and backward, FLOP/s
+    copy_bytes: float  # bytes read plus bytes written per second by a large elementwise kernel
+    launch_s: float  # what each kernel launch adds, seconds
+    grouped_flops: float | None = None  # a grouped expert GEMM (tokamax / jaxtron's kernel); None: bf16_flops
+    source: str = ""
+
+    def describe(self) -> str:
+        return (f"bf16 GEMM {self.bf16_flops / 1e12:.0f} TFLOP/s, FP8 GEMM {self.fp8_flops / 1e12:.0f}, attention "
+                f"{self.attention_flops / 1e12:.0f}, grouped GEMM {(self.grouped_flops or self.bf16_flops) / 1e12:.0f}"
+                f", copy {self.copy_bytes / 1e12:.2f} TB/s, {self.launch_s * 1e6:.1f} us a launch")
+
+
+# One H200 in benchmarks/gpu_h200_2026-11-26_run2.md: 8192^3 GEMMs (the best of 10), an elementwise kernel over
+# 2 GiB (read + written), cuDNN's causal attention at 8k tokens, forward and backward; tokamax's grouped GEMM on
+# Mixtral's expert shapes (gpu_h200_2026-11-26.md). The launch cost is assumed (a GPU run of the suite measures it).
+# The H100 SXM has the same tensor cores and clocks; its copy rate is the H200's scaled by their datasheet
+# bandwidths (3.35 / 4.8 TB/s) until a GPU run measures it.
+H200 = Ceilings(729e12, 1165e12, 465e12, 2.95e12, 2e-6, grouped_flops=253e12,
+                source="measured on one H200 (benchmarks/gpu_h200_2026-11-26_run2.md); launch cost assumed")
+H100 = dataclasses.replace(H200, copy_bytes=2.95e12 * 3.35 / 4.8,
+                           source="the H200's measured rates, copy scaled to the H100's bandwidth; launch assumed")
+CEILINGS = {"h100": H100, "h200": H200}
+
+CATEGORIES = ("GEMM bf16", "GEMM fp8", "GEMM f32", "grouped GEMM", "attention", "memory-bound", "launches")
+
+_GEMM_TARGETS = ("__cublas$gemm", "__cublas$lt$matmul", "__cublas$lt$matmul$f8")
+_ATTENTION = ("__cudnn$fmhaSoftmax", "__cudnn$fmhaSoftmaxDropout", "__cudnn$fmhaSoftmaxBackward",
+              "__cudnn$fmhaSoftmaxDropoutBackward")
+# instructions that launch nothing: bookkeeping, control flow (its bodies are counted on their own), and the
+# asynchronous halves that only wait
+_FREE = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "while", "conditional", "call",
+         "after-all", "partition-id", "replica-id", "opt-barrier", "add-dependency", "domain", "copy-done",
+         "async-done", "async-update", "send-done", "recv-done", "get-dimension-size"}
+_LINE = re.compile(r"^\s*(?:ROOT\s+)?(%[\w.\-]+) = (.*)$")
+_OP_NAME = re.compile(r'op_name="([^"]*)"')
+_FUSION_KIND = re.compile(r'"kind":"(__[a-z_$]+)"')
+_CALLS = re.compile(r"\bcalls=(%[\w.\-]+)")
+_TO_APPLY = re.compile(r"\bto_apply=(%[\w.\-]+)")
+_NESTED = re.compile(r"\b(?:body|condition|true_computation|false_computation)=(%[\w.\-]+)"
+                     r"|branch_computations=\{([^}]*)\}")
+# named scopes the code opens (jax.named_scope) that name what a kernel does, innermost first when several match
+SCOPES = ("norm", "rope", "swiglu", "attention", "router", "experts", "loss", "optimizer", "finite_check", "embed")
+
+
+def _split(rest: str) -> tuple[str, str, str]:
+    """'TYPE opcode(operands), attributes' -> (TYPE, opcode, the text from the operands on)."""
+    if rest.startswith("("):  # a tuple type: skip to its closing parenthesis
+        depth = 0
+        for i, ch in enumerate(rest):
+            depth += ch == "("
+            depth -= ch == ")"
+            if depth == 0:
+                break
+        type_text, rest = rest[:i + 1], rest[i + 1:].lstrip()
+    else:
+        type_text, _, rest = rest.partition(" ")
+    opcode, _, tail = rest.partition("(")
+    return type_text, opcode.strip(), tail
+
+
+def _array_bytes(dtype: str, dims: tuple[int, ...]) -> int:
+    return DTYPE_BYTES.get(dtype, 4) * math.prod(dims)
+
+
+def _type_bytes(type_text: str) -> int:
+    return sum(_array_bytes(t, tuple(int(d) for d in dims.split(",") if d))
+               for t, dims in re.findall(r"(\w+)\[([\d,]*)\]", type_text))
+
+
+def _operand_names(tail: str) -> list[str]:
+    """The operands of an instruction: the names inside its first parentheses."""
+    depth, end = 1, len(tail)
+    for i, ch in enumerate(tail):
+        depth += ch == "("
+        depth -= ch == ")"
+        if depth == 0:
+            end = i
+            break
+    return re.findall(r"%[\w.\-]+", tail[:end])
+
+
+@dataclasses.dataclass
+class Kernel:
+    """One kernel of the program: what it is, how often it runs, and its bound."""
+    name: str
+    category: str
+    label: str  # phase and what it computes, from the op name: 'backward loss', 'update optimizer', ...
+    runs: int
+    flops: float  # per run
+    bytes: float  # per run, read plus written
+    seconds: float  # per run: the binding ceiling's time
+
+
+@dataclasses.dataclass
+class Budget:
+    kernels: list[Kernel]
+    collectives: dict[str, float]  # kind -> bytes per step
+    ceilings: Ceilings
+
+    def by_category(self) -> dict[str, float]:
+        """Category -> seconds per step, launches included, in ``CATEGORIES``' order."""
+        out = dict.fromkeys(CATEGORIES, 0.0)
+        for k in self.kernels:
+            out[k.category] += k.runs * k.seconds
+        out["launches"] = self.launches * self.ceilings.launch_s
+        return out
+
+    @property
+    def launches(self) -> int:
+        return sum(k.runs for k in self.kernels)
+
+    @property
+    def seconds(self) -> float:
+        return sum(self.by_category().values())
+
+    def by_label(self, category: str | None = None) -> dict[str, float]:
+        """Label -> seconds per step (of one category, or all), largest first."""
+        out: dict[str, float] = {}
+        for k in self.kernels:
+            if category is None or k.category == category:
+                out[k.label] = out.get(k.label, 0.0) + k.runs * k.seconds
+        return dict(sorted(out.items(), key=lambda kv: -kv[1]))
+
+    def flops(self, category: str) -> float:
+        return sum(k.runs * k.flops for k in self.kernels if k.category == category)
+
+    def bytes(self, category: str = "memory-bound") -> float:
+        return sum(k.runs * k.bytes for k in self.kernels if k.category == category)
+
+    def summary(self, top: int = 12) -> dict:
+        """The budget as plain numbers (JSON; ``text`` prints it): seconds in all and by category, FLOPs by GEMM
+        category, bytes of the memory-bound kernels, launches, the ``top`` largest memory-bound items by label."""
+        return {"seconds": self.seconds, "by_category": self.by_category(), "launches": self.launches,
+                "flops": {c: self.flops(c) for c in CATEGORIES[:5]}, "memory_bytes": self.bytes(),
+                "memory_by_label": dict(list(self.by_label("memory-bound").items())[:top]),
+                "collective_bytes": self.collectives, "ceilings": dataclasses.asdict(self.ceilings)}
+
+
+def text(summary: dict, top: int = 8) -> str:
+    """A budget's ``summary`` as lines: the total, each category, the largest memory-bound items, collectives."""
+    ceilings = Ceilings(**summary["ceilings"])
+    lines = [f"step time budget, a lower bound: {1e3 * summary['seconds']:.1f} ms at {ceilings.describe()} "
+             f"({ceilings.source})"]
+    for c, seconds in summary["by_category"].items():
+        if not seconds:
+            continue
+        if c == "launches":
+            what = f"{summary['launches']} kernels"
+        elif c == "memory-bound":
+            what = f"{summary['memory_bytes'] / 1e9:.1f} GB read + written"
+        else:
+            what = f"{summary['flops'][c] / 1e12:.1f} TFLOP"
+        lines.append(f"  {c:<13} {1e3 * seconds:8.1f} ms  ({what})")
+    items = list(summary["memory_by_label"].items())[:top]
+    if items:
+        lines.append("  largest memory-bound work (ms): " + ", ".join(f"{k} {1e3 * s:.1f}" for k, s in items))
+    moved = {k: v for k, v in summary["collective_bytes"].items() if v}
+    if moved:
+        lines.append("  collectives, not in the bound (the planner prices and overlaps them): "
+                     + ", ".join(f"{k} {v / 2**30:.2f} GiB" for k, v in moved.items()))
+    return "\n".join(lines)
+
+
+def label(line: str) -> str:
+    """'<phase> <what>' of an instruction from its op name: the phase is 'forward', 'recompute' (a remat policy's
+    second forward), 'backward' or 'update' (outside the differentiated function); what it computes is the innermost
+    named scope of ``SCOPES`` in its op name, else the primitive's name."""
+    found = _OP_NAME.search(line)
+    if not found:
+        return "other"
+    name = found.group(1)
+    phase = ("recompute" if "rematted_computation" in name else "backward" if "transpose(" in name
+             else "forward" if "jvp(" in name else "update")
+    parts = [p for p in name.split("/") if p]
+    what = next((p for p in reversed(parts) if p in SCOPES), None)
+    if what is None:
+        what = re.sub(r"^jit\((\w+)\)$", r"\1", parts[-1]) if parts else "other"
+    return f"{phase} {what}"
+
+
+class _Program:
+    """The optimized HLO text, indexed: computations, their runs per execution, every instruction's type."""
+
+    def __init__(self, hlo_text: str):
+        self.comps, self.runs = runs_per_execution(hlo_text)
+        _, self.entry = computations(hlo_text)
+        self.shapes = definitions(hlo_text)
+        self.types: dict[str, str] = {}  # instruction name -> its type text (tuples too)
+        for lines in self.comps.values():
+            for line in lines:
+                m = _LINE.match(line)
+                if m:
+                    self.types[m.group(1)] = _split(m.group(2))[0]
+
+    def kernel_level(self) -> list[str]:
+        """The computations whose instructions are kernels: the entry, loop bodies and conditions, conditional
+        branches, called and asynchronous computations (not fused computations, reducers or comparators)."""
+        out, stack = [], [self.entry] if self.entry else []
+        while stack:
+            name = stack.pop()
+            if name in out or name not in self.comps:
+                continue
+            out.append(name)
+            for line in self.comps[name]:
+                for one, several in _NESTED.findall(line):
+                    stack += [c.strip().lstrip("%") for c in (one or several).split(",")]
+                m = _LINE.match(line)
+                opcode = _split(m.group(2))[1] if m else ""
+                if opcode == "call":
+                    stack += [c.lstrip("%") for c in _TO_APPLY.findall(line)]
+                elif opcode == "async-start":
+                    stack += [c.lstrip("%") for c in _CALLS.findall(line)]
+        return out
+
+    def operand_bytes(self, name: str) -> int:
+        return _type_bytes(self.types.get(name, ""))
+
+    def fusion_bytes(self, fused: str, operands: list[str], result_type: str) -> float:
+        """Bytes a fusion reads and writes: an operand that the fused computation only slices counts as its
+        slices; a buffer updated in place (dynamic-update-slice at the root) as the update written, not read."""
+        lines = self.comps.get(fused, [])
+        params: dict[str, int] = {}  # fused parameter name -> operand index
+        users: dict[str, list[tuple[str, str, list[str]]]] = {}  # name -> [(user, opcode, operands)]
+        defs: dict[str, tuple[str, str, list[str]]] = {}
+        root = None
+        for line in lines:
+            m = _LINE.match(line)
+            if not m:
+                continue
+            type_text, opcode, tail = _split(m.group(2))
+            ops = _operand_names(tail)
+            defs[m.group(1)] = (type_text, opcode, ops)
+            if opcode == "parameter":
+                params[m.group(1)] = int(re.match(r"\s*(\d+)", tail).group(1))
+            for o in ops:
+                users.setdefault(o, []).append((m.group(1), opcode, ops))
+            if line.lstrip().startswith("ROOT"):
+                root = m.group(1)
+        outputs = [root] if root else []
+        if root and defs[root][1] == "tuple":
+            outputs = defs[root][2]
+        in_place = {defs[o][2][0] for o in outputs if o in defs and defs[o][1] == "dynamic-update-slice"}
+        written = 0.0
+        for o in outputs:
+            if o not in defs:
+                continue
+            type_text, opcode, ops = defs[o]
+            written += _type_bytes(defs[ops[1]][0]) if opcode == "dynamic-update-slice" else _type_bytes(type_text)
+        if not outputs:
+            written = _type_bytes(result_type)
+        read = 0.0
+        for param, index in params.items():
+            if index >= len(operands):
+                continue
+            whole = self.operand_bytes(operands[index])
+            read += self._read(param, whole, users, defs, in_place)
+        return read + written
+
+    def _read(self, name: str, whole: int, users, defs, in_place: set[str]) -> float:
+        """Bytes of value ``name`` (of ``whole`` bytes) that its users in a fused computation read."""
+        if name in in_place:
+            return 0.0
+        total = 0.0
+        for user, opcode, ops in users.get(name, []):
+            if opcode == "bitcast":
+                total += self._read(user, whole, users, defs, in_place)
+            elif opcode in ("dynamic-slice", "slice", "gather") and ops and ops[0] == name:
+                total += _type_bytes(defs[user][0])
+            elif opcode == "dynamic-update-slice" and ops and ops[0] == name and user in in_place:
+                continue
+            else:
+                return float(whole)
+        return min(total, float(whole))
+
+    def called_dot(self, fused: str) -> str | None:
+        """The dot instruction inside a GEMM fusion (nested fusions searched too)."""
+        stack, seen = [fused], set()
+        while stack:
+            name = stack.pop()
+            if name in seen:
+                continue
+            seen.add(name)
+            for line in self.comps.get(name, []):
+                if " dot(" in line:
+                    return line
+                stack += [c.lstrip("%") for c in _CALLS.findall(line)]
+        return None
+
+
+def _gemm_category(operand_types: list[str]) -> str:
+    if any(t.startswith("f8") for t in operand_types):
+        return "GEMM fp8"
+    if any(t == "f32" for t in operand_types):
+        return "GEMM f32"
+    return "GEMM bf16"
+
+
+def kernels(hlo_text: str, ceilings: Ceilings) -> list[Kernel]:
+    """Every kernel one execution of the program launches, priced (see the module's docstring)."""
+    program = _Program(hlo_text)
+    rates = {"GEMM bf16": ceilings.bf16_flops, "GEMM fp8": ceilings.fp8_flops, "GEMM f32": ceilings.bf16_flops / 2,
+             "grouped GEMM": ceilings.grouped_flops or ceilings.bf16_flops, "attention": ceilings.attention_flops}
+    out = []
+    for comp in program.kernel_level():
+        runs = program.runs.get(comp, 0)
+        if not runs:
+            continue
+        for line in program.comps[comp]:
+            m = _LINE.match(line)
+            if not m:
+                continue
+            name = m.group(1)
+            type_text, opcode, tail = _split(m.group(2))
+            if opcode in _FREE or opcode.endswith("-done") or any(opcode.startswith(c) for c in COLLECTIVES):
+                continue
+            operands = _operand_names(tail)
+            moved = float(sum(program.operand_bytes(o) for o in operands) + _type_bytes(type_text))
+            flops, category = 0.0, "memory-bound"
+            if opcode == "fusion":
+                kind = _FUSION_KIND.search(line)
+                kind = kind.group(1) if kind else ""
+                fused = _CALLS.search(line).group(1).lstrip("%")
+                dot = program.called_dot(fused) if "gemm" in kind or "cudnn" in kind else None
+                if dot is not None:
+                    flops = _gemm_flops(dot, program.shapes, None)
+                    dot_ops = _operand_names(_split(_LINE.match(dot).group(2))[2])
+                    category = _gemm_category([program.shapes.get(o, ("?", ()))[0] for o in dot_ops])
+                else:
+                    moved = program.fusion_bytes(fused, operands, type_text)
+            elif opcode == "custom-call":
+                target = re.search(r'custom_call_target="([^"]+)"', line)
+                target = target.group(1) if target else ""
+                if "RaggedDot" in line:
+                    flops, category = _grouped_gemm_flops(line, program.shapes), "grouped GEMM"
+                elif target in _GEMM_TARGETS:
+                    flops = _gemm_flops(line, program.shapes, _backend_config(line))
+                    category = _gemm_category([program.shapes.get(o, ("?", ()))[0] for o in operands[:2]])
+                elif target in _ATTENTION:
+                    flops, category = _attention_flops(line, "Backward" in target), "attention"
+            elif opcode == "dot":
+                flops = _gemm_flops(line, program.shapes, None)
+                category = _gemm_category([program.shapes.get(o, ("?", ()))[0] for o in operands[:2]])
+            elif opcode == "dynamic-update-slice":  # in place: the update read and written
+                moved = 2.0 * program.operand_bytes(operands[1]) if len(operands) > 1 else moved
+            seconds = moved / ceilings.copy_bytes
+            if category != "memory-bound":
+                seconds = max(flops / rates[category], seconds)
+            out.append(Kernel(name, category, label(line), runs, flops, moved, seconds))
+    return out
+
+
+def budget(hlo_text: str, ceilings: Ceilings) -> Budget:
+    """The time budget of one execution of a compiled GPU program (its optimized HLO text)."""
+    moved = {kind: c["bytes"] for kind, c in collectives(hlo_text).items()}
+    return Budget(kernels(hlo_text, ceilings), moved, ceilings)
