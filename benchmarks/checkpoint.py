@@ -128,7 +128,7 @@ def bench(cfg, directory: str, repeats: int, compress: bool, saves_only: bool = 
         hashing.clear()
         integrity.record = timed_record
         start = time.perf_counter()
-        save_checkpoint(ckpt, step, state, cfg, state_finite=True)  # what the loop runs (the step checked)
+        save_checkpoint(ckpt, step, state, cfg)  # what the loop runs
         blocked = time.perf_counter() - start
         ckpt.wait()
         os.sync()  # on disk, not only in the page cache

@@ -13,6 +13,7 @@ from jaxtron.checkpoint.train_state import CHECKPOINT_DIR
 from jaxtron.data.loader import SyntheticSource
 from jaxtron.training import loop as loop_lib
 from jaxtron.training import state as state_lib
+from jaxtron.training import step as step_lib
 from jaxtron.training.step import train_step
 
 
@@ -234,7 +235,7 @@ def test_a_stalled_input_batch_is_reported_in_a_real_run(tmp_path, monkeypatch, 
 
 
 @pytest.mark.slow
-def test_a_state_that_is_not_finite_is_flagged_by_the_step_and_never_saved(tmp_path):
+def test_a_state_that_is_not_finite_is_found_at_save_time_and_never_saved(tmp_path):
     from jaxtron.checkpoint.train_state import Checkpointer
     cfg = tiny_config()
     setup = state_lib.setup(cfg, "xla")
@@ -242,15 +243,15 @@ def test_a_state_that_is_not_finite_is_flagged_by_the_step_and_never_saved(tmp_p
     good = {k: jnp.asarray(v) for k, v in NaNAfter(10**9).rows(np.arange(8)).items()}
     state = state_lib.init_state(cfg, "xla", None)
     state, metrics = step(state, good)
-    assert bool(metrics["state_finite"])
+    assert step_lib.state_finite(state)
     mu = state.opt_state[1][0].mu  # an optimizer moment that went bad: the loss and gradients stay finite
     bad_mu = jax.tree.map(lambda x: x.at[(0,) * x.ndim].set(jnp.inf), mu)
     opt_state = (state.opt_state[0], (state.opt_state[1][0]._replace(mu=bad_mu), *state.opt_state[1][1:]),
                  *state.opt_state[2:])
     state, metrics = step(state.replace(opt_state=opt_state), good)
-    assert np.isfinite(float(metrics["loss"])) and not bool(metrics["state_finite"])
+    assert np.isfinite(float(metrics["loss"])) and not step_lib.state_finite(state)
     ckpt = Checkpointer(str(tmp_path), keep=1, async_save=False)
     with pytest.raises(loop_lib.NonFiniteError, match="the state is not finite at step 2; it was not saved"):
-        loop_lib.save_checkpoint(ckpt, 2, state, cfg, bool(metrics["state_finite"]))
+        loop_lib.save_checkpoint(ckpt, 2, state, cfg)
     ckpt.close()
     assert ckpt.latest_step() is None

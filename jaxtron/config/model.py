@@ -16,7 +16,8 @@ from typing import Any
 from jaxtron.config.checks import ConfigError, _check, _choice, _non_negative, _positive
 
 COMPUTE_DTYPES = ("float32", "bfloat16")  # float16 would need loss scaling, which bfloat16 does not
-REMAT_CHOICES = ("none", "full", "save_dots", "save_attention", "save_dots_attention")
+# 'auto': the fastest policy whose step fits the device by the planner's estimate (jaxtron/planning/remat.py)
+REMAT_CHOICES = ("none", "full", "save_dots", "save_attention", "save_dots_attention", "auto")
 
 
 def _not_architecture(default: Any) -> Any:
@@ -283,7 +284,7 @@ class ExecutionConfig:
     """How the model runs: none of these changes its parameters, so a checkpoint restores under any of them."""
 
     dtype: str = "float32"  # compute dtype; parameters are always float32
-    remat: str = "none"  # none | full | save_dots | save_attention | save_dots_attention
+    remat: str = "none"  # none | full | save_dots | save_attention | save_dots_attention | auto
     attention: str = "auto"  # auto | xla | cudnn | blockwise (see jaxtron/ops/attention.py)
     attention_max_segments: int = 64  # cuDNN: most documents a packed row may hold (a batch with more is refused)
     fp8: bool = False  # FP8 matmuls (current scaling) in every projection of the blocks; see jaxtron/ops/fp8.py

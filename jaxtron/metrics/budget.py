@@ -78,7 +78,7 @@ _TO_APPLY = re.compile(r"\bto_apply=(%[\w.\-]+)")
 _NESTED = re.compile(r"\b(?:body|condition|true_computation|false_computation)=(%[\w.\-]+)"
                      r"|branch_computations=\{([^}]*)\}")
 # named scopes the code opens (jax.named_scope) that name what a kernel does, innermost first when several match
-SCOPES = ("norm", "rope", "swiglu", "attention", "router", "experts", "loss", "optimizer", "finite_check", "embed")
+SCOPES = ("norm", "rope", "activation", "attention", "weight_cast", "loss", "optimizer", "router", "experts")
 
 
 def _split(rest: str) -> tuple[str, str, str]:
@@ -178,8 +178,8 @@ class Budget:
 def text(summary: dict, top: int = 8) -> str:
     """A budget's ``summary`` as lines: the total, each category, the largest memory-bound items, collectives."""
     ceilings = Ceilings(**summary["ceilings"])
-    lines = [f"step time budget, a lower bound: {1e3 * summary['seconds']:.1f} ms at {ceilings.describe()} "
-             f"({ceilings.source})"]
+    lines = [(f"step time budget, a lower bound: {1e3 * summary['seconds']:.1f} ms at {ceilings.describe()} "
+              f"({ceilings.source})")]
     for c, seconds in summary["by_category"].items():
         if not seconds:
             continue

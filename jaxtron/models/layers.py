@@ -61,6 +61,7 @@ class Norm(nnx.Module):
         self.bias = nnx.Param(jnp.zeros((size,), jnp.float32), out_sharding=("norm",)) \
             if (kind or cfg.norm) == "layernorm" else None
 
+    @jax.named_scope("norm")
     def __call__(self, x: jax.Array) -> jax.Array:
         x = x.astype(jnp.float32)
         if self.bias is not None:
@@ -122,6 +123,7 @@ def rope_attention_factor(cfg: ModelConfig) -> float:
     return yarn_mscale(f)
 
 
+@jax.named_scope("rope")
 def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array, scale: float = 1.0) -> jax.Array:
     """Rotates [batch, length, heads, head_dim] by position (rotate-half layout, as in HF Llama), times ``scale``
     (YaRN's attention factor)."""

@@ -143,7 +143,8 @@ def project(einsum: Callable, equation: str, x: jax.Array, module: nnx.Module, a
     over fsdp: gathered as ``state_sharding.weight_layout`` says), plus its adapters' low-rank update if it
     has them (both in ``dtype``)."""
     weight = getattr(module, attribute)
-    w = weight[...].astype(dtype)
+    with jax.named_scope("weight_cast"):
+        w = weight[...].astype(dtype)
     y = einsum(equation, x, w, weight_layout(logical_names(weight), w.ndim))
     a = getattr(module, f"{attribute}_lora_a", None)
     if a is None:

@@ -29,10 +29,8 @@ class MLP(nnx.Module):
         """x [batch, length, embed] -> (output of the same shape, {}: a dense MLP routes nothing)."""
         dt, einsum = self.dtype, fp8_ops.projection(fp8)
         up = project(einsum, "btd,df->btf", x, self, "wi_up", dt)
-        if self.gated:
-            gate = project(einsum, "btd,df->btf", x, self, "wi_gate", dt)
-            hidden = jax.nn.silu(gate) * up
-        else:
-            hidden = jax.nn.gelu(up)
+        gate = project(einsum, "btd,df->btf", x, self, "wi_gate", dt) if self.gated else None
+        with jax.named_scope("activation"):
+            hidden = jax.nn.gelu(up) if gate is None else jax.nn.silu(gate) * up
         hidden = constrain(hidden, HIDDEN_AXES)
         return project(einsum, "btf,fd->btd", hidden, self, "wo", dt), {}

@@ -60,6 +60,8 @@ _POLICIES = {
 
 def remat_policy(name: str) -> Callable | None:
     """The checkpoint policy ``execution.remat`` names (None for 'none': everything is kept)."""
+    if name not in _POLICIES and name != "none":  # 'auto' is resolved before a model is built
+        raise ValueError(f"execution.remat={name!r} names no policy; 'auto' is resolved by jaxtron.planning.remat")
     return _POLICIES.get(name)
 
 

@@ -19,6 +19,7 @@ from jaxtron.models.layers import Norm, compute_dtype, embed_lookup, param
 from jaxtron.models.mlp import MLP
 from jaxtron.models.moe import MoE
 from jaxtron.models.stack import Cache, StackRunner, Stats, decode_stack, run_stack, stacked
+from jaxtron.ops.cross_entropy import logits_of
 from jaxtron.parallel.sharding import constrain
 from jaxtron.parallel.state_sharding import gathered_cotangent
 
@@ -26,7 +27,6 @@ from jaxtron.parallel.state_sharding import gathered_cotangent
 EMBED_AXES = ("activation_batch", "activation_residual_length", "activation_embed")
 # the normed input of attention and of the MLP: whole over the tensor group (gathered there, as Megatron does)
 BLOCK_INPUT_AXES = ("activation_batch", "activation_length", "activation_embed")
-LOGIT_AXES = ("activation_batch", "activation_length", "activation_vocab")
 
 
 def block_input(norm: nnx.Module, x: jax.Array) -> jax.Array:
@@ -199,10 +199,3 @@ def mtp_valid(weights: jax.Array, segments: jax.Array | None, k: int) -> jax.Arr
     if segments is not None:
         valid = valid * (jnp.roll(segments, -k, axis=1) == segments)
     return valid
-
-
-def logits_of(x: jax.Array, head: jax.Array) -> jax.Array:
-    """[batch, length, embed] x [embed, vocab] -> float32 logits, straight out of the matmul (the loss needs
-    float32 and no 16-bit copy is kept besides)."""
-    logits = jnp.einsum("btd,dv->btv", x, head, preferred_element_type=jnp.float32)
-    return constrain(logits, LOGIT_AXES)

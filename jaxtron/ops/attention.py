@@ -77,6 +77,7 @@ def cpu_implementation(choice: str, dtype: jnp.dtype, head_dim: int, sequence_sh
                                   backend="cpu")
 
 
+@jax.named_scope("attention")
 def dot_product_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, implementation: str = "xla",
                           segment_ids: jax.Array | None = None, positions: jax.Array | None = None,
                           max_segments: int = 64) -> jax.Array:

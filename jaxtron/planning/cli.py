@@ -78,16 +78,19 @@ def _mesh_text(sizes: dict[str, int]) -> str:
     return mesh_text(sizes)
 
 
-def _layout_text(e) -> str:
-    """The mesh, the identity layers that fill an uneven pipeline split (pipeline.uneven_stages=True), the 1F1B
-    schedule ('1f1b' or 'interleaved') where that is the pipeline's, 'gather-once' for a stage's weights gathered
-    over fsdp once a step, and 'dopt' for the distributed optimizer."""
-    return (_mesh_text(e.mesh) + (f" +{e.identity_layers} identity" if e.identity_layers else "")
+def _layout_text(e, remat: bool = False) -> str:
+    """The mesh, with ``remat`` the rematerialisation policy, the identity layers that fill an uneven pipeline
+    split (pipeline.uneven_stages=True), the 1F1B schedule ('1f1b' or 'interleaved') where that is the pipeline's,
+    'gather-once' for a stage's weights gathered over fsdp once a step, and 'dopt' for the distributed
+    optimizer."""
+    return (_mesh_text(e.mesh) + (f" {e.remat}" if remat else "")
+            + (f" +{e.identity_layers} identity" if e.identity_layers else "")
             + (f" {e.schedule}" if e.schedule != "fill_drain" else "") + (" gather-once" if e.gather_once else "")
             + (" dopt" if e.distributed_optimizer else ""))
 
 
-def table(rows, top: int) -> str:
+def table(rows, top: int, remat: bool = False) -> str:
+    """The ranked rows, each with its rematerialisation policy when ``remat`` (the config's is 'auto')."""
     head = (f"{'#':>3}  {'mesh':<34} {'micro':>5} {'GiB/GPU':>8} {'step s':>8} {'tok/s':>10} {'MFU':>6}  "
             f"{'dominant':<14} terms (s)")
     lines = [head, "-" * len(head)]
@@ -96,7 +99,7 @@ def table(rows, top: int) -> str:
         fit = "" if row.fits else "  DOES NOT FIT"
         ordered = sorted(e.time.items(), key=lambda kv: -kv[1])
         terms = ", ".join(f"{k} {v:.3g}" for k, v in ordered if v > 0.005 * e.step_s)
-        lines.append(f"{i:>3}  {_layout_text(e):<34} {e.microbatches:>5} {e.memory_bytes / GIB:>8.1f} "
+        lines.append(f"{i:>3}  {_layout_text(e, remat):<34} {e.microbatches:>5} {e.memory_bytes / GIB:>8.1f} "
                      f"{e.step_s:>8.3g} {e.tokens_per_s:>10.0f} {100 * e.mfu:>5.1f}%  {e.dominant:<14} {terms}{fit}")
     return "\n".join(lines)
 
@@ -151,7 +154,7 @@ def run(argv: list[str]) -> int:
                             mfu=r.estimate.mfu, dominant=r.estimate.dominant) for r in rows]}
     if rows:
         print(f"{len(rows)} valid meshes, {len(fitting)} fit; ranked by estimated step time:")
-        print(table(rows, args.top))
+        print(table(rows, args.top, cfg.execution.remat == "auto"))
         if cfg.execution.fp8:
             share = fp8_flop_share(m, cfg.execution, cfg.data.seq_len)
             print(f"FP8 projections' GEMMs at {gpu.fp8_speedup:g} times the 16-bit rate (fitted on jaxtron's own "
@@ -164,7 +167,7 @@ def run(argv: list[str]) -> int:
         status = 2
     else:
         best = fitting[0].estimate
-        print(f"\nbest: {_layout_text(best)}, {best.microbatches} microbatch(es), attention {best.attention}: "
+        print(f"\nbest: {_layout_text(best, True)}, {best.microbatches} microbatch(es), attention {best.attention}: "
               f"{memory_text(best, gpu.usable_bytes)}")
     if compile_sizes is not None:
         report["dry_run"] = compile_report(cfg, compile_sizes, args.gpus, args.gpu.strip().lower(), gpu, estimate,
@@ -191,8 +194,9 @@ def compile_report(cfg, sizes: dict[str, int], n: int, gpu_name: str, gpu, estim
     if math.prod(sizes.values()) != n:
         raise ConfigError(f"--compile mesh {_mesh_text(sizes)} has {math.prod(sizes.values())} devices but --gpus is "
                           f"{n}; make the sizes multiply to {n}.")
+    from jaxtron.planning.remat import choose
     from jaxtron.planning.search import with_mesh
-    cfg = with_mesh(cfg, sizes)  # as the table estimated it
+    cfg = choose(with_mesh(cfg, sizes), sizes, gpu)[0]  # as the table estimated it, remat 'auto' resolved
     on_target = gpu_name in target.TARGETS and target.plugin_installed()
     kernels, float8_gemms, time_budget = None, None, None
     if on_target:

@@ -27,6 +27,8 @@ from jaxtron.ops.attention import cpu_implementation
 from jaxtron.parallel.checks import check_devices
 from jaxtron.parallel.mesh import make_mesh
 from jaxtron.parallel.sharding import batch_sharding, per_device_sharding, shard_count
+from jaxtron.planning import remat
+from jaxtron.planning.gpus import GPUS
 from jaxtron.training import state as state_lib
 from jaxtron.training.step import train_step
 
@@ -69,9 +71,11 @@ def dry_run(cfg: Config, devices: list | None = None, implementation: str | None
     return _compile(cfg, devices, implementation)[0]
 
 
-def _compile(cfg: Config, devices: list, implementation: str) -> tuple[DryRun, str]:
-    """(the dry run, the optimized HLO text) of ``cfg``'s train step over ``devices``."""
+def _compile(cfg: Config, devices: list, implementation: str, gpu: str | None = None) -> tuple[DryRun, str]:
+    """(the dry run, the optimized HLO text) of ``cfg``'s train step over ``devices`` (compile-only ``gpu``s, or
+    the devices jax has); execution.remat='auto' is resolved for those GPUs or devices."""
     sizes = check_devices(cfg, len(devices))
+    cfg = remat.choose(cfg, sizes, GPUS[gpu])[0] if gpu else remat.resolve_for_devices(cfg, sizes, devices)
     mesh = make_mesh(sizes, devices)
     with jax.set_mesh(mesh):
         setup = state_lib.setup(cfg, implementation, sizes)
@@ -107,7 +111,7 @@ def dry_run_on_target(cfg: Config, gpu: str, count: int) -> tuple[DryRun, str]:
                                             cfg.model.qk_head_dim, shard_count(sizes, "activation_length"),
                                             backend="gpu", capability=target.target(gpu).compute_capability)
     with cudnn.compute_capability(*target.target(gpu).compute_capability), grouped.on_target(devices[0]):
-        result, text = _compile(cfg, devices, implementation)
+        result, text = _compile(cfg, devices, implementation, gpu)
     return result, text
 
 
@@ -115,8 +119,8 @@ def on_target_in_subprocess(cfg: Config, gpu: str, count: int, hlo_path: str | N
                             timeout_s: float = 1800) -> dict[str, Any]:
     """``dry_run_on_target`` in a process of its own (jax started as the target needs; an XLA abort ends that
     process, not this one): the dry run's fields, ``peak_bytes``, ``kernels`` (name -> calls), ``float8_gemms``
-    and ``budget`` (the step's time budget at the target's measured ceilings, ``jaxtron.metrics.budget``). The optimized HLO text goes to ``hlo_path`` when given. A failed compile is a ConfigError
-    naming its last line."""
+    and ``budget`` (the step's time budget at the target's measured ceilings, ``jaxtron.metrics.budget``). The
+    optimized HLO text goes to ``hlo_path`` when given. A failed compile is a ConfigError naming its last line."""
     import json
     import subprocess
     import sys

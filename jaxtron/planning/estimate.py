@@ -43,6 +43,7 @@ class Estimate:
     gather_once: bool  # pipeline.fsdp_gather='step': a stage's weights gathered over fsdp once a step
     identity_layers: int  # blocks that fill an uneven pipeline split (pipeline.uneven_stages)
     attention: str  # the attention implementation the estimate assumes
+    remat: str  # the rematerialisation policy it assumes
     memory: dict[str, float]  # bytes per device by term
     time: dict[str, float]  # seconds per step by term
     exposed: tuple[str, ...]  # time terms that add to the step (the others overlap with compute)
@@ -99,7 +100,7 @@ def estimate(cfg: Config, sizes: dict[str, int], gpu: GPU, microbatches: int | N
                     virtual_stages=shape.virtual_stages if shape.pipelined else 1,
                     bubble=shape.bubble, distributed_optimizer=cfg.optimizer.distributed,
                     gather_once=shape.gather_once,
-                    identity_layers=shape.identity_layers, attention=shape.attention,
+                    identity_layers=shape.identity_layers, attention=shape.attention, remat=cfg.execution.remat,
                     memory=memory(cfg, shape, block, params), time=time, exposed=EXPOSED, overlapped=OVERLAPPED,
                     step_s=step, mfu=model_flops(cfg, shape) / step / mfu_peak(cfg, shape, gpu),
                     tokens_per_s=shape.step_tokens / step, collectives=collectives)

@@ -40,8 +40,9 @@ def parse_args(argv: list[str]):
     return cfg, workdir, values.print_sharding
 
 
-def main(argv: list[str], evaluator=None) -> int:
-    """Trains as the command line ``argv`` says; returns the exit code. ``evaluator``: see ``loop.run``."""
+def main(argv: list[str], evaluator=None, resolve_remat=None) -> int:
+    """Trains as the command line ``argv`` says; returns the exit code. ``evaluator``, ``resolve_remat``: see
+    ``loop.run``."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S")
     logging.getLogger("jax._src.xla_bridge").setLevel(logging.WARNING)  # "no TPU found" is not news
     logging.getLogger("absl").setLevel(logging.WARNING)  # orbax logs every file operation at INFO
@@ -63,7 +64,7 @@ def main(argv: list[str], evaluator=None) -> int:
         if print_sharding:
             print(sharding_report(cfg))
             return 0
-        summary = run(cfg, workdir, evaluator=evaluator)
+        summary = run(cfg, workdir, evaluator=evaluator, resolve_remat=resolve_remat)
     finally:
         launch.finish()  # all processes leave together
     return PREEMPTED_EXIT_CODE if summary.preempted else 0

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxtron.checkpoint.train_state import LAYER_ORDER, Checkpointer
-from jaxtron.config.schema import Config, ConfigError
+from jaxtron.config.schema import Config, ConfigError, replace
 from jaxtron.data import position as data_position
 from jaxtron.data.loader import BatchIterator, BatchLimits, global_batch, make_sources
 from jaxtron.metrics import flops as flops_lib
@@ -30,19 +30,19 @@ from jaxtron.parallel.sharding import batch_sharding, shard_count, sharding_tabl
 from jaxtron.training import state as state_lib
 from jaxtron.training.preemption import PREEMPTED_EXIT_CODE, PreemptionWatcher, StopVotes
 from jaxtron.training.profiling import Meter, ProfileWindow
-from jaxtron.training.step import compile_train_step, eval_step
+from jaxtron.training.step import compile_train_step, eval_step, state_finite
 from jaxtron.training.step_flags import NonFiniteError, NonFiniteStreak, StepFlags
 from jaxtron.training.watchdog import Watchdog
 
 log = logging.getLogger(__name__)
 
 
-def save_checkpoint(checkpointer: Checkpointer, step: int, state, cfg: Config, state_finite: bool,
-                    data_state: dict | None = None, layer_order: tuple[int, ...] | None = None) -> None:
-    """What the loop does to save: refuse a non-finite state (``state_finite`` comes from the train step that
-    produced it), then save (asynchronously if so configured) with the data position (default: step alone) and
-    the order the layer stack's periods are stored in (default: natural)."""
-    if not state_finite:  # never write a non-finite state
+def save_checkpoint(checkpointer: Checkpointer, step: int, state, cfg: Config, data_state: dict | None = None,
+                    layer_order: tuple[int, ...] | None = None) -> None:
+    """What the loop does to save: refuse a non-finite state (one read of the state on its devices), then save
+    (asynchronously if so configured) with the data position (default: step alone) and the order the layer
+    stack's periods are stored in (default: natural)."""
+    if not state_finite(state):  # never write a non-finite state
         raise NonFiniteError(f"the state is not finite at step {step}; it was not saved.")
     config = cfg.to_dict()
     if layer_order is not None:
@@ -103,42 +103,52 @@ class RunSummary:
 class Placement:
     """Where a run computes: its mesh, the static parts of the step, the state's shardings and the attention."""
 
+    cfg: Config  # the run's, with execution.remat='auto' resolved
     mesh: Any
     setup: state_lib.Setup
     shardings: state_lib.TrainState
     implementation: str
 
 
-def place(cfg: Config, devices: list[jax.Device] | None = None) -> Placement:
-    """The mesh of ``cfg`` over ``devices`` (default: all), the step's setup and the state's shardings."""
+def place(cfg: Config, devices: list[jax.Device] | None = None, resolve_remat: Callable | None = None) -> Placement:
+    """The mesh of ``cfg`` over ``devices`` (default: all), the step's setup and the state's shardings.
+    ``resolve_remat(cfg, mesh sizes, devices)`` -> ``cfg`` with execution.remat='auto' resolved (the planner's
+    ``jaxtron.planning.remat.resolve_for_devices``, which ``jaxtron train`` passes)."""
     devices = list(devices) if devices is not None else jax.devices()
     sizes = check_devices(cfg, len(devices))
+    if cfg.execution.remat == "auto":
+        if resolve_remat is None:
+            raise ConfigError("execution.remat='auto' is chosen by the planner, which this caller does not pass; run "
+                              "it with `jaxtron train` or name a policy (full, save_dots, save_dots_attention, ...).")
+        cfg = resolve_remat(cfg, sizes, devices)
     mesh = process_aware_mesh(sizes, devices) if jax.process_count() > 1 else make_mesh(sizes, devices)
     implementation = resolve_implementation(cfg.execution.attention, jnp.dtype(cfg.execution.dtype),
                                             cfg.model.qk_head_dim, shard_count(sizes, "activation_length"))
     with jax.set_mesh(mesh):
         setup = state_lib.setup(cfg, implementation, sizes)
         shardings = state_lib.state_shardings(mesh, setup.abstract_state, setup.distributed_optimizer)
-    return Placement(mesh, setup, shardings, implementation)
+    return Placement(cfg, mesh, setup, shardings, implementation)
 
 
 def sharding_report(cfg: Config, devices: list[jax.Device] | None = None) -> str:
     """The rules table and every parameter's logical and physical sharding on the mesh of ``cfg``."""
-    placement = place(cfg, devices)
+    placement = place(replace(cfg, execution=replace(cfg.execution, remat="full")), devices)  # remat moves nothing
     with jax.set_mesh(placement.mesh):
         return sharding_table(placement.mesh, placement.setup.abstract_state.params)
 
 
 def run(cfg: Config, workdir: str, *, use_tqdm: bool | None = None,
-        devices: list[jax.Device] | None = None, evaluator: Callable | None = None) -> RunSummary:
+        devices: list[jax.Device] | None = None, evaluator: Callable | None = None,
+        resolve_remat: Callable | None = None) -> RunSummary:
     """Trains ``cfg`` on ``devices`` (default: all) and writes metrics and checkpoints into ``workdir``.
     ``evaluator(cfg, graphdef, mesh)`` builds what scores ``train.eval_tasks`` (params -> {metric: value};
-    ``jaxtron.inference.downstream.TaskEvaluator``, which ``jaxtron train`` passes)."""
-    placement = place(cfg, devices)
+    ``jaxtron.inference.downstream.TaskEvaluator``, which ``jaxtron train`` passes); ``resolve_remat``: see
+    ``place``."""
+    placement = place(cfg, devices, resolve_remat)
     with jax.set_mesh(placement.mesh):
         state_lib.check_fits(placement.setup.abstract_state, placement.shardings, list(placement.mesh.devices.flat))
         _check_workdir(workdir)
-        return Trainer(cfg, workdir, placement, use_tqdm, evaluator).train()
+        return Trainer(placement.cfg, workdir, placement, use_tqdm, evaluator).train()
 
 
 class Trainer:
@@ -337,8 +347,8 @@ class Trainer:
             return
         self.flags.read(done)  # a state is saved only once its step's flags were read
         self.watchdog.pause()
-        save_checkpoint(self.checkpointer, done, self.state, self.cfg, self.flags.state_finite,
-                        self.position.at(done).to_dict(), self.setup.layer_order)
+        save_checkpoint(self.checkpointer, done, self.state, self.cfg, self.position.at(done).to_dict(),
+                        self.setup.layer_order)
         self.watchdog.resume()
 
     def _stop(self, done: int) -> RunSummary:

@@ -1,5 +1,5 @@
-"""What the train step tells the loop besides its metrics: a stop request, a non-finite stop, whether the new state
-is finite, and what was not finite. The loop reads these flags one step late and decides on them."""
+"""What the train step tells the loop besides its metrics: a stop request, a non-finite stop, and what was not
+finite. The loop reads these flags one step late and decides on them."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from jaxtron.training.watchdog import Watchdog
 
 log = logging.getLogger(__name__)
 
-STEP_FLAGS = ("stop_requested", "nonfinite_stopped", "state_finite", "nonfinite_kind")  # for the loop, not metrics
+STEP_FLAGS = ("stop_requested", "nonfinite_stopped", "nonfinite_kind")  # for the loop, not metrics
 NONFINITE_KINDS = {1: "loss", 2: "gradients", 3: "loss and gradients"}
 
 
@@ -67,13 +67,12 @@ def scalar_metrics(metrics: dict[str, Any]) -> dict[str, float]:
 
 class StepFlags:
     """The loop's decisions come from flags the step computes on the device (stop requested, non-finite stop,
-    state finite, non-finite kind). They are read one step late, so reading never stalls the device; every
+    non-finite kind). They are read one step late, so reading never stalls the device; every
     process reads the same flags after the same steps, so all of them take the same decisions."""
 
     def __init__(self, streak: NonFiniteStreak, watchdog: Watchdog):
         self.streak, self.watchdog = streak, watchdog
         self.unread: collections.deque = collections.deque()  # (step, *STEP_FLAGS) dispatched but not read
-        self.state_finite = True  # of the last step read
 
     def push(self, step: int, metrics: dict[str, Any]) -> None:
         self.unread.append((step, *(metrics[k] for k in STEP_FLAGS)))
@@ -84,8 +83,7 @@ class StepFlags:
         requested = False
         while self.unread and self.unread[0][0] <= upto:
             step, *flags = self.unread.popleft()
-            stop_requested, stopped, finite, kind = (int(x) for x in jax.device_get(flags))
-            self.state_finite = bool(finite)
+            stop_requested, stopped, kind = (int(x) for x in jax.device_get(flags))
             self.watchdog.completed(step)
             launch.report_step(step)
             self.streak.record(step, kind)
