@@ -18,7 +18,7 @@ import sys
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [os.path.dirname(HERE), HERE]  # the source tree, and benchmarks/mfu.py
 
-from gpu_suite import CASES, REPO
+from gpu_suite import ALL_CASES, CASES, REPO
 
 from jaxtron.gpu import preset as gpu_preset
 
@@ -96,8 +96,29 @@ def _ceilings(smoke: bool) -> dict:
     out["hbm_copy"] = {**t, "bytes": 2 * x.nbytes, "tb_per_s": 2 * x.nbytes / t["best_s"] / 1e12}
     del x
 
+    out["launch"] = _launch_probe(smoke)
     out["ragged_dot"] = _ragged_dot_probe(smoke)
     return out
+
+
+def _launch_probe(smoke: bool) -> dict:
+    """What one more kernel adds to a program: a chain of tiny dependent kernels (an optimization barrier between
+    each, so XLA cannot fuse them) timed whole, over its kernel count. The step's time budget adds it per kernel."""
+    import jax
+    import jax.numpy as jnp
+    import mfu
+
+    count = 50 if smoke else 1000
+
+    def chain(x):
+        for _ in range(count):
+            x = jax.lax.optimization_barrier(x * 1.0001 + 1.0)
+        return x
+
+    fn = jax.jit(chain).lower(jnp.ones((256,), jnp.float32)).compile()
+    kernels = fn.as_text().count(" fusion(")
+    t = _summary(mfu.call_times(fn, jnp.ones((256,), jnp.float32), repeats=5))
+    return {**t, "kernels": kernels, "seconds": t["best_s"] / max(kernels, 1)}
 
 
 def _ragged_dot_probe(smoke: bool) -> dict:
@@ -251,13 +272,29 @@ def _latent_attention_probe(smoke: bool, reference: str) -> dict:
     return row
 
 
-def _mfu_case(smoke: bool, index: int) -> dict:
+def _mfu_case(smoke: bool, index: int, ceilings_file: str | None) -> dict:
+    """One MFU case (``CASES`` and the variants after them), its step time beside the time budget of its own
+    program at the ceilings this suite measured (the ceilings step writes them where the parent says)."""
     import mfu
 
-    case = CASES[index]
+    case = ALL_CASES[index]
     overrides = list(case.smoke() if smoke else case.overrides)
-    row = mfu.bench_one(os.path.join(REPO, case.config), overrides, steps=10, warmup=2)
+    measured = None
+    if ceilings_file and os.path.exists(ceilings_file):
+        with open(ceilings_file) as f:
+            measured = json.load(f)
+    row = mfu.bench_one(os.path.join(REPO, case.config), overrides, steps=10, warmup=2, ceilings=measured)
     return {"case": case.name, **row}
+
+
+def _target_of_this_machine() -> str:
+    """'h200' where nvidia-smi names an H200, else 'h100' (the compile-only target the predictions use)."""
+    if shutil.which("nvidia-smi"):
+        smi = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
+                             text=True, timeout=60, check=False)
+        if "H200" in smi.stdout:
+            return "h200"
+    return "h100"
 
 
 def _predictions(smoke: bool) -> dict:
@@ -271,19 +308,21 @@ def _predictions(smoke: bool) -> dict:
     from jaxtron.gpu import target
     from jaxtron.planning.dry_run import on_target_in_subprocess
 
-    out = {"target": "h100", "cases": {}}
+    gpu = _target_of_this_machine()
+    out = {"target": gpu, "cases": {}}
     for case in CASES[:1] if smoke else CASES:  # a smoke run checks the path with one case
         overrides = list(case.smoke() if smoke else case.overrides)
         if not target.plugin_installed():
             out["cases"][case.name] = {"error": f"jax's CUDA plugin is not installed ({target.INSTALL})"}
             continue
         try:
-            got = on_target_in_subprocess(load_config(os.path.join(REPO, case.config), overrides), "h100", 1)
+            got = on_target_in_subprocess(load_config(os.path.join(REPO, case.config), overrides), gpu, 1)
         except ConfigError as e:
             out["cases"][case.name] = {"error": str(e)}
             continue
         out["cases"][case.name] = {"peak_bytes": got["peak_bytes"], "kernels": got["kernels"], "flops": got["flops"],
-                                   "float8_gemms": got["float8_gemms"], "compile_s": got["compile_s"]}
+                                   "float8_gemms": got["float8_gemms"], "compile_s": got["compile_s"],
+                                   "budget": got["budget"]}
     return out
 
 
@@ -293,6 +332,7 @@ def main(argv: list[str]) -> int:
                                       "gpu_suite.CASES>"))
     parser.add_argument("--result", required=True, help="JSON file for the results")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes, for a CPU")
+    parser.add_argument("--ceilings", default=None, help="mfu steps: the ceilings this suite measured (JSON)")
     args = parser.parse_args(argv)
     name, smoke = args.step, args.smoke
     if name == "environment":
@@ -304,7 +344,7 @@ def main(argv: list[str]) -> int:
     elif name == "attention":
         out = _attention_probe(smoke)
     elif name.startswith("mfu:"):
-        out = _mfu_case(smoke, int(name.split(":")[1]))
+        out = _mfu_case(smoke, int(name.split(":")[1]), args.ceilings)
     else:
         parser.error(f"unknown step {name!r}")
     with open(args.result, "w") as f:

@@ -1,22 +1,28 @@
-"""One command that turns an hour on an H100/H200 into numbers: environment, ceilings, GPU tests, MFU.
+"""One command that turns 8 minutes on an H100/H200 into numbers: ceilings, MFU beside its budget, a peer, checks.
 
     PYTHONPATH=. python3 benchmarks/gpu_suite.py --out DIR          # on the GPU machine, from the source tree
     PYTHONPATH=. python3 benchmarks/gpu_suite.py --out DIR --smoke  # the same code paths on a CPU, tiny shapes
 
-Steps, in order, each in its own process (``gpu_probes.py``, or pytest) with its own time box, each writing its
-results to DIR before the next starts (a step that fails or runs out of time is recorded and the rest go on):
+Steps, in order (what decides the dense step's speed first), each in its own process (``gpu_probes.py``, the
+peer's script, or pytest) with its own time box, each writing its results to DIR before the next starts (a step
+that fails or runs out of time is recorded and the rest go on; steps past the budget are not run):
 
 1. environment: device, memory, driver, jax/jaxlib/CUDA/cuDNN versions, the GPU preset and whether the installed
-   jaxlib accepts its XLA flags; then predictions: each MFU case compiled for a compile-only H100 on the CPU
-   (``jaxtron/gpu/target.py``), its peak memory, kernels and matmul FLOPs, for step 4 to set beside what the
-   device measures (``--only predictions`` runs just this, on any machine with jax's CUDA plugin);
-2. ceilings: bf16 and fp8 8192^3 matmuls, HBM copy bandwidth, and ragged_dot against one dense GEMM of the same
-   FLOPs (about 1x: a grouped GEMM; about the number of groups: dense expansion); then attention: cuDNN's
-   causal kernel against the blockwise XLA kernel of a sharded sequence at 8k and 32k tokens (time, rate and
-   largest difference), and whether the fused kernel takes DeepSeek-V3's head size (192);
-3. the GPU tests (``pytest -m gpu``);
-4. MFU of the real train step, bf16 and FP8 (``CASES``): each case in a fresh process so its peak memory is its
-   own, median of 10 timed steps after compile and warm-up (``benchmarks/mfu.py``).
+   jaxlib accepts its XLA flags;
+2. ceilings: bf16 and fp8 8192^3 matmuls, HBM copy bandwidth, what one more kernel launch adds, and ragged_dot
+   against one dense GEMM of the same FLOPs (about 1x: a grouped GEMM; about the number of groups: dense
+   expansion); written to DIR/ceilings.json for the MFU steps;
+3. MFU of the real train step (``CASES``): each case in a fresh process so its peak memory is its own, median of 10
+   timed steps after compile and warm-up (``benchmarks/mfu.py``), beside the time budget of the very program it
+   timed at the ceilings of step 2 (``jaxtron/metrics/budget.py``) and their ratio;
+4. the peer (``benchmarks/peer_maxtext.py``, where it and its wheels are present): MaxText on the shape of the
+   first case, its tokens/s beside jaxtron's;
+5. the variants that decide defaults (``VARIANTS``: remat policies, FP8), as step 3;
+6. predictions: each case compiled for a compile-only GPU of this machine's kind on the CPU
+   (``jaxtron/gpu/target.py``; needs jax's CUDA 12 plugin, which the GPU machines lack: ``--only predictions``
+   runs it on any machine that has it); then attention: cuDNN's causal kernel against the blockwise XLA kernel of
+   a sharded sequence at 8k and 32k tokens, and whether the fused kernel takes DeepSeek-V3's head size (192);
+   then the GPU tests (``pytest -m gpu``).
 
 DIR receives ``suite.json`` (everything), ``table.md`` (ready to paste into benchmarks/README.md) and
 ``log.txt`` (each step's output). Wheels found in ``.whl/`` beside the code (``scripts/gpu_wheels.sh``) are
@@ -63,7 +69,9 @@ class Case:
 
     def smoke(self) -> tuple[tuple[str, str], ...]:
         """The same case shrunk to run on a CPU in seconds: same config, precision, MoE mode and code paths."""
-        keep = {k: v for k, v in self.overrides if k in ("execution.fp8", "execution.moe_mode", "mesh.expert")}
+        keep = {k: v for k, v in self.overrides
+                if k in ("execution.fp8", "execution.moe_mode", "mesh.expert", "execution.remat",
+                         "execution.scan_layers")}
         tiny = dict(SMOKE_SHAPE, **keep)
         return tuple(tiny.items())
 
@@ -87,6 +95,22 @@ CASES = (
     Case("mixtral_8x7b 1/32 layers capacity", "configs/mixtral_8x7b.py",
          (*_MIXTRAL, ("execution.moe_mode", "capacity"))),
 )
+# the variants that decide defaults, measured after the cases and the peer: the remat policies 'auto' chooses
+# between (full: the policy the earlier runs measured, in the same call as 'auto''s pick), FP8 under full remat,
+# the layers in line rather than in a loop
+_FULL = ("execution.remat", "full")
+VARIANTS = (
+    Case("variant: llama3_8b 8/32 layers bf16, remat full", "configs/llama3_8b.py", (*_LLAMA8B, _FULL)),
+    Case("variant: llama3_8b 8/32 layers bf16, remat save_dots", "configs/llama3_8b.py",
+         (*_LLAMA8B, ("execution.remat", "save_dots"))),
+    Case("variant: llama3_8b 8/32 layers fp8, remat full", "configs/llama3_8b.py",
+         (*_LLAMA8B, ("execution.fp8", "True"), _FULL)),
+    Case("variant: llama3_1b bf16, remat full", "configs/llama3_1b.py", (*_LLAMA1B, _FULL)),
+    # the layers in line (execution.scan_layers=False): no stacking copies of what the backward pass keeps
+    Case("variant: llama3_8b 8/32 layers bf16, layers in line", "configs/llama3_8b.py",
+         (*_LLAMA8B, ("execution.scan_layers", "False"))),
+)
+ALL_CASES = CASES + VARIANTS
 SMOKE_SHAPE = {"model.num_layers": "1", "model.embed_dim": "64", "model.attention.num_heads": "4",
                "model.attention.num_kv_heads": "2", "model.attention.head_dim": "16", "model.mlp_dim": "128",
                "model.vocab_size": "512", "data.seq_len": "64",
@@ -220,20 +244,35 @@ def gpu_test_files() -> list[str]:
     return files
 
 
-def plan_steps(smoke: bool, python: str) -> list[Step]:
-    probes = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gpu_probes.py")
-    probe_argv = (python, probes, "--result", "{result}", *(("--smoke",) if smoke else ()))
-    boxes = {"environment": 60, "predictions": 150, "ceilings": 90, "attention": 150, "gpu tests": 150, "mfu": 150}
+PEER = os.path.join(REPO, "benchmarks", "peer_maxtext.py")
+CEILINGS_FILE = "ceilings.json"  # the ceilings step's result, which the MFU steps price their budgets at
+
+
+def plan_steps(smoke: bool, python: str, out_dir: str = "") -> list[Step]:
+    """The steps in the order a GPU call spends its minutes on them: what decides the dense step's speed first
+    (ceilings, the MFU cases beside their budgets, the peer, the variants that decide defaults), then the kernels'
+    checks. The MFU steps read the ceilings the ceilings step measured from ``out_dir``."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    smoke_flag = ("--smoke",) if smoke else ()
+    probe_argv = (python, os.path.join(here, "gpu_probes.py"), "--result", "{result}", *smoke_flag)
+    boxes = {"environment": 60, "predictions": 150, "ceilings": 90, "attention": 150, "gpu tests": 150, "mfu": 150,
+             "peer": 240}
+    mfu_argv = (*probe_argv, "--ceilings", os.path.join(out_dir, CEILINGS_FILE)) if out_dir else probe_argv
     # a smoke run (CPU, independent programs) runs the probes side by side too; a GPU runs one at a time
     steps = [Step("environment", boxes["environment"], (*probe_argv, "environment")),
-             Step("predictions", boxes["predictions"], (*probe_argv, "predictions"), parallel=smoke),
-             Step("ceilings", boxes["ceilings"], (*probe_argv, "ceilings"), parallel=smoke),
-             Step("attention", boxes["attention"], (*probe_argv, "attention"), parallel=smoke),
-             Step("gpu tests", boxes["gpu tests"],
-                  (python, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider", "-o", "addopts=",
-                   "--junitxml={result}", *gpu_test_files()), junit=True, parallel=smoke)]
-    steps += [Step(f"mfu: {c.name}", boxes["mfu"], (*probe_argv, f"mfu:{i}"), parallel=True)
+             Step("ceilings", boxes["ceilings"], (*probe_argv, "ceilings"), parallel=smoke)]
+    steps += [Step(f"mfu: {c.name}", boxes["mfu"], (*mfu_argv, f"mfu:{i}"), parallel=True)
               for i, c in enumerate(CASES)]
+    if os.path.exists(PEER):
+        steps.append(Step("peer: maxtext", boxes["peer"], (python, PEER, "--result", "{result}", *smoke_flag),
+                          parallel=smoke))
+    steps += [Step(f"mfu: {c.name}", boxes["mfu"], (*mfu_argv, f"mfu:{len(CASES) + i}"), parallel=True)
+              for i, c in enumerate(VARIANTS)]
+    steps += [Step("predictions", boxes["predictions"], (*probe_argv, "predictions"), parallel=smoke),
+              Step("attention", boxes["attention"], (*probe_argv, "attention"), parallel=smoke),
+              Step("gpu tests", boxes["gpu tests"],
+                   (python, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider", "-o", "addopts=",
+                    "--junitxml={result}", *gpu_test_files()), junit=True, parallel=smoke)]
     return steps
 
 
@@ -383,12 +422,14 @@ def markdown(report: dict) -> str:
         predicted = (next((s.get("result") for s in report["steps"] if s["name"] == "predictions"), None)
                      or {}).get("cases", {})
         lines += [("| case | precision | attention | remat | seq | batch | step s (min-max) | tokens/s | "
-                  "TFLOP/s | MFU | of ceiling | peak mem | H100 target's peak |"), "|" + "---|" * 13]
+                  "TFLOP/s | MFU | of ceiling | budget s | step / budget | peak mem | target's peak |"),
+                  "|" + "---|" * 15]
         for s in rows:
             r = s.get("result")
             if not r:
-                lines.append(f"| {s['name'][5:]} | {s['status']}: {s.get('error', '')} |" + " |" * 10)
+                lines.append(f"| {s['name'][5:]} | {s['status']}: {s.get('error', '')} |" + " |" * 12)
                 continue
+            spent = r.get("budget")
             mem = r.get("peak_memory_bytes")
             mfu = f"{100 * r['mfu']:.1f}%" + ("" if r["mfu_basis"] == "dense datasheet peak" else "*")
             lines.append(" | ".join([
@@ -397,18 +438,41 @@ def markdown(report: dict) -> str:
                 f"{r['step_time_median_s']:.4f} ({r['step_time_min_s']:.4f}-{r['step_time_max_s']:.4f})",
                 _fmt(r["tokens_per_sec"]), _fmt(r["tflops_per_device"]), mfu,
                 f"{100 * r['fraction_of_matmul_ceiling']:.1f}%",
+                f"{spent['seconds']:.4f}" if spent else "n/a",
+                f"{r['step_over_budget']:.2f}" if spent else "n/a",
                 "n/a" if mem is None else f"{mem / 2**30:.1f} GiB",
                 _predicted_peak(predicted.get(r["case"]))]) + " |")
         lines.append("")
         lines.append("MFU: model FLOPs (causal attention counted once, no recompute) against the dense bf16 peak "
                      "(FP8 rows: the FLOP-weighted peak); * no datasheet peak for this device, MFU against the "
                      "matmul measured in the same process. \"of ceiling\": against the bf16 matmul that process "
-                     "measured.")
+                     "measured. \"budget\": the lower bound of the very program timed, each kernel at the ceiling "
+                     "that binds it as this run measured them (jaxtron/metrics/budget.py).")
         lines.append("")
+        lines += peer_markdown(report)
     lines += ["| step | status | seconds |", "|---|---|---|"]
     lines += [f"| {s['name']} | {s['status']}{': ' + s['error'] if s.get('error') else ''} | {s['seconds']} |"
               for s in report["steps"]]
     return "\n".join(lines) + "\n"
+
+
+def peer_markdown(report: dict) -> list[str]:
+    """The peer's row beside jaxtron's case of the same shape: tokens/s of each and their ratio."""
+    peer = next((s for s in report["steps"] if s["name"].startswith("peer: ")), None)
+    if peer is None:
+        return []
+    r = peer.get("result") or {}
+    if peer["status"] != "ok" or "tokens_per_sec" not in r:
+        return [f"Peer {peer['name'][6:]}: {peer['status']}: {peer.get('error') or r.get('error', '')}", ""]
+    ours = next((s.get("result") for s in report["steps"] if s["name"] == f"mfu: {r.get('beside', '')}"), None)
+    lines = ["| same shape | tokens/s | step s | settings |", "|---|---|---|---|",
+             (f"| {peer['name'][6:]} {r.get('version', '')} | {_fmt(r['tokens_per_sec'])} | "
+              f"{_fmt(r.get('step_time_median_s'))} | {r.get('settings', '')} |")]
+    if ours:
+        lines.append(f"| jaxtron ({ours['case']}) | {_fmt(ours['tokens_per_sec'])} | "
+                     f"{_fmt(ours['step_time_median_s'])} | remat {ours['remat']}, {ours['attention']} attention |")
+        lines += ["", f"jaxtron / {peer['name'][6:]} tokens/s: {ours['tokens_per_sec'] / r['tokens_per_sec']:.2f}"]
+    return lines + [""]
 
 
 def _predicted_peak(prediction: dict | None) -> str:
@@ -444,7 +508,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--out", help="folder for suite.json, table.md and log.txt (required)")
     parser.add_argument("--smoke", action="store_true", help="CPU, tiny shapes: the same code paths in ~1 minute")
     parser.add_argument("--budget", type=float, default=None,
-                        help="seconds for the whole suite (default 510, smoke 150); a step gets what is left")
+                        help="seconds for the whole suite (default 480, smoke 150); a step gets what is left")
     parser.add_argument("--only", default=None,
                         help="comma-separated step names or prefixes to run (e.g. 'ceilings,mfu: llama3_8b')")
     parser.add_argument("--jobs", type=int, default=None,
@@ -455,14 +519,14 @@ def main(argv: list[str]) -> int:
     if not args.out:
         print("error: --out DIR is required: the folder that receives the results.", file=sys.stderr)
         return 2
-    budget = args.budget if args.budget is not None else (150.0 if args.smoke else 510.0)
+    budget = args.budget if args.budget is not None else (150.0 if args.smoke else 480.0)
     if budget <= 0 or not math.isfinite(budget):
         print(f"error: --budget must be a positive number of seconds, not {args.budget}.", file=sys.stderr)
         return 2
     if args.jobs is not None and args.jobs < 1:
         print(f"error: --jobs must be at least 1, not {args.jobs}.", file=sys.stderr)
         return 2
-    steps = plan_steps(args.smoke, sys.executable)
+    steps = plan_steps(args.smoke, sys.executable, os.path.abspath(args.out))
     if args.only:
         wanted = [w.strip() for w in args.only.split(",") if w.strip()]
         steps = [s for s in steps if any(s.name.startswith(w) for w in wanted)]
@@ -482,6 +546,10 @@ def main(argv: list[str]) -> int:
         def done(records):
             report["steps"] = records
             write(args.out, report)
+            measured = next((r.get("result") for r in records if r["name"] == "ceilings" and r["status"] == "ok"), None)
+            if measured and not os.path.exists(os.path.join(args.out, CEILINGS_FILE)):
+                with open(os.path.join(args.out, CEILINGS_FILE), "w") as f:
+                    json.dump(measured, f)
 
         run_steps(steps, env, log, deadline, args.jobs or (2 if args.smoke else 1), done)
     failed = [s["name"] for s in report["steps"] if s["status"] != "ok"]

@@ -31,12 +31,14 @@ from jaxtron.config.loader import load_config, split_overrides
 from jaxtron.config.schema import ConfigError
 from jaxtron.data.loader import SyntheticSource, global_batch
 from jaxtron.gpu import preset as gpu_preset
+from jaxtron.metrics.budget import budget
 from jaxtron.metrics.flops import param_count
 from jaxtron.metrics.throughput import Throughput
 from jaxtron.ops.attention import resolve_implementation
 from jaxtron.parallel.checks import check_devices
 from jaxtron.parallel.mesh import make_mesh
 from jaxtron.parallel.sharding import batch_sharding, shard_count
+from jaxtron.planning.remat import resolve_for_devices
 from jaxtron.training import state as state_lib
 from jaxtron.training.preemption import StopVotes
 from jaxtron.training.step import compile_train_step
@@ -66,11 +68,40 @@ def peak_memory_bytes(devices) -> int | None:
     return max(s.get("peak_bytes_in_use", 0) for s in stats)
 
 
-def bench_one(spec: str, overrides, steps: int, warmup: int) -> dict:
+def device_ceilings(device_kind: str, measured: dict | None = None):
+    """The ceilings the step's time budget prices kernels at: the GPU suite's measurements of this run where given
+    (``measured``: the ceilings step's result; the attention rate, which it does not measure, an H100's), else the
+    stored ones of an H100 or H200; None for another device without measurements."""
+    from jaxtron.metrics.budget import CEILINGS
+
+    kind = device_kind.lower()
+    stored = CEILINGS["h200"] if "h200" in kind else CEILINGS["h100"] if "h100" in kind else None
+    if not measured:
+        return stored
+    stored = stored or CEILINGS["h100"]
+    rates = {}
+    if "bf16_matmul" in measured:
+        rates["bf16_flops"] = measured["bf16_matmul"]["tflops"] * 1e12
+    if "fp8_matmul" in measured:
+        rates["fp8_flops"] = measured["fp8_matmul"]["tflops"] * 1e12
+    if "hbm_copy" in measured:
+        rates["copy_bytes"] = measured["hbm_copy"]["tb_per_s"] * 1e12
+    if measured.get("launch", {}).get("seconds"):
+        rates["launch_s"] = measured["launch"]["seconds"]
+    if measured.get("attention_tflops"):
+        rates["attention_flops"] = measured["attention_tflops"] * 1e12
+    return dataclasses.replace(stored, **rates, source="measured in this run" + (
+        "" if len(rates) == 5 else "; the rest stored"))
+
+
+def bench_one(spec: str, overrides, steps: int, warmup: int, ceilings: dict | None = None) -> dict:
+    """One config's timed steps; with a known GPU, the time budget of the very program that was timed
+    (``jaxtron.metrics.budget``, at ``device_ceilings``) beside them."""
     cfg = load_config(spec, overrides)
     cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, source="synthetic"))
     devices = jax.devices()
     sizes = check_devices(cfg, len(devices))
+    cfg = resolve_for_devices(cfg, sizes, devices)  # execution.remat='auto' as `jaxtron train` resolves it
     mesh = make_mesh(sizes, devices)
     impl = resolve_implementation(cfg.execution.attention, jnp.dtype(cfg.execution.dtype),
                                   cfg.model.qk_head_dim,
@@ -93,6 +124,8 @@ def bench_one(spec: str, overrides, steps: int, warmup: int) -> dict:
                 times.append(time.perf_counter() - start)
         loss = float(metrics["loss"])
     median = float(np.median(times))
+    rates = device_ceilings(devices[0].device_kind, ceilings)
+    time_budget = budget(compiled.as_text(), rates).summary() if rates is not None else None
     throughput = Throughput(cfg, mesh.size, devices[0].device_kind, impl)
     result = throughput(median, 1)
     ceiling = matmul_ceiling(cfg.execution.dtype, 8192 if jax.default_backend() == "gpu" else 1024)
@@ -108,7 +141,8 @@ def bench_one(spec: str, overrides, steps: int, warmup: int) -> dict:
         "step_time_median_s": median, "step_time_min_s": min(times), "step_time_max_s": max(times),
         "steps_timed": len(times), "last_loss": loss, **result, "peak_note": throughput.peak_note,
         "matmul_ceiling_tflops": ceiling, "fraction_of_matmul_ceiling": result["tflops_per_device"] / ceiling,
-        "peak_memory_bytes": peak_memory_bytes(devices),
+        "peak_memory_bytes": peak_memory_bytes(devices), "budget": time_budget,
+        "step_over_budget": median / time_budget["seconds"] if time_budget else None,
     }
 
 

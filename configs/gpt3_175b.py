@@ -11,7 +11,7 @@ def get_config():
     c.model = dict(name="gpt3_175b", vocab_size=50304, embed_dim=12288, num_layers=96, mlp_dim=49152, activation="gelu",
                    norm="layernorm", position_embedding="learned", max_seq_len=2048, tie_embeddings=True,
                    attention=dict(num_heads=96, num_kv_heads=96, head_dim=128))
-    c.execution = dict(dtype="bfloat16", remat="full")
+    c.execution = dict(dtype="bfloat16", remat="auto")
     c.train = dict(steps=1000, global_batch_size=1536, log_every=10, eval_batches=0)
     c.optimizer = dict(learning_rate=6e-5, warmup_steps=375, weight_decay=0.1)
     c.data = dict(source="synthetic", seq_len=2048)

@@ -9,7 +9,7 @@ def get_config():
                    max_seq_len=131072, tie_embeddings=True, attention=dict(num_heads=32, num_kv_heads=8, head_dim=64),
                    rope=dict(theta=500_000.0, factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0,
                              original_max_len=8192))
-    c.execution = dict(dtype="bfloat16", remat="full")
+    c.execution = dict(dtype="bfloat16", remat="auto")
     c.train = dict(steps=1000, global_batch_size=256, log_every=10, eval_batches=0)
     c.optimizer = dict(learning_rate=3e-4, warmup_steps=100, weight_decay=0.1)
     c.data = dict(source="synthetic", seq_len=8192)

@@ -8,7 +8,7 @@ def get_config():
     c.model = dict(name="llama3_70b", vocab_size=128256, embed_dim=8192, num_layers=80, mlp_dim=28672, norm_eps=1e-5,
                    max_seq_len=8192, tie_embeddings=False, attention=dict(num_heads=64, num_kv_heads=8, head_dim=128),
                    rope=dict(theta=500_000.0))
-    c.execution = dict(dtype="bfloat16", remat="full")
+    c.execution = dict(dtype="bfloat16", remat="auto")
     c.train = dict(steps=1000, global_batch_size=256, log_every=10, eval_batches=0)
     c.optimizer = dict(learning_rate=1.5e-4, warmup_steps=200, weight_decay=0.1)
     c.data = dict(source="synthetic", seq_len=8192)

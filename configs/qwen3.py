@@ -28,7 +28,7 @@ def get_config(size: str = "8b"):
     if experts:
         c.model.moe = dict(num_experts=experts, experts_per_token=8, every=1, router_renormalize=True)
         c.train.router_aux_loss = 0.001
-    c.execution = dict(dtype="bfloat16", remat="full")
+    c.execution = dict(dtype="bfloat16", remat="auto")
     c.optimizer = dict(learning_rate=3e-4, warmup_steps=100, weight_decay=0.1)
     c.data = dict(source="synthetic", seq_len=4096)
     c.mesh = dict(data=1, fsdp=-1, tensor=1, sequence=1, expert=1)

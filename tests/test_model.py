@@ -2,6 +2,7 @@
 
 import math
 import os
+import re
 
 import jax
 import jax.numpy as jnp
@@ -153,6 +154,27 @@ def test_remat_policies_change_memory_not_results():
         assert results[remat][0] == pytest.approx(results["none"][0], rel=1e-6)
         for a, b in zip(results[remat][1], results["none"][1]):
             np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_layers_in_line_compute_what_the_layer_loop_does():
+    """execution.scan_layers=False runs every block in line (no loop, no per-layer stacking of what the backward
+    pass keeps): the same loss and gradients, and a program without a while loop."""
+    batch = {k: jnp.asarray(v) for k, v in SyntheticSource(256, 64, 0).rows(np.arange(8)).items()}
+    results = {}
+    for scan in (True, False):
+        cfg = tiny_config(model=dict(num_layers=3), execution=dict(remat="save_dots", scan_layers=scan),
+                          data=dict(seq_len=64))
+        setup = state_lib.setup(cfg, "xla")
+        params = state_lib.init_state(cfg, "xla", None).params
+        fn = jax.jit(jax.value_and_grad(lambda p, setup=setup: loss_sums(p, setup.graphdef, batch, 0.0)[0]))
+        # a scan's loop says so in its op name (XLA:CPU runs the embedding gradient's scatter in a loop too)
+        text = fn.lower(params).compile().as_text()
+        assert bool(re.search(r' while\(.*op_name="[^"]*/while"', text)) == scan
+        loss, grads = fn(params)
+        results[scan] = (float(loss), jax.tree.leaves(nnx.to_pure_dict(grads)))
+    assert results[False][0] == pytest.approx(results[True][0], rel=1e-6)
+    for a, b in zip(results[False][1], results[True][1]):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
 def test_bf16_compute_keeps_fp32_parameters():

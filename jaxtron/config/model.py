@@ -286,6 +286,9 @@ class ExecutionConfig:
     dtype: str = "float32"  # compute dtype; parameters are always float32
     remat: str = "none"  # none | full | save_dots | save_attention | save_dots_attention | auto
     attention: str = "auto"  # auto | xla | cudnn | blockwise (see jaxtron/ops/attention.py)
+    # the layers run by a loop (compile time independent of depth) or, False, in line: no stacking of the saved
+    # activations into per-layer buffers (copies a loop needs), for more compile time and memory (docs/model.md)
+    scan_layers: bool = True
     attention_max_segments: int = 64  # cuDNN: most documents a packed row may hold (a batch with more is refused)
     fp8: bool = False  # FP8 matmuls (current scaling) in every projection of the blocks; see jaxtron/ops/fp8.py
     fp8_skip_layers: int = 0  # with fp8: the first and the last this many blocks keep 16-bit matmuls

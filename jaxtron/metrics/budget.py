@@ -353,6 +353,8 @@ def kernels(hlo_text: str, ceilings: Ceilings) -> list[Kernel]:
             if opcode in _FREE or opcode.endswith("-done") or any(opcode.startswith(c) for c in COLLECTIVES):
                 continue
             operands = _operand_names(tail)
+            if opcode == "custom-call":  # a library call's byte results are its workspace, not data it writes
+                type_text = re.sub(r"[su]8\[[\d,]*\](\{[^}]*\})?", "", type_text)
             moved = float(sum(program.operand_bytes(o) for o in operands) + _type_bytes(type_text))
             flops, category = 0.0, "memory-bound"
             if opcode == "fusion":

@@ -102,9 +102,10 @@ def stacked(make: Callable[[nnx.Rngs], nnx.Module], rngs: nnx.Rngs, count: int, 
     return make_all(rngs)
 
 
-def scan_stack(body: Body, x: jax.Array, stack: Any, extras: tuple) -> tuple[jax.Array, Stats]:
-    """The runner without a pipeline: one scan over the periods in order; stats stacked [periods, ...]."""
-    return jax.lax.scan(lambda h, period: body(h, period, extras), x, stack)
+def scan_stack(body: Body, x: jax.Array, stack: Any, extras: tuple, unroll: bool = False) -> tuple[jax.Array, Stats]:
+    """The runner without a pipeline: one scan over the periods in order; stats stacked [periods, ...]. ``unroll``
+    (execution.scan_layers=False): every period in line, no loop."""
+    return jax.lax.scan(lambda h, period: body(h, period, extras), x, stack, unroll=unroll)
 
 
 _unrematerialized: list[bool] = []  # inside ``without_remat``
@@ -174,18 +175,19 @@ def run_stack(cfg: ModelConfig, execution: ExecutionConfig, dense: nnx.Module | 
     prefix, period = cfg.prefix_layers, cfg.period
     dense_per_period = period - 1 if cfg.moe.num_experts else 1
     stats = []
+    scan = functools.partial(scan_stack, unroll=not execution.scan_layers)
     for group in layer_groups(cfg, execution):
         dense_fn = _block_fn(dense_def, group.fp8, execution.remat)
         if group.prefix:
             blocks = jax.tree.map(lambda a, g=group: a[g.first:g.end], dense_state)
-            x, _ = scan_stack(lambda h, block, ex, f=dense_fn: f(h, block, *ex), x, blocks, extras)
+            x, _ = scan(lambda h, block, ex, f=dense_fn: f(h, block, *ex), x, blocks, extras)
             continue
         first, end = (group.first - prefix) // period, (group.end - prefix) // period
         whole = (first, end) == (0, cfg.stack_periods)
         periods = (_periods(dense_state, dense_per_period, first, end, whole),
                    _periods(moe_state, 1, first, end, whole))
         body = functools.partial(_period, dense_fn, _block_fn(moe_def, group.fp8, execution.remat), dense_per_period)
-        x, group_stats = (runner or scan_stack)(body, x, periods, extras)
+        x, group_stats = (runner or scan)(body, x, periods, extras)
         stats.append(group_stats)
     if not stats or not stats[0]:
         return x, {}

@@ -20,6 +20,7 @@ import jax.numpy as jnp
 from jaxtron.parallel.sharding import constrain
 
 LOGIT_AXES = ("activation_batch", "activation_length", "activation_vocab")
+HEAD_AXES = ("embed", "vocab")  # the head's own: its gradient, summed over the batch, is split as the weight is
 
 
 def logits_of(x: jax.Array, head: jax.Array) -> jax.Array:
@@ -64,7 +65,7 @@ def _slice_forward(x, head, targets, weights, z_loss: float, gradient: bool):
         d_logits = jnp.exp(logits - log_z[..., None]) * scale[..., None] - one_hot * weights[..., None]
         d_logits = constrain(d_logits.astype(x.dtype), LOGIT_AXES)
         d_x = jnp.einsum("btv,dv->btd", d_logits, head, preferred_element_type=jnp.float32).astype(x.dtype)
-        d_head = jnp.einsum("btd,btv->dv", x, d_logits, preferred_element_type=jnp.float32)
+        d_head = constrain(jnp.einsum("btd,btv->dv", x, d_logits, preferred_element_type=jnp.float32), HEAD_AXES)
         return ce, zz, d_x, d_head
 
 

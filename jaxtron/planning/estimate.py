@@ -82,12 +82,17 @@ def estimate(cfg: Config, sizes: dict[str, int], gpu: GPU, microbatches: int | N
              cpu_program: bool = False, pipeline_microbatches: int | None = None) -> Estimate:
     """Per-device memory and step time of ``cfg`` on the mesh ``sizes`` of ``gpu``s.
 
-    ``microbatches`` defaults to ``train.microbatches``. ``cpu_program``: estimate the program XLA:CPU compiles
+    ``microbatches`` defaults to ``train.microbatches``; execution.remat='auto' becomes the policy a run on ``gpu``
+    picks. ``cpu_program``: estimate the program XLA:CPU compiles
     for the dry run instead of the GPU's: XLA attention, and 16-bit values held in float32 (XLA:CPU has no
     16-bit matmul, so it converts their operands: the block weights are gathered in float32 and the saved
     residual stream is converted to float32 once more before the backward pass; a pipelined program also holds a
     copy of the AdamW moments through the loss's backward pass).
     """
+    if cfg.execution.remat == "auto":  # the policy that a run on this GPU would pick (jaxtron.planning.remat)
+        from jaxtron.planning.remat import choose
+        cfg = choose(cfg, sizes, gpu, cpu_program, microbatches=microbatches,
+                     pipeline_microbatches=pipeline_microbatches)[0]
     shape = step_shape(cfg, sizes, microbatches, cpu_program, pipeline_microbatches)
     block = block_values(cfg, shape)
     params = parameters(cfg.model)

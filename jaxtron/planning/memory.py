@@ -52,7 +52,7 @@ EXPANDED_COPIES = 3.0
 # (benchmarks/plan_validation.md: 38 (model, mesh) pairs of 1B to 671B, dense and MoE; XLA's allocation peak,
 # which includes the gaps its heap leaves between buffers, so these are effective counts rather than buffers one
 # can point to):
-GPU_LOGIT_COPIES = 1.1  # the float32 logits of one slice; their gradient takes their place
+GPU_LOGIT_COPIES = 1.1  # the float32 logits of one slice (their gradient, in 16 bits, is counted beside them)
 GPU_HEAD_COPIES = 0.75  # embedding and output head gathered over fsdp in 16 bits (freed as their GEMMs end)
 GPU_LAYER_COPIES = 1.1  # one block's intermediates during its backward (LAYER_COPIES on XLA:CPU)
 GPU_TENSOR_GATHER_COPIES = 3.0  # the normed inputs gathered over the tensor group (16-bit), their gradients, sums
@@ -196,7 +196,9 @@ def loss_work(cfg: Config, shape: StepShape, block: BlockValues, params: tuple[P
     rows = shape.block_rows if shape.schedule in ONE_F_ONE_B else shape.outside_rows
     logits = 4.0 * rows * shape.local_len * block.vocab / cfg.train.logit_chunks
     if not shape.cpu_program:
-        work = GPU_LOGIT_COPIES * logits + GPU_HEAD_COPIES * head_gathered * shape.work_bytes
+        # the loss makes the logits' gradient in its forward pass (ops/cross_entropy.py), in the compute dtype, while
+        # the float32 logits are still live
+        work = (GPU_LOGIT_COPIES + shape.work_bytes / 4.0) * logits + GPU_HEAD_COPIES * head_gathered * shape.work_bytes
         if shape.pipelined and shape.schedule not in ONE_F_ONE_B:
             # fill-drain's loss runs between the schedule's forward pass and its backward pass, which makes the
             # gradients: its working space takes the place of those not yet made
