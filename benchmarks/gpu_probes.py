@@ -102,23 +102,27 @@ def _ceilings(smoke: bool) -> dict:
 
 
 def _launch_probe(smoke: bool) -> dict:
-    """What one more kernel adds to a program: a chain of tiny dependent kernels (an optimization barrier between
-    each, so XLA cannot fuse them) timed whole, over its kernel count. The step's time budget adds it per kernel."""
+    """What one more kernel adds to a program: a chain of tiny dependent updates in place (each reads the element
+    the one before wrote, so XLA can neither fuse nor reorder them), timed whole, over the kernels its program
+    launches as the step's time budget counts them (``jaxtron.metrics.budget``), which adds this per kernel."""
     import jax
     import jax.numpy as jnp
     import mfu
 
+    from jaxtron.metrics.budget import CEILINGS, kernels
+
     count = 50 if smoke else 1000
 
-    def chain(x):
-        for _ in range(count):
-            x = jax.lax.optimization_barrier(x * 1.0001 + 1.0)
+    def chain(x, i):
+        for k in range(count):
+            x = jax.lax.dynamic_update_slice(x, x[(i + k) % 256][None] + 1.0, ((i + k + 1) % 256,))
         return x
 
-    fn = jax.jit(chain).lower(jnp.ones((256,), jnp.float32)).compile()
-    kernels = fn.as_text().count(" fusion(")
-    t = _summary(mfu.call_times(fn, jnp.ones((256,), jnp.float32), repeats=5))
-    return {**t, "kernels": kernels, "seconds": t["best_s"] / max(kernels, 1)}
+    args = (jnp.ones((256,), jnp.float32), jnp.int32(0))
+    fn = jax.jit(chain).lower(*args).compile()
+    launched = len(kernels(fn.as_text(), CEILINGS["h100"]))
+    t = _summary(mfu.call_times(fn, *args, repeats=5))
+    return {**t, "kernels": launched, "seconds": t["best_s"] / max(launched, 1)}
 
 
 def _ragged_dot_probe(smoke: bool) -> dict:

@@ -245,6 +245,7 @@ def gpu_test_files() -> list[str]:
 
 
 PEER = os.path.join(REPO, "benchmarks", "peer_maxtext.py")
+PEER_BESIDE = "llama3_8b 8/32 layers bf16"  # the case whose shape the peer trains
 CEILINGS_FILE = "ceilings.json"  # the ceilings step's result, which the MFU steps price their budgets at
 
 
@@ -260,12 +261,14 @@ def plan_steps(smoke: bool, python: str, out_dir: str = "") -> list[Step]:
     mfu_argv = (*probe_argv, "--ceilings", os.path.join(out_dir, CEILINGS_FILE)) if out_dir else probe_argv
     # a smoke run (CPU, independent programs) runs the probes side by side too; a GPU runs one at a time
     steps = [Step("environment", boxes["environment"], (*probe_argv, "environment")),
-             Step("ceilings", boxes["ceilings"], (*probe_argv, "ceilings"), parallel=smoke)]
+             # alone, smoke runs too: the MFU steps after it read what it measured
+             Step("ceilings", boxes["ceilings"], (*probe_argv, "ceilings"))]
     steps += [Step(f"mfu: {c.name}", boxes["mfu"], (*mfu_argv, f"mfu:{i}"), parallel=True)
               for i, c in enumerate(CASES)]
     if os.path.exists(PEER):
-        steps.append(Step("peer: maxtext", boxes["peer"], (python, PEER, "--result", "{result}", *smoke_flag),
-                          parallel=smoke))
+        # its own budget inside the step's box: a fallback that would outlast it is not started
+        steps.append(Step("peer: maxtext", boxes["peer"], (python, PEER, "--result", "{result}", "--budget",
+                                                           str(boxes["peer"] - 10), *smoke_flag), parallel=smoke))
     steps += [Step(f"mfu: {c.name}", boxes["mfu"], (*mfu_argv, f"mfu:{len(CASES) + i}"), parallel=True)
               for i, c in enumerate(VARIANTS)]
     steps += [Step("predictions", boxes["predictions"], (*probe_argv, "predictions"), parallel=smoke),
@@ -462,16 +465,18 @@ def peer_markdown(report: dict) -> list[str]:
     if peer is None:
         return []
     r = peer.get("result") or {}
-    if peer["status"] != "ok" or "tokens_per_sec" not in r:
+    if peer["status"] != "ok" or "tokens_per_s" not in r:
         return [f"Peer {peer['name'][6:]}: {peer['status']}: {peer.get('error') or r.get('error', '')}", ""]
-    ours = next((s.get("result") for s in report["steps"] if s["name"] == f"mfu: {r.get('beside', '')}"), None)
+    ours = next((s.get("result") for s in report["steps"] if s["name"] == f"mfu: {PEER_BESIDE}"), None)
     lines = ["| same shape | tokens/s | step s | settings |", "|---|---|---|---|",
-             (f"| {peer['name'][6:]} {r.get('version', '')} | {_fmt(r['tokens_per_sec'])} | "
-              f"{_fmt(r.get('step_time_median_s'))} | {r.get('settings', '')} |")]
+             (f"| {peer['name'][6:]} {r.get('maxtext_version', '')} | {_fmt(r['tokens_per_s'])} | "
+              f"{_fmt(r.get('median_step_s'))} | remat {r.get('remat_policy')}, {r.get('attention')} attention"
+              + (f" (fell back from {r['fallback_from']['attention']}, {r['fallback_from']['remat_policy']})"
+                 if r.get("fallback_from") else "") + " |")]
     if ours:
         lines.append(f"| jaxtron ({ours['case']}) | {_fmt(ours['tokens_per_sec'])} | "
                      f"{_fmt(ours['step_time_median_s'])} | remat {ours['remat']}, {ours['attention']} attention |")
-        lines += ["", f"jaxtron / {peer['name'][6:]} tokens/s: {ours['tokens_per_sec'] / r['tokens_per_sec']:.2f}"]
+        lines += ["", f"jaxtron / {peer['name'][6:]} tokens/s: {ours['tokens_per_sec'] / r['tokens_per_s']:.2f}"]
     return lines + [""]
 
 

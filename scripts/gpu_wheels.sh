@@ -27,6 +27,9 @@ packages=(
   xprof==2.24.2             # tokamax imports its kernel-statistics tool
   fire==0.7.1               # xprof's
   termcolor==3.3.0          # fire's
+  six==1.17.0               # xprof's (imported by tokamax)
+  jaxtyping==0.3.11         # tokamax's type annotations
+  wadler-lindig==0.1.8      # jaxtyping's
 )
 mkdir -p "$dest"
 python3 -m pip download --quiet --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \

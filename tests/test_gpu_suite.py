@@ -200,3 +200,38 @@ def test_bad_arguments_get_one_sentence_and_exit_2(argv, message, capsys, tmp_pa
     assert suite.main(argv) == 2
     err = capsys.readouterr().err
     assert err.startswith(f"error: {message}") and err.count("\n") == 1
+
+
+def _peer():
+    spec = importlib.util.spec_from_file_location("peer_maxtext", PEER)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+PEER = os.path.join(REPO, "benchmarks", "peer_maxtext.py")
+
+
+def test_the_peers_step_time_is_the_median_of_maxtexts_own_lines_after_the_first_two(tmp_path):
+    """MaxText's 'completed step' lines (its log, where no metrics file was written): the two first steps (compile,
+    first dispatches) are left out, and tokens/s is the global batch times the sequence over the median step."""
+    peer = _peer()
+    log = "\n".join(f"completed step: {i}, seconds: {s}, TFLOP/s/device: 1.0, Tokens/s/device: 10.0, "
+                    f"total_weights: 256, loss: {7.0 - 0.1 * i}"
+                    for i, s in enumerate([9.0, 0.02, 0.30, 0.40, 0.35, 0.31, 0.33]))
+    steps = peer.parse_steps(str(tmp_path), log)
+    assert [s["step"] for s in steps] == list(range(7)) and steps[-1]["loss"] == pytest.approx(6.4)
+    args = type("Args", (), {"smoke": True})()
+    got = peer.summarize(args, {"text": log, "steps": steps})
+    assert got["median_step_s"] == 0.33 and got["timed_steps"] == 5
+    assert got["tokens_per_s"] == pytest.approx(2 * 128 / 0.33, rel=1e-3)  # the smoke shape: batch 2 x 128
+
+
+def test_without_its_wheels_the_peer_says_so_in_one_line(tmp_path):
+    result = tmp_path / "peer.json"
+    proc = subprocess.run([sys.executable, PEER, "--smoke", "--result", str(result), "--wheels", str(tmp_path / "none"),
+                           "--site", str(tmp_path / "site")], capture_output=True, text=True, timeout=300,
+                          check=False)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    got = json.loads(result.read_text())
+    assert got["status"] == "failed" and got["error"].startswith("maxtext is not installed: run scripts/peer_wheels.sh")

@@ -49,10 +49,17 @@ UPDATE_COPIES = 3.0  # XLA:CPU's update: new float32 parameters and both moments
 EXPANDED_COPIES = 3.0
 
 # The GPU program (XLA:GPU for the H100 target, jaxtron/gpu/target.py) differs, fitted on its compiled steps
-# (benchmarks/plan_validation.md: 38 (model, mesh) pairs of 1B to 671B, dense and MoE; XLA's allocation peak,
+# (benchmarks/plan_validation.md: 39 (model, mesh) pairs of 1B to 671B, dense and MoE; XLA's allocation peak,
 # which includes the gaps its heap leaves between buffers, so these are effective counts rather than buffers one
 # can point to):
-GPU_LOGIT_COPIES = 1.1  # the float32 logits of one slice (their gradient, in 16 bits, is counted beside them)
+GPU_LOGIT_COPIES = 1.1  # the float32 logits of one slice
+# the logits' gradient, which the loss makes in its forward pass in the compute dtype (ops/cross_entropy.py) while the
+# float32 logits are live, in units of that gradient's bytes (XLA frees part of the logits as it writes it), and the
+# share of a step's (or microbatch's) gradients not yet made while the loss runs in the forward pass, without a
+# pipeline schedule: fitted together on the 39 pairs of benchmarks/plan_validation.md compiled at the loss's change
+# (a grid of 0 to 1 by quarters each, with GPU_LOGIT_COPIES 0.75 to 1.1: the one that keeps every pair within 10%)
+GPU_LOGIT_GRADIENT_COPIES = 0.5
+GPU_FORWARD_LOSS_FREE_GRADIENTS = 0.25
 GPU_HEAD_COPIES = 0.75  # embedding and output head gathered over fsdp in 16 bits (freed as their GEMMs end)
 GPU_LAYER_COPIES = 1.1  # one block's intermediates during its backward (LAYER_COPIES on XLA:CPU)
 GPU_TENSOR_GATHER_COPIES = 3.0  # the normed inputs gathered over the tensor group (16-bit), their gradients, sums
@@ -187,22 +194,24 @@ def block_work(shape: StepShape, block: BlockValues, params: tuple[Param, ...]) 
 
 
 def loss_work(cfg: Config, shape: StepShape, block: BlockValues, params: tuple[Param, ...],
-              optimizer_bytes: float, gradient_bytes: float = 0.0) -> float:
+              optimizer_bytes: float, gradient_bytes: float = 0.0, made_bytes: float = 0.0) -> float:
     """Bytes of working space in the loss and its backward pass, beyond the step's state; ``optimizer_bytes``:
-    the AdamW moments', ``gradient_bytes``: the gradients'."""
+    the AdamW moments', ``gradient_bytes``: the gradients' (accumulators included), ``made_bytes``: those of the
+    gradients one pass makes (a step's or a microbatch's)."""
     head_params = [p for p in params if not p.in_blocks and "vocab" in p.names]
     head_gathered = sum(p.shard_elements(shape.mesh, without=("fsdp",)) for p in head_params)
     # the 1F1B schedule runs the head and loss on one pipeline microbatch at a time
     rows = shape.block_rows if shape.schedule in ONE_F_ONE_B else shape.outside_rows
     logits = 4.0 * rows * shape.local_len * block.vocab / cfg.train.logit_chunks
     if not shape.cpu_program:
-        # the loss makes the logits' gradient in its forward pass (ops/cross_entropy.py), in the compute dtype, while
-        # the float32 logits are still live
-        work = (GPU_LOGIT_COPIES + shape.work_bytes / 4.0) * logits + GPU_HEAD_COPIES * head_gathered * shape.work_bytes
+        work = ((GPU_LOGIT_COPIES + GPU_LOGIT_GRADIENT_COPIES * shape.work_bytes / 4.0) * logits
+                + GPU_HEAD_COPIES * head_gathered * shape.work_bytes)
         if shape.pipelined and shape.schedule not in ONE_F_ONE_B:
             # fill-drain's loss runs between the schedule's forward pass and its backward pass, which makes the
             # gradients: its working space takes the place of those not yet made
             work -= GPU_LOSS_FREE_GRADIENTS * gradient_bytes
+        elif not shape.pipelined:  # the loss runs in the forward pass (its gradient made there), before the backward
+            work -= GPU_FORWARD_LOSS_FREE_GRADIENTS * made_bytes
         return work
     return (LOGIT_COPIES * logits
             + head_gathered * (HEAD_COPIES * shape.work_bytes + 4.0)
@@ -242,6 +251,7 @@ def memory(cfg: Config, shape: StepShape, block: BlockValues, params: tuple[Para
     terms.update(gathered_stage(shape, params))
     terms.update(saved_shards(cfg, shape, params))
     terms["working"] = float(max(block_work(shape, block, params),
-                                 loss_work(cfg, shape, block, params, terms["optimizer"], terms["gradients"]),
+                                 loss_work(cfg, shape, block, params, terms["optimizer"], terms["gradients"],
+                                           terms["parameters"]),
                                  update_work(cfg, shape, params)))
     return terms
