@@ -66,13 +66,14 @@ def test_the_loss_runs_three_16_bit_gemms_and_no_float32_gemm(compiled):
 @needs_plugin
 @pytest.mark.slow
 def test_the_update_writes_the_optimizer_state_once(compiled):
-    """AdamW reads the weights, both moments and the gradients and writes the first three, in place of the donated
-    state: 28 bytes a parameter. No whole moment is copied besides (checking the new state's finiteness inside the
-    step had XLA write both moments into new buffers, then copy them into the donated ones)."""
+    """The update reads the gradients for their norm (clipping), then AdamW reads the weights, both moments and the
+    gradients and writes the first three in place of the donated state: 32 bytes a parameter. No whole moment is
+    copied besides (checking the new state's finiteness inside the step had XLA write both moments into new
+    buffers, then copy them into the donated ones: 47 bytes a parameter)."""
     _, _, hlo = compiled
     kernels = budget(hlo, CEILINGS["h200"]).kernels
     update = sum(k.runs * k.bytes for k in kernels if k.label.startswith("update"))
-    assert update < 1.1 * 28 * PARAMETERS, update / PARAMETERS
+    assert update < 1.1 * 32 * PARAMETERS, update / PARAMETERS
     comps, entry = computations(hlo)
     big_copies = [line for line in comps[entry] if " copy(" in line and _elements(line) >= 2**24]
     assert not big_copies, big_copies[:2]
