@@ -131,10 +131,12 @@ def test_a_model_too_large_for_the_devices_is_refused_before_allocating(tmp_path
 
     from jaxtron.config.loader import load_config
     from jaxtron.config.schema import ConfigError
+    from jaxtron.planning.remat import resolve_for_devices
     cfg = load_config(os.path.join(REPO, "configs", "llama3_70b.py"))  # ~790 GiB of fp32 state on a CPU host
     with pytest.raises(ConfigError, match=r"config field 'mesh' leaves \d+\.\d GiB of parameters and optimizer "
                                           r"state in all but this host has"):
-        run(cfg, str(tmp_path / "w"), use_tqdm=False)
+        # remat 'auto' resolved as `jaxtron train` does (no policy fits: full), then the state alone is refused
+        run(cfg, str(tmp_path / "w"), use_tqdm=False, resolve_remat=resolve_for_devices)
     assert not os.path.exists(tmp_path / "w")  # refused before touching the workdir
 
 

@@ -71,9 +71,7 @@ def fsdp_time(shape: StepShape, params: tuple[Param, ...], coll: Collectives) ->
     are latent, heads and head size) summed over it instead, those weights never gathered."""
     micro = shape.microbatches
     gathers = 2 * micro  # forward and the backward's recompute/use: the weights are gathered twice per step
-    # the embedding and the head once: the lookup's backward is a scatter that needs no table, and the loss makes
-    # the head's gradient in its forward pass (ops/cross_entropy.py)
-    rest_gathers, rest_sums = micro, micro
+    rest_gathers, rest_sums = gathers, micro
     if shape.schedule in ONE_F_ONE_B:  # the embedding and head run per microbatch: forward, head, embedding backward
         # (interleaved: the embedding and the head in each of a microbatch's V forward iterations)
         rest_gathers = (2 * shape.virtual_stages + 1) * shape.in_flight

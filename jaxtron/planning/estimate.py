@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from jaxtron.config.schema import Config
+from jaxtron.config.schema import Config, replace
 from jaxtron.planning.collectives import communication_time
 from jaxtron.planning.gpus import GPU
 from jaxtron.planning.memory import UNSEEN_ON_TARGET, memory
@@ -89,10 +89,9 @@ def estimate(cfg: Config, sizes: dict[str, int], gpu: GPU, microbatches: int | N
     residual stream is converted to float32 once more before the backward pass; a pipelined program also holds a
     copy of the AdamW moments through the loss's backward pass).
     """
-    if cfg.execution.remat == "auto":  # the policy that a run on this GPU would pick (jaxtron.planning.remat)
-        from jaxtron.planning.remat import choose
-        cfg = choose(cfg, sizes, gpu, cpu_program, microbatches=microbatches,
-                     pipeline_microbatches=pipeline_microbatches)[0]
+    if cfg.execution.remat == AUTO:  # the policy that a run on this GPU would pick
+        cfg = choose_remat(cfg, sizes, gpu, cpu_program, microbatches=microbatches,
+                           pipeline_microbatches=pipeline_microbatches)[0]
     shape = step_shape(cfg, sizes, microbatches, cpu_program, pipeline_microbatches)
     block = block_values(cfg, shape)
     params = parameters(cfg.model)
@@ -109,3 +108,30 @@ def estimate(cfg: Config, sizes: dict[str, int], gpu: GPU, microbatches: int | N
                     memory=memory(cfg, shape, block, params), time=time, exposed=EXPOSED, overlapped=OVERLAPPED,
                     step_s=step, mfu=model_flops(cfg, shape) / step / mfu_peak(cfg, shape, gpu),
                     tokens_per_s=shape.step_tokens / step, collectives=collectives)
+
+
+# execution.remat='auto': the policies from fastest to leanest (jaxtron/planning/remat.py says why this order)
+AUTO = "auto"
+AUTO_ORDER = ("save_dots_attention", "save_dots", "save_attention", "full")
+# the estimate's GPU peaks are within 10% of the compiled ones (benchmarks/plan_validation.md): a policy is taken only
+# with that much room to spare
+MARGIN = 0.10
+
+
+def with_remat(cfg: Config, policy: str) -> Config:
+    return replace(cfg, execution=replace(cfg.execution, remat=policy))
+
+
+def choose_remat(cfg: Config, sizes: dict[str, int], gpu: GPU, cpu_program: bool = False,
+                 **options) -> tuple[Config, float]:
+    """(``cfg`` with remat 'auto' resolved: the first policy of ``AUTO_ORDER`` whose estimated peak, plus
+    ``MARGIN``, fits ``gpu``'s usable memory on the mesh ``sizes``, else 'full'; that peak in bytes). A config that
+    names its policy comes back as it is. ``options``: the estimate's (microbatches, pipeline microbatches)."""
+    if cfg.execution.remat != AUTO:
+        return cfg, estimate(cfg, sizes, gpu, cpu_program=cpu_program, **options).memory_bytes
+    for policy in AUTO_ORDER:
+        chosen = with_remat(cfg, policy)
+        need = estimate(chosen, sizes, gpu, cpu_program=cpu_program, **options).memory_bytes
+        if need * (1 + MARGIN) <= gpu.usable_bytes:
+            break
+    return chosen, need

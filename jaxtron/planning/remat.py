@@ -1,12 +1,13 @@
 """``execution.remat='auto'``: the fastest rematerialisation policy whose step fits the device, by the planner's
 memory estimate (within 10% of the compiled programs' peaks, ``benchmarks/plan_validation.md``).
 
-The policies from fastest to leanest (``AUTO_ORDER``): save_dots_attention keeps every weight matmul's output and
-the attention kernel's, so the backward pass recomputes only elementwise work; save_dots recomputes attention
-too; save_attention recomputes the projections; full recomputes the whole block. 'none' is not among them: it
-keeps every intermediate, norms' float32 statistics and weight copies included, for a step slower than
-save_dots_attention's (the time budget of Llama-3 8B's 8-layer step on one H200: 481 against 443 ms, at 84 against
-56 GiB; GPT-3's tensor-parallel shard measured on an H200: 0.391 against save_dots' 0.363 s).
+The policies from fastest to leanest (``AUTO_ORDER``; it and the choice live in ``jaxtron.planning.estimate``):
+save_dots_attention keeps every weight matmul's output and the attention kernel's, so the backward pass recomputes
+only elementwise work; save_dots recomputes attention too; save_attention recomputes the projections; full
+recomputes the whole block. 'none' is not among them: it keeps every intermediate, norms' float32 statistics and
+weight copies included, for a step slower than save_dots_attention's (the time budget of Llama-3 8B's 8-layer step
+on one H200: 481 against 443 ms, at 84 against 56 GiB; GPT-3's tensor-parallel shard measured on an H200: 0.391
+against save_dots' 0.363 s).
 """
 
 from __future__ import annotations
@@ -14,34 +15,12 @@ from __future__ import annotations
 import dataclasses
 import os
 
-from jaxtron.config.schema import Config, ConfigError, replace
-from jaxtron.planning.estimate import estimate
+from jaxtron.config.schema import Config, ConfigError
+
+# the order, the margin and the choice live with the estimate that makes it (re-exported here)
+from jaxtron.planning.estimate import AUTO, AUTO_ORDER, MARGIN, with_remat  # noqa: F401
+from jaxtron.planning.estimate import choose_remat as choose
 from jaxtron.planning.gpus import GPU, GPUS
-
-AUTO = "auto"
-AUTO_ORDER = ("save_dots_attention", "save_dots", "save_attention", "full")
-# the planner's GPU estimates are within 10% of the compiled peaks (benchmarks/plan_validation.md): a policy is taken
-# only with that much room to spare
-MARGIN = 0.10
-
-
-def with_remat(cfg: Config, policy: str) -> Config:
-    return replace(cfg, execution=replace(cfg.execution, remat=policy))
-
-
-def choose(cfg: Config, sizes: dict[str, int], gpu: GPU, cpu_program: bool = False,
-           **options) -> tuple[Config, float]:
-    """(``cfg`` with remat 'auto' resolved: the first policy of ``AUTO_ORDER`` whose estimated peak, plus
-    ``MARGIN``, fits ``gpu``'s usable memory on the mesh ``sizes``, else 'full'; that peak in bytes). A config that
-    names its policy comes back as it is. ``options``: the estimate's (microbatches, pipeline microbatches)."""
-    if cfg.execution.remat != AUTO:
-        return cfg, estimate(cfg, sizes, gpu, cpu_program=cpu_program, **options).memory_bytes
-    for policy in AUTO_ORDER:
-        chosen = with_remat(cfg, policy)
-        need = estimate(chosen, sizes, gpu, cpu_program=cpu_program, **options).memory_bytes
-        if need * (1 + MARGIN) <= gpu.usable_bytes:
-            break
-    return chosen, need
 
 
 def device_gpu(device) -> tuple[GPU, bool]:
