@@ -90,16 +90,19 @@ def _layout_text(e, remat: bool = False) -> str:
 
 
 def table(rows, top: int, remat: bool = False) -> str:
-    """The ranked rows, each with its rematerialisation policy when ``remat`` (the config's is 'auto')."""
-    head = (f"{'#':>3}  {'mesh':<34} {'micro':>5} {'GiB/GPU':>8} {'step s':>8} {'tok/s':>10} {'MFU':>6}  "
+    """The ranked rows, each with its rematerialisation policy when ``remat`` (the config's is 'auto'); the mesh
+    column as wide as its longest entry."""
+    shown = rows[:top] if top else rows
+    width = max([34] + [len(_layout_text(r.estimate, remat)) for r in shown])
+    head = (f"{'#':>3}  {'mesh':<{width}} {'micro':>5} {'GiB/GPU':>8} {'step s':>8} {'tok/s':>10} {'MFU':>6}  "
             f"{'dominant':<14} terms (s)")
     lines = [head, "-" * len(head)]
-    for i, row in enumerate(rows[:top] if top else rows, 1):
+    for i, row in enumerate(shown, 1):
         e = row.estimate
         fit = "" if row.fits else "  DOES NOT FIT"
         ordered = sorted(e.time.items(), key=lambda kv: -kv[1])
         terms = ", ".join(f"{k} {v:.3g}" for k, v in ordered if v > 0.005 * e.step_s)
-        lines.append(f"{i:>3}  {_layout_text(e, remat):<34} {e.microbatches:>5} {e.memory_bytes / GIB:>8.1f} "
+        lines.append(f"{i:>3}  {_layout_text(e, remat):<{width}} {e.microbatches:>5} {e.memory_bytes / GIB:>8.1f} "
                      f"{e.step_s:>8.3g} {e.tokens_per_s:>10.0f} {100 * e.mfu:>5.1f}%  {e.dominant:<14} {terms}{fit}")
     return "\n".join(lines)
 
