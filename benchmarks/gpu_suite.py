@@ -548,13 +548,17 @@ def main(argv: list[str]) -> int:
         report["wheels"] = install_wheels(args.wheels, log)
         env = child_env(args.smoke, report["wheels"].get("target"))
 
+        # this run's ceilings replace an earlier run's in the same folder (an MFU step run alone reuses those)
+        written = []
+
         def done(records):
             report["steps"] = records
             write(args.out, report)
             measured = next((r.get("result") for r in records if r["name"] == "ceilings" and r["status"] == "ok"), None)
-            if measured and not os.path.exists(os.path.join(args.out, CEILINGS_FILE)):
+            if measured and not written:
                 with open(os.path.join(args.out, CEILINGS_FILE), "w") as f:
                     json.dump(measured, f)
+                written.append(True)
 
         run_steps(steps, env, log, deadline, args.jobs or (2 if args.smoke else 1), done)
     failed = [s["name"] for s in report["steps"] if s["status"] != "ok"]

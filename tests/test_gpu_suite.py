@@ -14,9 +14,8 @@ from conftest import REPO
 
 from jaxtron.config.loader import load_config
 from jaxtron.parallel.checks import check_devices
-from jaxtron.planning.estimate import estimate
+from jaxtron.planning.estimate import MARGIN, estimate
 from jaxtron.planning.gpus import gpu
-from jaxtron.planning.remat import MARGIN
 
 SUITE = os.path.join(REPO, "benchmarks", "gpu_suite.py")
 

@@ -614,27 +614,28 @@ def test_plan_cli_ranks_and_compiles(tmp_path):
 
 
 def test_remat_auto_takes_the_fastest_policy_that_fits_with_the_planners_margin():
-    from jaxtron.planning import remat
+    from jaxtron.planning import estimate as remat
 
     cfg = _config("llama3_8b", **{"model.num_layers": "8", "data.seq_len": "4096", "train.global_batch_size": "4"})
     assert cfg.execution.remat == "auto"
     one = dict(pipeline=1, data=1, fsdp=1, sequence=1, expert=1, tensor=1)
-    chosen, need = remat.choose(cfg, one, H100)
+    chosen, need = remat.choose_remat(cfg, one, H100)
     assert chosen.execution.remat == "save_dots_attention" and need * (1 + remat.MARGIN) <= H100.usable_bytes
     assert need == estimate(chosen, one, H100).memory_bytes == estimate(cfg, one, H100).memory_bytes
     # a GPU just too small for it (the margin included) gets the next policy that fits
     small = dataclasses.replace(H100, memory_bytes=need * 1.05 / H100.usable_memory_fraction)
-    leaner, less = remat.choose(cfg, one, small)
+    leaner, less = remat.choose_remat(cfg, one, small)
     assert leaner.execution.remat in remat.AUTO_ORDER[1:] and less * (1 + remat.MARGIN) <= small.usable_bytes
     # where none fits: the leanest, full; a named policy stays as named
     tiny = dataclasses.replace(H100, memory_bytes=2**30)
-    assert remat.choose(cfg, one, tiny)[0].execution.remat == "full"
-    assert remat.choose(remat.with_remat(cfg, "save_dots"), one, tiny)[0].execution.remat == "save_dots"
+    assert remat.choose_remat(cfg, one, tiny)[0].execution.remat == "full"
+    assert remat.choose_remat(remat.with_remat(cfg, "save_dots"), one, tiny)[0].execution.remat == "save_dots"
 
 
 def test_a_run_resolves_remat_auto_before_building_the_model_and_refuses_it_without_the_planner():
     from jaxtron.config.schema import ConfigError
-    from jaxtron.planning.remat import AUTO_ORDER, resolve_for_devices
+    from jaxtron.planning.estimate import AUTO_ORDER
+    from jaxtron.planning.remat import resolve_for_devices
     from jaxtron.training import loop
 
     cfg = tiny_config(execution=dict(remat="auto"))

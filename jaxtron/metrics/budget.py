@@ -16,19 +16,21 @@ measured step to its bound says how much of that there is; ``benchmarks/step_bud
 from __future__ import annotations
 
 import dataclasses
-import math
 import re
 
 from jaxtron.metrics.collectives import COLLECTIVES, collectives
 from jaxtron.metrics.hlo import (
-    DTYPE_BYTES,
-    _attention_flops,
-    _backend_config,
-    _gemm_flops,
-    _grouped_gemm_flops,
+    ATTENTION_BACKWARD,
+    ATTENTION_FORWARD,
+    GEMM_TARGETS,
+    attention_flops,
+    backend_config,
     computations,
     definitions,
+    gemm_flops,
+    grouped_gemm_flops,
     runs_per_execution,
+    type_bytes,
 )
 
 
@@ -62,9 +64,6 @@ CEILINGS = {"h100": H100, "h200": H200}
 
 CATEGORIES = ("GEMM bf16", "GEMM fp8", "GEMM f32", "grouped GEMM", "attention", "memory-bound", "launches")
 
-_GEMM_TARGETS = ("__cublas$gemm", "__cublas$lt$matmul", "__cublas$lt$matmul$f8")
-_ATTENTION = ("__cudnn$fmhaSoftmax", "__cudnn$fmhaSoftmaxDropout", "__cudnn$fmhaSoftmaxBackward",
-              "__cudnn$fmhaSoftmaxDropoutBackward")
 # instructions that launch nothing: bookkeeping, control flow (its bodies are counted on their own), and the
 # asynchronous halves that only wait
 _FREE = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "while", "conditional", "call",
@@ -95,15 +94,6 @@ def _split(rest: str) -> tuple[str, str, str]:
         type_text, _, rest = rest.partition(" ")
     opcode, _, tail = rest.partition("(")
     return type_text, opcode.strip(), tail
-
-
-def _array_bytes(dtype: str, dims: tuple[int, ...]) -> int:
-    return DTYPE_BYTES.get(dtype, 4) * math.prod(dims)
-
-
-def _type_bytes(type_text: str) -> int:
-    return sum(_array_bytes(t, tuple(int(d) for d in dims.split(",") if d))
-               for t, dims in re.findall(r"(\w+)\[([\d,]*)\]", type_text))
 
 
 def _operand_names(tail: str) -> list[str]:
@@ -252,7 +242,7 @@ class _Program:
         return out
 
     def operand_bytes(self, name: str) -> int:
-        return _type_bytes(self.types.get(name, ""))
+        return type_bytes(self.types.get(name, ""))
 
     def fusion_bytes(self, fused: str, operands: list[str], result_type: str) -> float:
         """Bytes a fusion reads and writes: an operand that the fused computation only slices counts as its
@@ -284,9 +274,9 @@ class _Program:
             if o not in defs:
                 continue
             type_text, opcode, ops = defs[o]
-            written += _type_bytes(defs[ops[1]][0]) if opcode == "dynamic-update-slice" else _type_bytes(type_text)
+            written += type_bytes(defs[ops[1]][0]) if opcode == "dynamic-update-slice" else type_bytes(type_text)
         if not outputs:
-            written = _type_bytes(result_type)
+            written = type_bytes(result_type)
         read = 0.0
         for param, index in params.items():
             if index >= len(operands):
@@ -304,7 +294,7 @@ class _Program:
             if opcode == "bitcast":
                 total += self._read(user, whole, users, defs, in_place)
             elif opcode in ("dynamic-slice", "slice", "gather") and ops and ops[0] == name:
-                total += _type_bytes(defs[user][0])
+                total += type_bytes(defs[user][0])
             elif opcode == "dynamic-update-slice" and ops and ops[0] == name and user in in_place:
                 continue
             else:
@@ -355,7 +345,7 @@ def kernels(hlo_text: str, ceilings: Ceilings) -> list[Kernel]:
             operands = _operand_names(tail)
             if opcode == "custom-call":  # a library call's byte results are its workspace, not data it writes
                 type_text = re.sub(r"[su]8\[[\d,]*\](\{[^}]*\})?", "", type_text)
-            moved = float(sum(program.operand_bytes(o) for o in operands) + _type_bytes(type_text))
+            moved = float(sum(program.operand_bytes(o) for o in operands) + type_bytes(type_text))
             flops, category = 0.0, "memory-bound"
             if opcode == "fusion":
                 kind = _FUSION_KIND.search(line)
@@ -363,7 +353,7 @@ def kernels(hlo_text: str, ceilings: Ceilings) -> list[Kernel]:
                 fused = _CALLS.search(line).group(1).lstrip("%")
                 dot = program.called_dot(fused) if "gemm" in kind or "cudnn" in kind else None
                 if dot is not None:
-                    flops = _gemm_flops(dot, program.shapes, None)
+                    flops = gemm_flops(dot, program.shapes, None)
                     dot_ops = _operand_names(_split(_LINE.match(dot).group(2))[2])
                     category = _gemm_category([program.shapes.get(o, ("?", ()))[0] for o in dot_ops])
                 else:
@@ -372,14 +362,14 @@ def kernels(hlo_text: str, ceilings: Ceilings) -> list[Kernel]:
                 target = re.search(r'custom_call_target="([^"]+)"', line)
                 target = target.group(1) if target else ""
                 if "RaggedDot" in line:
-                    flops, category = _grouped_gemm_flops(line, program.shapes), "grouped GEMM"
-                elif target in _GEMM_TARGETS:
-                    flops = _gemm_flops(line, program.shapes, _backend_config(line))
+                    flops, category = grouped_gemm_flops(line, program.shapes), "grouped GEMM"
+                elif target in GEMM_TARGETS:
+                    flops = gemm_flops(line, program.shapes, backend_config(line))
                     category = _gemm_category([program.shapes.get(o, ("?", ()))[0] for o in operands[:2]])
-                elif target in _ATTENTION:
-                    flops, category = _attention_flops(line, "Backward" in target), "attention"
+                elif target in ATTENTION_FORWARD + ATTENTION_BACKWARD:
+                    flops, category = attention_flops(line, "Backward" in target), "attention"
             elif opcode == "dot":
-                flops = _gemm_flops(line, program.shapes, None)
+                flops = gemm_flops(line, program.shapes, None)
                 category = _gemm_category([program.shapes.get(o, ("?", ()))[0] for o in operands[:2]])
             elif opcode == "dynamic-update-slice":  # in place: the update read and written
                 moved = 2.0 * program.operand_bytes(operands[1]) if len(operands) > 1 else moved

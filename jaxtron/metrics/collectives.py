@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 import re
 
-from jaxtron.metrics.hlo import DTYPE_BYTES, SHAPE, definitions, runs_per_execution
+from jaxtron.metrics.hlo import DTYPE_BYTES, SHAPE, definitions, runs_per_execution, type_bytes
 
 COLLECTIVES = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "ragged-all-to-all", "collective-permute")
 
@@ -55,10 +55,6 @@ def _tuple_parts(text: str) -> list[str]:
     return [p.strip() for p in parts if p.strip()]
 
 
-def _type_bytes(text: str) -> int:
-    return sum(_bytes(dtype, [int(d) for d in dims.split(",") if d]) for dtype, dims in SHAPE.findall(text))
-
-
 def _result_bytes(line: str) -> int:
     """Bytes of what one collective instruction line produces (a tuple result sums its parts); for the
     asynchronous start of a reduce-scatter, of what it reduces. The start of any kind but an all-reduce defines a
@@ -68,7 +64,7 @@ def _result_bytes(line: str) -> int:
         parts = _tuple_parts(text)
         if len(parts) > 1:
             text = parts[0] if kind == "reduce-scatter" else parts[1]
-    return _type_bytes(text)
+    return type_bytes(text)
 
 
 _LISTED_GROUPS = re.compile(r"replica_groups=\{\{([\d,]*)\}")

@@ -13,9 +13,17 @@ import json
 import math
 import re
 
-DTYPE_BYTES = {"f32": 4, "bf16": 2, "f16": 2, "s32": 4, "u32": 4, "f64": 8, "s64": 8, "pred": 1, "s8": 1, "u8": 1,
-               "f8e4m3fn": 1, "f8e5m2": 1}
+DTYPE_BYTES = {"f32": 4, "bf16": 2, "f16": 2, "s32": 4, "u32": 4, "f64": 8, "s64": 8, "u64": 8, "s16": 2, "u16": 2,
+               "pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1}
 SHAPE = re.compile(r"(\w+)\[([\d,]*)\]")
+
+
+def type_bytes(type_text: str) -> int:
+    """Bytes of the arrays an HLO type names, a tuple's parts summed (what holds no data, such as a token, none)."""
+    return sum(DTYPE_BYTES.get(dtype, 0) * math.prod(int(d) for d in dims.split(",") if d)
+               for dtype, dims in SHAPE.findall(type_text))
+
+
 _COMPUTATION = re.compile(r"^(?:ENTRY )?%?([\w.\-]+) \(")
 _CALLS = re.compile(r"(?:body|condition|calls|to_apply|true_computation|false_computation)=%?([\w.\-]+)"
                     r"|branch_computations=\{([^}]*)\}")
@@ -97,9 +105,9 @@ def result_shape(line: str) -> tuple[int, ...]:
 _OPERANDS = re.compile(r"\b(?:dot|custom-call|fusion)\((.*?)\)")
 _CONTRACTING = re.compile(r"lhs_contracting_dims=\{([\d,]*)\}")
 _LAYOUT_CONSTRAINTS = re.compile(r"operand_layout_constraints=\{(.*?\})\}")  # shapes with their layouts
-_GEMM_TARGETS = ("__cublas$gemm", "__cublas$lt$matmul", "__cublas$lt$matmul$f8")
-_ATTENTION_FORWARD = ("__cudnn$fmhaSoftmax", "__cudnn$fmhaSoftmaxDropout")
-_ATTENTION_BACKWARD = ("__cudnn$fmhaSoftmaxBackward", "__cudnn$fmhaSoftmaxDropoutBackward")
+GEMM_TARGETS = ("__cublas$gemm", "__cublas$lt$matmul", "__cublas$lt$matmul$f8")
+ATTENTION_FORWARD = ("__cudnn$fmhaSoftmax", "__cudnn$fmhaSoftmaxDropout")
+ATTENTION_BACKWARD = ("__cudnn$fmhaSoftmaxBackward", "__cudnn$fmhaSoftmaxDropoutBackward")
 _TARGET = re.compile(r'custom_call_target="([^"]+)"')
 
 
@@ -108,7 +116,7 @@ def _operands(line: str) -> list[str]:
     return re.findall(r"%[\w.\-]+", found.group(1)) if found else []
 
 
-def _gemm_flops(line: str, shapes: dict, config: dict | None) -> float:
+def gemm_flops(line: str, shapes: dict, config: dict | None) -> float:
     """2 x output elements x contracted size, of a dot or a cuBLAS call (its dimension numbers in the config)."""
     operands = _operands(line)
     lhs = shapes.get(operands[0], (None, ()))[1] if operands else ()
@@ -135,7 +143,7 @@ def _call_operands(line: str, dtypes: tuple[str, ...] | None = None,
     return [dims for dtype, dims in typed if dtypes is None or dtype in dtypes]
 
 
-def _attention_flops(line: str, backward: bool) -> float:
+def attention_flops(line: str, backward: bool) -> float:
     """A cuDNN flash-attention call's matmuls, from its operands [batch, length, heads, head size] (query, key,
     value): forward QK^T and PV; backward the recomputed QK^T, dP, dV, dQ and dK. A causal mask halves the score
     pairs (a query block of T over S >= T keys sees T x (S - T/2) of them)."""
@@ -152,7 +160,7 @@ def _attention_flops(line: str, backward: bool) -> float:
 _FLOAT = ("bf16", "f16", "f32", "f8e4m3fn", "f8e5m2")
 
 
-def _grouped_gemm_flops(line: str, shapes: dict) -> float:
+def grouped_gemm_flops(line: str, shapes: dict) -> float:
     """A grouped (ragged) GEMM kernel's matmul FLOPs, 2 x M x K x N, from its float operands and its result: the
     forward [M, K] x [G, K, N] -> [M, N], the input gradient [M, N] x [G, N, K] -> [M, K], and the weight gradient
     from [M, K] and [M, N] (or [K, M]) -> [G, K, N]. A library kernel is a custom call XLA cannot see into; its op
@@ -179,7 +187,7 @@ def _grouped_gemm_flops(line: str, shapes: dict) -> float:
     return 0.0
 
 
-def _backend_config(line: str) -> dict:
+def backend_config(line: str) -> dict:
     start = line.find("backend_config={")
     if start < 0:
         return {}
@@ -204,15 +212,15 @@ def matmul_flops(hlo_text: str) -> dict[str, float]:
             continue
         for line in lines:
             if " dot(" in line:
-                out["dot"] += times * _gemm_flops(line, shapes, None)
+                out["dot"] += times * gemm_flops(line, shapes, None)
                 continue
             target = _TARGET.search(line)
             if not target:
                 continue
             if "RaggedDot" in line:  # tokamax's op name in the kernel call's metadata, or a jaxtron kernel's name
-                out["grouped_gemm"] += times * _grouped_gemm_flops(line, shapes)
-            elif target.group(1) in _GEMM_TARGETS:
-                out["gemm"] += times * _gemm_flops(line, shapes, _backend_config(line))
-            elif target.group(1) in _ATTENTION_FORWARD + _ATTENTION_BACKWARD:
-                out["attention"] += times * _attention_flops(line, target.group(1) in _ATTENTION_BACKWARD)
+                out["grouped_gemm"] += times * grouped_gemm_flops(line, shapes)
+            elif target.group(1) in GEMM_TARGETS:
+                out["gemm"] += times * gemm_flops(line, shapes, backend_config(line))
+            elif target.group(1) in ATTENTION_FORWARD + ATTENTION_BACKWARD:
+                out["attention"] += times * attention_flops(line, target.group(1) in ATTENTION_BACKWARD)
     return out

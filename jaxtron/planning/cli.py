@@ -197,9 +197,9 @@ def compile_report(cfg, sizes: dict[str, int], n: int, gpu_name: str, gpu, estim
     if math.prod(sizes.values()) != n:
         raise ConfigError(f"--compile mesh {_mesh_text(sizes)} has {math.prod(sizes.values())} devices but --gpus is "
                           f"{n}; make the sizes multiply to {n}.")
-    from jaxtron.planning.remat import choose
+    from jaxtron.planning.estimate import choose_remat
     from jaxtron.planning.search import with_mesh
-    cfg = choose(with_mesh(cfg, sizes), sizes, gpu)[0]  # as the table estimated it, remat 'auto' resolved
+    cfg = choose_remat(with_mesh(cfg, sizes), sizes, gpu)[0]  # as the table estimated it, remat 'auto' resolved
     on_target = gpu_name in target.TARGETS and target.plugin_installed()
     kernels, float8_gemms, time_budget = None, None, None
     if on_target:

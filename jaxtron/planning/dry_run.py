@@ -27,8 +27,9 @@ from jaxtron.ops.attention import cpu_implementation
 from jaxtron.parallel.checks import check_devices
 from jaxtron.parallel.mesh import make_mesh
 from jaxtron.parallel.sharding import batch_sharding, per_device_sharding, shard_count
-from jaxtron.planning import remat
+from jaxtron.planning.estimate import choose_remat
 from jaxtron.planning.gpus import GPUS
+from jaxtron.planning.remat import resolve_for_devices
 from jaxtron.training import state as state_lib
 from jaxtron.training.step import train_step
 
@@ -75,7 +76,7 @@ def _compile(cfg: Config, devices: list, implementation: str, gpu: str | None = 
     """(the dry run, the optimized HLO text) of ``cfg``'s train step over ``devices`` (compile-only ``gpu``s, or
     the devices jax has); execution.remat='auto' is resolved for those GPUs or devices."""
     sizes = check_devices(cfg, len(devices))
-    cfg = remat.choose(cfg, sizes, GPUS[gpu])[0] if gpu else remat.resolve_for_devices(cfg, sizes, devices)
+    cfg = choose_remat(cfg, sizes, GPUS[gpu])[0] if gpu else resolve_for_devices(cfg, sizes, devices)
     mesh = make_mesh(sizes, devices)
     with jax.set_mesh(mesh):
         setup = state_lib.setup(cfg, implementation, sizes)

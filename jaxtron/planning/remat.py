@@ -16,10 +16,7 @@ import dataclasses
 import os
 
 from jaxtron.config.schema import Config, ConfigError
-
-# the order, the margin and the choice live with the estimate that makes it (re-exported here)
-from jaxtron.planning.estimate import AUTO, AUTO_ORDER, MARGIN, with_remat  # noqa: F401
-from jaxtron.planning.estimate import choose_remat as choose
+from jaxtron.planning.estimate import AUTO, choose_remat
 from jaxtron.planning.gpus import GPU, GPUS
 
 
@@ -48,7 +45,7 @@ def resolve_for_devices(cfg: Config, sizes: dict[str, int], devices: list) -> Co
         return cfg
     import logging
     gpu, cpu_program = device_gpu(devices[0])
-    chosen, need = choose(cfg, sizes, gpu, cpu_program)
+    chosen, need = choose_remat(cfg, sizes, gpu, cpu_program)
     logging.getLogger(__name__).info(
         "execution.remat='auto' chose %s: the planner estimates %.1f GiB a device of %.0f usable on %s",
         chosen.execution.remat, need / 2**30, gpu.usable_bytes / 2**30, gpu.name)

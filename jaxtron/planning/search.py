@@ -9,8 +9,7 @@ from jaxtron.config.schema import MESH_AXES, Config, ConfigError, MeshConfig
 from jaxtron.parallel.checks import check_devices
 from jaxtron.parallel.mesh import full_sizes, split_over_nodes
 from jaxtron.parallel.sharding import shard_count
-from jaxtron.planning import remat
-from jaxtron.planning.estimate import Estimate, estimate
+from jaxtron.planning.estimate import AUTO, AUTO_ORDER, Estimate, estimate, with_remat
 from jaxtron.planning.gpus import GPU
 from jaxtron.planning.params import optimizer_elements, parameters, state_elements
 
@@ -138,15 +137,15 @@ def _optimizer_options(cfg: Config, sizes: dict[str, int]) -> list[Config]:
 
 
 def best_for_mesh(cfg: Config, sizes: dict[str, int], gpu: GPU) -> Row:
-    """With execution.remat='auto': the fastest row of the policies of ``remat.AUTO_ORDER`` that fits (the earlier
+    """With execution.remat='auto': the fastest row of the policies of ``AUTO_ORDER`` that fits (the earlier
     policy on a tie), else the leanest's. Otherwise: the mesh with the fewest microbatches that fit (more
     microbatches: less activation memory, more weight gathers) and, on a pipeline mesh, the fastest schedule and
     count of pipeline microbatches among those that fit (more: a smaller bubble, more weight gathers and stage
     hops; fill-drain's memory grows with them, 1F1B's does not), with or without the distributed optimizer (the
     same traffic in one microbatch, less with more; less memory: the leaner wins a tie); if none fits, the
     estimate with the most microbatches."""
-    if cfg.execution.remat == remat.AUTO:
-        rows = [best_for_mesh(remat.with_remat(cfg, policy), sizes, gpu) for policy in remat.AUTO_ORDER]
+    if cfg.execution.remat == AUTO:
+        rows = [best_for_mesh(with_remat(cfg, policy), sizes, gpu) for policy in AUTO_ORDER]
         fitting = [r for r in rows if r.fits]
         return min(fitting, key=lambda r: round(r.estimate.step_s, 3 - _digits(r.estimate.step_s))) if fitting \
             else rows[-1]
