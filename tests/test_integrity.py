@@ -241,8 +241,12 @@ def test_the_verify_command_exit_codes(trained, tmp_path):
     ok = subprocess.run([*verify, trained[0]], cwd=REPO, capture_output=True, text=True, timeout=120, check=False)
     assert ok.returncode == 0 and ok.stdout.splitlines()[-1].startswith("3 of 3 checkpoints intact")
     none = subprocess.run([*verify, str(tmp_path)], cwd=REPO, capture_output=True, text=True, timeout=120, check=False)
-    assert none.returncode == 2 and none.stderr == (f"'{tmp_path}/checkpoints' holds no checkpoint; point verify "
-                                                    "at the --workdir of a run that saved one.\n")
+    assert none.returncode == 2 and none.stderr == (f"error: '{tmp_path}/checkpoints' holds no checkpoint; point "
+                                                    "verify at the --workdir of a run that saved one.\n")
+    for path, what in ((tmp_path / "missing", "does not exist"), (Path(trained[0], "metrics.jsonl"), "is a file")):
+        bad = subprocess.run([*verify, str(path)], cwd=REPO, capture_output=True, text=True, timeout=120, check=False)
+        assert bad.returncode == 2 and bad.stderr == (f"error: '{path}' {what}; point verify at the --workdir of a "
+                                                      "run.\n") and not bad.stdout
     assert cli.main(["check", str(tmp_path)], commands=("verify",)) == 2
 
 

@@ -26,7 +26,6 @@ import logging
 import os
 import random
 import re
-import sys
 import threading
 import time
 from collections.abc import Iterable
@@ -34,6 +33,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import xxhash
+
+from jaxtron.config.checks import ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -330,8 +331,12 @@ def newest_intact(checkpoints_dir: str, steps: list[int], load=None) -> tuple[in
         if reason is None:
             return step, value, damaged
         damaged.append((step, reason))
-        log.warning("checkpoint %d in %s is damaged: %s; falling back to an earlier one", step, checkpoints_dir,
-                    reason)
+        if reason == NO_MANIFEST and step == max(steps):
+            log.warning("checkpoint %d in %s is unfinished: the run stopped before its checksums were recorded; "
+                        "falling back to an earlier one", step, checkpoints_dir)
+        else:
+            log.warning("checkpoint %d in %s is damaged: %s; falling back to an earlier one", step,
+                        checkpoints_dir, reason)
     return None, None, damaged
 
 
@@ -355,17 +360,34 @@ def move_aside(step_dir: str) -> str:
     return target
 
 
+def incomplete_saves(checkpoints_dir: str) -> list[str]:
+    """The names of the saves in ``checkpoints_dir`` that were cut off while being written (orbax's temporary
+    directories, never loaded)."""
+    names = os.listdir(checkpoints_dir) if os.path.isdir(checkpoints_dir) else []
+    return sorted(n for n in names if ".orbax-checkpoint-tmp" in n)
+
+
 def report(workdir: str) -> tuple[list[str], int]:
-    """One line per checkpoint of a run (intact, or damaged and why) and the exit code: 0 if all are
-    intact, 2 if any is damaged or there is none."""
-    directory = os.path.join(os.path.abspath(workdir), "checkpoints")
+    """One line per checkpoint of a run (intact, unfinished, or damaged and why) and the number damaged; a
+    ConfigError when ``workdir`` is no run directory or holds no checkpoint."""
+    workdir = os.path.abspath(os.path.expanduser(workdir))
+    if not os.path.isdir(workdir):
+        what = "is a file" if os.path.exists(workdir) else "does not exist"
+        raise ConfigError(f"'{workdir}' {what}; point verify at the --workdir of a run.")
+    directory = os.path.join(workdir, "checkpoints")
     steps = steps_in(directory)
     if not steps:
-        return [f"'{directory}' holds no checkpoint; point verify at the --workdir of a run that saved one."], 2
-    lines, damaged = [], 0
+        raise ConfigError(f"'{directory}' holds no checkpoint; point verify at the --workdir of a run that saved "
+                          "one.")
+    lines, damaged, unfinished = [], 0, 0
     for step in steps:
         step_dir = os.path.join(directory, str(step))
         reason = check(step_dir)
+        if reason == NO_MANIFEST and step == steps[-1]:  # the newest: the run stopped between the two
+            unfinished += 1
+            lines.append(f"step {step}: unfinished: the run stopped before its checksums were recorded; never "
+                         "loaded (a resumed run starts from the step before)")
+            continue
         damaged += reason is not None
         if reason:
             lines.append(f"step {step}: damaged: {reason}")
@@ -373,17 +395,21 @@ def report(workdir: str) -> tuple[list[str], int]:
             files = read_manifests(step_dir)
             total = sum(f["size"] for f in files.values())
             lines.append(f"step {step}: intact ({len(files)} files, {total / 1e6:.1f} MB)")
-    incomplete = sorted(n for n in os.listdir(directory) if "tmp" in n)
-    lines += [f"{n}: a save cut off while being written; never loaded" for n in incomplete]
-    lines.append(f"{len(steps) - damaged} of {len(steps)} checkpoints intact in {directory}")
-    return lines, 2 if damaged else 0
+    lines += [f"{n}: a save cut off while being written; never loaded" for n in incomplete_saves(directory)]
+    finished = len(steps) - unfinished
+    lines.append(f"{finished - damaged} of {finished} checkpoints intact in {directory}")
+    return lines, damaged
 
 
 def main(argv: list[str]) -> int:
-    """`jaxtron verify WORKDIR`: one line per checkpoint of the run; exit 2 if any is damaged or there is none."""
+    """`jaxtron verify WORKDIR`: one line per checkpoint of the run; exit 2 (after them, with one error line) if
+    any is damaged, and for a WORKDIR with no checkpoint."""
     parser = argparse.ArgumentParser(prog="jaxtron verify", description="Check a run's checkpoints against the "
                                      "checksums recorded when they were saved.")
     parser.add_argument("workdir", metavar="WORKDIR", help="the --workdir of a run")
-    lines, code = report(parser.parse_args(argv).workdir)
-    print("\n".join(lines), file=sys.stdout if code == 0 or len(lines) > 1 else sys.stderr)
-    return code
+    lines, damaged = report(parser.parse_args(argv).workdir)
+    print("\n".join(lines))
+    if damaged:
+        raise ConfigError(f"{damaged} checkpoint(s) damaged (listed above); a resumed run falls back to the newest "
+                          "intact one and moves the newer damaged ones aside.")
+    return 0

@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import shutil
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -80,11 +81,13 @@ class Checkpointer:
         self._recording: threading.Thread | None = None
         self._recording_error: BaseException | None = None
         self.last_watch_hash_s = 0.0  # seconds the last save's files were hashed while it ran (benchmarks)
-        incomplete = (sorted(n for n in os.listdir(self.directory) if "tmp" in n)
-                      if os.path.isdir(self.directory) else [])
-        if incomplete:  # a save cut off midway (the process died while writing): never loaded
-            log.warning("ignoring incomplete checkpoint(s) %s, cut off while being written; the latest complete "
-                        "one is step %s", ", ".join(incomplete), self.manager.latest_step())
+
+    def remove_incomplete(self) -> None:
+        """Deletes the saves cut off midway (a process died while writing them: orbax never loads them), which
+        would otherwise hold their disk space for good. The training run calls it once it is accepted."""
+        for name in integrity.incomplete_saves(self.directory):
+            shutil.rmtree(os.path.join(self.directory, name), ignore_errors=True)
+            log.warning("removed %s, a save cut off while being written (never loaded)", name)
 
     def latest_step(self) -> int | None:
         return self.manager.latest_step()

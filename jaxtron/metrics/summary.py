@@ -19,9 +19,9 @@ import re
 import statistics
 from typing import Any
 
-from jaxtron.config.checks import jsonl_records
 from jaxtron.config.loader import migrate
 from jaxtron.config.schema import ConfigError, ExecutionConfig, ModelConfig
+from jaxtron.files import jsonl_lines
 from jaxtron.metrics.bubble import idle_shares
 from jaxtron.metrics.collectives import COLLECTIVES
 from jaxtron.metrics.flops import fp8_flop_share
@@ -33,12 +33,19 @@ RULE = ("medians over log intervals, leaving out the first interval after each s
 
 
 def read_metrics(workdir: str) -> list[dict[str, Any]]:
-    """The lines of ``workdir/metrics.jsonl``; a ConfigError naming the line for anything unreadable."""
+    """The lines of ``workdir/metrics.jsonl``; a last line cut by a kill (no newline, not JSON) is left out with a
+    warning, and anything else unreadable is a ConfigError naming the line."""
     path = os.path.join(workdir, "metrics.jsonl")
     if not os.path.isfile(path):
         raise ConfigError(f"'{workdir}' has no metrics.jsonl; pass the --workdir of a jaxtron run.")
     records = []
-    for number, record in jsonl_records(path, path, "the file is damaged"):
+    for number, line in enumerate(jsonl_lines(path), 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except ValueError:
+            raise ConfigError(f"{path} line {number} is not JSON; the file is damaged.") from None
         if not isinstance(record, dict) or not isinstance(record.get("step"), int):
             raise ConfigError(f"{path} line {number} has no integer 'step'; the file is damaged.")
         records.append(record)

@@ -17,6 +17,8 @@ from typing import Any, Self
 
 import numpy as np
 
+from jaxtron.files import drop_cut_tail
+
 logger = logging.getLogger(__name__)
 
 METRICS_FILE = "metrics.jsonl"
@@ -104,8 +106,9 @@ class MetricsWriter:
                 raise ImportError("MetricsWriter needs tensorboardX for TensorBoard events; install it "
                                   "or pass tensorboard=False") from e
             self._tb = SummaryWriter(logdir=workdir, flush_secs=30)
-        # Appending keeps the lines of an earlier (e.g. preempted) run in the same workdir.
-        # open for the writer's life, closed by close()
+        # Appending keeps the lines of an earlier (e.g. preempted) run in the same workdir, after the line a kill
+        # may have cut; open for the writer's life, closed by close()
+        drop_cut_tail(os.path.join(workdir, METRICS_FILE))
         self._jsonl = open(os.path.join(workdir, METRICS_FILE), "a", encoding="utf-8")  # noqa: SIM115
         if use_tqdm is None:
             use_tqdm = sys.stdout.isatty()

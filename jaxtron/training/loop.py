@@ -7,6 +7,7 @@ import functools
 import json
 import logging
 import os
+import shutil
 import time
 from collections.abc import Callable
 from typing import Any
@@ -18,6 +19,7 @@ from jaxtron.checkpoint.train_state import LAYER_ORDER, Checkpointer
 from jaxtron.config.schema import Config, ConfigError, replace
 from jaxtron.data import position as data_position
 from jaxtron.data.loader import BatchIterator, BatchLimits, global_batch, make_sources
+from jaxtron.files import atomic_path, jsonl_lines, write_json
 from jaxtron.metrics import flops as flops_lib
 from jaxtron.metrics.collectives import collectives
 from jaxtron.metrics.throughput import Throughput
@@ -147,8 +149,28 @@ def run(cfg: Config, workdir: str, *, use_tqdm: bool | None = None,
     placement = place(cfg, devices, resolve_remat)
     with jax.set_mesh(placement.mesh):
         state_lib.check_fits(placement.setup.abstract_state, placement.shardings, list(placement.mesh.devices.flat))
+        before = sorted(os.listdir(workdir)) if os.path.isdir(workdir) else None
         _check_workdir(workdir)
-        return Trainer(placement.cfg, workdir, placement, use_tqdm, evaluator).train()
+        trainer = Trainer(placement.cfg, workdir, placement, use_tqdm, evaluator)
+        try:
+            return trainer.train()
+        except ConfigError:
+            if not trainer.accepted:  # refused (checkpoint, data or init_from mismatch): leave no trace
+                _remove_created(workdir, before)
+            raise
+
+
+def _remove_created(workdir: str, before: list[str] | None) -> None:
+    """Removes what a refused run made in ``workdir`` (all of it if the run made the directory itself); nothing
+    that was there before has changed yet."""
+    if jax.process_index() != 0:
+        return
+    if before is None:
+        shutil.rmtree(workdir, ignore_errors=True)
+        return
+    for name in set(os.listdir(workdir)) - set(before):
+        path = os.path.join(workdir, name)
+        shutil.rmtree(path, ignore_errors=True) if os.path.isdir(path) else os.remove(path)
 
 
 class Trainer:
@@ -164,6 +186,7 @@ class Trainer:
         # built by _build, inside train's try; _close closes whichever of them exist
         self.checkpointer = self.batches = self.writer = self.profile = self.watchdog = self.preemption = None
         self.tasks = None  # train.eval_tasks' evaluator
+        self.accepted = False  # the config, checkpoint, data and init_from checks passed: files may change now
 
     def train(self) -> RunSummary:
         t, done = self.cfg.train, 0
@@ -206,6 +229,11 @@ class Trainer:
         self.checkpointer = Checkpointer(self.workdir, c.keep, c.keep_every, c.async_save)
         self.state, self.position = self._restore_or_init()
         self.start = self.position.step
+        self.accepted = True
+        if self.is_main:  # only now the run's files change
+            write_json(os.path.join(self.workdir, "config.json"), cfg.to_dict(), indent=2)
+            _drop_metrics_after(self.workdir, self.start)
+            self.checkpointer.remove_incomplete()
         if self.start >= t.steps:
             return self.start
         self.batches = BatchIterator(self.train_source, mesh, t.global_batch_size, step=self.start,
@@ -220,8 +248,7 @@ class Trainer:
                  throughput.model_flops / 1e12, throughput.peak_note)
         hlo = _hlo_text(self.compiled)  # printed once: collectives.json and the pipeline layout read it
         if self.is_main and hlo is not None:
-            with open(os.path.join(self.workdir, "collectives.json"), "w") as f:  # for jaxtron.metrics.report
-                json.dump(collectives(hlo), f, indent=1)
+            write_json(os.path.join(self.workdir, "collectives.json"), collectives(hlo))  # for jaxtron report
         self.eval_fn = jax.jit(functools.partial(eval_step, self.setup),
                                in_shardings=(self.shardings.params, batch_sharding(mesh)))
         if t.eval_tasks.strip():
@@ -260,9 +287,6 @@ class Trainer:
         if "unigram_entropy" in self.facts:
             log.info("data: %d tokens; unigram entropy of the training text %.4f nats/token (the loss of the best "
                      "context-free model)", self.facts["train_tokens"], self.facts["unigram_entropy"])
-        if self.is_main:
-            with open(os.path.join(self.workdir, "config.json"), "w") as f:
-                json.dump(cfg.to_dict(), f, indent=2)
 
     def _restore_or_init(self) -> tuple[Any, data_position.DataPosition]:
         """The newest intact checkpoint with its data position, or a fresh (or fine-tuning) state at step 0. A
@@ -281,8 +305,6 @@ class Trainer:
         if restored is not None:
             position = resumed["position"]
             log.info("resumed from the checkpoint of step %d in %s", position.step, self.checkpointer.directory)
-            if self.is_main:
-                _drop_metrics_after(self.workdir, position.step)
             state = restored[0]
             if cfg.lora.rank:  # the checkpoint holds the adapters; the frozen base is train.init_from's
                 state = state.replace(params=lora.join(state.params, init_from()))
@@ -392,15 +414,22 @@ def _hlo_text(compiled) -> str | None:
 
 
 def _drop_metrics_after(workdir: str, step: int) -> None:
-    """Keeps metrics.jsonl consistent with the resumed state: lines of steps after it are re-logged."""
+    """Keeps metrics.jsonl consistent with the state the run starts from: lines of later steps (and a line cut by
+    a kill) are dropped, to be logged again."""
     path = os.path.join(workdir, "metrics.jsonl")
     if not os.path.exists(path):
         return
-    with open(path) as f:
-        lines = [line for line in f if line.strip() and json.loads(line).get("step", 0) <= step]
-    with open(path + ".tmp", "w") as f:
+    lines = [line + "\n" for line in jsonl_lines(path) if line.strip() and _logged_step(line) <= step]
+    with atomic_path(path) as aside, open(aside, "w", encoding="utf-8") as f:
         f.writelines(lines)
-    os.replace(path + ".tmp", path)
+
+
+def _logged_step(line: str) -> int:
+    try:
+        return int(json.loads(line).get("step", 0))
+    except (ValueError, TypeError, AttributeError):
+        raise ConfigError(f"metrics.jsonl holds a line that is not a logged step ({line[:60]!r}); the file is "
+                          "damaged: move it aside to resume.") from None
 
 
 def _summary_line(summary: RunSummary) -> str:

@@ -1,0 +1,104 @@
+"""Crash-consistent files: whatever moment a process dies at (a kill, a preemption, a full disk), every file it was
+writing is either complete or recognisably incomplete, and the readers cope.
+
+- Whole-file outputs (config.json, reports, plots, converted models) are written aside in the same directory and
+  renamed over the target (``write_atomic``, ``atomic_path``): a reader sees the old file or the new one.
+- Append-only logs (metrics.jsonl) are written a line at a time; a kill can leave only the last line cut, with no
+  newline. ``complete_lines`` reads the lines before it and names the cut part, which readers drop with a warning,
+  and ``drop_cut_tail`` removes it before a writer appends again.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import tempfile
+from collections.abc import Iterator
+
+log = logging.getLogger(__name__)
+
+ASIDE = ".partial"  # the infix of a file being written aside; a leftover one is never read
+
+
+@contextlib.contextmanager
+def atomic_path(path: str) -> Iterator[str]:
+    """A path in ``path``'s directory to write the whole file to; renamed over ``path`` once the block ends
+    without an exception (flushed to disk first), removed otherwise."""
+    directory = os.path.dirname(os.path.abspath(path))
+    os.makedirs(directory, exist_ok=True)
+    fd, aside = tempfile.mkstemp(prefix=f".{os.path.basename(path)}{ASIDE}.", dir=directory)
+    os.close(fd)
+    try:
+        yield aside
+        with open(aside, "rb") as f:
+            os.fsync(f.fileno())
+        os.replace(aside, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.remove(aside)
+        raise
+    _sync_directory(directory)
+
+
+def write_atomic(path: str, data: str | bytes) -> None:
+    """Writes ``data`` (text as UTF-8) to ``path`` as one step: a reader never sees part of it."""
+    with atomic_path(path) as aside, open(aside, "wb") as f:
+        f.write(data.encode("utf-8") if isinstance(data, str) else data)
+
+
+def write_json(path: str, value, indent: int | None = 1) -> None:
+    """``value`` as JSON in ``path``, written atomically (``write_atomic``)."""
+    import json
+
+    write_atomic(path, json.dumps(value, indent=indent) + "\n")
+
+
+def _sync_directory(directory: str) -> None:
+    """Makes a rename in ``directory`` durable (a no-op where directories cannot be opened)."""
+    with contextlib.suppress(OSError):
+        fd = os.open(directory, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def complete_lines(path: str) -> tuple[list[str], str]:
+    """(the complete lines of the text file ``path``, each without its newline; the cut last line, or '' when the
+    file ends in a newline). A process killed while appending leaves at most its last line cut."""
+    with open(path, "rb") as f:
+        data = f.read()
+    end = data.rfind(b"\n") + 1
+    return data[:end].decode("utf-8", errors="replace").splitlines(), data[end:].decode("utf-8", errors="replace")
+
+
+def drop_cut_tail(path: str) -> str:
+    """Truncates the log ``path`` after its last complete line, so that the next append starts a line of its own;
+    returns what was dropped ('' if nothing), after a warning naming it."""
+    if not os.path.exists(path):
+        return ""
+    with open(path, "rb+") as f:
+        data = f.read()
+        end = data.rfind(b"\n") + 1
+        if end == len(data):
+            return ""
+        f.truncate(end)
+    cut = data[end:].decode("utf-8", errors="replace")
+    log.warning("%s ended in a cut line (%d bytes, a process stopped while writing it); dropped it", path, len(cut))
+    return cut
+
+
+def jsonl_lines(path: str) -> list[str]:
+    """The lines of the JSON Lines log ``path``: a last line cut by a kill is left out with a warning (one that is
+    whole JSON but for its newline is kept)."""
+    import json
+
+    lines, cut = complete_lines(path)
+    if cut.strip():
+        try:
+            json.loads(cut)
+            lines.append(cut)
+        except ValueError:
+            log.warning("%s: its last line is cut (the writer stopped midway); left out", path)
+    return lines
