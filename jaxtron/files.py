@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import shutil
 import tempfile
 from collections.abc import Iterator
 
@@ -39,6 +40,32 @@ def atomic_path(path: str) -> Iterator[str]:
             os.remove(aside)
         raise
     _sync_directory(directory)
+
+
+@contextlib.contextmanager
+def staged_directory(out_dir: str) -> Iterator[str]:
+    """A directory to build ``out_dir`` in, beside it (``.<name>.partial``), renamed to ``out_dir`` (which must be
+    absent or empty) once the block ends without an exception and removed otherwise; one left by a killed process
+    is removed first. A reader never sees part of ``out_dir``, and a retry finds nothing in its way."""
+    out_dir = os.path.abspath(out_dir)
+    parent = os.path.dirname(out_dir)
+    staging = os.path.join(parent, f".{os.path.basename(out_dir)}{ASIDE}")
+    shutil.rmtree(staging, ignore_errors=True)
+    os.makedirs(staging)
+    try:
+        yield staging
+        if os.path.isdir(out_dir):
+            os.rmdir(out_dir)
+        os.rename(staging, out_dir)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    _sync_directory(parent)
+
+
+def user_path(path: str) -> str:
+    """A path as a user typed it (relative, ``~``, a trailing slash) made absolute."""
+    return os.path.abspath(os.path.expanduser(path))
 
 
 def write_atomic(path: str, data: str | bytes) -> None:

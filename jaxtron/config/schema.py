@@ -318,6 +318,11 @@ class LoraConfig:
         _check(self.alpha > 0, "lora.alpha", f"must be positive (got {self.alpha})", "use e.g. 16 or 2 * lora.rank")
         _check(not self.rank or bool(self.targets.strip()), "lora.targets", "is empty",
                "name projections, e.g. 'q,k,v,o'")
+        defaults = LoraConfig.__dataclass_fields__
+        changed = [name for name in ("targets", "alpha", "dropout") if getattr(self, name) != defaults[name].default]
+        _check(self.rank or not changed, f"lora.{changed[0] if changed else ''}",
+               "is set while lora.rank is 0, which trains no adapters (a full fine-tune)",
+               "set --config.lora.rank (e.g. 8) for LoRA, or leave the lora section out")
 
 
 SECTIONS = {"model": ModelConfig, "execution": ExecutionConfig, "mesh": MeshConfig, "pipeline": PipelineConfig,

@@ -59,6 +59,17 @@ def file_sha256(path: str) -> str:
     return digest.hexdigest()
 
 
+def first_manifest(data_path: str) -> dict:
+    """The manifest of the first token store ``data.path`` names ({} when it names none, or that store is not
+    there)."""
+    for store in (data_path.split(",") if data_path else []):
+        manifest = os.path.join(os.path.expanduser(store.strip()), MANIFEST)
+        if os.path.isfile(manifest):
+            with open(manifest) as f:
+                return json.load(f)
+    return {}
+
+
 def check_output(output: str, overwrite: bool) -> None:
     """Refuses to prepare into an existing, non-empty path unless ``overwrite``."""
     if overwrite or not os.path.lexists(output):

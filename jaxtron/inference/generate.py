@@ -213,17 +213,13 @@ def read_prompts(path: str) -> list[str]:
 
 def run_store_manifest(directory: str) -> dict:
     """The manifest of the first token store of a training run's data ({} for a converted model or none)."""
+    from jaxtron.data.store import first_manifest
     from jaxtron.interop.convert import _run_config
     try:
         cfg, _ = _run_config(directory)
     except ConfigError:
         return {}
-    for store in (cfg.data.path.split(",") if cfg.data.path else []):
-        manifest = os.path.join(os.path.expanduser(store.strip()), "manifest.json")
-        if os.path.isfile(manifest):
-            with open(manifest) as f:
-                return json.load(f)
-    return {}
+    return first_manifest(cfg.data.path)
 
 
 def run_tokenizer(directory: str, spec: str | None):

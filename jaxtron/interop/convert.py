@@ -21,8 +21,11 @@ from typing import Any
 import numpy as np
 
 from jaxtron.config.schema import Config, ConfigError, ExecutionConfig, ModelConfig
+from jaxtron.data.store import first_manifest
+from jaxtron.files import staged_directory, user_path
 from jaxtron.interop.hf import registry
 from jaxtron.interop.hf import safetensors as st
+from jaxtron.interop.hf import tokenizer as hf_tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -114,11 +117,27 @@ def from_hf(hf_dir: str, out_dir: str) -> ModelConfig:
     if extra:
         raise st.FormatError(f"tensor '{extra[0]}' in '{hf_dir}' has no place in a {hf.get('model_type')} model "
                              f"({len(extra)} such tensors); the architecture differs from what jaxtron converts.")
-    if os.path.exists(out_dir) and os.listdir(out_dir):
+    _check_output(out_dir)
+    with staged_directory(out_dir) as staging:
+        _write_params(cfg, plan, files, staging)
+        with open(os.path.join(staging, "config.py"), "w") as f:
+            f.write(_config_file(cfg, registry.train_fields(hf), out_dir))
+        # the tokenizer travels with the model (``jaxtron generate`` finds it there)
+        hf_tokenizer.export(hf_dir, None, cfg.max_seq_len, staging)
+    return cfg
+
+
+def _check_output(out_dir: str) -> None:
+    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
+        raise ConfigError(f"output directory '{out_dir}' is a file; choose a new directory.")
+    if os.path.isdir(out_dir) and os.listdir(out_dir):
         raise ConfigError(f"output directory '{out_dir}' is not empty; choose a new one.")
-    os.makedirs(out_dir, exist_ok=True)
+
+
+def _write_params(cfg: ModelConfig, plan: list, files: st.ModelFiles, out_dir: str) -> None:
+    """``out_dir/params`` from the tensors of ``files`` as ``plan`` places them."""
     shapes = _abstract_params(cfg)
-    staging = os.path.join(out_dir, ".staging")
+    staging = os.path.join(out_dir, ".buffers")
     os.makedirs(staging)
     buffers = {p: np.lib.format.open_memmap(os.path.join(staging, p + ".npy"), mode="w+", dtype=np.float32,
                                             shape=s.shape) for p, s in shapes.items()}
@@ -129,7 +148,6 @@ def from_hf(hf_dir: str, out_dir: str) -> ModelConfig:
             filled[t.param] += 1
     for t in plan:  # a second copy of a parameter (DeepSeek's MTP embedding and head) must equal the first
         if t.copy and not np.array_equal(t.to_jaxtron(files.read(t.hf_name)), buffers[t.param][t.index]):
-            shutil.rmtree(out_dir)
             raise st.FormatError(f"tensor '{t.hf_name}' differs from the model's own {t.param}; jaxtron's "
                                  "multi-token prediction shares the model's embedding and output head.")
     for p, s in shapes.items():  # every slice of every parameter came from exactly one tensor
@@ -137,17 +155,8 @@ def from_hf(hf_dir: str, out_dir: str) -> ModelConfig:
         assert filled[p] == slices, (p, filled[p], slices)
     from jaxtron.checkpoint.params import save_params
     save_params(out_dir, buffers, {t.param: len(t.index) for t in plan})
+    del buffers
     shutil.rmtree(staging)
-    with open(os.path.join(out_dir, "config.py"), "w") as f:
-        f.write(_config_file(cfg, registry.train_fields(hf), out_dir))
-    for name in TOKENIZER_FILES:  # the tokenizer travels with the model (``jaxtron generate`` finds it there)
-        if os.path.isfile(os.path.join(hf_dir, name)):
-            shutil.copyfile(os.path.join(hf_dir, name), os.path.join(out_dir, name))
-    return cfg
-
-
-# a Hugging Face directory's tokenizer files, copied into a converted model as they are
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model")
 
 
 def _run_config(ckpt_dir: str) -> tuple[Config, str | None]:
@@ -311,11 +320,9 @@ def to_hf(ckpt_dir: str, out_dir: str, dtype: str = "float32") -> dict:
     hf = registry.hf_config(cfg, run_cfg.train.router_aux_loss)
     hf["torch_dtype"] = dtype
     np_dtype = np.dtype(st.SAFETENSORS_DTYPES[{"float32": "F32", "bfloat16": "BF16", "float16": "F16"}[dtype]])
-    if os.path.exists(out_dir) and os.listdir(out_dir):
-        raise ConfigError(f"output directory '{out_dir}' is not empty; choose a new one.")
+    _check_output(out_dir)
     source = _source(os.path.abspath(ckpt_dir), run_cfg, step_dir)
     plan = sorted(registry.tensors(cfg), key=lambda t: t.param)  # stable: each parameter's slices together
-    os.makedirs(out_dir, exist_ok=True)
     shards, size = [[]], 0
     for t in plan:
         nbytes = math.prod(t.shape) * np_dtype.itemsize
@@ -332,17 +339,21 @@ def to_hf(ckpt_dir: str, out_dir: str, dtype: str = "float32") -> dict:
 
     names = [st.SINGLE] if len(shards) == 1 else \
         [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
-    for name, shard in zip(names, shards):
-        st.write(os.path.join(out_dir, name), [(t.hf_name, t.shape, np_dtype) for t in shard], produce,
-                 {"format": "pt"})
-    if len(shards) > 1:
-        total = sum(math.prod(t.shape) for t in plan) * np_dtype.itemsize
-        index = {"metadata": {"total_size": total},
-                 "weight_map": {t.hf_name: n for n, shard in zip(names, shards) for t in shard}}
-        with open(os.path.join(out_dir, st.INDEX), "w") as f:
-            json.dump(index, f, indent=2)
-    with open(os.path.join(out_dir, "config.json"), "w") as f:
-        json.dump(hf, f, indent=2)
+    with staged_directory(out_dir) as staging:
+        for name, shard in zip(names, shards):
+            st.write(os.path.join(staging, name), [(t.hf_name, t.shape, np_dtype) for t in shard], produce,
+                     {"format": "pt"})
+        if len(shards) > 1:
+            total = sum(math.prod(t.shape) for t in plan) * np_dtype.itemsize
+            index = {"metadata": {"total_size": total},
+                     "weight_map": {t.hf_name: n for n, shard in zip(names, shards) for t in shard}}
+            with open(os.path.join(staging, st.INDEX), "w") as f:
+                json.dump(index, f, indent=2)
+        with open(os.path.join(staging, "config.json"), "w") as f:
+            json.dump(hf, f, indent=2)
+        wrote = hf_tokenizer.export(ckpt_dir, None if step_dir is None else first_manifest(run_cfg.data.path),
+                                    cfg.max_seq_len, staging)
+    log.info("tokenizer: %s", wrote)
     return hf
 
 
@@ -361,12 +372,14 @@ def main(argv: list[str]) -> int:
     b.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
                    help="dtype of the written tensors (default float32, the training precision)")
     args = parser.parse_args(argv)
+    args.out_dir = user_path(args.out_dir)
     if args.command == "from-hf":
+        args.hf_dir = user_path(args.hf_dir)
         cfg = from_hf(args.hf_dir, args.out_dir)
         log.info("wrote %s/params and %s/config.py (%s, %d layers%s)", args.out_dir, args.out_dir, cfg.name,
                  cfg.num_layers, f", {cfg.moe.num_experts} experts" if cfg.moe.num_experts else "")
     else:
-        to_hf(args.ckpt_dir, args.out_dir, args.dtype)
+        to_hf(user_path(args.ckpt_dir), args.out_dir, args.dtype)
         log.info("wrote %s/config.json and safetensors", args.out_dir)
     return 0
 
