@@ -187,7 +187,7 @@ def test_sigterm_checkpoints_at_the_next_step_and_exits_with_the_preemption_code
 
 
 @pytest.mark.slow
-def test_a_save_cut_off_midway_is_ignored_and_a_corrupted_one_set_aside(tmp_path, caplog):
+def test_a_save_cut_off_midway_is_removed_and_a_corrupted_one_set_aside(tmp_path, caplog):
     cfg = tiny_config(train=dict(steps=2), checkpoint=dict(every=1))
     run(cfg, str(tmp_path), use_tqdm=False, devices=jax.devices()[:1])
     # a later save that died while writing: orbax's temporary directory with partial contents
@@ -197,8 +197,8 @@ def test_a_save_cut_off_midway_is_ignored_and_a_corrupted_one_set_aside(tmp_path
     more = tiny_config(train=dict(steps=3), checkpoint=dict(every=1))
     with caplog.at_level("WARNING"):
         summary = run(more, str(tmp_path), use_tqdm=False, devices=jax.devices()[:1])
-    assert "ignoring incomplete checkpoint(s) 3.orbax-checkpoint-tmp-1700000000" in caplog.text
-    assert "the latest complete one is step 2" in caplog.text
+    assert "removed 3.orbax-checkpoint-tmp-1700000000, a save cut off while being written" in caplog.text
+    assert not partial.exists()  # its disk space is free again
     assert [h["step"] for h in summary.history] == [3]  # resumed from the complete step 2
     # flip bytes in the array data of the newest checkpoint: named, set aside, and the run resumes from step 2
     data_files = [os.path.join(d, f) for d, _, fs in os.walk(tmp_path / CHECKPOINT_DIR / "3" / "state" / "d")

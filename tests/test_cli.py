@@ -139,3 +139,28 @@ def test_the_older_entry_points_forward_to_it(tmp_path):
     assert train.returncode == 0 and "--workdir" in train.stdout and "vocab_size" not in train.stdout, train.stderr
     error = _run("-m", "jaxtron", "report", str(tmp_path / "missing"))
     assert error.returncode == 2 and error.stderr.startswith("error: ") and error.stderr.count("\n") == 1, error.stderr
+
+
+def test_flags_are_checked_before_a_model_loads(monkeypatch, tmp_path, capsys):
+    from jaxtron.inference import generate
+
+    monkeypatch.setattr(generate, "load_model", lambda *a, **k: pytest.fail("a model was loaded"))
+    assert cli.main(["generate", "--run", str(tmp_path), "--prompt", "def ", "--max-new-tokens", "-1"]) == 2
+    out = capsys.readouterr()
+    assert out.err == "error: --max-new-tokens must be at least 1, not -1.\n" and out.out == ""
+
+
+def test_commands_log_without_jaxs_backend_probing_and_the_bar_moves_every_step(tmp_path):
+    import io
+    import logging
+
+    from jaxtron.metrics.writers import MetricsWriter
+
+    cli.console_logging()
+    assert logging.getLogger("jax._src.xla_bridge").getEffectiveLevel() >= logging.WARNING
+    writer = MetricsWriter(str(tmp_path), 10, use_tqdm=True, tensorboard=False)
+    writer._bar.fp = io.StringIO()
+    for step in (1, 2, 3):
+        writer.advance(step)
+    assert writer._bar.n == 3 and not os.path.getsize(tmp_path / "metrics.jsonl")  # the bar alone moved
+    writer.close()

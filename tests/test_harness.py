@@ -152,6 +152,24 @@ def test_jaxtron_lm_eval_runs_local_tasks_end_to_end(converted, tmp_path, capsys
     assert "jaxtron_sums" in capsys.readouterr().out
 
 
+def test_a_task_that_cannot_load_is_one_sentence_with_exit_2(converted, tmp_path, capsys):
+    from jaxtron import cli
+
+    args = ["lm-eval", "--model", "jaxtron", "--model_args", f"run={converted}", "--include_path"]
+    assert cli.main([*args, TASKS, "--tasks", "jaxtron_sums,no_such_task"]) == 2
+    err = capsys.readouterr().err
+    assert err.splitlines()[-1] == ("error: lm-eval knows no task no_such_task; list its tasks with `jaxtron "
+                                    "lm-eval --tasks list`, or pass --include_path DIR holding the task's YAML.")
+    hub = tmp_path / "tasks"
+    hub.mkdir()
+    (hub / "hub.yaml").write_text("task: needs_the_hub\ndataset_path: nobody/not_on_this_machine\n"
+                                  "test_split: test\noutput_type: multiple_choice\ndoc_to_text: '{{q}}'\n"
+                                  "doc_to_target: 0\ndoc_to_choice: ['a', 'b']\n")
+    assert cli.main([*args, str(hub), "--tasks", "needs_the_hub"]) == 2
+    err = capsys.readouterr().err
+    assert err.splitlines()[-1].startswith("error: a task's data cannot be loaded here (") and "Traceback" not in err
+
+
 def test_bad_lm_eval_input_is_one_sentence(tmp_path):
     from jaxtron.config.schema import ConfigError
     from jaxtron.inference.harness import JaxtronLM

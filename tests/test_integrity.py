@@ -106,15 +106,22 @@ def _restore_latest(workdir):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", KINDS)
-def test_damage_in_the_latest_checkpoint_falls_back_to_the_previous_one(kind, trained, workdir, caplog):
+def test_damage_in_the_latest_checkpoint_falls_back_to_the_previous_one(kind, trained, workdir, caplog, capsys):
     reason = damage(workdir, 3, kind)
+    if kind == "no_manifest":  # the newest without checksums: a run killed between its save and them
+        assert cli.main(["verify", workdir]) == 0
+        assert capsys.readouterr().out.splitlines()[2:] == [
+            "step 3: unfinished: the run stopped before its checksums were recorded; never loaded (a resumed run "
+            "starts from the step before)", f"2 of 2 checkpoints intact in {os.path.join(workdir, CHECKPOINT_DIR)}"]
     with caplog.at_level("WARNING"):
         (state, data), latest = _restore_latest(workdir)
     assert data["step"] == 2 and latest == 2  # the rest of the data state is not ours
     for a, b in zip(_leaves(state), _leaves(trained[1][2])):
         np.testing.assert_array_equal(a, b)
     ckpts = os.path.join(workdir, CHECKPOINT_DIR)
-    assert f"checkpoint 3 in {ckpts} is damaged: {reason}; falling back to an earlier one" in caplog.text
+    said = ("is unfinished: the run stopped before its checksums were recorded" if kind == "no_manifest" else
+            f"is damaged: {reason}")
+    assert f"checkpoint 3 in {ckpts} {said}; falling back to an earlier one" in caplog.text
     moved = os.path.join(workdir, integrity.DAMAGED_DIR, "3")
     assert f"moved damaged checkpoint 3 to {moved}" in caplog.text
     assert integrity.steps_in(ckpts) == [1, 2] and os.path.isdir(moved)  # kept, out of the way of a new step 3

@@ -216,7 +216,9 @@ def _drain_one(pending: collections.deque, writer: StoreWriter, bar) -> None:
 
 def main(argv: Sequence[str]) -> int:
     """`jaxtron prepare`: writes the token store the command line ``argv`` describes."""
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S")
+    from jaxtron.cli import console_logging
+
+    console_logging()
     parser = argparse.ArgumentParser(prog="jaxtron prepare", description=__doc__.split("\n")[0])
     parser.add_argument("--input", action="append", required=True, help="file or glob (repeatable; ** recurses)")
     parser.add_argument("--tokenizer", required=True, help="'byte', a tokenizer.json, or a SentencePiece .model")

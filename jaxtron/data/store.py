@@ -322,7 +322,9 @@ def main(argv: Sequence[str]) -> int:
                                      "against their manifests (this reads the whole corpus).")
     parser.add_argument("stores", nargs="+", metavar="STORE_DIR", help="a directory written by jaxtron prepare")
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S")
+    from jaxtron.cli import console_logging
+
+    console_logging()
     for path in args.stores:
         store = TokenStore(path, verify=True)
         log.info("%s: %d shard(s), %d documents, %d tokens match the manifest", path, len(store.shards),

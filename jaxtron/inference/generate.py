@@ -32,6 +32,7 @@ import numpy as np
 
 from jaxtron.config.checks import jsonl_records
 from jaxtron.config.schema import ConfigError
+from jaxtron.files import user_path
 
 log = logging.getLogger(__name__)
 
@@ -300,8 +301,9 @@ def load_model(directory: str, dtype: str = "float32", mesh_spec: str = ""):
 
 def main(argv: list[str]) -> int:
     """`jaxtron generate`: prints the continuations the command line ``argv`` asks for."""
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S")
-    logging.getLogger("absl").setLevel(logging.WARNING)
+    from jaxtron.cli import console_logging
+
+    console_logging()
     parser = argparse.ArgumentParser(prog="jaxtron generate", description=__doc__.split("\n")[0])
     parser.add_argument("--run", required=True, help="training run (newest intact checkpoint) or converted model")
     parser.add_argument("--prompt", action="append", default=[], help="a prompt (repeat for a batch)")
@@ -322,6 +324,9 @@ def main(argv: list[str]) -> int:
     if args.chat_template and not args.chat:
         raise ConfigError("--chat-template is used only with --chat; add --chat or leave it out.")
     sampling = Sampling(args.temperature, args.top_k, args.top_p, args.seed)
+    if args.max_new_tokens < 1:  # checked before any model loads, as every flag
+        raise ConfigError(f"--max-new-tokens must be at least 1, not {args.max_new_tokens}.")
+    args.run = user_path(args.run)
     texts = list(args.prompt) + (read_prompts(args.prompts) if args.prompts else [])
     if not texts:
         raise ConfigError("no prompt given; pass --prompt TEXT or --prompts FILE.jsonl.")

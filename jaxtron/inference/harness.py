@@ -22,6 +22,7 @@ at the task's ``until`` strings, the end-of-document token or ``max_gen_toks``.
 from __future__ import annotations
 
 import logging
+import os
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -220,8 +221,34 @@ def main(argv: list[str]) -> int:
         print(text.getvalue().replace("usage: lm-eval run", "usage: jaxtron lm-eval", 1))
         return 0
     sys.argv = ["lm-eval", *argv]
-    cli_evaluate()
+    for name in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"):  # no network at run time: local task data only
+        os.environ.setdefault(name, "1")
+    try:
+        cli_evaluate()
+    except Exception as e:
+        reason = unloadable_task(e)
+        if reason is None:
+            raise
+        raise ConfigError(reason) from None
     return 0
+
+
+def unloadable_task(error: BaseException) -> str | None:
+    """The sentence for an lm-eval failure that names a task it cannot load (unknown, or its data not on this
+    machine), None for any other error."""
+    import traceback
+
+    if isinstance(error, ValueError) and str(error).startswith("Tasks not found"):
+        names = str(error).partition(":")[2].strip().strip("[]").replace("'", "")
+        return (f"lm-eval knows no task {names}; list its tasks with `jaxtron lm-eval "
+                "--tasks list`, or pass --include_path DIR holding the task's YAML.")
+    frames = traceback.extract_tb(error.__traceback__)
+    if frames and f"{os.sep}datasets{os.sep}" in frames[-1].filename:  # raised while loading a task's data
+        first = str(error).splitlines()[0] if str(error) else type(error).__name__
+        return (f"a task's data cannot be loaded here ({first}); runs have no network, so use a task whose "
+                "dataset is on this machine (its YAML's dataset_path naming local files, with --include_path), or "
+                "fill the Hugging Face datasets cache first.")
+    return None
 
 
 if __name__ == "__main__":  # `python -m jaxtron.inference.harness` is `jaxtron lm-eval`

@@ -359,8 +359,9 @@ def to_hf(ckpt_dir: str, out_dir: str, dtype: str = "float32") -> dict:
 
 def main(argv: list[str]) -> int:
     """`jaxtron convert from-hf|to-hf`: converts as the command line ``argv`` says."""
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S")
-    logging.getLogger("absl").setLevel(logging.WARNING)
+    from jaxtron.cli import console_logging
+
+    console_logging()
     parser = argparse.ArgumentParser(prog="jaxtron convert", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     a = sub.add_parser("from-hf", help="Hugging Face directory -> jaxtron parameters and config.py")

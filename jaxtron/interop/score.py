@@ -56,8 +56,9 @@ def score(checkpoint: str, tokens_path: str, dtype: str = "float32") -> np.ndarr
 
 def main(argv: list[str]) -> int:
     """`jaxtron score`: writes the logits the command line ``argv`` asks for."""
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S")
-    logging.getLogger("absl").setLevel(logging.WARNING)
+    from jaxtron.cli import console_logging
+
+    console_logging()
     parser = argparse.ArgumentParser(prog="jaxtron score", description=__doc__.split("\n")[0])
     parser.add_argument("--checkpoint", required=True, help="converted model or training workdir")
     parser.add_argument("--tokens", required=True, help=".npy of int token ids [batch, length]")

@@ -145,6 +145,11 @@ class MetricsWriter:
         if any(key.startswith("eval/") for key in values):
             self.log(format_line(step, self.total_steps, values))  # rare and worth a line of its own
 
+    def advance(self, step: int) -> None:
+        """Moves the progress bar to ``step`` (every step; the other sinks are written at log steps)."""
+        if self._bar is not None and step > self._bar.n:
+            self._bar.update(step - self._bar.n)
+
     def log(self, text: str) -> None:
         """Prints a line: above the progress bar when there is one, else through ``logging``."""
         if self._bar is not None:

@@ -43,9 +43,9 @@ def parse_args(argv: list[str]):
 def main(argv: list[str], evaluator=None, resolve_remat=None) -> int:
     """Trains as the command line ``argv`` says; returns the exit code. ``evaluator``, ``resolve_remat``: see
     ``loop.run``."""
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S")
-    logging.getLogger("jax._src.xla_bridge").setLevel(logging.WARNING)  # "no TPU found" is not news
-    logging.getLogger("absl").setLevel(logging.WARNING)  # orbax logs every file operation at INFO
+    from jaxtron.cli import console_logging
+
+    console_logging()
     from jaxtron.config.loader import HelpRequested
 
     try:

@@ -209,6 +209,8 @@ class Trainer:
                 stop |= jax.process_count() == 1 and self.preemption.requested is not None
                 if log_now:
                     self._log(done, metrics)
+                elif self.writer is not None:
+                    self.writer.advance(done)
                 if t.eval_every and done % t.eval_every == 0 and done < t.steps:
                     self._evaluate_midway(done)
                 if stop and done < t.steps:
