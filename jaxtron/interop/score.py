@@ -15,6 +15,7 @@ import logging
 import numpy as np
 
 from jaxtron.config.schema import ConfigError, ExecutionConfig, ModelConfig
+from jaxtron.files import atomic_path
 
 log = logging.getLogger(__name__)
 
@@ -66,7 +67,9 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="compute dtype")
     args = parser.parse_args(argv)
     logits = score(args.checkpoint, args.tokens, args.dtype)
-    np.save(args.output, logits)
+    args.output += "" if args.output.endswith(".npy") else ".npy"  # as np.save names it
+    with atomic_path(args.output) as aside, open(aside, "wb") as f:
+        np.save(f, logits)
     log.info("wrote %s: float32 logits of shape %s", args.output, logits.shape)
     return 0
 

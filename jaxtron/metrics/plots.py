@@ -10,6 +10,8 @@ import matplotlib
 matplotlib.use("Agg")  # files only: no display on clusters
 import matplotlib.pyplot as plt
 
+from jaxtron.files import atomic_path
+
 
 def _series(records: list[dict[str, Any]], key: str) -> tuple[list[int], list[float]]:
     points = [(r["step"], r[key]) for r in records if isinstance(r.get(key), (int, float))]
@@ -52,6 +54,7 @@ def write_plots(records: list[dict[str, Any]], out_dir: str, title: str) -> list
 
 def _save(fig, path: str) -> str:
     fig.tight_layout()
-    fig.savefig(path, format="png")
+    with atomic_path(path) as aside:
+        fig.savefig(aside, format="png")
     plt.close(fig)
     return path

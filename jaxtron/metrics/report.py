@@ -13,8 +13,9 @@ and bytes) are always there. With a pipeline, the profiler window also gives eac
 from __future__ import annotations
 
 import argparse
-import json
 from typing import Any
+
+from jaxtron.files import write_json
 
 ROWS = (  # (summary key, label, format)
     ("steps_done", "steps done", "{:d}"),
@@ -109,7 +110,6 @@ def main(argv: list[str]) -> int:
     if args.vs:
         print(compare(*runs))
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(runs if args.vs else runs[0], f, indent=1)
+        write_json(args.json, runs if args.vs else runs[0])
     return 0
 

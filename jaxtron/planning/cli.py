@@ -18,9 +18,10 @@ global batch come from the config; ``--seq_len``, ``--global_batch_size`` or any
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import sys
+
+from jaxtron.files import write_json
 
 GIB = 2.0**30
 
@@ -176,8 +177,7 @@ def run(argv: list[str]) -> int:
         report["dry_run"] = compile_report(cfg, compile_sizes, args.gpus, args.gpu.strip().lower(), gpu, estimate,
                                            args.hlo)
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=1)
+        write_json(args.json, report)
     return status
 
 

@@ -21,6 +21,7 @@ import jax.numpy as jnp
 
 from jaxtron.checkpoint.train_state import abstract_with_shardings
 from jaxtron.config.schema import Config, ConfigError
+from jaxtron.files import write_atomic
 from jaxtron.metrics.collectives import collectives
 from jaxtron.metrics.hlo import matmul_flops
 from jaxtron.ops.attention import cpu_implementation
@@ -166,8 +167,7 @@ def _target_main(argv: list[str]) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     if hlo_path:
-        with open(hlo_path, "w") as f:
-            f.write(text)
+        write_atomic(hlo_path, text)
     print(json.dumps({**dataclasses.asdict(result), "peak_bytes": result.peak_bytes, "kernels": kernels(text),
                       "float8_gemms": float8_operands(text), "budget": budget(text, CEILINGS[gpu]).summary()}))
     return 0

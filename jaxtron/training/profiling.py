@@ -12,7 +12,6 @@ window, its wall time and the number of devices the trace covers (``jaxtron.metr
 from __future__ import annotations
 
 import glob
-import json
 import logging
 import os
 import time
@@ -23,6 +22,7 @@ import jax
 import numpy as np
 
 from jaxtron.config.schema import ProfileConfig
+from jaxtron.files import write_json
 from jaxtron.metrics.throughput import Throughput
 from jaxtron.training.step_flags import scalar_metrics
 
@@ -76,8 +76,8 @@ class ProfileWindow:
         if schedule.kind in ("1f1b", "interleaved"):  # one loop: its iterations' two phases, by their scopes
             phases = phase_ops(hlo, loops.get("forward", []), {"forward": FORWARD_PHASE, "backward": BACKWARD_PHASE})
         os.makedirs(self.directory, exist_ok=True)
-        with open(os.path.join(self.directory, PIPELINE_FILE), "w") as f:
-            json.dump(stage_layout(mesh, schedule, loops, phases, schedule_steps(hlo, SCOPE)), f, indent=1)
+        write_json(os.path.join(self.directory, PIPELINE_FILE),
+                   stage_layout(mesh, schedule, loops, phases, schedule_steps(hlo, SCOPE)))
 
     def annotate(self, step: int):
         """The context to dispatch step ``step`` in: named 'train' with its number in the trace."""
@@ -103,8 +103,7 @@ class ProfileWindow:
                   "steps": done - self.cfg.start_step, "wall_s": wall, "devices": jax.local_device_count(),
                   "process_index": jax.process_index(),
                   "trace": os.path.relpath(traces[-1], self.directory) if traces else None}
-        with open(os.path.join(self.directory, WINDOW_FILE), "w") as f:
-            json.dump(window, f, indent=1)
+        write_json(os.path.join(self.directory, WINDOW_FILE), window)
         log.info("profile of steps %d to %d written to %s (%.2f s)", self.cfg.start_step + 1, done,
                  self.directory, wall)
 
