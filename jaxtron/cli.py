@@ -85,16 +85,6 @@ def _guarded(body: Callable[[], int | None]) -> int:
         return _error(str(e), code)
 
 
-def console_logging() -> None:
-    """The log format every command prints in, at INFO, without what its libraries say at INFO: jax's "Unable to
-    initialize backend 'tpu'" is not news, and orbax logs every file operation."""
-    import logging
-
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S")
-    for name in ("jax._src.xla_bridge", "absl"):
-        logging.getLogger(name).setLevel(logging.WARNING)
-
-
 def _error(message: str, code: int) -> int:
     """Prints ``error: <message>`` on stderr, the one form every command's errors take; returns ``code``."""
     print(f"error: {message}", file=sys.stderr)

@@ -125,11 +125,13 @@ def inject(kills: int, seed: int, root: str, steps: int = 60, log=print) -> dict
             if proc.wait(timeout=600) != 0:
                 raise RuntimeError(f"the last run failed: {_tail(run_log)}")
             break
+        # steps this run may take before its kill: on average `stride`, never all that are left
+        span = per_step * min(2 * stride, max(steps - _resumes_from(workdir) - 2, 0))
         if i % 2:  # while training: after this process logged a step
             _wait_for_a_step(proc, run_log)
-            time.sleep(rng.uniform(0, 2 * stride * per_step))
+            time.sleep(rng.uniform(0, span))
         else:  # anywhere in its life: start-up, restore, compile, steps, saves
-            time.sleep(rng.uniform(0, first_step + 2 * stride * per_step))
+            time.sleep(rng.uniform(0, 0.9 * first_step + span))
         if proc.poll() is not None:
             raise RuntimeError(f"run {i} ended before its kill (exit {proc.returncode}): {_tail(run_log)}")
         proc.send_signal(signal.SIGKILL)
@@ -159,6 +161,13 @@ def inject(kills: int, seed: int, root: str, steps: int = 60, log=print) -> dict
     figures["problems"] += check_readers(workdir)
     figures["reader_checks"] += 2
     return figures
+
+
+def _resumes_from(workdir: str) -> int:
+    """The step a restart resumes from: its newest committed checkpoint's (0 if none)."""
+    checkpoints = os.path.join(workdir, "checkpoints")
+    return max((int(n) for n in os.listdir(checkpoints) if n.isdigit()), default=0) if os.path.isdir(checkpoints) \
+        else 0
 
 
 def _cut_saves(workdir: str) -> set[str]:

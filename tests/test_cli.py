@@ -154,9 +154,10 @@ def test_commands_log_without_jaxs_backend_probing_and_the_bar_moves_every_step(
     import io
     import logging
 
+    from jaxtron.common.console import console_logging
     from jaxtron.metrics.writers import MetricsWriter
 
-    cli.console_logging()
+    console_logging()
     assert logging.getLogger("jax._src.xla_bridge").getEffectiveLevel() >= logging.WARNING
     writer = MetricsWriter(str(tmp_path), 10, use_tqdm=True, tensorboard=False)
     writer._bar.fp = io.StringIO()

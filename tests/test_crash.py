@@ -15,7 +15,8 @@ from conftest import REPO
 from fault_injection import inject
 from helpers import metrics_lines
 
-from jaxtron import cli, files
+from jaxtron import cli
+from jaxtron.common import files
 
 TINY = ["--config.data.source=synthetic", "--config.model.num_layers=1", "--config.model.embed_dim=64",
         "--config.model.attention.num_heads=4", "--config.model.attention.num_kv_heads=4",

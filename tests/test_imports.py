@@ -17,6 +17,7 @@ PACKAGE = os.path.join(REPO, "jaxtron")
 # The data flow as layers of subpackages, lowest first: a subpackage imports from its own layer's members only
 # itself, and otherwise only lower layers. The modules at the package top (the command line) come last.
 LAYERS = (
+    ("common",),
     ("config",),
     ("gpu", "parallel"),
     ("ops", "data", "checkpoint", "metrics"),

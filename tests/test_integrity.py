@@ -111,8 +111,8 @@ def test_damage_in_the_latest_checkpoint_falls_back_to_the_previous_one(kind, tr
     if kind == "no_manifest":  # the newest without checksums: a run killed between its save and them
         assert cli.main(["verify", workdir]) == 0
         assert capsys.readouterr().out.splitlines()[2:] == [
-            "step 3: unfinished: the run stopped before its checksums were recorded; never loaded (a resumed run "
-            "starts from the step before)", f"2 of 2 checkpoints intact in {os.path.join(workdir, CHECKPOINT_DIR)}"]
+            ("step 3: unfinished: the run stopped before its checksums were recorded; never loaded (a resumed run "
+             "starts from the step before)"), f"2 of 2 checkpoints intact in {os.path.join(workdir, CHECKPOINT_DIR)}"]
     with caplog.at_level("WARNING"):
         (state, data), latest = _restore_latest(workdir)
     assert data["step"] == 2 and latest == 2  # the rest of the data state is not ours

@@ -216,7 +216,7 @@ def _drain_one(pending: collections.deque, writer: StoreWriter, bar) -> None:
 
 def main(argv: Sequence[str]) -> int:
     """`jaxtron prepare`: writes the token store the command line ``argv`` describes."""
-    from jaxtron.cli import console_logging
+    from jaxtron.common.console import console_logging
 
     console_logging()
     parser = argparse.ArgumentParser(prog="jaxtron prepare", description=__doc__.split("\n")[0])

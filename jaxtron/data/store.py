@@ -322,7 +322,7 @@ def main(argv: Sequence[str]) -> int:
                                      "against their manifests (this reads the whole corpus).")
     parser.add_argument("stores", nargs="+", metavar="STORE_DIR", help="a directory written by jaxtron prepare")
     args = parser.parse_args(argv)
-    from jaxtron.cli import console_logging
+    from jaxtron.common.console import console_logging
 
     console_logging()
     for path in args.stores:

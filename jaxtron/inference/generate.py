@@ -30,9 +30,9 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
+from jaxtron.common.files import user_path
 from jaxtron.config.checks import jsonl_records
 from jaxtron.config.schema import ConfigError
-from jaxtron.files import user_path
 
 log = logging.getLogger(__name__)
 
@@ -301,7 +301,7 @@ def load_model(directory: str, dtype: str = "float32", mesh_spec: str = ""):
 
 def main(argv: list[str]) -> int:
     """`jaxtron generate`: prints the continuations the command line ``argv`` asks for."""
-    from jaxtron.cli import console_logging
+    from jaxtron.common.console import console_logging
 
     console_logging()
     parser = argparse.ArgumentParser(prog="jaxtron generate", description=__doc__.split("\n")[0])

@@ -20,9 +20,9 @@ from typing import Any
 
 import numpy as np
 
+from jaxtron.common.files import staged_directory, user_path
 from jaxtron.config.schema import Config, ConfigError, ExecutionConfig, ModelConfig
 from jaxtron.data.store import first_manifest
-from jaxtron.files import staged_directory, user_path
 from jaxtron.interop.hf import registry
 from jaxtron.interop.hf import safetensors as st
 from jaxtron.interop.hf import tokenizer as hf_tokenizer
@@ -359,7 +359,7 @@ def to_hf(ckpt_dir: str, out_dir: str, dtype: str = "float32") -> dict:
 
 def main(argv: list[str]) -> int:
     """`jaxtron convert from-hf|to-hf`: converts as the command line ``argv`` says."""
-    from jaxtron.cli import console_logging
+    from jaxtron.common.console import console_logging
 
     console_logging()
     parser = argparse.ArgumentParser(prog="jaxtron convert", description=__doc__.split("\n")[0])

@@ -14,8 +14,8 @@ import logging
 
 import numpy as np
 
+from jaxtron.common.files import atomic_path
 from jaxtron.config.schema import ConfigError, ExecutionConfig, ModelConfig
-from jaxtron.files import atomic_path
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +57,7 @@ def score(checkpoint: str, tokens_path: str, dtype: str = "float32") -> np.ndarr
 
 def main(argv: list[str]) -> int:
     """`jaxtron score`: writes the logits the command line ``argv`` asks for."""
-    from jaxtron.cli import console_logging
+    from jaxtron.common.console import console_logging
 
     console_logging()
     parser = argparse.ArgumentParser(prog="jaxtron score", description=__doc__.split("\n")[0])

@@ -10,7 +10,7 @@ import matplotlib
 matplotlib.use("Agg")  # files only: no display on clusters
 import matplotlib.pyplot as plt
 
-from jaxtron.files import atomic_path
+from jaxtron.common.files import atomic_path
 
 
 def _series(records: list[dict[str, Any]], key: str) -> tuple[list[int], list[float]]:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from jaxtron.files import write_json
+from jaxtron.common.files import write_json
 
 ROWS = (  # (summary key, label, format)
     ("steps_done", "steps done", "{:d}"),

@@ -19,9 +19,9 @@ import re
 import statistics
 from typing import Any
 
+from jaxtron.common.files import jsonl_lines
 from jaxtron.config.loader import migrate
 from jaxtron.config.schema import ConfigError, ExecutionConfig, ModelConfig
-from jaxtron.files import jsonl_lines
 from jaxtron.metrics.bubble import idle_shares
 from jaxtron.metrics.collectives import COLLECTIVES
 from jaxtron.metrics.flops import fp8_flop_share

@@ -17,7 +17,7 @@ from typing import Any, Self
 
 import numpy as np
 
-from jaxtron.files import drop_cut_tail
+from jaxtron.common.files import drop_cut_tail
 
 logger = logging.getLogger(__name__)
 

@@ -21,7 +21,7 @@ import dataclasses
 import os
 import sys
 
-from jaxtron.files import write_json
+from jaxtron.common.files import write_json
 
 GIB = 2.0**30
 

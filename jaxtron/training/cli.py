@@ -43,7 +43,7 @@ def parse_args(argv: list[str]):
 def main(argv: list[str], evaluator=None, resolve_remat=None) -> int:
     """Trains as the command line ``argv`` says; returns the exit code. ``evaluator``, ``resolve_remat``: see
     ``loop.run``."""
-    from jaxtron.cli import console_logging
+    from jaxtron.common.console import console_logging
 
     console_logging()
     from jaxtron.config.loader import HelpRequested

@@ -16,10 +16,10 @@ import jax
 import jax.numpy as jnp
 
 from jaxtron.checkpoint.train_state import LAYER_ORDER, Checkpointer
+from jaxtron.common.files import atomic_path, jsonl_lines, write_json
 from jaxtron.config.schema import Config, ConfigError, replace
 from jaxtron.data import position as data_position
 from jaxtron.data.loader import BatchIterator, BatchLimits, global_batch, make_sources
-from jaxtron.files import atomic_path, jsonl_lines, write_json
 from jaxtron.metrics import flops as flops_lib
 from jaxtron.metrics.collectives import collectives
 from jaxtron.metrics.throughput import Throughput

@@ -21,8 +21,8 @@ from typing import Any
 import jax
 import numpy as np
 
+from jaxtron.common.files import write_json
 from jaxtron.config.schema import ProfileConfig
-from jaxtron.files import write_json
 from jaxtron.metrics.throughput import Throughput
 from jaxtron.training.step_flags import scalar_metrics
 
