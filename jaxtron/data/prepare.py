@@ -32,6 +32,7 @@ from collections.abc import Iterator, Sequence
 
 import numpy as np
 
+from jaxtron.common.files import user_path
 from jaxtron.data.chat import ChatTemplate, conversation, encode_conversation, load_template
 from jaxtron.data.errors import DataError
 from jaxtron.data.store import StoreWriter, check_output
@@ -245,6 +246,7 @@ def main(argv: Sequence[str]) -> int:
     chat = load_template(args.tokenizer, args.chat_template) if args.chat else None
     if args.workers is not None and args.workers < 1:
         raise DataError("--workers must be at least 1; pass a positive count.")
+    args.output = user_path(args.output)
     manifest = prepare(args.input, args.tokenizer, args.output, args.text_field, args.workers,
                        progress=sys.stderr.isatty(), shard_tokens=args.shard_tokens, dtype=args.dtype,
                        eos=args.eos, overwrite=args.overwrite, chat=chat)

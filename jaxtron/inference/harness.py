@@ -29,6 +29,7 @@ from typing import Any
 
 import numpy as np
 
+from jaxtron.common.files import user_path
 from jaxtron.config.schema import ConfigError
 from jaxtron.inference.generate import Generator, Sampling, bucket, load_model, run_tokenizer
 
@@ -106,6 +107,7 @@ class JaxtronLM(TemplateLM):
         if unused:
             log.warning("model_args %s are not used by the jaxtron model", sorted(unused))
         del max_batch_size, device  # batches are batch_size rows; the devices are JAX's (mesh= shards over them)
+        run = user_path(run)
         model, mesh_ = load_model(run, dtype, mesh)
         self._setup(Generator(model, mesh_), run_tokenizer(run, tokenizer), batch_size)
 

@@ -14,7 +14,7 @@ import logging
 
 import numpy as np
 
-from jaxtron.common.files import atomic_path
+from jaxtron.common.files import atomic_path, user_path
 from jaxtron.config.schema import ConfigError, ExecutionConfig, ModelConfig
 
 log = logging.getLogger(__name__)
@@ -66,6 +66,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--output", required=True, help=".npy file for float32 logits [batch, length, vocab]")
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="compute dtype")
     args = parser.parse_args(argv)
+    args.checkpoint, args.tokens, args.output = map(user_path, (args.checkpoint, args.tokens, args.output))
     logits = score(args.checkpoint, args.tokens, args.dtype)
     args.output += "" if args.output.endswith(".npy") else ".npy"  # as np.save names it
     with atomic_path(args.output) as aside, open(aside, "wb") as f:

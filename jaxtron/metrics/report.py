@@ -15,7 +15,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from jaxtron.common.files import write_json
+from jaxtron.common.files import user_path, write_json
 
 ROWS = (  # (summary key, label, format)
     ("steps_done", "steps done", "{:d}"),
@@ -99,7 +99,7 @@ def main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     from jaxtron.metrics.summary import read_metrics, summarize
 
-    runs = [summarize(args.workdir)] + ([summarize(args.vs)] if args.vs else [])
+    runs = [summarize(user_path(args.workdir))] + ([summarize(user_path(args.vs))] if args.vs else [])
     for run in runs:
         print(summary_text(run))
         if not args.no_plots:

@@ -11,6 +11,8 @@ from __future__ import annotations
 import logging
 import os
 
+from jaxtron.common.files import user_path
+
 # configs/ sits beside the package in the repository
 DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
                               "configs", "default.py")
@@ -30,11 +32,15 @@ def parse_args(argv: list[str]):
     from absl import flags
 
     from jaxtron.config.loader import parse_command_line
+    from jaxtron.config.schema import replace
 
     cfg, values, spec = parse_command_line(["jaxtron train", *argv], DEFAULT_CONFIG, _define)
     workdir = values.workdir
     if workdir is None:
         workdir = os.path.join("runs", os.path.splitext(os.path.basename(spec.partition(":")[0]))[0])
+    workdir = user_path(workdir)  # '~', relative, a trailing slash: one directory, wherever the run is read from
+    if cfg.train.init_from:  # saved absolute, so that a LoRA run's base is found from any directory
+        cfg = replace(cfg, train=replace(cfg.train, init_from=user_path(cfg.train.init_from)))
     if not flags.FLAGS.is_parsed():  # the libraries' own absl flags (grain's) take their defaults
         flags.FLAGS(["jaxtron"])
     return cfg, workdir, values.print_sharding
