@@ -165,3 +165,14 @@ def test_commands_log_without_jaxs_backend_probing_and_the_bar_moves_every_step(
         writer.advance(step)
     assert writer._bar.n == 3 and not os.path.getsize(tmp_path / "metrics.jsonl")  # the bar alone moved
     writer.close()
+
+
+def test_paths_are_taken_in_any_form(monkeypatch, tmp_path):
+    from jaxtron.training.cli import parse_args
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.chdir(tmp_path)
+    _, workdir, _ = parse_args(["--workdir=~/runs/a/"])
+    assert workdir == str(tmp_path / "runs" / "a")
+    cfg, workdir, _ = parse_args(["--workdir=runs/b", "--config.train.init_from=models/base/"])
+    assert workdir == str(tmp_path / "runs" / "b") and cfg.train.init_from == str(tmp_path / "models" / "base")

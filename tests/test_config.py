@@ -369,7 +369,9 @@ def test_a_config_file_of_flat_model_fields_loads_into_the_groups_with_a_warning
 OVERRIDES = [("model.rope.theta", "1e4", 1e4), ("execution.remat", "full", "full"), ("mesh.tensor", "2", 2),
              ("train.z_loss", "1e-4", 1e-4), ("optimizer.b2", "0.9", 0.9), ("data.seq_len", "64", 64),
              ("checkpoint.keep", "5", 5), ("distributed.heartbeat_timeout_s", "30", 30),
-             ("profile.processes", "all", "all"), ("pipeline.virtual_stages", "2", 2), ("lora.alpha", "32", 32.0)]
+             ("profile.processes", "all", "all"), ("pipeline.virtual_stages", "2", 2), ("lora.rank", "8", 8),
+             ("train.init_from", "/models/base", "/models/base"),
+             ("lora.alpha", "32", 32.0)]
 
 
 def test_a_field_the_file_does_not_set_can_be_overridden_in_every_section(tmp_path):

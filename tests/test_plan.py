@@ -651,3 +651,16 @@ def test_plan_names_the_policy_remat_auto_chose_beside_each_mesh(capsys):
     assert "remat auto" in out.splitlines()[0]
     rows = [line for line in out.splitlines() if line[:5].strip().isdigit()]
     assert len(rows) == 3 and all(any(p in row for p in ("save_dots", "save_attention", " full")) for row in rows)
+
+
+def test_the_plan_table_keeps_its_columns_whatever_the_mesh_names(capsys):
+    """Long layouts (a pipeline schedule, its policy, gather-once, dopt) widen the mesh column; the numbers stay
+    under their headings."""
+    assert cli.run("plan", [f"--config={REPO}/configs/llama3_405b.py", "--gpus=1024", "--gpu=h100", "--top=12"]) == 0
+    lines = [line for line in capsys.readouterr().out.splitlines()]
+    head = next(i for i, line in enumerate(lines) if line.lstrip().startswith("#  mesh"))
+    rows = [line for line in lines[head + 2:] if line[:5].strip().isdigit()]
+    start = lines[head].index(" micro") + 1
+    assert rows and max(len(r.split("  ")[1]) for r in rows) > 34  # at least one long layout was shown
+    for row in rows:  # the microbatch count right-aligned under 'micro'
+        assert row[start:start + 5].strip().isdigit() and row[start - 1] == " ", row
