@@ -656,11 +656,11 @@ def test_plan_names_the_policy_remat_auto_chose_beside_each_mesh(capsys):
 def test_the_plan_table_keeps_its_columns_whatever_the_mesh_names(capsys):
     """Long layouts (a pipeline schedule, its policy, gather-once, dopt) widen the mesh column; the numbers stay
     under their headings."""
-    assert cli.run("plan", [f"--config={REPO}/configs/llama3_405b.py", "--gpus=1024", "--gpu=h100", "--top=12"]) == 0
+    assert cli.run("plan", [f"--config={REPO}/configs/llama3_70b.py", "--gpus=16", "--gpu=h100", "--top=12"]) == 0
     lines = [line for line in capsys.readouterr().out.splitlines()]
     head = next(i for i, line in enumerate(lines) if line.lstrip().startswith("#  mesh"))
     rows = [line for line in lines[head + 2:] if line[:5].strip().isdigit()]
     start = lines[head].index(" micro") + 1
-    assert rows and max(len(r.split("  ")[1]) for r in rows) > 34  # at least one long layout was shown
+    assert rows and max(len(r[5:start].strip()) for r in rows) > 34  # at least one long layout was shown
     for row in rows:  # the microbatch count right-aligned under 'micro'
         assert row[start:start + 5].strip().isdigit() and row[start - 1] == " ", row
