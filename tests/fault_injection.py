@@ -200,11 +200,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kills", type=int, default=30)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--json", help="also write the figures to this file")
     args = parser.parse_args(argv)
     os.environ["JAX_PLATFORMS"] = "cpu"  # this process reads the final checkpoints
+    started = time.perf_counter()
     with tempfile.TemporaryDirectory() as root:
         figures = inject(args.kills, args.seed, root, args.steps)
+    figures["wall_s"] = round(time.perf_counter() - started, 1)
     print(json.dumps(figures, indent=1))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"command": "python tests/fault_injection.py " + " ".join(argv or sys.argv[1:]), **figures},
+                      f, indent=1)
     ok = figures["losses_identical"] and figures["parameters_identical"] and not figures["problems"]
     print("identical to the run never killed" if ok else "FAILED")
     return 0 if ok else 1

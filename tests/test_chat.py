@@ -207,6 +207,7 @@ def test_a_real_templates_assistant_tokens_are_its_replies(name, replies):
     assert _marked(ids, mask, lambda t: "".join(pieces(i) for i in t)) == "|".join(replies)
 
 
+@pytest.mark.integration
 @pytest.mark.slow
 def test_a_tiny_model_fine_tuned_on_conversations_learns_the_assistants_format(tmp_path, capsys):
     """A conversation set (count from a to b) prepared with `jaxtron prepare --chat` and fine-tuned on from a base

@@ -161,6 +161,7 @@ def uninterrupted(tmp_path_factory):
     return workdir
 
 
+@pytest.mark.integration
 @pytest.mark.slow
 @pytest.mark.parametrize("kill_at", [4, 8])
 def test_sigkill_then_restart_ends_bit_exact(kill_at, uninterrupted, tmp_path):
@@ -175,6 +176,7 @@ def test_sigkill_then_restart_ends_bit_exact(kill_at, uninterrupted, tmp_path):
     assert losses(tmp_path) == losses(uninterrupted)
 
 
+@pytest.mark.integration
 @pytest.mark.slow
 def test_sigterm_checkpoints_at_the_next_step_and_exits_with_the_preemption_code(tmp_path):
     proc = _train(tmp_path, "--config.train.steps=100000", "--config.checkpoint.every=0")

@@ -458,6 +458,7 @@ def run_train(tmp_path, *args: str) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=300, check=False)
 
 
+@pytest.mark.integration
 def test_cli_unknown_field_exits_2_without_traceback(tmp_path):
     proc = run_train(tmp_path, "--config.train.stepz=5")
     assert proc.returncode == 2, proc.stderr
@@ -465,6 +466,7 @@ def test_cli_unknown_field_exits_2_without_traceback(tmp_path):
     assert "Traceback" not in proc.stderr and proc.stderr.count("\n") == 1
 
 
+@pytest.mark.integration
 def test_cli_mesh_mismatch_exits_2_without_traceback(tmp_path):
     proc = run_train(tmp_path, "--config.mesh.fsdp=3")
     assert proc.returncode == 2, proc.stderr
@@ -476,6 +478,7 @@ def test_cli_mesh_mismatch_exits_2_without_traceback(tmp_path):
     assert not os.path.exists(tmp_path / "run")  # nothing was written
 
 
+@pytest.mark.integration
 def test_cli_print_sharding(tmp_path):
     proc = run_train(tmp_path, "--print_sharding", "--config.mesh.fsdp=4", "--config.mesh.tensor=2")
     assert proc.returncode == 0, proc.stderr

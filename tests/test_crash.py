@@ -63,6 +63,7 @@ def test_a_cut_last_line_of_a_log_is_dropped_and_nothing_else(tmp_path, caplog):
     assert files.drop_cut_tail(str(log)) == ""
 
 
+@pytest.mark.integration
 @pytest.mark.slow
 def test_report_and_resume_cope_with_a_cut_metrics_line_and_a_restart_logs_no_step_twice(tmp_path, capsys):
     workdir = str(tmp_path / "run")
@@ -83,6 +84,7 @@ def test_report_and_resume_cope_with_a_cut_metrics_line_and_a_restart_logs_no_st
     assert [line["step"] for line in metrics_lines(workdir)] == [1, 2]
 
 
+@pytest.mark.integration
 @pytest.mark.slow
 def test_a_refused_run_changes_nothing_in_its_workdir(tmp_path, capsys):
     workdir = tmp_path / "run"
@@ -108,6 +110,7 @@ def test_a_refused_run_changes_nothing_in_its_workdir(tmp_path, capsys):
     assert os.listdir(empty) == []
 
 
+@pytest.mark.integration
 @pytest.mark.slow
 def test_sigkill_at_random_moments_then_resume_ends_bit_exact(tmp_path):
     """The quick version of tests/fault_injection.py (.ci/run runs the longer one)."""
@@ -141,6 +144,7 @@ def _timed(command: list[str], cwd) -> float:
     return time.perf_counter() - started
 
 
+@pytest.mark.integration
 @pytest.mark.slow
 def test_convert_and_prepare_take_any_path_form_and_a_retry_after_a_kill_succeeds(tmp_path):
     run = tmp_path / "run"

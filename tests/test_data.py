@@ -269,6 +269,7 @@ def test_bad_inputs_are_one_line_errors(tmp_path, capsys, big_vocab_tokenizer):
     assert _error_line(capsys) == f"input file '{latin1}' is not UTF-8 text (byte 3); convert it or leave it out."
 
 
+@pytest.mark.integration
 def test_cli_exits_2_without_traceback_when_a_worker_fails(tmp_path):
     """A real `python -m jaxtron.data.prepare` whose error is raised inside a tokenizing worker process."""
     good = [_write(tmp_path / f"g{i}.jsonl", json.dumps({"text": "ok"}) + "\n") for i in range(3)]
@@ -460,6 +461,7 @@ np.savez(out, **{{f"{{i}}_{{k}}": np.asarray(v) for i, b in enumerate(batches) f
 """
 
 
+@pytest.mark.integration
 def test_a_new_process_resumes_with_the_same_batches(word_store, tmp_path):
     sections = dict(data=dict(source="store", path=word_store, seq_len=16, validation_fraction=0.1),
                     train=dict(global_batch_size=8, seed=3))

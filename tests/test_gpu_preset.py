@@ -33,6 +33,7 @@ def test_check_refuses_an_unknown_flag_in_one_sentence(monkeypatch, capsys):
     assert err.count("\n") == 1 and err.startswith("error: the installed jaxlib does not know --xla_gpu_no_such_flag=1")
 
 
+@pytest.mark.integration
 def test_env_sh_exports_the_preset_and_keeps_what_was_set_before():
     script = 'source scripts/slurm/env.sh && echo "$XLA_PYTHON_CLIENT_MEM_FRACTION|$NCCL_DEBUG|$XLA_FLAGS"'
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "NCCL_DEBUG")}

@@ -17,6 +17,8 @@ from jaxtron.parallel.checks import check_devices
 from jaxtron.planning.estimate import MARGIN, estimate
 from jaxtron.planning.gpus import gpu
 
+pytestmark = pytest.mark.integration  # crosses a process boundary: .ci/run's tier, not the README's
+
 SUITE = os.path.join(REPO, "benchmarks", "gpu_suite.py")
 
 

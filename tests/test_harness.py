@@ -136,6 +136,7 @@ def test_a_sharded_model_scores_as_one_device(converted):
                                np.array([[r[0][0] for r in x] for x in b]), rtol=1e-5)
 
 
+@pytest.mark.integration
 @pytest.mark.slow
 def test_jaxtron_lm_eval_runs_local_tasks_end_to_end(converted, tmp_path, capsys):
     """`jaxtron lm-eval --model jaxtron ...` is lm-eval's command line: it writes the results file."""
@@ -152,6 +153,7 @@ def test_jaxtron_lm_eval_runs_local_tasks_end_to_end(converted, tmp_path, capsys
     assert "jaxtron_sums" in capsys.readouterr().out
 
 
+@pytest.mark.integration
 def test_a_task_that_cannot_load_is_one_sentence_with_exit_2(converted, tmp_path, capsys):
     from jaxtron import cli
 

@@ -257,6 +257,7 @@ def test_converted_config_fine_tunes_from_the_imported_parameters(imported, tmp_
     assert len(exported.names()) == len(st.ModelFiles(os.path.join(FIXTURES, "llama")).names())
 
 
+@pytest.mark.integration
 @pytest.mark.slow
 def test_init_from_a_missing_or_mismatched_checkpoint_is_one_sentence(imported, tmp_path):
     import subprocess
@@ -317,6 +318,7 @@ def _with_mtp_layer(tmp_path, head_copy_scale: float = 1.0) -> str:
     return directory
 
 
+@pytest.mark.integration
 @pytest.mark.slow
 def test_deepseek_multi_token_prediction_module_converts_both_ways(tmp_path, capsys):
     source = _with_mtp_layer(tmp_path / "src")

@@ -242,6 +242,7 @@ def test_files_are_attributed_to_their_writer_and_verified_once_by_several_proce
     assert integrity.first_reason([None, None]) is None and integrity.agree(None) is None
 
 
+@pytest.mark.integration
 @pytest.mark.slow
 def test_the_verify_command_exit_codes(trained, tmp_path):
     verify = [sys.executable, "-m", "jaxtron.checkpoint", "verify"]
@@ -257,6 +258,7 @@ def test_the_verify_command_exit_codes(trained, tmp_path):
     assert cli.main(["check", str(tmp_path)], commands=("verify",)) == 2
 
 
+@pytest.mark.integration
 @pytest.mark.slow
 def test_two_processes_record_their_own_files_and_fall_back_together(tmp_path):
     from test_multiprocess import TINY, _env

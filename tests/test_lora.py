@@ -174,6 +174,7 @@ def test_a_lora_run_on_a_pipeline_trains_like_one_device(base_run, tmp_path):
     np.testing.assert_allclose([h["loss"] for h in staged.history], [h["loss"] for h in one.history], rtol=1e-5)
 
 
+@pytest.mark.integration
 def test_a_lora_run_generates_and_exports_its_merged_model(base_run, tmp_path, capsys):
     """`jaxtron generate` and `convert to-hf` read a LoRA run as its base with the adapters folded in; the exported
     model, imported again, computes the adapted model's logits."""
@@ -201,6 +202,7 @@ def test_a_lora_run_generates_and_exports_its_merged_model(base_run, tmp_path, c
     assert capsys.readouterr().out.startswith("def ")
 
 
+@pytest.mark.integration
 def test_bad_lora_configs_are_one_sentence_and_exit_2(tmp_path, capsys):
     import subprocess
     import sys

@@ -8,6 +8,8 @@ from helpers import learning_run, logged_entropy, metrics_lines
 from jaxtron.data.corpus import stdlib_files, unigram_entropy
 from jaxtron.data.store import MANIFEST, TokenStore
 
+pytestmark = pytest.mark.integration  # crosses a process boundary: .ci/run's tier, not the README's
+
 
 @pytest.mark.slow
 def test_default_config_prepares_its_corpus_once_and_learns_it(tmp_path):

@@ -532,6 +532,7 @@ def _learns_with_experts_split_over_two_devices(config: str, tmp_path) -> list[d
     return logged
 
 
+@pytest.mark.integration
 @pytest.mark.slow
 def test_mixtral_tiny_learns_text_with_experts_split_over_two_devices(tmp_path):
     last = _learns_with_experts_split_over_two_devices("mixtral_tiny.py", tmp_path)[-1]
@@ -539,6 +540,7 @@ def test_mixtral_tiny_learns_text_with_experts_split_over_two_devices(tmp_path):
     assert 1.0 <= last["moe_max_load"] < 8.0 / 2 and 0.0 < last["moe_dropped_fraction"] < 0.5
 
 
+@pytest.mark.integration
 @pytest.mark.slow
 def test_deepseek_tiny_learns_text_with_experts_split_over_two_devices(tmp_path):
     logged = _learns_with_experts_split_over_two_devices("deepseek_tiny.py", tmp_path)

@@ -10,6 +10,8 @@ import numpy as np
 import pytest
 from conftest import REPO, cpu_xla_flags
 
+pytestmark = pytest.mark.integration  # crosses a process boundary: .ci/run's tier, not the README's
+
 TINY = ["--config.data.source=synthetic", "--config.model.num_layers=1", "--config.model.embed_dim=64",
         "--config.model.attention.num_heads=4", "--config.model.attention.num_kv_heads=4", "--config.model.mlp_dim=128",
         "--config.data.seq_len=32", "--config.train.global_batch_size=8", "--config.train.steps=3",

@@ -480,6 +480,7 @@ def test_an_uneven_split_trains_and_resumes_like_one_device(tmp_path):
         np.testing.assert_allclose(_losses(resumed), _losses(one)[2:], rtol=1e-5)
 
 
+@pytest.mark.integration
 @pytest.mark.slow
 def test_train_py_refuses_an_impossible_schedule_in_one_sentence(tmp_path):
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

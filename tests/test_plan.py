@@ -581,6 +581,7 @@ def test_plan_cli_rejects_bad_requests(capsys):
         "error: --compile mesh fsdp=4 has 4 devices but --gpus is 8; make the sizes multiply to 8.")
 
 
+@pytest.mark.integration
 @pytest.mark.slow
 def test_plan_cli_ranks_and_compiles(tmp_path):
     out = tmp_path / "plan.json"

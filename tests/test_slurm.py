@@ -33,7 +33,8 @@ def _slurm_up() -> bool:
     return out.returncode == 0 and any(s in ("idle", "mixed", "allocated") for s in out.stdout.split())
 
 
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("slurm"),  # one job at a time on the one-node cluster
+pytestmark = [pytest.mark.slow, pytest.mark.integration,
+              pytest.mark.xdist_group("slurm"),  # one job at a time on the one-node cluster
               pytest.mark.skipif(not REQUIRED and not _slurm_up(),
                                  reason="no local Slurm cluster; start one with sudo scripts/slurm/local_cluster.sh")]
 

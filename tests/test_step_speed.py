@@ -15,6 +15,8 @@ from jaxtron.gpu import target
 from jaxtron.metrics.budget import CEILINGS, budget
 from jaxtron.metrics.hlo import computations
 
+pytestmark = pytest.mark.integration  # crosses a process boundary: .ci/run's tier, not the README's
+
 needs_plugin = pytest.mark.skipif(not target.plugin_installed(),
                                   reason=f"jax's CUDA plugin is not installed ({target.INSTALL})")
 SHAPE = (("model.num_layers", "8"), ("data.seq_len", "4096"), ("train.global_batch_size", "4"))

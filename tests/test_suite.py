@@ -1,5 +1,11 @@
 """The test suite's own arrangement: what keeps it within its time budget on 2 cores."""
 
+import ast
+import glob
+import os
+import re
+from pathlib import Path
+
 import pytest
 
 
@@ -16,3 +22,37 @@ def test_tests_sharing_a_run_are_sent_to_one_worker(shared_run, request):
     if not getattr(request.config.option, "loadgroup", False):
         pytest.skip("the suite runs without pytest-xdist's --dist loadgroup")
     assert request.node.nodeid.endswith("@test_suite.shared_run"), request.node.nodeid
+
+
+# what starts another process in a test's own code (helpers that do so are named here too)
+STARTS_A_PROCESS = re.compile(r"\bsubprocess\.|\bPopen\(|\blearning_run\(|\bon_target_in_subprocess\(|\binject\(|"
+                              r"\bsignal\.SIG")
+
+
+def _marked(decorators, name: str) -> bool:
+    return any(name in ast.unparse(d) for d in decorators)
+
+
+def test_every_test_that_starts_a_process_is_in_the_integration_tier():
+    """The README's test command leaves out `-m integration`: the tests that cross a process boundary, which .ci/run
+    runs after it. A test that starts a process without the mark would slip into the README's tier unnoticed."""
+    unmarked = []
+    for path in sorted(glob.glob(os.path.join(os.path.dirname(__file__), "test_*.py"))):
+        source = Path(path).read_text()
+        tree = ast.parse(source)
+        whole_module = any(isinstance(n, ast.Assign) and any(getattr(t, "id", "") == "pytestmark" for t in n.targets)
+                           and "integration" in ast.unparse(n.value) for n in tree.body)
+        for node in tree.body:
+            if isinstance(node, ast.FunctionDef) and node.name.startswith("test_") and not whole_module \
+                    and STARTS_A_PROCESS.search(ast.get_source_segment(source, node)) \
+                    and not _marked(node.decorator_list, "integration"):
+                unmarked.append(f"{os.path.basename(path)}::{node.name}")
+    assert unmarked == []
+
+
+def test_the_readme_runs_the_first_tier_and_ci_both():
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    readme, ci = Path(repo, "README.md").read_text(), Path(repo, ".ci", "run").read_text()
+    command = 'python -m pip install -e ".[test]" && python -m pytest -q -m "not integration"'
+    assert command in readme and 'python -m pytest -q -m "not integration"' in ci
+    assert "python -m pytest -q -m integration" in ci
