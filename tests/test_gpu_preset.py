@@ -3,6 +3,7 @@
 import os
 import subprocess
 
+import pytest
 from conftest import REPO
 
 from jaxtron.gpu import preset as gpu_preset
