@@ -161,7 +161,8 @@ def test_microbatches_on_a_sharded_mesh_with_the_distributed_optimizer(single_de
     """2 accumulation microbatches (each device's rows accumulating apart, summed over data once a step) and
     optimizer.distributed on data=2 x fsdp=2 x tensor=2: the moments split over data where fsdp splits them,
     besides tensor (the norms' over data and fsdp), the weights as their rules place them, and the run equal to one
-    device's (losses to 1e-5, parameters to 1% of an update)."""
+    device's (losses to 1e-5, parameters to 1% of the largest update AdamW could have made over the run: a step
+    moves a parameter by at most about its learning rate, whatever rounding does to a gradient near zero)."""
     import optax
 
     from jaxtron.training import state as state_lib
@@ -170,8 +171,9 @@ def test_microbatches_on_a_sharded_mesh_with_the_distributed_optimizer(single_de
     np.testing.assert_allclose(_losses(summary), _losses(single_device_run), rtol=1e-5)
     got = jax.tree.leaves(nnx.to_pure_dict(summary.state.params))
     want = jax.tree.leaves(nnx.to_pure_dict(single_device_run.state.params))
+    largest_update = sum(line["learning_rate"] for line in summary.history)
     for a, b in zip(got, want):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-4)
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0, atol=0.01 * largest_update)
     mu = optax.tree_utils.tree_get(summary.state.opt_state, "mu")
     wq, wq_mu = summary.state.params["layers"]["attn"]["wq"].get_value(), mu["layers"]["attn"]["wq"].get_value()
     assert wq.sharding.shard_shape(wq.shape) == (2, 32, 2, 16)  # [layers, embed / fsdp, heads / tensor, head_dim]
