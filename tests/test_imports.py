@@ -157,3 +157,13 @@ def test_no_import_runs_back_up_the_data_flow():
             if not same_package and layer(target) >= layer(module):
                 upward.append(f"{module} -> {target}")
     assert upward == []
+
+
+def test_the_layout_page_lists_these_layers():
+    """docs/layout.md's table of layers is the one this file checks the imports against."""
+    import re
+    from pathlib import Path
+
+    page = Path(os.path.dirname(PACKAGE), "docs", "layout.md").read_text()
+    rows = re.findall(r"^\| (\d+) \| (`.*`) \|$", page, flags=re.MULTILINE)
+    assert [tuple(re.findall(r"`(\w+)`", packages)) for _, packages in rows] == [tuple(m) for m in LAYERS]
