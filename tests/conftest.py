@@ -50,6 +50,22 @@ def pytest_runtest_logreport(report):
         os.write(2, f"\nFAILED {report.nodeid} ({report.when})\n{report.longreprtext[-6000:]}\n".encode())
 
 
+UNMARKED_LIMIT_S = 30.0  # 6x the `slow` mark's 5 s: a test past it without the mark fails, whatever the machine
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """Keeps an unmarked test from growing slow unnoticed: `-m "not slow"` is the quick loop (about a minute), so a
+    test taking UNMARKED_LIMIT_S or more without `@pytest.mark.slow` fails, naming the mark to add."""
+    outcome = yield
+    report = outcome.get_result()
+    if (report.when == "call" and report.passed and report.duration >= UNMARKED_LIMIT_S
+            and item.get_closest_marker("slow") is None):
+        report.outcome = "failed"
+        report.longrepr = (f"{item.nodeid} took {report.duration:.0f} s without @pytest.mark.slow (the mark of tests "
+                           "of 5 s or more); add the mark, or make the test quicker.")
+
+
 def _in_a_test_module(fixturedef) -> bool:
     """Whether a fixture is defined in a test module (not a conftest or a plugin), read off its function (a base id
     depends on the pytest version and the root directory)."""

@@ -54,6 +54,7 @@ def test_blockwise_attention_equals_whole_matrix_attention(block_q, block_k, pac
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_a_slice_of_queries_against_the_whole_sequence_and_partial_results_combine():
     """The two chunks a device holds in a load-balanced layout (tokens 0-7 and 24-31) against all keys equal
     those rows of the full attention; attention over two halves of the keys combines into the whole."""

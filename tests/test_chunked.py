@@ -45,6 +45,7 @@ def _expected(q, k, v, seg, order):
     return out[:, order], [g[:, order] for g in grads(q, k, v)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout,shards", [("boundaries", 2), ("boundaries", 4), ("short", 4)])
 def test_each_shard_by_chunks_equals_whole_matrix_attention(layout, shards):
     """Each shard's two chunks against the gathered row, one shard at a time on one device (the meshes below

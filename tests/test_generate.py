@@ -20,6 +20,7 @@ FAMILIES = {  # tiny models of each family's architecture
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_decoding_with_the_cache_equals_the_full_forward_at_every_step(family):
     """A prompt's prefill (5 tokens) and then one token at a time: each step's float32 logits equal the full
@@ -49,6 +50,7 @@ def _naive_greedy(model, prompt: list[int], steps: int) -> list[int]:
     return tokens[len(prompt):]
 
 
+@pytest.mark.slow
 def test_greedy_generation_of_a_batch_equals_the_full_forward_token_by_token():
     """Two prompts of different lengths in one batch (right-padded, each row at its own position): each row's
     greedy tokens are those of re-running the whole forward for every token; top-k 1 and a tiny top-p are greedy

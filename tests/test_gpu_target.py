@@ -20,7 +20,7 @@ from jaxtron.metrics.hlo import matmul_flops
 from jaxtron.metrics.kernels import describe, float8_operands, kernels
 from jaxtron.ops import grouped
 
-pytestmark = pytest.mark.integration  # crosses a process boundary: .ci/run's tier, not the README's
+pytestmark = [pytest.mark.integration, pytest.mark.slow]  # crosses a process boundary: .ci/run's tier
 
 needs_plugin = pytest.mark.skipif(not target.plugin_installed(),
                                   reason=f"jax's CUDA plugin is not installed ({target.INSTALL})")

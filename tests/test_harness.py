@@ -47,6 +47,7 @@ def _evaluate(lm, tasks):
                                    task_manager=TaskManager(include_path=TASKS, include_defaults=False))
 
 
+@pytest.mark.slow
 def test_local_tasks_score_as_with_lm_evals_hugging_face_model(converted):
     """Multiple choice (loglikelihood), generation (generate_until) and perplexity (loglikelihood_rolling) tasks on
     the converted checkpoint give lm-eval's Hugging Face model's per-sample results on the original one
@@ -85,6 +86,7 @@ def test_local_tasks_score_as_with_lm_evals_hugging_face_model(converted):
         np.testing.assert_array_equal(written.read(name), original.read(name), err_msg=name)
 
 
+@pytest.mark.slow
 def test_loglikelihoods_equal_jaxtrons_own_scoring(converted):
     """A request's loglikelihood is the sum of the model's own log-softmax at the continuation's tokens, in batches
     of mixed lengths; a sequence beyond max_seq_len keeps its end."""
@@ -153,6 +155,7 @@ def test_jaxtron_lm_eval_runs_local_tasks_end_to_end(converted, tmp_path, capsys
     assert "jaxtron_sums" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 @pytest.mark.integration
 def test_a_task_that_cannot_load_is_one_sentence_with_exit_2(converted, tmp_path, capsys):
     from jaxtron import cli

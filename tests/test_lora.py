@@ -71,6 +71,7 @@ def test_a_target_that_names_no_projection_is_refused(targets, message):
         lora.add_adapters(build_model(cfg.model, cfg.execution, 0), LoraConfig(rank=2, targets=targets), 0)
 
 
+@pytest.mark.slow
 def test_merged_weights_compute_the_adapted_models_logits():
     """Folding W + (alpha / rank) A B equals running the adapters beside W (fp32 logits to 1e-5), for dense and
     latent attention and the MLP."""
@@ -94,6 +95,7 @@ def test_merged_weights_compute_the_adapted_models_logits():
         np.testing.assert_allclose(np.asarray(plain(tokens).logits()), adapted, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_a_lora_run_trains_the_adapters_alone_and_saves_only_them(base_run, tmp_path):
     """The base stays bit-identical, every adapter moves, the optimizer holds moments for the adapters only (a small
     fraction of full fine-tuning's), and checkpoints hold the adapters (plus optimizer state) alone."""
@@ -133,6 +135,7 @@ def test_a_lora_run_trains_the_adapters_alone_and_saves_only_them(base_run, tmp_
     assert set(_flat(grads)) == set(adapters) and all(np.any(g) for g in _flat(grads).values())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dropout", [0.0, 0.2])
 def test_a_lora_run_resumes_bit_exactly_and_matches_on_a_mesh(base_run, tmp_path, dropout):
     """Stopped after step 2 and resumed, a LoRA run ends with the same adapters as one that ran straight through;
@@ -165,6 +168,7 @@ def test_a_lora_run_resumes_bit_exactly_and_matches_on_a_mesh(base_run, tmp_path
         assert seeds.shape == (2,) and len(set(seeds.tolist())) == 2
 
 
+@pytest.mark.slow
 def test_a_lora_run_on_a_pipeline_trains_like_one_device(base_run, tmp_path):
     """The adapters are stacked with their layers, so the fill-drain pipeline stages them as it stages the base.
     (Without dropout: its masks are drawn per microbatch, and a pipeline's microbatches are other arrays.)"""
@@ -174,6 +178,7 @@ def test_a_lora_run_on_a_pipeline_trains_like_one_device(base_run, tmp_path):
     np.testing.assert_allclose([h["loss"] for h in staged.history], [h["loss"] for h in one.history], rtol=1e-5)
 
 
+@pytest.mark.slow
 @pytest.mark.integration
 def test_a_lora_run_generates_and_exports_its_merged_model(base_run, tmp_path, capsys):
     """`jaxtron generate` and `convert to-hf` read a LoRA run as its base with the adapters folded in; the exported
@@ -202,6 +207,7 @@ def test_a_lora_run_generates_and_exports_its_merged_model(base_run, tmp_path, c
     assert capsys.readouterr().out.startswith("def ")
 
 
+@pytest.mark.slow
 @pytest.mark.integration
 def test_bad_lora_configs_are_one_sentence_and_exit_2(tmp_path, capsys):
     import subprocess

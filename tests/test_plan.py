@@ -292,6 +292,7 @@ def test_expert_exchanges_that_leave_the_node_are_priced_at_the_network_rate():
     assert ratio == pytest.approx((56 / 64) / (7 / 8) * H100.nvlink_bandwidth / H100.network_bandwidth, rel=1e-6)
 
 
+@pytest.mark.slow
 def test_top_choices_follow_published_practice():
     rows = search.plan(_config("llama3_8b"), 8, H100)
     # 8B on 8 GPUs: fsdp=8, as MaxText and torchtitan train it, within 1% of the best (HSDP, data=2 fsdp=4, under
@@ -363,6 +364,7 @@ def test_pipeline_meshes_of_the_reference_tables_are_candidates_and_estimated():
                     pipeline_microbatches=32).identity_layers == 16
 
 
+@pytest.mark.slow
 def test_the_1f1b_schedule_is_priced_and_chosen_where_fill_drains_memory_stops_it():
     """GPT-3 175B on 128 H100s, pipeline=8 fsdp=4 tensor=4, the config's batch: 8 microbatches or 64 of it.
     1F1B's stages keep at most 15 microbatches' period inputs, so its activations fall to 15/64 of the batch's
@@ -462,6 +464,7 @@ def test_cudnn_by_chunks_is_estimated_at_the_cudnn_rate_with_the_same_gathers():
     assert chunks.collectives == blocks.collectives
 
 
+@pytest.mark.slow
 def test_405b_on_8_gpus_of_80gb_is_refused_with_the_reason(capsys):
     assert cli.run("plan", [f"--config={REPO}/configs/llama3_405b.py", "--gpus=8", "--gpu=h100"]) == 2
     err = capsys.readouterr().err.strip()
@@ -484,6 +487,7 @@ def test_nodes_of_four_keep_tensor_groups_to_four_and_price_what_crosses_them(ca
     assert four.time["fsdp_comm"] > 5 * eight.time["fsdp_comm"]
 
 
+@pytest.mark.slow
 def test_the_calibrated_time_model_holds_on_the_published_runs_it_was_not_fitted_on():
     """The constants in planning/gpus.py are what fitting the time model on KempnerForge's 14 H200 runs gives (a new
     fit reproduces them). Fitted on the other 13, the estimated tokens/s of the run with the largest held-out error

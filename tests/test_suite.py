@@ -56,3 +56,24 @@ def test_the_readme_runs_the_first_tier_and_ci_both():
     command = 'python -m pip install -e ".[test]" && python -m pytest -q -m "not integration"'
     assert command in readme and 'python -m pytest -q -m "not integration"' in ci
     assert "python -m pytest -q -m integration" in ci
+
+
+def test_an_unmarked_test_that_grew_slow_fails_and_a_marked_one_passes():
+    from types import SimpleNamespace
+
+    import conftest
+
+    def report_of(duration: float, marked: bool):
+        report = SimpleNamespace(when="call", passed=True, duration=duration, outcome="passed", longrepr=None)
+        item = SimpleNamespace(nodeid="tests/test_x.py::test_y",
+                               get_closest_marker=lambda name: object() if marked and name == "slow" else None)
+        hook = conftest.pytest_runtest_makereport(item, None)
+        next(hook)
+        with pytest.raises(StopIteration):
+            hook.send(SimpleNamespace(get_result=lambda: report))
+        return report
+
+    assert report_of(conftest.UNMARKED_LIMIT_S + 1, marked=False).outcome == "failed"
+    assert "without @pytest.mark.slow" in report_of(conftest.UNMARKED_LIMIT_S + 1, marked=False).longrepr
+    assert report_of(conftest.UNMARKED_LIMIT_S + 1, marked=True).outcome == "passed"
+    assert report_of(1.0, marked=False).outcome == "passed"
