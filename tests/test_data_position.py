@@ -89,13 +89,37 @@ def test_changed_stores_seeds_and_lengths_are_named(tmp_path):
     prepare([str(text)], "byte", str(tmp_path / "store"), overwrite=True)
     changed = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, seq_len=16, weights=""),
                                   train=dataclasses.replace(cfg.train, seed=3))
-    with pytest.raises(DataError, match=r"\(content of data.path differs; data.seq_len 32 -> 16; "
+    with pytest.raises(DataError, match=r"\(data.seq_len 32 -> 16; tokens of data.path differs; "
                                         r"train.seed 0 -> 3\)"):
         position_lib.resume(changed, position_lib.fingerprint(changed), saved)
     accept = dataclasses.replace(changed, data=dataclasses.replace(changed.data, resume_from_tokens=True))
     position = position_lib.resume(accept, position_lib.fingerprint(accept), saved)
     # 10 steps of 8 x 32 tokens = 2560 tokens = sample 160 of 16 tokens; row 0 of step 10 reads it
     assert position.offset + 10 * 8 == 160 and position.consumed_tokens == 2560
+
+
+def test_a_store_prepared_again_by_a_newer_version_resumes_and_older_checkpoints_still_do(tmp_path):
+    """The fingerprint names what the tokens are (the shards' checksums), not how the manifest is written: a store
+    whose manifest gained a field resumes a checkpoint of the same tokens. A checkpoint of an older version, which
+    digested the whole manifest ("content of"), resumes while that manifest is unchanged."""
+    text = tmp_path / "a.txt"
+    text.write_text("an example document about resuming runs\n" * 40)
+    prepare([str(text)], "byte", str(tmp_path / "store"))
+    cfg = _store_config(tmp_path / "store")
+    saved = position_lib.DataPosition.start(cfg, position_lib.fingerprint(cfg)).at(10).to_dict()
+    older = {**saved, "fingerprint": position_lib.fingerprint(cfg, legacy=True)}
+    assert "content of data.path" in older["fingerprint"] and "tokens of data.path" not in older["fingerprint"]
+    assert position_lib.resume(cfg, position_lib.fingerprint(cfg), older).fingerprint == position_lib.fingerprint(cfg)
+    manifest = tmp_path / "store" / "manifest.json"
+    fields = json.loads(manifest.read_text())
+    manifest.write_text(json.dumps({**fields, "a_field_of_a_newer_version": True}, indent=2))
+    assert position_lib.resume(cfg, position_lib.fingerprint(cfg), saved).offset == 0
+    with pytest.raises(DataError, match=r"\(content of data.path differs\)"):  # the manifest an old one digested
+        position_lib.resume(cfg, position_lib.fingerprint(cfg), older)
+    fields["shards"][0]["tokens_sha256"] = "0" * 64  # other tokens
+    manifest.write_text(json.dumps(fields))
+    with pytest.raises(DataError, match=r"\(tokens of data.path differs\)"):
+        position_lib.resume(cfg, position_lib.fingerprint(cfg), saved)
 
 
 def test_a_checkpoint_without_a_data_record_resumes_with_a_warning(caplog):

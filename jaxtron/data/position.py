@@ -3,7 +3,7 @@
 Row ``r`` of step ``s`` is global sample ``offset + s * global_batch_size + r`` of the train source; a run that
 never changed its data setup has offset 0. A checkpoint saves, beside the step, the tokens trained on so far,
 the offset, and a fingerprint of everything that decides which tokens a sample holds: batch size, sequence
-length, seed, the stores (path, tokenizer and content) and their mixture weights. A resumed run whose
+length, seed, the stores (path, tokenizer and their tokens' checksums) and their mixture weights. A resumed run whose
 fingerprint differs would silently skip or repeat data, so it is refused, naming the changed fields, unless
 ``data.resume_from_tokens`` accepts the change: the run then goes on from the token the old setup had reached
 in its stream (the sample that holds it under the new setup), which is what changing the batch size mid-run
@@ -30,21 +30,27 @@ SAMPLING_VERSION = 2
 
 
 def _store_facts(path: str) -> dict[str, Any]:
-    """A store's tokenizer and a digest of its manifest (which lists every shard's size and checksum)."""
+    """A store's tokenizer, a digest of what its tokens are (each shard's token, document and loss-mask checksums:
+    a store prepared again from the same text by a version whose manifest has more fields keeps it), and the
+    digest of its whole manifest, which checkpoints of older versions recorded instead."""
     import json
 
     from jaxtron.data.store import MANIFEST
     try:
         with open(os.path.join(path, MANIFEST), "rb") as f:
             raw = f.read()
-        tokenizer = json.loads(raw).get("tokenizer")
-    except (OSError, ValueError, AttributeError):
-        return {"tokenizer": None, "content": None}  # opening the store names the problem
-    return {"tokenizer": tokenizer, "content": hashlib.sha256(raw).hexdigest()}
+        manifest = json.loads(raw)
+        shards = [[s.get("tokens_sha256"), s.get("docs_sha256"), s.get("mask_sha256")] for s in manifest["shards"]]
+        tokenizer = manifest.get("tokenizer")
+    except (OSError, ValueError, AttributeError, KeyError, TypeError):
+        return {"tokenizer": None, "tokens": None, "manifest": None}  # opening the store names the problem
+    return {"tokenizer": tokenizer, "tokens": hashlib.sha256(json.dumps(shards).encode()).hexdigest(),
+            "manifest": hashlib.sha256(raw).hexdigest()}
 
 
-def fingerprint(cfg: Config) -> dict[str, Any]:
-    """The fields of the data setup that decide which tokens each training sample holds."""
+def fingerprint(cfg: Config, legacy: bool = False) -> dict[str, Any]:
+    """The fields of the data setup that decide which tokens each training sample holds; ``legacy``: each store's
+    content as checkpoints of older versions recorded it ("content of": its manifest's digest)."""
     d, t = cfg.data, cfg.train
     out: dict[str, Any] = {"train.global_batch_size": t.global_batch_size, "data.seq_len": d.seq_len,
                            "train.seed": t.seed, "data.source": d.source, "sampling version": SAMPLING_VERSION}
@@ -58,7 +64,10 @@ def fingerprint(cfg: Config) -> dict[str, Any]:
         facts = _store_facts(path)
         name = f"data.path[{i}]" if len(paths) > 1 else "data.path"
         out[f"tokenizer of {name}"] = facts["tokenizer"]
-        out[f"content of {name}"] = facts["content"]
+        if legacy:
+            out[f"content of {name}"] = facts["manifest"]
+        else:
+            out[f"tokens of {name}"] = facts["tokens"]
     return out
 
 
@@ -95,7 +104,10 @@ def resume(cfg: Config, fingerprint_now: dict[str, Any], saved: dict[str, Any]) 
         log.warning("the checkpoint of step %d has no record of its data setup; assuming it is unchanged", step)
         return DataPosition(step, step * batch * seq_len, 0, fingerprint_now, batch * seq_len)
     before = saved["fingerprint"]
-    changed = [k for k in sorted(set(before) | set(fingerprint_now)) if before.get(k) != fingerprint_now.get(k)]
+    compared = fingerprint_now
+    if any(k.startswith("content of") for k in before):  # an older version's checkpoint: its stores' manifests
+        compared = fingerprint(cfg, legacy=True)
+    changed = [k for k in sorted(set(before) | set(compared)) if before.get(k) != compared.get(k)]
     here = DataPosition(step, int(saved["consumed_tokens"]), int(saved["sample_offset"]), fingerprint_now,
                         batch * seq_len)
     if not changed:
@@ -116,6 +128,6 @@ def resume(cfg: Config, fingerprint_now: dict[str, Any], saved: dict[str, Any]) 
 
 
 def _describe(key: str, old: Any, new: Any) -> str:
-    if key.startswith(("content of", "tokenizer of")):
+    if key.startswith(("content of", "tokens of", "tokenizer of")):
         return f"{key} differs"  # digests and tokenizer records say nothing readable
     return f"{key} {old!r} -> {new!r}"
