@@ -157,6 +157,25 @@ def test_jaxtron_lm_eval_runs_local_tasks_end_to_end(converted, tmp_path, capsys
 
 @pytest.mark.slow
 @pytest.mark.integration
+def test_lm_evals_own_api_finds_the_model_by_name_after_one_import(converted):
+    import subprocess
+    import sys
+
+    code = ("import jaxtron.inference.harness; from lm_eval.api.registry import model_registry; "
+            "print('jaxtron' in model_registry)")
+    registered = subprocess.run([sys.executable, "-c", code],
+                                capture_output=True, text=True, timeout=300, check=False)
+    assert registered.stdout.strip() == "True", registered.stderr[-2000:]
+    from lm_eval.tasks import TaskManager
+
+    import jaxtron.inference.harness  # noqa: F401 - the one import: it registers the name
+    results = lm_eval.simple_evaluate(model="jaxtron", model_args=f"run={converted}", tasks=["jaxtron_sums"],
+                                      bootstrap_iters=0, task_manager=TaskManager(include_path=TASKS,
+                                                                                  include_defaults=False))
+    assert 0 <= results["results"]["jaxtron_sums"]["acc,none"] <= 1
+
+
+@pytest.mark.integration
 def test_a_task_that_cannot_load_is_one_sentence_with_exit_2(converted, tmp_path, capsys):
     from jaxtron import cli
 

@@ -5,9 +5,11 @@
 
 is lm-eval's own command line with the name ``jaxtron`` registered (lm-eval reads no entry points, so its ``lm_eval``
 command cannot find a model another package defines; this one imports lm-eval's built-in models too, so ``--model
-hf`` works here as well). From Python, pass ``JaxtronLM(run=DIR)`` (or ``JaxtronLM.from_model``) to
-``lm_eval.simple_evaluate``. Tasks come from local files: an ``--include_path`` directory of task YAMLs whose data
-are local JSONL (``dataset_path: json``); no network is needed.
+hf`` works here as well). From Python, importing this module registers the name:
+``import jaxtron.inference.harness`` and then ``lm_eval.simple_evaluate(model="jaxtron", model_args="run=DIR", ...)``;
+or pass ``JaxtronLM(run=DIR)`` (or ``JaxtronLM.from_model``) as the model. Tasks come from local files: an
+``--include_path`` directory of task YAMLs whose data are local JSONL (``dataset_path: json``); no network is
+needed.
 
 ``loglikelihood`` scores each (context, continuation) pair with one forward pass of the model over both, the
 continuation's tokens summed (and whether each was the greedy choice); requests go in batches of ``batch_size`` rows
@@ -251,6 +253,10 @@ def unloadable_task(error: BaseException) -> str | None:
                 "dataset is on this machine (its YAML's dataset_path naming local files, with --include_path), or "
                 "fill the Hugging Face datasets cache first.")
     return None
+
+
+if TemplateLM is not object:  # importing this module is what lm_eval.simple_evaluate(model="jaxtron") needs
+    register()
 
 
 if __name__ == "__main__":  # `python -m jaxtron.inference.harness` is `jaxtron lm-eval`
