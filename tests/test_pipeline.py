@@ -354,9 +354,15 @@ def deepseek_one_device(tmp_path_factory):
                devices=jax.devices()[:1])
 
 
+# the DeepSeek-style cases repeat what the MoE cases check with the prediction module and a dense first block added:
+# the extended tier (.ci/run), not the README's
+EXTENDED = ("deepseek_pipeline2_fsdp2_expert2_uneven", "interleaved_deepseek_pipeline2_data2_expert2_uneven")
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", [
-    pytest.param(name, marks=pytest.mark.xdist_group(reference)) for name, (*_, reference) in ONE_F_ONE_B.items()])
+    pytest.param(name, marks=[pytest.mark.xdist_group(reference)] + [pytest.mark.extended] * (name in EXTENDED))
+    for name, (*_, reference) in ONE_F_ONE_B.items()])
 def test_the_1f1b_schedules_train_like_one_device(name, tmp_path, request):
     """'1f1b' and 'interleaved': fp32 losses of 3 steps equal one device's to 1e-5 (the MoE models' with the same
     microbatches: their routing stats are per microbatch), and so do the parameters after them; MoE's losses and
