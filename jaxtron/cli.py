@@ -37,7 +37,7 @@ COMMANDS: dict[str, Command] = {
                       "compare two runs"),
     "prepare": Command("jaxtron.data.prepare:main", "tokenize text files into a token store"),
     "verify-data": Command("jaxtron.data.store:main", "hash every shard of token stores against their manifests"),
-    "verify": Command("jaxtron.checkpoint.integrity:main", "check a run's checkpoints against their checksums"),
+    "verify": Command("jaxtron.checkpoint.verify:main", "check a run's checkpoints against their checksums"),
     "convert": Command("jaxtron.interop.convert:main", "convert Hugging Face models to jaxtron checkpoints and back"),
     "score": Command("jaxtron.interop.score:main", "write a model's logits on given token ids"),
     "generate": Command("jaxtron.inference.generate:main", "continue prompts with a trained or converted model (KV "

@@ -25,16 +25,23 @@ def _choice(value: str, field: str, choices: tuple[str, ...]) -> None:
            f"set --config.{field} to one of those")
 
 
-def jsonl_records(path: str, name: str, fix: str):
+def jsonl_records(path: str, name: str, fix: str, log_file: bool = False):
     """(line number, record) of each non-blank line of the JSON Lines file ``path``; a ConfigError "``name`` line N
-    is not JSON; ``fix``." for a line that is not. (The callers check the records' fields with their own words.)"""
+    is not JSON; ``fix``." for a line that is not. ``log_file``: an append-only log, whose last line a kill may
+    have cut; that one is left out with a warning. (The callers check the records' fields with their own words.)"""
     import json
 
-    with open(path, encoding="utf-8") as f:
-        for number, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                yield number, json.loads(line)
-            except ValueError:
-                raise ConfigError(f"{name} line {number} is not JSON; {fix}.") from None
+    from jaxtron.common.files import jsonl_lines
+
+    if log_file:
+        lines = jsonl_lines(path)
+    else:
+        with open(path, encoding="utf-8") as f:
+            lines = f.read().splitlines()
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            yield number, json.loads(line)
+        except ValueError:
+            raise ConfigError(f"{name} line {number} is not JSON; {fix}.") from None

@@ -19,7 +19,7 @@ import re
 import statistics
 from typing import Any
 
-from jaxtron.common.files import jsonl_lines
+from jaxtron.config.checks import jsonl_records
 from jaxtron.config.loader import migrate
 from jaxtron.config.schema import ConfigError, ExecutionConfig, ModelConfig
 from jaxtron.metrics.bubble import idle_shares
@@ -39,13 +39,7 @@ def read_metrics(workdir: str) -> list[dict[str, Any]]:
     if not os.path.isfile(path):
         raise ConfigError(f"'{workdir}' has no metrics.jsonl; pass the --workdir of a jaxtron run.")
     records = []
-    for number, line in enumerate(jsonl_lines(path), 1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except ValueError:
-            raise ConfigError(f"{path} line {number} is not JSON; the file is damaged.") from None
+    for number, record in jsonl_records(path, path, "the file is damaged", log_file=True):
         if not isinstance(record, dict) or not isinstance(record.get("step"), int):
             raise ConfigError(f"{path} line {number} has no integer 'step'; the file is damaged.")
         records.append(record)

@@ -4,10 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 import logging
 import os
-import shutil
 import time
 from collections.abc import Callable
 from typing import Any
@@ -16,7 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxtron.checkpoint.train_state import LAYER_ORDER, Checkpointer
-from jaxtron.common.files import atomic_path, jsonl_lines, write_json
+from jaxtron.common.files import write_json
 from jaxtron.config.schema import Config, ConfigError, replace
 from jaxtron.data import position as data_position
 from jaxtron.data.loader import BatchIterator, BatchLimits, global_batch, make_sources
@@ -30,6 +28,7 @@ from jaxtron.parallel.checks import check_devices
 from jaxtron.parallel.mesh import make_mesh, process_aware_mesh
 from jaxtron.parallel.sharding import batch_sharding, shard_count, sharding_table
 from jaxtron.training import state as state_lib
+from jaxtron.training import workdir as workdir_lib
 from jaxtron.training.preemption import PREEMPTED_EXIT_CODE, PreemptionWatcher, StopVotes
 from jaxtron.training.profiling import Meter, ProfileWindow
 from jaxtron.training.step import compile_train_step, eval_step, state_finite
@@ -51,17 +50,6 @@ def save_checkpoint(checkpointer: Checkpointer, step: int, state, cfg: Config, d
         config[LAYER_ORDER] = list(layer_order)
     # a LoRA run saves its adapters alone: the frozen base is train.init_from's, read again on resume
     checkpointer.save(step, lora.saved_part(state), data_state or {"step": step}, config)
-
-
-def _check_workdir(workdir: str) -> None:
-    try:
-        os.makedirs(workdir, exist_ok=True)
-        probe = os.path.join(workdir, f".write_test.{jax.process_index()}")
-        with open(probe, "w") as f:
-            f.write("ok")
-        os.remove(probe)
-    except OSError as e:
-        raise ConfigError(f"workdir '{workdir}' is not writable ({e.strerror}); pass a writable --workdir.") from None
 
 
 def batch_limits(cfg: Config, implementation: str) -> BatchLimits:
@@ -149,28 +137,15 @@ def run(cfg: Config, workdir: str, *, use_tqdm: bool | None = None,
     placement = place(cfg, devices, resolve_remat)
     with jax.set_mesh(placement.mesh):
         state_lib.check_fits(placement.setup.abstract_state, placement.shardings, list(placement.mesh.devices.flat))
-        before = sorted(os.listdir(workdir)) if os.path.isdir(workdir) else None
-        _check_workdir(workdir)
+        before = workdir_lib.listing(workdir)
+        workdir_lib.check_writable(workdir)
         trainer = Trainer(placement.cfg, workdir, placement, use_tqdm, evaluator)
         try:
             return trainer.train()
         except ConfigError:
             if not trainer.accepted:  # refused (checkpoint, data or init_from mismatch): leave no trace
-                _remove_created(workdir, before)
+                workdir_lib.remove_created(workdir, before)
             raise
-
-
-def _remove_created(workdir: str, before: list[str] | None) -> None:
-    """Removes what a refused run made in ``workdir`` (all of it if the run made the directory itself); nothing
-    that was there before has changed yet."""
-    if jax.process_index() != 0:
-        return
-    if before is None:
-        shutil.rmtree(workdir, ignore_errors=True)
-        return
-    for name in set(os.listdir(workdir)) - set(before):
-        path = os.path.join(workdir, name)
-        shutil.rmtree(path, ignore_errors=True) if os.path.isdir(path) else os.remove(path)
 
 
 class Trainer:
@@ -232,9 +207,9 @@ class Trainer:
         self.state, self.position = self._restore_or_init()
         self.start = self.position.step
         self.accepted = True
-        if self.is_main:  # only now the run's files change
+        if self.is_main:  # only now the run's files change (a damaged metrics.jsonl is refused before any)
+            workdir_lib.drop_metrics_after(self.workdir, self.start)
             write_json(os.path.join(self.workdir, "config.json"), cfg.to_dict(), indent=2)
-            _drop_metrics_after(self.workdir, self.start)
             self.checkpointer.remove_incomplete()
         if self.start >= t.steps:
             return self.start
@@ -413,25 +388,6 @@ def _hlo_text(compiled) -> str | None:
         log.warning("could not read the compiled step's HLO (%s); no collectives.json and no per-stage idle share",
                     e)
         return None
-
-
-def _drop_metrics_after(workdir: str, step: int) -> None:
-    """Keeps metrics.jsonl consistent with the state the run starts from: lines of later steps (and a line cut by
-    a kill) are dropped, to be logged again."""
-    path = os.path.join(workdir, "metrics.jsonl")
-    if not os.path.exists(path):
-        return
-    lines = [line + "\n" for line in jsonl_lines(path) if line.strip() and _logged_step(line) <= step]
-    with atomic_path(path) as aside, open(aside, "w", encoding="utf-8") as f:
-        f.writelines(lines)
-
-
-def _logged_step(line: str) -> int:
-    try:
-        return int(json.loads(line).get("step", 0))
-    except (ValueError, TypeError, AttributeError):
-        raise ConfigError(f"metrics.jsonl holds a line that is not a logged step ({line[:60]!r}); the file is "
-                          "damaged: move it aside to resume.") from None
 
 
 def _summary_line(summary: RunSummary) -> str:
