@@ -1,5 +1,5 @@
-"""`python train.py ARGS`: the same as `jaxtron train ARGS` (the code lives in `jaxtron/training/cli.py`, wired in
-`jaxtron/train.py`)."""
+"""`python train.py ARGS`: the same as `jaxtron train ARGS` (``jaxtron.cli.train``), from a checkout without the
+package installed."""
 
 import sys
 

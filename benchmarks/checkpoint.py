@@ -75,7 +75,7 @@ def random_state(abstract_state, shardings):
         lambda sh, sub: jax.tree.map(lambda _: sh, sub), shardings, abstract_state,
         is_leaf=lambda x: isinstance(x, jax.sharding.Sharding)))
     return jax.tree.unflatten(treedef, [jax.block_until_ready(fill(i, leaf, sh))
-                                        for i, (leaf, sh) in enumerate(zip(leaves, sharding_leaves))])
+                                        for i, (leaf, sh) in enumerate(zip(leaves, sharding_leaves, strict=True))])
 
 
 def reset_peak_memory() -> None:

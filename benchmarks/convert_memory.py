@@ -1,4 +1,4 @@
-"""Host memory of `python -m jaxtron.convert from-hf` on a synthetic Llama, against the model's size.
+"""Host memory of `jaxtron convert from-hf` on a synthetic Llama, against the model's size.
 
     python benchmarks/convert_memory.py [--hidden 1024] [--layers 8] [--vocab 32000] [--output F.json]
 

@@ -75,7 +75,7 @@ def _least_squares(residuals, start: list[float], bounds) -> list[float]:
     import numpy as np
     from scipy.optimize import least_squares
 
-    lower, upper = (np.array(b, float) for b in zip(*bounds))
+    lower, upper = (np.array(b, float) for b in zip(*bounds, strict=True))
     scale = np.where(np.array(start) > 0, start, 1.0)
     x0 = np.clip(np.where(np.array(start) > 0, 1.0, 0.1), lower / scale, upper / scale)
     result = least_squares(lambda x: residuals(x * scale), x0, bounds=(lower / scale, upper / scale), x_scale=1.0)

@@ -7,7 +7,7 @@ template; only the assistant's tokens carry loss. It starts from the main job's 
 that first:
     python train.py --config=configs/default.py --workdir=runs/default
     python train.py --config=configs/sft.py --workdir=runs/sft
-    python -m jaxtron.generate --run runs/sft --chat --prompt "What does json.dumps do?"
+    jaxtron generate --run runs/sft --chat --prompt "What does json.dumps do?"
 """
 
 import importlib.util

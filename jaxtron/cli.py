@@ -2,11 +2,11 @@
 
     jaxtron --help                   # the commands, one line each
     jaxtron <command> --help         # a command's own options
-    jaxtron train --config=configs/default.py --workdir=runs/default --config.train.steps=100
+    jaxtron train --config=default --workdir=runs/default --config.train.steps=100
 
-``python -m jaxtron <command>`` is the same, and the older forms (``python train.py``, ``python -m jaxtron.plan``,
-``python -m jaxtron.checkpoint verify``, ...) forward here. A command's module is imported only when that command
-runs, so that ``jaxtron --help`` answers at once (without jax).
+``python -m jaxtron <command>`` and, for training, ``python train.py`` (at the top of the repository) are the same.
+A command's module is imported only when that command runs, so that ``jaxtron --help`` answers at once (without
+jax).
 
 Every command ends the same way: an exception of ``ERRORS`` (bad input, a diverged run) becomes one line
 ``error: <sentence>`` on stderr and that exit code, without a traceback; any other exception is a bug and keeps its
@@ -30,7 +30,7 @@ class Command(NamedTuple):
 
 
 COMMANDS: dict[str, Command] = {
-    "train": Command("jaxtron.train:main", "train a model from a config file (any field overridable)"),
+    "train": Command("jaxtron.cli:train", "train a model from a config file (any field overridable)"),
     "plan": Command("jaxtron.planning.cli:main", "rank the meshes of a model on N GPUs by estimated memory and step "
                     "time; --compile checks one with XLA"),
     "report": Command("jaxtron.metrics.report:main", "summarise a run (throughput, MFU, loss) and plot it, or "
@@ -98,6 +98,17 @@ def run(name: str, argv: Sequence[str] | None = None) -> int:
     return _guarded(lambda: getattr(importlib.import_module(module), function)(args))
 
 
+def train(argv: list[str]) -> int:
+    """`jaxtron train`: the training command (`jaxtron/training/cli.py`) with the two parts the training code cannot
+    import, being below them: the evaluator of ``train.eval_tasks`` (`jaxtron/inference/downstream.py`) and the
+    planner's choice for ``execution.remat='auto'`` (`jaxtron/planning/remat.py`)."""
+    from jaxtron.inference.downstream import TaskEvaluator
+    from jaxtron.planning.remat import resolve_for_devices
+    from jaxtron.training.cli import main
+
+    return main(argv, evaluator=TaskEvaluator, resolve_remat=resolve_for_devices)
+
+
 def help_text(names: Collection[str] = COMMANDS) -> str:
     """What ``jaxtron --help`` prints: the usage and the commands ``names``, one line each."""
     width = max(map(len, names)) + 2
@@ -114,14 +125,13 @@ def _unknown(name: str, names: Collection[str]) -> str:
     return f"'{name}' is not a jaxtron command; {hint} (jaxtron --help lists them)."
 
 
-def main(argv: Sequence[str] | None = None, commands: Collection[str] | None = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     """The `jaxtron` command: ``argv`` (default: the process's arguments) is a command name and its arguments;
-    returns the exit code. ``commands`` limits the names accepted (an older entry point's own commands)."""
+    returns the exit code."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    names = list(COMMANDS if commands is None else commands)
     if not argv or argv[0] in ("-h", "--help"):
-        print(help_text(names), file=sys.stdout if argv else sys.stderr)
+        print(help_text(), file=sys.stdout if argv else sys.stderr)
         return 0 if argv else USAGE_EXIT_CODE
-    if argv[0] not in names:
-        return _error(_unknown(argv[0], names), USAGE_EXIT_CODE)
+    if argv[0] not in COMMANDS:
+        return _error(_unknown(argv[0], COMMANDS), USAGE_EXIT_CODE)
     return run(argv[0], argv[1:])

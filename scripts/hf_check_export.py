@@ -1,7 +1,7 @@
-"""Loads a directory written by `python -m jaxtron.convert to-hf` with transformers and compares its logits.
+"""Loads a directory written by `jaxtron convert to-hf` with transformers and compares its logits.
 
     pip install torch transformers
-    python -m jaxtron.score --checkpoint CKPT --tokens TOKENS.npy --output LOGITS.npy   # in jaxtron's environment
+    jaxtron score --checkpoint CKPT --tokens TOKENS.npy --output LOGITS.npy   # in jaxtron's environment
     python scripts/hf_check_export.py HF_DIR TOKENS.npy LOGITS.npy                      # in transformers' one
 
 Prints the model class transformers chose and the largest absolute difference of the float32 logits;

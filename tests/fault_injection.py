@@ -160,7 +160,8 @@ def inject(kills: int, seed: int, root: str, steps: int = 60, log=print) -> dict
     figures["steps"] = steps
     figures["losses_identical"] = losses(workdir) == losses(reference) and len(losses(reference)) == steps
     figures["parameters_identical"] = all(np.array_equal(a, b) for a, b in
-                                          zip(final_parameters(workdir, steps), final_parameters(reference, steps)))
+                                          zip(final_parameters(workdir, steps), final_parameters(reference, steps),
+                                              strict=True))
     figures["problems"] += check_readers(workdir)
     figures["reader_checks"] += 2
     return figures

@@ -92,7 +92,7 @@ def test_rows_with_more_documents_than_the_kernel_takes_are_refused():
 def test_cudnn_matches_the_xla_reference_on_a_gpu(packed):
     b, t, n, g, h = 2, 512, 8, 2, 128
     q, k, v = (jax.random.normal(key, (b, t, heads, h), jnp.float32)
-               for key, heads in zip(jax.random.split(jax.random.key(0), 3), (n, g, g)))
+               for key, heads in zip(jax.random.split(jax.random.key(0), 3), (n, g, g), strict=True))
     ids = jnp.asarray(_packed_segment_ids(b, t, [5, 17])) if packed else None
     reference = dot_product_attention(q, k, v, implementation="xla", segment_ids=ids)  # float32
     bf = [x.astype(jnp.bfloat16) for x in (q, k, v)]
@@ -105,7 +105,7 @@ def test_cudnn_matches_the_xla_reference_on_a_gpu(packed):
 
     want = jax.grad(lambda *a: loss("xla", *a), argnums=(0, 1, 2))(q, k, v)
     got = jax.jit(jax.grad(lambda *a: loss("cudnn", *a), argnums=(0, 1, 2)))(*bf)
-    for w, gr in zip(want, got):
+    for w, gr in zip(want, got, strict=True):
         rel = jnp.linalg.norm((gr.astype(jnp.float32) - w).ravel()) / jnp.linalg.norm(w.ravel())
         assert float(rel) < 2e-2
 
@@ -198,7 +198,7 @@ def test_cudnn_returns_the_softmax_statistics_that_blockwise_attention_combines(
     reference's (same layout [batch, length, heads], natural log of the scaled scores)."""
     b, t, n, g, h = 2, 512, 8, 2, 128
     q, k, v = (jax.random.normal(key, (b, t, heads, h), jnp.float32)
-               for key, heads in zip(jax.random.split(jax.random.key(3), 3), (n, g, g)))
+               for key, heads in zip(jax.random.split(jax.random.key(3), 3), (n, g, g), strict=True))
     want, want_lse = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="xla",
                                                   return_residual=True)
     bf = [x.astype(jnp.bfloat16) for x in (q, k, v)]

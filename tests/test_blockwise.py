@@ -45,12 +45,12 @@ def test_blockwise_attention_equals_whole_matrix_attention(block_q, block_k, pac
                          jnp.ones(32, jnp.int32)])
     got = blockwise_attention(q, k, v, pos, pos, seg, seg, block_q=block_q, block_k=block_k)
     want = _reference(q, k, v, pos, pos, seg, seg)
-    for a, b in zip(got, want):
+    for a, b in zip(got, want, strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
     grads = jax.grad(lambda q, k, v: _loss(*blockwise_attention(q, k, v, pos, pos, seg, seg, block_q=block_q,
                                                                  block_k=block_k)), argnums=(0, 1, 2))(q, k, v)
     expected = jax.grad(lambda q, k, v: _loss(*_reference(q, k, v, pos, pos, seg, seg)), argnums=(0, 1, 2))(q, k, v)
-    for a, b in zip(grads, expected):
+    for a, b in zip(grads, expected, strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
 
 
@@ -71,11 +71,11 @@ def test_a_slice_of_queries_against_the_whole_sequence_and_partial_results_combi
         return combine(parts)
 
     got = halves(q, k, v)
-    for a, b in zip(got, (want_out, want_lse)):
+    for a, b in zip(got, (want_out, want_lse), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
     grads = jax.grad(lambda *a: _loss(*halves(*a)), argnums=(0, 1, 2))(q, k, v)
     expected = jax.grad(lambda *a: _loss(*_reference(*a, pos, pos)), argnums=(0, 1, 2))(q, k, v)
-    for a, b in zip(grads, expected):
+    for a, b in zip(grads, expected, strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
 
 
@@ -126,5 +126,5 @@ def test_context_parallel_attention_equals_one_device(mesh_shape):
         got = f(*args)
         grads = jax.jit(jax.grad(lambda *a: _loss(f(*a), 0.0), argnums=(0, 1, 2)))(*args)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
-    for a, b in zip(grads, want_grads):
+    for a, b in zip(grads, want_grads, strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)

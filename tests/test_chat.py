@@ -22,7 +22,7 @@ TALK = [{"role": "system", "content": "Be brief."},
 def _marked(ids: np.ndarray, mask: np.ndarray, decode) -> str:
     """The text of the masked tokens, runs of them joined by '|'."""
     runs, current = [], []
-    for token, m in zip(ids, mask):
+    for token, m in zip(ids, mask, strict=True):
         if m:
             current.append(int(token))
         elif current:
@@ -72,7 +72,7 @@ def test_a_tokenizer_json_marks_the_assistants_tokens_by_their_offsets(tmp_path)
     tokenizer = load_tokenizer(path)
     ids, mask = encode_conversation(tokenizer, template, TALK)
     assert np.array_equal(ids, tokenizer.encode(template.render(TALK)))  # the whole text encoded once
-    marked = [tokenizer.decode([t]) for t, m in zip(ids, mask) if m]
+    marked = [tokenizer.decode([t]) for t, m in zip(ids, mask, strict=True) if m]
     assert marked == ["4", ".", "<|im_end|>", "6", ",", "of", "course", ".", "<|im_end|>"]
     assert template.end_of_turn() == "<|im_end|>"
     # a chat_template.jinja beside the tokenizer is preferred, as transformers saves it
@@ -106,9 +106,10 @@ def test_prepare_chat_writes_a_store_whose_rows_train_on_the_assistant_only(tmp_
     rows = split.rows(np.arange(split.num_windows))
     from jaxtron.data.tokenizers import load_tokenizer
     tokenizer = load_tokenizer(path)
-    trained = {tokenizer.decode([t]) for t, m in zip(rows["targets"].ravel(), rows["loss_mask"].ravel()) if m}
+    pairs = list(zip(rows["targets"].ravel(), rows["loss_mask"].ravel(), strict=True))
+    trained = {tokenizer.decode([t]) for t, m in pairs if m}
     assert trained == {"4", ".", "<|im_end|>", "6", ",", "of", "course"}
-    untrained = {tokenizer.decode([t]) for t, m in zip(rows["targets"].ravel(), rows["loss_mask"].ravel()) if not m}
+    untrained = {tokenizer.decode([t]) for t, m in pairs if not m}
     assert {"What", "is", "Be", "user", "system", "<|endoftext|>"} <= untrained
     # the mask is part of the store's checksums
     mask_file = tmp_path / "store" / manifest["shards"][0]["mask"]

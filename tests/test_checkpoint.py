@@ -41,7 +41,7 @@ def test_resume_from_an_earlier_checkpoint_is_bit_exact(tmp_path):
     second = run(cfg, str(tmp_path), use_tqdm=False)
     assert [h["step"] for h in second.history] == [3, 4, 5, 6]
     assert [h["loss"] for h in second.history] == [h["loss"] for h in first.history[2:]]
-    for a, b in zip(_leaves(second.state), _leaves(first.state)):
+    for a, b in zip(_leaves(second.state), _leaves(first.state), strict=True):
         np.testing.assert_array_equal(a, b)
     lines = metrics_lines(tmp_path)
     assert [l["step"] for l in lines] == [1, 2, 3, 4, 5, 6]  # the lost steps were logged again, once
@@ -78,9 +78,9 @@ def test_a_checkpoint_restores_onto_other_meshes_with_identical_values(tmp_path)
         wq = restored.params["layers"]["attn"]["wq"].get_value()
         assert wq.sharding.is_equivalent_to(shardings.params["layers"]["attn"]["wq"], wq.ndim)
         assert len(wq.sharding.device_set) == len(devices)
-        for got, want in zip(jax.tree.leaves(restored.opt_state), jax.tree.leaves(shardings.opt_state)):
+        for got, want in zip(jax.tree.leaves(restored.opt_state), jax.tree.leaves(shardings.opt_state), strict=True):
             assert got.sharding.is_equivalent_to(want, got.ndim)
-        for a, b in zip(_leaves(restored), _leaves(state)):
+        for a, b in zip(_leaves(restored), _leaves(state), strict=True):
             np.testing.assert_array_equal(a, b)
 
 
@@ -170,7 +170,7 @@ def test_sigkill_then_restart_ends_bit_exact(kill_at, uninterrupted, tmp_path):
     proc.send_signal(signal.SIGKILL)
     proc.wait(timeout=60)
     assert _train(tmp_path).wait(timeout=300) == 0
-    for a, b in zip(_final_state(tmp_path), _final_state(uninterrupted)):
+    for a, b in zip(_final_state(tmp_path), _final_state(uninterrupted), strict=True):
         np.testing.assert_array_equal(a, b)
     losses = lambda w: {line["step"]: line["loss"] for line in metrics_lines(w)}
     assert losses(tmp_path) == losses(uninterrupted)

@@ -28,7 +28,8 @@ def _documents(*rows: list[int]) -> tuple[jax.Array, jax.Array]:
 
 def _inputs(seed, b, length, heads=4, kv_heads=2, d=8, dtype=jnp.float32):
     keys = jax.random.split(jax.random.key(seed), 3)
-    return tuple(jax.random.normal(key, (b, length, n, d), dtype) for key, n in zip(keys, (heads, kv_heads, kv_heads)))
+    return tuple(jax.random.normal(key, (b, length, n, d), dtype)
+                 for key, n in zip(keys, (heads, kv_heads, kv_heads), strict=True))
 
 
 # a document crossing several chunk boundaries, one ending exactly at a boundary, a row that is one document
@@ -66,7 +67,7 @@ def test_each_shard_by_chunks_equals_whole_matrix_attention(layout, shards):
     np.testing.assert_allclose(jax.jit(by_shards)(q, k, v), want, rtol=1e-5, atol=1e-5)
     grads = jax.jit(jax.grad(lambda *a: _loss(by_shards(*a), 0.0), argnums=(0, 1, 2)))(q, k, v)
     inverse = np.argsort(order)
-    for got, w in zip(grads, want_grads):
+    for got, w in zip(grads, want_grads, strict=True):
         np.testing.assert_allclose(got, w[:, inverse], rtol=1e-4, atol=1e-5)
 
 
@@ -90,7 +91,7 @@ def test_context_parallel_attention_by_chunks_equals_one_device(mesh_shape):
         got = f(*args)
         grads = jax.jit(jax.grad(lambda *a: _loss(f(*a), 0.0), argnums=(0, 1, 2)))(*args)
     np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)
-    for g, w in zip(grads, want_grads):
+    for g, w in zip(grads, want_grads, strict=True):
         np.testing.assert_allclose(np.asarray(g), w, rtol=1e-4, atol=1e-5)
 
 
@@ -115,7 +116,7 @@ def test_merged_calls_backpropagate_through_the_merged_statistics():
     np.testing.assert_allclose(merged(q, k, v), reference(q, k, v), rtol=1e-5, atol=1e-5)
     got = jax.grad(lambda *a: _loss(merged(*a), 0.0), argnums=(0, 1, 2))(q, k, v)
     want = jax.grad(lambda *a: _loss(reference(*a), 0.0), argnums=(0, 1, 2))(q, k, v)
-    for g, w in zip(got, want):
+    for g, w in zip(got, want, strict=True):
         np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-5)
 
 
@@ -185,7 +186,7 @@ def test_cudnn_chunk_calls_match_the_xla_kernel_on_a_gpu(causal):
     want = chunked.XLA.backward(*f32, q_len, kv_len, causal, want_out, merged_lse, d_out)
     got = jax.jit(lambda *a: chunked.CUDNN.backward(*a, q_len, kv_len, causal, want_out.astype(q.dtype),
                                                     merged_lse, d_out.astype(q.dtype)))(q, k, v)
-    for g, w in zip(got, want):
+    for g, w in zip(got, want, strict=True):
         rel = jnp.linalg.norm((g.astype(jnp.float32) - w).ravel()) / jnp.linalg.norm(w.ravel())
         assert float(rel) < 2e-2
 
@@ -215,7 +216,7 @@ def test_cudnn_chunks_equal_whole_matrix_attention_on_a_gpu():
     assert relative(jax.jit(by_shards)(q, k, v), want) < 1e-2
     grads = jax.jit(jax.grad(lambda *a: _loss(by_shards(*a).astype(jnp.float32), 0.0), argnums=(0, 1, 2)))(q, k, v)
     inverse = np.argsort(order)
-    for g, w in zip(grads, want_grads):
+    for g, w in zip(grads, want_grads, strict=True):
         assert relative(g, w[:, inverse]) < 2e-2
 
     # the same calls inside the shard_map a mesh runs (one GPU: a sequence axis of 1, the row in two chunks)
@@ -229,5 +230,5 @@ def test_cudnn_chunks_equal_whole_matrix_attention_on_a_gpu():
         bf = [jax.device_put(x.astype(jnp.bfloat16), heads) for x in (q, k, v)]
         assert relative(f(*bf), want) < 1e-2
         grads = jax.jit(jax.grad(lambda *a: _loss(f(*a).astype(jnp.float32), 0.0), argnums=(0, 1, 2)))(*bf)
-    for g, w in zip(grads, want_grads):
+    for g, w in zip(grads, want_grads, strict=True):
         assert relative(g, w) < 2e-2

@@ -1,5 +1,5 @@
-"""The `jaxtron` command (jaxtron/cli.py): its commands and their help, the one error wrapper, the console script, and
-the older entry points that forward to it."""
+"""The `jaxtron` command (jaxtron/cli.py): its commands and their help, the one error wrapper, the console script,
+`python -m jaxtron` and `python train.py`."""
 
 import configparser
 import importlib
@@ -67,9 +67,6 @@ def test_no_command_or_an_unknown_one_exits_2_in_one_sentence(capsys):
     assert cli.main(["bogus"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: 'bogus' is not a jaxtron command; use one of train, plan,") and err.count("\n") == 1
-    # an older entry point takes its own commands only (python -m jaxtron.checkpoint verify)
-    assert cli.main(["train"], commands=("verify",)) == 2
-    assert capsys.readouterr().err.startswith("error: 'train' is not a jaxtron command; use 'verify'")
 
 
 def test_a_config_error_of_a_tool_is_one_line_and_exit_2(capsys, tmp_path):
@@ -132,8 +129,8 @@ def test_help_starts_without_jax():
     assert proc.returncode == 0 and proc.stdout.splitlines()[-1] == "[]", proc.stdout + proc.stderr
 
 
-def test_the_older_entry_points_forward_to_it(tmp_path):
-    plan = _run("-m", "jaxtron.plan", "--help")
+def test_python_m_jaxtron_and_train_py_are_the_command(tmp_path):
+    plan = _run("-m", "jaxtron", "plan", "--help")
     assert plan.returncode == 0 and "--gpus" in plan.stdout, plan.stderr
     train = _run("train.py", "--help")
     assert train.returncode == 0 and "--workdir" in train.stdout and "vocab_size" not in train.stdout, train.stderr
@@ -176,3 +173,18 @@ def test_paths_are_taken_in_any_form(monkeypatch, tmp_path):
     assert workdir == str(tmp_path / "runs" / "a")
     cfg, workdir, _ = parse_args(["--workdir=runs/b", "--config.train.init_from=models/base/"])
     assert workdir == str(tmp_path / "runs" / "b") and cfg.train.init_from == str(tmp_path / "models" / "base")
+
+
+@pytest.mark.integration
+def test_an_install_ships_the_configs_and_one_front_door(tmp_path):
+    """What a non-editable install copies (setuptools' build_py, the step that fills a wheel) holds every file of
+    configs/ as jaxtron/configs/ (the names --config takes from any directory) and no module at the package top but
+    `jaxtron/cli.py` and `python -m jaxtron`'s."""
+    built = subprocess.run([sys.executable, "setup.py", "-q", "build_py", "--build-lib", str(tmp_path)], cwd=REPO,
+                           capture_output=True, text=True, timeout=300, check=False)
+    assert built.returncode == 0, built.stderr[-2000:]
+    shipped = sorted(os.listdir(tmp_path / "jaxtron" / "configs"))
+    assert shipped == sorted(f for f in os.listdir(os.path.join(REPO, "configs")) if f.endswith(".py"))
+    assert sorted(f for f in os.listdir(tmp_path / "jaxtron") if f.endswith(".py")) == \
+        ["__init__.py", "__main__.py", "cli.py"]
+    assert os.path.isfile(tmp_path / "jaxtron" / "gpu" / "specs" / "h100_sxm.txtpb")

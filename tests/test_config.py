@@ -107,7 +107,9 @@ BAD = [
      lambda d: load_config(file_setting_path(d, "c.train = 5"), [("train.steps", "3")]),
      "'train' must be a group of fields, not 5", "make it a dict of fields in the config file"),
     ("missing_file", lambda d: load_config(os.path.join(str(d), "nope.py")),
-     "nope.py' does not exist", "pass --config=configs/<name>.py"),
+     "nope.py' does not exist", "pass a file (--config=path/to/X.py) or a shipped config's name (deepseek_tiny, "),
+    ("unknown_shipped_name", lambda d: load_config("llama3_9b"),
+     "config file 'llama3_9b' does not exist", "or a shipped config's name (deepseek_tiny, deepseek_v3, default,"),
     ("file_without_get_config", lambda d: load_config(config_file(d, "X = 1\n")),
      "user_config.py' defines no get_config()", "add one returning a ConfigDict"),
     ("file_raises_on_import", lambda d: load_config(config_file(d, "raise RuntimeError('broken import')\n")),
@@ -392,6 +394,22 @@ def test_explicit_config_file_and_sections_absent_from_it(tmp_path):
     cfg = cli(f"--config={path}", "--config.mesh.tensor=2")  # 'mesh' is not in the file: defaults + override
     assert cfg.train.steps == 3 and cfg.mesh == MeshConfig(tensor=2)
     assert cfg.model == ModelConfig() and cfg.optimizer == OptimizerConfig()
+
+
+def test_a_shipped_config_by_name_from_any_directory(tmp_path, monkeypatch):
+    """``--config=llama3_8b`` is the shipped configs/llama3_8b.py wherever the command runs; a file of that name in
+    the working directory is a path, and wins."""
+    from jaxtron.config.loader import config_file, shipped_names
+    monkeypatch.chdir(tmp_path)
+    assert {"default", "llama3_8b", "qwen3", "sft"} <= set(shipped_names())
+    for spec in ("llama3_8b", "llama3_8b.py", "configs/llama3_8b.py"):
+        assert os.path.samefile(config_file(spec), os.path.join(REPO, "configs", "llama3_8b.py"))
+    assert load_config("qwen3:8b").model.num_layers == load_config(os.path.join(REPO, "configs", "qwen3.py:8b")) \
+        .model.num_layers
+    (tmp_path / "llama3_8b.py").write_text("raise RuntimeError('mine')\n")
+    assert config_file("llama3_8b.py") == "llama3_8b.py"
+    with pytest.raises(ConfigError, match=r"'other/llama3_8b.py' does not exist"):
+        config_file("other/llama3_8b.py")  # a folder that is not configs/ names a file, never a shipped config
 
 
 def test_int_for_float_field_in_a_config_file_is_accepted(tmp_path):

@@ -181,7 +181,7 @@ def test_small_shards_read_across_boundaries(corpus, tmp_path):
     # shards end at document boundaries and stay under shard_tokens unless one document is larger
     boundaries = set(np.cumsum([len(d) for d in documents]).tolist())
     assert set(np.cumsum(sizes).tolist()) <= boundaries
-    assert all(n <= 120 or s["num_documents"] == 1 for n, s in zip(sizes, manifest["shards"]))
+    assert all(n <= 120 or s["num_documents"] == 1 for n, s in zip(sizes, manifest["shards"], strict=True))
     assert sorted(os.listdir(tmp_path / "s")) == sorted(
         ["manifest.json"] + [f"{k}-{i:05d}.bin" for i in range(len(sizes)) for k in ("tokens", "docs")])
 
@@ -271,10 +271,10 @@ def test_bad_inputs_are_one_line_errors(tmp_path, capsys, big_vocab_tokenizer):
 
 @pytest.mark.integration
 def test_cli_exits_2_without_traceback_when_a_worker_fails(tmp_path):
-    """A real `python -m jaxtron.data.prepare` whose error is raised inside a tokenizing worker process."""
+    """A real `jaxtron prepare` whose error is raised inside a tokenizing worker process."""
     good = [_write(tmp_path / f"g{i}.jsonl", json.dumps({"text": "ok"}) + "\n") for i in range(3)]
     bad = _write(tmp_path / "h.jsonl", '{"text": "fine"}\nnot json\n')
-    out = subprocess.run([sys.executable, "-m", "jaxtron.data.prepare", "--input", str(tmp_path / "*.jsonl"),
+    out = subprocess.run([sys.executable, "-m", "jaxtron", "prepare", "--input", str(tmp_path / "*.jsonl"),
                           "--tokenizer", "byte", "--output", str(tmp_path / "out"), "--workers", "2"],
                          cwd=REPO, capture_output=True, text=True, timeout=120, check=False)
     assert good and out.returncode == 2, out.stderr
@@ -321,7 +321,7 @@ def test_truncated_corrupted_and_missing_stores(byte_store, tmp_path):
     with pytest.raises(DataError) as e:
         TokenStore(str(empty))
     assert str(e.value) == (f"'{empty}' is not a prepared token store (no manifest.json); create one with "
-                            "python -m jaxtron.data.prepare.")
+                            "jaxtron prepare.")
     _write(os.path.join(byte_store, "manifest.json"), "{")
     with pytest.raises(DataError, match=r"^the manifest of store '.*' is unreadable \(JSONDecodeError"):
         TokenStore(byte_store)
@@ -513,7 +513,7 @@ def test_grain_worker_processes_give_the_same_batches(word_store):
     finally:
         workers.close()
     assert _grain_workers() == []  # close() stops the worker processes
-    for i, (g, e) in enumerate(zip(got, expected)):
+    for i, (g, e) in enumerate(zip(got, expected, strict=True)):
         assert sorted(g) == sorted(e)
         for k in e:
             np.testing.assert_array_equal(g[k], e[k], err_msg=f"step {2 + i} {k}")
@@ -541,13 +541,14 @@ def test_two_processes_hold_disjoint_parts_of_the_batch(sizes, dim, word_store):
     order = sequence_order(16, mesh.shape["sequence"])  # the load-balanced layout of a sharded sequence
     halves = [np.arange(0, shape[dim] // 2), np.arange(shape[dim] // 2, shape[dim])]
     whole = [np.arange(shape[1 - dim])] * 2
-    for got, want in zip((rows, cols), (halves, [order] * 2) if dim == 0 else (whole, [order[h] for h in halves])):
+    wanted = (halves, [order] * 2) if dim == 0 else (whole, [order[h] for h in halves])
+    for got, want in zip((rows, cols), wanted, strict=True):
         np.testing.assert_array_equal(got[0], want[0])
         np.testing.assert_array_equal(got[1], want[1])
     np.testing.assert_array_equal(_local_indices(sharding, shape, 0), np.arange(8))  # this one process: all
 
     step = 4
-    parts = [LocalBatch(source, r, c, B)(step) for r, c in zip(rows, cols)]
+    parts = [LocalBatch(source, r, c, B)(step) for r, c in zip(rows, cols, strict=True)]
     full = LocalBatch(source, np.arange(B), np.arange(16), B)(step)
     assembled = global_batch(source, step, mesh, B)
     for k, v in full.items():

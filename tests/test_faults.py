@@ -47,20 +47,20 @@ def test_a_nan_step_is_skipped_and_counted():
     before = _params(state)
     state, metrics = step(state, bad)
     assert not np.isfinite(float(metrics["loss"]))
-    for a, b in zip(_params(state), before):  # the update was skipped: nothing changed
+    for a, b in zip(_params(state), before, strict=True):  # the update was skipped: nothing changed
         np.testing.assert_array_equal(a, b)
     assert state.nonfinite.tolist() == [1, 1, -1] and int(state.step) == 2
     state, metrics = step(state, good)
     assert np.isfinite(float(metrics["loss"])) and int(metrics["nonfinite_steps"]) == 1
     assert state.nonfinite.tolist() == [1, 0, -1]
-    assert any((a != b).any() for a, b in zip(_params(state), before))
+    assert any((a != b).any() for a, b in zip(_params(state), before, strict=True))
     for _ in range(3):
         state, _ = step(state, bad)
     assert state.nonfinite.tolist() == [4, 3, 6]  # the third in a row, at step 6, reached the limit
     stopped_at = _params(state)
     state, metrics = step(state, good)  # the run has stopped: not even a finite step changes the state
     assert int(metrics["nonfinite_stopped"]) == 6 and int(metrics["stop_requested"]) == 0
-    for a, b in zip(_params(state), stopped_at):
+    for a, b in zip(_params(state), stopped_at, strict=True):
         np.testing.assert_array_equal(a, b)
 
 

@@ -96,14 +96,14 @@ def test_an_fp8_model_tracks_the_exact_one_and_keeps_chosen_layers_exact():
     def first_layer_error(grads):
         """The relative error of the first block's weight gradients (the stacked leaves' index 0) from exact."""
         pairs = [(np.asarray(a)[0], np.asarray(b)[0]) for a, b in zip(jax.tree.leaves(exact_grads),
-                                                                       jax.tree.leaves(grads)) if np.ndim(a) >= 2
-                 and np.shape(a)[0] == 4]
+                                                                       jax.tree.leaves(grads), strict=True)
+                 if np.ndim(a) >= 2 and np.shape(a)[0] == 4]
         return np.sqrt(sum(np.sum((a - b) ** 2) for a, b in pairs) / sum(np.sum(a ** 2) for a, _ in pairs))
 
     # the kept block's own GEMMs are exact, only the noise of the FP8 blocks above it reaches its gradients: half
     # the error (0.037-0.047 against 0.076-0.089 over eight batches); the loss itself moves by noise either way
     assert first_layer_error(skip_grads) < 0.7 * first_layer_error(fp8_grads)
-    leaves = zip(jax.tree.leaves(exact_grads), jax.tree.leaves(fp8_grads))
+    leaves = zip(jax.tree.leaves(exact_grads), jax.tree.leaves(fp8_grads), strict=True)
     for a, b in leaves:  # e5m2 keeps 2 mantissa bits: about 10% noise per gradient, same direction
         a, b = np.asarray(a).ravel(), np.asarray(b).ravel()
         assert np.all(np.isfinite(b))

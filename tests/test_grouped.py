@@ -157,7 +157,7 @@ def test_the_expert_gemm_a_gpu_run_takes_stays_grouped(part):
 
     groups, rows, k, n = 8, 8192, 256, 512
     x, w, dy = (jax.random.normal(key, shape, jnp.bfloat16) for key, shape in
-                zip(jax.random.split(jax.random.key(0), 3), ((rows, k), (groups, k, n), (rows, n))))
+                zip(jax.random.split(jax.random.key(0), 3), ((rows, k), (groups, k, n), (rows, n)), strict=True))
     sizes = jnp.full((groups,), rows // groups, jnp.int32)
     fn = {"forward": lambda x, w: grouped.matmul(x, w, sizes, "auto"),
           "input gradient": lambda x, w: jax.vjp(lambda a: grouped.matmul(a, w, sizes, "auto"), x)[1](dy)[0],

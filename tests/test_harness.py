@@ -61,8 +61,8 @@ def test_local_tasks_score_as_with_lm_evals_hugging_face_model(converted):
     for task, expected in want.items():
         samples = sorted(results["samples"][task], key=lambda s: s["doc_id"])
         assert len(samples) == len(expected["samples"]) > 0
-        for got, ref in zip(samples, expected["samples"]):
-            for a, b in zip(got["resps"], ref["resps"]):
+        for got, ref in zip(samples, expected["samples"], strict=True):
+            for a, b in zip(got["resps"], ref["resps"], strict=True):
                 if isinstance(b[0], str):
                     assert a[0] == b[0], (task, got["doc_id"])
                 elif isinstance(b[0], list):  # (loglikelihood, is_greedy)
@@ -101,7 +101,7 @@ def test_loglikelihoods_equal_jaxtrons_own_scoring(converted):
     pairs = [("Question: 2 + 3 =\nAnswer:", " 5"), ("ab", "c"), ("Hello", " world!"), ("x" * 200, " yz"),
              ("1 2 3", " 4 5")]
     got = lm.loglikelihood([Instance("loglikelihood", {}, pair, i) for i, pair in enumerate(pairs)])
-    for (context, continuation), (logp, greedy) in zip(pairs, got):
+    for (context, continuation), (logp, greedy) in zip(pairs, got, strict=True):
         ids = lm.tok_encode(context + continuation)[-(model.cfg.max_seq_len + 1):]
         n = len(lm.tok_encode(continuation))
         logits = np.asarray(model(jnp.asarray([ids[:-1]], jnp.int32)).logits()[0], np.float64)

@@ -122,7 +122,7 @@ def circles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 
 def layer(module: str) -> int:
-    """The layer of a module's subpackage; the package top (command line, forwarders) is above them all."""
+    """The layer of a module's subpackage; the package top (the command line) is above them all."""
     parts = module.split(".")
     if len(parts) > 2 or (len(parts) == 2 and os.path.isdir(os.path.join(PACKAGE, parts[1]))):
         for i, members in enumerate(LAYERS):
@@ -142,6 +142,19 @@ def test_the_graph_finds_imports_of_every_form_and_a_circle():
     assert [is_main_guard(n) for n in guards] == [True, False]
     assert circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     assert circles({"a": {"b"}, "b": set()}) == []
+
+
+def test_one_front_door():
+    """The package's entry points are `jaxtron <command>` (jaxtron/cli.py) and `python -m jaxtron` only: no other
+    module at the package top, and no other ``if __name__ == "__main__":`` block under jaxtron/."""
+    top = sorted(m for m, path in modules().items() if m.count(".") == 1 and not path.endswith("__init__.py"))
+    assert top == ["jaxtron.__main__", "jaxtron.cli"]
+    guarded = []
+    for module, path in modules().items():
+        with open(path) as f:
+            if any(is_main_guard(n) for n in ast.parse(f.read(), path).body):
+                guarded.append(module)
+    assert guarded == ["jaxtron.__main__"]
 
 
 def test_no_module_imports_itself_back_through_others():

@@ -116,7 +116,7 @@ def test_damage_in_the_latest_checkpoint_falls_back_to_the_previous_one(kind, tr
     with caplog.at_level("WARNING"):
         (state, data), latest = _restore_latest(workdir)
     assert data["step"] == 2 and latest == 2  # the rest of the data state is not ours
-    for a, b in zip(_leaves(state), _leaves(trained[1][2])):
+    for a, b in zip(_leaves(state), _leaves(trained[1][2]), strict=True):
         np.testing.assert_array_equal(a, b)
     ckpts = os.path.join(workdir, CHECKPOINT_DIR)
     said = ("is unfinished: the run stopped before its checksums were recorded" if kind == "no_manifest" else
@@ -125,6 +125,34 @@ def test_damage_in_the_latest_checkpoint_falls_back_to_the_previous_one(kind, tr
     moved = os.path.join(workdir, integrity.DAMAGED_DIR, "3")
     assert f"moved damaged checkpoint 3 to {moved}" in caplog.text
     assert integrity.steps_in(ckpts) == [1, 2] and os.path.isdir(moved)  # kept, out of the way of a new step 3
+
+
+def test_a_lone_checkpoint_cut_before_its_checksums_is_a_save_never_made(workdir, caplog, capsys):
+    """A run killed between its first save and that save's checksums starts again from step 0 (the cut save kept
+    aside); any other lone damage is refused."""
+    ckpts = os.path.join(workdir, CHECKPOINT_DIR)
+    for step in (1, 2):
+        shutil.rmtree(os.path.join(ckpts, str(step)))
+    damage(workdir, 3, "no_manifest")
+    assert cli.main(["verify", workdir]) == 0
+    assert "step 3: unfinished: the run stopped before its checksums were recorded; never loaded (a resumed run " \
+        "starts from step 0)" in capsys.readouterr().out
+    with caplog.at_level("WARNING"):
+        restored, latest = _restore_latest(workdir)
+    assert restored is None and latest is None
+    assert f"checkpoint 3 in {ckpts} is unfinished: the run stopped before its checksums were recorded; the run " \
+        "starts from step 0" in caplog.text
+    assert integrity.steps_in(ckpts) == [] and os.path.isdir(os.path.join(workdir, integrity.DAMAGED_DIR, "3"))
+
+
+def test_a_lone_damaged_checkpoint_is_refused(workdir):
+    ckpts = os.path.join(workdir, CHECKPOINT_DIR)
+    for step in (1, 2):
+        shutil.rmtree(os.path.join(ckpts, str(step)))
+    reason = damage(workdir, 3, "truncated")
+    with pytest.raises(CheckpointError, match=re.escape(f"step 3: {reason}")):
+        _restore_latest(workdir)
+    assert integrity.steps_in(ckpts) == [3]
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -137,7 +165,7 @@ def test_damage_in_an_older_checkpoint_is_reported_and_the_latest_restored(kind,
     assert lines[3] == f"2 of 3 checkpoints intact in {os.path.join(workdir, CHECKPOINT_DIR)}"
     (state, data), latest = _restore_latest(workdir)
     assert data["step"] == 3 and latest == 3
-    for a, b in zip(_leaves(state), _leaves(trained[1][3])):
+    for a, b in zip(_leaves(state), _leaves(trained[1][3]), strict=True):
         np.testing.assert_array_equal(a, b)
     assert not os.path.exists(os.path.join(workdir, integrity.DAMAGED_DIR))  # nothing newer was damaged
 
@@ -147,7 +175,7 @@ def test_a_run_resumes_bit_exactly_from_the_newest_intact_checkpoint(trained, wo
     summary = run(CFG, workdir, use_tqdm=False, devices=jax.devices()[:1])
     assert [h["step"] for h in summary.history] == [3]
     assert summary.history[0]["loss"] == trained[2][2]["loss"]
-    for a, b in zip(_saved_leaves(workdir, 3), _saved_leaves(trained[0], 3)):
+    for a, b in zip(_saved_leaves(workdir, 3), _saved_leaves(trained[0], 3), strict=True):
         np.testing.assert_array_equal(a, b)
     assert cli.main(["verify", workdir]) == 0  # the new step 3 has its checksums
     assert [line["step"] for line in metrics_lines(workdir)] == [1, 2, 3]
@@ -157,8 +185,8 @@ def test_no_intact_checkpoint_is_an_error_and_nothing_is_moved(workdir):
     for step, kind in ((1, "truncated"), (2, "deleted"), (3, "no_manifest")):
         damage(workdir, step, kind)
     with pytest.raises(CheckpointError, match=r"^none of the 3 checkpoint\(s\) in '.*' is intact \(the newest, step "
-                                              r"3: no integrity manifest \(cut off .*\); list them with `python -m "
-                                              r"jaxtron.checkpoint verify .*` and start again in a new --workdir.$"):
+                                              r"3: no integrity manifest \(cut off .*\); list them with `"
+                                              r"jaxtron verify .*` and start again in a new --workdir.$"):
         run(CFG, workdir, use_tqdm=False, devices=jax.devices()[:1])
     assert integrity.steps_in(os.path.join(workdir, CHECKPOINT_DIR)) == [1, 2, 3]
 
@@ -183,7 +211,8 @@ def test_init_from_reads_the_newest_intact_checkpoint_of_a_run(trained, workdir,
     with caplog.at_level("WARNING"):
         params = restore_params(workdir, abstract.params, shardings.params)
     assert "checkpoint 3 in" in caplog.text and "falling back to an earlier one" in caplog.text
-    for a, b in zip(jax.tree.leaves(nnx.to_pure_dict(params)), jax.tree.leaves(nnx.to_pure_dict(trained[1][2].params))):
+    for a, b in zip(jax.tree.leaves(nnx.to_pure_dict(params)), jax.tree.leaves(nnx.to_pure_dict(trained[1][2].params)),
+                    strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     assert integrity.steps_in(os.path.join(workdir, CHECKPOINT_DIR)) == [1, 2, 3]  # another run's: untouched
     for step in (1, 2):
@@ -245,7 +274,7 @@ def test_files_are_attributed_to_their_writer_and_verified_once_by_several_proce
 @pytest.mark.integration
 @pytest.mark.slow
 def test_the_verify_command_exit_codes(trained, tmp_path):
-    verify = [sys.executable, "-m", "jaxtron.checkpoint", "verify"]
+    verify = [sys.executable, "-m", "jaxtron", "verify"]
     ok = subprocess.run([*verify, trained[0]], cwd=REPO, capture_output=True, text=True, timeout=120, check=False)
     assert ok.returncode == 0 and ok.stdout.splitlines()[-1].startswith("3 of 3 checkpoints intact")
     none = subprocess.run([*verify, str(tmp_path)], cwd=REPO, capture_output=True, text=True, timeout=120, check=False)

@@ -151,7 +151,7 @@ def test_a_lora_run_resumes_bit_exactly_and_matches_on_a_mesh(base_run, tmp_path
     got = _flat(resumed.state.params)
     for k, want in _flat(straight.state.params).items():
         np.testing.assert_array_equal(got[k], want, err_msg=k)
-    for a, b in zip(jax.tree.leaves(straight.state.opt_state), jax.tree.leaves(resumed.state.opt_state)):
+    for a, b in zip(jax.tree.leaves(straight.state.opt_state), jax.tree.leaves(resumed.state.opt_state), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     # 4 devices: on 8, XLA:CPU runs this program's independent collectives concurrently and, on 2 cores, can starve
     # one device's thread until its rendezvous times out (an abort, seen under load)

@@ -40,7 +40,7 @@ def test_the_loss_and_its_gradients_equal_the_plain_formulas(chunks, z_loss):
     # a cotangent other than 1 (a multi-token prediction depth's weight in the objective) scales both gradients
     grad = jax.grad(lambda x, h: 2.5 * token_sums(x, h, targets, weights, z_loss, chunks)[0], argnums=(0, 1))
     expected = jax.grad(lambda x, h: 2.5 * reference(x, h, targets, weights, z_loss)[0], argnums=(0, 1))
-    for a, b in zip(grad(x, head), expected(x, head)):
+    for a, b in zip(grad(x, head), expected(x, head), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6 * float(jnp.abs(b).max()))
         assert a.dtype == b.dtype
     # masked positions get no gradient
@@ -53,7 +53,7 @@ def test_in_bf16_the_gradients_are_within_rounding_of_float32():
     grad = jax.grad(lambda x, h: token_sums(x, h, targets, weights, 0.0, 4)[0], argnums=(0, 1))
     exact = grad(x, head)
     low = grad(x.astype(jnp.bfloat16), head.astype(jnp.bfloat16))
-    for a, b in zip(low, exact):
+    for a, b in zip(low, exact, strict=True):
         assert a.dtype == jnp.bfloat16
         error = float(jnp.linalg.norm(a.astype(jnp.float32) - b) / jnp.linalg.norm(b))
         assert error < 1e-2, error  # bf16 operands: 8 bits of mantissa
@@ -80,7 +80,7 @@ def test_the_train_steps_gradients_are_those_of_the_models_logits():
     want = jax.jit(jax.grad(lambda p: objective(p)[0]))(state.params)
     assert float(count) == float(jnp.sum(batch["loss_mask"]))
     np.testing.assert_allclose(float(ce_sum), float(objective(state.params)[1]), rtol=1e-6)
-    for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(want)):
+    for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(want), strict=True):
         a, b = np.asarray(a), np.asarray(b)
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5 * np.abs(b).max())
 

@@ -59,7 +59,7 @@ def test_rope_frequencies_plain_and_llama31_scaled():
                              rope=dict(theta=500_000.0, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
                                        original_max_len=8192))
     scaled = np.asarray(rope_frequencies(scaled_cfg))
-    for f, s in zip(freq, scaled):
+    for f, s in zip(freq, scaled, strict=True):
         wavelength = 2 * math.pi / f
         if wavelength < 8192 / 4:  # high frequencies: unchanged
             assert s == pytest.approx(f, rel=1e-6)
@@ -152,7 +152,7 @@ def test_remat_policies_change_memory_not_results():
     assert temp["full"] < temp["save_dots"] < temp["none"], temp
     for remat in ("full", "save_dots"):
         assert results[remat][0] == pytest.approx(results["none"][0], rel=1e-6)
-        for a, b in zip(results[remat][1], results["none"][1]):
+        for a, b in zip(results[remat][1], results["none"][1], strict=True):
             np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
@@ -173,7 +173,7 @@ def test_layers_in_line_compute_what_the_layer_loop_does():
         loss, grads = fn(params)
         results[scan] = (float(loss), jax.tree.leaves(nnx.to_pure_dict(grads)))
     assert results[False][0] == pytest.approx(results[True][0], rel=1e-6)
-    for a, b in zip(results[False][1], results[True][1]):
+    for a, b in zip(results[False][1], results[True][1], strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
@@ -258,7 +258,7 @@ def test_logits_in_chunks_give_the_same_loss_and_gradients_in_less_memory():
     # [8, 64, 4096] float32 logits are 8 MiB, their one-hot product and gradient as much again
     assert temp[8] < temp[1] / 3, temp
     assert results[8][0] == pytest.approx(results[1][0], rel=1e-6)
-    for a, b in zip(results[8][1], results[1][1]):
+    for a, b in zip(results[8][1], results[1][1], strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)  # float32 sums in another order
 
 

@@ -107,7 +107,7 @@ def test_dropless_equals_loop_over_experts_with_gradients(mesh_name):
         with jax.set_mesh(mesh):
             got = jax.jit(jax.grad(ours, argnums=(0, 1)))(state, x)
     want = jax.grad(loss(lambda s, x: _reference(graphdef, s, x)), argnums=(0, 1))(state, x)
-    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
         _close(g, w, 1e-5)
 
 
@@ -244,7 +244,7 @@ def test_the_expert_collectives_follow_a_changed_rules_table(monkeypatch, change
     reference = jax.jit(outputs_and_grads)(state, x)
     with jax.set_mesh(mesh):
         got = jax.jit(outputs_and_grads)(state, x)
-    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(reference)):
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(reference), strict=True):
         _close(g, w, 1e-5)
 
 
@@ -573,14 +573,14 @@ def test_sigmoid_router_with_bias_and_groups_matches_deepseek_v3():
     logits = np.asarray(jax.random.normal(jax.random.key(0), (2, 24, 16)), np.float32)
     bias = np.asarray(0.5 * jax.random.normal(jax.random.key(1), (16,)), np.float32)
     ids, weights, stats = route(cfg, jnp.asarray(logits), bias=jnp.asarray(bias))
-    got = [dict(zip(i.tolist(), w.tolist())) for i, w in zip(np.asarray(ids).reshape(-1, 3),
-                                                            np.asarray(weights).reshape(-1, 3))]
+    got = [dict(zip(i.tolist(), w.tolist(), strict=True)) for i, w in zip(np.asarray(ids).reshape(-1, 3),
+                                                            np.asarray(weights).reshape(-1, 3), strict=True)]
     expected = _deepseek_choice(logits, bias, 4, 1, 3, 2.5)
     assert [set(g) for g in got] == [set(e) for e in expected]
-    assert max(abs(g[e] - x[e]) for g, x in zip(got, expected) for e in x) < 1e-6
+    assert max(abs(g[e] - x[e]) for g, x in zip(got, expected, strict=True) for e in x) < 1e-6
     # the bias and the groups both decide: without either, other experts are chosen for many tokens
     for other in (_deepseek_choice(logits, 0 * bias, 4, 1, 3, 2.5), _deepseek_choice(logits, bias, 4, 4, 3, 2.5)):
-        assert sum(set(a) != set(b) for a, b in zip(other, expected)) > 20
+        assert sum(set(a) != set(b) for a, b in zip(other, expected, strict=True)) > 20
     assert float(jnp.sum(stats["load"])) == pytest.approx(1.0)
 
 

@@ -589,7 +589,7 @@ def test_plan_cli_rejects_bad_requests(capsys):
 @pytest.mark.slow
 def test_plan_cli_ranks_and_compiles(tmp_path):
     out = tmp_path / "plan.json"
-    proc = subprocess.run([sys.executable, "-m", "jaxtron.plan", f"--config={REPO}/configs/default.py", "--gpus=8",
+    proc = subprocess.run([sys.executable, "-m", "jaxtron", "plan", f"--config={REPO}/configs/default.py", "--gpus=8",
                            "--gpu=h200", "--compile=data=2,fsdp=4", f"--json={out}"],
                           cwd=REPO, capture_output=True, text=True, env={**os.environ, "XLA_FLAGS": FAST_COMPILE_FLAGS},
                           check=False)

@@ -255,7 +255,7 @@ def test_the_idle_share_of_a_1f1b_stage_is_that_of_its_empty_phases():
               "phases": {"forward": ["fwd"], "backward": ["bwd"]}}
     forward, backward = (1, 2, 4, 0), (0, 8, 16, 32)
     events, t = [], 0.0
-    for f, b in zip(forward, backward):
+    for f, b in zip(forward, backward, strict=True):
         for device in ("0", "1"):
             events += [{"ph": "X", "ts": t * 1e6, "dur": f * 1e6, "args": {"hlo_op": "fwd", "device_ordinal": device}},
                        {"ph": "X", "ts": (t + f) * 1e6, "dur": b * 1e6,

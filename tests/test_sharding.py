@@ -56,7 +56,7 @@ def test_parameters_are_sharded_by_the_rules_from_init(mesh_name):
         assert array.sharding.is_equivalent_to(NamedSharding(mesh, spec), array.ndim), (name, array.sharding)
         # each device holds only its shard: the global shape divided by the sizes of the sharding axes
         shard_shape = tuple(dim // (sizes[axis] if axis else 1) for dim, axis in
-                            zip(array.shape, tuple(spec) + (None,) * (array.ndim - len(spec))))
+                            zip(array.shape, tuple(spec) + (None,) * (array.ndim - len(spec)), strict=True))
         assert {s.data.shape for s in array.addressable_shards} == {shard_shape}, name
         for moment in moments.values():
             other = moment[name].get_value()

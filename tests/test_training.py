@@ -48,7 +48,7 @@ def test_microbatches_equal_one_large_batch(single_device_run, tmp_path):
     np.testing.assert_allclose(_losses(summary), _losses(single_device_run), rtol=1e-5)
     got = jax.tree.leaves(nnx.to_pure_dict(summary.state.params))
     want = jax.tree.leaves(nnx.to_pure_dict(single_device_run.state.params))
-    for a, b in zip(got, want):  # Adam divides by sqrt(v): near-zero gradients amplify rounding a little
+    for a, b in zip(got, want, strict=True):  # Adam divides by sqrt(v): near-zero gradients amplify rounding a little
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-4)  # 1% of one lr=1e-2 update
 
 
@@ -67,7 +67,8 @@ def test_accumulated_gradients_equal_large_batch_gradients():
         results.append((nnx.to_pure_dict(grads), float(ce_sum), float(count)))
     (g1, ce1, n1), (g4, ce4, n4) = results
     assert n1 == n4 == 8 * 32 and ce1 == pytest.approx(ce4, rel=1e-6)
-    for a, b in zip(jax.tree.leaves(g4), jax.tree.leaves(g1)):  # float32 sums: error relative to the tensor's scale
+    # float32 sums: error relative to the tensor's scale
+    for a, b in zip(jax.tree.leaves(g4), jax.tree.leaves(g1), strict=True):
         a, b = np.asarray(a), np.asarray(b)
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5 * np.abs(b).max())
 
@@ -172,7 +173,7 @@ def test_microbatches_on_a_sharded_mesh_with_the_distributed_optimizer(single_de
     got = jax.tree.leaves(nnx.to_pure_dict(summary.state.params))
     want = jax.tree.leaves(nnx.to_pure_dict(single_device_run.state.params))
     largest_update = sum(line["learning_rate"] for line in summary.history)
-    for a, b in zip(got, want):
+    for a, b in zip(got, want, strict=True):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0, atol=0.01 * largest_update)
     mu = optax.tree_utils.tree_get(summary.state.opt_state, "mu")
     wq, wq_mu = summary.state.params["layers"]["attn"]["wq"].get_value(), mu["layers"]["attn"]["wq"].get_value()

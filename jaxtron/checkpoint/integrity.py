@@ -216,7 +216,7 @@ def record(step_dir: str, process_index: int = 0, process_count: int = 1,
         hashes = list(pool.map(lambda p, st: _finish(os.path.join(step_dir, p), known.get((st.st_dev, st.st_ino))),
                                paths, stats))
     manifest = {"process_index": process_index, "process_count": process_count, "hash": "xxh3_128",
-                "files": {p: {"size": st.st_size, "hash": h} for p, st, h in zip(paths, stats, hashes)}}
+                "files": {p: {"size": st.st_size, "hash": h} for p, st, h in zip(paths, stats, hashes, strict=True)}}
     path = os.path.join(step_dir, MANIFEST.format(process_index))
     with open(path + ".tmp", "w") as f:
         json.dump(manifest, f, indent=0)
@@ -278,7 +278,7 @@ def check(step_dir: str, process_index: int = 0, process_count: int = 1) -> str 
             what = "truncated" if size < files[p]["size"] else "longer than recorded"
             problems.append(f"{p} {what} ({size} of {files[p]['size']} bytes)")
     if not problems:
-        problems = [f"{p} checksum mismatch" for p, h in zip(mine, _hash_all(step_dir, mine))
+        problems = [f"{p} checksum mismatch" for p, h in zip(mine, _hash_all(step_dir, mine), strict=True)
                     if h != files[p]["hash"]]
     if not problems:
         return None
@@ -329,8 +329,9 @@ def newest_intact(checkpoints_dir: str, steps: list[int], load=None) -> tuple[in
             return step, value, damaged
         damaged.append((step, reason))
         if reason == NO_MANIFEST and step == max(steps):
-            log.warning("checkpoint %d in %s is unfinished: the run stopped before its checksums were recorded; "
-                        "falling back to an earlier one", step, checkpoints_dir)
+            log.warning("checkpoint %d in %s is unfinished: the run stopped before its checksums were recorded; %s",
+                        step, checkpoints_dir,
+                        "falling back to an earlier one" if len(steps) > 1 else "the run starts from step 0")
         else:
             log.warning("checkpoint %d in %s is damaged: %s; falling back to an earlier one", step,
                         checkpoints_dir, reason)
@@ -341,7 +342,7 @@ def none_intact(checkpoints_dir: str, damaged: list[tuple], then: str = "") -> s
     """The sentence for a run none of whose checkpoints is intact (``damaged`` newest first), ending in ``then``."""
     step, reason = damaged[0]
     return (f"none of the {len(damaged)} checkpoint(s) in '{checkpoints_dir}' is intact (the newest, step {step}: "
-            f"{reason}); list them with `python -m jaxtron.checkpoint verify {os.path.dirname(checkpoints_dir)}`"
+            f"{reason}); list them with `jaxtron verify {os.path.dirname(checkpoints_dir)}`"
             f"{then}.")
 
 

@@ -151,7 +151,7 @@ class Checkpointer:
             if reason is None:
                 return restored
         raise CheckpointError(f"checkpoint '{self.step_dir(step)}' is damaged ({reason}); check the run with "
-                              f"`python -m jaxtron.checkpoint verify {os.path.dirname(self.directory)}`.")
+                              f"`jaxtron verify {os.path.dirname(self.directory)}`.")
 
     def restore_latest(self, abstract_state: Any, shardings: Any, cfg: Config,
                        check_data: Callable[[dict], None] | None = None,
@@ -167,6 +167,10 @@ class Checkpointer:
             lambda s: self._restore_verified(s, abstract_state, shardings, cfg, check_data, layer_order))
         if step is None:
             if not steps:
+                return None
+            if damaged == [(steps[-1], integrity.NO_MANIFEST)] and len(steps) == 1:
+                # the one save was cut before its checksums: as if never made (kept aside), the run starts anew
+                self._move_aside([steps[-1]])
                 return None
             raise CheckpointError(integrity.none_intact(self.directory, damaged, " and start again in a new --workdir"))
         self._move_aside([s for s, _ in damaged])

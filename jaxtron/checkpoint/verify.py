@@ -29,7 +29,7 @@ def report(workdir: str) -> tuple[list[str], int]:
         if reason == NO_MANIFEST and step == steps[-1]:  # the newest: the run stopped between the two
             unfinished += 1
             lines.append(f"step {step}: unfinished: the run stopped before its checksums were recorded; never "
-                         "loaded (a resumed run starts from the step before)")
+                         f"loaded (a resumed run starts from {'the step before' if len(steps) > 1 else 'step 0'})")
             continue
         damaged += reason is not None
         if reason:

@@ -29,11 +29,46 @@ from jaxtron.config.schema import SECTIONS, Config, ConfigError
 log = logging.getLogger(__name__)
 
 
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def shipped_configs() -> str | None:
+    """The folder of the configs shipped with the package: ``jaxtron/configs/`` in an installed package (setup.py
+    puts the repository's ``configs/`` there), else ``configs/`` beside the package in a checkout."""
+    installed, checkout = os.path.join(_PACKAGE, "configs"), os.path.join(os.path.dirname(_PACKAGE), "configs")
+    if os.path.isfile(os.path.join(installed, "default.py")):
+        return installed
+    if os.path.isfile(os.path.join(os.path.dirname(_PACKAGE), "setup.cfg")) and os.path.isdir(checkout):
+        return checkout
+    return None
+
+
+def shipped_names() -> list[str]:
+    """The names ``--config`` takes for the shipped configs (``llama3_8b`` for ``configs/llama3_8b.py``)."""
+    folder = shipped_configs()
+    names = os.listdir(folder) if folder else []
+    return sorted(n[:-3] for n in names if n.endswith(".py") and not n.startswith("_"))
+
+
+def config_file(path: str) -> str:
+    """The file ``--config`` names: a path (``configs/llama3_8b.py``, ``~/my.py``) as given when it exists, else a
+    shipped config's name (``llama3_8b``, with or without ``.py``), found from any directory."""
+    given = os.path.expanduser(path)
+    if os.path.isfile(given):
+        return given
+    name = os.path.basename(given).removesuffix(".py")
+    folder = shipped_configs()
+    if folder and os.path.dirname(given) in ("", "configs") and name in shipped_names():
+        return os.path.join(folder, name + ".py")
+    raise ConfigError(f"config file '{path}' does not exist; pass a file (--config=path/to/X.py) or a shipped "
+                      f"config's name ({', '.join(shipped_names()) or 'none installed'}).")
+
+
 def load_config_file(spec: str) -> ml_collections.ConfigDict:
-    """Runs ``get_config(arg)`` of ``FILE[:ARG]`` and returns its ConfigDict."""
+    """Runs ``get_config(arg)`` of ``FILE[:ARG]`` (a path or a shipped config's name) and returns its
+    ConfigDict."""
     path, _, arg = spec.partition(":")
-    if not os.path.isfile(path):
-        raise ConfigError(f"config file '{path}' does not exist; pass --config=configs/<name>.py.")
+    path = config_file(path)
     module_spec = importlib.util.spec_from_file_location("jaxtron_user_config", path)
     module = importlib.util.module_from_spec(module_spec)
     try:
@@ -75,7 +110,8 @@ def parse_command_line(argv: Sequence[str], default_spec: str | None = None,
     if any(a in ("--help", "-h", "--helpfull") for a in argv[1:]):
         raise HelpRequested(_help(define, default_spec))
     if spec is None:
-        raise ConfigError("option '--config' is missing; pass --config=configs/<name>.py.")
+        raise ConfigError("option '--config' is missing; pass --config=configs/<name>.py or a shipped config's "
+                          "name (--config=default).")
     paths = _override_paths(argv)
     for path in paths:
         field_type(path)  # raises for unknown sections and fields
@@ -172,7 +208,8 @@ def _split_config_spec(argv: list[str]) -> tuple[str | None, list[str]]:
             return arg[len("--config="):], argv[:i] + argv[i + 1:]
         if arg == "--config":
             if i + 1 >= len(argv):
-                raise ConfigError("option '--config' has no value; write --config=configs/<name>.py.")
+                raise ConfigError("option '--config' has no value; write --config=configs/<name>.py or "
+                                  "--config=<name>.")
             return argv[i + 1], argv[:i] + argv[i + 2:]
     return None, argv
 

@@ -81,7 +81,7 @@ class PackedSplit:
                 self._blocks[int(b)] = self._order(np.arange(b * size, (b + 1) * size))
         if (block == block[0]).all():
             return self._blocks[int(block[0])][samples - block[0] * size]
-        return np.array([self._blocks[int(b)][g - b * size] for g, b in zip(samples, block)], np.int64)
+        return np.array([self._blocks[int(b)][g - b * size] for g, b in zip(samples, block, strict=True)], np.int64)
 
     def store_positions(self, stream: np.ndarray) -> np.ndarray:
         """Store token positions of positions ``stream`` of this split's stream."""

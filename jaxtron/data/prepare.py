@@ -255,7 +255,3 @@ def main(argv: Sequence[str]) -> int:
              manifest["vocab_size"], manifest["eos_id"], len(manifest["shards"]))
     return 0
 
-
-if __name__ == "__main__":  # `python -m jaxtron.data.prepare` is `jaxtron prepare`
-    from jaxtron.cli import run
-    sys.exit(run("prepare"))

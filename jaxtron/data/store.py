@@ -25,7 +25,6 @@ import json
 import logging
 import os
 import shutil
-import sys
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -193,7 +192,7 @@ class TokenStore:
         manifest_path = os.path.join(path, MANIFEST)
         if not os.path.isfile(manifest_path):
             raise DataError(f"'{path}' is not a prepared token store (no {MANIFEST}); create one with "
-                            "python -m jaxtron.data.prepare.")
+                            "jaxtron prepare.")
         try:
             with open(manifest_path) as f:
                 self.manifest = json.load(f)
@@ -331,7 +330,3 @@ def main(argv: Sequence[str]) -> int:
                  store.num_documents, store.num_tokens)
     return 0
 
-
-if __name__ == "__main__":  # `python -m jaxtron.data.store DIR` is `jaxtron verify-data DIR`
-    from jaxtron.cli import run
-    sys.exit(run("verify-data"))

@@ -1,6 +1,6 @@
 """The one preset of environment and XLA flags for GPU runs, each setting with its reason.
 
-    eval "$(jaxtron gpu-preset)"      # export the preset (scripts/slurm/env.sh: python -m jaxtron.gpu_preset)
+    eval "$(jaxtron gpu-preset)"      # export the preset (scripts/slurm/env.sh: jaxtron gpu-preset)
     jaxtron gpu-preset --check        # are the flags accepted by the installed jaxlib?
 
 A variable already set in the environment wins over the preset, so one run can try another value. XLA flags

@@ -3,7 +3,7 @@
 scores logged beside the validation loss as ``eval/<task>/<metric>``.
 
 Training code does not import inference code (the data flow of DESIGN.md), so the loop takes this evaluator from
-its caller: ``jaxtron train`` (``jaxtron/train.py``) passes ``TaskEvaluator`` to ``jaxtron.training.loop.run``."""
+its caller: ``jaxtron train`` (``jaxtron.cli.train``) passes ``TaskEvaluator`` to ``jaxtron.training.loop.run``."""
 
 from __future__ import annotations
 

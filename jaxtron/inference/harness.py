@@ -163,7 +163,7 @@ class JaxtronLM(TemplateLM):
                 windows.append((list(context) + list(continuation), len(continuation)))
                 owner.append(i)
         totals = [0.0] * len(requests)
-        for i, (logp, _) in zip(owner, self.scorer.score(windows)):
+        for i, (logp, _) in zip(owner, self.scorer.score(windows), strict=True):
             totals[i] += logp
         return totals
 
@@ -182,7 +182,7 @@ class JaxtronLM(TemplateLM):
                     prompts, max_tokens, Sampling(temperature=temperature), self.tokenizer.eos_id,
                     stop=(lambda row, tokens, until=until: any(s in self.tok_decode(tokens) for s in until))
                     if until else None)
-                for i, tokens in zip(chunk, result.tokens):
+                for i, tokens in zip(chunk, result.tokens, strict=True):
                     text = self.tok_decode(tokens)
                     ends = [text.index(s) for s in until if s in text]
                     out[i] = text[:min(ends)] if ends else text
@@ -258,7 +258,3 @@ def unloadable_task(error: BaseException) -> str | None:
 if TemplateLM is not object:  # importing this module is what lm_eval.simple_evaluate(model="jaxtron") needs
     register()
 
-
-if __name__ == "__main__":  # `python -m jaxtron.inference.harness` is `jaxtron lm-eval`
-    from jaxtron.cli import run as _run
-    sys.exit(_run("lm-eval"))

@@ -77,7 +77,7 @@ def _config_file(cfg: ModelConfig, train: dict[str, Any], out_dir: str) -> str:
 
     model = differing(cfg, ModelConfig())
     train = dict(init_from=os.path.abspath(out_dir), steps=1000, global_batch_size=8, eval_batches=0, **train)
-    return f'''"""{cfg.name}, converted from Hugging Face by `python -m jaxtron.convert from-hf`.
+    return f'''"""{cfg.name}, converted from Hugging Face by `jaxtron convert from-hf`.
 
 Training with this file starts from the converted parameters (train.init_from) with a fresh optimizer.
 Data is synthetic until data.source/data.path name a token store of the model's tokenizer.
@@ -340,13 +340,13 @@ def to_hf(ckpt_dir: str, out_dir: str, dtype: str = "float32") -> dict:
     names = [st.SINGLE] if len(shards) == 1 else \
         [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
     with staged_directory(out_dir) as staging:
-        for name, shard in zip(names, shards):
+        for name, shard in zip(names, shards, strict=True):
             st.write(os.path.join(staging, name), [(t.hf_name, t.shape, np_dtype) for t in shard], produce,
                      {"format": "pt"})
         if len(shards) > 1:
             total = sum(math.prod(t.shape) for t in plan) * np_dtype.itemsize
             index = {"metadata": {"total_size": total},
-                     "weight_map": {t.hf_name: n for n, shard in zip(names, shards) for t in shard}}
+                     "weight_map": {t.hf_name: n for n, shard in zip(names, shards, strict=True) for t in shard}}
             with open(os.path.join(staging, st.INDEX), "w") as f:
                 json.dump(index, f, indent=2)
         with open(os.path.join(staging, "config.json"), "w") as f:

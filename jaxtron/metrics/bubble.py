@@ -118,7 +118,7 @@ def _iterations(events: list[tuple[float, float, str]], body: list[str], count: 
         begin = marks[run * count:(run + 1) * count]
         limit = marks[(run + 1) * count] if (run + 1) * count < len(marks) else float("inf")
         last = max((e for s, e, _ in events if begin[-1] <= s < limit), default=begin[-1])
-        spans += list(zip(begin, begin[1:] + [last]))
+        spans += list(zip(begin, begin[1:] + [last], strict=True))
     return spans
 
 

@@ -16,6 +16,7 @@ measured step to its bound says how much of that there is; ``benchmarks/step_bud
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import re
 
 from jaxtron.metrics.collectives import COLLECTIVES, collectives
@@ -83,13 +84,9 @@ SCOPES = ("norm", "rope", "activation", "attention", "weight_cast", "loss", "opt
 def _split(rest: str) -> tuple[str, str, str]:
     """'TYPE opcode(operands), attributes' -> (TYPE, opcode, the text from the operands on)."""
     if rest.startswith("("):  # a tuple type: skip to its closing parenthesis
-        depth = 0
-        for i, ch in enumerate(rest):
-            depth += ch == "("
-            depth -= ch == ")"
-            if depth == 0:
-                break
-        type_text, rest = rest[:i + 1], rest[i + 1:].lstrip()
+        depths = itertools.accumulate((ch == "(") - (ch == ")") for ch in rest)
+        end = next(i for i, depth in enumerate(depths) if depth == 0)
+        type_text, rest = rest[:end + 1], rest[end + 1:].lstrip()
     else:
         type_text, _, rest = rest.partition(" ")
     opcode, _, tail = rest.partition("(")

@@ -71,7 +71,7 @@ def summary_text(s: dict[str, Any]) -> str:
     idle = s.get("pipeline_idle")
     if idle:
         per_stage = ", ".join(f"stage {k} {loops:.1%} ({window:.1%})" for k, loops, window in
-                              zip(idle["measured_stages"], idle["of_loops"], idle["of_window"]))
+                              zip(idle["measured_stages"], idle["of_loops"], idle["of_window"], strict=True))
         lines.append(f"pipeline idle share per stage over the profiler window, of the schedule's loops (of the "
                      f"window's wall time): {per_stage}; the fill-drain formula gives {idle['formula']:.1%} of "
                      f"{idle['iterations']} iterations")

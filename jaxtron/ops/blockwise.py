@@ -196,7 +196,7 @@ def combine(parts: list[tuple[jax.Array, jax.Array]]) -> tuple[jax.Array, jax.Ar
     lse = jnp.stack([p[1] for p in parts])
     total = jax.nn.logsumexp(lse, axis=0)
     weights = jnp.exp(lse - total)[..., None]
-    out = sum(w * p[0].astype(jnp.float32) for w, p in zip(weights, parts))
+    out = sum(w * p[0].astype(jnp.float32) for w, p in zip(weights, parts, strict=True))
     return out.astype(parts[0][0].dtype), total
 
 

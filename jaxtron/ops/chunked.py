@@ -110,7 +110,7 @@ def merged(kernel, causal: tuple[bool, ...], q, calls):
 
 def _merged_fwd(kernel, causal, q, calls):
     parts = []
-    for (k, v, q_len, kv_len, take, _), c in zip(calls, causal):
+    for (k, v, q_len, kv_len, take, _), c in zip(calls, causal, strict=True):
         out, lse = kernel.forward(q, _picked(k, take), _picked(v, take), q_len, kv_len, c)
         ok = _valid(q, q_len, kv_len)
         parts.append((jnp.where(ok[..., None], out, 0).astype(q.dtype), jnp.where(ok, lse, blockwise.MASKED)))
@@ -121,7 +121,7 @@ def _merged_fwd(kernel, causal, q, calls):
 def _merged_bwd(kernel, causal, res, d_out):
     q, calls, out, lse = res
     dq, d_calls = jnp.zeros(q.shape, jnp.float32), []
-    for (k, v, q_len, kv_len, take, give), c in zip(calls, causal):
+    for (k, v, q_len, kv_len, take, give), c in zip(calls, causal, strict=True):
         ok = _valid(q, q_len, kv_len)
         # rows outside the call get no cotangent and a statistic that makes their probabilities 0
         g = jnp.where(ok[..., None], d_out, 0).astype(d_out.dtype)

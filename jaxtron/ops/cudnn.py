@@ -111,7 +111,7 @@ def _row_batched(fn: Callable) -> Callable:
 
     @batched.def_vmap
     def rule(axis_size, in_batched, *args):
-        args = [x if b else jnp.broadcast_to(x, (axis_size, *x.shape)) for x, b in zip(args, in_batched)]
+        args = [x if b else jnp.broadcast_to(x, (axis_size, *x.shape)) for x, b in zip(args, in_batched, strict=True)]
         outs = batched(*(x.reshape(-1, *x.shape[2:]) for x in args))
         return tuple(y.reshape(axis_size, -1, *y.shape[1:]) for y in outs), tuple(True for _ in outs)
 

@@ -42,7 +42,7 @@ def split_over_nodes(sizes: dict[str, int], nodes: int) -> dict[str, int]:
 def arrange(devices: Sequence, sizes: dict[str, int], node_of: Sequence[Hashable]) -> np.ndarray:
     """``devices`` as an array of the mesh's shape, node by node (``node_of[i]`` is device i's node)."""
     groups: dict[Hashable, list] = {}
-    for device, node in zip(devices, node_of):
+    for device, node in zip(devices, node_of, strict=True):
         groups.setdefault(node, []).append(device)
     per_node = {len(g) for g in groups.values()}
     if len(per_node) != 1:

@@ -135,7 +135,8 @@ def on_target_in_subprocess(cfg: Config, gpu: str, count: int, hlo_path: str | N
         config_path = os.path.join(folder, "config.json")
         with open(config_path, "w") as f:
             json.dump(cfg.to_dict(), f)
-        args = [sys.executable, "-m", "jaxtron.planning.dry_run", config_path, gpu, str(count), hlo_path or ""]
+        worker = "import sys; from jaxtron.planning.dry_run import target_main; sys.exit(target_main(sys.argv[1:]))"
+        args = [sys.executable, "-c", worker, config_path, gpu, str(count), hlo_path or ""]
         out = subprocess.run(args, env=target.environment(preset_flags=preset.xla_flags()), capture_output=True,
                              text=True, timeout=timeout_s, check=False)
     if out.returncode == 2:  # bad input, said in one sentence there
@@ -148,7 +149,7 @@ def on_target_in_subprocess(cfg: Config, gpu: str, count: int, hlo_path: str | N
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def _target_main(argv: list[str]) -> int:
+def target_main(argv: list[str]) -> int:
     """CONFIG_JSON GPU COUNT [HLO_FILE]: ``dry_run_on_target``'s result as one JSON line (bad input: its sentence on
     stderr, exit 2)."""
     import json
@@ -186,8 +187,3 @@ def dry_run_text(result: DryRun) -> str:
             lines.append(f"  {kind:<20} {c['count']:>4}  {c['bytes'] / 2**20:10.1f} MiB")
     return "\n".join(lines)
 
-
-if __name__ == "__main__":
-    import sys
-
-    sys.exit(_target_main(sys.argv[1:]))

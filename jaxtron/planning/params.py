@@ -50,7 +50,7 @@ class Param:
         """Elements one device holds (ceil division, as jax pads uneven shards); ``without``: mesh axes whose
         sharding is undone (e.g. 'fsdp' for the gathered weights)."""
         total = 1
-        for dim, axes in zip(self.shape, logical_to_spec(self.names)):
+        for dim, axes in zip(self.shape, logical_to_spec(self.names), strict=True):
             axes = () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
             ways = math.prod(sizes.get(a, 1) for a in axes if a not in without)
             total *= -(-dim // ways)
@@ -61,7 +61,7 @@ class Param:
         """Elements one device holds of each of this parameter's AdamW moments under the distributed optimizer
         (``jaxtron.parallel.state_sharding.optimizer_spec``)."""
         total = 1
-        for dim, axes in zip(self.shape, optimizer_spec(self.names, self.shape, sizes)):
+        for dim, axes in zip(self.shape, optimizer_spec(self.names, self.shape, sizes), strict=True):
             axes = () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
             total *= -(-dim // math.prod(sizes.get(a, 1) for a in axes))
         return total

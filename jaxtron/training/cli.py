@@ -13,10 +13,8 @@ import os
 
 from jaxtron.common.files import user_path
 
-# configs/ sits beside the package in the repository
-DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
-                              "configs", "default.py")
-USAGE = "usage: jaxtron train --config=configs/X.py --workdir=DIR [--config.<section>.<field>=VALUE ...]"
+DEFAULT_CONFIG = "default"  # configs/default.py, shipped with the package (jaxtron.config.loader.config_file)
+USAGE = "usage: jaxtron train --config=NAME|configs/X.py --workdir=DIR [--config.<section>.<field>=VALUE ...]"
 
 
 def _define(values) -> None:

@@ -210,10 +210,11 @@ def gradients(setup, params: Any, batch: Batch, loss_sums: Callable, moe_metrics
         first (of one, with one group). ``in_axes`` per argument: None (the same for every group), the axis of its
         rows (split into the groups), or 'grouped' (it has the groups' dimension first already)."""
         if g_ == 1:
-            args = [jax.tree.map(lambda x: x[0], a) if axis == "grouped" else a for a, axis in zip(args, in_axes)]
+            args = [jax.tree.map(lambda x: x[0], a) if axis == "grouped" else a
+                    for a, axis in zip(args, in_axes, strict=True)]
             return jax.tree.map(lambda a: a[None], fn(*args))
         args = [a if axis in (None, "grouped") else jax.tree.map(lambda x, axis=axis: split(x, axis), a)
-                for a, axis in zip(args, in_axes)]
+                for a, axis in zip(args, in_axes, strict=True)]
         return group_map(fn, groups, tuple(None if axis is None else 0 for axis in in_axes))(*args)
 
     def split_as_weights(grads, names):
@@ -269,30 +270,31 @@ def gradients(setup, params: Any, batch: Batch, loss_sums: Callable, moe_metrics
     def rest_sharded(leaves):
         """The rest's accumulators [G, ...], one per group of rows (their sum over the groups waits for the end)."""
         return [a if staged_leaf else constrain_groups(a, groups, names)
-                for a, names, staged_leaf in zip(leaves, param_names, in_stack)]
+                for a, names, staged_leaf in zip(leaves, param_names, in_stack, strict=True)]
 
     def stack_sharded(leaves):
-        return [constrain_stage_groups(a, groups, names, schedule.gather_once) for a, names in zip(leaves, stack_names)]
+        return [constrain_stage_groups(a, groups, names, schedule.gather_once)
+                for a, names in zip(leaves, stack_names, strict=True)]
 
     # the head's and the embedding's backward differentiate the parameters outside the stack only (a gradient for
     # the stack, zeros, would be made whole and carried through the groups' vmap)
     param_leaves = jax.tree.leaves(params)
-    rest_leaves = [a for a, staged_leaf in zip(param_leaves, in_stack) if not staged_leaf]
+    rest_leaves = [a for a, staged_leaf in zip(param_leaves, in_stack, strict=True) if not staged_leaf]
 
     def with_rest(rest):
         """The parameters with ``rest`` in place of those outside the stack."""
         it = iter(rest)
         return jax.tree.unflatten(params_def, [a if staged_leaf else next(it)
-                                               for a, staged_leaf in zip(param_leaves, in_stack)])
+                                               for a, staged_leaf in zip(param_leaves, in_stack, strict=True)])
 
     def rest_of(d_rest):
         """The gradients ``d_rest`` of the parameters outside the stack, as ``grad_rest`` holds them (a zero for each
         staged one; [G] with the groups' dimension)."""
-        it = iter(split_as_weights(d_rest, [n for n, staged_leaf in zip(param_names, in_stack) if not staged_leaf]))
+        it = iter(split_as_weights(d_rest, [n for n, staged in zip(param_names, in_stack, strict=True) if not staged]))
         return [jnp.zeros((), jnp.float32) if staged_leaf else next(it).astype(jnp.float32) for staged_leaf in in_stack]
 
     def add_rest(acc, d):
-        return rest_sharded([g + a for g, a in zip(acc, d)])
+        return rest_sharded([g + a for g, a in zip(acc, d, strict=True)])
 
     def when(active, fn, *args):
         """``fn(*args)`` where ``active`` (the same on every device), else zeros of its shapes: the fill runs no
@@ -392,7 +394,7 @@ def gradients(setup, params: Any, batch: Batch, loss_sums: Callable, moe_metrics
              on_stages((zeros(x_shape, (s_, keep, pc)), zeros(ex_shape, (s_, keep)))),
              stack_sharded([jnp.zeros((s_, g_, *a.shape[1:]), jnp.float32) for a in jax.tree.leaves(staged)]),
              rest_sharded([jnp.zeros((g_,) if staged_leaf else (g_, *a.shape), jnp.float32)
-                           for a, staged_leaf in zip(jax.tree.leaves(params), in_stack)]),
+                           for a, staged_leaf in zip(jax.tree.leaves(params), in_stack, strict=True)]),
              (jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32)),
              jax.tree.map(lambda a: jnp.zeros((s_, v_ * a.shape[0], *a.shape[1:]), jnp.float32), stats_shape),
              mtp_zeros)
@@ -402,11 +404,12 @@ def gradients(setup, params: Any, batch: Batch, loss_sums: Callable, moe_metrics
     # the groups' sums, reduce-scattered onto the distributed optimizer's shards where it runs
     grad_stack = jax.tree.unflatten(stack_def, [
         constrain_gradient(jnp.sum(g, axis=1), ("stages", "layers", *names), setup.distributed_optimizer)
-        for g, names in zip(grad_stack, stack_names)])
+        for g, names in zip(grad_stack, stack_names, strict=True)])
     (d_from_stack,) = to_params(jax.tree.map(lambda g, a: g.reshape(a.shape).astype(a.dtype), grad_stack, periods_0))
     grads = jax.tree.unflatten(params_def, [
         (a.astype(jnp.float32) + (0.0 if staged_leaf else jnp.sum(b, axis=0))).astype(p.dtype)
-        for a, b, p, staged_leaf in zip(jax.tree.leaves(d_from_stack), grad_rest, jax.tree.leaves(params), in_stack)])
+        for a, b, p, staged_leaf in zip(jax.tree.leaves(d_from_stack), grad_rest, jax.tree.leaves(params), in_stack,
+                                        strict=True)])
     order = storage_order(stack_size - schedule.pads, s_, v_)  # the model's period at each stored slot
     real = np.nonzero(order != PAD)[0]
     natural = real[np.argsort(order[real])]  # the stored slot of each of the model's periods, in its order

@@ -138,7 +138,7 @@ def state_bytes_per_device(abstract_state: TrainState, shardings: TrainState) ->
     """Bytes of parameters and optimizer state that each device holds (the largest shard set)."""
     leaves = jax.tree.leaves(abstract_state)
     specs = jax.tree.leaves(shardings, is_leaf=lambda x: isinstance(x, jax.sharding.Sharding))
-    return sum(math.prod(sh.shard_shape(x.shape)) * x.dtype.itemsize for x, sh in zip(leaves, specs))
+    return sum(math.prod(sh.shard_shape(x.shape)) * x.dtype.itemsize for x, sh in zip(leaves, specs, strict=True))
 
 
 def check_fits(abstract_state: TrainState, shardings: TrainState, devices: list) -> None:

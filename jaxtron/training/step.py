@@ -171,14 +171,14 @@ def _grouped_accumulation(grad_fn, params: Any, micro_batches: Batch, grads_shap
     treedef = jax.tree.structure(grads_shape)
 
     def grouped(leaves):
-        return [constrain_groups(a, groups, n) for a, n in zip(leaves, names)]
+        return [constrain_groups(a, groups, n) for a, n in zip(leaves, names, strict=True)]
 
     def body(carry, micro):
         micro = {k: constrain(v, BATCH_AXES) for k, v in micro.items()}
         split = jax.tree.map(lambda a: a.reshape(g_, a.shape[0] // g_, *a.shape[1:]), micro)
         (_, (ce, count, _)), grads = group_map(lambda mb: grad_fn(params, batch=mb), groups)(split)
         acc, ce_sum, n_sum = carry
-        acc = grouped([a + g.astype(a.dtype) for a, g in zip(acc, jax.tree.leaves(grads))])
+        acc = grouped([a + g.astype(a.dtype) for a, g in zip(acc, jax.tree.leaves(grads), strict=True)])
         return (acc, ce_sum + jnp.sum(ce), n_sum + jnp.sum(count)), None
 
     zero = jnp.zeros((), jnp.float32)

@@ -234,7 +234,7 @@ def _block_tensors(cfg: ModelConfig, family: str, pre: str, stack: str, j: int, 
         if family == "deepseek_v3":
             yield from deepseek.moe_extras(cfg, pre, stack, j, Tensor)
         for e in range(cfg.moe.num_experts):
-            for name, param, shape in zip(names, ("wi_gate", "wi_up", "wo"), ((fe, d), (fe, d), (d, fe))):
+            for name, param, shape in zip(names, ("wi_gate", "wi_up", "wo"), ((fe, d), (fe, d), (d, fe)), strict=True):
                 yield Tensor(where + f"experts.{e}.{name}.weight", shape, f"{stack}.mlp.{param}", (j, e), _t, _t)
     else:
         yield Tensor(pre + "mlp.gate_proj.weight", (f, d), f"{stack}.mlp.wi_gate", (j,), _t, _t)
