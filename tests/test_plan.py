@@ -585,22 +585,55 @@ def test_plan_cli_rejects_bad_requests(capsys):
         "error: --compile mesh fsdp=4 has 4 devices but --gpus is 8; make the sizes multiply to 8.")
 
 
+def test_each_row_prints_the_overrides_that_run_exactly_what_it_estimated():
+    """A row's --config options, laid on the config file it planned, give the config the row estimated: its
+    estimate again is the same numbers (schedule, microbatches, distributed optimizer, remat and all)."""
+    from jaxtron.config.loader import overrides
+    from jaxtron.planning.cli import overrides_text
+
+    cfg = _config("gpt3_175b")
+    meshes = [dict(pipeline=8, data=4, tensor=4), dict(pipeline=16, data=4, tensor=2), dict(data=16, tensor=8)]
+    rows = [search.best_for_mesh(cfg, {**dict.fromkeys(search.MESH_AXES, 1), **m}, H100) for m in meshes]
+    assert {r.estimate.schedule for r in rows} & {"1f1b", "interleaved"}  # rows another schedule than the file's
+    text = overrides_text(cfg, rows, 0).splitlines()
+    for rank, (row, line) in enumerate(zip(rows, text[1:], strict=True), 1):
+        flags = line.split()[1:]
+        assert line.split()[0] == str(rank) and flags == overrides(cfg, row.estimate.config)
+        assert "--config.optimizer.distributed=true" in flags or not row.estimate.distributed_optimizer
+        again = load_config(os.path.join(REPO, "configs", "gpt3_175b.py"),
+                            [tuple(f.removeprefix("--config.").split("=", 1)) for f in flags])
+        assert again == row.estimate.config
+        redo = estimate(again, row.estimate.mesh, H100)
+        assert (redo.step_s, redo.memory, redo.schedule, redo.pipeline_microbatches) == \
+            (row.estimate.step_s, row.estimate.memory, row.estimate.schedule, row.estimate.pipeline_microbatches)
+
+
+def test_compile_names_a_row_by_rank_or_best(capsys):
+    assert cli.run("plan", [f"--config={REPO}/configs/default.py", "--gpus=8", "--compile=0"]) == 2
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        "error: --compile=0 names no row; the ranks start at 1 (or write --compile=best).")
+    assert cli.run("plan", [f"--config={REPO}/configs/default.py", "--gpus=8", "--compile=99"]) == 2
+    assert capsys.readouterr().err.splitlines()[-1].startswith("error: --compile=99: the plan has ")
+
+
 @pytest.mark.integration
 @pytest.mark.slow
 def test_plan_cli_ranks_and_compiles(tmp_path):
     out = tmp_path / "plan.json"
     proc = subprocess.run([sys.executable, "-m", "jaxtron", "plan", f"--config={REPO}/configs/default.py", "--gpus=8",
-                           "--gpu=h200", "--compile=data=2,fsdp=4", f"--json={out}"],
+                           "--gpu=h200", "--compile=best", f"--json={out}"],
                           cwd=REPO, capture_output=True, text=True, env={**os.environ, "XLA_FLAGS": FAST_COMPILE_FLAGS},
                           check=False)
     assert proc.returncode == 0, proc.stderr
     from jaxtron.gpu.target import plugin_installed
     where = "compiled for 8 x H200" if plugin_installed() else "on 8 fake CPU devices"
-    assert "valid meshes" in proc.stdout and f"dry run of data=2 fsdp=4 {where}" in proc.stdout
-    assert "estimate of the same program" in proc.stdout
     report = __import__("json").loads(out.read_text())
     assert report["rows"][0]["fits"]
+    best = " ".join(f"{a}={v}" for a, v in report["rows"][0]["mesh"].items() if v > 1)
+    assert "valid meshes" in proc.stdout and f"dry run of row 1 ({best}" in proc.stdout and where in proc.stdout
+    assert "estimate of the same program" in proc.stdout and "row 1 as the table estimated it" in proc.stdout
     compiled = report["dry_run"]
+    assert compiled["row"] == 1 and compiled["mesh"] == report["rows"][0]["mesh"]
     # the keys scripts read
     assert compiled["target"] == ("h200" if plugin_installed() else "cpu") and compiled["model_flops"] > 0
     assert (compiled["kernels"] is None) != plugin_installed()

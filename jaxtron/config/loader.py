@@ -237,6 +237,26 @@ def load_config(spec: str, overrides: Sequence[tuple[str, str]] = ()) -> Config:
     return parse_command_line(["jaxtron", *(f"--config.{k}={v}" for k, v in overrides)], spec)[0]
 
 
+def overrides(base: Config, other: Config) -> list[str]:
+    """The ``--config.<section>.<field>=VALUE`` options that turn ``base`` into ``other`` (each field that differs,
+    in the schema's order); ``parse_command_line`` of ``base``'s file with them gives ``other``."""
+    def flat(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+        out = {}
+        for key, value in tree.items():
+            out.update(flat(value, f"{prefix}{key}.") if isinstance(value, Mapping) else {prefix + key: value})
+        return out
+
+    def text(value: Any) -> str:
+        if isinstance(value, bool):
+            return str(value).lower()
+        if isinstance(value, (tuple, list)):
+            return ",".join(map(str, value))
+        return str(value)
+
+    mine, theirs = flat(base.to_dict()), flat(other.to_dict())
+    return [f"--config.{path}={text(value)}" for path, value in theirs.items() if mine.get(path) != value]
+
+
 def split_overrides(argv: Sequence[str]) -> tuple[str | None, list[tuple[str, str]], list[str]]:
     """Separates ``--config=``, ``--config.x.y=v`` and the remaining arguments, for tools that take several
     config files with the same overrides (``benchmarks/``); ``load_config`` then applies them."""

@@ -351,8 +351,9 @@ def to_hf(ckpt_dir: str, out_dir: str, dtype: str = "float32") -> dict:
                 json.dump(index, f, indent=2)
         with open(os.path.join(staging, "config.json"), "w") as f:
             json.dump(hf, f, indent=2)
-        wrote = hf_tokenizer.export(ckpt_dir, None if step_dir is None else first_manifest(run_cfg.data.path),
-                                    cfg.max_seq_len, staging)
+        # a run's tokenizer is its token store's (a run on synthetic tokens has none, whatever data.path says)
+        trained_on = first_manifest(run_cfg.data.path) if run_cfg.data.source == "store" else {}
+        wrote = hf_tokenizer.export(ckpt_dir, None if step_dir is None else trained_on, cfg.max_seq_len, staging)
     log.info("tokenizer: %s", wrote)
     return hf
 

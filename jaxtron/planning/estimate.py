@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from jaxtron.config.schema import Config, replace
+from jaxtron.config.schema import Config, MeshConfig, replace
 from jaxtron.planning.collectives import communication_time
 from jaxtron.planning.gpus import GPU
 from jaxtron.planning.memory import UNSEEN_ON_TARGET, memory
@@ -52,6 +52,7 @@ class Estimate:
     mfu: float
     tokens_per_s: float
     collectives: dict[str, float]  # bytes per step and device, by collective kind
+    config: Config  # the config that runs this program (``as_run``): `jaxtron train` and --compile take it
 
     @property
     def memory_bytes(self) -> float:
@@ -107,7 +108,20 @@ def estimate(cfg: Config, sizes: dict[str, int], gpu: GPU, microbatches: int | N
                     identity_layers=shape.identity_layers, attention=shape.attention, remat=cfg.execution.remat,
                     memory=memory(cfg, shape, block, params), time=time, exposed=EXPOSED, overlapped=OVERLAPPED,
                     step_s=step, mfu=model_flops(cfg, shape) / step / mfu_peak(cfg, shape, gpu),
-                    tokens_per_s=shape.step_tokens / step, collectives=collectives)
+                    tokens_per_s=shape.step_tokens / step, collectives=collectives, config=as_run(cfg, sizes, shape))
+
+
+def as_run(cfg: Config, sizes: dict[str, int], shape) -> Config:
+    """``cfg`` as the estimate of ``shape`` ran it: on the mesh ``sizes``, with its microbatches, pipeline
+    microbatches and (for an uneven split) identity layers set, so that a run or a compile of it is the program
+    estimated."""
+    pipeline = cfg.pipeline
+    if shape.pipelined:
+        pipeline = replace(pipeline, microbatches=shape.in_flight)
+    if shape.identity_layers:
+        pipeline = replace(pipeline, uneven_stages=True)
+    mesh = MeshConfig(**{axis: sizes.get(axis, 1) for axis in dataclasses.asdict(cfg.mesh)})
+    return replace(cfg, mesh=mesh, pipeline=pipeline, train=replace(cfg.train, microbatches=shape.microbatches))
 
 
 # execution.remat='auto': the policies from fastest to leanest (jaxtron/planning/remat.py says why this order)
