@@ -157,6 +157,31 @@ def test_one_front_door():
     assert guarded == ["jaxtron.__main__"]
 
 
+def test_values_set_while_tracing_are_one_kind_in_one_module():
+    """Every value a ``with`` block sets for tracing is a ``TraceState`` of jaxtron/common/trace_state.py (its
+    docstring lists them, with who sets and who reads each): no other module holds a context variable."""
+    from jaxtron.common import trace_state
+
+    users = sorted(m for m in import_graph_of_stdlib("contextvars"))
+    assert users == ["jaxtron.common.trace_state"]
+    states = [n for n, v in vars(trace_state).items() if isinstance(v, trace_state.TraceState)]
+    assert states and all(f"``{n}``" in trace_state.__doc__ for n in states)
+
+
+def import_graph_of_stdlib(name: str) -> list[str]:
+    """The package's modules that import the standard library's module ``name``."""
+    found = []
+    for module, path in modules().items():
+        with open(path) as f:
+            tree = ast.parse(f.read(), path)
+        for node in ast.walk(tree):
+            if (isinstance(node, ast.Import) and any(a.name == name for a in node.names)) or \
+                    (isinstance(node, ast.ImportFrom) and node.module == name):
+                found.append(module)
+                break
+    return found
+
+
 def test_no_module_imports_itself_back_through_others():
     assert circles(import_graph()) == []
 

@@ -22,7 +22,7 @@ from jaxtron.parallel.checks import check_devices
 from jaxtron.parallel.mesh import make_mesh
 from jaxtron.parallel.stages import reorder, storage_order, to_natural
 from jaxtron.training.loop import run
-from jaxtron.training.pipeline import Schedule, bubble_fraction
+from jaxtron.training.pipeline.fill_drain import Schedule, bubble_fraction
 
 
 def _body(h, layer, extras):
@@ -309,7 +309,7 @@ def test_deepseek_trains_pipelined_like_one_device(tmp_path, deepseek_one_device
     assert moe_bias.sharding.shard_shape(moe_bias.shape)[0] == 2
 
 
-# --- the 1F1B schedule (jaxtron/training/one_f_one_b.py) ---
+# --- the 1F1B schedule (jaxtron/training/pipeline/one_f_one_b.py) ---
 
 ONE_F_ONE_B = {  # name -> (mesh, pipeline microbatches, model, schedule fields, the one-device run to match)
     "pipeline2_sequence2_tensor2": (dict(pipeline=2, fsdp=1, sequence=2, tensor=2), 4, "dense", {}, "one_device"),

@@ -293,8 +293,8 @@ def test_a_1f1b_programs_phases_are_found_by_their_scopes():
     """The compiled 1F1B step's loop and its iterations' two phases, as the report needs them to time the phases."""
     from jaxtron.metrics.bubble import phase_ops, schedule_loops
     from jaxtron.planning.dry_run import _compile
-    from jaxtron.training.one_f_one_b import BACKWARD_PHASE, FORWARD_PHASE
-    from jaxtron.training.pipeline import SCOPE
+    from jaxtron.training.pipeline.fill_drain import SCOPE
+    from jaxtron.training.pipeline.one_f_one_b import BACKWARD_PHASE, FORWARD_PHASE
 
     cfg = tiny_config(dict(pipeline=2, fsdp=4), train=dict(global_batch_size=16),
                       pipeline=dict(microbatches=4, schedule="1f1b"))

@@ -67,8 +67,8 @@ FSDP_GATHERS = ("iteration", "step")  # pipeline.fsdp_gather
 
 @dataclasses.dataclass(frozen=True)
 class PipelineConfig:
-    """The pipeline schedule over the ``mesh.pipeline`` stages (``jaxtron/training/pipeline.py``,
-    ``jaxtron/training/one_f_one_b.py``)."""
+    """The pipeline schedule over the ``mesh.pipeline`` stages (``jaxtron/training/pipeline/fill_drain.py``,
+    ``jaxtron/training/pipeline/one_f_one_b.py``)."""
 
     # 'fill_drain': every microbatch's forward, then the backward by differentiation (the activations of every
     # microbatch in flight); '1f1b': each stage runs one forward and one backward an iteration, the loss inside the

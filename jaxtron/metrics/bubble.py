@@ -4,7 +4,7 @@ A stage is idle in the iterations of the schedule's loop where it holds no micro
 iterations of stage ``s`` (fill) and those after its ``M * V`` stage passes (drain). In one SPMD program it runs
 its periods on zeros then, so the trace shows it busy; what makes those iterations idle is the schedule, and
 what the trace measures is how long they took. The schedule's loops are the while ops named by
-``jaxtron.training.pipeline.SCOPE``: the forward loop runs iterations 0..I-1, the backward loop (its
+``jaxtron.training.pipeline.fill_drain.SCOPE``: the forward loop runs iterations 0..I-1, the backward loop (its
 transpose) runs them in reverse, each iteration as P steps of the loop (one per period of a stage's pass). In
 the trace, the loop body's own ops run once per step, so the start of the first of them marks the start of each
 step; P consecutive steps make an iteration (P: the loops' trip count over I, ``loop_steps`` in the layout).
@@ -12,8 +12,9 @@ step; P consecutive steps make an iteration (P: the loops' trip count over I, ``
 ``layout`` (written by the train loop next to the trace as ``pipeline.json``): stages, microbatches,
 virtual_stages, the instructions of the two loops' bodies, and the stage of each traced device.
 
-The 1F1B schedules (``jaxtron/training/one_f_one_b.py``) run one loop of M V + V S + S - 2 iterations (V = 1 for
-'1f1b', the virtual stages for 'interleaved'), each with a forward phase and a backward phase (its named scopes).
+The 1F1B schedules (``jaxtron/training/pipeline/one_f_one_b.py``) run one loop of M V + V S + S - 2 iterations
+(V = 1 for '1f1b', the virtual stages for 'interleaved'), each with a forward phase and a backward phase (its named
+scopes).
 Stage s's forward is idle where its unit t - s falls outside 0..MV-1 and its backward where t - (VS - 1) -
 (S - 1 - s) does; the layout then also names the loop body's top-level instructions of each phase (``phases``),
 whose trace events time the phases of every iteration.

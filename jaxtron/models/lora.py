@@ -16,7 +16,6 @@ Outside it (evaluation, generation) nothing is dropped.
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import math
 import re
 import zlib
@@ -28,6 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxtron.common.trace_state import LORA_DROPOUT_KEY
 from jaxtron.config.schema import ConfigError, LoraConfig
 from jaxtron.parallel.sharding import logical_names
 from jaxtron.parallel.state_sharding import weight_layout
@@ -44,17 +44,13 @@ class Seed(nnx.Param):
 
 
 OWN = (Adapter, Seed)  # what a LoRA run adds to its base, and what its checkpoints hold
-_dropout_key: contextvars.ContextVar = contextvars.ContextVar("lora_dropout_key", default=None)
 
 
 @contextlib.contextmanager
 def dropout(key: jax.Array) -> Iterator[None]:
     """Adapters with ``lora.dropout`` drop out their input, with masks drawn from ``key``, inside this block."""
-    token = _dropout_key.set(key)
-    try:
+    with LORA_DROPOUT_KEY.bound(key):
         yield
-    finally:
-        _dropout_key.reset(token)
 
 
 # projection name -> (attribute, modules that have it, input dimensions of the unstacked weight, its rank)
@@ -150,7 +146,7 @@ def project(einsum: Callable, equation: str, x: jax.Array, module: nnx.Module, a
     if a is None:
         return y
     b = getattr(module, f"{attribute}_lora_b")
-    rate, key = getattr(module, "lora_dropout", 0.0), _dropout_key.get()
+    rate, key = getattr(module, "lora_dropout", 0.0), LORA_DROPOUT_KEY.get()
     if rate and key is not None:
         key = jax.random.fold_in(jax.random.fold_in(key, module.lora_seed[...]), zlib.crc32(attribute.encode()) >> 1)
         keep = jax.random.bernoulli(key, 1.0 - rate, x.shape)

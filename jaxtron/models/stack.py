@@ -7,8 +7,8 @@ as a plain scan, and a pipeline schedule never stages it. With ``execution.fp8_s
 groups, the first and last ones in 16 bits and the ones between with FP8 matmuls (``layer_groups``).
 
 ``run_stack`` scans the periods of each group in order, or hands them to a runner (a pipeline schedule,
-``jaxtron.training.pipeline.Schedule``), which calls ``body(hidden, one period's parameters, extras)`` however it
-places the periods. Every block runs under the remat policy ``execution.remat`` names (``remat_policy``).
+``jaxtron.training.pipeline.fill_drain.Schedule``), which calls ``body(hidden, one period's parameters, extras)``
+however it places the periods. Every block runs under the remat policy ``execution.remat`` names (``remat_policy``).
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxtron.common.trace_state import WITHOUT_REMAT
 from jaxtron.config.schema import ExecutionConfig, ModelConfig
 from jaxtron.ops import attention as attention_ops
 from jaxtron.ops import cudnn as cudnn_ops
@@ -108,19 +109,13 @@ def scan_stack(body: Body, x: jax.Array, stack: Any, extras: tuple, unroll: bool
     return jax.lax.scan(lambda h, period: body(h, period, extras), x, stack, unroll=unroll)
 
 
-_unrematerialized: list[bool] = []  # inside ``without_remat``
-
-
 @contextlib.contextmanager
 def without_remat() -> Iterator[None]:
     """Within this context the blocks a stack runs are not checkpointed, whatever ``execution.remat`` says: for a
     caller that takes each block's vector-Jacobian product right after recomputing its forward (the 1F1B
-    schedule, ``jaxtron/training/one_f_one_b.py``), where a checkpoint would only run the forward twice."""
-    _unrematerialized.append(True)
-    try:
+    schedule, ``jaxtron/training/pipeline/one_f_one_b.py``), where a checkpoint would only run the forward twice."""
+    with WITHOUT_REMAT.bound(True):
         yield
-    finally:
-        _unrematerialized.pop()
 
 
 def _block_fn(graphdef: Any, fp8: bool, remat: str) -> Callable | None:
@@ -129,10 +124,11 @@ def _block_fn(graphdef: Any, fp8: bool, remat: str) -> Callable | None:
     if graphdef is None:
         return None
 
-    policy = None if _unrematerialized else remat_policy(remat)
+    unrematerialized = WITHOUT_REMAT.get()
+    policy = None if unrematerialized else remat_policy(remat)
     # without a checkpoint (and outside 1F1B's explicit backward, which recomputes the block first) the block keeps
     # what its backward reads: a weight gathered for use would be kept whole from the forward to the backward pass
-    gather = "keep" if policy is not None or _unrematerialized else "regather"
+    gather = "keep" if policy is not None or unrematerialized else "regather"
 
     def apply(h, block, positions, segment_ids=None):
         with gathering_for_use(gather):

@@ -28,6 +28,7 @@ from collections.abc import Iterator
 import jax
 import jax.numpy as jnp
 
+from jaxtron.common.trace_state import EXPERT_GEMM_TARGET
 from jaxtron.config.schema import ConfigError
 from jaxtron.ops import grouped_kernels
 
@@ -41,7 +42,6 @@ _TRANSPOSED_WEIGHTS = jax.lax.RaggedDotDimensionNumbers(dot_dimension_numbers=((
                                                         lhs_ragged_dimensions=[0], rhs_group_dimensions=[0])
 
 
-_target: list[jax.Device] = []  # the compile-only GPU being compiled for (``on_target``), innermost last
 
 
 def tokamax_installed() -> bool:
@@ -62,8 +62,8 @@ def _tokamax_problem() -> str | None:
 
 def target_gpu() -> jax.Device | None:
     """The GPU the program is for: the target being compiled for, else the default device when it is a GPU."""
-    if _target:
-        return _target[-1]
+    if EXPERT_GEMM_TARGET.get() is not None:
+        return EXPERT_GEMM_TARGET.get()
     device = jax.devices()[0]
     return device if device.platform == "gpu" else None
 
@@ -96,13 +96,12 @@ def on_target(device: jax.Device) -> Iterator[None]:
     from jax.extend import backend
 
     saved = backend.get_default_device
-    _target.append(device)
     backend.get_default_device = lambda: device
     try:
-        yield
+        with EXPERT_GEMM_TARGET.bound(device):
+            yield
     finally:
         backend.get_default_device = saved
-        _target.pop()
 
 
 def matmul(rows: jax.Array, weights: jax.Array, group_sizes: jax.Array, implementation: str = "xla") -> jax.Array:

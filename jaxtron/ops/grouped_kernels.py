@@ -64,16 +64,12 @@ def _tiles(starts: jax.Array, ends: jax.Array, block_m: int, count: int) -> tupl
     return jnp.where(program < done[-1], group, -1), tile.astype(jnp.int32)
 
 
-_patched: list[bool] = []
-
-
+@functools.cache  # once per process
 def fp8_tensor_cores() -> bool:
     """Has Pallas' Triton lowering build FP8 dots that may accumulate ``BLOCK_K`` products on the tensor core
     (the module says why), once per process; -> whether its dots now do (False where this jax's lowering is not
     the one this was written for: the kernels then compute the same numbers on the older instructions)."""
-    if not _patched:
-        _patched.append(_patch_triton_dots())
-    return _patched[0]
+    return _patch_triton_dots()
 
 
 def _patch_triton_dots() -> bool:

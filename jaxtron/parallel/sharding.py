@@ -9,7 +9,6 @@ logical name maps to (``logical_to_spec``, ``spec_axes``, ``shard_count``).
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import math
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -18,6 +17,8 @@ import jax
 import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from jaxtron.common.trace_state import AXES_TAKEN, BATCH_OVER_STAGES
 
 # logical axis name -> mesh axis (or axes, outermost first), None = replicated.
 # A mesh axis already used by an earlier dimension of the same array is skipped for later ones.
@@ -62,10 +63,6 @@ RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
 )
 
 _RULES = dict(RULES)
-# whether ``activation_batch`` also splits over the mesh axes of ``stages`` (see ``batch_over_stages``)
-_BATCH_OVER_STAGES = contextvars.ContextVar("batch_over_stages", default=False)
-# mesh axes an enclosing ``jax.vmap(..., spmd_axis_name=...)`` maps its dimension over (see ``axes_taken``)
-_TAKEN = contextvars.ContextVar("axes_taken", default=())
 
 BATCH_AXES = ("activation_batch", "activation_length")
 # layout of a row's tokens over the shards of ``activation_length`` (see ``sequence_order``)
@@ -74,7 +71,7 @@ SEQUENCE_LAYOUT = "zigzag"
 
 def logical_to_spec(names: Sequence[str | None]) -> PartitionSpec:
     """PartitionSpec for an array whose dimensions carry the given logical names."""
-    used: set[str] = set(_TAKEN.get())
+    used: set[str] = set(AXES_TAKEN.get())
     spec = []
     for name in names:
         if name is None:
@@ -84,7 +81,7 @@ def logical_to_spec(names: Sequence[str | None]) -> PartitionSpec:
             raise KeyError(f"logical axis {name!r} has no rule in jaxtron.parallel.sharding.RULES")
         target = _RULES[name]
         axes = (target,) if isinstance(target, str) else tuple(target or ())
-        if name == "activation_batch" and _BATCH_OVER_STAGES.get():
+        if name == "activation_batch" and BATCH_OVER_STAGES.get():
             axes += spec_axes(logical_to_spec(("stages",)), 0)
         axes = tuple(a for a in axes if a not in used)
         used.update(axes)
@@ -98,22 +95,16 @@ def batch_over_stages(on: bool = True):
     ``stages``, the pipeline: the work outside a pipeline schedule (embedding, dense first blocks, output head,
     loss, prediction modules) then runs on each stage for its share of the rows instead of on all of them. The
     schedule turns it off for the stages' own work."""
-    token = _BATCH_OVER_STAGES.set(on)
-    try:
+    with BATCH_OVER_STAGES.bound(on):
         yield
-    finally:
-        _BATCH_OVER_STAGES.reset(token)
 
 
 @contextlib.contextmanager
 def axes_taken(axes: Sequence[str]):
     """Within this context (while tracing the body of a vmap whose ``spmd_axis_name`` is ``axes``) no logical
     name maps onto these mesh axes: the vmapped dimension holds them."""
-    token = _TAKEN.set(tuple(_TAKEN.get()) + tuple(axes))
-    try:
+    with AXES_TAKEN.bound(tuple(AXES_TAKEN.get()) + tuple(axes)):
         yield
-    finally:
-        _TAKEN.reset(token)
 
 
 def group_map(fn, groups: Sequence[str], in_axes: Any = 0):
@@ -128,7 +119,7 @@ def group_map(fn, groups: Sequence[str], in_axes: Any = 0):
 
 def batch_split_over_stages() -> bool:
     """Whether ``batch_over_stages`` is on."""
-    return _BATCH_OVER_STAGES.get()
+    return BATCH_OVER_STAGES.get()
 
 
 def spec_axes(spec: PartitionSpec, dim: int) -> tuple[str, ...]:
@@ -210,7 +201,7 @@ def row_groups(params: Any, sizes: Mapping[str, int], whole: bool = False) -> tu
     """The leading mesh axes of ``activation_batch`` (those of one device or more, up to the first that also splits
     a parameter; with ``whole``, up to the first that splits an expert's: the weights are ``whole_over_batch``) on a
     mesh of ``sizes``: each device's rows along them form a group whose weight gradients need no sum with the
-    others' until the step's end (``training/step.py``, ``training/one_f_one_b.py``)."""
+    others' until the step's end (``training/step.py``, ``training/pipeline/one_f_one_b.py``)."""
     spec_of = (lambda v: whole_over_batch(logical_names(v))) if whole else (lambda v: logical_to_spec(logical_names(v)))
     used = {a for v in jax.tree.leaves(params, is_leaf=is_variable) if is_variable(v)
             for axes in spec_of(v) if axes is not None

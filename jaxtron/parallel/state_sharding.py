@@ -8,7 +8,6 @@ layouts a matmul's operands and their gradients take around it (``weight_layout`
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import dataclasses
 import functools
 import math
@@ -19,6 +18,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from jaxtron.common.trace_state import GATHER_FOR_USE
 from jaxtron.parallel.sharding import (
     constrain,
     is_variable,
@@ -34,7 +34,6 @@ _STACKED = {"layers", "unstaged_layers", "stages"}
 # how projections use their fsdp-split weights (``gathering_for_use``): left to XLA (None), or gathered for use
 # and the gathered copy kept for the backward pass or gathered again there
 _GATHER_MODES = (None, "keep", "regather")
-_GATHER_FOR_USE = contextvars.ContextVar("gather_for_use", default=None)
 
 
 def tree_shardings(mesh: Mesh, tree: Any, optimizer: bool = False) -> Any:
@@ -143,11 +142,8 @@ def gathering_for_use(mode: str | None = "keep"):
     leaves the weights to XLA."""
     if mode not in _GATHER_MODES:
         raise ValueError(f"gathering_for_use takes one of {_GATHER_MODES}, not {mode!r}")
-    token = _GATHER_FOR_USE.set(mode)
-    try:
+    with GATHER_FOR_USE.bound(mode):
         yield
-    finally:
-        _GATHER_FOR_USE.reset(token)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -181,7 +177,7 @@ def weight_layout(names: Sequence[str | None], ndim: int) -> WeightLayout | None
     pipeline=4 fsdp=2 sequence=2 tensor=4); a plain constraint to the gathered sharding keeps the gradient whole
     too, an all-reduce of each weight's gradient. Decoding is left to XLA: a step may do better with the weight
     kept split."""
-    mode = _GATHER_FOR_USE.get()
+    mode = GATHER_FOR_USE.get()
     if mode is None or jax.sharding.get_abstract_mesh().empty:
         return None
     names = tuple(names)[len(names) - ndim:]

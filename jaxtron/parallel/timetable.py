@@ -1,5 +1,5 @@
-"""The timetable of the 1F1B pipeline schedules (``training/one_f_one_b.py``), in one place: which unit of work each
-stage runs in each iteration. The schedule runs it; the report (``metrics/bubble.py``) reads a trace by it.
+"""The timetable of the 1F1B pipeline schedules (``training/pipeline/one_f_one_b.py``), in one place: which unit of
+work each stage runs in each iteration. The schedule runs it; the report (``metrics/bubble.py``) reads a trace by it.
 
 S stages, M microbatches, V chunks of layers a stage (1: '1f1b'; 'interleaved' takes ``pipeline.virtual_stages``).
 A stage's k-th forward unit is microbatch ``k // (S V) * S + k % S`` through chunk ``k % (S V) // S``: the

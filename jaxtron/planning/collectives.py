@@ -127,12 +127,12 @@ def data_time(cfg: Config, shape: StepShape, params: tuple[Param, ...], coll: Co
 
     How often: a dense model sums once a step, without a pipeline whatever its microbatches and under the 1F1B
     schedule whatever its pipeline microbatches (each device's rows accumulate apart, ``training/step.py``,
-    ``training/one_f_one_b.py``); an MoE model's 1F1B stages sum as each microbatch's backward runs, its head and
-    embedding as each microbatch's head and embedding backward run; fill-drain's stages sum their weights' 16-bit
-    gradients once per accumulation microbatch (XLA moves the sum out of the schedule's loop, whose backward pass
-    adds each period's gradient into one accumulator: ``training/pipeline.py``), but with virtual stages in every
-    iteration of the backward pass (each stage picks its round's weights at an index of its own, which keeps the
-    sum in the loop; compiled for the H100 target); otherwise once per accumulation microbatch."""
+    ``training/pipeline/one_f_one_b.py``); an MoE model's 1F1B stages sum as each microbatch's backward runs, its
+    head and embedding as each microbatch's head and embedding backward run; fill-drain's stages sum their weights'
+    16-bit gradients once per accumulation microbatch (XLA moves the sum out of the schedule's loop, whose backward
+    pass adds each period's gradient into one accumulator: ``training/pipeline/fill_drain.py``), but with virtual
+    stages in every iteration of the backward pass (each stage picks its round's weights at an index of its own,
+    which keeps the sum in the loop; compiled for the H100 target); otherwise once per accumulation microbatch."""
     dense = not (shape.moe_layers or shape.outside_moe_layers)
     once = dense and not (shape.pipelined or cfg.model.mtp.depth)
     distributed = cfg.optimizer.distributed

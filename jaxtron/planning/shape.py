@@ -16,7 +16,7 @@ from jaxtron.ops.attention import HOPPER, cpu_implementation, resolve_implementa
 from jaxtron.parallel.mesh import full_sizes
 from jaxtron.parallel.sharding import shard_count
 from jaxtron.parallel.stages import padding
-from jaxtron.training.pipeline import bubble_fraction
+from jaxtron.training.pipeline.fill_drain import bubble_fraction
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,7 +105,7 @@ def step_shape(cfg: Config, sizes: dict[str, int], microbatches: int | None = No
     data_parallel = shard_count(sizes, "activation_batch")
     rows = cfg.train.global_batch_size // micro // data_parallel
     # the work outside the schedule (embedding, those blocks, head, loss) splits its rows over the stages too
-    # where they divide (jaxtron.training.pipeline.Schedule.outside); else every stage runs all of its rows
+    # where they divide (jaxtron.training.pipeline.fill_drain.Schedule.outside); else every stage runs all of its rows
     spread = stages if stages > 1 and rows % stages == 0 else 1
     staged_blocks = run_m.num_layers - m.prefix_layers
     busy = iterations / (in_flight * virtual) if pipelined else 1.0
@@ -126,7 +126,7 @@ def step_shape(cfg: Config, sizes: dict[str, int], microbatches: int | None = No
         expert_kernel=bool(run_m.num_moe_layers) and execution.moe_mode == "dropless" and not cpu_program
         and execution.expert_gemm != "xla", value_bytes=value_bytes, work_bytes=4 if cpu_program else value_bytes,
         stack_copy_bytes=4 if cpu_program and value_bytes < 4 else 0,
-        # 1F1B recomputes every block's forward once, whatever the remat policy (training/one_f_one_b.py)
+        # 1F1B recomputes every block's forward once, whatever the remat policy (training/pipeline/one_f_one_b.py)
         forward_passes=3 + (1 if execution.remat == "full" or (pipelined and cfg.pipeline.schedule in ONE_F_ONE_B)
                             else 0),
         fp8_share=fp8_blocks(m, execution)[0] / m.num_layers)

@@ -66,8 +66,8 @@ class ProfileWindow:
         """``pipeline.json`` next to the trace: the schedule, its loops in the compiled step's HLO text and the
         stage of each traced device (``jaxtron.metrics.bubble``); nothing without the HLO text."""
         from jaxtron.metrics.bubble import phase_ops, schedule_loops, schedule_steps, stage_layout
-        from jaxtron.training.one_f_one_b import BACKWARD_PHASE, FORWARD_PHASE
-        from jaxtron.training.pipeline import SCOPE
+        from jaxtron.training.pipeline.fill_drain import SCOPE
+        from jaxtron.training.pipeline.one_f_one_b import BACKWARD_PHASE, FORWARD_PHASE
 
         if hlo is None:
             return

@@ -19,7 +19,7 @@ from jaxtron.parallel.sharding import shard_count
 from jaxtron.parallel.stages import padding, reorder, storage_order
 from jaxtron.parallel.state_sharding import tree_shardings
 from jaxtron.training.optimizer import learning_rate_schedule, make_optimizer
-from jaxtron.training.pipeline import Schedule
+from jaxtron.training.pipeline.fill_drain import Schedule
 
 
 @struct.dataclass

@@ -28,9 +28,9 @@ from jaxtron.parallel.sharding import (
     row_groups,
 )
 from jaxtron.parallel.state_sharding import constrain_optimizer
-from jaxtron.training import one_f_one_b
 from jaxtron.training.optimizer import schedule_count
-from jaxtron.training.pipeline import split_rows
+from jaxtron.training.pipeline import one_f_one_b
+from jaxtron.training.pipeline.fill_drain import split_rows
 from jaxtron.training.state import Setup, TrainState
 
 Batch = dict[str, jax.Array]

@@ -174,28 +174,7 @@ class Schedule:
         mesh = jax.sharding.get_abstract_mesh()
         spmd = None if mesh.empty else spec_axes(logical_to_spec(("stages",)), 0) or None
 
-        def stage_period(h, weights, s, r, p, ex):
-            """Period p of round r on stage s, its weights [V, ...] (period p of each round); an identity period
-            leaves h as it is (its stats are dropped)."""
-            pick = lambda a: a[0] if v_ == 1 else jax.lax.dynamic_index_in_dim(a, r, 0, False)
-            out, stats = body(h, checkpoint_name(jax.tree.map(pick, weights), PICKED), ex)
-            if not self.pads:
-                return out, stats
-            return keep_where(jnp.asarray(identity)[s, r, p], h, out), stats
-
-        def period(h, stack, rounds, p, ex):
-            """Period p of every stage: its weights [S, V, ...] sliced from the whole [S, V, P, ...] stack at an
-            index every device shares, inside the checkpoint and named so that no policy keeps them (the backward
-            pass slices them again instead of every iteration keeping a copy of the periods it ran). The backward
-            pass adds each period's gradient in place at that index; with one round no index is batched over the
-            stages, so XLA sums the weights' gradients over the batch's axes once after the schedule rather than in
-            each iteration."""
-            weights = jax.tree.map(lambda a: checkpoint_name(jax.lax.dynamic_index_in_dim(a, p, 2, False), PICKED),
-                                   stack)
-            return jax.vmap(stage_period, in_axes=(0, 0, 0, 0, None, 0), spmd_axis_name=spmd)(
-                h, weights, stage_ids, rounds, p, ex)
-
-        period = jax.checkpoint(period, policy=_period_policy(self.remat_policy, s_), prevent_cse=False)
+        period = self._periods(body, identity, spmd)
 
         micro_x = split_rows(x, m_)
         micro_extras = jax.tree.map(lambda a: split_rows(a, m_), extras)
@@ -259,14 +238,46 @@ class Schedule:
         # stage 0's copy, as a sum over the stages of the queue with the others' masked: slicing it would gather
         # every stage's copy onto every device first
         current = jnp.sum(jnp.where(first.reshape(s_, *(1,) * (queue.ndim - 1)), queue, 0), axis=0)
-        # stats [iterations, S, P, ...] -> [periods, ...]: microbatch m's pass of round r over stage s happened in
-        # iteration r * M + m + s; stacked [M, V, S, P] its periods are in the order they ran ((r * S + s) * P + p),
-        # of which the identity ones are left out
+        return join_rows(current), self._in_model_order(stats, identity, per)
+
+    def _in_model_order(self, stats: dict, identity: np.ndarray, per: int) -> dict:
+        """Stats [iterations, S, P, ...] -> [periods, ...]: microbatch m's pass of round r over stage s happened in
+        iteration r * M + m + s; stacked [M, V, S, P] its periods are in the order they ran ((r * S + s) * P + p),
+        of which the identity ones are left out. Each the mean over the microbatches."""
+        s_, v_, m_ = self.stages, self.virtual_stages, self.microbatches
         m, r, s = np.meshgrid(np.arange(m_), np.arange(v_), np.arange(s_), indexing="ij")
         real = np.nonzero(~identity.transpose(1, 0, 2).reshape(-1))[0]
-        stats = jax.tree.map(lambda a: jnp.mean(a[r * m_ + m + s, s].astype(jnp.float32), axis=0)
-                             .reshape(v_ * s_ * per, *a.shape[3:])[real], stats)
-        return join_rows(current), stats
+        return jax.tree.map(lambda a: jnp.mean(a[r * m_ + m + s, s].astype(jnp.float32), axis=0)
+                            .reshape(v_ * s_ * per, *a.shape[3:])[real], stats)
+
+    def _periods(self, body: Body, identity: np.ndarray, spmd) -> Callable:
+        """``period(h, stack, rounds, p, ex)``: period p of every stage, checkpointed under the model's policy
+        (``_period_policy``)."""
+        s_, v_ = self.stages, self.virtual_stages
+        stage_ids = jnp.arange(s_)
+
+        def stage_period(h, weights, s, r, p, ex):
+            """Period p of round r on stage s, its weights [V, ...] (period p of each round); an identity period
+            leaves h as it is (its stats are dropped)."""
+            pick = lambda a: a[0] if v_ == 1 else jax.lax.dynamic_index_in_dim(a, r, 0, False)
+            out, stats = body(h, checkpoint_name(jax.tree.map(pick, weights), PICKED), ex)
+            if not self.pads:
+                return out, stats
+            return keep_where(jnp.asarray(identity)[s, r, p], h, out), stats
+
+        def period(h, stack, rounds, p, ex):
+            """Period p of every stage: its weights [S, V, ...] sliced from the whole [S, V, P, ...] stack at an
+            index every device shares, inside the checkpoint and named so that no policy keeps them (the backward
+            pass slices them again instead of every iteration keeping a copy of the periods it ran). The backward
+            pass adds each period's gradient in place at that index; with one round no index is batched over the
+            stages, so XLA sums the weights' gradients over the batch's axes once after the schedule rather than in
+            each iteration."""
+            weights = jax.tree.map(lambda a: checkpoint_name(jax.lax.dynamic_index_in_dim(a, p, 2, False), PICKED),
+                                   stack)
+            return jax.vmap(stage_period, in_axes=(0, 0, 0, 0, None, 0), spmd_axis_name=spmd)(
+                h, weights, stage_ids, rounds, p, ex)
+
+        return jax.checkpoint(period, policy=_period_policy(self.remat_policy, s_), prevent_cse=False)
 
 
 def check_schedule(periods: int, stages: int, virtual_stages: int, microbatches: int) -> None:
