@@ -609,7 +609,7 @@ def test_mixture_follows_weights_and_reads_each_store_once_per_epoch(tmp_path):
 def test_packed_loss_of_a_document_equals_its_loss_alone(tmp_path):
     """Fails if the model ignores segment_ids (or positions): packing must not leak across documents."""
     from jaxtron.training import state as state_lib
-    from jaxtron.training.step import loss_sums
+    from jaxtron.training.loss import loss_sums
 
     first, second = "The first document, 20", "then the second one."
     files = [_write(tmp_path / "0.txt", first), _write(tmp_path / "1.txt", second)]

@@ -21,7 +21,7 @@ from jaxtron.models.layers import apply_rope, rope_frequencies
 from jaxtron.ops.attention import dot_product_attention
 from jaxtron.parallel.mesh import make_mesh
 from jaxtron.training import state as state_lib
-from jaxtron.training.step import loss_sums
+from jaxtron.training.loss import loss_sums
 
 # config (FILE[:ARG] under configs/) -> published parameter count
 PUBLISHED = {"llama3_1b": 1.24e9, "llama3_8b": 8.03e9, "llama3_70b": 70.55e9, "llama3_405b": 405.85e9,

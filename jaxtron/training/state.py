@@ -11,7 +11,7 @@ import optax
 from flax import nnx, struct
 from jax.sharding import Mesh
 
-from jaxtron.config.schema import Config, ConfigError
+from jaxtron.config.schema import ONE_F_ONE_B, Config, ConfigError
 from jaxtron.models import build_model, lora
 from jaxtron.models.stack import remat_policy
 from jaxtron.ops import fp8 as fp8_ops
@@ -20,6 +20,7 @@ from jaxtron.parallel.stages import padding, reorder, storage_order
 from jaxtron.parallel.state_sharding import tree_shardings
 from jaxtron.training.optimizer import learning_rate_schedule, make_optimizer
 from jaxtron.training.pipeline.fill_drain import Schedule
+from jaxtron.training.pipeline.one_f_one_b import OneFOneBSchedule
 
 
 @struct.dataclass
@@ -62,7 +63,8 @@ def pipeline_schedule(cfg: Config, stages: int) -> Schedule | None:
     microbatches, virtual = cfg.pipeline.sizes(stages)
     if (stages, microbatches) == (1, 1):
         return None
-    return Schedule(stages, microbatches, virtual, remat_policy(cfg.execution.remat),
+    runner = OneFOneBSchedule if cfg.pipeline.schedule in ONE_F_ONE_B else Schedule
+    return runner(stages, microbatches, virtual, remat_policy(cfg.execution.remat),
                     padding(cfg.model.stack_periods, stages, virtual), cfg.pipeline.schedule,
                     cfg.pipeline.fsdp_gather == "step")
 

@@ -128,6 +128,11 @@ class Schedule:
     # schedule, and held whole through it (their gradients accumulated whole, reduce-scattered once after it)
     gather_once: bool = False
 
+    def gradients(self, setup, params: Any, batch: dict) -> None:
+        """The train step's gradients where the schedule runs its own backward pass (``OneFOneBSchedule``); None
+        here: jax differentiates the model through this runner."""
+        return
+
     @property
     def bubble(self) -> float:
         return bubble_fraction(self.stages, self.microbatches, self.virtual_stages)

@@ -35,7 +35,7 @@ remat policy.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import dataclasses
 from typing import Any, NamedTuple
 
 import jax
@@ -47,19 +47,23 @@ from jaxtron.parallel import timetable
 from jaxtron.parallel.sharding import constrain_on_stages, logical_to_spec, spec_axes
 from jaxtron.parallel.stages import PAD, identity_slots, storage_order
 from jaxtron.parallel.state_sharding import constrain_gradient
-from jaxtron.training.pipeline.fill_drain import SCOPE, check_schedule
+from jaxtron.training.loss import moe_metrics
+from jaxtron.training.pipeline.fill_drain import SCOPE, Schedule, check_schedule
 from jaxtron.training.pipeline.row_groups import RowGroups, when
 from jaxtron.training.pipeline.stack_cut import Batch, CutModel
 
 FORWARD_PHASE = "one_f_one_b_forward"  # the named scopes of an iteration's two phases
 BACKWARD_PHASE = "one_f_one_b_backward"
 
-def gradients(setup, params: Any, batch: Batch, loss_sums: Callable, moe_metrics: Callable
-              ) -> tuple[Any, jax.Array, jax.Array, dict]:
-    """(summed gradients, cross-entropy sum, token count, MoE metrics) of the batch under the 1F1B schedule of
-    ``setup.stack_runner``; the same numbers as ``step.gradients`` with the fill-drain schedule. ``loss_sums`` and
-    ``moe_metrics``: the train step's (``training/step.py``)."""
-    return OneFOneB(setup, params, batch, loss_sums).gradients(moe_metrics)
+@dataclasses.dataclass(frozen=True)
+class OneFOneBSchedule(Schedule):
+    """The 1F1B and interleaved schedules as the layer stack's runner: the forward pass (evaluation) runs as
+    fill-drain's, and the train step's gradients are this module's (``gradients``)."""
+
+    def gradients(self, setup, params: Any, batch: Batch) -> tuple[Any, jax.Array, jax.Array, dict]:
+        """(summed gradients, cross-entropy sum, token count, MoE metrics) of the batch under this schedule; the
+        same numbers as ``step.gradients`` with the fill-drain schedule."""
+        return OneFOneB(setup, params, batch).gradients()
 
 
 class Carry(NamedTuple):
@@ -97,12 +101,12 @@ class OneFOneB:
     embedding's backward), ``iteration`` (both phases, the stash and the hand-overs), ``gradients`` (the loop and
     the sums it leaves)."""
 
-    def __init__(self, setup, params: Any, batch: Batch, loss_sums: Callable):
+    def __init__(self, setup, params: Any, batch: Batch):
         schedule = self.schedule = setup.stack_runner
         self.setup, self.params = setup, params
         self.s_, self.m_ = schedule.stages, schedule.microbatches
         self.v_ = schedule.virtual_stages if schedule.kind == "interleaved" else 1
-        self.model = model = CutModel(setup, params, batch, loss_sums)
+        self.model = model = CutModel(setup, params, batch)
         self.first = model.pick(0)
         self.periods_0, self.to_params = jax.vjp(self._stack_of, params)  # the periods, and back to the parameters
         self.stack_size = jax.tree.leaves(self.periods_0)[0].shape[0]
@@ -312,8 +316,8 @@ class OneFOneB:
                                    self.stats_shape),
             mtp_sum=mtp_zeros)
 
-    def gradients(self, moe_metrics: Callable) -> tuple[Any, jax.Array, jax.Array, dict]:
-        """The loop, then the groups' sums and the gradients in the parameters' layout; see ``gradients``."""
+    def gradients(self) -> tuple[Any, jax.Array, jax.Array, dict]:
+        """The loop, then the groups' sums and the gradients in the parameters' layout (``OneFOneBSchedule``)."""
         with jax.named_scope(SCOPE):  # the loop's HLO ops carry the name (profiles find its iterations by it)
             end, _ = jax.lax.scan(self.iteration, self.start(),
                                   jnp.arange(timetable.iterations(self.s_, self.m_, self.v_)))

@@ -4,7 +4,6 @@ own loss computes what comes before the stack and what comes after it (``CutMode
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -13,6 +12,7 @@ import jax.numpy as jnp
 from jaxtron.models.stack import scan_stack, without_remat
 from jaxtron.models.transformer import mtp_valid
 from jaxtron.parallel.sharding import BATCH_AXES, constrain
+from jaxtron.training.loss import loss_sums, token_weights
 from jaxtron.training.pipeline.fill_drain import split_rows
 
 Batch = dict[str, jax.Array]
@@ -53,13 +53,12 @@ class CutModel:
     """The train step's loss cut at the layer stack, one microbatch at a time: ``pre`` up to the stack, ``post``
     from it (``stack_cut.py``), with the objective's weights of the whole batch."""
 
-    def __init__(self, setup, params: Any, batch: Batch, loss_sums: Callable):
+    def __init__(self, setup, params: Any, batch: Batch):
         self.setup, self.loss_sums = setup, loss_sums
         m_ = setup.stack_runner.microbatches
         self.microbatches = m_
         self.micro = jax.tree.map(lambda a: split_rows(a, m_), batch)  # [M, b, ...]
-        weights = batch.get("loss_mask")
-        weights = jnp.ones(batch["targets"].shape, jnp.float32) if weights is None else weights.astype(jnp.float32)
+        weights = token_weights(batch)
         self.count = jnp.sum(weights)
         self.common = dict(graphdef=setup.graphdef, logit_chunks=setup.logit_chunks)
         # the prediction modules run with the head, a microbatch at a time: each depth's cross-entropy sum enters
