@@ -1,5 +1,7 @@
 """Tests run on the CPU with 8 fake devices; this must happen before jax is imported anywhere."""
 
+import ast
+import functools
 import os
 import sys
 
@@ -66,10 +68,23 @@ def pytest_runtest_makereport(item, call):
                            "of 5 s or more); add the mark, or make the test quicker.")
 
 
-def _in_a_test_module(fixturedef) -> bool:
-    """Whether a fixture is defined in a test module (not a conftest or a plugin), read off its function (a base id
-    depends on the pytest version and the root directory)."""
-    return getattr(fixturedef.func, "__module__", "").rsplit(".", 1)[-1].startswith("test_")
+@functools.cache
+def shared_fixtures(path: str) -> frozenset[str]:
+    """The module- and session-scoped fixtures a test module defines, read from its source (pytest keeps its own
+    record of a test's fixtures private)."""
+    with open(path, encoding="utf-8") as f:
+        tree = ast.parse(f.read(), path)
+    found = set()
+    for node in tree.body:
+        if not isinstance(node, ast.FunctionDef):
+            continue
+        for decorator in node.decorator_list:
+            if not (isinstance(decorator, ast.Call) and ast.unparse(decorator.func) in ("pytest.fixture", "fixture")):
+                continue
+            options = {k.arg: k.value.value for k in decorator.keywords if isinstance(k.value, ast.Constant)}
+            if options.get("scope") in ("module", "session"):
+                found.add(options.get("name", node.name))
+    return frozenset(found)
 
 
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups
@@ -81,7 +96,7 @@ def pytest_collection_modifyitems(items):
     for item in items:
         if item.get_closest_marker("xdist_group"):
             continue
-        shared = sorted(name for name, defs in item._fixtureinfo.name2fixturedefs.items()
-                        if defs[-1].scope in ("module", "session") and _in_a_test_module(defs[-1]))
+        own = shared_fixtures(str(item.path)) if item.path.name.startswith("test_") else frozenset()
+        shared = sorted(name for name in getattr(item, "fixturenames", ()) if name in own)
         if shared:
             item.add_marker(pytest.mark.xdist_group(f"{item.module.__name__}.{shared[0]}"))

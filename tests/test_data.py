@@ -637,7 +637,7 @@ def test_packed_loss_of_a_document_equals_its_loss_alone(tmp_path):
     def per_token(batch, offset):
         """The loss of each of the second document's targets, one loss_mask at a time."""
         masks = jax.numpy.eye(L, dtype=jax.numpy.int32)[offset:offset + len(tokens) - 1][:, None, :]
-        return jax.vmap(lambda m: loss_sums(params, setup.graphdef, {**batch, "loss_mask": m}, 0.0)[1][0])(masks)
+        return jax.vmap(lambda m: loss_sums(params, setup.graphdef, {**batch, "loss_mask": m})[1][0])(masks)
 
     want = np.asarray(per_token(alone, 0))
     got = np.asarray(per_token(packed, b0))

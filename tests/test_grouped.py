@@ -197,3 +197,16 @@ def test_the_gpu_fp8_expert_gemm_equals_the_dequantized_reference():
     for name, g, v in zip(("output", "input gradient", "weight gradient"), got, want, strict=True):
         g, v = np.asarray(g, np.float64), np.asarray(v, np.float64)
         assert np.linalg.norm(g - v) / np.linalg.norm(v) < 1e-2, name
+
+
+def test_the_triton_lowering_fence_matches_the_installed_jax():
+    """ops/triton_lowering.py patches Pallas' private Triton dialect only where its ``dot`` takes
+    ``max_num_imprecise_acc``: on the jax this project pins, it does (else the FP8 expert GEMM would fall back to the
+    older instructions without a word)."""
+    import inspect
+
+    from jaxtron.ops import triton_lowering
+
+    dialect = triton_lowering.triton_dialect()
+    assert dialect is not None and "max_num_imprecise_acc" in inspect.signature(dialect.dot).parameters
+    assert triton_lowering.fp8_tensor_cores() is True

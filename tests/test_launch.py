@@ -159,3 +159,40 @@ def test_a_process_that_never_reaches_the_end_does_not_hold_the_others(caplog):
     monitor.finish()  # process 0 leaves without waiting for the others to disconnect
     assert client.asked == 0 and exits == []
     assert "did not all finish within 5 s (DEADLINE_EXCEEDED: barrier timed out)" in caplog.text
+
+
+def test_the_private_coordination_client_has_what_jaxtron_calls():
+    """jaxtron/parallel/coordination.py is the one module reaching into jax's private coordination client; an
+    upgrade of jax that moves what it calls fails here, not in a multi-node run."""
+    import inspect
+
+    from jax._src import distributed
+
+    from jaxtron.parallel import coordination
+
+    assert hasattr(distributed.global_state, "client")
+    cls = coordination.client_type()
+    for name in coordination.CLIENT_METHODS:
+        assert callable(getattr(cls, name, None)), name
+    signature = cls.blocking_key_value_get.__doc__.splitlines()[0]
+    assert signature.startswith("blocking_key_value_get(self, key: str, timeout_in_ms: int)"), signature
+    assert "key_value_set(self, key: str, value: str" in cls.key_value_set.__doc__, cls.key_value_set.__doc__
+    assert inspect.getsource(coordination).count("jax._src") == 3  # the docstring's name and its two imports
+
+
+def test_no_other_module_reaches_into_jax_private_modules():
+    """jax's private modules are reached from one module each (its fence, with signature tests): cuDNN attention
+    (ops/cudnn.py), the coordination client (parallel/coordination.py), Pallas' Triton lowering
+    (ops/triton_lowering.py)."""
+    import ast
+    import pathlib
+
+    root = pathlib.Path(__file__).resolve().parent.parent / "jaxtron"
+    reaching = set()
+    for path in root.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            module = node.module if isinstance(node, ast.ImportFrom) else None
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else [module or ""]
+            if any(n.startswith("jax._src") for n in names):
+                reaching.add(path.relative_to(root).as_posix())
+    assert reaching == {"ops/cudnn.py", "parallel/coordination.py", "ops/triton_lowering.py"}

@@ -21,7 +21,7 @@ from jaxtron.models.layers import apply_rope, rope_frequencies
 from jaxtron.ops.attention import dot_product_attention
 from jaxtron.parallel.mesh import make_mesh
 from jaxtron.training import state as state_lib
-from jaxtron.training.loss import loss_sums
+from jaxtron.training.loss import Objective, loss_sums
 
 # config (FILE[:ARG] under configs/) -> published parameter count
 PUBLISHED = {"llama3_1b": 1.24e9, "llama3_8b": 8.03e9, "llama3_70b": 70.55e9, "llama3_405b": 405.85e9,
@@ -144,7 +144,7 @@ def test_remat_policies_change_memory_not_results():
         cfg = tiny_config(model=dict(num_layers=4), execution=dict(remat=remat), data=dict(seq_len=64))
         setup = state_lib.setup(cfg, "xla")
         params = state_lib.init_state(cfg, "xla", None).params
-        fn = jax.jit(jax.value_and_grad(lambda p, setup=setup: loss_sums(p, setup.graphdef, batch, 0.0)[0]))
+        fn = jax.jit(jax.value_and_grad(lambda p, setup=setup: loss_sums(p, setup.graphdef, batch)[0]))
         temp[remat] = fn.lower(params).compile().memory_analysis().temp_size_in_bytes
         loss, grads = fn(params)
         results[remat] = (float(loss), jax.tree.leaves(nnx.to_pure_dict(grads)))
@@ -166,7 +166,7 @@ def test_layers_in_line_compute_what_the_layer_loop_does():
                           data=dict(seq_len=64))
         setup = state_lib.setup(cfg, "xla")
         params = state_lib.init_state(cfg, "xla", None).params
-        fn = jax.jit(jax.value_and_grad(lambda p, setup=setup: loss_sums(p, setup.graphdef, batch, 0.0)[0]))
+        fn = jax.jit(jax.value_and_grad(lambda p, setup=setup: loss_sums(p, setup.graphdef, batch)[0]))
         # a scan's loop says so in its op name (XLA:CPU runs the embedding gradient's scatter in a loop too)
         text = fn.lower(params).compile().as_text()
         assert bool(re.search(r' while\(.*op_name="[^"]*/while"', text)) == scan
@@ -207,7 +207,7 @@ def test_bf16_embedding_gradient_is_accumulated_in_float32():
         cfg = tiny_config(execution=dict(dtype=dtype))
         setup = state_lib.setup(cfg, "xla")
         params = state_lib.init_state(cfg, "xla", None).params
-        g = jax.jit(jax.grad(lambda p, setup=setup: loss_sums(p, setup.graphdef, batch, 0.0)[0]))(params)
+        g = jax.jit(jax.grad(lambda p, setup=setup: loss_sums(p, setup.graphdef, batch)[0]))(params)
         grads[dtype] = np.asarray(g["embedding"].get_value())
         assert g["embedding"].get_value().dtype == jnp.float32
     counts = np.bincount(tokens[:, :-1].ravel())
@@ -249,7 +249,7 @@ def test_logits_in_chunks_give_the_same_loss_and_gradients_in_less_memory():
         setup = state_lib.setup(cfg, "xla")
         params = state_lib.init_state(cfg, "xla", None).params
         fn = jax.jit(jax.value_and_grad(
-            lambda p, setup=setup: loss_sums(p, setup.graphdef, batch, 1e-3, setup.logit_chunks)[0]))
+            lambda p, setup=setup: loss_sums(p, setup.graphdef, batch, Objective(1e-3, setup.train.logit_chunks))[0]))
         temp[chunks] = fn.lower(params).compile().memory_analysis().temp_size_in_bytes
         with jax.set_mesh(mesh):  # the same on a mesh that shards the sequence and the vocabulary
             shardings = state_lib.state_shardings(mesh, setup.abstract_state).params

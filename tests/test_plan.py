@@ -598,7 +598,7 @@ def test_each_row_prints_the_overrides_that_run_exactly_what_it_estimated():
     text = overrides_text(cfg, rows, 0).splitlines()
     for rank, (row, line) in enumerate(zip(rows, text[1:], strict=True), 1):
         flags = line.split()[1:]
-        assert line.split()[0] == str(rank) and flags == overrides(cfg, row.estimate.config)
+        assert line.split()[0] == f"{rank}:" and flags == overrides(cfg, row.estimate.config)
         assert "--config.optimizer.distributed=true" in flags or not row.estimate.distributed_optimizer
         again = load_config(os.path.join(REPO, "configs", "gpt3_175b.py"),
                             [tuple(f.removeprefix("--config.").split("=", 1)) for f in flags])
@@ -674,13 +674,13 @@ def test_a_run_resolves_remat_auto_before_building_the_model_and_refuses_it_with
     from jaxtron.config.schema import ConfigError
     from jaxtron.planning.estimate import AUTO_ORDER
     from jaxtron.planning.remat import resolve_for_devices
-    from jaxtron.training import loop
+    from jaxtron.training import placement as placement_lib
 
     cfg = tiny_config(execution=dict(remat="auto"))
-    placement = loop.place(cfg, jax.devices()[:1], resolve_remat=resolve_for_devices)
+    placement = placement_lib.place(cfg, jax.devices()[:1], resolve_remat=resolve_for_devices)
     assert placement.cfg.execution.remat in AUTO_ORDER
     with pytest.raises(ConfigError, match="execution.remat='auto' is chosen by the planner"):
-        loop.place(cfg, jax.devices()[:1])
+        placement_lib.place(cfg, jax.devices()[:1])
 
 
 def test_plan_names_the_policy_remat_auto_chose_beside_each_mesh(capsys):

@@ -343,3 +343,16 @@ def test_new_families_losses_match_single_device(family, mesh_name, qwen3_single
         return
     stack = summary.state.params["moe_layers" if family == "qwen3_moe" else "layers"]
     assert stack["attn"]["q_norm"]["scale"].get_value().shape == (2, 32)  # one scale per layer, of the head size
+
+
+def test_a_hook_runs_at_its_cadence_and_as_told_after_the_last_step():
+    from jaxtron.training.hooks import Hook
+
+    def steps(**kw):
+        hook = Hook("h", run=lambda done, metrics: None, **kw)
+        return [done for done in range(1, 11) if hook.due(done, 10)]
+
+    assert steps(every=3) == [3, 6, 9]
+    assert steps(every=3, last=True) == [3, 6, 9, 10]
+    assert steps(every=5, last=False) == [5]  # the run's end does that step's work
+    assert steps(every=0, last=True) == [10] and steps(every=0) == []

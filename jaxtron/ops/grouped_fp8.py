@@ -22,7 +22,8 @@ import jax.numpy as jnp
 
 from jaxtron.ops import fp8 as fp8_ops
 from jaxtron.ops import grouped
-from jaxtron.ops.grouped_kernels import contract, fp8_tensor_cores, rows
+from jaxtron.ops.grouped_kernels import contract, rows
+from jaxtron.ops.triton_lowering import fp8_tensor_cores
 
 __all__ = ["contract", "fp8_tensor_cores", "matmul", "rows"]
 

@@ -14,23 +14,24 @@ check them there.
 Triton multiplies FP8 operands on Hopper's FP8 tensor cores (``wgmma ... e4m3.e4m3``) only where a dot may
 accumulate some products at the tensor core's own precision before adding them in float32; Pallas' Triton lowering
 (jax 0.10 and 0.11) builds every dot without saying so, and Triton then converts FP8 operands to f16 for the older
-``mma.sync`` instructions. ``fp8_tensor_cores()`` has the lowering say it for FP8 dots: each dot (``BLOCK_K``
-products, the tensor core's accumulation) adds into the kernel's float32 sum, one promotion every 128 products, as
-DeepSeek-V3 trains. The H100 target's PTX shows the FP8 instruction (``tests/test_gpu_target.py``). Pallas' lowering
-takes one FP8 kind per dot, so the backward's e5m2 by e4m3 products run on bf16 tensor cores, on the same FP8
-values.
+``mma.sync`` instructions. ``fp8_tensor_cores()`` (``ops/triton_lowering.py``) has the lowering say it for FP8
+dots: each dot (``BLOCK_K`` products, the tensor core's accumulation) adds into the kernel's float32 sum, one
+promotion every 128 products, as DeepSeek-V3 trains. The H100 target's PTX shows the FP8 instruction
+(``tests/test_gpu_target.py``). Pallas' lowering takes one FP8 kind per dot, so the backward's e5m2 by e4m3 products
+run on bf16 tensor cores, on the same FP8 values.
 """
 
 
 from __future__ import annotations
 
 import functools
-import inspect
 
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
+
+from jaxtron.ops.triton_lowering import fp8_tensor_cores
 
 # tile sizes and launch shape: Triton's tile for FP8 GEMMs on Hopper (128 x 128 x 128, 8 warps, 3 stages)
 BLOCK_M, BLOCK_N, BLOCK_K, WARPS, STAGES = 128, 128, 128, 8, 3
@@ -62,45 +63,6 @@ def _tiles(starts: jax.Array, ends: jax.Array, block_m: int, count: int) -> tupl
     group = jnp.minimum(jnp.searchsorted(done, program, side="right"), starts.shape[0] - 1).astype(jnp.int32)
     tile = first[group] + program - (done[group] - per_group[group])
     return jnp.where(program < done[-1], group, -1), tile.astype(jnp.int32)
-
-
-@functools.cache  # once per process
-def fp8_tensor_cores() -> bool:
-    """Has Pallas' Triton lowering build FP8 dots that may accumulate ``BLOCK_K`` products on the tensor core
-    (the module says why), once per process; -> whether its dots now do (False where this jax's lowering is not
-    the one this was written for: the kernels then compute the same numbers on the older instructions)."""
-    return _patch_triton_dots()
-
-
-def _patch_triton_dots() -> bool:
-    try:
-        from jax._src.lib.mlir import ir
-        from jax._src.pallas.triton import lowering
-    except ImportError:
-        return False
-    dialect = getattr(lowering, "tt_dialect", None)
-    try:
-        if dialect is None or "max_num_imprecise_acc" not in inspect.signature(dialect.dot).parameters:
-            return False
-    except (TypeError, ValueError):
-        return False
-
-    class _Dialect:
-        """Triton's dialect as the lowering sees it, its ``dot`` saying how many FP8 products may accumulate on
-        the tensor core."""
-
-        def __getattr__(self, name):
-            return getattr(dialect, name)
-
-        @staticmethod
-        def dot(a, b, c, *, max_num_imprecise_acc=None, **kwargs):
-            operand = ir.RankedTensorType(a.type)
-            if max_num_imprecise_acc is None and str(operand.element_type).startswith("f8"):
-                max_num_imprecise_acc = operand.shape[-1]
-            return dialect.dot(a, b, c, max_num_imprecise_acc=max_num_imprecise_acc, **kwargs)
-
-    lowering.tt_dialect = _Dialect()
-    return True
 
 
 def _dot_transposed(a: jax.Array, b: jax.Array) -> jax.Array:

@@ -174,8 +174,8 @@ def initialize(cfg: DistributedConfig | None = None, env: Mapping[str, str] | No
              f": {launch.note}" if launch.note else "")
     if cfg.peer_check_s > 0:
         global _monitor
-        from jax._src.distributed import global_state  # the client: jax has no public handle on it
-        _monitor = PeerMonitor(global_state.client, launch.process_id, launch.num_processes, cfg.peer_check_s,
+        from jaxtron.parallel import coordination
+        _monitor = PeerMonitor(coordination.client(), launch.process_id, launch.num_processes, cfg.peer_check_s,
                                finish_timeout_s=cfg.heartbeat_timeout_s)
     return launch
 

@@ -64,10 +64,9 @@ def node_names() -> list[str]:
     """The node (host name) of every process, by process index; every process must call this together."""
     if jax.process_count() == 1:
         return [socket.gethostname()]
-    from jax._src import distributed
-    client = distributed.global_state.client
-    client.key_value_set(f"jaxtron/node/{jax.process_index()}", socket.gethostname())
-    return [client.blocking_key_value_get(f"jaxtron/node/{p}", 120_000) for p in range(jax.process_count())]
+    from jaxtron.parallel import coordination
+    coordination.share(f"jaxtron/node/{jax.process_index()}", socket.gethostname())
+    return [coordination.wait_for(f"jaxtron/node/{p}", 120_000) for p in range(jax.process_count())]
 
 
 def make_mesh(sizes: dict[str, int], devices: Sequence[jax.Device] | None = None,

@@ -89,6 +89,14 @@ def logical_to_spec(names: Sequence[str | None]) -> PartitionSpec:
     return PartitionSpec(*spec)
 
 
+def stage_axes() -> tuple[str, ...] | None:
+    """The mesh axes the pipeline's stage dimension splits over (the ``spmd_axis_name`` of a vmap over the stages),
+    None without a mesh or a pipeline axis."""
+    if jax.sharding.get_abstract_mesh().empty:
+        return None
+    return spec_axes(logical_to_spec(("stages",)), 0) or None
+
+
 @contextlib.contextmanager
 def batch_over_stages(on: bool = True):
     """Within this context (while tracing) the rows of ``activation_batch`` also split over the mesh axes of

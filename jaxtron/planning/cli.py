@@ -185,7 +185,7 @@ def overrides_text(cfg, rows, top: int) -> str:
 
     shown = rows[:top] if top else rows
     lines = ["the overrides that run each row (jaxtron train --config=... <these>; --compile=RANK compiles it):"]
-    lines += [f"{i:>3}  {' '.join(overrides(cfg, r.estimate.config)) or '(the config as it is)'}"
+    lines += [f"{i:>3}: {' '.join(overrides(cfg, r.estimate.config)) or '(the config as it is)'}"
               for i, r in enumerate(shown, 1)]
     return "\n".join(lines)
 

@@ -62,7 +62,8 @@ def main(argv: list[str], evaluator=None, resolve_remat=None) -> int:
     import jax
     if jax.process_index() != 0:
         logging.getLogger().setLevel(logging.WARNING)
-    from jaxtron.training.loop import run, sharding_report
+    from jaxtron.training.loop import run
+    from jaxtron.training.placement import sharding_report
     from jaxtron.training.preemption import PREEMPTED_EXIT_CODE
     try:
         if print_sharding:

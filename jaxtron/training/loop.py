@@ -11,11 +11,10 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 
 from jaxtron.checkpoint.train_state import LAYER_ORDER, Checkpointer
 from jaxtron.common.files import write_json
-from jaxtron.config.schema import Config, ConfigError, replace
+from jaxtron.config.schema import Config, ConfigError
 from jaxtron.data import position as data_position
 from jaxtron.data.loader import BatchIterator, BatchLimits, global_batch, make_sources
 from jaxtron.metrics import flops as flops_lib
@@ -23,12 +22,11 @@ from jaxtron.metrics.collectives import collectives
 from jaxtron.metrics.throughput import Throughput
 from jaxtron.metrics.writers import MetricsWriter
 from jaxtron.models import lora
-from jaxtron.ops.attention import resolve_implementation
-from jaxtron.parallel.checks import check_devices
-from jaxtron.parallel.mesh import make_mesh, process_aware_mesh
-from jaxtron.parallel.sharding import batch_sharding, shard_count, sharding_table
+from jaxtron.parallel.sharding import batch_sharding
 from jaxtron.training import state as state_lib
 from jaxtron.training import workdir as workdir_lib
+from jaxtron.training.hooks import Hook, RunParts
+from jaxtron.training.placement import Placement, place
 from jaxtron.training.preemption import PREEMPTED_EXIT_CODE, PreemptionWatcher, StopVotes
 from jaxtron.training.profiling import Meter, ProfileWindow
 from jaxtron.training.step import compile_train_step, eval_step, state_finite
@@ -89,44 +87,6 @@ class RunSummary:
     data: dict[str, Any] = dataclasses.field(default_factory=dict)  # facts of the training text (tokens, entropy)
 
 
-@dataclasses.dataclass(frozen=True)
-class Placement:
-    """Where a run computes: its mesh, the static parts of the step, the state's shardings and the attention."""
-
-    cfg: Config  # the run's, with execution.remat='auto' resolved
-    mesh: Any
-    setup: state_lib.Setup
-    shardings: state_lib.TrainState
-    implementation: str
-
-
-def place(cfg: Config, devices: list[jax.Device] | None = None, resolve_remat: Callable | None = None) -> Placement:
-    """The mesh of ``cfg`` over ``devices`` (default: all), the step's setup and the state's shardings.
-    ``resolve_remat(cfg, mesh sizes, devices)`` -> ``cfg`` with execution.remat='auto' resolved (the planner's
-    ``jaxtron.planning.remat.resolve_for_devices``, which ``jaxtron train`` passes)."""
-    devices = list(devices) if devices is not None else jax.devices()
-    sizes = check_devices(cfg, len(devices))
-    if cfg.execution.remat == "auto":
-        if resolve_remat is None:
-            raise ConfigError("execution.remat='auto' is chosen by the planner, which this caller does not pass; run "
-                              "it with `jaxtron train` or name a policy (full, save_dots, save_dots_attention, ...).")
-        cfg = resolve_remat(cfg, sizes, devices)
-    mesh = process_aware_mesh(sizes, devices) if jax.process_count() > 1 else make_mesh(sizes, devices)
-    implementation = resolve_implementation(cfg.execution.attention, jnp.dtype(cfg.execution.dtype),
-                                            cfg.model.qk_head_dim, shard_count(sizes, "activation_length"))
-    with jax.set_mesh(mesh):
-        setup = state_lib.setup(cfg, implementation, sizes)
-        shardings = state_lib.state_shardings(mesh, setup.abstract_state, setup.distributed_optimizer)
-    return Placement(cfg, mesh, setup, shardings, implementation)
-
-
-def sharding_report(cfg: Config, devices: list[jax.Device] | None = None) -> str:
-    """The rules table and every parameter's logical and physical sharding on the mesh of ``cfg``."""
-    placement = place(replace(cfg, execution=replace(cfg.execution, remat="full")), devices)  # remat moves nothing
-    with jax.set_mesh(placement.mesh):
-        return sharding_table(placement.mesh, placement.setup.abstract_state.params)
-
-
 def run(cfg: Config, workdir: str, *, use_tqdm: bool | None = None,
         devices: list[jax.Device] | None = None, evaluator: Callable | None = None,
         resolve_remat: Callable | None = None) -> RunSummary:
@@ -149,7 +109,8 @@ def run(cfg: Config, workdir: str, *, use_tqdm: bool | None = None,
 
 
 class Trainer:
-    """One training run, from its components to its summary; ``train`` reads top to bottom."""
+    """One training run, from its components to its summary; ``train`` reads top to bottom, and what runs beside
+    the steps is ``hooks``, each with its cadence."""
 
     def __init__(self, cfg: Config, workdir: str, placement: Placement, use_tqdm: bool | None,
                  evaluator: Callable | None = None):
@@ -158,10 +119,22 @@ class Trainer:
         self.shardings, self.implementation = placement.shardings, placement.implementation
         self.is_main = jax.process_index() == 0
         self.history: list[dict[str, Any]] = []
-        # built by _build, inside train's try; _close closes whichever of them exist
-        self.checkpointer = self.batches = self.writer = self.profile = self.watchdog = self.preemption = None
-        self.tasks = None  # train.eval_tasks' evaluator
+        self.checkpointer: Checkpointer | None = None
+        self.parts: RunParts | None = None  # with steps left
+        self.saved_at = -1  # the step of the newest save
         self.accepted = False  # the config, checkpoint, data and init_from checks passed: files may change now
+
+    def hooks(self) -> list[Hook]:
+        """What runs after a step, in this order, each at its cadence."""
+        t, parts = self.cfg.train, self.parts
+        writer = parts.writer
+        return [Hook("profile", 1, lambda done, _: parts.profile.after_step(
+                    done, lambda: jax.block_until_ready(self.state))),
+                Hook("log", t.log_every, self._log, last=True, reads_step=True),
+                Hook("progress", 1, lambda done, _: writer.advance(done) if writer is not None else None),
+                Hook("evaluate", t.eval_every, lambda done, _: self._evaluate_midway(done), last=False),
+                Hook("save", self.cfg.checkpoint.every, lambda done, _: self._save(done), last=True,
+                     reads_step=True)]
 
     def train(self) -> RunSummary:
         t, done = self.cfg.train, 0
@@ -170,36 +143,31 @@ class Trainer:
             if done >= t.steps:  # a finished run: nothing left to train
                 log.info("the run already reached train.steps = %d; raise it to train further", t.steps)
                 return RunSummary(self.state, [])
-            self.watchdog.start(done)
+            parts, hooks = self.parts, self.hooks()
+            parts.watchdog.start(done)
             for step in range(self.start, t.steps):
                 done = step + 1
                 metrics = self._step(step, done)
                 if done < t.steps:
                     self._next_batch(done)
-                self.profile.after_step(done, lambda: jax.block_until_ready(self.state))
-                log_now = done % t.log_every == 0 or done == t.steps
-                # steps that log or save wait for the device anyway, so their own flags are read now
-                stop = self.flags.read(done if log_now or self._save_due(done) else done - 1)
+                # steps whose hooks read the device wait for it anyway, so their own flags are read now
+                stop = parts.flags.read(done if any(h.reads_step and h.due(done, t.steps) for h in hooks)
+                                        else done - 1)
                 # one process alone needs no agreement: it stops at the first step boundary after the signal
-                stop |= jax.process_count() == 1 and self.preemption.requested is not None
-                if log_now:
-                    self._log(done, metrics)
-                elif self.writer is not None:
-                    self.writer.advance(done)
-                if t.eval_every and done % t.eval_every == 0 and done < t.steps:
-                    self._evaluate_midway(done)
+                stop |= jax.process_count() == 1 and parts.preemption.requested is not None
+                for hook in hooks:
+                    if hook.due(done, t.steps):
+                        hook.run(done, metrics)
                 if stop and done < t.steps:
                     return self._stop(done)
-                self._save(done)
             return self._finish()
         finally:
             self._close(done)
 
     def _build(self) -> int:
-        """Every component of the run, in the order each needs the others: the data sources, the checkpointer and
-        the state (restored or fresh), then, when steps are left, the loader at the resumed position, the compiled
-        step and what runs beside it. Returns the step the run starts from."""
-        cfg, t, mesh = self.cfg, self.cfg.train, self.mesh
+        """The data sources, the checkpointer and the state (restored or fresh), then, when steps are left, the
+        parts that run beside it (``_parts``). Returns the step the run starts from."""
+        cfg, t = self.cfg, self.cfg.train
         self.train_source, self.validation, self.facts = make_sources(cfg)
         self._log_start()
         c = cfg.checkpoint
@@ -211,40 +179,63 @@ class Trainer:
             workdir_lib.drop_metrics_after(self.workdir, self.start)
             write_json(os.path.join(self.workdir, "config.json"), cfg.to_dict(), indent=2)
             self.checkpointer.remove_incomplete()
-        if self.start >= t.steps:
-            return self.start
-        self.batches = BatchIterator(self.train_source, mesh, t.global_batch_size, step=self.start,
-                                     workers=cfg.data.workers, limits=batch_limits(cfg, self.implementation),
-                                     sample_offset=self.position.offset)
-        self.batch = next(self.batches)
-        self.votes = StopVotes(mesh)
-        self.compiled, self.compile_s = compile_train_step(self.setup, self.shardings, batch_sharding(mesh),
-                                                           self.state, self.batch, self.votes(False))
-        throughput = Throughput(cfg, mesh.size, mesh.devices.flat[0].device_kind, self.implementation)
-        log.info("compiled the train step in %.1f s; %.4g model TFLOP per step; %s", self.compile_s,
-                 throughput.model_flops / 1e12, throughput.peak_note)
-        hlo = _hlo_text(self.compiled)  # printed once: collectives.json and the pipeline layout read it
-        if self.is_main and hlo is not None:
-            write_json(os.path.join(self.workdir, "collectives.json"), collectives(hlo))  # for jaxtron report
-        self.eval_fn = jax.jit(functools.partial(eval_step, self.setup),
-                               in_shardings=(self.shardings.params, batch_sharding(mesh)))
-        if t.eval_tasks.strip():
-            if self.evaluator is None:
-                raise ConfigError("config field 'train.eval_tasks' is set but this run was given no task evaluator; "
-                                  "train with `jaxtron train` (or pass run(..., evaluator=jaxtron.inference."
-                                  "downstream.TaskEvaluator)).")
-            self.tasks = self.evaluator(cfg, self.setup.graphdef, mesh)
-        self.writer = MetricsWriter(self.workdir, t.steps, use_tqdm=self.use_tqdm) if self.is_main else None
-        schedule = self.setup.stack_runner
-        self.meter = Meter(throughput, {"pipeline_bubble": schedule.bubble} if schedule else None)
-        self.profile = ProfileWindow(cfg.profile, self.workdir, self.start)
-        if schedule and self.profile.enabled:  # what the report needs to find each stage's idle iterations
-            self.profile.write_pipeline_layout(self.mesh, schedule, hlo)
-        self.preemption = PreemptionWatcher()
-        self.watchdog = Watchdog(t.watchdog_factor, jax.process_index())
-        streak = NonFiniteStreak(t.max_nonfinite_in_row, self.start, int(jax.device_get(self.state.nonfinite)[1]))
-        self.flags = StepFlags(streak, self.watchdog)
+        if self.start < t.steps:
+            self.parts = self._parts()
         return self.start
+
+    def _parts(self) -> RunParts:
+        """The loader at the resumed position, the compiled step and what runs beside it, in the order each needs
+        the others; whatever was opened is closed again if a later part fails."""
+        cfg, t, mesh = self.cfg, self.cfg.train, self.mesh
+        opened = []
+        try:
+            batches = BatchIterator(self.train_source, mesh, t.global_batch_size, step=self.start,
+                                    workers=cfg.data.workers, limits=batch_limits(cfg, self.implementation),
+                                    sample_offset=self.position.offset)
+            opened.append(batches)
+            self.batch = next(batches)
+            votes = StopVotes(mesh)
+            compiled, compile_s = compile_train_step(self.setup, self.shardings, batch_sharding(mesh), self.state,
+                                                     self.batch, votes(False))
+            throughput = Throughput(cfg, mesh.size, mesh.devices.flat[0].device_kind, self.implementation)
+            log.info("compiled the train step in %.1f s; %.4g model TFLOP per step; %s", compile_s,
+                     throughput.model_flops / 1e12, throughput.peak_note)
+            hlo = _hlo_text(compiled)  # printed once: collectives.json and the pipeline layout read it
+            if self.is_main and hlo is not None:
+                write_json(os.path.join(self.workdir, "collectives.json"), collectives(hlo))  # for jaxtron report
+            eval_fn = jax.jit(functools.partial(eval_step, self.setup),
+                              in_shardings=(self.shardings.params, batch_sharding(mesh)))
+            tasks = self._task_evaluator()
+            writer = MetricsWriter(self.workdir, t.steps, use_tqdm=self.use_tqdm) if self.is_main else None
+            opened.append(writer)
+            schedule = self.setup.stack_runner
+            meter = Meter(throughput, {"pipeline_bubble": schedule.bubble} if schedule else None)
+            profile = ProfileWindow(cfg.profile, self.workdir, self.start)
+            opened.append(profile)
+            if schedule and profile.enabled:  # what the report needs to find each stage's idle iterations
+                profile.write_pipeline_layout(self.mesh, schedule, hlo)
+            preemption = PreemptionWatcher()
+            opened.append(preemption)
+            watchdog = Watchdog(t.watchdog_factor, jax.process_index())
+            opened.append(watchdog)
+        except BaseException:
+            for part in reversed(opened):
+                if part is not None:
+                    part.close(self.start) if isinstance(part, ProfileWindow) else part.close()
+            raise
+        streak = NonFiniteStreak(t.max_nonfinite_in_row, self.start, int(jax.device_get(self.state.nonfinite)[1]))
+        return RunParts(batches, votes, compiled, compile_s, eval_fn, tasks, writer, meter, profile, preemption,
+                        watchdog, StepFlags(streak, watchdog))
+
+    def _task_evaluator(self) -> Callable | None:
+        """What scores ``train.eval_tasks`` (None when it is empty)."""
+        if not self.cfg.train.eval_tasks.strip():
+            return None
+        if self.evaluator is None:
+            raise ConfigError("config field 'train.eval_tasks' is set but this run was given no task evaluator; "
+                              "train with `jaxtron train` (or pass run(..., evaluator=jaxtron.inference."
+                              "downstream.TaskEvaluator)).")
+        return self.evaluator(self.cfg, self.setup.graphdef, self.mesh)
 
     def _log_start(self) -> None:
         cfg = self.cfg
@@ -296,65 +287,65 @@ class Trainer:
         return state, data_position.DataPosition.start(cfg, data_setup)
 
     def _step(self, step: int, done: int) -> dict[str, Any]:
-        self.profile.before_step(step, lambda: jax.block_until_ready(self.state))
-        with self.profile.annotate(done):
-            self.state, metrics = self.compiled(self.state, self.batch,
-                                                self.votes(self.preemption.requested is not None))
-        self.flags.push(done, metrics)
-        self.meter.losses.append(metrics["loss"])  # stays on the device until the log step
+        parts = self.parts
+        parts.profile.before_step(step, lambda: jax.block_until_ready(self.state))
+        with parts.profile.annotate(done):
+            self.state, metrics = parts.compiled(self.state, self.batch,
+                                                 parts.votes(parts.preemption.requested is not None))
+        parts.flags.push(done, metrics)
+        parts.meter.losses.append(metrics["loss"])  # stays on the device until the log step
         return metrics
 
     def _next_batch(self, done: int) -> None:
         """The next batch, loaded ahead by the iterator while the device works on this step."""
         waited = time.perf_counter()
-        with self.watchdog.input(done + 1):
-            self.batch = next(self.batches)
-        self.meter.data_wait += time.perf_counter() - waited
+        with self.parts.watchdog.input(done + 1):
+            self.batch = next(self.parts.batches)
+        self.parts.meter.data_wait += time.perf_counter() - waited
 
     def _log(self, done: int, metrics: dict[str, Any]) -> None:
-        values = self.meter.values(metrics)
+        parts = self.parts
+        values = parts.meter.values(metrics)
         values["consumed_tokens"] = self.position.at(done).consumed_tokens
         if not self.history:
-            values["compile_time_s"] = self.compile_s
-        if self.writer:
-            self.writer.write(done, values)
+            values["compile_time_s"] = parts.compile_s
+        if parts.writer:
+            parts.writer.write(done, values)
         self.history.append({"step": done, **values})
-        self.meter.reset()
+        parts.meter.reset()
 
     def _scores(self, done: int) -> dict[str, float]:
         """The validation loss and train.eval_tasks' scores of the state now, written to the metrics at ``done``."""
-        loss = evaluate(self.cfg, self.eval_fn, self.state.params, self.validation, self.mesh, self.implementation)
+        parts = self.parts
+        loss = evaluate(self.cfg, parts.eval_fn, self.state.params, self.validation, self.mesh, self.implementation)
         scores = {"eval/loss": loss} if loss is not None else {}
-        scores.update(self.tasks(self.state.params) if self.tasks else {})
-        if self.writer and scores:
-            self.writer.write(done, scores)
+        scores.update(parts.tasks(self.state.params) if parts.tasks else {})
+        if parts.writer and scores:
+            parts.writer.write(done, scores)
         return scores
 
     def _evaluate_midway(self, done: int) -> None:
-        self.watchdog.pause()
+        self.parts.watchdog.pause()
         self._scores(done)
-        self.meter.restart_clock()
-        self.watchdog.resume()
+        self.parts.meter.restart_clock()
+        self.parts.watchdog.resume()
 
-    def _save_due(self, done: int) -> bool:
-        """Whether the state after ``done`` steps is saved: every ``checkpoint.every`` steps, and the last one."""
-        every = self.cfg.checkpoint.every
-        return done == self.cfg.train.steps or bool(every) and done % every == 0
-
-    def _save(self, done: int, force: bool = False) -> None:
-        if not (force or self._save_due(done)):
+    def _save(self, done: int) -> None:
+        """Checkpoints the state after ``done`` steps (once: the save hook and a stop may both ask)."""
+        if self.saved_at == done:
             return
-        self.flags.read(done)  # a state is saved only once its step's flags were read
-        self.watchdog.pause()
+        self.parts.flags.read(done)  # a state is saved only once its step's flags were read
+        self.parts.watchdog.pause()
         save_checkpoint(self.checkpointer, done, self.state, self.cfg, self.position.at(done).to_dict(),
                         self.setup.layer_order)
-        self.watchdog.resume()
+        self.saved_at = done
+        self.parts.watchdog.resume()
 
     def _stop(self, done: int) -> RunSummary:
         """A preemption signal or another process's stop request: checkpoint this step and leave."""
-        self._save(done, force=True)
+        self._save(done)
         self.checkpointer.wait()
-        why = self.preemption.requested or "a stop request from another process"
+        why = self.parts.preemption.requested or "a stop request from another process"
         log.warning("checkpointed step %d after %s; exiting with %d", done, why, PREEMPTED_EXIT_CODE)
         return RunSummary(self.state, self.history, preempted=why, stopped_at=done)
 
@@ -362,19 +353,21 @@ class Trainer:
         last, scores = self.history[-1], self._scores(self.cfg.train.steps)
         tasks = {k: v for k, v in scores.items() if k != "eval/loss"}
         summary = RunSummary(self.state, self.history, final_loss=last.get("loss_avg"),
-                             validation_loss=scores.get("eval/loss"), compile_time_s=self.compile_s,
-                             slow_steps=self.watchdog.slow_steps, tokens_per_sec=last.get("tokens_per_sec"),
+                             validation_loss=scores.get("eval/loss"), compile_time_s=self.parts.compile_s,
+                             slow_steps=self.parts.watchdog.slow_steps, tokens_per_sec=last.get("tokens_per_sec"),
                              tflops_per_device=last.get("tflops_per_device"), mfu=last.get("mfu"),
                              data={**self.facts, **tasks})
-        if self.writer:
-            self.writer.log(_summary_line(summary))
+        if self.parts.writer:
+            self.parts.writer.log(_summary_line(summary))
         return summary
 
     def _close(self, done: int) -> None:
         """Stops and closes what was built (the checkpointer last but the loader: it waits for a save in flight)."""
-        if self.profile is not None:
-            self.profile.close(done)
-        for part in (self.watchdog, self.preemption, self.checkpointer, self.batches, self.writer):
+        parts = self.parts
+        if parts is not None:
+            parts.profile.close(done)
+        for part in ((parts.watchdog, parts.preemption) if parts else ()) + (self.checkpointer,) + \
+                ((parts.batches, parts.writer) if parts else ()):
             if part is not None:
                 part.close()
 

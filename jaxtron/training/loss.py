@@ -6,12 +6,13 @@ means. The train step (``step.py``) and the pipeline schedules that run their ow
 from __future__ import annotations
 
 import contextlib
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxtron.config.schema import TrainConfig
 from jaxtron.models.transformer import mtp_valid
 from jaxtron.ops.cross_entropy import token_sums
 
@@ -33,16 +34,35 @@ def moe_metrics(stats: dict[str, jax.Array]) -> dict[str, jax.Array]:
             "block_load": stats["load"]}
 
 
-def loss_sums(params: Any, graphdef: Any, batch: Batch, z_loss: float, logit_chunks: int = 1,
-              router_aux_loss: float = 0.0, router_z_loss: float = 0.0,
-              stack_runner: Any = None, mtp_loss: float | None = None,
-              mtp_weights: jax.Array | None = None) -> tuple[jax.Array, tuple]:
+class Objective(NamedTuple):
+    """The loss's terms beside the cross-entropy, and how the head computes it (the ``train`` fields of the same
+    names)."""
+    z_loss: float = 0.0
+    logit_chunks: int = 1  # the output head's vocabulary slices (``ops/cross_entropy.py``)
+    router_aux_loss: float = 0.0
+    router_z_loss: float = 0.0
+    mtp_loss: float | None = None  # None: the prediction modules do not run (validation: their losses train only)
+
+    @classmethod
+    def training(cls, train: TrainConfig) -> Objective:
+        return cls(train.z_loss, train.logit_chunks, train.router_aux_loss, train.router_z_loss, train.mtp_loss)
+
+    def cross_entropy(self) -> Objective:
+        """The cross-entropy alone (validation, and a schedule that only needs the stack's input)."""
+        return Objective(logit_chunks=self.logit_chunks)
+
+
+CROSS_ENTROPY = Objective()  # the cross-entropy alone, its head in one slice
+
+
+def loss_sums(params: Any, graphdef: Any, batch: Batch, objective: Objective = CROSS_ENTROPY,
+              stack_runner: Any = None, mtp_weights: jax.Array | None = None) -> tuple[jax.Array, tuple]:
     """(objective summed over tokens, (cross-entropy sum, token count, MoE and MTP metrics)).
 
     Sums rather than means so microbatches add up exactly to the large batch. The MoE auxiliary losses are
     means over the batch, so they enter the objective multiplied by the token count; so does multi-token
-    prediction, ``mtp_loss`` times the mean over depths of each depth's mean cross-entropy (``mtp_loss`` metric);
-    None skips the prediction modules (validation: their losses are training only).
+    prediction, ``objective.mtp_loss`` times the mean over depths of each depth's mean cross-entropy (``mtp_loss``
+    metric).
 
     ``mtp_weights`` [depth]: the prediction modules' cross-entropy sums enter the objective times these instead (a
     1F1B schedule's microbatch, weighted by the whole batch's counts); the metrics then hold those sums
@@ -50,13 +70,14 @@ def loss_sums(params: Any, graphdef: Any, batch: Batch, z_loss: float, logit_chu
     """
     # a runner may shape the work outside it: a pipeline's stages split its rows (``Schedule.outside``)
     outside = getattr(stack_runner, "outside", None)
+    z_loss, logit_chunks, router_aux_loss, router_z_loss, mtp_loss = objective
     with outside(batch["inputs"].shape[0]) if outside else contextlib.nullcontext():
         model = nnx.merge(graphdef, params)
         segments = batch.get("segment_ids")
         out = model(batch["inputs"], batch.get("positions"), segments, stack_runner=stack_runner,
                     mtp=mtp_loss is not None)
         weights = token_weights(batch)
-        objective, ce_sum, _ = token_sums(out.hidden, out.head, batch["targets"], weights, z_loss, logit_chunks)
+        total, ce_sum, _ = token_sums(out.hidden, out.head, batch["targets"], weights, z_loss, logit_chunks)
         count = jnp.sum(weights)
         extra = {}
         if out.mtp_hidden:
@@ -68,11 +89,11 @@ def loss_sums(params: Any, graphdef: Any, batch: Batch, z_loss: float, logit_chu
                 valid_k.append(jnp.sum(valid))
             ce_k = jnp.stack(ce_k)
             if mtp_weights is not None:
-                objective += jnp.sum(mtp_weights * ce_k)
-                return objective, (ce_sum, count, {"mtp_sums": ce_k, "mtp_stats": out.stats})
+                total += jnp.sum(mtp_weights * ce_k)
+                return total, (ce_sum, count, {"mtp_sums": ce_k, "mtp_stats": out.stats})
             extra["mtp_loss"] = jnp.mean(ce_k / jnp.maximum(jnp.stack(valid_k), 1.0))
-            objective += count * mtp_loss * extra["mtp_loss"]
+            total += count * mtp_loss * extra["mtp_loss"]
         moe = moe_metrics(out.stats)
         if moe:
-            objective += count * (router_aux_loss * moe["moe_aux_loss"] + router_z_loss * moe["moe_z_loss"])
-        return objective, (ce_sum, count, {**moe, **extra})
+            total += count * (router_aux_loss * moe["moe_aux_loss"] + router_z_loss * moe["moe_z_loss"])
+        return total, (ce_sum, count, {**moe, **extra})

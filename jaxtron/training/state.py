@@ -11,7 +11,7 @@ import optax
 from flax import nnx, struct
 from jax.sharding import Mesh
 
-from jaxtron.config.schema import ONE_F_ONE_B, Config, ConfigError
+from jaxtron.config.schema import ONE_F_ONE_B, Config, ConfigError, TrainConfig
 from jaxtron.models import build_model, lora
 from jaxtron.models.stack import remat_policy
 from jaxtron.ops import fp8 as fp8_ops
@@ -33,20 +33,16 @@ class TrainState:
 
 @struct.dataclass
 class Setup:
-    """Everything static that the step needs besides the state."""
+    """Everything static that the step needs besides the state: what the config builds (the model's graph, the
+    optimizer, the stack's runner) and the config's ``train`` section it came from."""
 
     graphdef: Any = struct.field(pytree_node=False)
     tx: optax.GradientTransformation = struct.field(pytree_node=False)
     abstract_state: TrainState = struct.field(pytree_node=False)
     learning_rate: Any = struct.field(pytree_node=False)  # optimizer count -> the rate (an optax schedule)
-    microbatches: int = struct.field(pytree_node=False, default=1)
-    max_nonfinite_in_row: int = struct.field(pytree_node=False, default=0)
-    z_loss: float = struct.field(pytree_node=False, default=0.0)
-    router_aux_loss: float = struct.field(pytree_node=False, default=0.0)
-    router_z_loss: float = struct.field(pytree_node=False, default=0.0)
-    router_bias_rate: float = struct.field(pytree_node=False, default=0.0)
-    mtp_loss: float = struct.field(pytree_node=False, default=0.0)
-    logit_chunks: int = struct.field(pytree_node=False, default=1)
+    # train.*: microbatches, the loss's terms (z_loss, router losses, mtp_loss), logit_chunks, seed, the
+    # non-finite limit
+    train: TrainConfig = struct.field(pytree_node=False, default=TrainConfig())
     # the layer stack's runner (a pipeline Schedule) and the period order the stack is stored in (None: the plain
     # scan, natural order)
     stack_runner: Schedule | None = struct.field(pytree_node=False, default=None)
@@ -55,7 +51,6 @@ class Setup:
     compiler_options: tuple[tuple[str, object], ...] = struct.field(pytree_node=False, default=())
     # the distributed optimizer (``optimizer.distributed``): moments sharded as ``state_sharding.optimizer_spec`` says
     distributed_optimizer: bool = struct.field(pytree_node=False, default=False)
-    seed: int = struct.field(pytree_node=False, default=0)  # train.seed: the step's randomness (LoRA dropout)
 
 
 def pipeline_schedule(cfg: Config, stages: int) -> Schedule | None:
@@ -117,14 +112,10 @@ def setup(cfg: Config, attention_impl: str, sizes: dict[str, int] | None = None)
 
     state = jax.eval_shape(abstract)
     return Setup(graphdef=holder["graphdef"], tx=holder["tx"], abstract_state=state,
-                 learning_rate=learning_rate_schedule(cfg.optimizer, cfg.train.steps),
-                 microbatches=cfg.train.microbatches, z_loss=cfg.train.z_loss, logit_chunks=cfg.train.logit_chunks,
-                 router_aux_loss=cfg.train.router_aux_loss, router_z_loss=cfg.train.router_z_loss,
-                 router_bias_rate=cfg.train.router_bias_rate, mtp_loss=cfg.train.mtp_loss,
-                 max_nonfinite_in_row=cfg.train.max_nonfinite_in_row, stack_runner=pipeline_schedule(cfg, stages),
-                 layer_order=layer_order(cfg, stages),
+                 learning_rate=learning_rate_schedule(cfg.optimizer, cfg.train.steps), train=cfg.train,
+                 stack_runner=pipeline_schedule(cfg, stages), layer_order=layer_order(cfg, stages),
                  compiler_options=tuple(fp8_ops.compiler_options(cfg.execution.fp8).items()),
-                 distributed_optimizer=cfg.optimizer.distributed, seed=cfg.train.seed)
+                 distributed_optimizer=cfg.optimizer.distributed)
 
 
 def state_shardings(mesh: Mesh, abstract_state: TrainState, distributed_optimizer: bool = False) -> TrainState:

@@ -24,7 +24,7 @@ from jaxtron.parallel.sharding import (
     row_groups,
 )
 from jaxtron.parallel.state_sharding import constrain_optimizer
-from jaxtron.training.loss import loss_sums
+from jaxtron.training.loss import Objective, loss_sums
 from jaxtron.training.optimizer import schedule_count
 from jaxtron.training.pipeline.fill_drain import split_rows
 from jaxtron.training.state import Setup, TrainState
@@ -68,11 +68,9 @@ def gradients(setup: Setup, params: Any, batch: Batch):
     own = None if setup.stack_runner is None else setup.stack_runner.gradients(setup, params, batch)
     if own is not None:
         return own
-    microbatches = setup.microbatches
-    loss_fn = functools.partial(
-        loss_sums, graphdef=setup.graphdef, z_loss=setup.z_loss, logit_chunks=setup.logit_chunks,
-        router_aux_loss=setup.router_aux_loss, router_z_loss=setup.router_z_loss,
-        stack_runner=setup.stack_runner, mtp_loss=setup.mtp_loss)
+    microbatches = setup.train.microbatches
+    loss_fn = functools.partial(loss_sums, graphdef=setup.graphdef, objective=Objective.training(setup.train),
+                                stack_runner=setup.stack_runner)
     params, frozen = lora.split(params)
     if frozen is not None:  # LoRA: gradients of the adapters alone; the base is a constant, with no gradient work
         loss_fn = functools.partial(lambda trainable, batch, f: f(lora.join(trainable, frozen), batch=batch),
@@ -160,7 +158,7 @@ def train_step(setup: Setup, state: TrainState, batch: Batch,
     it is saved (``state_finite``), not here: checking it here made XLA write both AdamW moments twice, into new
     buffers and then into the donated ones (15 ms and 7.8 GiB on Llama-3 8B's 8-layer step on one H200).
     """
-    with lora.dropout(jax.random.fold_in(jax.random.key(setup.seed), state.step)):  # used by LoRA's dropout only
+    with lora.dropout(jax.random.fold_in(jax.random.key(setup.train.seed), state.step)):  # used by LoRA's dropout only
         grads, ce_sum, count, moe = gradients(setup, state.params, batch)  # of the adapters alone in a LoRA run
     trainable, frozen = lora.split(state.params)
     if setup.distributed_optimizer:  # each device reduces, then updates, only its shard of the moments
@@ -175,8 +173,8 @@ def train_step(setup: Setup, state: TrainState, batch: Batch,
     if setup.distributed_optimizer:  # the updated weights gathered once, as their rule places them
         params = constrain_params(params)
     bias_spread = None
-    if setup.router_bias_rate:  # outside the gradients: the router bias gets none, and no optimizer update
-        params, bias_spread = balance_router_bias(params, block_load, setup.router_bias_rate,
+    if setup.train.router_bias_rate:  # outside the gradients: the router bias gets none, and no optimizer update
+        params, bias_spread = balance_router_bias(params, block_load, setup.train.router_bias_rate,
                                                   setup.layer_order)
     # a non-finite loss or gradient skips this update: the state stays as it was, and is counted
     loss_finite, grads_finite = jnp.isfinite(loss), jnp.isfinite(grad_norm)
@@ -184,7 +182,7 @@ def train_step(setup: Setup, state: TrainState, batch: Batch,
     kind = (~loss_finite).astype(jnp.int32) + 2 * (~grads_finite).astype(jnp.int32)
     total, in_row, stopped = state.nonfinite[0], state.nonfinite[1], state.nonfinite[2]
     total, in_row = total + (~finite), jnp.where(finite, 0, in_row + 1)
-    limit = setup.max_nonfinite_in_row
+    limit = setup.train.max_nonfinite_in_row
     if limit:
         stopped = jnp.where((stopped < 0) & (in_row >= limit), state.step + 1, stopped)
     apply = finite & (stopped < 0)  # a stopped run changes no more, however late the loop reads the flag
@@ -206,7 +204,7 @@ def train_step(setup: Setup, state: TrainState, batch: Batch,
 
 def eval_step(setup: Setup, params: Any, batch: Batch) -> dict[str, jax.Array]:
     """Summed cross-entropy and token count of a batch (no gradients)."""
-    _, (ce_sum, count, _) = loss_sums(params, setup.graphdef, batch, 0.0, setup.logit_chunks,
+    _, (ce_sum, count, _) = loss_sums(params, setup.graphdef, batch, Objective.training(setup.train).cross_entropy(),
                                       stack_runner=setup.stack_runner)
     return {"ce_sum": ce_sum, "count": count}
 

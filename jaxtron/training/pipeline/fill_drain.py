@@ -47,9 +47,8 @@ from jaxtron.parallel.sharding import (
     constrain_on_stages,
     constrain_whole_over_batch,
     logical_names,
-    logical_to_spec,
     shard_count,
-    spec_axes,
+    stage_axes,
 )
 from jaxtron.parallel.stages import identity_slots
 
@@ -176,10 +175,7 @@ class Schedule:
         staged = self.stage_view(stack, (s_, v_, per))
         stage_ids = jnp.arange(s_)
 
-        mesh = jax.sharding.get_abstract_mesh()
-        spmd = None if mesh.empty else spec_axes(logical_to_spec(("stages",)), 0) or None
-
-        period = self._periods(body, identity, spmd)
+        period = self._periods(body, identity, stage_axes())
 
         micro_x = split_rows(x, m_)
         micro_extras = jax.tree.map(lambda a: split_rows(a, m_), extras)

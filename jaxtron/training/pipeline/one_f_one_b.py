@@ -44,7 +44,7 @@ import numpy as np
 
 from jaxtron.models.transformer import EMBED_AXES
 from jaxtron.parallel import timetable
-from jaxtron.parallel.sharding import constrain_on_stages, logical_to_spec, spec_axes
+from jaxtron.parallel.sharding import constrain_on_stages, stage_axes
 from jaxtron.parallel.stages import PAD, identity_slots, storage_order
 from jaxtron.parallel.state_sharding import constrain_gradient
 from jaxtron.training.loss import moe_metrics
@@ -123,7 +123,7 @@ class OneFOneB:
         # an MoE model's prediction modules have MoE blocks too
         model.weigh_blocks(self.stack_size - schedule.pads + (model.depth if self.stats_shape else 0))
         mesh = jax.sharding.get_abstract_mesh()
-        self.spmd = None if mesh.empty else spec_axes(logical_to_spec(("stages",)), 0) or None
+        self.spmd = stage_axes()
         self.rows = RowGroups(params, self.periods_0, schedule, mesh, bool(self.stats_shape))
         self.keep = timetable.kept(self.s_, self.v_)  # units whose inputs a stage holds from forward to backward
 

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 from jaxtron.models.stack import scan_stack, without_remat
 from jaxtron.models.transformer import mtp_valid
 from jaxtron.parallel.sharding import BATCH_AXES, constrain
-from jaxtron.training.loss import loss_sums, token_weights
+from jaxtron.training.loss import Objective, loss_sums, token_weights
 from jaxtron.training.pipeline.fill_drain import split_rows
 
 Batch = dict[str, jax.Array]
@@ -54,13 +54,13 @@ class CutModel:
     from it (``stack_cut.py``), with the objective's weights of the whole batch."""
 
     def __init__(self, setup, params: Any, batch: Batch):
-        self.setup, self.loss_sums = setup, loss_sums
+        self.setup = setup
         m_ = setup.stack_runner.microbatches
         self.microbatches = m_
         self.micro = jax.tree.map(lambda a: split_rows(a, m_), batch)  # [M, b, ...]
         weights = token_weights(batch)
         self.count = jnp.sum(weights)
-        self.common = dict(graphdef=setup.graphdef, logit_chunks=setup.logit_chunks)
+        self.objective = Objective.training(setup.train)
         # the prediction modules run with the head, a microbatch at a time: each depth's cross-entropy sum enters
         # the objective with the weight the whole batch gives it (the token count x mtp_loss over the depths and
         # over the positions the depth scores in the whole batch), so the microbatches add up to the fill-drain
@@ -68,8 +68,8 @@ class CutModel:
         self.depth = depth = jax.tree.leaves(params["mtp"])[0].shape[0] if "mtp" in params else 0
         self.valid_k = jnp.stack([jnp.sum(mtp_valid(weights, batch.get("segment_ids"), k))
                                   for k in range(1, depth + 1)]) if depth else jnp.zeros((0,), jnp.float32)
-        self.mtp_weights = self.count * setup.mtp_loss / (max(depth, 1) * jnp.maximum(self.valid_k, 1.0))
-        self.coefficient = {"aux_loss": setup.router_aux_loss, "z_loss": setup.router_z_loss}
+        self.mtp_weights = self.count * setup.train.mtp_loss / (max(depth, 1) * jnp.maximum(self.valid_k, 1.0))
+        self.coefficient = {"aux_loss": setup.train.router_aux_loss, "z_loss": setup.train.router_z_loss}
         self.scale_blocks = None  # each MoE block's stats' weight, once the stack is known (``weigh_blocks``)
 
     def weigh_blocks(self, blocks: int) -> None:
@@ -86,7 +86,7 @@ class CutModel:
         checkpoints (each period's backward runs right after its forward is recomputed)."""
         capture = Capture()
         with without_remat():
-            self.loss_sums(p, batch=mb, z_loss=0.0, stack_runner=capture, **self.common)
+            loss_sums(p, self.setup.graphdef, mb, self.objective.cross_entropy(), stack_runner=capture)
         if capture.seen is None:
             raise ValueError("the model has no stacked blocks for the 1f1b schedule to run")
         body, x, stack, extras = capture.seen
@@ -96,9 +96,11 @@ class CutModel:
         """-> (the objective's sums of the head, the loss and the prediction modules, (cross-entropy sum, token
         count, the modules' cross-entropy sums [depth], their blocks' routing stats [depth, ...])) of ``h``, the
         stack's output."""
-        objective, (ce, n, extra) = self.loss_sums(
-            p, batch=mb, z_loss=self.setup.z_loss, stack_runner=Replace(h),
-            mtp_loss=self.setup.mtp_loss if self.depth else None, mtp_weights=self.mtp_weights, **self.common)
+        # the routing losses enter through the stats' cotangent (``OneFOneB.stats_cotangent``), not here
+        terms = self.objective._replace(router_aux_loss=0.0, router_z_loss=0.0,
+                                        mtp_loss=self.objective.mtp_loss if self.depth else None)
+        objective, (ce, n, extra) = loss_sums(p, self.setup.graphdef, mb, terms, stack_runner=Replace(h),
+                                              mtp_weights=self.mtp_weights)
         mtp_stats = extra.get("mtp_stats", {})
         # their MoE losses, weighted as the stack's blocks' are (``OneFOneB.stats_cotangent``)
         objective += sum(self.scale_blocks * self.coefficient.get(k, 0.0) * jnp.sum(v) for k, v in mtp_stats.items())
