@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
+
 from jaxtron.config.schema import (
     Config,
     DataConfig,
@@ -78,3 +80,8 @@ def metrics_lines(workdir) -> list[dict]:
     from pathlib import Path
 
     return [json.loads(line) for line in Path(workdir, "metrics.jsonl").read_text().splitlines() if line.strip()]
+
+
+def losses(summary) -> np.ndarray:
+    """The losses a run logged (``RunSummary.history``), in step order."""
+    return np.array([h["loss"] for h in summary.history])

@@ -222,11 +222,11 @@ OLD_CHECKPOINTS = os.path.join(REPO, "tests", "fixtures", "checkpoints")
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["llama_pipeline", "qwen3_moe", "deepseek"])
+@pytest.mark.parametrize("name", ["llama_pipeline", "qwen3_moe", "deepseek", "llama_interleaved"])
 def test_checkpoints_written_by_an_earlier_version_still_restore(name, tmp_path, caplog):
-    """Checkpoints kept from an earlier version (tests/fixtures/make_old_checkpoints.py; commit.txt names it), with
-    that version's config field names: each resumes at step 2 and trains step 3 to the loss and parameters that
-    version reached."""
+    """Checkpoints kept from earlier versions (tests/fixtures/make_old_checkpoints.py; commit.txt names the version,
+    or <name>/commit.txt a later one's), with that version's config field names: each resumes at step 2 and trains
+    step 3 to the loss and parameters that version reached."""
     fixture = os.path.join(OLD_CHECKPOINTS, name)
     shutil.copytree(os.path.join(fixture, "checkpoints"), tmp_path / CHECKPOINT_DIR)
     from jaxtron.config.loader import from_mapping

@@ -1,4 +1,4 @@
-"""The package's imports: no circle between modules, and none running back up the data flow of DESIGN.md.
+"""The package's imports: no circle between modules, and none running back up the layers of docs/layout.md.
 
 Every ``import`` statement counts, the ones inside functions too (a lazy import is still a dependency), except those
 under ``if __name__ == "__main__":``: that block runs only when the module is the program (``python -m ...``), so it
@@ -180,6 +180,24 @@ def import_graph_of_stdlib(name: str) -> list[str]:
                 found.append(module)
                 break
     return found
+
+
+MAX_FILE_LINES, MAX_FUNCTION_LINES = 400, 80
+
+
+def test_no_file_or_function_outgrows_a_reading():
+    """No module of the package over 400 lines, no function over 80: past that a newcomer reads a file in parts."""
+    long_files, long_functions = [], []
+    for module, path in modules().items():
+        with open(path) as f:
+            text = f.read()
+        if text.count("\n") > MAX_FILE_LINES:
+            long_files.append(module)
+        for node in ast.walk(ast.parse(text, path)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and \
+                    node.end_lineno - node.lineno + 1 > MAX_FUNCTION_LINES:
+                long_functions.append(f"{module}.{node.name}")
+    assert long_files == [] and long_functions == []
 
 
 def test_no_module_imports_itself_back_through_others():

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from conftest import REPO
 from flax import nnx
-from helpers import learning_run, logged_entropy, metrics_lines, tiny_config
+from helpers import learning_run, logged_entropy, losses, metrics_lines, tiny_config
 
 from jaxtron.config.loader import load_config
 from jaxtron.config.schema import ConfigError, ExecutionConfig, ModelConfig, replace
@@ -330,7 +330,7 @@ def test_capacity_mode_drops_by_priority_and_dropped_tokens_pass_through(mesh_na
 
 
 @pytest.mark.slow
-def test_router_weights_and_auxiliary_losses():
+def test_router_weights_and_auxiliarylosses():
     logits = jax.random.normal(jax.random.key(4), (4, 8, E)) * 3
     probs = np.asarray(jax.nn.softmax(logits, axis=-1), np.float64)
     top = np.argsort(-probs, axis=-1)[..., :K]
@@ -428,10 +428,6 @@ def test_bad_moe_config_names_the_field(field, value):
         check_devices(cfg, 8)
 
 
-def _losses(summary):
-    return np.array([h["loss"] for h in summary.history])
-
-
 MOE = dict(moe=dict(num_experts=4, experts_per_token=2))
 
 
@@ -446,9 +442,9 @@ def single_device_moe_run(tmp_path_factory):
                                   dict(fsdp=2, expert=4)], ids=["expert1", "expert2", "expert4"])
 def test_training_losses_are_the_same_on_every_mesh(mesh, single_device_moe_run, tmp_path):
     summary = run(tiny_config(mesh, model=MOE), str(tmp_path), use_tqdm=False)
-    expected = _losses(single_device_moe_run[1])
+    expected = losses(single_device_moe_run[1])
     assert len(expected) == 3 and np.all(np.diff(expected) != 0)
-    np.testing.assert_allclose(_losses(summary), expected, rtol=1e-5)
+    np.testing.assert_allclose(losses(summary), expected, rtol=1e-5)
     wi = summary.state.params["moe_layers"]["mlp"]["wi_up"].get_value()
     assert wi.sharding.shard_shape(wi.shape)[1] == 4 // mesh.get("expert", 1)  # experts really split
 

@@ -1,6 +1,5 @@
 """Two real processes (4 CPU devices each, gloo collectives) train exactly like one process with 8 devices."""
 
-import json
 import os
 import socket
 import subprocess
@@ -9,6 +8,7 @@ import sys
 import numpy as np
 import pytest
 from conftest import REPO, cpu_xla_flags
+from helpers import metrics_lines
 
 pytestmark = pytest.mark.integration  # crosses a process boundary: .ci/run's tier, not the README's
 
@@ -25,7 +25,7 @@ def _env(devices: int, **extra) -> dict:
 
 
 def _losses(workdir) -> list[float]:
-    return [json.loads(line)["loss"] for line in open(os.path.join(workdir, "metrics.jsonl"))]
+    return [record["loss"] for record in metrics_lines(workdir)]
 
 
 @pytest.fixture(scope="session")  # once per test process (tests/conftest.py)

@@ -14,7 +14,7 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
-from helpers import tiny_config
+from helpers import losses, tiny_config
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxtron.config.schema import ConfigError
@@ -205,10 +205,6 @@ def test_stacks_move_between_period_orders():
     np.testing.assert_array_equal(reorder(padded, c, None)["w"].get_value(), six)  # identity periods dropped
 
 
-def _losses(summary):
-    return np.array([h["loss"] for h in summary.history])
-
-
 BASE = dict(model=dict(num_layers=4), train=dict(global_batch_size=16))
 
 
@@ -235,9 +231,9 @@ PIPELINE_MESHES = {
 def test_pipeline_meshes_train_like_one_device(name, one_device, tmp_path):
     mesh, pipeline, extra = PIPELINE_MESHES[name]
     summary = run(tiny_config(mesh, pipeline=pipeline, **{**BASE, **extra}), str(tmp_path), use_tqdm=False)
-    expected = _losses(one_device)
+    expected = losses(one_device)
     assert len(expected) == 3 and np.all(np.diff(expected) != 0)
-    np.testing.assert_allclose(_losses(summary), expected, rtol=1e-5)
+    np.testing.assert_allclose(losses(summary), expected, rtol=1e-5)
     # the stages hold their own layers: the stacked axis is split over the pipeline axis
     wq = summary.state.params["layers"]["attn"]["wq"].get_value()
     assert wq.sharding.shard_shape(wq.shape)[0] == 4 // mesh["pipeline"]
@@ -283,9 +279,9 @@ def test_deepseek_trains_pipelined_like_one_device(tmp_path, deepseek_one_device
     got = run(tiny_config(dict(pipeline=2, fsdp=2, expert=2), model=_deepseek_style(),
                           pipeline=dict(microbatches=2, virtual_stages=2, uneven_stages=True), train=DEEPSEEK_TRAIN),
               str(tmp_path / "pipe"), use_tqdm=False)
-    expected = _losses(ref)
+    expected = losses(ref)
     assert len(expected) == 3 and np.all(np.diff(expected) != 0)
-    np.testing.assert_allclose(_losses(got), expected, rtol=1e-5)
+    np.testing.assert_allclose(losses(got), expected, rtol=1e-5)
     for key in ("mtp_loss", "moe_bias_spread"):
         np.testing.assert_allclose([h[key] for h in got.history], [h[key] for h in ref.history], rtol=1e-5)
     # routing is discrete: a near-tie between two experts' scores may go the other way under another reduction
@@ -381,9 +377,9 @@ def test_the_1f1b_schedules_train_like_one_device(name, tmp_path, request):
         mu = optax.tree_utils.tree_get(got.state.opt_state, "mu")["layers"]["attn"]["wq"].get_value()
         wq = got.state.params["layers"]["attn"]["wq"].get_value()
         assert mu.sharding.shard_shape(mu.shape)[1:] != wq.sharding.shard_shape(wq.shape)[1:]
-    expected = _losses(ref)
+    expected = losses(ref)
     assert len(expected) == 3 and np.all(np.diff(expected) != 0)
-    np.testing.assert_allclose(_losses(got), expected, rtol=1e-5)
+    np.testing.assert_allclose(losses(got), expected, rtol=1e-5)
     bubble = bubble_fraction(mesh["pipeline"], microbatches, virtual)
     assert got.history[-1]["pipeline_bubble"] == pytest.approx(bubble)
     if kind != "dense":
@@ -455,7 +451,7 @@ def test_a_checkpoint_resumes_on_other_pipeline_degrees(tmp_path):
         resumed = run(tiny_config(mesh, pipeline=dict(microbatches=microbatches), **base), str(workdir),
                       use_tqdm=False)
         assert [h["step"] for h in resumed.history] == [3, 4]
-        np.testing.assert_allclose(_losses(resumed), _losses(first)[2:], rtol=1e-5)
+        np.testing.assert_allclose(losses(resumed), losses(first)[2:], rtol=1e-5)
 
 
 @pytest.mark.slow
@@ -468,8 +464,8 @@ def test_an_uneven_split_trains_and_resumes_like_one_device(tmp_path):
     one = run(tiny_config(dict(fsdp=1), **base), str(tmp_path / "one"), use_tqdm=False, devices=jax.devices()[:1])
     pipe = run(tiny_config(dict(pipeline=2, data=4, fsdp=1), **uneven, **base), str(tmp_path / "pipe"),
                use_tqdm=False)
-    assert len(_losses(one)) == 4 and np.all(np.diff(_losses(one)) != 0)
-    np.testing.assert_allclose(_losses(pipe), _losses(one), rtol=1e-5)
+    assert len(losses(one)) == 4 and np.all(np.diff(losses(one)) != 0)
+    np.testing.assert_allclose(losses(pipe), losses(one), rtol=1e-5)
     stored = np.asarray(nnx.to_pure_dict(pipe.state.params)["layers"]["mlp"]["wo"])
     assert stored.shape[0] == 4 and not stored[3].any()  # the identity layer stays zero: it gets no gradient
     with open(tmp_path / "pipe" / "checkpoints" / "2" / "config" / "metadata") as f:
@@ -483,7 +479,7 @@ def test_an_uneven_split_trains_and_resumes_like_one_device(tmp_path):
         shutil.rmtree(tmp_path / name / "checkpoints" / "4")
         resumed = run(tiny_config(mesh, **extra, **base), str(tmp_path / name), use_tqdm=False)
         assert [h["step"] for h in resumed.history] == [3, 4]
-        np.testing.assert_allclose(_losses(resumed), _losses(one)[2:], rtol=1e-5)
+        np.testing.assert_allclose(losses(resumed), losses(one)[2:], rtol=1e-5)
 
 
 @pytest.mark.integration

@@ -8,16 +8,12 @@ import jax
 import numpy as np
 import pytest
 from flax import nnx
-from helpers import MESHES, metrics_lines, tiny_config
+from helpers import MESHES, losses, metrics_lines, tiny_config
 from jax.sharding import NamedSharding
 
 from jaxtron.parallel.checks import check_devices
 from jaxtron.parallel.sharding import logical_to_spec
 from jaxtron.training.loop import run
-
-
-def _losses(summary):
-    return np.array([h["loss"] for h in summary.history])
 
 
 @pytest.fixture(scope="session")  # once per test process (tests/conftest.py)
@@ -30,9 +26,9 @@ def single_device_run(tmp_path_factory):
 @pytest.mark.parametrize("mesh_name", list(MESHES))
 def test_losses_match_single_device(mesh_name, single_device_run, tmp_path):
     summary = run(tiny_config(MESHES[mesh_name]), str(tmp_path), use_tqdm=False)
-    expected = _losses(single_device_run)
+    expected = losses(single_device_run)
     assert len(expected) == 3 and np.all(np.diff(expected) != 0)
-    np.testing.assert_allclose(_losses(summary), expected, rtol=1e-5)
+    np.testing.assert_allclose(losses(summary), expected, rtol=1e-5)
     # the run really used the requested mesh and the rules' sharding
     wq = summary.state.params["layers"]["attn"]["wq"].get_value()
     mesh = wq.sharding.mesh
@@ -45,7 +41,7 @@ def test_losses_match_single_device(mesh_name, single_device_run, tmp_path):
 def test_microbatches_equal_one_large_batch(single_device_run, tmp_path):
     cfg = tiny_config(dict(fsdp=1), train=dict(microbatches=4))
     summary = run(cfg, str(tmp_path), use_tqdm=False, devices=jax.devices()[:1])
-    np.testing.assert_allclose(_losses(summary), _losses(single_device_run), rtol=1e-5)
+    np.testing.assert_allclose(losses(summary), losses(single_device_run), rtol=1e-5)
     got = jax.tree.leaves(nnx.to_pure_dict(summary.state.params))
     want = jax.tree.leaves(nnx.to_pure_dict(single_device_run.state.params))
     for a, b in zip(got, want, strict=True):  # Adam divides by sqrt(v): near-zero gradients amplify rounding a little
@@ -99,10 +95,10 @@ def test_metrics_file_has_the_contract_fields(single_device_run, tmp_path):
 @pytest.mark.slow
 def test_z_loss_changes_the_update_but_not_the_reported_loss(single_device_run, tmp_path):
     cfg = tiny_config(dict(fsdp=1), train=dict(z_loss=1e-1))
-    losses = _losses(run(cfg, str(tmp_path), use_tqdm=False, devices=jax.devices()[:1]))
-    expected = _losses(single_device_run)
-    assert losses[0] == pytest.approx(expected[0], rel=1e-6)  # same params, z-loss not in the logged loss
-    assert abs(losses[2] - expected[2]) > 1e-6  # but it changed the gradients
+    got = losses(run(cfg, str(tmp_path), use_tqdm=False, devices=jax.devices()[:1]))
+    expected = losses(single_device_run)
+    assert got[0] == pytest.approx(expected[0], rel=1e-6)  # same params, z-loss not in the logged loss
+    assert abs(got[2] - expected[2]) > 1e-6  # but it changed the gradients
 
 
 def _optimizer_and_params(**optimizer):
@@ -169,7 +165,7 @@ def test_microbatches_on_a_sharded_mesh_with_the_distributed_optimizer(single_de
     from jaxtron.training import state as state_lib
     cfg = tiny_config(MESHES["data2_fsdp2_tensor2"], optimizer=dict(distributed=True), train=dict(microbatches=2))
     summary = run(cfg, str(tmp_path), use_tqdm=False)
-    np.testing.assert_allclose(_losses(summary), _losses(single_device_run), rtol=1e-5)
+    np.testing.assert_allclose(losses(summary), losses(single_device_run), rtol=1e-5)
     got = jax.tree.leaves(nnx.to_pure_dict(summary.state.params))
     want = jax.tree.leaves(nnx.to_pure_dict(single_device_run.state.params))
     largest_update = sum(line["learning_rate"] for line in summary.history)
@@ -270,9 +266,9 @@ def test_context_parallel_losses_on_packed_text_match_single_device(mesh_name, p
     with caplog.at_level("INFO", logger="jaxtron.training.loop"):
         summary = run(cfg, str(tmp_path), use_tqdm=False)
     assert "attention blockwise" in caplog.text
-    expected = _losses(packed_single_device_run)
+    expected = losses(packed_single_device_run)
     assert len(expected) == 3 and np.all(np.diff(expected) != 0)
-    np.testing.assert_allclose(_losses(summary), expected, rtol=1e-5)
+    np.testing.assert_allclose(losses(summary), expected, rtol=1e-5)
 
 
 @pytest.mark.slow
@@ -291,7 +287,7 @@ def test_cudnn_by_chunks_losses_on_packed_text_match_single_device(mesh_name, pa
     with caplog.at_level("INFO", logger="jaxtron.training.loop"):
         summary = run(cfg, str(tmp_path), use_tqdm=False)
     assert "attention cudnn" in caplog.text
-    np.testing.assert_allclose(_losses(summary), _losses(packed_single_device_run), rtol=1e-5)
+    np.testing.assert_allclose(losses(summary), losses(packed_single_device_run), rtol=1e-5)
 
 
 QWEN3_STYLE = {  # per-head query and key norms, head size not embed / heads (16); the MoE one with 4 experts
@@ -333,9 +329,9 @@ def qwen3_single_device_runs(tmp_path_factory):
                                                            marks=pytest.mark.extended)])
 def test_new_families_losses_match_single_device(family, mesh_name, qwen3_single_device_runs, tmp_path):
     summary = run(_family_config(family, MESHES[mesh_name]), str(tmp_path), use_tqdm=False)
-    expected = _losses(qwen3_single_device_runs[family])
+    expected = losses(qwen3_single_device_runs[family])
     assert len(expected) == 3 and np.all(np.diff(expected) != 0)
-    np.testing.assert_allclose(_losses(summary), expected, rtol=1e-5)
+    np.testing.assert_allclose(losses(summary), expected, rtol=1e-5)
     if family == "deepseek_v3":  # the balancing bias moved the same way on every mesh
         bias = summary.state.params["moe_layers"]["mlp"]["router_bias"].get_value()
         reference = qwen3_single_device_runs[family].state.params["moe_layers"]["mlp"]["router_bias"].get_value()

@@ -2,7 +2,7 @@
 (``train.eval_tasks_path``), run on the model in memory every ``train.eval_every`` steps and at the end, their
 scores logged beside the validation loss as ``eval/<task>/<metric>``.
 
-Training code does not import inference code (the data flow of DESIGN.md), so the loop takes this evaluator from
+Training code does not import inference code (the layers of docs/layout.md), so the loop takes this evaluator from
 its caller: ``jaxtron train`` (``jaxtron.cli.train``) passes ``TaskEvaluator`` to ``jaxtron.training.loop.run``."""
 
 from __future__ import annotations

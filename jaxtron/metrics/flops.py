@@ -1,6 +1,6 @@
 """Parameter and FLOP counts of the decoder-only transformer described by ``ModelConfig``.
 
-Accounting (DESIGN.md "Numbers are honest"): MODEL FLOPs are training FLOPs (forward + backward = 3x
+Accounting (docs/layout.md, "Numbers are honest"): MODEL FLOPs are training FLOPs (forward + backward = 3x
 forward, 2 FLOPs per multiply-add) of the matrix multiplies only, in the Megatron-LM form:
 
     attention per layer  6 * [h*(q + 2k) + q*s + q*h]     (q*s: QK^T and AV, causal half)

@@ -1,7 +1,7 @@
 """Dense datasheet peaks per device and MFU.
 
-Only DENSE tensor-core peaks are MFU denominators (DESIGN.md): the 1979 / 3958 TFLOP/s H100 figures
-are with 2:4 structured sparsity and never appear here. Nothing is guessed: a device or precision
+Only DENSE tensor-core peaks are MFU denominators (docs/layout.md, "Numbers are honest"): the 1979 / 3958 TFLOP/s
+H100 figures are with 2:4 structured sparsity and never appear here. Nothing is guessed: a device or precision
 without a datasheet number in this table gets ``None`` and MFU is reported as null.
 """
 
