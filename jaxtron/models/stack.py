@@ -160,6 +160,24 @@ def _periods(tree: Any, per: int, first: int, end: int, whole: bool) -> Any:
     return jax.tree.map(lambda a: a[first * per:end * per].reshape(end - first, per, *a.shape[1:]), tree)
 
 
+def group_slices(cfg: ModelConfig, execution: ExecutionConfig, dense_state: Any, moe_state: Any,
+                 whole: bool = False):
+    """Each layer group (``layer_groups``) with its share of the stacks ``dense_state`` and ``moe_state`` (their
+    parameters, or anything stacked as they are: a decode's caches): a prefix group's dense blocks [blocks, ...], or
+    a stacked group's periods (dense [periods, per, ...] or [periods, ...], MoE [periods, ...]; ``_periods``).
+    ``whole``: a group of every period takes the stacks as stored."""
+    prefix, period = cfg.prefix_layers, cfg.period
+    dense_per_period = period - 1 if cfg.moe.num_experts else 1
+    for group in layer_groups(cfg, execution):
+        if group.prefix:
+            yield group, jax.tree.map(lambda a, g=group: a[g.first:g.end], dense_state)
+            continue
+        first, end = (group.first - prefix) // period, (group.end - prefix) // period
+        every = whole and (first, end) == (0, cfg.stack_periods)
+        yield group, (_periods(dense_state, dense_per_period, first, end, every),
+                      _periods(moe_state, 1, first, end, every))
+
+
 def run_stack(cfg: ModelConfig, execution: ExecutionConfig, dense: nnx.Module | None, moe: nnx.Module | None,
               x: jax.Array, extras: tuple, runner: StackRunner | None = None) -> tuple[jax.Array, Stats]:
     """Runs the dense and MoE stacks (stacked modules or None) on the residual stream ``x``: the prefix, then the
@@ -168,20 +186,14 @@ def run_stack(cfg: ModelConfig, execution: ExecutionConfig, dense: nnx.Module | 
     axis in block order (empty for a dense model)."""
     dense_def, dense_state = nnx.split(dense) if dense is not None else (None, None)
     moe_def, moe_state = nnx.split(moe) if moe is not None else (None, None)
-    prefix, period = cfg.prefix_layers, cfg.period
-    dense_per_period = period - 1 if cfg.moe.num_experts else 1
+    dense_per_period = cfg.period - 1 if cfg.moe.num_experts else 1
     stats = []
     scan = functools.partial(scan_stack, unroll=not execution.scan_layers)
-    for group in layer_groups(cfg, execution):
+    for group, periods in group_slices(cfg, execution, dense_state, moe_state, whole=True):
         dense_fn = _block_fn(dense_def, group.fp8, execution.remat)
         if group.prefix:
-            blocks = jax.tree.map(lambda a, g=group: a[g.first:g.end], dense_state)
-            x, _ = scan(lambda h, block, ex, f=dense_fn: f(h, block, *ex), x, blocks, extras)
+            x, _ = scan(lambda h, block, ex, f=dense_fn: f(h, block, *ex), x, periods, extras)
             continue
-        first, end = (group.first - prefix) // period, (group.end - prefix) // period
-        whole = (first, end) == (0, cfg.stack_periods)
-        periods = (_periods(dense_state, dense_per_period, first, end, whole),
-                   _periods(moe_state, 1, first, end, whole))
         body = functools.partial(_period, dense_fn, _block_fn(moe_def, group.fp8, execution.remat), dense_per_period)
         x, group_stats = (runner or scan)(body, x, periods, extras)
         stats.append(group_stats)
@@ -200,26 +212,20 @@ def decode_stack(cfg: ModelConfig, execution: ExecutionConfig, dense: nnx.Module
     holds each stack's block caches stacked as its parameters are; -> (the stack's output, the new cache)."""
     dense_def, dense_state = nnx.split(dense) if dense is not None else (None, None)
     moe_def, moe_state = nnx.split(moe) if moe is not None else (None, None)
-    prefix, period = cfg.prefix_layers, cfg.period
-    dense_per_period = period - 1 if cfg.moe.num_experts else 1
+    dense_per_period = cfg.period - 1 if cfg.moe.num_experts else 1
     pieces: dict[str, list] = {"layers": [], "moe_layers": []}
 
     def block_fn(graphdef, fp8):
         return lambda h, block, c: nnx.merge(graphdef, block).decode(h, positions, c, fp8)
 
-    for group in layer_groups(cfg, execution):
+    cache_slices = group_slices(cfg, execution, cache.get("layers"), cache.get("moe_layers"))
+    for (group, params), (_, caches) in zip(group_slices(cfg, execution, dense_state, moe_state), cache_slices,
+                                            strict=True):
         dense_fn = block_fn(dense_def, group.fp8)
         if group.prefix:
-            blocks, caches = (jax.tree.map(lambda a, g=group: a[g.first:g.end], t) for t in (dense_state,
-                                                                                               cache["layers"]))
-            x, c = jax.lax.scan(lambda h, bc, f=dense_fn: f(h, *bc), x, (blocks, caches))
+            x, c = jax.lax.scan(lambda h, bc, f=dense_fn: f(h, *bc), x, (params, caches))
             pieces["layers"].append(c)
             continue
-        first, end = (group.first - prefix) // period, (group.end - prefix) // period
-        params = (_periods(dense_state, dense_per_period, first, end, False),
-                  _periods(moe_state, 1, first, end, False))
-        caches = (_periods(cache.get("layers"), dense_per_period, first, end, False),
-                  _periods(cache.get("moe_layers"), 1, first, end, False))
         moe_fn = block_fn(moe_def, group.fp8)
 
         def one_period(h, pc, dense_fn=dense_fn, moe_fn=moe_fn):
