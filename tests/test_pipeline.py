@@ -270,6 +270,7 @@ def test_experts_in_pipeline_stages_train_like_one_device(moe_one_device, tmp_pa
 
 
 @pytest.mark.slow
+@pytest.mark.extended  # the pipeline's equality with one device on one more family (the first tier: Llama, MoE)
 def test_deepseek_trains_pipelined_like_one_device(tmp_path, deepseek_one_device):
     """DeepSeek-style: latent attention, a dense first block and a prediction module (both outside the
     schedule, whole on every stage), three MoE blocks on 2 stages x 2 virtual stages (stored stage-major, an

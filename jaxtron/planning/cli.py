@@ -280,7 +280,7 @@ def compile_report(cfg, row, choice, n: int, gpu_name: str, gpu, hlo_path: str |
                               f"is {n}; make the sizes multiply to {n}.")
         cfg = choose_remat(with_mesh(cfg, sizes), sizes, gpu)[0]  # remat 'auto' resolved as a run would
     on_target = gpu_name in target.TARGETS and target.plugin_installed()
-    what = f"row {rank} ({_layout_text(row.estimate, True)})" if row is not None else f"{_mesh_text(sizes)} (no row)"
+    what = f"row {rank} ({_layout_text(row.estimate, True)})" if row is not None else _mesh_text(sizes)
     result, found = _compiled(cfg, sizes, n, gpu_name, gpu, hlo_path, on_target, what)
     est = estimate(cfg, sizes, gpu, cpu_program=not on_target)
     return _compared(cfg, sizes, n, gpu_name if on_target else "cpu", est, result, found,
