@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Mapping, Sequence
+import types
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -62,15 +63,40 @@ RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     ("optimizer_state", ("data", "fsdp", "sequence", "expert")),
 )
 
-_RULES = dict(RULES)
+# read-only: a test that tries another rule replaces the whole table (``logical_to_spec``'s cache follows it)
+_RULES = types.MappingProxyType(dict(RULES))
 
 BATCH_AXES = ("activation_batch", "activation_length")
 # layout of a row's tokens over the shards of ``activation_length`` (see ``sequence_order``)
 SEQUENCE_LAYOUT = "zigzag"
 
 
+_specs: dict[tuple, PartitionSpec] = {}  # logical_to_spec's answers for the table ``_specs_of``
+_specs_of: Mapping | None = None
+_epoch = 0
+
+
+def rules_epoch() -> int:
+    """A number that changes whenever the rules table is replaced: what is remembered of its answers keys on it."""
+    global _specs_of, _epoch
+    if _specs_of is not _RULES:
+        _specs.clear()
+        _specs_of, _epoch = _RULES, _epoch + 1
+    return _epoch
+
+
 def logical_to_spec(names: Sequence[str | None]) -> PartitionSpec:
-    """PartitionSpec for an array whose dimensions carry the given logical names."""
+    """PartitionSpec for an array whose dimensions carry the given logical names (remembered: the planner asks
+    millions of times)."""
+    rules_epoch()
+    key = (tuple(names), AXES_TAKEN.get(), BATCH_OVER_STAGES.get())
+    spec = _specs.get(key)
+    if spec is None:
+        spec = _specs[key] = _logical_to_spec(key[0])
+    return spec
+
+
+def _logical_to_spec(names: tuple[str | None, ...]) -> PartitionSpec:
     used: set[str] = set(AXES_TAKEN.get())
     spec = []
     for name in names:
@@ -163,22 +189,24 @@ def sequence_order(length: int, shards: int, layout: str = SEQUENCE_LAYOUT) -> n
     return np.concatenate([np.concatenate([chunks[i], chunks[2 * shards - 1 - i]]) for i in range(shards)])
 
 
+def constrained(x: Any, spec: Callable[[], PartitionSpec]) -> Any:
+    """``x`` constrained to ``spec()``, read on a mesh only: every ``constrain_*`` helper is a no-op without one
+    (one device, or code traced outside ``jax.set_mesh``)."""
+    if jax.sharding.get_abstract_mesh().empty:
+        return x
+    return jax.lax.with_sharding_constraint(x, spec())
+
+
 def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
     """Constrains an activation to the sharding its logical names map to (no-op without a mesh)."""
-    mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty:
-        return x
-    return jax.lax.with_sharding_constraint(x, logical_to_spec(names))
+    return constrained(x, lambda: logical_to_spec(names))
 
 
 def constrain_leading(x: jax.Array, name: str) -> jax.Array:
     """Constrains only the first dimension to the mesh axes of the logical name ``name``; the sharding of the
     others is left to XLA (no-op without a mesh)."""
-    mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty:
-        return x
-    spec = PartitionSpec(logical_to_spec((name,))[0], *(PartitionSpec.UNCONSTRAINED,) * (x.ndim - 1))
-    return jax.lax.with_sharding_constraint(x, spec)
+    return constrained(x, lambda: PartitionSpec(logical_to_spec((name,))[0],
+                                                *(PartitionSpec.UNCONSTRAINED,) * (x.ndim - 1)))
 
 
 def constrain_stages(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
@@ -227,12 +255,10 @@ def row_groups(params: Any, sizes: Mapping[str, int], whole: bool = False) -> tu
 def constrain_groups(x: jax.Array, groups: Sequence[str], names: Sequence[str | None]) -> jax.Array:
     """Constrains a [groups, *names] array: its first dimension over the mesh axes ``groups``, the others as their
     logical ``names`` say (no-op without a mesh)."""
-    mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty:
-        return x
-    with axes_taken(groups):
-        rest = logical_to_spec(names)
-    return jax.lax.with_sharding_constraint(x, PartitionSpec(tuple(groups) or None, *rest))
+    def spec():
+        with axes_taken(groups):
+            return PartitionSpec(tuple(groups) or None, *logical_to_spec(names))
+    return constrained(x, spec)
 
 
 def whole_over_batch(names: Sequence[str | None]) -> PartitionSpec:
@@ -251,10 +277,7 @@ def whole_over_batch(names: Sequence[str | None]) -> PartitionSpec:
 
 def constrain_whole_over_batch(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
     """Constrains ``x`` to ``whole_over_batch(names)`` (no-op without a mesh)."""
-    mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty:
-        return x
-    return jax.lax.with_sharding_constraint(x, whole_over_batch(names))
+    return constrained(x, lambda: whole_over_batch(names))
 
 
 def constrain_stage_groups(x: jax.Array, groups: Sequence[str], names: Sequence[str | None],
@@ -262,14 +285,12 @@ def constrain_stage_groups(x: jax.Array, groups: Sequence[str], names: Sequence[
     """Constrains a [stages, groups, ..., *names] array: its first dimension over the mesh axes of ``stages``,
     its second over the mesh axes ``groups`` (rows that a vmap keeps apart, see ``axes_taken``), its last ones as
     their logical ``names`` say (``whole``: ``whole_over_batch``), those between whole (no-op without a mesh)."""
-    mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty:
-        return x
-    with axes_taken(groups):
-        middle = (None,) * (x.ndim - 2 - len(names))
-        rest = PartitionSpec(*middle, *whole_over_batch(names)) if whole else logical_to_spec((*middle, *names))
-    stages = logical_to_spec(("stages",))[0]
-    return jax.lax.with_sharding_constraint(x, PartitionSpec(stages, tuple(groups) or None, *rest))
+    def spec():
+        with axes_taken(groups):
+            middle = (None,) * (x.ndim - 2 - len(names))
+            rest = PartitionSpec(*middle, *whole_over_batch(names)) if whole else logical_to_spec((*middle, *names))
+        return PartitionSpec(logical_to_spec(("stages",))[0], tuple(groups) or None, *rest)
+    return constrained(x, spec)
 
 
 def is_variable(x: Any) -> bool:

@@ -21,6 +21,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jaxtron.common.trace_state import GATHER_FOR_USE
 from jaxtron.parallel.sharding import (
     constrain,
+    constrained,
     is_variable,
     logical_names,
     logical_to_spec,
@@ -104,11 +105,8 @@ def constrain_optimizer(tree: Any) -> Any:
 def constrain_gradient(x: jax.Array, names: Sequence[str | None], optimizer: bool = False) -> jax.Array:
     """Constrains a gradient (or an accumulator of them) of a parameter with these logical names to the parameter's
     sharding, or with ``optimizer`` to the distributed optimizer's (no-op without a mesh)."""
-    mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty:
-        return x
     if optimizer:
-        return jax.lax.with_sharding_constraint(x, optimizer_spec(names, x.shape, dict(mesh.shape)))
+        return constrained(x, lambda: optimizer_spec(names, x.shape, dict(jax.sharding.get_abstract_mesh().shape)))
     return constrain(x, names)
 
 

@@ -13,7 +13,7 @@ from flax import nnx
 from jaxtron.config.schema import ExecutionConfig, ModelConfig
 from jaxtron.models import build_model
 from jaxtron.models.lora import PROJECTIONS
-from jaxtron.parallel.sharding import logical_names, logical_to_spec
+from jaxtron.parallel.sharding import logical_names, logical_to_spec, rules_epoch
 from jaxtron.parallel.state_sharding import optimizer_spec
 
 _PROJECTION_WEIGHTS = frozenset(attribute for attribute, *_ in PROJECTIONS.values())
@@ -49,22 +49,32 @@ class Param:
     def shard_elements(self, sizes: Mapping[str, int], without: tuple[str, ...] = ()) -> int:
         """Elements one device holds (ceil division, as jax pads uneven shards); ``without``: mesh axes whose
         sharding is undone (e.g. 'fsdp' for the gathered weights)."""
-        total = 1
-        for dim, axes in zip(self.shape, logical_to_spec(self.names), strict=True):
-            axes = () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
-            ways = math.prod(sizes.get(a, 1) for a in axes if a not in without)
-            total *= -(-dim // ways)
-        return total
-
+        return _shard_elements(self, rules_epoch(), tuple(sorted(sizes.items())), tuple(without))
 
     def optimizer_elements(self, sizes: Mapping[str, int]) -> int:
         """Elements one device holds of each of this parameter's AdamW moments under the distributed optimizer
         (``jaxtron.parallel.state_sharding.optimizer_spec``)."""
-        total = 1
-        for dim, axes in zip(self.shape, optimizer_spec(self.names, self.shape, sizes), strict=True):
-            axes = () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
-            total *= -(-dim // math.prod(sizes.get(a, 1) for a in axes))
-        return total
+        return _optimizer_elements(self, rules_epoch(), tuple(sorted(sizes.items())))
+
+
+# remembered (for the rules table of ``epoch``): the search asks each parameter's shard on each mesh many times
+# (every microbatch count, schedule, policy)
+@functools.lru_cache(maxsize=1 << 16)
+def _shard_elements(param: Param, epoch: int, sizes: tuple[tuple[str, int], ...], without: tuple[str, ...]) -> int:
+    sizes, total = dict(sizes), 1
+    for dim, axes in zip(param.shape, logical_to_spec(param.names), strict=True):
+        axes = () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
+        total *= -(-dim // math.prod(sizes.get(a, 1) for a in axes if a not in without))
+    return total
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _optimizer_elements(param: Param, epoch: int, sizes: tuple[tuple[str, int], ...]) -> int:
+    sizes, total = dict(sizes), 1
+    for dim, axes in zip(param.shape, optimizer_spec(param.names, param.shape, sizes), strict=True):
+        axes = () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
+        total *= -(-dim // math.prod(sizes.get(a, 1) for a in axes))
+    return total
 
 
 @functools.lru_cache(maxsize=8)

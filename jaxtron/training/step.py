@@ -17,9 +17,7 @@ from jaxtron.models import lora
 from jaxtron.parallel.sharding import (
     BATCH_AXES,
     constrain,
-    constrain_groups,
     constrain_params,
-    group_map,
     logical_names,
     row_groups,
 )
@@ -27,6 +25,7 @@ from jaxtron.parallel.state_sharding import constrain_optimizer
 from jaxtron.training.loss import Objective, loss_sums
 from jaxtron.training.optimizer import schedule_count
 from jaxtron.training.pipeline.fill_drain import split_rows
+from jaxtron.training.pipeline.row_groups import Groups
 from jaxtron.training.state import Setup, TrainState
 
 Batch = dict[str, jax.Array]
@@ -107,24 +106,21 @@ def gradients(setup: Setup, params: Any, batch: Batch):
 def _grouped_accumulation(grad_fn, params: Any, micro_batches: Batch, grads_shape: Any, groups: tuple[str, ...],
                           microbatches: int):
     """``gradients``' accumulation with each group of rows apart (``row_groups``): -> the same four values."""
-    mesh = jax.sharding.get_abstract_mesh()
-    g_ = int(np.prod([mesh.shape[a] for a in groups]))
+    rows = Groups(groups)
     names = [logical_names(v) for v in jax.tree.leaves(grads_shape, is_leaf=lambda x: isinstance(x, nnx.Variable))]
     treedef = jax.tree.structure(grads_shape)
 
-    def grouped(leaves):
-        return [constrain_groups(a, groups, n) for a, n in zip(leaves, names, strict=True)]
-
     def body(carry, micro):
         micro = {k: constrain(v, BATCH_AXES) for k, v in micro.items()}
-        split = jax.tree.map(lambda a: a.reshape(g_, a.shape[0] // g_, *a.shape[1:]), micro)
-        (_, (ce, count, _)), grads = group_map(lambda mb: grad_fn(params, batch=mb), groups)(split)
+        (_, (ce, count, _)), grads = rows.map(lambda mb: grad_fn(params, batch=mb), (0,), micro)
         acc, ce_sum, n_sum = carry
-        acc = grouped([a + g.astype(a.dtype) for a, g in zip(acc, jax.tree.leaves(grads), strict=True)])
+        acc = rows.constrained([a + g.astype(a.dtype) for a, g in zip(acc, jax.tree.leaves(grads), strict=True)],
+                               names)
         return (acc, ce_sum + jnp.sum(ce), n_sum + jnp.sum(count)), None
 
     zero = jnp.zeros((), jnp.float32)
-    init = (grouped([jnp.zeros((g_, *a.shape), a.dtype) for a in jax.tree.leaves(grads_shape)]), zero, zero)
+    init = (rows.constrained([jnp.zeros((rows.count, *a.shape), a.dtype) for a in jax.tree.leaves(grads_shape)],
+                             names), zero, zero)
     (acc, ce_sum, count), _ = jax.lax.scan(body, init, micro_batches)
     grads = jax.tree.unflatten(treedef, [jnp.sum(a, axis=0) for a in acc])  # the one sum over the groups
     return grads, ce_sum, count, {}

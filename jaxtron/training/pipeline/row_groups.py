@@ -21,27 +21,21 @@ from jaxtron.parallel.sharding import (
 from jaxtron.parallel.state_sharding import constrain_gathered_gradients
 
 
-class RowGroups:
-    """The weight gradients' sums over the data-parallel rows wait for the end of the step. A stage's backward,
-    the head's and the embedding's run each device's rows as a group of their own (``sharding.row_groups``), so no
-    iteration sums their weight gradients over those axes; the accumulators keep one sum per group and the loop's
-    end adds them (one reduction a step where every iteration had one). Left out: axes that also split a weight
-    (fsdp, expert: their gradients are reduce-scattered per iteration; with the stages' weights gathered once,
-    every axis of the rows), and MoE stacks (their balancing losses couple the rows of a microbatch)."""
+class Groups:
+    """Each device's rows along the mesh axes ``groups`` (``sharding.row_groups``) as a group of their own: a
+    function mapped over the groups (``map``) makes one result per group, and gradients summed per group need no
+    sum over those axes until the groups' results are added, once (the train step's microbatches, the 1F1B
+    schedule's iterations)."""
 
-    def __init__(self, params: Any, periods: Any, schedule, mesh, moe: bool):
-        is_var = lambda x: isinstance(x, nnx.Variable)
-        self.gather_once = schedule.gather_once
-        self.stack_names = [logical_names(v)[1:] for v in jax.tree.leaves(periods, is_leaf=is_var)]
-        self.groups = () if mesh.empty or moe else row_groups(params, dict(mesh.shape), schedule.gather_once)
+    def __init__(self, groups: tuple[str, ...]):
+        mesh = jax.sharding.get_abstract_mesh()
+        self.groups = tuple(groups)
         self.count = int(np.prod([mesh.shape[a] for a in self.groups])) if self.groups else 1
-        self.param_names = [logical_names(v) for v in jax.tree.leaves(params, is_leaf=is_var)]
-        self.in_stack = [names[:1] == ("layers",) for names in self.param_names]
-        self.params_def = jax.tree.structure(params)
-        self.param_leaves = jax.tree.leaves(params)
-        # the head's and the embedding's backward differentiate the parameters outside the stack only (a gradient
-        # for the stack, zeros, would be made whole and carried through the groups' vmap)
-        self.rest_leaves = [a for a, staged in zip(self.param_leaves, self.in_stack, strict=True) if not staged]
+
+    def constrained(self, leaves, names):
+        """Per-group accumulators [G, ...] of arrays with these logical ``names``, their group dimension over the
+        groups' axes."""
+        return [constrain_groups(a, self.groups, n) for a, n in zip(leaves, names, strict=True)]
 
     def split(self, a, axis=0):
         """[..., b, ...] -> [G, ..., b / G, ...]: each group's rows (the rows' dimension at ``axis``)."""
@@ -59,6 +53,28 @@ class RowGroups:
         args = [a if axis in (None, "grouped") else jax.tree.map(lambda x, axis=axis: self.split(x, axis), a)
                 for a, axis in zip(args, in_axes, strict=True)]
         return group_map(fn, self.groups, tuple(None if axis is None else 0 for axis in in_axes))(*args)
+
+
+class RowGroups(Groups):
+    """The weight gradients' sums over the data-parallel rows wait for the end of the step. A stage's backward,
+    the head's and the embedding's run each device's rows as a group of their own (``sharding.row_groups``), so no
+    iteration sums their weight gradients over those axes; the accumulators keep one sum per group and the loop's
+    end adds them (one reduction a step where every iteration had one). Left out: axes that also split a weight
+    (fsdp, expert: their gradients are reduce-scattered per iteration; with the stages' weights gathered once,
+    every axis of the rows), and MoE stacks (their balancing losses couple the rows of a microbatch)."""
+
+    def __init__(self, params: Any, periods: Any, schedule, mesh, moe: bool):
+        is_var = lambda x: isinstance(x, nnx.Variable)
+        self.gather_once = schedule.gather_once
+        self.stack_names = [logical_names(v)[1:] for v in jax.tree.leaves(periods, is_leaf=is_var)]
+        super().__init__(() if mesh.empty or moe else row_groups(params, dict(mesh.shape), schedule.gather_once))
+        self.param_names = [logical_names(v) for v in jax.tree.leaves(params, is_leaf=is_var)]
+        self.in_stack = [names[:1] == ("layers",) for names in self.param_names]
+        self.params_def = jax.tree.structure(params)
+        self.param_leaves = jax.tree.leaves(params)
+        # the head's and the embedding's backward differentiate the parameters outside the stack only (a gradient
+        # for the stack, zeros, would be made whole and carried through the groups' vmap)
+        self.rest_leaves = [a for a, staged in zip(self.param_leaves, self.in_stack, strict=True) if not staged]
 
     def as_weights(self, grads, names):
         """The gradients the conditional backward makes, reduce-scattered there over fsdp
