@@ -168,7 +168,7 @@ class Checkpointer:
         if step is None:
             if not steps:
                 return None
-            if damaged == [(steps[-1], integrity.NO_MANIFEST)] and len(steps) == 1:
+            if damaged == [(steps[-1], integrity.NO_MANIFEST)]:
                 # the one save was cut before its checksums: as if never made (kept aside), the run starts anew
                 self._move_aside([steps[-1]])
                 return None

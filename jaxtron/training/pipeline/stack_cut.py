@@ -50,8 +50,8 @@ class Replace:
 
 
 class CutModel:
-    """The train step's loss cut at the layer stack, one microbatch at a time: ``pre`` up to the stack, ``post``
-    from it (``stack_cut.py``), with the objective's weights of the whole batch."""
+    """The train step's loss cut at the layer stack, one microbatch at a time: ``pre`` up to the stack (``Capture``),
+    ``post`` from it (``Replace``), with the objective's weights of the whole batch."""
 
     def __init__(self, setup, params: Any, batch: Batch):
         self.setup = setup
