@@ -151,15 +151,20 @@ def _compile_on_target(*overrides: str, gpus: int = 1, config: str = "configs/de
         "from jaxtron.metrics.kernels import kernels, float8_operands\n"
         "from jaxtron.metrics.collectives import collective_bytes\n"
         "from jaxtron.metrics.hlo import runs_per_execution\n"
+        "from jaxtron.metrics import budget, overlap\n"
+        "from jaxtron.planning.gpus import GPUS\n"
         "cfg = load_config(sys.argv[1], [tuple(a.split('=', 1)) for a in sys.argv[3:]])\n"
         "result, text = dry_run_on_target(cfg, 'h100', int(sys.argv[2]))\n"
         "comps, runs = runs_per_execution(text)\n"
         "f32_gathers = sum(collective_bytes(l, {}) * runs.get(name, 0) for name, lines in comps.items()\n"
         "                  for l in lines if 'all-gather-start(' in l and ('= ((f32[' in l or '= (f32[' in l))\n"
+        "found = overlap.windows(text, budget.H100)\n"
+        "exchanges = {name: overlap.summary(found, getattr(GPUS['h100'], name + '_bandwidth'))['exchanges']\n"
+        "             for name in ('nvlink', 'network')}\n"
         "print(json.dumps(dict(peak=result.peak_bytes, kernels=kernels(text), f8=float8_operands(text),\n"
         "                      collectives={k: v['count'] for k, v in result.collectives.items()},\n"
         "                      collective_bytes={k: v['bytes'] for k, v in result.collectives.items()},\n"
-        "                      f32_gather_bytes=f32_gathers, flops=result.flops)))\n")
+        "                      f32_gather_bytes=f32_gathers, flops=result.flops, exchanges=exchanges)))\n")
     out = subprocess.run([sys.executable, "-c", code, f"{REPO}/{config}", str(gpus), *overrides], cwd=REPO,
                          env=target.environment(), capture_output=True, text=True, timeout=600, check=False)
     assert out.returncode == 0, out.stderr[-3000:]
@@ -340,6 +345,40 @@ def test_meshes_of_16_to_64_gpus_compile_with_the_attention_a_gpu_run_picks(axis
         assert per_exchange == 128 * 2 * 128 * 2, got
     if axis == "pipeline":
         assert got["kernels"]["__cudnn$fmhaSoftmax"] == got["kernels"]["__cudnn$fmhaSoftmaxBackward"] == 1, got
+
+
+OVERLAP_CASES = {  # name -> (config, GPUs, overrides): MoE blocks whose experts are split over 8 GPUs
+    "mixtral_8x7b": ("mixtral_8x7b", 8, ["model.num_layers=2", "train.global_batch_size=8", "mesh.fsdp=1"]),
+    "mixtral_8x7b-4chunks": ("mixtral_8x7b", 8, ["model.num_layers=2", "train.global_batch_size=8", "mesh.fsdp=1",
+                                                 "execution.moe_chunks=4"]),
+    "deepseek_v3": ("deepseek_v3", 16, ["model.num_layers=4", "train.global_batch_size=16", "mesh.fsdp=2",
+                                        "mesh.expert=8"]),
+}
+
+
+@needs_plugin
+@pytest.mark.slow
+@pytest.mark.parametrize("case", sorted(OVERLAP_CASES))
+def test_moe_exchanges_run_beside_gemms_at_least_as_the_planner_assumes_on_the_h100(case):
+    """With XLA's latency-hiding scheduler (models/moe.py COMPILER_OPTIONS), the H100 program runs some of every
+    MoE program's exchanges beside GEMMs, and the kernels between their starts and dones hide at least the share
+    of their transfer time that the planner takes as hidden (planning/step_time.py EXCHANGES_HIDDEN), at the
+    network's bandwidth as at NVLink's (jaxtron.metrics.overlap prices the kernels by the step's budget). The
+    planner's exchange bytes are the program's: the routed rows, in three passes (forward, recompute, backward)."""
+    from jaxtron.config.loader import load_config
+    from jaxtron.planning.estimate import estimate
+    from jaxtron.planning.gpus import GPUS
+    from jaxtron.planning.step_time import EXCHANGES_HIDDEN
+
+    config, gpus, overrides = OVERLAP_CASES[case]
+    got = _compile_on_target(*overrides, gpus=gpus, config=f"configs/{config}.py")
+    for bandwidth, exchanges in got["exchanges"].items():
+        assert exchanges["count"] >= 6 and exchanges["beside_gemms"] >= 2, (bandwidth, exchanges)
+        assert exchanges["hidden_share"] >= EXCHANGES_HIDDEN, (bandwidth, exchanges)
+    cfg = load_config(f"{REPO}/configs/{config}.py", [tuple(o.split("=", 1)) for o in overrides])
+    sizes = {axis: getattr(cfg.mesh, axis) for axis in ("pipeline", "data", "fsdp", "sequence", "expert", "tensor")}
+    planned = estimate(cfg, sizes, GPUS["h100"]).collectives["all-to-all"]
+    assert abs(planned / got["collective_bytes"]["ragged-all-to-all"] - 1) < 0.05, (planned, got["collective_bytes"])
 
 
 @needs_plugin

@@ -629,3 +629,14 @@ def test_router_bias_moves_the_load_toward_balance_without_gradients():
     assert np.mean(balanced[10:]) < 1.5 and np.mean(skewed[10:]) > 1.9
     # no gradient, weight decay or optimizer moment moves the bias: only the balancing rule does
     assert np.all(np.asarray(untouched) == 0) and np.asarray(bias)[:, 0].max() < -0.1
+
+
+@pytest.mark.parametrize("mode, exchange", [("dropless", "padded"), ("dropless", "ragged"), ("capacity", "auto")])
+def test_experts_run_in_chunks_equal_one_chunk(mode, exchange):
+    """execution.moe_chunks only splits each device's tokens into runs through the experts, whose exchanges overlap
+    the other chunks' GEMMs on a GPU: outputs and gradients equal one chunk's (dropless chunks of the flattened
+    tokens, capacity chunks of whole rows, on a mesh that also splits the experts' width over tensor)."""
+    want, got = _loss_and_grads_under([ExecutionConfig(moe_mode=mode, moe_exchange=exchange, moe_chunks=c)
+                                       for c in (1, 2)], "fsdp2_expert2_tensor2", 6)
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-6)

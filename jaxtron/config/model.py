@@ -299,6 +299,9 @@ class ExecutionConfig:
     # dropless with expert parallelism: each device's receive buffer holds this many times its own routed rows
     # (rows past it are dropped and counted); 0 sizes it for the worst case, every peer's rows, and drops nothing
     moe_receive_factor: float = 0.0
+    # each device's tokens run through the experts in this many chunks, so that one chunk's exchanges may run beside
+    # another's expert GEMMs (models/moe.py; what XLA's scheduler makes of it: benchmarks/moe_overlap.md)
+    moe_chunks: int = 1
 
     def __post_init__(self):
         _choice(self.dtype, "execution.dtype", COMPUTE_DTYPES)
@@ -311,6 +314,7 @@ class ExecutionConfig:
         _choice(self.expert_gemm, "execution.expert_gemm", ("auto", "xla", "tokamax"))
         _choice(self.moe_exchange, "execution.moe_exchange", ("auto", "padded", "ragged"))
         _non_negative(self.moe_receive_factor, "execution.moe_receive_factor")
+        _positive(self.moe_chunks, "execution.moe_chunks")
         _check(not (self.moe_receive_factor and self.moe_exchange == "padded"), "execution.moe_receive_factor",
                f"({self.moe_receive_factor}) sizes the ragged exchange's receive buffers, and "
                "execution.moe_exchange is 'padded'", "set execution.moe_exchange to 'auto' or 'ragged'")

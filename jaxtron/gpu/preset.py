@@ -41,6 +41,9 @@ PROGRAM_OPTIONS: dict[str, tuple[str, str]] = {
     "jaxtron/ops/fp8.py COMPILER_OPTIONS, with execution.fp8": (
         "xla_gpu_enable_triton_gemm=False, xla_disable_hlo_passes=dot-merger",
         "the default model's 21 block GEMMs take float8 operands on the H100 target with them, none without"),
+    "jaxtron/models/moe.py COMPILER_OPTIONS, with the experts split over devices": (
+        "xla_gpu_enable_latency_hiding_scheduler=True",
+        "Mixtral 8x7B's exchanges (expert=8) run beside the other token chunk's expert GEMMs with it, none without"),
     "jaxtron/gpu/target.py DEVICELESS_FLAGS, compiles without a GPU only": (
         "--xla_gpu_deviceless_cub_mode=DEVICELESS_CUB_DISABLED",
         "MoE routing's sort otherwise asks CUB for a device and XLA aborts the compile"),

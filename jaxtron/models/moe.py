@@ -28,6 +28,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -44,6 +46,19 @@ TOKEN_AXES = ("activation_batch", "activation_length", "activation_embed")
 ROUTE_AXES = ("activation_batch", "activation_length", None)
 GATE_UP_AXES = ("experts", "embed", "mlp")
 DOWN_AXES = ("experts", "mlp", "embed")
+
+
+# The XLA options of a program whose MoE blocks exchange rows between devices. XLA's GPU compiler schedules without
+# its latency-hiding scheduler unless told, and the scheduler it uses instead put no GEMM between the start and the
+# done of any exchange of Mixtral 8x7B's blocks (expert=8, H100 target, two token chunks); with this option the
+# exchanges of the backward pass and of some chunks run beside GEMMs (benchmarks/moe_overlap.md,
+# tests/test_gpu_target.py).
+COMPILER_OPTIONS = {"xla_gpu_enable_latency_hiding_scheduler": True}
+
+
+def compiler_options(cfg: ModelConfig, expert_shards: int) -> dict[str, object]:
+    """The XLA options of a program of this model whose experts are split ``expert_shards`` ways."""
+    return dict(COMPILER_OPTIONS) if cfg.moe.num_experts and expert_shards > 1 else {}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -167,6 +182,7 @@ class ExpertRun:
     receive_factor: float = 0.0  # dropless receive buffers: 0 the worst case, else this many times the routed rows
     fp8: bool = False  # the expert GEMMs in FP8, each expert's weights with their own scale: capacity mode's batched
     # ones (ops/fp8.py), dropless mode's grouped ones (ops/grouped_fp8.py)
+    chunks: int = 1  # each device's tokens run through the experts in this many chunks (``_chunk_rows``)
 
 
 def _swiglu_grouped(rows: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array,
@@ -196,55 +212,106 @@ def experts_local(x: jax.Array, ids: jax.Array, weights: jax.Array, gate: jax.Ar
 
     x [b, t, d], ids/weights [b, t, k] (id ``num_experts`` = dropped); gate/up [E_local, d_shard, f_shard],
     down [E_local, f_shard, d_shard]. ``row_capacity``: slots per expert and row (capacity mode) or None
-    (dropless). ``run``: the kernels, exchange and precision. -> (outputs [b, t, d], how many of this device's
-    assignments a full receive buffer dropped).
+    (dropless). ``run``: the kernels, exchange, precision and chunks. -> (outputs [b, t, d], how many of this
+    device's assignments a full receive buffer dropped).
     """
     axes = axes or ExpertAxes((), (), ())
     b, t, d = x.shape
+    k = ids.shape[-1]
     if axes.embed:  # weights gathered to their whole hidden width (their gradients are reduce-scattered back)
         gate, up = (jax.lax.all_gather(w, axes.embed, axis=1, tiled=True) for w in (gate, up))
         down = jax.lax.all_gather(down, axes.embed, axis=2, tiled=True)
     ep = jax.lax.axis_size(axes.experts) if axes.experts else 1  # expert shards
-    dropped = jnp.zeros((), jnp.float32)
-    if row_capacity is None:
-        out, dropped = _dropless(x.reshape(b * t, d), ids.reshape(-1), gate, up, down, num_experts, axes.experts,
-                                 ep, run)
-    else:
-        out = _with_capacity(x, ids, gate, up, down, num_experts, min(row_capacity, t), axes.experts, ep, run.fp8)
-    out = out.reshape(b * t, ids.shape[-1], d)  # [token, choice, d]
-    y = jnp.einsum("nkd,nk->nd", out, weights.reshape(b * t, -1).astype(out.dtype))
-    if axes.mlp:
-        y = jax.lax.psum(y, axes.mlp)  # each shard computed its slice of the intermediate width
-    return y.reshape(b, t, d), dropped
+    chunks = _chunk_rows(b, t, run.chunks, row_capacity)
+    n = b * t
+    parts, stages = [], []
+    for rows in chunks:
+        if row_capacity is None:  # the chunk's tokens, flattened
+            part = (x.reshape(n, d)[rows], ids.reshape(n, k)[rows], weights.reshape(n, k)[rows])
+            stages.append(_dropless(part[0], part[1].reshape(-1), gate, up, down, num_experts, axes.experts, ep,
+                                    run))
+        else:  # capacity mode's slots are per batch row: the chunk's rows, whole
+            part = (x[rows], ids[rows], weights[rows])
+            stages.append(_with_capacity(*part[:2], gate, up, down, num_experts, min(row_capacity, t),
+                                         axes.experts, ep, run.fp8))
+        parts.append(part)
+    ys, dropped = [], jnp.zeros((), jnp.float32)
+    for part, (out, lost) in zip(parts, _overlapped(stages), strict=True):
+        tokens = part[2].size // k
+        y = jnp.einsum("nkd,nk->nd", out.reshape(tokens, k, d), part[2].reshape(tokens, k).astype(out.dtype))
+        ys.append(jax.lax.psum(y, axes.mlp) if axes.mlp else y)  # each shard computed its slice of the width
+        dropped = dropped + lost
+    return jnp.concatenate(ys).reshape(b, t, d), dropped
+
+
+def _chunk_rows(b: int, t: int, chunks: int, row_capacity: int | None) -> list[slice]:
+    """The slices of one device's tokens that run through the experts one after another (``execution.moe_chunks``):
+    each chunk's exchanges are independent of the others' expert GEMMs, so they can overlap. Dropless chunks split
+    the flattened tokens, capacity chunks the batch rows (their slots are per row); a count that does not divide
+    them is lowered to one that does."""
+    n = b * t if row_capacity is None else b
+    chunks = max(c for c in range(1, min(chunks, n) + 1) if n % c == 0)
+    return [slice(i * n // chunks, (i + 1) * n // chunks) for i in range(chunks)]
+
+
+class Stages(NamedTuple):
+    """One chunk's way through the experts, its bookkeeping (sorting, the exchange's layout) already done: ``send``
+    the rows to the expert shards, ``compute`` the local experts on what arrived, ``finish``: the outputs home
+    -> (outputs [assignments, d] in assignment order, assignments a full receive buffer dropped)."""
+    send: Callable[[], Any]
+    compute: Callable[[Any], Any]
+    finish: Callable[[Any], tuple[jax.Array, jax.Array]]
+
+
+def _overlapped(stages: list[Stages]) -> list[tuple[jax.Array, jax.Array]]:
+    """Runs the chunks' stages in the order that overlaps them: the next chunk's send, this chunk's experts, the
+    previous chunk's way home. Nothing ties one chunk's exchanges to another's kernels, so the scheduler (XLA's
+    latency-hiding scheduler on a GPU, ``training/step.py``) may run each exchange beside the others' GEMMs; this
+    order is the one it settles on, written down for whatever reads the program in order."""
+    count = len(stages)
+    received, computed, finished = [None] * count, [None] * count, [None] * count
+    received[0] = stages[0].send()
+    for i in range(count):
+        if i + 1 < count:
+            received[i + 1] = stages[i + 1].send()
+        computed[i] = stages[i].compute(received[i])
+        if i:
+            finished[i - 1] = stages[i - 1].finish(computed[i - 1])
+    finished[-1] = stages[-1].finish(computed[-1])
+    return finished
 
 
 def _dropless(tokens, ids, gate, up, down, num_experts: int, expert_axes: tuple[str, ...], ep: int,
-              run: ExpertRun) -> tuple[jax.Array, jax.Array]:
-    """Assignments sorted by expert, one grouped GEMM (ragged_dot) per matrix; -> outputs [n * k, d] in
+              run: ExpertRun) -> Stages:
+    """Assignments sorted by expert, one grouped GEMM (ragged_dot) per matrix; the stages' outputs [n * k, d] in
     assignment order. With the experts split over ``expert_axes`` (``ep`` shards) each destination shard gets a
     buffer of all n * k rows (the worst case); the ragged exchange's receive buffers may be smaller
-    (``run.receive_factor``), and then -> also how many rows did not fit."""
+    (``run.receive_factor``), and then ``finish`` also says how many rows did not fit."""
     k = ids.shape[0] // tokens.shape[0]
     order = jnp.argsort(ids, stable=True)  # dropped ids (none in dropless mode) would sort last
     sorted_ids = ids[order]
     rows = tokens[order // k]
     counts = jnp.sum(jax.nn.one_hot(ids, num_experts, dtype=jnp.int32), axis=0)
-    dropped = jnp.zeros((), jnp.float32)
+    none = jnp.zeros((), jnp.float32)
     if ep == 1:
-        out_sorted = _swiglu_grouped(rows, gate, up, down, counts, run)
+        stages = Stages(lambda: rows, lambda r: _swiglu_grouped(r, gate, up, down, counts, run), lambda c: (c, none))
     elif run.exchange == "ragged":
         receive_rows = ep * rows.shape[0] if not run.receive_factor else \
             min(ep * rows.shape[0], math.ceil(run.receive_factor * rows.shape[0]))
-        out_sorted, dropped = _exchange_ragged(rows, counts, gate, up, down, expert_axes, ep, num_experts // ep,
-                                               run, receive_rows)
+        stages = _exchange_ragged(rows, counts, gate, up, down, expert_axes, ep, num_experts // ep, run,
+                                  receive_rows)
     else:
-        out_sorted = _exchange_sorted(rows, sorted_ids, counts, gate, up, down, expert_axes, ep, num_experts // ep,
-                                      run)
-    return out_sorted[jnp.argsort(order)], dropped
+        stages = _exchange_sorted(rows, sorted_ids, counts, gate, up, down, expert_axes, ep, num_experts // ep,
+                                  run)
+
+    def finish(computed):
+        out_sorted, dropped = stages.finish(computed)
+        return out_sorted[jnp.argsort(order)], dropped
+    return Stages(stages.send, stages.compute, finish)
 
 
 def _exchange_sorted(rows, sorted_ids, counts, gate, up, down, expert_axes: tuple[str, ...], ep: int,
-                     local_experts: int, run: ExpertRun):
+                     local_experts: int, run: ExpertRun) -> Stages:
     """Sends sorted rows to the expert shards that own their experts (a fixed buffer of all the rows per
     shard), runs the local experts on what arrives, and returns each row's output in the sorted order."""
     m, d = rows.shape
@@ -254,33 +321,37 @@ def _exchange_sorted(rows, sorted_ids, counts, gate, up, down, expert_axes: tupl
     slot = jnp.arange(m)
     valid = slot[None, :] < sent[:, None]  # [ep, m]
     send = jnp.where(valid[..., None], rows[jnp.where(valid, starts[:, None] + slot[None, :], 0)], 0)
-    recv = jax.lax.all_to_all(send, expert_axes, 0, 0, tiled=True)  # recv[j]: rows from shard j
     recv_counts = jax.lax.all_to_all(per_shard, expert_axes, 0, 0, tiled=True)  # [ep sources, local experts]
     # each source's rows arrive sorted by expert; regroup all of them by local expert for the grouped GEMM
     bounds = jnp.cumsum(recv_counts, axis=1)  # [ep, local_experts]
     local_id = jax.vmap(lambda bound: jnp.searchsorted(bound, slot, side="right"))(bounds)  # [ep, m]
     regroup = jnp.argsort(local_id.reshape(ep * m), stable=True)  # unused slots (id local_experts) last
-    computed = _swiglu_grouped(recv.reshape(ep * m, d)[regroup], gate, up, down, jnp.sum(recv_counts, 0), run)
-    back = computed[jnp.argsort(regroup)].reshape(ep, m, d)
-    back = jax.lax.all_to_all(back, expert_axes, 0, 0, tiled=True)  # back[j, s]: output of send[j, s]
-    shard = jnp.minimum(sorted_ids // local_experts, ep - 1)
-    index = jnp.clip(jnp.arange(m) - starts[shard], 0, m - 1)
-    return jnp.where((sorted_ids < local_experts * ep)[:, None], back[shard, index], 0)
+
+    def compute(recv):  # recv[j]: rows from shard j
+        computed = _swiglu_grouped(recv.reshape(ep * m, d)[regroup], gate, up, down, jnp.sum(recv_counts, 0), run)
+        return computed[jnp.argsort(regroup)].reshape(ep, m, d)
+
+    def finish(back):
+        back = jax.lax.all_to_all(back, expert_axes, 0, 0, tiled=True)  # back[j, s]: output of send[j, s]
+        shard = jnp.minimum(sorted_ids // local_experts, ep - 1)
+        index = jnp.clip(jnp.arange(m) - starts[shard], 0, m - 1)
+        out = jnp.where((sorted_ids < local_experts * ep)[:, None], back[shard, index], 0)
+        return out, jnp.zeros((), jnp.float32)
+    return Stages(lambda: jax.lax.all_to_all(send, expert_axes, 0, 0, tiled=True), compute, finish)
 
 
 def _exchange_ragged(rows, counts, gate, up, down, expert_axes: tuple[str, ...], ep: int, local_experts: int,
-                     run: ExpertRun, receive_rows: int):
+                     run: ExpertRun, receive_rows: int) -> Stages:
     """``_exchange_sorted`` moving only the routed rows (``ops/exchange.py``): each expert shard gets the rows of
     its experts, packed peer by peer into a buffer of ``receive_rows`` (the worst case: every row of every peer),
     runs its local experts on them and sends each output home to its place in the sorted order. Rows that do not
-    fit the receiver's buffer stay home with a zero output. -> (outputs, rows of this device that did not fit)."""
+    fit the receiver's buffer stay home with a zero output; ``finish`` counts this device's."""
     m = rows.shape[0]
     per_shard = counts.reshape(ep, local_experts)  # rows for each (destination shard, its local expert)
     matrix = jax.lax.all_gather(jnp.sum(per_shard, axis=1), expert_axes)  # [source, destination] row counts
     me = jax.lax.axis_index(expert_axes)
     sent = exchange.fit(matrix, receive_rows) if receive_rows < ep * m else matrix
     plan = exchange.layout(matrix, me, sent)
-    received = exchange.dispatch(rows, receive_rows, plan, expert_axes)  # peer by peer, then zeros
     recv_counts = jax.lax.all_to_all(per_shard, expert_axes, 0, 0, tiled=True)  # [source, local expert]
     # what arrived of each peer's chunk is its first rows: their counts per local expert
     arrived = jnp.minimum(jnp.cumsum(recv_counts, axis=1), plan.recv_sizes[:, None])
@@ -289,16 +360,22 @@ def _exchange_ragged(rows, counts, gate, up, down, expert_axes: tuple[str, ...],
     segment = jnp.searchsorted(jnp.cumsum(recv_counts.reshape(-1)), jnp.arange(receive_rows), side="right")
     local_id = jnp.where(segment < ep * local_experts, segment % local_experts, local_experts)  # unused: last
     regroup = jnp.argsort(local_id, stable=True)
-    computed = _swiglu_grouped(received[regroup], gate, up, down, jnp.sum(recv_counts, 0), run)
-    out = exchange.combine(computed[jnp.argsort(regroup)], m, plan, expert_axes)
-    return out, jnp.sum(matrix[me] - sent[me]).astype(jnp.float32)
+
+    def compute(received):  # peer by peer, then zeros
+        computed = _swiglu_grouped(received[regroup], gate, up, down, jnp.sum(recv_counts, 0), run)
+        return computed[jnp.argsort(regroup)]
+
+    def finish(computed):
+        out = exchange.combine(computed, m, plan, expert_axes)
+        return out, jnp.sum(matrix[me] - sent[me]).astype(jnp.float32)
+    return Stages(lambda: exchange.dispatch(rows, receive_rows, plan, expert_axes), compute, finish)
 
 
 def _with_capacity(x, ids, gate, up, down, num_experts: int, slots: int, expert_axes: tuple[str, ...],
-                   ep: int, fp8: bool) -> jax.Array:
+                   ep: int, fp8: bool) -> Stages:
     """Capacity mode: every expert has ``slots`` fixed places per local row; kept assignments are scattered
     into them, the slots of each expert shard are exchanged as one block, and each expert runs one dense
-    batched GEMM over its slots. -> outputs [b * t * k, d] in assignment order (zeros for dropped ones)."""
+    batched GEMM over its slots. The stages' outputs [b * t * k, d] in assignment order (zeros for dropped ones)."""
     b, t, d = x.shape
     k = ids.shape[-1]
     kept = ids < num_experts
@@ -311,14 +388,19 @@ def _with_capacity(x, ids, gate, up, down, num_experts: int, slots: int, expert_
     buffer = jnp.zeros((num_experts * b * slots, d), x.dtype).at[place].set(rows, mode="drop")
     local_experts = num_experts // ep
     buffer = buffer.reshape(ep, local_experts, b * slots, d)
-    if ep > 1:
-        buffer = jax.lax.all_to_all(buffer, expert_axes, 0, 0, tiled=True)  # [source shard, local expert, ...]
-    grouped = jnp.swapaxes(buffer, 0, 1).reshape(local_experts, ep * b * slots, d)
-    out = _swiglu_batched(grouped, gate, up, down, fp8).reshape(local_experts, ep, b * slots, d)
-    out = jnp.swapaxes(out, 0, 1)
-    if ep > 1:
-        out = jax.lax.all_to_all(out, expert_axes, 0, 0, tiled=True)  # back to the shard the rows came from
-    return out.reshape(num_experts * b * slots, d).at[place].get(mode="fill", fill_value=0)
+
+    def exchanged(blocks):  # [shard, local expert, ...] <-> [source shard, local expert, ...]
+        return jax.lax.all_to_all(blocks, expert_axes, 0, 0, tiled=True) if ep > 1 else blocks
+
+    def compute(received):
+        grouped = jnp.swapaxes(received, 0, 1).reshape(local_experts, ep * b * slots, d)
+        out = _swiglu_batched(grouped, gate, up, down, fp8).reshape(local_experts, ep, b * slots, d)
+        return jnp.swapaxes(out, 0, 1)
+
+    def finish(out):  # back to the shard the rows came from
+        out = exchanged(out).reshape(num_experts * b * slots, d)
+        return out.at[place].get(mode="fill", fill_value=0), jnp.zeros((), jnp.float32)
+    return Stages(lambda: exchanged(buffer), compute, finish)
 
 
 class MoE(nnx.Module):
@@ -362,7 +444,7 @@ class MoE(nnx.Module):
         execution = self.execution
         run = ExpertRun(grouped.resolve(execution.expert_gemm, fp8),
                         exchange.resolve(execution.moe_exchange, execution.moe_receive_factor),
-                        execution.moe_receive_factor, fp8)
+                        execution.moe_receive_factor, fp8, execution.moe_chunks)
         if jax.sharding.get_abstract_mesh().empty:
             return experts_local(x, ids, weights, gate, up, down, cfg.moe.num_experts, row_capacity, None, run)
         token_spec, route_spec = logical_to_spec(TOKEN_AXES), logical_to_spec(ROUTE_AXES)

@@ -200,15 +200,18 @@ def sequence_time(cfg: Config, shape: StepShape, block: BlockValues, coll: Colle
     return coll.ring("all-gather", "sequence", kv, (shape.forward_passes - 1) * block_calls)
 
 
-def expert_time(shape: StepShape, block: BlockValues, coll: Collectives) -> float:
+def expert_time(cfg: Config, shape: StepShape, block: BlockValues, coll: Collectives) -> float:
     """The MoE blocks' all-to-all exchanges over ``expert``: in dropless mode the routed rows alone (the ragged
-    exchange a GPU runs), in capacity mode the capacity slots."""
+    exchange a GPU runs), in capacity mode the capacity slots. Each block exchanges twice (rows out, outputs home)
+    in its forward pass and in its backward pass, and again when its forward is recomputed: under every remat policy
+    but 'none', since none of them saves an exchange's result (Mixtral's step compiled for the H100 with
+    save_dots_attention exchanges in three passes)."""
     if not (shape.moe_layers and shape.expert > 1):
         return 0.0
     exchange = block.moe_exchanged * block.embed * shape.work_bytes
     moe_blocks = shape.moe_layers // shape.stages * shape.busy + shape.outside_moe_layers / shape.spread
-    return coll.all_to_all("expert", exchange,
-                           2 * (shape.forward_passes - 1) * moe_blocks * shape.microbatches * shape.in_flight)
+    passes = 3 if cfg.execution.remat != "none" or shape.forward_passes > 3 else 2
+    return coll.all_to_all("expert", exchange, 2 * passes * moe_blocks * shape.microbatches * shape.in_flight)
 
 
 def pipeline_time(shape: StepShape, block: BlockValues, coll: Collectives) -> float:
@@ -243,6 +246,6 @@ def communication_time(cfg: Config, shape: StepShape, block: BlockValues, params
             "data_comm": data_time(cfg, shape, params, coll),
             "tensor_comm": tensor_time(shape, block, coll),
             "sequence_comm": sequence_time(cfg, shape, block, coll),
-            "expert_comm": expert_time(shape, block, coll),
+            "expert_comm": expert_time(cfg, shape, block, coll),
             "pipeline_comm": pipeline_time(shape, block, coll)}
     return time, coll.bytes

@@ -25,6 +25,7 @@ from jaxtron.planning.step_time import (
     EXPOSED,
     OVERLAPPED,
     compute_time,
+    expert_overlap,
     mfu_peak,
     model_flops,
     step_seconds,
@@ -99,6 +100,7 @@ def estimate(cfg: Config, sizes: dict[str, int], gpu: GPU, microbatches: int | N
     time = compute_time(cfg, shape, block, gpu)
     comm, collectives = communication_time(cfg, shape, block, params, gpu)
     time.update(comm)
+    time.update(expert_overlap(cfg, shape, time, gpu))
     step = step_seconds(time, gpu.comm_overlap, gpu.comm_interference)
     return Estimate(mesh=dict(shape.mesh), microbatches=shape.microbatches,
                     pipeline_microbatches=shape.in_flight if shape.pipelined else 0, schedule=shape.schedule,

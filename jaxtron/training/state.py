@@ -12,7 +12,7 @@ from flax import nnx, struct
 from jax.sharding import Mesh
 
 from jaxtron.config.schema import ONE_F_ONE_B, Config, ConfigError, TrainConfig
-from jaxtron.models import build_model, lora
+from jaxtron.models import build_model, lora, moe
 from jaxtron.models.stack import remat_policy
 from jaxtron.ops import fp8 as fp8_ops
 from jaxtron.parallel.sharding import shard_count
@@ -89,6 +89,15 @@ def _init_fn(cfg: Config, attention_impl: str, stages: int | None = None):
     return init
 
 
+def expert_shards(sizes: dict[str, int] | None) -> int:
+    """Into how many pieces the rules table cuts the experts on a mesh of ``sizes`` (default: the mesh set with
+    ``jax.set_mesh``; none set: 1)."""
+    if sizes is None:
+        mesh = jax.sharding.get_abstract_mesh()
+        sizes = {} if mesh.empty else dict(mesh.shape)
+    return shard_count(sizes, "experts")
+
+
 def stage_count(cfg: Config, sizes: dict[str, int] | None) -> int:
     """Pipeline stages: the pieces the rules table cuts the stage dimension into on a mesh of ``sizes`` (default:
     the mesh set with ``jax.set_mesh``, else ``mesh.pipeline``, 1 when it is -1)."""
@@ -114,7 +123,8 @@ def setup(cfg: Config, attention_impl: str, sizes: dict[str, int] | None = None)
     return Setup(graphdef=holder["graphdef"], tx=holder["tx"], abstract_state=state,
                  learning_rate=learning_rate_schedule(cfg.optimizer, cfg.train.steps), train=cfg.train,
                  stack_runner=pipeline_schedule(cfg, stages), layer_order=layer_order(cfg, stages),
-                 compiler_options=tuple(fp8_ops.compiler_options(cfg.execution.fp8).items()),
+                 compiler_options=tuple({**fp8_ops.compiler_options(cfg.execution.fp8),
+                                         **moe.compiler_options(cfg.model, expert_shards(sizes))}.items()),
                  distributed_optimizer=cfg.optimizer.distributed)
 
 
