@@ -138,15 +138,28 @@ def summary(found: list[Window], bandwidth: float) -> dict:
     return out
 
 
-def text(report: dict, bandwidth: float) -> str:
-    """The summary as lines for ``jaxtron plan --compile``."""
-    lines = [f"collectives beside compute (kernels between start and done; transfers at {bandwidth / 1e9:.0f} GB/s):"]
-    for kind, s in report.items():
-        if not s["count"]:
-            continue
-        label = "MoE exchanges (rows)" if kind == "exchanges" else kind
-        lines.append(f"  {label:<22}{s['beside_gemms']:>5} of {s['count']:<5} beside GEMMs, {s['beside_compute']:>5} "
-                     f"beside any compute; {s['bytes'] / 2**30:.2f} GiB, {s['transfer_s'] * 1e3:.1f} ms, "
-                     f"{100 * s['hidden_share']:.0f}% hidden")
-    return "\n".join(lines)
+def report(hlo_text: str, ceilings: Ceilings, bandwidths: dict[str, float]) -> dict:
+    """``summary`` of the program's windows at each named bandwidth (NVLink's, the network's)."""
+    found = windows(hlo_text, ceilings)
+    return {name: {"bandwidth": bandwidth, **summary(found, bandwidth)} for name, bandwidth in bandwidths.items()}
 
+
+def text(reported: dict, hidden_assumed: float | None = None) -> str:
+    """``report`` as lines for ``jaxtron plan --compile``: each collective kind at the first bandwidth, the MoE
+    exchanges at every one (with the share the planner takes as hidden, when given)."""
+    first, *_ = reported
+    bandwidth = reported[first]["bandwidth"]
+    lines = [(f"collectives beside compute (kernels between start and done, at the budget's rates; transfers at "
+              f"{first}'s {bandwidth / 1e9:.0f} GB/s):")]
+    for kind, s in reported[first].items():
+        if kind in ("bandwidth", "exchanges") or not s["count"]:
+            continue
+        lines.append(f"  {kind:<20}{s['beside_gemms']:>5} of {s['count']:<5} beside GEMMs, {s['beside_compute']:>5} "
+                     f"beside any kernel; {s['bytes'] / 2**30:.2f} GiB, {100 * s['hidden_share']:.0f}% hidden")
+    if reported[first]["exchanges"]["count"]:
+        shares = ", ".join(f"{100 * r['exchanges']['hidden_share']:.0f}% at {name}'s {r['bandwidth'] / 1e9:.0f} GB/s"
+                           for name, r in reported.items())
+        assumed = f" (the planner takes {100 * hidden_assumed:.0f}% as hidden)" if hidden_assumed is not None else ""
+        lines.append(f"  MoE exchanges of rows: {reported[first]['exchanges']['beside_gemms']} of "
+                     f"{reported[first]['exchanges']['count']} beside GEMMs; hidden {shares}{assumed}")
+    return "\n".join(lines)

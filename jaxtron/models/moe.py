@@ -2,50 +2,34 @@
 
 Routing runs in plain sharded jit: softmax over the router logits (float32), top-k, optional
 renormalisation of the k weights, the load-balancing and z losses, and in capacity mode which assignments
-fit. Those are means over the global batch, so they do not depend on the mesh.
-
-The experts run inside ``shard_map`` over every mesh axis. Each device holds the tokens of its batch and
-sequence shard and its shard of the experts. Which mesh axes those are comes from the rules table
-(``ExpertAxes``), never from names written here; with the default table the experts are split over
-``expert``, their hidden width over ``fsdp`` (gathered before use) and their intermediate width over
-``tensor`` like a dense MLP. Where the experts are split, rows travel to the shard that owns their expert
-and back by ``all_to_all``, in buffers of a fixed size per destination. At the end each token's k outputs
-are weighted and summed, and the partial products of the split intermediate width are summed.
-
-- dropless: a device sorts its assignments by expert and runs one grouped GEMM per matrix
-  (``jax.lax.ragged_dot``) over its experts' rows. Each destination's buffer holds all of the device's
-  assignments, the worst case, because nothing may be dropped.
-- capacity: every expert has ``capacity`` fixed slots per batch row; kept assignments are scattered into
-  them, and each expert runs one dense batched GEMM over its slots. Buffers and FLOPs are
-  ``capacity_factor`` times the routed work, on any backend.
-
-The grouped GEMM is ``ops/grouped.py``'s (``execution.expert_gemm``): ``jax.lax.ragged_dot``, which XLA (CPU and
-GPU alike) expands to a dense GEMM of every row with every local expert (E_local times the routed FLOPs), or
-tokamax's grouped kernel, which 'auto' takes on Hopper GPUs.
+fit. Those are means over the global batch, so they do not depend on the mesh. The routed rows then run through
+their experts as ``models/experts.py`` describes, inside ``shard_map`` over every mesh axis.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import math
-from collections.abc import Callable
-from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from jaxtron.config.schema import ExecutionConfig, ModelConfig
+from jaxtron.models.experts import (
+    DOWN_AXES,
+    GATE_UP_AXES,
+    TOKEN_AXES,
+    ExpertAxes,
+    ExpertRun,
+    experts_local,
+    rank_in_row,
+)
 from jaxtron.models.layers import compute_dtype, param
 from jaxtron.models.mlp import MLP
-from jaxtron.ops import exchange, grouped, grouped_fp8
-from jaxtron.ops import fp8 as fp8_ops
+from jaxtron.ops import exchange, grouped
 from jaxtron.parallel.sharding import constrain, logical_to_spec, spec_axes
 
-TOKEN_AXES = ("activation_batch", "activation_length", "activation_embed")
 ROUTE_AXES = ("activation_batch", "activation_length", None)
-GATE_UP_AXES = ("experts", "embed", "mlp")
-DOWN_AXES = ("experts", "mlp", "embed")
 
 
 # The XLA options of a program whose MoE blocks exchange rows between devices. XLA's GPU compiler schedules without
@@ -59,28 +43,6 @@ COMPILER_OPTIONS = {"xla_gpu_enable_latency_hiding_scheduler": True}
 def compiler_options(cfg: ModelConfig, expert_shards: int) -> dict[str, object]:
     """The XLA options of a program of this model whose experts are split ``expert_shards`` ways."""
     return dict(COMPILER_OPTIONS) if cfg.moe.num_experts and expert_shards > 1 else {}
-
-
-@dataclasses.dataclass(frozen=True)
-class ExpertAxes:
-    """The mesh axes the expert computation communicates over, as the rules table maps the weights' names."""
-    experts: tuple[str, ...]  # split the experts: rows travel to their expert's shard and back (all_to_all)
-    embed: tuple[str, ...]  # split the experts' hidden width: weights are gathered over them before use
-    mlp: tuple[str, ...]  # split the intermediate width: the partial outputs are summed over them
-
-    @classmethod
-    def from_rules(cls) -> ExpertAxes:
-        gate, down = logical_to_spec(GATE_UP_AXES), logical_to_spec(DOWN_AXES)
-        axes = cls(spec_axes(gate, 0), spec_axes(gate, 1), spec_axes(gate, 2))
-        if (spec_axes(down, 0), spec_axes(down, 2), spec_axes(down, 1)) != (axes.experts, axes.embed, axes.mlp):
-            raise ValueError(f"the rules table splits the experts' gate/up weights ({gate}) and down weights "
-                             f"({down}) over different mesh axes; the expert computation needs the same split")
-        tokens = logical_to_spec(TOKEN_AXES)
-        shared = set(axes.mlp) & set(spec_axes(tokens, 0) + spec_axes(tokens, 1))
-        if shared:
-            raise ValueError(f"the rules table splits both the tokens and the experts' intermediate width over "
-                             f"{sorted(shared)}; the partial outputs summed over those axes would mix tokens")
-        return axes
 
 
 def capacity(cfg: ModelConfig, factor: float, length: int) -> int:
@@ -158,249 +120,10 @@ def _top_k(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
                          check_vma=False)(x)
 
 
-def _rank_in_row(chosen: jax.Array) -> jax.Array:
-    """Index of each assignment [b, t, k] among the assignments of the same expert in its row (``chosen``:
-    one-hot [b, t, k, E], zero rows for dropped ones). Order: the first choices of the whole row, then the
-    second choices, each in token order."""
-    b, t, k, e = chosen.shape
-    ordered = jnp.swapaxes(chosen, 1, 2).reshape(b, k * t, e)  # [b, (choice, token), E]
-    rank = jnp.sum((jnp.cumsum(ordered, axis=1) - 1) * ordered, axis=-1)
-    return jnp.swapaxes(rank.reshape(b, k, t), 1, 2)
-
-
 def _within_capacity(chosen: jax.Array, slots: int) -> jax.Array:
     """Which assignments [b, t, k] fit their expert's ``slots`` in their row: a token loses its second expert
     before another token loses its first."""
-    return _rank_in_row(chosen) < slots
-
-
-@dataclasses.dataclass(frozen=True)
-class ExpertRun:
-    """How the experts run, the execution config's choices resolved (``ops/grouped.py``, ``ops/exchange.py``)."""
-    gemm: str = "xla"  # dropless mode's grouped GEMM
-    exchange: str = "padded"  # dropless mode's all-to-all
-    receive_factor: float = 0.0  # dropless receive buffers: 0 the worst case, else this many times the routed rows
-    fp8: bool = False  # the expert GEMMs in FP8, each expert's weights with their own scale: capacity mode's batched
-    # ones (ops/fp8.py), dropless mode's grouped ones (ops/grouped_fp8.py)
-    chunks: int = 1  # each device's tokens run through the experts in this many chunks (``_chunk_rows``)
-
-
-def _swiglu_grouped(rows: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array,
-                    group_sizes: jax.Array, run: ExpertRun) -> jax.Array:
-    """Rows sorted by expert [m, d] -> expert outputs [m, d]; rows past sum(group_sizes) give zeros. ``run``: the
-    grouped GEMM's implementation and precision (``ops/grouped.py``)."""
-    def matmul(x, w):
-        return (grouped_fp8.matmul if run.fp8 else grouped.matmul)(x, w, group_sizes, run.gemm)
-
-    return matmul(jax.nn.silu(matmul(rows, gate)) * matmul(rows, up), down)
-
-
-def _swiglu_batched(slots: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array, fp8: bool) -> jax.Array:
-    """Fixed slots of each expert [E, m, d] -> outputs [E, m, d]: one batched GEMM per matrix. With ``fp8`` each
-    is a batched FP8 GEMM with current scaling, one scale for all slots and one per expert for the weights
-    (``ops/fp8.py``, ``batched_einsum``)."""
-    einsum = fp8_ops.batched_einsum if fp8 else jnp.einsum
-    h = jax.nn.silu(einsum("emd,edf->emf", slots, gate)) * einsum("emd,edf->emf", slots, up)
-    return einsum("emf,efd->emd", h, down)
-
-
-def experts_local(x: jax.Array, ids: jax.Array, weights: jax.Array, gate: jax.Array, up: jax.Array,
-                  down: jax.Array, num_experts: int, row_capacity: int | None,
-                  axes: ExpertAxes | None, run: ExpertRun = ExpertRun()) -> tuple[jax.Array, jax.Array]:
-    """One device's part of the expert computation (called inside shard_map with the mesh axes to talk over,
-    or alone without a mesh: ``axes`` None).
-
-    x [b, t, d], ids/weights [b, t, k] (id ``num_experts`` = dropped); gate/up [E_local, d_shard, f_shard],
-    down [E_local, f_shard, d_shard]. ``row_capacity``: slots per expert and row (capacity mode) or None
-    (dropless). ``run``: the kernels, exchange, precision and chunks. -> (outputs [b, t, d], how many of this
-    device's assignments a full receive buffer dropped).
-    """
-    axes = axes or ExpertAxes((), (), ())
-    b, t, d = x.shape
-    k = ids.shape[-1]
-    if axes.embed:  # weights gathered to their whole hidden width (their gradients are reduce-scattered back)
-        gate, up = (jax.lax.all_gather(w, axes.embed, axis=1, tiled=True) for w in (gate, up))
-        down = jax.lax.all_gather(down, axes.embed, axis=2, tiled=True)
-    ep = jax.lax.axis_size(axes.experts) if axes.experts else 1  # expert shards
-    chunks = _chunk_rows(b, t, run.chunks, row_capacity)
-    n = b * t
-    parts, stages = [], []
-    for rows in chunks:
-        if row_capacity is None:  # the chunk's tokens, flattened
-            part = (x.reshape(n, d)[rows], ids.reshape(n, k)[rows], weights.reshape(n, k)[rows])
-            stages.append(_dropless(part[0], part[1].reshape(-1), gate, up, down, num_experts, axes.experts, ep,
-                                    run))
-        else:  # capacity mode's slots are per batch row: the chunk's rows, whole
-            part = (x[rows], ids[rows], weights[rows])
-            stages.append(_with_capacity(*part[:2], gate, up, down, num_experts, min(row_capacity, t),
-                                         axes.experts, ep, run.fp8))
-        parts.append(part)
-    ys, dropped = [], jnp.zeros((), jnp.float32)
-    for part, (out, lost) in zip(parts, _overlapped(stages), strict=True):
-        tokens = part[2].size // k
-        y = jnp.einsum("nkd,nk->nd", out.reshape(tokens, k, d), part[2].reshape(tokens, k).astype(out.dtype))
-        ys.append(jax.lax.psum(y, axes.mlp) if axes.mlp else y)  # each shard computed its slice of the width
-        dropped = dropped + lost
-    return jnp.concatenate(ys).reshape(b, t, d), dropped
-
-
-def _chunk_rows(b: int, t: int, chunks: int, row_capacity: int | None) -> list[slice]:
-    """The slices of one device's tokens that run through the experts one after another (``execution.moe_chunks``):
-    each chunk's exchanges are independent of the others' expert GEMMs, so they can overlap. Dropless chunks split
-    the flattened tokens, capacity chunks the batch rows (their slots are per row); a count that does not divide
-    them is lowered to one that does."""
-    n = b * t if row_capacity is None else b
-    chunks = max(c for c in range(1, min(chunks, n) + 1) if n % c == 0)
-    return [slice(i * n // chunks, (i + 1) * n // chunks) for i in range(chunks)]
-
-
-class Stages(NamedTuple):
-    """One chunk's way through the experts, its bookkeeping (sorting, the exchange's layout) already done: ``send``
-    the rows to the expert shards, ``compute`` the local experts on what arrived, ``finish``: the outputs home
-    -> (outputs [assignments, d] in assignment order, assignments a full receive buffer dropped)."""
-    send: Callable[[], Any]
-    compute: Callable[[Any], Any]
-    finish: Callable[[Any], tuple[jax.Array, jax.Array]]
-
-
-def _overlapped(stages: list[Stages]) -> list[tuple[jax.Array, jax.Array]]:
-    """Runs the chunks' stages in the order that overlaps them: the next chunk's send, this chunk's experts, the
-    previous chunk's way home. Nothing ties one chunk's exchanges to another's kernels, so the scheduler (XLA's
-    latency-hiding scheduler on a GPU, ``training/step.py``) may run each exchange beside the others' GEMMs; this
-    order is the one it settles on, written down for whatever reads the program in order."""
-    count = len(stages)
-    received, computed, finished = [None] * count, [None] * count, [None] * count
-    received[0] = stages[0].send()
-    for i in range(count):
-        if i + 1 < count:
-            received[i + 1] = stages[i + 1].send()
-        computed[i] = stages[i].compute(received[i])
-        if i:
-            finished[i - 1] = stages[i - 1].finish(computed[i - 1])
-    finished[-1] = stages[-1].finish(computed[-1])
-    return finished
-
-
-def _dropless(tokens, ids, gate, up, down, num_experts: int, expert_axes: tuple[str, ...], ep: int,
-              run: ExpertRun) -> Stages:
-    """Assignments sorted by expert, one grouped GEMM (ragged_dot) per matrix; the stages' outputs [n * k, d] in
-    assignment order. With the experts split over ``expert_axes`` (``ep`` shards) each destination shard gets a
-    buffer of all n * k rows (the worst case); the ragged exchange's receive buffers may be smaller
-    (``run.receive_factor``), and then ``finish`` also says how many rows did not fit."""
-    k = ids.shape[0] // tokens.shape[0]
-    order = jnp.argsort(ids, stable=True)  # dropped ids (none in dropless mode) would sort last
-    sorted_ids = ids[order]
-    rows = tokens[order // k]
-    counts = jnp.sum(jax.nn.one_hot(ids, num_experts, dtype=jnp.int32), axis=0)
-    none = jnp.zeros((), jnp.float32)
-    if ep == 1:
-        stages = Stages(lambda: rows, lambda r: _swiglu_grouped(r, gate, up, down, counts, run), lambda c: (c, none))
-    elif run.exchange == "ragged":
-        receive_rows = ep * rows.shape[0] if not run.receive_factor else \
-            min(ep * rows.shape[0], math.ceil(run.receive_factor * rows.shape[0]))
-        stages = _exchange_ragged(rows, counts, gate, up, down, expert_axes, ep, num_experts // ep, run,
-                                  receive_rows)
-    else:
-        stages = _exchange_sorted(rows, sorted_ids, counts, gate, up, down, expert_axes, ep, num_experts // ep,
-                                  run)
-
-    def finish(computed):
-        out_sorted, dropped = stages.finish(computed)
-        return out_sorted[jnp.argsort(order)], dropped
-    return Stages(stages.send, stages.compute, finish)
-
-
-def _exchange_sorted(rows, sorted_ids, counts, gate, up, down, expert_axes: tuple[str, ...], ep: int,
-                     local_experts: int, run: ExpertRun) -> Stages:
-    """Sends sorted rows to the expert shards that own their experts (a fixed buffer of all the rows per
-    shard), runs the local experts on what arrives, and returns each row's output in the sorted order."""
-    m, d = rows.shape
-    per_shard = counts.reshape(ep, local_experts)
-    sent = jnp.sum(per_shard, axis=1)  # rows for each destination shard
-    starts = jnp.cumsum(sent) - sent
-    slot = jnp.arange(m)
-    valid = slot[None, :] < sent[:, None]  # [ep, m]
-    send = jnp.where(valid[..., None], rows[jnp.where(valid, starts[:, None] + slot[None, :], 0)], 0)
-    recv_counts = jax.lax.all_to_all(per_shard, expert_axes, 0, 0, tiled=True)  # [ep sources, local experts]
-    # each source's rows arrive sorted by expert; regroup all of them by local expert for the grouped GEMM
-    bounds = jnp.cumsum(recv_counts, axis=1)  # [ep, local_experts]
-    local_id = jax.vmap(lambda bound: jnp.searchsorted(bound, slot, side="right"))(bounds)  # [ep, m]
-    regroup = jnp.argsort(local_id.reshape(ep * m), stable=True)  # unused slots (id local_experts) last
-
-    def compute(recv):  # recv[j]: rows from shard j
-        computed = _swiglu_grouped(recv.reshape(ep * m, d)[regroup], gate, up, down, jnp.sum(recv_counts, 0), run)
-        return computed[jnp.argsort(regroup)].reshape(ep, m, d)
-
-    def finish(back):
-        back = jax.lax.all_to_all(back, expert_axes, 0, 0, tiled=True)  # back[j, s]: output of send[j, s]
-        shard = jnp.minimum(sorted_ids // local_experts, ep - 1)
-        index = jnp.clip(jnp.arange(m) - starts[shard], 0, m - 1)
-        out = jnp.where((sorted_ids < local_experts * ep)[:, None], back[shard, index], 0)
-        return out, jnp.zeros((), jnp.float32)
-    return Stages(lambda: jax.lax.all_to_all(send, expert_axes, 0, 0, tiled=True), compute, finish)
-
-
-def _exchange_ragged(rows, counts, gate, up, down, expert_axes: tuple[str, ...], ep: int, local_experts: int,
-                     run: ExpertRun, receive_rows: int) -> Stages:
-    """``_exchange_sorted`` moving only the routed rows (``ops/exchange.py``): each expert shard gets the rows of
-    its experts, packed peer by peer into a buffer of ``receive_rows`` (the worst case: every row of every peer),
-    runs its local experts on them and sends each output home to its place in the sorted order. Rows that do not
-    fit the receiver's buffer stay home with a zero output; ``finish`` counts this device's."""
-    m = rows.shape[0]
-    per_shard = counts.reshape(ep, local_experts)  # rows for each (destination shard, its local expert)
-    matrix = jax.lax.all_gather(jnp.sum(per_shard, axis=1), expert_axes)  # [source, destination] row counts
-    me = jax.lax.axis_index(expert_axes)
-    sent = exchange.fit(matrix, receive_rows) if receive_rows < ep * m else matrix
-    plan = exchange.layout(matrix, me, sent)
-    recv_counts = jax.lax.all_to_all(per_shard, expert_axes, 0, 0, tiled=True)  # [source, local expert]
-    # what arrived of each peer's chunk is its first rows: their counts per local expert
-    arrived = jnp.minimum(jnp.cumsum(recv_counts, axis=1), plan.recv_sizes[:, None])
-    recv_counts = arrived - jnp.pad(arrived, ((0, 0), (1, 0)))[:, :-1]
-    # each peer's rows arrive sorted by expert; regroup all of them by local expert for the grouped GEMM
-    segment = jnp.searchsorted(jnp.cumsum(recv_counts.reshape(-1)), jnp.arange(receive_rows), side="right")
-    local_id = jnp.where(segment < ep * local_experts, segment % local_experts, local_experts)  # unused: last
-    regroup = jnp.argsort(local_id, stable=True)
-
-    def compute(received):  # peer by peer, then zeros
-        computed = _swiglu_grouped(received[regroup], gate, up, down, jnp.sum(recv_counts, 0), run)
-        return computed[jnp.argsort(regroup)]
-
-    def finish(computed):
-        out = exchange.combine(computed, m, plan, expert_axes)
-        return out, jnp.sum(matrix[me] - sent[me]).astype(jnp.float32)
-    return Stages(lambda: exchange.dispatch(rows, receive_rows, plan, expert_axes), compute, finish)
-
-
-def _with_capacity(x, ids, gate, up, down, num_experts: int, slots: int, expert_axes: tuple[str, ...],
-                   ep: int, fp8: bool) -> Stages:
-    """Capacity mode: every expert has ``slots`` fixed places per local row; kept assignments are scattered
-    into them, the slots of each expert shard are exchanged as one block, and each expert runs one dense
-    batched GEMM over its slots. The stages' outputs [b * t * k, d] in assignment order (zeros for dropped ones)."""
-    b, t, d = x.shape
-    k = ids.shape[-1]
-    kept = ids < num_experts
-    # rank within this device's part of the row: at most min(capacity, t) since the router kept at most
-    # capacity per row and a token visits an expert once
-    rank = _rank_in_row(jax.nn.one_hot(ids, num_experts, dtype=jnp.int32))
-    place = ids * (b * slots) + jnp.arange(b)[:, None, None] * slots + rank  # [b, t, k] in [E * b * slots]
-    place = jnp.where(kept, place, num_experts * b * slots).reshape(-1)  # dropped: outside the buffer
-    rows = jnp.broadcast_to(x[:, :, None, :], (b, t, k, d)).reshape(-1, d)
-    buffer = jnp.zeros((num_experts * b * slots, d), x.dtype).at[place].set(rows, mode="drop")
-    local_experts = num_experts // ep
-    buffer = buffer.reshape(ep, local_experts, b * slots, d)
-
-    def exchanged(blocks):  # [shard, local expert, ...] <-> [source shard, local expert, ...]
-        return jax.lax.all_to_all(blocks, expert_axes, 0, 0, tiled=True) if ep > 1 else blocks
-
-    def compute(received):
-        grouped = jnp.swapaxes(received, 0, 1).reshape(local_experts, ep * b * slots, d)
-        out = _swiglu_batched(grouped, gate, up, down, fp8).reshape(local_experts, ep, b * slots, d)
-        return jnp.swapaxes(out, 0, 1)
-
-    def finish(out):  # back to the shard the rows came from
-        out = exchanged(out).reshape(num_experts * b * slots, d)
-        return out.at[place].get(mode="fill", fill_value=0), jnp.zeros((), jnp.float32)
-    return Stages(lambda: exchanged(buffer), compute, finish)
+    return rank_in_row(chosen) < slots
 
 
 class MoE(nnx.Module):

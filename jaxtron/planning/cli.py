@@ -293,7 +293,7 @@ def _compiled(cfg, sizes, n: int, gpu_name: str, gpu, hlo_path: str | None, on_t
     from jaxtron.metrics.kernels import describe
     from jaxtron.planning.dry_run import DryRun, dry_run, dry_run_text, on_target_in_subprocess
 
-    found = {"kernels": None, "float8_gemms": None, "budget": None}
+    found = {"kernels": None, "float8_gemms": None, "budget": None, "overlap": None}
     if on_target:
         print(f"\ndry run of {what} compiled for {n} x {gpu.name} (compile-only devices, no GPU):")
         found = on_target_in_subprocess(cfg, gpu_name, n, hlo_path)
@@ -312,7 +312,10 @@ def _compiled(cfg, sizes, n: int, gpu_name: str, gpu, hlo_path: str | None, on_t
         if cfg.execution.fp8:
             print(f"GEMMs with float8 operands: {found['float8_gemms']}")
         from jaxtron.metrics.budget import text as budget_text
+        from jaxtron.metrics.overlap import text as overlap_text
+        from jaxtron.planning.step_time import EXCHANGES_HIDDEN
         print(budget_text(found["budget"]))
+        print(overlap_text(found["overlap"], EXCHANGES_HIDDEN))
     return result, found
 
 

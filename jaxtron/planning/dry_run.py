@@ -121,7 +121,8 @@ def on_target_in_subprocess(cfg: Config, gpu: str, count: int, hlo_path: str | N
                             timeout_s: float = 1800) -> dict[str, Any]:
     """``dry_run_on_target`` in a process of its own (jax started as the target needs; an XLA abort ends that
     process, not this one): the dry run's fields, ``peak_bytes``, ``kernels`` (name -> calls), ``float8_gemms``
-    and ``budget`` (the step's time budget at the target's measured ceilings, ``jaxtron.metrics.budget``). The
+    ``budget`` (the step's time budget at the target's measured ceilings, ``jaxtron.metrics.budget``) and
+    ``overlap`` (which collectives run beside kernels, ``jaxtron.metrics.overlap``). The
     optimized HLO text goes to ``hlo_path`` when given. A failed compile is a ConfigError naming its last line."""
     import json
     import subprocess
@@ -156,8 +157,10 @@ def target_main(argv: list[str]) -> int:
     import sys
 
     from jaxtron.config.loader import from_mapping
+    from jaxtron.metrics import overlap
     from jaxtron.metrics.budget import CEILINGS, budget
     from jaxtron.metrics.kernels import float8_operands, kernels
+    from jaxtron.planning.gpus import GPUS
 
     config_path, gpu, count, hlo_path = (argv + [""])[:4]
     with open(config_path) as f:
@@ -170,7 +173,9 @@ def target_main(argv: list[str]) -> int:
     if hlo_path:
         write_atomic(hlo_path, text)
     print(json.dumps({**dataclasses.asdict(result), "peak_bytes": result.peak_bytes, "kernels": kernels(text),
-                      "float8_gemms": float8_operands(text), "budget": budget(text, CEILINGS[gpu]).summary()}))
+                      "float8_gemms": float8_operands(text), "budget": budget(text, CEILINGS[gpu]).summary(),
+                      "overlap": overlap.report(text, CEILINGS[gpu], {"NVLink": GPUS[gpu].nvlink_bandwidth,
+                                                                      "the network": GPUS[gpu].network_bandwidth})}))
     return 0
 
 
