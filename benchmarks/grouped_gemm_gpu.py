@@ -16,6 +16,8 @@ Frobenius error of the output and of both gradients), then timed forward and for
 after a warm-up); TFLOP/s count the useful FLOPs only (2 x rows x K x N forward, three times that with both
 gradients), so an implementation that expands the groups densely shows it as a lower rate. DIR receives
 ``grouped_gemm_gpu.json``; the table is printed last. Wheels for tokamax: ``scripts/gpu_wheels.sh``.
+``--sweep`` times tokamax's Mosaic GPU kernel with each tile configuration of ``SWEEP`` instead: the rate a tuned
+configuration reaches against the dense GEMM, which decides whether tuning tokamax's kernel reaches 80% of it.
 """
 
 from __future__ import annotations
@@ -38,6 +40,11 @@ SMOKE_SHAPES = {"tiny": (4, 256, 64, 128), "tiny, many groups": (16, 256, 32, 64
 IMPLEMENTATIONS = ("dense", "dense fp8", "jax.lax", "jax.lax ragged_dot_fusion", "tokamax triton", "tokamax mosaic",
                    "jaxtron", "jaxtron fp8")
 SMOKE_IMPLEMENTATIONS = ("dense", "dense fp8", "jax.lax", "tokamax xla", "jaxtron", "jaxtron fp8")
+# --sweep: tokamax's Mosaic GPU kernel with each of these tile configurations (block_m, block_n, block_k, pipeline
+# stages), beside the dense GEMM and the kernel as tokamax configures it. The compile for the H100 target shows the
+# configuration tokamax picks without a GPU to tune on: 64 x 64 tiles with 128-deep steps and 2 stages.
+SWEEP = ((64, 64, 128, 2), (64, 128, 64, 4), (128, 128, 64, 4), (128, 128, 128, 3), (128, 256, 64, 3),
+         (64, 256, 64, 4), (128, 64, 128, 4), (128, 256, 128, 2))
 
 
 def group_sizes(rng, groups: int, rows: int):
@@ -82,7 +89,14 @@ def _implementation(name: str):
         sys.modules[stub.__name__] = stub
         import tokamax
 
-    kind = name.split()[1]
+    kind, *tiles = name.split()[1:]
+    if tiles:  # "tokamax mosaic 128x256x64/3": that tile configuration (--sweep)
+        from tokamax._src.ops.ragged_dot import pallas_mosaic_gpu
+
+        (bm, bn, bk), stages = map(int, tiles[0].split("/")[0].split("x")), int(tiles[0].split("/")[1])
+        op = pallas_mosaic_gpu.PallasMosaicGpuRaggedDot(config=pallas_mosaic_gpu.Config(
+            block_m=bm, block_n=bn, block_k=bk, num_stages=stages, split_k=1))
+        return lambda x, w, s: op(x, w, group_sizes=s, preferred_element_type=jnp.bfloat16)
     return lambda x, w, s: tokamax.ragged_dot(x, w, s, implementation=kind, preferred_element_type=jnp.bfloat16)
 
 
@@ -208,6 +222,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on a CPU")
     parser.add_argument("--box", type=float, default=90.0, help="seconds each implementation's process may take")
     parser.add_argument("--only", help="comma-separated implementations to run (default: all)")
+    parser.add_argument("--sweep", action="store_true", help="tokamax's Mosaic GPU kernel with each tile configuration")
     parser.add_argument("--one", help=argparse.SUPPRESS)  # the child: one implementation, JSON to stdout
     args = parser.parse_args(argv)
     if args.one:
@@ -219,6 +234,8 @@ def main(argv: list[str]) -> int:
     names = SMOKE_IMPLEMENTATIONS if args.smoke else IMPLEMENTATIONS
     if args.only:
         names = [n.strip() for n in args.only.split(",")]
+    if args.sweep:
+        names = ["dense", "tokamax mosaic", *(f"tokamax mosaic {m}x{n}x{k}/{s}" for m, n, k, s in SWEEP)]
     for name in names:
         start = time.monotonic()
         cmd = [sys.executable, os.path.abspath(__file__), "--out", args.out, "--one", name,

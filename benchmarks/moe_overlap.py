@@ -1,0 +1,108 @@
+"""Which MoE exchanges the H100 program runs beside compute: Mixtral 8x7B (2 of its 32 blocks, expert=8 on 8 GPUs)
+and DeepSeek-V3 (4 blocks: 3 dense, 1 MoE; fsdp=2 expert=8 on 16 GPUs), each with 1, 2 and 4 token chunks
+(``execution.moe_chunks``), compiled with and without XLA's latency-hiding scheduler (``models/moe.py``
+COMPILER_OPTIONS). For the exchanges that carry rows: how many have a GEMM between their start and their done, and
+the share of their transfer time the kernels between hide (``jaxtron.metrics.overlap``, kernels at the budget's
+H100 rates) at NVLink's and at the network's bandwidth.
+
+    python benchmarks/moe_overlap.py          # writes benchmarks/moe_overlap.md and .json (about 10 minutes)
+
+Needs jax's CUDA plugin (``python -m pip install -e ".[gpu-target]"``); each compile runs in its own process.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+CASES = {  # name -> (config, GPUs, overrides)
+    "Mixtral 8x7B": ("mixtral_8x7b", 8, ["model.num_layers=2", "train.global_batch_size=8", "mesh.fsdp=1"]),
+    "DeepSeek-V3": ("deepseek_v3", 16, ["model.num_layers=4", "train.global_batch_size=16", "mesh.fsdp=2",
+                                        "mesh.expert=8"]),
+}
+CHUNKS = (1, 2, 4)
+# the compile worker; argv: CONFIG_JSON GPU COUNT HLO_FILE SCHEDULER(on|off). 'off' compiles without the option
+WORKER = ("import sys; from jaxtron.models import moe\n"
+          "if sys.argv[5] == 'off': moe.COMPILER_OPTIONS.clear()\n"
+          "from jaxtron.planning.dry_run import target_main; sys.exit(target_main(sys.argv[1:5]))")
+
+
+def compile_case(config: str, gpus: int, overrides: list[str], scheduler: str) -> dict:
+    from jaxtron.config.loader import load_config
+    from jaxtron.gpu import preset, target
+    from jaxtron.metrics import budget, overlap
+    from jaxtron.planning.gpus import GPUS
+
+    cfg = load_config(os.path.join(ROOT, "configs", f"{config}.py"), [tuple(o.split("=", 1)) for o in overrides])
+    gpu = GPUS["h100"]
+    with tempfile.TemporaryDirectory() as folder:
+        config_path, hlo = os.path.join(folder, "config.json"), os.path.join(folder, "step.hlo")
+        with open(config_path, "w") as f:
+            json.dump(cfg.to_dict(), f)
+        out = subprocess.run([sys.executable, "-c", WORKER, config_path, "h100", str(gpus), hlo, scheduler],
+                             env=target.environment(preset_flags=preset.xla_flags()), capture_output=True, text=True,
+                             check=False)
+        if out.returncode:
+            raise RuntimeError(out.stderr[-2000:])
+        with open(hlo) as f:
+            text = f.read()
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    reported = overlap.report(text, budget.H100, {"NVLink": gpu.nvlink_bandwidth, "network": gpu.network_bandwidth})
+    return {"peak": got["peak_bytes"], "budget_s": got["budget"]["seconds"],
+            **{name: r["exchanges"] for name, r in reported.items()}}
+
+
+def main() -> int:
+    rows = []
+    for name, (config, gpus, overrides) in CASES.items():
+        for chunks in CHUNKS:
+            for scheduler in ("off", "on"):
+                got = compile_case(config, gpus, [*overrides, f"execution.moe_chunks={chunks}"], scheduler)
+                row = {"case": name, "chunks": chunks, "scheduler": scheduler, **got}
+                rows.append(row)
+                print(f"{name:<13} chunks {chunks} scheduler {scheduler:<3}: {got['NVLink']['beside_gemms']} of "
+                      f"{got['NVLink']['count']} beside GEMMs, hidden {100 * got['NVLink']['hidden_share']:.0f}% "
+                      f"at NVLink, {100 * got['network']['hidden_share']:.0f}% at the network", flush=True)
+    out = os.path.join(ROOT, "benchmarks", "moe_overlap")
+    with open(out + ".json", "w") as f:
+        json.dump(rows, f, indent=1)
+    with open(out + ".md", "w") as f:
+        f.write(markdown(rows))
+    return 0
+
+
+def markdown(rows: list[dict]) -> str:
+    import jax
+
+    from jaxtron.planning.gpus import GPUS
+    from jaxtron.planning.step_time import EXCHANGES_HIDDEN
+
+    gpu = GPUS["h100"]
+    lines = ["# MoE exchanges beside compute on the H100 program", "",
+             (f"Command: `python benchmarks/moe_overlap.py` (jax {jax.__version__}, compile-only H100s, no GPU). "
+              + "; ".join(f"{name}: `configs/{c}.py` on {g} GPUs, {', '.join(o)}" for name, (c, g, o) in CASES.items())
+              + f". Exchanges: the all-to-alls that carry rows (dispatch and combine, in the forward pass, its "
+              f"recompute and the backward pass). \"Hidden\": the share of their transfer time that the kernels "
+              f"scheduled between their start and done take, at the budget's H100 rates, with the transfers at "
+              f"NVLink's {gpu.nvlink_bandwidth / 1e9:.0f} GB/s and at the network's "
+              f"{gpu.network_bandwidth / 1e9:.0f} GB/s. The planner takes {100 * EXCHANGES_HIDDEN:.0f}% as hidden "
+              "(`planning/step_time.py` EXCHANGES_HIDDEN). How much a GPU gets needs a multi-GPU run."), "",
+             "| model | chunks | latency-hiding scheduler | exchanges | beside GEMMs | hidden at NVLink | "
+             "hidden at the network | budget ms | peak GiB |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['case']} | {r['chunks']} | {r['scheduler']} | {r['NVLink']['count']} | "
+                     f"{r['NVLink']['beside_gemms']} | {100 * r['NVLink']['hidden_share']:.0f}% | "
+                     f"{100 * r['network']['hidden_share']:.0f}% | {1e3 * r['budget_s']:.1f} | "
+                     f"{r['peak'] / 2**30:.2f} |")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    sys.exit(main())
