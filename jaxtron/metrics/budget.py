@@ -238,6 +238,18 @@ class _Program:
                     stack += [c.lstrip("%") for c in _CALLS.findall(line)]
         return out
 
+    def instructions(self):
+        """(computation, its runs per execution, line, name, type text, opcode, the text from the operands on) of
+        each instruction of the kernel-level computations that run, in each computation's (scheduled) order."""
+        for comp in self.kernel_level():
+            runs = self.runs.get(comp, 0)
+            if not runs:
+                continue
+            for line in self.comps[comp]:
+                m = _LINE.match(line)
+                if m:
+                    yield (comp, runs, line, m.group(1), *_split(m.group(2)))
+
     def operand_bytes(self, name: str) -> int:
         return type_bytes(self.types.get(name, ""))
 
@@ -327,53 +339,44 @@ def kernels(hlo_text: str, ceilings: Ceilings) -> list[Kernel]:
     rates = {"GEMM bf16": ceilings.bf16_flops, "GEMM fp8": ceilings.fp8_flops, "GEMM f32": ceilings.bf16_flops / 2,
              "grouped GEMM": ceilings.grouped_flops or ceilings.bf16_flops, "attention": ceilings.attention_flops}
     out = []
-    for comp in program.kernel_level():
-        runs = program.runs.get(comp, 0)
-        if not runs:
+    for _, runs, line, name, type_text, opcode, tail in program.instructions():
+        if opcode in _FREE or opcode.endswith("-done") or any(opcode.startswith(c) for c in COLLECTIVES):
             continue
-        for line in program.comps[comp]:
-            m = _LINE.match(line)
-            if not m:
-                continue
-            name = m.group(1)
-            type_text, opcode, tail = _split(m.group(2))
-            if opcode in _FREE or opcode.endswith("-done") or any(opcode.startswith(c) for c in COLLECTIVES):
-                continue
-            operands = _operand_names(tail)
-            if opcode == "custom-call":  # a library call's byte results are its workspace, not data it writes
-                type_text = re.sub(r"[su]8\[[\d,]*\](\{[^}]*\})?", "", type_text)
-            moved = float(sum(program.operand_bytes(o) for o in operands) + type_bytes(type_text))
-            flops, category = 0.0, "memory-bound"
-            if opcode == "fusion":
-                kind = _FUSION_KIND.search(line)
-                kind = kind.group(1) if kind else ""
-                fused = _CALLS.search(line).group(1).lstrip("%")
-                dot = program.called_dot(fused) if "gemm" in kind or "cudnn" in kind else None
-                if dot is not None:
-                    flops = gemm_flops(dot, program.shapes, None)
-                    dot_ops = _operand_names(_split(_LINE.match(dot).group(2))[2])
-                    category = _gemm_category([program.shapes.get(o, ("?", ()))[0] for o in dot_ops])
-                else:
-                    moved = program.fusion_bytes(fused, operands, type_text)
-            elif opcode == "custom-call":
-                target = re.search(r'custom_call_target="([^"]+)"', line)
-                target = target.group(1) if target else ""
-                if "RaggedDot" in line:
-                    flops, category = grouped_gemm_flops(line, program.shapes), "grouped GEMM"
-                elif target in GEMM_TARGETS:
-                    flops = gemm_flops(line, program.shapes, backend_config(line))
-                    category = _gemm_category([program.shapes.get(o, ("?", ()))[0] for o in operands[:2]])
-                elif target in ATTENTION_FORWARD + ATTENTION_BACKWARD:
-                    flops, category = attention_flops(line, "Backward" in target), "attention"
-            elif opcode == "dot":
-                flops = gemm_flops(line, program.shapes, None)
+        operands = _operand_names(tail)
+        if opcode == "custom-call":  # a library call's byte results are its workspace, not data it writes
+            type_text = re.sub(r"[su]8\[[\d,]*\](\{[^}]*\})?", "", type_text)
+        moved = float(sum(program.operand_bytes(o) for o in operands) + type_bytes(type_text))
+        flops, category = 0.0, "memory-bound"
+        if opcode == "fusion":
+            kind = _FUSION_KIND.search(line)
+            kind = kind.group(1) if kind else ""
+            fused = _CALLS.search(line).group(1).lstrip("%")
+            dot = program.called_dot(fused) if "gemm" in kind or "cudnn" in kind else None
+            if dot is not None:
+                flops = gemm_flops(dot, program.shapes, None)
+                dot_ops = _operand_names(_split(_LINE.match(dot).group(2))[2])
+                category = _gemm_category([program.shapes.get(o, ("?", ()))[0] for o in dot_ops])
+            else:
+                moved = program.fusion_bytes(fused, operands, type_text)
+        elif opcode == "custom-call":
+            target = re.search(r'custom_call_target="([^"]+)"', line)
+            target = target.group(1) if target else ""
+            if "RaggedDot" in line:
+                flops, category = grouped_gemm_flops(line, program.shapes), "grouped GEMM"
+            elif target in GEMM_TARGETS:
+                flops = gemm_flops(line, program.shapes, backend_config(line))
                 category = _gemm_category([program.shapes.get(o, ("?", ()))[0] for o in operands[:2]])
-            elif opcode == "dynamic-update-slice":  # in place: the update read and written
-                moved = 2.0 * program.operand_bytes(operands[1]) if len(operands) > 1 else moved
-            seconds = moved / ceilings.copy_bytes
-            if category != "memory-bound":
-                seconds = max(flops / rates[category], seconds)
-            out.append(Kernel(name, category, label(line), runs, flops, moved, seconds))
+            elif target in ATTENTION_FORWARD + ATTENTION_BACKWARD:
+                flops, category = attention_flops(line, "Backward" in target), "attention"
+        elif opcode == "dot":
+            flops = gemm_flops(line, program.shapes, None)
+            category = _gemm_category([program.shapes.get(o, ("?", ()))[0] for o in operands[:2]])
+        elif opcode == "dynamic-update-slice":  # in place: the update read and written
+            moved = 2.0 * program.operand_bytes(operands[1]) if len(operands) > 1 else moved
+        seconds = moved / ceilings.copy_bytes
+        if category != "memory-bound":
+            seconds = max(flops / rates[category], seconds)
+        out.append(Kernel(name, category, label(line), runs, flops, moved, seconds))
     return out
 
 

@@ -43,40 +43,34 @@ def windows(hlo_text: str, ceilings: Ceilings) -> list[Window]:
     nested = _nested_seconds(program, priced)
     defined = program.shapes
     out = []
-    for comp in program.kernel_level():
-        runs = program.runs.get(comp, 0)
-        if not runs:
+    open_: dict[str, list] = {}  # start name -> [kind, bytes, seconds, GEMMs]
+    current = None
+    for comp, runs, line, name, _, opcode, tail in program.instructions():
+        if comp != current:  # a window closes in the computation it opened in
+            current, open_ = comp, {}
+        kind = _kind(line)
+        if kind and opcode.endswith("-start"):
+            open_[name] = [kind, collective_bytes(line, defined), 0.0, 0]
             continue
-        open_: dict[str, list] = {}  # start name -> [kind, bytes, seconds, GEMMs]
-        for line in program.comps[comp]:
-            m = _LINE.match(line)
-            if not m:
-                continue
-            name = m.group(1)
-            _, opcode, tail = _split(m.group(2))
-            kind = _kind(line)
-            if kind and opcode.endswith("-start"):
-                open_[name] = [kind, collective_bytes(line, defined), 0.0, 0]
-                continue
-            if opcode.endswith("-done"):
-                start = next(iter(_operand_names(tail)), "")
-                if start in open_:
-                    kind, moved, seconds, gemms = open_.pop(start)
-                    out.append(Window(kind, start, moved, runs, seconds, gemms))
-                continue
-            if not open_:
-                continue
-            seconds, gemms = 0.0, 0
-            if name in priced:
-                seconds = priced[name].seconds
-                gemms = priced[name].category not in ("memory-bound",)
-            for callee in _callees(line, opcode):
-                callee_seconds, callee_gemms = nested.get(callee, (0.0, 0))
-                seconds += callee_seconds / runs
-                gemms += callee_gemms
-            for window in open_.values():
-                window[2] += seconds
-                window[3] += gemms
+        if opcode.endswith("-done"):
+            start = next(iter(_operand_names(tail)), "")
+            if start in open_:
+                kind, moved, seconds, gemms = open_.pop(start)
+                out.append(Window(kind, start, moved, runs, seconds, gemms))
+            continue
+        if not open_:
+            continue
+        seconds, gemms = 0.0, 0
+        if name in priced:
+            seconds = priced[name].seconds
+            gemms = priced[name].category != "memory-bound"
+        for callee in _callees(line, opcode):
+            callee_seconds, callee_gemms = nested.get(callee, (0.0, 0))
+            seconds += callee_seconds / runs
+            gemms += callee_gemms
+        for window in open_.values():
+            window[2] += seconds
+            window[3] += gemms
     return out
 
 
