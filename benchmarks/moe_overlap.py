@@ -94,8 +94,8 @@ def markdown(rows: list[dict]) -> str:
               f"NVLink's {gpu.nvlink_bandwidth / 1e9:.0f} GB/s and at the network's "
               f"{gpu.network_bandwidth / 1e9:.0f} GB/s. The planner takes {100 * EXCHANGES_HIDDEN:.0f}% as hidden "
               "(`planning/step_time.py` EXCHANGES_HIDDEN). How much a GPU gets needs a multi-GPU run."), "",
-             "| model | chunks | latency-hiding scheduler | exchanges | beside GEMMs | hidden at NVLink | "
-             "hidden at the network | budget ms | peak GiB |", "|---|---|---|---|---|---|---|---|---|"]
+             ("| model | chunks | latency-hiding scheduler | exchanges | beside GEMMs | hidden at NVLink | "
+             "hidden at the network | budget ms | peak GiB |"), "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['case']} | {r['chunks']} | {r['scheduler']} | {r['NVLink']['count']} | "
                      f"{r['NVLink']['beside_gemms']} | {100 * r['NVLink']['hidden_share']:.0f}% | "

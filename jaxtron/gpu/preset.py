@@ -43,8 +43,8 @@ PROGRAM_OPTIONS: dict[str, tuple[str, str]] = {
         "the default model's 21 block GEMMs take float8 operands on the H100 target with them, none without"),
     "jaxtron/models/moe.py COMPILER_OPTIONS, with the experts split over devices": (
         "xla_gpu_enable_latency_hiding_scheduler=True",
-        "Mixtral 8x7B (expert=8, 4 token chunks): 18 of its 48 exchanges run beside GEMMs with it, none without; "
-        "the share of their time hidden at the network's bandwidth goes from 16% to 55% (benchmarks/moe_overlap.md)"),
+        ("Mixtral 8x7B (expert=8, 4 token chunks): 18 of its 48 exchanges run beside GEMMs with it, none without; "
+        "the share of their time hidden at the network's bandwidth goes from 16% to 55% (benchmarks/moe_overlap.md)")),
     "jaxtron/gpu/target.py DEVICELESS_FLAGS, compiles without a GPU only": (
         "--xla_gpu_deviceless_cub_mode=DEVICELESS_CUB_DISABLED",
         "MoE routing's sort otherwise asks CUB for a device and XLA aborts the compile"),
