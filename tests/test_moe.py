@@ -631,7 +631,9 @@ def test_router_bias_moves_the_load_toward_balance_without_gradients():
     assert np.all(np.asarray(untouched) == 0) and np.asarray(bias)[:, 0].max() < -0.1
 
 
-@pytest.mark.parametrize("mode, exchange", [("dropless", "padded"), ("dropless", "ragged"), ("capacity", "auto")])
+@pytest.mark.parametrize("mode, exchange", [pytest.param("dropless", "padded", marks=pytest.mark.extended),
+                                            ("dropless", "ragged"),
+                                            pytest.param("capacity", "auto", marks=pytest.mark.extended)])
 def test_experts_run_in_chunks_equal_one_chunk(mode, exchange):
     """execution.moe_chunks only splits each device's tokens into runs through the experts, whose exchanges overlap
     the other chunks' GEMMs on a GPU: outputs and gradients equal one chunk's (dropless chunks of the flattened
