@@ -147,12 +147,14 @@ class MoE(nnx.Module):
     def __call__(self, x: jax.Array, fp8: bool = False) -> tuple[jax.Array, dict[str, jax.Array]]:
         """x [batch, length, embed] -> (output of the same shape, routing stats; see ``route``)."""
         cfg = self.cfg
-        logits = jnp.einsum("btd,de->bte", x.astype(jnp.float32), self.router[...])
         capacity_mode = self.execution.moe_mode == "capacity"
         row_capacity = capacity(cfg, self.execution.capacity_factor, x.shape[1]) if capacity_mode else None
-        bias = self.router_bias[...] if self.router_bias is not None else None
-        ids, weights, stats = route(cfg, logits, row_capacity, bias)
-        y, dropped = self._routed(constrain(x, TOKEN_AXES), ids, weights, row_capacity, fp8)
+        with jax.named_scope("router"):  # the step's budget labels kernels by these scopes (metrics/budget.py)
+            logits = jnp.einsum("btd,de->bte", x.astype(jnp.float32), self.router[...])
+            bias = self.router_bias[...] if self.router_bias is not None else None
+            ids, weights, stats = route(cfg, logits, row_capacity, bias)
+        with jax.named_scope("experts"):
+            y, dropped = self._routed(constrain(x, TOKEN_AXES), ids, weights, row_capacity, fp8)
         if not capacity_mode:  # assignments that found no room in a receive buffer
             stats["dropped"] = dropped / ids.size
         if self.shared is not None:
