@@ -20,7 +20,8 @@ import tempfile
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+sys.path[:0] = [ROOT, os.path.join(ROOT, "benchmarks")]
+import results  # benchmarks/results.py, found through the path above
 
 CASES = {  # name -> (config, GPUs, overrides)
     "Mixtral 8x7B": ("mixtral_8x7b", 8, ["model.num_layers=2", "train.global_batch_size=8", "mesh.fsdp=1"]),
@@ -70,11 +71,7 @@ def main() -> int:
                 print(f"{name:<13} chunks {chunks} scheduler {scheduler:<3}: {got['NVLink']['beside_gemms']} of "
                       f"{got['NVLink']['count']} beside GEMMs, hidden {100 * got['NVLink']['hidden_share']:.0f}% "
                       f"at NVLink, {100 * got['network']['hidden_share']:.0f}% at the network", flush=True)
-    out = os.path.join(ROOT, "benchmarks", "moe_overlap")
-    with open(out + ".json", "w") as f:
-        json.dump(rows, f, indent=1)
-    with open(out + ".md", "w") as f:
-        f.write(markdown(rows))
+    results.write("moe_overlap", rows, markdown(rows))
     return 0
 
 

@@ -12,7 +12,6 @@ Needs jax's CUDA plugin (``python -m pip install -e ".[gpu-target]"``); each com
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import re
 import sys
@@ -20,7 +19,8 @@ import tempfile
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+sys.path[:0] = [ROOT, os.path.join(ROOT, "benchmarks")]
+import results  # benchmarks/results.py, found through the path above
 
 CONFIG = ("llama3_8b", 8, ["data.seq_len=4096", "train.global_batch_size=8", "execution.dtype=bfloat16"])
 CANDIDATES = {  # flag -> what it is meant to do
@@ -90,11 +90,7 @@ def main() -> int:
         print(f"{flag or 'defaults':<62} peak {row['peak'] / GIB:6.2f} GiB, {row['with_compute_between']} of "
               f"{row['async_collectives']} async collectives overlap compute"
               + (", the same program as the defaults" if row["same_program_as_defaults"] else ""), flush=True)
-    out = os.path.join(ROOT, "benchmarks", "preset_flags")
-    with open(out + ".json", "w") as f:
-        json.dump(rows, f, indent=1)
-    with open(out + ".md", "w") as f:
-        f.write(markdown(rows))
+    results.write("preset_flags", rows, markdown(rows))
     return 0
 
 
