@@ -141,9 +141,11 @@ def test_matmul_flops_count_loop_bodies_per_iteration_and_library_calls_from_the
     assert got["attention"] == 2 * causal * (64 + 32) + 2 * full * (3 * 64 + 2 * 32)
 
 
-def _compile_on_target(*overrides: str, gpus: int = 1, config: str = "configs/default.py") -> dict:
+def _compile_on_target(*overrides: str, gpus: int = 1, config: str = "configs/default.py",
+                       exchanges: bool = False) -> dict:
     """The default config's train step compiled for ``gpus`` H100s in a subprocess: peak bytes, kernels, GEMMs with
-    float8 operands, and the collectives' counts."""
+    float8 operands, and the collectives' counts; with ``exchanges``, also the MoE exchanges' windows at NVLink's
+    and the network's bandwidth (``jaxtron.metrics.overlap``, a few seconds more)."""
     code = (
         "import json, sys\n"
         "from jaxtron.config.loader import load_config\n"
@@ -158,7 +160,7 @@ def _compile_on_target(*overrides: str, gpus: int = 1, config: str = "configs/de
         "comps, runs = runs_per_execution(text)\n"
         "f32_gathers = sum(collective_bytes(l, {}) * runs.get(name, 0) for name, lines in comps.items()\n"
         "                  for l in lines if 'all-gather-start(' in l and ('= ((f32[' in l or '= (f32[' in l))\n"
-        "found = overlap.windows(text, budget.H100)\n"
+        f"found = overlap.windows(text, budget.H100) if {exchanges} else []\n"
         "exchanges = {name: overlap.summary(found, getattr(GPUS['h100'], name + '_bandwidth'))['exchanges']\n"
         "             for name in ('nvlink', 'network')}\n"
         "print(json.dumps(dict(peak=result.peak_bytes, kernels=kernels(text), f8=float8_operands(text),\n"
@@ -371,7 +373,7 @@ def test_moe_exchanges_run_beside_gemms_at_least_as_the_planner_assumes_on_the_h
     from jaxtron.planning.step_time import EXCHANGES_HIDDEN
 
     config, gpus, overrides = OVERLAP_CASES[case]
-    got = _compile_on_target(*overrides, gpus=gpus, config=f"configs/{config}.py")
+    got = _compile_on_target(*overrides, gpus=gpus, config=f"configs/{config}.py", exchanges=True)
     for bandwidth, exchanges in got["exchanges"].items():
         assert exchanges["count"] >= 6 and exchanges["beside_gemms"] >= 2, (bandwidth, exchanges)
         assert exchanges["hidden_share"] >= EXCHANGES_HIDDEN, (bandwidth, exchanges)

@@ -333,9 +333,10 @@ def _gemm_category(operand_types: list[str]) -> str:
     return "GEMM bf16"
 
 
-def kernels(hlo_text: str, ceilings: Ceilings) -> list[Kernel]:
-    """Every kernel one execution of the program launches, priced (see the module's docstring)."""
-    program = _Program(hlo_text)
+def kernels(hlo_text: str | _Program, ceilings: Ceilings) -> list[Kernel]:
+    """Every kernel one execution of the program (its text, or the text already indexed) launches, priced (see the
+    module's docstring)."""
+    program = hlo_text if isinstance(hlo_text, _Program) else _Program(hlo_text)
     rates = {"GEMM bf16": ceilings.bf16_flops, "GEMM fp8": ceilings.fp8_flops, "GEMM f32": ceilings.bf16_flops / 2,
              "grouped GEMM": ceilings.grouped_flops or ceilings.bf16_flops, "attention": ceilings.attention_flops}
     out = []

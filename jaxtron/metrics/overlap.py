@@ -39,7 +39,7 @@ class Window:
 def windows(hlo_text: str, ceilings: Ceilings) -> list[Window]:
     """Every asynchronous collective of the program's kernel-level computations, with its window's compute."""
     program = _Program(hlo_text)
-    priced = {k.name: k for k in kernels(hlo_text, ceilings)}
+    priced = {k.name: k for k in kernels(program, ceilings)}
     nested = _nested_seconds(program, priced)
     defined = program.shapes
     out = []

@@ -166,9 +166,9 @@ class Stages(NamedTuple):
 
 def _overlapped(stages: list[Stages]) -> list[tuple[jax.Array, jax.Array]]:
     """Runs the chunks' stages in the order that overlaps them: the next chunk's send, this chunk's experts, the
-    previous chunk's way home. Nothing ties one chunk's exchanges to another's kernels, so the scheduler (XLA's
-    latency-hiding scheduler on a GPU, ``training/step.py``) may run each exchange beside the others' GEMMs; this
-    order is the one it settles on, written down for whatever reads the program in order."""
+    previous chunk's way home. Nothing ties one chunk's exchanges to another's kernels, so a scheduler may run them
+    side by side (XLA's latency-hiding scheduler, ``models/moe.py`` COMPILER_OPTIONS); which ones it does is in
+    ``benchmarks/moe_overlap.md``, measured on programs traced in this order."""
     count = len(stages)
     received, computed, finished = [None] * count, [None] * count, [None] * count
     received[0] = stages[0].send()

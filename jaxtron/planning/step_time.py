@@ -8,7 +8,9 @@ collectives (``jaxtron.planning.collectives``) either overlap with this compute 
 
 from __future__ import annotations
 
-from jaxtron.config.schema import ONE_F_ONE_B, Config, replace
+import functools
+
+from jaxtron.config.schema import ONE_F_ONE_B, Config, ExecutionConfig, replace
 from jaxtron.metrics.flops import flops_breakdown, fp8_flop_share, fp8_flops_per_token, hardware_flops_breakdown
 from jaxtron.metrics.hardware import weighted_peak
 from jaxtron.planning.gpus import GPU
@@ -36,18 +38,10 @@ EXCHANGES_HIDDEN = 0.30
 
 def compute_time(cfg: Config, shape: StepShape, block: BlockValues, gpu: GPU) -> dict[str, float]:
     """Seconds per step of the compute terms: 'matmul', 'attention', 'elementwise' and 'pipeline_bubble'."""
-    execution = cfg.execution
-    peak = gpu.peak_flops["bfloat16"] if execution.dtype == "bfloat16" else gpu.peak_flops["bfloat16"] / 2  # fp32: TF32
-    # model FLOPs plus what the remat policy re-runs, from the table HFU uses (jaxtron.metrics.flops.RECOMPUTED)
-    if shape.schedule in ONE_F_ONE_B:  # it recomputes every block's forward once, as remat='full' does
-        execution = replace(execution, remat="full")
-    hardware = hardware_flops_breakdown(shape.model, execution, shape.seq_len, attention=shape.attention)
-    # the routed experts' GEMMs run at the grouped GEMM's rate (dropless), or over capacity_factor times their
-    # rows at the dense rate (capacity mode's padded slots); the matmul term carries them at the dense rate's scale
-    experts = hardware.get("experts", 0.0)
-    expert_scale = gpu.matmul_efficiency / gpu.grouped_gemm_efficiency if execution.moe_mode == "dropless" else \
-        execution.capacity_factor
-    matmul = sum(v for k, v in hardware.items() if k != "attention_scores") + experts * (expert_scale - 1)
+    execution, hardware = _step_hardware(cfg, shape)
+    # the matmul term carries the routed experts at the dense rate's scale (``_expert_scale``)
+    experts = hardware.get("experts", 0.0) * (_expert_scale(execution, gpu) - 1)
+    matmul = sum(v for k, v in hardware.items() if k != "attention_scores") + experts
     # by chunks, a chunk's first document is computed twice on its own keys (once merged with its earlier keys):
     # at most a diagonal block per chunk, 1 / (2 x sequence) of a device's causal work
     scores_flops = hardware["attention_scores"] * (1 + 1 / (2 * shape.sequence) if shape.chunks else 1)
@@ -71,8 +65,8 @@ def compute_time(cfg: Config, shape: StepShape, block: BlockValues, gpu: GPU) ->
     # the FP8 projections' GEMMs (and their recompute) run ``fp8_speedup`` times faster
     fp8 = fp8_flops_per_token(shape.model, execution, shape.seq_len, hardware=True, attention=shape.attention)
     matmul -= fp8 * (1.0 - 1.0 / gpu.fp8_speedup)
-    efficiency = gpu.matmul_efficiency * (gpu.tensor_efficiency if tensor > 1 else 1.0)
-    time = {"matmul": matmul * shape.step_tokens / shape.devices / (peak * efficiency),
+    peak = _peak(execution, gpu)
+    time = {"matmul": matmul * shape.step_tokens / shape.devices / _matmul_rate(execution, shape, gpu),
             "attention": scores_flops * shape.step_tokens / shape.devices / (peak * attention_eff),
             "elementwise": elementwise / gpu.hbm_bandwidth}
     # the stages idle through the fill and drain: the bubble's share of the schedule's iterations
@@ -108,15 +102,42 @@ def mfu_peak(cfg: Config, shape: StepShape, gpu: GPU) -> float:
     return weighted_peak(share, 1.0, gpu.peak_flops["fp8"], bf16)
 
 
+def _step_hardware(cfg: Config, shape: StepShape) -> tuple[ExecutionConfig, dict[str, float]]:
+    """(the execution whose FLOPs the step runs: a 1F1B schedule recomputes every block's forward once, as remat
+    'full' does; its hardware FLOPs per token by term: model FLOPs plus what the remat policy re-runs, from the
+    table HFU uses, ``jaxtron.metrics.flops.RECOMPUTED``)."""
+    execution = replace(cfg.execution, remat="full") if shape.schedule in ONE_F_ONE_B else cfg.execution
+    return execution, _hardware_flops(shape.model, execution, shape.seq_len, shape.attention)
+
+
+@functools.lru_cache(maxsize=4096)  # a plan asks it for every mesh of every remat policy; callers only read it
+def _hardware_flops(model, execution, seq_len: int, attention: str) -> dict[str, float]:
+    return hardware_flops_breakdown(model, execution, seq_len, attention=attention)
+
+
+def _peak(execution: ExecutionConfig, gpu: GPU) -> float:
+    """The dense peak the step's matmuls run against: bf16's, or for float32 TF32's (half of it)."""
+    return gpu.peak_flops["bfloat16"] if execution.dtype == "bfloat16" else gpu.peak_flops["bfloat16"] / 2
+
+
+def _matmul_rate(execution: ExecutionConfig, shape: StepShape, gpu: GPU) -> float:
+    """FLOP/s of the step's GEMMs: the peak at the measured GEMM efficiency, tensor parallelism's on top."""
+    return _peak(execution, gpu) * gpu.matmul_efficiency * (gpu.tensor_efficiency if shape.tensor > 1 else 1.0)
+
+
+def _expert_scale(execution: ExecutionConfig, gpu: GPU) -> float:
+    """The routed experts' GEMM time over a dense GEMM's of their FLOPs: the grouped kernel's rate (dropless), or
+    capacity_factor times the rows (capacity mode's padded slots)."""
+    if execution.moe_mode == "dropless":
+        return gpu.matmul_efficiency / gpu.grouped_gemm_efficiency
+    return execution.capacity_factor
+
+
 def expert_gemm_seconds(cfg: Config, shape: StepShape, gpu: GPU) -> float:
     """Seconds per step of the routed experts' GEMMs (recompute included), at the rate ``compute_time`` runs them."""
-    execution = replace(cfg.execution, remat="full") if shape.schedule in ONE_F_ONE_B else cfg.execution
-    experts = hardware_flops_breakdown(shape.model, execution, shape.seq_len, attention=shape.attention).get(
-        "experts", 0.0)
-    scale = gpu.matmul_efficiency / gpu.grouped_gemm_efficiency if execution.moe_mode == "dropless" else \
-        execution.capacity_factor
-    peak = gpu.peak_flops["bfloat16"] if execution.dtype == "bfloat16" else gpu.peak_flops["bfloat16"] / 2
-    return experts * scale * shape.step_tokens / shape.devices / (peak * gpu.matmul_efficiency)
+    execution, hardware = _step_hardware(cfg, shape)
+    return (hardware.get("experts", 0.0) * _expert_scale(execution, gpu) * shape.step_tokens / shape.devices
+            / _matmul_rate(execution, shape, gpu))
 
 
 def expert_overlap(cfg: Config, shape: StepShape, time: dict[str, float], gpu: GPU) -> dict[str, float]:

@@ -89,22 +89,26 @@ def _init_fn(cfg: Config, attention_impl: str, stages: int | None = None):
     return init
 
 
-def expert_shards(sizes: dict[str, int] | None) -> int:
-    """Into how many pieces the rules table cuts the experts on a mesh of ``sizes`` (default: the mesh set with
-    ``jax.set_mesh``; none set: 1)."""
+def _mesh_sizes(sizes: dict[str, int] | None) -> dict[str, int] | None:
+    """``sizes``, or those of the mesh set with ``jax.set_mesh``; None when neither is there."""
     if sizes is None:
         mesh = jax.sharding.get_abstract_mesh()
-        sizes = {} if mesh.empty else dict(mesh.shape)
-    return shard_count(sizes, "experts")
+        sizes = None if mesh.empty else dict(mesh.shape)
+    return sizes
 
 
 def stage_count(cfg: Config, sizes: dict[str, int] | None) -> int:
     """Pipeline stages: the pieces the rules table cuts the stage dimension into on a mesh of ``sizes`` (default:
     the mesh set with ``jax.set_mesh``, else ``mesh.pipeline``, 1 when it is -1)."""
-    if sizes is None:
-        mesh = jax.sharding.get_abstract_mesh()
-        sizes = None if mesh.empty else dict(mesh.shape)
+    sizes = _mesh_sizes(sizes)
     return shard_count(sizes, "stages") if sizes is not None else max(cfg.mesh.pipeline, 1)
+
+
+def expert_shards(cfg: Config, sizes: dict[str, int] | None) -> int:
+    """Into how many pieces the rules table cuts the experts on a mesh of ``sizes`` (default as ``stage_count``,
+    else ``mesh.expert``)."""
+    sizes = _mesh_sizes(sizes)
+    return shard_count(sizes, "experts") if sizes is not None else max(cfg.mesh.expert, 1)
 
 
 def setup(cfg: Config, attention_impl: str, sizes: dict[str, int] | None = None) -> Setup:
@@ -124,7 +128,7 @@ def setup(cfg: Config, attention_impl: str, sizes: dict[str, int] | None = None)
                  learning_rate=learning_rate_schedule(cfg.optimizer, cfg.train.steps), train=cfg.train,
                  stack_runner=pipeline_schedule(cfg, stages), layer_order=layer_order(cfg, stages),
                  compiler_options=tuple({**fp8_ops.compiler_options(cfg.execution.fp8),
-                                         **moe.compiler_options(cfg.model, expert_shards(sizes))}.items()),
+                                         **moe.compiler_options(cfg.model, expert_shards(cfg, sizes))}.items()),
                  distributed_optimizer=cfg.optimizer.distributed)
 
 
