@@ -415,6 +415,7 @@ def test_flops_count_only_the_active_experts_and_the_router():
     ("execution.moe_mode", "token_choice"),
     ("model.activation", "gelu"),
     ("execution.capacity_factor", 0.0),
+    ("execution.moe_chunks", 0),
 ])
 def test_bad_moe_config_names_the_field(field, value):
     section, *groups, name = field.split(".")
