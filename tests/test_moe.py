@@ -18,6 +18,7 @@ from jaxtron.config.schema import ConfigError, ExecutionConfig, ModelConfig, rep
 from jaxtron.data.loader import SyntheticSource
 from jaxtron.metrics import flops
 from jaxtron.models import build_model
+from jaxtron.models.experts import node_rows
 from jaxtron.models.moe import ExpertAxes, MoE, capacity, route
 from jaxtron.ops import fp8, grouped
 from jaxtron.parallel import sharding
@@ -111,13 +112,14 @@ def test_dropless_equals_loop_over_experts_with_gradients(mesh_name):
         _close(g, w, 1e-5)
 
 
-def _loss_and_grads_under(executions: list[ExecutionConfig], mesh_name: str, seed: int) -> list:
+def _loss_and_grads_under(executions: list[ExecutionConfig], mesh_name: str, seed: int,
+                          cfg: ModelConfig | None = None) -> list:
     """The MoE layer's loss (whose gradient depends on every output) and its gradients on a mesh, once for each
-    execution config, from the same parameters and inputs."""
+    execution config, from the same parameters and inputs (the layer ``cfg``, default ``_layer_cfg()``)."""
     x = jax.random.normal(jax.random.key(seed), (8, 16, 32))
     results = []
     for execution in executions:
-        graphdef, state = _layer(_layer_cfg(), execution)
+        graphdef, state = _layer(cfg or _layer_cfg(), execution)
 
         def loss(s, x, graphdef=graphdef):
             return jnp.sum(jnp.sin(nnx.merge(graphdef, s)(x)[0]))
@@ -416,6 +418,8 @@ def test_flops_count_only_the_active_experts_and_the_router():
     ("model.activation", "gelu"),
     ("execution.capacity_factor", 0.0),
     ("execution.moe_chunks", 0),
+    ("execution.moe_node_shards", -1),
+    ("execution.moe_node_shards", 3),  # does not divide mesh.expert = 4
 ])
 def test_bad_moe_config_names_the_field(field, value):
     section, *groups, name = field.split(".")
@@ -427,6 +431,12 @@ def test_bad_moe_config_names_the_field(field, value):
     with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
         cfg = tiny_config(dict(fsdp=2, expert=4), **sections)
         check_devices(cfg, 8)
+
+
+@pytest.mark.parametrize("other", [dict(moe_mode="capacity"), dict(moe_exchange="padded")])
+def test_rows_once_per_node_refuse_an_exchange_that_cannot_send_them(other):
+    with pytest.raises(ConfigError, match=r"'execution\.moe_node_shards' \(2\) "):
+        ExecutionConfig(moe_node_shards=2, **other)
 
 
 MOE = dict(moe=dict(num_experts=4, experts_per_token=2))
@@ -643,3 +653,43 @@ def test_experts_run_in_chunks_equal_one_chunk(mode, exchange):
                                        for c in (1, 2)], "fsdp2_expert2_tensor2", 6)
     for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
         np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("node_shards, chunks, router", [(2, 1, "softmax"), (1, 2, "softmax"), (2, 1, "sigmoid")])
+def test_rows_sent_once_per_node_equal_each_assignment_sent_to_its_expert(node_shards, chunks, router):
+    """execution.moe_node_shards on data=2 x expert=4 (2 or 4 'nodes'): each token crosses once to every node
+    holding one of its experts, that node's device hands it on and sends back one weighted sum; outputs and
+    gradients (the router's too, whose weights now travel with the rows) equal the one-hop exchange's. The sigmoid
+    router limits each token to one group, a node's experts (node-limited routing, as DeepSeek-V3's)."""
+    cfg = _layer_cfg(moe=dict(num_experts=E, experts_per_token=K, router="sigmoid", router_groups=2,
+                              router_top_groups=1)) if router == "sigmoid" else None
+    want, got = _loss_and_grads_under([ExecutionConfig(moe_exchange="ragged"),
+                                       ExecutionConfig(moe_node_shards=node_shards, moe_chunks=chunks)],
+                                      "data2_expert4", 7, cfg)
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("router", ["softmax", "sigmoid"])
+def test_a_token_crosses_once_to_each_node_that_holds_one_of_its_experts(router):
+    """The rows between nodes (models/experts.node_rows), 8 experts on 2 nodes: one for each token and node among
+    its experts' nodes, carrying that node's assignments alone. Softmax top-2 reaches one or both nodes; the
+    sigmoid router with a group per node and one group a token (node-limited routing) reaches one: half the rows of
+    one per assignment."""
+    top_groups = dict(router="sigmoid", router_groups=2, router_top_groups=1) if router == "sigmoid" else {}
+    cfg = _layer_cfg(moe=dict(num_experts=E, experts_per_token=K, **top_groups))
+    logits = jax.random.normal(jax.random.key(8), (4, 16, E)) * 2
+    bias = jnp.zeros((E,)) if router == "sigmoid" else None
+    ids = np.asarray(route(cfg, logits, None, bias)[0]).reshape(-1, K)
+    rows = node_rows(jnp.asarray(ids), E, 2)
+    pairs = {(t, e // (E // 2)) for t in range(len(ids)) for e in ids[t]}
+    used = int(np.sum(rows.counts))
+    assert used == len(pairs) == (len(ids) if router == "sigmoid" else used) and used < ids.size
+    assert {(int(t), int(q)) for t, q in zip(rows.token[:used], rows.node[:used], strict=True)} == pairs
+    assert np.all(np.diff(np.asarray(rows.node[:used])) >= 0)  # node by node
+    carried = np.asarray(rows.carries[:used])
+    for p in range(used):  # a row carries its token's assignments to its node and no other
+        t, q = int(rows.token[p]), int(rows.node[p])
+        np.testing.assert_array_equal(carried[p], ids[t] // (E // 2) == q)
+    if router == "softmax":
+        assert len(ids) < used  # some tokens reach both nodes

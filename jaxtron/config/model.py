@@ -302,6 +302,11 @@ class ExecutionConfig:
     # each device's tokens run through the experts in this many chunks, so that one chunk's exchanges may run beside
     # another's expert GEMMs (models/moe.py; what XLA's scheduler makes of it: benchmarks/moe_overlap.md)
     moe_chunks: int = 1
+    # dropless, experts split over nodes: this many expert shards share a node (NVLink). Each token crosses once to
+    # each node that holds one of its experts, to the device at its own place there, which hands its rows on to the
+    # experts within the node and sends their weighted sum back as one row (two hops, as DeepSeek-V3 dispatches;
+    # models/experts.py). 0, or every expert shard, sends each assignment straight to its expert's device
+    moe_node_shards: int = 0
 
     def __post_init__(self):
         _choice(self.dtype, "execution.dtype", COMPUTE_DTYPES)
@@ -315,6 +320,13 @@ class ExecutionConfig:
         _choice(self.moe_exchange, "execution.moe_exchange", ("auto", "padded", "ragged"))
         _non_negative(self.moe_receive_factor, "execution.moe_receive_factor")
         _positive(self.moe_chunks, "execution.moe_chunks")
+        _non_negative(self.moe_node_shards, "execution.moe_node_shards")
+        _check(not (self.moe_node_shards and self.moe_mode == "capacity"), "execution.moe_node_shards",
+               f"({self.moe_node_shards}) sends dropless rows once per node, and execution.moe_mode is 'capacity'",
+               "set it to 0, or use execution.moe_mode='dropless'")
+        _check(not (self.moe_node_shards and self.moe_exchange == "padded"), "execution.moe_node_shards",
+               f"({self.moe_node_shards}) sends each node only its rows, which the ragged exchange does, and "
+               "execution.moe_exchange is 'padded'", "set execution.moe_exchange to 'auto' or 'ragged'")
         _check(not (self.moe_receive_factor and self.moe_exchange == "padded"), "execution.moe_receive_factor",
                f"({self.moe_receive_factor}) sizes the ragged exchange's receive buffers, and "
                "execution.moe_exchange is 'padded'", "set execution.moe_exchange to 'auto' or 'ragged'")

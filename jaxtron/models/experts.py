@@ -84,6 +84,7 @@ class ExpertRun:
     fp8: bool = False  # the expert GEMMs in FP8, each expert's weights with their own scale: capacity mode's batched
     # ones (ops/fp8.py), dropless mode's grouped ones (ops/grouped_fp8.py)
     chunks: int = 1  # each device's tokens run through the experts in this many chunks (``_chunk_rows``)
+    node_shards: int = 0  # dropless: expert shards a node, rows sent once per node (``_exchange_nodes``); 0: one hop
 
 
 def _swiglu_grouped(rows: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array,
@@ -123,23 +124,24 @@ def experts_local(x: jax.Array, ids: jax.Array, weights: jax.Array, gate: jax.Ar
         gate, up = (jax.lax.all_gather(w, axes.embed, axis=1, tiled=True) for w in (gate, up))
         down = jax.lax.all_gather(down, axes.embed, axis=2, tiled=True)
     ep = jax.lax.axis_size(axes.experts) if axes.experts else 1  # expert shards
-    chunks = _chunk_rows(b, t, run.chunks, row_capacity)
     n = b * t
-    parts, stages = [], []
-    for rows in chunks:
-        if row_capacity is None:  # the chunk's tokens, flattened
-            part = (x.reshape(n, d)[rows], ids.reshape(n, k)[rows], weights.reshape(n, k)[rows])
-            stages.append(_dropless(part[0], part[1].reshape(-1), gate, up, down, num_experts, axes.experts, ep,
-                                    run))
+    stages = []
+    for rows in _chunk_rows(b, t, run.chunks, row_capacity):
+        if row_capacity is None and ep > 1 and 0 < run.node_shards < ep:  # the chunk's tokens, once per node
+            stages.append(_exchange_nodes(x.reshape(n, d)[rows], ids.reshape(n, k)[rows],
+                                          weights.reshape(n, k)[rows], gate, up, down, num_experts, axes.experts, ep,
+                                          run))
+        elif row_capacity is None:  # the chunk's tokens, flattened, each assignment straight to its expert
+            part = x.reshape(n, d)[rows]
+            stages.append(_weighted(_dropless(part, ids.reshape(n, k)[rows].reshape(-1), gate, up, down, num_experts,
+                                              axes.experts, ep, run, _receive_rows(run, ep, part.shape[0] * k)),
+                                    weights.reshape(n, k)[rows]))
         else:  # capacity mode's slots are per batch row: the chunk's rows, whole
-            part = (x[rows], ids[rows], weights[rows])
-            stages.append(_with_capacity(*part[:2], gate, up, down, num_experts, min(row_capacity, t),
-                                         axes.experts, ep, run.fp8))
-        parts.append(part)
+            stages.append(_weighted(_with_capacity(x[rows], ids[rows], gate, up, down, num_experts,
+                                                   min(row_capacity, t), axes.experts, ep, run.fp8),
+                                    weights[rows].reshape(-1, k)))
     ys, dropped = [], jnp.zeros((), jnp.float32)
-    for part, (out, lost) in zip(parts, _overlapped(stages), strict=True):
-        tokens = part[2].size // k
-        y = jnp.einsum("nkd,nk->nd", out.reshape(tokens, k, d), part[2].reshape(tokens, k).astype(out.dtype))
+    for y, lost in _overlapped(stages):
         ys.append(jax.lax.psum(y, axes.mlp) if axes.mlp else y)  # each shard computed its slice of the width
         dropped = dropped + lost
     return jnp.concatenate(ys).reshape(b, t, d), dropped
@@ -158,10 +160,29 @@ def _chunk_rows(b: int, t: int, chunks: int, row_capacity: int | None) -> list[s
 class Stages(NamedTuple):
     """One chunk's way through the experts, its bookkeeping (sorting, the exchange's layout) already done: ``send``
     the rows to the expert shards, ``compute`` the local experts on what arrived, ``finish``: the outputs home
-    -> (outputs [assignments, d] in assignment order, assignments a full receive buffer dropped)."""
+    -> (outputs, assignments a full receive buffer dropped). The outputs are per assignment [assignments, d] in
+    assignment order (``_dropless``, ``_with_capacity``), or each token's weighted sum [tokens, d] (``_weighted``,
+    ``_exchange_nodes``)."""
     send: Callable[[], Any]
     compute: Callable[[Any], Any]
     finish: Callable[[Any], tuple[jax.Array, jax.Array]]
+
+
+def _weighted(stages: Stages, weights: jax.Array) -> Stages:
+    """``stages`` whose outputs are per assignment, finished as each token's sum of its k outputs weighted by
+    ``weights`` [tokens, k]."""
+    def finish(computed):
+        out, lost = stages.finish(computed)
+        tokens, k = weights.shape
+        return jnp.einsum("nkd,nk->nd", out.reshape(tokens, k, -1), weights.astype(out.dtype)), lost
+    return Stages(stages.send, stages.compute, finish)
+
+
+def _receive_rows(run: ExpertRun, senders: int, own_rows: int, sent_rows: int | None = None) -> int:
+    """A dropless receive buffer: every row that ``senders`` peers may send (``sent_rows`` each, default
+    ``own_rows``: what this device routes), or ``run.receive_factor`` times ``own_rows``."""
+    worst = senders * (own_rows if sent_rows is None else sent_rows)
+    return min(worst, math.ceil(run.receive_factor * own_rows)) if run.receive_factor else worst
 
 
 def _overlapped(stages: list[Stages]) -> list[tuple[jax.Array, jax.Array]]:
@@ -183,11 +204,12 @@ def _overlapped(stages: list[Stages]) -> list[tuple[jax.Array, jax.Array]]:
 
 
 def _dropless(tokens, ids, gate, up, down, num_experts: int, expert_axes: tuple[str, ...], ep: int,
-              run: ExpertRun) -> Stages:
+              run: ExpertRun, receive_rows: int) -> Stages:
     """Assignments sorted by expert, one grouped GEMM (ragged_dot) per matrix; the stages' outputs [n * k, d] in
-    assignment order. With the experts split over ``expert_axes`` (``ep`` shards) each destination shard gets a
-    buffer of all n * k rows (the worst case); the ragged exchange's receive buffers may be smaller
-    (``run.receive_factor``), and then ``finish`` also says how many rows did not fit."""
+    assignment order (ids ``num_experts`` and up get zeros). With the experts split over ``expert_axes`` (``ep``
+    shards) the padded exchange gives each destination shard a buffer of all n * k rows (the worst case); the
+    ragged one receives into ``receive_rows`` (``_receive_rows``), and if that is less than the worst case
+    ``finish`` also says how many rows did not fit."""
     k = ids.shape[0] // tokens.shape[0]
     order = jnp.argsort(ids, stable=True)  # dropped ids (none in dropless mode) would sort last
     sorted_ids = ids[order]
@@ -197,8 +219,6 @@ def _dropless(tokens, ids, gate, up, down, num_experts: int, expert_axes: tuple[
     if ep == 1:
         stages = Stages(lambda: rows, lambda r: _swiglu_grouped(r, gate, up, down, counts, run), lambda c: (c, none))
     elif run.exchange == "ragged":
-        receive_rows = ep * rows.shape[0] if not run.receive_factor else \
-            min(ep * rows.shape[0], math.ceil(run.receive_factor * rows.shape[0]))
         stages = _exchange_ragged(rows, counts, gate, up, down, expert_axes, ep, num_experts // ep, run,
                                   receive_rows)
     else:
@@ -209,6 +229,64 @@ def _dropless(tokens, ids, gate, up, down, num_experts: int, expert_axes: tuple[
         out_sorted, dropped = stages.finish(computed)
         return out_sorted[jnp.argsort(order)], dropped
     return Stages(stages.send, stages.compute, finish)
+
+
+class NodeRows(NamedTuple):
+    """The rows a device sends between nodes: one for each token and node that holds one of its experts."""
+    token: jax.Array  # [nodes * n] each row's token, the rows node by node, those no node needs last
+    node: jax.Array  # [nodes * n] the node each row goes to
+    counts: jax.Array  # [nodes] the rows for each node
+    carries: jax.Array  # [nodes * n, k] which of its token's assignments a row carries: those of its node
+
+
+def node_rows(ids: jax.Array, num_experts: int, nodes: int) -> NodeRows:
+    """``ids`` [n, k] (``num_experts``: none) of experts laid ``num_experts // nodes`` a node, in order."""
+    n = ids.shape[0]
+    node = jnp.where(ids < num_experts, ids // (num_experts // nodes), nodes)  # [n, k]
+    needed = jnp.any(node[:, None, :] == jnp.arange(nodes)[None, :, None], axis=-1)  # [n, nodes]
+    order = jnp.argsort(jnp.where(needed.T, jnp.arange(nodes)[:, None], nodes).reshape(-1), stable=True)
+    token, to = order % n, order // n
+    return NodeRows(token, to, jnp.sum(needed, axis=0), node[token] == to[:, None])
+
+
+def _exchange_nodes(tokens, ids, weights, gate, up, down, num_experts: int, expert_axes: tuple[str, ...], ep: int,
+                    run: ExpertRun) -> Stages:
+    """Dropless rows sent once per node, ``run.node_shards`` expert shards a node (consecutive along the expert axes,
+    as ``parallel/mesh.py`` lays nodes out). Each token [n, d] goes to the device at this device's place in every
+    node that holds one of its experts (ids, weights [n, k]), with the ids and weights of that node's experts; there
+    ``_dropless``'s exchange hands it on to those experts (its peers then that node's devices alone), and each
+    row's weighted sum of their outputs comes back as one row. The stages' outputs [n, d]: each token's weighted
+    sum. Rows between nodes: one per token and node it needs, not one per assignment."""
+    n, k = ids.shape
+    group = run.node_shards
+    nodes = ep // group
+    me = jax.lax.axis_index(expert_axes)
+    by_node = node_rows(ids, num_experts, nodes)
+    peers = jnp.arange(ep)
+    counts = jnp.where(peers % group == me % group, by_node.counts[peers // group], 0)  # to its place in each node
+    plan = exchange.layout(jax.lax.all_gather(counts, expert_axes), me)
+    token = by_node.token
+    carried = (tokens[token], jnp.where(by_node.carries, ids[token], num_experts),
+               jnp.where(by_node.carries, weights[token], 0))
+    m = nodes * n  # the most rows a device receives: one per token from the device at its place in each node
+
+    def send():
+        rows, got_ids, got_weights = (exchange.dispatch(c, m, plan, expert_axes) for c in carried)
+        got_ids = jnp.where(jnp.arange(m)[:, None] < jnp.sum(plan.recv_sizes), got_ids, num_experts)  # past: none
+        inner = _weighted(_dropless(rows, got_ids.reshape(-1), gate, up, down, num_experts, expert_axes, ep, run,
+                                    _receive_rows(run, group, n * k, m * k)), got_weights)
+        return inner, inner.send()
+
+    def compute(sent):
+        inner, received = sent
+        return inner, inner.compute(received)
+
+    def finish(computed):
+        inner, out = computed
+        summed, lost = inner.finish(out)  # [m, d]: each received row's weighted sum over its node's experts
+        back = exchange.combine(summed, m, plan, expert_axes)  # [m, d] in the order sent
+        return jnp.zeros(tokens.shape, back.dtype).at[token].add(back), lost
+    return Stages(send, compute, finish)
 
 
 def _exchange_sorted(rows, sorted_ids, counts, gate, up, down, expert_axes: tuple[str, ...], ep: int,

@@ -169,8 +169,9 @@ class MoE(nnx.Module):
         gate, up, down = (w[...].astype(dt) for w in (self.wi_gate, self.wi_up, self.wo))
         execution = self.execution
         run = ExpertRun(grouped.resolve(execution.expert_gemm, fp8),
-                        exchange.resolve(execution.moe_exchange, execution.moe_receive_factor),
-                        execution.moe_receive_factor, fp8, execution.moe_chunks)
+                        exchange.resolve(execution.moe_exchange, execution.moe_receive_factor,
+                                         execution.moe_node_shards),
+                        execution.moe_receive_factor, fp8, execution.moe_chunks, execution.moe_node_shards)
         if jax.sharding.get_abstract_mesh().empty:
             return experts_local(x, ids, weights, gate, up, down, cfg.moe.num_experts, row_capacity, None, run)
         token_spec, route_spec = logical_to_spec(TOKEN_AXES), logical_to_spec(ROUTE_AXES)

@@ -25,12 +25,13 @@ def native() -> bool:
     return grouped.target_gpu() is not None
 
 
-def resolve(choice: str, receive_factor: float = 0.0) -> str:
-    """``execution.moe_exchange``: 'auto' -> 'ragged' on a GPU, and wherever ``receive_factor`` bounds the receive
-    buffers (only the ragged exchange has them); 'padded' elsewhere. 'ragged' off a GPU runs the emulation (what
+def resolve(choice: str, receive_factor: float = 0.0, node_shards: int = 0) -> str:
+    """``execution.moe_exchange``: 'auto' -> 'ragged' on a GPU, wherever ``receive_factor`` bounds the receive
+    buffers (only the ragged exchange has them) and wherever rows go once per node (``node_shards``: only the
+    ragged exchange sends some peers nothing); 'padded' elsewhere. 'ragged' off a GPU runs the emulation (what
     tests compare with 'padded')."""
     if choice == "auto":
-        return "ragged" if native() or receive_factor else "padded"
+        return "ragged" if native() or receive_factor or node_shards else "padded"
     return choice
 
 

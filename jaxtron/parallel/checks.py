@@ -34,6 +34,11 @@ def check_devices(cfg: Config, num_devices: int) -> dict[str, int]:
         ways = shard_count(sizes, logical)
         _check(value % ways == 0, f"model.{field}", f"({value}) is not divisible by {mesh_axes(logical)} ({ways})",
                f"choose a {mesh_axes(logical)} that divides {value}")
+    nodes = cfg.execution.moe_node_shards
+    if m.moe.num_experts and nodes:
+        ways = shard_count(sizes, "experts")
+        _check(ways % nodes == 0, "execution.moe_node_shards", f"({nodes}) does not divide the {ways} expert shards "
+               f"of {mesh_axes('experts')}", f"give the expert shards of one node, a divisor of {ways}")
     dp = shard_count(sizes, "activation_batch")
     micro = t.global_batch_size // t.microbatches
     _check(micro % dp == 0, "train.global_batch_size",
