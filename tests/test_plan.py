@@ -4,6 +4,7 @@ and the collectives it executes per step."""
 import math
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from helpers import tiny_config
@@ -704,3 +705,36 @@ def test_the_plan_table_keeps_its_columns_whatever_the_mesh_names(capsys):
     assert rows and max(len(r[5:start].strip()) for r in rows) > 34  # at least one long layout was shown
     for row in rows:  # the microbatch count right-aligned under 'micro'
         assert row[start:start + 5].strip().isdigit() and row[start - 1] == " ", row
+
+
+def test_rows_sent_once_per_node_are_priced_by_the_nodes_a_token_reaches():
+    """DeepSeek-V3 on 1024 H100s, fsdp=16 expert=64 (8 nodes of 8 expert shards): with execution.moe_node_shards=8
+    the network carries one row for each node a token's experts lie on (its 4 top groups' nodes: nodes_reached,
+    checked against the router on random scores below, 3.97), with its ids and weights, and every assignment
+    then crosses NVLink inside the node; the search sends rows once per node where that is faster and fits."""
+    from jaxtron.models.experts import node_rows
+    from jaxtron.models.moe import route
+    from jaxtron.planning.collectives import nodes_reached
+
+    cfg = _config("deepseek_v3")
+    moe, sizes = cfg.model.moe, dict(fsdp=16, expert=64)
+    reached = nodes_reached(moe, 8)
+    assert reached == moe.router_top_groups
+    logits = jax.random.normal(jax.random.key(0), (4, 256, moe.num_experts))
+    ids = route(cfg.model, logits, None, jnp.zeros((moe.num_experts,)))[0].reshape(-1, moe.experts_per_token)
+    assert float(jnp.sum(node_rows(ids, moe.num_experts, 8).counts)) / ids.shape[0] == pytest.approx(reached, rel=0.05)
+    assert nodes_reached(_config("mixtral_8x7b").model.moe, 2) == pytest.approx(2 * (1 - 6 / 28))  # top-2 of 8
+    one = estimate(cfg, sizes, H100)
+    two = estimate(dataclasses.replace(cfg, execution=dataclasses.replace(cfg.execution, moe_node_shards=8)), sizes,
+                   H100)
+    k, h = moe.experts_per_token, cfg.model.embed_dim
+    crossing = reached / k * (1 + 8 * k / (2 * h))  # a row per node reached, with k ids and weights (bf16 rows)
+    assert two.collectives["all-to-all"] == pytest.approx(one.collectives["all-to-all"] * (1 + crossing), rel=1e-6)
+    network = one.time["expert_comm"] + one.time["expert_comm_hidden"]
+    # one hop: 56/64 of the rows over the network; once per node: 7/8 of the rows per node reached over the network,
+    # then 7/8 of the assignments over NVLink
+    hops = crossing * 7 / 8 / H100.network_bandwidth + 7 / 8 / H100.nvlink_bandwidth
+    assert (two.time["expert_comm"] + two.time["expert_comm_hidden"]) / network == pytest.approx(
+        hops / (56 / 64 / H100.network_bandwidth), rel=1e-6)
+    assert two.step_s < one.step_s
+    assert search.best_for_mesh(cfg, sizes, H100).estimate.config.execution.moe_node_shards == 8

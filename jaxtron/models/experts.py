@@ -266,12 +266,14 @@ def _exchange_nodes(tokens, ids, weights, gate, up, down, num_experts: int, expe
     counts = jnp.where(peers % group == me % group, by_node.counts[peers // group], 0)  # to its place in each node
     plan = exchange.layout(jax.lax.all_gather(counts, expert_axes), me)
     token = by_node.token
-    carried = (tokens[token], jnp.where(by_node.carries, ids[token], num_experts),
-               jnp.where(by_node.carries, weights[token], 0))
+    # a row's ids and weights travel beside it in one float32 array (ids below 2**24 are exact)
+    carried = (tokens[token], jnp.concatenate([jnp.where(by_node.carries, ids[token], num_experts).astype(jnp.float32),
+                                               jnp.where(by_node.carries, weights[token], 0)], axis=1))
     m = nodes * n  # the most rows a device receives: one per token from the device at its place in each node
 
     def send():
-        rows, got_ids, got_weights = (exchange.dispatch(c, m, plan, expert_axes) for c in carried)
+        rows, got = (exchange.dispatch(c, m, plan, expert_axes) for c in carried)
+        got_ids, got_weights = got[:, :k].astype(jnp.int32), got[:, k:]
         got_ids = jnp.where(jnp.arange(m)[:, None] < jnp.sum(plan.recv_sizes), got_ids, num_experts)  # past: none
         inner = _weighted(_dropless(rows, got_ids.reshape(-1), gate, up, down, num_experts, expert_axes, ep, run,
                                     _receive_rows(run, group, n * k, m * k)), got_weights)

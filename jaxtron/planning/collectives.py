@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 
+from jaxtron.config.model import MoEConfig
 from jaxtron.config.schema import ONE_F_ONE_B, Config
 from jaxtron.parallel.mesh import split_over_nodes
 from jaxtron.planning.gpus import GPU
@@ -47,16 +48,20 @@ class Collectives:
         moved = whole_bytes * (n - 1) / n * (2 if kind == "all-reduce" else 1)
         return times * moved / min(self.bandwidth(a) for a in axes)
 
-    def all_to_all(self, axis: str, whole_bytes: float, times: float) -> float:
-        """Seconds of ``times`` all-to-alls over ``axis`` sending ``whole_bytes`` each: the share for the devices of
-        other nodes crosses the network while the share for this node's devices crosses NVLink, both at once."""
+    def all_to_all(self, axis: str, whole_bytes: float, times: float, peers: int | None = None,
+                   step: int = 1) -> float:
+        """Seconds of ``times`` all-to-alls over ``axis`` sending ``whole_bytes`` each, evenly to ``peers`` of its
+        devices (default all of them; the rows once per node go to the device at each node's same place, ``step``
+        apart, then within the node, consecutive): the share for the devices of other nodes crosses the network
+        while the share for this node's devices crosses NVLink, both at once; one's own share stays put."""
         n = self.mesh[axis]
-        if n == 1 or whole_bytes == 0:
+        peers = peers or n
+        if peers == 1 or whole_bytes == 0:
             return 0.0
         self.bytes["all-to-all"] += times * whole_bytes
-        local = n // self.across[axis]  # the group's devices in one node
-        network = whole_bytes * (n - local) / n / self.gpu.network_bandwidth
-        nvlink = whole_bytes * (local - 1) / n / self.gpu.nvlink_bandwidth
+        local = min(peers, max(1, n // self.across[axis] // step))  # the peers in this node
+        network = whole_bytes * (peers - local) / peers / self.gpu.network_bandwidth
+        nvlink = whole_bytes * (local - 1) / peers / self.gpu.nvlink_bandwidth
         return times * max(network, nvlink)
 
     def permute(self, axis: str, whole_bytes: float) -> float:
@@ -205,13 +210,39 @@ def expert_time(cfg: Config, shape: StepShape, block: BlockValues, coll: Collect
     exchange a GPU runs), in capacity mode the capacity slots. Each block exchanges twice (rows out, outputs home)
     in its forward pass and in its backward pass, and again when its forward is recomputed: under every remat policy
     but 'none', since none of them saves an exchange's result (Mixtral's step compiled for the H100 with
-    save_dots_attention exchanges in three passes)."""
+    save_dots_attention exchanges in three passes). Rows sent once per node (``execution.moe_node_shards``) cross
+    between nodes once for each node a token's experts lie on (``nodes_reached``), then within the node as before."""
     if not (shape.moe_layers and shape.expert > 1):
         return 0.0
     exchange = block.moe_exchanged * block.embed * shape.work_bytes
     moe_blocks = shape.moe_layers // shape.stages * shape.busy + shape.outside_moe_layers / shape.spread
     passes = 3 if cfg.execution.remat != "none" or shape.forward_passes > 3 else 2
-    return coll.all_to_all("expert", exchange, 2 * passes * moe_blocks * shape.microbatches * shape.in_flight)
+    times = 2 * passes * moe_blocks * shape.microbatches * shape.in_flight
+    group, moe = cfg.execution.moe_node_shards, cfg.model.moe
+    if cfg.execution.moe_mode == "dropless" and 0 < group < shape.expert:  # once per node, then within it
+        nodes = shape.expert // group
+        rows = block.moe_exchanged / moe.experts_per_token * nodes_reached(moe, nodes)
+        crossing = rows * (block.embed * shape.work_bytes + 8 * moe.experts_per_token)  # with ids and weights
+        return (coll.all_to_all("expert", crossing, times, peers=nodes, step=group)
+                + coll.all_to_all("expert", exchange, times, peers=group))
+    return coll.all_to_all("expert", exchange, times)
+
+
+def nodes_reached(moe: MoEConfig, nodes: int) -> float:
+    """How many of ``nodes`` (holding the experts in order, as many each) a token's experts lie on, on average.
+    Drawn evenly (the softmax router, or groups that do not line up with nodes): the chance that a node holds none
+    of k experts drawn among all. Where the sigmoid router's groups lie whole in nodes or the nodes in groups, a
+    token reaches only the nodes of its top groups (node-limited routing), and since a group is chosen for its best
+    experts it reaches nearly all of them (3.97 of 4 for DeepSeek-V3's router on random scores): all of them."""
+    experts, k = moe.num_experts, moe.experts_per_token
+    if moe.router == "sigmoid" and moe.router_groups > 1:
+        groups, top = moe.router_groups, moe.router_top_groups
+        if groups % nodes == 0:
+            return float(min(nodes, top, k))
+        if nodes % groups == 0:
+            return float(min(nodes, top * nodes // groups, k))
+    per_node = experts // nodes
+    return nodes * (1.0 - math.comb(experts - per_node, k) / math.comb(experts, k))
 
 
 def pipeline_time(shape: StepShape, block: BlockValues, coll: Collectives) -> float:

@@ -136,6 +136,21 @@ def _optimizer_options(cfg: Config, sizes: dict[str, int]) -> list[Config]:
     return [cfg, dataclasses.replace(cfg, optimizer=dataclasses.replace(cfg.optimizer, distributed=True))]
 
 
+def _exchange_options(cfg: Config, sizes: dict[str, int], gpu: GPU) -> list[Config]:
+    """``cfg``, and where the expert axis spans nodes and the config leaves the choice open (0) ``cfg`` sending its
+    dropless rows once per node (``execution.moe_node_shards``, the expert shards of one node): the network then
+    carries a row for each node a token's experts lie on, not one for each expert, for larger buffers (each node's
+    device at one's place may send one a row for each of its tokens)."""
+    x, n = cfg.execution, math.prod(sizes.values())
+    if not cfg.model.moe.num_experts or x.moe_mode != "dropless" or x.moe_node_shards or x.moe_exchange == "padded" \
+            or n <= gpu.gpus_per_node:
+        return [cfg]
+    across = split_over_nodes(sizes, n // gpu.gpus_per_node)["expert"]
+    if across == 1:
+        return [cfg]
+    return [cfg, dataclasses.replace(cfg, execution=dataclasses.replace(x, moe_node_shards=sizes["expert"] // across))]
+
+
 def best_for_mesh(cfg: Config, sizes: dict[str, int], gpu: GPU) -> Row:
     """With execution.remat='auto': the fastest row of the policies of ``AUTO_ORDER`` that fits (the earlier
     policy on a tie), else the leanest's. Otherwise: the mesh with the fewest microbatches that fit (more
@@ -150,7 +165,7 @@ def best_for_mesh(cfg: Config, sizes: dict[str, int], gpu: GPU) -> Row:
         return min(fitting, key=lambda r: round(r.estimate.step_s, 3 - _digits(r.estimate.step_s))) if fitting \
             else rows[-1]
     est = None
-    variants = _optimizer_options(cfg, sizes)
+    variants = [v for c in _exchange_options(cfg, sizes, gpu) for v in _optimizer_options(c, sizes)]
     options = _microbatch_options(cfg, sizes)
     params = parameters(cfg.model)
     # the float32 weights, their gradients and the leanest moments alone outgrow the GPU: no option can fit

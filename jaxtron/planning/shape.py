@@ -182,6 +182,10 @@ def block_values(cfg: Config, shape: StepShape) -> BlockValues:
     elif shape.moe_layers:
         moe_rows = moe_exchanged = m.moe.num_experts * b * capacity(m, execution.capacity_factor, t)
     expert_width = m.resolved_expert_dim // shard_count(sizes, "activation_mlp")
+    # rows once per node: a device's rows for each node out and in, and the next hop's rows sorted by expert (as
+    # many as every node's device at its place may send it, ``models/experts._exchange_nodes``)
+    group = execution.moe_node_shards
+    nodes = shape.expert // group if execution.moe_mode == "dropless" and 0 < group < shape.expert else 1
     return BlockValues(
         embed=h, q_width=q_width, kv_width=kv_width, mlp_width=mlp_width, expert_width=expert_width, heads=heads,
         vocab=m.vocab_size // shard_count(sizes, "activation_vocab"), residual=x, residual_split=x // tensor,
@@ -189,6 +193,6 @@ def block_values(cfg: Config, shape: StepShape) -> BlockValues:
         scores=b * heads * t * shape.kv_len if shape.attention == "xla" else 0,
         everything=6 * (x // tensor) + (2 * x if tensor > 1 else 0) + sum(attention.values()) + sum(mlp.values()),
         moe_rows=moe_rows, moe_exchanged=moe_exchanged,
-        moe_values=moe_rows * (2 * h + 3 * expert_width) + 2 * tokens * k * h,
+        moe_values=moe_rows * (2 * h + 3 * expert_width) + 2 * tokens * k * h * nodes + 2 * tokens * h * (nodes > 1),
         moe_expanded=(m.moe.num_experts // shape.expert - 1) * moe_rows * (h + expert_width)
         if shape.moe_layers and execution.moe_mode == "dropless" else 0)
