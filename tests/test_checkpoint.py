@@ -222,7 +222,8 @@ OLD_CHECKPOINTS = os.path.join(REPO, "tests", "fixtures", "checkpoints")
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["llama_pipeline", "qwen3_moe", "deepseek", "llama_interleaved"])
+@pytest.mark.parametrize("name", ["llama_pipeline", "qwen3_moe", pytest.param("deepseek", marks=pytest.mark.extended),
+                                  "llama_interleaved"])  # DeepSeek's: one more MoE family, the extended tier
 def test_checkpoints_written_by_an_earlier_version_still_restore(name, tmp_path, caplog):
     """Checkpoints kept from earlier versions (tests/fixtures/make_old_checkpoints.py; commit.txt names the version,
     or <name>/commit.txt a later one's), with that version's config field names: each resumes at step 2 and trains

@@ -47,8 +47,9 @@ def _expected(q, k, v, seg, order):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout,shards", [("boundaries", 2),  # four shards of the same layout: the extended tier
-                                           pytest.param("boundaries", 4, marks=pytest.mark.extended), ("short", 4)])
+@pytest.mark.parametrize("layout,shards", [("boundaries", 2),  # four shards (the meshes below run them): extended
+                                           pytest.param("boundaries", 4, marks=pytest.mark.extended),
+                                           pytest.param("short", 4, marks=pytest.mark.extended)])
 def test_each_shard_by_chunks_equals_whole_matrix_attention(layout, shards):
     """Each shard's two chunks against the gathered row, one shard at a time on one device (the meshes below
     run the 'mixed' layout)."""

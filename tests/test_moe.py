@@ -450,7 +450,8 @@ def single_device_moe_run(tmp_path_factory):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("mesh", [dict(data=2, fsdp=2, tensor=2), dict(data=2, fsdp=1, expert=2, tensor=2),
-                                  dict(fsdp=2, expert=4)], ids=["expert1", "expert2", "expert4"])
+                                  pytest.param(dict(fsdp=2, expert=4), marks=pytest.mark.extended)],  # as expert2
+                         ids=["expert1", "expert2", "expert4"])
 def test_training_losses_are_the_same_on_every_mesh(mesh, single_device_moe_run, tmp_path):
     summary = run(tiny_config(mesh, model=MOE), str(tmp_path), use_tqdm=False)
     expected = losses(single_device_moe_run[1])
@@ -655,7 +656,8 @@ def test_experts_run_in_chunks_equal_one_chunk(mode, exchange):
         np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("node_shards, chunks, router", [(2, 1, "softmax"), (1, 2, "softmax"), (2, 1, "sigmoid")])
+@pytest.mark.parametrize("node_shards, chunks, router", [  # 4 nodes in 2 chunks: the extended tier
+    (2, 1, "softmax"), pytest.param(1, 2, "softmax", marks=pytest.mark.extended), (2, 1, "sigmoid")])
 def test_rows_sent_once_per_node_equal_each_assignment_sent_to_its_expert(node_shards, chunks, router):
     """execution.moe_node_shards on data=2 x expert=4 (2 or 4 'nodes'): each token crosses once to every node
     holding one of its experts, that node's device hands it on and sends back one weighted sum; outputs and
