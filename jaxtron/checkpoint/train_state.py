@@ -252,3 +252,8 @@ def _check_compatible(saved: dict, cfg: Config, where: str) -> None:
     if differ:
         raise CheckpointError(f"checkpoint '{where}' is of another model architecture ({'; '.join(differ)}); "
                               "use the config it was written with or a new --workdir.")
+    optimizer = value(saved, "optimizer.name", "adamw")  # checkpoints from before Muon hold AdamW's state
+    if optimizer != cfg.optimizer.name:
+        raise CheckpointError(f"checkpoint '{where}' holds the state of another optimizer (optimizer.name "
+                              f"{optimizer!r} != {cfg.optimizer.name!r}), whose moments this run's cannot take; "
+                              f"resume with --config.optimizer.name={optimizer} or start a new --workdir.")

@@ -158,8 +158,12 @@ class TrainConfig:
 
 @dataclasses.dataclass(frozen=True)
 class OptimizerConfig:
-    """AdamW with linear warmup then cosine decay to ``min_lr_ratio * learning_rate``."""
+    """AdamW, or Muon for the blocks' matrices, with linear warmup then cosine decay to ``min_lr_ratio *
+    learning_rate``."""
 
+    # adamw | muon: Newton-Schulz orthogonalized momentum for the blocks' matrices (each whole, per layer and
+    # expert), AdamW (b1, b2, eps) for the embedding, head, norms, biases and routers (jaxtron/training/optimizer.py)
+    name: str = "adamw"
     learning_rate: float = 3e-4
     warmup_steps: int = 100
     decay_steps: int = 0  # 0 means train.steps
@@ -174,8 +178,18 @@ class OptimizerConfig:
     # ``optimizer_state``) while the float32 weights stay as their rule places them; gradients are reduce-scattered
     # onto the moments' shards and the updated weights gathered once per step. Checkpoints restore across it
     distributed: bool = False
+    muon_momentum: float = 0.95  # muon: the momentum's decay (Nesterov)
+    muon_steps: int = 5  # muon: Newton-Schulz iterations
+    # muon: each matrix's update scaled to this RMS x sqrt(max(fan in, fan out)), the RMS AdamW's updates have, so
+    # that AdamW's learning rate and weight decay carry over (Moonlight's matching)
+    muon_rms: float = 0.2
 
     def __post_init__(self):
+        _choice(self.name, "optimizer.name", ("adamw", "muon"))
+        _positive(self.muon_steps, "optimizer.muon_steps")
+        _positive(self.muon_rms, "optimizer.muon_rms")
+        _check(0 <= self.muon_momentum < 1, "optimizer.muon_momentum", f"must lie in [0, 1) (got {self.muon_momentum})",
+               "set --config.optimizer.muon_momentum inside that range")
         _positive(self.learning_rate, "optimizer.learning_rate")
         _positive(self.eps, "optimizer.eps")
         for name in ("warmup_steps", "decay_steps", "weight_decay", "clip_norm"):

@@ -1,4 +1,13 @@
-"""AdamW with linear warmup and cosine decay, global-norm clipping, no weight decay on norms."""
+"""The optimizers, with linear warmup and cosine decay, global-norm clipping, no weight decay on norms or biases.
+
+- ``adamw``: AdamW for every parameter.
+- ``muon``: the blocks' matrices (attention, MLP and expert projections, latent projections) get Nesterov momentum
+  orthogonalized by Newton-Schulz iterations (optax's ``scale_by_muon``), each matrix whole: the logical axis names
+  say which of a weight's dimensions are its inputs and outputs (``muon_dimensions``) and which stack layers or
+  experts (a batch of matrices); each update is scaled to ``muon_rms`` x sqrt(max(fan in, fan out)), the RMS of
+  AdamW's updates, so that AdamW's learning rate and weight decay carry over (as Moonlight matches them). The
+  embedding, the head, norms, biases and routers keep AdamW.
+"""
 
 from __future__ import annotations
 
@@ -10,9 +19,15 @@ import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx
+from optax.contrib import MuonDimensionNumbers, scale_by_muon
 
 from jaxtron.config.schema import OptimizerConfig
 from jaxtron.parallel.sharding import logical_names
+
+# logical axes that stack matrices (a batch of matrices, each orthogonalized on its own), and axes of weights that
+# are no block matrix (AdamW's: the vocabulary's rows, norms, biases, and the router's unnamed expert scores)
+STACKING = frozenset({"layers", "unstaged_layers", "stages", "experts"})
+NOT_A_MATRIX = frozenset({"vocab", "norm", "bias", None})
 
 
 def learning_rate_schedule(cfg: OptimizerConfig, total_steps: int) -> Callable[[jax.Array], jax.Array]:
@@ -42,18 +57,80 @@ def decay_mask(params: Any) -> Any:
 
 def schedule_count(opt_state: Any) -> jax.Array:
     """The step count optax's learning-rate schedule reads: it stops at skipped (non-finite) updates, where
-    the train state's step goes on, so the learning rate applied is ``schedule(schedule_count(opt_state))``."""
+    the train state's step goes on, so the learning rate applied is ``schedule(schedule_count(opt_state))``.
+    (Muon's two parts, the matrices' and AdamW's, count alike.)"""
     found = [value for path, value in optax.tree_utils.tree_get_all_with_path(opt_state, "count")
              if getattr(path[-1], "tuple_name", "") == "ScaleByScheduleState"]
-    if len(found) != 1:
-        raise ValueError(f"expected one learning-rate schedule count in the optimizer state, found {len(found)}")
+    if not found:
+        raise ValueError("found no learning-rate schedule count in the optimizer state")
     return found[0]
+
+
+def muon_dimensions(variable: nnx.Variable) -> MuonDimensionNumbers | None:
+    """How Muon reads a parameter as matrices, from its logical names: the axes of ``STACKING`` are a batch;
+    of the rest, an output projection's (whose last axis is ``embed``) are its inputs but the last, any other
+    weight's inputs are its first axis ([embed, heads, head_dim] is one matrix of embed rows). None: AdamW's
+    (fewer than two matrix axes, or one of ``NOT_A_MATRIX``)."""
+    names = tuple(logical_names(variable))
+    matrix = [i for i, name in enumerate(names) if name not in STACKING]
+    if len(matrix) < 2 or NOT_A_MATRIX & {names[i] for i in matrix}:
+        return None
+    if names[matrix[-1]] == "embed":
+        return MuonDimensionNumbers(tuple(matrix[:-1]), (matrix[-1],))
+    return MuonDimensionNumbers((matrix[0],), tuple(matrix[1:]))
+
+
+def _is_variable(x: Any) -> bool:
+    return isinstance(x, nnx.Variable)
+
+
+def _scale_to_rms(rms: float, params: Any) -> optax.GradientTransformation:
+    """Each orthogonalized update times ``rms`` x sqrt(max(fan in, fan out)) of its matrix."""
+    def scale(update, variable):
+        if isinstance(update, optax.MaskedNode):
+            return update
+        dims = muon_dimensions(variable)
+        fan_in = math.prod(variable.shape[i] for i in dims.reduction_axis)
+        fan_out = math.prod(variable.shape[i] for i in dims.output_axis)
+        return jax.tree.map(lambda u: u * (rms * math.sqrt(max(fan_in, fan_out))), update)
+
+    def update(updates, state, params_now=None):
+        del params_now
+        return jax.tree.map(scale, updates, params, is_leaf=lambda x: _is_variable(x) or
+                            isinstance(x, optax.MaskedNode)), state
+    return optax.GradientTransformation(lambda _: optax.EmptyState(), update)
+
+
+def _muon(cfg: OptimizerConfig, schedule, params: Any) -> optax.GradientTransformation:
+    """Muon for the parameters ``muon_dimensions`` reads as matrices, AdamW for the others."""
+    labels = jax.tree.map(lambda v: "muon" if muon_dimensions(v) else "adamw", params, is_leaf=_is_variable)
+
+    def dimensions(updates):  # the masked updates' tree, each matrix's update (or its Variable) its dimension numbers
+        def one(update, variable):
+            if isinstance(update, optax.MaskedNode):
+                return update
+            dims = muon_dimensions(variable)
+            return update.replace(dims) if _is_variable(update) else dims
+        return jax.tree.map(one, updates, params, is_leaf=lambda x: _is_variable(x) or isinstance(x, optax.MaskedNode))
+
+    matrices = optax.chain(
+        scale_by_muon(ns_steps=cfg.muon_steps, beta=cfg.muon_momentum, eps=cfg.eps, nesterov=True,
+                      weight_dimension_numbers=dimensions),
+        _scale_to_rms(cfg.muon_rms, params),
+        optax.add_decayed_weights(cfg.weight_decay),
+        optax.scale_by_learning_rate(schedule))
+    rest = optax.adamw(schedule, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay,
+                       mask=decay_mask(params))
+    return optax.partition({"muon": matrices, "adamw": rest}, labels)
 
 
 def make_optimizer(cfg: OptimizerConfig, total_steps: int, params: Any) -> optax.GradientTransformation:
     schedule = learning_rate_schedule(cfg, total_steps)
-    adamw = optax.adamw(schedule, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay,
-                        mask=decay_mask(params))
+    if cfg.name == "muon":
+        update = _muon(cfg, schedule, params)
+    else:
+        update = optax.adamw(schedule, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay,
+                             mask=decay_mask(params))
     if cfg.clip_norm > 0:
-        return optax.chain(optax.clip_by_global_norm(cfg.clip_norm), adamw)
-    return adamw
+        return optax.chain(optax.clip_by_global_norm(cfg.clip_norm), update)
+    return update
