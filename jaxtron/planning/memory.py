@@ -27,6 +27,7 @@ from jaxtron.config.schema import ONE_F_ONE_B, Config
 from jaxtron.ops.blockwise import block_size
 from jaxtron.planning.params import Param, optimizer_elements, state_elements
 from jaxtron.planning.shape import BlockValues, StepShape
+from jaxtron.training.optimizer import matrix_dimensions
 
 # live copies at the peak, per kind of buffer (see the module docstring)
 LAYER_COPIES = 1.65  # one block's intermediates during its backward: recomputed values and their gradients
@@ -83,12 +84,13 @@ UNSEEN_ON_TARGET = ("cudnn_workspace",)  # terms a compile without the GPU canno
 
 
 def state_memory(cfg: Config, shape: StepShape, params: tuple[Param, ...]) -> dict[str, float]:
-    """Bytes of the train state and the batch: float32 parameters, two AdamW moments, gradients (+ the microbatch
-    accumulator), and the step's five int32 batch arrays. Under the distributed optimizer the moments and the
-    accumulator hold their shard over the batch's axes (``state_sharding.optimizer_spec``)."""
+    """Bytes of the train state and the batch: float32 parameters, two AdamW moments (one momentum for Muon's
+    matrices), gradients (+ the microbatch accumulator), and the step's five int32 batch arrays. Under the
+    distributed optimizer the moments and the accumulator hold their shard over the batch's axes
+    (``state_sharding.optimizer_spec``)."""
     shard = state_elements(params, shape.mesh)
     moments = optimizer_elements(params, shape.mesh, cfg.optimizer.distributed)
-    return {"parameters": 4.0 * shard, "optimizer": 8.0 * moments,
+    return {"parameters": 4.0 * shard, "optimizer": 4.0 * (2 * moments - muon_momenta(cfg, shape, params)),
             "gradients": 4.0 * shard + (4.0 * moments if shape.microbatches > 1 else 0.0),
             "batch": 5 * 4.0 * shape.rows * shape.microbatches * shape.local_len}
 
@@ -226,7 +228,17 @@ def update_work(cfg: Config, shape: StepShape, params: tuple[Param, ...]) -> flo
     if not shape.cpu_program:
         return 0.0
     moments = optimizer_elements(params, shape.mesh, cfg.optimizer.distributed)
-    return UPDATE_COPIES / 3 * 4.0 * (state_elements(params, shape.mesh) + 2 * moments)
+    return UPDATE_COPIES / 3 * 4.0 * (state_elements(params, shape.mesh) + 2 * moments
+                                      - muon_momenta(cfg, shape, params))
+
+
+def muon_momenta(cfg: Config, shape: StepShape, params: tuple[Param, ...]) -> int:
+    """Elements one device holds of the matrices Muon updates (one momentum each, where AdamW holds two moments);
+    0 under AdamW."""
+    if cfg.optimizer.name != "muon":
+        return 0
+    matrices = tuple(p for p in params if matrix_dimensions(p.names))
+    return optimizer_elements(matrices, shape.mesh, cfg.optimizer.distributed)
 
 
 def saved_shards(cfg: Config, shape: StepShape, params: tuple[Param, ...]) -> dict[str, float]:

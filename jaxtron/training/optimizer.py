@@ -67,11 +67,15 @@ def schedule_count(opt_state: Any) -> jax.Array:
 
 
 def muon_dimensions(variable: nnx.Variable) -> MuonDimensionNumbers | None:
-    """How Muon reads a parameter as matrices, from its logical names: the axes of ``STACKING`` are a batch;
-    of the rest, an output projection's (whose last axis is ``embed``) are its inputs but the last, any other
-    weight's inputs are its first axis ([embed, heads, head_dim] is one matrix of embed rows). None: AdamW's
-    (fewer than two matrix axes, or one of ``NOT_A_MATRIX``)."""
-    names = tuple(logical_names(variable))
+    """How Muon reads a parameter as matrices (``matrix_dimensions`` of its logical names)."""
+    return matrix_dimensions(tuple(logical_names(variable)))
+
+
+def matrix_dimensions(names: tuple[str | None, ...]) -> MuonDimensionNumbers | None:
+    """How Muon reads a parameter of these logical names as matrices: the axes of ``STACKING`` are a batch; of the
+    rest, an output projection's (whose last axis is ``embed``) are its inputs but the last, any other weight's
+    inputs are its first axis ([embed, heads, head_dim] is one matrix of embed rows). None: AdamW's (fewer than two
+    matrix axes, or one of ``NOT_A_MATRIX``)."""
     matrix = [i for i, name in enumerate(names) if name not in STACKING]
     if len(matrix) < 2 or NOT_A_MATRIX & {names[i] for i in matrix}:
         return None
