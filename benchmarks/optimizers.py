@@ -1,0 +1,122 @@
+"""AdamW against Muon on the same tokens: the main job (configs/default.py, real text) trained with each optimizer at
+several peak learning rates, its validation loss against the tokens trained, as a table (optimizers.md,
+optimizers.json) and a plot (optimizers.png).
+
+    python benchmarks/optimizers.py [--rates 1e-3,3e-3,1e-2] [--steps 300] [--eval-every 25]
+
+Each run is the main job as shipped (same data order, schedule, weight decay and clipping) with
+``optimizer.name`` and ``optimizer.learning_rate`` changed, validation every ``--eval-every`` steps. The table says,
+for each Muon run, how many tokens it took to reach the best AdamW run's final validation loss (interpolated
+between evaluations), as a share of the tokens AdamW trained.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks import results
+
+
+def _run(name: str, rate: float, steps: int, eval_every: int, workdir: str) -> dict:
+    import jax
+
+    from jaxtron.config.loader import load_config
+    from jaxtron.training.loop import run
+
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    cfg = load_config(os.path.join(here, "configs", "default.py"), [
+        ("optimizer.name", name), ("optimizer.learning_rate", str(rate)), ("train.steps", str(steps)),
+        ("train.eval_every", str(eval_every))])
+    started = time.perf_counter()
+    run(cfg, workdir, use_tqdm=False, devices=jax.devices()[:1])
+    tokens_per_step = cfg.train.global_batch_size * cfg.data.seq_len
+    with open(os.path.join(workdir, "metrics.jsonl")) as f:  # the evaluations' lines (the run is whole)
+        lines = [json.loads(line) for line in f if line.strip()]
+    evals = [(line["step"] * tokens_per_step, line["eval/loss"]) for line in lines if "eval/loss" in line]
+    return dict(optimizer=name, learning_rate=rate, steps=steps, tokens=steps * tokens_per_step,
+                validation=evals, final_validation=evals[-1][1], wall_s=round(time.perf_counter() - started, 1))
+
+
+def tokens_to_reach(validation: list[tuple[int, float]], target: float) -> float | None:
+    """The tokens at which a run's validation loss first reaches ``target``, linear between evaluations; None if it
+    never does."""
+    before = (0, float("inf"))
+    for tokens, loss in validation:
+        if loss <= target:
+            if not np.isfinite(before[1]):
+                return float(tokens)
+            return before[0] + (tokens - before[0]) * (before[1] - target) / (before[1] - loss)
+        before = (tokens, loss)
+    return None
+
+
+def table(rows: list[dict], command: str) -> str:
+    adamw = [r for r in rows if r["optimizer"] == "adamw"]
+    best = min(adamw, key=lambda r: r["final_validation"])
+    lines = ["# AdamW against Muon on the main job (CPU)", "", f"`{command}`", "",
+             "| optimizer | peak learning rate | final validation loss | tokens to the best AdamW loss | share | s |",
+             "|---|---|---|---|---|---|"]
+    for r in rows:
+        reach = tokens_to_reach(r["validation"], best["final_validation"])
+        share = f"{reach / best['tokens']:.2f}" if reach is not None else "not reached"
+        lines.append(f"| {r['optimizer']} | {r['learning_rate']:g} | {r['final_validation']:.4f} | "
+                     f"{'-' if reach is None else f'{reach:,.0f}'} | {share} | {r['wall_s']} |")
+    summary = (f"Best AdamW run: peak {best['learning_rate']:g}, final validation loss "
+               f"{best['final_validation']:.4f} after {best['tokens']:,} tokens. The share is the tokens a run took "
+               "to reach that loss over the tokens AdamW took (linear between evaluations).")
+    lines += ["", summary, "", "![validation loss against tokens](optimizers.png)", ""]
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from jaxtron.common.files import atomic_path
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for r in rows:
+        tokens, loss = zip(*r["validation"], strict=True)
+        ax.plot(tokens, loss, ("-" if r["optimizer"] == "muon" else "--"), marker=".",
+                label=f"{r['optimizer']} {r['learning_rate']:g}")
+    ax.set_xlabel("tokens trained")
+    ax.set_ylabel("validation loss (nats/token)")
+    ax.set_title("configs/default.py: AdamW against Muon")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    with atomic_path(path) as aside:
+        fig.savefig(aside, format="png", dpi=110)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rates", default="1e-3,3e-3,1e-2")
+    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--eval-every", type=int, default=25)
+    args = parser.parse_args(argv)
+    rates = [float(r) for r in args.rates.split(",")]
+    rows = []
+    with tempfile.TemporaryDirectory() as root:
+        for name in ("adamw", "muon"):
+            for rate in rates:
+                rows.append(_run(name, rate, args.steps, args.eval_every, os.path.join(root, f"{name}_{rate:g}")))
+                print(rows[-1]["optimizer"], rows[-1]["learning_rate"], rows[-1]["final_validation"], flush=True)
+    command = "python benchmarks/optimizers.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    results.write("optimizers", rows, table(rows, command.strip()))
+    plot(rows, os.path.join(results.HERE, "optimizers.png"))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
