@@ -88,11 +88,16 @@ def _is_variable(x: Any) -> bool:
     return isinstance(x, nnx.Variable)
 
 
+def _each_matrix(updates: Any, params: Any, fn: Callable[[Any, nnx.Variable], Any]) -> Any:
+    """``fn(update, parameter)`` for each of Muon's updates (a Variable, or its array), given the parameter's Variable
+    (its names and shape); the other parameters' places (``optax.MaskedNode``) as they are."""
+    return jax.tree.map(lambda u, v: u if isinstance(u, optax.MaskedNode) else fn(u, v), updates, params,
+                        is_leaf=lambda x: _is_variable(x) or isinstance(x, optax.MaskedNode))
+
+
 def _scale_to_rms(rms: float, params: Any) -> optax.GradientTransformation:
     """Each orthogonalized update times ``rms`` x sqrt(max(fan in, fan out)) of its matrix."""
     def scale(update, variable):
-        if isinstance(update, optax.MaskedNode):
-            return update
         dims = muon_dimensions(variable)
         fan_in = math.prod(variable.shape[i] for i in dims.reduction_axis)
         fan_out = math.prod(variable.shape[i] for i in dims.output_axis)
@@ -100,8 +105,7 @@ def _scale_to_rms(rms: float, params: Any) -> optax.GradientTransformation:
 
     def update(updates, state, params_now=None):
         del params_now
-        return jax.tree.map(scale, updates, params, is_leaf=lambda x: _is_variable(x) or
-                            isinstance(x, optax.MaskedNode)), state
+        return _each_matrix(updates, params, scale), state
     return optax.GradientTransformation(lambda _: optax.EmptyState(), update)
 
 
@@ -134,8 +138,6 @@ def _laid_out(params: Any, whole: bool) -> optax.GradientTransformation:
     """Muon's updates constrained to ``whole_matrix_spec`` (``whole``) or back to their parameters' sharding; a
     no-op without a mesh."""
     def one(update, variable):
-        if isinstance(update, optax.MaskedNode):
-            return update
         names = tuple(logical_names(variable))
 
         def spec():
@@ -146,8 +148,7 @@ def _laid_out(params: Any, whole: bool) -> optax.GradientTransformation:
 
     def update(updates, state, params_now=None):
         del params_now
-        return jax.tree.map(one, updates, params, is_leaf=lambda x: _is_variable(x) or
-                            isinstance(x, optax.MaskedNode)), state
+        return _each_matrix(updates, params, one), state
     return optax.GradientTransformation(lambda _: optax.EmptyState(), update)
 
 
@@ -157,11 +158,9 @@ def _muon(cfg: OptimizerConfig, schedule, params: Any) -> optax.GradientTransfor
 
     def dimensions(updates):  # the masked updates' tree, each matrix's update (or its Variable) its dimension numbers
         def one(update, variable):
-            if isinstance(update, optax.MaskedNode):
-                return update
             dims = muon_dimensions(variable)
             return update.replace(dims) if _is_variable(update) else dims
-        return jax.tree.map(one, updates, params, is_leaf=lambda x: _is_variable(x) or isinstance(x, optax.MaskedNode))
+        return _each_matrix(updates, params, one)
 
     matrices = optax.chain(
         _laid_out(params, whole=True),
