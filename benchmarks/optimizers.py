@@ -73,6 +73,13 @@ def table(rows: list[dict], command: str) -> str:
     summary = (f"Best AdamW run: peak {best['learning_rate']:g}, final validation loss "
                f"{best['final_validation']:.4f} after {best['tokens']:,} tokens. The share is the tokens a run took "
                "to reach that loss over the tokens AdamW took (linear between evaluations).")
+    for name in ("adamw", "muon"):  # a best rate at the edge of the sweep may not be the optimizer's best
+        runs = [r for r in rows if r["optimizer"] == name]
+        top = min(runs, key=lambda r: r["final_validation"])["learning_rate"]
+        rates = sorted(r["learning_rate"] for r in runs)
+        if top in (rates[0], rates[-1]):
+            summary += (f" {name}'s best rate, {top:g}, is at the edge of the rates tried: a rate beyond it may do "
+                        "better still.")
     lines += ["", summary, "", "![validation loss against tokens](optimizers.png)", ""]
     return "\n".join(lines)
 
