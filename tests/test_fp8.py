@@ -134,7 +134,8 @@ def test_fp8_trains_inside_scanned_layers_with_remat_and_gradient_accumulation(t
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("remat", ["none", pytest.param("full", marks=pytest.mark.extended)])
+@pytest.mark.extended  # FP8 in the first tier: its kernels' checks and a run in scanned layers with accumulation
+@pytest.mark.parametrize("remat", ["none", "full"])
 def test_fp8_losses_and_parameters_on_fsdp_sequence_and_tensor_equal_one_devices(remat, tmp_path):
     """FP8 projections on fsdp=2 x sequence=2 x tensor=2 gather their weights after quantizing them (kept for the
     backward pass under a checkpoint, gathered again there without one) and reduce-scatter their gradients: the

@@ -169,6 +169,7 @@ def test_a_lora_run_resumes_bit_exactly_and_matches_on_a_mesh(base_run, tmp_path
 
 
 @pytest.mark.slow
+@pytest.mark.extended  # LoRA on a mesh: the first tier's resume check; pipelines: test_pipeline's
 def test_a_lora_run_on_a_pipeline_trains_like_one_device(base_run, tmp_path):
     """The adapters are stacked with their layers, so the fill-drain pipeline stages them as it stages the base.
     (Without dropout: its masks are drawn per microbatch, and a pipeline's microbatches are other arrays.)"""

@@ -431,6 +431,7 @@ def test_the_router_bias_moves_in_the_stored_order():
 
 
 @pytest.mark.slow
+@pytest.mark.extended  # resuming a pipeline: the first tier's uneven-split check; on other meshes: test_checkpoint's
 def test_a_checkpoint_resumes_on_other_pipeline_degrees(tmp_path):
     """Saved with 2 stages x 2 virtual stages (a stage-major stack), resumed with 1 and 4 stages."""
     base = dict(model=dict(num_layers=4), train=dict(global_batch_size=16, steps=4),
