@@ -2,7 +2,7 @@
 several peak learning rates, its validation loss against the tokens trained, as a table (optimizers.md,
 optimizers.json) and a plot (optimizers.png).
 
-    python benchmarks/optimizers.py [--rates 1e-3,3e-3,1e-2] [--steps 300] [--eval-every 25]
+    python benchmarks/optimizers.py [--rates 1e-3,3e-3,1e-2] [--steps 300] [--eval-every 25] [--add muon:3e-2]
 
 Each run is the main job as shipped (same data order, schedule, weight decay and clipping) with
 ``optimizer.name`` and ``optimizer.learning_rate`` changed, validation every ``--eval-every`` steps. The table says,
@@ -111,16 +111,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rates", default="1e-3,3e-3,1e-2")
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--eval-every", type=int, default=25)
+    parser.add_argument("--add", default="", help="NAME:RATE,...: run these alone and add them to the rows on file "
+                                                    "(a sweep widened where its best rate was at an edge)")
     args = parser.parse_args(argv)
-    rates = [float(r) for r in args.rates.split(",")]
+    runs = [(name, float(rate)) for name, rate in (item.split(":") for item in args.add.split(","))] if args.add \
+        else [(name, float(rate)) for name in ("adamw", "muon") for rate in args.rates.split(",")]
     rows = []
+    if args.add:
+        with open(os.path.join(results.HERE, "optimizers.json")) as f:
+            rows = json.load(f)
     with tempfile.TemporaryDirectory() as root:
-        for name in ("adamw", "muon"):
-            for rate in rates:
-                rows.append(_run(name, rate, args.steps, args.eval_every, os.path.join(root, f"{name}_{rate:g}")))
-                print(rows[-1]["optimizer"], rows[-1]["learning_rate"], rows[-1]["final_validation"], flush=True)
-    command = "python benchmarks/optimizers.py " + " ".join(argv if argv is not None else sys.argv[1:])
-    results.write("optimizers", rows, table(rows, command.strip()))
+        for name, rate in runs:
+            rows.append(_run(name, rate, args.steps, args.eval_every, os.path.join(root, f"{name}_{rate:g}")))
+            print(rows[-1]["optimizer"], rows[-1]["learning_rate"], rows[-1]["final_validation"], flush=True)
+    rows.sort(key=lambda r: (r["optimizer"], r["learning_rate"]))
+    command = "python benchmarks/optimizers.py" + (f"`, then `python benchmarks/optimizers.py --add {args.add}"
+                                                   if args.add else "")
+    results.write("optimizers", rows, table(rows, command))
     plot(rows, os.path.join(results.HERE, "optimizers.png"))
     return 0
 
