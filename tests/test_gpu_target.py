@@ -387,7 +387,7 @@ def test_moe_exchanges_run_beside_gemms_at_least_as_the_planner_assumes_on_the_h
 @pytest.mark.slow
 def test_muon_orthogonalizes_whole_matrices_without_gathering_them_on_the_h100():
     """Llama-3 8B's shape (8 layers, fsdp=8): Muon's updates are laid out stack by stack for their Newton-Schulz
-    GEMMs (training/optimizer.whole_matrix_spec: each device whole matrices of its share of the layers), so the
+    GEMMs (parallel/state_sharding.whole_matrix_spec: each device whole matrices of its share of the layers), so the
     program gathers no more than AdamW's and moves the updates by all-to-alls instead (where the layers do not
     split so, 4 layers on 8 devices, XLA gathers the matrices: 41.8 against AdamW's 5.6 GB a step); its peak is
     lower by the second moment Muon's matrices lack, as the planner counts it (within 10%)."""

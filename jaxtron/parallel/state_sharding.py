@@ -37,6 +37,31 @@ _STACKED = {"layers", "unstaged_layers", "stages"}
 _GATHER_MODES = (None, "keep", "regather")
 
 
+def whole_matrix_spec(names: Sequence[str | None], shape: Sequence[int], matrix: Sequence[int],
+                      sizes: Mapping[str, int]) -> PartitionSpec:
+    """The layout of a stack of matrices (its ``matrix`` dimensions, the others a batch: layers, experts) in which
+    each device holds whole matrices, its share of them: the first batch dimension split over its own mesh axes and
+    those of the matrix dimensions, the matrix dimensions whole (Muon runs its Newton-Schulz GEMMs there without
+    gathering). The parameter's own layout where the stack does not divide so."""
+    spec = logical_to_spec(names)
+    batch = [i for i in range(len(names)) if i not in matrix]
+    if not batch:
+        return spec
+    first = batch[0]
+    moved = [a for i in (first, *matrix) for a in spec_axes(spec, i) if sizes.get(a, 1) > 1]
+    if shape[first] % math.prod(sizes[a] for a in moved):
+        return spec
+    return PartitionSpec(*[tuple(moved) or None if i == first else None if i in matrix else
+                           (spec[i] if i < len(spec) else None) for i in range(len(names))])
+
+
+def constrain_whole_matrices(x: jax.Array, names: Sequence[str | None], matrix: Sequence[int]) -> jax.Array:
+    """``x`` (shaped as a parameter of these logical ``names``) constrained to ``whole_matrix_spec``; a no-op
+    without a mesh."""
+    return constrained(x, lambda: whole_matrix_spec(names, x.shape, matrix,
+                                                    dict(jax.sharding.get_abstract_mesh().shape)))
+
+
 def tree_shardings(mesh: Mesh, tree: Any, optimizer: bool = False) -> Any:
     """NamedShardings for a tree of nnx Variables (by their logical names) and plain arrays (replicated);
     ``optimizer``: the Variables are optimizer state of the distributed optimizer (``optimizer_spec``)."""

@@ -22,7 +22,8 @@ from flax import nnx
 from optax.contrib import MuonDimensionNumbers, scale_by_muon
 
 from jaxtron.config.schema import OptimizerConfig
-from jaxtron.parallel.sharding import constrained, logical_names, logical_to_spec
+from jaxtron.parallel.sharding import constrain, logical_names
+from jaxtron.parallel.state_sharding import constrain_whole_matrices
 
 # logical axes that stack matrices (a batch of matrices, each orthogonalized on its own), and axes of weights that
 # are no block matrix (AdamW's: the vocabulary's rows, norms, biases, and the router's unnamed expert scores)
@@ -109,42 +110,18 @@ def _scale_to_rms(rms: float, params: Any) -> optax.GradientTransformation:
     return optax.GradientTransformation(lambda _: optax.EmptyState(), update)
 
 
-def whole_matrix_spec(names: tuple[str | None, ...], shape: tuple[int, ...],
-                      sizes: dict[str, int]) -> jax.sharding.PartitionSpec:
-    """Where a Muon matrix stack's update sits while it is orthogonalized: its first stacking axis (layers, or
-    experts) split over its own mesh axes and those of its matrix axes, the matrix axes whole, so that each device
-    runs the Newton-Schulz GEMMs of whole matrices, its share of them, without gathering any; as the parameter sits
-    where the stack does not divide so (then the GEMMs gather what they need)."""
-    spec = list(logical_to_spec(names)) + [None] * (len(names) - len(logical_to_spec(names)))
-    dims = matrix_dimensions(names)
-    matrix = (*dims.reduction_axis, *dims.output_axis)
-    batch = [i for i in range(len(names)) if i not in matrix]
-
-    def axes(entry):
-        return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
-    if not batch:
-        return jax.sharding.PartitionSpec(*spec)
-    first = batch[0]
-    moved = [a for i in (first, *matrix) for a in axes(spec[i]) if sizes.get(a, 1) > 1]
-    if shape[first] % math.prod(sizes[a] for a in moved):
-        return jax.sharding.PartitionSpec(*spec)
-    spec[first] = tuple(moved) or None
-    for i in matrix:
-        spec[i] = None
-    return jax.sharding.PartitionSpec(*spec)
-
-
 def _laid_out(params: Any, whole: bool) -> optax.GradientTransformation:
-    """Muon's updates constrained to ``whole_matrix_spec`` (``whole``) or back to their parameters' sharding; a
-    no-op without a mesh."""
+    """Muon's updates laid out for their orthogonalization, each device whole matrices of its share of a stack
+    (``whole``: ``state_sharding.constrain_whole_matrices``), or back to their parameters' sharding; a no-op
+    without a mesh."""
     def one(update, variable):
         names = tuple(logical_names(variable))
 
-        def spec():
-            if not whole:
-                return logical_to_spec(names)
-            return whole_matrix_spec(names, variable.shape, dict(jax.sharding.get_abstract_mesh().shape))
-        return jax.tree.map(lambda u: constrained(u, spec), update)
+        if not whole:
+            return jax.tree.map(lambda u: constrain(u, names), update)
+        dims = muon_dimensions(variable)
+        matrix = (*dims.reduction_axis, *dims.output_axis)
+        return jax.tree.map(lambda u: constrain_whole_matrices(u, names, matrix), update)
 
     def update(updates, state, params_now=None):
         del params_now
