@@ -126,7 +126,8 @@ def experts_local(x: jax.Array, ids: jax.Array, weights: jax.Array, gate: jax.Ar
     ep = jax.lax.axis_size(axes.experts) if axes.experts else 1  # expert shards
     n = b * t
     stages = []
-    for rows in _chunk_rows(b, t, run.chunks, row_capacity):
+    # chunks only where rows travel: their point is exchanges beside GEMMs (on one device they only add bookkeeping)
+    for rows in _chunk_rows(b, t, run.chunks if ep > 1 else 1, row_capacity):
         if row_capacity is None and ep > 1 and 0 < run.node_shards < ep:  # the chunk's tokens, once per node
             stages.append(_exchange_nodes(x.reshape(n, d)[rows], ids.reshape(n, k)[rows],
                                           weights.reshape(n, k)[rows], gate, up, down, num_experts, axes.experts, ep,
