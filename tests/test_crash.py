@@ -194,3 +194,39 @@ def test_a_byte_level_run_exports_a_tokenizer_hf_loads_that_gives_the_runs_ids(t
         ids = ByteTokenizer().encode(sample).tolist()
         assert hf(sample, add_special_tokens=False)["input_ids"] == ids
         assert hf.decode(ids) == sample
+
+
+_KILLED_WHILE_DROPPING = """
+import os, sys
+import jax.numpy as jnp
+from jaxtron.checkpoint.train_state import Checkpointer
+
+ckpt = Checkpointer(sys.argv[1], keep=1, async_save=False)
+state = {"w": jnp.arange(4096.0), "b": jnp.ones(7)}
+ckpt.save(1, state, {"position": 1}, {"model": {}})
+unlink = os.unlink
+def killed(*args, **kwargs):  # the first file deleted after step 2's save began is the last thing this process does
+    unlink(*args, **kwargs)
+    os._exit(9)
+os.unlink = killed
+ckpt.save(2, state, {"position": 2}, {"model": {}})
+"""
+
+
+@pytest.mark.integration
+def test_a_kill_while_an_old_checkpoint_is_dropped_leaves_no_damaged_checkpoint(tmp_path):
+    """Checkpoints past `keep` are renamed aside whole before their files are deleted: deleted in place, a kill
+    midway left a step directory with some files gone, which `verify` and a resumed run call damaged."""
+    workdir = str(tmp_path / "run")
+    done = subprocess.run([sys.executable, "-c", _KILLED_WHILE_DROPPING, workdir], cwd=REPO, capture_output=True,
+                          text=True, timeout=300, env={**os.environ, "JAX_PLATFORMS": "cpu"}, check=False)
+    assert done.returncode == 9, done.stderr[-2000:]  # killed while deleting, as arranged
+    verify = subprocess.run([sys.executable, "-m", "jaxtron", "verify", workdir], cwd=REPO, capture_output=True,
+                            text=True, timeout=120, check=False)
+    assert verify.returncode == 0 and "damaged" not in verify.stdout, verify.stdout + verify.stderr
+    assert verify.stdout.splitlines()[-1].startswith("1 of 1 checkpoints intact"), verify.stdout
+    from jaxtron.checkpoint.train_state import DROPPED_DIR, Checkpointer
+    checkpoints = os.path.join(workdir, "checkpoints")
+    assert os.listdir(os.path.join(checkpoints, DROPPED_DIR)) == ["1"]  # the rest of step 1, aside
+    Checkpointer(workdir, keep=1).remove_incomplete()  # what a resumed run does first
+    assert sorted(os.listdir(checkpoints)) == ["2"]

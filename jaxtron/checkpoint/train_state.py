@@ -9,6 +9,10 @@ Integrity: after each save is committed, every process records checksums of the 
 (``jaxtron.checkpoint.integrity``), in a background thread for asynchronous saves. Before a restore the files are
 verified; the run resumes from the newest intact checkpoint, and newer damaged ones are moved to
 ``<workdir>/checkpoints_damaged/``. ``jaxtron verify WORKDIR`` checks a run's checkpoints.
+
+Old checkpoints beyond ``keep`` are dropped whole: orbax renames each into ``checkpoints/.dropped/`` (one atomic
+step), and its files are deleted from there. Deleted in place, a kill midway would leave a checkpoint with some of
+its files gone, which a resumed run and ``verify`` would take for damage.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ log = logging.getLogger(__name__)
 CHECKPOINT_DIR = "checkpoints"
 LAYER_ORDER = "layer_order"  # saved config key: the period order of the stored layer stack (natural if absent)
 RESTORE_BUFFER_GB = 4
+DROPPED_DIR = ".dropped"  # inside CHECKPOINT_DIR: checkpoints past `keep`, renamed here whole, then deleted
 
 
 class CheckpointError(ConfigError):
@@ -69,7 +74,7 @@ class Checkpointer:
         self.async_save, self.checksums = async_save, checksums
         options = ocp.CheckpointManagerOptions(
             save_interval_steps=1, max_to_keep=keep, keep_period=keep_every or None,
-            enable_async_checkpointing=async_save, create=True)
+            enable_async_checkpointing=async_save, create=True, todelete_subdir=DROPPED_DIR)
         # zstd (orbax's default) shrinks fp32 weights and moments by about 10% but halves save and restore speed
         # (benchmarks/README.md), so arrays are written uncompressed. Restores read at most RESTORE_BUFFER_GB at
         # a time: unbounded, the host holds a second copy of the whole state while restoring.
@@ -88,6 +93,14 @@ class Checkpointer:
         for name in integrity.incomplete_saves(self.directory):
             shutil.rmtree(os.path.join(self.directory, name), ignore_errors=True)
             log.warning("removed %s, a save cut off while being written (never loaded)", name)
+        self._delete_dropped()
+
+    def _delete_dropped(self) -> None:
+        """Deletes the checkpoints orbax dropped (renamed into DROPPED_DIR whole), with no save in flight; a kill
+        midway leaves the rest there, for the next call. Only process 0 deletes, as only it drops."""
+        dropped = os.path.join(self.directory, DROPPED_DIR)
+        if jax.process_index() == 0 and os.path.isdir(dropped):
+            shutil.rmtree(dropped, ignore_errors=True)
 
     def latest_step(self) -> int | None:
         return self.manager.latest_step()
@@ -99,6 +112,8 @@ class Checkpointer:
         """Saves now (the loop decides when); returns once the arrays are copied off the devices, and the
         files are written and their checksums recorded in the background when asynchronous."""
         self._finish_recording()  # the previous save's checksums are complete before this save starts
+        self.manager.wait_until_finished()  # (orbax's save waits for it too)
+        self._delete_dropped()
         args = ocp.args.Composite(state=ocp.args.PyTreeSave(state), data=ocp.args.JsonSave(data_state),
                                   config=ocp.args.JsonSave(config))
         watcher = integrity.Watcher(self.directory, step, jax.process_index()).start() if self.checksums else None
@@ -126,6 +141,7 @@ class Checkpointer:
             known = watcher.stop()
         self.last_watch_hash_s = watcher.hash_s
         integrity.record(self.step_dir(step), jax.process_index(), jax.process_count(), known=known)
+        self._delete_dropped()  # those this save's commit dropped
 
     def _record_in_background(self, step: int, watcher: integrity.Watcher) -> None:
         try:
@@ -222,6 +238,7 @@ class Checkpointer:
         """Blocks until the save in flight is written and its checksums recorded."""
         self.manager.wait_until_finished()
         self._finish_recording()
+        self._delete_dropped()
 
     def close(self) -> None:
         try:
