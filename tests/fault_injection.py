@@ -217,6 +217,8 @@ def main(argv: list[str] | None = None) -> int:
             json.dump({"command": "python tests/fault_injection.py " + " ".join(argv or sys.argv[1:]), **figures},
                       f, indent=1)
     ok = figures["losses_identical"] and figures["parameters_identical"] and not figures["problems"]
+    for problem in figures["problems"]:  # again, last: a CI log shows its tail
+        print(problem)
     print("identical to the run never killed" if ok else "FAILED")
     return 0 if ok else 1
 
