@@ -3,9 +3,11 @@ several peak learning rates, its validation loss against the tokens trained, as 
 optimizers.json) and a plot (optimizers.png).
 
     python benchmarks/optimizers.py [--rates 1e-3,3e-3,1e-2] [--steps 300] [--eval-every 25] [--add muon:3e-2]
+    python benchmarks/optimizers.py --name optimizers_larger --set model.embed_dim=256 ... --runs adamw:1e-3,...
 
 Each run is the main job as shipped (same data order, schedule, weight decay and clipping) with
-``optimizer.name`` and ``optimizer.learning_rate`` changed, validation every ``--eval-every`` steps. The table says,
+``optimizer.name`` and ``optimizer.learning_rate`` changed (and the ``--set`` overrides, for a larger model),
+validation every ``--eval-every`` steps; ``--name`` is the results' file stem. The table says,
 for each Muon run, how many tokens it took to reach the best AdamW run's final validation loss (interpolated
 between evaluations), as a share of the tokens AdamW trained.
 """
@@ -26,7 +28,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks import results
 
 
-def _run(name: str, rate: float, steps: int, eval_every: int, workdir: str) -> dict:
+def _run(name: str, rate: float, steps: int, eval_every: int, workdir: str, overrides: list[str]) -> dict:
     import jax
 
     from jaxtron.config.loader import load_config
@@ -35,7 +37,7 @@ def _run(name: str, rate: float, steps: int, eval_every: int, workdir: str) -> d
     here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     cfg = load_config(os.path.join(here, "configs", "default.py"), [
         ("optimizer.name", name), ("optimizer.learning_rate", str(rate)), ("train.steps", str(steps)),
-        ("train.eval_every", str(eval_every))])
+        ("train.eval_every", str(eval_every)), *(tuple(o.split("=", 1)) for o in overrides)])
     started = time.perf_counter()
     run(cfg, workdir, use_tqdm=False, devices=jax.devices()[:1])
     tokens_per_step = cfg.train.global_batch_size * cfg.data.seq_len
@@ -59,10 +61,10 @@ def tokens_to_reach(validation: list[tuple[int, float]], target: float) -> float
     return None
 
 
-def table(rows: list[dict], command: str) -> str:
+def table(rows: list[dict], command: str, job: str, plot_file: str) -> str:
     adamw = [r for r in rows if r["optimizer"] == "adamw"]
     best = min(adamw, key=lambda r: r["final_validation"])
-    lines = ["# AdamW against Muon on the main job (CPU)", "", f"`{command}`", "",
+    lines = [f"# AdamW against Muon on {job} (CPU)", "", f"`{command}`", "",
              "| optimizer | peak learning rate | final validation loss | tokens to the best AdamW loss | share | s |",
              "|---|---|---|---|---|---|"]
     for r in rows:
@@ -80,11 +82,11 @@ def table(rows: list[dict], command: str) -> str:
         if top in (rates[0], rates[-1]):
             summary += (f" {name}'s best rate, {top:g}, is at the edge of the rates tried: a rate beyond it may do "
                         "better still.")
-    lines += ["", summary, "", "![validation loss against tokens](optimizers.png)", ""]
+    lines += ["", summary, "", f"![validation loss against tokens]({plot_file})", ""]
     return "\n".join(lines)
 
 
-def plot(rows: list[dict], path: str) -> None:
+def plot(rows: list[dict], path: str, job: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -99,7 +101,7 @@ def plot(rows: list[dict], path: str) -> None:
                 label=f"{r['optimizer']} {r['learning_rate']:g}")
     ax.set_xlabel("tokens trained")
     ax.set_ylabel("validation loss (nats/token)")
-    ax.set_title("configs/default.py: AdamW against Muon")
+    ax.set_title(f"{job}: AdamW against Muon", fontsize=9)
     ax.legend(fontsize=8)
     fig.tight_layout()
     with atomic_path(path) as aside:
@@ -111,24 +113,35 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rates", default="1e-3,3e-3,1e-2")
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--eval-every", type=int, default=25)
+    parser.add_argument("--runs", default="", help="NAME:RATE,...: these runs in place of both optimizers at --rates")
     parser.add_argument("--add", default="", help="NAME:RATE,...: run these alone and add them to the rows on file "
                                                     "(a sweep widened where its best rate was at an edge)")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="a config override of every run (repeat it): a larger model than the main job's")
+    parser.add_argument("--name", default="optimizers", help="the results' file stem in benchmarks/")
     args = parser.parse_args(argv)
-    runs = [(name, float(rate)) for name, rate in (item.split(":") for item in args.add.split(","))] if args.add \
+    listed = args.add or args.runs
+    runs = [(name, float(rate)) for name, rate in (item.split(":") for item in listed.split(","))] if listed \
         else [(name, float(rate)) for name in ("adamw", "muon") for rate in args.rates.split(",")]
     rows = []
     if args.add:
-        with open(os.path.join(results.HERE, "optimizers.json")) as f:
+        with open(os.path.join(results.HERE, f"{args.name}.json")) as f:
             rows = json.load(f)
     with tempfile.TemporaryDirectory() as root:
         for name, rate in runs:
-            rows.append(_run(name, rate, args.steps, args.eval_every, os.path.join(root, f"{name}_{rate:g}")))
+            rows.append(_run(name, rate, args.steps, args.eval_every, os.path.join(root, f"{name}_{rate:g}"),
+                             args.set))
             print(rows[-1]["optimizer"], rows[-1]["learning_rate"], rows[-1]["final_validation"], flush=True)
     rows.sort(key=lambda r: (r["optimizer"], r["learning_rate"]))
-    command = "python benchmarks/optimizers.py" + (f"`, then `python benchmarks/optimizers.py --add {args.add}"
-                                                   if args.add else "")
-    results.write("optimizers", rows, table(rows, command))
-    plot(rows, os.path.join(results.HERE, "optimizers.png"))
+    given = [f"--name {args.name}"] if args.name != "optimizers" else []
+    given += [f"--set {o}" for o in args.set] + ([f"--runs {args.runs}"] if args.runs else [])
+    given += [f"--steps {args.steps}"] if args.steps != 300 else []
+    command = " ".join(["python benchmarks/optimizers.py", *given])
+    if args.add:
+        command += f"`, then `python benchmarks/optimizers.py --add {args.add}"
+    job = "the main job" + (f" with {', '.join(args.set)}" if args.set else "")
+    results.write(args.name, rows, table(rows, command, job, f"{args.name}.png"))
+    plot(rows, os.path.join(results.HERE, f"{args.name}.png"), job)
     return 0
 
 
