@@ -113,6 +113,8 @@ MESHES = {  # name -> (mesh, model, other sections)
     "data2_fsdp4_distributed": (dict(data=2, fsdp=4), dict(num_layers=2),
                                 dict(optimizer=dict(name="muon", learning_rate=0.02, warmup_steps=1,
                                                     distributed=True))),
+    # 3 layers on 4 devices: the stack padded with a zero matrix to divide
+    "fsdp4_tensor2_three_layers": (dict(fsdp=4, tensor=2), dict(num_layers=3), {}),
 }
 
 
@@ -144,7 +146,7 @@ def test_muon_losses_on_a_mesh_equal_one_devices(name, tmp_path):
 
 
 @pytest.mark.parametrize("field, value", [("name", "sgd"), ("muon_momentum", 1.0), ("muon_steps", 0),
-                                          ("muon_rms", 0.0)])
+                                          ("muon_rms", 0.0), ("muon_dtype", "float16")])
 def test_bad_muon_settings_are_refused_in_one_sentence(field, value):
     with pytest.raises(ConfigError, match=rf"optimizer\.{field}"):
         dataclasses.replace(OptimizerConfig(name="muon"), **{field: value})
@@ -181,3 +183,37 @@ def test_a_run_does_not_resume_with_another_optimizer(tmp_path):
     with pytest.raises(CheckpointError, match=r"optimizer\.name 'adamw' != 'muon'"):
         run(other, str(tmp_path), use_tqdm=False, devices=jax.devices()[:1])
     assert (tmp_path / "config.json").read_bytes() == before
+
+
+def test_the_planners_newton_schulz_flops_are_the_ones_xla_counts():
+    """``planning.muon.newton_schulz_flops`` against XLA's own count of optax's iterations on a wide and a tall
+    matrix (XLA adds the elementwise FLOPs, about 7 per element of the matrix an iteration: 2% of these)."""
+    from optax.contrib._muon import orthogonalize_via_newton_schulz
+
+    from jaxtron.planning.muon import newton_schulz_flops
+
+    coefficients = jnp.asarray((3.4445, -4.775, 2.0315))
+    for shape in ((128, 384), (384, 128)):
+        x = jax.ShapeDtypeStruct(shape, jnp.float32)
+        compiled = jax.jit(lambda m: orthogonalize_via_newton_schulz(m, coefficients, 5)).lower(x).compile()
+        counted = compiled.cost_analysis()["flops"]
+        assert newton_schulz_flops(*shape, 5) == pytest.approx(counted, rel=0.03), shape
+
+
+@pytest.mark.slow
+@pytest.mark.extended
+@pytest.mark.parametrize("layers", [8, 6])
+def test_the_planner_prices_muons_moves_as_the_program_makes_them(layers):
+    """fsdp=8 on XLA:CPU: Muon's program moves each matrix stack by two all-to-alls (8 layers divide over the
+    devices; 6 are padded to 8) and gathers no more than AdamW's; the planner counts those bytes within 10%."""
+    from jaxtron.planning.dry_run import dry_run
+    from jaxtron.planning.estimate import estimate
+    from jaxtron.planning.gpus import GPUS
+
+    model = dict(embed_dim=128, mlp_dim=256, num_layers=layers)
+    configs = {name: tiny_config(dict(fsdp=8), model=model, optimizer=dict(name=name)) for name in ("adamw", "muon")}
+    compiled = {name: {k: v["bytes"] for k, v in dry_run(cfg).collectives.items()} for name, cfg in configs.items()}
+    assert compiled["muon"]["all-gather"] <= 1.01 * compiled["adamw"]["all-gather"], compiled
+    moved = compiled["muon"]["all-to-all"] - compiled["adamw"]["all-to-all"]
+    planned = estimate(configs["muon"], dict(fsdp=8), GPUS["h100"], cpu_program=True).collectives["all-to-all"]
+    assert planned == pytest.approx(moved, rel=0.1), compiled

@@ -183,9 +183,11 @@ class OptimizerConfig:
     # muon: each matrix's update scaled to this RMS x sqrt(max(fan in, fan out)), the RMS AdamW's updates have, so
     # that AdamW's learning rate and weight decay carry over (Moonlight's matching)
     muon_rms: float = 0.2
+    muon_dtype: str = "float32"  # muon: the Newton-Schulz GEMMs' (and their operands' moves'): float32 | bfloat16
 
     def __post_init__(self):
         _choice(self.name, "optimizer.name", ("adamw", "muon"))
+        _choice(self.muon_dtype, "optimizer.muon_dtype", ("float32", "bfloat16"))
         _positive(self.muon_steps, "optimizer.muon_steps")
         _positive(self.muon_rms, "optimizer.muon_rms")
         _check(0 <= self.muon_momentum < 1, "optimizer.muon_momentum", f"must lie in [0, 1) (got {self.muon_momentum})",

@@ -37,29 +37,51 @@ _STACKED = {"layers", "unstaged_layers", "stages"}
 _GATHER_MODES = (None, "keep", "regather")
 
 
-def whole_matrix_spec(names: Sequence[str | None], shape: Sequence[int], matrix: Sequence[int],
-                      sizes: Mapping[str, int]) -> PartitionSpec:
+def whole_matrix_spec(names: Sequence[str | None], matrix: Sequence[int], sizes: Mapping[str, int]) -> PartitionSpec:
     """The layout of a stack of matrices (its ``matrix`` dimensions, the others a batch: layers, experts) in which
     each device holds whole matrices, its share of them: the first batch dimension split over its own mesh axes and
     those of the matrix dimensions, the matrix dimensions whole (Muon runs its Newton-Schulz GEMMs there without
-    gathering). The parameter's own layout where the stack does not divide so."""
+    gathering); that dimension is padded to divide so (``whole_matrix_stack``). The parameter's own layout where
+    there is no batch dimension."""
     spec = logical_to_spec(names)
     batch = [i for i in range(len(names)) if i not in matrix]
     if not batch:
         return spec
     first = batch[0]
     moved = [a for i in (first, *matrix) for a in spec_axes(spec, i) if sizes.get(a, 1) > 1]
-    if shape[first] % math.prod(sizes[a] for a in moved):
-        return spec
     return PartitionSpec(*[tuple(moved) or None if i == first else None if i in matrix else
                            (spec[i] if i < len(spec) else None) for i in range(len(names))])
 
 
+def whole_matrix_stack(names: Sequence[str | None], shape: Sequence[int], matrix: Sequence[int],
+                       sizes: Mapping[str, int]) -> tuple[int, int]:
+    """(the first batch dimension of a stack of matrices, its length padded to divide over the devices that
+    ``whole_matrix_spec`` splits it over); (-1, 0) where there is no batch dimension."""
+    batch = [i for i in range(len(names)) if i not in matrix]
+    if not batch:
+        return -1, 0
+    devices = math.prod(sizes.get(a, 1) for a in spec_axes(whole_matrix_spec(names, matrix, sizes), batch[0]))
+    return batch[0], -(-shape[batch[0]] // devices) * devices
+
+
 def constrain_whole_matrices(x: jax.Array, names: Sequence[str | None], matrix: Sequence[int]) -> jax.Array:
-    """``x`` (shaped as a parameter of these logical ``names``) constrained to ``whole_matrix_spec``; a no-op
-    without a mesh."""
-    return constrained(x, lambda: whole_matrix_spec(names, x.shape, matrix,
-                                                    dict(jax.sharding.get_abstract_mesh().shape)))
+    """``x`` (shaped as a parameter of these logical ``names``) laid out as ``whole_matrix_spec`` says, its stack
+    padded with zero matrices to divide (``whole_matrix_stack``; ``constrain_back`` undoes both); as it is without a
+    mesh."""
+    if jax.sharding.get_abstract_mesh().empty:
+        return x
+    sizes = dict(jax.sharding.get_abstract_mesh().shape)
+    first, length = whole_matrix_stack(names, x.shape, matrix, sizes)
+    if length > x.shape[first]:
+        x = jnp.pad(x, [(0, length - x.shape[first]) if i == first else (0, 0) for i in range(x.ndim)])
+    return jax.lax.with_sharding_constraint(x, whole_matrix_spec(names, matrix, sizes))
+
+
+def constrain_back(x: jax.Array, names: Sequence[str | None], shape: Sequence[int]) -> jax.Array:
+    """``x``, laid out by ``constrain_whole_matrices``, back in the layout and ``shape`` of its parameter."""
+    if x.shape != tuple(shape):
+        x = x[tuple(slice(0, n) for n in shape)]
+    return constrain(x, names)
 
 
 def tree_shardings(mesh: Mesh, tree: Any, optimizer: bool = False) -> Any:

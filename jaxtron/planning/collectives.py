@@ -14,6 +14,7 @@ import math
 from jaxtron.config.model import MoEConfig
 from jaxtron.config.schema import ONE_F_ONE_B, Config
 from jaxtron.parallel.mesh import split_over_nodes
+from jaxtron.planning import muon
 from jaxtron.planning.gpus import GPU
 from jaxtron.planning.params import Param
 from jaxtron.planning.shape import BlockValues, StepShape
@@ -278,5 +279,16 @@ def communication_time(cfg: Config, shape: StepShape, block: BlockValues, params
             "tensor_comm": tensor_time(shape, block, coll),
             "sequence_comm": sequence_time(cfg, shape, block, coll),
             "expert_comm": expert_time(cfg, shape, block, coll),
-            "pipeline_comm": pipeline_time(shape, block, coll)}
+            "pipeline_comm": pipeline_time(shape, block, coll),
+            "optimizer_comm": optimizer_time(cfg, shape, params, coll)}
     return time, coll.bytes
+
+
+def optimizer_time(cfg: Config, shape: StepShape, params: tuple[Param, ...], coll: Collectives) -> float:
+    """Seconds of the optimizer's own collectives: Muon's moves of its matrices to whole ones and back
+    (``jaxtron.planning.muon.moves``), each at the slowest link of the axes it runs over; none under AdamW."""
+    seconds = 0.0
+    for kind, whole_bytes, sent, axes in muon.moves(cfg, params, shape.mesh):
+        coll.bytes[kind] += whole_bytes
+        seconds += sent / min(coll.bandwidth(a) for a in axes)
+    return seconds

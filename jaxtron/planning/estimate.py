@@ -97,7 +97,7 @@ def estimate(cfg: Config, sizes: dict[str, int], gpu: GPU, microbatches: int | N
     shape = step_shape(cfg, sizes, microbatches, cpu_program, pipeline_microbatches)
     block = block_values(cfg, shape)
     params = parameters(cfg.model)
-    time = compute_time(cfg, shape, block, gpu)
+    time = compute_time(cfg, shape, block, gpu, params)
     comm, collectives = communication_time(cfg, shape, block, params, gpu)
     time.update(comm)
     time.update(expert_overlap(cfg, shape, time, gpu))

@@ -13,19 +13,21 @@ import functools
 from jaxtron.config.schema import ONE_F_ONE_B, Config, ExecutionConfig, replace
 from jaxtron.metrics.flops import flops_breakdown, fp8_flop_share, fp8_flops_per_token, hardware_flops_breakdown
 from jaxtron.metrics.hardware import weighted_peak
+from jaxtron.planning import muon
 from jaxtron.planning.gpus import GPU
+from jaxtron.planning.params import Param
 from jaxtron.planning.shape import BlockValues, StepShape
 
 # elementwise traffic of one block per token, in units of (h + q + 2k + f): norms, rotary, residual adds,
 # activation function and casts, forward only (the backward moves about twice as much)
 ELEMENTWISE_PASSES = 6.0
 
-COMPUTE_TERMS = ("matmul", "attention", "elementwise", "pipeline_bubble")
+COMPUTE_TERMS = ("matmul", "attention", "elementwise", "pipeline_bubble", "optimizer")
 # gathers and gradient reductions over fsdp/data (and sequence) overlap with compute (XLA's latency-hiding
 # scheduler); the other collectives sit between dependent computations (see jaxtron.planning.collectives)
 OVERLAPPED = ("fsdp_comm", "data_comm")
-EXPOSED = ("matmul", "attention", "elementwise", "pipeline_bubble", "tensor_comm", "sequence_comm",
-           "expert_comm", "pipeline_comm")
+EXPOSED = ("matmul", "attention", "elementwise", "pipeline_bubble", "optimizer", "tensor_comm", "sequence_comm",
+           "expert_comm", "pipeline_comm", "optimizer_comm")
 # the MoE exchanges that run beside the experts' GEMMs: they cost only their interference with them (``expert_overlap``)
 HIDDEN = ("expert_comm_hidden",)
 # The share of the MoE exchanges' time that XLA's latency-hiding scheduler (models/moe.py COMPILER_OPTIONS) runs beside
@@ -36,8 +38,10 @@ HIDDEN = ("expert_comm_hidden",)
 EXCHANGES_HIDDEN = 0.30
 
 
-def compute_time(cfg: Config, shape: StepShape, block: BlockValues, gpu: GPU) -> dict[str, float]:
-    """Seconds per step of the compute terms: 'matmul', 'attention', 'elementwise' and 'pipeline_bubble'."""
+def compute_time(cfg: Config, shape: StepShape, block: BlockValues, gpu: GPU,
+                 params: tuple[Param, ...] = ()) -> dict[str, float]:
+    """Seconds per step of the compute terms: 'matmul', 'attention', 'elementwise', 'pipeline_bubble' and
+    'optimizer' (Muon's Newton-Schulz GEMMs of the parameters ``params``, once a step, after the schedule)."""
     execution, hardware = _step_hardware(cfg, shape)
     # the matmul term carries the routed experts at the dense rate's scale (``_expert_scale``)
     experts = hardware.get("experts", 0.0) * (_expert_scale(execution, gpu) - 1)
@@ -71,6 +75,7 @@ def compute_time(cfg: Config, shape: StepShape, block: BlockValues, gpu: GPU) ->
             "elementwise": elementwise / gpu.hbm_bandwidth}
     # the stages idle through the fill and drain: the bubble's share of the schedule's iterations
     time["pipeline_bubble"] = sum(time.values()) * shape.bubble / (1 - shape.bubble)
+    time["optimizer"] = muon.optimizer_time(cfg, params, shape.mesh, gpu)
     return time
 
 

@@ -20,10 +20,11 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 from optax.contrib import MuonDimensionNumbers, scale_by_muon
+from optax.contrib._muon import orthogonalize_via_newton_schulz
 
 from jaxtron.config.schema import OptimizerConfig
-from jaxtron.parallel.sharding import constrain, logical_names
-from jaxtron.parallel.state_sharding import constrain_whole_matrices
+from jaxtron.parallel.sharding import logical_names
+from jaxtron.parallel.state_sharding import constrain_back, constrain_whole_matrices
 
 # logical axes that stack matrices (a batch of matrices, each orthogonalized on its own), and axes of weights that
 # are no block matrix (AdamW's: the vocabulary's rows, norms, biases, and the router's unnamed expert scores)
@@ -118,7 +119,7 @@ def _laid_out(params: Any, whole: bool) -> optax.GradientTransformation:
         names = tuple(logical_names(variable))
 
         if not whole:
-            return jax.tree.map(lambda u: constrain(u, names), update)
+            return jax.tree.map(lambda u: constrain_back(u, names, variable.shape), update)
         dims = muon_dimensions(variable)
         matrix = (*dims.reduction_axis, *dims.output_axis)
         return jax.tree.map(lambda u: constrain_whole_matrices(u, names, matrix), update)
@@ -127,6 +128,37 @@ def _laid_out(params: Any, whole: bool) -> optax.GradientTransformation:
         del params_now
         return _each_matrix(updates, params, one), state
     return optax.GradientTransformation(lambda _: optax.EmptyState(), update)
+
+
+def _orthogonalized_momentum(cfg: OptimizerConfig, params: Any, dimensions: Callable[[Any], Any]
+                             ) -> optax.GradientTransformation:
+    """optax's ``scale_by_muon`` (Nesterov momentum, then Newton-Schulz), with its state and arithmetic, but laid
+    out for a mesh: the momentum is kept and updated where the gradient is (the parameters' layout), and only its
+    Nesterov blend moves to whole matrices (``_laid_out``), as the orthogonalized update does once it is whole.
+    Two all-to-alls a matrix: the momentum, the gradient and the update moved whole, and the momentum back, made
+    five (benchmarks/optimizers.md)."""
+    reference = scale_by_muon(ns_steps=cfg.muon_steps, beta=cfg.muon_momentum, eps=cfg.eps, nesterov=True,
+                              weight_dimension_numbers=dimensions)
+    beta, whole, kept = cfg.muon_momentum, _laid_out(params, whole=True), _laid_out(params, whole=False)
+
+    def update(updates, state, params_now=None):
+        del params_now
+        mu = optax.tree.update_moment(updates, state.mu, beta, 1)
+        count = optax.safe_increment(state.count)
+        blend = jax.tree.map(lambda m, g: beta * m + (1 - beta) * g,
+                             optax.tree.bias_correction(mu, beta, optax.safe_increment(count)),
+                             optax.tree.bias_correction(updates, beta, count))
+        # made (in the Newton-Schulz GEMMs' precision) where the momentum is, then moved: XLA would otherwise move
+        # both of its terms
+        blend = kept.update(optax.tree.cast(blend, cfg.muon_dtype), optax.EmptyState())[0]
+        blend = whole.update(blend, optax.EmptyState())[0]
+        orthogonal = jax.tree.map(
+            lambda x, dims: orthogonalize_via_newton_schulz(x, state.ns_coeffs.astype(x.dtype), cfg.muon_steps,
+                                                            eps=cfg.eps, dimension_numbers=dims),
+            blend, dimensions(blend), is_leaf=lambda x: isinstance(x, MuonDimensionNumbers))
+        orthogonal = kept.update(whole.update(orthogonal, optax.EmptyState())[0], optax.EmptyState())[0]
+        return optax.tree.cast(orthogonal, jnp.float32), state._replace(count=count, mu=mu)
+    return optax.GradientTransformation(reference.init, update)
 
 
 def _muon(cfg: OptimizerConfig, schedule, params: Any) -> optax.GradientTransformation:
@@ -140,10 +172,7 @@ def _muon(cfg: OptimizerConfig, schedule, params: Any) -> optax.GradientTransfor
         return _each_matrix(updates, params, one)
 
     matrices = optax.chain(
-        _laid_out(params, whole=True),
-        scale_by_muon(ns_steps=cfg.muon_steps, beta=cfg.muon_momentum, eps=cfg.eps, nesterov=True,
-                      weight_dimension_numbers=dimensions),
-        _laid_out(params, whole=False),
+        _orthogonalized_momentum(cfg, params, dimensions),
         _scale_to_rms(cfg.muon_rms, params),
         optax.add_decayed_weights(cfg.weight_decay),
         optax.scale_by_learning_rate(schedule))

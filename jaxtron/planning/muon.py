@@ -1,0 +1,96 @@
+"""Muon's share of a step (``optimizer.name='muon'``, ``jaxtron/training/optimizer.py``): the Newton-Schulz GEMMs
+each device runs on the whole matrices it holds, and the two all-to-alls a matrix parameter makes, its momentum's
+Nesterov blend moved to whole matrices and the orthogonalized update moved back.
+
+A stack of matrices (layers, experts) is split over the devices that hold its shards
+(``state_sharding.whole_matrix_spec``), padded with zero matrices where it does not divide over them: each device
+orthogonalizes its share, and the all-to-alls move its shard of the padded stack, less the part it keeps, at the
+Newton-Schulz precision (``optimizer.muon_dtype``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+
+from jaxtron.config.schema import Config
+from jaxtron.parallel.sharding import logical_to_spec, spec_axes
+from jaxtron.parallel.state_sharding import whole_matrix_spec, whole_matrix_stack
+from jaxtron.planning.gpus import GPU
+from jaxtron.planning.params import Param
+from jaxtron.training.optimizer import matrix_dimensions
+
+# float32 GEMMs run on TF32 tensor cores (jax's default precision on GPUs) at half the bf16 rate
+PRECISION_RATE = {"float32": 0.5, "bfloat16": 1.0}
+VALUE_BYTES = {"float32": 4, "bfloat16": 2}
+
+
+def newton_schulz_flops(rows: int, cols: int, steps: int) -> float:
+    """FLOPs of ``steps`` Newton-Schulz iterations on one rows x cols matrix: each makes A = X X^T, B = b A + c A A
+    and a X + B X on the short side's square (m = min, n = max): 2 m^2 n + 2 m^3 + 2 m^2 n."""
+    m, n = min(rows, cols), max(rows, cols)
+    return steps * (4.0 * m * m * n + 2.0 * m ** 3)
+
+
+def _per_device(shape: Sequence[int], spec, sizes: Mapping[str, int]) -> int:
+    """Elements one device holds of an array of ``shape`` laid out as ``spec`` (jax pads uneven shards)."""
+    return math.prod(-(-dim // math.prod(sizes.get(a, 1) for a in spec_axes(spec, i))) for i, dim in enumerate(shape))
+
+
+def matrix_layout(param: Param, sizes: Mapping[str, int]) -> dict | None:
+    """How Muon handles ``param`` on the mesh ``sizes``: 'matrices' a device orthogonalizes, 'flops' of their
+    Newton-Schulz iteration (per step: times ``optimizer.muon_steps``), 'moved' (elements of the stack, padded to
+    divide, that a device holds before and after its moves), 'axes' (the mesh axes that split the matrix dimensions:
+    the moves run over them) and 'group' (how many devices they span); None for AdamW's parameters."""
+    dims = matrix_dimensions(param.names)
+    if dims is None:
+        return None
+    matrix = (*dims.reduction_axis, *dims.output_axis)
+    rows = math.prod(param.shape[i] for i in dims.reduction_axis)
+    cols = math.prod(param.shape[i] for i in dims.output_axis)
+    own = logical_to_spec(param.names)
+    axes = tuple(a for i in matrix for a in spec_axes(own, i) if sizes.get(a, 1) > 1)
+    group = math.prod(sizes[a] for a in axes)
+    first, length = whole_matrix_stack(param.names, param.shape, matrix, sizes)
+    padded = tuple(length if i == first else n for i, n in enumerate(param.shape))
+    if first < 0:  # one matrix, no stack: every device of the group orthogonalizes it whole
+        matrices = _per_device(param.shape, own, sizes) * group / (rows * cols)
+    else:
+        matrices = _per_device(padded, whole_matrix_spec(param.names, matrix, sizes), sizes) / (rows * cols)
+    return {"matrices": matrices, "flops": matrices * newton_schulz_flops(rows, cols, 1),
+            "moved": float(_per_device(padded, own, sizes)), "axes": axes, "group": group, "stack": first >= 0}
+
+
+def newton_schulz_step_flops(cfg: Config, params: tuple[Param, ...], sizes: Mapping[str, int]) -> float:
+    """FLOPs of the Newton-Schulz GEMMs one device runs in a step (0 under AdamW)."""
+    if cfg.optimizer.name != "muon":
+        return 0.0
+    return cfg.optimizer.muon_steps * sum(layout["flops"] for p in params if (layout := matrix_layout(p, sizes)))
+
+
+def optimizer_time(cfg: Config, params: tuple[Param, ...], sizes: Mapping[str, int], gpu: GPU) -> float:
+    """Seconds per step of Muon's Newton-Schulz GEMMs on one device (0 under AdamW)."""
+    if cfg.optimizer.name != "muon":
+        return 0.0
+    rate = gpu.peak_flops["bfloat16"] * gpu.matmul_efficiency * PRECISION_RATE[cfg.optimizer.muon_dtype]
+    return newton_schulz_step_flops(cfg, params, sizes) / rate
+
+
+def moves(cfg: Config, params: tuple[Param, ...], sizes: Mapping[str, int]) -> list[tuple[str, float, float, tuple]]:
+    """Muon's collectives per step and device: (kind, whole bytes, bytes sent, mesh axes), for each matrix
+    parameter split over more than one device: two all-to-alls of its stack (to whole matrices and back), or for a
+    lone matrix an all-gather (its update then taken back by slicing)."""
+    if cfg.optimizer.name != "muon":
+        return []
+    value = VALUE_BYTES[cfg.optimizer.muon_dtype]
+    out = []
+    for p in params:
+        layout = matrix_layout(p, sizes)
+        if layout is None or layout["group"] == 1:
+            continue
+        moved, group = layout["moved"] * value, layout["group"]
+        if layout["stack"]:
+            out += [("all-to-all", moved, moved * (group - 1) / group, layout["axes"])] * 2
+        else:
+            out.append(("all-gather", moved * group, moved * (group - 1), layout["axes"]))
+    return out
