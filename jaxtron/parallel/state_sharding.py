@@ -37,48 +37,72 @@ _STACKED = {"layers", "unstaged_layers", "stages"}
 _GATHER_MODES = (None, "keep", "regather")
 
 
-def whole_matrix_spec(names: Sequence[str | None], matrix: Sequence[int], sizes: Mapping[str, int]) -> PartitionSpec:
-    """The layout of a stack of matrices (its ``matrix`` dimensions, the others a batch: layers, experts) in which
-    each device holds whole matrices, its share of them: the first batch dimension split over its own mesh axes and
-    those of the matrix dimensions, the matrix dimensions whole (Muon runs its Newton-Schulz GEMMs there without
-    gathering); that dimension is padded to divide so (``whole_matrix_stack``). The parameter's own layout where
-    there is no batch dimension."""
+def whole_matrix_steps(names: Sequence[str | None], matrix: Sequence[int], sizes: Mapping[str, int]
+                       ) -> list[PartitionSpec]:
+    """The layouts by which a stack of matrices (its ``matrix`` dimensions, the others a batch: layers, experts)
+    goes from its parameter's layout to one where each device holds whole matrices, its share of them (Muon runs
+    its Newton-Schulz GEMMs there without gathering): first a split of the first batch dimension over the mesh axes
+    that leave the parameter whole, such as data (a slice: their devices hold the same values), so that no two
+    devices orthogonalize the same matrix, then one step per sharded matrix dimension, whose mesh axes move to the
+    first batch dimension (an all-to-all over them). The first batch dimension is padded to divide (``whole_matrix_stack``).
+    [] where there is no batch dimension."""
     spec = logical_to_spec(names)
     batch = [i for i in range(len(names)) if i not in matrix]
     if not batch:
-        return spec
-    first = batch[0]
-    moved = [a for i in (first, *matrix) for a in spec_axes(spec, i) if sizes.get(a, 1) > 1]
-    return PartitionSpec(*[tuple(moved) or None if i == first else None if i in matrix else
-                           (spec[i] if i < len(spec) else None) for i in range(len(names))])
+        return []
+    first, steps = batch[0], []
+    entries = [spec[i] if i < len(spec) else None for i in range(len(names))]
+    stacked = [a for a in spec_axes(spec, first) if sizes.get(a, 1) > 1]
+    used = {a for i in range(len(names)) for a in spec_axes(spec, i)}
+    spread = [a for a, n in sizes.items() if n > 1 and a not in used]
+    if spread:  # first, so that the all-to-alls move only the share each device keeps
+        stacked += spread
+        entries[first] = tuple(stacked)
+        steps.append(PartitionSpec(*entries))
+    for i in matrix:
+        axes = [a for a in spec_axes(spec, i) if sizes.get(a, 1) > 1]
+        if axes:
+            stacked += axes
+            entries[first], entries[i] = tuple(stacked), None
+            steps.append(PartitionSpec(*entries))
+    return steps
 
 
 def whole_matrix_stack(names: Sequence[str | None], shape: Sequence[int], matrix: Sequence[int],
                        sizes: Mapping[str, int]) -> tuple[int, int]:
     """(the first batch dimension of a stack of matrices, its length padded to divide over the devices that
-    ``whole_matrix_spec`` splits it over); (-1, 0) where there is no batch dimension."""
+    ``whole_matrix_steps`` split it over); (-1, 0) where there is no batch dimension."""
     batch = [i for i in range(len(names)) if i not in matrix]
-    if not batch:
-        return -1, 0
-    devices = math.prod(sizes.get(a, 1) for a in spec_axes(whole_matrix_spec(names, matrix, sizes), batch[0]))
+    steps = whole_matrix_steps(names, matrix, sizes)
+    if not steps:
+        return -1, shape[batch[0]] if batch else 0
+    devices = math.prod(sizes[a] for a in spec_axes(steps[-1], batch[0]))
     return batch[0], -(-shape[batch[0]] // devices) * devices
 
 
 def constrain_whole_matrices(x: jax.Array, names: Sequence[str | None], matrix: Sequence[int]) -> jax.Array:
-    """``x`` (shaped as a parameter of these logical ``names``) laid out as ``whole_matrix_spec`` says, its stack
-    padded with zero matrices to divide (``whole_matrix_stack``; ``constrain_back`` undoes both); as it is without a
+    """``x`` (shaped as a parameter of these logical ``names``) laid out step by step as ``whole_matrix_steps``
+    says, its stack padded with zero matrices to divide (``constrain_back`` undoes both); as it is without a
     mesh."""
     if jax.sharding.get_abstract_mesh().empty:
         return x
     sizes = dict(jax.sharding.get_abstract_mesh().shape)
     first, length = whole_matrix_stack(names, x.shape, matrix, sizes)
-    if length > x.shape[first]:
+    if first >= 0 and length > x.shape[first]:
         x = jnp.pad(x, [(0, length - x.shape[first]) if i == first else (0, 0) for i in range(x.ndim)])
-    return jax.lax.with_sharding_constraint(x, whole_matrix_spec(names, matrix, sizes))
+    for spec in whole_matrix_steps(names, matrix, sizes):
+        x = jax.lax.with_sharding_constraint(x, spec)
+    return x
 
 
-def constrain_back(x: jax.Array, names: Sequence[str | None], shape: Sequence[int]) -> jax.Array:
-    """``x``, laid out by ``constrain_whole_matrices``, back in the layout and ``shape`` of its parameter."""
+def constrain_back(x: jax.Array, names: Sequence[str | None], matrix: Sequence[int],
+                   shape: Sequence[int]) -> jax.Array:
+    """``x``, laid out by ``constrain_whole_matrices`` (and held there: whatever made it is computed there), back in
+    the layout and ``shape`` of its parameter by the same steps in reverse: an all-gather over the axes that leave
+    the parameter whole, then an all-to-all per matrix dimension."""
+    if not jax.sharding.get_abstract_mesh().empty:
+        for spec in whole_matrix_steps(names, matrix, dict(jax.sharding.get_abstract_mesh().shape))[::-1]:
+            x = jax.lax.with_sharding_constraint(x, spec)
     if x.shape != tuple(shape):
         x = x[tuple(slice(0, n) for n in shape)]
     return constrain(x, names)

@@ -1,11 +1,12 @@
 """Muon's share of a step (``optimizer.name='muon'``, ``jaxtron/training/optimizer.py``): the Newton-Schulz GEMMs
-each device runs on the whole matrices it holds, and the two all-to-alls a matrix parameter makes, its momentum's
-Nesterov blend moved to whole matrices and the orthogonalized update moved back.
+each device runs on the whole matrices it holds, and the collectives that move its momentum's Nesterov blend to
+whole matrices and the orthogonalized update back.
 
-A stack of matrices (layers, experts) is split over the devices that hold its shards
-(``state_sharding.whole_matrix_spec``), padded with zero matrices where it does not divide over them: each device
-orthogonalizes its share, and the all-to-alls move its shard of the padded stack, less the part it keeps, at the
-Newton-Schulz precision (``optimizer.muon_dtype``).
+A stack of matrices (layers, experts) is split over all devices (``state_sharding.whole_matrix_steps``), padded
+with zero matrices where it does not divide over them: each device orthogonalizes its share. All-to-alls over the
+axes that split the matrices move a device's shard of the padded stack, less the part it keeps, at the
+Newton-Schulz precision (``optimizer.muon_dtype``); the updates come back from the axes that leave the parameter
+whole (data) by an all-gather.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from collections.abc import Mapping, Sequence
 
 from jaxtron.config.schema import Config
 from jaxtron.parallel.sharding import logical_to_spec, spec_axes
-from jaxtron.parallel.state_sharding import whole_matrix_spec, whole_matrix_stack
+from jaxtron.parallel.state_sharding import whole_matrix_stack, whole_matrix_steps
 from jaxtron.planning.gpus import GPU
 from jaxtron.planning.params import Param
 from jaxtron.training.optimizer import matrix_dimensions
@@ -37,11 +38,10 @@ def _per_device(shape: Sequence[int], spec, sizes: Mapping[str, int]) -> int:
     return math.prod(-(-dim // math.prod(sizes.get(a, 1) for a in spec_axes(spec, i))) for i, dim in enumerate(shape))
 
 
-def matrix_layout(param: Param, sizes: Mapping[str, int]) -> dict | None:
+def matrix_layout(param: Param, sizes: Mapping[str, int], value_bytes: int = 4) -> dict | None:
     """How Muon handles ``param`` on the mesh ``sizes``: 'matrices' a device orthogonalizes, 'flops' of their
-    Newton-Schulz iteration (per step: times ``optimizer.muon_steps``), 'moved' (elements of the stack, padded to
-    divide, that a device holds before and after its moves), 'axes' (the mesh axes that split the matrix dimensions:
-    the moves run over them) and 'group' (how many devices they span); None for AdamW's parameters."""
+    Newton-Schulz iteration (per step: times ``optimizer.muon_steps``) and 'moves', the collectives of a step as
+    ``moves`` lists them, for values of ``value_bytes``; None for AdamW's parameters."""
     dims = matrix_dimensions(param.names)
     if dims is None:
         return None
@@ -49,16 +49,27 @@ def matrix_layout(param: Param, sizes: Mapping[str, int]) -> dict | None:
     rows = math.prod(param.shape[i] for i in dims.reduction_axis)
     cols = math.prod(param.shape[i] for i in dims.output_axis)
     own = logical_to_spec(param.names)
-    axes = tuple(a for i in matrix for a in spec_axes(own, i) if sizes.get(a, 1) > 1)
-    group = math.prod(sizes[a] for a in axes)
+    steps = whole_matrix_steps(param.names, matrix, sizes)
     first, length = whole_matrix_stack(param.names, param.shape, matrix, sizes)
-    padded = tuple(length if i == first else n for i, n in enumerate(param.shape))
-    if first < 0:  # one matrix, no stack: every device of the group orthogonalizes it whole
+    if first < 0:  # one matrix, no stack: every device of the group gathers it and orthogonalizes it whole
+        group = math.prod(sizes.get(a, 1) for i in matrix for a in spec_axes(own, i))
+        held = _per_device(param.shape, own, sizes) * value_bytes
+        moves = [("all-gather", held * group, held * (group - 1), spec_axes(own, matrix[0]))] if group > 1 else []
         matrices = _per_device(param.shape, own, sizes) * group / (rows * cols)
     else:
-        matrices = _per_device(padded, whole_matrix_spec(param.names, matrix, sizes), sizes) / (rows * cols)
-    return {"matrices": matrices, "flops": matrices * newton_schulz_flops(rows, cols, 1),
-            "moved": float(_per_device(padded, own, sizes)), "axes": axes, "group": group, "stack": first >= 0}
+        padded = tuple(length if i == first else n for i, n in enumerate(param.shape))
+        moves, before = [], own
+        for spec in steps:
+            new = tuple(a for a in spec_axes(spec, first) if a not in spec_axes(before, first))
+            devices = math.prod(sizes[a] for a in new)
+            held = _per_device(padded, before, sizes) * value_bytes
+            if any(a in spec_axes(own, i) for i in matrix for a in new):  # there and back: an all-to-all each way
+                moves += [("all-to-all", held, held * (devices - 1) / devices, new)] * 2
+            else:  # a slice there, an all-gather back
+                moves.append(("all-gather", held, held * (devices - 1) / devices, new))
+            before = spec
+        matrices = _per_device(padded, before, sizes) / (rows * cols)
+    return {"matrices": matrices, "flops": matrices * newton_schulz_flops(rows, cols, 1), "moves": moves}
 
 
 def newton_schulz_step_flops(cfg: Config, params: tuple[Param, ...], sizes: Mapping[str, int]) -> float:
@@ -77,20 +88,10 @@ def optimizer_time(cfg: Config, params: tuple[Param, ...], sizes: Mapping[str, i
 
 
 def moves(cfg: Config, params: tuple[Param, ...], sizes: Mapping[str, int]) -> list[tuple[str, float, float, tuple]]:
-    """Muon's collectives per step and device: (kind, whole bytes, bytes sent, mesh axes), for each matrix
-    parameter split over more than one device: two all-to-alls of its stack (to whole matrices and back), or for a
-    lone matrix an all-gather (its update then taken back by slicing)."""
+    """Muon's collectives per step and device: (kind, whole bytes, bytes sent, mesh axes). For each stack of
+    matrices, an all-to-all each way per sharded matrix dimension (``state_sharding.whole_matrix_steps``) and an
+    all-gather of the update over the axes that leave the parameter whole; for a lone matrix, an all-gather."""
     if cfg.optimizer.name != "muon":
         return []
     value = VALUE_BYTES[cfg.optimizer.muon_dtype]
-    out = []
-    for p in params:
-        layout = matrix_layout(p, sizes)
-        if layout is None or layout["group"] == 1:
-            continue
-        moved, group = layout["moved"] * value, layout["group"]
-        if layout["stack"]:
-            out += [("all-to-all", moved, moved * (group - 1) / group, layout["axes"])] * 2
-        else:
-            out.append(("all-gather", moved * group, moved * (group - 1), layout["axes"]))
-    return out
+    return [move for p in params if (layout := matrix_layout(p, sizes, value)) for move in layout["moves"]]

@@ -23,7 +23,7 @@ from optax.contrib import MuonDimensionNumbers, scale_by_muon
 from optax.contrib._muon import orthogonalize_via_newton_schulz
 
 from jaxtron.config.schema import OptimizerConfig
-from jaxtron.parallel.sharding import logical_names
+from jaxtron.parallel.sharding import constrain, logical_names
 from jaxtron.parallel.state_sharding import constrain_back, constrain_whole_matrices
 
 # logical axes that stack matrices (a batch of matrices, each orthogonalized on its own), and axes of weights that
@@ -111,35 +111,32 @@ def _scale_to_rms(rms: float, params: Any) -> optax.GradientTransformation:
     return optax.GradientTransformation(lambda _: optax.EmptyState(), update)
 
 
-def _laid_out(params: Any, whole: bool) -> optax.GradientTransformation:
-    """Muon's updates laid out for their orthogonalization, each device whole matrices of its share of a stack
-    (``whole``: ``state_sharding.constrain_whole_matrices``), or back to their parameters' sharding; a no-op
-    without a mesh."""
+def _laid_out(tree: Any, params: Any, how: str) -> Any:
+    """Muon's updates (or values shaped so) laid out for their orthogonalization, each device whole matrices of its
+    share of a stack (``how='whole'``: ``state_sharding.constrain_whole_matrices``), from there back to their
+    parameters' layout and shape ('back'), or held in that layout ('kept'); as they are without a mesh."""
     def one(update, variable):
-        names = tuple(logical_names(variable))
-
-        if not whole:
-            return jax.tree.map(lambda u: constrain_back(u, names, variable.shape), update)
-        dims = muon_dimensions(variable)
+        names, dims = tuple(logical_names(variable)), muon_dimensions(variable)
         matrix = (*dims.reduction_axis, *dims.output_axis)
+        if how == "kept":
+            return jax.tree.map(lambda u: constrain(u, names), update)
+        if how == "back":
+            return jax.tree.map(lambda u: constrain_back(u, names, matrix, variable.shape), update)
         return jax.tree.map(lambda u: constrain_whole_matrices(u, names, matrix), update)
-
-    def update(updates, state, params_now=None):
-        del params_now
-        return _each_matrix(updates, params, one), state
-    return optax.GradientTransformation(lambda _: optax.EmptyState(), update)
+    return _each_matrix(tree, params, one)
 
 
 def _orthogonalized_momentum(cfg: OptimizerConfig, params: Any, dimensions: Callable[[Any], Any]
                              ) -> optax.GradientTransformation:
     """optax's ``scale_by_muon`` (Nesterov momentum, then Newton-Schulz), with its state and arithmetic, but laid
     out for a mesh: the momentum is kept and updated where the gradient is (the parameters' layout), and only its
-    Nesterov blend moves to whole matrices (``_laid_out``), as the orthogonalized update does once it is whole.
-    Two all-to-alls a matrix: the momentum, the gradient and the update moved whole, and the momentum back, made
-    five (benchmarks/optimizers.md)."""
+    Nesterov blend moves to whole matrices (``_laid_out``), and the orthogonalized update back: an all-to-all each
+    way per sharded matrix dimension (moving the gradient, the momentum and the update, and the momentum back, made
+    five), and an all-gather of the update over the axes that leave the parameter whole (data: their devices each
+    orthogonalize a share of the matrices, not all of them; benchmarks/muon_plan.md)."""
     reference = scale_by_muon(ns_steps=cfg.muon_steps, beta=cfg.muon_momentum, eps=cfg.eps, nesterov=True,
                               weight_dimension_numbers=dimensions)
-    beta, whole, kept = cfg.muon_momentum, _laid_out(params, whole=True), _laid_out(params, whole=False)
+    beta = cfg.muon_momentum
 
     def update(updates, state, params_now=None):
         del params_now
@@ -150,14 +147,12 @@ def _orthogonalized_momentum(cfg: OptimizerConfig, params: Any, dimensions: Call
                              optax.tree.bias_correction(updates, beta, count))
         # made (in the Newton-Schulz GEMMs' precision) where the momentum is, then moved: XLA would otherwise move
         # both of its terms
-        blend = kept.update(optax.tree.cast(blend, cfg.muon_dtype), optax.EmptyState())[0]
-        blend = whole.update(blend, optax.EmptyState())[0]
+        blend = _laid_out(_laid_out(optax.tree.cast(blend, cfg.muon_dtype), params, "kept"), params, "whole")
         orthogonal = jax.tree.map(
             lambda x, dims: orthogonalize_via_newton_schulz(x, state.ns_coeffs.astype(x.dtype), cfg.muon_steps,
                                                             eps=cfg.eps, dimension_numbers=dims),
             blend, dimensions(blend), is_leaf=lambda x: isinstance(x, MuonDimensionNumbers))
-        orthogonal = kept.update(whole.update(orthogonal, optax.EmptyState())[0], optax.EmptyState())[0]
-        return optax.tree.cast(orthogonal, jnp.float32), state._replace(count=count, mu=mu)
+        return optax.tree.cast(_laid_out(orthogonal, params, "back"), jnp.float32), state._replace(count=count, mu=mu)
     return optax.GradientTransformation(reference.init, update)
 
 
