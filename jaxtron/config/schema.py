@@ -173,27 +173,25 @@ class OptimizerConfig:
     b2: float = 0.95
     eps: float = 1e-8
     clip_norm: float = 1.0  # global gradient norm clipping; 0 disables it
-    # the distributed optimizer: the AdamW moments split over the axes that split the batch's tokens (data and
-    # sequence, and fsdp and expert where the weight is not already cut over them: the rules table's
-    # ``optimizer_state``) while the float32 weights stay as their rule places them; gradients are reduce-scattered
-    # onto the moments' shards and the updated weights gathered once per step. Checkpoints restore across it
+    # the distributed optimizer: the moments split over the axes that split the batch's tokens (data, sequence, and
+    # fsdp and expert where the weight is not cut over them: the rules' ``optimizer_state``), the float32 weights as
+    # their rule places them; gradients reduce-scattered onto the moments' shards, the updated weights gathered once
+    # per step. Checkpoints restore across it
     distributed: bool = False
-    muon_momentum: float = 0.95  # muon: the momentum's decay (Nesterov)
-    muon_steps: int = 5  # muon: Newton-Schulz iterations
-    # muon: each matrix's update scaled to this RMS x sqrt(max(fan in, fan out)), the RMS AdamW's updates have, so
-    # that AdamW's learning rate and weight decay carry over (Moonlight's matching)
+    # muon: Nesterov momentum's decay; Newton-Schulz iterations and their precision (float32 | bfloat16); each update
+    # scaled to muon_rms x sqrt(max(fan in, fan out)), AdamW's RMS, so AdamW's rate and decay carry over (Moonlight)
+    muon_momentum: float = 0.95
+    muon_steps: int = 5
+    muon_dtype: str = "float32"
     muon_rms: float = 0.2
-    muon_dtype: str = "float32"  # muon: the Newton-Schulz GEMMs' (and their operands' moves'): float32 | bfloat16
 
     def __post_init__(self):
         _choice(self.name, "optimizer.name", ("adamw", "muon"))
         _choice(self.muon_dtype, "optimizer.muon_dtype", ("float32", "bfloat16"))
-        _positive(self.muon_steps, "optimizer.muon_steps")
-        _positive(self.muon_rms, "optimizer.muon_rms")
         _check(0 <= self.muon_momentum < 1, "optimizer.muon_momentum", f"must lie in [0, 1) (got {self.muon_momentum})",
                "set --config.optimizer.muon_momentum inside that range")
-        _positive(self.learning_rate, "optimizer.learning_rate")
-        _positive(self.eps, "optimizer.eps")
+        for name in ("muon_steps", "muon_rms", "learning_rate", "eps"):
+            _positive(getattr(self, name), f"optimizer.{name}")
         for name in ("warmup_steps", "decay_steps", "weight_decay", "clip_norm"):
             _non_negative(getattr(self, name), f"optimizer.{name}")
         _check(self.decay_steps == 0 or self.decay_steps > self.warmup_steps, "optimizer.decay_steps",

@@ -44,7 +44,7 @@ def whole_matrix_steps(names: Sequence[str | None], matrix: Sequence[int], sizes
     its Newton-Schulz GEMMs there without gathering): first a split of the first batch dimension over the mesh axes
     that leave the parameter whole, such as data (a slice: their devices hold the same values), so that no two
     devices orthogonalize the same matrix, then one step per sharded matrix dimension, whose mesh axes move to the
-    first batch dimension (an all-to-all over them). The first batch dimension is padded to divide (``whole_matrix_stack``).
+    first batch dimension (an all-to-all over them). That dimension is padded to divide (``whole_matrix_stack``).
     [] where there is no batch dimension."""
     spec = logical_to_spec(names)
     batch = [i for i in range(len(names)) if i not in matrix]
