@@ -19,6 +19,7 @@ import json
 import os
 import sys
 import tempfile
+import textwrap
 import time
 
 import numpy as np
@@ -101,7 +102,7 @@ def plot(rows: list[dict], path: str, job: str) -> None:
                 label=f"{r['optimizer']} {r['learning_rate']:g}")
     ax.set_xlabel("tokens trained")
     ax.set_ylabel("validation loss (nats/token)")
-    ax.set_title(f"{job}: AdamW against Muon", fontsize=9)
+    ax.set_title("\n".join(textwrap.wrap(f"{job}: AdamW against Muon", 80)), fontsize=9)
     ax.legend(fontsize=8)
     fig.tight_layout()
     with atomic_path(path) as aside:
@@ -136,9 +137,12 @@ def main(argv: list[str] | None = None) -> int:
     given = [f"--name {args.name}"] if args.name != "optimizers" else []
     given += [f"--set {o}" for o in args.set] + ([f"--runs {args.runs}"] if args.runs else [])
     given += [f"--steps {args.steps}"] if args.steps != 300 else []
+    given += [f"--add {args.add}"] if args.add else []
     command = " ".join(["python benchmarks/optimizers.py", *given])
-    if args.add:
-        command += f"`, then `python benchmarks/optimizers.py --add {args.add}"
+    if args.add:  # after the commands that made the rows on file, as their table names them
+        with open(os.path.join(results.HERE, f"{args.name}.md")) as f:
+            before = next(line.strip() for line in f if line.startswith("`python "))
+        command = f"{before.strip('`')}`, then `{command}"
     job = "the main job" + (f" with {', '.join(args.set)}" if args.set else "")
     results.write(args.name, rows, table(rows, command, job, f"{args.name}.png"))
     plot(rows, os.path.join(results.HERE, f"{args.name}.png"), job)
