@@ -63,20 +63,43 @@ def final_parameters(workdir: str, steps: int) -> list:
     return [np.asarray(x) for x in jax.tree.leaves(tree)]
 
 
-def check_readers(workdir: str) -> list[str]:
-    """What is wrong with `jaxtron report` and `jaxtron verify` on ``workdir`` now (nothing: [])."""
+def check_readers(workdir: str, in_process: bool = False) -> list[str]:
+    """What is wrong with `jaxtron report` and `jaxtron verify` on ``workdir`` now (nothing: []): each run as a user
+    runs it, or with ``in_process`` through ``jaxtron.cli.main`` in this process (a raised exception is its
+    traceback), which spares the quick test a process start per check."""
     problems = []
     for command in ("report", "verify"):
-        done = subprocess.run([sys.executable, "-m", "jaxtron", command, workdir], cwd=REPO, env=_env(),
-                              capture_output=True, text=True, timeout=120, check=False)
-        err = done.stderr.strip()
-        if done.returncode not in (0, 2) or "Traceback" in err:
-            problems.append(f"{command} exited {done.returncode}: {err[-600:]}")
-        elif done.returncode == 2 and (len(err.splitlines()) != 1 or not err.startswith("error: ")):
+        code, out, err = _in_process(command, workdir) if in_process else _as_command(command, workdir)
+        if code not in (0, 2) or "Traceback" in err:
+            problems.append(f"{command} exited {code}: {err[-600:]}")
+        elif code == 2 and (len(err.splitlines()) != 1 or not err.startswith("error: ")):
             problems.append(f"{command} exited 2 without one 'error:' sentence: {err[-600:]}")
-        elif command == "verify" and "damaged" in done.stdout + err:
-            problems.append(f"verify found damage: {done.stdout + err}")
+        elif command == "verify" and "damaged" in out + err:
+            problems.append(f"verify found damage: {out + err}")
     return problems
+
+
+def _as_command(command: str, workdir: str) -> tuple[int, str, str]:
+    done = subprocess.run([sys.executable, "-m", "jaxtron", command, workdir], cwd=REPO, env=_env(),
+                          capture_output=True, text=True, timeout=120, check=False)
+    return done.returncode, done.stdout, done.stderr.strip()
+
+
+def _in_process(command: str, workdir: str) -> tuple[int, str, str]:
+    import contextlib
+    import io
+    import traceback
+
+    from jaxtron import cli
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = cli.main([command, workdir])
+        except BaseException:  # noqa: BLE001 - reported as the traceback a user would see
+            traceback.print_exc()
+            code = 1
+    return code, out.getvalue(), err.getvalue().strip()
 
 
 def _cut(workdir: str, rng: random.Random) -> str:
@@ -101,8 +124,9 @@ def _cut(workdir: str, rng: random.Random) -> str:
     return ""
 
 
-def inject(kills: int, seed: int, root: str, steps: int = 60, log=print) -> dict:
-    """Runs the uninterrupted reference and the killed run under ``root``; returns the figures."""
+def inject(kills: int, seed: int, root: str, steps: int = 60, log=print, in_process: bool = False) -> dict:
+    """Runs the uninterrupted reference and the killed run under ``root``; returns the figures. ``in_process``:
+    the readers are checked in this process (``check_readers``)."""
     rng = random.Random(seed)
     reference = os.path.join(root, "reference")
     started = time.perf_counter()
@@ -149,7 +173,7 @@ def inject(kills: int, seed: int, root: str, steps: int = 60, log=print) -> dict
         by_hand = _cut(workdir, rng) if i % 3 == 2 and os.path.exists(os.path.join(workdir, "metrics.jsonl")) else ""
         if by_hand:
             figures["cut_by_hand"].append(by_hand)
-        problems = check_readers(workdir)
+        problems = check_readers(workdir, in_process)
         figures["reader_checks"] += 2
         figures["problems"] += [f"after kill {figures['kills']} at {moment:.2f} s: {p}" for p in problems]
         log(f"kill {figures['kills']} at {moment:.2f} s, {trained} step(s) trained{', a save cut' if cut else ''}"
@@ -162,7 +186,7 @@ def inject(kills: int, seed: int, root: str, steps: int = 60, log=print) -> dict
     figures["parameters_identical"] = all(np.array_equal(a, b) for a, b in
                                           zip(final_parameters(workdir, steps), final_parameters(reference, steps),
                                               strict=True))
-    figures["problems"] += check_readers(workdir)
+    figures["problems"] += check_readers(workdir, in_process)
     figures["reader_checks"] += 2
     return figures
 

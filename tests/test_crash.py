@@ -113,8 +113,9 @@ def test_a_refused_run_changes_nothing_in_its_workdir(tmp_path, capsys):
 @pytest.mark.first_tier
 @pytest.mark.slow
 def test_sigkill_at_random_moments_then_resume_ends_bit_exact(tmp_path):
-    """The quick version of tests/fault_injection.py, in the README's tier (.ci/run runs the longer one)."""
-    figures = inject(kills=3, seed=1, root=str(tmp_path), steps=24, log=lambda *_: None)
+    """The quick version of tests/fault_injection.py, in the README's tier (.ci/run runs the longer one, with the
+    readers run as commands; here they run in this process)."""
+    figures = inject(kills=3, seed=1, root=str(tmp_path), steps=24, log=lambda *_: None, in_process=True)
     # (a run may reach its last step before its kill, when its start-up was quicker than the reference's)
     assert figures["kills"] >= 2 and figures["resumes"] == figures["kills"]
     assert figures["problems"] == []

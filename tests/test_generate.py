@@ -82,7 +82,7 @@ def test_generation_ends_at_the_end_of_document_token_and_at_a_stop():
     assert stopped.decode_tokens == 1 and stopped.prefill_tokens == 3  # the first new token is the prefill's
 
 
-@pytest.mark.parametrize("family", ["llama", "deepseek_v3"])
+@pytest.mark.parametrize("family", ["llama", pytest.param("deepseek_v3", marks=pytest.mark.extended)])
 def test_sharded_generation_equals_one_devices_tokens(family):
     """The parameters sharded by the rules table over tensor=2 x fsdp=4 (8 fake devices): the same greedy tokens."""
     from jaxtron.inference.generate import Generator

@@ -491,6 +491,7 @@ def test_nodes_of_four_keep_tensor_groups_to_four_and_price_what_crosses_them(ca
 
 
 @pytest.mark.slow
+@pytest.mark.extended  # the first tier checks the calibrated constants' choices (test_top_choices_follow_published_...)
 def test_the_calibrated_time_model_holds_on_the_published_runs_it_was_not_fitted_on():
     """The constants in planning/gpus.py are what fitting the time model on KempnerForge's 14 H200 runs gives (a new
     fit reproduces them). Fitted on the other 13, the estimated tokens/s of the run with the largest held-out error
