@@ -73,10 +73,10 @@ def whole_matrix_stack(names: Sequence[str | None], shape: Sequence[int], matrix
     """(the first batch dimension of a stack of matrices, its length padded to divide over the devices that
     ``whole_matrix_steps`` split it over); (-1, 0) where there is no batch dimension."""
     batch = [i for i in range(len(names)) if i not in matrix]
+    if not batch:
+        return -1, 0
     steps = whole_matrix_steps(names, matrix, sizes)
-    if not steps:
-        return -1, shape[batch[0]] if batch else 0
-    devices = math.prod(sizes[a] for a in spec_axes(steps[-1], batch[0]))
+    devices = math.prod(sizes[a] for a in spec_axes(steps[-1], batch[0])) if steps else 1
     return batch[0], -(-shape[batch[0]] // devices) * devices
 
 

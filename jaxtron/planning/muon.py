@@ -12,13 +12,13 @@ whole (data) by an all-gather.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 
 from jaxtron.config.schema import Config
 from jaxtron.parallel.sharding import logical_to_spec, spec_axes
 from jaxtron.parallel.state_sharding import whole_matrix_stack, whole_matrix_steps
 from jaxtron.planning.gpus import GPU
-from jaxtron.planning.params import Param
+from jaxtron.planning.params import Param, elements_per_device
 from jaxtron.training.optimizer import matrix_dimensions
 
 # float32 GEMMs run on TF32 tensor cores (jax's default precision on GPUs) at half the bf16 rate
@@ -31,11 +31,6 @@ def newton_schulz_flops(rows: int, cols: int, steps: int) -> float:
     and a X + B X on the short side's square (m = min, n = max): 2 m^2 n + 2 m^3 + 2 m^2 n."""
     m, n = min(rows, cols), max(rows, cols)
     return steps * (4.0 * m * m * n + 2.0 * m ** 3)
-
-
-def _per_device(shape: Sequence[int], spec, sizes: Mapping[str, int]) -> int:
-    """Elements one device holds of an array of ``shape`` laid out as ``spec`` (jax pads uneven shards)."""
-    return math.prod(-(-dim // math.prod(sizes.get(a, 1) for a in spec_axes(spec, i))) for i, dim in enumerate(shape))
 
 
 def matrix_layout(param: Param, sizes: Mapping[str, int], value_bytes: int = 4) -> dict | None:
@@ -53,22 +48,22 @@ def matrix_layout(param: Param, sizes: Mapping[str, int], value_bytes: int = 4) 
     first, length = whole_matrix_stack(param.names, param.shape, matrix, sizes)
     if first < 0:  # one matrix, no stack: every device of the group gathers it and orthogonalizes it whole
         group = math.prod(sizes.get(a, 1) for i in matrix for a in spec_axes(own, i))
-        held = _per_device(param.shape, own, sizes) * value_bytes
+        held = elements_per_device(param.shape, own, sizes) * value_bytes
         moves = [("all-gather", held * group, held * (group - 1), spec_axes(own, matrix[0]))] if group > 1 else []
-        matrices = _per_device(param.shape, own, sizes) * group / (rows * cols)
+        matrices = elements_per_device(param.shape, own, sizes) * group / (rows * cols)
     else:
         padded = tuple(length if i == first else n for i, n in enumerate(param.shape))
         moves, before = [], own
         for spec in steps:
             new = tuple(a for a in spec_axes(spec, first) if a not in spec_axes(before, first))
             devices = math.prod(sizes[a] for a in new)
-            held = _per_device(padded, before, sizes) * value_bytes
+            held = elements_per_device(padded, before, sizes) * value_bytes
             if any(a in spec_axes(own, i) for i in matrix for a in new):  # there and back: an all-to-all each way
                 moves += [("all-to-all", held, held * (devices - 1) / devices, new)] * 2
             else:  # a slice there, an all-gather back
                 moves.append(("all-gather", held, held * (devices - 1) / devices, new))
             before = spec
-        matrices = _per_device(padded, before, sizes) / (rows * cols)
+        matrices = elements_per_device(padded, before, sizes) / (rows * cols)
     return {"matrices": matrices, "flops": matrices * newton_schulz_flops(rows, cols, 1), "moves": moves}
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import jax
 from flax import nnx
@@ -13,7 +13,7 @@ from flax import nnx
 from jaxtron.config.schema import ExecutionConfig, ModelConfig
 from jaxtron.models import build_model
 from jaxtron.models.lora import PROJECTIONS
-from jaxtron.parallel.sharding import logical_names, logical_to_spec, rules_epoch
+from jaxtron.parallel.sharding import logical_names, logical_to_spec, rules_epoch, spec_axes
 from jaxtron.parallel.state_sharding import optimizer_spec
 
 _PROJECTION_WEIGHTS = frozenset(attribute for attribute, *_ in PROJECTIONS.values())
@@ -61,20 +61,19 @@ class Param:
 # (every microbatch count, schedule, policy)
 @functools.lru_cache(maxsize=1 << 16)
 def _shard_elements(param: Param, epoch: int, sizes: tuple[tuple[str, int], ...], without: tuple[str, ...]) -> int:
-    sizes, total = dict(sizes), 1
-    for dim, axes in zip(param.shape, logical_to_spec(param.names), strict=True):
-        axes = () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
-        total *= -(-dim // math.prod(sizes.get(a, 1) for a in axes if a not in without))
-    return total
+    return elements_per_device(param.shape, logical_to_spec(param.names), dict(sizes), without)
 
 
 @functools.lru_cache(maxsize=1 << 16)
 def _optimizer_elements(param: Param, epoch: int, sizes: tuple[tuple[str, int], ...]) -> int:
-    sizes, total = dict(sizes), 1
-    for dim, axes in zip(param.shape, optimizer_spec(param.names, param.shape, sizes), strict=True):
-        axes = () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
-        total *= -(-dim // math.prod(sizes.get(a, 1) for a in axes))
-    return total
+    return elements_per_device(param.shape, optimizer_spec(param.names, param.shape, dict(sizes)), dict(sizes))
+
+
+def elements_per_device(shape: Sequence[int], spec, sizes: Mapping[str, int], without: Sequence[str] = ()) -> int:
+    """Elements one device holds of an array of ``shape`` laid out as the partition ``spec`` on the mesh ``sizes``
+    (ceil division, as jax pads uneven shards); ``without``: mesh axes whose split is undone."""
+    return math.prod(-(-dim // math.prod(sizes.get(a, 1) for a in spec_axes(spec, i) if a not in without))
+                     for i, dim in enumerate(shape))
 
 
 @functools.lru_cache(maxsize=8)

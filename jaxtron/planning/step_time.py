@@ -39,7 +39,7 @@ EXCHANGES_HIDDEN = 0.30
 
 
 def compute_time(cfg: Config, shape: StepShape, block: BlockValues, gpu: GPU,
-                 params: tuple[Param, ...] = ()) -> dict[str, float]:
+                 params: tuple[Param, ...]) -> dict[str, float]:
     """Seconds per step of the compute terms: 'matmul', 'attention', 'elementwise', 'pipeline_bubble' and
     'optimizer' (Muon's Newton-Schulz GEMMs of the parameters ``params``, once a step, after the schedule)."""
     execution, hardware = _step_hardware(cfg, shape)
