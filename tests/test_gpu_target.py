@@ -142,11 +142,12 @@ def test_matmul_flops_count_loop_bodies_per_iteration_and_library_calls_from_the
 
 
 def _compile_on_target(*overrides: str, gpus: int = 1, config: str = "configs/default.py",
-                       exchanges: bool = False, gemms: bool = False) -> dict:
+                       exchanges: bool = False, gemms: bool = False, loop_bytes_over: int = 0) -> dict:
     """The default config's train step compiled for ``gpus`` H100s in a subprocess: peak bytes, kernels, GEMMs with
     float8 operands, and the collectives' counts; with ``exchanges``, also the MoE exchanges' windows at NVLink's
     and the network's bandwidth (``jaxtron.metrics.overlap``, a few seconds more); with ``gemms``, the step budget's
-    FLOPs by GEMM category (``jaxtron.metrics.budget``)."""
+    FLOPs by GEMM category (``jaxtron.metrics.budget``); with ``loop_bytes_over``, the bytes a step moves in the
+    memory-bound kernels that run more than once a step and move at least that many bytes each run."""
     code = (
         "import json, sys\n"
         "from jaxtron.config.loader import load_config\n"
@@ -165,10 +166,12 @@ def _compile_on_target(*overrides: str, gpus: int = 1, config: str = "configs/de
         "exchanges = {name: overlap.summary(found, getattr(GPUS['h100'], name + '_bandwidth'))['exchanges']\n"
         "             for name in ('nvlink', 'network')}\n"
         f"gemms = budget.budget(text, budget.H100).summary()['flops'] if {gemms} else {{}}\n"
+        f"big = sum(k.runs * k.bytes for k in budget.kernels(text, budget.H100) if {loop_bytes_over}\n"
+        f"          and k.category == 'memory-bound' and k.runs > 1 and k.bytes >= {loop_bytes_over})\n"
         "print(json.dumps(dict(peak=result.peak_bytes, kernels=kernels(text), f8=float8_operands(text), gemms=gemms,\n"
         "                      collectives={k: v['count'] for k, v in result.collectives.items()},\n"
         "                      collective_bytes={k: v['bytes'] for k, v in result.collectives.items()},\n"
-        "                      f32_gather_bytes=f32_gathers, flops=result.flops, exchanges=exchanges)))\n")
+        "                      f32_gather_bytes=f32_gathers, flops=result.flops, exchanges=exchanges, loop_bytes=big)))\n")
     out = subprocess.run([sys.executable, "-c", code, f"{REPO}/{config}", str(gpus), *overrides], cwd=REPO,
                          env=target.environment(), capture_output=True, text=True, timeout=600, check=False)
     assert out.returncode == 0, out.stderr[-3000:]
@@ -438,6 +441,35 @@ def test_rows_once_per_node_compile_for_the_h100_within_the_planners_memory():
     cfg = load_config(f"{REPO}/configs/deepseek_v3.py", [tuple(o.split("=", 1)) for o in overrides])
     planned = estimate(cfg, dict(fsdp=2, expert=8), GPUS["h100"]).memory_bytes
     assert 1.0 <= planned / got["peak"] < 1.3, (planned, got["peak"])
+
+
+@needs_plugin
+@pytest.mark.slow
+def test_each_pipeline_microbatch_passes_over_a_stages_experts_as_the_planner_prices_it_on_the_h100():
+    """Mixtral 8x7B's 4 layers on pipeline=2 tensor=4 (8 H100s), every expert on every stage, 4 and then 8 pipeline
+    microbatches of one row: each iteration of the schedule casts the stage's experts to bfloat16 (forward), to the
+    backward GEMMs' transposed layouts, and adds their gradient to the float32 sum, so the 4 more iterations move
+    4 x 22 bytes an expert weight more (planning/gpus.py WEIGHT_PASS_BYTES), as the planner's 'weights' term (and
+    the bubble's share of it) counts them, within 15%."""
+    from jaxtron.config.loader import load_config
+    from jaxtron.planning.estimate import estimate
+    from jaxtron.planning.gpus import GPUS
+
+    h100 = GPUS["h100"]
+    layer_experts = 3 * 8 * 4096 * 14336 // 4  # one layer's expert weights a device holds
+    moved, planned = [], []
+    for microbatches in (4, 8):
+        overrides = ["model.num_layers=4", f"train.global_batch_size={microbatches}", "mesh.fsdp=1", "mesh.expert=1",
+                     "mesh.pipeline=2", "mesh.tensor=4", f"pipeline.microbatches={microbatches}",
+                     "execution.remat=save_attention"]
+        got = _compile_on_target(*overrides, gpus=8, config="configs/mixtral_8x7b.py", loop_bytes_over=layer_experts)
+        moved.append(got["loop_bytes"])
+        cfg = load_config(f"{REPO}/configs/mixtral_8x7b.py", [tuple(o.split("=", 1)) for o in overrides])
+        est = estimate(cfg, dict(pipeline=2, tensor=4), h100)
+        planned.append(est.time["weights"] * h100.hbm_bandwidth / (1 - est.bubble))
+    # 2 layers a stage, 22 bytes an expert weight in each of the 4 more iterations
+    assert moved[1] - moved[0] == pytest.approx(4 * 2 * layer_experts * 22, rel=0.02), moved
+    assert planned[1] - planned[0] == pytest.approx(moved[1] - moved[0], rel=0.15), (planned, moved)
 
 
 @needs_plugin

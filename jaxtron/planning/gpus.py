@@ -64,6 +64,9 @@ class GPU:
     # how many times faster than 16-bit ones the FP8 projections' GEMMs run in a step, their operands' quantization
     # included (execution.fp8; planning/step_time.py); 1: no faster
     fp8_speedup: float = 1.0
+    # bytes moved per weight element in use for each pass of a microbatch over the weights beyond one a step
+    # (planning/step_time.py weight_passes): jaxtron's WEIGHT_PASS_BYTES, the published stacks' in STACK_WEIGHT_PASS_BYTES
+    weight_pass_bytes: float = 0.0
     gpus_per_node: int = 8
     usable_memory_fraction: float = 0.90
 
@@ -95,15 +98,25 @@ STACK_TENSOR_EFFICIENCY = {"KempnerForge": 0.6965, "Megatron": 1.0}
 # on the other two). A lone FP8 8192^3 GEMM ran 1.6 times the bf16 one in the same process; a step's FP8
 # projections gain less, their operands' quantization included.
 FP8_SPEEDUP = 1.38
+# Read from H100-target compiles: each pass of a pipeline microbatch over a stage's weights moved 22 bytes an element
+# of its routed experts (DeepSeek-V3, pipeline=4 tensor=8, 8 microbatches: the forward's float32 -> bfloat16 cast 6,
+# the backward's casts to the transposed layouts 8, the float32 gradient sum's read and write 8) and 28 of Llama-3
+# 8B's (pipeline=4 tensor=4: the recompute casts again); tests/test_gpu_target.py checks the planner against such a
+# compile. The published stacks keep 16-bit weight copies and accumulate their gradients inside the GEMMs
+# (Megatron's gradient-accumulation fusion), or cast as they gather: none of this traffic (their runs fitted the rest).
+WEIGHT_PASS_BYTES = 22.0
+STACK_WEIGHT_PASS_BYTES = {"KempnerForge": 0.0, "Megatron": 0.0}
 GPUS: dict[str, GPU] = {
     # 80 GB HBM3 (81,559 MiB reported), 3.35 TB/s datasheet, of which 85% is assumed reachable
     "h100": GPU("H100 SXM 80GB", 81_559 * _MIB, _peaks("H100 SXM"), attention_efficiency=0.5,
                 xla_attention_efficiency=0.25, hbm_bandwidth=0.85 * 3.35e12, nvlink_bandwidth=0.8 * 450e9,
-                network_bandwidth=0.8 * 50e9, fp8_speedup=FP8_SPEEDUP, **_CALIBRATED),
+                network_bandwidth=0.8 * 50e9, fp8_speedup=FP8_SPEEDUP, weight_pass_bytes=WEIGHT_PASS_BYTES,
+                **_CALIBRATED),
     # 141 GB HBM3e (143,771 MiB reported), 4.8 TB/s datasheet, 4.3 TB/s measured device-to-device copy
     "h200": GPU("H200 SXM 141GB", 143_771 * _MIB, _peaks("H200 SXM"), attention_efficiency=0.5,
                 xla_attention_efficiency=0.25, hbm_bandwidth=4.3e12, nvlink_bandwidth=0.8 * 450e9,
-                network_bandwidth=0.8 * 50e9, fp8_speedup=FP8_SPEEDUP, **_CALIBRATED),
+                network_bandwidth=0.8 * 50e9, fp8_speedup=FP8_SPEEDUP, weight_pass_bytes=WEIGHT_PASS_BYTES,
+                **_CALIBRATED),
 }
 
 

@@ -88,14 +88,18 @@ def _microbatch_options(cfg: Config, sizes: dict[str, int]) -> list[int]:
 
 
 def _in_flight_options(cfg: Config, sizes: dict[str, int], microbatches: int) -> list[int | None]:
-    """Pipeline microbatch counts to try on a pipeline mesh: the config's (at least one per stage), then 2x and
-    4x the stage count, each splitting the rows of a device evenly; [None] (the config's) without a pipeline."""
+    """Pipeline microbatch counts to try on a pipeline mesh: the config's (at least one per stage), then the stage
+    count times 2, 4, 8, ... up to one row a microbatch, each splitting the rows of a device evenly (more: a
+    smaller bubble, a smaller working set, more stage hops); [None] (the config's) without a pipeline."""
     stages = shard_count(sizes, "layers")
     if stages == 1:
         return [None]
     rows = cfg.train.global_batch_size // microbatches // shard_count(sizes, "activation_batch")
-    wanted = [cfg.pipeline.sizes(stages)[0], 2 * stages, 4 * stages]
-    return sorted({m for m in wanted if m >= stages and rows % m == 0}) or [None]
+    wanted, m = {cfg.pipeline.sizes(stages)[0]}, 2 * stages
+    while m <= rows:
+        wanted.add(m)
+        m *= 2
+    return sorted(m for m in wanted if m >= stages and rows % m == 0) or [None]
 
 
 def _one_f_one_b(cfg: Config, sizes: dict[str, int]) -> list[Config]:

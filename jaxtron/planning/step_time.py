@@ -22,11 +22,11 @@ from jaxtron.planning.shape import BlockValues, StepShape
 # activation function and casts, forward only (the backward moves about twice as much)
 ELEMENTWISE_PASSES = 6.0
 
-COMPUTE_TERMS = ("matmul", "attention", "elementwise", "pipeline_bubble", "optimizer")
+COMPUTE_TERMS = ("matmul", "attention", "elementwise", "weights", "pipeline_bubble", "optimizer")
 # gathers and gradient reductions over fsdp/data (and sequence) overlap with compute (XLA's latency-hiding
 # scheduler); the other collectives sit between dependent computations (see jaxtron.planning.collectives)
 OVERLAPPED = ("fsdp_comm", "data_comm")
-EXPOSED = ("matmul", "attention", "elementwise", "pipeline_bubble", "optimizer", "tensor_comm", "sequence_comm",
+EXPOSED = ("matmul", "attention", "elementwise", "weights", "pipeline_bubble", "optimizer", "tensor_comm", "sequence_comm",
            "expert_comm", "pipeline_comm", "optimizer_comm")
 # the MoE exchanges that run beside the experts' GEMMs: they cost only their interference with them (``expert_overlap``)
 HIDDEN = ("expert_comm_hidden",)
@@ -40,8 +40,9 @@ EXCHANGES_HIDDEN = 0.30
 
 def compute_time(cfg: Config, shape: StepShape, block: BlockValues, gpu: GPU,
                  params: tuple[Param, ...]) -> dict[str, float]:
-    """Seconds per step of the compute terms: 'matmul', 'attention', 'elementwise', 'pipeline_bubble' and
-    'optimizer' (Muon's Newton-Schulz GEMMs of the parameters ``params``, once a step, after the schedule)."""
+    """Seconds per step of the compute terms: 'matmul', 'attention', 'elementwise', 'weights' (``weight_passes``),
+    'pipeline_bubble' and 'optimizer' (Muon's Newton-Schulz GEMMs of the parameters ``params``, once a step, after
+    the schedule)."""
     execution, hardware = _step_hardware(cfg, shape)
     # the matmul term carries the routed experts at the dense rate's scale (``_expert_scale``)
     experts = hardware.get("experts", 0.0) * (_expert_scale(execution, gpu) - 1)
@@ -73,10 +74,28 @@ def compute_time(cfg: Config, shape: StepShape, block: BlockValues, gpu: GPU,
     time = {"matmul": matmul * shape.step_tokens / shape.devices / _matmul_rate(execution, shape, gpu),
             "attention": scores_flops * shape.step_tokens / shape.devices / (peak * attention_eff),
             "elementwise": elementwise / gpu.hbm_bandwidth}
-    # the stages idle through the fill and drain: the bubble's share of the schedule's iterations
+    time["weights"] = weight_passes(shape, params) * gpu.weight_pass_bytes / gpu.hbm_bandwidth
+    # the stages idle through the fill and drain: the bubble's share of the schedule's iterations (in each of which
+    # a stage passes over its weights too)
     time["pipeline_bubble"] = sum(time.values()) * shape.bubble / (1 - shape.bubble)
     time["optimizer"] = muon.optimizer_time(cfg, params, shape.mesh, gpu)
     return time
+
+
+def weight_passes(shape: StepShape, params: tuple[Param, ...]) -> float:
+    """Weight elements a device passes over beyond one pass a step. Each microbatch of a step (``train.microbatches``, and a pipeline's microbatches through a stage)
+    casts the weights it uses to the compute dtype, casts them again for the backward pass's transposed GEMMs and
+    adds its gradient to the float32 sum: ``GPU.weight_pass_bytes`` an element (the H100 compile of DeepSeek-V3's
+    experts on a pipeline: 22). The first pass is in the GEMM rate the published runs were fitted with (one pass a
+    step, and their stacks keep 16-bit weights and accumulate into float32 inside the GEMM); the further ones are
+    what microbatches cost beyond their FLOPs, and what makes many small microbatches over many local experts
+    memory-bound."""
+    staged = sum(p.shard_elements(shape.mesh, without=("fsdp",)) for p in params if p.staged)
+    rest = sum(p.shard_elements(shape.mesh, without=("fsdp",)) for p in params if not p.staged)
+    if not shape.pipelined:
+        return (staged + rest) * (shape.microbatches - 1)
+    # the weights outside the schedule (embedding, head, a dense prefix) pass once an accumulation microbatch
+    return staged * (shape.microbatches * shape.in_flight - 1) + rest * (shape.microbatches - 1)
 
 
 def step_seconds(time: dict[str, float], overlap: float = 1.0, interference: float = 0.0) -> float:
