@@ -45,8 +45,8 @@ BOUNDS = ((0.2, 0.95), (0.0, 1.0), (0.0, 1.0), (0.2, 1.0))
 
 def gpu_of(run, constants: dict[str, float] | None = None):
     """The planner's GPU for ``run``: its table entry with the run's node size and its stack's tensor-parallel cost
-    (``STACK_TENSOR_EFFICIENCY``) and weight traffic (``STACK_WEIGHT_PASS_BYTES``), ``constants`` in place of the table's (their ``tensor_efficiency`` is
-    KempnerForge's: it applies to KempnerForge's runs alone)."""
+    (``STACK_TENSOR_EFFICIENCY``) and weight traffic (``STACK_WEIGHT_PASS_BYTES``), ``constants`` in place of the
+    table's (their ``tensor_efficiency`` is KempnerForge's: it applies to KempnerForge's runs alone)."""
     from jaxtron.planning.gpus import STACK_TENSOR_EFFICIENCY, STACK_WEIGHT_PASS_BYTES, gpu
     from jaxtron.planning.published import KEMPNERFORGE_STACK
 

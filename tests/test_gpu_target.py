@@ -147,7 +147,8 @@ def _compile_on_target(*overrides: str, gpus: int = 1, config: str = "configs/de
     float8 operands, and the collectives' counts; with ``exchanges``, also the MoE exchanges' windows at NVLink's
     and the network's bandwidth (``jaxtron.metrics.overlap``, a few seconds more); with ``gemms``, the step budget's
     FLOPs by GEMM category (``jaxtron.metrics.budget``); with ``loop_bytes_over``, the bytes a step moves in the
-    memory-bound kernels that run more than once a step and move at least that many bytes each run."""
+    memory-bound kernels that run more than once a step and move at least that many bytes each run, and in all of
+    its memory-bound kernels."""
     code = (
         "import json, sys\n"
         "from jaxtron.config.loader import load_config\n"
@@ -166,12 +167,15 @@ def _compile_on_target(*overrides: str, gpus: int = 1, config: str = "configs/de
         "exchanges = {name: overlap.summary(found, getattr(GPUS['h100'], name + '_bandwidth'))['exchanges']\n"
         "             for name in ('nvlink', 'network')}\n"
         f"gemms = budget.budget(text, budget.H100).summary()['flops'] if {gemms} else {{}}\n"
-        f"big = sum(k.runs * k.bytes for k in budget.kernels(text, budget.H100) if {loop_bytes_over}\n"
-        f"          and k.category == 'memory-bound' and k.runs > 1 and k.bytes >= {loop_bytes_over})\n"
+        f"priced = budget.kernels(text, budget.H100) if {loop_bytes_over} else []\n"
+        "memory = sum(k.runs * k.bytes for k in priced if k.category == 'memory-bound')\n"
+        f"big = sum(k.runs * k.bytes for k in priced if k.category == 'memory-bound' and k.runs > 1\n"
+        f"          and k.bytes >= {loop_bytes_over})\n"
         "print(json.dumps(dict(peak=result.peak_bytes, kernels=kernels(text), f8=float8_operands(text), gemms=gemms,\n"
         "                      collectives={k: v['count'] for k, v in result.collectives.items()},\n"
         "                      collective_bytes={k: v['bytes'] for k, v in result.collectives.items()},\n"
-        "                      f32_gather_bytes=f32_gathers, flops=result.flops, exchanges=exchanges, loop_bytes=big)))\n")
+        "                      f32_gather_bytes=f32_gathers, flops=result.flops, exchanges=exchanges, loop_bytes=big,\n"
+        "                      memory_bytes=memory)))\n")
     out = subprocess.run([sys.executable, "-c", code, f"{REPO}/{config}", str(gpus), *overrides], cwd=REPO,
                          env=target.environment(), capture_output=True, text=True, timeout=600, check=False)
     assert out.returncode == 0, out.stderr[-3000:]
@@ -470,6 +474,29 @@ def test_each_pipeline_microbatch_passes_over_a_stages_experts_as_the_planner_pr
     # 2 layers a stage, 22 bytes an expert weight in each of the 4 more iterations
     assert moved[1] - moved[0] == pytest.approx(4 * 2 * layer_experts * 22, rel=0.02), moved
     assert planned[1] - planned[0] == pytest.approx(moved[1] - moved[0], rel=0.15), (planned, moved)
+
+
+@needs_plugin
+@pytest.mark.slow
+def test_each_accumulation_microbatch_passes_over_the_weights_as_the_planner_prices_it_on_the_h100():
+    """Llama-3 8B at 2 layers on one H100, a batch of 4 rows in 1 and then 4 accumulation microbatches: the same
+    tokens, so what the 3 more microbatches add to the program's memory-bound bytes is their passes over the weights
+    (casts, the float32 gradient sum), as the planner's 'weights' term counts them, within 15%."""
+    from jaxtron.config.loader import load_config
+    from jaxtron.planning.estimate import estimate
+    from jaxtron.planning.gpus import GPUS
+
+    h100 = GPUS["h100"]
+    moved, planned = [], []
+    for microbatches in (1, 4):
+        overrides = ["model.num_layers=2", "train.global_batch_size=4", f"train.microbatches={microbatches}",
+                     "mesh.fsdp=1", "execution.remat=save_attention"]
+        got = _compile_on_target(*overrides, gpus=1, config="configs/llama3_8b.py", loop_bytes_over=1)
+        moved.append(got["memory_bytes"])
+        cfg = load_config(f"{REPO}/configs/llama3_8b.py", [tuple(o.split("=", 1)) for o in overrides])
+        planned.append(estimate(cfg, {}, h100).time["weights"] * h100.hbm_bandwidth)
+    assert planned[0] == 0 and moved[1] > moved[0]
+    assert planned[1] == pytest.approx(moved[1] - moved[0], rel=0.15), (planned, moved)
 
 
 @needs_plugin

@@ -65,7 +65,8 @@ class GPU:
     # included (execution.fp8; planning/step_time.py); 1: no faster
     fp8_speedup: float = 1.0
     # bytes moved per weight element in use for each pass of a microbatch over the weights beyond one a step
-    # (planning/step_time.py weight_passes): jaxtron's WEIGHT_PASS_BYTES, the published stacks' in STACK_WEIGHT_PASS_BYTES
+    # (planning/step_time.py weight_passes): jaxtron's WEIGHT_PASS_BYTES, the published stacks' in
+    # STACK_WEIGHT_PASS_BYTES
     weight_pass_bytes: float = 0.0
     gpus_per_node: int = 8
     usable_memory_fraction: float = 0.90

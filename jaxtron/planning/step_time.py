@@ -26,8 +26,8 @@ COMPUTE_TERMS = ("matmul", "attention", "elementwise", "weights", "pipeline_bubb
 # gathers and gradient reductions over fsdp/data (and sequence) overlap with compute (XLA's latency-hiding
 # scheduler); the other collectives sit between dependent computations (see jaxtron.planning.collectives)
 OVERLAPPED = ("fsdp_comm", "data_comm")
-EXPOSED = ("matmul", "attention", "elementwise", "weights", "pipeline_bubble", "optimizer", "tensor_comm", "sequence_comm",
-           "expert_comm", "pipeline_comm", "optimizer_comm")
+EXPOSED = ("matmul", "attention", "elementwise", "weights", "pipeline_bubble", "optimizer", "tensor_comm",
+           "sequence_comm", "expert_comm", "pipeline_comm", "optimizer_comm")
 # the MoE exchanges that run beside the experts' GEMMs: they cost only their interference with them (``expert_overlap``)
 HIDDEN = ("expert_comm_hidden",)
 # The share of the MoE exchanges' time that XLA's latency-hiding scheduler (models/moe.py COMPILER_OPTIONS) runs beside
@@ -83,13 +83,13 @@ def compute_time(cfg: Config, shape: StepShape, block: BlockValues, gpu: GPU,
 
 
 def weight_passes(shape: StepShape, params: tuple[Param, ...]) -> float:
-    """Weight elements a device passes over beyond one pass a step. Each microbatch of a step (``train.microbatches``, and a pipeline's microbatches through a stage)
-    casts the weights it uses to the compute dtype, casts them again for the backward pass's transposed GEMMs and
-    adds its gradient to the float32 sum: ``GPU.weight_pass_bytes`` an element (the H100 compile of DeepSeek-V3's
-    experts on a pipeline: 22). The first pass is in the GEMM rate the published runs were fitted with (one pass a
-    step, and their stacks keep 16-bit weights and accumulate into float32 inside the GEMM); the further ones are
-    what microbatches cost beyond their FLOPs, and what makes many small microbatches over many local experts
-    memory-bound."""
+    """Weight elements a device passes over beyond one pass a step. Each microbatch of a step
+    (``train.microbatches``, and a pipeline's microbatches through a stage) casts the weights it uses to the compute
+    dtype, casts them again for the backward pass's transposed GEMMs and adds its gradient to the float32 sum:
+    ``GPU.weight_pass_bytes`` an element (the H100 compile of DeepSeek-V3's experts on a pipeline: 22). The first
+    pass is in the GEMM rate the published runs were fitted with (one pass a step, and their stacks keep 16-bit
+    weights and accumulate into float32 inside the GEMM); the further ones are what microbatches cost beyond their
+    FLOPs, and what makes many small microbatches over many local experts memory-bound."""
     staged = sum(p.shard_elements(shape.mesh, without=("fsdp",)) for p in params if p.staged)
     rest = sum(p.shard_elements(shape.mesh, without=("fsdp",)) for p in params if not p.staged)
     if not shape.pipelined:
