@@ -6,6 +6,8 @@ the share of their transfer time the kernels between hide (``jaxtron.metrics.ove
 H100 rates) at NVLink's and at the network's bandwidth.
 
     python benchmarks/moe_overlap.py          # writes benchmarks/moe_overlap.md and .json (about 10 minutes)
+    python benchmarks/moe_overlap.py --variants limit2 --name moe_overlap_limit2
+                                              # the scheduler with two collectives in flight at once
 
 Needs jax's CUDA plugin (``python -m pip install -e ".[gpu-target]"``); each compile runs in its own process.
 """
@@ -29,9 +31,12 @@ CASES = {  # name -> (config, GPUs, overrides)
                                         "mesh.expert=8"]),
 }
 CHUNKS = (1, 2, 4)
-# the compile worker; argv: CONFIG_JSON GPU COUNT HLO_FILE SCHEDULER(on|off). 'off' compiles without the option
+# the compile worker; argv: CONFIG_JSON GPU COUNT HLO_FILE SCHEDULER(on|off|limit2). 'off' compiles without the
+# option; 'limit2' with it and XLA's limit on collectives in flight at once raised from 1 to 2
 WORKER = ("import sys; from jaxtron.models import moe\n"
           "if sys.argv[5] == 'off': moe.COMPILER_OPTIONS.clear()\n"
+          "if sys.argv[5] == 'limit2':\n"
+          "    moe.COMPILER_OPTIONS['xla_gpu_experimental_parallel_collective_overlap_limit'] = 2\n"
           "from jaxtron.planning.dry_run import target_main; sys.exit(target_main(sys.argv[1:5]))")
 
 
@@ -61,21 +66,30 @@ def compile_case(config: str, gpus: int, overrides: list[str], scheduler: str) -
 
 
 def main() -> int:
+    import argparse
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--variants", default="off,on", help="comma-separated, of off, on, limit2")
+    parser.add_argument("--name", default="moe_overlap", help="the files written: benchmarks/NAME.md and .json")
+    args = parser.parse_args()
+    variants = args.variants.split(",")
+    if not set(variants) <= {"off", "on", "limit2"}:
+        parser.error(f"--variants takes off, on and limit2, not {args.variants!r}")
     rows = []
     for name, (config, gpus, overrides) in CASES.items():
         for chunks in CHUNKS:
-            for scheduler in ("off", "on"):
+            for scheduler in variants:
                 got = compile_case(config, gpus, [*overrides, f"execution.moe_chunks={chunks}"], scheduler)
                 row = {"case": name, "chunks": chunks, "scheduler": scheduler, **got}
                 rows.append(row)
                 print(f"{name:<13} chunks {chunks} scheduler {scheduler:<3}: {got['NVLink']['beside_gemms']} of "
                       f"{got['NVLink']['count']} beside GEMMs, hidden {100 * got['NVLink']['hidden_share']:.0f}% "
                       f"at NVLink, {100 * got['network']['hidden_share']:.0f}% at the network", flush=True)
-    results.write("moe_overlap", rows, markdown(rows))
+    results.write(args.name, rows, markdown(rows, sys.argv[1:]))
     return 0
 
 
-def markdown(rows: list[dict]) -> str:
+def markdown(rows: list[dict], argv: list[str] = ()) -> str:
     import jax
 
     from jaxtron.planning.gpus import GPUS
@@ -83,7 +97,9 @@ def markdown(rows: list[dict]) -> str:
 
     gpu = GPUS["h100"]
     lines = ["# MoE exchanges beside compute on the H100 program", "",
-             (f"Command: `python benchmarks/moe_overlap.py` (jax {jax.__version__}, compile-only H100s, no GPU). "
+             (f"Command: `{' '.join(['python benchmarks/moe_overlap.py', *argv])}` (jax {jax.__version__}, "
+              "compile-only H100s, no GPU; scheduler 'limit2': on, with XLA's "
+              "`xla_gpu_experimental_parallel_collective_overlap_limit` at 2, two collectives in flight at once). "
               + "; ".join(f"{name}: `configs/{c}.py` on {g} GPUs, {', '.join(o)}" for name, (c, g, o) in CASES.items())
               + f". Exchanges: the all-to-alls that carry rows (dispatch and combine, in the forward pass, its "
               f"recompute and the backward pass). \"Hidden\": the share of their transfer time that the kernels "
