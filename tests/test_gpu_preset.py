@@ -24,10 +24,27 @@ def test_the_program_options_named_as_evidence_are_the_ones_the_code_sets():
 
     fp8_options, _ = next(v for k, v in gpu_preset.PROGRAM_OPTIONS.items() if k.startswith("jaxtron/ops/fp8.py"))
     assert fp8_options == ", ".join(f"{k}={v}" for k, v in fp8.COMPILER_OPTIONS.items())
-    moe_options, _ = next(v for k, v in gpu_preset.PROGRAM_OPTIONS.items() if k.startswith("jaxtron/models/moe.py"))
+    moe_options, _ = next(v for k, v in gpu_preset.PROGRAM_OPTIONS.items()
+                          if k.startswith("jaxtron/models/moe.py COMPILER_OPTIONS"))
     assert moe_options == ", ".join(f"{k}={v}" for k, v in moe.COMPILER_OPTIONS.items())
+    chunked, _ = next(v for k, v in gpu_preset.PROGRAM_OPTIONS.items()
+                      if k.startswith("jaxtron/models/moe.py CHUNKED_OPTIONS"))
+    assert chunked == ", ".join(f"{k}={v}" for k, v in moe.CHUNKED_OPTIONS.items())
     cub, _ = next(v for k, v in gpu_preset.PROGRAM_OPTIONS.items() if k.startswith("jaxtron/gpu/target.py"))
     assert cub == " ".join(f"{k}={v}" for k, v in target.DEVICELESS_FLAGS.items())
+
+
+def test_moe_programs_take_two_collectives_in_flight_only_with_token_chunks():
+    """The options of an MoE program: none where the experts are not split; the latency-hiding scheduler where they
+    are; and two collectives in flight only where each device's tokens run in chunks (models/moe.py)."""
+    from jaxtron.config.loader import load_config
+    from jaxtron.models import moe
+
+    model = load_config(f"{REPO}/configs/mixtral_8x7b.py").model
+    assert moe.compiler_options(model, 1, 4) == {}
+    assert moe.compiler_options(model, 8, 1) == moe.COMPILER_OPTIONS
+    assert moe.compiler_options(model, 8, 4) == {**moe.COMPILER_OPTIONS, **moe.CHUNKED_OPTIONS}
+    assert moe.compiler_options(load_config(f"{REPO}/configs/llama3_8b.py").model, 8, 4) == {}
 
 
 def test_check_refuses_an_unknown_flag_in_one_sentence(monkeypatch, capsys):

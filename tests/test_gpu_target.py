@@ -367,6 +367,11 @@ OVERLAP_CASES = {  # name -> (config, GPUs, overrides): MoE blocks whose experts
 }
 
 
+# Mixtral 8x7B's config runs 4 token chunks: with two collectives in flight (models/moe.py CHUNKED_OPTIONS) 30 of its
+# 48 exchanges run beside GEMMs, with one 18
+BESIDE_GEMMS = {"mixtral_8x7b": 28}
+
+
 @needs_plugin
 @pytest.mark.slow
 @pytest.mark.parametrize("case", sorted(OVERLAP_CASES))
@@ -384,7 +389,8 @@ def test_moe_exchanges_run_beside_gemms_at_least_as_the_planner_assumes_on_the_h
     config, gpus, overrides = OVERLAP_CASES[case]
     got = _compile_on_target(*overrides, gpus=gpus, config=f"configs/{config}.py", exchanges=True)
     for bandwidth, exchanges in got["exchanges"].items():
-        assert exchanges["count"] >= 6 and exchanges["beside_gemms"] >= 2, (bandwidth, exchanges)
+        assert exchanges["count"] >= 6 and exchanges["beside_gemms"] >= BESIDE_GEMMS.get(case, 2), (bandwidth,
+                                                                                                  exchanges)
         assert exchanges["hidden_share"] >= EXCHANGES_HIDDEN, (bandwidth, exchanges)
     cfg = load_config(f"{REPO}/configs/{config}.py", [tuple(o.split("=", 1)) for o in overrides])
     sizes = {axis: getattr(cfg.mesh, axis) for axis in ("pipeline", "data", "fsdp", "sequence", "expert", "tensor")}

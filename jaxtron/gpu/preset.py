@@ -45,6 +45,10 @@ PROGRAM_OPTIONS: dict[str, tuple[str, str]] = {
         "xla_gpu_enable_latency_hiding_scheduler=True",
         ("Mixtral 8x7B (expert=8, 4 token chunks): 18 of its 48 exchanges run beside GEMMs with it, none without; "
         "the share of their time hidden at the network's bandwidth goes from 16% to 55% (benchmarks/moe_overlap.md)")),
+    "jaxtron/models/moe.py CHUNKED_OPTIONS, with the experts split over devices and execution.moe_chunks > 1": (
+        "xla_gpu_experimental_parallel_collective_overlap_limit=2",
+        ("Mixtral 8x7B (expert=8, 4 token chunks): 30 of its 48 exchanges beside GEMMs with two collectives in "
+         "flight, 18 with one; hidden at the network's bandwidth 66% against 55% (benchmarks/moe_overlap_limit2.md)")),
     "jaxtron/gpu/target.py DEVICELESS_FLAGS, compiles without a GPU only": (
         "--xla_gpu_deviceless_cub_mode=DEVICELESS_CUB_DISABLED",
         "MoE routing's sort otherwise asks CUB for a device and XLA aborts the compile"),

@@ -39,11 +39,23 @@ ROUTE_AXES = ("activation_batch", "activation_length", None)
 # dones hide 32-55% of their time at the network's bandwidth instead of 9-16% (benchmarks/moe_overlap.md;
 # tests/test_gpu_target.py checks the share).
 COMPILER_OPTIONS = {"xla_gpu_enable_latency_hiding_scheduler": True}
+# With token chunks (execution.moe_chunks > 1) one chunk's rows go out while another's come home, both beside a third
+# chunk's GEMMs; XLA's GPU scheduler keeps one collective in flight at a time unless told otherwise, and then ran the
+# forward pass's ways home one after another past the last GEMM. With two in flight, on the H100 target, Mixtral
+# 8x7B (expert=8) at 4 chunks runs 30 of its 48 exchanges beside GEMMs instead of 18 (hiding 66% of their time at
+# the network's bandwidth instead of 55%), at 2 chunks 14 of 24 instead of 6 (61% instead of 34%), and DeepSeek-V3
+# (4 layers, fsdp=2 expert=8) at 2 chunks 8 of 12 instead of 5 (51% instead of 31%). With one chunk it hid less
+# (Mixtral 29% instead of 32%, DeepSeek-V3 35% instead of 42%), so it is only set with chunks
+# (benchmarks/moe_overlap_limit2.md beside benchmarks/moe_overlap.md).
+CHUNKED_OPTIONS = {"xla_gpu_experimental_parallel_collective_overlap_limit": 2}
 
 
-def compiler_options(cfg: ModelConfig, expert_shards: int) -> dict[str, object]:
-    """The XLA options of a program of this model whose experts are split ``expert_shards`` ways."""
-    return dict(COMPILER_OPTIONS) if cfg.moe.num_experts and expert_shards > 1 else {}
+def compiler_options(cfg: ModelConfig, expert_shards: int, chunks: int = 1) -> dict[str, object]:
+    """The XLA options of a program of this model whose experts are split ``expert_shards`` ways, each device's
+    tokens running through them in ``chunks`` (``execution.moe_chunks``)."""
+    if not (cfg.moe.num_experts and expert_shards > 1):
+        return {}
+    return {**COMPILER_OPTIONS, **(CHUNKED_OPTIONS if chunks > 1 else {})}
 
 
 def capacity(cfg: ModelConfig, factor: float, length: int) -> int:

@@ -128,7 +128,8 @@ def setup(cfg: Config, attention_impl: str, sizes: dict[str, int] | None = None)
                  learning_rate=learning_rate_schedule(cfg.optimizer, cfg.train.steps), train=cfg.train,
                  stack_runner=pipeline_schedule(cfg, stages), layer_order=layer_order(cfg, stages),
                  compiler_options=tuple({**fp8_ops.compiler_options(cfg.execution.fp8),
-                                         **moe.compiler_options(cfg.model, expert_shards(cfg, sizes))}.items()),
+                                         **moe.compiler_options(cfg.model, expert_shards(cfg, sizes),
+                                                                 cfg.execution.moe_chunks)}.items()),
                  distributed_optimizer=cfg.optimizer.distributed)
 
 
