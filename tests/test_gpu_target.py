@@ -142,15 +142,17 @@ def test_matmul_flops_count_loop_bodies_per_iteration_and_library_calls_from_the
 
 
 def _compile_on_target(*overrides: str, gpus: int = 1, config: str = "configs/default.py",
-                       exchanges: bool = False, gemms: bool = False, loop_bytes_over: int = 0) -> dict:
+                       exchanges: bool = False, gemms: bool = False, loop_bytes_over: int = 0,
+                       weight_dim: str = "") -> dict:
     """The default config's train step compiled for ``gpus`` H100s in a subprocess: peak bytes, kernels, GEMMs with
     float8 operands, and the collectives' counts; with ``exchanges``, also the MoE exchanges' windows at NVLink's
     and the network's bandwidth (``jaxtron.metrics.overlap``, a few seconds more); with ``gemms``, the step budget's
     FLOPs by GEMM category (``jaxtron.metrics.budget``); with ``loop_bytes_over``, the bytes a step moves in the
     memory-bound kernels that run more than once a step and move at least that many bytes each run, and in all of
-    its memory-bound kernels."""
+    its memory-bound kernels; with ``weight_dim``, the bytes of the memory-bound kernels of the MoE blocks' 'experts'
+    scope whose results have no dimension of that size (the rows', not the expert weights')."""
     code = (
-        "import json, sys\n"
+        "import json, re, sys\n"
         "from jaxtron.config.loader import load_config\n"
         "from jaxtron.planning.dry_run import dry_run_on_target\n"
         "from jaxtron.metrics.kernels import kernels, float8_operands\n"
@@ -169,13 +171,18 @@ def _compile_on_target(*overrides: str, gpus: int = 1, config: str = "configs/de
         f"gemms = budget.budget(text, budget.H100).summary()['flops'] if {gemms} else {{}}\n"
         f"priced = budget.kernels(text, budget.H100) if {loop_bytes_over} else []\n"
         "memory = sum(k.runs * k.bytes for k in priced if k.category == 'memory-bound')\n"
+        f"results = {{m.group(1): re.split(r' [a-z-]+[(]', m.group(2), maxsplit=1)[0]\n"
+        f"           for m in re.finditer(r'^ *(%[\\w.-]+) = (.*)$', text, re.M)}} if {bool(weight_dim)} else {{}}\n"
+        f"rows = sum(k.runs * k.bytes for k in (budget.kernels(text, budget.H100) if results else [])\n"
+        f"           if k.category == 'memory-bound' and 'experts' in k.label\n"
+        f"           and not re.search(r'[\\[,]{weight_dim or 0}[,\\]]', results.get(k.name, '')))\n"
         f"big = sum(k.runs * k.bytes for k in priced if k.category == 'memory-bound' and k.runs > 1\n"
         f"          and k.bytes >= {loop_bytes_over})\n"
         "print(json.dumps(dict(peak=result.peak_bytes, kernels=kernels(text), f8=float8_operands(text), gemms=gemms,\n"
         "                      collectives={k: v['count'] for k, v in result.collectives.items()},\n"
         "                      collective_bytes={k: v['bytes'] for k, v in result.collectives.items()},\n"
         "                      f32_gather_bytes=f32_gathers, flops=result.flops, exchanges=exchanges, loop_bytes=big,\n"
-        "                      memory_bytes=memory)))\n")
+        "                      memory_bytes=memory, expert_row_bytes=rows)))\n")
     out = subprocess.run([sys.executable, "-c", code, f"{REPO}/{config}", str(gpus), *overrides], cwd=REPO,
                          env=target.environment(), capture_output=True, text=True, timeout=600, check=False)
     assert out.returncode == 0, out.stderr[-3000:]
@@ -370,6 +377,7 @@ OVERLAP_CASES = {  # name -> (config, GPUs, overrides): MoE blocks whose experts
 # Mixtral 8x7B's config runs 4 token chunks: with two collectives in flight (models/moe.py CHUNKED_OPTIONS) 30 of its
 # 48 exchanges run beside GEMMs, with one 18
 BESIDE_GEMMS = {"mixtral_8x7b": 28}
+EXPERT_WIDTH = {"mixtral_8x7b": "14336", "deepseek_v3": "2048"}  # a dimension of the expert weights, not of rows
 
 
 @needs_plugin
@@ -387,15 +395,21 @@ def test_moe_exchanges_run_beside_gemms_at_least_as_the_planner_assumes_on_the_h
     from jaxtron.planning.step_time import EXCHANGES_HIDDEN
 
     config, gpus, overrides = OVERLAP_CASES[case]
-    got = _compile_on_target(*overrides, gpus=gpus, config=f"configs/{config}.py", exchanges=True)
+    got = _compile_on_target(*overrides, gpus=gpus, config=f"configs/{config}.py", exchanges=True,
+                             weight_dim=EXPERT_WIDTH[config])
     for bandwidth, exchanges in got["exchanges"].items():
         assert exchanges["count"] >= 6 and exchanges["beside_gemms"] >= BESIDE_GEMMS.get(case, 2), (bandwidth,
                                                                                                   exchanges)
         assert exchanges["hidden_share"] >= EXCHANGES_HIDDEN, (bandwidth, exchanges)
     cfg = load_config(f"{REPO}/configs/{config}.py", [tuple(o.split("=", 1)) for o in overrides])
     sizes = {axis: getattr(cfg.mesh, axis) for axis in ("pipeline", "data", "fsdp", "sequence", "expert", "tensor")}
-    planned = estimate(cfg, sizes, GPUS["h100"]).collectives["all-to-all"]
+    est = estimate(cfg, sizes, GPUS["h100"])
+    planned = est.collectives["all-to-all"]
     assert abs(planned / got["collective_bytes"]["ragged-all-to-all"] - 1) < 0.05, (planned, got["collective_bytes"])
+    # the MoE blocks' own traffic over their rows (sorting, gathers into the receive buffers and back, layouts): the
+    # planner's 'expert_rows' (planning/step_time.py EXPERT_ROW_PASSES) within 25%
+    rows = est.time["expert_rows"] * GPUS["h100"].hbm_bandwidth
+    assert abs(rows / got["expert_row_bytes"] - 1) < 0.25, (rows, got["expert_row_bytes"])
 
 
 @needs_plugin

@@ -22,12 +22,12 @@ from jaxtron.planning.shape import BlockValues, StepShape
 # activation function and casts, forward only (the backward moves about twice as much)
 ELEMENTWISE_PASSES = 6.0
 
-COMPUTE_TERMS = ("matmul", "attention", "elementwise", "weights", "pipeline_bubble", "optimizer")
+COMPUTE_TERMS = ("matmul", "attention", "elementwise", "weights", "expert_rows", "pipeline_bubble", "optimizer")
 # gathers and gradient reductions over fsdp/data (and sequence) overlap with compute (XLA's latency-hiding
 # scheduler); the other collectives sit between dependent computations (see jaxtron.planning.collectives)
 OVERLAPPED = ("fsdp_comm", "data_comm")
-EXPOSED = ("matmul", "attention", "elementwise", "weights", "pipeline_bubble", "optimizer", "tensor_comm",
-           "sequence_comm", "expert_comm", "pipeline_comm", "optimizer_comm")
+EXPOSED = ("matmul", "attention", "elementwise", "weights", "expert_rows", "pipeline_bubble", "optimizer",
+           "tensor_comm", "sequence_comm", "expert_comm", "pipeline_comm", "optimizer_comm")
 # the MoE exchanges that run beside the experts' GEMMs: they cost only their interference with them (``expert_overlap``)
 HIDDEN = ("expert_comm_hidden",)
 # The share of the MoE exchanges' time that XLA's latency-hiding scheduler (models/moe.py COMPILER_OPTIONS) runs beside
@@ -36,13 +36,21 @@ HIDDEN = ("expert_comm_hidden",)
 # rounded down (benchmarks/moe_overlap.md; tests/test_gpu_target.py checks that every one of those programs hides
 # at least this much).
 EXCHANGES_HIDDEN = 0.30
+# The dropless MoE block's own memory traffic in a step (forward, recompute and backward), in passes over a device's
+# rows of the experts' GEMMs (its receive buffers where the experts are split, its routed rows where they are not):
+# sorting, gathering the rows into the buffers and their outputs back, the layouts the grouped kernel and the
+# exchanges take. Read off H100-target compiles (the memory-bound kernels of the 'experts' scope that are not
+# weight-sized): DeepSeek-V3 at 4 layers on fsdp=2 expert=8 (receive buffers of 2x) moved 39 passes over its
+# buffers, Mixtral 8x7B at 2 layers on expert=8 (worst-case buffers of 8x, 4 chunks) 27, DeepSeek-V3's experts whole
+# on pipeline=4 tensor=8 17 over its routed rows; tests/test_gpu_target.py checks the first two within 25%.
+EXPERT_ROW_PASSES = {"exchanged": 33.0, "local": 17.0}
 
 
 def compute_time(cfg: Config, shape: StepShape, block: BlockValues, gpu: GPU,
                  params: tuple[Param, ...]) -> dict[str, float]:
     """Seconds per step of the compute terms: 'matmul', 'attention', 'elementwise', 'weights' (``weight_passes``),
-    'pipeline_bubble' and 'optimizer' (Muon's Newton-Schulz GEMMs of the parameters ``params``, once a step, after
-    the schedule)."""
+    'expert_rows' (``expert_row_bytes``), 'pipeline_bubble' and 'optimizer' (Muon's Newton-Schulz GEMMs of the
+    parameters ``params``, once a step, after the schedule)."""
     execution, hardware = _step_hardware(cfg, shape)
     # the matmul term carries the routed experts at the dense rate's scale (``_expert_scale``)
     experts = hardware.get("experts", 0.0) * (_expert_scale(execution, gpu) - 1)
@@ -75,6 +83,7 @@ def compute_time(cfg: Config, shape: StepShape, block: BlockValues, gpu: GPU,
             "attention": scores_flops * shape.step_tokens / shape.devices / (peak * attention_eff),
             "elementwise": elementwise / gpu.hbm_bandwidth}
     time["weights"] = weight_passes(shape, params) * gpu.weight_pass_bytes / gpu.hbm_bandwidth
+    time["expert_rows"] = expert_row_bytes(cfg, shape, block) / gpu.hbm_bandwidth
     # the stages idle through the fill and drain: the bubble's share of the schedule's iterations (in each of which
     # a stage passes over its weights too)
     time["pipeline_bubble"] = sum(time.values()) * shape.bubble / (1 - shape.bubble)
@@ -96,6 +105,17 @@ def weight_passes(shape: StepShape, params: tuple[Param, ...]) -> float:
         return (staged + rest) * (shape.microbatches - 1)
     # the weights outside the schedule (embedding, head, a dense prefix) pass once an accumulation microbatch
     return staged * (shape.microbatches * shape.in_flight - 1) + rest * (shape.microbatches - 1)
+
+
+def expert_row_bytes(cfg: Config, shape: StepShape, block: BlockValues) -> float:
+    """Bytes a device's dropless MoE blocks move over their rows in a step (``EXPERT_ROW_PASSES``), the bubble's
+    iterations left to the bubble; none in capacity mode (its slots are priced as the GEMMs' padded rows)."""
+    if not (shape.moe_layers and cfg.execution.moe_mode == "dropless"):
+        return 0.0
+    passes = EXPERT_ROW_PASSES["exchanged" if shape.expert > 1 else "local"]
+    blocks = shape.moe_layers // shape.stages + shape.outside_moe_layers / shape.spread
+    return (passes * block.moe_rows * block.embed * shape.value_bytes * blocks * shape.microbatches
+            * shape.in_flight)
 
 
 def step_seconds(time: dict[str, float], overlap: float = 1.0, interference: float = 0.0) -> float:
