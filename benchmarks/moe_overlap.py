@@ -31,12 +31,13 @@ CASES = {  # name -> (config, GPUs, overrides)
                                         "mesh.expert=8"]),
 }
 CHUNKS = (1, 2, 4)
-# the compile worker; argv: CONFIG_JSON GPU COUNT HLO_FILE SCHEDULER(on|off|limit2). 'off' compiles without the
-# option; 'limit2' with it and XLA's limit on collectives in flight at once raised from 1 to 2
+# the compile worker; argv: CONFIG_JSON GPU COUNT HLO_FILE SCHEDULER(off|on|limit2). 'off': neither of models/moe.py's
+# options; 'on': the latency-hiding scheduler alone, one collective in flight; 'limit2': the scheduler with two in
+# flight at every chunk count. The shipped programs are 'on' at one chunk and 'limit2' with chunks (CHUNKED_OPTIONS).
 WORKER = ("import sys; from jaxtron.models import moe\n"
           "if sys.argv[5] == 'off': moe.COMPILER_OPTIONS.clear()\n"
-          "if sys.argv[5] == 'limit2':\n"
-          "    moe.COMPILER_OPTIONS['xla_gpu_experimental_parallel_collective_overlap_limit'] = 2\n"
+          "if sys.argv[5] == 'limit2': moe.COMPILER_OPTIONS.update(moe.CHUNKED_OPTIONS)\n"
+          "moe.CHUNKED_OPTIONS.clear()\n"
           "from jaxtron.planning.dry_run import target_main; sys.exit(target_main(sys.argv[1:5]))")
 
 
@@ -98,8 +99,9 @@ def markdown(rows: list[dict], argv: list[str] = ()) -> str:
     gpu = GPUS["h100"]
     lines = ["# MoE exchanges beside compute on the H100 program", "",
              (f"Command: `{' '.join(['python benchmarks/moe_overlap.py', *argv])}` (jax {jax.__version__}, "
-              "compile-only H100s, no GPU; scheduler 'limit2': on, with XLA's "
-              "`xla_gpu_experimental_parallel_collective_overlap_limit` at 2, two collectives in flight at once). "
+              "compile-only H100s, no GPU; scheduler 'on': one collective in flight; 'limit2': on, with XLA's "
+              "`xla_gpu_experimental_parallel_collective_overlap_limit` at 2, two collectives in flight at once, as "
+              "the shipped programs of more than one chunk compile). "
               + "; ".join(f"{name}: `configs/{c}.py` on {g} GPUs, {', '.join(o)}" for name, (c, g, o) in CASES.items())
               + f". Exchanges: the all-to-alls that carry rows (dispatch and combine, in the forward pass, its "
               f"recompute and the backward pass). \"Hidden\": the share of their transfer time that the kernels "

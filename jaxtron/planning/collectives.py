@@ -216,7 +216,7 @@ def expert_time(cfg: Config, shape: StepShape, block: BlockValues, coll: Collect
     if not (shape.moe_layers and shape.expert > 1):
         return 0.0
     exchange = block.moe_exchanged * block.embed * shape.work_bytes
-    moe_blocks = shape.moe_layers // shape.stages * shape.busy + shape.outside_moe_layers / shape.spread
+    moe_blocks = shape.moe_blocks()
     passes = 3 if cfg.execution.remat != "none" or shape.forward_passes > 3 else 2
     times = 2 * passes * moe_blocks * shape.microbatches * shape.in_flight
     group, moe = cfg.execution.moe_node_shards, cfg.model.moe

@@ -77,6 +77,11 @@ class StepShape:
     forward_passes: int
     fp8_share: float = 0.0  # the share of blocks whose projections run in FP8 (execution.fp8, fp8_skip_layers)
 
+    def moe_blocks(self, idle: bool = True) -> float:
+        """MoE blocks one device runs per (pipeline) microbatch: its stage's, with the fill and drain's idle
+        iterations (``idle``) or without them (left to the bubble), and its share of those outside the schedule."""
+        return self.moe_layers // self.stages * (self.busy if idle else 1.0) + self.outside_moe_layers / self.spread
+
 
 def step_shape(cfg: Config, sizes: dict[str, int], microbatches: int | None = None, cpu_program: bool = False,
                pipeline_microbatches: int | None = None) -> StepShape:

@@ -39,10 +39,11 @@ EXCHANGES_HIDDEN = 0.30
 # The dropless MoE block's own memory traffic in a step (forward, recompute and backward), in passes over a device's
 # rows of the experts' GEMMs (its receive buffers where the experts are split, its routed rows where they are not):
 # sorting, gathering the rows into the buffers and their outputs back, the layouts the grouped kernel and the
-# exchanges take. Read off H100-target compiles (the memory-bound kernels of the 'experts' scope that are not
-# weight-sized): DeepSeek-V3 at 4 layers on fsdp=2 expert=8 (receive buffers of 2x) moved 39 passes over its
-# buffers, Mixtral 8x7B at 2 layers on expert=8 (worst-case buffers of 8x, 4 chunks) 27, DeepSeek-V3's experts whole
-# on pipeline=4 tensor=8 17 over its routed rows; tests/test_gpu_target.py checks the first two within 25%.
+# exchanges take. Read off H100-target compiles (the memory-bound kernels of the 'experts' scope whose results have
+# no dimension of the expert width: neither the weights nor the hidden values, which are not priced): DeepSeek-V3
+# at 4 layers on fsdp=2 expert=8 (receive buffers of 2x) moved 39 passes over its buffers, Mixtral 8x7B at 2 layers
+# on expert=8 (worst-case buffers of 8x, 4 chunks) 27, DeepSeek-V3's experts whole on pipeline=4 tensor=8 17 over
+# its routed rows; tests/test_gpu_target.py checks the first two within 25%.
 EXPERT_ROW_PASSES = {"exchanged": 33.0, "local": 17.0}
 
 
@@ -113,9 +114,8 @@ def expert_row_bytes(cfg: Config, shape: StepShape, block: BlockValues) -> float
     if not (shape.moe_layers and cfg.execution.moe_mode == "dropless"):
         return 0.0
     passes = EXPERT_ROW_PASSES["exchanged" if shape.expert > 1 else "local"]
-    blocks = shape.moe_layers // shape.stages + shape.outside_moe_layers / shape.spread
-    return (passes * block.moe_rows * block.embed * shape.value_bytes * blocks * shape.microbatches
-            * shape.in_flight)
+    return (passes * block.moe_rows * block.embed * shape.value_bytes * shape.moe_blocks(idle=False)
+            * shape.microbatches * shape.in_flight)
 
 
 def step_seconds(time: dict[str, float], overlap: float = 1.0, interference: float = 0.0) -> float:
