@@ -187,6 +187,11 @@ BAD = [
     ("embed_not_divisible_by_fsdp",
      lambda d: check_devices(Config(model=ModelConfig(embed_dim=100, attention=dict(num_heads=4, num_kv_heads=2))), 8),
      "'model.embed_dim' (100) is not divisible by mesh.fsdp (8)", "choose a mesh.fsdp that divides 100"),
+    ("embed_not_divisible_by_fsdp_and_expert",  # the weights outside the experts split over both
+     lambda d: check_devices(Config(model=ModelConfig(embed_dim=96, attention=dict(num_heads=4, num_kv_heads=2)),
+                                    mesh=mesh(fsdp=2, expert=-1)), 128),
+     "'model.embed_dim' (96) is not divisible by mesh.fsdp x mesh.expert (128)",
+     "choose a mesh.fsdp x mesh.expert that divides 96"),
     ("batch_not_divisible_by_data_parallel",
      lambda d: check_devices(Config(train=TrainConfig(global_batch_size=12)), 8),
      ("'train.global_batch_size' (12, 12 per microbatch) is not divisible by the data-parallel size "

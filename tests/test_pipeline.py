@@ -366,8 +366,8 @@ EXTENDED = ("deepseek_pipeline2_fsdp2_expert2_uneven", "interleaved_deepseek_pip
 def test_the_1f1b_schedules_train_like_one_device(name, tmp_path, request):
     """'1f1b' and 'interleaved': fp32 losses of 3 steps equal one device's to 1e-5 (the MoE models' with the same
     microbatches: their routing stats are per microbatch), and so do the parameters after them; MoE's losses and
-    loads too. The MoE models run with the distributed optimizer (their dense weights' moments split over
-    expert)."""
+    loads too. The MoE models run with the distributed optimizer (their moments split as their weights are: the
+    dense ones over fsdp x expert)."""
     mesh, microbatches, kind, schedule, reference = ONE_F_ONE_B[name]
     model = {"dense": BASE["model"], "moe": MOE["model"], "deepseek": _deepseek_style()}[kind]
     extra = dict(train=DEEPSEEK_TRAIN if kind == "deepseek" else dict(global_batch_size=16))
@@ -377,10 +377,11 @@ def test_the_1f1b_schedules_train_like_one_device(name, tmp_path, request):
     pipeline = dict(microbatches=microbatches, schedule="interleaved" if virtual > 1 else "1f1b", **schedule)
     got = run(tiny_config(mesh, model=model, pipeline=pipeline, **extra, **distributed), str(tmp_path / "pipe"),
               use_tqdm=False)
-    if distributed:
+    if distributed:  # the attention's weights split over fsdp x expert, their moments with them
         mu = optax.tree_utils.tree_get(got.state.opt_state, "mu")["layers"]["attn"]["wq"].get_value()
         wq = got.state.params["layers"]["attn"]["wq"].get_value()
-        assert mu.sharding.shard_shape(mu.shape)[1:] != wq.sharding.shard_shape(wq.shape)[1:]
+        assert wq.sharding.shard_shape(wq.shape)[1] == wq.shape[1] // (mesh["fsdp"] * mesh["expert"])
+        assert mu.sharding.shard_shape(mu.shape) == wq.sharding.shard_shape(wq.shape)
     expected = losses(ref)
     assert len(expected) == 3 and np.all(np.diff(expected) != 0)
     np.testing.assert_allclose(losses(got), expected, rtol=1e-5)

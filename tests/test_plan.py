@@ -225,7 +225,7 @@ def test_weights_the_rules_keep_whole_over_fsdp_are_not_gathered_but_their_gradi
 @pytest.mark.parametrize("mesh,model,distributed", [
     (dict(fsdp=8), {}, False), (dict(fsdp=4, tensor=2), {}, False), (dict(data=2, fsdp=2, sequence=2), {}, False),
     (dict(fsdp=2, expert=4), dict(moe=dict(num_experts=4)), False),
-    # the distributed optimizer: moments split over data and sequence too, and dense ones over expert
+    # the distributed optimizer: moments split over data and sequence too
     (dict(data=2, fsdp=2, sequence=2), {}, True), (dict(fsdp=2, expert=4), dict(moe=dict(num_experts=4)), True)])
 def test_estimated_state_is_what_the_real_shardings_hold(mesh, model, distributed):
     cfg = tiny_config(mesh, model=model, optimizer=dict(distributed=distributed))
@@ -234,7 +234,7 @@ def test_estimated_state_is_what_the_real_shardings_hold(mesh, model, distribute
     exact = state_lib.state_bytes_per_device(
         setup.abstract_state, state_lib.state_shardings(make_mesh(sizes), setup.abstract_state, distributed))
     est = estimate(cfg, sizes, H100)
-    if distributed:
+    if distributed and "data" in mesh:  # (the weights outside the experts are split over expert already)
         plain = estimate(tiny_config(mesh, model=model), sizes, H100)
         assert est.memory["optimizer"] < 0.6 * plain.memory["optimizer"]
     # the exact count also holds a few scalars (step, optimizer counts, non-finite counters)
@@ -272,6 +272,25 @@ def test_meshes_divide_the_model_keep_tensor_inside_a_node_and_let_experts_span_
     assert split_over_nodes(sizes, 64)["expert"] == 8
 
 
+def test_a_ring_over_devices_of_several_nodes_drives_a_nic_for_each_of_its_devices_in_a_node():
+    """DeepSeek-V3 on 1024 H100s, fsdp=16 expert=64: an expert's weights are gathered over fsdp alone, one device a
+    node (its own NIC), the weights outside the experts over fsdp x expert, 8 devices a node (8 NICs at once, up to
+    NVLink's bandwidth); a group inside one node runs at NVLink's."""
+    from jaxtron.planning.collectives import Collectives
+
+    sizes = dict(pipeline=1, data=1, fsdp=16, sequence=1, expert=64, tensor=1)
+    coll = Collectives(sizes, H100)
+    assert coll.group_bandwidth(("fsdp",)) == H100.network_bandwidth
+    assert coll.group_bandwidth(("fsdp", "expert")) == min(H100.nvlink_bandwidth, 8 * H100.network_bandwidth)
+    assert coll.group_bandwidth(("tensor",)) == H100.nvlink_bandwidth
+    assert Collectives(dict(sizes, fsdp=2, expert=4), H100).group_bandwidth(("fsdp", "expert")) == \
+        H100.nvlink_bandwidth
+    params = parameters(_config("deepseek_v3").model)
+    assert {p.gather_axes(sizes) for p in params if "experts" in p.names} == {("fsdp",)}
+    assert {p.gather_axes(sizes) for p in params if "embed" in p.names and "experts" not in p.names} == \
+        {("fsdp", "expert")}
+
+
 def test_expert_exchanges_that_leave_the_node_are_priced_at_the_network_rate():
     """DeepSeek-V3 on 1024 H100s: its own expert=64 (and the published TP2 PP16 layout with experts over 32 x 2
     GPUs) are candidates that fit with receive buffers of 2x (configs/deepseek_v3.py); an expert group of 64 spans
@@ -306,15 +325,16 @@ def test_top_choices_follow_published_practice():
     top = rows[0]
     assert top.fits and top.estimate.memory_bytes <= H100.usable_bytes
     # 70B on 64 GPUs: fsdp=64 alone is within 10% of the best, as MaxText trains Llama-3 70B on H100s (pure FSDP,
-    # about 48% MFU on 128); its gathers hide behind the compute but for what they take from it (calibrated on
-    # KempnerForge's runs, benchmarks/plan_calibration.md); tensor meshes pay their collectives' bytes
+    # about 48% MFU on 128); its gathers (over 8 nodes, at 8 NICs' bandwidth) hide behind the compute but for what
+    # they take from it (calibrated on KempnerForge's runs, benchmarks/plan_calibration.md); tensor meshes pay their
+    # collectives' bytes
     flat = next(r for r in rows if r.estimate.mesh["fsdp"] == 64)
     assert flat.fits and flat.estimate.step_s <= 1.10 * top.estimate.step_s
     time = flat.estimate.time
     compute = sum(time[k] for k in ("matmul", "attention", "elementwise", "weights", "pipeline_bubble"))
     hidden = time["fsdp_comm"] + time["data_comm"]
     exposed = sum(time[k] for k in ("tensor_comm", "sequence_comm", "expert_comm", "pipeline_comm"))
-    assert H100.comm_overlap * compute > hidden > 0.5 * compute
+    assert H100.comm_overlap * compute > hidden > 0.05 * compute
     assert flat.estimate.step_s == pytest.approx(compute + H100.comm_interference * hidden + exposed)
     tensor = next(r for r in rows if r.fits and 1 < r.estimate.mesh["tensor"] <= 8)
     t = tensor.estimate.time
@@ -478,7 +498,7 @@ def test_405b_on_8_gpus_of_80gb_is_refused_with_the_reason(capsys):
 
 def test_nodes_of_four_keep_tensor_groups_to_four_and_price_what_crosses_them(capsys):
     """--gpus-per-node=4 (H200 clusters of 4): no tensor group beyond 4, and fsdp over 8 GPUs crosses nodes, which
-    costs it the network's bandwidth where in nodes of 8 it stays on NVLink."""
+    costs it the bandwidth of the 4 NICs of each node where in nodes of 8 it stays on NVLink."""
     assert cli.run("plan", [f"--config={REPO}/configs/llama3_8b.py", "--gpus=8", "--gpu=h200",
                             "--gpus-per-node=4", "--top=0"]) == 0
     table = capsys.readouterr().out
@@ -488,7 +508,9 @@ def test_nodes_of_four_keep_tensor_groups_to_four_and_price_what_crosses_them(ca
     h200 = gpu("h200")
     four = estimate(cfg, sizes, dataclasses.replace(h200, gpus_per_node=4))
     eight = estimate(cfg, sizes, h200)
-    assert four.time["fsdp_comm"] > 5 * eight.time["fsdp_comm"]
+    ratio = h200.nvlink_bandwidth / (4 * h200.network_bandwidth)
+    assert four.time["fsdp_comm"] == pytest.approx(ratio * eight.time["fsdp_comm"], rel=1e-6)
+    assert ratio > 2
 
 
 @pytest.mark.slow

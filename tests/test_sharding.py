@@ -15,20 +15,22 @@ from jaxtron.parallel.checks import check_devices
 from jaxtron.parallel.mesh import make_mesh
 from jaxtron.training import state as state_lib
 
-# Written out by hand from the rules: which mesh axis shards each dimension of each parameter.
+# Written out by hand from the rules: which mesh axis shards each dimension of each parameter (the weights outside
+# the experts split their embedding width over fsdp and the expert axis together).
+FS = ("fsdp", "expert")
 EXPECTED = {
-    "embedding": P("tensor", "fsdp"),
-    "head": P("fsdp", "tensor"),
+    "embedding": P("tensor", FS),
+    "head": P(FS, "tensor"),
     "final_norm.scale": P(None),
-    "layers.attn.wq": P("pipeline", "fsdp", "tensor", None),
-    "layers.attn.wk": P("pipeline", "fsdp", "tensor", None),
-    "layers.attn.wv": P("pipeline", "fsdp", "tensor", None),
-    "layers.attn.wo": P("pipeline", "tensor", None, "fsdp"),
+    "layers.attn.wq": P("pipeline", FS, "tensor", None),
+    "layers.attn.wk": P("pipeline", FS, "tensor", None),
+    "layers.attn.wv": P("pipeline", FS, "tensor", None),
+    "layers.attn.wo": P("pipeline", "tensor", None, FS),
     "layers.attn_norm.scale": P("pipeline", None),
     "layers.mlp_norm.scale": P("pipeline", None),
-    "layers.mlp.wi_gate": P("pipeline", "fsdp", "tensor"),
-    "layers.mlp.wi_up": P("pipeline", "fsdp", "tensor"),
-    "layers.mlp.wo": P("pipeline", "tensor", "fsdp"),
+    "layers.mlp.wi_gate": P("pipeline", FS, "tensor"),
+    "layers.mlp.wi_up": P("pipeline", FS, "tensor"),
+    "layers.mlp.wo": P("pipeline", "tensor", FS),
 }
 
 
@@ -55,8 +57,8 @@ def test_parameters_are_sharded_by_the_rules_from_init(mesh_name):
         spec = EXPECTED[name]
         assert array.sharding.is_equivalent_to(NamedSharding(mesh, spec), array.ndim), (name, array.sharding)
         # each device holds only its shard: the global shape divided by the sizes of the sharding axes
-        shard_shape = tuple(dim // (sizes[axis] if axis else 1) for dim, axis in
-                            zip(array.shape, tuple(spec) + (None,) * (array.ndim - len(spec)), strict=True))
+        shard_shape = tuple(dim // math.prod(sizes[a] for a in sharding.spec_axes(spec, d))
+                            for d, dim in enumerate(array.shape))
         assert {s.data.shape for s in array.addressable_shards} == {shard_shape}, name
         for moment in moments.values():
             other = moment[name].get_value()
@@ -66,6 +68,9 @@ def test_parameters_are_sharded_by_the_rules_from_init(mesh_name):
 def test_logical_rules_never_reuse_a_mesh_axis():
     # batch takes data, fsdp and expert; an 'embed' dimension later in the same array must not take fsdp again
     assert sharding.logical_to_spec(("activation_batch", "embed")) == P(("data", "fsdp", "expert"), None)
+    # an expert's weights keep the expert axis for their experts, their embedding width fsdp alone
+    assert sharding.logical_to_spec(("experts", "embed", "mlp")) == P("expert", "fsdp", "tensor")
+    assert sharding.logical_to_spec(("embed", "mlp")) == P(("fsdp", "expert"), "tensor")
     assert sharding.logical_to_spec(("activation_batch", "activation_length", "activation_vocab")) == \
         P(("data", "fsdp", "expert"), "sequence", "tensor")
     with pytest.raises(KeyError, match="no rule"):

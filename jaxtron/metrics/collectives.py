@@ -72,7 +72,7 @@ _IOTA_GROUPS = re.compile(r"replica_groups=\[(\d+),(\d+)\]<=")
 _MESH_GROUPS = re.compile(r"replica_groups=mesh\[([^\]]*)\](?:, device_ids=\S+)? \{([^}]*)\}")
 
 
-def _group_size(line: str) -> int | None:
+def group_size(line: str) -> int | None:
     """How many devices each group of the collective holds (replica groups listed, in iota form or over named
     mesh axes); None when the line says nothing of its groups."""
     listed = _LISTED_GROUPS.search(line)
@@ -103,7 +103,7 @@ def collective_bytes(line: str, defined: dict) -> int:
         return _sent_bytes(line, defined)
     # a synchronous reduce-scatter's result is one part of what it reduces: count what it reduces, as for the others
     scattered = kind == "reduce-scatter" and f" {kind}-start(" not in line
-    return _result_bytes(line) * ((_group_size(line) or 1) if scattered else 1)
+    return _result_bytes(line) * ((group_size(line) or 1) if scattered else 1)
 
 
 def collectives(hlo_text: str) -> dict[str, dict[str, float]]:
@@ -119,7 +119,7 @@ def collectives(hlo_text: str) -> dict[str, dict[str, float]]:
         times = runs.get(name, 0)
         for line in lines:
             kind = _kind(line)
-            group = _group_size(line)
+            group = group_size(line)
             if kind is None or "-done(" in line or not times or group == 1:
                 continue
             out[kind]["count"] += times

@@ -14,10 +14,13 @@ from jaxtron.config.schema import ONE_F_ONE_B, Config
 from jaxtron.parallel.sharding import logical_to_spec, shard_count, spec_axes
 
 
-def mesh_axes(logical: str, join: str = " x ") -> str:
+def mesh_axes(logical: str, join: str = " x ", sizes: dict[str, int] | None = None) -> str:
     """The mesh fields that split a logical axis, as a user writes them: 'mesh.tensor', 'mesh.sequence x
-    mesh.tensor'; ``join='*'`` gives a product of axis names, 'data*fsdp*expert'."""
+    mesh.tensor'; ``join='*'`` gives a product of axis names, 'data*fsdp*expert'. With ``sizes``, only those of
+    more than one device (the first of them where none has more)."""
     axes = spec_axes(logical_to_spec((logical,)), 0)
+    if sizes is not None:
+        axes = tuple(a for a in axes if sizes.get(a, 1) > 1) or axes[:1]
     return "*".join(axes) if join == "*" else join.join(f"mesh.{a}" for a in axes)
 
 
@@ -32,8 +35,9 @@ def check_devices(cfg: Config, num_devices: int) -> dict[str, int]:
         widths += [("moe.expert_dim", m.resolved_expert_dim, "mlp"), ("moe.num_experts", m.moe.num_experts, "experts")]
     for field, value, logical in widths:
         ways = shard_count(sizes, logical)
-        _check(value % ways == 0, f"model.{field}", f"({value}) is not divisible by {mesh_axes(logical)} ({ways})",
-               f"choose a {mesh_axes(logical)} that divides {value}")
+        axes = mesh_axes(logical, sizes=sizes)
+        _check(value % ways == 0, f"model.{field}", f"({value}) is not divisible by {axes} ({ways})",
+               f"choose a {axes} that divides {value}")
     nodes = cfg.execution.moe_node_shards
     if m.moe.num_experts and nodes:
         ways = shard_count(sizes, "experts")

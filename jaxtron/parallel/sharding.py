@@ -26,7 +26,10 @@ from jaxtron.common.trace_state import AXES_TAKEN, BATCH_OVER_STAGES
 RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     # parameters
     ("vocab", "tensor"),
-    ("embed", "fsdp"),
+    # fsdp, and the expert axis beside it: the weights outside the experts (attention, dense and shared MLPs,
+    # embedding, head) are split over every device their rows split over, as ZeRO-3 splits them over its data-parallel
+    # group; an expert's weights keep the expert axis for their experts (a mesh axis is taken once per array)
+    ("embed", ("fsdp", "expert")),
     ("heads", "tensor"),
     ("kv_heads", "tensor"),
     ("head_dim", None),

@@ -124,11 +124,11 @@ def tree_shardings(mesh: Mesh, tree: Any, optimizer: bool = False) -> Any:
 
 def _gathered_dims(names: Sequence[str | None], sizes: Mapping[str, int]) -> list[bool]:
     """Per dimension of a weight with these logical names: whether its rule cuts it over an axis of the batch (of
-    more than one device; not the experts' axis), over which the weight is gathered before use (fsdp)."""
-    spec = logical_to_spec(names)
-    gathered = set(spec_axes(logical_to_spec(("activation_batch",)), 0)) - set(
-        spec_axes(logical_to_spec(("experts",)), 0))
-    return [any(a in gathered and sizes.get(a, 1) > 1 for a in spec_axes(spec, d)) for d in range(len(names))]
+    more than one device), over which the weight is gathered before use (fsdp; an ``experts`` dimension is not
+    gathered: ``whole_over_batch``)."""
+    spec, whole = logical_to_spec(names), whole_over_batch(names)
+    return [any(sizes.get(a, 1) > 1 for a in spec_axes(spec, d) if a not in spec_axes(whole, d))
+            for d in range(len(names))]
 
 
 def optimizer_spec(names: Sequence[str | None], shape: Sequence[int], sizes: Mapping[str, int]) -> PartitionSpec:

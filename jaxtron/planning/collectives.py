@@ -37,17 +37,28 @@ class Collectives:
         """Bus bandwidth of a collective over ``axis``: the network's where the axis spans nodes, else NVLink's."""
         return self.gpu.network_bandwidth if self.across[axis] > 1 else self.gpu.nvlink_bandwidth
 
+    def group_bandwidth(self, axes: tuple[str, ...]) -> float:
+        """Bus bandwidth of a ring collective over the devices of ``axes`` together: NVLink's inside a node; across
+        nodes each of the group's devices in a node drives its own NIC (NCCL's channels run one ring per NIC, each
+        crossing between nodes once), so the network carries the group's bytes at its per-GPU bandwidth times the
+        group's devices in a node, up to NVLink's (which the ring's hops inside the node take)."""
+        nodes = math.prod(self.across[a] for a in axes)
+        if nodes == 1:
+            return self.gpu.nvlink_bandwidth
+        local = math.prod(self.mesh[a] for a in axes) // nodes
+        return min(self.gpu.nvlink_bandwidth, local * self.gpu.network_bandwidth)
+
     def ring(self, kind: str, axis: str | tuple[str, ...], whole_bytes: float, times: float) -> float:
-        """Seconds of ``times`` collectives over ``axis`` (one mesh axis, or several as one group of devices;
-        ring algorithms at the slowest of their links) on ``whole_bytes`` buffers: an all-gather's result, a
-        reduce-scatter's input, what an all-reduce reduces (as ``jaxtron.metrics.collectives`` counts them)."""
-        axes = (axis,) if isinstance(axis, str) else axis
+        """Seconds of ``times`` collectives over ``axis`` (one mesh axis, or several as one group of devices) on
+        ``whole_bytes`` buffers: an all-gather's result, a reduce-scatter's input, what an all-reduce reduces (as
+        ``jaxtron.metrics.collectives`` counts them), at the group's bus bandwidth (``group_bandwidth``)."""
+        axes = (axis,) if isinstance(axis, str) else tuple(axis)
         n = math.prod(self.mesh[a] for a in axes)
         if n == 1 or whole_bytes == 0:
             return 0.0
         self.bytes[kind] += times * whole_bytes
         moved = whole_bytes * (n - 1) / n * (2 if kind == "all-reduce" else 1)
-        return times * moved / min(self.bandwidth(a) for a in axes)
+        return times * moved / self.group_bandwidth(axes)
 
     def all_to_all(self, axis: str, whole_bytes: float, times: float, peers: int | None = None,
                    step: int = 1) -> float:
@@ -72,9 +83,11 @@ class Collectives:
 
 
 def fsdp_time(shape: StepShape, params: tuple[Param, ...], coll: Collectives) -> float:
-    """The weights gathered over ``fsdp`` and their gradients reduce-scattered back; the gradients of weights the
-    rules table does not split over ``fsdp`` (DeepSeek-V3's up-projections of the latents, say, whose dimensions
-    are latent, heads and head size) summed over it instead, those weights never gathered."""
+    """The weights gathered over the batch's axes that split them (fsdp, and expert for the weights outside the
+    experts: ``Param.gather_axes``) and their gradients reduce-scattered back, each group of weights over its own
+    devices together; the gradients of weights the rules table does not split over fsdp (DeepSeek-V3's
+    up-projections of the latents, say, whose dimensions are latent, heads and head size) summed over it instead,
+    those weights never gathered."""
     micro = shape.microbatches
     gathers = 2 * micro  # forward and the backward's recompute/use: the weights are gathered twice per step
     rest_gathers, rest_sums = gathers, micro
@@ -82,33 +95,36 @@ def fsdp_time(shape: StepShape, params: tuple[Param, ...], coll: Collectives) ->
         # (interleaved: the embedding and the head in each of a microbatch's V forward iterations)
         rest_gathers = (2 * shape.virtual_stages + 1) * shape.in_flight
         rest_sums = 1 if shape.gather_once else 2 * shape.in_flight
-    gathered = {True: 0, False: 0}  # elements gathered over fsdp: the staged blocks' and the rest
-    used = {True: 0.0, False: 0.0}  # their bytes as gathered for use (``gather_width``)
-    summed = {True: 0.0, False: 0.0}  # their gradients' bytes (``gradient_width``)
+    # per group of devices and (staged blocks, the rest): elements gathered, their bytes as gathered for use
+    # (``gather_width``), their gradients' bytes (``gradient_width``)
+    groups: dict[tuple[tuple[str, ...], bool], list[float]] = {}
     replicated = 0.0  # gradient bytes of the weights whole on every fsdp device
     for p in params:
-        whole = p.shard_elements(shape.mesh, without=("fsdp",))
-        if whole == p.shard_elements(shape.mesh):
-            replicated += gradient_width(shape, p) * whole
-        else:
-            gathered[p.staged] += whole
-            used[p.staged] += gather_width(shape, p) * whole
-            summed[p.staged] += gradient_width(shape, p) * whole
+        axes = p.gather_axes(shape.mesh)
+        if not axes:
+            replicated += gradient_width(shape, p) * p.shard_elements(shape.mesh)
+            continue
+        whole = p.gathered_elements(shape.mesh)
+        sums = groups.setdefault((axes, p.staged), [0.0, 0.0, 0.0])
+        sums[0] += whole
+        sums[1] += gather_width(shape, p) * whole
+        sums[2] += gradient_width(shape, p) * whole
     # a pipeline stage gathers its blocks' weights again in every iteration of the schedule, and reduce-scatters
     # their gradients in every iteration of its backward pass; with ``pipeline.fsdp_gather='step'`` once a step
     # (the float32 weights, and the whole accumulator)
     in_flight, busy = shape.in_flight, shape.busy
-    if shape.gather_once:
-        return (coll.ring("all-gather", "fsdp", 4.0 * gathered[True], 1)
-                + coll.ring("reduce-scatter", "fsdp", 4.0 * gathered[True], 1)
-                + coll.ring("all-gather", "fsdp", used[False], rest_gathers)
-                + coll.ring("reduce-scatter", "fsdp", summed[False], rest_sums)
-                + coll.ring("all-reduce", "fsdp", replicated, rest_sums))
-    return (coll.ring("all-gather", "fsdp", used[True], gathers * in_flight * busy)
-            + coll.ring("all-gather", "fsdp", used[False], rest_gathers)
-            + coll.ring("reduce-scatter", "fsdp", summed[True], micro * in_flight * busy)
-            + coll.ring("reduce-scatter", "fsdp", summed[False], rest_sums)
-            + coll.ring("all-reduce", "fsdp", replicated, rest_sums))
+    seconds = coll.ring("all-reduce", "fsdp", replicated, rest_sums)
+    for (axes, staged), (gathered, used, summed) in groups.items():
+        if not staged:
+            seconds += (coll.ring("all-gather", axes, used, rest_gathers)
+                        + coll.ring("reduce-scatter", axes, summed, rest_sums))
+        elif shape.gather_once:
+            seconds += (coll.ring("all-gather", axes, 4.0 * gathered, 1)
+                        + coll.ring("reduce-scatter", axes, 4.0 * gathered, 1))
+        else:
+            seconds += (coll.ring("all-gather", axes, used, gathers * in_flight * busy)
+                        + coll.ring("reduce-scatter", axes, summed, micro * in_flight * busy))
+    return seconds
 
 
 def gather_width(shape: StepShape, p: Param) -> float:
@@ -143,10 +159,10 @@ def data_time(cfg: Config, shape: StepShape, params: tuple[Param, ...], coll: Co
     once = dense and not (shape.pipelined or cfg.model.mtp.depth)
     distributed = cfg.optimizer.distributed
     grad_sync = 0.0
-    for expert_owned in (False, True):
-        axes = ("data", "sequence") if expert_owned else ("data", "sequence", "expert")
+    for over_expert in (False, True):  # weights split over expert (an expert's, or gathered over it) sum without it
+        axes = ("data", "sequence") if over_expert else ("data", "sequence", "expert")
         for staged in (False, True):
-            group = [p for p in params if ("experts" in p.names) == expert_owned and p.staged == staged]
+            group = [p for p in params if bool(p.sharded_dims("expert")) == over_expert and p.staged == staged]
             over = sum(p.shard_elements(shape.mesh) for p in group)
             # what is summed: a float32 accumulator of the step's microbatches, or each microbatch's gradients
             # where its backward pass makes them (``gradient_width``)

@@ -6,10 +6,10 @@ on published training runs (``benchmarks/plan_calibration.py``: KempnerForge's 1
 the constants fitted on the other 13); "assumed" ones are ours and are the first to re-measure when a GPU is at hand.
 
 Rates are what one GPU sustains:
-- ``matmul_efficiency``: fraction of the dense peak that a training step's GEMMs sustain (fitted: 0.66; a lone
+- ``matmul_efficiency``: fraction of the dense peak that a training step's GEMMs sustain (fitted: 0.64; a lone
   bf16 8192^3 GEMM reaches 790 / 989.4 on an H200, and H100 SXM has the same tensor cores and clocks).
-- ``comm_overlap``: the share of the compute that the fsdp and data collectives hide behind (fitted: 0.79).
-- ``comm_interference``: the share of the hidden collectives' time the step still pays (fitted: 0.30).
+- ``comm_overlap``: the share of the compute that the fsdp and data collectives hide behind (fitted: 0.81).
+- ``comm_interference``: the share of the hidden collectives' time the step still pays (fitted: 0.32).
 - ``tensor_efficiency``: what tensor parallelism leaves of the GEMM rate beyond its collectives' bytes (assumed 1
   for jaxtron; fitted for the published stacks, ``STACK_TENSOR_EFFICIENCY``).
 - ``fp8_speedup``: how many times faster than 16-bit ones FP8 projections' GEMMs run in a step, their
@@ -27,7 +27,9 @@ Rates are what one GPU sustains:
 - ``nvlink_bandwidth``: NCCL bus bandwidth inside a node (NVLink 4 moves 450 GB/s per direction per GPU;
   assumed 80% of it is reached by ring/NVLS collectives of large messages).
 - ``network_bandwidth``: NCCL bus bandwidth per GPU between nodes (one 400 Gb/s InfiniBand NIC per GPU, the
-  DGX/HGX H100 and H200 layout: 50 GB/s per direction; assumed 80% of it is reached).
+  DGX/HGX H100 and H200 layout: 50 GB/s per direction; assumed 80% of it is reached). A ring collective whose
+  group has several devices in each node drives as many NICs at once (``planning/collectives.group_bandwidth``):
+  8 a node, 320 GB/s, below the 400-450 GB/s that NCCL's all-reduce test is published to reach across such nodes.
 - ``usable_memory_fraction``: the part of device memory a step may plan to use; the rest is left to cuDNN
   workspaces, NCCL buffers, the CUDA context and fragmentation (jaxtron's GPU preset lets jax take 92%).
 """
@@ -86,14 +88,14 @@ _MIB = 2**20
 # compute hides the fsdp and data collectives and what the hidden ones still cost. H100 and H200 share the compute
 # and the interconnect, so both take them. The bus bandwidths stay at 80% of NVLink's 450 GB/s and of the network's
 # 50 GB/s per GPU (the script says why they are not fitted).
-_CALIBRATED = dict(matmul_efficiency=0.6688, comm_overlap=0.7912, comm_interference=0.3011)
+_CALIBRATED = dict(matmul_efficiency=0.6431, comm_overlap=0.8121, comm_interference=0.3220)
 # What tensor parallelism leaves of the GEMM rate, beyond its collectives' bytes (which the time model counts as
 # exposed), in each stack whose runs the model is checked on: KempnerForge's fitted on its runs with the constants
 # above (TP=2 costs it as large a share of the step as TP=4: a cost that follows the compute, not the bytes);
 # Megatron's fitted on its runs runs to the bound of 1, its tensor collectives overlapping its GEMMs. jaxtron's own
 # (``GPU.tensor_efficiency``, 1) is assumed until a multi-GPU run measures it: XLA runs the tensor group's
 # collectives between the GEMMs that need them (counted exposed), the GEMMs as they are.
-STACK_TENSOR_EFFICIENCY = {"KempnerForge": 0.6965, "Megatron": 1.0}
+STACK_TENSOR_EFFICIENCY = {"KempnerForge": 0.7284, "Megatron": 1.0}
 # Fitted on jaxtron's own steps measured in bf16 and in FP8 on one H200 (`python benchmarks/plan_vs_gpu.py --fit-fp8`:
 # Llama-3 8B at 8 layers, Llama-3.2 1B, Mixtral 8x7B at 1 layer; each pair's ratio within 5% with the speedup fitted
 # on the other two). A lone FP8 8192^3 GEMM ran 1.6 times the bf16 one in the same process; a step's FP8

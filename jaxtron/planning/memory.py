@@ -157,7 +157,7 @@ def gathered_stage(shape: StepShape, params: tuple[Param, ...]) -> dict[str, flo
     gradient accumulator whole beside the step's sharded gradients."""
     if not shape.gather_once:
         return {}
-    whole = sum(p.shard_elements(shape.mesh, without=("fsdp",)) for p in params if p.staged)
+    whole = sum(p.gathered_elements(shape.mesh) for p in params if p.staged)
     return {"gathered_stage": 4.0 * whole * 2}
 
 
@@ -167,12 +167,12 @@ def block_work(shape: StepShape, block: BlockValues, params: tuple[Param, ...]) 
     for p in params:
         if p.in_blocks:
             stack = p.path.split(".")[0]
-            whole = p.shard_elements(shape.mesh, without=("fsdp", "pipeline"))  # the whole stack, one block of each
+            whole = p.gathered_elements(shape.mesh, also=("pipeline",))  # the whole stack, one block of each
             per_block[stack] = per_block.get(stack, 0) + whole // p.shape[0]
     block_weights = max(per_block.values())
     expert_grads = 0.0  # dropless experts: their kernels' float32 weight gradients, or ragged_dot's expansion
     if shape.expert_kernel:
-        local = sum(p.shard_elements(shape.mesh, without=("fsdp", "pipeline")) // p.shape[0]
+        local = sum(p.gathered_elements(shape.mesh, also=("pipeline",)) // p.shape[0]
                     for p in params if p.in_blocks and "experts" in p.names)
         expert_grads = GPU_EXPERT_GRADIENT_COPIES * 4.0 * local
     elif block.moe_expanded:
@@ -201,7 +201,7 @@ def loss_work(cfg: Config, shape: StepShape, block: BlockValues, params: tuple[P
     the AdamW moments', ``gradient_bytes``: the gradients' (accumulators included), ``made_bytes``: those of the
     gradients one pass makes (a step's or a microbatch's)."""
     head_params = [p for p in params if not p.in_blocks and "vocab" in p.names]
-    head_gathered = sum(p.shard_elements(shape.mesh, without=("fsdp",)) for p in head_params)
+    head_gathered = sum(p.gathered_elements(shape.mesh) for p in head_params)
     # the 1F1B schedule runs the head and loss on one pipeline microbatch at a time
     rows = shape.block_rows if shape.schedule in ONE_F_ONE_B else shape.outside_rows
     logits = 4.0 * rows * shape.local_len * block.vocab / cfg.train.logit_chunks
@@ -250,7 +250,7 @@ def saved_shards(cfg: Config, shape: StepShape, params: tuple[Param, ...]) -> di
     if not shape.cpu_program or cfg.execution.remat != "none" or shape.pipelined or shape.value_bytes != 4:
         return {}
     shards = sum(p.shard_elements(shape.mesh) for p in params
-                 if p.projection and p.shard_elements(shape.mesh, without=("fsdp",)) != p.shard_elements(shape.mesh))
+                 if p.projection and p.gathered_elements(shape.mesh) != p.shard_elements(shape.mesh))
     return {"saved_shards": 4.0 * shards} if shards else {}
 
 

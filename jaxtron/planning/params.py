@@ -10,10 +10,10 @@ from collections.abc import Mapping, Sequence
 import jax
 from flax import nnx
 
-from jaxtron.config.schema import ExecutionConfig, ModelConfig
+from jaxtron.config.schema import MESH_AXES, ExecutionConfig, ModelConfig
 from jaxtron.models import build_model
 from jaxtron.models.lora import PROJECTIONS
-from jaxtron.parallel.sharding import logical_names, logical_to_spec, rules_epoch, spec_axes
+from jaxtron.parallel.sharding import logical_names, logical_to_spec, rules_epoch, spec_axes, whole_over_batch
 from jaxtron.parallel.state_sharding import optimizer_spec
 
 _PROJECTION_WEIGHTS = frozenset(attribute for attribute, *_ in PROJECTIONS.values())
@@ -51,6 +51,17 @@ class Param:
         sharding is undone (e.g. 'fsdp' for the gathered weights)."""
         return _shard_elements(self, rules_epoch(), tuple(sorted(sizes.items())), tuple(without))
 
+    def gathered_elements(self, sizes: Mapping[str, int], also: tuple[str, ...] = ()) -> int:
+        """Elements one device holds of this parameter gathered for use: its split over the batch's axes undone on
+        every dimension but an ``experts`` one (fsdp, and expert for the weights outside the experts:
+        ``whole_over_batch``); ``also``: more mesh axes whose split is undone (e.g. 'pipeline')."""
+        return _gathered_elements(self, rules_epoch(), tuple(sorted(sizes.items())), tuple(also))
+
+    def gather_axes(self, sizes: Mapping[str, int]) -> tuple[str, ...]:
+        """The mesh axes (of more than one device) this parameter is gathered over for use, in mesh order: the group
+        its gathers and its gradients' reduce-scatters run over."""
+        return _gather_axes(self, rules_epoch(), tuple(sorted(sizes.items())))
+
     def optimizer_elements(self, sizes: Mapping[str, int]) -> int:
         """Elements one device holds of each of this parameter's AdamW moments under the distributed optimizer
         (``jaxtron.parallel.state_sharding.optimizer_spec``)."""
@@ -62,6 +73,19 @@ class Param:
 @functools.lru_cache(maxsize=1 << 16)
 def _shard_elements(param: Param, epoch: int, sizes: tuple[tuple[str, int], ...], without: tuple[str, ...]) -> int:
     return elements_per_device(param.shape, logical_to_spec(param.names), dict(sizes), without)
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _gathered_elements(param: Param, epoch: int, sizes: tuple[tuple[str, int], ...], also: tuple[str, ...]) -> int:
+    return elements_per_device(param.shape, whole_over_batch(param.names), dict(sizes), also)
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _gather_axes(param: Param, epoch: int, sizes: tuple[tuple[str, int], ...]) -> tuple[str, ...]:
+    spec, whole, mesh = logical_to_spec(param.names), whole_over_batch(param.names), dict(sizes)
+    gathered = {a for d in range(len(param.names)) for a in spec_axes(spec, d)
+                if a not in spec_axes(whole, d) and mesh.get(a, 1) > 1}
+    return tuple(a for a in MESH_AXES if a in gathered)
 
 
 @functools.lru_cache(maxsize=1 << 16)

@@ -100,8 +100,8 @@ def weight_passes(shape: StepShape, params: tuple[Param, ...]) -> float:
     pass is in the GEMM rate the published runs were fitted with (one pass a step, and their stacks keep 16-bit
     weights and accumulate into float32 inside the GEMM); the further ones are what microbatches cost beyond their
     FLOPs, and what makes many small microbatches over many local experts memory-bound."""
-    staged = sum(p.shard_elements(shape.mesh, without=("fsdp",)) for p in params if p.staged)
-    rest = sum(p.shard_elements(shape.mesh, without=("fsdp",)) for p in params if not p.staged)
+    staged = sum(p.gathered_elements(shape.mesh) for p in params if p.staged)
+    rest = sum(p.gathered_elements(shape.mesh) for p in params if not p.staged)
     if not shape.pipelined:
         return (staged + rest) * (shape.microbatches - 1)
     # the weights outside the schedule (embedding, head, a dense prefix) pass once an accumulation microbatch
