@@ -1,6 +1,7 @@
 """The collectives of a training step: bytes per collective kind, and their seconds by the mesh axes they run over.
 
-Each collective runs at the NVLink or the network bandwidth of the axis it runs over. Gathers and gradient
+Each collective runs at NVLink's bandwidth inside a node, and across nodes at the network's, on as many NICs at once
+as its group has devices in a node (``Collectives.group_bandwidth``). Gathers and gradient
 reductions over ``fsdp``/``data`` (and the gradient sums over ``sequence``, which also splits the tokens of a step
 but no parameter) overlap with compute (XLA's latency-hiding scheduler); tensor and expert collectives sit between
 dependent matmuls and are counted in full, as is the all-gather of keys and values over ``sequence`` (context
