@@ -136,9 +136,9 @@ def rank_of_best(best, gpu_constants: dict[str, float] | None = None) -> tuple[i
     return 0, len(ranked), search.mesh_text(ranked[0].estimate.mesh) if ranked else "none"
 
 
-def rank_among_kinds(best, gpu_constants: dict[str, float] | None = None) -> tuple[int, int]:
-    """(the planner's rank of the published best layout among every mesh of the kinds the report ran, fsdp and
-    tensor parallelism and their products, measured or not, by estimated MFU; how many such meshes fit)."""
+def meshes_of_kinds(best, gpu_constants: dict[str, float] | None = None) -> list[dict[str, int]]:
+    """Every mesh of the kinds the report ran (fsdp and tensor parallelism and their products, measured or not) on
+    the published best layout's model and GPU count, as the planner ranks them by estimated MFU (those that fit)."""
     from jaxtron.planning import published, search
 
     gpus, model, mesh = best
@@ -147,8 +147,14 @@ def rank_among_kinds(best, gpu_constants: dict[str, float] | None = None) -> tup
     rows = [r for r in search.plan(run.config(), gpus, gpu_of(run, gpu_constants))
             if all(size == 1 or axis in kinds for axis, size in r.estimate.mesh.items())]
     ranked = [r for r in rows if r.fits] or rows
-    meshes = [{a: s for a, s in r.estimate.mesh.items() if s > 1} for r in ranked]
-    return meshes.index(dict(mesh)) + 1, len(ranked)
+    return [{a: s for a, s in r.estimate.mesh.items() if s > 1} for r in ranked]
+
+
+def rank_among_kinds(best, gpu_constants: dict[str, float] | None = None) -> tuple[int, int]:
+    """(the planner's rank of the published best layout among every mesh of the kinds the report ran
+    (``meshes_of_kinds``); how many such meshes fit)."""
+    meshes = meshes_of_kinds(best, gpu_constants)
+    return meshes.index(dict(best[2])) + 1, len(meshes)
 
 
 def rank_among_runs(best, gpu_constants: dict[str, float] | None = None) -> tuple[int, int]:

@@ -518,8 +518,8 @@ def test_nodes_of_four_keep_tensor_groups_to_four_and_price_what_crosses_them(ca
 def test_the_calibrated_time_model_holds_on_the_published_runs_it_was_not_fitted_on():
     """The constants in planning/gpus.py are what fitting the time model on KempnerForge's 14 H200 runs gives (a new
     fit reproduces them). Fitted on the other 13, the estimated tokens/s of the run with the largest held-out error
-    (the 7B model on 32 GPUs: the least compute per collective) is within 20% of the measured
-    (benchmarks/plan_calibration.md has every run's)."""
+    (13B on fsdp=8 over 2 nodes of 4: the one ring with several devices a node across nodes) is within 20% of the
+    measured (benchmarks/plan_calibration.md has every run's)."""
     sys.path.insert(0, os.path.join(REPO, "benchmarks"))
     import plan_calibration
 
@@ -534,14 +534,18 @@ def test_the_calibrated_time_model_holds_on_the_published_runs_it_was_not_fitted
             assert getattr(H100, name) == table[name] == getattr(gpu("h200"), name), name
     assert STACK_TENSOR_EFFICIENCY["KempnerForge"] == table["tensor_efficiency"]
     assert H100.tensor_efficiency == 1.0  # jaxtron's own: assumed until measured
-    run = next(r for r in published.RUNS if r.number == 12)
+    run = next(r for r in published.RUNS if r.number == 8)
     others = plan_calibration.fit([r for r in published.RUNS if r is not run], start=table)
     error = plan_calibration.estimated(run, others).tokens_per_s / run.tokens_per_s - 1
     assert abs(error) <= 0.20, (error, others)
-    # of the layouts the report ran on each GPU count, the planner ranks the report's best first; and of every mesh
-    # of those kinds (fsdp, tensor, both), measured or not (13B on 16 GPUs: fsdp=16 and fsdp=8 tensor=2 too)
+    # of the layouts the report ran on each GPU count, the planner ranks the report's best first; of every mesh of
+    # those kinds (fsdp, tensor, both), measured or not, it ranks above it only layouts the report did not run on
+    # as many GPUs (13B on 16 GPUs: fsdp=16 and fsdp=8 tensor=2), so no measurement contradicts the order
     assert [plan_calibration.rank_among_runs(best)[0] for best in published.BEST] == [1] * len(published.BEST)
-    assert [plan_calibration.rank_among_kinds(best)[0] for best in published.BEST] == [1] * len(published.BEST)
+    for best in published.BEST:
+        meshes = plan_calibration.meshes_of_kinds(best)
+        ran = [dict(r.mesh) for r in published.RUNS if r.gpus == best[0]]
+        assert not [m for m in meshes[:meshes.index(dict(best[2]))] if m in ran], (best, meshes)
 
 
 def test_fp8_projections_are_estimated_at_the_speedup_fitted_on_jaxtrons_own_gpu_steps(capsys):
