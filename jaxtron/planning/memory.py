@@ -97,13 +97,15 @@ def state_memory(cfg: Config, shape: StepShape, params: tuple[Param, ...]) -> di
 
 def saved_per_block(cfg: Config, block: BlockValues) -> tuple[int, int, int]:
     """Elements one block keeps for its backward pass under ``execution.remat``: (values in the compute dtype,
-    float32 attention scores, MoE values in the compute dtype)."""
+    float32 attention scores or softmax statistics, MoE values in the compute dtype)."""
     remat, x, xs, attn = cfg.execution.remat, block.residual, block.residual_split, block.attention
     # save_dots keeps the projections' outputs: the two of residual width are whole (before their reduce-scatter)
     saved = {"none": block.everything, "full": xs, "save_attention": xs + attn["out"],
              "save_dots": xs + 2 * x + attn["q"] + attn["kv"] + block.mlp["gate_up"],
              "save_dots_attention": xs + 2 * x + attn["q"] + attn["kv"] + attn["out"] + block.mlp["gate_up"]}[remat]
     scores = 2 * block.scores if remat == "none" else 0  # scores and probabilities kept for the backward
+    if remat in ("save_attention", "save_dots_attention"):  # with the output, cuDNN's softmax statistics
+        scores += block.attention_stats
     moe = block.moe_values if remat in ("none", "save_dots", "save_dots_attention") else 0
     return saved, scores, moe
 

@@ -153,6 +153,10 @@ class BlockValues:
     attention: dict[str, int]  # attention's values: 'q', 'kv', 'out', and with latent attention 'latent'
     mlp: dict[str, int]  # the MLP's values: 'gate_up', 'act'
     scores: int  # XLA attention's float32 [batch, heads, q, k] scores (other kernels: none)
+    # cuDNN's float32 softmax statistics, which a policy that keeps the attention's outputs keeps too: [rows x
+    # execution.attention_max_segments, heads, length] in the packed layout of documents (ops/cudnn.py), [rows, heads,
+    # length] by chunks
+    attention_stats: int
     # the block input, its two norms, two residual sums and the MLP output split; both normed inputs gathered
     everything: int
     moe_rows: int  # rows each device's expert GEMMs run over: dropless receive buffers or capacity buffers
@@ -196,6 +200,8 @@ def block_values(cfg: Config, shape: StepShape) -> BlockValues:
         vocab=m.vocab_size // shard_count(sizes, "activation_vocab"), residual=x, residual_split=x // tensor,
         attention=attention, mlp=mlp,
         scores=b * heads * t * shape.kv_len if shape.attention == "xla" else 0,
+        attention_stats=b * heads * t * (1 if shape.chunks else execution.attention_max_segments)
+        if shape.attention == "cudnn" else 0,
         everything=6 * (x // tensor) + (2 * x if tensor > 1 else 0) + sum(attention.values()) + sum(mlp.values()),
         moe_rows=moe_rows, moe_exchanged=moe_exchanged,
         moe_values=moe_rows * (2 * h + 3 * expert_width) + 2 * tokens * k * h * nodes + 2 * tokens * h * (nodes > 1),
