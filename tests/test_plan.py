@@ -179,6 +179,20 @@ def _config(name: str, **overrides):
     return load_config(os.path.join(REPO, "configs", f"{name}.py"), list(overrides.items()))
 
 
+def test_a_policy_that_keeps_the_attention_outputs_keeps_cudnns_softmax_statistics():
+    """cuDNN's packed attention makes float32 statistics [rows x attention_max_segments, heads, length] beside its
+    output, and save_attention keeps both (models/stack.py). Unpriced, they let execution.remat=auto pick
+    save_attention for DeepSeek-V3's published PP16 EP64 layout on 1024 H100s, which compiled to 73.9 GiB a device
+    against 55.1 estimated; priced, it picks full remat (33.7 GiB compiled)."""
+    sizes = dict(pipeline=1, data=1, fsdp=8, sequence=1, expert=1, tensor=1)
+    est = {remat: estimate(_config("llama3_8b", **{"execution.remat": remat, "execution.attention": "cudnn"}), sizes,
+                           H100).memory["activations"] for remat in ("full", "save_attention")}
+    rows, length, heads, layers, segments = 64 // 8, 8192, 32, 32, 64
+    output = rows * length * heads * 128 * 2  # bfloat16
+    stats = rows * segments * heads * length * 4  # float32
+    assert est["save_attention"] - est["full"] == pytest.approx(layers * (output + stats), rel=1e-6)
+
+
 def test_gradients_are_summed_over_the_sequence_axis_as_over_data():
     """No parameter is split over ``sequence``, so, as over ``data``, every gradient is summed over it: the
     compiled program's all-reduces are the estimate's, and the estimate prices them as data parallelism's. The
