@@ -104,7 +104,7 @@ def saved_per_block(cfg: Config, block: BlockValues) -> tuple[int, int, int]:
              "save_dots": xs + 2 * x + attn["q"] + attn["kv"] + block.mlp["gate_up"],
              "save_dots_attention": xs + 2 * x + attn["q"] + attn["kv"] + attn["out"] + block.mlp["gate_up"]}[remat]
     scores = 2 * block.scores if remat == "none" else 0  # scores and probabilities kept for the backward
-    if remat in ("save_attention", "save_dots_attention"):  # with the output, cuDNN's softmax statistics
+    if remat in ("none", "save_attention", "save_dots_attention"):  # with the output, cuDNN's softmax statistics
         scores += block.attention_stats
     moe = block.moe_values if remat in ("none", "save_dots", "save_dots_attention") else 0
     return saved, scores, moe

@@ -153,7 +153,7 @@ class BlockValues:
     attention: dict[str, int]  # attention's values: 'q', 'kv', 'out', and with latent attention 'latent'
     mlp: dict[str, int]  # the MLP's values: 'gate_up', 'act'
     scores: int  # XLA attention's float32 [batch, heads, q, k] scores (other kernels: none)
-    # cuDNN's float32 softmax statistics, which a policy that keeps the attention's outputs keeps too: [rows x
+    # cuDNN's float32 softmax statistics, which a policy that keeps the attention's outputs (or none) keeps too: [rows x
     # execution.attention_max_segments, heads, length] in the packed layout of documents (ops/cudnn.py), [rows, heads,
     # length] by chunks
     attention_stats: int
