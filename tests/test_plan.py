@@ -225,13 +225,13 @@ def test_weights_the_rules_keep_whole_over_fsdp_are_not_gathered_but_their_gradi
     shardings = state_lib.state_shardings(make_mesh(sizes), setup.abstract_state).params
     over_fsdp = {jax.tree_util.keystr(path): "fsdp" in jax.tree_util.tree_leaves(tuple(sharding.spec))
                  for path, sharding in jax.tree_util.tree_leaves_with_path(shardings)}
-    whole = [p for p in params if p.shard_elements(sizes) == p.shard_elements(sizes, without=("fsdp",))]
+    whole = [p for p in params if p.shard_elements(sizes) == p.gathered_elements(sizes)]
     split = [p for p in params if p not in whole]
     assert {"layers.attn.wq_b", "moe_layers.attn.wkv_b"} <= {p.path for p in whole}
     for p in params:  # as the real shardings split them
         assert over_fsdp["".join(f"[{name!r}]" for name in p.path.split("."))] == (p in split), p.path
     est = estimate(cfg, sizes, H100).collectives
-    assert est["all-gather"] == pytest.approx(2 * 2 * sum(p.shard_elements(sizes, without=("fsdp",)) for p in split))
+    assert est["all-gather"] == pytest.approx(2 * 2 * sum(p.gathered_elements(sizes) for p in split))
     # block weights both: their gradients summed in bf16, as they are made
     assert est["all-reduce"] >= 2 * sum(p.shard_elements(sizes) for p in whole)
 
@@ -469,7 +469,7 @@ def test_a_stage_gathered_over_fsdp_once_a_step_is_priced():
     sizes = dict(pipeline=2, data=1, fsdp=4, sequence=1, expert=1, tensor=1)
     every, once = (estimate(dc.replace(cfg, pipeline=dc.replace(cfg.pipeline, fsdp_gather=g)), sizes, H100,
                             pipeline_microbatches=8) for g in ("iteration", "step"))
-    stage = sum(p.shard_elements(sizes, without=("fsdp",)) for p in parameters(cfg.model) if p.staged)
+    stage = sum(p.gathered_elements(sizes) for p in parameters(cfg.model) if p.staged)
     assert once.gather_once and not every.gather_once and "gathered_stage" not in every.memory
     assert once.memory["gathered_stage"] == 8 * stage
     assert once.collectives["all-gather"] < 0.5 * every.collectives["all-gather"]

@@ -278,6 +278,14 @@ def whole_over_batch(names: Sequence[str | None]) -> PartitionSpec:
     return PartitionSpec(*out)
 
 
+def gathered_axes(names: Sequence[str | None], sizes: Mapping[str, int]) -> list[tuple[str, ...]]:
+    """Per dimension of a weight with these logical names, the mesh axes (of more than one device) that a gather for
+    use undoes: the batch's axes that split it, but on an ``experts`` dimension (``whole_over_batch``)."""
+    spec, whole = logical_to_spec(names), whole_over_batch(names)
+    return [tuple(a for a in spec_axes(spec, d) if a not in spec_axes(whole, d) and sizes.get(a, 1) > 1)
+            for d in range(len(names))]
+
+
 def constrain_whole_over_batch(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
     """Constrains ``x`` to ``whole_over_batch(names)`` (no-op without a mesh)."""
     return constrained(x, lambda: whole_over_batch(names))

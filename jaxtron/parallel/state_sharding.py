@@ -22,6 +22,7 @@ from jaxtron.common.trace_state import GATHER_FOR_USE
 from jaxtron.parallel.sharding import (
     constrain,
     constrained,
+    gathered_axes,
     is_variable,
     logical_names,
     logical_to_spec,
@@ -126,9 +127,7 @@ def _gathered_dims(names: Sequence[str | None], sizes: Mapping[str, int]) -> lis
     """Per dimension of a weight with these logical names: whether its rule cuts it over an axis of the batch (of
     more than one device), over which the weight is gathered before use (fsdp; an ``experts`` dimension is not
     gathered: ``whole_over_batch``)."""
-    spec, whole = logical_to_spec(names), whole_over_batch(names)
-    return [any(sizes.get(a, 1) > 1 for a in spec_axes(spec, d) if a not in spec_axes(whole, d))
-            for d in range(len(names))]
+    return [bool(axes) for axes in gathered_axes(names, sizes)]
 
 
 def optimizer_spec(names: Sequence[str | None], shape: Sequence[int], sizes: Mapping[str, int]) -> PartitionSpec:

@@ -13,7 +13,14 @@ from flax import nnx
 from jaxtron.config.schema import MESH_AXES, ExecutionConfig, ModelConfig
 from jaxtron.models import build_model
 from jaxtron.models.lora import PROJECTIONS
-from jaxtron.parallel.sharding import logical_names, logical_to_spec, rules_epoch, spec_axes, whole_over_batch
+from jaxtron.parallel.sharding import (
+    gathered_axes,
+    logical_names,
+    logical_to_spec,
+    rules_epoch,
+    spec_axes,
+    whole_over_batch,
+)
 from jaxtron.parallel.state_sharding import optimizer_spec
 
 _PROJECTION_WEIGHTS = frozenset(attribute for attribute, *_ in PROJECTIONS.values())
@@ -46,10 +53,10 @@ class Param:
         return tuple(i for i, axes in enumerate(logical_to_spec(self.names))
                      if axes == axis or (isinstance(axes, tuple) and axis in axes))
 
-    def shard_elements(self, sizes: Mapping[str, int], without: tuple[str, ...] = ()) -> int:
-        """Elements one device holds (ceil division, as jax pads uneven shards); ``without``: mesh axes whose
-        sharding is undone (e.g. 'fsdp' for the gathered weights)."""
-        return _shard_elements(self, rules_epoch(), tuple(sorted(sizes.items())), tuple(without))
+    def shard_elements(self, sizes: Mapping[str, int]) -> int:
+        """Elements one device holds (ceil division, as jax pads uneven shards); gathered for use:
+        ``gathered_elements``."""
+        return _shard_elements(self, rules_epoch(), tuple(sorted(sizes.items())))
 
     def gathered_elements(self, sizes: Mapping[str, int], also: tuple[str, ...] = ()) -> int:
         """Elements one device holds of this parameter gathered for use: its split over the batch's axes undone on
@@ -71,8 +78,8 @@ class Param:
 # remembered (for the rules table of ``epoch``): the search asks each parameter's shard on each mesh many times
 # (every microbatch count, schedule, policy)
 @functools.lru_cache(maxsize=1 << 16)
-def _shard_elements(param: Param, epoch: int, sizes: tuple[tuple[str, int], ...], without: tuple[str, ...]) -> int:
-    return elements_per_device(param.shape, logical_to_spec(param.names), dict(sizes), without)
+def _shard_elements(param: Param, epoch: int, sizes: tuple[tuple[str, int], ...]) -> int:
+    return elements_per_device(param.shape, logical_to_spec(param.names), dict(sizes))
 
 
 @functools.lru_cache(maxsize=1 << 16)
@@ -82,9 +89,7 @@ def _gathered_elements(param: Param, epoch: int, sizes: tuple[tuple[str, int], .
 
 @functools.lru_cache(maxsize=1 << 16)
 def _gather_axes(param: Param, epoch: int, sizes: tuple[tuple[str, int], ...]) -> tuple[str, ...]:
-    spec, whole, mesh = logical_to_spec(param.names), whole_over_batch(param.names), dict(sizes)
-    gathered = {a for d in range(len(param.names)) for a in spec_axes(spec, d)
-                if a not in spec_axes(whole, d) and mesh.get(a, 1) > 1}
+    gathered = {a for axes in gathered_axes(param.names, dict(sizes)) for a in axes}
     return tuple(a for a in MESH_AXES if a in gathered)
 
 
