@@ -1,13 +1,16 @@
-"""Which MoE exchanges the H100 program runs beside compute: Mixtral 8x7B (2 of its 32 blocks, expert=8 on 8 GPUs)
-and DeepSeek-V3 (4 blocks: 3 dense, 1 MoE; fsdp=2 expert=8 on 16 GPUs), each with 1, 2 and 4 token chunks
-(``execution.moe_chunks``), compiled with and without XLA's latency-hiding scheduler (``models/moe.py``
-COMPILER_OPTIONS). For the exchanges that carry rows: how many have a GEMM between their start and their done, and
-the share of their transfer time the kernels between hide (``jaxtron.metrics.overlap``, kernels at the budget's
-H100 rates) at NVLink's and at the network's bandwidth.
+"""Which MoE exchanges the H100 program runs beside compute: Mixtral 8x7B (2 of its 32 blocks, expert=8 on 8 GPUs,
+inside a node), DeepSeek-V3 (4 blocks: 3 dense, 1 MoE; fsdp=2 expert=8 on 16 GPUs, inside a node) and DeepSeek-V3
+across nodes (expert=16 on 2 nodes of 8, rows sent once per node as its planned layouts send them), each with 1, 2
+and 4 token chunks (``execution.moe_chunks``). Schedulers: 'off', XLA's default scheduler; 'on', its latency-hiding
+scheduler with one collective in flight; 'limit2', with two; 'shipped', what ``models/moe.py`` sets (two in flight
+with chunks). Schedules: 'xla', the scheduler weighing kernels and collectives with its own guesses; 'budget', with
+the costs of a first compile (``execution.moe_schedule``, ``gpu/schedule.py``). For the exchanges that carry rows:
+how many have a GEMM between their start and their done, and the share of their transfer time the kernels between
+hide (``jaxtron.metrics.overlap``, kernels at the budget's H100 rates) at NVLink's and at the network's bandwidth.
 
-    python benchmarks/moe_overlap.py          # writes benchmarks/moe_overlap.md and .json (about 10 minutes)
-    python benchmarks/moe_overlap.py --variants limit2 --name moe_overlap_limit2
-                                              # the scheduler with two collectives in flight at once
+    python benchmarks/moe_overlap.py --variants shipped --schedules xla,budget --name moe_overlap_budget
+    python benchmarks/moe_overlap.py --variants off,on --schedules xla     # writes benchmarks/moe_overlap.md
+    python benchmarks/moe_overlap.py --variants limit2 --schedules xla --name moe_overlap_limit2
 
 Needs jax's CUDA plugin (``python -m pip install -e ".[gpu-target]"``); each compile runs in its own process.
 """
@@ -29,15 +32,17 @@ CASES = {  # name -> (config, GPUs, overrides)
     "Mixtral 8x7B": ("mixtral_8x7b", 8, ["model.num_layers=2", "train.global_batch_size=8", "mesh.fsdp=1"]),
     "DeepSeek-V3": ("deepseek_v3", 16, ["model.num_layers=4", "train.global_batch_size=16", "mesh.fsdp=2",
                                         "mesh.expert=8"]),
+    "DeepSeek-V3 across nodes": ("deepseek_v3", 16, ["model.num_layers=4", "train.global_batch_size=16",
+                                                     "mesh.fsdp=1", "mesh.expert=16", "execution.moe_node_shards=8"]),
 }
 CHUNKS = (1, 2, 4)
-# the compile worker; argv: CONFIG_JSON GPU COUNT HLO_FILE SCHEDULER(off|on|limit2). 'off': neither of models/moe.py's
-# options; 'on': the latency-hiding scheduler alone, one collective in flight; 'limit2': the scheduler with two in
-# flight at every chunk count. The shipped programs are 'on' at one chunk and 'limit2' with chunks (CHUNKED_OPTIONS).
+# the compile worker; argv: CONFIG_JSON GPU COUNT HLO_FILE SCHEDULER(off|on|limit2|shipped). 'off': neither of
+# models/moe.py's options; 'on': the latency-hiding scheduler alone, one collective in flight; 'limit2': the
+# scheduler with two in flight at every chunk count; 'shipped': 'on' at one chunk and 'limit2' with chunks.
 WORKER = ("import sys; from jaxtron.models import moe\n"
           "if sys.argv[5] == 'off': moe.COMPILER_OPTIONS.clear()\n"
           "if sys.argv[5] == 'limit2': moe.COMPILER_OPTIONS.update(moe.CHUNKED_OPTIONS)\n"
-          "moe.CHUNKED_OPTIONS.clear()\n"
+          "if sys.argv[5] != 'shipped': moe.CHUNKED_OPTIONS.clear()\n"
           "from jaxtron.planning.dry_run import target_main; sys.exit(target_main(sys.argv[1:5]))")
 
 
@@ -70,22 +75,27 @@ def main() -> int:
     import argparse
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--variants", default="off,on", help="comma-separated, of off, on, limit2")
+    parser.add_argument("--variants", default="off,on", help="comma-separated, of off, on, limit2, shipped")
+    parser.add_argument("--schedules", default="xla", help="comma-separated, of xla, budget")
     parser.add_argument("--name", default="moe_overlap", help="the files written: benchmarks/NAME.md and .json")
     args = parser.parse_args()
-    variants = args.variants.split(",")
-    if not set(variants) <= {"off", "on", "limit2"}:
-        parser.error(f"--variants takes off, on and limit2, not {args.variants!r}")
+    variants, schedules = args.variants.split(","), args.schedules.split(",")
+    if not set(variants) <= {"off", "on", "limit2", "shipped"}:
+        parser.error(f"--variants takes off, on, limit2 and shipped, not {args.variants!r}")
+    if not set(schedules) <= {"xla", "budget"}:
+        parser.error(f"--schedules takes xla and budget, not {args.schedules!r}")
     rows = []
     for name, (config, gpus, overrides) in CASES.items():
         for chunks in CHUNKS:
             for scheduler in variants:
-                got = compile_case(config, gpus, [*overrides, f"execution.moe_chunks={chunks}"], scheduler)
-                row = {"case": name, "chunks": chunks, "scheduler": scheduler, **got}
-                rows.append(row)
-                print(f"{name:<13} chunks {chunks} scheduler {scheduler:<3}: {got['NVLink']['beside_gemms']} of "
-                      f"{got['NVLink']['count']} beside GEMMs, hidden {100 * got['NVLink']['hidden_share']:.0f}% "
-                      f"at NVLink, {100 * got['network']['hidden_share']:.0f}% at the network", flush=True)
+                for costs in schedules:
+                    got = compile_case(config, gpus, [*overrides, f"execution.moe_chunks={chunks}",
+                                                      f"execution.moe_schedule={costs}"], scheduler)
+                    rows.append({"case": name, "chunks": chunks, "scheduler": scheduler, "schedule": costs, **got})
+                    print(f"{name:<24} chunks {chunks} {scheduler:<7} {costs:<6}: {got['NVLink']['beside_gemms']} "
+                          f"of {got['NVLink']['count']} beside GEMMs, hidden "
+                          f"{100 * got['NVLink']['hidden_share']:.0f}% at NVLink, "
+                          f"{100 * got['network']['hidden_share']:.0f}% at the network", flush=True)
     results.write(args.name, rows, markdown(rows, sys.argv[1:]))
     return 0
 
@@ -101,18 +111,22 @@ def markdown(rows: list[dict], argv: list[str] = ()) -> str:
              (f"Command: `{' '.join(['python benchmarks/moe_overlap.py', *argv])}` (jax {jax.__version__}, "
               "compile-only H100s, no GPU; scheduler 'on': one collective in flight; 'limit2': on, with XLA's "
               "`xla_gpu_experimental_parallel_collective_overlap_limit` at 2, two collectives in flight at once, as "
-              "the shipped programs of more than one chunk compile). "
+              "the shipped programs of more than one chunk compile; 'shipped': what models/moe.py sets. Costs: what the "
+              "scheduler weighs kernels and collectives with: 'xla', its own guesses; 'budget', a first compile's "
+              "costs, execution.moe_schedule, gpu/schedule.py). "
               + "; ".join(f"{name}: `configs/{c}.py` on {g} GPUs, {', '.join(o)}" for name, (c, g, o) in CASES.items())
               + f". Exchanges: the all-to-alls that carry rows (dispatch and combine, in the forward pass, its "
               f"recompute and the backward pass). \"Hidden\": the share of their transfer time that the kernels "
               f"scheduled between their start and done take, at the budget's H100 rates, with the transfers at "
               f"NVLink's {gpu.nvlink_bandwidth / 1e9:.0f} GB/s and at the network's "
               f"{gpu.network_bandwidth / 1e9:.0f} GB/s. The planner takes {100 * EXCHANGES_HIDDEN:.0f}% as hidden "
-              "(`planning/step_time.py` EXCHANGES_HIDDEN). How much a GPU gets needs a multi-GPU run."), "",
-             ("| model | chunks | latency-hiding scheduler | exchanges | beside GEMMs | hidden at NVLink | "
-             "hidden at the network | budget ms | peak GiB |"), "|---|---|---|---|---|---|---|---|---|"]
+              "(`planning/step_time.py` EXCHANGES_HIDDEN). The programs inside a node send their rows over NVLink, the "
+              "one across nodes over the network. How much a GPU gets needs a multi-GPU run."), "",
+             ("| model | chunks | latency-hiding scheduler | costs | exchanges | beside GEMMs | hidden at NVLink | "
+             "hidden at the network | budget ms | peak GiB |"), "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        lines.append(f"| {r['case']} | {r['chunks']} | {r['scheduler']} | {r['NVLink']['count']} | "
+        lines.append(f"| {r['case']} | {r['chunks']} | {r['scheduler']} | {r.get('schedule', 'xla')} | "
+                     f"{r['NVLink']['count']} | "
                      f"{r['NVLink']['beside_gemms']} | {100 * r['NVLink']['hidden_share']:.0f}% | "
                      f"{100 * r['network']['hidden_share']:.0f}% | {1e3 * r['budget_s']:.1f} | "
                      f"{r['peak'] / 2**30:.2f} |")

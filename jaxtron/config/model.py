@@ -307,6 +307,9 @@ class ExecutionConfig:
     # experts within the node and sends their weighted sum back as one row (two hops, as DeepSeek-V3 dispatches;
     # models/experts.py). 0, or every expert shard, sends each assignment straight to its expert's device
     moe_node_shards: int = 0
+    # what XLA's latency-hiding scheduler weighs a GPU program whose experts are split with: 'budget', the costs of a
+    # first compile's kernels and collectives (jaxtron/gpu/schedule.py), then compiled again; 'xla', its own guesses
+    moe_schedule: str = "budget"
 
     def __post_init__(self):
         _choice(self.dtype, "execution.dtype", COMPUTE_DTYPES)
@@ -321,6 +324,7 @@ class ExecutionConfig:
         _non_negative(self.moe_receive_factor, "execution.moe_receive_factor")
         _positive(self.moe_chunks, "execution.moe_chunks")
         _non_negative(self.moe_node_shards, "execution.moe_node_shards")
+        _choice(self.moe_schedule, "execution.moe_schedule", ("budget", "xla"))
         _check(not (self.moe_node_shards and self.moe_mode == "capacity"), "execution.moe_node_shards",
                f"({self.moe_node_shards}) sends dropless rows once per node, and execution.moe_mode is 'capacity'",
                "set it to 0, or use execution.moe_mode='dropless'")

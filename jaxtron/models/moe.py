@@ -58,6 +58,12 @@ def compiler_options(cfg: ModelConfig, expert_shards: int, chunks: int = 1) -> d
     return {**COMPILER_OPTIONS, **(CHUNKED_OPTIONS if chunks > 1 else {})}
 
 
+def budget_schedule(cfg: ModelConfig, expert_shards: int, schedule: str) -> bool:
+    """Whether a GPU program of this model, its experts split ``expert_shards`` ways, compiles twice so that XLA's
+    scheduler weighs its exchanges with the first compile's costs (``execution.moe_schedule``, gpu/schedule.py)."""
+    return bool(compiler_options(cfg, expert_shards)) and schedule == "budget"
+
+
 def capacity(cfg: ModelConfig, factor: float, length: int) -> int:
     """Slots per expert in each batch row (capacity mode, ``execution.capacity_factor``)."""
     return max(1, math.ceil(factor * length * cfg.moe.experts_per_token / cfg.moe.num_experts))

@@ -22,6 +22,7 @@ import jax.numpy as jnp
 from jaxtron.checkpoint.train_state import abstract_with_shardings
 from jaxtron.common.files import write_atomic
 from jaxtron.config.schema import Config, ConfigError
+from jaxtron.gpu import schedule as gpu_schedule
 from jaxtron.metrics.collectives import collectives
 from jaxtron.metrics.hlo import matmul_flops
 from jaxtron.ops.attention import cpu_implementation
@@ -89,7 +90,10 @@ def _compile(cfg: Config, devices: list, implementation: str, gpu: str | None = 
                        in_shardings=(shardings, batch_sharding(mesh), votes.sharding),
                        out_shardings=(shardings, None), donate_argnums=0)
         start = time.perf_counter()
-        compiled = step.lower(state, batch, votes).compile(compiler_options=dict(setup.compiler_options))
+        costs = None
+        if setup.budget_schedule:
+            costs = gpu_schedule.for_gpu(gpu) if gpu else gpu_schedule.for_devices(devices)
+        compiled = gpu_schedule.compile_scheduled(step.lower(state, batch, votes), dict(setup.compiler_options), costs)
         compile_s = time.perf_counter() - start
     memory, text = compiled.memory_analysis(), compiled.as_text()
     result = DryRun(mesh=dict(mesh.shape), compile_s=compile_s,

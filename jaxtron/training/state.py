@@ -49,6 +49,8 @@ class Setup:
     layer_order: tuple[int, ...] | None = struct.field(pytree_node=False, default=None)
     # XLA options the step compiles with (ops/fp8.py: what FP8 projections need), as (name, value) pairs
     compiler_options: tuple[tuple[str, object], ...] = struct.field(pytree_node=False, default=())
+    # on a GPU, compiled a second time with the first compile's costs as XLA's scheduler's (gpu/schedule.py)
+    budget_schedule: bool = struct.field(pytree_node=False, default=False)
     # the distributed optimizer (``optimizer.distributed``): moments sharded as ``state_sharding.optimizer_spec`` says
     distributed_optimizer: bool = struct.field(pytree_node=False, default=False)
 
@@ -130,6 +132,7 @@ def setup(cfg: Config, attention_impl: str, sizes: dict[str, int] | None = None)
                  compiler_options=tuple({**fp8_ops.compiler_options(cfg.execution.fp8),
                                          **moe.compiler_options(cfg.model, expert_shards(cfg, sizes),
                                                                  cfg.execution.moe_chunks)}.items()),
+                 budget_schedule=moe.budget_schedule(cfg.model, expert_shards(cfg, sizes), cfg.execution.moe_schedule),
                  distributed_optimizer=cfg.optimizer.distributed)
 
 

@@ -13,6 +13,7 @@ import numpy as np
 import optax
 from flax import nnx
 
+from jaxtron.gpu import schedule as gpu_schedule
 from jaxtron.models import lora
 from jaxtron.parallel.sharding import (
     BATCH_AXES,
@@ -212,5 +213,6 @@ def compile_train_step(setup: Setup, shardings: TrainState, batch_sharding, stat
                                                                           stop_votes.sharding),
                       out_shardings=(shardings, None), donate_argnums=0)
     start = time.perf_counter()
-    compiled = step_fn.lower(state, batch, stop_votes).compile(compiler_options=dict(setup.compiler_options))
+    costs = gpu_schedule.for_devices(jax.devices()) if setup.budget_schedule else None
+    compiled = gpu_schedule.compile_scheduled(step_fn.lower(state, batch, stop_votes), dict(setup.compiler_options), costs)
     return compiled, time.perf_counter() - start

@@ -1,0 +1,151 @@
+"""XLA's latency-hiding scheduler told what each kernel and collective of the program costs.
+
+XLA's GPU scheduler orders a program's kernels so that collectives run beside compute that does not depend on them.
+Unless given a profile, it weighs them with fixed guesses: every collective takes 5000 units, a library call or
+custom kernel (cuBLAS, cuDNN, a Pallas kernel) 1000, a fused kernel 1 or 1000 by its kind, whatever it moves or
+computes. A GEMM fusion of 100 GFLOP then weighs as little as a cast, so the scheduler sees nothing worth placing
+beside an exchange and leaves many of them exposed.
+
+``compile_scheduled`` compiles a program once, prices every kernel of it with the step's time budget
+(``jaxtron.metrics.budget``: GEMMs at the GPU's GEMM rate, the rest at its copy rate) and every collective at the
+bandwidth of the links its devices share (``link_bandwidth``), and compiles it again with those costs as the
+scheduler's profile (XLA's ``xla_gpu_pgle_profile_file_or_directory_path``: the profile-guided latency estimator
+reads costs in microseconds by instruction name, and a compile of the same program names its instructions the
+same). On the H100 target the MoE programs then hide far more of their exchanges (``benchmarks/moe_overlap_budget.md``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import re
+import tempfile
+from typing import Any
+
+from jaxtron.metrics import budget as budget_lib
+from jaxtron.metrics.budget import _FREE, Ceilings, _Program
+from jaxtron.metrics.collectives import _LISTED_GROUPS, _MESH_GROUPS, _kind, collective_bytes
+from jaxtron.metrics.overlap import _callees, _nested_seconds
+
+PROFILE_OPTION = "xla_gpu_pgle_profile_file_or_directory_path"
+# what starting a collective adds to its transfer: NCCL's launch and its first round trip, seconds
+COLLECTIVE_LATENCY_S = 10e-6
+_IOTA = re.compile(r"replica_groups=\[(\d+),(\d+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?")
+
+
+@dataclasses.dataclass(frozen=True)
+class Costs:
+    """What the scheduler's profile prices a program with: one GPU's kernel rates, the bus bandwidths of NVLink
+    inside a node and of the network per GPU between nodes (bytes/s), and how many devices a node holds."""
+    ceilings: Ceilings
+    nvlink_bandwidth: float
+    network_bandwidth: float
+    per_node: int
+
+
+def for_gpu(name: str, per_node: int | None = None) -> Costs:
+    """The costs of the planner's GPU ``name`` ('h100', 'h200'), nodes of its own size unless ``per_node``."""
+    from jaxtron.planning.gpus import GPUS
+
+    gpu = GPUS[name]
+    return Costs(budget_lib.CEILINGS[name], gpu.nvlink_bandwidth, gpu.network_bandwidth,
+                 per_node or gpu.gpus_per_node)
+
+
+def for_devices(devices: list[Any]) -> Costs | None:
+    """The costs of the GPUs jax runs on (H100 or H200, nodes of each process's devices); None elsewhere."""
+    device = devices[0]
+    kind = getattr(device, "device_kind", "").lower()
+    if device.platform != "gpu" or not any(name in kind for name in budget_lib.CEILINGS):
+        return None
+    name = next(name for name in budget_lib.CEILINGS if name in kind)
+    per_node = sum(d.process_index == device.process_index for d in devices)
+    return for_gpu(name, per_node)
+
+
+def group_devices(line: str) -> list[int] | None:
+    """The devices of a collective's first replica group (listed, in iota form, or over named mesh axes)."""
+    listed = _LISTED_GROUPS.search(line)
+    if listed:
+        return [int(i) for i in listed.group(1).split(",") if i]
+    iota = _IOTA.search(line)
+    if iota:
+        groups, size = int(iota.group(1)), int(iota.group(2))
+        dims = [int(d) for d in iota.group(3).split(",")]
+        perm = [int(p) for p in iota.group(4).split(",")] if iota.group(4) else list(range(len(dims)))
+        ids = _transposed(list(range(math.prod(dims))), dims, perm)
+        return ids[:size] if groups * size == len(ids) else None
+    mesh = _MESH_GROUPS.search(line)
+    if mesh:
+        names = re.findall(r"'(\w+)'=(\d+)", mesh.group(1))
+        over = set(re.findall(r"'(\w+)'", mesh.group(2)))
+        strides = [math.prod(int(s) for _, s in names[i + 1:]) for i in range(len(names))]
+        ids = [0]
+        for (axis, size), stride in zip(names, strides):
+            if axis in over:
+                ids = [i + k * stride for i in ids for k in range(int(size))]
+        return sorted(ids)
+    return None
+
+
+def _transposed(ids: list[int], dims: list[int], perm: list[int]) -> list[int]:
+    """``ids`` laid out in ``dims`` (row-major), read in the order of the dimensions ``perm``."""
+    strides = [math.prod(dims[i + 1:]) for i in range(len(dims))]
+    out = [0]
+    for axis in perm:
+        out = [i + k * strides[axis] for i in out for k in range(dims[axis])]
+    return [ids[i] for i in out]
+
+
+def link_bandwidth(line: str, costs: Costs) -> float:
+    """Bandwidth of a collective over its group (bytes/s): NVLink's inside a node. Across nodes, an all-to-all's
+    rows leave each device through its own NIC (the network's per-GPU bandwidth); a ring collective drives a NIC
+    for each of the group's devices in a node, up to NVLink's bandwidth (the planner's
+    ``Collectives.group_bandwidth``)."""
+    ids = group_devices(line)
+    if not ids:
+        return costs.network_bandwidth
+    nodes = len({i // costs.per_node for i in ids})
+    if nodes == 1:
+        return costs.nvlink_bandwidth
+    if _kind(line) in ("all-to-all", "ragged-all-to-all"):
+        return costs.network_bandwidth
+    return min(costs.nvlink_bandwidth, len(ids) // nodes * costs.network_bandwidth)
+
+
+def profile(hlo_text: str, costs: Costs) -> str:
+    """The scheduler's profile of a compiled program (``ProfiledInstructionsProto`` as text): each kernel's
+    budgeted seconds plus a launch, each loop or call the seconds of what it runs, each collective's start its
+    bytes over its link's bandwidth plus ``COLLECTIVE_LATENCY_S``, all in microseconds. Empty when the program
+    has no asynchronous collective (nothing to schedule around)."""
+    program = _Program(hlo_text)
+    priced = {k.name: k for k in budget_lib.kernels(program, costs.ceilings)}
+    nested = _nested_seconds(program, priced)
+    lines, collectives = [], 0
+    for _, runs, line, name, _, opcode, _ in program.instructions():
+        seconds = None
+        if name in priced:
+            seconds = priced[name].seconds + costs.ceilings.launch_s
+        elif opcode.endswith("-start") and _kind(line):
+            collectives += 1
+            seconds = collective_bytes(line, program.shapes) / link_bandwidth(line, costs) + COLLECTIVE_LATENCY_S
+        elif opcode in _FREE and _callees(line, opcode):
+            seconds = sum(nested.get(c, (0.0, 0))[0] for c in _callees(line, opcode)) / runs
+        if seconds is not None:
+            lines.append(f'costs {{ name: "{name.lstrip("%")}" cost_us: {seconds * 1e6:.3f} }}')
+    return "\n".join(lines) + "\n" if collectives else ""
+
+
+def compile_scheduled(lowered: Any, options: dict[str, object], costs: Costs | None) -> Any:
+    """``lowered.compile(options)``; with ``costs``, compiled again with the first compile's ``profile`` as the
+    latency-hiding scheduler's (when it has collectives to schedule)."""
+    compiled = lowered.compile(compiler_options=options)
+    text = profile(compiled.as_text(), costs) if costs is not None else ""
+    if not text:
+        return compiled
+    with tempfile.TemporaryDirectory() as folder:
+        path = os.path.join(folder, "costs.pbtxt")
+        with open(path, "w") as f:
+            f.write(text)
+        return lowered.compile(compiler_options={**options, PROFILE_OPTION: path})
