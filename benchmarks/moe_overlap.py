@@ -111,9 +111,9 @@ def markdown(rows: list[dict], argv: list[str] = ()) -> str:
              (f"Command: `{' '.join(['python benchmarks/moe_overlap.py', *argv])}` (jax {jax.__version__}, "
               "compile-only H100s, no GPU; scheduler 'on': one collective in flight; 'limit2': on, with XLA's "
               "`xla_gpu_experimental_parallel_collective_overlap_limit` at 2, two collectives in flight at once, as "
-              "the shipped programs of more than one chunk compile; 'shipped': what models/moe.py sets. Costs: what the "
-              "scheduler weighs kernels and collectives with: 'xla', its own guesses; 'budget', a first compile's "
-              "costs, execution.moe_schedule, gpu/schedule.py). "
+              "the shipped programs of more than one chunk compile; 'shipped': what models/moe.py sets. Costs: "
+              "what the scheduler weighs kernels and collectives with: 'xla', its own guesses; 'budget', a first "
+              "compile's costs, execution.moe_schedule, gpu/schedule.py). "
               + "; ".join(f"{name}: `configs/{c}.py` on {g} GPUs, {', '.join(o)}" for name, (c, g, o) in CASES.items())
               + f". Exchanges: the all-to-alls that carry rows (dispatch and combine, in the forward pass, its "
               f"recompute and the backward pass). \"Hidden\": the share of their transfer time that the kernels "

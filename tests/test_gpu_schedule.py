@@ -11,7 +11,8 @@ from jaxtron.metrics import budget
 COSTS = schedule.Costs(budget.H100, nvlink_bandwidth=360e9, network_bandwidth=40e9, per_node=8)
 MIB = 2**20
 
-PROGRAM = """HloModule step, entry_computation_layout={(bf16[1024,1024]{1,0}, bf16[1024,1024]{1,0})->bf16[8192,1024]{1,0}}
+PROGRAM = """HloModule step
+
 
 %fused_add (p0: bf16[1024,1024], p1: bf16[1024,1024]) -> bf16[1024,1024] {
   %p0 = bf16[1024,1024]{1,0} parameter(0)
@@ -22,7 +23,8 @@ PROGRAM = """HloModule step, entry_computation_layout={(bf16[1024,1024]{1,0}, bf
 ENTRY %main (a: bf16[1024,1024], b: bf16[1024,1024]) -> bf16[8192,1024] {
   %a = bf16[1024,1024]{1,0} parameter(0)
   %b = bf16[1024,1024]{1,0} parameter(1)
-  %all-gather-start = (bf16[1024,1024]{1,0}, bf16[8192,1024]{1,0}) all-gather-start(%a), channel_id=1, GROUPS, dimensions={0}, use_global_device_ids=true
+  %all-gather-start = (bf16[1024,1024]{1,0}, bf16[8192,1024]{1,0}) all-gather-start(%a), channel_id=1, GROUPS, \
+dimensions={0}
   %loop_add_fusion = bf16[1024,1024]{1,0} fusion(%a, %b), kind=kLoop, calls=%fused_add
   ROOT %all-gather-done = bf16[8192,1024]{1,0} all-gather-done(%all-gather-start)
 }
@@ -93,7 +95,11 @@ class _Lowered:
 
     def compile(self, compiler_options):
         path = compiler_options.get(schedule.PROFILE_OPTION)
-        self.calls.append((dict(compiler_options), open(path).read() if path else None))
+        read = None
+        if path:
+            with open(path) as f:
+                read = f.read()
+        self.calls.append((dict(compiler_options), read))
         return self
 
     def as_text(self):

@@ -82,7 +82,7 @@ def group_devices(line: str) -> list[int] | None:
         over = set(re.findall(r"'(\w+)'", mesh.group(2)))
         strides = [math.prod(int(s) for _, s in names[i + 1:]) for i in range(len(names))]
         ids = [0]
-        for (axis, size), stride in zip(names, strides):
+        for (axis, size), stride in zip(names, strides, strict=True):
             if axis in over:
                 ids = [i + k * stride for i in ids for k in range(int(size))]
         return sorted(ids)

@@ -214,5 +214,6 @@ def compile_train_step(setup: Setup, shardings: TrainState, batch_sharding, stat
                       out_shardings=(shardings, None), donate_argnums=0)
     start = time.perf_counter()
     costs = gpu_schedule.for_devices(jax.devices()) if setup.budget_schedule else None
-    compiled = gpu_schedule.compile_scheduled(step_fn.lower(state, batch, stop_votes), dict(setup.compiler_options), costs)
+    lowered = step_fn.lower(state, batch, stop_votes)
+    compiled = gpu_schedule.compile_scheduled(lowered, dict(setup.compiler_options), costs)
     return compiled, time.perf_counter() - start
