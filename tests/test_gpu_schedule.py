@@ -87,11 +87,27 @@ def test_a_program_without_collectives_has_no_profile():
     assert schedule.profile(program, COSTS) == ""
 
 
-class _Lowered:
-    """A lowered program's stand-in: records each compile's options and the profile file they point at."""
+# the same program with its fusion scheduled before the gather's start: nothing runs beside the gather
+EXPOSED = PROGRAM.replace(
+    "  %loop_add_fusion = bf16[1024,1024]{1,0} fusion(%a, %b), kind=kLoop, calls=%fused_add\n", "").replace(
+    "  %all-gather-start =", "  %loop_add_fusion = bf16[1024,1024]{1,0} fusion(%a, %b), kind=kLoop, calls=%fused_add\n"
+    "  %all-gather-start =")
 
+
+class _Compiled:
     def __init__(self, text: str):
-        self.text, self.calls = text, []
+        self.text = text
+
+    def as_text(self):
+        return self.text
+
+
+class _Lowered:
+    """A lowered program's stand-in: each compile returns the next of ``texts`` and records its options and the
+    profile file they point at, read while it exists."""
+
+    def __init__(self, *texts: str):
+        self.texts, self.calls = list(texts), []
 
     def compile(self, compiler_options):
         path = compiler_options.get(schedule.PROFILE_OPTION)
@@ -100,20 +116,24 @@ class _Lowered:
             with open(path) as f:
                 read = f.read()
         self.calls.append((dict(compiler_options), read))
-        return self
-
-    def as_text(self):
-        return self.text
+        return _Compiled(self.texts[len(self.calls) - 1])
 
 
-def test_the_second_compile_reads_the_first_compiles_costs():
-    lowered = _Lowered(PROGRAM.replace("GROUPS", "replica_groups={{0,8}}"))
-    assert schedule.compile_scheduled(lowered, {"xla_option": 1}, COSTS) is lowered
+def test_the_second_compile_reads_the_first_compiles_costs_and_the_better_program_is_kept():
+    groups = "replica_groups={{0,8}}"
+    exposed, hidden = EXPOSED.replace("GROUPS", groups), PROGRAM.replace("GROUPS", groups)
+    assert schedule.exposed_seconds(exposed, COSTS) == pytest.approx(16 * MIB / 40e9)
+    assert schedule.exposed_seconds(hidden, COSTS) == pytest.approx(16 * MIB / 40e9 - 6 * MIB / budget.H100.copy_bytes)
+    lowered = _Lowered(exposed, hidden)
+    assert schedule.compile_scheduled(lowered, {"xla_option": 1}, COSTS).text == hidden
     (first, none), (second, read) = lowered.calls
     assert first == {"xla_option": 1} and none is None
     assert second["xla_option"] == 1 and second[schedule.PROFILE_OPTION].endswith(".pbtxt")
-    assert read == schedule.profile(lowered.text, COSTS)
+    assert read == schedule.profile(exposed, COSTS)
     assert not os.path.exists(second[schedule.PROFILE_OPTION])  # the profile's folder is gone with the compile
+    # a second program that waits longer than the first is not kept, nor one that waits as long
+    assert schedule.compile_scheduled(_Lowered(hidden, exposed), {}, COSTS).text == hidden
+    assert schedule.compile_scheduled(_Lowered(exposed, exposed + " "), {}, COSTS).text == exposed
 
 
 def test_without_costs_or_collectives_the_program_compiles_once():
