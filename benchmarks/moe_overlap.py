@@ -106,6 +106,9 @@ def markdown(rows: list[dict], argv: list[str] = ()) -> str:
     from jaxtron.planning.gpus import GPUS
     from jaxtron.planning.step_time import EXCHANGES_HIDDEN
 
+    assumed = ", ".join(f"{100 * share:.0f}% ({costs}, {'one chunk' if chunks == 1 else 'chunks'})"
+                        for (costs, chunks), share in EXCHANGES_HIDDEN.items())
+
     gpu = GPUS["h100"]
     lines = ["# MoE exchanges beside compute on the H100 program", "",
              (f"Command: `{' '.join(['python benchmarks/moe_overlap.py', *argv])}` (jax {jax.__version__}, "
@@ -119,7 +122,7 @@ def markdown(rows: list[dict], argv: list[str] = ()) -> str:
               f"recompute and the backward pass). \"Hidden\": the share of their transfer time that the kernels "
               f"scheduled between their start and done take, at the budget's H100 rates, with the transfers at "
               f"NVLink's {gpu.nvlink_bandwidth / 1e9:.0f} GB/s and at the network's "
-              f"{gpu.network_bandwidth / 1e9:.0f} GB/s. The planner takes {100 * EXCHANGES_HIDDEN:.0f}% as hidden "
+              f"{gpu.network_bandwidth / 1e9:.0f} GB/s. The planner takes {assumed} as hidden "
               "(`planning/step_time.py` EXCHANGES_HIDDEN). The programs inside a node send their rows over NVLink, the "
               "one across nodes over the network. How much a GPU gets needs a multi-GPU run."), "",
              ("| model | chunks | latency-hiding scheduler | costs | exchanges | beside GEMMs | hidden at NVLink | "

@@ -26,8 +26,10 @@ def get_config():
                             router_scale=2.5, router_renormalize=True))
     # expert=64: a device's receive buffer holds twice its own routed rows, not the worst case of all 64 peers'
     # (287 GiB a device at 4 layers on 64 H100s, against 64 GiB at 1.25x: benchmarks/moe_target.md); a device
-    # that gets more drops the rest, and moe_dropped_fraction says so
-    c.execution = dict(dtype="bfloat16", remat="auto", moe_mode="dropless", moe_receive_factor=2.0)
+    # that gets more drops the rest, and moe_dropped_fraction says so. Two token chunks: with the budget's costs the
+    # H100 program of 4 layers on expert=16 over 2 nodes hides 72% of its exchanges' network time, one chunk 39%
+    # (benchmarks/moe_overlap_budget.md)
+    c.execution = dict(dtype="bfloat16", remat="auto", moe_mode="dropless", moe_receive_factor=2.0, moe_chunks=2)
     c.train = dict(steps=1000, global_batch_size=1024, log_every=10, eval_batches=0, router_aux_loss=0.0001,
                    router_z_loss=0.0, router_bias_rate=0.001)
     c.optimizer = dict(learning_rate=2.2e-4, warmup_steps=100, weight_decay=0.1)

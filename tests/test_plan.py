@@ -305,6 +305,24 @@ def test_a_ring_over_devices_of_several_nodes_drives_a_nic_for_each_of_its_devic
         {("fsdp", "expert")}
 
 
+@pytest.mark.parametrize("costs, chunks", [("xla", 1), ("xla", 4), ("budget", 1), ("budget", 2), ("budget", 4)])
+def test_the_share_of_the_exchanges_beside_gemms_follows_the_schedulers_costs_and_the_chunks(costs, chunks):
+    """DeepSeek-V3 on fsdp=16 expert=64: the exchanges the planner puts beside the experts' GEMMs are the share the
+    H100 programs of that scheduler's costs (execution.moe_schedule) and chunk count hide (planning/step_time.py
+    EXCHANGES_HIDDEN: one chunk, or two and more), of the exchanges up to the GEMMs' time; the rest is exposed."""
+    from jaxtron.planning.shape import step_shape
+    from jaxtron.planning.step_time import EXCHANGES_HIDDEN, expert_gemm_seconds
+
+    cfg = _config("deepseek_v3", **{"execution.moe_schedule": costs, "execution.moe_chunks": str(chunks)})
+    sizes = dict(pipeline=1, data=1, fsdp=16, sequence=1, expert=64, tensor=1)
+    got = estimate(cfg, sizes, H100)
+    total = got.time["expert_comm"] + got.time["expert_comm_hidden"]
+    gemms = expert_gemm_seconds(got.config, step_shape(got.config, sizes, got.microbatches), H100)
+    share = EXCHANGES_HIDDEN[(costs, min(chunks, 2))]
+    assert got.time["expert_comm_hidden"] == pytest.approx(share * min(total, gemms), rel=1e-9)
+    assert total > 0 and got.time["expert_comm"] == pytest.approx(total - share * min(total, gemms), rel=1e-9)
+
+
 def test_expert_exchanges_that_leave_the_node_are_priced_at_the_network_rate():
     """DeepSeek-V3 on 1024 H100s: its own expert=64 (and the published TP2 PP16 layout with experts over 32 x 2
     GPUs) are candidates that fit with receive buffers of 2x (configs/deepseek_v3.py); an expert group of 64 spans

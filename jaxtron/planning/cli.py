@@ -313,9 +313,9 @@ def _compiled(cfg, sizes, n: int, gpu_name: str, gpu, hlo_path: str | None, on_t
             print(f"GEMMs with float8 operands: {found['float8_gemms']}")
         from jaxtron.metrics.budget import text as budget_text
         from jaxtron.metrics.overlap import text as overlap_text
-        from jaxtron.planning.step_time import EXCHANGES_HIDDEN
+        from jaxtron.planning.step_time import exchanges_hidden
         print(budget_text(found["budget"]))
-        print(overlap_text(found["overlap"], EXCHANGES_HIDDEN))
+        print(overlap_text(found["overlap"], exchanges_hidden(cfg.execution)))
     return result, found
 
 
