@@ -4,7 +4,7 @@ across nodes (expert=16 on 2 nodes of 8, rows sent once per node as its planned 
 and 4 token chunks (``execution.moe_chunks``). Schedulers: 'off', XLA's default scheduler; 'on', its latency-hiding
 scheduler with one collective in flight; 'limit2', with two; 'shipped', what ``models/moe.py`` sets (two in flight
 with chunks). Schedules: 'xla', the scheduler weighing kernels and collectives with its own guesses; 'budget', with
-the costs of a first compile (``execution.moe_schedule``, ``gpu/schedule.py``). For the exchanges that carry rows:
+the costs of a first compile (``execution.moe_schedule``, ``metrics/schedule.py``). For the exchanges that carry rows:
 how many have a GEMM between their start and their done, and the share of their transfer time the kernels between
 hide (``jaxtron.metrics.overlap``, kernels at the budget's H100 rates) at NVLink's and at the network's bandwidth.
 
@@ -116,7 +116,7 @@ def markdown(rows: list[dict], argv: list[str] = ()) -> str:
               "`xla_gpu_experimental_parallel_collective_overlap_limit` at 2, two collectives in flight at once, as "
               "the shipped programs of more than one chunk compile; 'shipped': what models/moe.py sets. Costs: "
               "what the scheduler weighs kernels and collectives with: 'xla', its own guesses; 'budget', a first "
-              "compile's costs, execution.moe_schedule, gpu/schedule.py). "
+              "compile's costs, execution.moe_schedule, metrics/schedule.py). "
               + "; ".join(f"{name}: `configs/{c}.py` on {g} GPUs, {', '.join(o)}" for name, (c, g, o) in CASES.items())
               + f". Exchanges: the all-to-alls that carry rows (dispatch and combine, in the forward pass, its "
               f"recompute and the backward pass). \"Hidden\": the share of their transfer time that the kernels "

@@ -173,7 +173,7 @@ def _compile_on_target(*overrides: str, gpus: int = 1, config: str = "configs/de
         "            size = str(group_size(l))\n"
         "            gather_groups[size] = gather_groups.get(size, 0) + collective_bytes(l, {}) * runs[name]\n"
         f"found = overlap.windows(text, budget.H100) if {exchanges} else []\n"
-        "from jaxtron.gpu import schedule\n"
+        "from jaxtron.metrics import schedule\n"
         f"exposed = schedule.exposed_seconds(text, schedule.for_gpu('h100')) if {exchanges} else 0.0\n"
         "exchanges = {name: overlap.summary(found, getattr(GPUS['h100'], name + '_bandwidth'))['exchanges']\n"
         "             for name in ('nvlink', 'network')}\n"
@@ -395,7 +395,7 @@ BARE = {"deepseek_v3-across-nodes": 1}
 @pytest.mark.parametrize("case", sorted(OVERLAP_CASES))
 def test_moe_exchanges_run_beside_compute_at_least_as_the_planner_assumes_on_the_h100(case):
     """With XLA's latency-hiding scheduler (models/moe.py COMPILER_OPTIONS) weighing the program with the budget's
-    costs (execution.moe_schedule='budget', gpu/schedule.py), the H100 program runs every MoE program's exchanges
+    costs (execution.moe_schedule='budget', metrics/schedule.py), the H100 program runs every MoE program's exchanges
     beside compute, some beside GEMMs, and the kernels between their starts and dones hide at least the share of
     their transfer time that the planner takes as hidden (planning/step_time.py exchanges_hidden), at the bandwidth
     of the links they take: NVLink inside a node, the network across nodes (jaxtron.metrics.overlap prices the
@@ -432,7 +432,7 @@ def test_the_budgets_costs_leave_the_exchanges_less_exposed_than_xlas_own_guesse
     """DeepSeek-V3 at 4 layers on expert=16 across 2 nodes (rows once per node, 2 chunks). XLA's scheduler weighing
     the program with its own guesses (every collective 5000 units, a library call or custom kernel 1000, most
     fusions 1) left most of the exchanges' network time exposed: 21% hidden, 150 ms of the step's collectives to
-    wait for at the budget's rates. Told the budget's costs (execution.moe_schedule='budget', gpu/schedule.py) it
+    wait for at the budget's rates. Told the budget's costs (execution.moe_schedule='budget', metrics/schedule.py) it
     hides 72% and leaves 56 ms, for 7% more memory (35.1 GiB against 32.7)."""
     overrides = OVERLAP_CASES["deepseek_v3-across-nodes"][2]
     got = {costs: _compile_on_target(*overrides, f"execution.moe_schedule={costs}", gpus=16,

@@ -308,7 +308,7 @@ class ExecutionConfig:
     # models/experts.py). 0, or every expert shard, sends each assignment straight to its expert's device
     moe_node_shards: int = 0
     # what XLA's latency-hiding scheduler weighs a GPU program whose experts are split with: 'budget', the costs of a
-    # first compile's kernels and collectives (jaxtron/gpu/schedule.py), then compiled again; 'xla', its own guesses
+    # first compile's kernels and collectives (jaxtron/metrics/schedule.py), then compiled again; 'xla', its own guesses
     moe_schedule: str = "budget"
 
     def __post_init__(self):

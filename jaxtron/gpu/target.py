@@ -22,9 +22,9 @@ from pathlib import Path
 from typing import Any
 
 from jaxtron.config.checks import ConfigError
+from jaxtron.gpu.links import GPUS_PER_NODE
 
 SPECS = Path(__file__).with_name("specs")
-GPUS_PER_NODE = 8
 INSTALL = 'python -m pip install -e ".[gpu-target]"'
 # --flag: why a deviceless compile needs it
 DEVICELESS_FLAGS = {

@@ -60,7 +60,7 @@ def compiler_options(cfg: ModelConfig, expert_shards: int, chunks: int = 1) -> d
 
 def budget_schedule(cfg: ModelConfig, expert_shards: int, schedule: str) -> bool:
     """Whether a GPU program of this model, its experts split ``expert_shards`` ways, compiles twice so that XLA's
-    scheduler weighs its exchanges with the first compile's costs (``execution.moe_schedule``, gpu/schedule.py)."""
+    scheduler weighs its exchanges with the first compile's costs (``execution.moe_schedule``, metrics/schedule.py)."""
     return bool(compiler_options(cfg, expert_shards)) and schedule == "budget"
 
 

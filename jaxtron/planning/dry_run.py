@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from jaxtron.checkpoint.train_state import abstract_with_shardings
 from jaxtron.common.files import write_atomic
 from jaxtron.config.schema import Config, ConfigError
-from jaxtron.gpu import schedule as gpu_schedule
+from jaxtron.metrics import schedule as gpu_schedule
 from jaxtron.metrics.collectives import collectives
 from jaxtron.metrics.hlo import matmul_flops
 from jaxtron.ops.attention import cpu_implementation

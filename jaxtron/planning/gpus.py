@@ -24,10 +24,9 @@ Rates are what one GPU sustains:
   DeepSeek-V3's expert shapes, 179 on Qwen3-30B-A3B's narrow one; ``benchmarks/gpu_h200_2026-11-26.md``). Capacity
   mode's batched GEMM runs at ``matmul_efficiency`` on its padded slots.
 - ``hbm_bandwidth``: device memory bytes/s for the elementwise work (norms, rotary, activations, casts).
-- ``nvlink_bandwidth``: NCCL bus bandwidth inside a node (NVLink 4 moves 450 GB/s per direction per GPU;
-  assumed 80% of it is reached by ring/NVLS collectives of large messages).
-- ``network_bandwidth``: NCCL bus bandwidth per GPU between nodes (one 400 Gb/s InfiniBand NIC per GPU, the
-  DGX/HGX H100 and H200 layout: 50 GB/s per direction; assumed 80% of it is reached). A ring collective whose
+- ``nvlink_bandwidth``: NCCL bus bandwidth inside a node (``gpu/links.py``: 80% of NVLink 4's 450 GB/s).
+- ``network_bandwidth``: NCCL bus bandwidth per GPU between nodes (``gpu/links.py``: 80% of one 400 Gb/s
+  InfiniBand NIC a GPU, the DGX/HGX H100 and H200 layout). A ring collective whose
   group has several devices in each node drives as many NICs at once (``planning/collectives.group_bandwidth``):
   8 a node, 320 GB/s, below the 400-450 GB/s that NCCL's all-reduce test is published to reach across such nodes.
 - ``usable_memory_fraction``: the part of device memory a step may plan to use; the rest is left to cuDNN
@@ -39,6 +38,7 @@ from __future__ import annotations
 import dataclasses
 
 from jaxtron.config.schema import ConfigError
+from jaxtron.gpu import links
 from jaxtron.metrics.hardware import DENSE_PEAK_TFLOPS
 
 
@@ -112,13 +112,13 @@ STACK_WEIGHT_PASS_BYTES = {"KempnerForge": 0.0, "Megatron": 0.0}
 GPUS: dict[str, GPU] = {
     # 80 GB HBM3 (81,559 MiB reported), 3.35 TB/s datasheet, of which 85% is assumed reachable
     "h100": GPU("H100 SXM 80GB", 81_559 * _MIB, _peaks("H100 SXM"), attention_efficiency=0.5,
-                xla_attention_efficiency=0.25, hbm_bandwidth=0.85 * 3.35e12, nvlink_bandwidth=0.8 * 450e9,
-                network_bandwidth=0.8 * 50e9, fp8_speedup=FP8_SPEEDUP, weight_pass_bytes=WEIGHT_PASS_BYTES,
+                xla_attention_efficiency=0.25, hbm_bandwidth=0.85 * 3.35e12, nvlink_bandwidth=links.NVLINK_BANDWIDTH,
+                network_bandwidth=links.NETWORK_BANDWIDTH, fp8_speedup=FP8_SPEEDUP, weight_pass_bytes=WEIGHT_PASS_BYTES,
                 **_CALIBRATED),
     # 141 GB HBM3e (143,771 MiB reported), 4.8 TB/s datasheet, 4.3 TB/s measured device-to-device copy
     "h200": GPU("H200 SXM 141GB", 143_771 * _MIB, _peaks("H200 SXM"), attention_efficiency=0.5,
-                xla_attention_efficiency=0.25, hbm_bandwidth=4.3e12, nvlink_bandwidth=0.8 * 450e9,
-                network_bandwidth=0.8 * 50e9, fp8_speedup=FP8_SPEEDUP, weight_pass_bytes=WEIGHT_PASS_BYTES,
+                xla_attention_efficiency=0.25, hbm_bandwidth=4.3e12, nvlink_bandwidth=links.NVLINK_BANDWIDTH,
+                network_bandwidth=links.NETWORK_BANDWIDTH, fp8_speedup=FP8_SPEEDUP, weight_pass_bytes=WEIGHT_PASS_BYTES,
                 **_CALIBRATED),
 }
 

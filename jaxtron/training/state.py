@@ -49,7 +49,7 @@ class Setup:
     layer_order: tuple[int, ...] | None = struct.field(pytree_node=False, default=None)
     # XLA options the step compiles with (ops/fp8.py: what FP8 projections need), as (name, value) pairs
     compiler_options: tuple[tuple[str, object], ...] = struct.field(pytree_node=False, default=())
-    # on a GPU, compiled a second time with the first compile's costs as XLA's scheduler's (gpu/schedule.py)
+    # on a GPU, compiled a second time with the first compile's costs as XLA's scheduler's (metrics/schedule.py)
     budget_schedule: bool = struct.field(pytree_node=False, default=False)
     # the distributed optimizer (``optimizer.distributed``): moments sharded as ``state_sharding.optimizer_spec`` says
     distributed_optimizer: bool = struct.field(pytree_node=False, default=False)

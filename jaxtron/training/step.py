@@ -13,7 +13,7 @@ import numpy as np
 import optax
 from flax import nnx
 
-from jaxtron.gpu import schedule as gpu_schedule
+from jaxtron.metrics import schedule as gpu_schedule
 from jaxtron.models import lora
 from jaxtron.parallel.sharding import (
     BATCH_AXES,

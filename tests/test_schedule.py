@@ -1,12 +1,11 @@
-"""The latency-hiding scheduler's profile (jaxtron/gpu/schedule.py): which links a collective's group uses, what
+"""The latency-hiding scheduler's profile (jaxtron/metrics/schedule.py): which links a collective's group uses, what
 each kernel and collective of a program costs in it, and the second compile that reads it."""
 
 import os
 
 import pytest
 
-from jaxtron.gpu import schedule
-from jaxtron.metrics import budget
+from jaxtron.metrics import budget, schedule
 
 COSTS = schedule.Costs(budget.H100, nvlink_bandwidth=360e9, network_bandwidth=40e9, per_node=8)
 MIB = 2**20

@@ -23,6 +23,7 @@ import re
 import tempfile
 from typing import Any
 
+from jaxtron.gpu import links
 from jaxtron.metrics import budget as budget_lib
 from jaxtron.metrics import overlap
 from jaxtron.metrics.budget import _FREE, Ceilings, _Program
@@ -44,13 +45,9 @@ class Costs:
     per_node: int
 
 
-def for_gpu(name: str, per_node: int | None = None) -> Costs:
-    """The costs of the planner's GPU ``name`` ('h100', 'h200'), nodes of its own size unless ``per_node``."""
-    from jaxtron.planning.gpus import GPUS
-
-    gpu = GPUS[name]
-    return Costs(budget_lib.CEILINGS[name], gpu.nvlink_bandwidth, gpu.network_bandwidth,
-                 per_node or gpu.gpus_per_node)
+def for_gpu(name: str, per_node: int = links.GPUS_PER_NODE) -> Costs:
+    """The costs of an HGX machine's GPU ``name`` ('h100', 'h200'; ``gpu/links.py``), ``per_node`` GPUs a node."""
+    return Costs(budget_lib.CEILINGS[name], links.NVLINK_BANDWIDTH, links.NETWORK_BANDWIDTH, per_node)
 
 
 def for_devices(devices: list[Any]) -> Costs | None:
