@@ -141,6 +141,19 @@ def test_without_costs_or_collectives_the_program_compiles_once():
     assert len(lowered.calls) == 1
 
 
+class _Device:
+    def __init__(self, platform: str, kind: str, process: int):
+        self.platform, self.device_kind, self.process_index = platform, kind, process
+
+
+def test_the_devices_jax_runs_on_give_the_gpus_rates_and_their_nodes():
+    two_nodes = [_Device("gpu", "NVIDIA H200", i // 4) for i in range(8)]
+    assert schedule.for_devices(two_nodes) == schedule.Costs(budget.H200, 360e9, 40e9, per_node=4)
+    assert schedule.for_devices([_Device("gpu", "NVIDIA H100 80GB HBM3", 0)]).ceilings == budget.H100
+    assert schedule.for_devices([_Device("cpu", "cpu", 0)]) is None
+    assert schedule.for_devices([_Device("gpu", "NVIDIA A100-SXM4-80GB", 0)]) is None  # no budget rates for it
+
+
 def test_the_schedule_is_a_config_choice():
     from jaxtron.config.model import ExecutionConfig
     from jaxtron.config.schema import ConfigError

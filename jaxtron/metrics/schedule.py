@@ -11,7 +11,8 @@ beside an exchange and leaves many of them exposed.
 bandwidth of the links its devices share (``link_bandwidth``), and compiles it again with those costs as the
 scheduler's profile (XLA's ``xla_gpu_pgle_profile_file_or_directory_path``: the profile-guided latency estimator
 reads costs in microseconds by instruction name, and a compile of the same program names its instructions the
-same). On the H100 target the MoE programs then hide far more of their exchanges (``benchmarks/moe_overlap_budget.md``).
+same). It keeps whichever of the two programs leaves its collectives less exposed by the same prices. On the H100
+target the MoE programs then hide far more of their exchanges (``benchmarks/moe_overlap_budget.md``).
 """
 
 from __future__ import annotations
