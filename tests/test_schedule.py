@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from jaxtron.metrics import budget, schedule
+from jaxtron.metrics import budget, collectives, schedule
 
 COSTS = schedule.Costs(budget.H100, nvlink_bandwidth=360e9, network_bandwidth=40e9, per_node=8)
 MIB = 2**20
@@ -48,7 +48,9 @@ def _costs(text: str) -> dict[str, float]:
     ("replica_groups=mesh['axis_0'=2,'axis_1'=4,'axis_2'=2] {'axis_0','axis_2'}", [0, 1, 8, 9]),
 ])
 def test_a_collectives_first_group_is_read_in_each_form_xla_writes(groups, want):
-    assert schedule.group_devices(f"%x = f32[8]{{0}} all-gather-start(%y), {groups}, dimensions={{0}}") == want
+    line = f"%x = f32[8]{{0}} all-gather-start(%y), {groups}, dimensions={{0}}"
+    assert collectives.group_devices(line) == want
+    assert collectives.group_size(line) == len(want)
 
 
 @pytest.mark.parametrize("kind, groups, want", [

@@ -68,24 +68,45 @@ def _result_bytes(line: str) -> int:
 
 
 _LISTED_GROUPS = re.compile(r"replica_groups=\{\{([\d,]*)\}")
-_IOTA_GROUPS = re.compile(r"replica_groups=\[(\d+),(\d+)\]<=")
+_IOTA_GROUPS = re.compile(r"replica_groups=\[(\d+),(\d+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?")
 _MESH_GROUPS = re.compile(r"replica_groups=mesh\[([^\]]*)\](?:, device_ids=\S+)? \{([^}]*)\}")
 
 
-def group_size(line: str) -> int | None:
-    """How many devices each group of the collective holds (replica groups listed, in iota form or over named
-    mesh axes); None when the line says nothing of its groups."""
+def group_devices(line: str) -> list[int] | None:
+    """The devices of a collective's first replica group (listed, in iota form, or over named mesh axes laid out
+    in order); None when the line says nothing of its groups."""
     listed = _LISTED_GROUPS.search(line)
     if listed:
-        return len(listed.group(1).split(",")) if listed.group(1) else None
+        return [int(i) for i in listed.group(1).split(",") if i] or None
     iota = _IOTA_GROUPS.search(line)
-    if iota:
-        return int(iota.group(2))
+    if iota:  # [groups, size]<=[dims] read in the order T(perm)
+        size = int(iota.group(2))
+        dims = [int(d) for d in iota.group(3).split(",")]
+        perm = [int(p) for p in iota.group(4).split(",")] if iota.group(4) else list(range(len(dims)))
+        return _strided(dims, perm)[:size]
     mesh = _MESH_GROUPS.search(line)
     if mesh:
-        sizes = dict(re.findall(r"'(\w+)'=(\d+)", mesh.group(1)))
-        return math.prod(int(sizes.get(a, 1)) for a in re.findall(r"'(\w+)'", mesh.group(2)))
+        names = re.findall(r"'(\w+)'=(\d+)", mesh.group(1))
+        over = set(re.findall(r"'(\w+)'", mesh.group(2)))
+        dims = [int(size) for _, size in names]
+        return sorted(_strided(dims, [i for i, (axis, _) in enumerate(names) if axis in over]))
     return None
+
+
+def _strided(dims: list[int], axes: list[int]) -> list[int]:
+    """The row-major positions in ``dims`` of the points along ``axes`` (others 0), ``axes[-1]`` fastest."""
+    strides = [math.prod(dims[i + 1:]) for i in range(len(dims))]
+    out = [0]
+    for axis in axes:
+        out = [i + k * strides[axis] for i in out for k in range(dims[axis])]
+    return out
+
+
+def group_size(line: str) -> int | None:
+    """How many devices each group of the collective holds (``group_devices``); None when the line says nothing
+    of its groups."""
+    devices = group_devices(line)
+    return len(devices) if devices else None
 
 
 def _kind(line: str) -> str | None:

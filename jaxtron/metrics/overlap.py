@@ -36,9 +36,10 @@ class Window:
         return 1.0 if transfer <= 0 else min(1.0, self.compute_s / transfer)
 
 
-def windows(hlo_text: str, ceilings: Ceilings) -> list[Window]:
-    """Every asynchronous collective of the program's kernel-level computations, with its window's compute."""
-    program = _Program(hlo_text)
+def windows(hlo_text: str | _Program, ceilings: Ceilings) -> list[Window]:
+    """Every asynchronous collective of the program's kernel-level computations (its text, or the text already
+    indexed), with its window's compute."""
+    program = hlo_text if isinstance(hlo_text, _Program) else _Program(hlo_text)
     priced = {k.name: k for k in kernels(program, ceilings)}
     nested = _nested_seconds(program, priced)
     defined = program.shapes

@@ -18,9 +18,7 @@ target the MoE programs then hide far more of their exchanges (``benchmarks/moe_
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
-import re
 import tempfile
 from typing import Any
 
@@ -28,12 +26,11 @@ from jaxtron.gpu import links
 from jaxtron.metrics import budget as budget_lib
 from jaxtron.metrics import overlap
 from jaxtron.metrics.budget import _FREE, Ceilings, _Program
-from jaxtron.metrics.collectives import _LISTED_GROUPS, _MESH_GROUPS, _kind, collective_bytes
+from jaxtron.metrics.collectives import _kind, collective_bytes, group_devices
 
 PROFILE_OPTION = "xla_gpu_pgle_profile_file_or_directory_path"
 # what starting a collective adds to its transfer: NCCL's launch and its first round trip, seconds
 COLLECTIVE_LATENCY_S = 10e-6
-_IOTA = re.compile(r"replica_groups=\[(\d+),(\d+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,40 +59,6 @@ def for_devices(devices: list[Any]) -> Costs | None:
     return for_gpu(name, per_node)
 
 
-def group_devices(line: str) -> list[int] | None:
-    """The devices of a collective's first replica group (listed, in iota form, or over named mesh axes)."""
-    listed = _LISTED_GROUPS.search(line)
-    if listed:
-        return [int(i) for i in listed.group(1).split(",") if i]
-    iota = _IOTA.search(line)
-    if iota:
-        groups, size = int(iota.group(1)), int(iota.group(2))
-        dims = [int(d) for d in iota.group(3).split(",")]
-        perm = [int(p) for p in iota.group(4).split(",")] if iota.group(4) else list(range(len(dims)))
-        ids = _transposed(list(range(math.prod(dims))), dims, perm)
-        return ids[:size] if groups * size == len(ids) else None
-    mesh = _MESH_GROUPS.search(line)
-    if mesh:
-        names = re.findall(r"'(\w+)'=(\d+)", mesh.group(1))
-        over = set(re.findall(r"'(\w+)'", mesh.group(2)))
-        strides = [math.prod(int(s) for _, s in names[i + 1:]) for i in range(len(names))]
-        ids = [0]
-        for (axis, size), stride in zip(names, strides, strict=True):
-            if axis in over:
-                ids = [i + k * stride for i in ids for k in range(int(size))]
-        return sorted(ids)
-    return None
-
-
-def _transposed(ids: list[int], dims: list[int], perm: list[int]) -> list[int]:
-    """``ids`` laid out in ``dims`` (row-major), read in the order of the dimensions ``perm``."""
-    strides = [math.prod(dims[i + 1:]) for i in range(len(dims))]
-    out = [0]
-    for axis in perm:
-        out = [i + k * strides[axis] for i in out for k in range(dims[axis])]
-    return [ids[i] for i in out]
-
-
 def link_bandwidth(line: str, costs: Costs) -> float:
     """Bandwidth of a collective over its group (bytes/s): NVLink's inside a node. Across nodes, an all-to-all's
     rows leave each device through its own NIC (the network's per-GPU bandwidth); a ring collective drives a NIC
@@ -112,12 +75,12 @@ def link_bandwidth(line: str, costs: Costs) -> float:
     return min(costs.nvlink_bandwidth, len(ids) // nodes * costs.network_bandwidth)
 
 
-def profile(hlo_text: str, costs: Costs) -> str:
+def profile(hlo_text: str | _Program, costs: Costs) -> str:
     """The scheduler's profile of a compiled program (``ProfiledInstructionsProto`` as text): each kernel's
     budgeted seconds plus a launch, each loop or call the seconds of what it runs, each collective's start its
     bytes over its link's bandwidth plus ``COLLECTIVE_LATENCY_S``, all in microseconds. Empty when the program
     has no asynchronous collective (nothing to schedule around)."""
-    program = _Program(hlo_text)
+    program = hlo_text if isinstance(hlo_text, _Program) else _Program(hlo_text)
     priced = {k.name: k for k in budget_lib.kernels(program, costs.ceilings)}
     nested = overlap._nested_seconds(program, priced)
     lines, collectives = [], 0
@@ -128,20 +91,20 @@ def profile(hlo_text: str, costs: Costs) -> str:
         elif opcode.endswith("-start") and _kind(line):
             collectives += 1
             seconds = collective_bytes(line, program.shapes) / link_bandwidth(line, costs) + COLLECTIVE_LATENCY_S
-        elif opcode in _FREE and overlap._callees(line, opcode):
-            seconds = sum(nested.get(c, (0.0, 0))[0] for c in overlap._callees(line, opcode)) / runs
+        elif opcode in _FREE and (callees := overlap._callees(line, opcode)):
+            seconds = sum(nested.get(c, (0.0, 0))[0] for c in callees) / runs
         if seconds is not None:
             lines.append(f'costs {{ name: "{name.lstrip("%")}" cost_us: {seconds * 1e6:.3f} }}')
     return "\n".join(lines) + "\n" if collectives else ""
 
 
-def exposed_seconds(hlo_text: str, costs: Costs) -> float:
+def exposed_seconds(hlo_text: str | _Program, costs: Costs) -> float:
     """Seconds per step that the program's asynchronous collectives take beyond the kernels scheduled between their
     starts and dones (``jaxtron.metrics.overlap``), each at the bandwidth of its links: what the step waits for."""
-    program = _Program(hlo_text)
+    program = hlo_text if isinstance(hlo_text, _Program) else _Program(hlo_text)
     starts = {name: line for _, _, line, name, _, opcode, _ in program.instructions() if opcode.endswith("-start")}
     total = 0.0
-    for window in overlap.windows(hlo_text, costs.ceilings):
+    for window in overlap.windows(program, costs.ceilings):
         bandwidth = link_bandwidth(starts.get(window.name, ""), costs)
         total += window.runs * window.bytes / bandwidth * (1 - window.hidden(bandwidth))
     return total
@@ -154,8 +117,8 @@ def compile_scheduled(lowered: Any, options: dict[str, object], costs: Costs | N
     serve some programs better: its 5000 units an exchange made it put several GEMMs beside each short exchange
     inside a node, where exact costs put just enough by its estimate and a little less by the budget's."""
     compiled = lowered.compile(compiler_options=options)
-    first = compiled.as_text() if costs is not None else ""
-    text = profile(first, costs) if first else ""
+    first = _Program(compiled.as_text()) if costs is not None else None
+    text = profile(first, costs) if first is not None else ""
     if not text:
         return compiled
     with tempfile.TemporaryDirectory() as folder:

@@ -44,6 +44,8 @@ EXCHANGES_HIDDEN = {("xla", 1): 0.15, ("xla", 2): 0.20, ("budget", 1): 0.35, ("b
 def exchanges_hidden(execution) -> float:
     """``EXCHANGES_HIDDEN`` of a run's ``execution`` config."""
     return EXCHANGES_HIDDEN[(execution.moe_schedule, min(execution.moe_chunks, 2))]
+
+
 # The dropless MoE block's own memory traffic in a step (forward, recompute and backward), in passes over a device's
 # rows of the experts' GEMMs (its receive buffers where the experts are split, its routed rows where they are not):
 # sorting, gathering the rows into the buffers and their outputs back, the layouts the grouped kernel and the
