@@ -192,6 +192,16 @@ BAD = [
                                     mesh=mesh(fsdp=2, expert=-1)), 128),
      "'model.embed_dim' (96) is not divisible by mesh.fsdp x mesh.expert (128)",
      "choose a mesh.fsdp x mesh.expert that divides 96"),
+    ("latent_rank_not_divisible_by_fsdp",  # latent attention's up-projections split their latent like embed
+     lambda d: check_devices(Config(model=ModelConfig(attention=dict(num_heads=4, num_kv_heads=4, kv_lora_rank=12,
+                                                                     qk_rope_head_dim=8))), 8),
+     "'model.attention.kv_lora_rank' (12) is not divisible by mesh.fsdp (8)", "choose a mesh.fsdp that divides 12"),
+    ("query_latent_rank_not_divisible_by_fsdp_and_expert",
+     lambda d: check_devices(Config(model=ModelConfig(attention=dict(num_heads=4, num_kv_heads=4, kv_lora_rank=16,
+                                                                     q_lora_rank=24, qk_rope_head_dim=8)),
+                                    mesh=mesh(fsdp=2, expert=-1)), 16),
+     "'model.attention.q_lora_rank' (24) is not divisible by mesh.fsdp x mesh.expert (16)",
+     "choose a mesh.fsdp x mesh.expert that divides 24"),
     ("batch_not_divisible_by_data_parallel",
      lambda d: check_devices(Config(train=TrainConfig(global_batch_size=12)), 8),
      ("'train.global_batch_size' (12, 12 per microbatch) is not divisible by the data-parallel size "

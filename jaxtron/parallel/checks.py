@@ -31,6 +31,9 @@ def check_devices(cfg: Config, num_devices: int) -> dict[str, int]:
     widths = [("attention.num_heads", m.attention.num_heads, "heads"),
               ("attention.num_kv_heads", m.attention.num_kv_heads, "kv_heads"),
               ("mlp_dim", m.mlp_dim, "mlp"), ("vocab_size", m.vocab_size, "vocab"), ("embed_dim", m.embed_dim, "embed")]
+    if m.latent_attention:
+        widths += [("attention.kv_lora_rank", m.attention.kv_lora_rank, "latent")]
+        widths += [("attention.q_lora_rank", m.attention.q_lora_rank, "latent")] if m.attention.q_lora_rank else []
     if m.moe.num_experts:
         widths += [("moe.expert_dim", m.resolved_expert_dim, "mlp"), ("moe.num_experts", m.moe.num_experts, "experts")]
     for field, value, logical in widths:

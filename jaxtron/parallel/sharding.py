@@ -33,7 +33,9 @@ RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     ("heads", "tensor"),
     ("kv_heads", "tensor"),
     ("head_dim", None),
-    ("latent", None),  # the low-rank latents of multi-head latent attention (small: kept whole)
+    # the low-rank latents of multi-head latent attention: their up-projections ([latent, heads, head size], 3.2B
+    # parameters in DeepSeek-V3) split as the weights beside them; the down-projections' embed takes the axes first
+    ("latent", ("fsdp", "expert")),
     ("lora_rank", None),  # the rank of low-rank adapters (small: kept whole)
     ("mlp", "tensor"),
     ("experts", "expert"),
