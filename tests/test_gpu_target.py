@@ -386,8 +386,9 @@ OVERLAP_CASES = {  # name -> (config, GPUs, overrides, the links its exchanges t
                                                      "execution.moe_chunks=2"], "network"),
 }
 EXPERT_WIDTH = {"mixtral_8x7b": "14336", "deepseek_v3": "2048"}  # a dimension of the expert weights, not of rows
-# exchanges with no kernel scheduled beside them (the across-nodes program: one of 29, a small one)
-BARE = {"deepseek_v3-across-nodes": 1}
+# exchanges with no kernel scheduled beside them (the across-nodes program: three of 27, 56 MiB each, hops between
+# nodes of the recomputed forward)
+BARE = {"deepseek_v3-across-nodes": 3}
 
 
 @needs_plugin
@@ -399,8 +400,9 @@ def test_moe_exchanges_run_beside_compute_at_least_as_the_planner_assumes_on_the
     beside compute, some beside GEMMs, and the kernels between their starts and dones hide at least the share of
     their transfer time that the planner takes as hidden (planning/step_time.py exchanges_hidden), at the bandwidth
     of the links they take: NVLink inside a node, the network across nodes (jaxtron.metrics.overlap prices the
-    kernels by the step's budget). The planner's exchange bytes are the program's: the routed rows, in three passes
-    (forward, recompute, backward); and its row traffic within 25% of the compiled."""
+    kernels by the step's budget). The planner's exchange bytes are the program's: the routed rows, out and home in
+    the forward and backward passes and out once more in the recompute (the way home is not recomputed); and its
+    row traffic within 25% of the compiled."""
     from jaxtron.config.loader import load_config
     from jaxtron.planning.estimate import estimate
     from jaxtron.planning.gpus import GPUS
@@ -431,15 +433,16 @@ def test_moe_exchanges_run_beside_compute_at_least_as_the_planner_assumes_on_the
 def test_the_budgets_costs_leave_the_exchanges_less_exposed_than_xlas_own_guesses_on_the_h100():
     """DeepSeek-V3 at 4 layers on expert=16 across 2 nodes (rows once per node, 2 chunks). XLA's scheduler weighing
     the program with its own guesses (every collective 5000 units, a library call or custom kernel 1000, most
-    fusions 1) left most of the exchanges' network time exposed: 21% hidden, 150 ms of the step's collectives to
+    fusions 1) left most of the exchanges' network time exposed: 19% hidden, 137 ms of the step's collectives to
     wait for at the budget's rates. Told the budget's costs (execution.moe_schedule='budget', metrics/schedule.py) it
-    hides 72% and leaves 56 ms, for 7% more memory (35.1 GiB against 32.7)."""
+    hides 43% and leaves 86 ms, for 5% more memory (30.3 GiB against 29.0). (72% and 56 ms, against 21% and 150
+    ms, while the recompute brought the outputs home: its kernels sat beside the exchanges.)"""
     overrides = OVERLAP_CASES["deepseek_v3-across-nodes"][2]
     got = {costs: _compile_on_target(*overrides, f"execution.moe_schedule={costs}", gpus=16,
                                      config="configs/deepseek_v3.py", exchanges=True) for costs in ("xla", "budget")}
     xla, ours = (got[costs]["exchanges"]["network"]["hidden_share"] for costs in ("xla", "budget"))
     assert ours >= 2 * xla, (xla, ours)
-    assert got["budget"]["exposed"] < 0.6 * got["xla"]["exposed"], (got["xla"]["exposed"], got["budget"]["exposed"])
+    assert got["budget"]["exposed"] < 0.7 * got["xla"]["exposed"], (got["xla"]["exposed"], got["budget"]["exposed"])
     assert got["budget"]["peak"] <= 1.1 * got["xla"]["peak"], (got["xla"]["peak"], got["budget"]["peak"])
 
 
@@ -484,7 +487,8 @@ def test_muon_orthogonalizes_whole_matrices_without_gathering_them_on_the_h100(l
 def test_rows_once_per_node_compile_for_the_h100_within_the_planners_memory():
     """DeepSeek-V3 (4 layers, fsdp=2 expert=8 on 16 GPUs) sending rows once per node of 4 expert shards: the H100
     program exchanges them in ragged all-to-alls, two hops each way (a token's row, its ids and weights beside it,
-    then within the node, and back), 14 in the step against one hop's 6, and its peak is within what the planner
+    then within the node, and back), 13 in the step against one hop's 5 (the recompute sends rows out, not home),
+    and its peak is within what the planner
     counts, which is conservative here (each hop's static buffers are sized for the worst case)."""
     from jaxtron.config.loader import load_config
     from jaxtron.planning.estimate import estimate
@@ -492,7 +496,7 @@ def test_rows_once_per_node_compile_for_the_h100_within_the_planners_memory():
 
     overrides = [*OVERLAP_CASES["deepseek_v3"][2], "execution.moe_node_shards=4", "execution.moe_chunks=1"]
     got = _compile_on_target(*overrides, gpus=16, config="configs/deepseek_v3.py")
-    assert got["collectives"]["ragged-all-to-all"] == 14, got["collectives"]
+    assert got["collectives"]["ragged-all-to-all"] == 13, got["collectives"]
     cfg = load_config(f"{REPO}/configs/deepseek_v3.py", [tuple(o.split("=", 1)) for o in overrides])
     planned = estimate(cfg, dict(fsdp=2, expert=8), GPUS["h100"]).memory_bytes
     assert 1.0 <= planned / got["peak"] < 1.3, (planned, got["peak"])

@@ -39,22 +39,23 @@ def forward_per_layer() -> dict[str, float]:
     return {"wq": 2 * H * Q, "wk": 2 * H * K, "wv": 2 * H * K, "wo": 2 * Q * H,
             "qk": Q * S, "av": Q * S,  # 2 * q * s each, half of the keys under the causal mask
             "gate": 2 * H * F, "up": 2 * H * F, "down": 2 * H * F,
-            "experts": 2 * 3 * 2 * H * F,  # top-2 of the MoE config below, 3 matrices each
+            "experts_in": 2 * 2 * 2 * H * F,  # top-2 of the MoE config below: gate and up
+            "experts_out": 2 * 2 * H * F,  # and their down projection
             "router": 2 * H * 4}  # 4 experts
 
 
-# What each policy re-runs in the backward pass, read off the policies in jaxtron/models/transformer.py: the
-# block's last matmul (down) is never needed again; 'save_dots' keeps unbatched dots; the attention output
-# saves the cuDNN kernel, but XLA attention still needs its probabilities (QK^T).
+# What each policy re-runs in the backward pass, read off the policies in jaxtron/models/transformer.py: the block's
+# last matmuls (the MLP's and the experts' down projections) are never needed again; 'save_dots' keeps unbatched
+# dots; the attention output saves the cuDNN kernel, but XLA attention still needs its probabilities (QK^T).
 PROJ = ("wq", "wk", "wv", "wo")
 EXPECTED = {
     ("none", "xla"): (), ("none", "cudnn"): (),
-    ("full", "xla"): PROJ + ("qk", "av", "gate", "up", "experts", "router"),
-    ("full", "cudnn"): PROJ + ("qk", "av", "gate", "up", "experts", "router"),
-    ("save_dots", "xla"): ("qk", "av", "experts"), ("save_dots", "cudnn"): ("qk", "av", "experts"),
-    ("save_attention", "xla"): PROJ + ("qk", "gate", "up", "experts", "router"),
-    ("save_attention", "cudnn"): PROJ + ("gate", "up", "experts", "router"),
-    ("save_dots_attention", "xla"): ("qk", "experts"), ("save_dots_attention", "cudnn"): ("experts",),
+    ("full", "xla"): PROJ + ("qk", "av", "gate", "up", "experts_in", "router"),
+    ("full", "cudnn"): PROJ + ("qk", "av", "gate", "up", "experts_in", "router"),
+    ("save_dots", "xla"): ("qk", "av", "experts_in"), ("save_dots", "cudnn"): ("qk", "av", "experts_in"),
+    ("save_attention", "xla"): PROJ + ("qk", "gate", "up", "experts_in", "router"),
+    ("save_attention", "cudnn"): PROJ + ("gate", "up", "experts_in", "router"),
+    ("save_dots_attention", "xla"): ("qk", "experts_in"), ("save_dots_attention", "cudnn"): ("experts_in",),
 }
 
 
@@ -64,7 +65,7 @@ def expected_recompute(remat: str, attention: str, dense_layers: int, moe_layers
     for name in EXPECTED[(remat, attention)]:
         if name in ("gate", "up"):
             total += dense_layers * per[name]
-        elif name in ("experts", "router"):
+        elif name in ("experts_in", "router"):
             total += moe_layers * per[name]
         else:
             total += (dense_layers + moe_layers) * per[name]
@@ -235,3 +236,39 @@ def test_compiled_gradient_recomputes_what_the_table_says():
     av = 2 * (2 * s * 256)  # forward of AV per token, 2 layers, non-causal
     assert measured["save_dots"] - measured["save_dots_attention"] == pytest.approx(av, rel=0.05)
     assert measured["full"] - measured["save_attention"] == pytest.approx(av, rel=0.05)
+
+
+@pytest.mark.slow
+def test_the_compiled_moe_gradient_does_not_rerun_the_experts_down_projection():
+    """The router weights scale the experts' hidden values ahead of their down projection (models/experts.py), so
+    the backward pass needs no expert output and remat='full' re-runs only the experts' gate and up GEMMs: XLA's
+    count of the compiled gradient (capacity mode with room for exactly the routed rows: batched GEMMs of the routed
+    FLOPs) is the table's. Re-running the down projection too would add a third to the experts' recompute."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from jaxtron.models import build_model
+
+    b, s = 2, 128
+    base = ModelConfig(vocab_size=64, embed_dim=128, num_layers=2, attention=dict(num_heads=2, num_kv_heads=1),
+                       mlp_dim=512, max_seq_len=s, moe=dict(num_experts=4, experts_per_token=2))
+    tokens = jnp.zeros((b, s), jnp.int32)
+
+    def compiled_flops(run: ExecutionConfig) -> float:
+        graphdef, params = nnx.split(build_model(base, run, 0, "xla"), nnx.Param)
+        cost = jax.jit(jax.grad(lambda p: jnp.sum(nnx.merge(graphdef, p)(tokens).hidden))).lower(params).compile()
+        cost = cost.cost_analysis()
+        return (cost[0] if isinstance(cost, list) else cost)["flops"] / (b * s)
+
+    runs = {remat: ExecutionConfig(remat=remat, moe_mode="capacity", capacity_factor=1.0) for remat in ("none", "full")}
+    blocks_flops = flops.flops_per_token(base, s, causal=False) - 6 * 128 * 64  # without the logits
+    none = compiled_flops(runs["none"])
+    scale = none / blocks_flops  # 1 / num_layers when a loop body counts once
+    assert 0.49 < scale < 0.52 or 0.98 < scale < 1.03, scale
+    measured = (compiled_flops(runs["full"]) - none) / scale
+    table = flops.hardware_flops_per_token(base, runs["full"], s, causal=False) - flops.flops_per_token(base, s,
+                                                                                                         causal=False)
+    down = flops.matmul_breakdown(base, s, causal=False)["experts_out"] / 3  # its forward
+    assert 0.97 < measured / table < 1.1, (measured, table)
+    assert measured < table + down / 2, (measured, table, down)

@@ -38,18 +38,19 @@ MATMULS = {
     "scores_qk": "attention_scores", "scores_av": "attention_scores",
     "mlp_in": "mlp", "mlp_out": "mlp",  # (gate and) up projection; down projection
     "shared_in": "mlp", "shared_out": "mlp",  # the shared experts of MoE blocks: a dense SwiGLU
-    "experts": "experts", "router": "router", "logits": "logits",
+    # the routed experts' gate and up projections; their down projection
+    "experts_in": "experts", "experts_out": "experts", "router": "router", "logits": "logits",
     "mtp": "mtp",  # the multi-token prediction modules: projection, block and logits of each depth
 }
 TERMS = ("attention_proj", "attention_scores", "mlp", "experts", "router", "logits", "mtp")
-_BLOCK = ("attention_qkv", "attention_out", "scores_qk", "scores_av", "mlp_in", "shared_in", "experts", "router")
+_BLOCK = ("attention_qkv", "attention_out", "scores_qk", "scores_av", "mlp_in", "shared_in", "experts_in", "router")
 
 # The matmuls whose forward a remat policy runs a second time in the backward pass, per attention
 # implementation. jax.checkpoint re-runs only what the backward pass needs and the policy did not save
 # (jaxtron/models/stack.py, remat_policy), so:
 # - the MLP's down projection is never re-run: only its input (and weight) is needed for its gradients,
-#   and its output only feeds the residual sum. The expert down projection is re-run whenever the experts
-#   are, because the gradient of the router weights needs each expert's output;
+#   and its output only feeds the residual sum. Nor is the experts' (models/experts.py weights their hidden
+#   values ahead of it, so the router's gradient needs no expert output);
 # - the logits are outside the rematerialised blocks;
 # - 'save_dots' keeps the outputs of dots without batch dimensions: every projection and the router.
 #   The score products (batched over heads) and the expert GEMMs (ragged_dot, or batched over experts in
@@ -61,11 +62,12 @@ _BLOCK = ("attention_qkv", "attention_out", "scores_qk", "scores_av", "mlp_in", 
 RECOMPUTED: dict[str, dict[str, tuple[str, ...]]] = {
     "none": {"xla": (), "cudnn": ()},
     "full": {"xla": _BLOCK, "cudnn": _BLOCK},
-    "save_dots": {"xla": ("scores_qk", "scores_av", "experts"), "cudnn": ("scores_qk", "scores_av", "experts")},
-    "save_attention": {"xla": ("attention_qkv", "attention_out", "scores_qk", "mlp_in", "shared_in", "experts",
+    "save_dots": {"xla": ("scores_qk", "scores_av", "experts_in"),
+                  "cudnn": ("scores_qk", "scores_av", "experts_in")},
+    "save_attention": {"xla": ("attention_qkv", "attention_out", "scores_qk", "mlp_in", "shared_in", "experts_in",
                                "router"),
-                       "cudnn": ("attention_qkv", "attention_out", "mlp_in", "shared_in", "experts", "router")},
-    "save_dots_attention": {"xla": ("scores_qk", "experts"), "cudnn": ("experts",)},
+                       "cudnn": ("attention_qkv", "attention_out", "mlp_in", "shared_in", "experts_in", "router")},
+    "save_dots_attention": {"xla": ("scores_qk", "experts_in"), "cudnn": ("experts_in",)},
 }
 
 
@@ -137,7 +139,8 @@ def matmul_breakdown(cfg: ModelConfig, seq_len: int, causal: bool = True) -> dic
         "mlp_out": 6.0 * dense * h * cfg.mlp_dim,
         "shared_in": 6.0 * moe * h * shared * 2,
         "shared_out": 6.0 * moe * h * shared,
-        "experts": 6.0 * moe * cfg.moe.experts_per_token * h * cfg.resolved_expert_dim * 3,
+        "experts_in": 6.0 * moe * cfg.moe.experts_per_token * h * cfg.resolved_expert_dim * 2,
+        "experts_out": 6.0 * moe * cfg.moe.experts_per_token * h * cfg.resolved_expert_dim,
         "router": 6.0 * moe * h * cfg.moe.num_experts,
         "logits": 6.0 * h * cfg.vocab_size,
         "mtp": 0.0,
@@ -231,7 +234,8 @@ def fp8_flops_per_token(cfg: ModelConfig, execution: ExecutionConfig, seq_len: i
     per_dense = (m["mlp_in"] + m["mlp_out"]) / dense_layers if dense_layers else 0.0
     per_moe = (m["shared_in"] + m["shared_out"]) / moe_layers if moe_layers else 0.0
     if moe_layers:
-        experts, recompute = model["experts"] / moe_layers, (m["experts"] - model["experts"]) / moe_layers
+        routed = model["experts_in"] + model["experts_out"]
+        experts, recompute = routed / moe_layers, (m["experts_in"] + m["experts_out"] - routed) / moe_layers
         per_moe += experts + recompute if execution.moe_mode == "capacity" else experts / 3 + recompute
     return blocks * per_block + dense * per_dense + (blocks - dense) * per_moe
 

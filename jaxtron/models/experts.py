@@ -1,27 +1,27 @@
-"""The experts of an MoE block on one device: how its routed rows reach the devices that hold their experts, run
-through them and come back (``models/moe.py`` routes them).
+"""The experts of an MoE block on one device: how its routed rows reach the devices that hold their experts, run through
+them and come back (``models/moe.py`` routes them).
 
-The experts run inside ``shard_map`` over every mesh axis. Each device holds the tokens of its batch and
-sequence shard and its shard of the experts. Which mesh axes those are comes from the rules table
-(``ExpertAxes``), never from names written here; with the default table the experts are split over
-``expert``, their hidden width over ``fsdp`` (gathered before use) and their intermediate width over
-``tensor`` like a dense MLP. Where the experts are split, rows travel to the shard that owns their expert
-and back by all-to-all. At the end each token's k outputs are weighted and summed, and the partial products
-of the split intermediate width are summed.
+The experts run inside ``shard_map`` over every mesh axis. Each device holds the tokens of its batch and sequence
+shard and its shard of the experts. Which mesh axes those are comes from the rules table (``ExpertAxes``), never from
+names written here; with the default table the experts are split over ``expert``, their hidden width over ``fsdp``
+(gathered before use) and their intermediate width over ``tensor`` like a dense MLP. Where the experts are split,
+rows travel to the shard that owns their expert and back by all-to-all, with their router weights, which scale the
+hidden values there. At the end each token's k outputs are summed, and so are the partial products of the split
+intermediate width.
 
-- dropless: a device sorts its assignments by expert and runs one grouped GEMM per matrix over its experts'
-  rows. The padded exchange gives each destination a buffer of all of the device's assignments (the worst
-  case, because nothing may be dropped); the ragged one (``ops/exchange.py``) moves the routed rows alone.
-- capacity: every expert has ``capacity`` fixed slots per batch row; kept assignments are scattered into
-  them, and each expert runs one dense batched GEMM over its slots. Buffers and FLOPs are
-  ``capacity_factor`` times the routed work, on any backend.
+- dropless: a device sorts its assignments by expert and runs one grouped GEMM per matrix over its experts' rows. The
+  padded exchange gives each destination a buffer of all of the device's assignments (the worst case, because nothing
+  may be dropped); the ragged one (``ops/exchange.py``) moves the routed rows alone.
+- capacity: every expert has ``capacity`` fixed slots per batch row; kept assignments are scattered into them, and
+  each expert runs one dense batched GEMM over its slots. Buffers and FLOPs are ``capacity_factor`` times the routed
+  work, on any backend.
 
-Each device's tokens may run in chunks (``execution.moe_chunks``), each chunk's way split into stages (``Stages``:
-send, compute, finish) so that one chunk's exchanges are independent of another's GEMMs.
+Each device's tokens may run in chunks (``execution.moe_chunks``), each chunk's way split into stages
+(``models/expert_chunks.py``) so that one chunk's exchanges are independent of another's GEMMs.
 
-The grouped GEMM is ``ops/grouped.py``'s (``execution.expert_gemm``): ``jax.lax.ragged_dot``, which XLA (CPU and
-GPU alike) expands to a dense GEMM of every row with every local expert (E_local times the routed FLOPs), or
-tokamax's grouped kernel, which 'auto' takes on Hopper GPUs.
+The grouped GEMM is ``ops/grouped.py``'s (``execution.expert_gemm``): ``jax.lax.ragged_dot``, which XLA (CPU and GPU
+alike) expands to a dense GEMM of every row with every local expert (E_local times the routed FLOPs), or tokamax's
+grouped kernel, which 'auto' takes on Hopper GPUs.
 """
 
 from __future__ import annotations
@@ -29,11 +29,12 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 
+from jaxtron.models.expert_chunks import Stages, chunk_rows, overlapped, summed
 from jaxtron.ops import exchange, grouped, grouped_fp8
 from jaxtron.ops import fp8 as fp8_ops
 from jaxtron.parallel.sharding import logical_to_spec, spec_axes
@@ -83,27 +84,44 @@ class ExpertRun:
     receive_factor: float = 0.0  # dropless receive buffers: 0 the worst case, else this many times the routed rows
     fp8: bool = False  # the expert GEMMs in FP8, each expert's weights with their own scale: capacity mode's batched
     # ones (ops/fp8.py), dropless mode's grouped ones (ops/grouped_fp8.py)
-    chunks: int = 1  # each device's tokens run through the experts in this many chunks (``_chunk_rows``)
+    chunks: int = 1  # each device's tokens run through the experts in this many chunks (``chunk_rows``)
     node_shards: int = 0  # dropless: expert shards a node, rows sent once per node (``_exchange_nodes``); 0: one hop
 
 
-def _swiglu_grouped(rows: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array,
-                    group_sizes: jax.Array, run: ExpertRun) -> jax.Array:
-    """Rows sorted by expert [m, d] -> expert outputs [m, d]; rows past sum(group_sizes) give zeros. ``run``: the
-    grouped GEMM's implementation and precision (``ops/grouped.py``)."""
-    def matmul(x, w):
-        return (grouped_fp8.matmul if run.fp8 else grouped.matmul)(x, w, group_sizes, run.gemm)
+def _packed(rows: jax.Array, weights: jax.Array) -> jax.Array:
+    """Rows [..., d] with their router weights [...] in a column after them, in the rows' dtype (the precision the
+    weights multiply in), padded to a multiple of 8 columns: the weights travel in the rows' exchanges."""
+    pad = 8 - rows.shape[-1] % 8
+    extra = jnp.zeros((*rows.shape[:-1], pad - 1), rows.dtype)
+    return jnp.concatenate([rows, weights[..., None].astype(rows.dtype), extra], axis=-1)
 
-    return matmul(jax.nn.silu(matmul(rows, gate)) * matmul(rows, up), down)
+
+def _weighted_swiglu(packed: jax.Array, d: int, project: Callable[[jax.Array, str], jax.Array]) -> jax.Array:
+    """``_packed`` rows [..., d + pad] -> SwiGLU outputs [..., d] weighted by their router weights: ``project(x,
+    matrix)`` with 'gate', 'up', 'down'. The weights scale the hidden values ahead of the (linear) down projection,
+    which gives the same product: the router's gradient is then each row's hidden values against their gradient,
+    so the backward pass needs no expert output and remat runs neither the down projection nor the way home
+    again."""
+    rows, weights = packed[..., :d], packed[..., d:d + 1]
+    return project(jax.nn.silu(project(rows, "gate")) * project(rows, "up") * weights, "down")
+
+
+def _swiglu_grouped(packed: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array,
+                    group_sizes: jax.Array, run: ExpertRun) -> jax.Array:
+    """``_packed`` rows sorted by expert [m, d + pad] -> weighted expert outputs [m, d]; rows past sum(group_sizes)
+    give zeros. ``run``: the grouped GEMM's implementation and precision (``ops/grouped.py``)."""
+    matrices = {"gate": gate, "up": up, "down": down}
+    return _weighted_swiglu(packed, gate.shape[1], lambda x, name: (grouped_fp8.matmul if run.fp8 else grouped.matmul)(
+        x, matrices[name], group_sizes, run.gemm))
 
 
 def _swiglu_batched(slots: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array, fp8: bool) -> jax.Array:
-    """Fixed slots of each expert [E, m, d] -> outputs [E, m, d]: one batched GEMM per matrix. With ``fp8`` each
-    is a batched FP8 GEMM with current scaling, one scale for all slots and one per expert for the weights
-    (``ops/fp8.py``, ``batched_einsum``)."""
+    """Fixed slots of each expert, ``_packed`` [E, m, d + pad] -> weighted outputs [E, m, d]: one batched GEMM per
+    matrix. With ``fp8`` each is a batched FP8 GEMM with current scaling, one scale for all slots and one per expert
+    for the weights (``ops/fp8.py``, ``batched_einsum``)."""
     einsum = fp8_ops.batched_einsum if fp8 else jnp.einsum
-    h = jax.nn.silu(einsum("emd,edf->emf", slots, gate)) * einsum("emd,edf->emf", slots, up)
-    return einsum("emf,efd->emd", h, down)
+    matrices = {"gate": (gate, "emd,edf->emf"), "up": (up, "emd,edf->emf"), "down": (down, "emf,efd->emd")}
+    return _weighted_swiglu(slots, gate.shape[1], lambda x, name: einsum(matrices[name][1], x, matrices[name][0]))
 
 
 def experts_local(x: jax.Array, ids: jax.Array, weights: jax.Array, gate: jax.Array, up: jax.Array,
@@ -127,56 +145,24 @@ def experts_local(x: jax.Array, ids: jax.Array, weights: jax.Array, gate: jax.Ar
     n = b * t
     stages = []
     # chunks only where rows travel: their point is exchanges beside GEMMs (on one device they only add bookkeeping)
-    for rows in _chunk_rows(b, t, run.chunks if ep > 1 else 1, row_capacity):
+    for rows in chunk_rows(b, t, run.chunks if ep > 1 else 1, row_capacity):
         if row_capacity is None and ep > 1 and 0 < run.node_shards < ep:  # the chunk's tokens, once per node
             stages.append(_exchange_nodes(x.reshape(n, d)[rows], ids.reshape(n, k)[rows],
                                           weights.reshape(n, k)[rows], gate, up, down, num_experts, axes.experts, ep,
                                           run))
         elif row_capacity is None:  # the chunk's tokens, flattened, each assignment straight to its expert
             part = x.reshape(n, d)[rows]
-            stages.append(_weighted(_dropless(part, ids.reshape(n, k)[rows].reshape(-1), gate, up, down, num_experts,
-                                              axes.experts, ep, run, _receive_rows(run, ep, part.shape[0] * k)),
-                                    weights.reshape(n, k)[rows]))
+            stages.append(summed(_dropless(part, ids.reshape(n, k)[rows].reshape(-1),
+                                            weights.reshape(n, k)[rows].reshape(-1), gate, up, down, num_experts,
+                                            axes.experts, ep, run, _receive_rows(run, ep, part.shape[0] * k)), k))
         else:  # capacity mode's slots are per batch row: the chunk's rows, whole
-            stages.append(_weighted(_with_capacity(x[rows], ids[rows], gate, up, down, num_experts,
-                                                   min(row_capacity, t), axes.experts, ep, run.fp8),
-                                    weights[rows].reshape(-1, k)))
+            stages.append(summed(_with_capacity(x[rows], ids[rows], weights[rows], gate, up, down, num_experts,
+                                                 min(row_capacity, t), axes.experts, ep, run.fp8), k))
     ys, dropped = [], jnp.zeros((), jnp.float32)
-    for y, lost in _overlapped(stages):
+    for y, lost in overlapped(stages):
         ys.append(jax.lax.psum(y, axes.mlp) if axes.mlp else y)  # each shard computed its slice of the width
         dropped = dropped + lost
     return jnp.concatenate(ys).reshape(b, t, d), dropped
-
-
-def _chunk_rows(b: int, t: int, chunks: int, row_capacity: int | None) -> list[slice]:
-    """The slices of one device's tokens that run through the experts one after another (``execution.moe_chunks``):
-    each chunk's exchanges are independent of the others' expert GEMMs, so they can overlap. Dropless chunks split
-    the flattened tokens, capacity chunks the batch rows (their slots are per row); a count that does not divide
-    them is lowered to one that does."""
-    n = b * t if row_capacity is None else b
-    chunks = max(c for c in range(1, min(chunks, n) + 1) if n % c == 0)
-    return [slice(i * n // chunks, (i + 1) * n // chunks) for i in range(chunks)]
-
-
-class Stages(NamedTuple):
-    """One chunk's way through the experts, its bookkeeping (sorting, the exchange's layout) already done: ``send``
-    the rows to the expert shards, ``compute`` the local experts on what arrived, ``finish``: the outputs home
-    -> (outputs, assignments a full receive buffer dropped). The outputs are per assignment [assignments, d] in
-    assignment order (``_dropless``, ``_with_capacity``), or each token's weighted sum [tokens, d] (``_weighted``,
-    ``_exchange_nodes``)."""
-    send: Callable[[], Any]
-    compute: Callable[[Any], Any]
-    finish: Callable[[Any], tuple[jax.Array, jax.Array]]
-
-
-def _weighted(stages: Stages, weights: jax.Array) -> Stages:
-    """``stages`` whose outputs are per assignment, finished as each token's sum of its k outputs weighted by
-    ``weights`` [tokens, k]."""
-    def finish(computed):
-        out, lost = stages.finish(computed)
-        tokens, k = weights.shape
-        return jnp.einsum("nkd,nk->nd", out.reshape(tokens, k, -1), weights.astype(out.dtype)), lost
-    return Stages(stages.send, stages.compute, finish)
 
 
 def _receive_rows(run: ExpertRun, senders: int, own_rows: int, sent_rows: int | None = None) -> int:
@@ -186,35 +172,18 @@ def _receive_rows(run: ExpertRun, senders: int, own_rows: int, sent_rows: int | 
     return min(worst, math.ceil(run.receive_factor * own_rows)) if run.receive_factor else worst
 
 
-def _overlapped(stages: list[Stages]) -> list[tuple[jax.Array, jax.Array]]:
-    """Runs the chunks' stages in the order that overlaps them: the next chunk's send, this chunk's experts, the
-    previous chunk's way home. Nothing ties one chunk's exchanges to another's kernels, so a scheduler may run them
-    side by side (XLA's latency-hiding scheduler, ``models/moe.py`` COMPILER_OPTIONS); which ones it does is in
-    ``benchmarks/moe_overlap.md``, measured on programs traced in this order."""
-    count = len(stages)
-    received, computed, finished = [None] * count, [None] * count, [None] * count
-    received[0] = stages[0].send()
-    for i in range(count):
-        if i + 1 < count:
-            received[i + 1] = stages[i + 1].send()
-        computed[i] = stages[i].compute(received[i])
-        if i:
-            finished[i - 1] = stages[i - 1].finish(computed[i - 1])
-    finished[-1] = stages[-1].finish(computed[-1])
-    return finished
-
-
-def _dropless(tokens, ids, gate, up, down, num_experts: int, expert_axes: tuple[str, ...], ep: int,
+def _dropless(tokens, ids, weights, gate, up, down, num_experts: int, expert_axes: tuple[str, ...], ep: int,
               run: ExpertRun, receive_rows: int) -> Stages:
     """Assignments sorted by expert, one grouped GEMM (ragged_dot) per matrix; the stages' outputs [n * k, d] in
-    assignment order (ids ``num_experts`` and up get zeros). With the experts split over ``expert_axes`` (``ep``
+    assignment order, each weighted by its router weight (``weights`` [n * k]; ids ``num_experts`` and up get
+    zeros); the weights travel with the rows. With the experts split over ``expert_axes`` (``ep``
     shards) the padded exchange gives each destination shard a buffer of all n * k rows (the worst case); the
     ragged one receives into ``receive_rows`` (``_receive_rows``), and if that is less than the worst case
     ``finish`` also says how many rows did not fit."""
     k = ids.shape[0] // tokens.shape[0]
     order = jnp.argsort(ids, stable=True)  # dropped ids (none in dropless mode) would sort last
     sorted_ids = ids[order]
-    rows = tokens[order // k]
+    rows = _packed(tokens[order // k], weights[order])
     counts = jnp.sum(jax.nn.one_hot(ids, num_experts, dtype=jnp.int32), axis=0)
     none = jnp.zeros((), jnp.float32)
     if ep == 1:
@@ -276,8 +245,8 @@ def _exchange_nodes(tokens, ids, weights, gate, up, down, num_experts: int, expe
         rows, got = (exchange.dispatch(c, m, plan, expert_axes) for c in carried)
         got_ids, got_weights = got[:, :k].astype(jnp.int32), got[:, k:]
         got_ids = jnp.where(jnp.arange(m)[:, None] < jnp.sum(plan.recv_sizes), got_ids, num_experts)  # past: none
-        inner = _weighted(_dropless(rows, got_ids.reshape(-1), gate, up, down, num_experts, expert_axes, ep, run,
-                                    _receive_rows(run, group, n * k, m * k)), got_weights)
+        inner = summed(_dropless(rows, got_ids.reshape(-1), got_weights.reshape(-1), gate, up, down, num_experts,
+                                  expert_axes, ep, run, _receive_rows(run, group, n * k, m * k)), k)
         return inner, inner.send()
 
     def compute(sent):
@@ -294,9 +263,9 @@ def _exchange_nodes(tokens, ids, weights, gate, up, down, num_experts: int, expe
 
 def _exchange_sorted(rows, sorted_ids, counts, gate, up, down, expert_axes: tuple[str, ...], ep: int,
                      local_experts: int, run: ExpertRun) -> Stages:
-    """Sends sorted rows to the expert shards that own their experts (a fixed buffer of all the rows per
-    shard), runs the local experts on what arrives, and returns each row's output in the sorted order."""
-    m, d = rows.shape
+    """Sends sorted ``_packed`` rows to the expert shards that own their experts (a fixed buffer of all the rows per
+    shard), runs the local experts on what arrives, and returns each row's weighted output in the sorted order."""
+    m, d = rows.shape[0], gate.shape[1]
     per_shard = counts.reshape(ep, local_experts)
     sent = jnp.sum(per_shard, axis=1)  # rows for each destination shard
     starts = jnp.cumsum(sent) - sent
@@ -310,7 +279,7 @@ def _exchange_sorted(rows, sorted_ids, counts, gate, up, down, expert_axes: tupl
     regroup = jnp.argsort(local_id.reshape(ep * m), stable=True)  # unused slots (id local_experts) last
 
     def compute(recv):  # recv[j]: rows from shard j
-        computed = _swiglu_grouped(recv.reshape(ep * m, d)[regroup], gate, up, down, jnp.sum(recv_counts, 0), run)
+        computed = _swiglu_grouped(recv.reshape(ep * m, -1)[regroup], gate, up, down, jnp.sum(recv_counts, 0), run)
         return computed[jnp.argsort(regroup)].reshape(ep, m, d)
 
     def finish(back):
@@ -325,9 +294,10 @@ def _exchange_sorted(rows, sorted_ids, counts, gate, up, down, expert_axes: tupl
 def _exchange_ragged(rows, counts, gate, up, down, expert_axes: tuple[str, ...], ep: int, local_experts: int,
                      run: ExpertRun, receive_rows: int) -> Stages:
     """``_exchange_sorted`` moving only the routed rows (``ops/exchange.py``): each expert shard gets the rows of
-    its experts, packed peer by peer into a buffer of ``receive_rows`` (the worst case: every row of every peer),
-    runs its local experts on them and sends each output home to its place in the sorted order. Rows that do not
-    fit the receiver's buffer stay home with a zero output; ``finish`` counts this device's."""
+    its experts (``_packed`` with their router weights), packed peer by peer into a buffer of ``receive_rows`` (the
+    worst case: every row of every peer), runs its local experts on them and sends each output home to its place in
+    the sorted order. Rows that do not fit the receiver's buffer stay home with a zero output; ``finish`` counts
+    this device's."""
     m = rows.shape[0]
     per_shard = counts.reshape(ep, local_experts)  # rows for each (destination shard, its local expert)
     matrix = jax.lax.all_gather(jnp.sum(per_shard, axis=1), expert_axes)  # [source, destination] row counts
@@ -353,11 +323,12 @@ def _exchange_ragged(rows, counts, gate, up, down, expert_axes: tuple[str, ...],
     return Stages(lambda: exchange.dispatch(rows, receive_rows, plan, expert_axes), compute, finish)
 
 
-def _with_capacity(x, ids, gate, up, down, num_experts: int, slots: int, expert_axes: tuple[str, ...],
+def _with_capacity(x, ids, weights, gate, up, down, num_experts: int, slots: int, expert_axes: tuple[str, ...],
                    ep: int, fp8: bool) -> Stages:
-    """Capacity mode: every expert has ``slots`` fixed places per local row; kept assignments are scattered
-    into them, the slots of each expert shard are exchanged as one block, and each expert runs one dense
-    batched GEMM over its slots. The stages' outputs [b * t * k, d] in assignment order (zeros for dropped ones)."""
+    """Capacity mode: every expert has ``slots`` fixed places per local row; kept assignments and their router
+    weights (``weights`` [b, t, k]) are scattered into them, the slots of each expert shard are exchanged as one
+    block, and each expert runs one dense batched GEMM over its slots. The stages' outputs [b * t * k, d] in
+    assignment order, weighted (zeros for dropped ones)."""
     b, t, d = x.shape
     k = ids.shape[-1]
     kept = ids < num_experts
@@ -366,16 +337,16 @@ def _with_capacity(x, ids, gate, up, down, num_experts: int, slots: int, expert_
     rank = rank_in_row(jax.nn.one_hot(ids, num_experts, dtype=jnp.int32))
     place = ids * (b * slots) + jnp.arange(b)[:, None, None] * slots + rank  # [b, t, k] in [E * b * slots]
     place = jnp.where(kept, place, num_experts * b * slots).reshape(-1)  # dropped: outside the buffer
-    rows = jnp.broadcast_to(x[:, :, None, :], (b, t, k, d)).reshape(-1, d)
-    buffer = jnp.zeros((num_experts * b * slots, d), x.dtype).at[place].set(rows, mode="drop")
+    rows = _packed(jnp.broadcast_to(x[:, :, None, :], (b, t, k, d)), weights).reshape(b * t * k, -1)
+    buffer = jnp.zeros((num_experts * b * slots, rows.shape[-1]), x.dtype).at[place].set(rows, mode="drop")
     local_experts = num_experts // ep
-    buffer = buffer.reshape(ep, local_experts, b * slots, d)
+    buffer = buffer.reshape(ep, local_experts, b * slots, -1)
 
     def exchanged(blocks):  # [shard, local expert, ...] <-> [source shard, local expert, ...]
         return jax.lax.all_to_all(blocks, expert_axes, 0, 0, tiled=True) if ep > 1 else blocks
 
     def compute(received):
-        grouped = jnp.swapaxes(received, 0, 1).reshape(local_experts, ep * b * slots, d)
+        grouped = jnp.swapaxes(received, 0, 1).reshape(local_experts, ep * b * slots, -1)
         out = _swiglu_batched(grouped, gate, up, down, fp8).reshape(local_experts, ep, b * slots, d)
         return jnp.swapaxes(out, 0, 1)
 

@@ -226,16 +226,18 @@ def sequence_time(cfg: Config, shape: StepShape, block: BlockValues, coll: Colle
 def expert_time(cfg: Config, shape: StepShape, block: BlockValues, coll: Collectives) -> float:
     """The MoE blocks' all-to-all exchanges over ``expert``: in dropless mode the routed rows alone (the ragged
     exchange a GPU runs), in capacity mode the capacity slots. Each block exchanges twice (rows out, outputs home)
-    in its forward pass and in its backward pass, and again when its forward is recomputed: under every remat policy
-    but 'none', since none of them saves an exchange's result (Mixtral's step compiled for the H100 with
-    save_dots_attention exchanges in three passes). Rows sent once per node (``execution.moe_node_shards``) cross
+    in its forward pass and in its backward pass, and sends its rows out once more when its forward is recomputed:
+    under every remat policy but 'none', since none of them saves an exchange's result. The way home is not
+    recomputed: the backward pass needs no expert output (``models/experts.py`` weights the hidden values), and the
+    H100 compile of DeepSeek-V3 moves 5/6 of the rows it did when it was. The router weights travelling with the
+    rows (4 bytes a row) are left out. Rows sent once per node (``execution.moe_node_shards``) cross
     between nodes once for each node a token's experts lie on (``nodes_reached``), then within the node as before."""
     if not (shape.moe_layers and shape.expert > 1):
         return 0.0
     exchange = block.moe_exchanged * block.embed * shape.work_bytes
     moe_blocks = shape.moe_blocks()
-    passes = 3 if cfg.execution.remat != "none" or shape.forward_passes > 3 else 2
-    times = 2 * passes * moe_blocks * shape.microbatches * shape.in_flight
+    exchanges = 5 if cfg.execution.remat != "none" or shape.forward_passes > 3 else 4
+    times = exchanges * moe_blocks * shape.microbatches * shape.in_flight
     group, moe = cfg.execution.moe_node_shards, cfg.model.moe
     if cfg.execution.moe_mode == "dropless" and 0 < group < shape.expert:  # once per node, then within it
         nodes = shape.expert // group
