@@ -681,6 +681,22 @@ def test_rows_sent_once_per_node_equal_each_assignment_sent_to_its_expert(node_s
         np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-6 * max(1.0, np.abs(w).max()))
 
 
+@pytest.mark.slow
+def test_the_hop_inside_a_node_runs_among_the_nodes_devices_alone():
+    """Rows once per node on data=2 x expert=4 (2 'nodes' of 2 shards): the exchanges between nodes run over the
+    expert axis (groups of 4 devices), the hop to the experts inside a node among the node's 2 devices, so that a
+    GPU sends it over NVLink and the scheduler's costs price it so (metrics/schedule.link_bandwidth)."""
+    from jaxtron.metrics.collectives import group_devices
+
+    x = jax.random.normal(jax.random.key(1), (8, 16, 32))
+    graphdef, state = _layer(_layer_cfg(), ExecutionConfig(moe_node_shards=2))
+    hlo = _collectives(_mesh(dict(data=2, fsdp=1, expert=4)), graphdef, state, x)
+    sizes = [len(group_devices(line)) for line in hlo.splitlines() if "all-to-all(" in line]
+    assert 2 in sizes and 4 in sizes and set(sizes) == {2, 4}, sizes
+    # in the node: rows out and home, both transposed, the peers' counts, and the emulation's offsets beside each
+    assert sizes.count(2) >= 5, sizes
+
+
 @pytest.mark.parametrize("router", ["softmax", "sigmoid"])
 def test_a_token_crosses_once_to_each_node_that_holds_one_of_its_experts(router):
     """The rows between nodes (models/experts.node_rows), 8 experts on 2 nodes: one for each token and node among

@@ -40,6 +40,17 @@ def test_the_summary_counts_exchanges_of_rows_and_the_share_their_windows_hide()
     assert overlap.summary(found, 1e15)["exchanges"]["hidden_share"] == pytest.approx(0.5)
 
 
+def test_the_summary_prices_each_window_at_its_own_links_when_given_them():
+    """Exchanges inside a node and across nodes in one program: each at the bandwidth of its links, by its start."""
+    found = overlap.windows(PROGRAM, CEILINGS)
+    send = next(w for w in found if w.name == "%send")
+    ex = overlap.summary(found, {"%send": 1e10, "%home": 1e15, "%counts": 1e10})["exchanges"]
+    transfer = ROWS / 1e10 + ROWS / 1e15
+    assert ex["transfer_s"] == pytest.approx(transfer)
+    assert ex["hidden_share"] == pytest.approx(send.compute_s / transfer)  # %home, quick, is not hidden at all
+    assert overlap.summary(found, dict.fromkeys(("%send", "%home", "%counts"), 1e10)) == overlap.summary(found, 1e10)
+
+
 def test_the_report_prints_each_kind_and_the_exchanges_at_each_bandwidth():
     lines = overlap.text(overlap.report(PROGRAM, CEILINGS, {"NVLink": 1e11, "the network": 1e10}), 0.3).splitlines()
     assert lines[0].startswith("collectives beside compute") and "NVLink's 100 GB/s" in lines[0]

@@ -10,6 +10,7 @@ GPU program is scheduled); a loop or call scheduled inside a window brings all o
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 
 from jaxtron.metrics.budget import _LINE, _NESTED, _TO_APPLY, Ceilings, _operand_names, _Program, _split, kernels
 from jaxtron.metrics.collectives import _kind, collective_bytes
@@ -116,13 +117,17 @@ def exchanges(found: list[Window]) -> list[Window]:
     return [w for w in found if w.kind in EXCHANGES and w.bytes >= ROW_BYTES]
 
 
-def summary(found: list[Window], bandwidth: float) -> dict:
+def summary(found: list[Window], bandwidth: float | Mapping[str, float]) -> dict:
     """Per collective kind: how many (per step) run beside GEMM or attention kernels, beside any compute, in all;
-    their bytes, their transfer seconds at ``bandwidth`` and the share of those the windows' kernels can hide.
-    'exchanges' is the same for the row-carrying all-to-alls alone."""
+    their bytes, their transfer seconds at ``bandwidth`` (one for all, or each window's by its start's name) and
+    the share of those the windows' kernels can hide. 'exchanges' is the same for the row-carrying all-to-alls
+    alone."""
+    def rate(w: Window) -> float:
+        return bandwidth[w.name] if isinstance(bandwidth, Mapping) else bandwidth
+
     def one(group: list[Window]) -> dict:
-        transfer = sum(w.runs * w.bytes / bandwidth for w in group)
-        hidden = sum(w.runs * w.bytes / bandwidth * w.hidden(bandwidth) for w in group)
+        transfer = sum(w.runs * w.bytes / rate(w) for w in group)
+        hidden = sum(w.runs * w.bytes / rate(w) * w.hidden(rate(w)) for w in group)
         return {"count": sum(w.runs for w in group), "beside_gemms": sum(w.runs for w in group if w.gemms),
                 "beside_compute": sum(w.runs for w in group if w.compute_s > 0),
                 "bytes": sum(w.runs * w.bytes for w in group), "transfer_s": transfer,

@@ -98,14 +98,21 @@ def profile(hlo_text: str | _Program, costs: Costs) -> str:
     return "\n".join(lines) + "\n" if collectives else ""
 
 
+def start_links(hlo_text: str | _Program, costs: Costs) -> dict[str, float]:
+    """Each asynchronous collective's start (by name) -> the bandwidth of its links (``link_bandwidth``)."""
+    program = hlo_text if isinstance(hlo_text, _Program) else _Program(hlo_text)
+    return {name: link_bandwidth(line, costs) for _, _, line, name, _, opcode, _ in program.instructions()
+            if opcode.endswith("-start")}
+
+
 def exposed_seconds(hlo_text: str | _Program, costs: Costs) -> float:
     """Seconds per step that the program's asynchronous collectives take beyond the kernels scheduled between their
     starts and dones (``jaxtron.metrics.overlap``), each at the bandwidth of its links: what the step waits for."""
     program = hlo_text if isinstance(hlo_text, _Program) else _Program(hlo_text)
-    starts = {name: line for _, _, line, name, _, opcode, _ in program.instructions() if opcode.endswith("-start")}
+    links = start_links(program, costs)
     total = 0.0
     for window in overlap.windows(program, costs.ceilings):
-        bandwidth = link_bandwidth(starts.get(window.name, ""), costs)
+        bandwidth = links.get(window.name, costs.network_bandwidth)
         total += window.runs * window.bytes / bandwidth * (1 - window.hidden(bandwidth))
     return total
 

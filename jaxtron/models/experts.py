@@ -173,13 +173,14 @@ def _receive_rows(run: ExpertRun, senders: int, own_rows: int, sent_rows: int | 
 
 
 def _dropless(tokens, ids, weights, gate, up, down, num_experts: int, expert_axes: tuple[str, ...], ep: int,
-              run: ExpertRun, receive_rows: int) -> Stages:
+              run: ExpertRun, receive_rows: int, node: int = 0) -> Stages:
     """Assignments sorted by expert, one grouped GEMM (ragged_dot) per matrix; the stages' outputs [n * k, d] in
     assignment order, each weighted by its router weight (``weights`` [n * k]; ids ``num_experts`` and up get
     zeros); the weights travel with the rows. With the experts split over ``expert_axes`` (``ep``
     shards) the padded exchange gives each destination shard a buffer of all n * k rows (the worst case); the
     ragged one receives into ``receive_rows`` (``_receive_rows``), and if that is less than the worst case
-    ``finish`` also says how many rows did not fit."""
+    ``finish`` also says how many rows did not fit. ``node``: where every row's expert lies in this device's node
+    of that many shards, the ragged exchange runs among the node's devices alone."""
     k = ids.shape[0] // tokens.shape[0]
     order = jnp.argsort(ids, stable=True)  # dropped ids (none in dropless mode) would sort last
     sorted_ids = ids[order]
@@ -190,7 +191,7 @@ def _dropless(tokens, ids, weights, gate, up, down, num_experts: int, expert_axe
         stages = Stages(lambda: rows, lambda r: _swiglu_grouped(r, gate, up, down, counts, run), lambda c: (c, none))
     elif run.exchange == "ragged":
         stages = _exchange_ragged(rows, counts, gate, up, down, expert_axes, ep, num_experts // ep, run,
-                                  receive_rows)
+                                  receive_rows, node)
     else:
         stages = _exchange_sorted(rows, sorted_ids, counts, gate, up, down, expert_axes, ep, num_experts // ep,
                                   run)
@@ -246,7 +247,7 @@ def _exchange_nodes(tokens, ids, weights, gate, up, down, num_experts: int, expe
         got_ids, got_weights = got[:, :k].astype(jnp.int32), got[:, k:]
         got_ids = jnp.where(jnp.arange(m)[:, None] < jnp.sum(plan.recv_sizes), got_ids, num_experts)  # past: none
         inner = summed(_dropless(rows, got_ids.reshape(-1), got_weights.reshape(-1), gate, up, down, num_experts,
-                                  expert_axes, ep, run, _receive_rows(run, group, n * k, m * k)), k)
+                                 expert_axes, ep, run, _receive_rows(run, group, n * k, m * k), group), k)
         return inner, inner.send()
 
     def compute(sent):
@@ -292,25 +293,32 @@ def _exchange_sorted(rows, sorted_ids, counts, gate, up, down, expert_axes: tupl
 
 
 def _exchange_ragged(rows, counts, gate, up, down, expert_axes: tuple[str, ...], ep: int, local_experts: int,
-                     run: ExpertRun, receive_rows: int) -> Stages:
+                     run: ExpertRun, receive_rows: int, node: int = 0) -> Stages:
     """``_exchange_sorted`` moving only the routed rows (``ops/exchange.py``): each expert shard gets the rows of
     its experts (``_packed`` with their router weights), packed peer by peer into a buffer of ``receive_rows`` (the
     worst case: every row of every peer), runs its local experts on them and sends each output home to its place in
     the sorted order. Rows that do not fit the receiver's buffer stay home with a zero output; ``finish`` counts
-    this device's."""
+    this device's. ``node`` > 0: every row's expert lies in this device's node of ``node`` consecutive shards, and
+    the exchange runs among them alone (groups of the expert axes: NVLink, and priced so)."""
     m = rows.shape[0]
     per_shard = counts.reshape(ep, local_experts)  # rows for each (destination shard, its local expert)
     matrix = jax.lax.all_gather(jnp.sum(per_shard, axis=1), expert_axes)  # [source, destination] row counts
     me = jax.lax.axis_index(expert_axes)
-    sent = exchange.fit(matrix, receive_rows) if receive_rows < ep * m else matrix
+    peers, groups = ep, None
+    if node:  # the node's block of the counts, and this device's place in it
+        first = me // node * node
+        peers, groups = node, tuple(tuple(range(j, j + node)) for j in range(0, ep, node))
+        per_shard = jax.lax.dynamic_slice_in_dim(per_shard, first, node)
+        matrix, me = jax.lax.dynamic_slice(matrix, (first, first), (node, node)), me - first
+    sent = exchange.fit(matrix, receive_rows) if receive_rows < peers * m else matrix
     plan = exchange.layout(matrix, me, sent)
-    recv_counts = jax.lax.all_to_all(per_shard, expert_axes, 0, 0, tiled=True)  # [source, local expert]
+    recv_counts = jax.lax.all_to_all(per_shard, expert_axes, 0, 0, tiled=True, axis_index_groups=groups)
     # what arrived of each peer's chunk is its first rows: their counts per local expert
     arrived = jnp.minimum(jnp.cumsum(recv_counts, axis=1), plan.recv_sizes[:, None])
     recv_counts = arrived - jnp.pad(arrived, ((0, 0), (1, 0)))[:, :-1]
     # each peer's rows arrive sorted by expert; regroup all of them by local expert for the grouped GEMM
     segment = jnp.searchsorted(jnp.cumsum(recv_counts.reshape(-1)), jnp.arange(receive_rows), side="right")
-    local_id = jnp.where(segment < ep * local_experts, segment % local_experts, local_experts)  # unused: last
+    local_id = jnp.where(segment < peers * local_experts, segment % local_experts, local_experts)  # unused: last
     regroup = jnp.argsort(local_id, stable=True)
 
     def compute(received):  # peer by peer, then zeros
@@ -318,9 +326,9 @@ def _exchange_ragged(rows, counts, gate, up, down, expert_axes: tuple[str, ...],
         return computed[jnp.argsort(regroup)]
 
     def finish(computed):
-        out = exchange.combine(computed, m, plan, expert_axes)
+        out = exchange.combine(computed, m, plan, expert_axes, groups)
         return out, jnp.sum(matrix[me] - sent[me]).astype(jnp.float32)
-    return Stages(lambda: exchange.dispatch(rows, receive_rows, plan, expert_axes), compute, finish)
+    return Stages(lambda: exchange.dispatch(rows, receive_rows, plan, expert_axes, groups), compute, finish)
 
 
 def _with_capacity(x, ids, weights, gate, up, down, num_experts: int, slots: int, expert_axes: tuple[str, ...],

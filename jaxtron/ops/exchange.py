@@ -13,6 +13,7 @@ around it is tested on CPU meshes; on a GPU the real collective is checked again
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -66,30 +67,70 @@ def fit(counts: jax.Array, capacity: int) -> jax.Array:
     return jnp.clip(capacity - before, 0, counts)
 
 
-def dispatch(rows: jax.Array, out_rows: int, plan: Layout, axes: tuple[str, ...]) -> jax.Array:
-    """Sorted rows [m, d] -> the rows routed to this device [out_rows, d], peer by peer (zeros past them)."""
-    buffer = jnp.zeros((out_rows, *rows.shape[1:]), rows.dtype)
-    return ragged_all_to_all(rows, buffer, plan.send_offsets, plan.send_sizes, plan.remote_offsets,
-                             plan.recv_sizes, axes)
+def dispatch(rows: jax.Array, out_rows: int, plan: Layout, axes: tuple[str, ...], groups=None) -> jax.Array:
+    """Sorted rows [m, d] -> the rows routed to this device [out_rows, d], peer by peer (zeros past them). ``groups``:
+    the exchange runs within these groups of the axes' indices (``jax.lax.ragged_all_to_all``'s
+    ``axis_index_groups``); ``plan``'s peers are then the group's."""
+    return _exchanged(rows, _fields(plan), out_rows, axes, groups, True)
 
 
-def combine(computed: jax.Array, out_rows: int, plan: Layout, axes: tuple[str, ...]) -> jax.Array:
+def combine(computed: jax.Array, out_rows: int, plan: Layout, axes: tuple[str, ...], groups=None) -> jax.Array:
     """``dispatch`` backwards: the computed rows [n, d] go home -> [out_rows, d] in the sorted order sent."""
-    buffer = jnp.zeros((out_rows, *computed.shape[1:]), computed.dtype)
-    return ragged_all_to_all(computed, buffer, plan.recv_offsets, plan.recv_sizes, plan.home_offsets,
-                             plan.send_sizes, axes)
+    return _exchanged(computed, _fields(plan), out_rows, axes, groups, False)
+
+
+def _fields(plan: Layout) -> tuple[jax.Array, ...]:
+    return tuple(getattr(plan, f.name) for f in dataclasses.fields(plan))
+
+
+def _moved(x, fields, out_rows: int, axes, groups, outward: bool) -> jax.Array:
+    """One way of a ragged exchange: rows out (``outward``) or home, into a buffer of ``out_rows``."""
+    plan = Layout(*fields)
+    buffer = jnp.zeros((out_rows, *x.shape[1:]), x.dtype)
+    if outward:
+        return ragged_all_to_all(x, buffer, plan.send_offsets, plan.send_sizes, plan.remote_offsets,
+                                 plan.recv_sizes, axes, groups)
+    return ragged_all_to_all(x, buffer, plan.recv_offsets, plan.recv_sizes, plan.home_offsets, plan.send_sizes,
+                             axes, groups)
+
+
+def _exchanged(x, fields, out_rows: int, axes, groups, outward: bool) -> jax.Array:
+    """``_moved``; within groups, differentiated as the other way on the same plan (each way moves rows to places
+    and leaves the rest zero, so its transpose is the other way), which jax's own transpose of the grouped
+    collective does not handle (jax 0.10.2)."""
+    if groups is None:
+        return _moved(x, fields, out_rows, axes, groups, outward)
+    return _grouped(x, fields, out_rows, axes, groups, outward)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5))
+def _grouped(x, fields, out_rows, axes, groups, outward):
+    return _moved(x, fields, out_rows, axes, groups, outward)
+
+
+def _grouped_fwd(x, fields, out_rows, axes, groups, outward):
+    return _moved(x, fields, out_rows, axes, groups, outward), (fields, x.shape[0])
+
+
+def _grouped_bwd(out_rows, axes, groups, outward, saved, cotangent):
+    fields, rows = saved
+    return _moved(cotangent, fields, rows, axes, groups, not outward), None
+
+
+_grouped.defvjp(_grouped_fwd, _grouped_bwd)
 
 
 def ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes,
-                      axes: tuple[str, ...]) -> jax.Array:
-    """``jax.lax.ragged_all_to_all`` over ``axes`` on a GPU, its fixed-size emulation elsewhere."""
+                      axes: tuple[str, ...], groups=None) -> jax.Array:
+    """``jax.lax.ragged_all_to_all`` over ``axes`` (within ``groups`` of their indices, if given) on a GPU, its
+    fixed-size emulation elsewhere."""
     if native():
         return jax.lax.ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes,
-                                         axis_name=axes)
-    return _emulated(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, axes)
+                                         axis_name=axes, axis_index_groups=groups)
+    return _emulated(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, axes, groups)
 
 
-def _emulated(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, axes):
+def _emulated(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, axes, groups=None):
     """Each chunk padded to the operand's length and sent by ``all_to_all``, with the offset it must land at;
     the receiver writes the first ``recv_sizes[s]`` rows of peer s's chunk there."""
     m = operand.shape[0]
@@ -97,7 +138,8 @@ def _emulated(operand, output, input_offsets, send_sizes, output_offsets, recv_s
     slot = jnp.arange(m)
     take = jnp.clip(input_offsets[:, None] + slot[None, :], 0, m - 1)  # [ep, m]
     chunks = jnp.where((slot[None, :] < send_sizes[:, None])[..., None], operand[take], 0)
-    chunks = jax.lax.all_to_all(chunks, axes, 0, 0, tiled=True)  # chunks[s]: what peer s sent here
-    lands = jax.lax.all_to_all(output_offsets.reshape(ep, 1), axes, 0, 0, tiled=True)[:, 0]  # [ep]
+    chunks = jax.lax.all_to_all(chunks, axes, 0, 0, tiled=True, axis_index_groups=groups)  # [s]: peer s's, here
+    lands = jax.lax.all_to_all(output_offsets.reshape(ep, 1), axes, 0, 0, tiled=True,
+                               axis_index_groups=groups)[:, 0]  # [ep]
     place = jnp.where(slot[None, :] < recv_sizes[:, None], lands[:, None] + slot[None, :], output.shape[0])
     return output.at[place.reshape(-1)].set(chunks.reshape(ep * m, *operand.shape[1:]), mode="drop")
