@@ -370,9 +370,10 @@ def test_meshes_of_16_to_64_gpus_compile_with_the_attention_a_gpu_run_picks(axis
     expected = {"sequence": "all-gather", "sequence-auto": "all-gather", "tensor": "reduce-scatter",
                 "expert": "ragged-all-to-all", "pipeline": "collective-permute"}[axis]
     assert got["collectives"][expected] > 0, got
-    if axis == "expert":  # only the routed rows travel: 16 x 128 tokens / 16 GPUs x top-2, 128 wide, bf16, 4 layers
+    if axis == "expert":  # only the routed rows travel: 16 x 128 tokens / 16 GPUs x top-2, bf16, 4 layers; 128 wide,
+        # or 136 with the router weight in a padded column (models/experts.py _packed)
         per_exchange = got["collective_bytes"]["ragged-all-to-all"] / got["collectives"]["ragged-all-to-all"]
-        assert per_exchange == 128 * 2 * 128 * 2, got
+        assert 128 * 2 * 128 * 2 < per_exchange < 128 * 2 * 136 * 2, got
     if axis == "pipeline":
         assert got["kernels"]["__cudnn$fmhaSoftmax"] == got["kernels"]["__cudnn$fmhaSoftmaxBackward"] == 1, got
 
@@ -489,8 +490,9 @@ def test_rows_once_per_node_compile_for_the_h100_within_the_planners_memory():
     """DeepSeek-V3 (4 layers, fsdp=2 expert=8 on 16 GPUs) sending rows once per node of 4 expert shards: the H100
     program exchanges them in ragged all-to-alls, two hops each way (a token's row, its ids and weights beside it,
     then within the node, and back), 13 in the step against one hop's 5 (the recompute sends rows out, not home),
-    and its peak is within what the planner
-    counts, which is conservative here (each hop's static buffers are sized for the worst case)."""
+    and its peak is within what the planner counts, which is conservative here (each hop's static buffers are sized
+    for the worst case; 33.2 GiB compiled against 45.8 planned since the backward pass needs no expert output and
+    the hop inside a node runs among its devices, 51.4 against 62.1 before)."""
     from jaxtron.config.loader import load_config
     from jaxtron.planning.estimate import estimate
     from jaxtron.planning.gpus import GPUS
@@ -500,7 +502,7 @@ def test_rows_once_per_node_compile_for_the_h100_within_the_planners_memory():
     assert got["collectives"]["ragged-all-to-all"] == 13, got["collectives"]
     cfg = load_config(f"{REPO}/configs/deepseek_v3.py", [tuple(o.split("=", 1)) for o in overrides])
     planned = estimate(cfg, dict(fsdp=2, expert=8), GPUS["h100"]).memory_bytes
-    assert 1.0 <= planned / got["peak"] < 1.3, (planned, got["peak"])
+    assert 1.0 <= planned / got["peak"] < 1.45, (planned, got["peak"])
 
 
 @needs_plugin
@@ -527,8 +529,10 @@ def test_each_pipeline_microbatch_passes_over_a_stages_experts_as_the_planner_pr
         cfg = load_config(f"{REPO}/configs/mixtral_8x7b.py", [tuple(o.split("=", 1)) for o in overrides])
         est = estimate(cfg, dict(pipeline=2, tensor=4), h100)
         planned.append(est.time["weights"] * h100.hbm_bandwidth / (1 - est.bubble))
-    # 2 layers a stage, 22 bytes an expert weight in each of the 4 more iterations
-    assert moved[1] - moved[0] == pytest.approx(4 * 2 * layer_experts * 22, rel=0.02), moved
+    # 2 layers a stage, in each of the 4 more iterations 22 bytes a gate or up weight and 30 a down weight (one more
+    # float32 pass since the router weights scale the down projection's input, models/experts.py; not yet read
+    # kernel by kernel, and not in the planner's 22, which stays within 15%)
+    assert moved[1] - moved[0] == pytest.approx(4 * 2 * layer_experts * (22 + 8 / 3), rel=0.02), moved
     assert planned[1] - planned[0] == pytest.approx(moved[1] - moved[0], rel=0.15), (planned, moved)
 
 
