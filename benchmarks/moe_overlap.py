@@ -49,7 +49,7 @@ WORKER = ("import sys; from jaxtron.models import moe\n"
 def compile_case(config: str, gpus: int, overrides: list[str], scheduler: str) -> dict:
     from jaxtron.config.loader import load_config
     from jaxtron.gpu import preset, target
-    from jaxtron.metrics import budget, overlap
+    from jaxtron.metrics import budget, overlap, schedule
     from jaxtron.planning.gpus import GPUS
 
     cfg = load_config(os.path.join(ROOT, "configs", f"{config}.py"), [tuple(o.split("=", 1)) for o in overrides])
@@ -67,8 +67,10 @@ def compile_case(config: str, gpus: int, overrides: list[str], scheduler: str) -
             text = f.read()
     got = json.loads(out.stdout.strip().splitlines()[-1])
     reported = overlap.report(text, budget.H100, {"NVLink": gpu.nvlink_bandwidth, "network": gpu.network_bandwidth})
+    # each exchange at the bandwidth of the links its group shares (metrics/schedule.py link_bandwidth)
+    links = overlap.summary(overlap.windows(text, budget.H100), schedule.start_links(text, schedule.for_gpu("h100")))
     return {"peak": got["peak_bytes"], "budget_s": got["budget"]["seconds"],
-            **{name: r["exchanges"] for name, r in reported.items()}}
+            **{name: r["exchanges"] for name, r in reported.items()}, "links": links["exchanges"]}
 
 
 def main() -> int:
@@ -95,7 +97,8 @@ def main() -> int:
                     print(f"{name:<24} chunks {chunks} {scheduler:<7} {costs:<6}: {got['NVLink']['beside_gemms']} "
                           f"of {got['NVLink']['count']} beside GEMMs, hidden "
                           f"{100 * got['NVLink']['hidden_share']:.0f}% at NVLink, "
-                          f"{100 * got['network']['hidden_share']:.0f}% at the network", flush=True)
+                          f"{100 * got['network']['hidden_share']:.0f}% at the network, "
+                          f"{100 * got['links']['hidden_share']:.0f}% at their links", flush=True)
     results.write(args.name, rows, markdown(rows, sys.argv[1:]))
     return 0
 
@@ -119,19 +122,24 @@ def markdown(rows: list[dict], argv: list[str] = ()) -> str:
               "compile's costs, execution.moe_schedule, metrics/schedule.py). "
               + "; ".join(f"{name}: `configs/{c}.py` on {g} GPUs, {', '.join(o)}" for name, (c, g, o) in CASES.items())
               + f". Exchanges: the all-to-alls that carry rows (dispatch and combine, in the forward pass, its "
-              f"recompute and the backward pass). \"Hidden\": the share of their transfer time that the kernels "
-              f"scheduled between their start and done take, at the budget's H100 rates, with the transfers at "
+              f"recompute (rows out only) and the backward pass). \"Hidden\": the share of their transfer time that "
+              f"the kernels scheduled between their start and done take, at the budget's H100 rates, with the "
+              f"transfers at "
               f"NVLink's {gpu.nvlink_bandwidth / 1e9:.0f} GB/s and at the network's "
               f"{gpu.network_bandwidth / 1e9:.0f} GB/s. The planner takes {assumed} as hidden "
               "(`planning/step_time.py` EXCHANGES_HIDDEN). The programs inside a node send their rows over NVLink, the "
-              "one across nodes over the network. How much a GPU gets needs a multi-GPU run."), "",
+              "one across nodes over the network; \"at their links\" prices each exchange at the links its group "
+              "shares (the hop inside a node of rows sent once per node runs among the node's devices). How much a "
+              "GPU gets needs a multi-GPU run."), "",
              ("| model | chunks | latency-hiding scheduler | costs | exchanges | beside GEMMs | hidden at NVLink | "
-             "hidden at the network | budget ms | peak GiB |"), "|---|---|---|---|---|---|---|---|---|---|"]
+             "hidden at the network | hidden at their links | budget ms | peak GiB |"),
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['case']} | {r['chunks']} | {r['scheduler']} | {r.get('schedule', 'xla')} | "
                      f"{r['NVLink']['count']} | "
                      f"{r['NVLink']['beside_gemms']} | {100 * r['NVLink']['hidden_share']:.0f}% | "
-                     f"{100 * r['network']['hidden_share']:.0f}% | {1e3 * r['budget_s']:.1f} | "
+                     f"{100 * r['network']['hidden_share']:.0f}% | "
+                     f"{100 * r['links']['hidden_share']:.0f}% | {1e3 * r['budget_s']:.1f} | "
                      f"{r['peak'] / 2**30:.2f} |")
     return "\n".join(lines) + "\n"
 
