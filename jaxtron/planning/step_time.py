@@ -35,8 +35,8 @@ HIDDEN = ("expert_comm_hidden",)
 # (execution.moe_chunks: one, or two and more): the least of the H100-target programs of Mixtral 8x7B (2 layers,
 # expert=8) and DeepSeek-V3 (4 layers, fsdp=2 expert=8 inside a node; expert=16 over 2 nodes, rows once per node),
 # each exchange at the bandwidth of its links (NVLink inside a node, the network across), rounded down to 5%.
-# With the budget's costs: one chunk 42% (DeepSeek-V3 across nodes; the programs inside a node 94%), chunks 62%
-# (DeepSeek-V3 across nodes at 2 chunks, its config; 71% at 4; inside a node 77-80%). The hop inside a node of rows
+# With the budget's costs: one chunk 43% (DeepSeek-V3 across nodes; the programs inside a node 72-94%), chunks 63%
+# (DeepSeek-V3 across nodes at 2 chunks, its config; 72% at 4; inside a node 78-86%). The hop inside a node of rows
 # sent once per node runs among the node's devices (models/experts.py), at NVLink's rate. While the remat recomputed
 # the way home its kernels sat beside more exchanges (92-98% inside a node), but that compute is gone
 # (benchmarks/moe_overlap_budget.md). With XLA's own: 19% and 21% (DeepSeek-V3 across nodes).
