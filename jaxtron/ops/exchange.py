@@ -97,7 +97,8 @@ def _moved(x, fields, out_rows: int, axes, groups, outward: bool) -> jax.Array:
 def _exchanged(x, fields, out_rows: int, axes, groups, outward: bool) -> jax.Array:
     """``_moved``; within groups, differentiated as the other way on the same plan (each way moves rows to places
     and leaves the rest zero, so its transpose is the other way), which jax's own transpose of the grouped
-    collective does not handle (jax 0.10.2)."""
+    collective does not handle (jax 0.10.2). Ungrouped exchanges keep jax's transpose: the same rule on them
+    changed the H100 schedule (Mixtral 8x7B at one chunk put a GEMM beside 1 of its 11 exchanges, not 3)."""
     if groups is None:
         return _moved(x, fields, out_rows, axes, groups, outward)
     return _grouped(x, fields, out_rows, axes, groups, outward)
