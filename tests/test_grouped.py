@@ -74,6 +74,18 @@ def test_the_fp8_kernels_equal_the_dequantized_reference_with_both_gradients(gro
     assert not np.asarray(got[2])[np.flatnonzero(np.asarray(sizes) == 0)].any()
 
 
+@pytest.mark.parametrize("shape,dtype", [((3, 128, 192), jnp.bfloat16), ((2, 100, 70), jnp.float32),
+                                         ((1, 16, 300), jnp.float8_e4m3fn)])
+def test_the_transpose_kernel_gives_each_groups_matrix_transposed(shape, dtype):
+    """``grouped_kernels.transposed`` in Pallas' interpreter: whole tiles, and sizes it pads to its tiles."""
+    from jaxtron.ops import grouped_kernels
+
+    w = jnp.asarray(RNG.normal(size=shape), jnp.float32).astype(dtype)
+    got = grouped_kernels.transposed(w, interpret=True)
+    assert got.shape == (shape[0], shape[2], shape[1]) and got.dtype == w.dtype
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(jnp.swapaxes(w, 1, 2), np.float32))
+
+
 def test_fp8_expert_weights_take_one_scale_per_expert():
     """An expert whose weights are 1e5 times the others' does not take their precision: each group's output is within
     FP8 rounding of float32 (a few percent) and visibly rounded; with one scale for all experts, the small experts'

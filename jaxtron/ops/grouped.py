@@ -8,7 +8,10 @@
   Forward and input gradient are tokamax's kernel; the weight gradient is jaxtron's Pallas kernel
   (``grouped_kernels.contract``, float32 sums), since tokamax's ragged-contracting kernel was 4-5% off a float32
   reference on an H200 even when asked for a float32 result, 25 times the bf16 rounding of its other two
-  products (``benchmarks/grouped_errors_h200.md``). Rows past the
+  products (``benchmarks/grouped_errors_h200.md``). The input gradient takes each matrix transposed by a kernel of
+  jaxtron's (``grouped_kernels.transposed``), not by the transposition tokamax writes ahead of its kernel: XLA
+  carried that one back to the float32 parameters and transposed the whole stack of a pipeline stage's experts
+  once a step (Mixtral 8x22B's published layout on 256 H100s: 4.7 GiB a device). Rows past the
   groups' total are zeros, as with ``jax.lax.ragged_dot``. Off a GPU, tokamax runs its XLA implementation, so
   the same code path is tested on a CPU.
 - 'auto': 'tokamax' on a Hopper GPU (or when compiling for one, ``on_target``) where tokamax is installed, else
@@ -34,12 +37,9 @@ from jaxtron.ops import grouped_kernels
 
 INSTALL = 'python -m pip install -e ".[gpu]"'
 
-# rows [m, k] x weights [groups, k, n] and transposed weights [groups, n, k], written with lists as tokamax
-# compares them
+# rows [m, k] x weights [groups, k, n], written with lists as tokamax compares them
 _FORWARD = jax.lax.RaggedDotDimensionNumbers(dot_dimension_numbers=(([1], [1]), ([], [])),
                                              lhs_ragged_dimensions=[0], rhs_group_dimensions=[0])
-_TRANSPOSED_WEIGHTS = jax.lax.RaggedDotDimensionNumbers(dot_dimension_numbers=(([1], [2]), ([], [])),
-                                                        lhs_ragged_dimensions=[0], rhs_group_dimensions=[0])
 
 
 
@@ -139,7 +139,8 @@ def _tokamax_fwd(rows, weights, group_sizes):
 def _tokamax_bwd(res, d_out):
     rows, weights, group_sizes = res
     d_out = zero_past_groups(d_out, group_sizes)  # rows past the groups took no part in the product
-    d_rows = _kernel()(d_out, weights, group_sizes, _TRANSPOSED_WEIGHTS, preferred_element_type=rows.dtype)
+    transposed = grouped_kernels.transposed(weights, interpret=not _hopper_or_newer(target_gpu()))
+    d_rows = _kernel()(d_out, transposed, group_sizes, _FORWARD, preferred_element_type=rows.dtype)
     d_weights = _weight_gradient(rows, d_out, group_sizes)
     return zero_past_groups(d_rows, group_sizes), d_weights.astype(weights.dtype), None
 

@@ -2,7 +2,9 @@
 ``rows`` (each group's rows times its own matrix: the forward and the input gradient) and ``contract`` (each
 group's rows transposed times its output gradient: the weight gradient), with FP8 or 16-bit operands and float32
 sums. ``ops/grouped_fp8.py`` runs both for the FP8 expert GEMM, ``ops/grouped.py`` runs ``contract`` for the 16-bit
-weight gradient.
+weight gradient. ``transposed`` gives each group's matrix transposed, as a kernel: XLA would otherwise make a
+transposition that feeds a kernel into a layout of its operand, carried back to the float32 parameters, and transpose
+the whole stack of them once ahead of the layers' loop (a second copy of the parameters, live all step).
 
 ``rows`` computes a grouped GEMM by row tiles: every tile of ``block_m`` rows that holds rows of a group is one
 program for that group (a tile across a group boundary is computed for each of its groups, each storing its own
@@ -156,3 +158,22 @@ def contract(a: jax.Array, b: jax.Array, group_sizes: jax.Array, scale: jax.Arra
         interpret=interpret, name=_NAME, compiler_params=plt.CompilerParams(num_warps=WARPS, num_stages=STAGES),
     )(starts, ends, a, b, jnp.reshape(scale, (1,)).astype(jnp.float32))
     return out[:, :k, :n]
+
+
+def _transpose_kernel(w_ref, out_ref):
+    out_ref[0] = w_ref[0].T
+
+
+def transposed(w: jax.Array, interpret: bool = False) -> jax.Array:
+    """w [groups, k, n] -> [groups, n, k], each group's matrix transposed by a kernel of its own (its operand and
+    result in their plain layouts)."""
+    groups, k, n = w.shape
+    bk, bn = _block(k, 64), _block(n, 64)
+    padded = _pad_to(w, (1, bk, bn))
+    out = pl.pallas_call(
+        _transpose_kernel, out_shape=jax.ShapeDtypeStruct((groups, padded.shape[2], padded.shape[1]), w.dtype),
+        grid=(groups, padded.shape[1] // bk, padded.shape[2] // bn),
+        in_specs=[pl.BlockSpec((1, bk, bn), lambda g, i, j: (g, i, j))],
+        out_specs=pl.BlockSpec((1, bn, bk), lambda g, i, j: (g, j, i)), interpret=interpret,
+        name="jaxtron_transpose", compiler_params=plt.CompilerParams(num_warps=4, num_stages=1))(padded)
+    return out[:, :n, :k]

@@ -59,6 +59,10 @@ def exchanges_hidden(execution) -> float:
 # outputs home), DeepSeek-V3's experts whole on pipeline=4 tensor=8 17 over its routed rows;
 # tests/test_gpu_target.py checks the first two within 25%.
 EXPERT_ROW_PASSES = {"exchanged": 25.0, "local": 17.0}
+# the 16-bit grouped expert GEMM's backward reads each expert's matrix transposed, made by a kernel of its own each
+# pass (ops/grouped_kernels.transposed): its read and write of the bfloat16 copy, bytes an element beyond
+# GPU.weight_pass_bytes (the H100 compile of Mixtral 8x7B on a pipeline, tests/test_gpu_target.py)
+GROUPED_TRANSPOSE_BYTES = 4.0
 
 
 def compute_time(cfg: Config, shape: StepShape, block: BlockValues, gpu: GPU,
@@ -97,7 +101,10 @@ def compute_time(cfg: Config, shape: StepShape, block: BlockValues, gpu: GPU,
     time = {"matmul": matmul * shape.step_tokens / shape.devices / _matmul_rate(execution, shape, gpu),
             "attention": scores_flops * shape.step_tokens / shape.devices / (peak * attention_eff),
             "elementwise": elementwise / gpu.hbm_bandwidth}
-    time["weights"] = weight_passes(shape, params) * gpu.weight_pass_bytes / gpu.hbm_bandwidth
+    grouped = execution.moe_mode == "dropless" and not execution.fp8 and execution.expert_gemm != "xla"
+    transposed = GROUPED_TRANSPOSE_BYTES if grouped and gpu.weight_pass_bytes else 0.0
+    time["weights"] = (weight_passes(shape, params) * gpu.weight_pass_bytes
+                       + weight_passes(shape, params, experts_only=True) * transposed) / gpu.hbm_bandwidth
     time["expert_rows"] = expert_row_bytes(cfg, shape, block) / gpu.hbm_bandwidth
     # the stages idle through the fill and drain: the bubble's share of the schedule's iterations (in each of which
     # a stage passes over its weights too)
@@ -106,14 +113,16 @@ def compute_time(cfg: Config, shape: StepShape, block: BlockValues, gpu: GPU,
     return time
 
 
-def weight_passes(shape: StepShape, params: tuple[Param, ...]) -> float:
-    """Weight elements a device passes over beyond one pass a step. Each microbatch of a step
+def weight_passes(shape: StepShape, params: tuple[Param, ...], experts_only: bool = False) -> float:
+    """Weight elements a device passes over beyond one pass a step (``experts_only``: of the routed experts' weights
+    alone). Each microbatch of a step
     (``train.microbatches``, and a pipeline's microbatches through a stage) casts the weights it uses to the compute
     dtype, casts them again for the backward pass's transposed GEMMs and adds its gradient to the float32 sum:
     ``GPU.weight_pass_bytes`` an element (the H100 compile of DeepSeek-V3's experts on a pipeline: 22). The first
     pass is in the GEMM rate the published runs were fitted with (one pass a step, and their stacks keep 16-bit
     weights and accumulate into float32 inside the GEMM); the further ones are what microbatches cost beyond their
     FLOPs, and what makes many small microbatches over many local experts memory-bound."""
+    params = tuple(p for p in params if "experts" in p.names or not experts_only)
     staged = sum(p.gathered_elements(shape.mesh) for p in params if p.staged)
     rest = sum(p.gathered_elements(shape.mesh) for p in params if not p.staged)
     if not shape.pipelined:
