@@ -101,7 +101,9 @@ def compute_time(cfg: Config, shape: StepShape, block: BlockValues, gpu: GPU,
     time = {"matmul": matmul * shape.step_tokens / shape.devices / _matmul_rate(execution, shape, gpu),
             "attention": scores_flops * shape.step_tokens / shape.devices / (peak * attention_eff),
             "elementwise": elementwise / gpu.hbm_bandwidth}
-    grouped = execution.moe_mode == "dropless" and not execution.fp8 and execution.expert_gemm != "xla"
+    # dropless 16-bit experts run the grouped kernel (as ``_expert_scale`` prices them); a table entry without
+    # weight-pass bytes prices a published stack, which makes no such copies
+    grouped = execution.moe_mode == "dropless" and not execution.fp8
     transposed = GROUPED_TRANSPOSE_BYTES if grouped and gpu.weight_pass_bytes else 0.0
     time["weights"] = (weight_passes(shape, params) * gpu.weight_pass_bytes
                        + weight_passes(shape, params, experts_only=True) * transposed) / gpu.hbm_bandwidth
