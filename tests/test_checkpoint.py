@@ -221,21 +221,19 @@ def test_a_save_cut_off_midway_is_removed_and_a_corrupted_one_set_aside(tmp_path
 OLD_CHECKPOINTS = os.path.join(REPO, "tests", "fixtures", "checkpoints")
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("name", ["llama_pipeline", "qwen3_moe", pytest.param("deepseek", marks=pytest.mark.extended),
-                                  "llama_interleaved"])  # DeepSeek's: one more MoE family, the extended tier
-def test_checkpoints_written_by_an_earlier_version_still_restore(name, tmp_path, caplog):
-    """Checkpoints kept from earlier versions (tests/fixtures/make_old_checkpoints.py; commit.txt names the version,
-    or <name>/commit.txt a later one's), with that version's config field names: each resumes at step 2 and trains
-    step 3 to the loss and parameters that version reached."""
-    fixture = os.path.join(OLD_CHECKPOINTS, name)
-    shutil.copytree(os.path.join(fixture, "checkpoints"), tmp_path / CHECKPOINT_DIR)
+def _resume_fixture(fixture: str, workdir) -> object:
+    """Resumes the run of a kept fixture (its config.json, its step-2 checkpoint copied into ``workdir``)."""
+    shutil.copytree(os.path.join(fixture, "checkpoints"), os.path.join(workdir, CHECKPOINT_DIR))
     from jaxtron.config.loader import from_mapping
     with open(os.path.join(fixture, "config.json")) as f:
         cfg = from_mapping(json.load(f))
+    return run(cfg, str(workdir), use_tqdm=False)
+
+
+def _assert_as_expected(summary, fixture: str) -> None:
+    """Step 3's loss and every parameter's fingerprint equal those the fixture's version reached."""
     with open(os.path.join(fixture, "expected.json")) as f:
         expected = json.load(f)
-    summary = run(cfg, str(tmp_path), use_tqdm=False)
     assert [h["step"] for h in summary.history] == [3]
     np.testing.assert_allclose(summary.history[0]["loss"], expected["losses"]["3"], rtol=1e-6)
     flat = jax.tree_util.tree_flatten_with_path(nnx.to_pure_dict(summary.state.params))[0]
@@ -246,6 +244,76 @@ def test_checkpoints_written_by_an_earlier_version_still_restore(name, tmp_path,
     assert sorted(got) == sorted(expected["params"])
     for key, (total, weighted) in expected["params"].items():
         np.testing.assert_allclose(got[key], [total, weighted], rtol=1e-5, atol=1e-6, err_msg=key)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["llama_pipeline", "qwen3_moe", pytest.param("deepseek", marks=pytest.mark.extended),
+                                  "llama_interleaved"])  # DeepSeek's: one more MoE family, the extended tier
+def test_checkpoints_written_by_an_earlier_version_still_restore(name, tmp_path, caplog):
+    """Checkpoints kept from earlier versions (tests/fixtures/make_old_checkpoints.py; commit.txt names the version,
+    or <name>/commit.txt a later one's), with that version's config field names: each resumes at step 2 and trains
+    step 3 to the loss and parameters that version reached."""
+    fixture = os.path.join(OLD_CHECKPOINTS, name)
+    _assert_as_expected(_resume_fixture(fixture, tmp_path), fixture)
+
+
+def _store_fixture(name: str, tmp_path, monkeypatch, again: bool) -> str:
+    """The fixture copied into a working directory of its own (its paths are relative to it), its store prepared
+    again by today's `jaxtron prepare` from the same text when ``again``; returns the fixture's directory."""
+    fixture = os.path.join(OLD_CHECKPOINTS, name)
+    shutil.copy(os.path.join(fixture, "corpus.jsonl"), tmp_path)
+    if again:
+        from jaxtron.data.prepare import main as prepare_main
+        monkeypatch.chdir(tmp_path)
+        assert prepare_main(["--input", "corpus.jsonl", "--tokenizer", "byte", "--output", "store"]) == 0
+    else:
+        shutil.copytree(os.path.join(fixture, "store"), tmp_path / "store")
+        monkeypatch.chdir(tmp_path)
+    return fixture
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("again", [False, True], ids=["its_own_store", "store_prepared_again"])
+@pytest.mark.parametrize("name", ["store_9384506", pytest.param("store_820e9f2", marks=pytest.mark.extended),
+                                  pytest.param("store_fef83a9", marks=pytest.mark.extended)])
+def test_a_checkpoint_of_an_earlier_version_resumes_on_a_store_of_the_same_tokens(name, again, tmp_path, monkeypatch):
+    """A run on a token store, kept from an earlier version (tests/fixtures/make_store_checkpoints.py), resumes on
+    the store that version prepared and on one today's prepare writes again from the same text, whose manifest
+    has gained fields since (9384506 recorded the manifest's digest, later versions the tokens'), and trains
+    step 3 to that version's loss and parameters."""
+    fixture = _store_fixture(name, tmp_path, monkeypatch, again)
+    _assert_as_expected(_resume_fixture(fixture, tmp_path / "run"), fixture)
+
+
+@pytest.mark.parametrize("name", ["store_9384506", "store_fef83a9"])
+def test_a_checkpoint_is_refused_on_a_store_of_other_tokens(name, tmp_path, monkeypatch):
+    """The same text with one word changed, prepared again: its tokens differ, so the checkpoint is refused."""
+    fixture = _store_fixture(name, tmp_path, monkeypatch, again=False)
+    text = (tmp_path / "corpus.jsonl").read_text()
+    (tmp_path / "corpus.jsonl").write_text(text.replace("store", "stone", 1))
+    shutil.rmtree(tmp_path / "store")
+    from jaxtron.data.prepare import main as prepare_main
+    assert prepare_main(["--input", "corpus.jsonl", "--tokenizer", "byte", "--output", "store"]) == 0
+    from jaxtron.data.errors import DataError
+    with pytest.raises(DataError, match="another data setup .*data.path differs"):
+        _resume_fixture(fixture, tmp_path / "run")
+    assert not os.path.exists(tmp_path / "run" / "metrics.jsonl")
+
+
+@pytest.mark.slow
+def test_a_lora_checkpoint_and_a_converted_model_of_an_earlier_version_load(tmp_path, monkeypatch):
+    """A LoRA run with adapter dropout on a converted model, both kept from fef83a9
+    (tests/fixtures/make_lora_checkpoint.py): the converted model scores the tokens as transformers did, and the
+    run resumes at step 2 and trains step 3 to that version's loss and parameters, its dropout masks the same."""
+    fixture = os.path.join(OLD_CHECKPOINTS, "lora_fef83a9")
+    shutil.copytree(os.path.join(fixture, "base"), tmp_path / "base")
+    monkeypatch.chdir(tmp_path)
+    from jaxtron.interop.score import main as score
+    hf = os.path.join(REPO, "tests", "fixtures", "hf", "llama")
+    assert score(["--checkpoint", "base", "--tokens", os.path.join(os.path.dirname(hf), "tokens.npy"),
+                  "--output", "logits.npy"]) == 0
+    np.testing.assert_allclose(np.load("logits.npy"), np.load(os.path.join(hf, "logits.npy")), atol=1e-4)
+    _assert_as_expected(_resume_fixture(fixture, tmp_path / "run"), fixture)
 
 
 def test_a_failure_while_building_the_run_closes_what_it_had_opened(tmp_path, monkeypatch):

@@ -32,7 +32,8 @@ SAMPLING_VERSION = 2
 def _store_facts(path: str) -> dict[str, Any]:
     """A store's tokenizer, a digest of what its tokens are (each shard's token, document and loss-mask checksums:
     a store prepared again from the same text by a version whose manifest has more fields keeps it), and the
-    digest of its whole manifest, which checkpoints of older versions recorded instead."""
+    digests its manifest had as each older version wrote it (``_manifest_digests``), one of which checkpoints of
+    those versions recorded instead."""
     import json
 
     from jaxtron.data.store import MANIFEST
@@ -42,15 +43,31 @@ def _store_facts(path: str) -> dict[str, Any]:
         manifest = json.loads(raw)
         shards = [[s.get("tokens_sha256"), s.get("docs_sha256"), s.get("mask_sha256")] for s in manifest["shards"]]
         tokenizer = manifest.get("tokenizer")
+        digests = _manifest_digests(raw, manifest)
     except (OSError, ValueError, AttributeError, KeyError, TypeError):
-        return {"tokenizer": None, "tokens": None, "manifest": None}  # opening the store names the problem
+        return {"tokenizer": None, "tokens": None, "manifests": ()}  # opening the store names the problem
     return {"tokenizer": tokenizer, "tokens": hashlib.sha256(json.dumps(shards).encode()).hexdigest(),
-            "manifest": hashlib.sha256(raw).hexdigest()}
+            "manifests": digests}
+
+
+def _manifest_digests(raw: bytes, manifest: dict[str, Any]) -> tuple[str, ...]:
+    """The SHA-256 of a store's manifest file as written, and as the versions before 3e08f3c wrote the same store:
+    without its ``loss_mask`` key, which they did not have (a store without loss masks only; they wrote
+    ``json.dump(manifest, f, indent=2, sort_keys=True)`` as today). A checkpoint of those versions recorded one
+    of these ("content of"), so a store that today's prepare writes again from the same text still matches it."""
+    import json
+
+    digests = [hashlib.sha256(raw).hexdigest()]
+    if manifest.get("loss_mask") is False:
+        before = {k: v for k, v in manifest.items() if k != "loss_mask"}
+        digests.append(hashlib.sha256(json.dumps(before, indent=2, sort_keys=True).encode()).hexdigest())
+    return tuple(digests)
 
 
 def fingerprint(cfg: Config, legacy: bool = False) -> dict[str, Any]:
     """The fields of the data setup that decide which tokens each training sample holds; ``legacy``: each store's
-    content as checkpoints of older versions recorded it ("content of": its manifest's digest)."""
+    content as checkpoints of older versions recorded it ("content of": its manifest's digest, here the tuple of
+    the digests it has under each version's manifest format)."""
     d, t = cfg.data, cfg.train
     out: dict[str, Any] = {"train.global_batch_size": t.global_batch_size, "data.seq_len": d.seq_len,
                            "train.seed": t.seed, "data.source": d.source, "sampling version": SAMPLING_VERSION}
@@ -65,7 +82,7 @@ def fingerprint(cfg: Config, legacy: bool = False) -> dict[str, Any]:
         name = f"data.path[{i}]" if len(paths) > 1 else "data.path"
         out[f"tokenizer of {name}"] = facts["tokenizer"]
         if legacy:
-            out[f"content of {name}"] = facts["manifest"]
+            out[f"content of {name}"] = facts["manifests"]
         else:
             out[f"tokens of {name}"] = facts["tokens"]
     return out
@@ -107,7 +124,7 @@ def resume(cfg: Config, fingerprint_now: dict[str, Any], saved: dict[str, Any]) 
     compared = fingerprint_now
     if any(k.startswith("content of") for k in before):  # an older version's checkpoint: its stores' manifests
         compared = fingerprint(cfg, legacy=True)
-    changed = [k for k in sorted(set(before) | set(compared)) if before.get(k) != compared.get(k)]
+    changed = [k for k in sorted(set(before) | set(compared)) if not _same(k, before.get(k), compared.get(k))]
     here = DataPosition(step, int(saved["consumed_tokens"]), int(saved["sample_offset"]), fingerprint_now,
                         batch * seq_len)
     if not changed:
@@ -125,6 +142,13 @@ def resume(cfg: Config, fingerprint_now: dict[str, Any], saved: dict[str, Any]) 
     log.warning("data setup changed since the checkpoint of step %d (%s); going on from token %d of the stream "
                 "(sample %d of the new setup)", step, ", ".join(changed), stream_tokens, stream_tokens // seq_len)
     return dataclasses.replace(here, offset=offset)
+
+
+def _same(key: str, saved: Any, now: Any) -> bool:
+    """Whether a fingerprint field is unchanged: a store's manifest digest matches any of its versions' forms."""
+    if key.startswith("content of"):
+        return saved in (now or ())
+    return saved == now
 
 
 def _describe(key: str, old: Any, new: Any) -> str:
