@@ -520,10 +520,10 @@ def test_cli_print_sharding(tmp_path):
     assert "mesh: pipeline=1, data=1, fsdp=4, sequence=1, expert=1, tensor=2" in lines
     params = {line.split()[0]: line for line in lines if line.startswith(("layers.", "embedding", "final_norm"))}
     # the embedding width over fsdp and expert together (expert is 1 here)
-    assert params["layers.attn.wq"].endswith("P('pipeline', ('fsdp', 'expert'), 'tensor', None)"), \
-        params["layers.attn.wq"]
-    assert "('layers', 'embed', 'heads', 'head_dim')" in params["layers.attn.wq"]
-    assert params["layers.attn.wo"].endswith("P('pipeline', 'tensor', None, ('fsdp', 'expert'))")
-    assert params["layers.mlp.wo"].endswith("P('pipeline', 'tensor', ('fsdp', 'expert'))")
+    assert params["layers.attn.wq.weight"].endswith("P('pipeline', ('fsdp', 'expert'), 'tensor', None)"), \
+        params["layers.attn.wq.weight"]
+    assert "('layers', 'embed', 'heads', 'head_dim')" in params["layers.attn.wq.weight"]
+    assert params["layers.attn.wo.weight"].endswith("P('pipeline', 'tensor', None, ('fsdp', 'expert'))")
+    assert params["layers.mlp.wo.weight"].endswith("P('pipeline', 'tensor', ('fsdp', 'expert'))")
     assert params["embedding"].endswith("P('tensor', ('fsdp', 'expert'))")
     assert not os.path.exists(tmp_path / "run")  # printing the sharding trains nothing

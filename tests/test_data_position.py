@@ -1,6 +1,7 @@
 """Resuming with a changed data setup: refused in one sentence, or continued from the consumed tokens."""
 
 import dataclasses
+import hashlib
 import json
 import logging
 import threading
@@ -107,10 +108,15 @@ def test_a_store_prepared_again_by_a_newer_version_resumes_and_older_checkpoints
     prepare([str(text)], "byte", str(tmp_path / "store"))
     cfg = _store_config(tmp_path / "store")
     saved = position_lib.DataPosition.start(cfg, position_lib.fingerprint(cfg)).at(10).to_dict()
-    older = {**saved, "fingerprint": position_lib.fingerprint(cfg, legacy=True)}
-    assert "content of data.path" in older["fingerprint"] and "tokens of data.path" not in older["fingerprint"]
-    assert position_lib.resume(cfg, position_lib.fingerprint(cfg), older).fingerprint == position_lib.fingerprint(cfg)
     manifest = tmp_path / "store" / "manifest.json"
+    legacy = position_lib.fingerprint(cfg, legacy=True)
+    assert "content of data.path" in legacy and "tokens of data.path" not in legacy
+    # what a version before 5b3a1c9 recorded: the digest of its manifest file, which had no loss_mask key
+    fields = json.loads(manifest.read_text())
+    assert fields.pop("loss_mask") is False
+    written_then = json.dumps(fields, indent=2, sort_keys=True).encode()
+    older = {**saved, "fingerprint": {**legacy, "content of data.path": hashlib.sha256(written_then).hexdigest()}}
+    assert position_lib.resume(cfg, position_lib.fingerprint(cfg), older).fingerprint == position_lib.fingerprint(cfg)
     fields = json.loads(manifest.read_text())
     manifest.write_text(json.dumps({**fields, "a_field_of_a_newer_version": True}, indent=2))
     assert position_lib.resume(cfg, position_lib.fingerprint(cfg), saved).offset == 0

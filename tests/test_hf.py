@@ -242,7 +242,7 @@ def test_converted_config_fine_tunes_from_the_imported_parameters(imported, tmp_
         np.testing.assert_allclose(started[k], imported_params[k], atol=1e-6, err_msg=k)
     # the same model initialised afresh is far from the imported parameters (so the comparison above means something)
     fresh = _flat(init_state(load_config(spec, overrides + [("train.init_from", "")]), "xla", None).params)
-    assert np.abs(fresh["layers.attn.wq"] - imported_params["layers.attn.wq"]).max() > 0.1
+    assert np.abs(fresh["layers.attn.wq.weight"] - imported_params["layers.attn.wq.weight"]).max() > 0.1
     # a training run's workdir is a valid init_from too: its latest parameters, a fresh optimizer
     again = run(load_config(spec, overrides + [("train.init_from", str(tmp_path / "run"))]), str(tmp_path / "b"),
                 use_tqdm=False, devices=jax.devices()[:1])
@@ -253,7 +253,7 @@ def test_converted_config_fine_tunes_from_the_imported_parameters(imported, tmp_
     convert.to_hf(str(tmp_path / "run"), str(tmp_path / "hf"))
     exported = st.ModelFiles(str(tmp_path / "hf"))
     wq = exported.read("model.layers.1.self_attn.q_proj.weight")
-    assert np.array_equal(wq, started["layers.attn.wq"][1].reshape(48, 48).T)
+    assert np.array_equal(wq, started["layers.attn.wq.weight"][1].reshape(48, 48).T)
     assert len(exported.names()) == len(st.ModelFiles(os.path.join(FIXTURES, "llama")).names())
 
 

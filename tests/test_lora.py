@@ -48,13 +48,13 @@ def test_adapters_carry_their_weights_logical_axes_and_start_at_zero():
     cfg = tiny_config()
     model = lora.add_adapters(build_model(cfg.model, cfg.execution, 0), LoraConfig(rank=4, targets="q_proj,o,down"), 0)
     attn, mlp = model.layers.attn, model.layers.mlp
-    assert logical_names(attn.wq_lora_a) == ("layers", "embed", "lora_rank")
-    assert logical_names(attn.wq_lora_b) == ("layers", "lora_rank", "heads", "head_dim")
-    assert logical_names(attn.wo_lora_a) == ("layers", "heads", "head_dim", "lora_rank")
-    assert logical_names(attn.wo_lora_b) == ("layers", "lora_rank", "embed")
-    assert logical_names(mlp.wo_lora_a) == ("layers", "mlp", "lora_rank")
-    assert attn.wq_lora_b.get_value().shape == (2, 4, 4, 16) and not np.any(attn.wq_lora_b.get_value())
-    assert not hasattr(attn, "wk_lora_a") and not hasattr(mlp, "wi_up_lora_a")
+    assert logical_names(attn.wq.lora_a) == ("layers", "embed", "lora_rank")
+    assert logical_names(attn.wq.lora_b) == ("layers", "lora_rank", "heads", "head_dim")
+    assert logical_names(attn.wo.lora_a) == ("layers", "heads", "head_dim", "lora_rank")
+    assert logical_names(attn.wo.lora_b) == ("layers", "lora_rank", "embed")
+    assert logical_names(mlp.wo.lora_a) == ("layers", "mlp", "lora_rank")
+    assert attn.wq.lora_b.get_value().shape == (2, 4, 4, 16) and not np.any(attn.wq.lora_b.get_value())
+    assert attn.wk.lora_a is None and mlp.wi_up.lora_a is None
     # B = 0: the adapted model computes what its base does
     base = build_model(cfg.model, cfg.execution, 0)
     tokens = jnp.arange(16, dtype=jnp.int32).reshape(1, 16) % 256
@@ -116,7 +116,7 @@ def test_a_lora_run_trains_the_adapters_alone_and_saves_only_them(base_run, tmp_
     assert len(adapters) == 8 and set(base) == set(after) - set(adapters)
     for k, v in base.items():
         np.testing.assert_array_equal(after[k], v, err_msg=k)
-    assert all(np.any(v) for k, v in adapters.items() if k.endswith("_lora_b"))  # B left zero
+    assert all(np.any(v) for k, v in adapters.items() if k.endswith(".lora_b"))  # B left zero
     moments = sum(x.size for x in jax.tree.leaves(summary.state.opt_state) if x.ndim)
     full = state_lib.setup(tiny_config(), "xla", {})
     full_moments = sum(x.size for x in jax.tree.leaves(full.abstract_state.opt_state) if x.ndim)
@@ -126,7 +126,7 @@ def test_a_lora_run_trains_the_adapters_alone_and_saves_only_them(base_run, tmp_
     with ocp.Checkpointer(ocp.PyTreeCheckpointHandler()) as checkpointer:
         tree = checkpointer.metadata(saved).item_metadata.tree
     names = {".".join(map(str, p)) for p, _ in jax.tree_util.tree_flatten_with_path(tree["params"])[0]}
-    assert names and all("_lora_" in n for n in names), names
+    assert names and all("'lora_a'" in n or "'lora_b'" in n for n in names), names
     # the gradients the step computes are the adapters' alone
     from jaxtron.data.loader import SyntheticSource
     from jaxtron.training.step import gradients
@@ -159,13 +159,18 @@ def test_a_lora_run_resumes_bit_exactly_and_matches_on_a_mesh(base_run, tmp_path
                   use_tqdm=False, devices=jax.devices()[:4])
     np.testing.assert_allclose([h["loss"] for h in sharded.history], [h["loss"] for h in straight.history],
                                rtol=1e-5)
-    a = sharded.state.params["layers"]["attn"]["wq_lora_b"].get_value()
+    a = sharded.state.params["layers"]["attn"]["wq"]["lora_b"].get_value()
     assert "tensor" in str(a.sharding.spec)  # B of the query is split over the heads, as the query is
     if dropout:  # the masks change the training, and each layer has its own seed
         plain = run(_lora_cfg(base_run), str(tmp_path / "plain"), use_tqdm=False, devices=one)
         assert [h["loss"] for h in plain.history][1:] != [h["loss"] for h in straight.history][1:]
-        seeds = np.asarray(straight.state.params["layers"]["attn"]["lora_seed"].get_value())
+        attn = straight.state.params["layers"]["attn"]
+        seeds = np.asarray(attn["wq"]["lora_seed"].get_value())
         assert seeds.shape == (2,) and len(set(seeds.tolist())) == 2
+        # the module's layers numbered once: its projections tell their masks apart by their own tags
+        np.testing.assert_array_equal(np.asarray(attn["wv"]["lora_seed"].get_value()), seeds)
+        mlp = np.asarray(straight.state.params["layers"]["mlp"]["wo"]["lora_seed"].get_value())
+        assert not set(mlp.tolist()) & set(seeds.tolist())
 
 
 @pytest.mark.slow

@@ -20,6 +20,7 @@ from jaxtron.metrics import flops
 from jaxtron.models import build_model
 from jaxtron.models.experts import node_rows
 from jaxtron.models.moe import ExpertAxes, MoE, capacity, route
+from jaxtron.models.projection import fp8_recipe
 from jaxtron.ops import fp8, grouped
 from jaxtron.parallel import sharding
 from jaxtron.parallel.checks import check_devices
@@ -187,7 +188,11 @@ def test_fp8_experts_equal_the_experts_on_the_fp8_grid(mode):
     x = jax.random.normal(jax.random.key(7), (4, 16, 32))
     graphdef, state = _layer(_layer_cfg(), ExecutionConfig(moe_mode=mode, capacity_factor=8.0))
     layer = nnx.merge(graphdef, state)
-    y8, stats = jax.jit(lambda s, x: nnx.merge(graphdef, s)(x, fp8=True))(state, x)
+    def fp8_layer(s, x):
+        with fp8_recipe("tensorwise"):  # as the layer stack opens it around an FP8 layer group
+            return nnx.merge(graphdef, s)(x)
+
+    y8, stats = jax.jit(fp8_layer)(state, x)
     y, _ = jax.jit(lambda s, x: nnx.merge(graphdef, s)(x))(state, x)
     assert float(stats["dropped"]) == 0.0  # room for every assignment
 
@@ -365,7 +370,7 @@ def test_moe_every_second_block_runs_blocks_in_order():
     cfg = config.model
     model = build_model(cfg, config.execution, 0)
     params = nnx.state(model, nnx.Param)
-    assert params["layers"]["mlp"]["wi_up"].get_value().shape == (2, 64, 128)  # blocks 0 and 2: dense
+    assert params["layers"]["mlp"]["wi_up"]["weight"].get_value().shape == (2, 64, 128)  # blocks 0 and 2: dense
     assert params["moe_layers"]["mlp"]["wi_up"].get_value().shape == (2, 4, 64, 128)  # blocks 1 and 3: MoE
     assert sum(math.prod(x.shape) for x in jax.tree.leaves(params)) == flops.param_count(cfg)
     tokens = jax.random.randint(jax.random.key(5), (2, 16), 0, cfg.vocab_size)

@@ -39,8 +39,8 @@ def test_muon_reads_each_weight_as_the_matrices_it_is():
     dims = {"/".join(str(getattr(k, "key", k)) for k in path): muon_dimensions(v) for path, v in
             jax.tree_util.tree_leaves_with_path(params, is_leaf=_is_variable)}
     got = {k: None if d is None else (tuple(d.reduction_axis), tuple(d.output_axis)) for k, d in dims.items()}
-    assert got["moe_layers/attn/wq"] == ((1,), (2, 3))  # [layers, embed, heads, head_dim]
-    assert got["moe_layers/attn/wo"] == ((1, 2), (3,))  # [layers, heads, head_dim, embed]
+    assert got["moe_layers/attn/wq/weight"] == ((1,), (2, 3))  # [layers, embed, heads, head_dim]
+    assert got["moe_layers/attn/wo/weight"] == ((1, 2), (3,))  # [layers, heads, head_dim, embed]
     assert got["moe_layers/mlp/wi_gate"] == ((2,), (3,))  # [layers, experts, embed, mlp]
     assert got["moe_layers/mlp/wo"] == ((2,), (3,))  # [layers, experts, mlp, embed]
     for name in ("embedding", "final_norm/scale", "moe_layers/attn_norm/scale", "moe_layers/mlp/router"):

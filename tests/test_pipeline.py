@@ -235,14 +235,14 @@ def test_pipeline_meshes_train_like_one_device(name, one_device, tmp_path):
     assert len(expected) == 3 and np.all(np.diff(expected) != 0)
     np.testing.assert_allclose(losses(summary), expected, rtol=1e-5)
     # the stages hold their own layers: the stacked axis is split over the pipeline axis
-    wq = summary.state.params["layers"]["attn"]["wq"].get_value()
+    wq = summary.state.params["layers"]["attn"]["wq"]["weight"].get_value()
     assert wq.sharding.shard_shape(wq.shape)[0] == 4 // mesh["pipeline"]
     assert summary.history[-1]["pipeline_bubble"] == pytest.approx(
         bubble_fraction(mesh["pipeline"], pipeline["microbatches"], pipeline.get("virtual_stages", 1)))
     # after three updates the parameters (back in natural order) are those of one device: gradients agree
     order = storage_order(4, mesh["pipeline"], pipeline.get("virtual_stages", 1))
-    got = nnx.to_pure_dict(summary.state.params)["layers"]["mlp"]["wo"]
-    want = nnx.to_pure_dict(one_device.state.params)["layers"]["mlp"]["wo"]
+    got = nnx.to_pure_dict(summary.state.params)["layers"]["mlp"]["wo"]["weight"]
+    want = nnx.to_pure_dict(one_device.state.params)["layers"]["mlp"]["wo"]["weight"]
     # (Adam divides by sqrt(v): near-zero gradients amplify rounding; 2e-4 is 2% of one lr=1e-2 update)
     np.testing.assert_allclose(to_natural(np.asarray(got), order), np.asarray(want), rtol=1e-4, atol=2e-4)
 
@@ -300,7 +300,7 @@ def test_deepseek_trains_pipelined_like_one_device(tmp_path, deepseek_one_device
     np.testing.assert_array_equal(params["mtp"]["block"]["mlp"]["router_bias"],
                                   want["mtp"]["block"]["mlp"]["router_bias"])
     # the dense block and the prediction module are whole on every stage; the MoE blocks split over them
-    prefix = got.state.params["layers"]["mlp"]["wi_up"].get_value()
+    prefix = got.state.params["layers"]["mlp"]["wi_up"]["weight"].get_value()
     assert prefix.sharding.shard_shape(prefix.shape)[0] == 1
     moe_bias = got.state.params["moe_layers"]["mlp"]["router_bias"].get_value()
     assert moe_bias.sharding.shard_shape(moe_bias.shape)[0] == 2
@@ -378,8 +378,8 @@ def test_the_1f1b_schedules_train_like_one_device(name, tmp_path, request):
     got = run(tiny_config(mesh, model=model, pipeline=pipeline, **extra, **distributed), str(tmp_path / "pipe"),
               use_tqdm=False)
     if distributed:  # the attention's weights split over fsdp x expert, their moments with them
-        mu = optax.tree_utils.tree_get(got.state.opt_state, "mu")["layers"]["attn"]["wq"].get_value()
-        wq = got.state.params["layers"]["attn"]["wq"].get_value()
+        mu = optax.tree_utils.tree_get(got.state.opt_state, "mu")["layers"]["attn"]["wq"]["weight"].get_value()
+        wq = got.state.params["layers"]["attn"]["wq"]["weight"].get_value()
         assert wq.sharding.shard_shape(wq.shape)[1] == wq.shape[1] // (mesh["fsdp"] * mesh["expert"])
         assert mu.sharding.shard_shape(mu.shape) == wq.sharding.shard_shape(wq.shape)
     expected = losses(ref)
@@ -393,8 +393,12 @@ def test_the_1f1b_schedules_train_like_one_device(name, tmp_path, request):
     # the staged stack's output projections after three updates, back in natural order (Adam divides by sqrt(v):
     # near-zero gradients amplify rounding; 2e-4 is 2% of one lr=1e-2 update)
     stack = "moe_layers" if kind == "deepseek" else "layers"
-    want = np.asarray(nnx.to_pure_dict(ref.state.params)[stack]["mlp"]["wo"])
-    got_wo = np.asarray(nnx.to_pure_dict(got.state.params)[stack]["mlp"]["wo"])
+
+    def wo(params):  # the routed experts' down projections, or the dense MLP's
+        down = nnx.to_pure_dict(params)[stack]["mlp"]["wo"]
+        return np.asarray(down if stack == "moe_layers" else down["weight"])
+
+    want, got_wo = wo(ref.state.params), wo(got.state.params)
     np.testing.assert_allclose(to_natural(got_wo, storage_order(want.shape[0], mesh["pipeline"], virtual)), want,
                                rtol=1e-4, atol=2e-4)
 
@@ -443,13 +447,13 @@ def test_a_checkpoint_resumes_on_other_pipeline_degrees(tmp_path):
         assert json.load(f)["layer_order"] == [0, 2, 1, 3]
     # export reads the stage-major stack back in the model's order, whole (load) and parameter by parameter
     from jaxtron.interop.convert import _run_config, _Slices, load
-    stored = np.asarray(nnx.to_pure_dict(first.state.params)["layers"]["mlp"]["wo"])
+    stored = np.asarray(nnx.to_pure_dict(first.state.params)["layers"]["mlp"]["wo"]["weight"])
     natural = to_natural(stored, [0, 2, 1, 3])
     assert not np.array_equal(stored, natural)
-    np.testing.assert_array_equal(load(str(tmp_path / "run"))[1]["layers.mlp.wo"], natural)
+    np.testing.assert_array_equal(load(str(tmp_path / "run"))[1]["layers.mlp.wo.weight"], natural)
     run_cfg, step_dir = _run_config(str(tmp_path / "run"))
-    np.testing.assert_array_equal(_Slices(str(tmp_path / "run"), run_cfg.model, step_dir).get("layers.mlp.wo", ()),
-                                  natural)
+    slices = _Slices(str(tmp_path / "run"), run_cfg.model, step_dir)
+    np.testing.assert_array_equal(slices.get("layers.mlp.wo.weight", ()), natural)
     for mesh, microbatches in ((dict(fsdp=8), 1), (dict(pipeline=4, data=2, fsdp=1), 4)):
         workdir = tmp_path / f"resume{mesh.get('pipeline', 1)}"
         shutil.copytree(tmp_path / "run", workdir)
@@ -472,12 +476,12 @@ def test_an_uneven_split_trains_and_resumes_like_one_device(tmp_path):
                use_tqdm=False)
     assert len(losses(one)) == 4 and np.all(np.diff(losses(one)) != 0)
     np.testing.assert_allclose(losses(pipe), losses(one), rtol=1e-5)
-    stored = np.asarray(nnx.to_pure_dict(pipe.state.params)["layers"]["mlp"]["wo"])
+    stored = np.asarray(nnx.to_pure_dict(pipe.state.params)["layers"]["mlp"]["wo"]["weight"])
     assert stored.shape[0] == 4 and not stored[3].any()  # the identity layer stays zero: it gets no gradient
     with open(tmp_path / "pipe" / "checkpoints" / "2" / "config" / "metadata") as f:
         assert json.load(f)["layer_order"] == [0, 1, 2, -1]
     from jaxtron.interop.convert import load
-    np.testing.assert_array_equal(load(str(tmp_path / "pipe"))[1]["layers.mlp.wo"], stored[:3])
+    np.testing.assert_array_equal(load(str(tmp_path / "pipe"))[1]["layers.mlp.wo.weight"], stored[:3])
     # resume the pipeline's step 2 on one stage (identity layer dropped), one device's on two (added)
     for source, mesh, extra, name in (("pipe", dict(fsdp=8), {}, "to_one"),
                                       ("one", dict(pipeline=2, data=4, fsdp=1), uneven, "to_pipe")):

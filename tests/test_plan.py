@@ -226,7 +226,7 @@ def test_latent_attentions_up_projections_are_split_and_gathered_over_fsdp_as_th
                  for path, sharding in jax.tree_util.tree_leaves_with_path(shardings)}
     whole = [p for p in params if p.shard_elements(sizes) == p.gathered_elements(sizes)]
     split = [p for p in params if p not in whole]
-    assert {"layers.attn.wq_b", "moe_layers.attn.wkv_b"} <= {p.path for p in split}
+    assert {"layers.attn.wq_b.weight", "moe_layers.attn.wkv_b.weight"} <= {p.path for p in split}
     assert all(len(p.shape) - p.path.startswith(("layers.", "moe_layers.")) == 1 for p in whole), whole
     for p in params:  # as the real shardings split them
         assert over_fsdp["".join(f"[{name!r}]" for name in p.path.split("."))] == (p in split), p.path

@@ -22,15 +22,15 @@ EXPECTED = {
     "embedding": P("tensor", FS),
     "head": P(FS, "tensor"),
     "final_norm.scale": P(None),
-    "layers.attn.wq": P("pipeline", FS, "tensor", None),
-    "layers.attn.wk": P("pipeline", FS, "tensor", None),
-    "layers.attn.wv": P("pipeline", FS, "tensor", None),
-    "layers.attn.wo": P("pipeline", "tensor", None, FS),
+    "layers.attn.wq.weight": P("pipeline", FS, "tensor", None),
+    "layers.attn.wk.weight": P("pipeline", FS, "tensor", None),
+    "layers.attn.wv.weight": P("pipeline", FS, "tensor", None),
+    "layers.attn.wo.weight": P("pipeline", "tensor", None, FS),
     "layers.attn_norm.scale": P("pipeline", None),
     "layers.mlp_norm.scale": P("pipeline", None),
-    "layers.mlp.wi_gate": P("pipeline", FS, "tensor"),
-    "layers.mlp.wi_up": P("pipeline", FS, "tensor"),
-    "layers.mlp.wo": P("pipeline", "tensor", FS),
+    "layers.mlp.wi_gate.weight": P("pipeline", FS, "tensor"),
+    "layers.mlp.wi_up.weight": P("pipeline", FS, "tensor"),
+    "layers.mlp.wo.weight": P("pipeline", "tensor", FS),
 }
 
 

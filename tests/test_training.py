@@ -30,7 +30,7 @@ def test_losses_match_single_device(mesh_name, single_device_run, tmp_path):
     assert len(expected) == 3 and np.all(np.diff(expected) != 0)
     np.testing.assert_allclose(losses(summary), expected, rtol=1e-5)
     # the run really used the requested mesh and the rules' sharding
-    wq = summary.state.params["layers"]["attn"]["wq"].get_value()
+    wq = summary.state.params["layers"]["attn"]["wq"]["weight"].get_value()
     mesh = wq.sharding.mesh
     assert {a: s for a, s in mesh.shape.items() if s > 1} == {a: s for a, s in MESHES[mesh_name].items() if s > 1}
     assert wq.sharding.is_equivalent_to(
@@ -172,7 +172,8 @@ def test_microbatches_on_a_sharded_mesh_with_the_distributed_optimizer(single_de
     for a, b in zip(got, want, strict=True):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0, atol=0.01 * largest_update)
     mu = optax.tree_utils.tree_get(summary.state.opt_state, "mu")
-    wq, wq_mu = summary.state.params["layers"]["attn"]["wq"].get_value(), mu["layers"]["attn"]["wq"].get_value()
+    wq = summary.state.params["layers"]["attn"]["wq"]["weight"].get_value()
+    wq_mu = mu["layers"]["attn"]["wq"]["weight"].get_value()
     assert wq.sharding.shard_shape(wq.shape) == (2, 32, 2, 16)  # [layers, embed / fsdp, heads / tensor, head_dim]
     # and embed over data too, beside fsdp: one reduce-scatter sums the gradient onto the moments' shard
     assert wq_mu.sharding.shard_shape(wq.shape) == (2, 16, 2, 16)

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 
-from jaxtron.checkpoint import integrity
+from jaxtron.checkpoint import integrity, layouts
 from jaxtron.checkpoint.train_state import (
     CHECKPOINT_DIR,
     LAYER_ORDER,
@@ -93,19 +93,20 @@ def _restore_converted_with(checkpointer: ocp.Checkpointer, root: str, target: A
     manifest, values = _manifest(root), {}
     for path, var in nnx.to_flat_state(target):
         name = ".".join(map(str, path))
+        stored = layouts.stored_name(name, manifest)  # a model converted before projections were modules: older
         want = var.get_value()
-        meta = manifest.get(name)
+        meta = manifest.get(stored)
         if meta is None or tuple(meta["shape"]) != want.shape:
             found = "absent" if meta is None else f"of shape {tuple(meta['shape'])}"
             raise CheckpointError(f"parameter '{name}' is {found} in '{root}' but this model needs shape "
                                   f"{want.shape}; use the config the parameters were converted with.")
         k = meta["split"]
         if k == 0:
-            values[name] = _restore(checkpointer, _item(root, name, ()), want)
+            values[name] = _restore(checkpointer, _item(root, stored, ()), want)
             continue
         part = jax.ShapeDtypeStruct(want.shape[k:], want.dtype,
                                     sharding=without_leading_axes(want.sharding, len(want.shape), k))
-        slices = [_restore(checkpointer, _item(root, name, index), part) for index in np.ndindex(*want.shape[:k])]
+        slices = [_restore(checkpointer, _item(root, stored, index), part) for index in np.ndindex(*want.shape[:k])]
         values[name] = jax.jit(lambda *xs, shape=want.shape: jnp.stack(xs).reshape(shape),
                                out_shardings=want.sharding)(*slices)
         del slices
@@ -136,10 +137,15 @@ def latest_run_state(path: str) -> str | None:
     return None if step is None else os.path.join(runs, str(step))
 
 
+def saved_config(step_dir: str) -> dict:
+    """The config a run's checkpoint was saved with (its layer order and parameter layout among its keys)."""
+    with open(os.path.join(step_dir, "config", "metadata")) as f:
+        return json.load(f)
+
+
 def saved_layer_order(step_dir: str) -> list[int] | None:
     """The period order of the layer stack in a run's checkpoint (None: natural)."""
-    with open(os.path.join(step_dir, "config", "metadata")) as f:
-        return json.load(f).get(LAYER_ORDER)
+    return saved_config(step_dir).get(LAYER_ORDER)
 
 
 def restore_params(path: str, abstract_params: Any, shardings: Any, step_dir: str | None = None,
@@ -157,13 +163,15 @@ def restore_params(path: str, abstract_params: Any, shardings: Any, step_dir: st
         if step_dir is None:
             raise CheckpointError(f"'{path}' holds neither {PARAMS_DIR}/ (a converted model) nor a checkpoint of a "
                                   f"training run ({CHECKPOINT_DIR}/<step>); point it at one of those.")
-        saved = saved_layer_order(step_dir)
+        config = saved_config(step_dir)
+        saved, layout = config.get(LAYER_ORDER), layouts.saved_layout(config)
         target = resized(wanted, saved, layer_order)  # as many identity periods as the run stored
-        restore_args = ocp.checkpoint_utils.construct_restore_args(target)
+        stored = layouts.in_layout(target, layout)
+        restore_args = ocp.checkpoint_utils.construct_restore_args(stored)
         with _checkpointer() as checkpointer:
             restored = checkpointer.restore(os.path.join(step_dir, "state"), args=ocp.args.PyTreeRestore(
-                {"params": target}, restore_args={"params": restore_args}, partial_restore=True))
-        return reorder(restored["params"], saved, layer_order, wanted)
+                {"params": stored}, restore_args={"params": restore_args}, partial_restore=True))["params"]
+        return reorder(layouts.from_layout(restored, target, layout), saved, layer_order, wanted)
     except CheckpointError:
         raise
     except (ValueError, KeyError, OSError, TypeError) as e:

@@ -29,7 +29,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-from jaxtron.checkpoint import integrity
+from jaxtron.checkpoint import integrity, layouts
 from jaxtron.config.loader import migrate
 from jaxtron.config.schema import Config, ConfigError, ModelConfig
 from jaxtron.parallel.stages import reorder, resized
@@ -38,6 +38,7 @@ log = logging.getLogger(__name__)
 
 CHECKPOINT_DIR = "checkpoints"
 LAYER_ORDER = "layer_order"  # saved config key: the period order of the stored layer stack (natural if absent)
+STORAGE_KEYS = (LAYER_ORDER, layouts.LAYOUT_KEY)  # saved config keys that say how the state is stored
 RESTORE_BUFFER_GB = 4
 DROPPED_DIR = ".dropped"  # inside CHECKPOINT_DIR: checkpoints past `keep`, renamed here whole, then deleted
 
@@ -114,6 +115,7 @@ class Checkpointer:
         self._finish_recording()  # the previous save's checksums are complete before this save starts
         self.manager.wait_until_finished()  # (orbax's save waits for it too)
         self._delete_dropped()
+        config = {**config, layouts.LAYOUT_KEY: layouts.PARAM_LAYOUT}
         args = ocp.args.Composite(state=ocp.args.PyTreeSave(state), data=ocp.args.JsonSave(data_state),
                                   config=ocp.args.JsonSave(config))
         watcher = integrity.Watcher(self.directory, step, jax.process_index()).start() if self.checksums else None
@@ -210,11 +212,13 @@ class Checkpointer:
                 check_data(saved["data"])
             wanted = abstract_with_shardings(abstract_state, shardings)
             target = resized(wanted, saved["config"].get(LAYER_ORDER), layer_order)  # its identity periods
+            layout = layouts.saved_layout(saved["config"])
+            stored = layouts.in_layout(target, layout)
             try:
                 restored = self.manager.restore(step, args=ocp.args.Composite(
-                    state=ocp.args.PyTreeRestore(target,
-                                                 restore_args=ocp.checkpoint_utils.construct_restore_args(target))))
-                restored = {"state": restored["state"], "data": saved["data"]}
+                    state=ocp.args.PyTreeRestore(stored,
+                                                 restore_args=ocp.checkpoint_utils.construct_restore_args(stored))))
+                restored = {"state": layouts.from_layout(restored["state"], target, layout), "data": saved["data"]}
             except Exception as e:  # noqa: BLE001 - named in the damage line, never dropped
                 failure = e
         if failure is None:  # stored for another pipeline schedule: the periods move into this run's order

@@ -12,7 +12,10 @@ the value must cross the model's own code (a Flax module's call) that neither se
 - ``WITHOUT_REMAT``: the stack's blocks run without checkpoints (the 1F1B schedule's explicit backward). Set by
   ``models.stack.without_remat``; read by the stack's block function.
 - ``LORA_DROPOUT_KEY``: the random key of the adapters' dropout masks. Set by ``models.lora.dropout`` (the train
-  step); read by ``models.lora``'s projections.
+  step); read by ``models.projection.Projection``.
+- ``FP8_RECIPE``: the FP8 recipe the blocks being traced compute their matmuls with (None: the compute dtype). Set
+  by ``models.projection.fp8_recipe`` (the layer stack's block function, for an FP8 layer group); read by
+  ``Projection`` and the MoE block's expert GEMMs.
 - ``EXPERT_GEMM_TARGET``: the compile-only GPU a program is compiled for. Set by ``ops.grouped.on_target`` (the
   dry run); read by ``ops.grouped.target_gpu``.
 """
@@ -49,4 +52,5 @@ AXES_TAKEN = TraceState("axes_taken", ())
 GATHER_FOR_USE = TraceState("gather_for_use", None)
 WITHOUT_REMAT = TraceState("without_remat", False)
 LORA_DROPOUT_KEY = TraceState("lora_dropout_key", None)
+FP8_RECIPE = TraceState("fp8_recipe", None)
 EXPERT_GEMM_TARGET = TraceState("expert_gemm_target", None)

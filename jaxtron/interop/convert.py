@@ -20,6 +20,7 @@ from typing import Any
 
 import numpy as np
 
+from jaxtron.checkpoint import layouts
 from jaxtron.common.files import staged_directory, user_path
 from jaxtron.config.schema import Config, ConfigError, ExecutionConfig, ModelConfig
 from jaxtron.data.store import first_manifest
@@ -170,10 +171,11 @@ def _run_config(ckpt_dir: str) -> tuple[Config, str | None]:
     if step_dir is None:
         raise ConfigError(f"'{ckpt_dir}' is neither a converted model (config.py + params/) nor a training run "
                           "with checkpoints; pass one of those.")
-    from jaxtron.checkpoint.train_state import LAYER_ORDER
-    with open(os.path.join(step_dir, "config", "metadata")) as f:
-        saved = json.load(f)
-    saved.pop(LAYER_ORDER, None)  # the layout of the stored stack, not a config field; restore_params reads it
+    from jaxtron.checkpoint.params import saved_config
+    from jaxtron.checkpoint.train_state import STORAGE_KEYS
+    saved = saved_config(step_dir)
+    for key in STORAGE_KEYS:  # how the checkpoint stores the state, not config fields; restore_params reads them
+        saved.pop(key, None)
     return from_mapping(saved), step_dir
 
 
@@ -233,16 +235,21 @@ class _Merged:
         self.base = _source(base, *_run_config(base))
         self.adapters, self.lora, self.cached = _adapters(ckpt_dir, run_cfg, step_dir), run_cfg.lora, (None, None)
 
+    def _projection(self, param: str) -> str | None:
+        """The adapted projection whose weight ``param`` is (None: not adapted)."""
+        projection = param.removesuffix(".weight")
+        return projection if projection + ".lora_a" in self.adapters else None
+
     def whole(self, param: str) -> np.ndarray:
-        if param + "_lora_a" not in self.adapters:
+        projection = self._projection(param)
+        if projection is None:
             return self.base.whole(param)
         from jaxtron.models import lora
-        pair = {k: self.adapters[param + k] for k in ("_lora_a", "_lora_b")}
-        return lora.merged({param: self.base.whole(param), **{param + k: v for k, v in pair.items()}},
-                           self.lora)[param]
+        pair = {projection + k: self.adapters[projection + k] for k in (".lora_a", ".lora_b")}
+        return lora.merged({param: self.base.whole(param), **pair}, self.lora)[param]
 
     def get(self, param: str, index: tuple[int, ...]) -> np.ndarray:
-        if param + "_lora_a" not in self.adapters:
+        if self._projection(param) is None:
             return self.base.get(param, index)
         if self.cached[0] != param:
             self.cached = (param, self.whole(param))
@@ -264,27 +271,28 @@ class _Slices:
         self.converted = os.path.isdir(self.root)
         self.manifest = _manifest(self.root) if self.converted else None
         self.item, self.cached = None if self.converted else os.path.join(step_dir, "state"), (None, None)
-        self.shapes, self.layer_order, self.stacked = None, None, set()
+        self.shapes, self.layer_order, self.stacked, self.layout = None, None, set(), layouts.PARAM_LAYOUT
         if not self.converted:
-            from jaxtron.checkpoint.params import saved_layer_order
+            from jaxtron.checkpoint.params import saved_config, saved_layer_order
             from jaxtron.parallel.sharding import logical_names
             variables = _abstract_variables(cfg)
             self.shapes = {path: var.get_value() for path, var in variables.items()}
             self.layer_order = saved_layer_order(step_dir)
+            self.layout = layouts.saved_layout(saved_config(step_dir))
             self.stacked = {path for path, var in variables.items() if logical_names(var)[:1] == ("layers",)}
 
     def whole(self, param: str) -> np.ndarray:
         """One parameter entire."""
         if not self.converted:
             return self._run_param(param)
-        k = self.manifest[param]["split"]
-        shape = tuple(self.manifest[param]["shape"])
+        meta = self.manifest[layouts.stored_name(param, self.manifest)]
+        k, shape = meta["split"], tuple(meta["shape"])
         return np.stack([self.get(param, i) for i in np.ndindex(*shape[:k])]).reshape(shape)
 
     def get(self, param: str, index: tuple[int, ...]) -> np.ndarray:
         from jaxtron.checkpoint.params import read_slice
         if self.converted:
-            return read_slice(self.root, param, index, self.manifest)
+            return read_slice(self.root, layouts.stored_name(param, self.manifest), index, self.manifest)
         if self.cached[0] != param:
             self.cached = (param, self._run_param(param))
         return self.cached[1][index]
@@ -299,7 +307,8 @@ class _Slices:
         if self.layer_order is not None and param in self.stacked:  # identity periods of an uneven split too
             from jaxtron.parallel.stages import stored_rows
             shape = (stored_rows(shape[0], self.layer_order), *shape[1:])
-        key = "params." + param + ".value"
+        stored = param if self.layout == layouts.PARAM_LAYOUT else ".".join(layouts.older(param.split(".")))
+        key = "params." + stored + ".value"
         with _checkpointer() as checkpointer:
             restored = checkpointer.restore(self.item, args=ocp.args.PyTreeRestore(
                 nest({key: jax.ShapeDtypeStruct(shape, leaf.dtype)}),

@@ -9,18 +9,9 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxtron.config.schema import ExecutionConfig, ModelConfig
-from jaxtron.models.layers import (
-    Norm,
-    apply_rope,
-    compute_dtype,
-    param,
-    rope_attention_factor,
-    rope_frequencies,
-    yarn_mscale,
-)
-from jaxtron.models.lora import project
+from jaxtron.models.layers import Norm, apply_rope, compute_dtype, rope_attention_factor, rope_frequencies, yarn_mscale
+from jaxtron.models.projection import Projection
 from jaxtron.ops import attention as attention_ops
-from jaxtron.ops import fp8 as fp8_ops
 
 
 class _SelfAttention(nnx.Module):
@@ -65,26 +56,23 @@ def cached_attention(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Ar
 class Attention(_SelfAttention):
     def __init__(self, cfg: ModelConfig, execution: ExecutionConfig, rngs: nnx.Rngs, implementation: str):
         d, n, g, h = cfg.embed_dim, cfg.attention.num_heads, cfg.attention.num_kv_heads, cfg.resolved_head_dim
-        out_std = cfg.init_std / math.sqrt(2 * cfg.num_layers)
-        self.wq = param(rngs, (d, n, h), ("embed", "heads", "head_dim"), cfg.init_std)
-        self.wk = param(rngs, (d, g, h), ("embed", "kv_heads", "head_dim"), cfg.init_std)
-        self.wv = param(rngs, (d, g, h), ("embed", "kv_heads", "head_dim"), cfg.init_std)
-        self.wo = param(rngs, (n, h, d), ("heads", "head_dim", "embed"), out_std)
+        out_std, dt = cfg.init_std / math.sqrt(2 * cfg.num_layers), execution.dtype
+        self.wq = Projection(rngs, (d,), (n, h), ("embed", "heads", "head_dim"), cfg.init_std, dt)
+        self.wk = Projection(rngs, (d,), (g, h), ("embed", "kv_heads", "head_dim"), cfg.init_std, dt)
+        self.wv = Projection(rngs, (d,), (g, h), ("embed", "kv_heads", "head_dim"), cfg.init_std, dt)
+        self.wo = Projection(rngs, (n, h), (d,), ("heads", "head_dim", "embed"), out_std, dt)
         # Qwen3: each head's queries and keys RMS-normalised (one scale of head_dim, shared by the heads)
         self.q_norm = Norm(cfg, execution, size=h, kind="rmsnorm") if cfg.attention.qk_norm else None
         self.k_norm = Norm(cfg, execution, size=h, kind="rmsnorm") if cfg.attention.qk_norm else None
         self._runs(cfg, execution, implementation)
 
-    def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array | None,
-                 fp8: bool = False) -> jax.Array:
-        q, k, v = self._project(x, positions, fp8)
-        return project(fp8_ops.projection(fp8), "btnh,nhd->btd", self._attend(q, k, v, positions, segment_ids),
-                       self, "wo", self.dtype)
+    def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array | None) -> jax.Array:
+        q, k, v = self._project(x, positions)
+        return self.wo(self._attend(q, k, v, positions, segment_ids))
 
-    def _project(self, x: jax.Array, positions: jax.Array, fp8: bool) -> tuple[jax.Array, jax.Array, jax.Array]:
+    def _project(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
         """Queries, keys and values [b, t, heads, head_dim], rotated."""
-        dt, einsum = self.dtype, fp8_ops.projection(fp8)
-        q, k, v = (project(einsum, "btd,dnh->btnh", x, self, w, dt) for w in ("wq", "wk", "wv"))
+        q, k, v = self.wq(x), self.wk(x), self.wv(x)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         if self.cfg.position_embedding == "rope":
@@ -93,14 +81,13 @@ class Attention(_SelfAttention):
             k = apply_rope(k, positions, inv_freq, scale)
         return q, k, v
 
-    def decode(self, x: jax.Array, positions: jax.Array, cache: dict[str, jax.Array],
-               fp8: bool = False) -> tuple[jax.Array, dict[str, jax.Array]]:
+    def decode(self, x: jax.Array, positions: jax.Array,
+               cache: dict[str, jax.Array]) -> tuple[jax.Array, dict[str, jax.Array]]:
         """The tokens ``x`` [b, t, d] at ``positions`` with the earlier ones' keys and values from ``cache`` ("k",
         "v": [b, S, kv_heads, head_dim]): -> (the output, the cache with these tokens' written in)."""
-        q, k, v = self._project(x, positions, fp8)
+        q, k, v = self._project(x, positions)
         cache = {"k": write_cache(cache["k"], k, positions), "v": write_cache(cache["v"], v, positions)}
-        out = cached_attention(q, cache["k"], cache["v"], positions)
-        return project(fp8_ops.projection(fp8), "btnh,nhd->btd", out, self, "wo", self.dtype), cache
+        return self.wo(cached_attention(q, cache["k"], cache["v"], positions)), cache
 
     def empty_cache(self, batch: int, length: int, dtype) -> dict[str, jax.Array]:
         shape = (batch, length, self.cfg.attention.num_kv_heads, self.cfg.resolved_head_dim)
@@ -119,56 +106,50 @@ class LatentAttention(_SelfAttention):
 
     def __init__(self, cfg: ModelConfig, execution: ExecutionConfig, rngs: nnx.Rngs, implementation: str):
         d, n, rope = cfg.embed_dim, cfg.attention.num_heads, cfg.attention.qk_rope_head_dim
-        qk, v = cfg.qk_head_dim, cfg.resolved_v_head_dim
-        out_std = cfg.init_std / math.sqrt(2 * cfg.num_layers)
-        if cfg.attention.q_lora_rank:
-            self.wq_a = param(rngs, (d, cfg.attention.q_lora_rank), ("embed", "latent"), cfg.init_std)
-            self.q_norm = Norm(cfg, execution, size=cfg.attention.q_lora_rank, kind="rmsnorm")
-            self.wq_b = param(rngs, (cfg.attention.q_lora_rank, n, qk), ("latent", "heads", "head_dim"), cfg.init_std)
+        qk, v, q_rank, kv_rank = cfg.qk_head_dim, cfg.resolved_v_head_dim, cfg.attention.q_lora_rank, \
+            cfg.attention.kv_lora_rank
+        out_std, std, dt = cfg.init_std / math.sqrt(2 * cfg.num_layers), cfg.init_std, execution.dtype
+        if q_rank:
+            self.wq_a = Projection(rngs, (d,), (q_rank,), ("embed", "latent"), std, dt)
+            self.q_norm = Norm(cfg, execution, size=q_rank, kind="rmsnorm")
+            self.wq_b = Projection(rngs, (q_rank,), (n, qk), ("latent", "heads", "head_dim"), std, dt)
         else:
-            self.wq = param(rngs, (d, n, qk), ("embed", "heads", "head_dim"), cfg.init_std)
+            self.wq = Projection(rngs, (d,), (n, qk), ("embed", "heads", "head_dim"), std, dt)
         # the latent and the shared rotated key, from one matrix
-        self.wkv_a = param(rngs, (d, cfg.attention.kv_lora_rank + rope), ("embed", "latent"), cfg.init_std)
-        self.kv_norm = Norm(cfg, execution, size=cfg.attention.kv_lora_rank, kind="rmsnorm")
-        self.wkv_b = param(rngs, (cfg.attention.kv_lora_rank, n, cfg.resolved_head_dim + v),
-                           ("latent", "heads", "head_dim"), cfg.init_std)
-        self.wo = param(rngs, (n, v, d), ("heads", "head_dim", "embed"), out_std)
+        self.wkv_a = Projection(rngs, (d,), (kv_rank + rope,), ("embed", "latent"), std, dt)
+        self.kv_norm = Norm(cfg, execution, size=kv_rank, kind="rmsnorm")
+        self.wkv_b = Projection(rngs, (kv_rank,), (n, cfg.resolved_head_dim + v), ("latent", "heads", "head_dim"),
+                                std, dt)
+        self.wo = Projection(rngs, (n, v), (d,), ("heads", "head_dim", "embed"), out_std, dt)
         self._runs(cfg, execution, implementation)
 
-    def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array | None,
-                 fp8: bool = False) -> jax.Array:
-        q = self._queries(x, positions, fp8)
-        k, v = self._keys_values(*self._compressed(x, positions, fp8), fp8)
-        out = self._attend(q, k, v, positions, segment_ids)
-        return self._output(out, fp8)
+    def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array | None) -> jax.Array:
+        q = self._queries(x, positions)
+        k, v = self._keys_values(*self._compressed(x, positions))
+        return self._output(self._attend(q, k, v, positions, segment_ids))
 
-    def _queries(self, x: jax.Array, positions: jax.Array, fp8: bool) -> jax.Array:
+    def _queries(self, x: jax.Array, positions: jax.Array) -> jax.Array:
         """Each head's query [b, t, n, qk]: unrotated part then rotated part, with the softmax factor folded in."""
-        cfg, dt, einsum = self.cfg, self.dtype, fp8_ops.projection(fp8)
-        nope = cfg.resolved_head_dim
-        if cfg.attention.q_lora_rank:
-            q = self.q_norm(project(einsum, "btd,dr->btr", x, self, "wq_a", dt))
-            q = project(einsum, "btr,rnh->btnh", q, self, "wq_b", dt)
-        else:
-            q = project(einsum, "btd,dnh->btnh", x, self, "wq", dt)
+        cfg, nope = self.cfg, self.cfg.resolved_head_dim
+        q = self.wq_b(self.q_norm(self.wq_a(x))) if cfg.attention.q_lora_rank else self.wq(x)
         inv_freq, scale = rope_frequencies(cfg, cfg.attention.qk_rope_head_dim), rope_attention_factor(cfg)
         q = jnp.concatenate([q[..., :nope], apply_rope(q[..., nope:], positions, inv_freq, scale)], axis=-1)
         softmax = mla_softmax_factor(cfg)
         return q * jnp.asarray(softmax, q.dtype) if softmax != 1.0 else q
 
-    def _compressed(self, x: jax.Array, positions: jax.Array, fp8: bool) -> tuple[jax.Array, jax.Array]:
+    def _compressed(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
         """What a token keeps for later ones: its normed latent [b, t, kv_lora_rank] and its rotated key part
         [b, t, qk_rope_head_dim], shared by the heads (the compressed cache)."""
         cfg, rank = self.cfg, self.cfg.attention.kv_lora_rank
-        latent = project(fp8_ops.projection(fp8), "btd,dr->btr", x, self, "wkv_a", self.dtype)
+        latent = self.wkv_a(x)
         inv_freq, scale = rope_frequencies(cfg, cfg.attention.qk_rope_head_dim), rope_attention_factor(cfg)
         return self.kv_norm(latent[..., :rank]), apply_rope(latent[:, :, None, rank:], positions, inv_freq,
                                                             scale)[:, :, 0]
 
-    def _keys_values(self, latent: jax.Array, k_rope: jax.Array, fp8: bool) -> tuple[jax.Array, jax.Array]:
+    def _keys_values(self, latent: jax.Array, k_rope: jax.Array) -> tuple[jax.Array, jax.Array]:
         """Keys [b, s, n, qk] and values (padded to qk) from the compressed latent and rotated key part."""
         cfg, nope, v_dim = self.cfg, self.cfg.resolved_head_dim, self.cfg.resolved_v_head_dim
-        kv = project(fp8_ops.projection(fp8), "btr,rnh->btnh", latent, self, "wkv_b", self.dtype)
+        kv = self.wkv_b(latent)
         k_rope = jnp.broadcast_to(k_rope[:, :, None], (*kv.shape[:3], cfg.attention.qk_rope_head_dim))
         k = jnp.concatenate([kv[..., :nope], k_rope.astype(kv.dtype)], axis=-1)
         v = kv[..., nope:]
@@ -176,19 +157,18 @@ class LatentAttention(_SelfAttention):
             v = jnp.pad(v, ((0, 0), (0, 0), (0, 0), (0, cfg.qk_head_dim - v_dim)))
         return k, v
 
-    def _output(self, out: jax.Array, fp8: bool) -> jax.Array:
-        return project(fp8_ops.projection(fp8), "btnh,nhd->btd", out[..., :self.cfg.resolved_v_head_dim], self,
-                       "wo", self.dtype)
+    def _output(self, out: jax.Array) -> jax.Array:
+        return self.wo(out[..., :self.cfg.resolved_v_head_dim])
 
-    def decode(self, x: jax.Array, positions: jax.Array, cache: dict[str, jax.Array],
-               fp8: bool = False) -> tuple[jax.Array, dict[str, jax.Array]]:
+    def decode(self, x: jax.Array, positions: jax.Array,
+               cache: dict[str, jax.Array]) -> tuple[jax.Array, dict[str, jax.Array]]:
         """As ``Attention.decode``, the cache compressed: each token's normed latent ("latent" [b, S, rank]) and
         rotated key part ("rope" [b, S, rope]); the keys and values of the cached tokens are expanded from them."""
-        latent, k_rope = self._compressed(x, positions, fp8)
+        latent, k_rope = self._compressed(x, positions)
         cache = {"latent": write_cache(cache["latent"], latent, positions),
                  "rope": write_cache(cache["rope"], k_rope, positions)}
-        k, v = self._keys_values(cache["latent"].astype(self.dtype), cache["rope"].astype(self.dtype), fp8)
-        return self._output(cached_attention(self._queries(x, positions, fp8), k, v, positions), fp8), cache
+        k, v = self._keys_values(cache["latent"].astype(self.dtype), cache["rope"].astype(self.dtype))
+        return self._output(cached_attention(self._queries(x, positions), k, v, positions)), cache
 
     def empty_cache(self, batch: int, length: int, dtype) -> dict[str, jax.Array]:
         a = self.cfg.attention

@@ -1,16 +1,17 @@
 """Low-rank adapters (LoRA, Hu et al. 2021) on a model's projections.
 
-A target projection ``y = einsum(x, W)`` becomes ``y + (alpha / rank) * einsum(einsum(x, A), B)``: A holds W's input
-dimensions and the rank, B the rank and W's output dimensions, both with W's stacked-layer dimensions in front and
-W's logical axis names on the dimensions they share with it (the rank is ``lora_rank``, kept whole), so the rules
-table shards them as it shards W. A starts as a scaled normal, B at zero: an adapted model starts equal to its
-base. The adapters are ``Adapter`` variables (a kind of ``nnx.Param``), added to a built model by ``add_adapters``;
-the modules call ``project`` for every target projection. ``merged`` folds them into the base weights (export).
+A target projection ``y = x W`` becomes ``y + (alpha / rank) (x A) B``: A holds W's input dimensions and the rank,
+B the rank and W's output dimensions, both with W's stacked-layer dimensions in front and W's logical axis names on
+the dimensions they share with it (the rank is ``lora_rank``, kept whole), so the rules table shards them as it
+shards W. A starts as a scaled normal, B at zero: an adapted model starts equal to its base. The adapters are
+``Adapter`` variables (a kind of ``nnx.Param``) of the ``Projection`` they adapt (``lora_a``, ``lora_b``), added to a
+built model by ``add_adapters``; the projection computes them (``models/projection.py``). ``merged`` folds them into
+the base weights (export).
 
 With ``lora.dropout`` p > 0 the adapters' input is dropped out (kept values scaled by 1 / (1 - p)) in training steps,
 inside ``dropout(key)``: the train step's key (the run's seed and the step) folded with each layer's ``Seed`` (a
-stacked integer the layer's adapters carry, so every layer and projection draws its own mask) and the projection.
-Outside it (evaluation, generation) nothing is dropped.
+stacked integer each adapted projection carries, numbered by the module it belongs to, so every layer draws its own
+mask) and the projection's tag (its name's checksum). Outside it (evaluation, generation) nothing is dropped.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import contextlib
 import math
 import re
 import zlib
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import jax
@@ -29,20 +30,10 @@ from flax import nnx
 
 from jaxtron.common.trace_state import LORA_DROPOUT_KEY
 from jaxtron.config.schema import ConfigError, LoraConfig
+from jaxtron.models.projection import Adapter, Projection, Seed
 from jaxtron.parallel.sharding import logical_names
-from jaxtron.parallel.state_sharding import weight_layout
 
 RANK = "lora_rank"
-
-
-class Adapter(nnx.Param):
-    """A LoRA matrix: the only parameters a LoRA run trains."""
-
-
-class Seed(nnx.Param):
-    """Each stacked layer's number for its adapters' dropout masks (an integer: never trained)."""
-
-
 OWN = (Adapter, Seed)  # what a LoRA run adds to its base, and what its checkpoints hold
 
 
@@ -53,19 +44,19 @@ def dropout(key: jax.Array) -> Iterator[None]:
         yield
 
 
-# projection name -> (attribute, modules that have it, input dimensions of the unstacked weight, its rank)
+# projection name -> (attribute, modules that have it)
 PROJECTIONS = {
-    "q": ("wq", ("Attention", "LatentAttention"), 1, 3),
-    "k": ("wk", ("Attention",), 1, 3),
-    "v": ("wv", ("Attention",), 1, 3),
-    "o": ("wo", ("Attention", "LatentAttention"), 2, 3),
-    "gate": ("wi_gate", ("MLP",), 1, 2),
-    "up": ("wi_up", ("MLP",), 1, 2),
-    "down": ("wo", ("MLP",), 1, 2),
-    "q_a": ("wq_a", ("LatentAttention",), 1, 2),
-    "q_b": ("wq_b", ("LatentAttention",), 1, 3),
-    "kv_a": ("wkv_a", ("LatentAttention",), 1, 2),
-    "kv_b": ("wkv_b", ("LatentAttention",), 1, 3),
+    "q": ("wq", ("Attention", "LatentAttention")),
+    "k": ("wk", ("Attention",)),
+    "v": ("wv", ("Attention",)),
+    "o": ("wo", ("Attention", "LatentAttention")),
+    "gate": ("wi_gate", ("MLP",)),
+    "up": ("wi_up", ("MLP",)),
+    "down": ("wo", ("MLP",)),
+    "q_a": ("wq_a", ("LatentAttention",)),
+    "q_b": ("wq_b", ("LatentAttention",)),
+    "kv_a": ("wkv_a", ("LatentAttention",)),
+    "kv_b": ("wkv_b", ("LatentAttention",)),
 }
 HF_NAMES = {"q_proj": "q", "k_proj": "k", "v_proj": "v", "o_proj": "o", "gate_proj": "gate", "up_proj": "up",
             "down_proj": "down", "q_a_proj": "q_a", "q_b_proj": "q_b", "kv_a_proj_with_mqa": "kv_a",
@@ -84,14 +75,15 @@ def target_names(cfg: LoraConfig) -> list[str]:
     return names
 
 
-def _targets(model: nnx.Module, cfg: LoraConfig) -> list[tuple[nnx.Module, str, str]]:
-    """(module, weight attribute, projection name) of every target in ``model``; ConfigError for a target that
-    names no projection of this model (a gate on a GELU MLP, latent projections without latent attention)."""
-    found, wanted = [], target_names(cfg)
-    for name in wanted:
-        attribute, kinds, _, _ = PROJECTIONS[name]
-        here = [(m, attribute, name) for _, m in nnx.iter_graph(model)
-                if isinstance(m, nnx.Module) and type(m).__name__ in kinds and getattr(m, attribute, None) is not None]
+def _targets(model: nnx.Module, cfg: LoraConfig) -> list[tuple[nnx.Module, str]]:
+    """(module, projection attribute) of every target in ``model``; ConfigError for a target that names no
+    projection of this model (a gate on a GELU MLP, latent projections without latent attention)."""
+    found = []
+    for name in target_names(cfg):
+        attribute, kinds = PROJECTIONS[name]
+        here = [(m, attribute) for _, m in nnx.iter_graph(model)
+                if isinstance(m, nnx.Module) and type(m).__name__ in kinds
+                and isinstance(getattr(m, attribute, None), Projection)]
         if not here:
             raise ConfigError(f"config field 'lora.targets' names '{name}', but this model has no such projection; "
                               "drop it or name projections the model has.")
@@ -101,77 +93,50 @@ def _targets(model: nnx.Module, cfg: LoraConfig) -> list[tuple[nnx.Module, str, 
 
 def add_adapters(model: nnx.Module, cfg: LoraConfig, seed: int) -> nnx.Module:
     """Adds adapters of rank ``cfg.rank`` to the target projections of ``model`` (in place); returns it."""
-    from jaxtron.parallel.sharding import logical_names
-
     key = jax.random.key(seed)
     with nnx.use_eager_sharding(False):  # placed by the caller, as build_model's parameters are
         targets = _targets(model, cfg)
-        for index, (module, attribute, name) in enumerate(targets):
-            _add(module, attribute, name, cfg, jax.random.fold_in(key, index), logical_names)
-        if cfg.dropout:
-            for index, module in enumerate({id(m): m for m, _, _ in targets}.values()):
-                weight = getattr(module, next(a for m, a, _ in targets if m is module))
-                stack = weight.get_value().ndim - next(PROJECTIONS[n][3] for m, _, n in targets if m is module)
-                lead, names = weight.get_value().shape[:stack], logical_names(weight)[:stack]
-                numbers = index * (1 << 20) + jnp.arange(math.prod(lead), dtype=jnp.int32).reshape(lead)
-                module.lora_seed = Seed(numbers, out_sharding=names)
-                module.lora_dropout = cfg.dropout
+        for index, (module, attribute) in enumerate(targets):
+            _add(getattr(module, attribute), cfg, jax.random.fold_in(key, index))
+        if cfg.dropout:  # each module's layers numbered apart from every other module's
+            modules = list({id(m): m for m, _ in targets}.values())
+            for module, attribute in targets:
+                projection = getattr(module, attribute)
+                lead = projection.weight.get_value().ndim - projection.inputs - projection.outputs
+                shape, names = projection.weight.get_value().shape[:lead], logical_names(projection.weight)[:lead]
+                first = modules.index(module) * (1 << 20)
+                projection.lora_seed = Seed(first + jnp.arange(math.prod(shape), dtype=jnp.int32).reshape(shape),
+                                            out_sharding=names)
+                projection.lora_dropout = cfg.dropout
+                projection.lora_tag = zlib.crc32(attribute.encode()) >> 1
     return model
 
 
-def _add(module: nnx.Module, attribute: str, name: str, cfg: LoraConfig, key: jax.Array, logical_names) -> None:
-    """Adapters A (scaled normal) and B (zeros) of one target weight, named as it is."""
-    weight = getattr(module, attribute)
-    _, _, inputs, rank = PROJECTIONS[name]
-    shape, names = weight.get_value().shape, logical_names(weight)
-    stack = len(shape) - rank
-    lead, ins, outs = shape[:stack], shape[stack:stack + inputs], shape[stack + inputs:]
+def _add(projection: Projection, cfg: LoraConfig, key: jax.Array) -> None:
+    """Adapters A (scaled normal) and B (zeros) of one projection, named as its weight is."""
+    shape, names = projection.weight.get_value().shape, logical_names(projection.weight)
+    stack = len(shape) - projection.inputs - projection.outputs
+    lead, ins, outs = shape[:stack], shape[stack:stack + projection.inputs], shape[stack + projection.inputs:]
     a = jax.random.normal(key, (*lead, *ins, cfg.rank), jnp.float32) / math.sqrt(math.prod(ins))
-    setattr(module, f"{attribute}_lora_a", Adapter(a, out_sharding=(*names[:stack + inputs], RANK)))
-    setattr(module, f"{attribute}_lora_b", Adapter(jnp.zeros((*lead, cfg.rank, *outs), jnp.float32),
-                                                   out_sharding=(*names[:stack], RANK, *names[stack + inputs:])))
-    module.lora_scale = cfg.alpha / cfg.rank
-
-
-def project(einsum: Callable, equation: str, x: jax.Array, module: nnx.Module, attribute: str,
-            dtype: Any) -> jax.Array:
-    """``einsum(equation, x, weight, layout)`` (``ops/fp8.projection``) of ``module``'s weight ``attribute`` (split
-    over fsdp: gathered as ``state_sharding.weight_layout`` says), plus its adapters' low-rank update if it
-    has them (both in ``dtype``)."""
-    weight = getattr(module, attribute)
-    with jax.named_scope("weight_cast"):
-        w = weight[...].astype(dtype)
-    y = einsum(equation, x, w, weight_layout(logical_names(weight), w.ndim))
-    a = getattr(module, f"{attribute}_lora_a", None)
-    if a is None:
-        return y
-    b = getattr(module, f"{attribute}_lora_b")
-    rate, key = getattr(module, "lora_dropout", 0.0), LORA_DROPOUT_KEY.get()
-    if rate and key is not None:
-        key = jax.random.fold_in(jax.random.fold_in(key, module.lora_seed[...]), zlib.crc32(attribute.encode()) >> 1)
-        keep = jax.random.bernoulli(key, 1.0 - rate, x.shape)
-        x = jnp.where(keep, x / jnp.asarray(1.0 - rate, x.dtype), jnp.zeros((), x.dtype))
-    inputs, out = equation.split("->")
-    xs, ws = inputs.split(",")
-    contracted = "".join(c for c in ws if c in xs)
-    low = "".join(c for c in xs if c not in contracted) + "z"
-    h = jnp.einsum(f"{xs},{contracted}z->{low}", x, a[...].astype(dtype))
-    update = jnp.einsum(f"{low},z{ws[len(contracted):]}->{out}", h, b[...].astype(dtype))
-    return y + jnp.asarray(module.lora_scale, dtype) * update
+    projection.lora_a = Adapter(a, out_sharding=(*names[:stack + projection.inputs], RANK))
+    projection.lora_b = Adapter(jnp.zeros((*lead, cfg.rank, *outs), jnp.float32),
+                                out_sharding=(*names[:stack], RANK, *names[stack + projection.inputs:]))
+    projection.lora_scale = cfg.alpha / cfg.rank
 
 
 def is_adapter(path: str) -> bool:
     """Whether a dotted parameter path is a LoRA variable (an adapter matrix or a layer's dropout seed)."""
-    return bool(re.search(r"_lora_[ab]$|\blora_seed$", path))
+    return bool(re.search(r"\.lora_(a|b|seed)$", path))
 
 
 def merged(flat: dict[str, np.ndarray], cfg: LoraConfig) -> dict[str, np.ndarray]:
     """Dotted-path parameters with every adapter pair folded into its weight, ``W + (alpha / rank) A B`` (float32),
     and the adapters dropped: the base model's structure, computing what the adapted model computes."""
     out = {k: v for k, v in flat.items() if not is_adapter(k)}
-    for path in (k for k in flat if k.endswith("_lora_a")):
-        weight = path[:-len("_lora_a")]
-        a, b, w = flat[path].astype(np.float32), flat[weight + "_lora_b"].astype(np.float32), out[weight]
+    for path in (k for k in flat if k.endswith(".lora_a")):
+        projection = path[:-len(".lora_a")]
+        weight = projection + ".weight"
+        a, b, w = flat[path].astype(np.float32), flat[projection + ".lora_b"].astype(np.float32), out[weight]
         stack = a.ndim + b.ndim - 2 - w.ndim  # a: stack, inputs, rank; b: stack, rank, outputs; w: stack, in, out
         layers = math.prod(a.shape[:stack])
         delta = np.einsum("lir,lro->lio", a.reshape(layers, -1, a.shape[-1]), b.reshape(layers, b.shape[stack], -1))

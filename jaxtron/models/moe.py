@@ -26,6 +26,7 @@ from jaxtron.models.experts import (
 )
 from jaxtron.models.layers import compute_dtype, param
 from jaxtron.models.mlp import MLP
+from jaxtron.models.projection import fp8_enabled
 from jaxtron.ops import exchange, grouped
 from jaxtron.parallel.sharding import constrain, logical_to_spec, spec_axes
 
@@ -162,7 +163,7 @@ class MoE(nnx.Module):
         self.wo = param(rngs, (e, f, d), DOWN_AXES, cfg.init_std / math.sqrt(2 * cfg.num_layers))
         self.shared = MLP(cfg, execution, rngs, cfg.moe.shared_experts * f) if cfg.moe.shared_experts else None
 
-    def __call__(self, x: jax.Array, fp8: bool = False) -> tuple[jax.Array, dict[str, jax.Array]]:
+    def __call__(self, x: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
         """x [batch, length, embed] -> (output of the same shape, routing stats; see ``route``)."""
         cfg = self.cfg
         capacity_mode = self.execution.moe_mode == "capacity"
@@ -172,11 +173,11 @@ class MoE(nnx.Module):
             bias = self.router_bias[...] if self.router_bias is not None else None
             ids, weights, stats = route(cfg, logits, row_capacity, bias)
         with jax.named_scope("experts"):
-            y, dropped = self._routed(constrain(x, TOKEN_AXES), ids, weights, row_capacity, fp8)
+            y, dropped = self._routed(constrain(x, TOKEN_AXES), ids, weights, row_capacity, fp8_enabled())
         if not capacity_mode:  # assignments that found no room in a receive buffer
             stats["dropped"] = dropped / ids.size
         if self.shared is not None:
-            y = y + self.shared(x, fp8)[0]
+            y = y + self.shared(x)[0]
         return y, stats
 
     def _routed(self, x: jax.Array, ids: jax.Array, weights: jax.Array, row_capacity: int | None,

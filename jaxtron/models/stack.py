@@ -26,11 +26,13 @@ from flax import nnx
 
 from jaxtron.common.trace_state import WITHOUT_REMAT
 from jaxtron.config.schema import ExecutionConfig, ModelConfig
+from jaxtron.models.projection import fp8_recipe
 from jaxtron.ops import attention as attention_ops
 from jaxtron.ops import cudnn as cudnn_ops
 from jaxtron.parallel.state_sharding import gathering_for_use
 
 Stats = dict[str, jax.Array]
+FP8_RECIPE = "tensorwise"  # what an FP8 layer group's projections and expert GEMMs compute with (ops/fp8.py)
 # body(hidden [b, T, D], one period's parameters, extras) -> (hidden, that period's routing stats)
 Body = Callable[[jax.Array, Any, tuple], tuple[jax.Array, Stats]]
 # runner(body, hidden, the periods' parameters stacked [periods, ...], extras) -> (hidden, stats [periods, ...])
@@ -131,8 +133,8 @@ def _block_fn(graphdef: Any, fp8: bool, remat: str) -> Callable | None:
     gather = "keep" if policy is not None or unrematerialized else "regather"
 
     def apply(h, block, positions, segment_ids=None):
-        with gathering_for_use(gather):
-            return nnx.merge(graphdef, block)(h, positions, segment_ids, fp8)
+        with gathering_for_use(gather), fp8_recipe(FP8_RECIPE if fp8 else None):
+            return nnx.merge(graphdef, block)(h, positions, segment_ids)
 
     return apply if policy is None else jax.checkpoint(apply, policy=policy, prevent_cse=False)
 
@@ -216,7 +218,10 @@ def decode_stack(cfg: ModelConfig, execution: ExecutionConfig, dense: nnx.Module
     pieces: dict[str, list] = {"layers": [], "moe_layers": []}
 
     def block_fn(graphdef, fp8):
-        return lambda h, block, c: nnx.merge(graphdef, block).decode(h, positions, c, fp8)
+        def apply(h, block, c):
+            with fp8_recipe(FP8_RECIPE if fp8 else None):
+                return nnx.merge(graphdef, block).decode(h, positions, c)
+        return apply
 
     cache_slices = group_slices(cfg, execution, cache.get("layers"), cache.get("moe_layers"))
     for (group, params), (_, caches) in zip(group_slices(cfg, execution, dense_state, moe_state), cache_slices,

@@ -18,6 +18,7 @@ from jaxtron.models.attention import Attention, LatentAttention
 from jaxtron.models.layers import Norm, compute_dtype, embed_lookup, param
 from jaxtron.models.mlp import MLP
 from jaxtron.models.moe import MoE
+from jaxtron.models.projection import Projection
 from jaxtron.models.stack import Cache, StackRunner, Stats, decode_stack, run_stack, stacked
 from jaxtron.ops.cross_entropy import logits_of
 from jaxtron.parallel.sharding import constrain
@@ -47,21 +48,20 @@ class Block(nnx.Module):
         self.mlp_norm = Norm(cfg, execution)
         self.mlp = MoE(cfg, execution, rngs) if moe else MLP(cfg, execution, rngs)
 
-    def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array | None,
-                 fp8: bool = False) -> tuple[jax.Array, Stats]:
+    def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array | None) -> tuple[jax.Array, Stats]:
         """-> (output, routing stats of an MoE block, empty for a dense one)."""
-        a = self.attn(block_input(self.attn_norm, x), positions, segment_ids, fp8)
+        a = self.attn(block_input(self.attn_norm, x), positions, segment_ids)
         x = constrain(x + gathered_cotangent(a, BLOCK_INPUT_AXES), EMBED_AXES)
-        y, stats = self.mlp(block_input(self.mlp_norm, x), fp8)
+        y, stats = self.mlp(block_input(self.mlp_norm, x))
         return constrain(x + gathered_cotangent(y, BLOCK_INPUT_AXES), EMBED_AXES), stats
 
-    def decode(self, x: jax.Array, positions: jax.Array, cache: dict[str, jax.Array],
-               fp8: bool = False) -> tuple[jax.Array, dict[str, jax.Array]]:
+    def decode(self, x: jax.Array, positions: jax.Array,
+               cache: dict[str, jax.Array]) -> tuple[jax.Array, dict[str, jax.Array]]:
         """The block on tokens ``x`` at ``positions``, its attention over the earlier tokens in ``cache``: -> (the
         output, the cache with these tokens in)."""
-        a, cache = self.attn.decode(self.attn_norm(x), positions, cache, fp8)
+        a, cache = self.attn.decode(self.attn_norm(x), positions, cache)
         x = x + a
-        y, _ = self.mlp(self.mlp_norm(x), fp8)
+        y, _ = self.mlp(self.mlp_norm(x))
         return x + y, cache
 
 
@@ -74,16 +74,15 @@ class MTPModule(nnx.Module):
         d = cfg.embed_dim
         self.embed_norm = Norm(cfg, execution)
         self.hidden_norm = Norm(cfg, execution)
-        self.proj = param(rngs, (2 * d, d), (None, "embed"), cfg.init_std)
+        self.proj = Projection(rngs, (2 * d,), (d,), (None, "embed"), cfg.init_std, execution.dtype)
         self.block = Block(cfg, execution, rngs, attention_impl, moe=cfg.moe.num_experts > 0)
         self.norm = Norm(cfg, execution)
-        self.dtype = compute_dtype(execution)
 
     def __call__(self, h: jax.Array, embedded: jax.Array, positions: jax.Array,
                  segment_ids: jax.Array | None) -> tuple[jax.Array, jax.Array, Stats]:
         """-> (this depth's hidden states, the same normed for the head, routing stats)."""
         x = jnp.concatenate([self.embed_norm(embedded), self.hidden_norm(h)], axis=-1)
-        x = constrain(jnp.einsum("btc,cd->btd", x, self.proj[...].astype(self.dtype)), EMBED_AXES)
+        x = constrain(self.proj(x), EMBED_AXES)
         x, stats = self.block(x, positions, segment_ids)
         return x, self.norm(x), stats
 

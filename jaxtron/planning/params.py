@@ -28,7 +28,7 @@ _PROJECTION_WEIGHTS = frozenset(attribute for attribute, *_ in PROJECTIONS.value
 
 @dataclasses.dataclass(frozen=True)
 class Param:
-    path: str  # e.g. 'moe_layers.mlp.wo'
+    path: str  # e.g. 'moe_layers.mlp.wo' (a routed expert's), 'layers.attn.wq.weight' (a projection's)
     shape: tuple[int, ...]
     names: tuple[str | None, ...]
 
@@ -39,9 +39,10 @@ class Param:
 
     @property
     def projection(self) -> bool:
-        """A block projection's weight (``models/lora.project``: FP8 in an FP8 block, gathered for use over fsdp);
-        not a routed expert's."""
-        return self.in_blocks and self.path.rsplit(".", 1)[-1] in _PROJECTION_WEIGHTS and "experts" not in self.names
+        """A block projection's weight (``models/projection.Projection``: FP8 in an FP8 block, gathered for use over
+        fsdp); not a routed expert's, nor the prediction modules' input projection."""
+        parts = self.path.rsplit(".", 2)
+        return self.in_blocks and parts[-1] == "weight" and parts[-2] in _PROJECTION_WEIGHTS
 
     @property
     def staged(self) -> bool:

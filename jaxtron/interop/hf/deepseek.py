@@ -88,17 +88,17 @@ def attention_tensors(cfg: ModelConfig, pre: str, stack: str, j: int, tensor: Ca
 
     if cfg.attention.q_lora_rank:
         r = cfg.attention.q_lora_rank
-        yield tensor(pre + "self_attn.q_a_proj.weight", (r, d), att + "wq_a", (j,), *TRANSPOSE)
+        yield tensor(pre + "self_attn.q_a_proj.weight", (r, d), att + "wq_a.weight", (j,), *TRANSPOSE)
         yield tensor(pre + "self_attn.q_a_layernorm.weight", (r,), att + "q_norm.scale", (j,), *SAME)
-        yield tensor(pre + "self_attn.q_b_proj.weight", (n * qk, r), att + "wq_b", (j,), *query(r))
+        yield tensor(pre + "self_attn.q_b_proj.weight", (n * qk, r), att + "wq_b.weight", (j,), *query(r))
     else:
-        yield tensor(pre + "self_attn.q_proj.weight", (n * qk, d), att + "wq", (j,), *query(d))
-    yield tensor(pre + "self_attn.kv_a_proj_with_mqa.weight", (rank + rope, d), att + "wkv_a", (j,),
+        yield tensor(pre + "self_attn.q_proj.weight", (n * qk, d), att + "wq.weight", (j,), *query(d))
+    yield tensor(pre + "self_attn.kv_a_proj_with_mqa.weight", (rank + rope, d), att + "wkv_a.weight", (j,),
                  lambda x: x.T[:, kv_order], lambda x: x[:, kv_back].T)
     yield tensor(pre + "self_attn.kv_a_layernorm.weight", (rank,), att + "kv_norm.scale", (j,), *SAME)
-    yield tensor(pre + "self_attn.kv_b_proj.weight", (n * (nope + v), rank), att + "wkv_b", (j,),
+    yield tensor(pre + "self_attn.kv_b_proj.weight", (n * (nope + v), rank), att + "wkv_b.weight", (j,),
                  lambda x: x.T.reshape(rank, n, nope + v), lambda x: x.reshape(rank, n * (nope + v)).T)
-    yield tensor(pre + "self_attn.o_proj.weight", (d, n * v), att + "wo", (j,),
+    yield tensor(pre + "self_attn.o_proj.weight", (d, n * v), att + "wo.weight", (j,),
                  lambda x: x.T.reshape(n, v, d), lambda x: x.reshape(n * v, d).T)
 
 
@@ -110,9 +110,10 @@ def moe_extras(cfg: ModelConfig, pre: str, stack: str, j: int, tensor: Callable)
     yield tensor(pre + "mlp.gate.e_score_correction_bias", (cfg.moe.num_experts,), mlp + "router_bias", (j,), *SAME)
     if cfg.moe.shared_experts:
         s = cfg.moe.shared_experts * cfg.resolved_expert_dim
-        yield tensor(pre + "mlp.shared_experts.gate_proj.weight", (s, d), mlp + "shared.wi_gate", (j,), *TRANSPOSE)
-        yield tensor(pre + "mlp.shared_experts.up_proj.weight", (s, d), mlp + "shared.wi_up", (j,), *TRANSPOSE)
-        yield tensor(pre + "mlp.shared_experts.down_proj.weight", (d, s), mlp + "shared.wo", (j,), *TRANSPOSE)
+        for hf_name, name, shape in (("gate_proj", "wi_gate", (s, d)), ("up_proj", "wi_up", (s, d)),
+                                     ("down_proj", "wo", (d, s))):
+            yield tensor(pre + f"mlp.shared_experts.{hf_name}.weight", shape, mlp + f"shared.{name}.weight", (j,),
+                         *TRANSPOSE)
 
 
 def mtp_tensors(cfg: ModelConfig, pre: str, k: int, tensor: Callable) -> Iterator:
@@ -123,7 +124,7 @@ def mtp_tensors(cfg: ModelConfig, pre: str, k: int, tensor: Callable) -> Iterato
     yield tensor(pre + "embed_tokens.weight", (v, d), "embedding", (), *SAME, copy=True)
     yield tensor(pre + "enorm.weight", (d,), "mtp.embed_norm.scale", (k,), *SAME)
     yield tensor(pre + "hnorm.weight", (d,), "mtp.hidden_norm.scale", (k,), *SAME)
-    yield tensor(pre + "eh_proj.weight", (d, 2 * d), "mtp.proj", (k,), *TRANSPOSE)
+    yield tensor(pre + "eh_proj.weight", (d, 2 * d), "mtp.proj.weight", (k,), *TRANSPOSE)
     yield tensor(pre + "shared_head.norm.weight", (d,), "mtp.norm.scale", (k,), *SAME)
     yield tensor(pre + "shared_head.head.weight", (v, d), "embedding" if cfg.tie_embeddings else "head", (),
                  *(SAME if cfg.tie_embeddings else TRANSPOSE), copy=True)

@@ -217,9 +217,9 @@ def _block_tensors(cfg: ModelConfig, family: str, pre: str, stack: str, j: int, 
                                                                                              True)))
     else:
         for proj, param, count in (("q", "wq", n), ("k", "wk", g), ("v", "wv", g)):
-            yield Tensor(pre + f"self_attn.{proj}_proj.weight", (count * h, d), f"{stack}.attn.{param}", (j,),
+            yield Tensor(pre + f"self_attn.{proj}_proj.weight", (count * h, d), f"{stack}.attn.{param}.weight", (j,),
                          *heads_in(count))
-        yield Tensor(pre + "self_attn.o_proj.weight", (d, n * h), f"{stack}.attn.wo", (j,),
+        yield Tensor(pre + "self_attn.o_proj.weight", (d, n * h), f"{stack}.attn.wo.weight", (j,),
                      lambda x: x.T.reshape(n, h, d), lambda x: _t(x.reshape(n * h, d)))
     if cfg.attention.qk_norm:
         yield Tensor(pre + "self_attn.q_norm.weight", (h,), f"{stack}.attn.q_norm.scale", (j,), *same)
@@ -237,6 +237,6 @@ def _block_tensors(cfg: ModelConfig, family: str, pre: str, stack: str, j: int, 
             for name, param, shape in zip(names, ("wi_gate", "wi_up", "wo"), ((fe, d), (fe, d), (d, fe)), strict=True):
                 yield Tensor(where + f"experts.{e}.{name}.weight", shape, f"{stack}.mlp.{param}", (j, e), _t, _t)
     else:
-        yield Tensor(pre + "mlp.gate_proj.weight", (f, d), f"{stack}.mlp.wi_gate", (j,), _t, _t)
-        yield Tensor(pre + "mlp.up_proj.weight", (f, d), f"{stack}.mlp.wi_up", (j,), _t, _t)
-        yield Tensor(pre + "mlp.down_proj.weight", (d, f), f"{stack}.mlp.wo", (j,), _t, _t)
+        yield Tensor(pre + "mlp.gate_proj.weight", (f, d), f"{stack}.mlp.wi_gate.weight", (j,), _t, _t)
+        yield Tensor(pre + "mlp.up_proj.weight", (f, d), f"{stack}.mlp.wi_up.weight", (j,), _t, _t)
+        yield Tensor(pre + "mlp.down_proj.weight", (d, f), f"{stack}.mlp.wo.weight", (j,), _t, _t)

@@ -1,0 +1,104 @@
+"""A projection: one weight and everything that decides how a matmul uses it.
+
+A ``Projection`` maps ``x [..., *inputs]`` to ``[..., *outputs]`` with a float32 weight ``[*inputs, *outputs]``
+that carries one logical name per dimension. It owns:
+
+- the compute cast: the weight in ``execution.dtype`` (under the ``weight_cast`` scope the step's budget reads);
+- the low-precision recipe: FP8 with current scaling (``ops/fp8.py``) inside ``fp8_recipe("tensorwise")``, which
+  the layer stack opens around the blocks of an FP8 layer group;
+- the FSDP gather layout (``state_sharding.weight_layout``): a weight split over fsdp is gathered for use;
+- its LoRA adapters (``lora_a``, ``lora_b``, ``models/lora.py`` adds them), their scale and dropout.
+
+Model code reads ``self.wq(x)``. Stacked layers hold their projections stacked too: ``layers.attn.wq.weight``.
+Checkpoints of the older layout, whose weights sat directly under their module (``layers.attn.wq``), load through
+``jaxtron.checkpoint.layouts``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import string
+from collections.abc import Iterator, Sequence
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxtron.common.trace_state import FP8_RECIPE, LORA_DROPOUT_KEY
+from jaxtron.models.layers import param
+from jaxtron.ops import fp8 as fp8_ops
+from jaxtron.parallel.sharding import logical_names
+from jaxtron.parallel.state_sharding import gathered_einsum, weight_layout
+
+RECIPES = ("tensorwise",)  # FP8 recipes a projection computes (ops/fp8.py: per-tensor current scaling)
+
+
+class Adapter(nnx.Param):
+    """A LoRA matrix: the only parameters a LoRA run trains."""
+
+
+class Seed(nnx.Param):
+    """Each stacked layer's number for its adapters' dropout masks (an integer: never trained)."""
+
+
+@contextlib.contextmanager
+def fp8_recipe(recipe: str | None) -> Iterator[None]:
+    """Within this block (while tracing) projections and expert GEMMs compute with the FP8 ``recipe`` (None:
+    in the compute dtype)."""
+    if recipe is not None and recipe not in RECIPES:
+        raise ValueError(f"fp8_recipe takes one of {RECIPES} or None, not {recipe!r}")
+    with FP8_RECIPE.bound(recipe):
+        yield
+
+
+def fp8_enabled() -> bool:
+    """Whether the block being traced computes its matmuls in FP8 (``fp8_recipe``)."""
+    return FP8_RECIPE.get() is not None
+
+
+def equation(x_ndim: int, inputs: int, outputs: int) -> str:
+    """The einsum of a projection: ``x``'s last ``inputs`` dimensions contracted with the weight's first ones."""
+    letters = string.ascii_lowercase
+    lead = x_ndim - inputs
+    batch, contracted = letters[:lead], letters[lead:x_ndim]
+    out = letters[x_ndim:x_ndim + outputs]
+    return f"{batch}{contracted},{contracted}{out}->{batch}{out}"
+
+
+class Projection(nnx.Module):
+    """``x [..., *inputs] -> [..., *outputs]`` through a weight of shape ``(*inputs, *outputs)`` named ``names``
+    (one logical name per dimension), drawn from N(0, std^2), computed in ``dtype``."""
+
+    def __init__(self, rngs: nnx.Rngs, inputs: Sequence[int], outputs: Sequence[int], names: Sequence[str | None],
+                 std: float, dtype):
+        self.weight = param(rngs, (*inputs, *outputs), names, std)
+        self.inputs, self.outputs = len(inputs), len(outputs)
+        self.dtype = jnp.dtype(dtype)
+        # LoRA, which models/lora.py adds: A [*inputs, rank] and B [rank, *outputs] (data, though None until then)
+        self.lora_a: Adapter | None = nnx.data(None)
+        self.lora_b: Adapter | None = nnx.data(None)
+        self.lora_scale = 0.0  # alpha / rank
+        self.lora_dropout = 0.0
+        self.lora_seed: Seed | None = nnx.data(None)  # with dropout: the layer's number, stacked as the weight is
+        self.lora_tag = 0  # with dropout: this projection's number among its module's
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        with jax.named_scope("weight_cast"):
+            w = self.weight[...].astype(self.dtype)
+        layout = weight_layout(logical_names(self.weight), w.ndim)
+        eq = equation(x.ndim, self.inputs, self.outputs)
+        y = (fp8_ops.einsum if fp8_enabled() else gathered_einsum)(eq, x, w, layout)
+        if self.lora_a is None:
+            return y
+        return y + jnp.asarray(self.lora_scale, self.dtype) * self._low_rank(x)
+
+    def _low_rank(self, x: jax.Array) -> jax.Array:
+        """``(drop(x) A) B``, both in the compute dtype; dropout only inside ``lora.dropout`` (a training step)."""
+        key = LORA_DROPOUT_KEY.get()
+        if self.lora_dropout and key is not None:
+            key = jax.random.fold_in(jax.random.fold_in(key, self.lora_seed[...]), self.lora_tag)
+            keep = jax.random.bernoulli(key, 1.0 - self.lora_dropout, x.shape)
+            x = jnp.where(keep, x / jnp.asarray(1.0 - self.lora_dropout, x.dtype), jnp.zeros((), x.dtype))
+        a, b = self.lora_a[...].astype(self.dtype), self.lora_b[...].astype(self.dtype)
+        h = jnp.einsum(equation(x.ndim, self.inputs, 1), x, a)
+        return jnp.einsum(equation(h.ndim, 1, self.outputs), h, b)
