@@ -43,7 +43,11 @@ def estimate_row(row: dict, device_kind: str, fp8_speedup: float | None = None) 
 
     overrides = [tuple(o.removeprefix("--config.").split("=", 1)) for o in row.get("overrides", [])]
     overrides += [("execution.remat", row["remat"])] if row.get("remat") else []
-    cfg = load_config(os.path.join(ROOT, row["config"]), overrides)
+    # a GPU run records its checkout's absolute path; the config is read from this checkout's configs/
+    name = row["config"]
+    if os.path.isabs(name):
+        name = os.path.join("configs", os.path.basename(name))
+    cfg = load_config(os.path.join(ROOT, name), overrides)
     sizes = dict(pipeline=1, data=1, fsdp=1, sequence=1, expert=1, tensor=1)
     card = gpu("h200" if "H200" in device_kind else "h100")
     if fp8_speedup is not None:
