@@ -22,7 +22,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from jaxtron.interop.hf import registry
+from jaxtron import families
 from jaxtron.interop.hf import safetensors as st
 
 
@@ -35,7 +35,7 @@ def write_model(directory: str, hidden: int, layers: int, vocab: int) -> tuple[i
               "tie_word_embeddings": False, "hidden_act": "silu"}
     with open(os.path.join(directory, "config.json"), "w") as f:
         json.dump(config, f)
-    plan = list(registry.tensors(registry.model_config(config)))
+    plan = list(families.tensors(families.model_config(config)))
     rng = np.random.default_rng(0)
     st.write(os.path.join(directory, st.SINGLE), [(t.hf_name, t.shape, np.float32) for t in plan],
              lambda name: rng.standard_normal(next(t.shape for t in plan if t.hf_name == name), np.float32))

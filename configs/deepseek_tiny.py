@@ -14,7 +14,8 @@ import ml_collections
 def get_config():
     c = ml_collections.ConfigDict()
     version = f"{sys.version_info.major}{sys.version_info.minor}"
-    c.model = dict(name="deepseek_tiny", vocab_size=256, embed_dim=128, num_layers=4, mlp_dim=384, max_seq_len=1024,
+    c.model = dict(family="deepseek_v3", name="deepseek_tiny",
+                   vocab_size=256, embed_dim=128, num_layers=4, mlp_dim=384, max_seq_len=1024,
                    tie_embeddings=True, rope=dict(theta=10_000.0),
                    attention=dict(num_heads=4, num_kv_heads=4, head_dim=32, qk_rope_head_dim=16, v_head_dim=32,
                                   q_lora_rank=64, kv_lora_rank=32),

@@ -15,7 +15,8 @@ import ml_collections
 
 def get_config():
     c = ml_collections.ConfigDict()
-    c.model = dict(name="deepseek_v3", vocab_size=129280, embed_dim=7168, num_layers=61, mlp_dim=18432, norm_eps=1e-6,
+    c.model = dict(family="deepseek_v3", name="deepseek_v3",
+                   vocab_size=129280, embed_dim=7168, num_layers=61, mlp_dim=18432, norm_eps=1e-6,
                    max_seq_len=163840, tie_embeddings=False, init_std=0.006,
                    attention=dict(num_heads=128, num_kv_heads=128, head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
                                   q_lora_rank=1536, kv_lora_rank=512),

@@ -12,7 +12,8 @@ import ml_collections
 def get_config():
     c = ml_collections.ConfigDict()
     version = f"{sys.version_info.major}{sys.version_info.minor}"
-    c.model = dict(name="tiny", vocab_size=256, embed_dim=192, num_layers=4, mlp_dim=512, max_seq_len=1024,
+    c.model = dict(family="llama", name="tiny",
+                   vocab_size=256, embed_dim=192, num_layers=4, mlp_dim=512, max_seq_len=1024,
                    tie_embeddings=True, attention=dict(num_heads=6, num_kv_heads=2), rope=dict(theta=10_000.0))
     c.execution = dict(dtype="float32")
     c.train = dict(steps=300, seed=0, global_batch_size=16, log_every=20, eval_every=100, eval_batches=8)

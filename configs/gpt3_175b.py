@@ -8,7 +8,8 @@ import ml_collections
 
 def get_config():
     c = ml_collections.ConfigDict()
-    c.model = dict(name="gpt3_175b", vocab_size=50304, embed_dim=12288, num_layers=96, mlp_dim=49152, activation="gelu",
+    c.model = dict(family="gpt3", name="gpt3_175b",
+                   vocab_size=50304, embed_dim=12288, num_layers=96, mlp_dim=49152, activation="gelu",
                    norm="layernorm", position_embedding="learned", max_seq_len=2048, tie_embeddings=True,
                    attention=dict(num_heads=96, num_kv_heads=96, head_dim=128))
     c.execution = dict(dtype="bfloat16", remat="auto")

@@ -5,7 +5,8 @@ import ml_collections
 
 def get_config():
     c = ml_collections.ConfigDict()
-    c.model = dict(name="llama3_1b", vocab_size=128256, embed_dim=2048, num_layers=16, mlp_dim=8192, norm_eps=1e-5,
+    c.model = dict(family="llama", name="llama3_1b",
+                   vocab_size=128256, embed_dim=2048, num_layers=16, mlp_dim=8192, norm_eps=1e-5,
                    max_seq_len=131072, tie_embeddings=True, attention=dict(num_heads=32, num_kv_heads=8, head_dim=64),
                    rope=dict(theta=500_000.0, factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0,
                              original_max_len=8192))

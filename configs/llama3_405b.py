@@ -5,7 +5,8 @@ import ml_collections
 
 def get_config():
     c = ml_collections.ConfigDict()
-    c.model = dict(name="llama3_405b", vocab_size=128256, embed_dim=16384, num_layers=126, mlp_dim=53248,
+    c.model = dict(family="llama", name="llama3_405b",
+                   vocab_size=128256, embed_dim=16384, num_layers=126, mlp_dim=53248,
                    norm_eps=1e-5, max_seq_len=131072, tie_embeddings=False,
                    attention=dict(num_heads=128, num_kv_heads=8, head_dim=128),
                    rope=dict(theta=500_000.0, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,

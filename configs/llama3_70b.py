@@ -5,7 +5,8 @@ import ml_collections
 
 def get_config():
     c = ml_collections.ConfigDict()
-    c.model = dict(name="llama3_70b", vocab_size=128256, embed_dim=8192, num_layers=80, mlp_dim=28672, norm_eps=1e-5,
+    c.model = dict(family="llama", name="llama3_70b",
+                   vocab_size=128256, embed_dim=8192, num_layers=80, mlp_dim=28672, norm_eps=1e-5,
                    max_seq_len=8192, tie_embeddings=False, attention=dict(num_heads=64, num_kv_heads=8, head_dim=128),
                    rope=dict(theta=500_000.0))
     c.execution = dict(dtype="bfloat16", remat="auto")

@@ -10,7 +10,8 @@ import ml_collections
 
 def get_config():
     c = ml_collections.ConfigDict()
-    c.model = dict(name="mixtral_8x22b", vocab_size=32768, embed_dim=6144, num_layers=56, mlp_dim=16384, norm_eps=1e-5,
+    c.model = dict(family="mixtral", name="mixtral_8x22b",
+                   vocab_size=32768, embed_dim=6144, num_layers=56, mlp_dim=16384, norm_eps=1e-5,
                    max_seq_len=65536, tie_embeddings=False, attention=dict(num_heads=48, num_kv_heads=8, head_dim=128),
                    rope=dict(theta=1_000_000.0), moe=dict(num_experts=8, experts_per_token=2, router_renormalize=True))
     # 4 token chunks: on the H100 target, with the experts split over 8 GPUs, the exchanges' kernels hide 55% of their

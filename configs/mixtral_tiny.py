@@ -13,7 +13,8 @@ import ml_collections
 def get_config():
     c = ml_collections.ConfigDict()
     version = f"{sys.version_info.major}{sys.version_info.minor}"
-    c.model = dict(name="mixtral_tiny", vocab_size=256, embed_dim=128, num_layers=4, mlp_dim=256, max_seq_len=1024,
+    c.model = dict(family="mixtral", name="mixtral_tiny",
+                   vocab_size=256, embed_dim=128, num_layers=4, mlp_dim=256, max_seq_len=1024,
                    tie_embeddings=True, attention=dict(num_heads=4, num_kv_heads=2), rope=dict(theta=10_000.0),
                    moe=dict(num_experts=8, experts_per_token=2))
     c.execution = dict(dtype="float32", moe_mode="dropless")

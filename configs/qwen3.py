@@ -21,7 +21,8 @@ def get_config(size: str = "8b"):
         raise ValueError(f"unknown Qwen3 size {size!r}, not one of {', '.join(SIZES)}")
     embed, layers, heads, kv_heads, width, experts, tied = SIZES[size]
     c = ml_collections.ConfigDict()
-    c.model = dict(name=f"qwen3_{size}", vocab_size=151936, embed_dim=embed, num_layers=layers, mlp_dim=width,
+    c.model = dict(family="qwen3_moe" if experts else "qwen3", name=f"qwen3_{size}",
+                   vocab_size=151936, embed_dim=embed, num_layers=layers, mlp_dim=width,
                    norm_eps=1e-6, max_seq_len=40960, tie_embeddings=tied, rope=dict(theta=1_000_000.0),
                    attention=dict(num_heads=heads, num_kv_heads=kv_heads, head_dim=128, qk_norm=True))
     c.train = dict(steps=1000, global_batch_size=256, log_every=10, eval_batches=0)

@@ -4,19 +4,10 @@
     python scripts/hf_fixtures.py --greedy [NAME ...]   # only greedy.npy, from the models already saved
 
 Tests only read the files this writes (CI needs neither torch nor transformers). Each model is tiny and
-random (fixed seed), saved by transformers itself, with the float32 logits its own forward pass gives on
-tokens.npy:
-  llama/        Llama 3.1-style: GQA, llama3 RoPE scaling, untied head; config.json as transformers 5 writes it
-  llama_tied/   Llama 3.2-style tied embeddings, sharded safetensors with an index, config.json rewritten in the
-                transformers 4.x form (rope_theta + rope_scaling)
-  mixtral/      Mixtral: 4 experts, top-2
-  qwen3/        Qwen3 dense: per-head query and key RMSNorm, head size (16) not hidden / heads, tied embeddings
-  qwen3_moe/    Qwen3-MoE: a dense block of width 64, then an MoE block of 4 experts of width 24, top-2
-                renormalised (decoder_sparse_step 2)
-  deepseek_v3/  DeepSeek-V3: latent attention with a low-rank query, YaRN, one dense block then MoE blocks of 8
-                experts in 4 groups (top-2 groups, top-2 experts) plus a shared expert, a non-zero balancing bias
-  deepseek_v3_q/  the same with a full-rank query projection and DeepSeek's (non-yarn) default RoPE, config.json
-                in the transformers 4.x form
+random, saved by transformers itself, with the float32 logits its own forward pass gives on tokens.npy. The
+fixtures are those the families declare (``Family.fixtures`` in jaxtron/families/): each names its
+transformers config's arguments, its seed, its shard size and whether config.json is rewritten in the
+transformers 4.x form. tests/test_families.py checks that each config.json holds what its declaration says.
 Each model gets its own seed, so writing some leaves the others as they are. Beside each model, greedy.npy holds the
 8 tokens transformers' ``generate`` continues the first 8 tokens of each row of tokens.npy with, greedily (no
 end-of-document stop), read from the saved model (``--greedy`` writes only these).
@@ -30,71 +21,19 @@ import sys
 import numpy as np
 import torch
 import transformers
-from transformers import (
-    DeepseekV3Config,
-    DeepseekV3ForCausalLM,
-    LlamaConfig,
-    LlamaForCausalLM,
-    MixtralConfig,
-    MixtralForCausalLM,
-    Qwen3Config,
-    Qwen3ForCausalLM,
-    Qwen3MoeConfig,
-    Qwen3MoeForCausalLM,
-)
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from jaxtron import families  # the checkout's package, not an installed one
+from jaxtron.families.llama import VOCAB
 
 OUT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests", "fixtures", "hf")
-VOCAB = 96
-ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
-        "high_freq_factor": 4.0, "original_max_position_embeddings": 32}
+FIXTURES = {f.name: (family, f) for family in families.all_families().values() for f in family.fixtures}
 
 
-def llama(tied: bool) -> LlamaForCausalLM:
-    config = LlamaConfig(vocab_size=VOCAB, hidden_size=48, intermediate_size=80, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-                         rms_norm_eps=1e-5, tie_word_embeddings=tied, rope_parameters=dict(ROPE),
-                         attn_implementation="eager")
-    return LlamaForCausalLM(config)
-
-
-def mixtral() -> MixtralForCausalLM:
-    config = MixtralConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-                           num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
-                           max_position_embeddings=128, rms_norm_eps=1e-5, attn_implementation="eager",
-                           rope_parameters={"rope_type": "default", "rope_theta": 1e6})
-    return MixtralForCausalLM(config)
-
-
-def qwen3() -> Qwen3ForCausalLM:
-    config = Qwen3Config(vocab_size=VOCAB, hidden_size=48, intermediate_size=80, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=128,
-                         rms_norm_eps=1e-6, tie_word_embeddings=True, attn_implementation="eager",
-                         rope_parameters={"rope_type": "default", "rope_theta": 1e6})
-    return Qwen3ForCausalLM(config)
-
-
-def qwen3_moe() -> Qwen3MoeForCausalLM:
-    config = Qwen3MoeConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, moe_intermediate_size=24,
-                            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                            num_experts=4, num_experts_per_tok=2, norm_topk_prob=True, decoder_sparse_step=2,
-                            mlp_only_layers=[], max_position_embeddings=128, rms_norm_eps=1e-6,
-                            attn_implementation="eager", rope_parameters={"rope_type": "default", "rope_theta": 1e6})
-    return Qwen3MoeForCausalLM(config)
-
-
-def deepseek_v3(low_rank_query: bool) -> DeepseekV3ForCausalLM:
-    rope = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 32,
-            "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0} if low_rank_query else \
-        {"rope_type": "default", "rope_theta": 10000.0}
-    config = DeepseekV3Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
-                              num_hidden_layers=3, first_k_dense_replace=1, num_attention_heads=4,
-                              num_key_value_heads=4, q_lora_rank=24 if low_rank_query else None, kv_lora_rank=16,
-                              qk_rope_head_dim=8, qk_nope_head_dim=12, v_head_dim=10, n_routed_experts=8,
-                              n_shared_experts=1, num_experts_per_tok=2, n_group=4, topk_group=2,
-                              norm_topk_prob=True, routed_scaling_factor=2.5, max_position_embeddings=128,
-                              rms_norm_eps=1e-6, rope_interleave=True, tie_word_embeddings=False,
-                              attn_implementation="eager", rope_parameters=rope)
-    return DeepseekV3ForCausalLM(config)
+def build(model_type: str, config: dict) -> transformers.PreTrainedModel:
+    """The family's transformers model of the declared config, with eager attention (the reference math)."""
+    hf = transformers.AutoConfig.for_model(model_type, **config, attn_implementation="eager")
+    return transformers.AutoModelForCausalLM.from_config(hf)
 
 
 def to_v4(path: str) -> None:
@@ -107,11 +46,6 @@ def to_v4(path: str) -> None:
     config["transformers_version"] = "4.46.0"
     with open(path, "w") as f:
         json.dump(config, f, indent=2)
-
-
-MODELS = {"llama": (lambda: llama(False), None), "llama_tied": (lambda: llama(True), "60KB"),
-          "mixtral": (mixtral, None), "qwen3": (qwen3, None), "qwen3_moe": (qwen3_moe, None),
-          "deepseek_v3": (lambda: deepseek_v3(True), None), "deepseek_v3_q": (lambda: deepseek_v3(False), None)}
 
 
 def greedy(name: str) -> None:
@@ -127,43 +61,48 @@ def greedy(name: str) -> None:
     print(name, "greedy", continuation.tolist())
 
 
+def write(name: str, tokens: np.ndarray) -> None:
+    """One fixture: the model saved as declared, its logits on ``tokens`` and its greedy continuation."""
+    family, fixture = FIXTURES[name]
+    torch.manual_seed(fixture.seed)
+    model = build(family.model_type, dict(fixture.config))
+    for p in model.parameters():  # larger than the default 0.02 so that logits differ visibly
+        torch.nn.init.normal_(p, std=0.2)
+    for buffer_name, b in model.named_buffers():  # DeepSeek's balancing bias: large enough to change choices
+        if buffer_name.endswith("e_score_correction_bias"):
+            b.copy_(0.3 * torch.randn(b.shape))
+    model.eval()
+    directory = os.path.join(OUT, name)
+    shutil.rmtree(directory, ignore_errors=True)
+    kwargs = {"max_shard_size": fixture.shard} if fixture.shard else {}
+    model.save_pretrained(directory, safe_serialization=True, **kwargs)
+    if fixture.v4:
+        to_v4(os.path.join(directory, "config.json"))
+    with torch.no_grad():
+        logits = model(torch.from_numpy(tokens).long()).logits.float().numpy()
+    np.save(os.path.join(directory, "logits.npy"), logits)
+    print(name, "logits", logits.shape, "files", sorted(os.listdir(directory)))
+    greedy(name)
+
+
 def main(names: list[str]) -> None:
     if names[:1] == ["--greedy"]:
-        for name in names[1:] or MODELS:
+        for name in names[1:] or FIXTURES:
             greedy(name)
         return
-    unknown = sorted(set(names) - set(MODELS))
+    unknown = sorted(set(names) - set(FIXTURES))
     if unknown:
-        sys.exit(f"unknown fixture(s) {unknown}; the fixtures are {sorted(MODELS)}")
+        sys.exit(f"unknown fixture(s) {unknown}; the fixtures are {sorted(FIXTURES)}")
     if not names:
         shutil.rmtree(OUT, ignore_errors=True)
     os.makedirs(OUT, exist_ok=True)
+    open(os.path.join(OUT, "VERSIONS"), "a" if names else "w").close()
     tokens = np.random.default_rng(0).integers(0, VOCAB, size=(2, 24)).astype(np.int32)
     np.save(os.path.join(OUT, "tokens.npy"), tokens)
-    for seed, (name, (build, shard)) in enumerate(MODELS.items()):
-        if names and name not in names:
-            continue
-        torch.manual_seed(seed)
-        model = build()
-        for p in model.parameters():  # larger than the default 0.02 so that logits differ visibly
-            torch.nn.init.normal_(p, std=0.2)
-        for buffer_name, b in model.named_buffers():  # DeepSeek's balancing bias: large enough to change choices
-            if buffer_name.endswith("e_score_correction_bias"):
-                b.copy_(0.3 * torch.randn(b.shape))
-        model.eval()
-        directory = os.path.join(OUT, name)
-        shutil.rmtree(directory, ignore_errors=True)
-        kwargs = {"max_shard_size": shard} if shard else {}
-        model.save_pretrained(directory, safe_serialization=True, **kwargs)
-        if name in ("llama_tied", "deepseek_v3_q"):
-            to_v4(os.path.join(directory, "config.json"))
-        with torch.no_grad():
-            logits = model(torch.from_numpy(tokens).long()).logits.float().numpy()
-        np.save(os.path.join(directory, "logits.npy"), logits)
-        print(name, "logits", logits.shape, "files", sorted(os.listdir(directory)))
-        with open(os.path.join(OUT, "VERSIONS"), "a" if names else "w") as f:
+    for name in names or FIXTURES:
+        write(name, tokens)
+        with open(os.path.join(OUT, "VERSIONS"), "a") as f:
             f.write(f"{name}/: torch {torch.__version__}, transformers {transformers.__version__}\n")
-        greedy(name)
 
 
 if __name__ == "__main__":

@@ -9,14 +9,14 @@ import numpy as np
 import pytest
 from conftest import REPO
 
-from jaxtron import cli
+from jaxtron import cli, families
 from jaxtron.config.loader import load_config
 from jaxtron.interop import convert, score
-from jaxtron.interop.hf import registry
 from jaxtron.interop.hf import safetensors as st
 
 FIXTURES = os.path.join(REPO, "tests", "fixtures", "hf")
-MODELS = ("llama", "llama_tied", "mixtral", "qwen3", "qwen3_moe", "deepseek_v3", "deepseek_v3_q")
+# every family's fixtures, as the families declare them (jaxtron/families/; scripts/hf_fixtures.py writes them)
+MODELS = tuple(fixture.name for family in families.all_families().values() for fixture in family.fixtures)
 
 
 @pytest.fixture(scope="session")  # once per test process (tests/conftest.py)
@@ -45,19 +45,19 @@ def test_config_json_of_transformers_4_and_5_map_to_the_same_model():
     v4 = {k: v for k, v in v5.items() if k != "rope_parameters"}
     v4["rope_theta"] = v5["rope_parameters"]["rope_theta"]
     v4["rope_scaling"] = {k: v for k, v in v5["rope_parameters"].items() if k != "rope_theta"}
-    cfg = registry.model_config(v5, "x")
-    assert registry.model_config(v4, "x") == cfg
+    cfg = families.model_config(v5, "x")
+    assert families.model_config(v4, "x") == cfg
     assert (cfg.rope.theta, cfg.rope.factor, cfg.rope.original_max_len) == (500000.0, 8.0, 32)
     with open(os.path.join(FIXTURES, "llama_tied", "config.json")) as f:
-        tied = registry.model_config(json.load(f), "y")
+        tied = families.model_config(json.load(f), "y")
     assert tied.tie_embeddings and tied.rope.factor == 8.0
     # Qwen3-MoE in the 4.x form: rope_theta at the top, the expert count as num_experts
     with open(os.path.join(FIXTURES, "qwen3_moe", "config.json")) as f:
         v5 = json.load(f)
     v4 = {k: v for k, v in v5.items() if k not in ("rope_parameters", "num_local_experts")}
     v4.update(rope_theta=v5["rope_parameters"]["rope_theta"], rope_scaling=None, num_experts=v5["num_local_experts"])
-    moe = registry.model_config(v5, "q")
-    assert registry.model_config(v4, "q") == moe and registry.train_fields(v4) == registry.train_fields(v5)
+    moe = families.model_config(v5, "q")
+    assert families.model_config(v4, "q") == moe and families.train_fields(v4) == families.train_fields(v5)
     assert (moe.attention.qk_norm, moe.moe.num_experts, moe.mlp_dim, moe.moe.expert_dim, moe.moe.every,
             moe.moe.router_renormalize, moe.rope.theta) == (True, 4, 64, 24, 2, True, 1e6)
 
@@ -75,8 +75,8 @@ def test_round_trip_is_bit_exact(name, imported, tmp_path):
         assert a.dtype == b.dtype == np.float32 and np.array_equal(a, b), tensor
     with open(os.path.join(FIXTURES, name, "config.json")) as f:
         source = json.load(f)
-    assert registry.model_config(hf, "same") == registry.model_config(source, "same")
-    assert registry.train_fields(hf) == registry.train_fields(source)  # Mixtral's router loss coefficient
+    assert families.model_config(hf, "same") == families.model_config(source, "same")
+    assert families.train_fields(hf) == families.train_fields(source)  # Mixtral's router loss coefficient
     # and back again: the same parameters
     _, first = convert.load(imported[name])
     convert.from_hf(exported, str(tmp_path / "again"))

@@ -19,7 +19,7 @@ PACKAGE = os.path.join(REPO, "jaxtron")
 LAYERS = (
     ("common",),
     ("config",),
-    ("gpu", "parallel"),
+    ("gpu", "parallel", "families"),
     ("ops", "data", "checkpoint", "metrics"),
     ("models",),
     ("training",),

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import importlib.util
 import logging
 import os
 import re
@@ -23,76 +22,13 @@ import ml_collections
 from absl import flags
 from ml_collections import config_flags
 
-from jaxtron.config.model import FLAT_MODEL_FIELDS
-from jaxtron.config.schema import SECTIONS, Config, ConfigError
+from jaxtron.config.files import config_file, load_config_file, one_line, shipped_configs, shipped_names
+from jaxtron.config.model import FLAT_MODEL_FIELDS, older_family
+from jaxtron.config.schema import SECTIONS, Config, ConfigError, replace
+
+__all__ = ["config_file", "shipped_configs", "shipped_names"]  # found here too, as before config/files.py
 
 log = logging.getLogger(__name__)
-
-
-_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def shipped_configs() -> str | None:
-    """The folder of the configs shipped with the package: ``jaxtron/configs/`` in an installed package (setup.py
-    puts the repository's ``configs/`` there), else ``configs/`` beside the package in a checkout."""
-    installed, checkout = os.path.join(_PACKAGE, "configs"), os.path.join(os.path.dirname(_PACKAGE), "configs")
-    if os.path.isfile(os.path.join(installed, "default.py")):
-        return installed
-    if os.path.isfile(os.path.join(os.path.dirname(_PACKAGE), "setup.cfg")) and os.path.isdir(checkout):
-        return checkout
-    return None
-
-
-def shipped_names() -> list[str]:
-    """The names ``--config`` takes for the shipped configs (``llama3_8b`` for ``configs/llama3_8b.py``)."""
-    folder = shipped_configs()
-    names = os.listdir(folder) if folder else []
-    return sorted(n[:-3] for n in names if n.endswith(".py") and not n.startswith("_"))
-
-
-def config_file(path: str) -> str:
-    """The file ``--config`` names: a path (``configs/llama3_8b.py``, ``~/my.py``) as given when it exists, else a
-    shipped config's name (``llama3_8b``, with or without ``.py``), found from any directory."""
-    given = os.path.expanduser(path)
-    if os.path.isfile(given):
-        return given
-    name = os.path.basename(given).removesuffix(".py")
-    folder = shipped_configs()
-    if folder and os.path.dirname(given) in ("", "configs") and name in shipped_names():
-        return os.path.join(folder, name + ".py")
-    raise ConfigError(f"config file '{path}' does not exist; pass a file (--config=path/to/X.py) or a shipped "
-                      f"config's name ({', '.join(shipped_names()) or 'none installed'}).")
-
-
-def load_config_file(spec: str) -> ml_collections.ConfigDict:
-    """Runs ``get_config(arg)`` of ``FILE[:ARG]`` (a path or a shipped config's name) and returns its
-    ConfigDict."""
-    path, _, arg = spec.partition(":")
-    path = config_file(path)
-    module_spec = importlib.util.spec_from_file_location("jaxtron_user_config", path)
-    module = importlib.util.module_from_spec(module_spec)
-    try:
-        module_spec.loader.exec_module(module)
-    except Exception as e:  # noqa: BLE001 - a user's file may raise anything; report it in one sentence
-        raise ConfigError(f"config file '{path}' failed to load ({_one_line(e)}); fix the file.") from None
-    if not hasattr(module, "get_config"):
-        raise ConfigError(f"config file '{path}' defines no get_config(); add one returning a ConfigDict.")
-    try:
-        config = module.get_config(arg) if arg else module.get_config()
-    except Exception as e:  # noqa: BLE001 - as above: the user's get_config() may raise anything
-        if isinstance(e, (TypeError, ValueError)) and arg:  # a signature or a value it does not take
-            raise ConfigError(f"config file '{path}' get_config() rejected the argument {arg!r} ({_one_line(e)}); "
-                              "check the ':ARG' part of --config.") from None
-        raise ConfigError(f"config file '{path}' get_config() raised {_one_line(e)}; fix the file.") from None
-    if not isinstance(config, (ml_collections.ConfigDict, dict)):
-        raise ConfigError(f"config file '{path}' get_config() returned {type(config).__name__}; return a ConfigDict.")
-    return ml_collections.ConfigDict(config)
-
-
-def _one_line(e: Exception) -> str:
-    """'Type: message' with the message's line breaks folded, so the error stays one sentence."""
-    message = " ".join(str(e).split()).rstrip(".")  # a trailing period would end the sentence early
-    return f"{type(e).__name__}: {message}" if message else type(e).__name__
 
 
 def parse_command_line(argv: Sequence[str], default_spec: str | None = None,
@@ -112,10 +48,18 @@ def parse_command_line(argv: Sequence[str], default_spec: str | None = None,
     if spec is None:
         raise ConfigError("option '--config' is missing; pass --config=configs/<name>.py or a shipped config's "
                           "name (--config=default).")
+    cfg, values = _parse_over(load_config_file(spec).to_dict(), argv, define)
+    return cfg, values, spec
+
+
+def _parse_over(given: Mapping[str, Any], argv: list[str], define) -> tuple[Config, flags.FlagValues]:
+    """The Config of ``argv``'s overrides (program name first) laid over the config mapping ``given``."""
     paths = _override_paths(argv)
     for path in paths:
         field_type(path)  # raises for unknown sections and fields
-    merged = _over_defaults(migrate(load_config_file(spec).to_dict(), warn=True))
+    given = migrate(given, warn=True)
+    named = "family" in (given.get("model") or {}) or "model.family" in paths
+    merged = _over_defaults(given)
     for path in paths:  # each group on an override's way must be a group in the file too
         names = path.split(".")
         for i in range(1, len(names)):
@@ -134,10 +78,25 @@ def parse_command_line(argv: Sequence[str], default_spec: str | None = None,
         missing = re.search(r"Missing value for flag (--\S+)", str(e))
         if missing:
             raise ConfigError(f"option '{missing[1]}' has no value; write {missing[1]}=VALUE.") from None
-        raise ConfigError(f"{_one_line(e)}; see --help.") from None
+        raise ConfigError(f"{one_line(e)}; see --help.") from None
     if rest:
         raise ConfigError(f"argument '{rest[0]}' is not an option; write options as --name=VALUE.")
-    return from_mapping(values.config.to_dict()), values, spec
+    return from_mapping(values.config.to_dict(), named), values
+
+
+def config_of(config: str | ml_collections.ConfigDict | Config, overrides: Sequence[str] = ()) -> Config:
+    """The validated Config of a config file's path (``FILE[:ARG]``), a shipped config's name, a ``ConfigDict`` or
+    a ``Config``, with ``overrides`` in the command line's forms (``--config.train.steps=4``) laid over it."""
+    overrides = list(overrides)
+    for option in overrides:
+        if not isinstance(option, str) or not re.match(r"^--(no)?config\.", option):
+            raise ConfigError(f"override {option!r} is not of the form --config.<section>.<field>=VALUE.")
+    if isinstance(config, str):
+        return parse_command_line(["jaxtron", *overrides], config)[0]
+    if isinstance(config, (Config, ml_collections.ConfigDict)):
+        return _parse_over(config.to_dict(), ["jaxtron", *overrides], None)[0]
+    raise ConfigError(f"config {config!r} is neither a config file's path, a shipped config's name, a ConfigDict "
+                      "nor a Config.")
 
 
 class HelpRequested(Exception):
@@ -372,15 +331,25 @@ def _not_a_group(where: str, content: Any) -> ConfigError:
                        "fields in the config file.")
 
 
-def from_mapping(values: Mapping[str, Any]) -> Config:
+def from_mapping(values: Mapping[str, Any], named_family: bool | None = None) -> Config:
     """Builds and validates a Config from a nested mapping (e.g. ``ConfigDict.to_dict()``); fields of an older
-    layout are moved to their place first (``migrate``)."""
+    layout are moved to their place first (``migrate``). A config that names no ``model.family`` (written before
+    the field; ``named_family`` False, or by default no such key in ``values``) gets the family its fields had by
+    the rule of that time (``older_family``), said in the log."""
     sections = {}
     for section, content in migrate(values).items():
         if section not in SECTIONS:
             raise ConfigError(f"config section '{section}' does not exist; use one of {', '.join(SECTIONS)}.")
         sections[section] = _build(section, SECTIONS[section], content)
-    return Config(**sections)
+    cfg = Config(**sections)
+    if named_family is None:
+        named_family = "family" in (values.get("model") or {})
+    if named_family:
+        return cfg
+    family = older_family(cfg.model)
+    log.info("model.family is not set (a config written before the field): %r, as export told it from the model's "
+             "fields then; set --config.model.family to name it", family)
+    return replace(cfg, model=replace(cfg.model, family=family))
 
 
 def _build(where: str, cls: type, content: Any) -> Any:

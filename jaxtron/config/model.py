@@ -174,6 +174,9 @@ class ModelConfig:
     ``ExecutionConfig``."""
 
     name: str = _not_architecture("llama")
+    # the family (jaxtron/families/): its Hugging Face form, what its counts add; a label of the parameters, which
+    # the mechanism fields below define
+    family: str = _not_architecture("llama")
     vocab_size: int = 256
     embed_dim: int = 256
     num_layers: int = 4
@@ -198,6 +201,7 @@ class ModelConfig:
             elif not isinstance(value, cls):
                 raise ConfigError(f"config field 'model.{name}' must be a group of fields, not {value!r}; give it as "
                                   f"a dict of the fields of {cls.__name__}.")
+        _check(bool(self.family.strip()), "model.family", "is empty", "name the model's family, e.g. 'llama'")
         for name in ("vocab_size", "embed_dim", "num_layers", "mlp_dim", "max_seq_len", "norm_eps", "init_std"):
             _positive(getattr(self, name), f"model.{name}")
         _choice(self.activation, "model.activation", ("swiglu", "gelu"))
@@ -277,6 +281,21 @@ class ModelConfig:
     def qk_head_dim(self) -> int:
         """Each head's query and key size: head_dim, plus the rotary part with latent attention."""
         return self.resolved_head_dim + (self.attention.qk_rope_head_dim if self.latent_attention else 0)
+
+
+def older_family(cfg: ModelConfig) -> str:
+    """The family a model config written before ``model.family`` is, by the rule export used then: latent
+    attention is DeepSeek-V3, per-head norms Qwen3 (with experts Qwen3-MoE), experts alone Mixtral, GPT-3's blocks
+    GPT-3, the rest Llama. Only for such configs (``jaxtron.config.loader``); a family is named, never guessed."""
+    if cfg.latent_attention:
+        return "deepseek_v3"
+    if cfg.attention.qk_norm:
+        return "qwen3_moe" if cfg.moe.num_experts else "qwen3"
+    if cfg.moe.num_experts:
+        return "mixtral"
+    if (cfg.activation, cfg.norm, cfg.position_embedding) != ("swiglu", "rmsnorm", "rope"):
+        return "gpt3"
+    return "llama"
 
 
 @dataclasses.dataclass(frozen=True)

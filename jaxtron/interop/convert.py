@@ -1,5 +1,5 @@
 """Convert between Hugging Face model directories and jaxtron checkpoints (Llama, Qwen3 dense and MoE, Mixtral and
-DeepSeek-V3; the families are listed in ``jaxtron.interop.hf.registry``).
+DeepSeek-V3; each family is declared in ``jaxtron/families/``).
 
     jaxtron convert from-hf HF_DIR OUT_DIR    # config.json + safetensors -> OUT_DIR/params, config.py
     jaxtron convert to-hf CKPT_DIR OUT_DIR    # a converted model or a training run -> config.json + safetensors
@@ -20,11 +20,11 @@ from typing import Any
 
 import numpy as np
 
+from jaxtron import families
 from jaxtron.checkpoint import layouts
 from jaxtron.common.files import staged_directory, user_path
 from jaxtron.config.schema import Config, ConfigError, ExecutionConfig, ModelConfig
 from jaxtron.data.store import first_manifest
-from jaxtron.interop.hf import registry
 from jaxtron.interop.hf import safetensors as st
 from jaxtron.interop.hf import tokenizer as hf_tokenizer
 
@@ -76,7 +76,7 @@ def _config_file(cfg: ModelConfig, train: dict[str, Any], out_dir: str) -> str:
                 out[f.name] = differing(value, default) if dataclasses.is_dataclass(value) else value
         return out
 
-    model = differing(cfg, ModelConfig())
+    model = {"family": cfg.family, **differing(cfg, ModelConfig())}  # named, as every config names it
     train = dict(init_from=os.path.abspath(out_dir), steps=1000, global_batch_size=8, eval_batches=0, **train)
     return f'''"""{cfg.name}, converted from Hugging Face by `jaxtron convert from-hf`.
 
@@ -103,8 +103,8 @@ def from_hf(hf_dir: str, out_dir: str) -> ModelConfig:
     """Imports a Hugging Face directory; writes OUT_DIR/params (orbax) and OUT_DIR/config.py."""
     hf = _read_hf_config(hf_dir)
     files = st.ModelFiles(hf_dir)
-    cfg = registry.model_config(hf, name=os.path.basename(os.path.normpath(hf_dir)), tensor_names=set(files.names()))
-    plan = list(registry.tensors(cfg, hf))
+    cfg = families.model_config(hf, name=os.path.basename(os.path.normpath(hf_dir)), tensor_names=set(files.names()))
+    plan = list(families.tensors(cfg, hf))
     expected = {t.hf_name for t in plan}
     for t in plan:
         if t.hf_name not in files:
@@ -122,7 +122,7 @@ def from_hf(hf_dir: str, out_dir: str) -> ModelConfig:
     with staged_directory(out_dir) as staging:
         _write_params(cfg, plan, files, staging)
         with open(os.path.join(staging, "config.py"), "w") as f:
-            f.write(_config_file(cfg, registry.train_fields(hf), out_dir))
+            f.write(_config_file(cfg, families.train_fields(hf), out_dir))
         # the tokenizer travels with the model (``jaxtron generate`` finds it there)
         hf_tokenizer.export(hf_dir, None, cfg.max_seq_len, staging)
     return cfg
@@ -326,12 +326,12 @@ def to_hf(ckpt_dir: str, out_dir: str, dtype: str = "float32") -> dict:
     written parameter by parameter, so host memory holds one slice (a converted model) or one parameter."""
     run_cfg, step_dir = _run_config(ckpt_dir)
     cfg = run_cfg.model
-    hf = registry.hf_config(cfg, run_cfg.train.router_aux_loss)
+    hf = families.hf_config(cfg, run_cfg.train.router_aux_loss)
     hf["torch_dtype"] = dtype
     np_dtype = np.dtype(st.SAFETENSORS_DTYPES[{"float32": "F32", "bfloat16": "BF16", "float16": "F16"}[dtype]])
     _check_output(out_dir)
     source = _source(os.path.abspath(ckpt_dir), run_cfg, step_dir)
-    plan = sorted(registry.tensors(cfg), key=lambda t: t.param)  # stable: each parameter's slices together
+    plan = sorted(families.tensors(cfg), key=lambda t: t.param)  # stable: each parameter's slices together
     shards, size = [[]], 0
     for t in plan:
         nbytes = math.prod(t.shape) * np_dtype.itemsize

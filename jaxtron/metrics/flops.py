@@ -20,6 +20,7 @@ so with the scores and the logits left out, the model FLOPs per token are 6 x th
 uses (``param_count(active=True)`` less the embedding table, norms and the balancing bias).
 
 Each multi-token prediction depth (``mtp_depth``) adds 6 * [2h*h + one block (MoE in an MoE model) + h*V].
+A family with parameters or matmuls outside this form adds them (``Family.extra_params`` and ``extra_flops``).
 
 Embedding lookups, norms, softmax and activations are not counted, nor is recompute. The attention term
 counts the full causal row of ``seq_len`` keys for every token, also when a row packs several documents: the
@@ -29,6 +30,7 @@ matmuls that the remat policy re-runs (``RECOMPUTED``); MFU uses model FLOPs, HF
 
 from __future__ import annotations
 
+from jaxtron import families
 from jaxtron.config.schema import ExecutionConfig, ModelConfig, replace
 
 # The matmuls of one training step, finer than the Megatron terms so that a remat policy can be described
@@ -105,7 +107,7 @@ def param_count(cfg: ModelConfig, active: bool = False) -> int:
         total += cfg.vocab_size * h  # output head
     if cfg.position_embedding == "learned":
         total += cfg.max_seq_len * h
-    return total
+    return total + families.get(cfg.family).extra_params(cfg, active)  # what the family has beyond the general form
 
 
 def _attention_sizes(cfg: ModelConfig) -> tuple[int, int, int, int]:
@@ -149,6 +151,8 @@ def matmul_breakdown(cfg: ModelConfig, seq_len: int, causal: bool = True) -> dic
         one = matmul_breakdown(replace(cfg, num_layers=1, moe=dict(first_dense_layers=0), mtp=dict(depth=0)),
                                seq_len, causal)
         out["mtp"] = cfg.mtp.depth * (sum(one.values()) + 6.0 * 2 * h * h)
+    for name, value in families.get(cfg.family).extra_flops(cfg, seq_len).items():  # the family's own matmuls
+        out[name] += value
     return out
 
 

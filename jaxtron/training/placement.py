@@ -10,6 +10,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from jaxtron import families
 from jaxtron.config.schema import Config, ConfigError, replace
 from jaxtron.ops.attention import resolve_implementation
 from jaxtron.parallel.checks import check_devices
@@ -33,6 +34,7 @@ def place(cfg: Config, devices: list[jax.Device] | None = None, resolve_remat: C
     """The mesh of ``cfg`` over ``devices`` (default: all), the step's setup and the state's shardings.
     ``resolve_remat(cfg, mesh sizes, devices)`` -> ``cfg`` with execution.remat='auto' resolved (the planner's
     ``jaxtron.planning.remat.resolve_for_devices``, which ``jaxtron train`` passes)."""
+    families.get(cfg.model.family)  # an unknown family is one sentence, before any device work
     devices = list(devices) if devices is not None else jax.devices()
     sizes = check_devices(cfg, len(devices))
     if cfg.execution.remat == "auto":

@@ -20,17 +20,13 @@ import ml_dtypes
 import numpy as np
 from safetensors import SafetensorError, safe_open
 
-from jaxtron.config.schema import ConfigError
+from jaxtron.families.family import FormatError
 
 SAFETENSORS_DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
           "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_}
 NAMES = {np.dtype(v): k for k, v in SAFETENSORS_DTYPES.items()}
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
-
-
-class FormatError(ConfigError):
-    """A safetensors file or model directory that cannot be read; one sentence naming the file or tensor."""
 
 
 class SafetensorsFile:

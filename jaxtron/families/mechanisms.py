@@ -1,0 +1,40 @@
+"""The mechanisms a model config switches on beyond the core every family shares (grouped-query attention, SwiGLU,
+RMSNorm, RoPE), each with the field that switches it on. A family declares which of them it can express and which
+it needs; ``check`` refuses an export that its family could not represent, naming the field, so that nothing is
+written that Hugging Face would read as another model."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from jaxtron.config.model import ModelConfig
+
+# name -> (whether a config uses it, the field that switches it on)
+MECHANISMS: dict[str, tuple[Callable[[ModelConfig], bool], str]] = {
+    "qk_norm": (lambda c: c.attention.qk_norm, "model.attention.qk_norm"),
+    "latent_attention": (lambda c: c.latent_attention, "model.attention.kv_lora_rank > 0"),
+    "llama3_rope": (lambda c: c.rope.factor != 1.0 and c.rope.scaling == "llama3", "model.rope.scaling='llama3'"),
+    "yarn": (lambda c: c.rope.factor != 1.0 and c.rope.scaling == "yarn", "model.rope.scaling='yarn'"),
+    "experts": (lambda c: c.moe.num_experts > 0, "model.moe.num_experts > 0"),
+    "sparse_step": (lambda c: c.moe.num_experts > 0 and c.moe.every > 1, "model.moe.every > 1"),
+    "dense_prefix": (lambda c: c.prefix_layers > 0, "model.moe.first_dense_layers > 0"),
+    "shared_experts": (lambda c: c.moe.num_experts > 0 and c.moe.shared_experts > 0, "model.moe.shared_experts > 0"),
+    "sigmoid_router": (lambda c: c.moe.num_experts > 0 and c.moe.router == "sigmoid", "model.moe.router='sigmoid'"),
+    "unnormalized_router": (lambda c: c.moe.num_experts > 0 and not c.moe.router_renormalize,
+                            "model.moe.router_renormalize=False"),
+    "router_scale": (lambda c: c.moe.num_experts > 0 and c.moe.router_scale != 1.0, "model.moe.router_scale != 1"),
+    "multi_token_prediction": (lambda c: c.mtp.depth > 0, "model.mtp.depth > 0"),
+    "gelu": (lambda c: c.activation == "gelu", "model.activation='gelu'"),
+    "layernorm": (lambda c: c.norm == "layernorm", "model.norm='layernorm'"),
+    "learned_positions": (lambda c: c.position_embedding == "learned", "model.position_embedding='learned'"),
+}
+
+
+def used(cfg: ModelConfig) -> set[str]:
+    """The mechanisms ``cfg`` switches on."""
+    return {name for name, (uses, _) in MECHANISMS.items() if uses(cfg)}
+
+
+def field(name: str) -> str:
+    """The field that switches the mechanism ``name`` on."""
+    return MECHANISMS[name][1]
