@@ -20,7 +20,7 @@ from __future__ import annotations
 import difflib
 import importlib
 import sys
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Collection, Sequence
 from typing import NamedTuple
 
 
@@ -59,6 +59,7 @@ ERRORS: tuple[tuple[str, str, int], ...] = (
     ("jaxtron.training.step_flags", "NonFiniteError", 3),
 )
 USAGE_EXIT_CODE = 2  # no command, or an unknown one (argparse exits with 2 for a command's bad options too)
+INTERRUPTED_EXIT_CODE = 130  # Ctrl-C, as a shell reports a process ended by SIGINT (128 + 2)
 
 
 def exit_code(error: BaseException) -> int | None:
@@ -70,21 +71,6 @@ def exit_code(error: BaseException) -> int | None:
     return None
 
 
-def _guarded(body: Callable[[], int | None]) -> int:
-    """``body()``'s exit code, with the exceptions of ``ERRORS`` printed as one line and turned into theirs."""
-    try:
-        return body() or 0
-    except SystemExit as e:  # argparse's --help and usage errors: an exit code for callers of main(argv) too
-        if e.code is None or isinstance(e.code, int):
-            return e.code or 0
-        raise
-    except Exception as e:
-        code = exit_code(e)
-        if code is None:
-            raise
-        return _error(str(e), code)
-
-
 def _error(message: str, code: int) -> int:
     """Prints ``error: <message>`` on stderr, the one form every command's errors take; returns ``code``."""
     print(f"error: {message}", file=sys.stderr)
@@ -92,21 +78,58 @@ def _error(message: str, code: int) -> int:
 
 
 def run(name: str, argv: Sequence[str] | None = None) -> int:
-    """Runs command ``name`` with the arguments ``argv`` (default: the process's) and returns its exit code."""
+    """Runs command ``name`` with the arguments ``argv`` (default: the process's) and returns its exit code, with
+    the exceptions of ``ERRORS`` printed as one line and turned into theirs."""
     args = list(sys.argv[1:] if argv is None else argv)
     module, _, function = COMMANDS[name].target.partition(":")
-    return _guarded(lambda: getattr(importlib.import_module(module), function)(args))
+    try:
+        return getattr(importlib.import_module(module), function)(args) or 0
+    except SystemExit as e:  # argparse's --help and usage errors: an exit code for callers of main(argv) too
+        if e.code is None or isinstance(e.code, int):
+            return e.code or 0
+        raise
+    except KeyboardInterrupt:  # Ctrl-C outside a training step (a run checkpoints on it: preemption.py)
+        return _error("interrupted (Ctrl-C); nothing more was done.", INTERRUPTED_EXIT_CODE)
+    except Exception as e:
+        code = exit_code(e)
+        if code is None:
+            raise
+        return _error(str(e), code)
 
 
 def train(argv: list[str]) -> int:
-    """`jaxtron train`: the training command (`jaxtron/training/cli.py`) with the two parts the training code cannot
-    import, being below them: the evaluator of ``train.eval_tasks`` (`jaxtron/inference/downstream.py`) and the
-    planner's choice for ``execution.remat='auto'`` (`jaxtron/planning/remat.py`)."""
-    from jaxtron.inference.downstream import TaskEvaluator
-    from jaxtron.planning.remat import resolve_for_devices
-    from jaxtron.training.cli import main
+    """`jaxtron train`: its command line (``jaxtron.training.cli.parse_args``) handed to ``jaxtron.train``.
+    Exits 0 when the run reached ``train.steps``, and with ``PREEMPTED_EXIT_CODE`` when a signal stopped it
+    after a checkpoint."""
+    from jaxtron.common.console import console_logging
+    from jaxtron.config.loader import HelpRequested
+    from jaxtron.training.cli import USAGE, parse_args
 
-    return main(argv, evaluator=TaskEvaluator, resolve_remat=resolve_for_devices)
+    console_logging()
+    try:
+        cfg, workdir, print_sharding = parse_args(argv)
+    except HelpRequested as e:
+        print(f"{USAGE}\n\n{e}")
+        return 0
+    if print_sharding:
+        return _print_sharding(cfg)
+    from jaxtron import api
+    from jaxtron.training.preemption import PREEMPTED_EXIT_CODE
+
+    return PREEMPTED_EXIT_CODE if api.train(cfg, workdir)["preempted"] else 0
+
+
+def _print_sharding(cfg) -> int:
+    """`jaxtron train --print_sharding`: the rules table and every parameter's sharding, then exit."""
+    from jaxtron.parallel import launch
+    from jaxtron.training.placement import sharding_report
+
+    launch.initialize(cfg.distributed)
+    try:
+        print(sharding_report(cfg))
+    finally:
+        launch.finish()
+    return 0
 
 
 def help_text(names: Collection[str] = COMMANDS) -> str:

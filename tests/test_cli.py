@@ -86,20 +86,20 @@ def test_the_exit_code_of_each_error():
 
 
 def test_train_ends_a_diverged_run_with_3_and_a_preempted_one_with_75(monkeypatch, tmp_path, capsys):
-    from jaxtron.training import loop
+    from jaxtron import api
     from jaxtron.training.preemption import PREEMPTED_EXIT_CODE
 
     def diverged(cfg, workdir, **_):
         raise NonFiniteError("the loss was not finite in 5 steps in a row; lower the learning rate.")
 
-    monkeypatch.setattr(loop, "run", diverged)
+    monkeypatch.setattr(api, "train", diverged)
     assert cli.main(["train", f"--workdir={tmp_path}"]) == 3
     err = capsys.readouterr().err
     assert err.splitlines()[-1] == "error: the loss was not finite in 5 steps in a row; lower the learning rate.", err
     assert "Traceback" not in err
-    monkeypatch.setattr(loop, "run", lambda cfg, workdir, **_: loop.RunSummary(None, [], preempted="SIGTERM"))
+    monkeypatch.setattr(api, "train", lambda cfg, workdir, **_: {"preempted": "SIGTERM"})
     assert cli.main(["train", f"--workdir={tmp_path}"]) == PREEMPTED_EXIT_CODE == 75
-    monkeypatch.setattr(loop, "run", lambda cfg, workdir, **_: loop.RunSummary(None, []))
+    monkeypatch.setattr(api, "train", lambda cfg, workdir, **_: {"preempted": None})
     assert cli.main(["train", f"--workdir={tmp_path}"]) == 0
 
 
@@ -179,12 +179,12 @@ def test_paths_are_taken_in_any_form(monkeypatch, tmp_path):
 def test_an_install_ships_the_configs_and_one_front_door(tmp_path):
     """What a non-editable install copies (setuptools' build_py, the step that fills a wheel) holds every file of
     configs/ as jaxtron/configs/ (the names --config takes from any directory) and no module at the package top but
-    `jaxtron/cli.py` and `python -m jaxtron`'s."""
+    `jaxtron/cli.py`, the Python API's `jaxtron/api.py` and `python -m jaxtron`'s."""
     built = subprocess.run([sys.executable, "setup.py", "-q", "build_py", "--build-lib", str(tmp_path)], cwd=REPO,
                            capture_output=True, text=True, timeout=300, check=False)
     assert built.returncode == 0, built.stderr[-2000:]
     shipped = sorted(os.listdir(tmp_path / "jaxtron" / "configs"))
     assert shipped == sorted(f for f in os.listdir(os.path.join(REPO, "configs")) if f.endswith(".py"))
     assert sorted(f for f in os.listdir(tmp_path / "jaxtron") if f.endswith(".py")) == \
-        ["__init__.py", "__main__.py", "cli.py"]
+        ["__init__.py", "__main__.py", "api.py", "cli.py"]
     assert os.path.isfile(tmp_path / "jaxtron" / "gpu" / "specs" / "h100_sxm.txtpb")

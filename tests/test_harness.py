@@ -223,7 +223,7 @@ def test_train_eval_tasks_are_scored_beside_the_validation_loss(byte_store, tmp_
     end equal lm-eval's scores of the run's final checkpoint."""
     from helpers import metrics_lines, tiny_config
 
-    from jaxtron.inference.downstream import TaskEvaluator
+    from jaxtron.inference.downstream import task_hook
     from jaxtron.inference.harness import JaxtronLM
     from jaxtron.training.loop import run
 
@@ -231,10 +231,12 @@ def test_train_eval_tasks_are_scored_beside_the_validation_loss(byte_store, tmp_
                       train=dict(steps=4, eval_every=2, eval_batches=1, eval_tasks="jaxtron_sums,jaxtron_count",
                                  eval_tasks_path=TASKS, eval_tasks_limit=4),
                       data=dict(source="store", path=byte_store, seq_len=32), checkpoint=dict(every=0))
-    summary = run(cfg, str(tmp_path / "run"), use_tqdm=False, devices=jax.devices()[:1], evaluator=TaskEvaluator)
+    summary = run(cfg, str(tmp_path / "run"), use_tqdm=False, devices=jax.devices()[:1], hooks=task_hook(cfg))
     lines = [line for line in metrics_lines(tmp_path / "run") if "eval/jaxtron_sums/acc" in line]
     assert [line["step"] for line in lines] == [2, 4]
-    assert all("eval/loss" in line and "eval/jaxtron_count/exact_match" in line for line in lines)
+    assert all("eval/jaxtron_count/exact_match" in line for line in lines)
+    validated = [line["step"] for line in metrics_lines(tmp_path / "run") if "eval/loss" in line]
+    assert validated == [2, 4]  # beside the validation loss of the same steps
     assert summary.data["eval/jaxtron_sums/acc"] == lines[-1]["eval/jaxtron_sums/acc"]
     from lm_eval.tasks import TaskManager  # the same four documents the run scored
     again = lm_eval.simple_evaluate(model=JaxtronLM(run=str(tmp_path / "run")), tasks=["jaxtron_sums"], limit=4,
@@ -255,8 +257,8 @@ def test_bad_eval_tasks_are_one_sentence(byte_store, tmp_path):
         tiny_config(train=dict(eval_tasks="x", eval_tasks_path=TASKS))
     cfg = tiny_config(train=dict(steps=1, eval_tasks="jaxtron_sums,nope", eval_tasks_path=TASKS),
                       data=dict(source="store", path=byte_store, seq_len=32))
-    from jaxtron.inference.downstream import TaskEvaluator
+    from jaxtron.inference.downstream import task_hook
     with pytest.raises(ConfigError, match="names 'nope', not a task of the YAML files in train.eval_tasks_path"):
-        run(cfg, str(tmp_path / "run"), use_tqdm=False, devices=jax.devices()[:1], evaluator=TaskEvaluator)
-    with pytest.raises(ConfigError, match="was given no task evaluator"):
+        run(cfg, str(tmp_path / "run"), use_tqdm=False, devices=jax.devices()[:1], hooks=task_hook(cfg))
+    with pytest.raises(ConfigError, match="is set but no hook of this run scores it"):
         run(cfg, str(tmp_path / "run2"), use_tqdm=False, devices=jax.devices()[:1])

@@ -349,7 +349,7 @@ def test_a_hook_runs_at_its_cadence_and_as_told_after_the_last_step():
     from jaxtron.training.hooks import Hook
 
     def steps(**kw):
-        hook = Hook("h", run=lambda done, metrics: None, **kw)
+        hook = Hook(run=lambda done, metrics: None, name="h", **kw)
         return [done for done in range(1, 11) if hook.due(done, 10)]
 
     assert steps(every=3) == [3, 6, 9]

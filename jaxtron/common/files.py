@@ -22,6 +22,15 @@ log = logging.getLogger(__name__)
 ASIDE = ".partial"  # the infix of a file being written aside; a leftover one is never read
 
 
+def _umask() -> int:
+    """The process's umask, read without setting it (setting it, even briefly, races the saving threads)."""
+    try:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1], 8) for line in f if line.startswith("Umask:"))
+    except (OSError, StopIteration, ValueError):
+        return 0o022  # the common default, where /proc says nothing
+
+
 @contextlib.contextmanager
 def atomic_path(path: str) -> Iterator[str]:
     """A path in ``path``'s directory to write the whole file to; renamed over ``path`` once the block ends
@@ -29,6 +38,7 @@ def atomic_path(path: str) -> Iterator[str]:
     directory = os.path.dirname(os.path.abspath(path))
     os.makedirs(directory, exist_ok=True)
     fd, aside = tempfile.mkstemp(prefix=f".{os.path.basename(path)}{ASIDE}.", dir=directory)
+    os.chmod(aside, 0o666 & ~_umask())  # mkstemp makes it 0600; the file gets the mode open() would give it
     os.close(fd)
     try:
         yield aside

@@ -2,8 +2,8 @@
 (``train.eval_tasks_path``), run on the model in memory every ``train.eval_every`` steps and at the end, their
 scores logged beside the validation loss as ``eval/<task>/<metric>``.
 
-Training code does not import inference code (the layers of docs/layout.md), so the loop takes this evaluator from
-its caller: ``jaxtron train`` (``jaxtron.cli.train``) passes ``TaskEvaluator`` to ``jaxtron.training.loop.run``."""
+Training code does not import inference code (the layers of docs/layout.md), so the evaluator reaches a run as a
+hook (``task_hook``), which ``jaxtron.train`` adds to every run."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import os
 from typing import Any
 
 from jaxtron.config.schema import Config, ConfigError
+from jaxtron.training.hooks import Hook
 
 log = logging.getLogger(__name__)
 
@@ -72,3 +73,22 @@ class TaskEvaluator:
                 if isinstance(value, (int, float)) and metric != "sample_len" and not metric.endswith("_stderr"):
                     scores[f"eval/{task}/{metric}"] = float(value)
         return scores
+
+
+def task_hook(cfg: Config) -> list[Hook]:
+    """``train.eval_tasks`` scored every ``train.eval_every`` steps and after the last, as a hook of the run (none
+    when no task is named). Its scores go into metrics.jsonl and the run's summary (``Trainer.record``)."""
+    if not cfg.train.eval_tasks.strip():
+        return []
+    bound: dict[str, Any] = {}
+
+    def start(trainer) -> None:
+        bound["trainer"] = trainer
+        bound["score"] = TaskEvaluator(trainer.cfg, trainer.setup.graphdef, trainer.mesh)
+
+    def run(done: int, metrics: dict[str, Any]) -> None:
+        trainer = bound["trainer"]
+        trainer.record(done, bound["score"](trainer.state.params))
+
+    return [Hook(cfg.train.eval_every, run, name="tasks", last=True, start=start)]
+

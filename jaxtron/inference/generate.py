@@ -308,11 +308,16 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--run", required=True, help="training run (newest intact checkpoint) or converted model")
     parser.add_argument("--prompt", action="append", default=[], help="a prompt (repeat for a batch)")
     parser.add_argument("--prompts", help='JSONL file, one {"prompt": "..."} per line')
-    parser.add_argument("--max-new-tokens", type=int, default=128)
-    parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
-    parser.add_argument("--top-k", type=int, default=0)
-    parser.add_argument("--top-p", type=float, default=1.0)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--max-new-tokens", type=int, default=128,
+                        help="tokens to add to each prompt at most, fewer at a stop string or end of text "
+                             "(default: 128)")
+    parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy (the default)")
+    parser.add_argument("--top-k", type=int, default=0,
+                        help="sample among the K most likely tokens only (default: 0, all tokens)")
+    parser.add_argument("--top-p", type=float, default=1.0,
+                        help="sample among the fewest tokens whose probabilities sum to P (default: 1, all tokens)")
+    parser.add_argument("--seed", type=int, default=0,
+                        help="the sampling's random seed: the same seed gives the same text (default: 0)")
     parser.add_argument("--stop", action="append", default=[], help="a string that ends a row (repeatable)")
     parser.add_argument("--tokenizer", help="'byte', a tokenizer.json or a SentencePiece .model (default: the run's)")
     parser.add_argument("--mesh", default="", help="devices to shard over, e.g. tensor=2,fsdp=4 (default: one)")
@@ -337,8 +342,10 @@ def main(argv: list[str]) -> int:
         texts = [template.render([{"role": "user", "content": t}], add_generation_prompt=True) for t in texts]
         if template.end_of_turn():
             args.stop.append(template.end_of_turn())
-    model, mesh = load_model(args.run, args.dtype, args.mesh)
     prompts = [[int(t) for t in tokenizer.encode(text)] for text in texts]
+    if not all(prompts):  # refused before the model loads
+        raise ConfigError("every prompt must hold at least one token; an empty prompt has nothing to continue.")
+    model, mesh = load_model(args.run, args.dtype, args.mesh)
     if tokenizer.vocab_size > model.cfg.vocab_size:
         raise ConfigError(f"the tokenizer has {tokenizer.vocab_size} tokens, more than the model's vocabulary of "
                           f"{model.cfg.vocab_size}; pass the tokenizer the model was trained with.")

@@ -209,6 +209,7 @@ def register() -> None:
 
 def main(argv: list[str]) -> int:
     """`jaxtron lm-eval ARGS`: lm-eval's command line, with ``--model jaxtron`` registered."""
+    check_limit(argv)  # before lm-eval loads anything (it refuses a bad --limit only after ~20 s)
     try:
         from lm_eval.__main__ import cli_evaluate
     except ImportError:
@@ -235,6 +236,24 @@ def main(argv: list[str]) -> int:
             raise
         raise ConfigError(reason) from None
     return 0
+
+
+def check_limit(argv: list[str]) -> None:
+    """A ConfigError for an ``--limit`` (``-L``) that is not a positive number: lm-eval takes a count of documents
+    per task, or a fraction of them below 1."""
+    for i, arg in enumerate(argv):
+        name, eq, value = arg.partition("=")
+        if name not in ("--limit", "-L"):
+            continue
+        if not eq:
+            value = argv[i + 1] if i + 1 < len(argv) else ""
+        try:
+            ok = float(value) > 0
+        except ValueError:
+            ok = False
+        if not ok:
+            raise ConfigError(f"option '--limit' is {value!r}; pass a count of documents per task (1 or more) or a "
+                              "fraction of them between 0 and 1.")
 
 
 def unloadable_task(error: BaseException) -> str | None:

@@ -2,7 +2,7 @@
 
 ``Transformer.__call__`` is the one forward: tokens in, a ``ModelOutput`` out (final hidden states, the output
 head, the MoE routing stats and, when asked, the multi-token-prediction hidden states). Logits are computed from
-it, whole (``ModelOutput.logits``) or by slices in the loss (``jaxtron.training.step``).
+it, whole (``ModelOutput.logits``) or by slices in the loss (``jaxtron.training.loss``, with ``ops/cross_entropy.py``).
 """
 
 from __future__ import annotations

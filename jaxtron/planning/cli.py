@@ -108,7 +108,24 @@ def table(rows, top: int, remat: bool = False) -> str:
         terms = ", ".join(f"{k} {v:.3g}" for k, v in ordered if v > 0.005 * e.step_s)
         lines.append(f"{i:>3}  {_layout_text(e, remat):<{width}} {e.microbatches:>5} {e.memory_bytes / GIB:>8.1f} "
                      f"{e.step_s:>8.3g} {e.tokens_per_s:>10.0f} {100 * e.mfu:>5.1f}%  {e.dominant:<14} {terms}{fit}")
-    return "\n".join(lines)
+    return "\n".join(lines + _legend([r.estimate for r in shown], remat))
+
+
+# what each word after a mesh means, as the legend under the table says it
+_WORDS = {"dopt": "the distributed optimizer (its state split over the data axes)",
+          "gather-once": "a stage's weights gathered over fsdp once a step",
+          "identity": "identity layers filling an uneven pipeline split",
+          "1f1b": "the 1F1B pipeline schedule", "interleaved": "the interleaved 1F1B schedule"}
+
+
+def _legend(estimates, remat: bool) -> list[str]:
+    """Lines that explain the words the mesh column uses, those shown only."""
+    used = {word for e in estimates for word in _layout_text(e).split()[1:]}
+    lines = [f"  {word}: {text}" for word, text in _WORDS.items() if word in used]
+    if remat:
+        policies = sorted({e.remat for e in estimates})
+        lines.insert(0, f"  {', '.join(policies)}: the rematerialisation policy (execution.remat) the row assumes")
+    return ["", "mesh column:", *lines] if lines else []
 
 
 def memory_text(e, usable: float) -> str:

@@ -1,14 +1,11 @@
-"""`jaxtron train`: a config file and its overrides -> a training run (``jaxtron.training.loop.run``).
+"""`jaxtron train`'s command line: a config file, its overrides and the workdir (``parse_args``), which
+``jaxtron.cli.train`` hands to ``jaxtron.train``.
 
     jaxtron train --config=configs/X.py --workdir=DIR [--config.<section>.<field>=VALUE ...] [--print_sharding]
-
-Exits 0 when the run reached ``train.steps``, and with ``PREEMPTED_EXIT_CODE`` when a signal stopped it after a
-checkpoint; errors end as every command's do (jaxtron/cli.py).
 """
 
 from __future__ import annotations
 
-import logging
 import os
 
 from jaxtron.common.files import user_path
@@ -42,34 +39,3 @@ def parse_args(argv: list[str]):
     if not flags.FLAGS.is_parsed():  # the libraries' own absl flags (grain's) take their defaults
         flags.FLAGS(["jaxtron"])
     return cfg, workdir, values.print_sharding
-
-
-def main(argv: list[str], evaluator=None, resolve_remat=None) -> int:
-    """Trains as the command line ``argv`` says; returns the exit code. ``evaluator``, ``resolve_remat``: see
-    ``loop.run``."""
-    from jaxtron.common.console import console_logging
-
-    console_logging()
-    from jaxtron.config.loader import HelpRequested
-
-    try:
-        cfg, workdir, print_sharding = parse_args(argv)
-    except HelpRequested as e:
-        print(f"{USAGE}\n\n{e}")
-        return 0
-    from jaxtron.parallel import launch
-    launch.initialize(cfg.distributed)  # before anything asks jax about devices
-    import jax
-    if jax.process_index() != 0:
-        logging.getLogger().setLevel(logging.WARNING)
-    from jaxtron.training.loop import run
-    from jaxtron.training.placement import sharding_report
-    from jaxtron.training.preemption import PREEMPTED_EXIT_CODE
-    try:
-        if print_sharding:
-            print(sharding_report(cfg))
-            return 0
-        summary = run(cfg, workdir, evaluator=evaluator, resolve_remat=resolve_remat)
-    finally:
-        launch.finish()  # all processes leave together
-    return PREEMPTED_EXIT_CODE if summary.preempted else 0

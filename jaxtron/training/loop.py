@@ -1,13 +1,14 @@
-"""The training loop: the only place with side effects (data, logging, metrics files)."""
+"""The training run (``Trainer``): the only place with side effects (data, logging, metrics files). Its parts are
+opened under one ExitStack, its step compiled, and its hooks run after each step at their cadences."""
 
 from __future__ import annotations
 
-import dataclasses
+import contextlib
 import functools
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -26,12 +27,14 @@ from jaxtron.parallel.sharding import batch_sharding
 from jaxtron.training import state as state_lib
 from jaxtron.training import workdir as workdir_lib
 from jaxtron.training.hooks import Hook, RunParts
-from jaxtron.training.placement import Placement, place
+from jaxtron.training.placement import place
 from jaxtron.training.preemption import PREEMPTED_EXIT_CODE, PreemptionWatcher, StopVotes
 from jaxtron.training.profiling import Meter, ProfileWindow
+from jaxtron.training.run_summary import RunSummary, summary_line
 from jaxtron.training.step import compile_train_step, eval_step, state_finite
-from jaxtron.training.step_flags import NonFiniteError, NonFiniteStreak, StepFlags
+from jaxtron.training.step_flags import NonFiniteError, NonFiniteStreak, StepFlags, scalar_metrics
 from jaxtron.training.watchdog import Watchdog
+from jaxtron.training.workdir_lock import WorkdirLock
 
 log = logging.getLogger(__name__)
 
@@ -69,173 +72,168 @@ def evaluate(cfg: Config, eval_fn, params, source, mesh, implementation: str = "
     return total / count
 
 
-@dataclasses.dataclass
-class RunSummary:
-    """What a training run ended with."""
-
-    state: Any  # the final train state
-    history: list[dict[str, Any]]  # the lines this process logged in this run, each with its step
-    preempted: str | None = None  # why the run stopped before train.steps (a signal, another process's request)
-    stopped_at: int | None = None  # the step it checkpointed then
-    final_loss: float | None = None  # mean train loss of the last log interval
-    validation_loss: float | None = None  # mean cross-entropy over the validation batches at the end
-    compile_time_s: float | None = None
-    slow_steps: int = 0  # steps the watchdog reported as slow
-    tokens_per_sec: float | None = None  # of the last log interval, as the next three
-    tflops_per_device: float | None = None
-    mfu: float | None = None
-    data: dict[str, Any] = dataclasses.field(default_factory=dict)  # facts of the training text (tokens, entropy)
-
-
-def run(cfg: Config, workdir: str, *, use_tqdm: bool | None = None,
-        devices: list[jax.Device] | None = None, evaluator: Callable | None = None,
-        resolve_remat: Callable | None = None) -> RunSummary:
-    """Trains ``cfg`` on ``devices`` (default: all) and writes metrics and checkpoints into ``workdir``.
-    ``evaluator(cfg, graphdef, mesh)`` builds what scores ``train.eval_tasks`` (params -> {metric: value};
-    ``jaxtron.inference.downstream.TaskEvaluator``, which ``jaxtron train`` passes); ``resolve_remat``: see
-    ``place``."""
-    placement = place(cfg, devices, resolve_remat)
-    with jax.set_mesh(placement.mesh):
-        state_lib.check_fits(placement.setup.abstract_state, placement.shardings, list(placement.mesh.devices.flat))
-        before = workdir_lib.listing(workdir)
-        workdir_lib.check_writable(workdir)
-        trainer = Trainer(placement.cfg, workdir, placement, use_tqdm, evaluator)
-        try:
-            return trainer.train()
-        except ConfigError:
-            if not trainer.accepted:  # refused (checkpoint, data or init_from mismatch): leave no trace
-                workdir_lib.remove_created(workdir, before)
-            raise
+def run(cfg: Config, workdir: str, *, use_tqdm: bool | None = None, devices: list[jax.Device] | None = None,
+        hooks: Sequence[Hook] = (), resolve_remat: Callable | None = None) -> RunSummary:
+    """Trains ``cfg`` on ``devices`` (default: all) into ``workdir``; ``Trainer`` says what each argument is."""
+    return Trainer(cfg, workdir, hooks, devices=devices, resolve_remat=resolve_remat, use_tqdm=use_tqdm).run()
 
 
 class Trainer:
-    """One training run, from its components to its summary; ``train`` reads top to bottom, and what runs beside
-    the steps is ``hooks``, each with its cadence."""
+    """One training run, from its parts to its summary. ``run`` reads top to bottom; what runs beside the steps is
+    ``hooks``, each with its cadence.
 
-    def __init__(self, cfg: Config, workdir: str, placement: Placement, use_tqdm: bool | None,
-                 evaluator: Callable | None = None):
-        self.cfg, self.workdir, self.use_tqdm, self.evaluator = cfg, workdir, use_tqdm, evaluator
-        self.mesh, self.setup = placement.mesh, placement.setup
-        self.shardings, self.implementation = placement.shardings, placement.implementation
+    ``hooks``: the caller's, run after the built-in ones of a step but its checkpoint (``jaxtron.Hook``). A hook's
+    ``start`` gets this Trainer once its step is compiled; it may read ``cfg``, ``setup``, ``mesh`` and ``state``
+    and call ``record``. ``resolve_remat``: see ``place``. ``use_tqdm``: a progress bar (default: on a terminal).
+    """
+
+    def __init__(self, cfg: Config, workdir: str, hooks: Sequence[Hook] = (), *,
+                 devices: list[jax.Device] | None = None, resolve_remat: Callable | None = None,
+                 use_tqdm: bool | None = None):
+        self.cfg, self.workdir, self.use_tqdm, self.given_hooks = cfg, workdir, use_tqdm, tuple(hooks)
+        self.devices, self.resolve_remat = devices, resolve_remat
         self.is_main = jax.process_index() == 0
         self.history: list[dict[str, Any]] = []
+        self.scores: dict[str, float] = {}  # the newest of each evaluation's values (``record``)
         self.checkpointer: Checkpointer | None = None
         self.parts: RunParts | None = None  # with steps left
         self.saved_at = -1  # the step of the newest save
         self.accepted = False  # the config, checkpoint, data and init_from checks passed: files may change now
 
     def hooks(self) -> list[Hook]:
-        """What runs after a step, in this order, each at its cadence."""
+        """What runs after a step, in this order, each at its cadence: the built-in work, the given hooks, then
+        the checkpoint (so that a checkpoint follows all of its step's work)."""
         t, parts = self.cfg.train, self.parts
         writer = parts.writer
-        return [Hook("profile", 1, lambda done, _: parts.profile.after_step(
-                    done, lambda: jax.block_until_ready(self.state))),
-                Hook("log", t.log_every, self._log, last=True, reads_step=True),
-                Hook("progress", 1, lambda done, _: writer.advance(done) if writer is not None else None),
-                Hook("evaluate", t.eval_every, lambda done, _: self._evaluate_midway(done), last=False),
-                Hook("save", self.cfg.checkpoint.every, lambda done, _: self._save(done), last=True,
-                     reads_step=True)]
+        return [Hook(1, lambda done, _: parts.profile.after_step(done, lambda: jax.block_until_ready(self.state)),
+                     name="profile", reads_step=False, device_metrics=True, pauses=False),
+                Hook(t.log_every, self._log, name="log", last=True, device_metrics=True, pauses=False),
+                Hook(1, lambda done, _: writer.advance(done) if writer is not None else None, name="progress",
+                     reads_step=False, device_metrics=True, pauses=False),
+                Hook(t.eval_every, lambda done, _: self.record(done, self._validation()), name="evaluate",
+                     last=True, device_metrics=True),
+                *self.given_hooks,
+                Hook(self.cfg.checkpoint.every, lambda done, _: self._save(done), name="save", last=True,
+                     device_metrics=True, pauses=False)]
 
-    def train(self) -> RunSummary:
-        t, done = self.cfg.train, 0
-        try:
-            done = self._build()
-            if done >= t.steps:  # a finished run: nothing left to train
-                log.info("the run already reached train.steps = %d; raise it to train further", t.steps)
+    def run(self) -> RunSummary:
+        """Places the run, opens its parts under one ExitStack (closed in the reverse order of opening), compiles
+        the step and trains to ``train.steps`` or a stop request."""
+        with contextlib.ExitStack() as stack:
+            done = self._open(stack)
+            if done >= self.cfg.train.steps:  # a finished run: nothing left to train
+                log.info("the run already reached train.steps = %d; raise it to train further", self.cfg.train.steps)
                 return RunSummary(self.state, [])
-            parts, hooks = self.parts, self.hooks()
-            parts.watchdog.start(done)
-            for step in range(self.start, t.steps):
-                done = step + 1
-                metrics = self._step(step, done)
-                if done < t.steps:
-                    self._next_batch(done)
-                # steps whose hooks read the device wait for it anyway, so their own flags are read now
-                stop = parts.flags.read(done if any(h.reads_step and h.due(done, t.steps) for h in hooks)
-                                        else done - 1)
-                # one process alone needs no agreement: it stops at the first step boundary after the signal
-                stop |= jax.process_count() == 1 and parts.preemption.requested is not None
-                for hook in hooks:
-                    if hook.due(done, t.steps):
-                        hook.run(done, metrics)
-                if stop and done < t.steps:
-                    return self._stop(done)
-            return self._finish()
-        finally:
-            self._close(done)
+            parts = self.parts = self._open_parts(stack)
+            compiled, compile_s = compile_train_step(self.setup, self.shardings, batch_sharding(self.mesh),
+                                                     self.state, self.batch, parts.votes(False))
+            self._compiled(compiled, compile_s)
+            return self._loop(done)
 
-    def _build(self) -> int:
-        """The data sources, the checkpointer and the state (restored or fresh), then, when steps are left, the
-        parts that run beside it (``_parts``). Returns the step the run starts from."""
-        cfg, t = self.cfg, self.cfg.train
+    def _open(self, stack: contextlib.ExitStack) -> int:
+        """The placement, the workdir's lock, the data sources, the checkpointer and the state (restored or
+        fresh). Returns the step the run starts from. A run refused before it was accepted leaves the workdir as
+        it was."""
+        if self.cfg.train.eval_tasks.strip() and not any(h.name == "tasks" for h in self.given_hooks):
+            raise ConfigError("config field 'train.eval_tasks' is set but no hook of this run scores it; train "
+                              "with jaxtron.train (or pass hooks=[jaxtron.inference.downstream.task_hook(cfg)]).")
+        placement = place(self.cfg, self.devices, self.resolve_remat)
+        self.cfg, self.mesh, self.setup = placement.cfg, placement.mesh, placement.setup
+        self.shardings, self.implementation = placement.shardings, placement.implementation
+        stack.enter_context(jax.set_mesh(self.mesh))
+        state_lib.check_fits(self.setup.abstract_state, self.shardings, list(self.mesh.devices.flat))
+        before = workdir_lib.listing(self.workdir)
+        workdir_lib.check_writable(self.workdir)
+        stack.enter_context(contextlib.closing(WorkdirLock(self.workdir).acquire()))  # refused: nothing was made
+        stack.push(lambda kind, error, _: self._refused(error, before))  # runs before the lock is given back
+        cfg, c = self.cfg, self.cfg.checkpoint
         self.train_source, self.validation, self.facts = make_sources(cfg)
         self._log_start()
-        c = cfg.checkpoint
-        self.checkpointer = Checkpointer(self.workdir, c.keep, c.keep_every, c.async_save)
+        self.checkpointer = stack.enter_context(contextlib.closing(
+            Checkpointer(self.workdir, c.keep, c.keep_every, c.async_save)))  # waits for a save in flight
         self.state, self.position = self._restore_or_init()
-        self.start = self.position.step
+        self.start = self.done = self.position.step
         self.accepted = True
         if self.is_main:  # only now the run's files change (a damaged metrics.jsonl is refused before any)
             workdir_lib.drop_metrics_after(self.workdir, self.start)
             write_json(os.path.join(self.workdir, "config.json"), cfg.to_dict(), indent=2)
             self.checkpointer.remove_incomplete()
-        if self.start < t.steps:
-            self.parts = self._parts()
         return self.start
 
-    def _parts(self) -> RunParts:
-        """The loader at the resumed position, the compiled step and what runs beside it, in the order each needs
-        the others; whatever was opened is closed again if a later part fails."""
-        cfg, t, mesh = self.cfg, self.cfg.train, self.mesh
-        opened = []
-        try:
-            batches = BatchIterator(self.train_source, mesh, t.global_batch_size, step=self.start,
-                                    workers=cfg.data.workers, limits=batch_limits(cfg, self.implementation),
-                                    sample_offset=self.position.offset)
-            opened.append(batches)
-            self.batch = next(batches)
-            votes = StopVotes(mesh)
-            compiled, compile_s = compile_train_step(self.setup, self.shardings, batch_sharding(mesh), self.state,
-                                                     self.batch, votes(False))
-            throughput = Throughput(cfg, mesh.size, mesh.devices.flat[0].device_kind, self.implementation)
-            log.info("compiled the train step in %.1f s; %.4g model TFLOP per step; %s", compile_s,
-                     throughput.model_flops / 1e12, throughput.peak_note)
-            hlo = _hlo_text(compiled)  # printed once: collectives.json and the pipeline layout read it
-            if self.is_main and hlo is not None:
-                write_json(os.path.join(self.workdir, "collectives.json"), collectives(hlo))  # for jaxtron report
-            eval_fn = jax.jit(functools.partial(eval_step, self.setup),
-                              in_shardings=(self.shardings.params, batch_sharding(mesh)))
-            tasks = self._task_evaluator()
-            writer = MetricsWriter(self.workdir, t.steps, use_tqdm=self.use_tqdm) if self.is_main else None
-            opened.append(writer)
-            schedule = self.setup.stack_runner
-            meter = Meter(throughput, {"pipeline_bubble": schedule.bubble} if schedule else None)
-            profile = ProfileWindow(cfg.profile, self.workdir, self.start)
-            opened.append(profile)
-            if schedule and profile.enabled:  # what the report needs to find each stage's idle iterations
-                profile.write_pipeline_layout(self.mesh, schedule, hlo)
-            preemption = PreemptionWatcher()
-            opened.append(preemption)
-            watchdog = Watchdog(t.watchdog_factor, jax.process_index())
-            opened.append(watchdog)
-        except BaseException:
-            for part in reversed(opened):
-                if part is not None:
-                    part.close(self.start) if isinstance(part, ProfileWindow) else part.close()
-            raise
-        streak = NonFiniteStreak(t.max_nonfinite_in_row, self.start, int(jax.device_get(self.state.nonfinite)[1]))
-        return RunParts(batches, votes, compiled, compile_s, eval_fn, tasks, writer, meter, profile, preemption,
-                        watchdog, StepFlags(streak, watchdog))
+    def _refused(self, error: BaseException | None, before: list[str] | None) -> bool:
+        if isinstance(error, ConfigError) and not self.accepted:  # a checkpoint, data or init_from mismatch
+            workdir_lib.remove_created(self.workdir, before)
+        return False  # the error goes on
 
-    def _task_evaluator(self) -> Callable | None:
-        """What scores ``train.eval_tasks`` (None when it is empty)."""
-        if not self.cfg.train.eval_tasks.strip():
-            return None
-        if self.evaluator is None:
-            raise ConfigError("config field 'train.eval_tasks' is set but this run was given no task evaluator; "
-                              "train with `jaxtron train` (or pass run(..., evaluator=jaxtron.inference."
-                              "downstream.TaskEvaluator)).")
-        return self.evaluator(self.cfg, self.setup.graphdef, self.mesh)
+    def _open_parts(self, stack: contextlib.ExitStack) -> RunParts:
+        """The loader at the resumed position and its first batch, then what runs beside the steps."""
+        cfg, t, mesh = self.cfg, self.cfg.train, self.mesh
+        batches = stack.enter_context(contextlib.closing(BatchIterator(
+            self.train_source, mesh, t.global_batch_size, step=self.start, workers=cfg.data.workers,
+            limits=batch_limits(cfg, self.implementation), sample_offset=self.position.offset)))
+        self.batch = next(batches)
+        writer = stack.enter_context(contextlib.closing(MetricsWriter(self.workdir, t.steps, use_tqdm=self.use_tqdm))) \
+            if self.is_main else None
+        profile = ProfileWindow(cfg.profile, self.workdir, self.start)
+        stack.callback(lambda: profile.close(self.done))
+        preemption = stack.enter_context(contextlib.closing(PreemptionWatcher()))
+        watchdog = stack.enter_context(contextlib.closing(Watchdog(t.watchdog_factor, jax.process_index())))
+        streak = NonFiniteStreak(t.max_nonfinite_in_row, self.start, int(jax.device_get(self.state.nonfinite)[1]))
+        return RunParts(batches, StopVotes(mesh), writer, profile, preemption, watchdog, StepFlags(streak, watchdog))
+
+    def _compiled(self, compiled, compile_s: float) -> None:
+        """What the compiled step gives the run: its log line, collectives.json, the meter, the hooks' start."""
+        cfg, parts, schedule = self.cfg, self.parts, self.setup.stack_runner
+        self.compiled, self.compile_s = compiled, compile_s
+        throughput = Throughput(cfg, self.mesh.size, self.mesh.devices.flat[0].device_kind, self.implementation)
+        log.info("compiled the train step in %.1f s; %.4g model TFLOP per step; %s", compile_s,
+                 throughput.model_flops / 1e12, throughput.peak_note)
+        hlo = _hlo_text(compiled)  # printed once: collectives.json and the pipeline layout read it
+        if self.is_main and hlo is not None:
+            write_json(os.path.join(self.workdir, "collectives.json"), collectives(hlo))  # for jaxtron report
+        if schedule and parts.profile.enabled:  # what the report needs to find each stage's idle iterations
+            parts.profile.write_pipeline_layout(self.mesh, schedule, hlo)
+        self.eval_fn = jax.jit(functools.partial(eval_step, self.setup),
+                               in_shardings=(self.shardings.params, batch_sharding(self.mesh)))
+        self.meter = Meter(throughput, {"pipeline_bubble": schedule.bubble} if schedule else None)
+        for hook in self.given_hooks:
+            if hook.start is not None:
+                hook.start(self)
+
+    def _loop(self, done: int) -> RunSummary:
+        t, parts, hooks = self.cfg.train, self.parts, self.hooks()
+        parts.watchdog.start(done)
+        for step in range(self.start, t.steps):
+            self.done = done = step + 1
+            metrics = self._step(step, done)
+            if done < t.steps:
+                self._next_batch(done)
+            due = [hook for hook in hooks if hook.due(done, t.steps)]
+            # steps whose hooks read the device wait for it anyway, so their own flags are read now
+            stop = parts.flags.read(done if any(h.reads_step for h in due) else done - 1)
+            # one process alone needs no agreement: it stops at the first step boundary after the signal
+            stop |= jax.process_count() == 1 and parts.preemption.requested is not None
+            host = scalar_metrics(jax.device_get(metrics)) if any(not h.device_metrics for h in due) else None
+            for hook in due:
+                self._run_hook(hook, done, metrics if hook.device_metrics else host)
+            if stop and done < t.steps:
+                return self._stop(done)
+        return self._finish()
+
+    def _run_hook(self, hook: Hook, done: int, metrics: dict[str, Any]) -> None:
+        if not hook.pauses:
+            hook.run(done, metrics)
+            return
+        self.parts.watchdog.pause()  # its time is neither a slow step nor training time
+        hook.run(done, metrics)
+        self.meter.restart_clock()
+        self.parts.watchdog.resume()
+
+    def record(self, done: int, scores: dict[str, float]) -> None:
+        """An evaluation's ``scores`` of the state after ``done`` steps: a metrics line, and the run's summary."""
+        if self.parts.writer and scores:
+            self.parts.writer.write(done, scores)
+        self.scores.update(scores)
 
     def _log_start(self) -> None:
         cfg = self.cfg
@@ -290,10 +288,10 @@ class Trainer:
         parts = self.parts
         parts.profile.before_step(step, lambda: jax.block_until_ready(self.state))
         with parts.profile.annotate(done):
-            self.state, metrics = parts.compiled(self.state, self.batch,
-                                                 parts.votes(parts.preemption.requested is not None))
+            self.state, metrics = self.compiled(self.state, self.batch,
+                                                parts.votes(parts.preemption.requested is not None))
         parts.flags.push(done, metrics)
-        parts.meter.losses.append(metrics["loss"])  # stays on the device until the log step
+        self.meter.losses.append(metrics["loss"])  # stays on the device until the log step
         return metrics
 
     def _next_batch(self, done: int) -> None:
@@ -301,34 +299,22 @@ class Trainer:
         waited = time.perf_counter()
         with self.parts.watchdog.input(done + 1):
             self.batch = next(self.parts.batches)
-        self.parts.meter.data_wait += time.perf_counter() - waited
+        self.meter.data_wait += time.perf_counter() - waited
 
     def _log(self, done: int, metrics: dict[str, Any]) -> None:
-        parts = self.parts
-        values = parts.meter.values(metrics)
+        values = self.meter.values(metrics)
         values["consumed_tokens"] = self.position.at(done).consumed_tokens
         if not self.history:
-            values["compile_time_s"] = parts.compile_s
-        if parts.writer:
-            parts.writer.write(done, values)
+            values["compile_time_s"] = self.compile_s
+        if self.parts.writer:
+            self.parts.writer.write(done, values)
         self.history.append({"step": done, **values})
-        parts.meter.reset()
+        self.meter.reset()
 
-    def _scores(self, done: int) -> dict[str, float]:
-        """The validation loss and train.eval_tasks' scores of the state now, written to the metrics at ``done``."""
-        parts = self.parts
-        loss = evaluate(self.cfg, parts.eval_fn, self.state.params, self.validation, self.mesh, self.implementation)
-        scores = {"eval/loss": loss} if loss is not None else {}
-        scores.update(parts.tasks(self.state.params) if parts.tasks else {})
-        if parts.writer and scores:
-            parts.writer.write(done, scores)
-        return scores
-
-    def _evaluate_midway(self, done: int) -> None:
-        self.parts.watchdog.pause()
-        self._scores(done)
-        self.parts.meter.restart_clock()
-        self.parts.watchdog.resume()
+    def _validation(self) -> dict[str, float]:
+        """The validation loss of the state now (none without validation batches)."""
+        loss = evaluate(self.cfg, self.eval_fn, self.state.params, self.validation, self.mesh, self.implementation)
+        return {"eval/loss": loss} if loss is not None else {}
 
     def _save(self, done: int) -> None:
         """Checkpoints the state after ``done`` steps (once: the save hook and a stop may both ask)."""
@@ -347,29 +333,19 @@ class Trainer:
         self.checkpointer.wait()
         why = self.parts.preemption.requested or "a stop request from another process"
         log.warning("checkpointed step %d after %s; exiting with %d", done, why, PREEMPTED_EXIT_CODE)
-        return RunSummary(self.state, self.history, preempted=why, stopped_at=done)
+        return RunSummary(self.state, self.history, preempted=why, stopped_at=done, scores=dict(self.scores))
 
     def _finish(self) -> RunSummary:
-        last, scores = self.history[-1], self._scores(self.cfg.train.steps)
+        last, scores = self.history[-1], self.scores
         tasks = {k: v for k, v in scores.items() if k != "eval/loss"}
         summary = RunSummary(self.state, self.history, final_loss=last.get("loss_avg"),
-                             validation_loss=scores.get("eval/loss"), compile_time_s=self.parts.compile_s,
+                             validation_loss=scores.get("eval/loss"), compile_time_s=self.compile_s,
                              slow_steps=self.parts.watchdog.slow_steps, tokens_per_sec=last.get("tokens_per_sec"),
                              tflops_per_device=last.get("tflops_per_device"), mfu=last.get("mfu"),
-                             data={**self.facts, **tasks})
+                             data={**self.facts, **tasks}, scores=dict(scores))
         if self.parts.writer:
-            self.parts.writer.log(_summary_line(summary))
+            self.parts.writer.log(summary_line(summary))
         return summary
-
-    def _close(self, done: int) -> None:
-        """Stops and closes what was built (the checkpointer last but the loader: it waits for a save in flight)."""
-        parts = self.parts
-        if parts is not None:
-            parts.profile.close(done)
-        for part in ((parts.watchdog, parts.preemption) if parts else ()) + (self.checkpointer,) + \
-                ((parts.batches, parts.writer) if parts else ()):
-            if part is not None:
-                part.close()
 
 
 def _hlo_text(compiled) -> str | None:
@@ -381,12 +357,3 @@ def _hlo_text(compiled) -> str | None:
         log.warning("could not read the compiled step's HLO (%s); no collectives.json and no per-stage idle share",
                     e)
         return None
-
-
-def _summary_line(summary: RunSummary) -> str:
-    parts = [f"train loss {summary.final_loss:.4f} nats/token (mean of the last log interval)"]
-    if summary.validation_loss is not None:
-        parts.append(f"validation loss {summary.validation_loss:.4f}")
-    if summary.data.get("unigram_entropy") is not None:
-        parts.append(f"unigram entropy of the text {summary.data['unigram_entropy']:.4f}")
-    return "done: " + "; ".join(parts)

@@ -1,6 +1,7 @@
 """Preemption: SIGTERM or SIGUSR1 (what Slurm sends before preemption or the time limit, e.g.
 ``#SBATCH --signal=USR1@120``) asks the loop to checkpoint at the next step boundary and exit with
-PREEMPTED_EXIT_CODE, so a job script can tell "stopped early, requeue me" from success or failure.
+PREEMPTED_EXIT_CODE, so a job script can tell "stopped early, requeue me" from success or failure. Ctrl-C
+(SIGINT) does the same, so an interrupted run keeps its progress; a second Ctrl-C ends the process at once.
 With several processes, the request travels inside the train step (``StopVotes``), so all of them stop after
 the same step even when the signal reaches only one, or reaches them at different steps.
 """
@@ -20,7 +21,7 @@ from jaxtron.parallel.sharding import per_device_sharding
 log = logging.getLogger(__name__)
 
 PREEMPTED_EXIT_CODE = 75  # EX_TEMPFAIL: temporary failure, run again
-SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 
 
 class PreemptionWatcher:
@@ -35,8 +36,12 @@ class PreemptionWatcher:
 
     def _handle(self, signum, frame) -> None:
         self.requested = signal.Signals(signum).name
-        log.warning("received %s: checkpointing at the next step boundary, then exiting with %d",
-                    self.requested, PREEMPTED_EXIT_CODE)
+        again = ""
+        if signum == signal.SIGINT:  # the next Ctrl-C is the system's: the process ends at once, unsaved
+            signal.signal(signal.SIGINT, signal.SIG_DFL)
+            again = " (Ctrl-C again to abort without it)"
+        log.warning("received %s: checkpointing at the next step boundary, then exiting with %d%s",
+                    self.requested, PREEMPTED_EXIT_CODE, again)
 
     def close(self) -> None:
         for sig, handler in self._previous.items():
