@@ -59,7 +59,7 @@ def test_two_processes_equal_one(mesh, one_process, tmp_path):
     assert "process 1 of 2 joined" in outputs[1]
     np.testing.assert_allclose(_losses(tmp_path), one_process, rtol=1e-5)  # written once, by process 0
     assert sorted(f for f in os.listdir(tmp_path) if not f.startswith("events")) == \
-        ["checkpoints", "collectives.json", "config.json", "metrics.jsonl"]
+        ["checkpoints", "collectives.json", "config.json", "metrics.jsonl", "run.lock"]  # the lock: process 0's
     assert os.listdir(tmp_path / "checkpoints") == ["3"]  # one checkpoint, written together by both processes
 
 
