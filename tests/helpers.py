@@ -29,7 +29,7 @@ MESHES = {
 def tiny_config(mesh: dict | None = None, **sections) -> Config:
     """A 2-layer GQA model on synthetic tokens, computing in float32; every dimension divides 8. ``sections``:
     fields to replace, per section (``model=dict(num_layers=3, moe=dict(num_experts=4))``, ``execution=dict(remat=
-    "full")``); a model group given as a dict changes only the fields it names."""
+    "full")``); a model subsection given as a dict changes only the fields it names."""
     model = ModelConfig(name="test", vocab_size=256, embed_dim=64, num_layers=2,
                         attention=dict(num_heads=4, num_kv_heads=2), rope=dict(theta=10_000.0), mlp_dim=128,
                         max_seq_len=64)

@@ -1,6 +1,7 @@
 """docs/layout.md is the map of the package: every module of jaxtron/ is on it, and the path it names from
 `python train.py` to the compiled step is the one the code takes."""
 
+import ast
 import inspect
 import os
 import re
@@ -77,3 +78,40 @@ def test_the_path_from_train_py_to_the_compiled_step_is_the_six_functions_of_the
     listed = re.findall(r"^\d\. `([\w.]+)`", text[text.index("## From `python train.py`"):], re.MULTILINE)
     assert listed == ["jaxtron.cli.run", "jaxtron.cli.train", "jaxtron.api.train", "jaxtron.training.loop.Trainer.run",
                       "jaxtron.training.step.compile_train_step", "jaxtron.training.step.train_step"]
+
+
+def _defined_names(path: str) -> set[str]:
+    """The names a module defines: functions, classes, arguments, assigned names and attributes, its own name."""
+    with open(path) as f:
+        tree = ast.parse(f.read())
+    out = {os.path.splitext(os.path.basename(path))[0]}
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            out.add(node.name)
+        elif isinstance(node, ast.arg):
+            out.add(node.arg)
+        elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+            out.add(node.id)
+        elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+            out.add(node.attr)
+    return out
+
+
+def test_every_name_with_a_crowded_word_is_on_the_word_list():
+    """A name holding 'constrain' or 'group' means what docs/layout.md's word list says; a new one is added there
+    with its meaning, or renamed."""
+    with open(os.path.join(REPO, "docs", "layout.md")) as f:
+        text = f.read()
+    words = text[text.index("## Words with one meaning"):]
+    listed = set(re.findall(r"`(?:\w+\.)?(\w+)", words))
+    defined = {}
+    for folder, _, files in os.walk(PACKAGE):
+        for name in files:
+            if name.endswith(".py"):
+                path = os.path.join(folder, name)
+                for n in _defined_names(path):
+                    if "constrain" in n.lower() or "group" in n.lower():
+                        defined.setdefault(n, os.path.relpath(path, REPO))
+    missing = {n: where for n, where in defined.items() if n not in listed}
+    assert not missing, f"names not on docs/layout.md's word list: {missing}"
+    assert {"constrain", "constrain_variables", "replica_axes"} <= listed

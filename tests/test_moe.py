@@ -189,7 +189,7 @@ def test_fp8_experts_equal_the_experts_on_the_fp8_grid(mode):
     graphdef, state = _layer(_layer_cfg(), ExecutionConfig(moe_mode=mode, capacity_factor=8.0))
     layer = nnx.merge(graphdef, state)
     def fp8_layer(s, x):
-        with fp8_recipe("tensorwise"):  # as the layer stack opens it around an FP8 layer group
+        with fp8_recipe("tensorwise"):  # as the layer stack opens it around an FP8 layer span
             return nnx.merge(graphdef, s)(x)
 
     y8, stats = jax.jit(fp8_layer)(state, x)

@@ -85,6 +85,49 @@ def test_every_logical_name_used_by_the_model_has_a_rule():
     assert {"layers", "embed", "heads", "kv_heads", "mlp", "vocab", "norm"} <= names
 
 
+def test_constrain_holds_an_array_in_its_logical_names_a_spec_or_its_first_dimensions_alone():
+    mesh = make_mesh(dict(data=2, fsdp=2, tensor=2))
+    x = jax.device_put(jax.numpy.ones((8, 16)), NamedSharding(mesh, P()))
+
+    def held(layout):
+        with jax.set_mesh(mesh):
+            return jax.jit(lambda a: sharding.constrain(a * 2, layout))(x).sharding
+
+    want = NamedSharding(mesh, P(("data", "fsdp"), "tensor"))
+    assert held(("activation_batch", "activation_vocab")).is_equivalent_to(want, 2)
+    assert held(P(("data", "fsdp"), "tensor")).is_equivalent_to(want, 2)
+    assert held(P("tensor", None)).is_equivalent_to(NamedSharding(mesh, P("tensor", None)), 2)
+    # a trailing ... holds the first dimension only; XLA places the other (here: whole, as its input)
+    assert held(("activation_batch", ...)).spec[0] in (("data", "fsdp"), ("data", "fsdp", "expert"))
+    assert sharding.constrain(x, ("activation_batch", None)) is x  # no mesh set: nothing to hold
+
+
+@pytest.mark.parametrize("mesh, whole, want", [
+    (dict(data=2, fsdp=2, tensor=2), False, ("data",)),  # fsdp splits the weights: its devices are no replicas
+    (dict(data=2, fsdp=2, tensor=2), True, ("data", "fsdp")),  # weights gathered over fsdp for the whole step
+    (dict(data=1, fsdp=8), False, ()),
+    (dict(data=4, fsdp=1, expert=2), False, ("data",)),  # a dense weight splits over expert as over fsdp
+    (dict(data=4, fsdp=1, expert=2), True, ("data", "expert")),
+])
+def test_the_replicas_are_the_batch_axes_that_split_no_weight(mesh, whole, want):
+    cfg = tiny_config(mesh)
+    sizes = check_devices(cfg, 8)
+    params = state_lib.setup(cfg, "xla").abstract_state.params
+    assert sharding.replica_axes(params, sizes, whole) == want
+
+
+def test_a_replicas_dimension_takes_its_axes_and_the_rest_map_onto_the_others():
+    # per-replica accumulators [R, rows, width]: the rows split over what the replicas leave of the batch's axes
+    assert sharding.replica_spec(("data",), ("activation_batch", None), 3) == P(("data",), ("fsdp", "expert"), None)
+    # a pipeline's [stages, R, periods, embed, mlp]: the periods whole between, the weights as their rules say
+    assert sharding.replica_spec(("data",), ("embed", "mlp"), 5, staged=True) == \
+        P("pipeline", ("data",), None, ("fsdp", "expert"), "tensor")
+    # weights held whole over the batch's axes (pipeline.fsdp_gather='step'): only the tensor split is left
+    assert sharding.replica_spec(("data", "fsdp"), ("embed", "mlp"), 3, whole=True) == \
+        P(("data", "fsdp"), None, "tensor")
+    assert sharding.replica_spec((), ("embed",), 2) == P(None, ("fsdp", "expert"))
+
+
 def test_batch_is_sharded_over_data_fsdp_expert_and_length_over_sequence():
     mesh = make_mesh(dict(data=2, fsdp=1, sequence=2, expert=2, tensor=1))
     spec = sharding.batch_sharding(mesh).spec

@@ -147,11 +147,11 @@ def test_fp8_flops_are_the_projections_of_the_fp8_blocks():
 
 @pytest.mark.parametrize("layers, skip, moe_every, experts", [
     (6, 0, 1, 0), (6, 1, 1, 0), (8, 2, 2, 4), (8, 2, 1, 4), (12, 3, 3, 4), (9, 0, 3, 4)])
-def test_fp8_block_count_matches_the_models_layer_groups(layers, skip, moe_every, experts):
-    from jaxtron.models.stack import layer_groups
+def test_fp8_block_count_matches_the_models_layer_spans(layers, skip, moe_every, experts):
+    from jaxtron.models.stack import layer_spans
 
     cfg = small(num_layers=layers, fp8=True, fp8_skip_layers=skip, moe=dict(every=moe_every, num_experts=experts))
-    blocks = [i for group in layer_groups(cfg.model, cfg.execution) if group.fp8 for i in range(group.first, group.end)]
+    blocks = [i for span in layer_spans(cfg.model, cfg.execution) if span.fp8 for i in range(span.first, span.end)]
     moe_blocks = [i for i in blocks if experts and (i + 1) % moe_every == 0]
     assert flops.fp8_blocks(cfg.model, cfg.execution) == (len(blocks), len(blocks) - len(moe_blocks))
 

@@ -4,9 +4,10 @@ names it; the code that reads one asks ``get()``. Explicit arguments are the rul
 the value must cross the model's own code (a Flax module's call) that neither sets nor reads it.
 
 - ``BATCH_OVER_STAGES``: the rows of ``activation_batch`` also split over the pipeline's axes (the work outside a
-  pipeline schedule). Set by ``parallel.sharding.batch_over_stages``; read by ``parallel.sharding.logical_to_spec``.
+  pipeline schedule). Set by ``training.pipeline.fill_drain.Schedule.outside``; read by
+  ``parallel.sharding.logical_to_spec``.
 - ``AXES_TAKEN``: mesh axes an enclosing ``vmap(..., spmd_axis_name=...)`` holds, which no logical name may map onto.
-  Set by ``parallel.sharding.axes_taken`` (``group_map``); read by ``logical_to_spec``.
+  Set by ``parallel.sharding.axes_taken`` (``replica_map``); read by ``logical_to_spec``.
 - ``GATHER_FOR_USE``: how projections gather their fsdp-split weights (None, "keep", "regather"). Set by
   ``parallel.state_sharding.gathering_for_use`` (the layer stack's block function); read by ``weight_layout``.
 - ``WITHOUT_REMAT``: the stack's blocks run without checkpoints (the 1F1B schedule's explicit backward). Set by
@@ -14,7 +15,7 @@ the value must cross the model's own code (a Flax module's call) that neither se
 - ``LORA_DROPOUT_KEY``: the random key of the adapters' dropout masks. Set by ``models.lora.dropout`` (the train
   step); read by ``models.projection.Projection``.
 - ``FP8_RECIPE``: the FP8 recipe the blocks being traced compute their matmuls with (None: the compute dtype). Set
-  by ``models.projection.fp8_recipe`` (the layer stack's block function, for an FP8 layer group); read by
+  by ``models.projection.fp8_recipe`` (the layer stack's block function, for an FP8 layer span); read by
   ``Projection`` and the MoE block's expert GEMMs.
 - ``EXPERT_GEMM_TARGET``: the compile-only GPU a program is compiled for. Set by ``ops.grouped.on_target`` (the
   dry run); read by ``ops.grouped.target_gpu``.

@@ -60,13 +60,13 @@ def _parse_over(given: Mapping[str, Any], argv: list[str], define) -> tuple[Conf
     given = migrate(given, warn=True)
     named = "family" in (given.get("model") or {}) or "model.family" in paths
     merged = _over_defaults(given)
-    for path in paths:  # each group on an override's way must be a group in the file too
+    for path in paths:  # each section on an override's way must be a section in the file too
         names = path.split(".")
         for i in range(1, len(names)):
             where = ".".join(names[:i])
             content = merged[where]
             if not isinstance(content, ml_collections.ConfigDict):
-                raise _not_a_group(where, content)
+                raise _not_a_section(where, content)
     try:
         values = _flag_values(argv, merged, define)
         rest = values(argv)[1:]
@@ -112,8 +112,8 @@ def _help(define: Callable[[flags.FlagValues], None] | None, default_spec: str |
     if default_spec and os.path.isabs(default_spec) and default_spec.startswith(os.getcwd() + os.sep):
         default_spec = os.path.relpath(default_spec)  # as the user would write it from here
     default = f" (default: {default_spec})" if default_spec else ""
-    overrides = ("overrides any field of the config, e.g. --config.train.steps=100 or, in a group of the model's "
-                 "fields, --config.model.rope.theta=1e6; the sections and fields are documented in "
+    overrides = ("overrides any field of the config, e.g. --config.train.steps=100 or, in a subsection of the "
+                 "model, --config.model.rope.theta=1e6; the sections and fields are documented in "
                  "jaxtron/config/schema.py and jaxtron/config/model.py")
     rows = [("--config=FILE[:ARG]", f"a config file whose get_config([ARG]) returns a ConfigDict{default}"),
             ("--config.<section>.<field>=VALUE", overrides)]
@@ -133,7 +133,7 @@ def defaults() -> ml_collections.ConfigDict:
 
 
 def _over_defaults(values: Mapping[str, Any]) -> ml_collections.ConfigDict:
-    """A config file's values laid over ``defaults()``, group by group (an int where the default is a float becomes
+    """A config file's values laid over ``defaults()``, section by section (an int where the default is a float becomes
     a float, so that an override of that field parses as a float); what the schema does not know is kept for
     ``from_mapping`` to name."""
     def lay(out: dict, given: Mapping[str, Any]) -> None:
@@ -243,7 +243,8 @@ def _field_types(cls) -> dict[str, type]:
 
 
 # Fields that moved since an older layout: old dotted path -> new one. The execution fields and the router losses
-# left the model section when it became the architecture alone; the model's family-specific fields went into groups.
+# left the model section when it became the architecture alone; the model's family-specific fields went into
+# subsections.
 MOVED = {**{f"model.{name}": f"execution.{name}" for name in (
     "dtype", "remat", "attention", "attention_max_segments", "fp8", "fp8_skip_layers", "moe_mode", "capacity_factor")},
          "model.router_aux_loss": "train.router_aux_loss", "model.router_z_loss": "train.router_z_loss",
@@ -258,7 +259,7 @@ def migrate(values: Mapping[str, Any], warn: bool = False) -> dict[str, Any]:
         *old_parents, old_name = old.split(".")
         parent = _walk(out, old_parents)
         if not isinstance(parent, dict) or old_name not in parent or isinstance(parent[old_name], dict):
-            continue  # absent, or the name of a group now (model.attention): nothing to move
+            continue  # absent, or the name of a subsection now (model.attention): nothing to move
         value = parent.pop(old_name)
         *new_parents, new_name = new.split(".")
         target = out
@@ -285,7 +286,7 @@ def _walk(tree: Any, names: Sequence[str]) -> Any:
 
 def field_type(path: str) -> type:
     """The type of a dotted field path such as 'train.steps' or 'model.rope.theta'; ConfigError if it does not
-    exist (or names a group rather than a field)."""
+    exist (or names a subsection rather than a field)."""
     if path in MOVED:
         raise ConfigError(f"config field '{path}' is now '{MOVED[path]}'; set --config.{MOVED[path]} instead.")
     section, *names = path.split(".")
@@ -301,18 +302,18 @@ def field_type(path: str) -> type:
             close = difflib.get_close_matches(name, types, n=1)
             guess = f"'{where}.{close[0]}' (closest match) or another field" if close else "one of the fields"
             fields = sorted(n for n, t in types.items() if not dataclasses.is_dataclass(t))
-            groups = sorted(n for n, t in types.items() if dataclasses.is_dataclass(t))
-            also = f" (or a field of its groups {', '.join(groups)})" if groups else ""
+            parts = sorted(n for n, t in types.items() if dataclasses.is_dataclass(t))
+            also = f" (or a field of its subsections {', '.join(parts)})" if parts else ""
             raise ConfigError(f"config field '{path}' does not exist; use {guess} of '{where}': "
                               f"{', '.join(fields)}{also}.")
         kind, where = types[name], f"{where}.{name}"
         if dataclasses.is_dataclass(kind):
             if i == len(names) - 1:
-                raise ConfigError(f"config group '{where}' cannot be set as a whole; set one of its fields with "
+                raise ConfigError(f"config subsection '{where}' cannot be set as a whole; set one of its fields with "
                                   f"--config.{where}.<field>=VALUE.")
             cls = kind
         elif i < len(names) - 1:
-            raise ConfigError(f"config field '{path}' does not exist; '{where}' is a field, not a group.")
+            raise ConfigError(f"config field '{path}' does not exist; '{where}' is a field, not a subsection.")
     return kind
 
 
@@ -325,9 +326,9 @@ def _coerce(path: str, kind: type, value: Any) -> Any:
                       f"({value!r}); fix it in the config file or with --config.{path}.")
 
 
-def _not_a_group(where: str, content: Any) -> ConfigError:
-    kind = "section" if "." not in where else "group"
-    return ConfigError(f"config {kind} '{where}' must be a group of fields, not {content!r}; make it a dict of "
+def _not_a_section(where: str, content: Any) -> ConfigError:
+    kind = "section" if "." not in where else "subsection"
+    return ConfigError(f"config {kind} '{where}' must hold fields, not {content!r}; make it a dict of "
                        "fields in the config file.")
 
 
@@ -353,9 +354,9 @@ def from_mapping(values: Mapping[str, Any], named_family: bool | None = None) ->
 
 
 def _build(where: str, cls: type, content: Any) -> Any:
-    """The dataclass ``cls`` from a mapping of its fields (and of its groups' fields), each checked for type."""
+    """The dataclass ``cls`` from a mapping of its fields (and of its subsections' fields), each checked for type."""
     if not isinstance(content, Mapping):
-        raise _not_a_group(where, content)
+        raise _not_a_section(where, content)
     kwargs = {}
     for name, value in content.items():
         path = f"{where}.{name}"

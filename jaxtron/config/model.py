@@ -1,7 +1,7 @@
 """The model's sections of the config: the architecture (``ModelConfig``, what a checkpoint's parameters belong
 to) and how it runs (``ExecutionConfig``). ``jaxtron.config.schema`` gathers them with the other sections.
 
-The architecture's fields that only some families use sit in groups: ``rope`` (rotary positions and their scaling
+The architecture's fields that only some families use sit in subsections: ``rope`` (rotary positions and their scaling
 for long contexts), ``attention`` (heads, per-head norms, DeepSeek's latent attention), ``moe`` (experts and their
 router) and ``mtp`` (multi-token prediction). A config file of the flat layout (``model.rope_theta``,
 ``model.num_experts``, ...) still loads, with a warning naming each field's new place (``jaxtron.config.loader``).
@@ -28,7 +28,7 @@ def _not_architecture(default: Any) -> Any:
 
 def replace(obj: Any, **changes: Any) -> Any:
     """``dataclasses.replace`` that merges: a change given as a mapping to a field holding a dataclass (a model's
-    group) changes only the fields it names, ``replace(model, moe=dict(num_experts=8))``."""
+    subsection) changes only the fields it names, ``replace(model, moe=dict(num_experts=8))``."""
     for name, value in changes.items():
         current = getattr(obj, name)
         if isinstance(value, Mapping) and dataclasses.is_dataclass(current):
@@ -143,12 +143,12 @@ class MoEConfig:
         _check(self.router == "sigmoid" or self.router_groups == 1, "model.moe.router_groups",
                f"({self.router_groups}) needs model.moe.router='sigmoid' (group-limited routing is DeepSeek's)",
                "set model.moe.router='sigmoid' or model.moe.router_groups=1")
-        per_group = self.num_experts // self.router_groups
-        _check(self.router_groups == 1 or per_group >= 2, "model.moe.router_groups",
-               f"({self.router_groups}) leaves {per_group} expert per group; a group's score is its best two",
+        per_router_group = self.num_experts // self.router_groups
+        _check(self.router_groups == 1 or per_router_group >= 2, "model.moe.router_groups",
+               f"({self.router_groups}) leaves {per_router_group} expert per group; a group's score is its best two",
                "use fewer groups")
-        _check(self.experts_per_token <= self.router_top_groups * per_group, "model.moe.experts_per_token",
-               f"({self.experts_per_token}) exceeds the {self.router_top_groups * per_group} experts of the "
+        _check(self.experts_per_token <= self.router_top_groups * per_router_group, "model.moe.experts_per_token",
+               f"({self.experts_per_token}) exceeds the {self.router_top_groups * per_router_group} experts of the "
                f"model.moe.router_top_groups={self.router_top_groups} groups a token may use",
                "raise model.moe.router_top_groups or lower the top-k")
 
@@ -164,8 +164,8 @@ class MTPConfig:
         _non_negative(self.depth, "model.mtp.depth")
 
 
-# the groups of ModelConfig: field name -> its dataclass
-GROUPS = {"rope": RopeConfig, "attention": AttentionConfig, "moe": MoEConfig, "mtp": MTPConfig}
+# the subsections of ModelConfig: field name -> its dataclass
+SUBSECTIONS = {"rope": RopeConfig, "attention": AttentionConfig, "moe": MoEConfig, "mtp": MTPConfig}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -194,12 +194,12 @@ class ModelConfig:
     mtp: MTPConfig = dataclasses.field(default_factory=MTPConfig)
 
     def __post_init__(self):
-        for name, cls in GROUPS.items():  # a group may be given as a mapping of its fields
+        for name, cls in SUBSECTIONS.items():  # a subsection may be given as a mapping of its fields
             value = getattr(self, name)
             if isinstance(value, Mapping):
                 object.__setattr__(self, name, cls(**value))
             elif not isinstance(value, cls):
-                raise ConfigError(f"config field 'model.{name}' must be a group of fields, not {value!r}; give it as "
+                raise ConfigError(f"config field 'model.{name}' must hold fields, not {value!r}; give it as "
                                   f"a dict of the fields of {cls.__name__}.")
         _check(bool(self.family.strip()), "model.family", "is empty", "name the model's family, e.g. 'llama'")
         for name in ("vocab_size", "embed_dim", "num_layers", "mlp_dim", "max_seq_len", "norm_eps", "init_std"):
@@ -230,8 +230,8 @@ class ModelConfig:
         to: all but a label and the initialisation."""
         paths = []
         for f in dataclasses.fields(cls):
-            if f.name in GROUPS:
-                paths += [f"{f.name}.{g.name}" for g in dataclasses.fields(GROUPS[f.name])]
+            if f.name in SUBSECTIONS:
+                paths += [f"{f.name}.{g.name}" for g in dataclasses.fields(SUBSECTIONS[f.name])]
             elif f.metadata.get("architecture", True):
                 paths.append(f.name)
         return tuple(paths)
@@ -355,7 +355,7 @@ class ExecutionConfig:
                "execution.moe_exchange is 'padded'", "set execution.moe_exchange to 'auto' or 'ragged'")
 
 
-# the flat layout's model fields -> their place in the groups (old dotted path under 'model' -> new one)
+# the flat layout's model fields -> their place in the subsections (old dotted path under 'model' -> new one)
 FLAT_MODEL_FIELDS = {
     **{f"rope_{name}": f"rope.{name}" for name in (
         "theta", "low_freq_factor", "high_freq_factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim")},

@@ -74,7 +74,7 @@ class PipelineConfig:
     # microbatch in flight); '1f1b': each stage runs one forward and one backward an iteration, the loss inside the
     # schedule, so a stage holds at most 2 x stages - 1 microbatches' inputs whatever the microbatch count;
     # 'interleaved': 1F1B over virtual_stages chunks of layers on each stage (the bubble shrinks by that factor,
-    # for as many more transfers between stages), microbatches in groups of one per stage
+    # for as many more transfers between stages), the microbatches in waves of one per stage
     schedule: str = "fill_drain"
     microbatches: int = 0  # microbatches in flight in one forward and backward pass (0: one per stage)
     # each stage's layers split into this many circular repeats (shrinks the bubble): fill-drain and interleaved

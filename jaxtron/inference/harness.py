@@ -168,11 +168,11 @@ class JaxtronLM(TemplateLM):
         return totals
 
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
-        groups: dict[tuple, list[int]] = {}
+        by_settings: dict[tuple, list[int]] = {}
         for i, request in enumerate(requests):
-            groups.setdefault(_settings(request.args[1]), []).append(i)
+            by_settings.setdefault(_settings(request.args[1]), []).append(i)
         out: list[str] = [""] * len(requests)
-        for (until, max_tokens, temperature), rows in groups.items():
+        for (until, max_tokens, temperature), rows in by_settings.items():
             max_tokens = min(max_tokens, self.max_length - 1)  # a prompt keeps at least its last token
             room = self.max_length - max_tokens  # a longer prompt keeps its end
             for start in range(0, len(rows), self.scorer.batch_size):

@@ -211,7 +211,7 @@ def fp8_blocks(cfg: ModelConfig, execution: ExecutionConfig) -> tuple[int, int]:
     """(blocks whose projections run as FP8 matmuls, how many of them are dense) under ``execution.fp8``.
 
     The blocks between the first and the last ``fp8_skip_layers`` use FP8 (jaxtron/models/stack.py,
-    ``layer_groups``), their MoE blocks' shared and routed experts too (``fp8_flops_per_token`` says how much of
+    ``layer_spans``), their MoE blocks' shared and routed experts too (``fp8_flops_per_token`` says how much of
     the routed ones).
     """
     if not execution.fp8:

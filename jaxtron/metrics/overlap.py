@@ -125,12 +125,12 @@ def summary(found: list[Window], bandwidth: float | Mapping[str, float]) -> dict
     def rate(w: Window) -> float:
         return bandwidth[w.name] if isinstance(bandwidth, Mapping) else bandwidth
 
-    def one(group: list[Window]) -> dict:
-        transfer = sum(w.runs * w.bytes / rate(w) for w in group)
-        hidden = sum(w.runs * w.bytes / rate(w) * w.hidden(rate(w)) for w in group)
-        return {"count": sum(w.runs for w in group), "beside_gemms": sum(w.runs for w in group if w.gemms),
-                "beside_compute": sum(w.runs for w in group if w.compute_s > 0),
-                "bytes": sum(w.runs * w.bytes for w in group), "transfer_s": transfer,
+    def one(windows: list[Window]) -> dict:
+        transfer = sum(w.runs * w.bytes / rate(w) for w in windows)
+        hidden = sum(w.runs * w.bytes / rate(w) * w.hidden(rate(w)) for w in windows)
+        return {"count": sum(w.runs for w in windows), "beside_gemms": sum(w.runs for w in windows if w.gemms),
+                "beside_compute": sum(w.runs for w in windows if w.compute_s > 0),
+                "bytes": sum(w.runs * w.bytes for w in windows), "transfer_s": transfer,
                 "hidden_share": hidden / transfer if transfer else 1.0}
     kinds = sorted({w.kind for w in found})
     out = {kind: one([w for w in found if w.kind == kind]) for kind in kinds}

@@ -229,12 +229,13 @@ def _exchange_nodes(tokens, ids, weights, gate, up, down, num_experts: int, expe
     row's weighted sum of their outputs comes back as one row. The stages' outputs [n, d]: each token's weighted
     sum. Rows between nodes: one per token and node it needs, not one per assignment."""
     n, k = ids.shape
-    group = run.node_shards
-    nodes = ep // group
+    per_node = run.node_shards
+    nodes = ep // per_node
     me = jax.lax.axis_index(expert_axes)
     by_node = node_rows(ids, num_experts, nodes)
     peers = jnp.arange(ep)
-    counts = jnp.where(peers % group == me % group, by_node.counts[peers // group], 0)  # to its place in each node
+    # to its place in each node
+    counts = jnp.where(peers % per_node == me % per_node, by_node.counts[peers // per_node], 0)
     plan = exchange.layout(jax.lax.all_gather(counts, expert_axes), me)
     token = by_node.token
     # a row's ids and weights travel beside it in one float32 array (ids below 2**24 are exact)
@@ -247,7 +248,7 @@ def _exchange_nodes(tokens, ids, weights, gate, up, down, num_experts: int, expe
         got_ids, got_weights = got[:, :k].astype(jnp.int32), got[:, k:]
         got_ids = jnp.where(jnp.arange(m)[:, None] < jnp.sum(plan.recv_sizes), got_ids, num_experts)  # past: none
         inner = summed(_dropless(rows, got_ids.reshape(-1), got_weights.reshape(-1), gate, up, down, num_experts,
-                                 expert_axes, ep, run, _receive_rows(run, group, n * k, m * k), group), k)
+                                 expert_axes, ep, run, _receive_rows(run, per_node, n * k, m * k), per_node), k)
         return inner, inner.send()
 
     def compute(sent):
@@ -274,14 +275,15 @@ def _exchange_sorted(rows, sorted_ids, counts, gate, up, down, expert_axes: tupl
     valid = slot[None, :] < sent[:, None]  # [ep, m]
     send = jnp.where(valid[..., None], rows[jnp.where(valid, starts[:, None] + slot[None, :], 0)], 0)
     recv_counts = jax.lax.all_to_all(per_shard, expert_axes, 0, 0, tiled=True)  # [ep sources, local experts]
-    # each source's rows arrive sorted by expert; regroup all of them by local expert for the grouped GEMM
+    # each source's rows arrive sorted by expert; sort all of them by local expert for the grouped GEMM
     bounds = jnp.cumsum(recv_counts, axis=1)  # [ep, local_experts]
     local_id = jax.vmap(lambda bound: jnp.searchsorted(bound, slot, side="right"))(bounds)  # [ep, m]
-    regroup = jnp.argsort(local_id.reshape(ep * m), stable=True)  # unused slots (id local_experts) last
+    by_local_expert = jnp.argsort(local_id.reshape(ep * m), stable=True)  # unused slots (id local_experts) last
 
     def compute(recv):  # recv[j]: rows from shard j
-        computed = _swiglu_grouped(recv.reshape(ep * m, -1)[regroup], gate, up, down, jnp.sum(recv_counts, 0), run)
-        return computed[jnp.argsort(regroup)].reshape(ep, m, d)
+        ordered = recv.reshape(ep * m, -1)[by_local_expert]
+        computed = _swiglu_grouped(ordered, gate, up, down, jnp.sum(recv_counts, 0), run)
+        return computed[jnp.argsort(by_local_expert)].reshape(ep, m, d)
 
     def finish(back):
         back = jax.lax.all_to_all(back, expert_axes, 0, 0, tiled=True)  # back[j, s]: output of send[j, s]
@@ -316,14 +318,14 @@ def _exchange_ragged(rows, counts, gate, up, down, expert_axes: tuple[str, ...],
     # what arrived of each peer's chunk is its first rows: their counts per local expert
     arrived = jnp.minimum(jnp.cumsum(recv_counts, axis=1), plan.recv_sizes[:, None])
     recv_counts = arrived - jnp.pad(arrived, ((0, 0), (1, 0)))[:, :-1]
-    # each peer's rows arrive sorted by expert; regroup all of them by local expert for the grouped GEMM
+    # each peer's rows arrive sorted by expert; sort all of them by local expert for the grouped GEMM
     segment = jnp.searchsorted(jnp.cumsum(recv_counts.reshape(-1)), jnp.arange(receive_rows), side="right")
     local_id = jnp.where(segment < peers * local_experts, segment % local_experts, local_experts)  # unused: last
-    regroup = jnp.argsort(local_id, stable=True)
+    by_local_expert = jnp.argsort(local_id, stable=True)
 
     def compute(received):  # peer by peer, then zeros
-        computed = _swiglu_grouped(received[regroup], gate, up, down, jnp.sum(recv_counts, 0), run)
-        return computed[jnp.argsort(regroup)]
+        computed = _swiglu_grouped(received[by_local_expert], gate, up, down, jnp.sum(recv_counts, 0), run)
+        return computed[jnp.argsort(by_local_expert)]
 
     def finish(computed):
         out = exchange.combine(computed, m, plan, expert_axes, groups)
@@ -354,8 +356,8 @@ def _with_capacity(x, ids, weights, gate, up, down, num_experts: int, slots: int
         return jax.lax.all_to_all(blocks, expert_axes, 0, 0, tiled=True) if ep > 1 else blocks
 
     def compute(received):
-        grouped = jnp.swapaxes(received, 0, 1).reshape(local_experts, ep * b * slots, -1)
-        out = _swiglu_batched(grouped, gate, up, down, fp8).reshape(local_experts, ep, b * slots, d)
+        by_expert = jnp.swapaxes(received, 0, 1).reshape(local_experts, ep * b * slots, -1)
+        out = _swiglu_batched(by_expert, gate, up, down, fp8).reshape(local_experts, ep, b * slots, d)
         return jnp.swapaxes(out, 0, 1)
 
     def finish(out):  # back to the shard the rows came from

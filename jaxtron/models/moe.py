@@ -91,11 +91,11 @@ def route(cfg: ModelConfig, logits: jax.Array, row_capacity: int | None = None,
         probs = jax.nn.sigmoid(logits)
         choice = probs + jax.lax.stop_gradient(bias) if bias is not None else probs
         if cfg.moe.router_groups > 1:
-            grouped = choice.reshape(*choice.shape[:-1], cfg.moe.router_groups, -1)
-            best = jnp.sum(_top_k(grouped, 2)[0], axis=-1)  # [b, t, groups]
+            by_router_group = choice.reshape(*choice.shape[:-1], cfg.moe.router_groups, -1)
+            best = jnp.sum(_top_k(by_router_group, 2)[0], axis=-1)  # [b, t, groups]
             _, top_groups = _top_k(best, cfg.moe.router_top_groups)
             allowed = jnp.sum(jax.nn.one_hot(top_groups, cfg.moe.router_groups, dtype=jnp.int32), axis=-2) > 0
-            choice = jnp.where(allowed[..., None], grouped, -jnp.inf).reshape(choice.shape)
+            choice = jnp.where(allowed[..., None], by_router_group, -jnp.inf).reshape(choice.shape)
         _, ids = _top_k(choice, k)
         weights = jnp.take_along_axis(probs, ids, axis=-1)
         if cfg.moe.router_renormalize:

@@ -5,7 +5,7 @@ that carries one logical name per dimension. It owns:
 
 - the compute cast: the weight in ``execution.dtype`` (under the ``weight_cast`` scope the step's budget reads);
 - the low-precision recipe: FP8 with current scaling (``ops/fp8.py``) inside ``fp8_recipe("tensorwise")``, which
-  the layer stack opens around the blocks of an FP8 layer group;
+  the layer stack opens around the blocks of an FP8 layer span;
 - the FSDP gather layout (``state_sharding.weight_layout``): a weight split over fsdp is gathered for use;
 - its LoRA adapters (``lora_a``, ``lora_b``, ``models/lora.py`` adds them), their scale and dropout.
 

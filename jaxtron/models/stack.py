@@ -3,10 +3,10 @@
 A model's blocks live in at most two stacks, each in block order: the dense blocks and the MoE blocks. The unit the
 stack is stepped over is a *period*: ``moe_every`` blocks of an MoE model (its dense blocks, then its MoE block), one
 block of a dense model. An MoE model's dense prefix (``first_dense_layers``) belongs to no period: it runs first,
-as a plain scan, and a pipeline schedule never stages it. With ``execution.fp8_skip_layers`` the blocks run as
-groups, the first and last ones in 16 bits and the ones between with FP8 matmuls (``layer_groups``).
+as a plain scan, and a pipeline schedule never stages it. With ``execution.fp8_skip_layers`` the blocks run in
+spans, the first and last ones in 16 bits and the ones between with FP8 matmuls (``layer_spans``).
 
-``run_stack`` scans the periods of each group in order, or hands them to a runner (a pipeline schedule,
+``run_stack`` scans the periods of each span in order, or hands them to a runner (a pipeline schedule,
 ``jaxtron.training.pipeline.fill_drain.Schedule``), which calls ``body(hidden, one period's parameters, extras)``
 however it places the periods. Every block runs under the remat policy ``execution.remat`` names (``remat_policy``).
 """
@@ -32,7 +32,7 @@ from jaxtron.ops import cudnn as cudnn_ops
 from jaxtron.parallel.state_sharding import gathering_for_use
 
 Stats = dict[str, jax.Array]
-FP8_RECIPE = "tensorwise"  # what an FP8 layer group's projections and expert GEMMs compute with (ops/fp8.py)
+FP8_RECIPE = "tensorwise"  # what an FP8 span's projections and expert GEMMs compute with (ops/fp8.py)
 # body(hidden [b, T, D], one period's parameters, extras) -> (hidden, that period's routing stats)
 Body = Callable[[jax.Array, Any, tuple], tuple[jax.Array, Stats]]
 # runner(body, hidden, the periods' parameters stacked [periods, ...], extras) -> (hidden, stats [periods, ...])
@@ -74,20 +74,20 @@ def remat_names() -> tuple[str, ...]:
 
 
 @dataclasses.dataclass(frozen=True)
-class Group:
-    """A run of blocks ``first`` .. ``end`` - 1 that is scanned together."""
+class LayerSpan:
+    """A span of blocks ``first`` .. ``end`` - 1 that is scanned together."""
     first: int
     end: int
     fp8: bool  # its projections and expert GEMMs use FP8 matmuls
     prefix: bool  # it is (part of) the dense prefix: a plain scan, never staged
 
 
-def layer_groups(cfg: ModelConfig, execution: ExecutionConfig) -> list[Group]:
-    """The runs of blocks scanned together: cut at the dense prefix and, with ``execution.fp8_skip_layers``, where
+def layer_spans(cfg: ModelConfig, execution: ExecutionConfig) -> list[LayerSpan]:
+    """The spans of blocks scanned together: cut at the dense prefix and, with ``execution.fp8_skip_layers``, where
     the 16-bit first and last blocks meet the FP8 ones."""
     n, skip = cfg.num_layers, execution.fp8_skip_layers if execution.fp8 else 0
     cuts = sorted({0, n, cfg.prefix_layers, skip, n - skip})
-    return [Group(a, b, execution.fp8 and skip <= a < n - skip, b <= cfg.prefix_layers)
+    return [LayerSpan(a, b, execution.fp8 and skip <= a < n - skip, b <= cfg.prefix_layers)
             for a, b in itertools.pairwise(cuts)]
 
 
@@ -162,28 +162,28 @@ def _periods(tree: Any, per: int, first: int, end: int, whole: bool) -> Any:
     return jax.tree.map(lambda a: a[first * per:end * per].reshape(end - first, per, *a.shape[1:]), tree)
 
 
-def group_slices(cfg: ModelConfig, execution: ExecutionConfig, dense_state: Any, moe_state: Any,
+def span_slices(cfg: ModelConfig, execution: ExecutionConfig, dense_state: Any, moe_state: Any,
                  whole: bool = False):
-    """Each layer group (``layer_groups``) with its share of the stacks ``dense_state`` and ``moe_state`` (their
-    parameters, or anything stacked as they are: a decode's caches): a prefix group's dense blocks [blocks, ...], or
-    a stacked group's periods (dense [periods, per, ...] or [periods, ...], MoE [periods, ...]; ``_periods``).
-    ``whole``: a group of every period takes the stacks as stored."""
+    """Each layer span (``layer_spans``) with its share of the stacks ``dense_state`` and ``moe_state`` (their
+    parameters, or anything stacked as they are: a decode's caches): a prefix span's dense blocks [blocks, ...], or
+    a stacked span's periods (dense [periods, per, ...] or [periods, ...], MoE [periods, ...]; ``_periods``).
+    ``whole``: a span of every period takes the stacks as stored."""
     prefix, period = cfg.prefix_layers, cfg.period
     dense_per_period = period - 1 if cfg.moe.num_experts else 1
-    for group in layer_groups(cfg, execution):
-        if group.prefix:
-            yield group, jax.tree.map(lambda a, g=group: a[g.first:g.end], dense_state)
+    for span in layer_spans(cfg, execution):
+        if span.prefix:
+            yield span, jax.tree.map(lambda a, sp=span: a[sp.first:sp.end], dense_state)
             continue
-        first, end = (group.first - prefix) // period, (group.end - prefix) // period
+        first, end = (span.first - prefix) // period, (span.end - prefix) // period
         every = whole and (first, end) == (0, cfg.stack_periods)
-        yield group, (_periods(dense_state, dense_per_period, first, end, every),
+        yield span, (_periods(dense_state, dense_per_period, first, end, every),
                       _periods(moe_state, 1, first, end, every))
 
 
 def run_stack(cfg: ModelConfig, execution: ExecutionConfig, dense: nnx.Module | None, moe: nnx.Module | None,
               x: jax.Array, extras: tuple, runner: StackRunner | None = None) -> tuple[jax.Array, Stats]:
     """Runs the dense and MoE stacks (stacked modules or None) on the residual stream ``x``: the prefix, then the
-    periods of each group through ``runner`` (default: a scan). ``extras`` are the positions and, for packed rows,
+    periods of each span through ``runner`` (default: a scan). ``extras`` are the positions and, for packed rows,
     the segment ids. Returns the stack's output and the MoE blocks' routing stats, each stacked along its first
     axis in block order (empty for a dense model)."""
     dense_def, dense_state = nnx.split(dense) if dense is not None else (None, None)
@@ -191,14 +191,14 @@ def run_stack(cfg: ModelConfig, execution: ExecutionConfig, dense: nnx.Module | 
     dense_per_period = cfg.period - 1 if cfg.moe.num_experts else 1
     stats = []
     scan = functools.partial(scan_stack, unroll=not execution.scan_layers)
-    for group, periods in group_slices(cfg, execution, dense_state, moe_state, whole=True):
-        dense_fn = _block_fn(dense_def, group.fp8, execution.remat)
-        if group.prefix:
+    for span, periods in span_slices(cfg, execution, dense_state, moe_state, whole=True):
+        dense_fn = _block_fn(dense_def, span.fp8, execution.remat)
+        if span.prefix:
             x, _ = scan(lambda h, block, ex, f=dense_fn: f(h, block, *ex), x, periods, extras)
             continue
-        body = functools.partial(_period, dense_fn, _block_fn(moe_def, group.fp8, execution.remat), dense_per_period)
-        x, group_stats = (runner or scan)(body, x, periods, extras)
-        stats.append(group_stats)
+        body = functools.partial(_period, dense_fn, _block_fn(moe_def, span.fp8, execution.remat), dense_per_period)
+        x, span_stats = (runner or scan)(body, x, periods, extras)
+        stats.append(span_stats)
     if not stats or not stats[0]:
         return x, {}
     return x, {k: jnp.concatenate([s[k] for s in stats]) for k in stats[0]}
@@ -223,15 +223,15 @@ def decode_stack(cfg: ModelConfig, execution: ExecutionConfig, dense: nnx.Module
                 return nnx.merge(graphdef, block).decode(h, positions, c)
         return apply
 
-    cache_slices = group_slices(cfg, execution, cache.get("layers"), cache.get("moe_layers"))
-    for (group, params), (_, caches) in zip(group_slices(cfg, execution, dense_state, moe_state), cache_slices,
+    cache_slices = span_slices(cfg, execution, cache.get("layers"), cache.get("moe_layers"))
+    for (span, params), (_, caches) in zip(span_slices(cfg, execution, dense_state, moe_state), cache_slices,
                                             strict=True):
-        dense_fn = block_fn(dense_def, group.fp8)
-        if group.prefix:
+        dense_fn = block_fn(dense_def, span.fp8)
+        if span.prefix:
             x, c = jax.lax.scan(lambda h, bc, f=dense_fn: f(h, *bc), x, (params, caches))
             pieces["layers"].append(c)
             continue
-        moe_fn = block_fn(moe_def, group.fp8)
+        moe_fn = block_fn(moe_def, span.fp8)
 
         def one_period(h, pc, dense_fn=dense_fn, moe_fn=moe_fn):
             (dense_p, moe_p), (dense_c, moe_c) = pc

@@ -134,11 +134,11 @@ def backward(q, k, v, q_pos, k_pos, q_seg, k_seg, out, lse, d_out, d_lse, block_
     # per query: D = sum(dO * O), the softmax's own term; both it and d_lse enter every score's gradient
     delta = jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), -1) - d_lse.astype(jnp.float32)
 
-    def grouped(x):  # [b, L, h] -> [b, L, kvh, g]
+    def per_kv_head(x):  # [b, L, h] -> [b, L, kvh, g]
         return x.reshape(*x.shape[:2], kvh, g)
 
     dos = _blocks(d_out.reshape(b, lq, kvh, g, d), bq)
-    lses, deltas = _blocks(grouped(lse), bq), _blocks(grouped(delta), bq)
+    lses, deltas = _blocks(per_kv_head(lse), bq), _blocks(per_kv_head(delta), bq)
 
     def one_query_block(dkv, args):
         qb, dob, lseb, deltab, qp, qsg = args

@@ -101,24 +101,24 @@ def _exchanged(x, fields, out_rows: int, axes, groups, outward: bool) -> jax.Arr
     changed the H100 schedule (Mixtral 8x7B at one chunk put a GEMM beside 1 of its 11 exchanges, not 3)."""
     if groups is None:
         return _moved(x, fields, out_rows, axes, groups, outward)
-    return _grouped(x, fields, out_rows, axes, groups, outward)
+    return _within_groups(x, fields, out_rows, axes, groups, outward)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5))
-def _grouped(x, fields, out_rows, axes, groups, outward):
+def _within_groups(x, fields, out_rows, axes, groups, outward):
     return _moved(x, fields, out_rows, axes, groups, outward)
 
 
-def _grouped_fwd(x, fields, out_rows, axes, groups, outward):
+def _within_groups_fwd(x, fields, out_rows, axes, groups, outward):
     return _moved(x, fields, out_rows, axes, groups, outward), (fields, x.shape[0])
 
 
-def _grouped_bwd(out_rows, axes, groups, outward, saved, cotangent):
+def _within_groups_bwd(out_rows, axes, groups, outward, saved, cotangent):
     fields, rows = saved
     return _moved(cotangent, fields, rows, axes, groups, not outward), None
 
 
-_grouped.defvjp(_grouped_fwd, _grouped_bwd)
+_within_groups.defvjp(_within_groups_fwd, _within_groups_bwd)
 
 
 def ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes,

@@ -94,7 +94,7 @@ def _check_pipeline(cfg: Config, stages: int, batch: int, dp: int) -> None:
                " and train.microbatches to 1")
     if name == "interleaved":
         _check(microbatches % stages == 0, "pipeline.microbatches",
-               f"({microbatches}) does not split into groups of one microbatch per stage of mesh.pipeline={stages}, "
+               f"({microbatches}) does not split into waves of one microbatch per stage of mesh.pipeline={stages}, "
                "which the 'interleaved' schedule runs through each virtual stage in turn",
                f"use a multiple of {stages}")
     _check(microbatches >= stages, "pipeline.microbatches",

@@ -2,7 +2,7 @@
 
 Axes go outermost to innermost in MESH_AXES order. Across several nodes, each axis is split into an
 inter-node part (outer) and an intra-node part (inner): the node count is spread over the outermost axes
-first (pipeline, then data, fsdp, ...), so tensor- and expert-parallel groups stay inside a node (NVLink) and
+first (pipeline, then data, fsdp, ...), so tensor- and expert-parallel by_node stay inside a node (NVLink) and
 only pipeline, data and fsdp traffic crosses the network.
 """
 
@@ -41,19 +41,19 @@ def split_over_nodes(sizes: dict[str, int], nodes: int) -> dict[str, int]:
 
 def arrange(devices: Sequence, sizes: dict[str, int], node_of: Sequence[Hashable]) -> np.ndarray:
     """``devices`` as an array of the mesh's shape, node by node (``node_of[i]`` is device i's node)."""
-    groups: dict[Hashable, list] = {}
+    by_node: dict[Hashable, list] = {}
     for device, node in zip(devices, node_of, strict=True):
-        groups.setdefault(node, []).append(device)
-    per_node = {len(g) for g in groups.values()}
+        by_node.setdefault(node, []).append(device)
+    per_node = {len(g) for g in by_node.values()}
     if len(per_node) != 1:
-        counts = ", ".join(f"{node}: {len(g)}" for node, g in groups.items())
+        counts = ", ".join(f"{node}: {len(g)}" for node, g in by_node.items())
         raise ConfigError(f"nodes have different device counts ({counts}); give every node the same number.")
     sizes = full_sizes(sizes)
-    across = split_over_nodes(sizes, len(groups))
+    across = split_over_nodes(sizes, len(by_node))
     inside = {a: sizes[a] // across[a] for a in MESH_AXES}
-    grid = np.empty((len(groups), per_node.pop()), dtype=object)
-    for i, group in enumerate(groups.values()):
-        grid[i, :] = group
+    grid = np.empty((len(by_node), per_node.pop()), dtype=object)
+    for i, on_node in enumerate(by_node.values()):
+        grid[i, :] = on_node
     n = len(MESH_AXES)
     grid = grid.reshape([across[a] for a in MESH_AXES] + [inside[a] for a in MESH_AXES])
     grid = grid.transpose([k for i in range(n) for k in (i, n + i)])  # (across_0, inside_0, across_1, ...)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import math
 import types
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
@@ -129,16 +129,6 @@ def stage_axes() -> tuple[str, ...] | None:
 
 
 @contextlib.contextmanager
-def batch_over_stages(on: bool = True):
-    """Within this context (while tracing) the rows of ``activation_batch`` also split over the mesh axes of
-    ``stages``, the pipeline: the work outside a pipeline schedule (embedding, dense first blocks, output head,
-    loss, prediction modules) then runs on each stage for its share of the rows instead of on all of them. The
-    schedule turns it off for the stages' own work."""
-    with BATCH_OVER_STAGES.bound(on):
-        yield
-
-
-@contextlib.contextmanager
 def axes_taken(axes: Sequence[str]):
     """Within this context (while tracing the body of a vmap whose ``spmd_axis_name`` is ``axes``) no logical
     name maps onto these mesh axes: the vmapped dimension holds them."""
@@ -146,19 +136,14 @@ def axes_taken(axes: Sequence[str]):
         yield
 
 
-def group_map(fn, groups: Sequence[str], in_axes: Any = 0):
-    """``jax.vmap(fn, in_axes, spmd_axis_name=groups)``, traced with ``groups`` taken (``axes_taken``): the mapped
-    dimension holds groups of rows kept apart over those mesh axes, and the logical names inside ``fn`` map onto
-    the others."""
+def replica_map(fn, axes: Sequence[str], in_axes: Any = 0):
+    """``jax.vmap(fn, in_axes, spmd_axis_name=axes)``, traced with ``axes`` taken (``axes_taken``): the mapped
+    dimension holds the replicas along those mesh axes (``replica_axes``), and the logical names inside ``fn`` map
+    onto the others."""
     def call(*args):
-        with axes_taken(groups):
-            return jax.vmap(fn, in_axes=in_axes, spmd_axis_name=tuple(groups))(*args)
+        with axes_taken(axes):
+            return jax.vmap(fn, in_axes=in_axes, spmd_axis_name=tuple(axes))(*args)
     return call
-
-
-def batch_split_over_stages() -> bool:
-    """Whether ``batch_over_stages`` is on."""
-    return BATCH_OVER_STAGES.get()
 
 
 def spec_axes(spec: PartitionSpec, dim: int) -> tuple[str, ...]:
@@ -194,55 +179,44 @@ def sequence_order(length: int, shards: int, layout: str = SEQUENCE_LAYOUT) -> n
     return np.concatenate([np.concatenate([chunks[i], chunks[2 * shards - 1 - i]]) for i in range(shards)])
 
 
-def constrained(x: Any, spec: Callable[[], PartitionSpec]) -> Any:
-    """``x`` constrained to ``spec()``, read on a mesh only: every ``constrain_*`` helper is a no-op without one
-    (one device, or code traced outside ``jax.set_mesh``)."""
+def constrain(x: jax.Array, layout: Sequence[Any] | PartitionSpec) -> jax.Array:
+    """``x`` held in ``layout``: a PartitionSpec, or the logical names of its dimensions as the rules table maps
+    them. A trailing ``...`` among the names leaves the remaining dimensions to XLA. A no-op without a mesh (one
+    device, or code traced outside ``jax.set_mesh``), so that models call it on any mesh."""
     if jax.sharding.get_abstract_mesh().empty:
         return x
-    return jax.lax.with_sharding_constraint(x, spec())
+    if not isinstance(layout, PartitionSpec):
+        names = tuple(layout)
+        if names[-1:] == (...,):
+            names = names[:-1]
+            layout = PartitionSpec(*logical_to_spec(names), *(PartitionSpec.UNCONSTRAINED,) * (x.ndim - len(names)))
+        else:
+            layout = logical_to_spec(names)
+    return jax.lax.with_sharding_constraint(x, layout)
 
 
-def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
-    """Constrains an activation to the sharding its logical names map to (no-op without a mesh)."""
-    return constrained(x, lambda: logical_to_spec(names))
-
-
-def constrain_leading(x: jax.Array, name: str) -> jax.Array:
-    """Constrains only the first dimension to the mesh axes of the logical name ``name``; the sharding of the
-    others is left to XLA (no-op without a mesh)."""
-    return constrained(x, lambda: PartitionSpec(logical_to_spec((name,))[0],
-                                                *(PartitionSpec.UNCONSTRAINED,) * (x.ndim - 1)))
-
-
-def constrain_stages(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
-    """Constrains a [stages, ..., *names] array: its first dimension over the mesh axes of ``stages``, its last
-    ones as their logical ``names`` say, those between whole (no-op without a mesh)."""
-    middle = (None,) * (x.ndim - 1 - len(names))
-    return constrain(x, ("stages", *middle, *names))
-
-
-def constrain_on_stages(tree: Any, hidden: Sequence[int], hidden_names: Sequence[str]) -> Any:
-    """A pipeline schedule's hidden states [stages, ..., *hidden] and their per-token extras [stages, ..., rows,
-    tokens] constrained in full: the stage dimension over the pipeline, the rows and tokens as the stack's input
-    (``hidden_names``; ``BATCH_AXES`` for the extras), the dimensions between whole. Other arrays are constrained
-    on their stage dimension only. (Left to propagation, a schedule's buffers can come out whole over the batch's
-    axes on every device, and so can what reads them.)"""
+def constrain_in_flight(tree: Any, hidden: Sequence[int], hidden_names: Sequence[str]) -> Any:
+    """A pipeline schedule's activations in flight: hidden states [stages, ..., *hidden] and their per-token
+    extras [stages, ..., rows, tokens], each held in full. The stage dimension goes over the pipeline, the rows and
+    tokens as the stack's input (``hidden_names``; ``BATCH_AXES`` for the extras), the dimensions between whole.
+    Other arrays are held on their stage dimension only. (Left to propagation, a schedule's buffers can come out
+    whole over the batch's axes on every device, and so can what reads them.)"""
     hidden = tuple(hidden)
 
     def one(a):
         if a.shape[-len(hidden):] == hidden:
-            return constrain_stages(a, hidden_names)
+            return constrain(a, ("stages", *(None,) * (a.ndim - 1 - len(hidden)), *hidden_names))
         if a.ndim >= 3 and a.shape[-2:] == hidden[:2]:
-            return constrain_stages(a, BATCH_AXES)
-        return constrain_leading(a, "stages")
+            return constrain(a, ("stages", *(None,) * (a.ndim - 3), *BATCH_AXES))
+        return constrain(a, ("stages", ...))
     return jax.tree.map(one, tree)
 
 
-def row_groups(params: Any, sizes: Mapping[str, int], whole: bool = False) -> tuple[str, ...]:
-    """The leading mesh axes of ``activation_batch`` (those of one device or more, up to the first that also splits
-    a parameter; with ``whole``, up to the first that splits an expert's: the weights are ``whole_over_batch``) on a
-    mesh of ``sizes``: each device's rows along them form a group whose weight gradients need no sum with the
-    others' until the step's end (``training/step.py``, ``training/pipeline/one_f_one_b.py``)."""
+def replica_axes(params: Any, sizes: Mapping[str, int], whole: bool = False) -> tuple[str, ...]:
+    """The mesh axes of the replicas on a mesh of ``sizes``: the leading axes of ``activation_batch`` (of more than
+    one device) up to the first that also splits a parameter (with ``whole``, an expert's: the weights are
+    ``whole_over_batch``). Devices along them hold the same weights and their own rows, so their weight gradients
+    need no sum until the step's end (``training/step.py``, ``training/pipeline/replicas.py``)."""
     spec_of = (lambda v: whole_over_batch(logical_names(v))) if whole else (lambda v: logical_to_spec(logical_names(v)))
     used = {a for v in jax.tree.leaves(params, is_leaf=is_variable) if is_variable(v)
             for axes in spec_of(v) if axes is not None
@@ -257,13 +231,18 @@ def row_groups(params: Any, sizes: Mapping[str, int], whole: bool = False) -> tu
     return tuple(out)
 
 
-def constrain_groups(x: jax.Array, groups: Sequence[str], names: Sequence[str | None]) -> jax.Array:
-    """Constrains a [groups, *names] array: its first dimension over the mesh axes ``groups``, the others as their
-    logical ``names`` say (no-op without a mesh)."""
-    def spec():
-        with axes_taken(groups):
-            return PartitionSpec(tuple(groups) or None, *logical_to_spec(names))
-    return constrained(x, spec)
+def replica_spec(axes: Sequence[str], names: Sequence[str | None], ndim: int, staged: bool = False,
+                 whole: bool = False) -> PartitionSpec:
+    """The layout of a [replicas, ..., *names] array, or with ``staged`` a [stages, replicas, ..., *names] one. The
+    stage dimension goes over the pipeline, the replicas' over the mesh axes ``axes`` (``replica_axes``), the last
+    dimensions as their logical ``names`` map onto the other axes (with ``whole``: ``whole_over_batch``), and those
+    between whole."""
+    lead = 2 if staged else 1
+    with axes_taken(axes):
+        middle = (None,) * (ndim - lead - len(names))
+        rest = PartitionSpec(*middle, *whole_over_batch(names)) if whole else logical_to_spec((*middle, *names))
+    stage = (logical_to_spec(("stages",))[0],) if staged else ()
+    return PartitionSpec(*stage, tuple(axes) or None, *rest)
 
 
 def whole_over_batch(names: Sequence[str | None]) -> PartitionSpec:
@@ -288,24 +267,6 @@ def gathered_axes(names: Sequence[str | None], sizes: Mapping[str, int]) -> list
             for d in range(len(names))]
 
 
-def constrain_whole_over_batch(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
-    """Constrains ``x`` to ``whole_over_batch(names)`` (no-op without a mesh)."""
-    return constrained(x, lambda: whole_over_batch(names))
-
-
-def constrain_stage_groups(x: jax.Array, groups: Sequence[str], names: Sequence[str | None],
-                           whole: bool = False) -> jax.Array:
-    """Constrains a [stages, groups, ..., *names] array: its first dimension over the mesh axes of ``stages``,
-    its second over the mesh axes ``groups`` (rows that a vmap keeps apart, see ``axes_taken``), its last ones as
-    their logical ``names`` say (``whole``: ``whole_over_batch``), those between whole (no-op without a mesh)."""
-    def spec():
-        with axes_taken(groups):
-            middle = (None,) * (x.ndim - 2 - len(names))
-            rest = PartitionSpec(*middle, *whole_over_batch(names)) if whole else logical_to_spec((*middle, *names))
-        return PartitionSpec(logical_to_spec(("stages",))[0], tuple(groups) or None, *rest)
-    return constrained(x, spec)
-
-
 def is_variable(x: Any) -> bool:
     """Whether ``x`` is an nnx Variable (a leaf of the state trees these helpers map over)."""
     return isinstance(x, nnx.Variable)
@@ -314,15 +275,6 @@ def is_variable(x: Any) -> bool:
 def logical_names(variable: nnx.Variable) -> tuple[str | None, ...]:
     names = variable.get_metadata().get("out_sharding")
     return tuple(names) if names else (None,) * variable.get_value().ndim
-
-
-def constrain_params(tree: Any) -> Any:
-    """Constrains a tree of Variables to their parameters' own sharding (no-op without a mesh)."""
-    mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty:
-        return tree
-    return jax.tree.map(lambda x: x.replace(constrain(x.get_value(), logical_names(x))) if is_variable(x) else x,
-                        tree, is_leaf=is_variable)
 
 
 def without_leading_axes(sharding: jax.sharding.Sharding, ndim: int, k: int) -> jax.sharding.Sharding:

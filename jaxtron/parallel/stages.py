@@ -79,13 +79,13 @@ def _stacked(leaf: Any) -> bool:
 
 
 def _take(a: Any, stored: int, take: np.ndarray) -> Any:
-    """The stacked array ``a`` of ``stored`` periods (each a group of blocks) rearranged by ``take``: position i
+    """The stacked array ``a`` of ``stored`` periods (each one or more blocks) rearranged by ``take``: position i
     holds stored period ``take[i]``, zeros where that is ``stored`` (an identity period)."""
-    group = a.shape[0] // stored  # blocks per period in this stack (dense blocks of an MoE period)
-    grouped = a.reshape(stored, group, *a.shape[1:])
+    per_period = a.shape[0] // stored  # blocks per period in this stack (dense blocks of an MoE period)
+    by_period = a.reshape(stored, per_period, *a.shape[1:])
     if (take == stored).any():
-        grouped = jnp.concatenate([grouped, jnp.zeros((1, *grouped.shape[1:]), grouped.dtype)])
-    return jnp.take(grouped, jnp.asarray(take), axis=0).reshape(len(take) * group, *a.shape[1:])
+        by_period = jnp.concatenate([by_period, jnp.zeros((1, *by_period.shape[1:]), by_period.dtype)])
+    return jnp.take(by_period, jnp.asarray(take), axis=0).reshape(len(take) * per_period, *a.shape[1:])
 
 
 def reorder(tree: Any, saved: Sequence[int] | None, wanted: Sequence[int] | None, like: Any = None) -> Any:
@@ -149,6 +149,6 @@ def to_natural(array: np.ndarray, saved: Sequence[int]) -> np.ndarray:
     """A stacked host array (first axis: blocks) stored in the period order ``saved``, in the natural order
     (identity periods dropped)."""
     stored, take = _positions(saved, None)
-    group = array.shape[0] // stored
-    grouped = array.reshape(stored, group, *array.shape[1:])
-    return grouped[take].reshape(len(take) * group, *array.shape[1:])
+    per_period = array.shape[0] // stored
+    by_period = array.reshape(stored, per_period, *array.shape[1:])
+    return by_period[take].reshape(len(take) * per_period, *array.shape[1:])

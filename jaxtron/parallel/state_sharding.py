@@ -21,7 +21,6 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jaxtron.common.trace_state import GATHER_FOR_USE
 from jaxtron.parallel.sharding import (
     constrain,
-    constrained,
     gathered_axes,
     is_variable,
     logical_names,
@@ -81,10 +80,10 @@ def whole_matrix_stack(names: Sequence[str | None], shape: Sequence[int], matrix
     return batch[0], -(-shape[batch[0]] // devices) * devices
 
 
-def constrain_whole_matrices(x: jax.Array, names: Sequence[str | None], matrix: Sequence[int]) -> jax.Array:
-    """``x`` (shaped as a parameter of these logical ``names``) laid out step by step as ``whole_matrix_steps``
-    says, its stack padded with zero matrices to divide (``constrain_back`` undoes both); as it is without a
-    mesh."""
+def to_whole_matrices(x: jax.Array, names: Sequence[str | None], matrix: Sequence[int]) -> jax.Array:
+    """``x`` (shaped as a parameter of these logical ``names``) moved step by step to the layouts
+    ``whole_matrix_steps`` gives, its stack padded with zero matrices to divide (``from_whole_matrices`` undoes
+    both); as it is without a mesh."""
     if jax.sharding.get_abstract_mesh().empty:
         return x
     sizes = dict(jax.sharding.get_abstract_mesh().shape)
@@ -96,11 +95,11 @@ def constrain_whole_matrices(x: jax.Array, names: Sequence[str | None], matrix: 
     return x
 
 
-def constrain_back(x: jax.Array, names: Sequence[str | None], matrix: Sequence[int],
-                   shape: Sequence[int]) -> jax.Array:
-    """``x``, laid out by ``constrain_whole_matrices`` (and held there: whatever made it is computed there), back in
-    the layout and ``shape`` of its parameter by the same steps in reverse: an all-gather over the axes that leave
-    the parameter whole, then an all-to-all per matrix dimension."""
+def from_whole_matrices(x: jax.Array, names: Sequence[str | None], matrix: Sequence[int],
+                        shape: Sequence[int]) -> jax.Array:
+    """``x``, laid out by ``to_whole_matrices`` (and held there: whatever made it is computed there), back in the
+    layout and ``shape`` of its parameter by the same steps in reverse: an all-gather over the axes that leave the
+    parameter whole, then an all-to-all per matrix dimension."""
     if not jax.sharding.get_abstract_mesh().empty:
         for spec in whole_matrix_steps(names, matrix, dict(jax.sharding.get_abstract_mesh().shape))[::-1]:
             x = jax.lax.with_sharding_constraint(x, spec)
@@ -155,41 +154,23 @@ def optimizer_spec(names: Sequence[str | None], shape: Sequence[int], sizes: Map
     return PartitionSpec(*(None if not axes else axes[0] if len(axes) == 1 else axes for axes in spec))
 
 
-def constrain_optimizer(tree: Any) -> Any:
-    """Constrains a tree of Variables shaped like the parameters (their gradients) to the distributed
-    optimizer's sharding (no-op without a mesh): XLA then reduce-scatters the gradient sums it would otherwise
-    all-reduce."""
+def constrain_variables(tree: Any, optimizer: bool = False) -> Any:
+    """Each Variable of ``tree`` (parameters, or their gradients) held in its parameter's layout or, with
+    ``optimizer``, in the distributed optimizer's (``optimizer_spec``): XLA then reduce-scatters the gradient sums
+    it would otherwise all-reduce. A no-op without a mesh."""
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty:
         return tree
+    sizes = dict(mesh.shape)
 
     def one(x):
         if not is_variable(x):
             return x
-        spec = optimizer_spec(logical_names(x), x.get_value().shape, dict(mesh.shape))
-        return x.replace(jax.lax.with_sharding_constraint(x.get_value(), spec))
+        names = logical_names(x)
+        layout = optimizer_spec(names, x.get_value().shape, sizes) if optimizer else names
+        return x.replace(constrain(x.get_value(), layout))
 
     return jax.tree.map(one, tree, is_leaf=is_variable)
-
-
-def constrain_gradient(x: jax.Array, names: Sequence[str | None], optimizer: bool = False) -> jax.Array:
-    """Constrains a gradient (or an accumulator of them) of a parameter with these logical names to the parameter's
-    sharding, or with ``optimizer`` to the distributed optimizer's (no-op without a mesh)."""
-    if optimizer:
-        return constrained(x, lambda: optimizer_spec(names, x.shape, dict(jax.sharding.get_abstract_mesh().shape)))
-    return constrain(x, names)
-
-
-def constrain_gathered_gradients(grads: Sequence[jax.Array], names: Sequence[Sequence[str | None]]) -> list:
-    """Gradients of weights with these logical names, those of weights gathered before use (fsdp) constrained as
-    the weights: XLA sums them by a reduce-scatter where they are made, which it may otherwise do whole (an
-    all-reduce, twice the bytes: a gradient leaving a conditional) and slice after; the others as they come (no-op
-    without a mesh)."""
-    mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty:
-        return list(grads)
-    sizes = dict(mesh.shape)
-    return [constrain(a, n) if any(_gathered_dims(n, sizes)) else a for a, n in zip(grads, names, strict=True)]
 
 
 def gathered_cotangent(x: jax.Array, names: Sequence[str | None]) -> jax.Array:

@@ -3,7 +3,7 @@ work each stage runs in each iteration. The schedule runs it; the report (``metr
 
 S stages, M microbatches, V chunks of layers a stage (1: '1f1b'; 'interleaved' takes ``pipeline.virtual_stages``).
 A stage's k-th forward unit is microbatch ``k // (S V) * S + k % S`` through chunk ``k % (S V) // S``: the
-microbatches go in groups of S, each group through chunk 0, then 1, ..., so what stage S - 1 hands on in one
+microbatches go in waves of S, each wave through chunk 0, then 1, ..., so what stage S - 1 hands on in one
 iteration is what stage 0 takes in the next. Its k-th backward unit takes the same microbatch through chunk V - 1 -
 that. Iteration t runs forward unit t - s and backward unit t - (V S - 1) - (S - 1 - s) on stage s. The arithmetic
 works on ints, numpy arrays and jax arrays alike.
@@ -39,10 +39,10 @@ def backward_unit(t: Any, stage: Any, stages: int, virtual: int = 1) -> Any:
 
 def unit(k: Any, stages: int, microbatches: int, virtual: int = 1, backward: bool = False) -> tuple[Any, Any, Any]:
     """A stage's k-th forward (or backward) unit -> (whether it is one, its microbatch, its chunk)."""
-    group, r = k // (stages * virtual), k % (stages * virtual)
+    wave, r = k // (stages * virtual), k % (stages * virtual)
     chunk = r // stages
     valid = (k >= 0) & (k < microbatches * virtual)
-    return valid, group * stages + r % stages, (virtual - 1 - chunk) if backward else chunk
+    return valid, wave * stages + r % stages, (virtual - 1 - chunk) if backward else chunk
 
 
 def forward_unit_of_backward(j: Any, stages: int, virtual: int = 1) -> Any:

@@ -96,9 +96,9 @@ def fsdp_time(shape: StepShape, params: tuple[Param, ...], coll: Collectives) ->
         # (interleaved: the embedding and the head in each of a microbatch's V forward iterations)
         rest_gathers = (2 * shape.virtual_stages + 1) * shape.in_flight
         rest_sums = 1 if shape.gather_once else 2 * shape.in_flight
-    # per group of devices and (staged blocks, the rest): elements gathered, their bytes as gathered for use
+    # per set of gathering axes and (staged blocks, the rest): elements gathered, their bytes as gathered for use
     # (``gather_width``), their gradients' bytes (``gradient_width``)
-    groups: dict[tuple[tuple[str, ...], bool], list[float]] = {}
+    by_axes: dict[tuple[tuple[str, ...], bool], list[float]] = {}
     replicated = 0.0  # gradient bytes of the weights whole on every fsdp device
     for p in params:
         axes = p.gather_axes(shape.mesh)
@@ -106,7 +106,7 @@ def fsdp_time(shape: StepShape, params: tuple[Param, ...], coll: Collectives) ->
             replicated += gradient_width(shape, p) * p.shard_elements(shape.mesh)
             continue
         whole = p.gathered_elements(shape.mesh)
-        sums = groups.setdefault((axes, p.staged), [0.0, 0.0, 0.0])
+        sums = by_axes.setdefault((axes, p.staged), [0.0, 0.0, 0.0])
         sums[0] += whole
         sums[1] += gather_width(shape, p) * whole
         sums[2] += gradient_width(shape, p) * whole
@@ -115,7 +115,7 @@ def fsdp_time(shape: StepShape, params: tuple[Param, ...], coll: Collectives) ->
     # (the float32 weights, and the whole accumulator)
     in_flight, busy = shape.in_flight, shape.busy
     seconds = coll.ring("all-reduce", "fsdp", replicated, rest_sums)
-    for (axes, staged), (gathered, used, summed) in groups.items():
+    for (axes, staged), (gathered, used, summed) in by_axes.items():
         if not staged:
             seconds += (coll.ring("all-gather", axes, used, rest_gathers)
                         + coll.ring("reduce-scatter", axes, summed, rest_sums))
@@ -163,8 +163,8 @@ def data_time(cfg: Config, shape: StepShape, params: tuple[Param, ...], coll: Co
     for over_expert in (False, True):  # weights split over expert (an expert's, or gathered over it) sum without it
         axes = ("data", "sequence") if over_expert else ("data", "sequence", "expert")
         for staged in (False, True):
-            group = [p for p in params if bool(p.sharded_dims("expert")) == over_expert and p.staged == staged]
-            over = sum(p.shard_elements(shape.mesh) for p in group)
+            weights = [p for p in params if bool(p.sharded_dims("expert")) == over_expert and p.staged == staged]
+            over = sum(p.shard_elements(shape.mesh) for p in weights)
             # what is summed: a float32 accumulator of the step's microbatches, or each microbatch's gradients
             # where its backward pass makes them (``gradient_width``)
             accumulated, scattered = True, distributed
@@ -180,7 +180,7 @@ def data_time(cfg: Config, shape: StepShape, params: tuple[Param, ...], coll: Co
                 times = 1 if once else shape.microbatches
                 accumulated = once and shape.microbatches > 1
             summed = 4.0 * over if accumulated else sum(gradient_width(shape, p) * p.shard_elements(shape.mesh)
-                                                        for p in group)
+                                                        for p in weights)
             # reduce-scattered onto the moments' shards, and the updated weights gathered once
             if scattered:
                 grad_sync += (coll.ring("reduce-scatter", axes, summed, times)
@@ -238,13 +238,13 @@ def expert_time(cfg: Config, shape: StepShape, block: BlockValues, coll: Collect
     moe_blocks = shape.moe_blocks()
     exchanges = 5 if cfg.execution.remat != "none" or shape.forward_passes > 3 else 4
     times = exchanges * moe_blocks * shape.microbatches * shape.in_flight
-    group, moe = cfg.execution.moe_node_shards, cfg.model.moe
-    if cfg.execution.moe_mode == "dropless" and 0 < group < shape.expert:  # once per node, then within it
-        nodes = shape.expert // group
+    per_node, moe = cfg.execution.moe_node_shards, cfg.model.moe
+    if cfg.execution.moe_mode == "dropless" and 0 < per_node < shape.expert:  # once per node, then within it
+        nodes = shape.expert // per_node
         rows = block.moe_exchanged / moe.experts_per_token * nodes_reached(moe, nodes)
         crossing = rows * (block.embed * shape.work_bytes + 8 * moe.experts_per_token)  # with ids and weights
-        return (coll.all_to_all("expert", crossing, times, peers=nodes, step=group)
-                + coll.all_to_all("expert", exchange, times, peers=group))
+        return (coll.all_to_all("expert", crossing, times, peers=nodes, step=per_node)
+                + coll.all_to_all("expert", exchange, times, peers=per_node))
     return coll.all_to_all("expert", exchange, times)
 
 
@@ -256,11 +256,11 @@ def nodes_reached(moe: MoEConfig, nodes: int) -> float:
     experts it reaches nearly all of them (3.97 of 4 for DeepSeek-V3's router on random scores): all of them."""
     experts, k = moe.num_experts, moe.experts_per_token
     if moe.router == "sigmoid" and moe.router_groups > 1:
-        groups, top = moe.router_groups, moe.router_top_groups
-        if groups % nodes == 0:
+        router_groups, top = moe.router_groups, moe.router_top_groups
+        if router_groups % nodes == 0:
             return float(min(nodes, top, k))
-        if nodes % groups == 0:
-            return float(min(nodes, top * nodes // groups, k))
+        if nodes % router_groups == 0:
+            return float(min(nodes, top * nodes // router_groups, k))
     per_node = experts // nodes
     return nodes * (1.0 - math.comb(experts - per_node, k) / math.comb(experts, k))
 

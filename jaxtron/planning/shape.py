@@ -193,8 +193,8 @@ def block_values(cfg: Config, shape: StepShape) -> BlockValues:
     expert_width = m.resolved_expert_dim // shard_count(sizes, "activation_mlp")
     # rows once per node: a device's rows for each node out and in, and the next hop's rows sorted by expert (as
     # many as every node's device at its place may send it, ``models/experts._exchange_nodes``)
-    group = execution.moe_node_shards
-    nodes = shape.expert // group if execution.moe_mode == "dropless" and 0 < group < shape.expert else 1
+    per_node = execution.moe_node_shards
+    nodes = shape.expert // per_node if execution.moe_mode == "dropless" and 0 < per_node < shape.expert else 1
     return BlockValues(
         embed=h, q_width=q_width, kv_width=kv_width, mlp_width=mlp_width, expert_width=expert_width, heads=heads,
         vocab=m.vocab_size // shard_count(sizes, "activation_vocab"), residual=x, residual_split=x // tensor,

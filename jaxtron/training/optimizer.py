@@ -24,7 +24,7 @@ from optax.contrib._muon import orthogonalize_via_newton_schulz
 
 from jaxtron.config.schema import OptimizerConfig
 from jaxtron.parallel.sharding import constrain, logical_names
-from jaxtron.parallel.state_sharding import constrain_back, constrain_whole_matrices
+from jaxtron.parallel.state_sharding import from_whole_matrices, to_whole_matrices
 
 # logical axes that stack matrices (a batch of matrices, each orthogonalized on its own), and axes of weights that
 # are no block matrix (AdamW's: the vocabulary's rows, norms, biases, and the router's unnamed expert scores)
@@ -113,7 +113,7 @@ def _scale_to_rms(rms: float, params: Any) -> optax.GradientTransformation:
 
 def _laid_out(tree: Any, params: Any, how: str) -> Any:
     """Muon's updates (or values shaped so) laid out for their orthogonalization, each device whole matrices of its
-    share of a stack (``how='whole'``: ``state_sharding.constrain_whole_matrices``), from there back to their
+    share of a stack (``how='whole'``: ``state_sharding.to_whole_matrices``), from there back to their
     parameters' layout and shape ('back'), or held in that layout ('kept'); as they are without a mesh."""
     def one(update, variable):
         names, dims = tuple(logical_names(variable)), muon_dimensions(variable)
@@ -121,8 +121,8 @@ def _laid_out(tree: Any, params: Any, how: str) -> Any:
         if how == "kept":
             return jax.tree.map(lambda u: constrain(u, names), update)
         if how == "back":
-            return jax.tree.map(lambda u: constrain_back(u, names, matrix, variable.shape), update)
-        return jax.tree.map(lambda u: constrain_whole_matrices(u, names, matrix), update)
+            return jax.tree.map(lambda u: from_whole_matrices(u, names, matrix, variable.shape), update)
+        return jax.tree.map(lambda u: to_whole_matrices(u, names, matrix), update)
     return _each_matrix(tree, params, one)
 
 

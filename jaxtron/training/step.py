@@ -18,15 +18,14 @@ from jaxtron.models import lora
 from jaxtron.parallel.sharding import (
     BATCH_AXES,
     constrain,
-    constrain_params,
     logical_names,
-    row_groups,
+    replica_axes,
 )
-from jaxtron.parallel.state_sharding import constrain_optimizer
+from jaxtron.parallel.state_sharding import constrain_variables
 from jaxtron.training.loss import Objective, loss_sums
 from jaxtron.training.optimizer import schedule_count
 from jaxtron.training.pipeline.fill_drain import split_rows
-from jaxtron.training.pipeline.row_groups import Groups
+from jaxtron.training.pipeline.replicas import Replicas
 from jaxtron.training.state import Setup, TrainState
 
 Batch = dict[str, jax.Array]
@@ -84,14 +83,14 @@ def gradients(setup: Setup, params: Any, batch: Batch):
     first = jax.tree.map(lambda a: a[0], micro_batches)
     (_, sums), grads = jax.eval_shape(lambda: grad_fn(params, batch=first))
     mesh = jax.sharding.get_abstract_mesh()
-    # a dense model without a pipeline sums its gradients over the data-parallel rows once a step: each device's
-    # rows are a group of their own (a vmap over the groups, spmd over the mesh axes that split the rows and no
-    # weight), each group accumulating its own sums (``row_groups``). Otherwise every microbatch's gradients are
-    # summed (the distributed optimizer's accumulator holding only its shard: reduce-scattered onto it)
-    groups = () if mesh.empty or sums[2] or setup.stack_runner is not None else row_groups(params, dict(mesh.shape))
-    if groups:
-        return _grouped_accumulation(grad_fn, params, micro_batches, grads, groups, microbatches)
-    shard = constrain_optimizer if setup.distributed_optimizer else (lambda tree: tree)
+    # a dense model without a pipeline sums its gradients over the replicas once a step: each replica's rows run
+    # apart (a vmap over the replicas, spmd over the mesh axes that split the rows and no weight), each
+    # accumulating its own sums (``replica_axes``). Otherwise every microbatch's gradients are summed (the
+    # distributed optimizer's accumulator holding only its shard: reduce-scattered onto it)
+    axes = () if mesh.empty or sums[2] or setup.stack_runner is not None else replica_axes(params, dict(mesh.shape))
+    if axes:
+        return _accumulation_per_replica(grad_fn, params, micro_batches, grads, axes, microbatches)
+    shard = (lambda tree: constrain_variables(tree, optimizer=True)) if setup.distributed_optimizer else (lambda t: t)
 
     def body(carry, micro):
         micro = {k: constrain(v, BATCH_AXES) for k, v in micro.items()}
@@ -104,10 +103,10 @@ def gradients(setup: Setup, params: Any, batch: Batch):
     return grads, ce_sum, count, jax.tree.map(lambda a: a / microbatches, moe)
 
 
-def _grouped_accumulation(grad_fn, params: Any, micro_batches: Batch, grads_shape: Any, groups: tuple[str, ...],
-                          microbatches: int):
-    """``gradients``' accumulation with each group of rows apart (``row_groups``): -> the same four values."""
-    rows = Groups(groups)
+def _accumulation_per_replica(grad_fn, params: Any, micro_batches: Batch, grads_shape: Any, axes: tuple[str, ...],
+                              microbatches: int):
+    """``gradients``' accumulation with each replica's rows apart (``replica_axes``): -> the same four values."""
+    rows = Replicas(axes)
     names = [logical_names(v) for v in jax.tree.leaves(grads_shape, is_leaf=lambda x: isinstance(x, nnx.Variable))]
     treedef = jax.tree.structure(grads_shape)
 
@@ -115,15 +114,15 @@ def _grouped_accumulation(grad_fn, params: Any, micro_batches: Batch, grads_shap
         micro = {k: constrain(v, BATCH_AXES) for k, v in micro.items()}
         (_, (ce, count, _)), grads = rows.map(lambda mb: grad_fn(params, batch=mb), (0,), micro)
         acc, ce_sum, n_sum = carry
-        acc = rows.constrained([a + g.astype(a.dtype) for a, g in zip(acc, jax.tree.leaves(grads), strict=True)],
-                               names)
+        acc = rows.constrain([a + g.astype(a.dtype) for a, g in zip(acc, jax.tree.leaves(grads), strict=True)],
+                             names)
         return (acc, ce_sum + jnp.sum(ce), n_sum + jnp.sum(count)), None
 
     zero = jnp.zeros((), jnp.float32)
-    init = (rows.constrained([jnp.zeros((rows.count, *a.shape), a.dtype) for a in jax.tree.leaves(grads_shape)],
-                             names), zero, zero)
+    init = (rows.constrain([jnp.zeros((rows.count, *a.shape), a.dtype) for a in jax.tree.leaves(grads_shape)],
+                           names), zero, zero)
     (acc, ce_sum, count), _ = jax.lax.scan(body, init, micro_batches)
-    grads = jax.tree.unflatten(treedef, [jnp.sum(a, axis=0) for a in acc])  # the one sum over the groups
+    grads = jax.tree.unflatten(treedef, [jnp.sum(a, axis=0) for a in acc])  # the one sum over the replicas
     return grads, ce_sum, count, {}
 
 
@@ -159,7 +158,7 @@ def train_step(setup: Setup, state: TrainState, batch: Batch,
         grads, ce_sum, count, moe = gradients(setup, state.params, batch)  # of the adapters alone in a LoRA run
     trainable, frozen = lora.split(state.params)
     if setup.distributed_optimizer:  # each device reduces, then updates, only its shard of the moments
-        grads = constrain_optimizer(grads)
+        grads = constrain_variables(grads, optimizer=True)
     block_load = moe.pop("block_load", None)
     grads = jax.tree.map(lambda g: g / count, grads)
     loss, grad_norm = ce_sum / count, optax.tree.norm(grads)
@@ -168,7 +167,7 @@ def train_step(setup: Setup, state: TrainState, batch: Batch,
         updates, opt_state = setup.tx.update(grads, state.opt_state, trainable)
         params = lora.join(optax.apply_updates(trainable, updates), frozen)
     if setup.distributed_optimizer:  # the updated weights gathered once, as their rule places them
-        params = constrain_params(params)
+        params = constrain_variables(params)
     bias_spread = None
     if setup.train.router_bias_rate:  # outside the gradients: the router bias gets none, and no optimizer update
         params, bias_spread = balance_router_bias(params, block_load, setup.train.router_bias_rate,

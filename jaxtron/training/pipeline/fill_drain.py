@@ -37,18 +37,16 @@ import numpy as np
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
+from jaxtron.common.trace_state import BATCH_OVER_STAGES
 from jaxtron.metrics.hlo import once_in
 from jaxtron.models.transformer import EMBED_AXES
 from jaxtron.parallel.sharding import (
-    batch_over_stages,
-    batch_split_over_stages,
     constrain,
-    constrain_leading,
-    constrain_on_stages,
-    constrain_whole_over_batch,
+    constrain_in_flight,
     logical_names,
     shard_count,
     stage_axes,
+    whole_over_batch,
 )
 from jaxtron.parallel.stages import identity_slots
 
@@ -138,10 +136,10 @@ class Schedule:
 
     def outside(self, rows: int):
         """The context for the work outside the schedule on a batch of ``rows``: its rows split over the stages
-        too (``batch_over_stages``), where they divide into the data-parallel size x stages."""
+        too (``BATCH_OVER_STAGES``), where they divide into the data-parallel size x stages."""
         mesh = jax.sharding.get_abstract_mesh()
         ways = 1 if mesh.empty else shard_count(dict(mesh.shape), "activation_batch") * self.stages
-        return batch_over_stages(self.stages > 1 and rows % ways == 0)
+        return BATCH_OVER_STAGES.bound(self.stages > 1 and rows % ways == 0)
 
     def stage_view(self, stack: Any, lead: tuple[int, ...]) -> Any:
         """The stored stack [periods, ...] as [stages, *lead[1:], ...]: its stage dimension over the pipeline
@@ -151,19 +149,19 @@ class Schedule:
         the loop, would sum each period's gradient over them in every iteration)."""
         def one(v):
             if not isinstance(v, nnx.Variable):
-                return constrain_leading(v.reshape(*lead, *v.shape[1:]), "stages")
+                return constrain(v.reshape(*lead, *v.shape[1:]), ("stages", ...))
             a = v.get_value().reshape(*lead, *v.get_value().shape[1:])
             names = ("stages", *(None,) * (len(lead) - 1), *logical_names(v)[1:])
-            return v.replace(constrain_whole_over_batch(a, names) if self.gather_once else constrain(a, names))
+            return v.replace(constrain(a, whole_over_batch(names) if self.gather_once else names))
         return jax.tree.map(one, stack, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
     def __call__(self, body: Body, x: jax.Array, stack: Any, extras: Any) -> tuple[jax.Array, dict]:
-        if not batch_split_over_stages():
+        if not BATCH_OVER_STAGES.get():
             return self._run(body, x, stack, extras)
-        with batch_over_stages(False):  # the rows come together for the schedule: each stage runs all of them
-            x, extras = jax.tree.map(lambda a: constrain_leading(a, "activation_batch"), (x, extras))
+        with BATCH_OVER_STAGES.bound(False):  # the rows come together for the schedule: each stage runs all of them
+            x, extras = jax.tree.map(lambda a: constrain(a, ("activation_batch", ...)), (x, extras))
             out, stats = self._run(body, x, stack, extras)
-        return constrain_leading(out, "activation_batch"), stats  # and part again after it
+        return constrain(out, ("activation_batch", ...)), stats  # and part again after it
 
     def _run(self, body: Body, x: jax.Array, stack: Any, extras: Any) -> tuple[jax.Array, dict]:
         s_, v_, m_ = self.stages, self.virtual_stages, self.microbatches
@@ -183,7 +181,7 @@ class Schedule:
         def on_stages(tree):
             """The schedule's activations and queue constrained in full, their rows as the stack's input (left to
             propagation, the queue comes out whole over the batch's axes)."""
-            return constrain_on_stages(tree, micro_x.shape[1:], EMBED_AXES)
+            return constrain_in_flight(tree, micro_x.shape[1:], EMBED_AXES)
 
         first = (stage_ids == 0)  # [S]: stage 0 takes each iteration's entering microbatch
 
@@ -193,7 +191,7 @@ class Schedule:
 
         def shift(out, ex):
             """The activations one stage on (a roll along the stage dimension: a collective permute)."""
-            return on_stages(jax.tree.map(lambda a: jnp.roll(a, 1, axis=0), (constrain_leading(out, "stages"), ex)))
+            return on_stages(jax.tree.map(lambda a: jnp.roll(a, 1, axis=0), (constrain(out, ("stages", ...)), ex)))
 
         def step(carry, k):
             """Period p of iteration t on every stage (k = t * P + p). An iteration's first period takes the
@@ -219,7 +217,7 @@ class Schedule:
                 moved = shift(out, held[1])
             else:
                 with jax.named_scope(once_in(per)):  # (how often the permute runs, for the HLO's readers)
-                    moved = jax.lax.cond(last, shift, lambda o, e: on_stages((constrain_leading(o, "stages"), e)),
+                    moved = jax.lax.cond(last, shift, lambda o, e: on_stages((constrain(o, ("stages", ...)), e)),
                                          out, held[1])
             # after an iteration's last period, the item the last stage finished (now on stage 0): microbatch
             # done % M of round done // M, written into its slot of the queue (in place, one microbatch's rows)

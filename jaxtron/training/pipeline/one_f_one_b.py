@@ -44,12 +44,12 @@ import numpy as np
 
 from jaxtron.models.transformer import EMBED_AXES
 from jaxtron.parallel import timetable
-from jaxtron.parallel.sharding import constrain_on_stages, stage_axes
+from jaxtron.parallel.sharding import constrain, constrain_in_flight, stage_axes
 from jaxtron.parallel.stages import PAD, identity_slots, storage_order
-from jaxtron.parallel.state_sharding import constrain_gradient
+from jaxtron.parallel.state_sharding import optimizer_spec
 from jaxtron.training.loss import moe_metrics
 from jaxtron.training.pipeline.fill_drain import SCOPE, Schedule, check_schedule
-from jaxtron.training.pipeline.row_groups import RowGroups, when
+from jaxtron.training.pipeline.replicas import ScheduleReplicas, when
 from jaxtron.training.pipeline.stack_cut import Batch, CutModel
 
 FORWARD_PHASE = "one_f_one_b_forward"  # the named scopes of an iteration's two phases
@@ -71,8 +71,8 @@ class Carry(NamedTuple):
     moving: tuple  # (hidden [S, ...], extras [S, ...]): each stage's next forward input
     back: jax.Array  # [S, ...]: each stage's next backward input (the gradient of its output)
     stash: tuple  # (period inputs [S, K, pc, ...], extras [S, K, ...]): the inputs kept for the backward
-    grad_stack: list  # the staged weights' gradient sums [S, G, P, ...], float32, one per group of rows
-    grad_rest: list  # the other parameters' [G, ...] (a zero [G] for each staged one)
+    grad_stack: list  # the staged weights' gradient sums [S, R, P, ...], float32, one per replica
+    grad_rest: list  # the other parameters' [R, ...] (a zero [R] for each staged one)
     sums: tuple  # (cross-entropy sum, token count)
     stats_sum: dict  # each period's routing stats summed over the microbatches [S, V pc, ...]
     mtp_sum: tuple  # the prediction modules' (cross-entropy sums, routing stats), summed over the microbatches
@@ -84,7 +84,7 @@ class Forward(NamedTuple):
     extras: Any  # [S, ...] the extras its input came with
     stats: dict  # [S, pc, ...] each period's routing stats
     period_inputs: jax.Array  # [S, pc, ...] each period's input, kept for the backward
-    d_post: list  # the head's and loss's gradients of the parameters outside the stack, [G, ...]
+    d_post: list  # the head's and loss's gradients of the parameters outside the stack, [R, ...]
     d_h: jax.Array  # the loss's gradient of the last stage's output
     ce: jax.Array  # the finished microbatch's cross-entropy sum (zero if none finished)
     n: jax.Array  # and its token count
@@ -124,7 +124,7 @@ class OneFOneB:
         model.weigh_blocks(self.stack_size - schedule.pads + (model.depth if self.stats_shape else 0))
         mesh = jax.sharding.get_abstract_mesh()
         self.spmd = stage_axes()
-        self.rows = RowGroups(params, self.periods_0, schedule, mesh, bool(self.stats_shape))
+        self.rows = ScheduleReplicas(params, self.periods_0, schedule, mesh, bool(self.stats_shape))
         self.keep = timetable.kept(self.s_, self.v_)  # units whose inputs a stage holds from forward to backward
 
     def _stack_of(self, p):
@@ -136,7 +136,7 @@ class OneFOneB:
     def _check(self) -> None:
         check_schedule(self.stack_size, self.s_, self.v_, self.m_)
         if self.m_ % self.s_ and self.v_ > 1:
-            raise ValueError(f"{self.m_} microbatches do not form groups of {self.s_} (one per stage), which the "
+            raise ValueError(f"{self.m_} microbatches do not form waves of {self.s_} (one per stage), which the "
                              "interleaved schedule runs through each virtual stage in turn")
 
     def unit(self, k, backward=False):
@@ -147,7 +147,7 @@ class OneFOneB:
         """Hidden states [S, ..., b, T, D] and extras [S, ..., b, T] constrained in full (left to propagation,
         the zeros that start the stash and the buffers come out whole on every device, and so do the
         recomputations that read them)."""
-        return constrain_on_stages(tree, self.x_shape.shape, EMBED_AXES)
+        return constrain_in_flight(tree, self.x_shape.shape, EMBED_AXES)
 
     def period(self, w, h, ex, s, p):
         out, stats = self.body(h, w, ex)
@@ -199,9 +199,9 @@ class OneFOneB:
         (dx, acc), _ = jax.lax.scan(one, (dy * valid.astype(dy.dtype), acc), jnp.arange(pc), reverse=True)
         return acc, dx
 
-    def stage_backward_groups(self, active, stack_s, acc, inputs, ex, s, v, dy, valid):
-        """``stage_backward`` on each group of rows apart, each into its own accumulator (``acc`` [G, P, ...])."""
-        acc, dx = self.rows.map(self.stage_backward, (None, None, "grouped", 1, 0, None, None, 0, None), active,
+    def stage_backward_per_replica(self, active, stack_s, acc, inputs, ex, s, v, dy, valid):
+        """``stage_backward`` on each replica's rows apart, each into its own accumulator (``acc`` [R, P, ...])."""
+        acc, dx = self.rows.map(self.stage_backward, (None, None, "per_replica", 1, 0, None, None, 0, None), active,
                                 stack_s, acc, inputs, ex, s, v, dy, valid)
         return acc, dx.reshape(dy.shape)
 
@@ -236,7 +236,7 @@ class OneFOneB:
         # pipeline=8 data=4 tensor=4), for a head of 0.4% of its FLOPs
         d_post, d_h, ce, n, mtp = self.rows.map(lambda h, mb: self.head(h, mb, valid_h), (0, 0), out[s_ - 1],
                                                 self.model.pick(m_head))
-        d_h = d_h.reshape(self.x_shape.shape)  # the groups' rows back in place
+        d_h = d_h.reshape(self.x_shape.shape)  # the replicas' rows back in place
         return Forward(out, inputs[1], stats, self.on_stages(period_inputs), d_post, d_h, jnp.sum(ce), jnp.sum(n),
                        jax.tree.map(lambda a: jnp.sum(a, axis=0), mtp))
 
@@ -254,7 +254,7 @@ class OneFOneB:
         saved = self.on_stages(jax.vmap(lambda st, i: jax.tree.map(
             lambda a: jax.lax.dynamic_index_in_dim(a, i, 0, False), st))(stash, slot_b))
         dy = self.on_stages(back.at[s_ - 1].set(jnp.where(chunks[s_ - 1] == v_ - 1, d_h, back[s_ - 1])))
-        backward_all = jax.vmap(self.stage_backward_groups, in_axes=(None, 0, 0, 0, 0, 0, 0, 0, 0),
+        backward_all = jax.vmap(self.stage_backward_per_replica, in_axes=(None, 0, 0, 0, 0, 0, 0, 0, 0),
                                 spmd_axis_name=self.spmd)
         grad_stack, dx = backward_all(active, self.staged, jax.tree.unflatten(self.stack_def, grad_stack), saved[0],
                                       saved[1], self.stage_ids, chunks, dy, valid_b)
@@ -298,7 +298,7 @@ class OneFOneB:
     def start(self) -> Carry:
         """The loop's first carry: zeros, the accumulators float32 and sharded as their parameters (left
         unconstrained, XLA keeps them whole on every device)."""
-        s_, g_, rows = self.s_, self.rows.count, self.rows
+        s_, r_, rows = self.s_, self.rows.count, self.rows
         x_shape, ex_shape = self.x_shape, self.ex_shape
         # the prediction modules' cross-entropy sums and routing stats, summed over the microbatches
         mtp_zeros = jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32),
@@ -307,9 +307,9 @@ class OneFOneB:
             moving=self.on_stages((_zeros(x_shape, (s_,)), _zeros(ex_shape, (s_,)))),
             back=self.on_stages(_zeros(x_shape, (s_,))),
             stash=self.on_stages((_zeros(x_shape, (s_, self.keep, self.pc)), _zeros(ex_shape, (s_, self.keep)))),
-            grad_stack=rows.stack_sharded([jnp.zeros((s_, g_, *a.shape[1:]), jnp.float32)
+            grad_stack=rows.stack_sharded([jnp.zeros((s_, r_, *a.shape[1:]), jnp.float32)
                                            for a in jax.tree.leaves(self.staged)]),
-            grad_rest=rows.rest_sharded([jnp.zeros((g_,) if staged else (g_, *a.shape), jnp.float32)
+            grad_rest=rows.rest_sharded([jnp.zeros((r_,) if staged else (r_, *a.shape), jnp.float32)
                                          for a, staged in zip(rows.param_leaves, rows.in_stack, strict=True)]),
             sums=(jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32)),
             stats_sum=jax.tree.map(lambda a: jnp.zeros((s_, self.v_ * a.shape[0], *a.shape[1:]), jnp.float32),
@@ -317,7 +317,7 @@ class OneFOneB:
             mtp_sum=mtp_zeros)
 
     def gradients(self) -> tuple[Any, jax.Array, jax.Array, dict]:
-        """The loop, then the groups' sums and the gradients in the parameters' layout (``OneFOneBSchedule``)."""
+        """The loop, then the replicas' sums and the gradients in the parameters' layout (``OneFOneBSchedule``)."""
         with jax.named_scope(SCOPE):  # the loop's HLO ops carry the name (profiles find its iterations by it)
             end, _ = jax.lax.scan(self.iteration, self.start(),
                                   jnp.arange(timetable.iterations(self.s_, self.m_, self.v_)))
@@ -328,11 +328,11 @@ class OneFOneB:
         return grads, end.sums[0], end.sums[1], metrics
 
     def _parameter_gradients(self, grad_stack, grad_rest):
-        """The groups' sums, reduce-scattered onto the distributed optimizer's shards where it runs, in the
+        """The replicas' sums, reduce-scattered onto the distributed optimizer's shards where it runs, in the
         parameters' layout and dtypes."""
         rows = self.rows
         grad_stack = jax.tree.unflatten(self.stack_def, [
-            constrain_gradient(jnp.sum(g, axis=1), ("stages", "layers", *names), self.setup.distributed_optimizer)
+            self._summed_layout(jnp.sum(g, axis=1), ("stages", "layers", *names))
             for g, names in zip(grad_stack, rows.stack_names, strict=True)])
         (d_from_stack,) = self.to_params(jax.tree.map(lambda g, a: g.reshape(a.shape).astype(a.dtype), grad_stack,
                                                       self.periods_0))
@@ -340,6 +340,13 @@ class OneFOneB:
             (a.astype(jnp.float32) + (0.0 if staged else jnp.sum(b, axis=0))).astype(p.dtype)
             for a, b, p, staged in zip(jax.tree.leaves(d_from_stack), grad_rest, rows.param_leaves, rows.in_stack,
                                        strict=True)])
+
+    def _summed_layout(self, grad, names):
+        """A staged weight's gradient summed over the replicas, held in its parameter's layout or the distributed
+        optimizer's."""
+        if self.setup.distributed_optimizer:
+            return constrain(grad, optimizer_spec(names, grad.shape, dict(jax.sharding.get_abstract_mesh().shape)))
+        return constrain(grad, names)
 
     def _block_stats(self, stats_sum, mtp_stats):
         """Each block's routing stats, the mean over the microbatches, in the model's order (the prediction
