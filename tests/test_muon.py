@@ -47,7 +47,8 @@ def test_muon_reads_each_weight_as_the_matrices_it_is():
         assert got[name] is None, name
 
 
-@pytest.mark.parametrize("model_fields", [dict(num_layers=2), pytest.param(MOE, marks=pytest.mark.extended)],
+@pytest.mark.parametrize("model_fields",
+                         [dict(num_layers=2), pytest.param(MOE, marks=[pytest.mark.extended, pytest.mark.slow])],
                          ids=["dense", "moe"])
 def test_two_muon_steps_equal_optax_muon_on_each_matrix_alone(model_fields):
     """Each layer's (and expert's) weight, flattened to its [inputs, outputs] matrix and given to optax's plain
