@@ -420,6 +420,7 @@ def test_pipeline_meshes_of_the_reference_tables_are_candidates_and_estimated():
 
 
 @pytest.mark.slow
+@pytest.mark.extended  # the 1F1B schedules' memory and exactness stay in the first tier (test_pipeline.py)
 def test_the_1f1b_schedule_is_priced_and_chosen_where_fill_drains_memory_stops_it():
     """GPT-3 175B on 128 H100s, pipeline=8 fsdp=4 tensor=4, the config's batch: 8 microbatches or 64 of it.
     1F1B's stages keep at most 15 microbatches' period inputs, so its activations fall to 15/64 of the batch's
