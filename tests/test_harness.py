@@ -175,6 +175,7 @@ def test_lm_evals_own_api_finds_the_model_by_name_after_one_import(converted):
     assert 0 <= results["results"]["jaxtron_sums"]["acc,none"] <= 1
 
 
+@pytest.mark.slow  # lm-eval's import and task loading: 34 s on a slow 2-core machine
 @pytest.mark.integration
 def test_a_task_that_cannot_load_is_one_sentence_with_exit_2(converted, tmp_path, capsys):
     from jaxtron import cli
