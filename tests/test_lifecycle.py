@@ -27,6 +27,7 @@ from jaxtron.training.workdir_lock import LOCK_FILE
 STEPS4 = ["--config.train.steps=4", "--config.train.log_every=1"]
 
 
+@pytest.mark.slow
 @pytest.mark.integration
 def test_a_script_outside_the_package_trains_with_a_hook_as_train_py_does(tmp_path):
     script = tmp_path / "script.py"
@@ -107,6 +108,7 @@ def _holder(workdir) -> subprocess.Popen:
     return proc
 
 
+@pytest.mark.slow
 @pytest.mark.integration
 def test_a_second_run_on_a_held_workdir_is_refused_naming_the_holder_and_changes_nothing(tmp_path, capsys):
     workdir = tmp_path / "run"
@@ -124,6 +126,7 @@ def test_a_second_run_on_a_held_workdir_is_refused_naming_the_holder_and_changes
         holder.wait()
 
 
+@pytest.mark.slow
 @pytest.mark.integration
 def test_a_lock_left_by_a_killed_holder_is_taken_over(tmp_path, caplog):
     workdir = tmp_path / "run"
