@@ -2,7 +2,7 @@
 
 Axes go outermost to innermost in MESH_AXES order. Across several nodes, each axis is split into an
 inter-node part (outer) and an intra-node part (inner): the node count is spread over the outermost axes
-first (pipeline, then data, fsdp, ...), so tensor- and expert-parallel by_node stay inside a node (NVLink) and
+first (pipeline, then data, fsdp, ...), so tensor- and expert-parallel groups stay inside a node (NVLink) and
 only pipeline, data and fsdp traffic crosses the network.
 """
 
