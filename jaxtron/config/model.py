@@ -10,13 +10,16 @@ router) and ``mtp`` (multi-token prediction). A config file of the flat layout (
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Mapping
 from typing import Any
 
 from jaxtron.config.checks import ConfigError, _check, _choice, _non_negative, _positive
+from jaxtron.config.subsections import AttentionConfig, MoEConfig, MTPConfig, RopeConfig
 
 COMPUTE_DTYPES = ("float32", "bfloat16")  # float16 would need loss scaling, which bfloat16 does not
 # 'auto': the fastest policy whose step fits the device by the planner's estimate (jaxtron/planning/remat.py)
+GATED = ("swiglu", "geglu", "clamped_swiglu")  # the activations with a gate projection (3 matrices)
 REMAT_CHOICES = ("none", "full", "save_dots", "save_attention", "save_dots_attention", "auto")
 
 
@@ -36,134 +39,6 @@ def replace(obj: Any, **changes: Any) -> Any:
     return dataclasses.replace(obj, **changes)
 
 
-@dataclasses.dataclass(frozen=True)
-class RopeConfig:
-    """Rotary position embeddings (``model.position_embedding='rope'``) and their stretching for long contexts;
-    the names follow the ``rope_scaling`` entries of Hugging Face's config.json."""
-
-    theta: float = 500_000.0
-    scaling: str = "llama3"  # how a factor > 1 stretches the frequencies: llama3 (Llama-3.1) | yarn (DeepSeek-V3)
-    factor: float = 1.0  # 1.0: no scaling
-    low_freq_factor: float = 1.0  # llama3
-    high_freq_factor: float = 4.0  # llama3
-    original_max_len: int = 8192  # the context the frequencies were trained for
-    beta_fast: float = 32.0  # yarn: rotations per original context below which frequencies are kept
-    beta_slow: float = 1.0  # yarn: rotations above which they are divided by the factor (a ramp between)
-    mscale: float = 0.0  # yarn: the "mscale" of config.json (0: not given)
-    mscale_all_dim: float = 0.0  # yarn: "mscale_all_dim" (0: not given); latent attention also scales the softmax
-
-    def __post_init__(self):
-        for name in ("theta", "factor", "low_freq_factor", "original_max_len", "beta_fast", "beta_slow"):
-            _positive(getattr(self, name), f"model.rope.{name}")
-        _check(self.high_freq_factor > self.low_freq_factor, "model.rope.high_freq_factor",
-               f"({self.high_freq_factor}) must exceed model.rope.low_freq_factor ({self.low_freq_factor})",
-               "raise it or lower model.rope.low_freq_factor")
-        _choice(self.scaling, "model.rope.scaling", ("llama3", "yarn"))
-        for name in ("mscale", "mscale_all_dim"):
-            _non_negative(getattr(self, name), f"model.rope.{name}")
-
-
-@dataclasses.dataclass(frozen=True)
-class AttentionConfig:
-    """The heads: grouped-query attention (Llama, Qwen3), or multi-head latent attention (DeepSeek-V3) when
-    ``kv_lora_rank`` > 0: keys and values come from one compressed latent, each head's query and key are
-    ``head_dim`` (not rotated) plus ``qk_rope_head_dim`` (rotated; the key's part is one per token, shared by the
-    heads) wide, and values ``v_head_dim`` wide."""
-
-    num_heads: int = 8
-    num_kv_heads: int = 4
-    head_dim: int = 0  # 0 means embed_dim // num_heads
-    qk_norm: bool = False  # RMSNorm over each head's queries and keys before RoPE (Qwen3)
-    q_lora_rank: int = 0  # latent: rank of the queries' low-rank projection (0: one full-rank projection)
-    kv_lora_rank: int = 0  # latent: rank of the keys' and values' compressed latent (0: grouped-query attention)
-    qk_rope_head_dim: int = 64  # latent: the rotated part of each head's query and key
-    v_head_dim: int = 0  # latent: each head's value size (0 means head_dim)
-
-    def __post_init__(self):
-        _positive(self.num_heads, "model.attention.num_heads")
-        _positive(self.num_kv_heads, "model.attention.num_kv_heads")
-        for name in ("head_dim", "q_lora_rank", "kv_lora_rank", "v_head_dim"):
-            _non_negative(getattr(self, name), f"model.attention.{name}")
-        _check(self.num_heads % self.num_kv_heads == 0, "model.attention.num_kv_heads",
-               f"({self.num_kv_heads}) must divide model.attention.num_heads ({self.num_heads}) for grouped-query "
-               "attention", "choose a divisor of model.attention.num_heads")
-        if self.kv_lora_rank:
-            _positive(self.qk_rope_head_dim, "model.attention.qk_rope_head_dim")
-            _check(self.qk_rope_head_dim % 2 == 0, "model.attention.qk_rope_head_dim",
-                   f"({self.qk_rope_head_dim}) must be even (rotary pairs)", "choose an even size")
-            _check(self.num_kv_heads == self.num_heads, "model.attention.num_kv_heads",
-                   f"({self.num_kv_heads}) must equal model.attention.num_heads ({self.num_heads}) with latent "
-                   "attention (model.attention.kv_lora_rank > 0), whose keys and values have one head per query "
-                   "head", f"set model.attention.num_kv_heads={self.num_heads}")
-
-    @property
-    def latent(self) -> bool:
-        return self.kv_lora_rank > 0
-
-
-@dataclasses.dataclass(frozen=True)
-class MoEConfig:
-    """Mixture of experts (``jaxtron/models/moe.py``); ``num_experts`` = 0 is a dense model."""
-
-    num_experts: int = 0  # routed experts per MoE block, each a SwiGLU of width expert_dim
-    experts_per_token: int = 2  # top-k: experts each token is sent to
-    expert_dim: int = 0  # each expert's intermediate width (0: model.mlp_dim, the dense blocks' width)
-    shared_experts: int = 0  # experts every token visits (DeepSeek): one dense SwiGLU of shared_experts*expert_dim
-    first_dense_layers: int = 0  # the first this many blocks are dense (DeepSeek's first_k_dense_replace)
-    every: int = 1  # after those, every this many blocks the last one is MoE (1: all); the others are dense
-    router: str = "softmax"  # softmax (Mixtral, Qwen3) | sigmoid (DeepSeek-V3: sigmoid scores, a balancing bias)
-    router_renormalize: bool = True  # rescale the top-k router weights of a token to sum to 1 (Mixtral)
-    router_groups: int = 1  # sigmoid: the experts form this many groups (n_group) ...
-    router_top_groups: int = 1  # ... and a token's experts come from the best this many of them (topk_group)
-    router_scale: float = 1.0  # the routed experts' weights are multiplied by this (routed_scaling_factor)
-
-    def __post_init__(self):
-        _non_negative(self.num_experts, "model.moe.num_experts")
-        if not self.num_experts:
-            return
-        _check(1 <= self.experts_per_token <= self.num_experts, "model.moe.experts_per_token",
-               f"({self.experts_per_token}) must lie between 1 and model.moe.num_experts ({self.num_experts})",
-               "choose a top-k in that range")
-        _positive(self.every, "model.moe.every")
-        _non_negative(self.expert_dim, "model.moe.expert_dim")
-        _non_negative(self.shared_experts, "model.moe.shared_experts")
-        _non_negative(self.first_dense_layers, "model.moe.first_dense_layers")
-        _check(not self.first_dense_layers or self.every == 1, "model.moe.first_dense_layers",
-               f"({self.first_dense_layers}) needs model.moe.every=1 (dense blocks first, then only MoE ones), "
-               f"not {self.every}", "set model.moe.every=1")
-        _choice(self.router, "model.moe.router", ("softmax", "sigmoid"))
-        _positive(self.router_scale, "model.moe.router_scale")
-        _positive(self.router_groups, "model.moe.router_groups")
-        _check(self.num_experts % self.router_groups == 0, "model.moe.router_groups",
-               f"({self.router_groups}) must divide model.moe.num_experts ({self.num_experts})",
-               "choose a divisor of it")
-        _check(1 <= self.router_top_groups <= self.router_groups, "model.moe.router_top_groups",
-               f"({self.router_top_groups}) must lie between 1 and model.moe.router_groups ({self.router_groups})",
-               "choose a count in that range")
-        _check(self.router == "sigmoid" or self.router_groups == 1, "model.moe.router_groups",
-               f"({self.router_groups}) needs model.moe.router='sigmoid' (group-limited routing is DeepSeek's)",
-               "set model.moe.router='sigmoid' or model.moe.router_groups=1")
-        per_router_group = self.num_experts // self.router_groups
-        _check(self.router_groups == 1 or per_router_group >= 2, "model.moe.router_groups",
-               f"({self.router_groups}) leaves {per_router_group} expert per group; a group's score is its best two",
-               "use fewer groups")
-        _check(self.experts_per_token <= self.router_top_groups * per_router_group, "model.moe.experts_per_token",
-               f"({self.experts_per_token}) exceeds the {self.router_top_groups * per_router_group} experts of the "
-               f"model.moe.router_top_groups={self.router_top_groups} groups a token may use",
-               "raise model.moe.router_top_groups or lower the top-k")
-
-
-@dataclasses.dataclass(frozen=True)
-class MTPConfig:
-    """Multi-token prediction (DeepSeek-V3): module k (1..depth) predicts the token k + 1 ahead from the previous
-    depth's hidden states and the embedding of the token k ahead, through one more block."""
-
-    depth: int = 0
-
-    def __post_init__(self):
-        _non_negative(self.depth, "model.mtp.depth")
-
-
 # the subsections of ModelConfig: field name -> its dataclass
 SUBSECTIONS = {"rope": RopeConfig, "attention": AttentionConfig, "moe": MoEConfig, "mtp": MTPConfig}
 
@@ -181,8 +56,16 @@ class ModelConfig:
     embed_dim: int = 256
     num_layers: int = 4
     mlp_dim: int = 768
-    activation: str = "swiglu"  # swiglu (gated, 3 matrices) | gelu (plain, 2 matrices)
+    # swiglu (gated, 3 matrices) | geglu (gated by tanh-approximated GELU: Gemma) | clamped_swiglu (gpt-oss: the gate
+    # clamped above and the up projection both sides at swiglu_limit, (up + 1) * gate * sigmoid(swiglu_alpha * gate))
+    # | gelu (plain, 2 matrices)
+    activation: str = "swiglu"
+    swiglu_limit: float = 7.0  # clamped_swiglu's clamp
+    swiglu_alpha: float = 1.702  # clamped_swiglu's sigmoid gain
     norm: str = "rmsnorm"  # rmsnorm | layernorm
+    norm_unit_offset: bool = False  # RMSNorm scales by 1 + its weight, which starts at 0 (Gemma)
+    post_norms: bool = False  # norms on the attention's and the MLP's outputs before the residual sums (Gemma 2, 3)
+    embed_scale: bool = False  # the embeddings multiplied by sqrt(embed_dim) (Gemma)
     norm_eps: float = 1e-5
     position_embedding: str = "rope"  # rope | learned
     max_seq_len: int = 8192  # positions the model supports (size of learned position table)
@@ -204,7 +87,9 @@ class ModelConfig:
         _check(bool(self.family.strip()), "model.family", "is empty", "name the model's family, e.g. 'llama'")
         for name in ("vocab_size", "embed_dim", "num_layers", "mlp_dim", "max_seq_len", "norm_eps", "init_std"):
             _positive(getattr(self, name), f"model.{name}")
-        _choice(self.activation, "model.activation", ("swiglu", "gelu"))
+        _choice(self.activation, "model.activation", GATED + ("gelu",))
+        _positive(self.swiglu_limit, "model.swiglu_limit")
+        _positive(self.swiglu_alpha, "model.swiglu_alpha")
         _choice(self.norm, "model.norm", ("rmsnorm", "layernorm"))
         _choice(self.position_embedding, "model.position_embedding", ("rope", "learned"))
         a = self.attention
@@ -216,13 +101,27 @@ class ModelConfig:
                "set those or model.attention.kv_lora_rank=0")
         if self.moe.num_experts:
             m = self.moe
-            _check(self.activation == "swiglu", "model.activation", f"is {self.activation!r} but experts are SwiGLU",
-                   "set model.activation='swiglu' or model.moe.num_experts=0")
+            _check(self.activation in ("swiglu", "clamped_swiglu"), "model.activation",
+                   f"is {self.activation!r} but experts are SwiGLU", "set model.activation='swiglu' or "
+                   "'clamped_swiglu', or model.moe.num_experts=0")
             _check(m.first_dense_layers < self.num_layers, "model.moe.first_dense_layers",
                    f"({m.first_dense_layers}) must lie between 0 and model.num_layers - 1 ({self.num_layers - 1})",
                    "leave at least one MoE block")
             _check(self.num_layers % m.every == 0, "model.moe.every",
                    f"({m.every}) must divide model.num_layers ({self.num_layers})", "choose a divisor of it")
+            _check(self.num_layers % a.period == 0, "model.attention.global_every",
+                   f"({a.global_every}) must divide model.num_layers ({self.num_layers}) in a model with experts",
+                   "choose a divisor of it")
+            _check(a.period == 1 or not m.first_dense_layers, "model.attention.global_every",
+                   f"({a.global_every}) places global layers, and model.moe.first_dense_layers is "
+                   f"{m.first_dense_layers}", "set one of them to 0")
+        _check(not a.latent or not self.rope.local_theta, "model.rope.local_theta",
+               "is set, which latent attention does not implement", "set it to 0")
+        _check(not self.rope.local_theta or a.window, "model.rope.local_theta",
+               f"({self.rope.local_theta}) is the local layers' base, and model.attention.window is 0",
+               "set model.attention.window, or model.rope.local_theta to 0")
+        _check(not self.norm_unit_offset or self.norm == "rmsnorm", "model.norm_unit_offset",
+               f"is set, and model.norm is {self.norm!r}", "set model.norm='rmsnorm' or model.norm_unit_offset=False")
 
     @classmethod
     def architecture_fields(cls) -> tuple[str, ...]:
@@ -238,14 +137,33 @@ class ModelConfig:
 
     @property
     def period(self) -> int:
-        """Blocks in one period of the scanned stack: ``moe.every`` for an MoE model, else 1."""
-        return self.moe.every if self.moe.num_experts else 1
+        """Blocks in one period of the scanned stack: the least common multiple of ``moe.every`` (an MoE model)
+        and the local/global pattern's length (``attention.global_every``)."""
+        return math.lcm(self.moe.every if self.moe.num_experts else 1, self.attention.period)
 
     @property
     def prefix_layers(self) -> int:
-        """The dense blocks before the MoE ones (``moe.first_dense_layers`` of an MoE model): a stack of their own,
-        run before the scanned periods (and before a pipeline schedule, on every stage)."""
-        return self.moe.first_dense_layers if self.moe.num_experts else 0
+        """The blocks run before the scanned periods (and before a pipeline schedule, on every stage): the dense
+        blocks before the MoE ones (``moe.first_dense_layers`` of an MoE model), or in a dense model the blocks
+        the local/global pattern's periods leave over (Gemma 3 1B's 26 = 2 + 4 x 6), which are local."""
+        if self.moe.num_experts:
+            return self.moe.first_dense_layers
+        return self.num_layers % self.period
+
+    @property
+    def lead_stack(self) -> bool:
+        """Whether the prefix blocks are a stack of their own (``lead_layers``): in a dense model. An MoE model's
+        prefix is its dense stack (``layers``), whose blocks all precede the MoE ones."""
+        return bool(self.prefix_layers) and not self.moe.num_experts
+
+    def period_blocks(self) -> tuple[tuple[bool, bool], ...]:
+        """Each block of a period in order, as (is MoE, is local)."""
+        first = self.prefix_layers
+        return tuple((self.is_moe_block(first + j), self.attention.is_local(first + j)) for j in range(self.period))
+
+    def is_local_block(self, i: int) -> bool:
+        """Whether block i attends only within ``attention.window``."""
+        return self.attention.is_local(i)
 
     @property
     def stack_periods(self) -> int:

@@ -114,12 +114,14 @@ class Generator:
         return nnx.merge(self.graphdef, state)
 
     def _prefill_fn(self, state, tokens, lengths, cache, key, sampling):
-        """Every row's prompt at positions 0.. (right-padded; the padding's cache slots are written over as the
-        row decodes, before any query reads them) -> the first new token of each row."""
+        """Every row's prompt at positions 0.. (right-padded; the padding's position is -1, so that it writes no
+        cache slot: a local layer's ring would otherwise lose the prompt's last tokens to it) -> the first new token
+        of each row."""
         import jax
         import jax.numpy as jnp
 
-        positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
+        columns = jnp.arange(tokens.shape[1], dtype=jnp.int32)[None, :]
+        positions = jnp.where(columns < lengths[:, None], columns, -1)
         logits, cache = self._model(state).decode(tokens, positions, cache)
         last = jnp.take_along_axis(logits, (lengths - 1)[:, None, None], axis=1)[:, 0]
         key, sub = jax.random.split(key)

@@ -1,4 +1,6 @@
-"""Self-attention with rotary positions: grouped-query (Llama, Qwen3) or multi-head latent (DeepSeek-V3)."""
+"""Self-attention with rotary positions: grouped-query (Llama, Qwen3, Gemma 3, gpt-oss) or multi-head latent
+(DeepSeek-V3). Grouped-query attention may have local layers (a sliding window), sinks, biases and its own query
+scale; which kind a block is comes from the layer stack (``local``)."""
 
 from __future__ import annotations
 
@@ -9,9 +11,11 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxtron.config.schema import ExecutionConfig, ModelConfig
+from jaxtron.models import window_cache
 from jaxtron.models.layers import Norm, apply_rope, compute_dtype, rope_attention_factor, rope_frequencies, yarn_mscale
 from jaxtron.models.projection import Projection
 from jaxtron.ops import attention as attention_ops
+from jaxtron.ops import dense
 
 
 class _SelfAttention(nnx.Module):
@@ -25,16 +29,17 @@ class _SelfAttention(nnx.Module):
         self.implementation = implementation
 
     def _attend(self, q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array,
-                segment_ids: jax.Array | None) -> jax.Array:
+                segment_ids: jax.Array | None, window: int = 0, sinks: jax.Array | None = None) -> jax.Array:
         return attention_ops.dot_product_attention(q, k, v, implementation=self.implementation,
                                                    segment_ids=segment_ids, positions=positions,
-                                                   max_segments=self.max_segments)
+                                                   max_segments=self.max_segments, window=window, sinks=sinks)
 
 
 def write_cache(cache: jax.Array, new: jax.Array, positions: jax.Array) -> jax.Array:
     """``cache`` [b, S, ...] with ``new`` [b, t, ...] written at each row's ``positions`` [b, t] (the cache's slot
-    of a token is its position; positions past the cache are dropped)."""
+    of a token is its position; positions past the cache, and -1 for a prompt's padding, are dropped)."""
     rows = jnp.arange(cache.shape[0])[:, None]
+    positions = jnp.where(positions < 0, cache.shape[1], positions)
     return cache.at[rows, positions].set(new.astype(cache.dtype), mode="drop")
 
 
@@ -42,55 +47,75 @@ def cached_attention(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Ar
     """Causal attention of queries q [b, t, n, h] at ``positions`` [b, t] over the cache's keys k and values v
     [b, S, g, h] (slot s holds position s): each query sees the slots up to its own position. float32 scores and
     softmax, the output in q's dtype; n a multiple of g (grouped queries)."""
-    b, t, n, h = q.shape
-    g = k.shape[2]
-    qg = q.reshape(b, t, g, n // g, h).astype(jnp.float32)
-    scores = jnp.einsum("btgqh,bsgh->bgqts", qg, k.astype(jnp.float32)) / jnp.sqrt(jnp.float32(h))
-    seen = jnp.arange(k.shape[1])[None, None, :] <= positions[:, :, None]  # [b, t, S]
-    scores = jnp.where(seen[:, None, None], scores, -jnp.inf)
-    weights = jax.nn.softmax(scores, axis=-1)
-    out = jnp.einsum("bgqts,bsgh->btgqh", weights, v.astype(jnp.float32))
-    return out.reshape(b, t, n, v.shape[-1]).astype(q.dtype)
+    slots = jnp.broadcast_to(jnp.arange(k.shape[1]), (k.shape[0], k.shape[1]))
+    return dense.attention(q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32),
+                           dense.visible(positions, slots, None, None)).astype(q.dtype)
 
 
 class Attention(_SelfAttention):
     def __init__(self, cfg: ModelConfig, execution: ExecutionConfig, rngs: nnx.Rngs, implementation: str):
         d, n, g, h = cfg.embed_dim, cfg.attention.num_heads, cfg.attention.num_kv_heads, cfg.resolved_head_dim
-        out_std, dt = cfg.init_std / math.sqrt(2 * cfg.num_layers), execution.dtype
-        self.wq = Projection(rngs, (d,), (n, h), ("embed", "heads", "head_dim"), cfg.init_std, dt)
-        self.wk = Projection(rngs, (d,), (g, h), ("embed", "kv_heads", "head_dim"), cfg.init_std, dt)
-        self.wv = Projection(rngs, (d,), (g, h), ("embed", "kv_heads", "head_dim"), cfg.init_std, dt)
-        self.wo = Projection(rngs, (n, h), (d,), ("heads", "head_dim", "embed"), out_std, dt)
-        # Qwen3: each head's queries and keys RMS-normalised (one scale of head_dim, shared by the heads)
+        out_std, dt, bias = cfg.init_std / math.sqrt(2 * cfg.num_layers), execution.dtype, cfg.attention.bias
+        self.wq = Projection(rngs, (d,), (n, h), ("embed", "heads", "head_dim"), cfg.init_std, dt, bias)
+        self.wk = Projection(rngs, (d,), (g, h), ("embed", "kv_heads", "head_dim"), cfg.init_std, dt, bias)
+        self.wv = Projection(rngs, (d,), (g, h), ("embed", "kv_heads", "head_dim"), cfg.init_std, dt, bias)
+        self.wo = Projection(rngs, (n, h), (d,), ("heads", "head_dim", "embed"), out_std, dt, bias)
+        # Qwen3, Gemma 3: each head's queries and keys RMS-normalised (one scale of head_dim, shared by the heads)
         self.q_norm = Norm(cfg, execution, size=h, kind="rmsnorm") if cfg.attention.qk_norm else None
         self.k_norm = Norm(cfg, execution, size=h, kind="rmsnorm") if cfg.attention.qk_norm else None
+        # gpt-oss: a logit per head beside the keys, whose value is zero (ops/sinks.py)
+        self.sinks = nnx.Param(jnp.zeros((n,), jnp.float32), out_sharding=("bias",)) if cfg.attention.sinks \
+            else None
         self._runs(cfg, execution, implementation)
 
-    def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array | None) -> jax.Array:
-        q, k, v = self._project(x, positions)
-        return self.wo(self._attend(q, k, v, positions, segment_ids))
+    def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array | None,
+                 local: bool = False) -> jax.Array:
+        """``local``: a local layer, which sees the ``attention.window`` latest positions."""
+        q, k, v = self._project(x, positions, local)
+        window = self.cfg.attention.window if local else 0
+        return self.wo(self._attend(q, k, v, positions, segment_ids, window, self._sinks()))
 
-    def _project(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-        """Queries, keys and values [b, t, heads, head_dim], rotated."""
+    def _sinks(self) -> jax.Array | None:
+        return None if self.sinks is None else self.sinks[...]
+
+    def _project(self, x: jax.Array, positions: jax.Array,
+                 local: bool = False) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """Queries, keys and values [b, t, heads, head_dim], rotated; the queries carry the softmax scale's
+        departure from 1/sqrt(head_dim) (Gemma's query_pre_attn_scalar), since the kernels scale by that."""
         q, k, v = self.wq(x), self.wk(x), self.wv(x)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         if self.cfg.position_embedding == "rope":
-            inv_freq, scale = rope_frequencies(self.cfg), rope_attention_factor(self.cfg)
+            inv_freq, scale = rope_frequencies(self.cfg, local=local), rope_attention_factor(self.cfg, local)
             q = apply_rope(q, positions, inv_freq, scale)
             k = apply_rope(k, positions, inv_freq, scale)
+        scalar = self.cfg.attention.query_pre_attn_scalar
+        if scalar and scalar != q.shape[-1]:
+            q = q * jnp.asarray(math.sqrt(q.shape[-1] / scalar), q.dtype)
         return q, k, v
 
-    def decode(self, x: jax.Array, positions: jax.Array,
-               cache: dict[str, jax.Array]) -> tuple[jax.Array, dict[str, jax.Array]]:
-        """The tokens ``x`` [b, t, d] at ``positions`` with the earlier ones' keys and values from ``cache`` ("k",
-        "v": [b, S, kv_heads, head_dim]): -> (the output, the cache with these tokens' written in)."""
-        q, k, v = self._project(x, positions)
+    def decode(self, x: jax.Array, positions: jax.Array, cache: dict[str, jax.Array],
+               local: bool = False) -> tuple[jax.Array, dict[str, jax.Array]]:
+        """The tokens ``x`` [b, t, d] at ``positions`` with the earlier ones' keys and values from ``cache``
+        (``empty_cache``): -> (the output, the cache with these tokens' written in). A local layer's cache is a
+        ring of ``attention.window`` slots (``models/window_cache.py``)."""
+        q, k, v = self._project(x, positions, local)
+        if local and "slot_positions" in cache:
+            out, cache = window_cache.attend(cache, q, k, v, positions, self.cfg.attention.window, self._sinks())
+            return self.wo(out), cache
         cache = {"k": write_cache(cache["k"], k, positions), "v": write_cache(cache["v"], v, positions)}
-        return self.wo(cached_attention(q, cache["k"], cache["v"], positions)), cache
+        slots = jnp.broadcast_to(jnp.arange(cache["k"].shape[1]), cache["k"].shape[:2])
+        seen = dense.visible(positions, slots, None, None, self.cfg.attention.window if local else 0)
+        f32 = jnp.float32
+        out = dense.attention(q.astype(f32), cache["k"].astype(f32), cache["v"].astype(f32), seen, self._sinks())
+        return self.wo(out.astype(q.dtype)), cache
 
-    def empty_cache(self, batch: int, length: int, dtype) -> dict[str, jax.Array]:
+    def empty_cache(self, batch: int, length: int, dtype, local: bool = False) -> dict[str, jax.Array]:
+        """Zero keys and values for ``length`` positions; a local layer's for no more than its window."""
         shape = (batch, length, self.cfg.attention.num_kv_heads, self.cfg.resolved_head_dim)
+        window = self.cfg.attention.window
+        if local and window < length:
+            return window_cache.empty(shape, window, dtype)
         return {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)}
 
 

@@ -35,6 +35,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxtron.models.expert_chunks import Stages, chunk_rows, overlapped, summed
+from jaxtron.models.layers import GatedActivation
 from jaxtron.ops import exchange, grouped, grouped_fp8
 from jaxtron.ops import fp8 as fp8_ops
 from jaxtron.parallel.sharding import logical_to_spec, spec_axes
@@ -86,6 +87,7 @@ class ExpertRun:
     # ones (ops/fp8.py), dropless mode's grouped ones (ops/grouped_fp8.py)
     chunks: int = 1  # each device's tokens run through the experts in this many chunks (``chunk_rows``)
     node_shards: int = 0  # dropless: expert shards a node, rows sent once per node (``_exchange_nodes``); 0: one hop
+    activation: GatedActivation = dataclasses.field(default_factory=GatedActivation)  # ``model.activation``
 
 
 def _packed(rows: jax.Array, weights: jax.Array) -> jax.Array:
@@ -96,42 +98,64 @@ def _packed(rows: jax.Array, weights: jax.Array) -> jax.Array:
     return jnp.concatenate([rows, weights[..., None].astype(rows.dtype), extra], axis=-1)
 
 
-def _weighted_swiglu(packed: jax.Array, d: int, project: Callable[[jax.Array, str], jax.Array]) -> jax.Array:
-    """``_packed`` rows [..., d + pad] -> SwiGLU outputs [..., d] weighted by their router weights: ``project(x,
-    matrix)`` with 'gate', 'up', 'down'. The weights scale the hidden values ahead of the (linear) down projection,
-    which gives the same product: the router's gradient is then each row's hidden values against their gradient,
-    so the backward pass needs no expert output and remat runs neither the down projection nor the way home
-    again."""
+class ExpertWeights(NamedTuple):
+    """One device's experts: gate and up [E_local, d, f], down [E_local, f, d], and with ``model.moe.expert_bias``
+    the gate's and up's biases [E_local, f] (the down projection's is added outside, ``models/moe.py``)."""
+    gate: jax.Array
+    up: jax.Array
+    down: jax.Array
+    gate_bias: jax.Array | None = None
+    up_bias: jax.Array | None = None
+
+
+def _weighted_swiglu(packed: jax.Array, d: int, project: Callable[[jax.Array, str], jax.Array],
+                     activation: GatedActivation, biases: tuple[jax.Array, jax.Array] | None) -> jax.Array:
+    """``_packed`` rows [..., d + pad] -> gated outputs [..., d] weighted by their router weights: ``project(x,
+    matrix)`` with 'gate', 'up', 'down', the gate's and up's ``biases`` (None, or broadcast to their outputs) added,
+    then ``activation``. The weights scale the hidden values ahead of the (linear) down projection, which gives the
+    same product: the router's gradient is then each row's hidden values against their gradient, so the backward
+    pass needs no expert output and remat runs neither the down projection nor the way home again."""
     rows, weights = packed[..., :d], packed[..., d:d + 1]
-    return project(jax.nn.silu(project(rows, "gate")) * project(rows, "up") * weights, "down")
+    add = (lambda y, i: y + biases[i].astype(y.dtype)) if biases is not None else (lambda y, i: y)
+    gated = activation.gated(add(project(rows, "gate"), 0))
+    return project(activation.combine(gated, add(project(rows, "up"), 1)) * weights, "down")
 
 
-def _swiglu_grouped(packed: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array,
-                    group_sizes: jax.Array, run: ExpertRun) -> jax.Array:
+def _swiglu_grouped(packed: jax.Array, w: ExpertWeights, group_sizes: jax.Array, run: ExpertRun) -> jax.Array:
     """``_packed`` rows sorted by expert [m, d + pad] -> weighted expert outputs [m, d]; rows past sum(group_sizes)
-    give zeros. ``run``: the grouped GEMM's implementation and precision (``ops/grouped.py``)."""
-    matrices = {"gate": gate, "up": up, "down": down}
-    return _weighted_swiglu(packed, gate.shape[1], lambda x, name: (grouped_fp8.matmul if run.fp8 else grouped.matmul)(
-        x, matrices[name], group_sizes, run.gemm))
+    give zeros (their router weight is zero). ``run``: the grouped GEMM's implementation and precision
+    (``ops/grouped.py``) and the activation."""
+    matrices = {"gate": w.gate, "up": w.up, "down": w.down}
+    biases = None
+    if w.gate_bias is not None:  # each row's expert, from the groups' sizes
+        expert = jnp.searchsorted(jnp.cumsum(group_sizes), jnp.arange(packed.shape[0]), side="right")
+        expert = jnp.minimum(expert, w.gate.shape[0] - 1)
+        biases = (w.gate_bias[expert], w.up_bias[expert])
+    return _weighted_swiglu(packed, w.gate.shape[1], lambda x, name: (
+        grouped_fp8.matmul if run.fp8 else grouped.matmul)(x, matrices[name], group_sizes, run.gemm), run.activation,
+        biases)
 
 
-def _swiglu_batched(slots: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array, fp8: bool) -> jax.Array:
+def _swiglu_batched(slots: jax.Array, w: ExpertWeights, run: ExpertRun) -> jax.Array:
     """Fixed slots of each expert, ``_packed`` [E, m, d + pad] -> weighted outputs [E, m, d]: one batched GEMM per
-    matrix. With ``fp8`` each is a batched FP8 GEMM with current scaling, one scale for all slots and one per expert
-    for the weights (``ops/fp8.py``, ``batched_einsum``)."""
-    einsum = fp8_ops.batched_einsum if fp8 else jnp.einsum
-    matrices = {"gate": (gate, "emd,edf->emf"), "up": (up, "emd,edf->emf"), "down": (down, "emf,efd->emd")}
-    return _weighted_swiglu(slots, gate.shape[1], lambda x, name: einsum(matrices[name][1], x, matrices[name][0]))
+    matrix. With ``run.fp8`` each is a batched FP8 GEMM with current scaling, one scale for all slots and one per
+    expert for the weights (``ops/fp8.py``, ``batched_einsum``)."""
+    einsum = fp8_ops.batched_einsum if run.fp8 else jnp.einsum
+    matrices = {"gate": (w.gate, "emd,edf->emf"), "up": (w.up, "emd,edf->emf"), "down": (w.down, "emf,efd->emd")}
+    biases = None if w.gate_bias is None else (w.gate_bias[:, None, :], w.up_bias[:, None, :])
+    return _weighted_swiglu(slots, w.gate.shape[1], lambda x, name: einsum(matrices[name][1], x, matrices[name][0]),
+                            run.activation, biases)
 
 
-def experts_local(x: jax.Array, ids: jax.Array, weights: jax.Array, gate: jax.Array, up: jax.Array,
-                  down: jax.Array, num_experts: int, row_capacity: int | None,
-                  axes: ExpertAxes | None, run: ExpertRun = ExpertRun()) -> tuple[jax.Array, jax.Array]:
+def experts_local(x: jax.Array, ids: jax.Array, weights: jax.Array, w: ExpertWeights, num_experts: int,
+                  row_capacity: int | None, axes: ExpertAxes | None,
+                  run: ExpertRun = ExpertRun()) -> tuple[jax.Array, jax.Array]:
     """One device's part of the expert computation (called inside shard_map with the mesh axes to talk over,
     or alone without a mesh: ``axes`` None).
 
-    x [b, t, d], ids/weights [b, t, k] (id ``num_experts`` = dropped); gate/up [E_local, d_shard, f_shard],
-    down [E_local, f_shard, d_shard]. ``row_capacity``: slots per expert and row (capacity mode) or None
+    x [b, t, d], ids/weights [b, t, k] (id ``num_experts`` = dropped); ``w``: gate/up [E_local, d_shard, f_shard],
+    down [E_local, f_shard, d_shard], biases [E_local, f_shard]. ``row_capacity``: slots per expert and row
+    (capacity mode) or None
     (dropless). ``run``: the kernels, exchange, precision and chunks. -> (outputs [b, t, d], how many of this
     device's assignments a full receive buffer dropped).
     """
@@ -139,8 +163,8 @@ def experts_local(x: jax.Array, ids: jax.Array, weights: jax.Array, gate: jax.Ar
     b, t, d = x.shape
     k = ids.shape[-1]
     if axes.embed:  # weights gathered to their whole hidden width (their gradients are reduce-scattered back)
-        gate, up = (jax.lax.all_gather(w, axes.embed, axis=1, tiled=True) for w in (gate, up))
-        down = jax.lax.all_gather(down, axes.embed, axis=2, tiled=True)
+        gate, up = (jax.lax.all_gather(m, axes.embed, axis=1, tiled=True) for m in (w.gate, w.up))
+        w = w._replace(gate=gate, up=up, down=jax.lax.all_gather(w.down, axes.embed, axis=2, tiled=True))
     ep = jax.lax.axis_size(axes.experts) if axes.experts else 1  # expert shards
     n = b * t
     stages = []
@@ -148,16 +172,16 @@ def experts_local(x: jax.Array, ids: jax.Array, weights: jax.Array, gate: jax.Ar
     for rows in chunk_rows(b, t, run.chunks if ep > 1 else 1, row_capacity):
         if row_capacity is None and ep > 1 and 0 < run.node_shards < ep:  # the chunk's tokens, once per node
             stages.append(_exchange_nodes(x.reshape(n, d)[rows], ids.reshape(n, k)[rows],
-                                          weights.reshape(n, k)[rows], gate, up, down, num_experts, axes.experts, ep,
+                                          weights.reshape(n, k)[rows], w, num_experts, axes.experts, ep,
                                           run))
         elif row_capacity is None:  # the chunk's tokens, flattened, each assignment straight to its expert
             part = x.reshape(n, d)[rows]
             stages.append(summed(_dropless(part, ids.reshape(n, k)[rows].reshape(-1),
-                                            weights.reshape(n, k)[rows].reshape(-1), gate, up, down, num_experts,
+                                            weights.reshape(n, k)[rows].reshape(-1), w, num_experts,
                                             axes.experts, ep, run, _receive_rows(run, ep, part.shape[0] * k)), k))
         else:  # capacity mode's slots are per batch row: the chunk's rows, whole
-            stages.append(summed(_with_capacity(x[rows], ids[rows], weights[rows], gate, up, down, num_experts,
-                                                 min(row_capacity, t), axes.experts, ep, run.fp8), k))
+            stages.append(summed(_with_capacity(x[rows], ids[rows], weights[rows], w, num_experts,
+                                                 min(row_capacity, t), axes.experts, ep, run), k))
     ys, dropped = [], jnp.zeros((), jnp.float32)
     for y, lost in overlapped(stages):
         ys.append(jax.lax.psum(y, axes.mlp) if axes.mlp else y)  # each shard computed its slice of the width
@@ -172,7 +196,7 @@ def _receive_rows(run: ExpertRun, senders: int, own_rows: int, sent_rows: int | 
     return min(worst, math.ceil(run.receive_factor * own_rows)) if run.receive_factor else worst
 
 
-def _dropless(tokens, ids, weights, gate, up, down, num_experts: int, expert_axes: tuple[str, ...], ep: int,
+def _dropless(tokens, ids, weights, w, num_experts: int, expert_axes: tuple[str, ...], ep: int,
               run: ExpertRun, receive_rows: int, node: int = 0) -> Stages:
     """Assignments sorted by expert, one grouped GEMM (ragged_dot) per matrix; the stages' outputs [n * k, d] in
     assignment order, each weighted by its router weight (``weights`` [n * k]; ids ``num_experts`` and up get
@@ -188,12 +212,12 @@ def _dropless(tokens, ids, weights, gate, up, down, num_experts: int, expert_axe
     counts = jnp.sum(jax.nn.one_hot(ids, num_experts, dtype=jnp.int32), axis=0)
     none = jnp.zeros((), jnp.float32)
     if ep == 1:
-        stages = Stages(lambda: rows, lambda r: _swiglu_grouped(r, gate, up, down, counts, run), lambda c: (c, none))
+        stages = Stages(lambda: rows, lambda r: _swiglu_grouped(r, w, counts, run), lambda c: (c, none))
     elif run.exchange == "ragged":
-        stages = _exchange_ragged(rows, counts, gate, up, down, expert_axes, ep, num_experts // ep, run,
+        stages = _exchange_ragged(rows, counts, w, expert_axes, ep, num_experts // ep, run,
                                   receive_rows, node)
     else:
-        stages = _exchange_sorted(rows, sorted_ids, counts, gate, up, down, expert_axes, ep, num_experts // ep,
+        stages = _exchange_sorted(rows, sorted_ids, counts, w, expert_axes, ep, num_experts // ep,
                                   run)
 
     def finish(computed):
@@ -220,7 +244,7 @@ def node_rows(ids: jax.Array, num_experts: int, nodes: int) -> NodeRows:
     return NodeRows(token, to, jnp.sum(needed, axis=0), node[token] == to[:, None])
 
 
-def _exchange_nodes(tokens, ids, weights, gate, up, down, num_experts: int, expert_axes: tuple[str, ...], ep: int,
+def _exchange_nodes(tokens, ids, weights, w, num_experts: int, expert_axes: tuple[str, ...], ep: int,
                     run: ExpertRun) -> Stages:
     """Dropless rows sent once per node, ``run.node_shards`` expert shards a node (consecutive along the expert axes,
     as ``parallel/mesh.py`` lays nodes out). Each token [n, d] goes to the device at this device's place in every
@@ -247,7 +271,7 @@ def _exchange_nodes(tokens, ids, weights, gate, up, down, num_experts: int, expe
         rows, got = (exchange.dispatch(c, m, plan, expert_axes) for c in carried)
         got_ids, got_weights = got[:, :k].astype(jnp.int32), got[:, k:]
         got_ids = jnp.where(jnp.arange(m)[:, None] < jnp.sum(plan.recv_sizes), got_ids, num_experts)  # past: none
-        inner = summed(_dropless(rows, got_ids.reshape(-1), got_weights.reshape(-1), gate, up, down, num_experts,
+        inner = summed(_dropless(rows, got_ids.reshape(-1), got_weights.reshape(-1), w, num_experts,
                                  expert_axes, ep, run, _receive_rows(run, per_node, n * k, m * k), per_node), k)
         return inner, inner.send()
 
@@ -263,11 +287,11 @@ def _exchange_nodes(tokens, ids, weights, gate, up, down, num_experts: int, expe
     return Stages(send, compute, finish)
 
 
-def _exchange_sorted(rows, sorted_ids, counts, gate, up, down, expert_axes: tuple[str, ...], ep: int,
+def _exchange_sorted(rows, sorted_ids, counts, w, expert_axes: tuple[str, ...], ep: int,
                      local_experts: int, run: ExpertRun) -> Stages:
     """Sends sorted ``_packed`` rows to the expert shards that own their experts (a fixed buffer of all the rows per
     shard), runs the local experts on what arrives, and returns each row's weighted output in the sorted order."""
-    m, d = rows.shape[0], gate.shape[1]
+    m, d = rows.shape[0], w.gate.shape[1]
     per_shard = counts.reshape(ep, local_experts)
     sent = jnp.sum(per_shard, axis=1)  # rows for each destination shard
     starts = jnp.cumsum(sent) - sent
@@ -282,7 +306,7 @@ def _exchange_sorted(rows, sorted_ids, counts, gate, up, down, expert_axes: tupl
 
     def compute(recv):  # recv[j]: rows from shard j
         ordered = recv.reshape(ep * m, -1)[by_local_expert]
-        computed = _swiglu_grouped(ordered, gate, up, down, jnp.sum(recv_counts, 0), run)
+        computed = _swiglu_grouped(ordered, w, jnp.sum(recv_counts, 0), run)
         return computed[jnp.argsort(by_local_expert)].reshape(ep, m, d)
 
     def finish(back):
@@ -294,7 +318,7 @@ def _exchange_sorted(rows, sorted_ids, counts, gate, up, down, expert_axes: tupl
     return Stages(lambda: jax.lax.all_to_all(send, expert_axes, 0, 0, tiled=True), compute, finish)
 
 
-def _exchange_ragged(rows, counts, gate, up, down, expert_axes: tuple[str, ...], ep: int, local_experts: int,
+def _exchange_ragged(rows, counts, w, expert_axes: tuple[str, ...], ep: int, local_experts: int,
                      run: ExpertRun, receive_rows: int, node: int = 0) -> Stages:
     """``_exchange_sorted`` moving only the routed rows (``ops/exchange.py``): each expert shard gets the rows of
     its experts (``_packed`` with their router weights), packed peer by peer into a buffer of ``receive_rows`` (the
@@ -324,7 +348,7 @@ def _exchange_ragged(rows, counts, gate, up, down, expert_axes: tuple[str, ...],
     by_local_expert = jnp.argsort(local_id, stable=True)
 
     def compute(received):  # peer by peer, then zeros
-        computed = _swiglu_grouped(received[by_local_expert], gate, up, down, jnp.sum(recv_counts, 0), run)
+        computed = _swiglu_grouped(received[by_local_expert], w, jnp.sum(recv_counts, 0), run)
         return computed[jnp.argsort(by_local_expert)]
 
     def finish(computed):
@@ -333,8 +357,8 @@ def _exchange_ragged(rows, counts, gate, up, down, expert_axes: tuple[str, ...],
     return Stages(lambda: exchange.dispatch(rows, receive_rows, plan, expert_axes, groups), compute, finish)
 
 
-def _with_capacity(x, ids, weights, gate, up, down, num_experts: int, slots: int, expert_axes: tuple[str, ...],
-                   ep: int, fp8: bool) -> Stages:
+def _with_capacity(x, ids, weights, w, num_experts: int, slots: int, expert_axes: tuple[str, ...],
+                   ep: int, run: ExpertRun) -> Stages:
     """Capacity mode: every expert has ``slots`` fixed places per local row; kept assignments and their router
     weights (``weights`` [b, t, k]) are scattered into them, the slots of each expert shard are exchanged as one
     block, and each expert runs one dense batched GEMM over its slots. The stages' outputs [b * t * k, d] in
@@ -357,7 +381,7 @@ def _with_capacity(x, ids, weights, gate, up, down, num_experts: int, slots: int
 
     def compute(received):
         by_expert = jnp.swapaxes(received, 0, 1).reshape(local_experts, ep * b * slots, -1)
-        out = _swiglu_batched(by_expert, gate, up, down, fp8).reshape(local_experts, ep, b * slots, d)
+        out = _swiglu_batched(by_expert, w, run).reshape(local_experts, ep, b * slots, d)
         return jnp.swapaxes(out, 0, 1)
 
     def finish(out):  # back to the shard the rows came from

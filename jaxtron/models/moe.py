@@ -21,16 +21,18 @@ from jaxtron.models.experts import (
     TOKEN_AXES,
     ExpertAxes,
     ExpertRun,
+    ExpertWeights,
     experts_local,
     rank_in_row,
 )
-from jaxtron.models.layers import compute_dtype, param
+from jaxtron.models.layers import GatedActivation, compute_dtype, param
 from jaxtron.models.mlp import MLP
 from jaxtron.models.projection import fp8_enabled
 from jaxtron.ops import exchange, grouped
 from jaxtron.parallel.sharding import constrain, logical_to_spec, spec_axes
 
 ROUTE_AXES = ("activation_batch", "activation_length", None)
+BIAS_AXES = ("experts", "mlp")  # how the experts' gate and up biases enter the expert computation (split as weights)
 
 
 # The XLA options of a program whose MoE blocks exchange rows between devices. XLA's GPU compiler schedules without
@@ -158,9 +160,15 @@ class MoE(nnx.Module):
         self.router = param(rngs, (d, e), ("embed", None), cfg.init_std)
         self.router_bias = nnx.Param(jnp.zeros((e,), jnp.float32), out_sharding=("bias",)) \
             if cfg.moe.router == "sigmoid" else None
+        # gpt-oss: a learned bias on the router's logits, and biases on each expert's projections
+        self.router_logit_bias = nnx.Param(jnp.zeros((e,), jnp.float32), out_sharding=("bias",)) \
+            if cfg.moe.router_logit_bias else None
         self.wi_gate = param(rngs, (e, d, f), GATE_UP_AXES, cfg.init_std)
         self.wi_up = param(rngs, (e, d, f), GATE_UP_AXES, cfg.init_std)
         self.wo = param(rngs, (e, f, d), DOWN_AXES, cfg.init_std / math.sqrt(2 * cfg.num_layers))
+        zeros = (lambda shape: nnx.Param(jnp.zeros(shape, jnp.float32), out_sharding=("experts", "bias"))) \
+            if cfg.moe.expert_bias else (lambda shape: None)
+        self.wi_gate_bias, self.wi_up_bias, self.wo_bias = zeros((e, f)), zeros((e, f)), zeros((e, d))
         self.shared = MLP(cfg, execution, rngs, cfg.moe.shared_experts * f) if cfg.moe.shared_experts else None
 
     def __call__(self, x: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
@@ -170,12 +178,17 @@ class MoE(nnx.Module):
         row_capacity = capacity(cfg, self.execution.capacity_factor, x.shape[1]) if capacity_mode else None
         with jax.named_scope("router"):  # the step's budget labels kernels by these scopes (metrics/budget.py)
             logits = jnp.einsum("btd,de->bte", x.astype(jnp.float32), self.router[...])
+            if self.router_logit_bias is not None:
+                logits = logits + self.router_logit_bias[...]
             bias = self.router_bias[...] if self.router_bias is not None else None
             ids, weights, stats = route(cfg, logits, row_capacity, bias)
         with jax.named_scope("experts"):
             y, dropped = self._routed(constrain(x, TOKEN_AXES), ids, weights, row_capacity, fp8_enabled())
         if not capacity_mode:  # assignments that found no room in a receive buffer
             stats["dropped"] = dropped / ids.size
+        if self.wo_bias is not None:  # each expert's output bias, weighted as its output is (none where dropped)
+            routed = jnp.sum(jax.nn.one_hot(ids, cfg.moe.num_experts, dtype=jnp.float32) * weights[..., None], axis=2)
+            y = y + jnp.einsum("bte,ed->btd", routed, self.wo_bias[...]).astype(y.dtype)
         if self.shared is not None:
             y = y + self.shared(x)[0]
         return y, stats
@@ -185,27 +198,32 @@ class MoE(nnx.Module):
         """-> (outputs, assignments a receive buffer dropped, over all devices)."""
         cfg, dt = self.cfg, compute_dtype(self.execution)
         ids, weights = constrain(ids, ROUTE_AXES), constrain(weights, ROUTE_AXES)
-        gate, up, down = (w[...].astype(dt) for w in (self.wi_gate, self.wi_up, self.wo))
+        matrices = [w[...].astype(dt) for w in (self.wi_gate, self.wi_up, self.wo)]
+        biases = [] if self.wi_gate_bias is None else [constrain(b[...].astype(dt), BIAS_AXES)
+                                                      for b in (self.wi_gate_bias, self.wi_up_bias)]
         execution = self.execution
         run = ExpertRun(grouped.resolve(execution.expert_gemm, fp8),
                         exchange.resolve(execution.moe_exchange, execution.moe_receive_factor,
                                          execution.moe_node_shards),
-                        execution.moe_receive_factor, fp8, execution.moe_chunks, execution.moe_node_shards)
+                        execution.moe_receive_factor, fp8, execution.moe_chunks, execution.moe_node_shards,
+                        GatedActivation.of(cfg))
         if jax.sharding.get_abstract_mesh().empty:
-            return experts_local(x, ids, weights, gate, up, down, cfg.moe.num_experts, row_capacity, None, run)
+            return experts_local(x, ids, weights, ExpertWeights(*matrices, *biases), cfg.moe.num_experts,
+                                 row_capacity, None, run)
         token_spec, route_spec = logical_to_spec(TOKEN_AXES), logical_to_spec(ROUTE_AXES)
         token_axes = spec_axes(token_spec, 0) + spec_axes(token_spec, 1)
         axes = ExpertAxes.from_rules()
 
         # check_vma off: under a pipeline stage's vmap (spmd_axis_name) the inputs vary over the stage axis while
         # the constants made inside do not, which the check refuses; every collective here is written explicitly
-        def local(x, ids, weights, gate, up, down):
-            y, dropped = experts_local(x, ids, weights, gate, up, down, cfg.moe.num_experts, row_capacity, axes,
-                                       run)
+        def local(x, ids, weights, *weight_arrays):
+            y, dropped = experts_local(x, ids, weights, ExpertWeights(*weight_arrays), cfg.moe.num_experts,
+                                       row_capacity, axes, run)
             return y, jax.lax.psum(dropped, token_axes) if token_axes else dropped  # over the devices of other tokens
 
-        y, dropped = jax.shard_map(local, in_specs=(token_spec, route_spec, route_spec, logical_to_spec(GATE_UP_AXES),
-                                                    logical_to_spec(GATE_UP_AXES), logical_to_spec(DOWN_AXES)),
+        weight_specs = [logical_to_spec(a) for a in (GATE_UP_AXES, GATE_UP_AXES, DOWN_AXES)] + \
+            [logical_to_spec(BIAS_AXES)] * len(biases)
+        y, dropped = jax.shard_map(local, in_specs=(token_spec, route_spec, route_spec, *weight_specs),
                                    out_specs=(token_spec, logical_to_spec(())), check_vma=False)(
-            x, ids, weights, gate, up, down)
+            x, ids, weights, *matrices, *biases)
         return constrain(y, TOKEN_AXES), dropped

@@ -7,7 +7,8 @@ that carries one logical name per dimension. It owns:
 - the low-precision recipe: FP8 with current scaling (``ops/fp8.py``) inside ``fp8_recipe("tensorwise")``, which
   the layer stack opens around the blocks of an FP8 layer span;
 - the FSDP gather layout (``state_sharding.weight_layout``): a weight split over fsdp is gathered for use;
-- its LoRA adapters (``lora_a``, ``lora_b``, ``models/lora.py`` adds them), their scale and dropout.
+- its LoRA adapters (``lora_a``, ``lora_b``, ``models/lora.py`` adds them), their scale and dropout;
+- with ``bias``, a bias over its outputs (gpt-oss's attention).
 
 Model code reads ``self.wq(x)``. Stacked layers hold their projections stacked too: ``layers.attn.wq.weight``.
 Checkpoints of the older layout, whose weights sat directly under their module (``layers.attn.wq``), load through
@@ -70,8 +71,12 @@ class Projection(nnx.Module):
     (one logical name per dimension), drawn from N(0, std^2), computed in ``dtype``."""
 
     def __init__(self, rngs: nnx.Rngs, inputs: Sequence[int], outputs: Sequence[int], names: Sequence[str | None],
-                 std: float, dtype):
+                 std: float, dtype, bias: bool = False):
         self.weight = param(rngs, (*inputs, *outputs), names, std)
+        # a bias over the outputs, zero at the start; its last axis is named 'bias' (no weight decay, not one of
+        # Muon's matrices), the others as the weight's outputs ([heads, bias] for a query bias)
+        bias_names = (*names[len(inputs):-1], "bias")
+        self.bias = nnx.Param(jnp.zeros(tuple(outputs), jnp.float32), out_sharding=bias_names) if bias else None
         self.inputs, self.outputs = len(inputs), len(outputs)
         self.dtype = jnp.dtype(dtype)
         # LoRA, which models/lora.py adds: A [*inputs, rank] and B [rank, *outputs] (data, though None until then)
@@ -88,6 +93,8 @@ class Projection(nnx.Module):
         layout = weight_layout(logical_names(self.weight), w.ndim)
         eq = equation(x.ndim, self.inputs, self.outputs)
         y = (fp8_ops.einsum if fp8_enabled() else gathered_einsum)(eq, x, w, layout)
+        if self.bias is not None:
+            y = y + self.bias[...].astype(self.dtype)
         if self.lora_a is None:
             return y
         return y + jnp.asarray(self.lora_scale, self.dtype) * self._low_rank(x)

@@ -1,10 +1,13 @@
 """The layer stack: blocks whose parameters are stacked along one logical axis, and the one function that runs it.
 
-A model's blocks live in at most two stacks, each in block order: the dense blocks and the MoE blocks. The unit the
-stack is stepped over is a *period*: ``moe_every`` blocks of an MoE model (its dense blocks, then its MoE block), one
-block of a dense model. An MoE model's dense prefix (``first_dense_layers``) belongs to no period: it runs first,
-as a plain scan, and a pipeline schedule never stages it. With ``execution.fp8_skip_layers`` the blocks run in
-spans, the first and last ones in 16 bits and the ones between with FP8 matmuls (``layer_spans``).
+A model's blocks live in at most three stacks, each in block order: the dense blocks, the MoE blocks and, in a dense
+model, a lead of blocks that run first. The unit the stack is stepped over is a *period* (``ModelConfig.period``):
+``moe_every`` blocks of an MoE model (its dense blocks, then its MoE block), a run of the local/global pattern (Gemma
+3's five local blocks and a global one), or one block. A period's blocks run in order, each of its kind: dense or
+MoE, local or global (``ModelConfig.period_blocks``). The prefix (an MoE model's dense ``first_dense_layers``, or the
+blocks a dense model's periods leave over, its lead) belongs to no period: it runs first, as a plain scan, and a
+pipeline schedule never stages it. With ``execution.fp8_skip_layers`` the blocks run in spans, the first and last
+ones in 16 bits and the ones between with FP8 matmuls (``layer_spans``).
 
 ``run_stack`` scans the periods of each span in order, or hands them to a runner (a pipeline schedule,
 ``jaxtron.training.pipeline.fill_drain.Schedule``), which calls ``body(hidden, one period's parameters, extras)``
@@ -120,9 +123,9 @@ def without_remat() -> Iterator[None]:
         yield
 
 
-def _block_fn(graphdef: Any, fp8: bool, remat: str) -> Callable | None:
+def _block_fn(graphdef: Any, fp8: bool, remat: str, local: bool = False) -> Callable | None:
     """(hidden, one block's parameters, positions[, segment ids]) -> (hidden, stats) for blocks of ``graphdef``,
-    rematerialised per ``remat`` (not within ``without_remat``)."""
+    rematerialised per ``remat`` (not within ``without_remat``); ``local``: blocks whose attention is windowed."""
     if graphdef is None:
         return None
 
@@ -132,23 +135,38 @@ def _block_fn(graphdef: Any, fp8: bool, remat: str) -> Callable | None:
     # what its backward reads: a weight gathered for use would be kept whole from the forward to the backward pass
     gather = "keep" if policy is not None or unrematerialized else "regather"
 
+    kind = {"local": True} if local else {}
+
     def apply(h, block, positions, segment_ids=None):
         with gathering_for_use(gather), fp8_recipe(FP8_RECIPE if fp8 else None):
-            return nnx.merge(graphdef, block)(h, positions, segment_ids)
+            return nnx.merge(graphdef, block)(h, positions, segment_ids, **kind)
 
     return apply if policy is None else jax.checkpoint(apply, policy=policy, prevent_cse=False)
 
 
-def _period(dense_fn: Callable | None, moe_fn: Callable | None, dense_per_period: int, h: jax.Array,
-            period: tuple[Any, Any], extras: tuple) -> tuple[jax.Array, Stats]:
-    """One period: its dense blocks ([dense_per_period, ...] when more than one), then its MoE block."""
-    dense, moe = period
-    if dense is not None and dense_per_period == 1:
-        h, _ = dense_fn(h, dense, *extras)
-    elif dense is not None:
-        for j in range(dense_per_period):
-            h, _ = dense_fn(h, jax.tree.map(lambda a, j=j: a[j], dense), *extras)
-    return (h, {}) if moe is None else moe_fn(h, moe, *extras)
+def per_period(cfg: ModelConfig) -> tuple[int, int]:
+    """(dense blocks, MoE blocks) of one period."""
+    moe = sum(is_moe for is_moe, _ in cfg.period_blocks())
+    return cfg.period - moe, moe
+
+
+def _period(fns: dict[tuple[bool, bool], Callable], blocks: tuple[tuple[bool, bool], ...], counts: tuple[int, int],
+            h: jax.Array, period: tuple[Any, Any], extras: tuple) -> tuple[jax.Array, Stats]:
+    """One period: each of its ``blocks`` (is MoE, is local) in order, by ``fns`` of that kind, taking the next
+    block of its stack's share of the period (``counts``: dense, MoE; [count, ...] when more than one). Stats: the
+    MoE block's, or its MoE blocks' stacked [count, ...]."""
+    taken, stats = [0, 0], []
+    for is_moe, local in blocks:
+        tree, count = period[is_moe], counts[is_moe]
+        j = taken[is_moe]
+        taken[is_moe] += 1
+        h, block_stats = fns[is_moe, local](h, tree if count == 1 else jax.tree.map(lambda a, j=j: a[j], tree),
+                                            *extras)
+        if is_moe:
+            stats.append(block_stats)
+    if len(stats) <= 1:
+        return h, stats[0] if stats else {}
+    return h, {k: jnp.stack([b[k] for b in stats]) for k in stats[0]}
 
 
 def _periods(tree: Any, per: int, first: int, end: int, whole: bool) -> Any:
@@ -163,95 +181,115 @@ def _periods(tree: Any, per: int, first: int, end: int, whole: bool) -> Any:
 
 
 def span_slices(cfg: ModelConfig, execution: ExecutionConfig, dense_state: Any, moe_state: Any,
-                 whole: bool = False):
+                 whole: bool = False, lead_state: Any = None):
     """Each layer span (``layer_spans``) with its share of the stacks ``dense_state`` and ``moe_state`` (their
-    parameters, or anything stacked as they are: a decode's caches): a prefix span's dense blocks [blocks, ...], or
-    a stacked span's periods (dense [periods, per, ...] or [periods, ...], MoE [periods, ...]; ``_periods``).
-    ``whole``: a span of every period takes the stacks as stored."""
+    parameters): a prefix span's blocks [blocks, ...] (of ``lead_state`` when the model has a lead stack), or a
+    stacked span's periods (dense and MoE each [periods, per, ...] or [periods, ...]; ``_periods``). ``whole``: a
+    span of every period takes the stacks as stored."""
     prefix, period = cfg.prefix_layers, cfg.period
-    dense_per_period = period - 1 if cfg.moe.num_experts else 1
+    dense_per_period, moe_per_period = per_period(cfg)
+    first_blocks = lead_state if cfg.lead_stack else dense_state
     for span in layer_spans(cfg, execution):
         if span.prefix:
-            yield span, jax.tree.map(lambda a, sp=span: a[sp.first:sp.end], dense_state)
+            yield span, jax.tree.map(lambda a, sp=span: a[sp.first:sp.end], first_blocks)
             continue
         first, end = (span.first - prefix) // period, (span.end - prefix) // period
         every = whole and (first, end) == (0, cfg.stack_periods)
         yield span, (_periods(dense_state, dense_per_period, first, end, every),
-                      _periods(moe_state, 1, first, end, every))
+                      _periods(moe_state, moe_per_period, first, end, every))
+
+
+def period_range(cfg: ModelConfig, span: LayerSpan) -> tuple[int, int]:
+    """The blocks (a prefix span) or periods (a stacked span) ``span`` covers, as a range's ends."""
+    if span.prefix:
+        return span.first, span.end
+    return (span.first - cfg.prefix_layers) // cfg.period, (span.end - cfg.prefix_layers) // cfg.period
+
+
+def _block_fns(cfg: ModelConfig, execution: ExecutionConfig, dense_def: Any, moe_def: Any,
+               fp8: bool) -> dict[tuple[bool, bool], Callable]:
+    """The block functions of one span, by (is MoE, is local)."""
+    return {(is_moe, local): _block_fn(moe_def if is_moe else dense_def, fp8, execution.remat, local)
+            for is_moe, local in set(cfg.period_blocks())}
 
 
 def run_stack(cfg: ModelConfig, execution: ExecutionConfig, dense: nnx.Module | None, moe: nnx.Module | None,
-              x: jax.Array, extras: tuple, runner: StackRunner | None = None) -> tuple[jax.Array, Stats]:
-    """Runs the dense and MoE stacks (stacked modules or None) on the residual stream ``x``: the prefix, then the
-    periods of each span through ``runner`` (default: a scan). ``extras`` are the positions and, for packed rows,
-    the segment ids. Returns the stack's output and the MoE blocks' routing stats, each stacked along its first
-    axis in block order (empty for a dense model)."""
+              x: jax.Array, extras: tuple, runner: StackRunner | None = None,
+              lead: nnx.Module | None = None) -> tuple[jax.Array, Stats]:
+    """Runs the dense and MoE stacks (stacked modules or None) on the residual stream ``x``: the prefix (from
+    ``lead``, a dense model's lead stack, when it has one), then the periods of each span through ``runner``
+    (default: a scan). ``extras`` are the positions and, for packed rows, the segment ids. Returns the stack's
+    output and the MoE blocks' routing stats, each stacked along its first axis in block order (empty for a dense
+    model)."""
     dense_def, dense_state = nnx.split(dense) if dense is not None else (None, None)
     moe_def, moe_state = nnx.split(moe) if moe is not None else (None, None)
-    dense_per_period = cfg.period - 1 if cfg.moe.num_experts else 1
+    lead_def, lead_state = nnx.split(lead) if lead is not None else (None, None)
+    blocks, counts = cfg.period_blocks(), per_period(cfg)
     stats = []
     scan = functools.partial(scan_stack, unroll=not execution.scan_layers)
-    for span, periods in span_slices(cfg, execution, dense_state, moe_state, whole=True):
-        dense_fn = _block_fn(dense_def, span.fp8, execution.remat)
+    for span, periods in span_slices(cfg, execution, dense_state, moe_state, whole=True, lead_state=lead_state):
         if span.prefix:
-            x, _ = scan(lambda h, block, ex, f=dense_fn: f(h, block, *ex), x, periods, extras)
+            first_fn = _block_fn(lead_def or dense_def, span.fp8, execution.remat, cfg.is_local_block(span.first))
+            x, _ = scan(lambda h, block, ex, f=first_fn: f(h, block, *ex), x, periods, extras)
             continue
-        body = functools.partial(_period, dense_fn, _block_fn(moe_def, span.fp8, execution.remat), dense_per_period)
-        x, span_stats = (runner or scan)(body, x, periods, extras)
+        fns = _block_fns(cfg, execution, dense_def, moe_def, span.fp8)
+        x, span_stats = (runner or scan)(functools.partial(_period, fns, blocks, counts), x, periods, extras)
+        if counts[1] > 1:  # [periods, MoE blocks of a period, ...] -> [blocks, ...] in block order
+            span_stats = jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), span_stats)
         stats.append(span_stats)
     if not stats or not stats[0]:
         return x, {}
     return x, {k: jnp.concatenate([s[k] for s in stats]) for k in stats[0]}
 
 
-Cache = dict[str, Any]  # {"layers": the dense blocks' caches stacked [blocks, ...], "moe_layers": the MoE blocks'}
+# {"prefix": the prefix blocks' caches stacked [blocks, ...], "period": one cache per block of a period, each stacked
+# [periods, ...]} (a local block's is a ring of its window: models/window_cache.py)
+Cache = dict[str, Any]
 
 
 def decode_stack(cfg: ModelConfig, execution: ExecutionConfig, dense: nnx.Module | None, moe: nnx.Module | None,
-                 x: jax.Array, positions: jax.Array, cache: Cache) -> tuple[jax.Array, Cache]:
+                 x: jax.Array, positions: jax.Array, cache: Cache,
+                 lead: nnx.Module | None = None) -> tuple[jax.Array, Cache]:
     """``run_stack`` for generation: the tokens ``x`` at ``positions`` through the blocks in the same order, each
     block's attention reading the earlier tokens from its cache and writing these in (``Block.decode``). ``cache``
-    holds each stack's block caches stacked as its parameters are; -> (the stack's output, the new cache)."""
+    as ``Cache`` says; -> (the stack's output, the new cache)."""
     dense_def, dense_state = nnx.split(dense) if dense is not None else (None, None)
     moe_def, moe_state = nnx.split(moe) if moe is not None else (None, None)
-    dense_per_period = cfg.period - 1 if cfg.moe.num_experts else 1
-    pieces: dict[str, list] = {"layers": [], "moe_layers": []}
+    lead_def, lead_state = nnx.split(lead) if lead is not None else (None, None)
+    blocks, counts = cfg.period_blocks(), per_period(cfg)
+    pieces: dict[str, list] = {"prefix": [], "period": []}
 
-    def block_fn(graphdef, fp8):
+    def block_fn(graphdef, fp8, local):
+        kind = {"local": True} if local else {}
+
         def apply(h, block, c):
             with fp8_recipe(FP8_RECIPE if fp8 else None):
-                return nnx.merge(graphdef, block).decode(h, positions, c)
+                return nnx.merge(graphdef, block).decode(h, positions, c, **kind)
         return apply
 
-    cache_slices = span_slices(cfg, execution, cache.get("layers"), cache.get("moe_layers"))
-    for (span, params), (_, caches) in zip(span_slices(cfg, execution, dense_state, moe_state), cache_slices,
-                                            strict=True):
-        dense_fn = block_fn(dense_def, span.fp8)
+    for span, params in span_slices(cfg, execution, dense_state, moe_state, lead_state=lead_state):
+        first, end = period_range(cfg, span)
         if span.prefix:
-            x, c = jax.lax.scan(lambda h, bc, f=dense_fn: f(h, *bc), x, (params, caches))
-            pieces["layers"].append(c)
+            prefix_fn = block_fn(lead_def or dense_def, span.fp8, cfg.is_local_block(span.first))
+            caches = jax.tree.map(lambda a, f=first, e=end: a[f:e], cache["prefix"])
+            x, c = jax.lax.scan(lambda h, bc, f=prefix_fn: f(h, *bc), x, (params, caches))
+            pieces["prefix"].append(c)
             continue
-        moe_fn = block_fn(moe_def, span.fp8)
+        fns = {(m, local): block_fn(moe_def if m else dense_def, span.fp8, local) for m, local in set(blocks)}
 
-        def one_period(h, pc, dense_fn=dense_fn, moe_fn=moe_fn):
-            (dense_p, moe_p), (dense_c, moe_c) = pc
-            if dense_p is not None and dense_per_period == 1:
-                h, dense_c = dense_fn(h, dense_p, dense_c)
-            elif dense_p is not None:
-                out = []
-                for j in range(dense_per_period):
-                    h, c = dense_fn(h, *jax.tree.map(lambda a, j=j: a[j], (dense_p, dense_c)))
-                    out.append(c)
-                dense_c = jax.tree.map(lambda *a: jnp.stack(a), *out)
-            if moe_p is not None:
-                h, moe_c = moe_fn(h, moe_p, moe_c)
-            return h, (dense_c, moe_c)
+        def one_period(h, pc, fns=fns):
+            period, caches = pc
+            taken, out = [0, 0], []
+            for (is_moe, local), c in zip(blocks, caches, strict=True):
+                tree, j = period[is_moe], taken[is_moe]
+                taken[is_moe] += 1
+                h, c = fns[is_moe, local](h, tree if counts[is_moe] == 1 else
+                                          jax.tree.map(lambda a, j=j: a[j], tree), c)
+                out.append(c)
+            return h, tuple(out)
 
-        x, (dense_c, moe_c) = jax.lax.scan(one_period, x, (params, caches))
-        if dense_c is not None:
-            pieces["layers"].append(jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), dense_c)
-                                    if dense_per_period > 1 else dense_c)
-        if moe_c is not None:
-            pieces["moe_layers"].append(moe_c)
+        caches = tuple(jax.tree.map(lambda a, f=first, e=end: a[f:e], c) for c in cache["period"])
+        x, c = jax.lax.scan(one_period, x, (params, caches))
+        pieces["period"].append(c)
     new = {name: jax.tree.map(lambda *a: jnp.concatenate(a), *parts) for name, parts in pieces.items() if parts}
     return x, new

@@ -39,30 +39,40 @@ def block_input(norm: nnx.Module, x: jax.Array) -> jax.Array:
 
 class Block(nnx.Module):
     """Pre-norm residual block: attention, then the feed-forward part (a dense MLP or a mixture of experts; both
-    return their output and their routing stats, empty for the MLP)."""
+    return their output and their routing stats, empty for the MLP). With ``model.post_norms`` each part's output
+    is normed again before its residual sum (Gemma 2 and 3)."""
 
     def __init__(self, cfg: ModelConfig, execution: ExecutionConfig, rngs: nnx.Rngs, attention_impl: str,
                  moe: bool = False):
         self.attn_norm = Norm(cfg, execution)
         self.attn = (LatentAttention if cfg.latent_attention else Attention)(cfg, execution, rngs, attention_impl)
+        self.attn_post_norm = Norm(cfg, execution) if cfg.post_norms else None
         self.mlp_norm = Norm(cfg, execution)
         self.mlp = MoE(cfg, execution, rngs) if moe else MLP(cfg, execution, rngs)
+        self.mlp_post_norm = Norm(cfg, execution) if cfg.post_norms else None
 
-    def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array | None) -> tuple[jax.Array, Stats]:
-        """-> (output, routing stats of an MoE block, empty for a dense one)."""
-        a = self.attn(block_input(self.attn_norm, x), positions, segment_ids)
-        x = constrain(x + gathered_cotangent(a, BLOCK_INPUT_AXES), EMBED_AXES)
+    def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array | None,
+                 local: bool = False) -> tuple[jax.Array, Stats]:
+        """-> (output, routing stats of an MoE block, empty for a dense one). ``local``: the block's attention sees
+        only its window (``model.attention.window``)."""
+        a = self.attn(block_input(self.attn_norm, x), positions, segment_ids, **({"local": True} if local else {}))
+        x = constrain(x + gathered_cotangent(_post(self.attn_post_norm, a), BLOCK_INPUT_AXES), EMBED_AXES)
         y, stats = self.mlp(block_input(self.mlp_norm, x))
-        return constrain(x + gathered_cotangent(y, BLOCK_INPUT_AXES), EMBED_AXES), stats
+        return constrain(x + gathered_cotangent(_post(self.mlp_post_norm, y), BLOCK_INPUT_AXES), EMBED_AXES), stats
 
-    def decode(self, x: jax.Array, positions: jax.Array,
-               cache: dict[str, jax.Array]) -> tuple[jax.Array, dict[str, jax.Array]]:
+    def decode(self, x: jax.Array, positions: jax.Array, cache: dict[str, jax.Array],
+               local: bool = False) -> tuple[jax.Array, dict[str, jax.Array]]:
         """The block on tokens ``x`` at ``positions``, its attention over the earlier tokens in ``cache``: -> (the
         output, the cache with these tokens in)."""
-        a, cache = self.attn.decode(self.attn_norm(x), positions, cache)
-        x = x + a
+        a, cache = self.attn.decode(self.attn_norm(x), positions, cache, **({"local": True} if local else {}))
+        x = x + _post(self.attn_post_norm, a)
         y, _ = self.mlp(self.mlp_norm(x))
-        return x + y, cache
+        return x + _post(self.mlp_post_norm, y), cache
+
+
+def _post(norm: nnx.Module | None, y: jax.Array) -> jax.Array:
+    """A part's output, normed again with ``model.post_norms``."""
+    return y if norm is None else norm(y)
 
 
 class MTPModule(nnx.Module):
@@ -117,10 +127,12 @@ class Transformer(nnx.Module):
             return lambda rngs: Block(cfg, execution, rngs, attention_impl, moe)
 
         # dense blocks in `layers`, MoE blocks in `moe_layers`, each in block order (see ModelConfig.is_moe_block);
-        # a dense prefix (which needs moe_every=1) is all of `layers`, run outside a pipeline schedule
-        moe = cfg.num_moe_layers
-        self.layers = stacked(block(False), rngs, cfg.num_layers - moe,
-                              "unstaged_layers" if cfg.prefix_layers else "layers")
+        # a dense prefix (which needs moe_every=1) is all of `layers`, run outside a pipeline schedule; a dense
+        # model's blocks before its periods (ModelConfig.prefix_layers) are `lead_layers`, run outside it too
+        moe, lead = cfg.num_moe_layers, cfg.prefix_layers if cfg.lead_stack else 0
+        self.lead_layers = stacked(block(False), rngs, lead, "unstaged_layers")
+        self.layers = stacked(block(False), rngs, cfg.num_layers - moe - lead,
+                              "unstaged_layers" if cfg.prefix_layers and not lead else "layers")
         self.moe_layers = stacked(block(True), rngs, moe, "layers")
         self.final_norm = Norm(cfg, execution)
         self.mtp = stacked(lambda rngs: MTPModule(cfg, execution, rngs, attention_impl), rngs, cfg.mtp.depth,
@@ -134,13 +146,10 @@ class Transformer(nnx.Module):
         also run the multi-token prediction modules (training only)."""
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
-        dtype = compute_dtype(self.execution)
-        x = embed_lookup(self.embedding[...], tokens, dtype)
-        if self.positions is not None:
-            x = x + embed_lookup(self.positions[...], positions, dtype, "position")
+        x = self._embed(tokens, positions)
         extras = (positions, segment_ids) if segment_ids is not None else (positions,)
         residual, stats = run_stack(self.cfg, self.execution, self.layers, self.moe_layers,
-                                    constrain(x, EMBED_AXES), extras, stack_runner)
+                                    constrain(x, EMBED_AXES), extras, stack_runner, self.lead_layers)
         mtp_hidden = ()
         if mtp and self.mtp is not None:
             mtp_hidden, mtp_stats = self._predict_ahead(residual, tokens, positions, segment_ids)
@@ -152,21 +161,34 @@ class Transformer(nnx.Module):
         attention over the earlier tokens of ``cache`` (``empty_cache``) -> (float32 logits [batch, t, vocab], the
         cache with these tokens in). A prompt's prefill and each decoding step are calls of this; the logits equal
         the full forward's at the same positions."""
-        dtype = compute_dtype(self.execution)
-        x = embed_lookup(self.embedding[...], tokens, dtype)
-        if self.positions is not None:
-            x = x + embed_lookup(self.positions[...], positions, dtype, "position")
-        x, cache = decode_stack(self.cfg, self.execution, self.layers, self.moe_layers, x, positions, cache)
+        x, cache = decode_stack(self.cfg, self.execution, self.layers, self.moe_layers, self._embed(tokens, positions),
+                                positions, cache, self.lead_layers)
         return logits_of(self.final_norm(x), self.output_head()), cache
 
+    def _embed(self, tokens: jax.Array, positions: jax.Array) -> jax.Array:
+        """The tokens' embeddings in the compute dtype: scaled by sqrt(embed_dim) with ``model.embed_scale``
+        (Gemma, which rounds the factor to the compute dtype first), plus learned positions."""
+        dtype = compute_dtype(self.execution)
+        x = embed_lookup(self.embedding[...], tokens, dtype)
+        if self.cfg.embed_scale:
+            x = x * jnp.asarray(self.cfg.embed_dim ** 0.5, dtype)
+        if self.positions is not None:
+            x = x + embed_lookup(self.positions[...], positions, dtype, "position")
+        return x
+
     def empty_cache(self, batch: int, length: int, dtype=jnp.bfloat16) -> Cache:
-        """Zero caches for ``batch`` rows of up to ``length`` positions, each stack's stacked as its blocks."""
-        cache = {}
-        for name, stack in (("layers", self.layers), ("moe_layers", self.moe_layers)):
-            if stack is not None:
-                count = jax.tree.leaves(nnx.state(stack, nnx.Param))[0].shape[0]
-                cache[name] = jax.tree.map(lambda a, n=count: jnp.zeros((n, *a.shape), a.dtype),
-                                           stack.attn.empty_cache(batch, length, dtype))  # (shapes from the config)
+        """Zero caches for ``batch`` rows of up to ``length`` positions, laid out as ``models.stack.Cache`` says
+        (the shapes come from the config: any block's attention makes them)."""
+        cfg = self.cfg
+        attn = next(s for s in (self.layers, self.moe_layers, self.lead_layers) if s is not None).attn
+
+        def stacked_cache(count: int, local: bool):
+            one = attn.empty_cache(batch, length, dtype, **({"local": True} if local else {}))
+            return jax.tree.map(lambda a: jnp.repeat(a[None], count, axis=0), one)
+
+        cache = {"period": tuple(stacked_cache(cfg.stack_periods, local) for _, local in cfg.period_blocks())}
+        if cfg.prefix_layers:
+            cache["prefix"] = stacked_cache(cfg.prefix_layers, cfg.is_local_block(0))
         return cache
 
     def _predict_ahead(self, residual: jax.Array, tokens: jax.Array, positions: jax.Array,

@@ -19,7 +19,8 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from jaxtron.config.schema import ConfigError
-from jaxtron.ops import blockwise, chunked, cudnn
+from jaxtron.ops import blockwise, chunked, cudnn, dense
+from jaxtron.ops import sinks as sink_ops
 from jaxtron.ops.sequence import KV_AXES, KV_SHARDED_AXES, Q_AXES, ROW_AXES, sequence_axes
 from jaxtron.parallel.sharding import constrain
 
@@ -80,7 +81,7 @@ def cpu_implementation(choice: str, dtype: jnp.dtype, head_dim: int, sequence_sh
 @jax.named_scope("attention")
 def dot_product_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, implementation: str = "xla",
                           segment_ids: jax.Array | None = None, positions: jax.Array | None = None,
-                          max_segments: int = 64) -> jax.Array:
+                          max_segments: int = 64, window: int = 0, sinks: jax.Array | None = None) -> jax.Array:
     """Causal grouped-query attention.
 
     q: [batch, length, heads, head_dim]; k, v: [batch, length, kv_heads, head_dim] with kv_heads
@@ -91,11 +92,17 @@ def dot_product_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, implement
     With cuDNN, packed documents go to the kernel as per-document lengths and offsets (at most ``max_segments``
     per row); on a sharded sequence it runs by chunks of the loader's layout, which needs the segment ids and
     positions.
+
+    ``window`` > 0: a query sees only the ``window`` latest positions up to its own (a local layer). ``sinks``
+    [heads]: each head's sink logit beside the keys (``ops/sinks.py``).
     """
     q = constrain(q, Q_AXES)
     chunks = implementation == "cudnn" and bool(sequence_axes())
     if chunks and (segment_ids is None or positions is None):
         raise ValueError("cuDNN attention on a sharded sequence needs the loader's segment ids and positions")
+    if chunks and (window or sinks is not None):
+        raise ConfigError("config field 'execution.attention' is 'cudnn' on a sharded sequence, which runs by chunks "
+                          "without windows or sinks; use 'auto', which runs the blockwise kernel there.")
     # blockwise attention gathers the keys and values itself, inside its shard_map: they enter it sharded like
     # the queries (gathering them here as well would gather twice)
     kv_axes = KV_SHARDED_AXES if implementation == "blockwise" or chunks else KV_AXES
@@ -106,10 +113,13 @@ def dot_product_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, implement
     if chunks:
         out = chunked.context_parallel_attention(q, k, v, constrain(positions, ROW_AXES),
                                                  constrain(segment_ids, ROW_AXES), max_segments=max_segments)
-    elif implementation == "cudnn" and segment_ids is not None:
-        out = cudnn.packed_attention(q, k, v, segment_ids, max_segments)
+    elif implementation == "cudnn":
+        out = _cudnn_attention(q, k, v, segment_ids, max_segments, window, sinks)
     elif implementation == "blockwise":
-        out = blockwise.context_parallel_attention(q, k, v, constrain(order, ROW_AXES), segment_ids)
+        out = blockwise.context_parallel_attention(q, k, v, constrain(order, ROW_AXES), segment_ids, window=window,
+                                                   sinks=sinks)
+    elif window or sinks is not None:
+        out = dense.attention(q, k, v, dense.visible(order, order, segment_ids, segment_ids, window), sinks)
     else:
         mask = None
         if segment_ids is not None:
@@ -118,3 +128,16 @@ def dot_product_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, implement
         out = jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=segment_ids is None,
                                            implementation=implementation)
     return checkpoint_name(constrain(out, Q_AXES), OUTPUT_NAME)
+
+
+def _cudnn_attention(q, k, v, segment_ids, max_segments: int, window: int, sinks) -> jax.Array:
+    """cuDNN's flash kernel on rows that are not split: packed documents through the ragged layout, each local layer
+    with cuDNN's sliding window, sinks folded in from the kernel's log-sum-exp."""
+    if segment_ids is not None and sinks is not None:
+        return sink_ops.with_sinks(cudnn.PackedRows(max_segments, window), q, k, v, sinks, (segment_ids,))
+    if segment_ids is not None:
+        return cudnn.packed_attention(q, k, v, segment_ids, max_segments, window)
+    if sinks is not None:
+        return sink_ops.with_sinks(cudnn.WholeRows(window), q, k, v, sinks, ())
+    return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn",
+                                        local_window_size=(window - 1, 0) if window else None)

@@ -20,6 +20,7 @@ import math
 import jax
 import jax.numpy as jnp
 
+from jaxtron.ops import sinks as sink_ops
 from jaxtron.ops.sequence import over_sequence
 
 MASKED = -1e30  # the score of a hidden key: finite, so a row that sees nothing gives no NaN
@@ -30,9 +31,12 @@ def block_size(length: int, wanted: int) -> int:
     return max(d for d in range(1, min(length, wanted) + 1) if length % d == 0)
 
 
-def _visible(q_pos, k_pos, q_seg, k_seg):
-    """[b, 1, 1, tq, tk]: key j is visible to query i (causal by position, inside the same document)."""
+def _visible(q_pos, k_pos, q_seg, k_seg, window=0):
+    """[b, 1, 1, tq, tk]: key j is visible to query i (causal by position, inside the same document, and with
+    ``window`` > 0 among the ``window`` latest positions up to the query's)."""
     seen = k_pos[:, None, :] <= q_pos[:, :, None]
+    if window:
+        seen &= q_pos[:, :, None] - k_pos[:, None, :] < window
     if q_seg is not None:
         seen &= k_seg[:, None, :] == q_seg[:, :, None]
     return seen[:, None, None]
@@ -62,7 +66,8 @@ def _blocked(q, k, v, q_pos, k_pos, q_seg, k_seg, block_q, block_k):
     return (bq, g, 1.0 / math.sqrt(d)), queries, keys
 
 
-def forward(q, k, v, q_pos, k_pos, q_seg, k_seg, block_q: int, block_k: int) -> tuple[jax.Array, jax.Array]:
+def forward(q, k, v, q_pos, k_pos, q_seg, k_seg, block_q: int, block_k: int,
+            window: int = 0) -> tuple[jax.Array, jax.Array]:
     """(output [b, Lq, heads, d], log-sum-exp [b, Lq, heads]) of ``blockwise_attention``, without its custom
     gradient; document ids may be None for both."""
     # the masks depend on positions only; inside a differentiated scan (the layer stack) that would make them
@@ -77,7 +82,7 @@ def forward(q, k, v, q_pos, k_pos, q_seg, k_seg, block_q: int, block_k: int) -> 
 
         def step(carry, kv):
             kb, vb, kp, ksg = kv
-            seen = _visible(qp, kp, qsg, ksg)
+            seen = _visible(qp, kp, qsg, ksg, window)
 
             def update(carry):
                 m, l, acc = carry
@@ -105,24 +110,24 @@ def forward(q, k, v, q_pos, k_pos, q_seg, k_seg, block_q: int, block_k: int) -> 
     return _unblocks(out).astype(q.dtype), _unblocks(lse)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8))
-def _attention(q, k, v, q_pos, k_pos, q_seg, k_seg, block_q, block_k):
-    return forward(q, k, v, q_pos, k_pos, q_seg, k_seg, block_q, block_k)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9))
+def _attention(q, k, v, q_pos, k_pos, q_seg, k_seg, block_q, block_k, window):
+    return forward(q, k, v, q_pos, k_pos, q_seg, k_seg, block_q, block_k, window)
 
 
-def _attention_fwd(q, k, v, q_pos, k_pos, q_seg, k_seg, block_q, block_k):
-    out, lse = forward(q, k, v, q_pos, k_pos, q_seg, k_seg, block_q, block_k)
+def _attention_fwd(q, k, v, q_pos, k_pos, q_seg, k_seg, block_q, block_k, window):
+    out, lse = forward(q, k, v, q_pos, k_pos, q_seg, k_seg, block_q, block_k, window)
     return (out, lse), (q, k, v, q_pos, k_pos, q_seg, k_seg, out, lse)
 
 
-def _attention_bwd(block_q, block_k, res, cotangents):
+def _attention_bwd(block_q, block_k, window, res, cotangents):
     q, k, v, q_pos, k_pos, q_seg, k_seg, out, lse = res
-    return (*backward(q, k, v, q_pos, k_pos, q_seg, k_seg, out, lse, *cotangents, block_q, block_k),
+    return (*backward(q, k, v, q_pos, k_pos, q_seg, k_seg, out, lse, *cotangents, block_q, block_k, window),
             None, None, None, None)
 
 
 def backward(q, k, v, q_pos, k_pos, q_seg, k_seg, out, lse, d_out, d_lse, block_q: int,
-             block_k: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+             block_k: int, window: int = 0) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Gradients of q, k, v for the output ``out`` and log-sum-exp ``lse`` of a ``forward`` call, or of a merge
     of several calls this one is part of (then ``out`` and ``lse`` are the merged ones), with cotangents ``d_out``
     and ``d_lse`` (None: zero)."""
@@ -146,7 +151,7 @@ def backward(q, k, v, q_pos, k_pos, q_seg, k_seg, out, lse, d_out, d_lse, block_
 
         def step(dq, kv):
             kb, vb, kp, ksg = kv
-            seen = _visible(qp, kp, qsg, ksg)
+            seen = _visible(qp, kp, qsg, ksg, window)
 
             def grads(dq):
                 s = jnp.einsum("bqhgd,bkhd->bhgqk", qb, kb, preferred_element_type=jnp.float32) * scale
@@ -180,15 +185,16 @@ _attention.defvjp(_attention_fwd, _attention_bwd)
 def blockwise_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_positions: jax.Array,
                         k_positions: jax.Array, q_segments: jax.Array | None = None,
                         k_segments: jax.Array | None = None, *, block_q: int = 512,
-                        block_k: int = 512) -> tuple[jax.Array, jax.Array]:
+                        block_k: int = 512, window: int = 0) -> tuple[jax.Array, jax.Array]:
     """Causal grouped-query attention of queries q [b, Lq, heads, d] over keys and values k, v [b, Lk, kv_heads,
     d]: key j is visible to query i when ``k_positions[j] <= q_positions[i]`` and (with segments) both belong to
     the same document. Returns the output [b, Lq, heads, d] and each query's log-sum-exp of scaled scores
     [b, Lq, heads] (float32; ``MASKED`` where no key is visible, with a zero output). Blocks of ``block_q``
-    queries and ``block_k`` keys (the largest divisors of the lengths up to those sizes)."""
+    queries and ``block_k`` keys (the largest divisors of the lengths up to those sizes). ``window`` > 0: only the
+    ``window`` latest positions up to a query's are visible to it; blocks wholly outside are skipped."""
     if (q_segments is None) != (k_segments is None):
         raise ValueError("give document ids for both queries and keys, or for neither")
-    return _attention(q, k, v, q_positions, k_positions, q_segments, k_segments, block_q, block_k)
+    return _attention(q, k, v, q_positions, k_positions, q_segments, k_segments, block_q, block_k, window)
 
 
 def combine(parts: list[tuple[jax.Array, jax.Array]]) -> tuple[jax.Array, jax.Array]:
@@ -201,22 +207,55 @@ def combine(parts: list[tuple[jax.Array, jax.Array]]) -> tuple[jax.Array, jax.Ar
 
 
 def context_parallel_attention(q: jax.Array, k: jax.Array, v: jax.Array, index: jax.Array,
-                               segment_ids: jax.Array | None = None, *, block_q: int = 512,
-                               block_k: int = 512) -> jax.Array:
+                               segment_ids: jax.Array | None = None, *, block_q: int = 512, block_k: int = 512,
+                               window: int = 0, sinks: jax.Array | None = None) -> jax.Array:
     """Causal attention with the sequence sharded as the rules table says (``activation_length``): each device
     keeps its queries, gathers the keys and values of the whole sequence (with their token indices and document
     ids) over the sequence axes, and runs ``blockwise_attention`` on them. ``index`` [b, L] is each token's index
     in its row (causality follows it, so any layout of the tokens over the devices is exact). The keys of
     grouped-query attention are a fraction of the queries' size, which makes gathering them cheaper than passing
-    them around a ring; no device ever holds a [length, length] score matrix. Outside a mesh: the plain call."""
+    them around a ring; no device ever holds a [length, length] score matrix. Outside a mesh: the plain call.
+
+    With a ``window`` no longer than half a device's columns, a device gathers only the window's keys: the last
+    ``window`` - 1 of each half of every device's columns (``window_keys``). ``sinks`` [heads]: each head's sink
+    logit, folded in from the log-sum-exp (``ops/sinks.py``)."""
+    def attend(q, k, v, q_index, k_index, q_segments, k_segments):
+        return blockwise_attention(q, k, v, q_index, k_index, q_segments, k_segments, block_q=block_q,
+                                   block_k=block_k, window=window)
+
     if jax.sharding.get_abstract_mesh().empty:
-        return blockwise_attention(q, k, v, index, index, segment_ids, segment_ids, block_q=block_q,
-                                   block_k=block_k)[0]
+        out, lse = attend(q, k, v, index, index, segment_ids, segment_ids)
+        return out if sinks is None else sink_ops.fold(out, lse, sinks)
 
     def local(q, k, v, index, segments, gathered, shard, shards):
-        return blockwise_attention(q, gathered(k), gathered(v), index, gathered(index), segments,
-                                   None if segments is None else gathered(segments), block_q=block_q,
-                                   block_k=block_k)[0]
+        if window and 1 < window <= q.shape[1] // 2 + 1 and q.shape[1] % 2 == 0:
+            keys = window_keys(k, v, index, segments, window, gathered, shard, shards)
+        else:
+            keys = tuple(None if x is None else gathered(x) for x in (k, v, index, segments))
+        out, lse = attend(q, keys[0], keys[1], index, keys[2], segments, keys[3])
+        return out if sinks is None else (out, lse)  # the statistics leave the shard_map only when used
 
-    return over_sequence(local, q, k, v, index, segment_ids)
+    if sinks is None:
+        return over_sequence(local, q, k, v, index, segment_ids)
+    out, lse = over_sequence(local, q, k, v, index, segment_ids, with_stats=True)
+    return sink_ops.fold(out, lse, sinks)
 
+
+FAR = 1 << 30  # the index of a key no query sees (it is later than every one)
+
+
+def window_keys(k, v, index, segments, window: int, gathered, shard, shards: int):
+    """A device's keys and values for windowed attention, with their indices and document ids: its own columns,
+    then the last ``window`` - 1 columns of each half of every device's columns (the two halves are runs of
+    consecutive tokens in the loader's layout, and in the plain split). The tails of this device's own halves
+    come back too; their indices are set to ``FAR``, so that no key is counted twice."""
+    half, tail = k.shape[1] // 2, window - 1
+
+    def tails(x):  # [b, 2 * (window - 1), ...]: the end of each half
+        return jnp.concatenate([x[:, half - tail:half], x[:, 2 * half - tail:]], axis=1)
+
+    own = jnp.arange(shards * 2 * tail) // (2 * tail) == shard
+    far_index = jnp.where(own[None, :], FAR, gathered(tails(index)))
+    keys = [jnp.concatenate([x, gathered(tails(x))], axis=1) for x in (k, v)]
+    seg = None if segments is None else jnp.concatenate([segments, gathered(tails(segments))], axis=1)
+    return keys[0], keys[1], jnp.concatenate([index, far_index], axis=1), seg

@@ -12,6 +12,7 @@ All inputs are [batch, length, heads, head_dim] ("BTNH"), 16-bit; lengths are in
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import math
 from collections.abc import Callable, Iterator
@@ -76,29 +77,30 @@ def segment_layout(segment_ids: jax.Array, max_segments: int) -> tuple[jax.Array
     return lengths, offsets
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
 def packed_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array,
-                     max_segments: int) -> jax.Array:
+                     max_segments: int, window: int = 0) -> jax.Array:
     """Causal flash attention over packed documents: each document is its own causal sequence inside the kernel
-    (ragged offsets), so no [length, length] mask is built and nothing attends across documents.
+    (ragged offsets), so no [length, length] mask is built and nothing attends across documents. ``window`` > 0:
+    each token sees only the ``window`` latest tokens of its document up to itself (cuDNN's sliding window).
 
     Its forward and backward kernels are each called through ``_row_batched``, so that under ``jax.vmap`` (a
     pipeline's stages) the mapped axis joins the rows: jax's own batching rule for the kernel reshapes the
     packed layout's per-row lengths as if there were one per row, and fails."""
-    return _packed_kernels(max_segments)[0](q, k, v, segment_ids)[0]
+    return _packed_kernels(max_segments, window)[0](q, k, v, segment_ids)[0]
 
 
-def _packed_fwd(q, k, v, segment_ids, max_segments):
+def _packed_fwd(q, k, v, segment_ids, max_segments, window):
     # the output and the softmax statistics [rows * max_segments, heads, length] are named so that a remat policy
     # can keep them (models/stack.py: the attention outputs), as it keeps cuDNN's own forward outputs
-    out, stats = _packed_kernels(max_segments)[0](q, k, v, segment_ids)
+    out, stats = _packed_kernels(max_segments, window)[0](q, k, v, segment_ids)
     out, stats = checkpoint_name(out, PACKED_OUTPUT_NAME), checkpoint_name(stats, PACKED_STATS_NAME)
     return out, (q, k, v, segment_ids, out, stats)
 
 
-def _packed_bwd(max_segments, res, d_out):
+def _packed_bwd(max_segments, window, res, d_out):
     q, k, v, segment_ids, out, stats = res
-    return (*_packed_kernels(max_segments)[1](q, k, v, segment_ids, out, stats, d_out), None)
+    return (*_packed_kernels(max_segments, window)[1](q, k, v, segment_ids, out, stats, d_out), None)
 
 
 packed_attention.defvjp(_packed_fwd, _packed_bwd)
@@ -119,16 +121,18 @@ def _row_batched(fn: Callable) -> Callable:
 
 
 @functools.cache
-def _packed_kernels(max_segments: int) -> tuple[Callable, Callable]:
-    """(forward, backward) of packed attention with up to ``max_segments`` documents a row, each batched by rows."""
+def _packed_kernels(max_segments: int, window: int = 0) -> tuple[Callable, Callable]:
+    """(forward, backward) of packed attention with up to ``max_segments`` documents a row (and a sliding
+    ``window``, 0 for none), each batched by rows."""
 
     def forward(q, k, v, segment_ids):
         lengths, offsets = segment_layout(segment_ids, max_segments)
-        return _forward(q, k, v, lengths, lengths, _cudnn.MaskType.PADDING_CAUSAL, offsets)
+        return _forward(q, k, v, lengths, lengths, _cudnn.MaskType.PADDING_CAUSAL, offsets, window)
 
     def backward(q, k, v, segment_ids, out, stats, d_out):
         lengths, offsets = segment_layout(segment_ids, max_segments)
-        return _backward(q, k, v, lengths, lengths, _cudnn.MaskType.PADDING_CAUSAL, out, stats, d_out, offsets)
+        return _backward(q, k, v, lengths, lengths, _cudnn.MaskType.PADDING_CAUSAL, out, stats, d_out, offsets,
+                         window)
 
     return _row_batched(forward), _row_batched(backward)
 
@@ -142,16 +146,17 @@ def _lengths(n: jax.Array) -> jax.Array:
     return jnp.maximum(n, 1).astype(jnp.int32)
 
 
-def _forward(q, k, v, q_seqlen, kv_seqlen, mask, offsets=None) -> tuple[jax.Array, jax.Array]:
-    """cuDNN's forward: (output, softmax statistics as the kernel lays them out)."""
+def _forward(q, k, v, q_seqlen, kv_seqlen, mask, offsets=None, window: int = 0) -> tuple[jax.Array, jax.Array]:
+    """cuDNN's forward: (output, softmax statistics as the kernel lays them out). ``window`` > 0: each query sees
+    the ``window`` latest keys up to its own position (cuDNN's ``sliding_window_length``)."""
     ragged = {} if offsets is None else dict(q_offsets=offsets, kv_offsets=offsets)
     return _cudnn.dot_product_attention(q, k, v, q_seqlen=q_seqlen, kv_seqlen=kv_seqlen,
                                         scale=1.0 / math.sqrt(q.shape[-1]), mask_type=mask, qkv_layout=LAYOUT,
-                                        return_residual=True, **ragged)
+                                        sliding_window_length=window or None, return_residual=True, **ragged)
 
 
 def _backward(q, k, v, q_seqlen, kv_seqlen, mask, out, stats, d_out,
-              offsets=None) -> tuple[jax.Array, jax.Array, jax.Array]:
+              offsets=None, window: int = 0) -> tuple[jax.Array, jax.Array, jax.Array]:
     """cuDNN's backward of a ``_forward`` call, given an output and statistics (its own, or a merge's)."""
     unused = jnp.zeros(0, q.dtype)
     offsets = unused if offsets is None else offsets
@@ -159,23 +164,39 @@ def _backward(q, k, v, q_seqlen, kv_seqlen, mask, out, stats, d_out,
     # the rule's arguments before ``res`` are the custom_vjp's static ones: scale, seed, dropout rate, (bias,
     # bias gradient), mask, layout, window, is_training, return_residual
     grads = _cudnn._dot_product_attention_bwd_rule(
-        1.0 / math.sqrt(q.shape[-1]), 42, 0.0, (False, False), mask, _cudnn._normalize_layout(LAYOUT).value, None,
-        True, False, res, d_out)
+        1.0 / math.sqrt(q.shape[-1]), 42, 0.0, (False, False), mask, _cudnn._normalize_layout(LAYOUT).value,
+        window or None, True, False, res, d_out)
     return tuple(grads[:3])
 
 
 def forward_with_stats(q: jax.Array, k: jax.Array, v: jax.Array, q_len: jax.Array, kv_len: jax.Array,
-                       causal: bool) -> tuple[jax.Array, jax.Array]:
-    """Queries 0..q_len against keys 0..kv_len (per row), causal or not -> (output, softmax statistics [b, t,
-    heads]: float32, the natural log-sum-exp of the scaled scores)."""
-    out, stats = _forward(q, k, v, _lengths(q_len), _lengths(kv_len), _mask(causal))
+                       causal: bool, window: int = 0) -> tuple[jax.Array, jax.Array]:
+    """Queries 0..q_len against keys 0..kv_len (per row), causal or not (with ``window`` > 0: within the sliding
+    window) -> (output, softmax statistics [b, t, heads]: float32, the natural log-sum-exp of the scaled scores)."""
+    out, stats = _forward(q, k, v, _lengths(q_len), _lengths(kv_len), _mask(causal), window=window)
     return out, jnp.swapaxes(stats, 1, 2)
 
 
 def backward_from_stats(q: jax.Array, k: jax.Array, v: jax.Array, q_len: jax.Array, kv_len: jax.Array,
-                        causal: bool, out: jax.Array, lse: jax.Array,
-                        d_out: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+                        causal: bool, out: jax.Array, lse: jax.Array, d_out: jax.Array,
+                        window: int = 0) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Gradients of q, k, v of the ``forward_with_stats`` call, given the output ``out`` and statistics ``lse``
     [b, t, heads] of a merge the call is part of (flash attention's backward over several blocks of keys)."""
     return _backward(q, k, v, _lengths(q_len), _lengths(kv_len), _mask(causal), out.astype(q.dtype),
-                     jnp.swapaxes(lse, 1, 2).astype(jnp.float32), d_out.astype(q.dtype))
+                     jnp.swapaxes(lse, 1, 2).astype(jnp.float32), d_out.astype(q.dtype), window=window)
+
+
+@dataclasses.dataclass(frozen=True)
+class WholeRows:
+    """cuDNN's causal kernel on whole rows, optionally windowed, as a ``sinks.StatsKernel``: the attention of
+    unpacked rows with sinks folded in after it (``ops/sinks.py``)."""
+
+    window: int = 0
+
+    def forward(self, q, k, v, extras):
+        length = jnp.full((q.shape[0],), q.shape[1], jnp.int32)
+        return forward_with_stats(q, k, v, length, length, True, self.window)
+
+    def backward(self, q, k, v, extras, out, lse, d_out):
+        length = jnp.full((q.shape[0],), q.shape[1], jnp.int32)
+        return backward_from_stats(q, k, v, length, length, True, out, lse, d_out, self.window)

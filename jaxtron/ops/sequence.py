@@ -34,11 +34,12 @@ def sequence_axes() -> tuple[str, ...]:
 
 
 def over_sequence(local: Local, q: jax.Array, k: jax.Array, v: jax.Array, rows: jax.Array,
-                  segment_ids: jax.Array | None) -> jax.Array:
+                  segment_ids: jax.Array | None, with_stats: bool = False):
     """Runs ``local(q, k, v, rows, segment_ids, gathered, shard, shards)`` on each device's part of a sharded
     sequence, as the rules table splits queries, keys, values and [b, L] row arrays (a ``shard_map``):
     ``gathered(x)`` all-gathers a local array's columns over the sequence axes (in shard order), ``shard`` is this
-    device's index among the ``shards`` along them. Returns the queries' shape, sharded like them."""
+    device's index among the ``shards`` along them. Returns the queries' shape, sharded like them (with
+    ``with_stats``: ``local`` also returns each query's log-sum-exp [b, t, heads], and so does this)."""
     q_spec, kv_spec = logical_to_spec(Q_AXES), logical_to_spec(KV_SHARDED_AXES)
     row_spec = logical_to_spec(ROW_AXES)
     sequence = spec_axes(q_spec, 1)
@@ -51,5 +52,6 @@ def over_sequence(local: Local, q: jax.Array, k: jax.Array, v: jax.Array, rows: 
         shard = jax.lax.axis_index(sequence) if sequence else 0
         return local(q, k, v, rows, segments, gathered, shard, shards)
 
-    return jax.shard_map(body, in_specs=(q_spec, kv_spec, kv_spec, row_spec, row_spec), out_specs=q_spec,
+    out_specs = (q_spec, logical_to_spec(Q_AXES[:3])) if with_stats else q_spec
+    return jax.shard_map(body, in_specs=(q_spec, kv_spec, kv_spec, row_spec, row_spec), out_specs=out_specs,
                          check_vma=False)(q, k, v, rows, segment_ids)

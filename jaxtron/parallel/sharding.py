@@ -44,7 +44,9 @@ RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     # prediction modules): every stage holds them whole
     ("unstaged_layers", None),
     ("norm", None),
-    ("bias", None),  # vectors outside the gradient (the sigmoid router's balancing bias)
+    # biases and other vectors kept whole (the sigmoid router's balancing bias, gpt-oss's projection biases and
+    # sinks); the optimizer gives them no weight decay, and Muon leaves them to AdamW
+    ("bias", None),
     ("position", None),
     # activations
     ("activation_batch", ("data", "fsdp", "expert")),

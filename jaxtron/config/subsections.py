@@ -1,0 +1,171 @@
+"""The subsections of the model config (``model.rope``, ``model.attention``, ``model.moe``, ``model.mtp``): the
+architecture's fields that only some families use, each subsection a frozen dataclass that checks itself.
+``jaxtron.config.model`` gathers them into ``ModelConfig``."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from jaxtron.config.checks import _check, _choice, _non_negative, _positive
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeConfig:
+    """Rotary position embeddings (``model.position_embedding='rope'``) and their stretching for long contexts;
+    the names follow the ``rope_scaling`` entries of Hugging Face's config.json."""
+
+    theta: float = 500_000.0
+    # how a factor > 1 stretches the frequencies: llama3 (Llama-3.1) | yarn (DeepSeek-V3, gpt-oss) | linear (every
+    # frequency divided by the factor: Gemma 3's global layers)
+    scaling: str = "llama3"
+    factor: float = 1.0  # 1.0: no scaling
+    low_freq_factor: float = 1.0  # llama3
+    high_freq_factor: float = 4.0  # llama3
+    original_max_len: int = 8192  # the context the frequencies were trained for
+    beta_fast: float = 32.0  # yarn: rotations per original context below which frequencies are kept
+    beta_slow: float = 1.0  # yarn: rotations above which they are divided by the factor (a ramp between)
+    mscale: float = 0.0  # yarn: the "mscale" of config.json (0: not given)
+    mscale_all_dim: float = 0.0  # yarn: "mscale_all_dim" (0: not given); latent attention also scales the softmax
+    truncate: bool = True  # yarn: the ramp's ends rounded to whole dimensions (gpt-oss does not round them)
+    # the local layers' base (model.attention.window), which rotate without scaling (Gemma 3's rope_local_base_freq);
+    # 0: they rotate as the global layers do
+    local_theta: float = 0.0
+
+    def __post_init__(self):
+        for name in ("theta", "factor", "low_freq_factor", "original_max_len", "beta_fast", "beta_slow"):
+            _positive(getattr(self, name), f"model.rope.{name}")
+        _check(self.high_freq_factor > self.low_freq_factor, "model.rope.high_freq_factor",
+               f"({self.high_freq_factor}) must exceed model.rope.low_freq_factor ({self.low_freq_factor})",
+               "raise it or lower model.rope.low_freq_factor")
+        _choice(self.scaling, "model.rope.scaling", ("llama3", "yarn", "linear"))
+        for name in ("mscale", "mscale_all_dim", "local_theta"):
+            _non_negative(getattr(self, name), f"model.rope.{name}")
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionConfig:
+    """The heads: grouped-query attention (Llama, Qwen3), or multi-head latent attention (DeepSeek-V3) when
+    ``kv_lora_rank`` > 0: keys and values come from one compressed latent, each head's query and key are
+    ``head_dim`` (not rotated) plus ``qk_rope_head_dim`` (rotated; the key's part is one per token, shared by the
+    heads) wide, and values ``v_head_dim`` wide.
+
+    Local and global layers (Gemma 3, gpt-oss): with ``window`` > 0 a block attends to the ``window`` latest keys
+    up to its own position, except the last of every ``global_every`` blocks, which sees every earlier key."""
+
+    num_heads: int = 8
+    num_kv_heads: int = 4
+    head_dim: int = 0  # 0 means embed_dim // num_heads
+    qk_norm: bool = False  # RMSNorm over each head's queries and keys before RoPE (Qwen3)
+    q_lora_rank: int = 0  # latent: rank of the queries' low-rank projection (0: one full-rank projection)
+    kv_lora_rank: int = 0  # latent: rank of the keys' and values' compressed latent (0: grouped-query attention)
+    qk_rope_head_dim: int = 64  # latent: the rotated part of each head's query and key
+    v_head_dim: int = 0  # latent: each head's value size (0 means head_dim)
+    window: int = 0  # keys a local layer sees, its own position's included (0: every layer is global)
+    global_every: int = 0  # with a window: the last of every this many blocks is global (0: none is)
+    sinks: bool = False  # a learned logit per head beside the keys, whose value is zero (gpt-oss)
+    bias: bool = False  # biases on the query, key, value and output projections (gpt-oss)
+    # the softmax scale is this to the power -1/2 (Gemma's query_pre_attn_scalar); 0: the query's own size
+    query_pre_attn_scalar: float = 0.0
+
+    def __post_init__(self):
+        _positive(self.num_heads, "model.attention.num_heads")
+        _positive(self.num_kv_heads, "model.attention.num_kv_heads")
+        for name in ("head_dim", "q_lora_rank", "kv_lora_rank", "v_head_dim", "window", "global_every",
+                     "query_pre_attn_scalar"):
+            _non_negative(getattr(self, name), f"model.attention.{name}")
+        _check(not self.global_every or self.window, "model.attention.global_every",
+               f"({self.global_every}) places global layers among local ones, and model.attention.window is 0",
+               "set model.attention.window to the local layers' window, or global_every to 0")
+        _check(self.num_heads % self.num_kv_heads == 0, "model.attention.num_kv_heads",
+               f"({self.num_kv_heads}) must divide model.attention.num_heads ({self.num_heads}) for grouped-query "
+               "attention", "choose a divisor of model.attention.num_heads")
+        if self.kv_lora_rank:
+            _positive(self.qk_rope_head_dim, "model.attention.qk_rope_head_dim")
+            _check(self.qk_rope_head_dim % 2 == 0, "model.attention.qk_rope_head_dim",
+                   f"({self.qk_rope_head_dim}) must be even (rotary pairs)", "choose an even size")
+            _check(self.num_kv_heads == self.num_heads, "model.attention.num_kv_heads",
+                   f"({self.num_kv_heads}) must equal model.attention.num_heads ({self.num_heads}) with latent "
+                   "attention (model.attention.kv_lora_rank > 0), whose keys and values have one head per query "
+                   "head", f"set model.attention.num_kv_heads={self.num_heads}")
+            for name in ("window", "sinks", "bias", "query_pre_attn_scalar"):
+                _check(not getattr(self, name), f"model.attention.{name}",
+                       "is set, which latent attention (model.attention.kv_lora_rank > 0) does not implement",
+                       f"leave model.attention.{name} at its default")
+
+    @property
+    def latent(self) -> bool:
+        return self.kv_lora_rank > 0
+
+    @property
+    def period(self) -> int:
+        """Blocks in one repeat of the local/global pattern (1 without global layers among local ones)."""
+        return self.global_every if self.window and self.global_every else 1
+
+    def is_local(self, i: int) -> bool:
+        """Whether block i attends only within the window."""
+        return bool(self.window) and not (self.global_every and (i + 1) % self.global_every == 0)
+
+
+@dataclasses.dataclass(frozen=True)
+class MoEConfig:
+    """Mixture of experts (``jaxtron/models/moe.py``); ``num_experts`` = 0 is a dense model."""
+
+    num_experts: int = 0  # routed experts per MoE block, each a SwiGLU of width expert_dim
+    experts_per_token: int = 2  # top-k: experts each token is sent to
+    expert_dim: int = 0  # each expert's intermediate width (0: model.mlp_dim, the dense blocks' width)
+    shared_experts: int = 0  # experts every token visits (DeepSeek): one dense SwiGLU of shared_experts*expert_dim
+    first_dense_layers: int = 0  # the first this many blocks are dense (DeepSeek's first_k_dense_replace)
+    every: int = 1  # after those, every this many blocks the last one is MoE (1: all); the others are dense
+    router: str = "softmax"  # softmax (Mixtral, Qwen3) | sigmoid (DeepSeek-V3: sigmoid scores, a balancing bias)
+    router_renormalize: bool = True  # rescale the top-k router weights of a token to sum to 1 (Mixtral)
+    router_groups: int = 1  # sigmoid: the experts form this many groups (n_group) ...
+    router_top_groups: int = 1  # ... and a token's experts come from the best this many of them (topk_group)
+    router_scale: float = 1.0  # the routed experts' weights are multiplied by this (routed_scaling_factor)
+    router_logit_bias: bool = False  # a learned bias on the router's logits (gpt-oss)
+    expert_bias: bool = False  # biases on each expert's gate, up and down projections (gpt-oss)
+
+    def __post_init__(self):
+        _non_negative(self.num_experts, "model.moe.num_experts")
+        if not self.num_experts:
+            return
+        _check(1 <= self.experts_per_token <= self.num_experts, "model.moe.experts_per_token",
+               f"({self.experts_per_token}) must lie between 1 and model.moe.num_experts ({self.num_experts})",
+               "choose a top-k in that range")
+        _positive(self.every, "model.moe.every")
+        _non_negative(self.expert_dim, "model.moe.expert_dim")
+        _non_negative(self.shared_experts, "model.moe.shared_experts")
+        _non_negative(self.first_dense_layers, "model.moe.first_dense_layers")
+        _check(not self.first_dense_layers or self.every == 1, "model.moe.first_dense_layers",
+               f"({self.first_dense_layers}) needs model.moe.every=1 (dense blocks first, then only MoE ones), "
+               f"not {self.every}", "set model.moe.every=1")
+        _choice(self.router, "model.moe.router", ("softmax", "sigmoid"))
+        _positive(self.router_scale, "model.moe.router_scale")
+        _positive(self.router_groups, "model.moe.router_groups")
+        _check(self.num_experts % self.router_groups == 0, "model.moe.router_groups",
+               f"({self.router_groups}) must divide model.moe.num_experts ({self.num_experts})",
+               "choose a divisor of it")
+        _check(1 <= self.router_top_groups <= self.router_groups, "model.moe.router_top_groups",
+               f"({self.router_top_groups}) must lie between 1 and model.moe.router_groups ({self.router_groups})",
+               "choose a count in that range")
+        _check(self.router == "sigmoid" or self.router_groups == 1, "model.moe.router_groups",
+               f"({self.router_groups}) needs model.moe.router='sigmoid' (group-limited routing is DeepSeek's)",
+               "set model.moe.router='sigmoid' or model.moe.router_groups=1")
+        per_router_group = self.num_experts // self.router_groups
+        _check(self.router_groups == 1 or per_router_group >= 2, "model.moe.router_groups",
+               f"({self.router_groups}) leaves {per_router_group} expert per group; a group's score is its best two",
+               "use fewer groups")
+        _check(self.experts_per_token <= self.router_top_groups * per_router_group, "model.moe.experts_per_token",
+               f"({self.experts_per_token}) exceeds the {self.router_top_groups * per_router_group} experts of the "
+               f"model.moe.router_top_groups={self.router_top_groups} groups a token may use",
+               "raise model.moe.router_top_groups or lower the top-k")
+
+
+@dataclasses.dataclass(frozen=True)
+class MTPConfig:
+    """Multi-token prediction (DeepSeek-V3): module k (1..depth) predicts the token k + 1 ahead from the previous
+    depth's hidden states and the embedding of the token k ahead, through one more block."""
+
+    depth: int = 0
+
+    def __post_init__(self):
+        _non_negative(self.depth, "model.mtp.depth")
