@@ -177,9 +177,21 @@ def test_bad_input_gets_one_sentence_naming_the_problem(tmp_path, capsys):
     scaled = _copy("llama", tmp_path / "f")
     _edit_config(scaled, rope_parameters={"rope_type": "longrope", "rope_theta": 1e4, "factor": 4.0})
     _fails(capsys, ["from-hf", scaled, out], "'longrope'")
-    truncated = _copy("deepseek_v3", tmp_path / "f2")
-    _edit_config(truncated, rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0, "truncate": False})
-    _fails(capsys, ["from-hf", truncated, out], "YaRN's 'truncate'")
+    factored = _copy("deepseek_v3", tmp_path / "f2")
+    _edit_config(factored, rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0,
+                                            "attention_factor": 2.0})
+    _fails(capsys, ["from-hf", factored, out], "YaRN's 'attention_factor'")
+    # Gemma 3 and gpt-oss variants jaxtron does not build: soft-capping, local layers in another pattern, another
+    # quantization
+    capped = _copy("gemma3", tmp_path / "f3")
+    _edit_config(capped, final_logit_softcapping=30.0)
+    _fails(capsys, ["from-hf", capped, out], "final_logit_softcapping=30.0")
+    patterned = _copy("gpt_oss", tmp_path / "f4")
+    _edit_config(patterned, layer_types=["full_attention", "sliding_attention"] * 2)
+    _fails(capsys, ["from-hf", patterned, out], "layer_types", "global_every")
+    quantized = _copy("gpt_oss", tmp_path / "f5")
+    _edit_config(quantized, quantization_config={"quant_method": "fp8"})
+    _fails(capsys, ["from-hf", quantized, out], "quantized by 'fp8'")
     # Qwen3 variants jaxtron does not build: dense-only layers by list, a missing query norm
     listed = _copy("qwen3_moe", tmp_path / "g")
     _edit_config(listed, mlp_only_layers=[0])

@@ -23,7 +23,8 @@ from jaxtron.families.family import Family, FormatError, Tensor
 
 __all__ = ["Family", "FormatError", "Tensor"]  # what callers name through the package
 
-_SHARED = {"config_json", "family", "hf_tensors", "mechanisms"}  # modules of this package that declare no family
+# modules of this package that declare no family
+_SHARED = {"config_json", "family", "hf_tensors", "mechanisms", "mxfp4"}
 
 
 @functools.cache

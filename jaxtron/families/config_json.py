@@ -31,11 +31,10 @@ def rope(hf: dict) -> dict[str, Any]:
     if kind == "default":
         return out
     if kind == "yarn":
-        unknown = sorted(k for k in ("attention_factor", "truncate") if scaling.get(k) not in (None, True))
-        if unknown:
-            raise FormatError(f"config.json sets YaRN's '{unknown[0]}', which jaxtron does not implement (it derives "
-                              "the attention factor from mscale and always rounds the ramp's ends).")
-        out.update(scaling="yarn", factor=float(scaling["factor"]),
+        if scaling.get("attention_factor") is not None:
+            raise FormatError("config.json sets YaRN's 'attention_factor', which jaxtron does not implement (it "
+                              "derives the attention factor from mscale).")
+        out.update(scaling="yarn", factor=float(scaling["factor"]), truncate=bool(scaling.get("truncate", True)),
                    original_max_len=int(scaling.get("original_max_position_embeddings")
                                         or get(hf, "max_position_embeddings")),
                    **{key: float(scaling[key]) for key in YARN_KEYS if scaling.get(key)})
@@ -49,15 +48,18 @@ def rope(hf: dict) -> dict[str, Any]:
     return out
 
 
-def core_fields(hf: dict) -> dict[str, Any]:
-    """The ModelConfig fields of the keys every family shares; FormatError for what jaxtron does not build (biases,
-    another activation, a sliding window shorter than the context)."""
+def core_fields(hf: dict, own: tuple[str, ...] = ()) -> dict[str, Any]:
+    """The ModelConfig fields of the keys every family shares; FormatError for what the family does not build
+    (biases, another activation, a sliding window shorter than the context) unless it reads that key itself
+    (``own``: of 'hidden_act', 'attention_bias', 'sliding_window')."""
     for key, ok in (("hidden_act", "silu"), ("attention_bias", False), ("mlp_bias", False)):
-        if hf.get(key, ok) != ok:
-            raise FormatError(f"config.json sets {key}={hf[key]!r}; jaxtron's Llama needs {key}={ok!r}.")
+        if key not in own and hf.get(key, ok) != ok:
+            raise FormatError(f"config.json sets {key}={hf[key]!r}; jaxtron's {hf.get('model_type', 'Llama')} "
+                              f"needs {key}={ok!r}.")
     window = hf.get("sliding_window") if hf.get("use_sliding_window", True) else None  # Qwen3 names it off
-    if window is not None and window < get(hf, "max_position_embeddings"):
-        raise FormatError(f"config.json sets sliding_window={window}; jaxtron has no sliding-window attention.")
+    if "sliding_window" not in own and window is not None and window < get(hf, "max_position_embeddings"):
+        raise FormatError(f"config.json sets sliding_window={window}; a {hf.get('model_type', 'Llama')} model of "
+                          "jaxtron has no sliding-window attention.")
     heads = get(hf, "num_attention_heads")
     head_dim = get(hf, "head_dim", 0)
     attention = dict(num_heads=heads, num_kv_heads=get(hf, "num_key_value_heads", heads),
@@ -83,7 +85,10 @@ def core_hf(cfg: ModelConfig, family: str) -> dict[str, Any]:
     if cfg.rope.factor != 1.0 and cfg.rope.scaling == "yarn":
         hf["rope_scaling"] = {"rope_type": "yarn", "factor": cfg.rope.factor,
                               "original_max_position_embeddings": cfg.rope.original_max_len,
-                              **{key: getattr(cfg.rope, key) for key in YARN_KEYS if getattr(cfg.rope, key)}}
+                              **{key: getattr(cfg.rope, key) for key in YARN_KEYS if getattr(cfg.rope, key)},
+                              **({} if cfg.rope.truncate else {"truncate": False})}
+    elif cfg.rope.factor != 1.0 and cfg.rope.scaling == "linear":
+        hf["rope_scaling"] = {"rope_type": "linear", "factor": cfg.rope.factor}
     elif cfg.rope.factor != 1.0:
         hf["rope_scaling"] = {"rope_type": "llama3", "factor": cfg.rope.factor,
                               "low_freq_factor": cfg.rope.low_freq_factor,
@@ -95,3 +100,26 @@ def core_hf(cfg: ModelConfig, family: str) -> dict[str, Any]:
 def router_loss_fields(hf: dict) -> dict[str, float]:
     """The train fields of a softmax-routed MoE family's config.json: its load-balancing coefficient."""
     return {"router_aux_loss": float(hf.get("router_aux_loss_coef", 0.0)), "router_z_loss": 0.0}
+
+
+def local_layers(hf: dict) -> dict[str, int]:
+    """``model.attention``'s window fields from config.json's ``sliding_window`` and ``layer_types`` (or
+    ``sliding_window_pattern``): each run of local layers ends in a global one. FormatError for another pattern."""
+    layers = get(hf, "num_hidden_layers")
+    every = hf.get("sliding_window_pattern")
+    types = hf.get("layer_types") or (
+        ["full_attention" if every and (i + 1) % every == 0 else "sliding_attention" for i in range(layers)])
+    if hf.get("sliding_window") is None or "sliding_attention" not in types:
+        return {"window": 0, "global_every": 0}
+    full = [i for i, kind in enumerate(types) if kind == "full_attention"]
+    every = full[0] + 1 if full else 0
+    pattern = ["full_attention" if every and (i + 1) % every == 0 else "sliding_attention" for i in range(layers)]
+    if list(types) != pattern or any(kind not in ("full_attention", "sliding_attention") for kind in types):
+        raise FormatError(f"config.json's layer_types ({types[:8]}...) is not runs of local layers each ended by a "
+                          "global one, the pattern jaxtron's model.attention.global_every describes.")
+    return {"window": int(hf["sliding_window"]), "global_every": every}
+
+
+def layer_types(cfg: ModelConfig) -> list[str]:
+    """config.json's ``layer_types`` of a model with local layers."""
+    return ["sliding_attention" if cfg.is_local_block(i) else "full_attention" for i in range(cfg.num_layers)]

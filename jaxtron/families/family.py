@@ -26,15 +26,35 @@ class FormatError(ConfigError):
 @dataclasses.dataclass(frozen=True)
 class Tensor:
     """One Hugging Face tensor and where it goes: ``param`` (a dotted jaxtron path), ``index`` (the position in
-    the stacked parameter, a tuple), and the functions between the two layouts."""
+    the stacked parameter, a tuple), and the functions between the two layouts.
+
+    A tensor may fill several parameters (gpt-oss's gate and up projections interleaved in one): ``also`` names the
+    others, ``to_jaxtron`` then returns one array per target and ``to_hf`` takes them in that order. A quantized
+    tensor is read with its companions (MXFP4's scales beside its blocks): ``to_jaxtron`` takes the arrays of
+    ``hf_name`` and then of ``read_with``. Export writes the plain form, which has neither."""
 
     hf_name: str
     shape: tuple[int, ...]  # in the Hugging Face file
     param: str
     index: tuple[int, ...]
-    to_jaxtron: Callable[[np.ndarray], np.ndarray]
-    to_hf: Callable[[np.ndarray], np.ndarray]
+    to_jaxtron: Callable[..., Any]
+    to_hf: Callable[..., np.ndarray]
     copy: bool = False  # a second copy of a parameter another tensor fills (DeepSeek's MTP embedding and head)
+    also: tuple[tuple[str, tuple[int, ...]], ...] = ()  # more (param, index) targets
+    read_with: tuple[str, ...] = ()  # more Hugging Face tensors the import reads
+
+    def targets(self) -> tuple[tuple[str, tuple[int, ...]], ...]:
+        """Every (param, index) this tensor fills, in ``to_jaxtron``'s order."""
+        return ((self.param, self.index), *self.also)
+
+    def values(self, read: Callable[[str], np.ndarray]) -> list[np.ndarray]:
+        """The target slices' values, each tensor read by ``read(name)``."""
+        out = self.to_jaxtron(read(self.hf_name), *(read(name) for name in self.read_with))
+        return list(out) if self.also else [out]
+
+    def hf_value(self, get: Callable[[str, tuple[int, ...]], np.ndarray]) -> np.ndarray:
+        """The tensor in its Hugging Face layout from its targets' slices, ``get(param, index)``."""
+        return self.to_hf(*(get(p, i) for p, i in self.targets()))
 
 
 @dataclasses.dataclass(frozen=True)

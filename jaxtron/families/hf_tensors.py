@@ -48,9 +48,10 @@ def tensors(cfg: ModelConfig, hf: dict | None = None, names: Names = Names(), pa
     """Every tensor of the checkpoint of ``cfg``, in file order."""
     d = cfg.embed_dim
     yield Tensor("model.embed_tokens.weight", (cfg.vocab_size, d), "embedding", (), *SAME)
-    seen = {"layers": 0, "moe_layers": 0}  # blocks of each stack so far: a block's index in its stack
+    seen = {"layers": 0, "moe_layers": 0, "lead_layers": 0}  # blocks of each stack so far: a block's index in it
     for i in range(cfg.num_layers):
-        stack = "moe_layers" if cfg.is_moe_block(i) else "layers"
+        stack = "moe_layers" if cfg.is_moe_block(i) else \
+            "lead_layers" if cfg.lead_stack and i < cfg.prefix_layers else "layers"
         j = seen[stack]
         seen[stack] += 1
         yield from block(cfg, f"model.layers.{i}.", stack, j, stack == "moe_layers", hf, names, parts)
@@ -63,14 +64,22 @@ def tensors(cfg: ModelConfig, hf: dict | None = None, names: Names = Names(), pa
 
 def block(cfg: ModelConfig, pre: str, stack: str, j: int, moe: bool, hf: dict | None, names: Names = Names(),
           parts: Parts = Parts()) -> Iterator[Tensor]:
-    """The tensors of one block (HF prefix ``pre``), entry ``j`` of the jaxtron stack ``stack``."""
+    """The tensors of one block (HF prefix ``pre``), entry ``j`` of the jaxtron stack ``stack``. With post-norms
+    (Gemma) ``post_attention_layernorm`` is the attention's post-norm and ``pre_feedforward_layernorm`` the MLP's
+    input norm; otherwise the former is the MLP's input norm (Llama)."""
     d, h = cfg.embed_dim, cfg.resolved_head_dim
     yield Tensor(pre + "input_layernorm.weight", (d,), f"{stack}.attn_norm.scale", (j,), *SAME)
     yield from (parts.attention or attention)(cfg, pre, stack, j, hf)
     if cfg.attention.qk_norm:
         yield Tensor(pre + "self_attn.q_norm.weight", (h,), f"{stack}.attn.q_norm.scale", (j,), *SAME)
         yield Tensor(pre + "self_attn.k_norm.weight", (h,), f"{stack}.attn.k_norm.scale", (j,), *SAME)
-    yield Tensor(pre + "post_attention_layernorm.weight", (d,), f"{stack}.mlp_norm.scale", (j,), *SAME)
+    if cfg.post_norms:
+        for hf_name, name in (("post_attention_layernorm", "attn_post_norm"), ("pre_feedforward_layernorm",
+                                                                               "mlp_norm"),
+                              ("post_feedforward_layernorm", "mlp_post_norm")):
+            yield Tensor(pre + f"{hf_name}.weight", (d,), f"{stack}.{name}.scale", (j,), *SAME)
+    else:
+        yield Tensor(pre + "post_attention_layernorm.weight", (d,), f"{stack}.mlp_norm.scale", (j,), *SAME)
     if moe:
         yield from experts(cfg, pre, stack, j, hf, names, parts)
     else:
@@ -87,8 +96,15 @@ def attention(cfg: ModelConfig, pre: str, stack: str, j: int, hf: dict | None) -
     for proj, param, count in (("q", "wq", n), ("k", "wk", g), ("v", "wv", g)):
         yield Tensor(pre + f"self_attn.{proj}_proj.weight", (count * h, d), f"{stack}.attn.{param}.weight", (j,),
                      *heads_in(count))
+        if cfg.attention.bias:
+            yield Tensor(pre + f"self_attn.{proj}_proj.bias", (count * h,), f"{stack}.attn.{param}.bias", (j,),
+                         lambda x, c=count: x.reshape(c, h), lambda x, c=count: x.reshape(c * h))
     yield Tensor(pre + "self_attn.o_proj.weight", (d, n * h), f"{stack}.attn.wo.weight", (j,),
                  lambda x: x.T.reshape(n, h, d), lambda x: x.reshape(n * h, d).T)
+    if cfg.attention.bias:
+        yield Tensor(pre + "self_attn.o_proj.bias", (d,), f"{stack}.attn.wo.bias", (j,), *SAME)
+    if cfg.attention.sinks:
+        yield Tensor(pre + "self_attn.sinks", (n,), f"{stack}.attn.sinks", (j,), *SAME)
 
 
 def mlp(hf_pre: str, pre: str, width: int, d: int, j: int) -> Iterator[Tensor]:

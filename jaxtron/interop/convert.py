@@ -105,11 +105,12 @@ def from_hf(hf_dir: str, out_dir: str) -> ModelConfig:
     files = st.ModelFiles(hf_dir)
     cfg = families.model_config(hf, name=os.path.basename(os.path.normpath(hf_dir)), tensor_names=set(files.names()))
     plan = list(families.tensors(cfg, hf))
-    expected = {t.hf_name for t in plan}
+    expected = {name for t in plan for name in (t.hf_name, *t.read_with)}
     for t in plan:
-        if t.hf_name not in files:
-            raise st.FormatError(f"tensor '{t.hf_name}' is missing from '{hf_dir}'; the checkpoint is incomplete or "
-                                 "not of the architecture its config.json names.")
+        for name in (t.hf_name, *t.read_with):
+            if name not in files:
+                raise st.FormatError(f"tensor '{name}' is missing from '{hf_dir}'; the checkpoint is incomplete or "
+                                     "not of the architecture its config.json names.")
         if files.shape(t.hf_name) != t.shape:
             raise st.FormatError(f"tensor '{t.hf_name}' has shape {files.shape(t.hf_name)} but config.json implies "
                                  f"{t.shape}; the weights do not belong to this config.")
@@ -143,19 +144,21 @@ def _write_params(cfg: ModelConfig, plan: list, files: st.ModelFiles, out_dir: s
     buffers = {p: np.lib.format.open_memmap(os.path.join(staging, p + ".npy"), mode="w+", dtype=np.float32,
                                             shape=s.shape) for p, s in shapes.items()}
     filled = {p: 0 for p in shapes}
+    depth = {p: len(i) for t in plan for p, i in t.targets()}  # the stacking dimensions of each parameter
     for t in plan:
         if not t.copy:
-            buffers[t.param][t.index] = t.to_jaxtron(files.read(t.hf_name))  # one copy: into the disk buffer
-            filled[t.param] += 1
+            for (param, index), value in zip(t.targets(), t.values(files.read), strict=True):
+                buffers[param][index] = value  # one copy: into the disk buffer
+                filled[param] += 1
     for t in plan:  # a second copy of a parameter (DeepSeek's MTP embedding and head) must equal the first
-        if t.copy and not np.array_equal(t.to_jaxtron(files.read(t.hf_name)), buffers[t.param][t.index]):
+        if t.copy and not np.array_equal(t.values(files.read)[0], buffers[t.param][t.index]):
             raise st.FormatError(f"tensor '{t.hf_name}' differs from the model's own {t.param}; jaxtron's "
                                  "multi-token prediction shares the model's embedding and output head.")
     for p, s in shapes.items():  # every slice of every parameter came from exactly one tensor
-        slices = math.prod(s.shape[:len(next(t.index for t in plan if t.param == p and not t.copy))])
+        slices = math.prod(s.shape[:depth[p]])
         assert filled[p] == slices, (p, filled[p], slices)
     from jaxtron.checkpoint.params import save_params
-    save_params(out_dir, buffers, {t.param: len(t.index) for t in plan})
+    save_params(out_dir, buffers, depth)
     del buffers
     shutil.rmtree(staging)
 
@@ -344,7 +347,7 @@ def to_hf(ckpt_dir: str, out_dir: str, dtype: str = "float32") -> dict:
 
     def produce(name: str) -> np.ndarray:
         t = by_name[name]
-        return t.to_hf(source.get(t.param, t.index)).astype(np_dtype)
+        return t.hf_value(source.get).astype(np_dtype)
 
     names = [st.SINGLE] if len(shards) == 1 else \
         [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
