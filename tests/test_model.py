@@ -26,16 +26,21 @@ from jaxtron.training.loss import Objective, loss_sums
 # config (FILE[:ARG] under configs/) -> published parameter count
 PUBLISHED = {"llama3_1b": 1.24e9, "llama3_8b": 8.03e9, "llama3_70b": 70.55e9, "llama3_405b": 405.85e9,
              "gpt3_175b": 175e9, "deepseek_v3": 671e9, "qwen3:8b": 8.19e9, "qwen3:32b": 32.8e9, "qwen3:30b-a3b": 30.5e9,
-             "qwen3:235b-a22b": 235e9}
+             "qwen3:235b-a22b": 235e9, "gemma3:1b": 1.0e9, "gemma3:4b": 3.88e9, "gemma3:12b": 11.77e9,
+             "gemma3:27b": 27.0e9, "gpt_oss:20b": 20.91e9, "gpt_oss:120b": 116.83e9}
 # Qwen3's model cards also give the count without the token embedding and output head (0.6B's total is given
 # only as "0.6B")
 PUBLISHED_NON_EMBEDDING = {"qwen3:0.6b": 0.44e9, "qwen3:8b": 6.95e9, "qwen3:32b": 31.2e9, "qwen3:30b-a3b": 29.9e9,
-                           "qwen3:235b-a22b": 234e9}
+                           "qwen3:235b-a22b": 234e9,
+                           # Gemma 3's technical report, Table 1 (its 4B, 12B and 27B also hold a 417M vision encoder)
+                           "gemma3:1b": 698e6, "gemma3:4b": 3209e6, "gemma3:12b": 10759e6, "gemma3:27b": 25600e6}
 # given to two digits (DeepSeek-V3's 37B: 37.55B counting the token embedding table as jaxtron does, 36.6B without)
 PUBLISHED_ACTIVE = {"qwen3:30b-a3b": 3.3e9, "qwen3:235b-a22b": 22e9, "deepseek_v3": 37e9}
+# gpt-oss's model card counts the active parameters without the token embedding table (the output head counts)
+PUBLISHED_ACTIVE_WITHOUT_EMBEDDING = {"gpt_oss:20b": 3.61e9, "gpt_oss:120b": 5.13e9}
 
 
-@pytest.mark.parametrize("name", list(PUBLISHED) + ["qwen3:0.6b"])
+@pytest.mark.parametrize("name", list(PUBLISHED) + ["qwen3:0.6b", "gemma3:tiny", "gpt_oss:tiny"])
 def test_config_parameter_counts_match_published(name):
     file, _, size = name.partition(":")
     cfg = load_config(os.path.join(REPO, "configs", f"{file}.py") + (f":{size}" if size else ""))
@@ -49,6 +54,10 @@ def test_config_parameter_counts_match_published(name):
         assert counted - embeddings == pytest.approx(PUBLISHED_NON_EMBEDDING[name], rel=5e-3)
     if name in PUBLISHED_ACTIVE:
         assert param_count(cfg.model, active=True) == pytest.approx(PUBLISHED_ACTIVE[name], rel=2e-2)
+    if name in PUBLISHED_ACTIVE_WITHOUT_EMBEDDING:
+        table = cfg.model.vocab_size * cfg.model.embed_dim
+        assert param_count(cfg.model, active=True) - table == pytest.approx(
+            PUBLISHED_ACTIVE_WITHOUT_EMBEDDING[name], rel=5e-3)
 
 
 def test_rope_frequencies_plain_and_llama31_scaled():

@@ -24,13 +24,16 @@ A family with parameters or matmuls outside this form adds them (``Family.extra_
 
 Embedding lookups, norms, softmax and activations are not counted, nor is recompute. The attention term
 counts the full causal row of ``seq_len`` keys for every token, also when a row packs several documents: the
-segment mask hides keys across documents but does not shrink the count. HARDWARE FLOPs add the forward
+segment mask hides keys across documents but does not shrink the count. A local layer counts only the band its
+window computes (``attended_keys``): the kernels skip the rest (cuDNN's sliding window, the blockwise kernel's
+skipped blocks). HARDWARE FLOPs add the forward
 matmuls that the remat policy re-runs (``RECOMPUTED``); MFU uses model FLOPs, HFU hardware FLOPs.
 """
 
 from __future__ import annotations
 
 from jaxtron import families
+from jaxtron.config.model import GATED
 from jaxtron.config.schema import ExecutionConfig, ModelConfig, replace
 
 # The matmuls of one training step, finer than the Megatron terms so that a remat policy can be described
@@ -74,34 +77,39 @@ RECOMPUTED: dict[str, dict[str, tuple[str, ...]]] = {
 
 
 def _mlp_matrices(cfg: ModelConfig) -> int:
-    return 3 if cfg.activation == "swiglu" else 2
+    return 3 if cfg.activation in GATED else 2
 
 
 def attention_params(cfg: ModelConfig) -> int:
     """Parameters of one block's attention: projections, and the norms inside it (Qwen3's per-head query and
     key norms; latent attention's norms of its low-rank query and of its key-value latent)."""
-    before, after, _, _ = _attention_sizes(cfg)
+    before, after, q, _ = _attention_sizes(cfg)
     if cfg.latent_attention:
         return before + after + cfg.attention.q_lora_rank + cfg.attention.kv_lora_rank
-    return before + after + (2 * cfg.resolved_head_dim if cfg.attention.qk_norm else 0)
+    a = cfg.attention
+    biases = q + 2 * a.num_kv_heads * cfg.resolved_head_dim + cfg.embed_dim if a.bias else 0
+    return before + after + (2 * cfg.resolved_head_dim if a.qk_norm else 0) + biases + (a.num_heads if a.sinks else 0)
 
 
 def param_count(cfg: ModelConfig, active: bool = False) -> int:
-    """Exact number of parameters of the model (no biases except LayerNorm's; the sigmoid router's balancing
-    bias counts). ``active``: only those one token uses, i.e. the k routed experts it is sent to (plus the
-    router and the shared experts) in each MoE block."""
+    """Exact number of parameters of the model (the biases it has, LayerNorm's, the sigmoid router's balancing
+    bias and attention sinks count). ``active``: only those one token uses, i.e. the k routed experts it is sent to
+    (plus the router and the shared experts) in each MoE block."""
     h = cfg.embed_dim
     norm = h if cfg.norm == "rmsnorm" else 2 * h  # scale (+ bias for LayerNorm)
+    norms = (4 if cfg.post_norms else 2) * norm  # a block's
     attention = attention_params(cfg)
     mlp = _mlp_matrices(cfg) * h * cfg.mlp_dim
-    expert = 3 * h * cfg.resolved_expert_dim
+    f = cfg.resolved_expert_dim
+    expert = 3 * h * f + ((2 * f + h) if cfg.moe.expert_bias else 0)
     experts = cfg.moe.experts_per_token if active else cfg.moe.num_experts
-    router = h * cfg.moe.num_experts + (cfg.moe.num_experts if cfg.moe.router == "sigmoid" else 0)
-    moe = experts * expert + cfg.moe.shared_experts * expert + router
+    router = h * cfg.moe.num_experts + (cfg.moe.num_experts if cfg.moe.router == "sigmoid" else 0) + \
+        (cfg.moe.num_experts if cfg.moe.router_logit_bias else 0)
+    moe = experts * expert + cfg.moe.shared_experts * 3 * h * f + router
     moe_layers = cfg.num_moe_layers
-    total = (cfg.num_layers - moe_layers) * (2 * norm + attention + mlp) + moe_layers * (2 * norm + attention + moe)
+    total = (cfg.num_layers - moe_layers) * (norms + attention + mlp) + moe_layers * (norms + attention + moe)
     # each MTP depth: two input norms, the projection, a block, a final norm (embedding and head are shared)
-    total += cfg.mtp.depth * (3 * norm + 2 * h * h + 2 * norm + attention + (moe if cfg.moe.num_experts else mlp))
+    total += cfg.mtp.depth * (3 * norm + 2 * h * h + norms + attention + (moe if cfg.moe.num_experts else mlp))
     total += cfg.vocab_size * h + norm  # token embedding, final norm
     if not cfg.tie_embeddings:
         total += cfg.vocab_size * h  # output head
@@ -129,14 +137,14 @@ def matmul_breakdown(cfg: ModelConfig, seq_len: int, causal: bool = True) -> dic
     """Model training FLOPs per token of each kind of matmul in ``MATMULS``, summed over all layers."""
     h, s, L = cfg.embed_dim, seq_len, cfg.num_layers
     qkv, out, qk, v = _attention_sizes(cfg)
-    keys = s / 2 if causal else s  # causal attention touches half the keys
+    keys = attended_keys(cfg, s, causal)  # summed over the layers
     dense, moe = L - cfg.num_moe_layers, cfg.num_moe_layers
     shared = cfg.moe.shared_experts * cfg.resolved_expert_dim
     out = {
         "attention_qkv": 6.0 * L * qkv,
         "attention_out": 6.0 * L * out,
-        "scores_qk": 6.0 * L * qk * keys,
-        "scores_av": 6.0 * L * v * keys,
+        "scores_qk": 6.0 * qk * keys,
+        "scores_av": 6.0 * v * keys,
         "mlp_in": 6.0 * dense * h * cfg.mlp_dim * (_mlp_matrices(cfg) - 1),
         "mlp_out": 6.0 * dense * h * cfg.mlp_dim,
         "shared_in": 6.0 * moe * h * shared * 2,
@@ -154,6 +162,16 @@ def matmul_breakdown(cfg: ModelConfig, seq_len: int, causal: bool = True) -> dic
     for name, value in families.get(cfg.family).extra_flops(cfg, seq_len).items():  # the family's own matmuls
         out[name] += value
     return out
+
+
+def attended_keys(cfg: ModelConfig, seq_len: int, causal: bool = True) -> float:
+    """The keys a query attends to, averaged over a row of ``seq_len`` and summed over the layers: half the row in
+    a causal global layer (the whole row without causality); in a local layer of window W < seq_len, W - W^2 / 2s
+    (the band of W keys, its first W queries seeing fewer). A window no shorter than the row is a global layer."""
+    s, window = seq_len, cfg.attention.window
+    full = s / 2 if causal else s
+    local = sum(cfg.is_local_block(i) for i in range(cfg.num_layers)) if 0 < window < s else 0
+    return (cfg.num_layers - local) * full + local * (window - window * window / (2 * s))
 
 
 def _terms(matmuls: dict[str, float]) -> dict[str, float]:

@@ -146,14 +146,20 @@ def _call_operands(line: str, dtypes: tuple[str, ...] | None = None,
 def attention_flops(line: str, backward: bool) -> float:
     """A cuDNN flash-attention call's matmuls, from its operands [batch, length, heads, head size] (query, key,
     value): forward QK^T and PV; backward the recomputed QK^T, dP, dV, dQ and dK. A causal mask halves the score
-    pairs (a query block of T over S >= T keys sees T x (S - T/2) of them)."""
+    pairs (a query block of T over S >= T keys sees T x (S - T/2) of them); a sliding window of W < T keys
+    (``sliding_window_length``) leaves the band, T x W - W^2 / 2."""
     operands = _call_operands(line)
     if len(operands) < 3:
         return 0.0
     q, k, v = operands[:3]
     batch, length, heads, qk = q
     keys, dv = k[1], v[3]
-    pairs = batch * heads * (length * (keys - length / 2) if "CAUSAL" in line else length * keys)
+    window = re.search(r'"sliding_window_length":"?(\d+)', line)
+    window = int(window.group(1)) if window else 0
+    if "CAUSAL" in line and 0 < window < length:
+        pairs = batch * heads * (length * window - window * window / 2)
+    else:
+        pairs = batch * heads * (length * (keys - length / 2) if "CAUSAL" in line else length * keys)
     return 2.0 * pairs * ((3 * qk + 2 * dv) if backward else (qk + dv))
 
 

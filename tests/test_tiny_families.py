@@ -1,0 +1,48 @@
+"""Gemma 3's and gpt-oss's shipped ``:tiny`` sizes, whose windows are shorter than their rows: 3 float32 steps on
+meshes over fsdp, tensor, sequence and expert equal one device's to 1e-5, with every mechanism in the step
+(local and global layers, sinks, biases, post-norms, the clamped SwiGLU and the experts' biases)."""
+
+import os
+
+import jax
+import numpy as np
+import pytest
+from conftest import REPO
+from helpers import losses
+
+from jaxtron.config.loader import config_of
+from jaxtron.training.loop import run
+
+# synthetic rows of 128 tokens (the windows are 32): on a sequence split in two each device's half-columns are 32
+# long, so the blockwise kernel gathers only the window's keys
+OVERRIDES = ["--config.train.steps=3", "--config.train.log_every=1", "--config.train.eval_every=0",
+             "--config.train.eval_batches=0", "--config.train.global_batch_size=8", "--config.data.source=synthetic",
+             "--config.data.seq_len=128", "--config.optimizer.warmup_steps=1"]
+MESHES = {"fsdp2_sequence2_tensor2": dict(fsdp=2, sequence=2, tensor=2), "fsdp8": dict(fsdp=8),
+          "fsdp2_sequence2_expert2": dict(fsdp=2, sequence=2, expert=2),
+          "fsdp4_tensor2": dict(fsdp=4, tensor=2)}
+
+
+def _config(family, mesh):
+    sizes = [f"--config.mesh.{axis}={mesh.get(axis, 1)}" for axis in ("data", "fsdp", "sequence", "expert", "tensor")]
+    return config_of(os.path.join(REPO, "configs", f"{family}.py") + ":tiny", OVERRIDES + sizes)
+
+
+@pytest.fixture(scope="session")  # once per test process (tests/conftest.py)
+def one_device(tmp_path_factory):
+    return {family: run(_config(family, {}), str(tmp_path_factory.mktemp(family)), use_tqdm=False,
+                        devices=jax.devices()[:1]) for family in ("gemma3", "gpt_oss")}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family,mesh_name", [
+    ("gemma3", "fsdp2_sequence2_tensor2"), ("gpt_oss", "fsdp2_sequence2_expert2"),
+    *(pytest.param(family, mesh, marks=pytest.mark.extended) for family, mesh in (
+        ("gemma3", "fsdp8"), ("gpt_oss", "fsdp2_sequence2_tensor2"), ("gpt_oss", "fsdp4_tensor2")))])
+def test_tiny_families_train_alike_on_every_mesh(family, mesh_name, one_device, tmp_path):
+    summary = run(_config(family, MESHES[mesh_name]), str(tmp_path), use_tqdm=False)
+    expected = losses(one_device[family])
+    assert len(expected) == 3 and np.all(np.diff(expected) != 0)
+    np.testing.assert_allclose(losses(summary), expected, rtol=1e-5)
+    stack = summary.state.params["lead_layers" if family == "gemma3" else "moe_layers"]
+    assert ("mlp_post_norm" in stack) == (family == "gemma3") and ("sinks" in stack["attn"]) == (family == "gpt_oss")
