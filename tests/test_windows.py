@@ -178,3 +178,24 @@ def test_context_parallel_window_gathers_only_the_windows_keys_and_equals_one_de
     # the keys' gather: 2 * (window - 1) columns from each of the shards, not the row's 64
     gathered = {int(m) for m in re.findall(r"f32\[\d+,(\d+),\d+,\d+\]\{[^}]*\} all-gather", hlo)}
     assert gathered == {2 * (window - 1) * shards}, gathered
+
+
+def test_the_packed_kernels_statistics_are_read_at_each_documents_place_in_jaxs_list():
+    """``cudnn.token_stats_index`` against jax's own list of a batch's documents (``_fix_seqlen_offsets``, what
+    the kernel is given): each token's document starts where jax says that entry of the list starts, rows with
+    fewer documents than the slots leaving no gap."""
+    from jax._src.cudnn import fused_attention_stablehlo as private
+
+    from jaxtron.ops import cudnn
+
+    seg = jnp.asarray(np.stack([np.repeat([1, 2, 3], [5, 12, 15]), np.ones(32), np.repeat([1, 2], [30, 2])]),
+                      jnp.int32)
+    m, heads, size = 4, 2, 8
+    lengths, offsets = cudnn.segment_layout(seg, m)
+    q = jnp.zeros((3, 32, heads, size), jnp.bfloat16)
+    _, _, starts, _ = private._fix_seqlen_offsets(lengths, lengths, offsets, offsets, q, q)
+    token_start = np.asarray(starts).reshape(-1) // (heads * size)  # each listed document's first token, counted over the batch
+    document, place = (np.asarray(a) for a in cudnn.token_stats_index(seg, m))
+    rows = np.arange(3)[:, None] * 32
+    np.testing.assert_array_equal(token_start[document] + place, rows + np.arange(32)[None, :])
+    assert document.max() == 5 and place.max() == 31 and place[0, 5] == 0 and place[0, 6] == 1

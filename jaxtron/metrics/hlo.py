@@ -154,7 +154,7 @@ def attention_flops(line: str, backward: bool) -> float:
     q, k, v = operands[:3]
     batch, length, heads, qk = q
     keys, dv = k[1], v[3]
-    window = re.search(r'"sliding_window_length":"?(\d+)', line)
+    window = re.search(r'"sliding_window_length":\s*"?(\d+)', line)
     window = int(window.group(1)) if window else 0
     if "CAUSAL" in line and 0 < window < length:
         pairs = batch * heads * (length * window - window * window / 2)

@@ -32,6 +32,7 @@ from jaxtron.config.schema import ExecutionConfig, ModelConfig
 from jaxtron.models.projection import fp8_recipe
 from jaxtron.ops import attention as attention_ops
 from jaxtron.ops import cudnn as cudnn_ops
+from jaxtron.ops import sinks as sink_ops
 from jaxtron.parallel.state_sharding import gathering_for_use
 
 Stats = dict[str, jax.Array]
@@ -50,7 +51,8 @@ def _attention_saveable(prim, *_, **__) -> bool:
 
 _save_attention = jax.checkpoint_policies.save_from_both_policies(
     jax.checkpoint_policies.save_only_these_names(attention_ops.OUTPUT_NAME, cudnn_ops.PACKED_OUTPUT_NAME,
-                                                  cudnn_ops.PACKED_STATS_NAME), _attention_saveable)
+                                                  cudnn_ops.PACKED_STATS_NAME, sink_ops.OUTPUT_NAME,
+                                                  sink_ops.STATS_NAME), _attention_saveable)
 
 # execution.remat -> the jax checkpoint policy of a block ("none": no checkpoint at all)
 _POLICIES = {

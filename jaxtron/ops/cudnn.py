@@ -137,6 +137,59 @@ def _packed_kernels(max_segments: int, window: int = 0) -> tuple[Callable, Calla
     return _row_batched(forward), _row_batched(backward)
 
 
+def token_stats_index(segment_ids: jax.Array, max_segments: int) -> tuple[jax.Array, jax.Array]:
+    """Where the packed kernel's softmax statistics [rows * M, heads, length] hold each token's log-sum-exp:
+    ([b, t] the token's document in the batch's list of documents, [b, t] the token's place in its document).
+
+    XLA's graph gives the statistics no ragged offset: cuDNN writes each document's as a sequence of its own, at
+    its place in the list jax makes of the batch's documents (every row's in order, a row's unused slots left out:
+    ``_fix_seqlen_offsets``). XLA's builders and cuDNN frontend's ragged test read so; a GPU has not checked it."""
+    lengths, offsets = segment_layout(segment_ids, max_segments)
+    count = jnp.sum(lengths >= 0, axis=1)
+    before = jnp.cumsum(count) - count  # documents in the rows before
+    starts = jnp.concatenate([jnp.ones_like(segment_ids[:, :1], bool), segment_ids[:, 1:] != segment_ids[:, :-1]],
+                             axis=1)
+    document = jnp.cumsum(starts, axis=1) - 1  # the token's document within its row
+    first = jnp.take_along_axis(offsets, document, axis=1)
+    return before[:, None] + document, jnp.arange(segment_ids.shape[1])[None, :] - first
+
+
+@functools.cache
+def _packed_stats_kernels(max_segments: int, window: int) -> tuple[Callable, Callable]:
+    """(forward -> (output, log-sum-exp [b, t, heads]), backward given a log-sum-exp laid out so) of packed attention,
+    each batched by rows, so that the statistics' list of documents is the batch the kernel sees."""
+    forward, backward = _packed_kernels(max_segments, window)
+
+    def forward_lse(q, k, v, segment_ids):
+        out, stats = forward(q, k, v, segment_ids)
+        document, place = token_stats_index(segment_ids, max_segments)
+        return out, stats[document, :, place]  # [b, t, heads]
+
+    def backward_lse(q, k, v, segment_ids, out, lse, d_out):
+        document, place = token_stats_index(segment_ids, max_segments)
+        shape = (q.shape[0] * max_segments, q.shape[2], q.shape[1])
+        stats = jnp.zeros(shape, jnp.float32).at[document, :, place].set(lse.astype(jnp.float32))
+        return backward(q, k, v, segment_ids, out, stats, d_out)
+
+    return _row_batched(forward_lse), _row_batched(backward_lse)
+
+
+@dataclasses.dataclass(frozen=True)
+class PackedRows:
+    """cuDNN's packed kernel (optionally windowed) as a ``sinks.StatsKernel``: the attention of packed documents
+    with sinks folded in after it (``ops/sinks.py``). ``extras``: (segment ids,)."""
+
+    max_segments: int
+    window: int = 0
+
+    def forward(self, q, k, v, extras):
+        return _packed_stats_kernels(self.max_segments, self.window)[0](q, k, v, extras[0])
+
+    def backward(self, q, k, v, extras, out, lse, d_out):
+        return _packed_stats_kernels(self.max_segments, self.window)[1](q, k, v, extras[0], out.astype(q.dtype), lse,
+                                                                         d_out.astype(q.dtype))
+
+
 def _mask(causal: bool):
     return _cudnn.MaskType.PADDING_CAUSAL if causal else _cudnn.MaskType.PADDING
 

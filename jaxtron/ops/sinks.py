@@ -19,6 +19,11 @@ from typing import Protocol
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
+
+# the checkpoint names of the sunk output and the kernel's log-sum-exp, which the backward needs: a remat policy that
+# keeps them (models/stack.py's attention outputs) runs the kernel's forward once
+OUTPUT_NAME, STATS_NAME = "sinks_out", "sinks_lse"
 
 
 class StatsKernel(Protocol):
@@ -53,8 +58,9 @@ def with_sinks(kernel: StatsKernel, q: jax.Array, k: jax.Array, v: jax.Array, si
 
 def _forward(kernel, q, k, v, sinks, extras):
     out, lse = kernel.forward(q, k, v, extras)
+    lse = checkpoint_name(lse, STATS_NAME)
     kept = share(lse, sinks)
-    sunk = (out.astype(jnp.float32) * kept[..., None]).astype(out.dtype)
+    sunk = checkpoint_name((out.astype(jnp.float32) * kept[..., None]).astype(out.dtype), OUTPUT_NAME)
     return sunk, (q, k, v, sinks, extras, sunk, lse, kept)
 
 
