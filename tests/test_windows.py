@@ -194,7 +194,8 @@ def test_the_packed_kernels_statistics_are_read_at_each_documents_place_in_jaxs_
     lengths, offsets = cudnn.segment_layout(seg, m)
     q = jnp.zeros((3, 32, heads, size), jnp.bfloat16)
     _, _, starts, _ = private._fix_seqlen_offsets(lengths, lengths, offsets, offsets, q, q)
-    token_start = np.asarray(starts).reshape(-1) // (heads * size)  # each listed document's first token, counted over the batch
+    # each listed document's first token, counted over the batch
+    token_start = np.asarray(starts).reshape(-1) // (heads * size)
     document, place = (np.asarray(a) for a in cudnn.token_stats_index(seg, m))
     rows = np.arange(3)[:, None] * 32
     np.testing.assert_array_equal(token_start[document] + place, rows + np.arange(32)[None, :])
