@@ -193,6 +193,41 @@ def test_packed_cudnn_attention_takes_vmap_and_grad_in_either_order(monkeypatch)
 
 @pytest.mark.gpu
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="cuDNN flash attention needs an NVIDIA GPU")
+@pytest.mark.gpu
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="cuDNN flash attention needs an NVIDIA GPU")
+@pytest.mark.parametrize("packed", [False, True])
+def test_cudnn_windows_and_sinks_match_the_xla_reference_on_a_gpu(packed):
+    """cuDNN's sliding window, and sinks folded in from its statistics (the packed kernel's read at each document's
+    place in jax's list), forward and gradients (the sinks' too) against the float32 reference."""
+    b, t, n, g, h, window = 2, 512, 8, 2, 128, 100
+    keys = jax.random.split(jax.random.key(4), 4)
+    q, k, v = (jax.random.normal(key, (b, t, heads, h), jnp.float32)
+               for key, heads in zip(keys[:3], (n, g, g), strict=True))
+    sinks = jax.random.normal(keys[3], (n,))
+    ids = jnp.asarray(_packed_segment_ids(b, t, [5, 17])) if packed else None
+    positions = None
+    if packed:  # each token's position in its document
+        starts = jnp.concatenate([jnp.ones((b, 1), bool), ids[:, 1:] != ids[:, :-1]], axis=1)
+        first = jax.lax.cummax(jnp.where(starts, jnp.arange(t), 0), axis=1)
+        positions = jnp.arange(t)[None, :] - first
+
+    def loss(impl, q, k, v, s):
+        out = dot_product_attention(q, k, v, implementation=impl, segment_ids=ids, positions=positions,
+                                    window=window, sinks=s)
+        return jnp.sum(out.astype(jnp.float32) ** 2), out
+
+    (_, reference), want = jax.value_and_grad(lambda *a: loss("xla", *a), argnums=(0, 1, 2, 3), has_aux=True)(
+        q, k, v, sinks)
+    bf = [x.astype(jnp.bfloat16) for x in (q, k, v)]
+    (_, out), got = jax.jit(jax.value_and_grad(lambda *a: loss("cudnn", *a), argnums=(0, 1, 2, 3),
+                                               has_aux=True))(*bf, sinks)
+    err = jnp.linalg.norm((out.astype(jnp.float32) - reference).ravel()) / jnp.linalg.norm(reference.ravel())
+    assert float(err) < 1e-2
+    for w, gr in zip(want, got, strict=True):
+        rel = jnp.linalg.norm((gr.astype(jnp.float32) - w).ravel()) / jnp.linalg.norm(w.ravel())
+        assert float(rel) < 2e-2
+
+
 def test_cudnn_returns_the_softmax_statistics_that_blockwise_attention_combines():
     """Ring or blockwise attention merges per-block outputs by their log-sum-exp: cuDNN's must equal the
     reference's (same layout [batch, length, heads], natural log of the scaled scores)."""

@@ -273,3 +273,27 @@ def test_deepseek_v3_multi_token_prediction_module_by_hand():
     assert flops.param_count(with_mtp) - flops.param_count(cfg) == module
     block_flops = 6 * (attention - 1536 - 512 + 9 * 3 * 7168 * 2048 + 7168 * 256 + 128 * 320 * 4096 / 2)
     assert flops.flops_breakdown(with_mtp, 4096)["mtp"] == block_flops + 6 * (7168 * 129280 + 2 * 7168 * 7168)
+
+
+def test_local_layers_count_their_windows_band_by_hand():
+    """Gemma 3 12B's pattern at 8192 tokens: 40 local layers of 1024 keys and 8 global ones. A local query sees at
+    most 1024 keys, the first 1024 queries fewer: 1024 - 1024^2 / (2 * 8192) = 960 on average; a global one 4096."""
+    from jaxtron.config.loader import load_config
+    from jaxtron.metrics.hlo import attention_flops
+
+    cfg = load_config(os.path.join(os.path.dirname(__file__), "..", "configs", "gemma3.py") + ":12b").model
+    assert sum(cfg.is_local_block(i) for i in range(48)) == 40
+    assert flops.attended_keys(cfg, 8192) == 40 * 960 + 8 * 4096
+    q = 16 * 256  # heads x head size
+    assert flops.flops_breakdown(cfg, 8192)["attention_scores"] == 6 * 2 * q * (40 * 960 + 8 * 4096)
+    unwindowed = replace(cfg, attention=dict(window=0, global_every=0), rope=dict(local_theta=0.0))
+    assert flops.attended_keys(unwindowed, 8192) == 48 * 4096
+    assert flops.attended_keys(cfg, 1024) == 48 * 512  # a window no shorter than the row is the whole causal row
+    # the step budget's pricing of a cuDNN call with cuDNN's window, [1, 8192, 16, 256] queries
+    call = ('%c = (bf16[1,16,8192,256]{3,1,2,0}, f32[1,16,8192]{2,1,0}, u8[0]{0}) custom-call(%q, %k, %v), '
+            'custom_call_target="__cudnn$fmhaSoftmax", operand_layout_constraints={bf16[1,8192,16,256]{3,2,1,0}, '
+            'bf16[1,8192,8,256]{3,2,1,0}, bf16[1,8192,8,256]{3,2,1,0}}, '
+            'backend_config={"cudnn_fmha_backend_config":{"mask_type":"CAUSAL", "sliding_window_length": 1024}}')
+    assert attention_flops(call, False) == 2 * 16 * (8192 * 1024 - 1024 * 1024 / 2) * (256 + 256)
+    assert attention_flops(call.replace('"sliding_window_length": 1024', '"sliding_window_length": 0'), False) \
+        == 2 * 16 * 8192 * (8192 - 4096) * (256 + 256)

@@ -17,7 +17,31 @@ FAMILIES = {  # tiny models of each family's architecture
     "qwen3": QWEN3_STYLE["qwen3"],
     "mixtral": dict(num_layers=4, moe=dict(num_experts=4, experts_per_token=2, every=2)),
     "deepseek_v3": dict(QWEN3_STYLE["deepseek_v3"], mtp=dict(depth=0)),
+    # windows of 3 tokens, shorter than the prefill: a local layer's ring of 3 slots is read whole while the prompt
+    # is prefilled, then turns over (Gemma 3: a lead block, then a period of local, local, global)
+    "gemma3": dict(num_layers=4, activation="geglu", norm_unit_offset=True, post_norms=True, embed_scale=True,
+                   attention=dict(qk_norm=True, window=3, global_every=3, query_pre_attn_scalar=24),
+                   rope=dict(local_theta=100.0, scaling="linear", factor=2.0)),
+    "gpt_oss": dict(num_layers=4, activation="clamped_swiglu", swiglu_limit=1.0,
+                    attention=dict(window=3, global_every=2, sinks=True, bias=True),
+                    rope=dict(scaling="yarn", factor=4.0, original_max_len=16, truncate=False),
+                    moe=dict(num_experts=4, experts_per_token=2, router_logit_bias=True, expert_bias=True)),
 }
+DRAWN = ("gemma3", "gpt_oss")  # their sinks, biases and norm offsets start at zero: drawn away from it
+
+
+def _model(family, cfg):
+    """The family's tiny model; its parameters moved by noise where zeros would hide a mechanism."""
+    from flax import nnx
+
+    model = build_model(cfg.model, cfg.execution, 0)
+    if family in DRAWN:
+        state = nnx.state(model, nnx.Param)
+        leaves, tree = jax.tree.flatten(state)
+        keys = jax.random.split(jax.random.key(7), len(leaves))
+        nnx.update(model, jax.tree.unflatten(tree, [x + 0.3 * jax.random.normal(k, x.shape)
+                                                    for x, k in zip(leaves, keys, strict=True)]))
+    return model
 
 
 @pytest.mark.slow
@@ -26,10 +50,13 @@ def test_decoding_with_the_cache_equals_the_full_forward_at_every_step(family):
     """A prompt's prefill (5 tokens) and then one token at a time: each step's float32 logits equal the full
     forward's at the same positions to 1e-5, with rows at different positions (the second row a step behind)."""
     cfg = tiny_config(model=FAMILIES[family], execution=dict(moe_mode="dropless"))
-    model = build_model(cfg.model, cfg.execution, 0)
+    model = _model(family, cfg)
     tokens = jnp.asarray(np.random.default_rng(0).integers(0, cfg.model.vocab_size, (2, 12)), jnp.int32)
     want = np.asarray(model(tokens).logits())
     cache = model.empty_cache(2, 16, jnp.float32)
+    window = cfg.model.attention.window
+    for (_, local), c in zip(cfg.model.period_blocks(), cache["period"], strict=True):  # local layers: the window
+        assert c["k"].shape[2] == (window if local else 16)
     step = jax.jit(lambda m, t, p, c: m.decode(t, p, c))
     positions = jnp.broadcast_to(jnp.arange(5, dtype=jnp.int32), (2, 5))
     logits, cache = step(model, tokens[:, :5], positions, cache)
@@ -51,18 +78,22 @@ def _naive_greedy(model, prompt: list[int], steps: int) -> list[int]:
 
 
 @pytest.mark.slow
-def test_greedy_generation_of_a_batch_equals_the_full_forward_token_by_token():
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_greedy_generation_of_a_batch_equals_the_full_forward_token_by_token(family):
     """Two prompts of different lengths in one batch (right-padded, each row at its own position): each row's
     greedy tokens are those of re-running the whole forward for every token; top-k 1 and a tiny top-p are greedy
-    too, and sampling at a temperature repeats with its seed."""
+    too, and sampling at a temperature repeats with its seed. Gemma 3's local layers: the shorter prompt's padding
+    must not take the place of its last tokens in the window's ring."""
     from jaxtron.inference.generate import Generator, Sampling
 
-    cfg = tiny_config(model=FAMILIES["llama"])
-    model = build_model(cfg.model, cfg.execution, 0)
+    cfg = tiny_config(model=FAMILIES[family])
+    model = _model(family, cfg)
     prompts = [[3, 14, 15, 92, 65], [35, 89]]
     generator = Generator(model)
     got = generator.generate(prompts, 6).tokens
     assert got == [_naive_greedy(model, p, 6) for p in prompts]
+    if family != "llama":
+        return
     assert generator.generate(prompts, 6, Sampling(temperature=1.0, top_k=1)).tokens == got
     assert generator.generate(prompts, 6, Sampling(temperature=1.0, top_p=1e-6)).tokens == got
     a, b, c = (generator.generate(prompts, 6, Sampling(temperature=1.5, seed=s)).tokens for s in (1, 1, 2))

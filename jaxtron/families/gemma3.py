@@ -64,8 +64,10 @@ def _model_fields(hf: dict, tensor_names) -> dict[str, Any]:
 def _hf_fields(cfg: ModelConfig, router_aux_loss: float) -> dict[str, Any]:
     hf = config_json.core_hf(cfg, "gemma3_text")
     del hf["hidden_act"]
-    hf.update(hidden_activation="gelu_pytorch_tanh", query_pre_attn_scalar=cfg.attention.query_pre_attn_scalar or
-              cfg.resolved_head_dim, sliding_window=cfg.attention.window or None,
+    scalar = cfg.attention.query_pre_attn_scalar or cfg.resolved_head_dim
+    hf.update(hidden_activation="gelu_pytorch_tanh",  # transformers' config takes a whole number here
+              query_pre_attn_scalar=int(scalar) if float(scalar).is_integer() else scalar,
+              sliding_window=cfg.attention.window or None,
               layer_types=config_json.layer_types(cfg), rope_local_base_freq=cfg.rope.local_theta or cfg.rope.theta,
               final_logit_softcapping=None, attn_logit_softcapping=None, use_bidirectional_attention=False)
     return hf

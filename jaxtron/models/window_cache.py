@@ -29,7 +29,10 @@ def attend(cache: dict[str, jax.Array], q: jax.Array, k: jax.Array, v: jax.Array
     f32 = jnp.float32
     keys = jnp.concatenate([cache["k"].astype(f32), k.astype(f32)], axis=1)
     values = jnp.concatenate([cache["v"].astype(f32), v.astype(f32)], axis=1)
-    key_positions = jnp.concatenate([cache["slot_positions"], positions], axis=1)
+    # a slot of this call's first position or later holds what this call writes again: its tokens take its place
+    first = jnp.min(jnp.where(positions >= 0, positions, jnp.iinfo(jnp.int32).max), axis=1, keepdims=True)
+    ring = jnp.where(cache["slot_positions"] < first, cache["slot_positions"], -1)
+    key_positions = jnp.concatenate([ring, positions], axis=1)
     seen = dense.visible(positions, key_positions, None, None, window) & (key_positions >= 0)[:, None, :]
     out = dense.attention(q.astype(f32), keys, values, seen, sinks).astype(q.dtype)
     return out, write(cache, k, v, positions, window)
