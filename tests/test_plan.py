@@ -799,3 +799,20 @@ def test_rows_sent_once_per_node_are_priced_by_the_nodes_a_token_reaches():
         hops / (56 / 64 / H100.network_bandwidth), rel=1e-6)
     assert two.step_s < one.step_s
     assert search.best_for_mesh(cfg, sizes, H100).estimate.config.execution.moe_node_shards == 8
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("config,gpus", [("gemma3.py:12b", 16), ("gpt_oss.py:20b", 16), *(
+    pytest.param(config, gpus, marks=pytest.mark.extended) for config, gpus in (
+        ("gemma3.py:1b", 8), ("gemma3.py:4b", 8), ("gemma3.py:27b", 32), ("gpt_oss.py:120b", 64)))])
+def test_every_gemma3_and_gpt_oss_size_gets_ranked_rows(config, gpus, tmp_path):
+    """The planner ranks meshes for each published size, with its windows and experts counted (the local layers'
+    band in the attention term)."""
+    import json
+
+    out = tmp_path / "plan.json"
+    assert cli.run("plan", [f"--config={REPO}/configs/{config}", f"--gpus={gpus}", "--gpu=h100",
+                            f"--json={out}"]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert len(rows) >= 5 and rows[0]["fits"] and 0.05 < rows[0]["mfu"] < 0.7
+    assert rows[0]["time"]["attention"] > 0
