@@ -193,8 +193,6 @@ def test_packed_cudnn_attention_takes_vmap_and_grad_in_either_order(monkeypatch)
 
 @pytest.mark.gpu
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="cuDNN flash attention needs an NVIDIA GPU")
-@pytest.mark.gpu
-@pytest.mark.skipif(jax.default_backend() != "gpu", reason="cuDNN flash attention needs an NVIDIA GPU")
 @pytest.mark.parametrize("packed", [False, True])
 def test_cudnn_windows_and_sinks_match_the_xla_reference_on_a_gpu(packed):
     """cuDNN's sliding window, and sinks folded in from its statistics (the packed kernel's read at each document's
@@ -228,6 +226,8 @@ def test_cudnn_windows_and_sinks_match_the_xla_reference_on_a_gpu(packed):
         assert float(rel) < 2e-2
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="cuDNN flash attention needs an NVIDIA GPU")
 def test_cudnn_returns_the_softmax_statistics_that_blockwise_attention_combines():
     """Ring or blockwise attention merges per-block outputs by their log-sum-exp: cuDNN's must equal the
     reference's (same layout [batch, length, heads], natural log of the scaled scores)."""
