@@ -200,3 +200,18 @@ def test_the_packed_kernels_statistics_are_read_at_each_documents_place_in_jaxs_
     rows = np.arange(3)[:, None] * 32
     np.testing.assert_array_equal(token_start[document] + place, rows + np.arange(32)[None, :])
     assert document.max() == 5 and place.max() == 31 and place[0, 5] == 0 and place[0, 6] == 1
+
+
+def test_cudnn_by_chunks_with_windows_or_sinks_is_refused_with_the_config():
+    """cuDNN on a sharded sequence runs by chunks, which take neither: one sentence before anything runs."""
+    from helpers import tiny_config
+
+    from jaxtron.config.checks import ConfigError
+    from jaxtron.parallel.checks import check_devices
+
+    for attention in (dict(window=8, global_every=2), dict(sinks=True)):
+        cfg = tiny_config(dict(fsdp=1, sequence=2), model=dict(attention=attention),
+                          execution=dict(attention="cudnn"))
+        with pytest.raises(ConfigError, match="'execution.attention' is 'cudnn' on a sequence split 2 ways"):
+            check_devices(cfg, 2)
+        check_devices(tiny_config(dict(fsdp=1, sequence=2), model=dict(attention=attention)), 2)  # 'auto' runs

@@ -43,13 +43,14 @@ def write_cache(cache: jax.Array, new: jax.Array, positions: jax.Array) -> jax.A
     return cache.at[rows, positions].set(new.astype(cache.dtype), mode="drop")
 
 
-def cached_attention(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array) -> jax.Array:
+def cached_attention(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array, window: int = 0,
+                     sinks: jax.Array | None = None) -> jax.Array:
     """Causal attention of queries q [b, t, n, h] at ``positions`` [b, t] over the cache's keys k and values v
-    [b, S, g, h] (slot s holds position s): each query sees the slots up to its own position. float32 scores and
-    softmax, the output in q's dtype; n a multiple of g (grouped queries)."""
+    [b, S, g, h] (slot s holds position s): each query sees the slots up to its own position (the ``window``
+    latest, with one), with ``sinks``. float32 scores and softmax, the output in q's dtype; n a multiple of g."""
     slots = jnp.broadcast_to(jnp.arange(k.shape[1]), (k.shape[0], k.shape[1]))
     return dense.attention(q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32),
-                           dense.visible(positions, slots, None, None)).astype(q.dtype)
+                           dense.visible(positions, slots, None, None, window), sinks).astype(q.dtype)
 
 
 class Attention(_SelfAttention):
@@ -104,11 +105,8 @@ class Attention(_SelfAttention):
             out, cache = window_cache.attend(cache, q, k, v, positions, self.cfg.attention.window, self._sinks())
             return self.wo(out), cache
         cache = {"k": write_cache(cache["k"], k, positions), "v": write_cache(cache["v"], v, positions)}
-        slots = jnp.broadcast_to(jnp.arange(cache["k"].shape[1]), cache["k"].shape[:2])
-        seen = dense.visible(positions, slots, None, None, self.cfg.attention.window if local else 0)
-        f32 = jnp.float32
-        out = dense.attention(q.astype(f32), cache["k"].astype(f32), cache["v"].astype(f32), seen, self._sinks())
-        return self.wo(out.astype(q.dtype)), cache
+        window = self.cfg.attention.window if local else 0
+        return self.wo(cached_attention(q, cache["k"], cache["v"], positions, window, self._sinks())), cache
 
     def empty_cache(self, batch: int, length: int, dtype, local: bool = False) -> dict[str, jax.Array]:
         """Zero keys and values for ``length`` positions; a local layer's for no more than its window."""
@@ -148,7 +146,9 @@ class LatentAttention(_SelfAttention):
         self.wo = Projection(rngs, (n, v), (d,), ("heads", "head_dim", "embed"), out_std, dt)
         self._runs(cfg, execution, implementation)
 
-    def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array | None) -> jax.Array:
+    def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array | None,
+                 local: bool = False) -> jax.Array:
+        """``local`` is always False: latent attention has no local layers (the config refuses a window)."""
         q = self._queries(x, positions)
         k, v = self._keys_values(*self._compressed(x, positions))
         return self._output(self._attend(q, k, v, positions, segment_ids))
@@ -185,8 +185,8 @@ class LatentAttention(_SelfAttention):
     def _output(self, out: jax.Array) -> jax.Array:
         return self.wo(out[..., :self.cfg.resolved_v_head_dim])
 
-    def decode(self, x: jax.Array, positions: jax.Array,
-               cache: dict[str, jax.Array]) -> tuple[jax.Array, dict[str, jax.Array]]:
+    def decode(self, x: jax.Array, positions: jax.Array, cache: dict[str, jax.Array],
+               local: bool = False) -> tuple[jax.Array, dict[str, jax.Array]]:
         """As ``Attention.decode``, the cache compressed: each token's normed latent ("latent" [b, S, rank]) and
         rotated key part ("rope" [b, S, rope]); the keys and values of the cached tokens are expanded from them."""
         latent, k_rope = self._compressed(x, positions)
@@ -195,7 +195,7 @@ class LatentAttention(_SelfAttention):
         k, v = self._keys_values(cache["latent"].astype(self.dtype), cache["rope"].astype(self.dtype))
         return self._output(cached_attention(self._queries(x, positions), k, v, positions)), cache
 
-    def empty_cache(self, batch: int, length: int, dtype) -> dict[str, jax.Array]:
+    def empty_cache(self, batch: int, length: int, dtype, local: bool = False) -> dict[str, jax.Array]:
         a = self.cfg.attention
         return {"latent": jnp.zeros((batch, length, a.kv_lora_rank), dtype),
                 "rope": jnp.zeros((batch, length, a.qk_rope_head_dim), dtype)}

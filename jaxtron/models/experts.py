@@ -155,9 +155,8 @@ def experts_local(x: jax.Array, ids: jax.Array, weights: jax.Array, w: ExpertWei
 
     x [b, t, d], ids/weights [b, t, k] (id ``num_experts`` = dropped); ``w``: gate/up [E_local, d_shard, f_shard],
     down [E_local, f_shard, d_shard], biases [E_local, f_shard]. ``row_capacity``: slots per expert and row
-    (capacity mode) or None
-    (dropless). ``run``: the kernels, exchange, precision and chunks. -> (outputs [b, t, d], how many of this
-    device's assignments a full receive buffer dropped).
+    (capacity mode) or None (dropless). ``run``: the kernels, exchange, precision, chunks and activation. ->
+    (outputs [b, t, d], how many of this device's assignments a full receive buffer dropped).
     """
     axes = axes or ExpertAxes((), (), ())
     b, t, d = x.shape

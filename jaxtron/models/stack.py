@@ -137,11 +137,9 @@ def _block_fn(graphdef: Any, fp8: bool, remat: str, local: bool = False) -> Call
     # what its backward reads: a weight gathered for use would be kept whole from the forward to the backward pass
     gather = "keep" if policy is not None or unrematerialized else "regather"
 
-    kind = {"local": True} if local else {}
-
     def apply(h, block, positions, segment_ids=None):
         with gathering_for_use(gather), fp8_recipe(FP8_RECIPE if fp8 else None):
-            return nnx.merge(graphdef, block)(h, positions, segment_ids, **kind)
+            return nnx.merge(graphdef, block)(h, positions, segment_ids, local=local)
 
     return apply if policy is None else jax.checkpoint(apply, policy=policy, prevent_cse=False)
 
@@ -152,18 +150,24 @@ def per_period(cfg: ModelConfig) -> tuple[int, int]:
     return cfg.period - moe, moe
 
 
+def blocks_of_period(blocks: tuple[tuple[bool, bool], ...], counts: tuple[int, int],
+                     period: tuple[Any, Any]) -> Iterator[tuple[bool, bool, Any]]:
+    """(is MoE, is local, the block's parameters) of each of a period's ``blocks`` in order: the next block of its
+    stack's share of the period (``period``: dense, MoE; [count, ...] when ``counts`` says more than one)."""
+    taken = [0, 0]
+    for is_moe, local in blocks:
+        tree, j = period[is_moe], taken[is_moe]
+        taken[is_moe] += 1
+        yield is_moe, local, tree if counts[is_moe] == 1 else jax.tree.map(lambda a, j=j: a[j], tree)
+
+
 def _period(fns: dict[tuple[bool, bool], Callable], blocks: tuple[tuple[bool, bool], ...], counts: tuple[int, int],
             h: jax.Array, period: tuple[Any, Any], extras: tuple) -> tuple[jax.Array, Stats]:
-    """One period: each of its ``blocks`` (is MoE, is local) in order, by ``fns`` of that kind, taking the next
-    block of its stack's share of the period (``counts``: dense, MoE; [count, ...] when more than one). Stats: the
-    MoE block's, or its MoE blocks' stacked [count, ...]."""
-    taken, stats = [0, 0], []
-    for is_moe, local in blocks:
-        tree, count = period[is_moe], counts[is_moe]
-        j = taken[is_moe]
-        taken[is_moe] += 1
-        h, block_stats = fns[is_moe, local](h, tree if count == 1 else jax.tree.map(lambda a, j=j: a[j], tree),
-                                            *extras)
+    """One period: each of its ``blocks`` (is MoE, is local) in order, by ``fns`` of that kind
+    (``blocks_of_period``). Stats: the MoE block's, or its MoE blocks' stacked [count, ...]."""
+    stats = []
+    for is_moe, local, block in blocks_of_period(blocks, counts, period):
+        h, block_stats = fns[is_moe, local](h, block, *extras)
         if is_moe:
             stats.append(block_stats)
     if len(stats) <= 1:
@@ -262,11 +266,9 @@ def decode_stack(cfg: ModelConfig, execution: ExecutionConfig, dense: nnx.Module
     pieces: dict[str, list] = {"prefix": [], "period": []}
 
     def block_fn(graphdef, fp8, local):
-        kind = {"local": True} if local else {}
-
         def apply(h, block, c):
             with fp8_recipe(FP8_RECIPE if fp8 else None):
-                return nnx.merge(graphdef, block).decode(h, positions, c, **kind)
+                return nnx.merge(graphdef, block).decode(h, positions, c, local=local)
         return apply
 
     for span, params in span_slices(cfg, execution, dense_state, moe_state, lead_state=lead_state):
@@ -281,12 +283,9 @@ def decode_stack(cfg: ModelConfig, execution: ExecutionConfig, dense: nnx.Module
 
         def one_period(h, pc, fns=fns):
             period, caches = pc
-            taken, out = [0, 0], []
-            for (is_moe, local), c in zip(blocks, caches, strict=True):
-                tree, j = period[is_moe], taken[is_moe]
-                taken[is_moe] += 1
-                h, c = fns[is_moe, local](h, tree if counts[is_moe] == 1 else
-                                          jax.tree.map(lambda a, j=j: a[j], tree), c)
+            out = []
+            for (is_moe, local, block), c in zip(blocks_of_period(blocks, counts, period), caches, strict=True):
+                h, c = fns[is_moe, local](h, block, c)
                 out.append(c)
             return h, tuple(out)
 

@@ -55,7 +55,7 @@ class Block(nnx.Module):
                  local: bool = False) -> tuple[jax.Array, Stats]:
         """-> (output, routing stats of an MoE block, empty for a dense one). ``local``: the block's attention sees
         only its window (``model.attention.window``)."""
-        a = self.attn(block_input(self.attn_norm, x), positions, segment_ids, **({"local": True} if local else {}))
+        a = self.attn(block_input(self.attn_norm, x), positions, segment_ids, local)
         x = constrain(x + gathered_cotangent(_post(self.attn_post_norm, a), BLOCK_INPUT_AXES), EMBED_AXES)
         y, stats = self.mlp(block_input(self.mlp_norm, x))
         return constrain(x + gathered_cotangent(_post(self.mlp_post_norm, y), BLOCK_INPUT_AXES), EMBED_AXES), stats
@@ -64,7 +64,7 @@ class Block(nnx.Module):
                local: bool = False) -> tuple[jax.Array, dict[str, jax.Array]]:
         """The block on tokens ``x`` at ``positions``, its attention over the earlier tokens in ``cache``: -> (the
         output, the cache with these tokens in)."""
-        a, cache = self.attn.decode(self.attn_norm(x), positions, cache, **({"local": True} if local else {}))
+        a, cache = self.attn.decode(self.attn_norm(x), positions, cache, local)
         x = x + _post(self.attn_post_norm, a)
         y, _ = self.mlp(self.mlp_norm(x))
         return x + _post(self.mlp_post_norm, y), cache
@@ -183,7 +183,7 @@ class Transformer(nnx.Module):
         attn = next(s for s in (self.layers, self.moe_layers, self.lead_layers) if s is not None).attn
 
         def stacked_cache(count: int, local: bool):
-            one = attn.empty_cache(batch, length, dtype, **({"local": True} if local else {}))
+            one = attn.empty_cache(batch, length, dtype, local)
             return jax.tree.map(lambda a: jnp.repeat(a[None], count, axis=0), one)
 
         cache = {"period": tuple(stacked_cache(cfg.stack_periods, local) for _, local in cfg.period_blocks())}

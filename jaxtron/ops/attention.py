@@ -100,9 +100,8 @@ def dot_product_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, implement
     chunks = implementation == "cudnn" and bool(sequence_axes())
     if chunks and (segment_ids is None or positions is None):
         raise ValueError("cuDNN attention on a sharded sequence needs the loader's segment ids and positions")
-    if chunks and (window or sinks is not None):
-        raise ConfigError("config field 'execution.attention' is 'cudnn' on a sharded sequence, which runs by chunks "
-                          "without windows or sinks; use 'auto', which runs the blockwise kernel there.")
+    if chunks and (window or sinks is not None):  # refused with the config (parallel/checks.py)
+        raise ValueError("cuDNN attention by chunks takes no window or sinks")
     # blockwise attention gathers the keys and values itself, inside its shard_map: they enter it sharded like
     # the queries (gathering them here as well would gather twice)
     kv_axes = KV_SHARDED_AXES if implementation == "blockwise" or chunks else KV_AXES
