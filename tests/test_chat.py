@@ -150,7 +150,7 @@ def test_bad_conversation_input_is_one_sentence_and_exit_2(tmp_path, capsys):
         ([no_messages], ["--chat-template", str(plain)], "line 1 of '" + no_messages + "' has no 'messages' list"),
         ([no_reply], ["--chat-template", str(plain)], "has no assistant message"),
         ([talk], ["--chat-template", str(broken)], "is not valid jinja (line 1"),
-        ([str(text)], ["--chat-template", str(plain)], "--chat reads conversations from JSONL files"),
+        ([str(text)], ["--chat-template", str(plain)], "--chat reads conversations from records"),
     ]
     for i, (inputs, extra, message) in enumerate(cases):
         argv = ["prepare", "--tokenizer", path, "--output", str(tmp_path / f"out{i}"), "--chat", *extra]

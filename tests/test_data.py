@@ -220,7 +220,8 @@ def test_bad_inputs_are_one_line_errors(tmp_path, capsys, big_vocab_tokenizer):
 
     pattern = str(tmp_path / "nothing" / "*.txt")
     assert cli.run("prepare", ["--input", pattern, "--tokenizer", "byte", "--output", out]) == 2
-    assert _error_line(capsys) == f"--input '{pattern}' matches no files; check the path or quote the glob."
+    assert _error_line(capsys) == (f"--input '{pattern}' matches no files jaxtron reads; check the path or quote "
+                                   "the glob.")
 
     (tmp_path / "empty").mkdir()
     for i in range(2):
@@ -256,9 +257,10 @@ def test_bad_inputs_are_one_line_errors(tmp_path, capsys, big_vocab_tokenizer):
     no_field = _write(tmp_path / "nofield.jsonl", '{"text": "fine"}\n\n{"body": "wrong field"}\n')
     not_object = _write(tmp_path / "list.jsonl", '["text"]\n')
     for path, message in [(bad_json, f"line 2 of '{bad_json}' is not valid JSON; fix or remove it."),
-                          (no_field, f"line 3 of '{no_field}' has no text field 'text'; pass the right --text-field."),
-                          (not_object, (f"line 1 of '{not_object}' has no text field 'text'; "
-                                       "pass the right --text-field."))]:
+                          (no_field, (f"line 3 of '{no_field}' has no text field 'text' (its fields are: body); "
+                                     "pass the right --text-field.")),
+                          (not_object, (f"line 1 of '{not_object}' has no text field 'text' (its fields are: none); "
+                                        "pass the right --text-field."))]:
         assert cli.run("prepare", ["--input", path, "--tokenizer", "byte", "--output", out + "_j",
                                    "--workers", "1"]) == 2
         assert _error_line(capsys) == message

@@ -142,9 +142,12 @@ def _compile(source: str, origin: str):
 
 
 def load_template(tokenizer: str, template: str | None = None) -> ChatTemplate:
-    """The chat template for ``tokenizer`` (a tokenizer.json path or 'byte'): ``template`` if given (a .jinja file
-    or a tokenizer_config.json), else the tokenizer's own from the files beside it. DataError if there is none."""
-    directory = "" if tokenizer == "byte" else os.path.dirname(os.path.abspath(tokenizer))
+    """The chat template for ``tokenizer`` (a tokenizer.json path, a model directory or 'byte').
+
+    ``template`` if given (a .jinja file or a tokenizer_config.json), else the tokenizer's own from the files
+    beside it or in the model directory. DataError if there is none."""
+    directory = "" if tokenizer == "byte" else os.path.abspath(tokenizer)
+    directory = directory if os.path.isdir(directory) else os.path.dirname(directory)  # a model directory, or a file
     config: dict = {}
     config_path = os.path.join(directory, CONFIG_FILE) if directory else ""
     if config_path and os.path.isfile(config_path):

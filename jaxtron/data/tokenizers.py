@@ -3,6 +3,8 @@
 Each has an end-of-document id (``eos_id``) that prepare appends to every document, so a model learns
 where text ends. ``eos`` picks it: "auto" finds the tokenizer's own (an error if it has none), a token
 string names one, None prepares without. The byte tokenizer has none (see ByteTokenizer).
+A Hugging Face model directory stands for its tokenizer.json (or tokenizer.model); the eos_token of the
+tokenizer_config.json beside a tokenizer.json comes first.
 """
 
 from __future__ import annotations
@@ -87,7 +89,12 @@ class HFTokenizer:
             self.eos_id = self._find_eos()
 
     def _find_eos(self) -> int:
-        """The token the post-processor appends after the text, else the first of EOS_NAMES that exists."""
+        """The model's eos_token (tokenizer_config.json beside the file), else the token the post-processor
+        appends after the text, else the first of EOS_NAMES that exists."""
+        named = self.config.get("eos_token")
+        named = named.get("content") if isinstance(named, dict) else named
+        if isinstance(named, str) and self._tok.token_to_id(named) is not None:
+            return int(self._tok.token_to_id(named))
         with open(self.path, encoding="utf-8") as f:
             processor = json.load(f).get("post_processor") or {}
         processors = processor.get("processors", [processor]) if isinstance(processor, dict) else []
@@ -116,20 +123,28 @@ class HFTokenizer:
                 np.asarray([a for a, _ in encoding.offsets], dtype=np.int64).reshape(-1))
 
     def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
-        return [np.asarray(e.ids, dtype=np.uint32) for e in self._tok.encode_batch(texts, add_special_tokens=False)]
+        # encode_batch_fast skips the character offsets, which a document does not need (tokenizers >= 0.21)
+        encode = getattr(self._tok, "encode_batch_fast", self._tok.encode_batch)
+        return [np.asarray(e.ids, dtype=np.uint32) for e in encode(texts, add_special_tokens=False)]
 
     def decode(self, ids, skip_special: bool = False) -> str:
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=skip_special)
 
     @functools.cached_property
+    def config(self) -> dict:
+        """The tokenizer_config.json beside the file ({} if none or unreadable)."""
+        path = os.path.join(os.path.dirname(os.path.abspath(self.path)), "tokenizer_config.json")
+        try:
+            with open(path, encoding="utf-8") as f:
+                config = json.load(f)
+        except (OSError, ValueError):
+            return {}
+        return config if isinstance(config, dict) else {}
+
+    @functools.cached_property
     def bos_id(self) -> int | None:
         """The beginning-of-sequence token tokenizer_config.json beside the file names, if any."""
-        config = os.path.join(os.path.dirname(os.path.abspath(self.path)), "tokenizer_config.json")
-        try:
-            with open(config, encoding="utf-8") as f:
-                bos = json.load(f).get("bos_token")
-        except (OSError, ValueError, AttributeError):
-            return None
+        bos = self.config.get("bos_token")
         bos = bos.get("content") if isinstance(bos, dict) else bos
         return self._tok.token_to_id(bos) if isinstance(bos, str) else None
 
@@ -190,10 +205,26 @@ class SentencePieceTokenizer:
         self.__init__(state["path"], state["eos"])
 
 
+MODEL_FILES = ("tokenizer.json", "tokenizer.model")  # what a Hugging Face model directory holds, in preference
+
+
+def tokenizer_file(spec: str) -> str:
+    """The tokenizer file ``spec`` names: itself, or the tokenizer of a Hugging Face model directory."""
+    if not os.path.isdir(spec):
+        return spec
+    for name in MODEL_FILES:
+        if os.path.isfile(os.path.join(spec, name)):
+            return os.path.join(spec, name)
+    raise DataError(f"tokenizer directory '{spec}' holds neither {' nor '.join(MODEL_FILES)}; pass a model "
+                    "directory with its tokenizer, or the tokenizer file itself.")
+
+
 def load_tokenizer(spec: str, eos: str | None = AUTO) -> Tokenizer:
-    """'byte', a tokenizer.json path, or a SentencePiece .model path, with end-of-document choice ``eos``."""
+    """'byte', a tokenizer.json path, a SentencePiece .model path, or a Hugging Face model directory, with
+    end-of-document choice ``eos``."""
     if spec == "byte":
         return ByteTokenizer(eos)
+    spec = tokenizer_file(spec)
     if not os.path.isfile(spec):
         raise DataError(f"tokenizer '{spec}' is neither 'byte' nor an existing file; pass 'byte', a tokenizer.json "
                         "or a SentencePiece .model.")
