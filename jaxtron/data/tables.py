@@ -78,7 +78,7 @@ def batches(source: Source, columns: Sequence[str]) -> Iterator[tuple[object, in
     size = os.path.getsize(source.path)
     try:
         if source.kind == "parquet":
-            file = pq.ParquetFile(source.path, memory_map=True)
+            file = pq.ParquetFile(source.path, memory_map=True, page_checksum_verification=True)
             rows = max(file.metadata.num_rows, 1)
             for batch in file.iter_batches(batch_size=ROWS, columns=list(columns), use_threads=False):
                 yield batch, size * batch.num_rows // rows
