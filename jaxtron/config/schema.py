@@ -135,6 +135,8 @@ class TrainConfig:
     eval_tasks: str = ""
     eval_tasks_path: str = ""
     eval_tasks_limit: int = 0
+    wandb_project: str = ""  # Weights & Biases project of the run's metrics ("": off; jaxtron.metrics.wandb_sink)
+    wandb_name: str = ""  # the W&B run's name ("": the workdir's name)
 
     def __post_init__(self):
         for name in ("steps", "global_batch_size", "microbatches", "log_every", "logit_chunks"):

@@ -1,4 +1,4 @@
-"""Metric sinks for the training loop: JSONL file, TensorBoard, and console (tqdm bar or log lines).
+"""Metric sinks for the training loop: JSONL file, TensorBoard, console (tqdm bar or log lines), and any others.
 
 Only process 0 should build a ``MetricsWriter``; the caller decides. Known metric keys get a fixed
 console format: loss, grad_norm, lr, tokens_per_sec, tflops_per_device, mfu (a fraction; shown as a
@@ -12,7 +12,7 @@ import logging
 import math
 import os
 import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Self
 
 import numpy as np
@@ -91,11 +91,13 @@ class MetricsWriter:
       total_steps: length of the progress bar and the denominator in 'step i/N'.
       use_tqdm: progress bar (True) or plain ``logging`` lines (False); None = bar iff stdout is a tty.
       tensorboard: write TensorBoard events (needs tensorboardX).
+      sinks: more receivers of every record (``write(step, values)`` and ``close()``), e.g. W&B.
     """
 
     def __init__(self, workdir: str, total_steps: int, use_tqdm: bool | None = None,
-                 tensorboard: bool = True):
+                 tensorboard: bool = True, sinks: Sequence[Any] = ()):
         self.workdir = workdir
+        self._sinks = list(sinks)
         self.total_steps = total_steps
         os.makedirs(workdir, exist_ok=True)
         self._tb = None
@@ -129,6 +131,8 @@ class MetricsWriter:
                 if isinstance(value, (int, float)) and not isinstance(value, bool):
                     tag = key if "/" in key else f"train/{key}"
                     self._tb.add_scalar(tag, value, global_step=int(step))
+        for sink in self._sinks:
+            sink.write(int(step), {k: _json_value(v) for k, v in values.items()})
         if self._bar is None:
             logger.info(format_line(step, self.total_steps, values))
             return
@@ -172,6 +176,8 @@ class MetricsWriter:
             self._bar.close()
         if self._tb is not None:
             self._tb.close()
+        for sink in self._sinks:
+            sink.close()
         self._jsonl.close()
 
     def __enter__(self) -> Self:

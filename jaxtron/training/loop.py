@@ -21,6 +21,7 @@ from jaxtron.data.loader import BatchIterator, BatchLimits, global_batch, make_s
 from jaxtron.metrics import flops as flops_lib
 from jaxtron.metrics.collectives import collectives
 from jaxtron.metrics.throughput import Throughput
+from jaxtron.metrics.wandb_sink import wandb_missing
 from jaxtron.metrics.writers import MetricsWriter
 from jaxtron.models import lora
 from jaxtron.parallel.sharding import batch_sharding
@@ -137,6 +138,8 @@ class Trainer:
         if self.cfg.train.eval_tasks.strip() and not any(h.name == "tasks" for h in self.given_hooks):
             raise ConfigError("config field 'train.eval_tasks' is set but no hook of this run scores it; train "
                               "with jaxtron.train (or pass hooks=[jaxtron.inference.downstream.task_hook(cfg)]).")
+        if (missing := wandb_missing(self.cfg.train.wandb_project)) is not None:
+            raise ConfigError(missing)
         placement = place(self.cfg, self.devices, self.resolve_remat)
         self.cfg, self.mesh, self.setup = placement.cfg, placement.mesh, placement.setup
         self.shardings, self.implementation = placement.shardings, placement.implementation
@@ -172,14 +175,22 @@ class Trainer:
             self.train_source, mesh, t.global_batch_size, step=self.start, workers=cfg.data.workers,
             limits=batch_limits(cfg, self.implementation), sample_offset=self.position.offset)))
         self.batch = next(batches)
-        writer = stack.enter_context(contextlib.closing(MetricsWriter(self.workdir, t.steps, use_tqdm=self.use_tqdm))) \
-            if self.is_main else None
+        writer = stack.enter_context(contextlib.closing(MetricsWriter(
+            self.workdir, t.steps, use_tqdm=self.use_tqdm, sinks=self._sinks()))) if self.is_main else None
         profile = ProfileWindow(cfg.profile, self.workdir, self.start)
         stack.callback(lambda: profile.close(self.done))
         preemption = stack.enter_context(contextlib.closing(PreemptionWatcher()))
         watchdog = stack.enter_context(contextlib.closing(Watchdog(t.watchdog_factor, jax.process_index())))
         streak = NonFiniteStreak(t.max_nonfinite_in_row, self.start, int(jax.device_get(self.state.nonfinite)[1]))
         return RunParts(batches, StopVotes(mesh), writer, profile, preemption, watchdog, StepFlags(streak, watchdog))
+
+    def _sinks(self) -> list:
+        """The metrics' receivers beyond the workdir's own files: W&B when train.wandb_project names a project."""
+        t = self.cfg.train
+        if not t.wandb_project:
+            return []
+        from jaxtron.metrics.wandb_sink import WandbSink
+        return [WandbSink(self.workdir, t.wandb_project, t.wandb_name, self.cfg.to_dict())]
 
     def _compiled(self, compiled, compile_s: float) -> None:
         """What the compiled step gives the run: its log line, collectives.json, the meter, the hooks' start."""
