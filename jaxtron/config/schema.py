@@ -141,12 +141,10 @@ class TrainConfig:
     def __post_init__(self):
         for name in ("steps", "global_batch_size", "microbatches", "log_every", "logit_chunks"):
             _positive(getattr(self, name), f"train.{name}")
-        _non_negative(self.seed, "train.seed")
-        for name in ("z_loss", "router_aux_loss", "router_z_loss", "router_bias_rate", "mtp_loss"):
+        for name in ("seed", "z_loss", "router_aux_loss", "router_z_loss", "router_bias_rate", "mtp_loss"):
             _non_negative(getattr(self, name), f"train.{name}")
-        _non_negative(self.eval_batches, "train.eval_batches")
-        _non_negative(self.eval_every, "train.eval_every")
-        _non_negative(self.eval_tasks_limit, "train.eval_tasks_limit")
+        for name in ("eval_batches", "eval_every", "eval_tasks_limit"):
+            _non_negative(getattr(self, name), f"train.{name}")
         _check(not self.eval_tasks.strip() or os.path.isdir(os.path.expanduser(self.eval_tasks_path)),
                "train.eval_tasks_path", f"('{self.eval_tasks_path}') is not a directory",
                "point it at a directory of lm-eval task YAMLs whose data are local files")

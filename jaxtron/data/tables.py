@@ -1,7 +1,7 @@
 """Parquet and Arrow files read in batches of rows, with only the columns a document needs.
 
-Parquet is read row group by row group and Arrow files are memory-mapped, so memory stays flat whatever a
-file's size. Opening a file reads its schema, so a corrupt file or a missing column is refused, with the
+Parquet is read row group by row group and Arrow files batch by batch, with plain reads, so memory stays
+flat whatever a file's size. Opening a file reads its schema, so a corrupt file or a missing column is refused, with the
 file's columns listed, before any document is tokenized.
 """
 
@@ -23,12 +23,13 @@ def _damaged(source: Source, error: Exception) -> DataError:
 
 
 def _arrow_reader(path: str):
-    """An Arrow IPC file reader, or a stream reader (what save_to_disk writes), over a memory map."""
+    """An Arrow IPC file reader, or a stream reader (what save_to_disk writes). Plain reads, not a memory map:
+    mapped pages once read would count in the resident set, which then grows with the file."""
     import pyarrow as pa
     try:
-        return pa.ipc.open_file(pa.memory_map(path))
+        return pa.ipc.open_file(pa.OSFile(path))
     except pa.ArrowInvalid:
-        return pa.ipc.open_stream(pa.memory_map(path))
+        return pa.ipc.open_stream(pa.OSFile(path))
 
 
 def schema(source: Source):
@@ -78,7 +79,7 @@ def batches(source: Source, columns: Sequence[str]) -> Iterator[tuple[object, in
     size = os.path.getsize(source.path)
     try:
         if source.kind == "parquet":
-            file = pq.ParquetFile(source.path, memory_map=True, page_checksum_verification=True)
+            file = pq.ParquetFile(source.path, page_checksum_verification=True)
             rows = max(file.metadata.num_rows, 1)
             for batch in file.iter_batches(batch_size=ROWS, columns=list(columns), use_threads=False):
                 yield batch, size * batch.num_rows // rows
