@@ -8,7 +8,7 @@ Kinds, by suffix:
 - plain text (``.txt``, and the suffixes of ``--text-suffix``): one document per file;
 - JSON (``.jsonl``, ``.ndjson``, ``.json``): one record per line, or a ``.json`` file holding one array;
 - Parquet (``.parquet``), read by row group with only the needed columns;
-- Arrow (``.arrow``), the IPC file or stream format, memory-mapped.
+- Arrow (``.arrow``), the IPC file or stream format, batch by batch.
 Text and JSON may be compressed: ``.gz``, ``.bz2``, ``.xz``, ``.zst``. Named inputs of another kind are refused; a
 directory's other files (a dataset card, ``.gitattributes``) are skipped and counted in the log.
 """
