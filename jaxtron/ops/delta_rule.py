@@ -1,0 +1,102 @@
+"""The gated delta rule (Gated DeltaNet: Qwen3-Next, Qwen3.5), token by token and by chunks.
+
+Each head keeps a state S [dk, dv]. At step t, with a log-decay g_t <= 0 and a write strength beta_t in (0, 1):
+
+    S_t = exp(g_t) S_{t-1} + k_t w_t^T,   w_t = beta_t (v_t - exp(g_t) S_{t-1}^T k_t),   o_t = S_t^T q_t
+
+So the state first decays, then the value it already predicts for k_t is corrected toward v_t (the delta rule).
+``recurrent`` runs this literally; generation uses it, one token per call. ``chunked`` gives the same outputs with
+matrix products: training runs it.
+
+The chunked form, for one chunk of C steps starting from a state S_0. Let G_i be the cumulative log-decay within
+the chunk and D_ij = exp(G_i - G_j) for j <= i. Unrolling the recurrence gives the deltas W [C, dv] from one
+lower-triangular system, (I + A) W = beta V - (beta exp(G) K) S_0, with A_ij = beta_i D_ij k_i . k_j for j < i.
+With T = (I + A)^-1, U = T (beta V) and E = T (beta exp(G) K), the deltas are W = U - E S_0. Then
+
+    O = (exp(G) Q) S_0 + (Q K^T * D, lower with the diagonal) W,   S_C = exp(G_C) S_0 + (exp(G_C - G) K)^T W.
+
+Everything but S_0 is computed for all chunks at once. A scan over the chunks carries S. Every exponent is at
+most 0, so nothing overflows. Arithmetic is float32, as the published kernels keep the state.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+CHUNK = 64  # steps per chunk, as Qwen3.5 trains: the within-chunk matrices are 64 x 64
+
+
+def _float32(*arrays: jax.Array) -> tuple[jax.Array, ...]:
+    return tuple(a.astype(jnp.float32) for a in arrays)
+
+
+def recurrent(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array,
+              state: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+    """The rule token by token. q, k [b, t, h, dk], v [b, t, h, dv], g and beta [b, t, h]; ``state`` [b, h, dk,
+    dv] (default zeros). -> (outputs [b, t, h, dv] in v's dtype, the final state, float32)."""
+    b, _, h, dk = k.shape
+    dv = v.shape[-1]
+    state = jnp.zeros((b, h, dk, dv), jnp.float32) if state is None else state.astype(jnp.float32)
+
+    def step(s, x):
+        q_t, k_t, v_t, g_t, beta_t = x
+        s = s * jnp.exp(g_t)[..., None, None]
+        predicted = jnp.einsum("bhkv,bhk->bhv", s, k_t)
+        s = s + jnp.einsum("bhk,bhv->bhkv", k_t, beta_t[..., None] * (v_t - predicted))
+        return s, jnp.einsum("bhkv,bhk->bhv", s, q_t)
+
+    steps = tuple(jnp.moveaxis(a, 1, 0) for a in _float32(q, k, v, g, beta))
+    state, out = jax.lax.scan(step, state, steps)
+    return jnp.moveaxis(out, 0, 1).astype(v.dtype), state
+
+
+def _in_chunks(x: jax.Array, chunk: int) -> jax.Array:
+    """[b, t, h, ...] padded with zeros to whole chunks -> [b, h, chunks, chunk, ...]."""
+    pad = -x.shape[1] % chunk
+    x = jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
+    x = x.reshape(x.shape[0], -1, chunk, *x.shape[2:])
+    return jnp.moveaxis(x, 3, 1)
+
+
+def chunk_terms(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array,
+                beta: jax.Array, chunk: int = CHUNK) -> dict[str, jax.Array]:
+    """What each chunk needs besides its starting state, for all chunks at once ([b, h, chunks, ...], float32).
+    Padded steps have g = 0 and beta = 0: they leave the state as it is."""
+    q, k, v, g, beta = (_in_chunks(a, chunk) for a in _float32(q, k, v, g, beta))
+    cum = jnp.cumsum(g, axis=-1)  # G_i
+    lower = jnp.tril(jnp.ones((chunk, chunk), bool))
+    # D_ij = exp(G_i - G_j) on and below the diagonal; above it the exponent would be positive, so it is masked
+    # before the exponential, not after
+    decay = jnp.exp(jnp.where(lower, cum[..., :, None] - cum[..., None, :], -jnp.inf))
+    strict = decay * (1.0 - jnp.eye(chunk))
+    system = jnp.eye(chunk) + beta[..., None] * strict * jnp.einsum("...ik,...jk->...ij", k, k)
+    rhs = jnp.concatenate([beta[..., None] * v, (beta * jnp.exp(cum))[..., None] * k], axis=-1)
+    solved = jax.scipy.linalg.solve_triangular(system, rhs, lower=True, unit_diagonal=True)
+    dv = v.shape[-1]
+    return {"u": solved[..., :dv], "e": solved[..., dv:],
+            "q_decayed": jnp.exp(cum)[..., None] * q,
+            "scores": jnp.einsum("...ik,...jk->...ij", q, k) * decay,
+            "k_to_end": jnp.exp(cum[..., -1:] - cum)[..., None] * k,
+            "chunk_decay": jnp.exp(cum[..., -1])}
+
+
+def _chunk_step(state: jax.Array, terms: dict[str, jax.Array]) -> tuple[jax.Array, jax.Array]:
+    """One chunk from its starting state [b, h, dk, dv] -> (the state after it, its outputs [b, h, C, dv])."""
+    deltas = terms["u"] - terms["e"] @ state
+    out = terms["q_decayed"] @ state + terms["scores"] @ deltas
+    state = terms["chunk_decay"][..., None, None] * state + jnp.swapaxes(terms["k_to_end"], -1, -2) @ deltas
+    return state, out
+
+
+def chunked(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array,
+            state: jax.Array | None = None, chunk: int = CHUNK) -> tuple[jax.Array, jax.Array]:
+    """``recurrent``'s outputs and final state by chunks of ``chunk`` steps: matrix products within a chunk, a
+    scan over the chunks."""
+    b, t, h, dk = k.shape
+    dv = v.shape[-1]
+    state = jnp.zeros((b, h, dk, dv), jnp.float32) if state is None else state.astype(jnp.float32)
+    terms = chunk_terms(q, k, v, g, beta, chunk)
+    state, out = jax.lax.scan(_chunk_step, state, jax.tree.map(lambda a: jnp.moveaxis(a, 2, 0), terms))
+    out = jnp.moveaxis(out, 0, 2).reshape(b, h, -1, dv)[:, :, :t]  # [b, h, t, dv]
+    return jnp.swapaxes(out, 1, 2).astype(v.dtype), state
