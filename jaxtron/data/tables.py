@@ -79,10 +79,13 @@ def batches(source: Source, columns: Sequence[str]) -> Iterator[tuple[object, in
     size = os.path.getsize(source.path)
     try:
         if source.kind == "parquet":
+            # one row group at a time: pyarrow's iter_batches kept every batch it had read allocated (0.57 GiB
+            # after a 0.6 GB file), while a row group read alone is freed once its batches are done (8 MiB)
             file = pq.ParquetFile(source.path, page_checksum_verification=True)
             rows = max(file.metadata.num_rows, 1)
-            for batch in file.iter_batches(batch_size=ROWS, columns=list(columns), use_threads=False):
-                yield batch, size * batch.num_rows // rows
+            for group in range(file.num_row_groups):
+                for batch in file.read_row_group(group, columns=list(columns), use_threads=False).to_batches(ROWS):
+                    yield batch, size * batch.num_rows // rows
             return
         reader = _arrow_reader(source.path)
         parts = (reader.get_batch(i) for i in range(reader.num_record_batches)) \
