@@ -48,11 +48,22 @@ def to_v4(path: str) -> None:
         json.dump(config, f, indent=2)
 
 
+def tokens_of(fixture) -> np.ndarray:
+    """The fixture's token rows: tokens.npy's 24, or its own longer ones (written once, then read)."""
+    path = os.path.join(OUT, fixture.tokens_file)
+    if not os.path.exists(path):
+        seed = 0 if fixture.length == 24 else fixture.length
+        np.save(path, np.random.default_rng(seed).integers(0, VOCAB, size=(2, fixture.length)).astype(np.int32))
+    return np.load(path)
+
+
 def greedy(name: str) -> None:
-    """greedy.npy of a saved fixture: transformers' greedy continuation of tokens.npy[:, :8] by 8 tokens."""
+    """greedy.npy of a saved fixture: transformers' greedy continuation of each token row's first
+    ``fixture.prompt`` tokens (8 of tokens.npy's 24) by 8 tokens."""
     directory = os.path.join(OUT, name)
+    fixture = FIXTURES[name][1]
     model = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
-    prompt = torch.from_numpy(np.load(os.path.join(OUT, "tokens.npy"))[:, :8]).long()
+    prompt = torch.from_numpy(tokens_of(fixture)[:, :fixture.prompt]).long()
     with torch.no_grad():
         out = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=8, min_new_tokens=8,
                              do_sample=False, eos_token_id=None, pad_token_id=0)
@@ -61,9 +72,10 @@ def greedy(name: str) -> None:
     print(name, "greedy", continuation.tolist())
 
 
-def write(name: str, tokens: np.ndarray) -> None:
-    """One fixture: the model saved as declared, its logits on ``tokens`` and its greedy continuation."""
+def write(name: str) -> None:
+    """One fixture: the model saved as declared, its logits on its tokens and its greedy continuation."""
     family, fixture = FIXTURES[name]
+    tokens = tokens_of(fixture)
     torch.manual_seed(fixture.seed)
     model = build(family.model_type, dict(fixture.config))
     for p in model.parameters():  # larger than the default 0.02 so that logits differ visibly
@@ -97,10 +109,8 @@ def main(names: list[str]) -> None:
         shutil.rmtree(OUT, ignore_errors=True)
     os.makedirs(OUT, exist_ok=True)
     open(os.path.join(OUT, "VERSIONS"), "a" if names else "w").close()
-    tokens = np.random.default_rng(0).integers(0, VOCAB, size=(2, 24)).astype(np.int32)
-    np.save(os.path.join(OUT, "tokens.npy"), tokens)
     for name in names or FIXTURES:
-        write(name, tokens)
+        write(name)
         with open(os.path.join(OUT, "VERSIONS"), "a") as f:
             f.write(f"{name}/: torch {torch.__version__}, transformers {transformers.__version__}\n")
 

@@ -1,6 +1,8 @@
 """The gated delta rule: the chunked form against the token-by-token recurrence, values and gradients, and the
 recurrence against the rule written out in float64 numpy."""
 
+import itertools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -85,3 +87,25 @@ def test_bfloat16_inputs_run_in_float32_and_return_their_dtype():
     want, _ = delta_rule.recurrent(*[a.astype(jnp.float32) for a in low])
     assert out.dtype == jnp.bfloat16 and state.dtype == jnp.float32
     np.testing.assert_allclose(out.astype(jnp.float32), want.astype(jnp.bfloat16).astype(jnp.float32), atol=2e-2)
+
+
+@pytest.mark.parametrize("chunk", [16, 64])
+def test_packed_documents_start_from_zero_state(chunk):
+    """Segments that change within a chunk and at a chunk's edge: each document equals it run alone from zero,
+    in both forms (the first continues the given start state)."""
+    q, k, v, g, beta, state = (jnp.asarray(a, jnp.float32) for a in _inputs(6, 2, 80, 2, 8, 4))
+    cuts = [(0, 16, 21, 50, 80), (0, 33, 80)]
+    segments = np.zeros((2, 80), np.int32)
+    for row, ends in enumerate(cuts):
+        for n, (a, e) in enumerate(itertools.pairwise(ends)):
+            segments[row, a:e] = n + 1
+    out, final = delta_rule.chunked(q, k, v, g, beta, state, jnp.asarray(segments), chunk=chunk)
+    ref_out, ref_final = delta_rule.recurrent(q, k, v, g, beta, state, jnp.asarray(segments))
+    np.testing.assert_allclose(out, ref_out, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(final, ref_final, rtol=1e-5, atol=1e-5)
+    for row, ends in enumerate(cuts):
+        for a, e in itertools.pairwise(ends):
+            part = (x[row:row + 1, a:e] for x in (q, k, v, g, beta))
+            alone, alone_final = delta_rule.recurrent(*part, state[row:row + 1] if a == 0 else None)
+            np.testing.assert_allclose(out[row:row + 1, a:e], alone, rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(final[row:row + 1], alone_final, rtol=1e-5, atol=1e-5)

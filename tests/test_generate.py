@@ -60,8 +60,8 @@ def test_decoding_with_the_cache_equals_the_full_forward_at_every_step(family):
     want = np.asarray(model(tokens).logits())
     cache = model.empty_cache(2, 16, jnp.float32)
     window = cfg.model.attention.window
-    for (_, local), c in zip(cfg.model.period_blocks(), cache["period"], strict=True):  # local layers: the window
-        assert not window or c["k"].shape[2] == (window if local else 16)
+    for kind, c in zip(cfg.model.period_blocks(), cache["period"], strict=True):  # local layers: the window
+        assert not window or c["k"].shape[2] == (window if kind.local else 16)
     step = jax.jit(lambda m, t, p, c: m.decode(t, p, c))
     positions = jnp.broadcast_to(jnp.arange(5, dtype=jnp.int32), (2, 5))
     logits, cache = step(model, tokens[:, :5], positions, cache)

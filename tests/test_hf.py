@@ -16,7 +16,13 @@ from jaxtron.interop.hf import safetensors as st
 
 FIXTURES = os.path.join(REPO, "tests", "fixtures", "hf")
 # every family's fixtures, as the families declare them (jaxtron/families/; scripts/hf_fixtures.py writes them)
-MODELS = tuple(fixture.name for family in families.all_families().values() for fixture in family.fixtures)
+FIXTURE = {fixture.name: fixture for family in families.all_families().values() for fixture in family.fixtures}
+MODELS = tuple(FIXTURE)
+
+
+def _tokens(name: str) -> str:
+    """The token file a fixture's logits are of (tokens.npy, or longer rows for chunked mechanisms)."""
+    return os.path.join(FIXTURES, FIXTURE[name].tokens_file)
 
 
 @pytest.fixture(scope="session")  # once per test process (tests/conftest.py)
@@ -31,9 +37,9 @@ def imported(tmp_path_factory):
 @pytest.mark.slow
 @pytest.mark.parametrize("name", MODELS)
 def test_logits_match_transformers(name, imported):
-    logits = score.score(imported[name], os.path.join(FIXTURES, "tokens.npy"))
+    logits = score.score(imported[name], _tokens(name))
     reference = np.load(os.path.join(FIXTURES, name, "logits.npy"))
-    assert logits.dtype == np.float32 and logits.shape == reference.shape == (2, 24, 96)
+    assert logits.dtype == np.float32 and logits.shape == reference.shape == (2, FIXTURE[name].length, 96)
     assert np.abs(reference).max() > 0.5  # the comparison is not between near-zero numbers
     assert np.abs(logits - reference).max() < 1e-4
 
@@ -359,11 +365,12 @@ def test_deepseek_multi_token_prediction_module_converts_both_ways(tmp_path, cap
 
 @pytest.mark.parametrize("name", MODELS)
 def test_greedy_generation_equals_transformers_generate(name, imported):
-    """The first 8 tokens of each row continued by 8, greedily: jaxtron's tokens (KV cache, both rows in one batch)
-    are those of transformers' ``generate`` on the same model (greedy.npy, scripts/hf_fixtures.py)."""
+    """The first 8 tokens of each row (a fixture of longer rows: all but 16) continued by 8, greedily: jaxtron's
+    tokens (KV cache, both rows in one batch) are those of transformers' ``generate`` on the same model
+    (greedy.npy, scripts/hf_fixtures.py)."""
     from jaxtron.inference.generate import Generator, load_model
 
-    prompts = np.load(os.path.join(FIXTURES, "tokens.npy"))[:, :8]
+    prompts = np.load(_tokens(name))[:, :FIXTURE[name].prompt]
     want = np.load(os.path.join(FIXTURES, name, "greedy.npy"))
     model, _ = load_model(imported[name])
     got = Generator(model).generate([list(map(int, p)) for p in prompts], 8).tokens

@@ -1,6 +1,7 @@
-"""Gemma 3's and gpt-oss's shipped ``:tiny`` sizes, whose windows are shorter than their rows: 3 float32 steps on
-meshes over fsdp, tensor, sequence and expert equal one device's to 1e-5, with every mechanism in the step
-(local and global layers, sinks, biases, post-norms, the clamped SwiGLU and the experts' biases)."""
+"""The shipped ``:tiny`` sizes of Gemma 3 and gpt-oss (windows shorter than their rows) and of Qwen3.5 (rows of two
+chunks of the delta rule): 3 float32 steps on meshes over fsdp, tensor, sequence and expert equal one device's to
+1e-5, with every mechanism in the step (local and global layers, sinks, biases, post-norms, the clamped SwiGLU, the
+experts' biases; Gated DeltaNet, the output gate, partial RoPE and the gated shared expert)."""
 
 import os
 
@@ -30,16 +31,26 @@ PIPELINE = ["--config.train.global_batch_size=16", "--config.pipeline.microbatch
 
 
 def _config(family, mesh):
+    """``family``: a config file's name, with ``:size`` (default ``:tiny``)."""
     axes = ("pipeline", "data", "fsdp", "sequence", "expert", "tensor")
     sizes = [f"--config.mesh.{axis}={mesh.get(axis, 1)}" for axis in axes]
-    return config_of(os.path.join(REPO, "configs", f"{family}.py") + ":tiny",
+    file, _, size = family.partition(":")
+    return config_of(os.path.join(REPO, "configs", f"{file}.py") + f":{size or 'tiny'}",
                      OVERRIDES + sizes + (PIPELINE if "pipeline" in mesh else []))
 
 
 @pytest.fixture(scope="session")  # once per test process (tests/conftest.py)
 def one_device(tmp_path_factory):
-    return {family: run(_config(family, {}), str(tmp_path_factory.mktemp(family)), use_tqdm=False,
-                        devices=jax.devices()[:1]) for family in ("gemma3", "gpt_oss")}
+    """Each family's one-device run, made when a test first asks for it."""
+    runs = {}
+
+    def baseline(family):
+        if family not in runs:
+            runs[family] = run(_config(family, {}), str(tmp_path_factory.mktemp(family.replace(":", "_"))),
+                               use_tqdm=False, devices=jax.devices()[:1])
+        return runs[family]
+
+    return baseline
 
 
 @pytest.fixture(scope="session")
@@ -64,12 +75,20 @@ def test_tiny_families_in_a_pipeline_train_as_one_device(family, mesh_name, one_
 @pytest.mark.slow
 @pytest.mark.parametrize("family,mesh_name", [
     ("gemma3", "fsdp2_sequence2_tensor2"), ("gpt_oss", "fsdp2_sequence2_expert2"),
+    ("qwen3_5", "fsdp2_sequence2_tensor2"),
     *(pytest.param(family, mesh, marks=pytest.mark.extended) for family, mesh in (
-        ("gemma3", "fsdp8"), ("gpt_oss", "fsdp2_sequence2_tensor2"), ("gpt_oss", "fsdp4_tensor2")))])
+        ("gemma3", "fsdp8"), ("gpt_oss", "fsdp2_sequence2_tensor2"), ("gpt_oss", "fsdp4_tensor2"),
+        ("qwen3_5", "fsdp4_tensor2"), ("qwen3_5:tiny_moe", "fsdp2_sequence2_expert2"),
+        ("qwen3_5:tiny_moe", "fsdp2_sequence2_tensor2")))])
 def test_tiny_families_train_alike_on_every_mesh(family, mesh_name, one_device, tmp_path):
     summary = run(_config(family, MESHES[mesh_name]), str(tmp_path), use_tqdm=False)
-    expected = losses(one_device[family])
+    expected = losses(one_device(family))
     assert len(expected) == 3 and np.all(np.diff(expected) != 0)
     np.testing.assert_allclose(losses(summary), expected, rtol=1e-5)
-    stack = summary.state.params["lead_layers" if family == "gemma3" else "moe_layers"]
-    assert ("mlp_post_norm" in stack) == (family == "gemma3") and ("sinks" in stack["attn"]) == (family == "gpt_oss")
+    # a stack of each family's own kind holds its mechanism's parameters
+    name, part = {"gemma3": ("lead_layers", "mlp_post_norm"), "gpt_oss": ("moe_layers", "attn.sinks"),
+                  "qwen3_5": ("layers", "attn.wg"), "qwen3_5:tiny_moe": ("linear_moe_layers", "attn.a_log")}[family]
+    tree = summary.state.params[name]
+    for key in part.split("."):
+        tree = tree[key]
+    assert tree is not None

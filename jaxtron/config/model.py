@@ -12,10 +12,10 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 from jaxtron.config.checks import ConfigError, _check, _choice, _non_negative, _positive
-from jaxtron.config.subsections import AttentionConfig, MoEConfig, MTPConfig, RopeConfig
+from jaxtron.config.subsections import AttentionConfig, LinearAttentionConfig, MoEConfig, MTPConfig, RopeConfig
 
 COMPUTE_DTYPES = ("float32", "bfloat16")  # float16 would need loss scaling, which bfloat16 does not
 # 'auto': the fastest policy whose step fits the device by the planner's estimate (jaxtron/planning/remat.py)
@@ -40,7 +40,25 @@ def replace(obj: Any, **changes: Any) -> Any:
 
 
 # the subsections of ModelConfig: field name -> its dataclass
-SUBSECTIONS = {"rope": RopeConfig, "attention": AttentionConfig, "moe": MoEConfig, "mtp": MTPConfig}
+SUBSECTIONS = {"rope": RopeConfig, "attention": AttentionConfig, "linear": LinearAttentionConfig, "moe": MoEConfig,
+               "mtp": MTPConfig}
+
+# the stacks that hold the blocks of each kind, in the order of BlockKind.stack: dense and MoE blocks with attention,
+# then dense and MoE blocks with Gated DeltaNet
+STACKS = ("layers", "moe_layers", "linear_layers", "linear_moe_layers")
+
+
+class BlockKind(NamedTuple):
+    """What a block is: MoE or dense, local (windowed) attention or not, Gated DeltaNet or attention."""
+
+    moe: bool
+    local: bool
+    linear: bool = False
+
+    @property
+    def stack(self) -> int:
+        """Its stack's index in ``STACKS``: blocks of one kind have parameters of one shape."""
+        return int(self.moe) + 2 * int(self.linear)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,6 +91,7 @@ class ModelConfig:
     init_std: float = _not_architecture(0.02)
     rope: RopeConfig = dataclasses.field(default_factory=RopeConfig)
     attention: AttentionConfig = dataclasses.field(default_factory=AttentionConfig)
+    linear: LinearAttentionConfig = dataclasses.field(default_factory=LinearAttentionConfig)
     moe: MoEConfig = dataclasses.field(default_factory=MoEConfig)
     mtp: MTPConfig = dataclasses.field(default_factory=MTPConfig)
 
@@ -122,6 +141,20 @@ class ModelConfig:
                "set model.attention.window, or model.rope.local_theta to 0")
         _check(not self.norm_unit_offset or self.norm == "rmsnorm", "model.norm_unit_offset",
                f"is set, and model.norm is {self.norm!r}", "set model.norm='rmsnorm' or model.norm_unit_offset=False")
+        self._check_linear()
+
+    def _check_linear(self) -> None:
+        """Gated DeltaNet blocks (``model.linear.every``): the pattern fills the model, no other pattern or prefix."""
+        every = self.linear.every
+        if not every:
+            return
+        _check(self.num_layers % every == 0, "model.linear.every",
+               f"({every}) must divide model.num_layers ({self.num_layers})", "choose a divisor of it")
+        for name, value in (("attention.window", self.attention.window), ("attention.kv_lora_rank",
+                            self.attention.kv_lora_rank), ("moe.first_dense_layers", self.moe.first_dense_layers),
+                            ("mtp.depth", self.mtp.depth)):
+            _check(not value, f"model.{name}", f"({value}) is set with Gated DeltaNet blocks (model.linear.every), "
+                   "which jaxtron does not combine", f"set model.{name} to 0 or model.linear.every to 0")
 
     @classmethod
     def architecture_fields(cls) -> tuple[str, ...]:
@@ -139,7 +172,7 @@ class ModelConfig:
     def period(self) -> int:
         """Blocks in one period of the scanned stack: the least common multiple of ``moe.every`` (an MoE model)
         and the local/global pattern's length (``attention.global_every``)."""
-        return math.lcm(self.moe.every if self.moe.num_experts else 1, self.attention.period)
+        return math.lcm(self.moe.every if self.moe.num_experts else 1, self.attention.period, self.linear.period)
 
     @property
     def prefix_layers(self) -> int:
@@ -156,14 +189,21 @@ class ModelConfig:
         prefix is its dense stack (``layers``), whose blocks all precede the MoE ones."""
         return bool(self.prefix_layers) and not self.moe.num_experts
 
-    def period_blocks(self) -> tuple[tuple[bool, bool], ...]:
-        """Each block of a period in order, as (is MoE, is local)."""
-        first = self.prefix_layers
-        return tuple((self.is_moe_block(first + j), self.attention.is_local(first + j)) for j in range(self.period))
+    def period_blocks(self) -> tuple[BlockKind, ...]:
+        """Each block of a period in order, as its kind."""
+        return tuple(self.block_kind(self.prefix_layers + j) for j in range(self.period))
+
+    def block_kind(self, i: int) -> BlockKind:
+        return BlockKind(self.is_moe_block(i), self.attention.is_local(i), self.linear.is_linear(i))
 
     def is_local_block(self, i: int) -> bool:
         """Whether block i attends only within ``attention.window``."""
         return self.attention.is_local(i)
+
+    def stack_blocks(self, stack: int) -> int:
+        """How many blocks the stack ``STACKS[stack]`` holds (a dense model's lead stack apart)."""
+        lead = self.prefix_layers if self.lead_stack else 0
+        return sum(self.block_kind(i).stack == stack for i in range(lead, self.num_layers))
 
     @property
     def stack_periods(self) -> int:

@@ -1,4 +1,5 @@
-"""The subsections of the model config (``model.rope``, ``model.attention``, ``model.moe``, ``model.mtp``): the
+"""The subsections of the model config (``model.rope``, ``model.attention``, ``model.linear``, ``model.moe``,
+``model.mtp``): the
 architecture's fields that only some families use, each subsection a frozen dataclass that checks itself.
 ``jaxtron.config.model`` gathers them into ``ModelConfig``."""
 
@@ -30,8 +31,12 @@ class RopeConfig:
     # the local layers' base (model.attention.window), which rotate without scaling (Gemma 3's rope_local_base_freq);
     # 0: they rotate as the global layers do
     local_theta: float = 0.0
+    # the share of each head's dimensions that rotate, the first ones (partial_rotary_factor: Qwen3.5's 0.25)
+    fraction: float = 1.0
 
     def __post_init__(self):
+        _check(0 < self.fraction <= 1, "model.rope.fraction", f"({self.fraction}) must lie in (0, 1]",
+               "give the share of each head's dimensions that rotate, e.g. 0.25")
         for name in ("theta", "factor", "low_freq_factor", "original_max_len", "beta_fast", "beta_slow"):
             _positive(getattr(self, name), f"model.rope.{name}")
         _check(self.high_freq_factor > self.low_freq_factor, "model.rope.high_freq_factor",
@@ -66,6 +71,9 @@ class AttentionConfig:
     bias: bool = False  # biases on the query, key, value and output projections (gpt-oss)
     # the softmax scale is this to the power -1/2 (Gemma's query_pre_attn_scalar); 0: the query's own size
     query_pre_attn_scalar: float = 0.0
+    # the output multiplied by sigmoid of a gate projected from the block's input, per head and dimension, before
+    # the output projection (Qwen3-Next, Qwen3.5)
+    output_gate: bool = False
 
     def __post_init__(self):
         _positive(self.num_heads, "model.attention.num_heads")
@@ -87,7 +95,7 @@ class AttentionConfig:
                    f"({self.num_kv_heads}) must equal model.attention.num_heads ({self.num_heads}) with latent "
                    "attention (model.attention.kv_lora_rank > 0), whose keys and values have one head per query "
                    "head", f"set model.attention.num_kv_heads={self.num_heads}")
-            for name in ("window", "sinks", "bias", "query_pre_attn_scalar"):
+            for name in ("window", "sinks", "bias", "query_pre_attn_scalar", "output_gate"):
                 _check(not getattr(self, name), f"model.attention.{name}",
                        "is set, which latent attention (model.attention.kv_lora_rank > 0) does not implement",
                        f"leave model.attention.{name} at its default")
@@ -106,6 +114,45 @@ class AttentionConfig:
         return bool(self.window) and not (self.global_every and (i + 1) % self.global_every == 0)
 
 
+# tokens per chunk of the gated delta rule's chunked form (ops/delta_rule.py), as Qwen3.5 trains: 64 x 64 matrices
+DELTA_CHUNK = 64
+
+
+@dataclasses.dataclass(frozen=True)
+class LinearAttentionConfig:
+    """Gated DeltaNet blocks among full-attention ones (Qwen3-Next, Qwen3.5; ``jaxtron/models/delta_net.py``). With
+    ``every`` > 0 the last of every ``every`` blocks attends fully and the others are Gated DeltaNet. Names follow
+    config.json's ``linear_*`` keys."""
+
+    every: int = 0  # full_attention_interval (0: no Gated DeltaNet blocks)
+    key_heads: int = 16  # linear_num_key_heads: query and key heads
+    value_heads: int = 32  # linear_num_value_heads: each key head serves value_heads / key_heads of them
+    key_head_dim: int = 128
+    value_head_dim: int = 128
+    conv_kernel: int = 4  # the causal convolution's width over the queries, keys and values
+
+    def __post_init__(self):
+        _non_negative(self.every, "model.linear.every")
+        if not self.every:
+            return
+        _check(self.every >= 2, "model.linear.every", f"({self.every}) leaves no Gated DeltaNet block",
+               "use 2 or more (Qwen3.5: 4), or 0 for none")
+        for name in ("key_heads", "value_heads", "key_head_dim", "value_head_dim", "conv_kernel"):
+            _positive(getattr(self, name), f"model.linear.{name}")
+        _check(self.value_heads % self.key_heads == 0, "model.linear.key_heads",
+               f"({self.key_heads}) must divide model.linear.value_heads ({self.value_heads})",
+               "choose a divisor of the value heads")
+
+    @property
+    def period(self) -> int:
+        """Blocks in one repeat of the pattern (1 without Gated DeltaNet blocks)."""
+        return self.every or 1
+
+    def is_linear(self, i: int) -> bool:
+        """Whether block i is a Gated DeltaNet block."""
+        return bool(self.every) and (i + 1) % self.every != 0
+
+
 @dataclasses.dataclass(frozen=True)
 class MoEConfig:
     """Mixture of experts (``jaxtron/models/moe.py``); ``num_experts`` = 0 is a dense model."""
@@ -114,6 +161,7 @@ class MoEConfig:
     experts_per_token: int = 2  # top-k: experts each token is sent to
     expert_dim: int = 0  # each expert's intermediate width (0: model.mlp_dim, the dense blocks' width)
     shared_experts: int = 0  # experts every token visits (DeepSeek): one dense SwiGLU of shared_experts*expert_dim
+    shared_gate: bool = False  # the shared experts' output scaled by sigmoid(x . w), w learned (Qwen3-Next, Qwen3.5)
     first_dense_layers: int = 0  # the first this many blocks are dense (DeepSeek's first_k_dense_replace)
     every: int = 1  # after those, every this many blocks the last one is MoE (1: all); the others are dense
     router: str = "softmax"  # softmax (Mixtral, Qwen3) | sigmoid (DeepSeek-V3: sigmoid scores, a balancing bias)
@@ -134,6 +182,8 @@ class MoEConfig:
         _positive(self.every, "model.moe.every")
         _non_negative(self.expert_dim, "model.moe.expert_dim")
         _non_negative(self.shared_experts, "model.moe.shared_experts")
+        _check(not self.shared_gate or self.shared_experts, "model.moe.shared_gate",
+               "gates the shared experts, and model.moe.shared_experts is 0", "set one of them")
         _non_negative(self.first_dense_layers, "model.moe.first_dense_layers")
         _check(not self.first_dense_layers or self.every == 1, "model.moe.first_dense_layers",
                f"({self.first_dense_layers}) needs model.moe.every=1 (dense blocks first, then only MoE ones), "

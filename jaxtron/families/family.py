@@ -69,6 +69,19 @@ class Fixture:
     config: Mapping[str, Any]
     shard: str | None = None  # a safetensors shard size: several files with an index
     v4: bool = False  # config.json rewritten in the transformers 4.x form (rope_theta and rope_scaling)
+    # tokens per row of its logits: 24 (tokens.npy) or more, for a mechanism that works in chunks longer than that
+    # (tokens_<length>.npy); greedy generation continues each row's first length - 16 tokens by 8
+    length: int = 24
+
+    @property
+    def tokens_file(self) -> str:
+        """The token file its logits are of, in the fixtures' directory."""
+        return "tokens.npy" if self.length == 24 else f"tokens_{self.length}.npy"
+
+    @property
+    def prompt(self) -> int:
+        """The prompt length of its greedy continuation."""
+        return self.length - 16
 
 
 def _no_fields(hf: dict) -> dict[str, float]:

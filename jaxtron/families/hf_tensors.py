@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterator
 
 import numpy as np
 
-from jaxtron.config.model import ModelConfig
+from jaxtron.config.model import STACKS, ModelConfig
 from jaxtron.families.family import Tensor
 
 SAME = (lambda x: x, lambda x: x)  # (to jaxtron, to Hugging Face) of a tensor stored alike in both
@@ -39,6 +39,7 @@ class Parts:
     """What a family puts in place of, or beside, the Llama layout's parts."""
 
     attention: BlockPart | None = None  # instead of grouped-query attention's q, k, v, o
+    linear: BlockPart | None = None  # a Gated DeltaNet block's token mixer (model.linear), in place of attention
     moe_extras: BlockPart | None = None  # after the router: a balancing bias, shared experts
     after: Callable[[ModelConfig, dict | None], Iterator[Tensor]] | None = None  # after the output head
 
@@ -48,13 +49,13 @@ def tensors(cfg: ModelConfig, hf: dict | None = None, names: Names = Names(), pa
     """Every tensor of the checkpoint of ``cfg``, in file order."""
     d = cfg.embed_dim
     yield Tensor("model.embed_tokens.weight", (cfg.vocab_size, d), "embedding", (), *SAME)
-    seen = {"layers": 0, "moe_layers": 0, "lead_layers": 0}  # blocks of each stack so far: a block's index in it
+    seen = dict.fromkeys((*STACKS, "lead_layers"), 0)  # blocks of each stack so far: a block's index in it
     for i in range(cfg.num_layers):
-        stack = "moe_layers" if cfg.is_moe_block(i) else \
-            "lead_layers" if cfg.lead_stack and i < cfg.prefix_layers else "layers"
+        kind = cfg.block_kind(i)
+        stack = "lead_layers" if cfg.lead_stack and i < cfg.prefix_layers else STACKS[kind.stack]
         j = seen[stack]
         seen[stack] += 1
-        yield from block(cfg, f"model.layers.{i}.", stack, j, stack == "moe_layers", hf, names, parts)
+        yield from block(cfg, f"model.layers.{i}.", stack, j, kind.moe, hf, names, parts, kind.linear)
     yield Tensor("model.norm.weight", (d,), "final_norm.scale", (), *SAME)
     if not cfg.tie_embeddings:
         yield Tensor("lm_head.weight", (cfg.vocab_size, d), "head", (), *TRANSPOSE)
@@ -63,14 +64,17 @@ def tensors(cfg: ModelConfig, hf: dict | None = None, names: Names = Names(), pa
 
 
 def block(cfg: ModelConfig, pre: str, stack: str, j: int, moe: bool, hf: dict | None, names: Names = Names(),
-          parts: Parts = Parts()) -> Iterator[Tensor]:
-    """The tensors of one block (HF prefix ``pre``), entry ``j`` of the jaxtron stack ``stack``. With post-norms
-    (Gemma) ``post_attention_layernorm`` is the attention's post-norm and ``pre_feedforward_layernorm`` the MLP's
-    input norm; otherwise the former is the MLP's input norm (Llama)."""
+          parts: Parts = Parts(), linear: bool = False) -> Iterator[Tensor]:
+    """The tensors of one block (HF prefix ``pre``), entry ``j`` of the jaxtron stack ``stack``; ``linear``: a
+    Gated DeltaNet block. With post-norms (Gemma) ``post_attention_layernorm`` is the attention's post-norm and
+    ``pre_feedforward_layernorm`` the MLP's input norm; otherwise the former is the MLP's input norm (Llama)."""
     d, h = cfg.embed_dim, cfg.resolved_head_dim
     yield Tensor(pre + "input_layernorm.weight", (d,), f"{stack}.attn_norm.scale", (j,), *SAME)
-    yield from (parts.attention or attention)(cfg, pre, stack, j, hf)
-    if cfg.attention.qk_norm:
+    if linear:
+        yield from parts.linear(cfg, pre, stack, j, hf)
+    else:
+        yield from (parts.attention or attention)(cfg, pre, stack, j, hf)
+    if cfg.attention.qk_norm and not linear:
         yield Tensor(pre + "self_attn.q_norm.weight", (h,), f"{stack}.attn.q_norm.scale", (j,), *SAME)
         yield Tensor(pre + "self_attn.k_norm.weight", (h,), f"{stack}.attn.k_norm.scale", (j,), *SAME)
     if cfg.post_norms:

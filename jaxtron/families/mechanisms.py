@@ -42,6 +42,10 @@ MECHANISMS: dict[str, tuple[Callable[[ModelConfig], bool], str]] = {
     "clamped_swiglu": (lambda c: c.activation == "clamped_swiglu", "model.activation='clamped_swiglu'"),
     "router_logit_bias": (lambda c: c.moe.num_experts > 0 and c.moe.router_logit_bias, "model.moe.router_logit_bias"),
     "expert_bias": (lambda c: c.moe.num_experts > 0 and c.moe.expert_bias, "model.moe.expert_bias"),
+    "gated_deltanet": (lambda c: c.linear.every > 0, "model.linear.every > 0"),
+    "output_gate": (lambda c: c.attention.output_gate, "model.attention.output_gate"),
+    "partial_rope": (lambda c: c.rope.fraction != 1.0, "model.rope.fraction < 1"),
+    "shared_gate": (lambda c: c.moe.num_experts > 0 and c.moe.shared_gate, "model.moe.shared_gate"),
 }
 
 

@@ -19,6 +19,13 @@ heads of c = head_dim + qk_rope_head_dim, values of v, ranks r_q (query) and r (
 so with the scores and the logits left out, the model FLOPs per token are 6 x the matrix parameters a token
 uses (``param_count(active=True)`` less the embedding table, norms and the balancing bias).
 
+A Gated DeltaNet block (``model.linear``) has projections in place of attention's and the gated delta rule in
+place of the scores. With key heads of d_k, value heads of d_v (n_v of them) and chunks of C tokens, the rule's
+chunked form multiplies per token and value head (``delta_rule_macs``)
+
+    C*(2*d_k + d_v)  +  C*(d_k + d_v)/2  +  3*d_k*d_v
+    (K K^T, Q K^T and the scores times the deltas within a chunk; the triangular solve; the state's three products)
+
 Each multi-token prediction depth (``mtp_depth``) adds 6 * [2h*h + one block (MoE in an MoE model) + h*V].
 A family with parameters or matmuls outside this form adds them (``Family.extra_params`` and ``extra_flops``).
 
@@ -35,6 +42,7 @@ from __future__ import annotations
 from jaxtron import families
 from jaxtron.config.model import GATED
 from jaxtron.config.schema import ExecutionConfig, ModelConfig, replace
+from jaxtron.config.subsections import DELTA_CHUNK
 
 # The matmuls of one training step, finer than the Megatron terms so that a remat policy can be described
 # exactly. Each belongs to one term of ``flops_breakdown``.
@@ -46,9 +54,11 @@ MATMULS = {
     # the routed experts' gate and up projections; their down projection
     "experts_in": "experts", "experts_out": "experts", "router": "router", "logits": "logits",
     "mtp": "mtp",  # the multi-token prediction modules: projection, block and logits of each depth
+    "delta_rule": "attention_scores",  # Gated DeltaNet's chunked rule: its token mixing, as the scores are
 }
 TERMS = ("attention_proj", "attention_scores", "mlp", "experts", "router", "logits", "mtp")
-_BLOCK = ("attention_qkv", "attention_out", "scores_qk", "scores_av", "mlp_in", "shared_in", "experts_in", "router")
+_BLOCK = ("attention_qkv", "attention_out", "scores_qk", "scores_av", "delta_rule", "mlp_in", "shared_in", "experts_in",
+          "router")
 
 # The matmuls whose forward a remat policy runs a second time in the backward pass, per attention
 # implementation. jax.checkpoint re-runs only what the backward pass needs and the policy did not save
@@ -67,8 +77,8 @@ _BLOCK = ("attention_qkv", "attention_out", "scores_qk", "scores_av", "mlp_in", 
 RECOMPUTED: dict[str, dict[str, tuple[str, ...]]] = {
     "none": {"xla": (), "cudnn": ()},
     "full": {"xla": _BLOCK, "cudnn": _BLOCK},
-    "save_dots": {"xla": ("scores_qk", "scores_av", "experts_in"),
-                  "cudnn": ("scores_qk", "scores_av", "experts_in")},
+    "save_dots": {"xla": ("scores_qk", "scores_av", "delta_rule", "experts_in"),
+                  "cudnn": ("scores_qk", "scores_av", "delta_rule", "experts_in")},
     "save_attention": {"xla": ("attention_qkv", "attention_out", "scores_qk", "mlp_in", "shared_in", "experts_in",
                                "router"),
                        "cudnn": ("attention_qkv", "attention_out", "mlp_in", "shared_in", "experts_in", "router")},
@@ -78,6 +88,35 @@ RECOMPUTED: dict[str, dict[str, tuple[str, ...]]] = {
 
 def _mlp_matrices(cfg: ModelConfig) -> int:
     return 3 if cfg.activation in GATED else 2
+
+
+def linear_layers(cfg: ModelConfig) -> int:
+    """Gated DeltaNet blocks of the model."""
+    return sum(cfg.linear.is_linear(i) for i in range(cfg.num_layers))
+
+
+def _delta_net_sizes(cfg: ModelConfig) -> tuple[int, int]:
+    """(projection parameters before the rule: queries, keys, values, the output gate, beta and the decay step;
+    after it: the output projection) of one Gated DeltaNet block."""
+    lin, h = cfg.linear, cfg.embed_dim
+    keys, values = lin.key_heads * lin.key_head_dim, lin.value_heads * lin.value_head_dim
+    return h * (2 * keys + 2 * values + 2 * lin.value_heads), values * h
+
+
+def delta_net_params(cfg: ModelConfig) -> int:
+    """Parameters of one Gated DeltaNet block's token mixer: projections, the convolution, A_log, dt_bias and the
+    output norm."""
+    lin = cfg.linear
+    before, after = _delta_net_sizes(cfg)
+    conv = lin.conv_kernel * (2 * lin.key_heads * lin.key_head_dim + lin.value_heads * lin.value_head_dim)
+    return before + after + conv + 2 * lin.value_heads + lin.value_head_dim
+
+
+def delta_rule_macs(cfg: ModelConfig) -> float:
+    """Multiply-adds per token of one block's chunked delta rule, over its value heads (module docstring)."""
+    lin, c = cfg.linear, DELTA_CHUNK
+    dk, dv = lin.key_head_dim, lin.value_head_dim
+    return lin.value_heads * (c * (2 * dk + dv) + c * (dk + dv) / 2 + 3 * dk * dv)
 
 
 def attention_params(cfg: ModelConfig) -> int:
@@ -105,9 +144,10 @@ def param_count(cfg: ModelConfig, active: bool = False) -> int:
     experts = cfg.moe.experts_per_token if active else cfg.moe.num_experts
     router = h * cfg.moe.num_experts + (cfg.moe.num_experts if cfg.moe.router == "sigmoid" else 0) + \
         (cfg.moe.num_experts if cfg.moe.router_logit_bias else 0)
-    moe = experts * expert + cfg.moe.shared_experts * 3 * h * f + router
-    moe_layers = cfg.num_moe_layers
-    total = (cfg.num_layers - moe_layers) * (norms + attention + mlp) + moe_layers * (norms + attention + moe)
+    moe = experts * expert + cfg.moe.shared_experts * 3 * h * f + router + (h if cfg.moe.shared_gate else 0)
+    moe_layers, linear = cfg.num_moe_layers, linear_layers(cfg)
+    total = cfg.num_layers * norms + (cfg.num_layers - linear) * attention + linear * delta_net_params(cfg)
+    total += (cfg.num_layers - moe_layers) * mlp + moe_layers * moe
     # each MTP depth: two input norms, the projection, a block, a final norm (embedding and head are shared)
     total += cfg.mtp.depth * (3 * norm + 2 * h * h + norms + attention + (moe if cfg.moe.num_experts else mlp))
     total += cfg.vocab_size * h + norm  # token embedding, final norm
@@ -130,7 +170,8 @@ def _attention_sizes(cfg: ModelConfig) -> tuple[int, int, int, int]:
             n * qk, n * v
     q = n * cfg.resolved_head_dim
     k = cfg.attention.num_kv_heads * cfg.resolved_head_dim
-    return h * (q + 2 * k), q * h, q, q
+    gate = h * q if cfg.attention.output_gate else 0
+    return h * (q + 2 * k) + gate, q * h, q, q
 
 
 def matmul_breakdown(cfg: ModelConfig, seq_len: int, causal: bool = True) -> dict[str, float]:
@@ -138,11 +179,13 @@ def matmul_breakdown(cfg: ModelConfig, seq_len: int, causal: bool = True) -> dic
     h, s, L = cfg.embed_dim, seq_len, cfg.num_layers
     qkv, out, qk, v = _attention_sizes(cfg)
     keys = attended_keys(cfg, s, causal)  # summed over the layers
-    dense, moe = L - cfg.num_moe_layers, cfg.num_moe_layers
+    dense, moe, linear = L - cfg.num_moe_layers, cfg.num_moe_layers, linear_layers(cfg)
     shared = cfg.moe.shared_experts * cfg.resolved_expert_dim
+    linear_in, linear_out = _delta_net_sizes(cfg) if linear else (0, 0)
     out = {
-        "attention_qkv": 6.0 * L * qkv,
-        "attention_out": 6.0 * L * out,
+        "attention_qkv": 6.0 * ((L - linear) * qkv + linear * linear_in),
+        "attention_out": 6.0 * ((L - linear) * out + linear * linear_out),
+        "delta_rule": 6.0 * linear * delta_rule_macs(cfg) if linear else 0.0,
         "scores_qk": 6.0 * qk * keys,
         "scores_av": 6.0 * v * keys,
         "mlp_in": 6.0 * dense * h * cfg.mlp_dim * (_mlp_matrices(cfg) - 1),
@@ -167,11 +210,12 @@ def matmul_breakdown(cfg: ModelConfig, seq_len: int, causal: bool = True) -> dic
 def attended_keys(cfg: ModelConfig, seq_len: int, causal: bool = True) -> float:
     """The keys a query attends to, averaged over a row of ``seq_len`` and summed over the layers: half the row in
     a causal global layer (the whole row without causality); in a local layer of window W < seq_len, W - W^2 / 2s
-    (the band of W keys, its first W queries seeing fewer). A window no shorter than the row is a global layer."""
+    (the band of W keys, its first W queries seeing fewer). A window no shorter than the row is a global layer.
+    Gated DeltaNet blocks attend to no keys."""
     s, window = seq_len, cfg.attention.window
     full = s / 2 if causal else s
     local = sum(cfg.is_local_block(i) for i in range(cfg.num_layers)) if 0 < window < s else 0
-    return (cfg.num_layers - local) * full + local * (window - window * window / (2 * s))
+    return (cfg.num_layers - linear_layers(cfg) - local) * full + local * (window - window * window / (2 * s))
 
 
 def _terms(matmuls: dict[str, float]) -> dict[str, float]:

@@ -53,6 +53,16 @@ def cached_attention(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Ar
                            dense.visible(positions, slots, None, None, window), sinks).astype(q.dtype)
 
 
+def apply_partial_rope(cfg: ModelConfig, x: jax.Array, positions: jax.Array, local: bool = False) -> jax.Array:
+    """Queries or keys [b, t, heads, head_dim] rotated by position: the first ``rope.fraction`` of each head's
+    dimensions (Qwen3.5 rotates a quarter), the rest as they are."""
+    rotated = int(x.shape[-1] * cfg.rope.fraction)
+    inv_freq, scale = rope_frequencies(cfg, rotated, local=local), rope_attention_factor(cfg, local)
+    if rotated == x.shape[-1]:
+        return apply_rope(x, positions, inv_freq, scale)
+    return jnp.concatenate([apply_rope(x[..., :rotated], positions, inv_freq, scale), x[..., rotated:]], axis=-1)
+
+
 class Attention(_SelfAttention):
     def __init__(self, cfg: ModelConfig, execution: ExecutionConfig, rngs: nnx.Rngs, implementation: str):
         d, n, g, h = cfg.embed_dim, cfg.attention.num_heads, cfg.attention.num_kv_heads, cfg.resolved_head_dim
@@ -67,6 +77,9 @@ class Attention(_SelfAttention):
         # gpt-oss: a logit per head beside the keys, whose value is zero (ops/sinks.py)
         self.sinks = nnx.Param(jnp.zeros((n,), jnp.float32), out_sharding=("bias",)) if cfg.attention.sinks \
             else None
+        # Qwen3.5: the output scaled by sigmoid of its own projection of the input, per head and dimension
+        self.wg = Projection(rngs, (d,), (n, h), ("embed", "heads", "head_dim"), cfg.init_std, dt, bias) \
+            if cfg.attention.output_gate else None
         self._runs(cfg, execution, implementation)
 
     def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array | None,
@@ -74,10 +87,16 @@ class Attention(_SelfAttention):
         """``local``: a local layer, which sees the ``attention.window`` latest positions."""
         q, k, v = self._project(x, positions, local)
         window = self.cfg.attention.window if local else 0
-        return self.wo(self._attend(q, k, v, positions, segment_ids, window, self._sinks()))
+        return self._output(x, self._attend(q, k, v, positions, segment_ids, window, self._sinks()))
 
     def _sinks(self) -> jax.Array | None:
         return None if self.sinks is None else self.sinks[...]
+
+    def _output(self, x: jax.Array, out: jax.Array) -> jax.Array:
+        """The heads' output [b, t, heads, head_dim], gated (``attention.output_gate``) and projected."""
+        if self.wg is not None:
+            out = out * jax.nn.sigmoid(self.wg(x))
+        return self.wo(out)
 
     def _project(self, x: jax.Array, positions: jax.Array,
                  local: bool = False) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -87,9 +106,7 @@ class Attention(_SelfAttention):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         if self.cfg.position_embedding == "rope":
-            inv_freq, scale = rope_frequencies(self.cfg, local=local), rope_attention_factor(self.cfg, local)
-            q = apply_rope(q, positions, inv_freq, scale)
-            k = apply_rope(k, positions, inv_freq, scale)
+            q, k = (apply_partial_rope(self.cfg, a, positions, local) for a in (q, k))
         scalar = self.cfg.attention.query_pre_attn_scalar
         if scalar and scalar != q.shape[-1]:
             q = q * jnp.asarray(math.sqrt(q.shape[-1] / scalar), q.dtype)
@@ -103,10 +120,10 @@ class Attention(_SelfAttention):
         q, k, v = self._project(x, positions, local)
         if local and "slot_positions" in cache:
             out, cache = window_cache.attend(cache, q, k, v, positions, self.cfg.attention.window, self._sinks())
-            return self.wo(out), cache
+            return self._output(x, out), cache
         cache = {"k": write_cache(cache["k"], k, positions), "v": write_cache(cache["v"], v, positions)}
         window = self.cfg.attention.window if local else 0
-        return self.wo(cached_attention(q, cache["k"], cache["v"], positions, window, self._sinks())), cache
+        return self._output(x, cached_attention(q, cache["k"], cache["v"], positions, window, self._sinks())), cache
 
     def empty_cache(self, batch: int, length: int, dtype, local: bool = False) -> dict[str, jax.Array]:
         """Zero keys and values for ``length`` positions; a local layer's for no more than its window."""

@@ -52,13 +52,14 @@ embed_lookup.defvjp(_embed_fwd, _embed_bwd)
 class Norm(nnx.Module):
     """RMSNorm (scale only) or LayerNorm (scale and bias) over the last axis of ``size`` (default: the embedding);
     statistics in float32. ``kind`` overrides ``model.norm`` (Qwen3's per-head query and key norms are RMSNorm).
-    With ``model.norm_unit_offset`` the stored weight w scales by 1 + w and starts at 0 (Gemma)."""
+    With ``model.norm_unit_offset`` the stored weight w scales by 1 + w and starts at 0 (Gemma); ``unit_offset``
+    overrides it (Gated DeltaNet's output norm scales by its weight in Qwen3.5)."""
 
     def __init__(self, cfg: ModelConfig, execution: ExecutionConfig, size: int | None = None,
-                 kind: str | None = None):
+                 kind: str | None = None, unit_offset: bool | None = None):
         self.eps = cfg.norm_eps
         self.dtype = compute_dtype(execution)
-        self.offset = 1.0 if cfg.norm_unit_offset else 0.0
+        self.offset = 1.0 if (cfg.norm_unit_offset if unit_offset is None else unit_offset) else 0.0
         size = size or cfg.embed_dim
         self.scale = nnx.Param(jnp.full((size,), 1.0 - self.offset, jnp.float32), out_sharding=("norm",))
         self.bias = nnx.Param(jnp.zeros((size,), jnp.float32), out_sharding=("norm",)) \

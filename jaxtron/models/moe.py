@@ -170,6 +170,8 @@ class MoE(nnx.Module):
             if cfg.moe.expert_bias else (lambda shape: None)
         self.wi_gate_bias, self.wi_up_bias, self.wo_bias = zeros((e, f)), zeros((e, f)), zeros((e, d))
         self.shared = MLP(cfg, execution, rngs, cfg.moe.shared_experts * f) if cfg.moe.shared_experts else None
+        # Qwen3.5: each token's shared-expert output scaled by sigmoid of its own projection of the input
+        self.shared_gate = param(rngs, (d,), ("embed",), cfg.init_std) if cfg.moe.shared_gate else None
 
     def __call__(self, x: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
         """x [batch, length, embed] -> (output of the same shape, routing stats; see ``route``)."""
@@ -190,7 +192,11 @@ class MoE(nnx.Module):
             routed = jnp.sum(jax.nn.one_hot(ids, cfg.moe.num_experts, dtype=jnp.float32) * weights[..., None], axis=2)
             y = y + jnp.einsum("bte,ed->btd", routed, self.wo_bias[...]).astype(y.dtype)
         if self.shared is not None:
-            y = y + self.shared(x)[0]
+            shared = self.shared(x)[0]
+            if self.shared_gate is not None:
+                gate = jnp.einsum("btd,d->bt", x, self.shared_gate[...].astype(x.dtype))
+                shared = shared * jax.nn.sigmoid(gate)[..., None]
+            y = y + shared
         return y, stats
 
     def _routed(self, x: jax.Array, ids: jax.Array, weights: jax.Array, row_capacity: int | None,

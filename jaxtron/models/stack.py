@@ -1,13 +1,14 @@
 """The layer stack: blocks whose parameters are stacked along one logical axis, and the one function that runs it.
 
-A model's blocks live in at most three stacks, each in block order: the dense blocks, the MoE blocks and, in a dense
-model, a lead of blocks that run first. The unit the stack is stepped over is a *period* (``ModelConfig.period``):
-``moe_every`` blocks of an MoE model (its dense blocks, then its MoE block), a run of the local/global pattern (Gemma
-3's five local blocks and a global one), or one block. A period's blocks run in order, each of its kind: dense or
-MoE, local or global (``ModelConfig.period_blocks``). The prefix (an MoE model's dense ``first_dense_layers``, or the
-blocks a dense model's periods leave over, its lead) belongs to no period: it runs first, as a plain scan, and a
-pipeline schedule never stages it. With ``execution.fp8_skip_layers`` the blocks run in spans, the first and last
-ones in 16 bits and the ones between with FP8 matmuls (``layer_spans``).
+A model's blocks live in stacks, each in block order, one per kind of block with parameters of its own shape
+(``STACKS``): dense and MoE blocks with attention, dense and MoE blocks with Gated DeltaNet; and in a dense model a
+lead of blocks that run first. The unit the stack is stepped over is a *period* (``ModelConfig.period``):
+``moe_every`` blocks of an MoE model (its dense blocks, then its MoE block), a run of the local/global pattern
+(Gemma 3's five local blocks and a global one, Qwen3.5's three Gated DeltaNet blocks and a full-attention one), or
+one block. A period's blocks run in order, each of its kind (``ModelConfig.period_blocks``). The prefix (an MoE
+model's dense ``first_dense_layers``, or the blocks a dense model's periods leave over, its lead) belongs to no
+period: it runs first, as a plain scan, and a pipeline schedule never stages it. With ``execution.fp8_skip_layers``
+the blocks run in spans, the first and last ones in 16 bits and the ones between with FP8 matmuls (``layer_spans``).
 
 ``run_stack`` scans the periods of each span in order, or hands them to a runner (a pipeline schedule,
 ``jaxtron.training.pipeline.fill_drain.Schedule``), which calls ``body(hidden, one period's parameters, extras)``
@@ -28,6 +29,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxtron.common.trace_state import WITHOUT_REMAT
+from jaxtron.config.model import STACKS, BlockKind
 from jaxtron.config.schema import ExecutionConfig, ModelConfig
 from jaxtron.models.projection import fp8_recipe
 from jaxtron.ops import attention as attention_ops
@@ -144,31 +146,31 @@ def _block_fn(graphdef: Any, fp8: bool, remat: str, local: bool = False) -> Call
     return apply if policy is None else jax.checkpoint(apply, policy=policy, prevent_cse=False)
 
 
-def per_period(cfg: ModelConfig) -> tuple[int, int]:
-    """(dense blocks, MoE blocks) of one period."""
-    moe = sum(is_moe for is_moe, _ in cfg.period_blocks())
-    return cfg.period - moe, moe
+def per_period(cfg: ModelConfig) -> tuple[int, ...]:
+    """Blocks of one period in each stack (``STACKS``' order)."""
+    blocks = cfg.period_blocks()
+    return tuple(sum(kind.stack == i for kind in blocks) for i in range(len(STACKS)))
 
 
-def blocks_of_period(blocks: tuple[tuple[bool, bool], ...], counts: tuple[int, int],
-                     period: tuple[Any, Any]) -> Iterator[tuple[bool, bool, Any]]:
-    """(is MoE, is local, the block's parameters) of each of a period's ``blocks`` in order: the next block of its
-    stack's share of the period (``period``: dense, MoE; [count, ...] when ``counts`` says more than one)."""
-    taken = [0, 0]
-    for is_moe, local in blocks:
-        tree, j = period[is_moe], taken[is_moe]
-        taken[is_moe] += 1
-        yield is_moe, local, tree if counts[is_moe] == 1 else jax.tree.map(lambda a, j=j: a[j], tree)
+def blocks_of_period(blocks: tuple[BlockKind, ...], counts: tuple[int, ...],
+                     period: tuple[Any, ...]) -> Iterator[tuple[BlockKind, Any]]:
+    """(kind, the block's parameters) of each of a period's ``blocks`` in order: the next block of its stack's
+    share of the period (``period``: one tree per stack; [count, ...] when ``counts`` says more than one)."""
+    taken = [0] * len(STACKS)
+    for kind in blocks:
+        tree, j = period[kind.stack], taken[kind.stack]
+        taken[kind.stack] += 1
+        yield kind, tree if counts[kind.stack] == 1 else jax.tree.map(lambda a, j=j: a[j], tree)
 
 
-def _period(fns: dict[tuple[bool, bool], Callable], blocks: tuple[tuple[bool, bool], ...], counts: tuple[int, int],
-            h: jax.Array, period: tuple[Any, Any], extras: tuple) -> tuple[jax.Array, Stats]:
-    """One period: each of its ``blocks`` (is MoE, is local) in order, by ``fns`` of that kind
-    (``blocks_of_period``). Stats: the MoE block's, or its MoE blocks' stacked [count, ...]."""
+def _period(fns: dict[BlockKind, Callable], blocks: tuple[BlockKind, ...], counts: tuple[int, ...],
+            h: jax.Array, period: tuple[Any, ...], extras: tuple) -> tuple[jax.Array, Stats]:
+    """One period: each of its ``blocks`` in order, by ``fns`` of its kind (``blocks_of_period``). Stats: the MoE
+    block's, or its MoE blocks' stacked [count, ...]."""
     stats = []
-    for is_moe, local, block in blocks_of_period(blocks, counts, period):
-        h, block_stats = fns[is_moe, local](h, block, *extras)
-        if is_moe:
+    for kind, block in blocks_of_period(blocks, counts, period):
+        h, block_stats = fns[kind](h, block, *extras)
+        if kind.moe:
             stats.append(block_stats)
     if len(stats) <= 1:
         return h, stats[0] if stats else {}
@@ -186,23 +188,21 @@ def _periods(tree: Any, per: int, first: int, end: int, whole: bool) -> Any:
     return jax.tree.map(lambda a: a[first * per:end * per].reshape(end - first, per, *a.shape[1:]), tree)
 
 
-def span_slices(cfg: ModelConfig, execution: ExecutionConfig, dense_state: Any, moe_state: Any,
-                 whole: bool = False, lead_state: Any = None):
-    """Each layer span (``layer_spans``) with its share of the stacks ``dense_state`` and ``moe_state`` (their
-    parameters): a prefix span's blocks [blocks, ...] (of ``lead_state`` when the model has a lead stack), or a
-    stacked span's periods (dense and MoE each [periods, per, ...] or [periods, ...]; ``_periods``). ``whole``: a
-    span of every period takes the stacks as stored."""
-    prefix, period = cfg.prefix_layers, cfg.period
-    dense_per_period, moe_per_period = per_period(cfg)
-    first_blocks = lead_state if cfg.lead_stack else dense_state
+def span_slices(cfg: ModelConfig, execution: ExecutionConfig, states: tuple[Any, ...], whole: bool = False,
+                lead_state: Any = None):
+    """Each layer span (``layer_spans``) with its share of the stacks' parameters ``states`` (one per
+    ``STACKS``): a prefix span's blocks [blocks, ...] (of ``lead_state`` when the model has a lead stack, else of
+    the dense stack), or a stacked span's periods, one tree per stack ([periods, per, ...] or [periods, ...];
+    ``_periods``). ``whole``: a span of every period takes the stacks as stored."""
+    prefix, period, counts = cfg.prefix_layers, cfg.period, per_period(cfg)
+    first_blocks = lead_state if cfg.lead_stack else states[0]
     for span in layer_spans(cfg, execution):
         if span.prefix:
             yield span, jax.tree.map(lambda a, sp=span: a[sp.first:sp.end], first_blocks)
             continue
         first, end = (span.first - prefix) // period, (span.end - prefix) // period
         every = whole and (first, end) == (0, cfg.stack_periods)
-        yield span, (_periods(dense_state, dense_per_period, first, end, every),
-                      _periods(moe_state, moe_per_period, first, end, every))
+        yield span, tuple(_periods(state, n, first, end, every) for state, n in zip(states, counts, strict=True))
 
 
 def period_range(cfg: ModelConfig, span: LayerSpan) -> tuple[int, int]:
@@ -212,35 +212,33 @@ def period_range(cfg: ModelConfig, span: LayerSpan) -> tuple[int, int]:
     return (span.first - cfg.prefix_layers) // cfg.period, (span.end - cfg.prefix_layers) // cfg.period
 
 
-def _block_fns(cfg: ModelConfig, execution: ExecutionConfig, dense_def: Any, moe_def: Any,
-               fp8: bool) -> dict[tuple[bool, bool], Callable]:
-    """The block functions of one span, by (is MoE, is local)."""
-    return {(is_moe, local): _block_fn(moe_def if is_moe else dense_def, fp8, execution.remat, local)
-            for is_moe, local in set(cfg.period_blocks())}
+def _split(stacks: tuple[nnx.Module | None, ...]) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
+    """(graph definitions, parameters) of each stack (None for one the model lacks)."""
+    pairs = [nnx.split(m) if m is not None else (None, None) for m in stacks]
+    return tuple(p[0] for p in pairs), tuple(p[1] for p in pairs)
 
 
-def run_stack(cfg: ModelConfig, execution: ExecutionConfig, dense: nnx.Module | None, moe: nnx.Module | None,
-              x: jax.Array, extras: tuple, runner: StackRunner | None = None,
+def run_stack(cfg: ModelConfig, execution: ExecutionConfig, stacks: tuple[nnx.Module | None, ...], x: jax.Array,
+              extras: tuple, runner: StackRunner | None = None,
               lead: nnx.Module | None = None) -> tuple[jax.Array, Stats]:
-    """Runs the dense and MoE stacks (stacked modules or None) on the residual stream ``x``: the prefix (from
+    """Runs the stacks (stacked modules or None, in ``STACKS``' order) on the residual stream ``x``: the prefix (from
     ``lead``, a dense model's lead stack, when it has one), then the periods of each span through ``runner``
     (default: a scan). ``extras`` are the positions and, for packed rows, the segment ids. Returns the stack's
     output and the MoE blocks' routing stats, each stacked along its first axis in block order (empty for a dense
     model)."""
-    dense_def, dense_state = nnx.split(dense) if dense is not None else (None, None)
-    moe_def, moe_state = nnx.split(moe) if moe is not None else (None, None)
+    defs, states = _split(stacks)
     lead_def, lead_state = nnx.split(lead) if lead is not None else (None, None)
     blocks, counts = cfg.period_blocks(), per_period(cfg)
     stats = []
     scan = functools.partial(scan_stack, unroll=not execution.scan_layers)
-    for span, periods in span_slices(cfg, execution, dense_state, moe_state, whole=True, lead_state=lead_state):
+    for span, periods in span_slices(cfg, execution, states, whole=True, lead_state=lead_state):
         if span.prefix:
-            first_fn = _block_fn(lead_def or dense_def, span.fp8, execution.remat, cfg.is_local_block(span.first))
+            first_fn = _block_fn(lead_def or defs[0], span.fp8, execution.remat, cfg.is_local_block(span.first))
             x, _ = scan(lambda h, block, ex, f=first_fn: f(h, block, *ex), x, periods, extras)
             continue
-        fns = _block_fns(cfg, execution, dense_def, moe_def, span.fp8)
+        fns = {kind: _block_fn(defs[kind.stack], span.fp8, execution.remat, kind.local) for kind in set(blocks)}
         x, span_stats = (runner or scan)(functools.partial(_period, fns, blocks, counts), x, periods, extras)
-        if counts[1] > 1:  # [periods, MoE blocks of a period, ...] -> [blocks, ...] in block order
+        if sum(kind.moe for kind in blocks) > 1:  # [periods, MoE blocks of a period, ...] -> [blocks, ...]
             span_stats = jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), span_stats)
         stats.append(span_stats)
     if not stats or not stats[0]:
@@ -253,14 +251,12 @@ def run_stack(cfg: ModelConfig, execution: ExecutionConfig, dense: nnx.Module | 
 Cache = dict[str, Any]
 
 
-def decode_stack(cfg: ModelConfig, execution: ExecutionConfig, dense: nnx.Module | None, moe: nnx.Module | None,
-                 x: jax.Array, positions: jax.Array, cache: Cache,
-                 lead: nnx.Module | None = None) -> tuple[jax.Array, Cache]:
+def decode_stack(cfg: ModelConfig, execution: ExecutionConfig, stacks: tuple[nnx.Module | None, ...], x: jax.Array,
+                 positions: jax.Array, cache: Cache, lead: nnx.Module | None = None) -> tuple[jax.Array, Cache]:
     """``run_stack`` for generation: the tokens ``x`` at ``positions`` through the blocks in the same order, each
     block's attention reading the earlier tokens from its cache and writing these in (``Block.decode``). ``cache``
     as ``Cache`` says; -> (the stack's output, the new cache)."""
-    dense_def, dense_state = nnx.split(dense) if dense is not None else (None, None)
-    moe_def, moe_state = nnx.split(moe) if moe is not None else (None, None)
+    defs, states = _split(stacks)
     lead_def, lead_state = nnx.split(lead) if lead is not None else (None, None)
     blocks, counts = cfg.period_blocks(), per_period(cfg)
     pieces: dict[str, list] = {"prefix": [], "period": []}
@@ -271,21 +267,21 @@ def decode_stack(cfg: ModelConfig, execution: ExecutionConfig, dense: nnx.Module
                 return nnx.merge(graphdef, block).decode(h, positions, c, local=local)
         return apply
 
-    for span, params in span_slices(cfg, execution, dense_state, moe_state, lead_state=lead_state):
+    for span, params in span_slices(cfg, execution, states, lead_state=lead_state):
         first, end = period_range(cfg, span)
         if span.prefix:
-            prefix_fn = block_fn(lead_def or dense_def, span.fp8, cfg.is_local_block(span.first))
+            prefix_fn = block_fn(lead_def or defs[0], span.fp8, cfg.is_local_block(span.first))
             caches = jax.tree.map(lambda a, f=first, e=end: a[f:e], cache["prefix"])
             x, c = jax.lax.scan(lambda h, bc, f=prefix_fn: f(h, *bc), x, (params, caches))
             pieces["prefix"].append(c)
             continue
-        fns = {(m, local): block_fn(moe_def if m else dense_def, span.fp8, local) for m, local in set(blocks)}
+        fns = {kind: block_fn(defs[kind.stack], span.fp8, kind.local) for kind in set(blocks)}
 
         def one_period(h, pc, fns=fns):
             period, caches = pc
             out = []
-            for (is_moe, local, block), c in zip(blocks_of_period(blocks, counts, period), caches, strict=True):
-                h, c = fns[is_moe, local](h, block, c)
+            for (kind, block), c in zip(blocks_of_period(blocks, counts, period), caches, strict=True):
+                h, c = fns[kind](h, block, c)
                 out.append(c)
             return h, tuple(out)
 

@@ -13,8 +13,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxtron.config.model import STACKS
 from jaxtron.config.schema import ExecutionConfig, ModelConfig
 from jaxtron.models.attention import Attention, LatentAttention
+from jaxtron.models.delta_net import GatedDeltaNet
 from jaxtron.models.layers import Norm, compute_dtype, embed_lookup, param
 from jaxtron.models.mlp import MLP
 from jaxtron.models.moe import MoE
@@ -38,14 +40,17 @@ def block_input(norm: nnx.Module, x: jax.Array) -> jax.Array:
 
 
 class Block(nnx.Module):
-    """Pre-norm residual block: attention, then the feed-forward part (a dense MLP or a mixture of experts; both
-    return their output and their routing stats, empty for the MLP). With ``model.post_norms`` each part's output
-    is normed again before its residual sum (Gemma 2 and 3)."""
+    """Pre-norm residual block: attention (or Gated DeltaNet), then the feed-forward part (a dense MLP or a
+    mixture of experts; both return their output and their routing stats, empty for the MLP). With
+    ``model.post_norms`` each part's output is normed again before its residual sum (Gemma 2 and 3)."""
 
     def __init__(self, cfg: ModelConfig, execution: ExecutionConfig, rngs: nnx.Rngs, attention_impl: str,
-                 moe: bool = False):
+                 moe: bool = False, linear: bool = False):
         self.attn_norm = Norm(cfg, execution)
-        self.attn = (LatentAttention if cfg.latent_attention else Attention)(cfg, execution, rngs, attention_impl)
+        if linear:  # a Gated DeltaNet block (model.linear): the token mixer is linear attention
+            self.attn = GatedDeltaNet(cfg, execution, rngs)
+        else:
+            self.attn = (LatentAttention if cfg.latent_attention else Attention)(cfg, execution, rngs, attention_impl)
         self.attn_post_norm = Norm(cfg, execution) if cfg.post_norms else None
         self.mlp_norm = Norm(cfg, execution)
         self.mlp = MoE(cfg, execution, rngs) if moe else MLP(cfg, execution, rngs)
@@ -123,17 +128,19 @@ class Transformer(nnx.Module):
         self.positions = param(rngs, (cfg.max_seq_len, d), ("position", "embed"), cfg.init_std) \
             if cfg.position_embedding == "learned" else None
 
-        def block(moe: bool):
-            return lambda rngs: Block(cfg, execution, rngs, attention_impl, moe)
+        def block(moe: bool, linear: bool = False):
+            return lambda rngs: Block(cfg, execution, rngs, attention_impl, moe, linear)
 
-        # dense blocks in `layers`, MoE blocks in `moe_layers`, each in block order (see ModelConfig.is_moe_block);
-        # a dense prefix (which needs moe_every=1) is all of `layers`, run outside a pipeline schedule; a dense
-        # model's blocks before its periods (ModelConfig.prefix_layers) are `lead_layers`, run outside it too
-        moe, lead = cfg.num_moe_layers, cfg.prefix_layers if cfg.lead_stack else 0
+        # each kind of block in its stack (config.model.STACKS: dense, MoE, and both with Gated DeltaNet), in block
+        # order; a dense prefix (which needs moe_every=1) is all of `layers`, run outside a pipeline schedule; a
+        # dense model's blocks before its periods (ModelConfig.prefix_layers) are `lead_layers`, run outside it too
+        lead = cfg.prefix_layers if cfg.lead_stack else 0
         self.lead_layers = stacked(block(False), rngs, lead, "unstaged_layers")
-        self.layers = stacked(block(False), rngs, cfg.num_layers - moe - lead,
+        self.layers = stacked(block(False), rngs, cfg.stack_blocks(0),
                               "unstaged_layers" if cfg.prefix_layers and not lead else "layers")
-        self.moe_layers = stacked(block(True), rngs, moe, "layers")
+        self.moe_layers = stacked(block(True), rngs, cfg.stack_blocks(1), "layers")
+        self.linear_layers = stacked(block(False, True), rngs, cfg.stack_blocks(2), "layers")
+        self.linear_moe_layers = stacked(block(True, True), rngs, cfg.stack_blocks(3), "layers")
         self.final_norm = Norm(cfg, execution)
         self.mtp = stacked(lambda rngs: MTPModule(cfg, execution, rngs, attention_impl), rngs, cfg.mtp.depth,
                            "unstaged_layers")
@@ -148,8 +155,8 @@ class Transformer(nnx.Module):
             positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
         x = self._embed(tokens, positions)
         extras = (positions, segment_ids) if segment_ids is not None else (positions,)
-        residual, stats = run_stack(self.cfg, self.execution, self.layers, self.moe_layers,
-                                    constrain(x, EMBED_AXES), extras, stack_runner, self.lead_layers)
+        residual, stats = run_stack(self.cfg, self.execution, self.stacks(), constrain(x, EMBED_AXES), extras,
+                                    stack_runner, self.lead_layers)
         mtp_hidden = ()
         if mtp and self.mtp is not None:
             mtp_hidden, mtp_stats = self._predict_ahead(residual, tokens, positions, segment_ids)
@@ -161,9 +168,13 @@ class Transformer(nnx.Module):
         attention over the earlier tokens of ``cache`` (``empty_cache``) -> (float32 logits [batch, t, vocab], the
         cache with these tokens in). A prompt's prefill and each decoding step are calls of this; the logits equal
         the full forward's at the same positions."""
-        x, cache = decode_stack(self.cfg, self.execution, self.layers, self.moe_layers, self._embed(tokens, positions),
-                                positions, cache, self.lead_layers)
+        x, cache = decode_stack(self.cfg, self.execution, self.stacks(), self._embed(tokens, positions), positions,
+                                cache, self.lead_layers)
         return logits_of(self.final_norm(x), self.output_head()), cache
+
+    def stacks(self) -> tuple[nnx.Module | None, ...]:
+        """The stacked blocks of each kind, in ``STACKS``' order (None for a kind the model lacks)."""
+        return tuple(getattr(self, name) for name in STACKS)
 
     def _embed(self, tokens: jax.Array, positions: jax.Array) -> jax.Array:
         """The tokens' embeddings in the compute dtype: scaled by sqrt(embed_dim) with ``model.embed_scale``
@@ -180,15 +191,18 @@ class Transformer(nnx.Module):
         """Zero caches for ``batch`` rows of up to ``length`` positions, laid out as ``models.stack.Cache`` says
         (the shapes come from the config: any block's attention makes them)."""
         cfg = self.cfg
-        attn = next(s for s in (self.layers, self.moe_layers, self.lead_layers) if s is not None).attn
+        # one block of each stack makes the caches of its kind (their shapes come from the config)
+        mixers = [None if stack is None else stack.attn for stack in self.stacks()]
+        if self.lead_layers is not None:
+            mixers[0] = mixers[0] or self.lead_layers.attn
 
-        def stacked_cache(count: int, local: bool):
-            one = attn.empty_cache(batch, length, dtype, local)
+        def stacked_cache(count: int, kind):
+            one = mixers[kind.stack].empty_cache(batch, length, dtype, kind.local)
             return jax.tree.map(lambda a: jnp.repeat(a[None], count, axis=0), one)
 
-        cache = {"period": tuple(stacked_cache(cfg.stack_periods, local) for _, local in cfg.period_blocks())}
+        cache = {"period": tuple(stacked_cache(cfg.stack_periods, kind) for kind in cfg.period_blocks())}
         if cfg.prefix_layers:
-            cache["prefix"] = stacked_cache(cfg.prefix_layers, cfg.is_local_block(0))
+            cache["prefix"] = stacked_cache(cfg.prefix_layers, cfg.block_kind(0))
         return cache
 
     def _predict_ahead(self, residual: jax.Array, tokens: jax.Array, positions: jax.Array,

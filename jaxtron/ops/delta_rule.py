@@ -17,6 +17,10 @@ With T = (I + A)^-1, U = T (beta V) and E = T (beta exp(G) K), the deltas are W 
 
 Everything but S_0 is computed for all chunks at once. A scan over the chunks carries S. Every exponent is at
 most 0, so nothing overflows. Arithmetic is float32, as the published kernels keep the state.
+
+Packed rows hold several documents (``segments``): the state starts from zero at each document's first token. In
+the chunked form, a term that would carry the state across a document's start is masked: D_ij between documents,
+S_0's reads by tokens after a start within the chunk, and the hand-on to the next chunk of what precedes one.
 """
 
 from __future__ import annotations
@@ -24,61 +28,94 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-CHUNK = 64  # steps per chunk, as Qwen3.5 trains: the within-chunk matrices are 64 x 64
+from jaxtron.config.subsections import DELTA_CHUNK as CHUNK
 
 
 def _float32(*arrays: jax.Array) -> tuple[jax.Array, ...]:
     return tuple(a.astype(jnp.float32) for a in arrays)
 
 
+def runs(segments: jax.Array | None, shape: tuple[int, int]) -> jax.Array:
+    """[b, t] int: which run of equal segment ids each token is in, counting from 0 at the row's first token (no
+    segments: 0 everywhere). A new run is a document's start, where the state resets."""
+    if segments is None:
+        return jnp.zeros(shape, jnp.int32)
+    starts = jnp.concatenate([jnp.zeros_like(segments[:, :1]), segments[:, 1:] != segments[:, :-1]], axis=1)
+    return jnp.cumsum(starts.astype(jnp.int32), axis=1)
+
+
 def recurrent(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array,
-              state: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+              state: jax.Array | None = None, segments: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
     """The rule token by token. q, k [b, t, h, dk], v [b, t, h, dv], g and beta [b, t, h]; ``state`` [b, h, dk,
-    dv] (default zeros). -> (outputs [b, t, h, dv] in v's dtype, the final state, float32)."""
-    b, _, h, dk = k.shape
+    dv] (default zeros); ``segments`` [b, t] (packed documents: the state resets where the id changes). -> (outputs
+    [b, t, h, dv] in v's dtype, the final state, float32)."""
+    b, t, h, dk = k.shape
     dv = v.shape[-1]
     state = jnp.zeros((b, h, dk, dv), jnp.float32) if state is None else state.astype(jnp.float32)
+    run = runs(segments, (b, t))
+    keep = (run == jnp.concatenate([run[:, :1], run[:, :-1]], axis=1)).astype(jnp.float32)  # [b, t]
 
     def step(s, x):
-        q_t, k_t, v_t, g_t, beta_t = x
-        s = s * jnp.exp(g_t)[..., None, None]
+        q_t, k_t, v_t, g_t, beta_t, keep_t = x
+        s = s * (jnp.exp(g_t) * keep_t[:, None])[..., None, None]
         predicted = jnp.einsum("bhkv,bhk->bhv", s, k_t)
         s = s + jnp.einsum("bhk,bhv->bhkv", k_t, beta_t[..., None] * (v_t - predicted))
         return s, jnp.einsum("bhkv,bhk->bhv", s, q_t)
 
-    steps = tuple(jnp.moveaxis(a, 1, 0) for a in _float32(q, k, v, g, beta))
+    steps = tuple(jnp.moveaxis(a, 1, 0) for a in (*_float32(q, k, v, g, beta), keep))
     state, out = jax.lax.scan(step, state, steps)
     return jnp.moveaxis(out, 0, 1).astype(v.dtype), state
 
 
-def _in_chunks(x: jax.Array, chunk: int) -> jax.Array:
-    """[b, t, h, ...] padded with zeros to whole chunks -> [b, h, chunks, chunk, ...]."""
+def _in_chunks(x: jax.Array, chunk: int, heads: bool = True) -> jax.Array:
+    """[b, t, h, ...] padded to whole chunks -> [b, h, chunks, chunk, ...] (zeros), or without ``heads`` [b, t]
+    -> [b, chunks, chunk] (the last value repeated)."""
     pad = -x.shape[1] % chunk
-    x = jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
+    x = jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2), mode="constant" if heads else "edge")
     x = x.reshape(x.shape[0], -1, chunk, *x.shape[2:])
-    return jnp.moveaxis(x, 3, 1)
+    return jnp.moveaxis(x, 3, 1) if heads else x
 
 
-def chunk_terms(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array,
-                beta: jax.Array, chunk: int = CHUNK) -> dict[str, jax.Array]:
+def _unit_lower_solve(system: jax.Array, rhs: jax.Array) -> jax.Array:
+    """X with ``system`` X = ``rhs`` for unit lower-triangular systems [..., C, C], by forward substitution: row i
+    is rhs_i less the rows before it weighted by the system's row. Plain products in a loop of C steps: LAPACK's
+    triangular solve inside a program that also loops over chunks hung XLA's CPU runtime on several devices."""
+    strict = system - jnp.eye(system.shape[-1], dtype=system.dtype)  # the rows' weights of earlier rows
+
+    def row(i, x):
+        return x.at[..., i, :].add(-jnp.einsum("...j,...jn->...n", strict[..., i, :], x))
+    return jax.lax.fori_loop(1, system.shape[-1], row, rhs)
+
+
+def _previous_run(run: jax.Array) -> jax.Array:
+    """[b, 1, chunks, 1]: the run of the token before each chunk (the row's first token's, for the first chunk:
+    it continues the given state)."""
+    return jnp.concatenate([run[:, :, :1, :1], run[:, :, :-1, -1:]], axis=2)
+
+
+def chunk_terms(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array,
+                segments: jax.Array | None = None, chunk: int = CHUNK) -> dict[str, jax.Array]:
     """What each chunk needs besides its starting state, for all chunks at once ([b, h, chunks, ...], float32).
     Padded steps have g = 0 and beta = 0: they leave the state as it is."""
+    run = _in_chunks(runs(segments, g.shape[:2]), chunk, heads=False)[:, None]  # [b, 1, chunks, chunk]
     q, k, v, g, beta = (_in_chunks(a, chunk) for a in _float32(q, k, v, g, beta))
     cum = jnp.cumsum(g, axis=-1)  # G_i
-    lower = jnp.tril(jnp.ones((chunk, chunk), bool))
-    # D_ij = exp(G_i - G_j) on and below the diagonal; above it the exponent would be positive, so it is masked
-    # before the exponential, not after
+    # D_ij = exp(G_i - G_j) on and below the diagonal, within one document; elsewhere the exponent could be
+    # positive, so it is masked before the exponential, not after
+    lower = jnp.tril(jnp.ones((chunk, chunk), bool)) & (run[..., :, None] == run[..., None, :])
     decay = jnp.exp(jnp.where(lower, cum[..., :, None] - cum[..., None, :], -jnp.inf))
     strict = decay * (1.0 - jnp.eye(chunk))
     system = jnp.eye(chunk) + beta[..., None] * strict * jnp.einsum("...ik,...jk->...ij", k, k)
-    rhs = jnp.concatenate([beta[..., None] * v, (beta * jnp.exp(cum))[..., None] * k], axis=-1)
-    solved = jax.scipy.linalg.solve_triangular(system, rhs, lower=True, unit_diagonal=True)
+    # the tokens that continue the document the chunk's starting state belongs to (the one before the chunk)
+    carried = jnp.where(run == _previous_run(run), jnp.exp(cum), 0.0)
+    rhs = jnp.concatenate([beta[..., None] * v, (beta * carried)[..., None] * k], axis=-1)
+    solved = _unit_lower_solve(system, rhs)
     dv = v.shape[-1]
     return {"u": solved[..., :dv], "e": solved[..., dv:],
-            "q_decayed": jnp.exp(cum)[..., None] * q,
+            "q_decayed": carried[..., None] * q,
             "scores": jnp.einsum("...ik,...jk->...ij", q, k) * decay,
-            "k_to_end": jnp.exp(cum[..., -1:] - cum)[..., None] * k,
-            "chunk_decay": jnp.exp(cum[..., -1])}
+            "k_to_end": jnp.where(run == run[..., -1:], jnp.exp(cum[..., -1:] - cum), 0.0)[..., None] * k,
+            "chunk_decay": carried[..., -1]}
 
 
 def _chunk_step(state: jax.Array, terms: dict[str, jax.Array]) -> tuple[jax.Array, jax.Array]:
@@ -90,13 +127,14 @@ def _chunk_step(state: jax.Array, terms: dict[str, jax.Array]) -> tuple[jax.Arra
 
 
 def chunked(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array,
-            state: jax.Array | None = None, chunk: int = CHUNK) -> tuple[jax.Array, jax.Array]:
+            state: jax.Array | None = None, segments: jax.Array | None = None,
+            chunk: int = CHUNK) -> tuple[jax.Array, jax.Array]:
     """``recurrent``'s outputs and final state by chunks of ``chunk`` steps: matrix products within a chunk, a
     scan over the chunks."""
     b, t, h, dk = k.shape
     dv = v.shape[-1]
     state = jnp.zeros((b, h, dk, dv), jnp.float32) if state is None else state.astype(jnp.float32)
-    terms = chunk_terms(q, k, v, g, beta, chunk)
+    terms = chunk_terms(q, k, v, g, beta, segments, chunk)
     state, out = jax.lax.scan(_chunk_step, state, jax.tree.map(lambda a: jnp.moveaxis(a, 2, 0), terms))
     out = jnp.moveaxis(out, 0, 2).reshape(b, h, -1, dv)[:, :, :t]  # [b, h, t, dv]
     return jnp.swapaxes(out, 1, 2).astype(v.dtype), state

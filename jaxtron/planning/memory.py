@@ -145,7 +145,7 @@ def activation_memory(cfg: Config, shape: StepShape, block: BlockValues) -> dict
 def period_memory(cfg: Config, shape: StepShape, block: BlockValues) -> dict[str, float]:
     """Bytes a GPU program's loop body of several dense blocks holds besides one block's (``GPU_PERIOD_RESIDUAL_BYTES``
     says what was measured)."""
-    dense = sum(not is_moe for is_moe, _ in cfg.model.period_blocks())
+    dense = sum(not kind.moe for kind in cfg.model.period_blocks())
     if shape.cpu_program or dense < 2 or shape.schedule in ONE_F_ONE_B:
         return {}
     saved, saved_scores, _ = saved_per_block(cfg, block)
