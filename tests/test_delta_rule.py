@@ -109,3 +109,11 @@ def test_packed_documents_start_from_zero_state(chunk):
             alone, alone_final = delta_rule.recurrent(*part, state[row:row + 1] if a == 0 else None)
             np.testing.assert_allclose(out[row:row + 1, a:e], alone, rtol=1e-5, atol=1e-5)
         np.testing.assert_allclose(final[row:row + 1], alone_final, rtol=1e-5, atol=1e-5)
+
+
+def test_the_unit_lower_inverse_inverts():
+    """(I + A)^-1 by doubling against numpy's inverse, for A strictly lower with entries as large as the rule's."""
+    a = np.tril(np.random.default_rng(7).uniform(-1, 1, size=(2, 3, 64, 64)), -1)
+    got = np.asarray(delta_rule.unit_lower_inverse(jnp.asarray(a, jnp.float32)))
+    want = np.linalg.inv(np.eye(64) + a)
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())

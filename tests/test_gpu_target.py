@@ -259,6 +259,23 @@ def test_deepseek_v3_heads_run_in_cudnn_on_the_h100():
 
 @needs_plugin
 @pytest.mark.slow
+def test_qwen3_5_compiles_for_the_h100_and_its_flops_are_the_ones_counted():
+    """Qwen3.5 9B, 4 blocks (3 Gated DeltaNet, 1 attention) at 8192 tokens: the attention runs in cuDNN, and the
+    compiled program's GEMM and attention FLOPs equal the hardware FLOPs jaxtron counts (the delta rule's chunked
+    products among them) to 2%."""
+    from jaxtron.config.loader import load_config
+    from jaxtron.metrics.flops import hardware_flops_per_token
+    overrides = ("model.num_layers=4", "data.seq_len=8192", "train.global_batch_size=1", "execution.remat=full",
+                 "mesh.fsdp=1")
+    got = _compile_on_target(*overrides, config="configs/qwen3_5.py:9b", gemms=True)
+    assert got["kernels"].get("__cudnn$fmhaSoftmaxBackward", 0) >= 1, got["kernels"]
+    cfg = load_config(f"{REPO}/configs/qwen3_5.py:9b", [tuple(o.split("=", 1)) for o in overrides])
+    counted = hardware_flops_per_token(cfg.model, cfg.execution, 8192, attention="cudnn") * 8192
+    assert sum(got["gemms"].values()) == pytest.approx(counted, rel=0.02)
+
+
+@needs_plugin
+@pytest.mark.slow
 def test_with_fp8_every_block_projection_gemm_takes_float8_operands_on_the_h100():
     """The default model's 7 projections a block (q, k, v, o; gate, up, down), forward and both backward: 21 GEMMs
     with float8 operands (ops/fp8.py: operands kept in FP8 and dequantized at the GEMM, and the compiler options
