@@ -116,6 +116,9 @@ class Family:
     extra_params: Callable[[ModelConfig, bool], int] = _adds_nothing  # beyond metrics.flops.param_count's
     extra_flops: Callable[[ModelConfig, int], dict[str, float]] = _adds_no_flops  # FLOPs a token, by matmul kind
     fixtures: tuple[Fixture, ...] = ()
+    # name prefixes of checkpoint tensors the family does not model (a multimodal checkpoint's vision encoder, a
+    # prediction layer transformers also skips): an import leaves them out and says how many
+    unmodelled: tuple[str, ...] = ()
 
     @property
     def exported(self) -> bool:

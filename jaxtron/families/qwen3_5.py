@@ -11,6 +11,7 @@ all key heads, then all value heads) and their convolutions in one ``conv1d`` in
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 from typing import Any
 
@@ -142,6 +143,24 @@ def _shared_expert(cfg: ModelConfig, pre: str, stack: str, j: int, hf: dict | No
                  lambda x: x[0], lambda x: x[None])
 
 
+def _multimodal(hf: dict | None) -> bool:
+    """Whether config.json is a published Qwen3.5 checkpoint's, with a vision encoder beside the text model."""
+    return bool(hf) and isinstance(hf.get("text_config"), dict)
+
+
+def _tensors(parts: Parts):
+    """The checkpoint's tensors; a multimodal checkpoint holds the text model under ``model.language_model.``."""
+    def tensors(cfg: ModelConfig, hf: dict | None) -> Iterator[Tensor]:
+        for tensor in hf_tensors.tensors(cfg, hf, parts=parts):
+            if _multimodal(hf) and tensor.hf_name.startswith("model."):
+                tensor = dataclasses.replace(tensor, hf_name="model.language_model." + tensor.hf_name[6:])
+            yield tensor
+    return tensors
+
+
+# a multimodal checkpoint's vision encoder and its multi-token prediction layer, which transformers' causal LM also
+# leaves out
+UNMODELLED = ("model.visual.", "mtp.")
 PARTS = Parts(attention=_attention, linear=_delta_net)
 MOE_PARTS = Parts(attention=_attention, linear=_delta_net, moe_extras=_shared_expert)
 LINEAR = dict(linear_conv_kernel_dim=4, linear_key_head_dim=8, linear_value_head_dim=16, linear_num_key_heads=2,
@@ -155,10 +174,9 @@ def _layer_types(layers: int) -> list[str]:
 ROPE = {"rope_type": "default", "rope_theta": 10_000.0, "partial_rotary_factor": 0.5}
 
 QWEN3_5 = Family(
-    name="qwen3_5", model_type="qwen3_5_text", architectures=("Qwen3_5ForCausalLM",),
+    name="qwen3_5", model_type="qwen3_5_text", architectures=("Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration"),
     description="Gated DeltaNet blocks among gated attention ones (model.linear.every)",
-    model_fields=_model_fields, hf_fields=_hf_fields,
-    tensors=lambda cfg, hf: hf_tensors.tensors(cfg, hf, parts=PARTS),
+    model_fields=_model_fields, hf_fields=_hf_fields, tensors=_tensors(PARTS), unmodelled=UNMODELLED,
     mechanisms=MECHANISMS, required=frozenset({"gated_deltanet", "unit_offset_norms"}),
     # two periods of three DeltaNet blocks and a gated attention one; value heads twice the key heads
     fixtures=(Fixture("qwen3_5", 11, dict(
@@ -168,11 +186,11 @@ QWEN3_5 = Family(
 )
 
 QWEN3_5_MOE = Family(
-    name="qwen3_5_moe", model_type="qwen3_5_moe_text", architectures=("Qwen3_5MoeForCausalLM",),
+    name="qwen3_5_moe", model_type="qwen3_5_moe_text",
+    architectures=("Qwen3_5MoeForCausalLM", "Qwen3_5MoeForConditionalGeneration"),
     description="Gated DeltaNet blocks and experts with a gated shared expert",
-    model_fields=_moe_model_fields, hf_fields=_moe_hf_fields,
-    tensors=lambda cfg, hf: hf_tensors.tensors(cfg, hf, parts=MOE_PARTS),
-    train_fields=config_json.router_loss_fields,
+    model_fields=_moe_model_fields, hf_fields=_moe_hf_fields, tensors=_tensors(MOE_PARTS), unmodelled=UNMODELLED,
+    train_fields=lambda hf: config_json.router_loss_fields(_text(hf)),
     mechanisms=MECHANISMS | {"experts", "shared_experts", "shared_gate"},
     required=frozenset({"gated_deltanet", "unit_offset_norms", "experts"}),
     # one period: three DeltaNet MoE blocks and an attention MoE block, 4 experts of 24, top-2, a shared one

@@ -114,7 +114,12 @@ def from_hf(hf_dir: str, out_dir: str) -> ModelConfig:
         if files.shape(t.hf_name) != t.shape:
             raise st.FormatError(f"tensor '{t.hf_name}' has shape {files.shape(t.hf_name)} but config.json implies "
                                  f"{t.shape}; the weights do not belong to this config.")
-    extra = [n for n in files.names() if n not in expected and not n.endswith(IGNORED)
+    unmodelled = families.get(cfg.family).unmodelled
+    left_out = [n for n in files.names() if n not in expected and n.startswith(unmodelled)]
+    if left_out:
+        log.info("left out %d tensors of '%s' that a %s model has no place for (%s)", len(left_out), hf_dir,
+                 cfg.family, ", ".join(sorted({p for p in unmodelled if any(n.startswith(p) for n in left_out)})))
+    extra = [n for n in files.names() if n not in expected and not n.endswith(IGNORED) and n not in left_out
              and not (cfg.tie_embeddings and n == "lm_head.weight")]
     if extra:
         raise st.FormatError(f"tensor '{extra[0]}' in '{hf_dir}' has no place in a {hf.get('model_type')} model "

@@ -1,0 +1,64 @@
+"""Qwen3.5 as its checkpoints are published: a multimodal config.json (the text model's keys in ``text_config``),
+the text model's tensors under ``model.language_model.``, beside a vision encoder and a multi-token prediction
+layer, which the import leaves out and names."""
+
+import json
+import logging
+import os
+import shutil
+
+import numpy as np
+import pytest
+from conftest import REPO
+
+from jaxtron.interop import convert, score
+from jaxtron.interop.hf import safetensors as st
+
+FIXTURES = os.path.join(REPO, "tests", "fixtures", "hf")
+
+
+def _published_layout(name: str, directory: str) -> str:
+    """The fixture ``name`` rewritten as a published checkpoint: nested config, prefixed tensors, extra parts."""
+    shutil.copytree(os.path.join(FIXTURES, name), directory)
+    with open(os.path.join(directory, "config.json")) as f:
+        text = json.load(f)
+    architecture = text.pop("architectures")[0].replace("ForCausalLM", "ForConditionalGeneration")
+    published = {"architectures": [architecture], "model_type": text["model_type"].removesuffix("_text"),
+                 "text_config": text, "vision_config": {"depth": 2, "hidden_size": 16},
+                 "tie_word_embeddings": text["tie_word_embeddings"]}
+    with open(os.path.join(directory, "config.json"), "w") as f:
+        json.dump(published, f)
+    files = st.ModelFiles(directory)
+    tensors = {("model.language_model." + n[6:] if n.startswith("model.") else n): files.read(n)
+               for n in files.names()}
+    rng = np.random.default_rng(0)
+    tensors["model.visual.blocks.0.attn.qkv.weight"] = rng.standard_normal((48, 16), np.float32)
+    tensors["mtp.fc.weight"] = rng.standard_normal((48, 96), np.float32)
+    os.remove(os.path.join(directory, st.SINGLE))
+    st.write(os.path.join(directory, st.SINGLE), [(n, v.shape, v.dtype) for n, v in tensors.items()],
+             tensors.__getitem__)
+    return directory
+
+
+@pytest.mark.parametrize("name", ["qwen3_5", "qwen3_5_moe"])
+def test_a_published_multimodal_checkpoint_imports_its_text_model(name, tmp_path, caplog):
+    source = _published_layout(name, str(tmp_path / "published"))
+    with caplog.at_level(logging.INFO, logger="jaxtron.interop.convert"):
+        cfg = convert.from_hf(source, str(tmp_path / "converted"))
+    assert cfg.family == name and cfg.linear.every == 4
+    assert "left out 2 tensors" in caplog.text and "model.visual." in caplog.text and "mtp." in caplog.text
+    logits = score.score(str(tmp_path / "converted"), os.path.join(FIXTURES, "tokens_88.npy"))
+    assert np.abs(logits - np.load(os.path.join(FIXTURES, name, "logits.npy"))).max() < 1e-4
+
+
+def test_a_tensor_outside_the_text_model_and_the_parts_left_out_is_refused(tmp_path):
+    source = _published_layout("qwen3_5", str(tmp_path / "published"))
+    files = st.ModelFiles(source)
+    tensors = {n: files.read(n) for n in files.names()}
+    tensors["model.audio.proj.weight"] = np.zeros((4, 4), np.float32)
+    os.remove(os.path.join(source, st.SINGLE))
+    st.write(os.path.join(source, st.SINGLE), [(n, v.shape, v.dtype) for n, v in tensors.items()],
+             tensors.__getitem__)
+    with pytest.raises(st.FormatError, match="model.audio.proj.weight"):
+        convert.from_hf(source, str(tmp_path / "converted"))
+    assert not os.path.exists(tmp_path / "converted")
