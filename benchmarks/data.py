@@ -58,7 +58,7 @@ def train_bpe(files: list[str], path: str, vocab: int = 4096) -> str:
 def time_prepare(files, tokenizer, workers, scratch) -> dict:
     out = os.path.join(scratch, f"store-{os.path.basename(str(tokenizer))}-{workers}")
     start = time.perf_counter()
-    manifest = prepare(files, tokenizer, out, workers=workers)
+    manifest = prepare(files, tokenizer, out, workers=workers, text_suffixes=(".py",))
     seconds = time.perf_counter() - start
     megabytes = sum(os.path.getsize(f) for f in files) / 1e6
     return {"tokenizer": os.path.basename(str(tokenizer)), "workers": workers, "seconds": seconds,

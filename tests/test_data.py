@@ -700,3 +700,14 @@ def test_the_loader_lays_a_sharded_sequence_out_balanced_and_each_token_keeps_it
     plain = global_batch(source, 3, _mesh(data=8), 8)
     for k, v in rows.items():
         np.testing.assert_array_equal(np.asarray(plain[k]), v, err_msg=k)
+
+
+def test_the_builtin_corpus_prepares_the_standard_librarys_sources(tmp_path):
+    """The main job's corpus: every .py file of the standard library, each one plain-text document."""
+    from jaxtron.data.corpus import ensure_builtin, stdlib_files
+    from jaxtron.data.store import TokenStore
+
+    ensure_builtin("stdlib", str(tmp_path / "stdlib"))
+    store = TokenStore(str(tmp_path / "stdlib"))
+    nonempty = [f for f in stdlib_files() if os.path.getsize(f)]
+    assert store.manifest["num_documents"] == len(nonempty) > 100

@@ -112,7 +112,7 @@ def ensure_builtin(name: str, path: str) -> None:
         raise DataError("no Python source files were found in the standard library; use "
                         "--config.data.source=synthetic on this machine.")
     log.info("preparing the standard library's %d source files as byte tokens into %s (once)", len(files), path)
-    prepare(files, "byte", path)
+    prepare(files, "byte", path, text_suffixes=(".py",))  # each source file is one plain-text document
 
 
 def unigram_entropy(tokens: np.ndarray | list[np.ndarray], vocab_size: int) -> float:
