@@ -27,11 +27,11 @@ from jaxtron.config.schema import Config, ConfigError, ExecutionConfig, ModelCon
 from jaxtron.data.store import first_manifest
 from jaxtron.interop.hf import safetensors as st
 from jaxtron.interop.hf import tokenizer as hf_tokenizer
+from jaxtron.interop.hf.tensor_plan import check_plan
 
 log = logging.getLogger(__name__)
 
 SHARD_BYTES = 5 * 2**30  # Hugging Face's customary shard size
-IGNORED = (".rotary_emb.inv_freq",)  # buffers some exports include; recomputed from the config
 
 
 def _read_hf_config(hf_dir: str) -> dict:
@@ -105,25 +105,7 @@ def from_hf(hf_dir: str, out_dir: str) -> ModelConfig:
     files = st.ModelFiles(hf_dir)
     cfg = families.model_config(hf, name=os.path.basename(os.path.normpath(hf_dir)), tensor_names=set(files.names()))
     plan = list(families.tensors(cfg, hf))
-    expected = {name for t in plan for name in (t.hf_name, *t.read_with)}
-    for t in plan:
-        for name in (t.hf_name, *t.read_with):
-            if name not in files:
-                raise st.FormatError(f"tensor '{name}' is missing from '{hf_dir}'; the checkpoint is incomplete or "
-                                     "not of the architecture its config.json names.")
-        if files.shape(t.hf_name) != t.shape:
-            raise st.FormatError(f"tensor '{t.hf_name}' has shape {files.shape(t.hf_name)} but config.json implies "
-                                 f"{t.shape}; the weights do not belong to this config.")
-    unmodelled = families.get(cfg.family).unmodelled
-    left_out = [n for n in files.names() if n not in expected and n.startswith(unmodelled)]
-    if left_out:
-        log.info("left out %d tensors of '%s' that a %s model has no place for (%s)", len(left_out), hf_dir,
-                 cfg.family, ", ".join(sorted({p for p in unmodelled if any(n.startswith(p) for n in left_out)})))
-    extra = [n for n in files.names() if n not in expected and not n.endswith(IGNORED) and n not in left_out
-             and not (cfg.tie_embeddings and n == "lm_head.weight")]
-    if extra:
-        raise st.FormatError(f"tensor '{extra[0]}' in '{hf_dir}' has no place in a {hf.get('model_type')} model "
-                             f"({len(extra)} such tensors); the architecture differs from what jaxtron converts.")
+    check_plan(cfg, plan, files, hf_dir, hf.get("model_type"))
     _check_output(out_dir)
     with staged_directory(out_dir) as staging:
         _write_params(cfg, plan, files, staging)
