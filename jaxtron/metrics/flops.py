@@ -23,8 +23,9 @@ A Gated DeltaNet block (``model.linear``) has projections in place of attention'
 place of the scores. With key heads of d_k, value heads of d_v (n_v of them) and chunks of C tokens, the rule's
 chunked form multiplies per token and value head (``delta_rule_macs``)
 
-    C*(2*d_k + d_v)  +  C*(d_k + d_v)/2  +  3*d_k*d_v
-    (K K^T, Q K^T and the scores times the deltas within a chunk; the triangular solve; the state's three products)
+    C*(2*d_k + d_v)  +  C*(d_k + d_v) + C^2/3  +  3*d_k*d_v
+    (K K^T, Q K^T and the scores times the deltas within a chunk; the chunk system's inverse by doubling and its
+    product with the values and keys; the state's three products)
 
 Each multi-token prediction depth (``mtp_depth``) adds 6 * [2h*h + one block (MoE in an MoE model) + h*V].
 A family with parameters or matmuls outside this form adds them (``Family.extra_params`` and ``extra_flops``).
@@ -116,7 +117,7 @@ def delta_rule_macs(cfg: ModelConfig) -> float:
     """Multiply-adds per token of one block's chunked delta rule, over its value heads (module docstring)."""
     lin, c = cfg.linear, DELTA_CHUNK
     dk, dv = lin.key_head_dim, lin.value_head_dim
-    return lin.value_heads * (c * (2 * dk + dv) + c * (dk + dv) / 2 + 3 * dk * dv)
+    return lin.value_heads * (c * (2 * dk + dv) + c * (dk + dv) + c * c / 3 + 3 * dk * dv)
 
 
 def attention_params(cfg: ModelConfig) -> int:
