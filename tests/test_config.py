@@ -165,7 +165,7 @@ BAD = [
     ("vocab_too_small_for_bytes", lambda d: cli("--config.model.vocab_size=100"),
      "'model.vocab_size' (100) is too small", "use at least 256"),
     ("rope_factors_inverted", lambda d: ModelConfig(rope=dict(low_freq_factor=4.0, high_freq_factor=2.0)),
-     "'model.rope.high_freq_factor' (2.0) must exceed model.rope.low_freq_factor (4.0)", "raise it or lower"),
+     "'model.rope.high_freq_factor' (2.0) must not be below model.rope.low_freq_factor (4.0)", "raise it or lower"),
     # --- the mesh and everything that depends on the device count
     ("mesh_zero_axis", lambda d: MeshConfig(data=0),
      "'mesh.data' is 0", "use a positive size or -1"),

@@ -24,7 +24,7 @@ DECLARED = [(family, fixture) for family in families.all_families().values() for
 def test_every_family_module_declares_its_families_and_every_exported_one_has_a_fixture():
     found = families.all_families()
     assert set(found) == {"deepseek_v3", "gemma3", "gpt3", "gpt_oss", "llama", "mixtral", "qwen3", "qwen3_moe",
-                          "qwen3_5", "qwen3_5_moe"}
+                          "qwen3_5", "qwen3_5_moe", "llama4"}
     for family in found.values():
         assert family.exported == bool(family.fixtures), family.name
     seeds = [fixture.seed for _, fixture in DECLARED]

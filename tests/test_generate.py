@@ -26,6 +26,12 @@ FAMILIES = {  # tiny models of each family's architecture
                     attention=dict(window=3, global_every=2, sinks=True, bias=True),
                     rope=dict(scaling="yarn", factor=4.0, original_max_len=16, truncate=False),
                     moe=dict(num_experts=4, experts_per_token=2, router_logit_bias=True, expert_bias=True)),
+    # chunks of 4 positions: the prefill and the steps cross chunk boundaries; every fourth layer global, no RoPE,
+    # its temperature changing every 3 positions; experts top-1 scaling their input, a shared one, every second block
+    "llama4": dict(num_layers=4, attention=dict(chunk=4, global_every=4, global_nope=True, temperature_floor=3,
+                                                temperature_scale=0.5, qk_l2_norm=True),
+                   moe=dict(num_experts=4, experts_per_token=1, every=2, shared_experts=1, router="sigmoid",
+                            router_renormalize=False, balance_bias=False, scale_input=True)),
 }
 DRAWN = ("gemma3", "gpt_oss")  # their sinks, biases and norm offsets start at zero: drawn away from it
 

@@ -1,7 +1,8 @@
-"""The shipped ``:tiny`` sizes of Gemma 3 and gpt-oss (windows shorter than their rows) and of Qwen3.5 (rows of two
-chunks of the delta rule): 3 float32 steps on meshes over fsdp, tensor, sequence and expert equal one device's to
-1e-5, with every mechanism in the step (local and global layers, sinks, biases, post-norms, the clamped SwiGLU, the
-experts' biases; Gated DeltaNet, the output gate, partial RoPE and the gated shared expert)."""
+"""The shipped ``:tiny`` sizes of Gemma 3 and gpt-oss (windows shorter than their rows), of Qwen3.5 (rows of two
+chunks of the delta rule) and of Llama 4 (four attention chunks a row): 3 float32 steps on meshes over fsdp, tensor,
+sequence and expert equal one device's to 1e-5, with every mechanism in the step (local and global layers, sinks,
+biases, post-norms, the clamped SwiGLU, the experts' biases; Gated DeltaNet, the output gate, partial RoPE and the
+gated shared expert; chunked attention, NoPE layers and their temperature, experts scaling their input)."""
 
 import os
 
@@ -79,7 +80,8 @@ def test_tiny_families_in_a_pipeline_train_as_one_device(family, mesh_name, one_
     *(pytest.param(family, mesh, marks=pytest.mark.extended) for family, mesh in (
         ("gemma3", "fsdp8"), ("gpt_oss", "fsdp2_sequence2_tensor2"), ("gpt_oss", "fsdp4_tensor2"),
         ("qwen3_5", "fsdp2_sequence2_tensor2"), ("qwen3_5", "fsdp4_tensor2"),
-        ("qwen3_5:tiny_moe", "fsdp2_sequence2_expert2"), ("qwen3_5:tiny_moe", "fsdp2_sequence2_tensor2")))])
+        ("qwen3_5:tiny_moe", "fsdp2_sequence2_expert2"), ("qwen3_5:tiny_moe", "fsdp2_sequence2_tensor2"),
+        ("llama4", "fsdp2_sequence2_expert2"), ("llama4", "fsdp2_sequence2_tensor2"), ("llama4", "fsdp4_tensor2")))])
 def test_tiny_families_train_alike_on_every_mesh(family, mesh_name, one_device, tmp_path):
     summary = run(_config(family, MESHES[mesh_name]), str(tmp_path), use_tqdm=False)
     expected = losses(one_device(family))
@@ -87,7 +89,8 @@ def test_tiny_families_train_alike_on_every_mesh(family, mesh_name, one_device, 
     np.testing.assert_allclose(losses(summary), expected, rtol=1e-5)
     # a stack of each family's own kind holds its mechanism's parameters
     name, part = {"gemma3": ("lead_layers", "mlp_post_norm"), "gpt_oss": ("moe_layers", "attn.sinks"),
-                  "qwen3_5": ("layers", "attn.wg"), "qwen3_5:tiny_moe": ("linear_moe_layers", "attn.a_log")}[family]
+                  "qwen3_5": ("layers", "attn.wg"), "qwen3_5:tiny_moe": ("linear_moe_layers", "attn.a_log"),
+                  "llama4": ("moe_layers", "mlp.shared")}[family]
     tree = summary.state.params[name]
     for key in part.split("."):
         tree = tree[key]

@@ -136,7 +136,7 @@ class ModelConfig:
                    f"{m.first_dense_layers}", "set one of them to 0")
         _check(not a.latent or not self.rope.local_theta, "model.rope.local_theta",
                "is set, which latent attention does not implement", "set it to 0")
-        _check(not self.rope.local_theta or a.window, "model.rope.local_theta",
+        _check(not self.rope.local_theta or a.local, "model.rope.local_theta",
                f"({self.rope.local_theta}) is the local layers' base, and model.attention.window is 0",
                "set model.attention.window, or model.rope.local_theta to 0")
         _check(not self.norm_unit_offset or self.norm == "rmsnorm", "model.norm_unit_offset",
@@ -150,7 +150,8 @@ class ModelConfig:
             return
         _check(self.num_layers % every == 0, "model.linear.every",
                f"({every}) must divide model.num_layers ({self.num_layers})", "choose a divisor of it")
-        for name, value in (("attention.window", self.attention.window), ("attention.kv_lora_rank",
+        for name, value in (("attention.window", self.attention.window), ("attention.chunk", self.attention.chunk),
+                            ("attention.kv_lora_rank",
                             self.attention.kv_lora_rank), ("moe.first_dense_layers", self.moe.first_dense_layers),
                             ("mtp.depth", self.mtp.depth)):
             _check(not value, f"model.{name}", f"({value}) is set with Gated DeltaNet blocks (model.linear.every), "
@@ -197,7 +198,7 @@ class ModelConfig:
         return BlockKind(self.is_moe_block(i), self.attention.is_local(i), self.linear.is_linear(i))
 
     def is_local_block(self, i: int) -> bool:
-        """Whether block i attends only within ``attention.window``."""
+        """Whether block i attends only within ``attention.window`` or ``attention.chunk``."""
         return self.attention.is_local(i)
 
     def stack_blocks(self, stack: int) -> int:

@@ -375,9 +375,10 @@ class Config:
         _check(self.profile.end_step <= self.train.steps, "profile.end_step",
                f"({self.profile.end_step}) is beyond train.steps ({self.train.steps})",
                "end the window at or before the last step")
-        _check(not self.train.router_bias_rate or m.moe.router == "sigmoid", "train.router_bias_rate",
-               f"({self.train.router_bias_rate}) moves the sigmoid router's balancing bias, but model.moe.router is "
-               f"{m.moe.router!r}", "set it to 0 or use model.moe.router='sigmoid'")
+        _check(not self.train.router_bias_rate or (m.moe.router == "sigmoid" and m.moe.balance_bias),
+               "train.router_bias_rate", f"({self.train.router_bias_rate}) moves the sigmoid router's balancing bias, "
+               f"but model.moe.router is {m.moe.router!r} (balance_bias={m.moe.balance_bias})",
+               "set it to 0 or use model.moe.router='sigmoid' with its balance_bias")
         _check(not self.train.router_bias_rate or m.num_moe_layers, "train.router_bias_rate",
                f"({self.train.router_bias_rate}) moves the routed experts' balancing bias, but the model has no MoE "
                f"blocks (model.moe.num_experts is {m.moe.num_experts})", "set it to 0")

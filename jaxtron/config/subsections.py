@@ -39,8 +39,8 @@ class RopeConfig:
                "give the share of each head's dimensions that rotate, e.g. 0.25")
         for name in ("theta", "factor", "low_freq_factor", "original_max_len", "beta_fast", "beta_slow"):
             _positive(getattr(self, name), f"model.rope.{name}")
-        _check(self.high_freq_factor > self.low_freq_factor, "model.rope.high_freq_factor",
-               f"({self.high_freq_factor}) must exceed model.rope.low_freq_factor ({self.low_freq_factor})",
+        _check(self.high_freq_factor >= self.low_freq_factor, "model.rope.high_freq_factor",
+               f"({self.high_freq_factor}) must not be below model.rope.low_freq_factor ({self.low_freq_factor})",
                "raise it or lower model.rope.low_freq_factor")
         _choice(self.scaling, "model.rope.scaling", ("llama3", "yarn", "linear"))
         for name in ("mscale", "mscale_all_dim", "local_theta"):
@@ -55,7 +55,8 @@ class AttentionConfig:
     heads) wide, and values ``v_head_dim`` wide.
 
     Local and global layers (Gemma 3, gpt-oss): with ``window`` > 0 a block attends to the ``window`` latest keys
-    up to its own position, except the last of every ``global_every`` blocks, which sees every earlier key."""
+    up to its own position, except the last of every ``global_every`` blocks, which sees every earlier key. With
+    ``chunk`` > 0 (Llama 4) a local block sees the earlier keys of its own chunk of ``chunk`` positions."""
 
     num_heads: int = 8
     num_kv_heads: int = 4
@@ -74,16 +75,36 @@ class AttentionConfig:
     # the output multiplied by sigmoid of a gate projected from the block's input, per head and dimension, before
     # the output projection (Qwen3-Next, Qwen3.5)
     output_gate: bool = False
+    # local layers attend within aligned chunks of this many positions of their document, not a sliding window
+    # (Llama 4's attention_chunk_size); 0: none
+    chunk: int = 0
+    global_nope: bool = False  # the global layers have no rotary positions (Llama 4's NoPE layers)
+    # the NoPE layers' queries scaled by 1 + temperature_scale * ln(1 + floor((position + 1) / temperature_floor))
+    # (Llama 4's attn_temperature_tuning, floor_scale and attn_scale); 0: no scaling
+    temperature_floor: int = 0
+    temperature_scale: float = 0.1
+    # the rotated layers' queries and keys RMS-normalised without a weight, after RoPE (Llama 4's use_qk_norm, which
+    # transformers calls an L2 norm)
+    qk_l2_norm: bool = False
 
     def __post_init__(self):
         _positive(self.num_heads, "model.attention.num_heads")
         _positive(self.num_kv_heads, "model.attention.num_kv_heads")
         for name in ("head_dim", "q_lora_rank", "kv_lora_rank", "v_head_dim", "window", "global_every",
-                     "query_pre_attn_scalar"):
+                     "query_pre_attn_scalar", "chunk", "temperature_floor", "temperature_scale"):
             _non_negative(getattr(self, name), f"model.attention.{name}")
-        _check(not self.global_every or self.window, "model.attention.global_every",
-               f"({self.global_every}) places global layers among local ones, and model.attention.window is 0",
-               "set model.attention.window to the local layers' window, or global_every to 0")
+        _check(not self.global_every or self.window or self.chunk, "model.attention.global_every",
+               f"({self.global_every}) places global layers among local ones, and model.attention.window and "
+               "chunk are 0", "set model.attention.window or chunk for the local layers, or global_every to 0")
+        _check(not (self.window and self.chunk), "model.attention.chunk",
+               f"({self.chunk}) and model.attention.window ({self.window}) are both set; a local layer is one or the "
+               "other", "set one of them to 0")
+        _check(not self.temperature_floor or self.global_nope, "model.attention.temperature_floor",
+               f"({self.temperature_floor}) scales the NoPE layers' queries, and model.attention.global_nope is off",
+               "set model.attention.global_nope, or temperature_floor to 0")
+        _check(not self.global_nope or self.global_every, "model.attention.global_nope",
+               "is set, and model.attention.global_every places no global layers",
+               "set model.attention.global_every, or global_nope to False")
         _check(self.num_heads % self.num_kv_heads == 0, "model.attention.num_kv_heads",
                f"({self.num_kv_heads}) must divide model.attention.num_heads ({self.num_heads}) for grouped-query "
                "attention", "choose a divisor of model.attention.num_heads")
@@ -95,7 +116,8 @@ class AttentionConfig:
                    f"({self.num_kv_heads}) must equal model.attention.num_heads ({self.num_heads}) with latent "
                    "attention (model.attention.kv_lora_rank > 0), whose keys and values have one head per query "
                    "head", f"set model.attention.num_kv_heads={self.num_heads}")
-            for name in ("window", "sinks", "bias", "query_pre_attn_scalar", "output_gate"):
+            for name in ("window", "sinks", "bias", "query_pre_attn_scalar", "output_gate", "chunk", "global_nope",
+                         "qk_l2_norm"):
                 _check(not getattr(self, name), f"model.attention.{name}",
                        "is set, which latent attention (model.attention.kv_lora_rank > 0) does not implement",
                        f"leave model.attention.{name} at its default")
@@ -107,11 +129,20 @@ class AttentionConfig:
     @property
     def period(self) -> int:
         """Blocks in one repeat of the local/global pattern (1 without global layers among local ones)."""
-        return self.global_every if self.window and self.global_every else 1
+        return self.global_every if self.local and self.global_every else 1
+
+    @property
+    def local(self) -> bool:
+        """Whether some layers are local: a sliding window or chunks."""
+        return bool(self.window or self.chunk)
 
     def is_local(self, i: int) -> bool:
-        """Whether block i attends only within the window."""
-        return bool(self.window) and not (self.global_every and (i + 1) % self.global_every == 0)
+        """Whether block i attends only within its window or chunk."""
+        return self.local and not (self.global_every and (i + 1) % self.global_every == 0)
+
+    def rotates(self, local: bool) -> bool:
+        """Whether a local (or global) layer's queries and keys rotate: all but the NoPE layers."""
+        return local or not self.global_nope
 
 
 # tokens per chunk of the gated delta rule's chunked form (ops/delta_rule.py), as Qwen3.5 trains: 64 x 64 matrices
@@ -170,6 +201,11 @@ class MoEConfig:
     router_top_groups: int = 1  # ... and a token's experts come from the best this many of them (topk_group)
     router_scale: float = 1.0  # the routed experts' weights are multiplied by this (routed_scaling_factor)
     router_logit_bias: bool = False  # a learned bias on the router's logits (gpt-oss)
+    # sigmoid: the balancing bias on the scores that choose the experts (DeepSeek-V3's e_score_correction_bias); off:
+    # the experts are chosen by score alone (Llama 4)
+    balance_bias: bool = True
+    # the router weight scales each expert's input, not its output (Llama 4); a SwiGLU is not linear in its input
+    scale_input: bool = False
     expert_bias: bool = False  # biases on each expert's gate, up and down projections (gpt-oss)
 
     def __post_init__(self):
@@ -189,6 +225,8 @@ class MoEConfig:
                f"({self.first_dense_layers}) needs model.moe.every=1 (dense blocks first, then only MoE ones), "
                f"not {self.every}", "set model.moe.every=1")
         _choice(self.router, "model.moe.router", ("softmax", "sigmoid"))
+        _check(self.balance_bias or self.router == "sigmoid", "model.moe.balance_bias",
+               "is off, and only the sigmoid router has the bias", "leave it on, or set model.moe.router='sigmoid'")
         _positive(self.router_scale, "model.moe.router_scale")
         _positive(self.router_groups, "model.moe.router_groups")
         _check(self.num_experts % self.router_groups == 0, "model.moe.router_groups",

@@ -46,6 +46,13 @@ MECHANISMS: dict[str, tuple[Callable[[ModelConfig], bool], str]] = {
     "output_gate": (lambda c: c.attention.output_gate, "model.attention.output_gate"),
     "partial_rope": (lambda c: c.rope.fraction != 1.0, "model.rope.fraction < 1"),
     "shared_gate": (lambda c: c.moe.num_experts > 0 and c.moe.shared_gate, "model.moe.shared_gate"),
+    "chunked_attention": (lambda c: c.attention.chunk > 0, "model.attention.chunk > 0"),
+    "nope_layers": (lambda c: c.attention.global_nope, "model.attention.global_nope"),
+    "temperature_tuning": (lambda c: c.attention.temperature_floor > 0, "model.attention.temperature_floor > 0"),
+    "qk_l2_norm": (lambda c: c.attention.qk_l2_norm, "model.attention.qk_l2_norm"),
+    "input_scaled_experts": (lambda c: c.moe.num_experts > 0 and c.moe.scale_input, "model.moe.scale_input"),
+    "no_balance_bias": (lambda c: c.moe.num_experts > 0 and c.moe.router == "sigmoid" and not c.moe.balance_bias,
+                        "model.moe.balance_bias=False"),
 }
 
 

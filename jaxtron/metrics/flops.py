@@ -143,7 +143,8 @@ def param_count(cfg: ModelConfig, active: bool = False) -> int:
     f = cfg.resolved_expert_dim
     expert = 3 * h * f + ((2 * f + h) if cfg.moe.expert_bias else 0)
     experts = cfg.moe.experts_per_token if active else cfg.moe.num_experts
-    router = h * cfg.moe.num_experts + (cfg.moe.num_experts if cfg.moe.router == "sigmoid" else 0) + \
+    balance = cfg.moe.router == "sigmoid" and cfg.moe.balance_bias
+    router = h * cfg.moe.num_experts + (cfg.moe.num_experts if balance else 0) + \
         (cfg.moe.num_experts if cfg.moe.router_logit_bias else 0)
     moe = experts * expert + cfg.moe.shared_experts * 3 * h * f + router + (h if cfg.moe.shared_gate else 0)
     moe_layers, linear = cfg.num_moe_layers, linear_layers(cfg)
@@ -211,12 +212,19 @@ def matmul_breakdown(cfg: ModelConfig, seq_len: int, causal: bool = True) -> dic
 def attended_keys(cfg: ModelConfig, seq_len: int, causal: bool = True) -> float:
     """The keys a query attends to, averaged over a row of ``seq_len`` and summed over the layers: half the row in
     a causal global layer (the whole row without causality); in a local layer of window W < seq_len, W - W^2 / 2s
-    (the band of W keys, its first W queries seeing fewer). A window no shorter than the row is a global layer.
-    Gated DeltaNet blocks attend to no keys."""
-    s, window = seq_len, cfg.attention.window
+    (the band of W keys, its first W queries seeing fewer); in a local layer of chunks C < seq_len, half of each
+    chunk (the whole chunk without causality), the row's last chunk as long as what is left. A window or chunk no
+    shorter than the row is a global layer. Gated DeltaNet blocks attend to no keys."""
+    s, window, chunk = seq_len, cfg.attention.window, cfg.attention.chunk
     full = s / 2 if causal else s
-    local = sum(cfg.is_local_block(i) for i in range(cfg.num_layers)) if 0 < window < s else 0
-    return (cfg.num_layers - linear_layers(cfg) - local) * full + local * (window - window * window / (2 * s))
+    span = window or chunk
+    local = sum(cfg.is_local_block(i) for i in range(cfg.num_layers)) if 0 < span < s else 0
+    if chunk:
+        whole, left = divmod(s, chunk)
+        per_local = (whole * chunk * chunk + left * left) / s / (2 if causal else 1)
+    else:
+        per_local = window - window * window / (2 * s)
+    return (cfg.num_layers - linear_layers(cfg) - local) * full + local * per_local
 
 
 def _terms(matmuls: dict[str, float]) -> dict[str, float]:

@@ -1,6 +1,6 @@
-"""Self-attention with rotary positions: grouped-query (Llama, Qwen3, Gemma 3, gpt-oss) or multi-head latent
-(DeepSeek-V3). Grouped-query attention may have local layers (a sliding window), sinks, biases and its own query
-scale; which kind a block is comes from the layer stack (``local``)."""
+"""Self-attention with rotary positions: grouped-query (Llama, Qwen3, Gemma 3, gpt-oss, Llama 4) or multi-head latent
+(DeepSeek-V3). Grouped-query attention may have local layers (a sliding window, or chunks), global layers without
+RoPE, sinks, biases and its own query scale; which kind a block is comes from the layer stack (``local``)."""
 
 from __future__ import annotations
 
@@ -29,10 +29,40 @@ class _SelfAttention(nnx.Module):
         self.implementation = implementation
 
     def _attend(self, q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array,
-                segment_ids: jax.Array | None, window: int = 0, sinks: jax.Array | None = None) -> jax.Array:
+                segment_ids: jax.Array | None, window: int = 0, sinks: jax.Array | None = None,
+                chunk: int = 0) -> jax.Array:
+        """``chunk`` > 0: each token sees only its own chunk (``chunk_segments``), as more segments."""
+        segments = self.max_segments
+        if chunk and chunk < q.shape[1]:
+            segment_ids = chunk_segments(positions, segment_ids, chunk, q.shape[1])
+            segments += -(-q.shape[1] // chunk)
         return attention_ops.dot_product_attention(q, k, v, implementation=self.implementation,
                                                    segment_ids=segment_ids, positions=positions,
-                                                   max_segments=self.max_segments, window=window, sinks=sinks)
+                                                   max_segments=segments, window=window, sinks=sinks)
+
+
+def chunk_segments(positions: jax.Array, segment_ids: jax.Array | None, chunk: int, length: int) -> jax.Array:
+    """Segment ids [b, t] that split each document into aligned chunks of ``chunk`` positions: a token's document
+    times the chunks a row can hold, plus its chunk. Tokens of one segment stay in one run of columns, so
+    cuDNN's packed layout takes them as documents; the ids need no column order (a sharded sequence's layout)."""
+    chunks = positions // chunk
+    if segment_ids is None:
+        return chunks.astype(jnp.int32)
+    return (segment_ids * (length // chunk + 1) + chunks).astype(jnp.int32)
+
+
+def temperature(cfg: ModelConfig, positions: jax.Array) -> jax.Array:
+    """The NoPE layers' query scale [b, t, 1, 1] by position (Llama 4's attention temperature tuning): it grows
+    with the log of the position, by ``temperature_scale`` per e-fold of ``temperature_floor`` positions."""
+    a = cfg.attention
+    steps = jnp.floor((positions.astype(jnp.float32) + 1.0) / a.temperature_floor)
+    return (1.0 + a.temperature_scale * jnp.log1p(steps))[:, :, None, None]
+
+
+def unit_rms(x: jax.Array, eps: float) -> jax.Array:
+    """Each head's vector over its root mean square, in float32, without a weight (Llama 4's qk norm)."""
+    x32 = x.astype(jnp.float32)
+    return (x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)).astype(x.dtype)
 
 
 def write_cache(cache: jax.Array, new: jax.Array, positions: jax.Array) -> jax.Array:
@@ -44,13 +74,15 @@ def write_cache(cache: jax.Array, new: jax.Array, positions: jax.Array) -> jax.A
 
 
 def cached_attention(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array, window: int = 0,
-                     sinks: jax.Array | None = None) -> jax.Array:
+                     sinks: jax.Array | None = None, chunk: int = 0) -> jax.Array:
     """Causal attention of queries q [b, t, n, h] at ``positions`` [b, t] over the cache's keys k and values v
     [b, S, g, h] (slot s holds position s): each query sees the slots up to its own position (the ``window``
-    latest, with one), with ``sinks``. float32 scores and softmax, the output in q's dtype; n a multiple of g."""
+    latest, with one; those of its own ``chunk``, with one), with ``sinks``. float32 scores and softmax, the output
+    in q's dtype; n a multiple of g."""
     slots = jnp.broadcast_to(jnp.arange(k.shape[1]), (k.shape[0], k.shape[1]))
+    q_chunks, k_chunks = (positions // chunk, slots // chunk) if chunk else (None, None)
     return dense.attention(q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32),
-                           dense.visible(positions, slots, None, None, window), sinks).astype(q.dtype)
+                           dense.visible(positions, slots, q_chunks, k_chunks, window), sinks).astype(q.dtype)
 
 
 def apply_partial_rope(cfg: ModelConfig, x: jax.Array, positions: jax.Array, local: bool = False) -> jax.Array:
@@ -84,10 +116,11 @@ class Attention(_SelfAttention):
 
     def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array | None,
                  local: bool = False) -> jax.Array:
-        """``local``: a local layer, which sees the ``attention.window`` latest positions."""
+        """``local``: a local layer, which sees the ``attention.window`` latest positions, or its own
+        ``attention.chunk``."""
         q, k, v = self._project(x, positions, local)
-        window = self.cfg.attention.window if local else 0
-        return self._output(x, self._attend(q, k, v, positions, segment_ids, window, self._sinks()))
+        window, chunk = (self.cfg.attention.window, self.cfg.attention.chunk) if local else (0, 0)
+        return self._output(x, self._attend(q, k, v, positions, segment_ids, window, self._sinks(), chunk))
 
     def _sinks(self) -> jax.Array | None:
         return None if self.sinks is None else self.sinks[...]
@@ -100,14 +133,21 @@ class Attention(_SelfAttention):
 
     def _project(self, x: jax.Array, positions: jax.Array,
                  local: bool = False) -> tuple[jax.Array, jax.Array, jax.Array]:
-        """Queries, keys and values [b, t, heads, head_dim], rotated; the queries carry the softmax scale's
-        departure from 1/sqrt(head_dim) (Gemma's query_pre_attn_scalar), since the kernels scale by that."""
+        """Queries, keys and values [b, t, heads, head_dim], rotated (but in NoPE layers); the queries carry the
+        softmax scale's departure from 1/sqrt(head_dim) (Gemma's query_pre_attn_scalar), since the kernels scale by
+        that, and the NoPE layers' temperature (Llama 4)."""
         q, k, v = self.wq(x), self.wk(x), self.wv(x)
+        a = self.cfg.attention
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        if self.cfg.position_embedding == "rope":
-            q, k = (apply_partial_rope(self.cfg, a, positions, local) for a in (q, k))
-        scalar = self.cfg.attention.query_pre_attn_scalar
+        rotates = self.cfg.position_embedding == "rope" and a.rotates(local)
+        if rotates:
+            q, k = (apply_partial_rope(self.cfg, t, positions, local) for t in (q, k))
+        if rotates and a.qk_l2_norm:
+            q, k = unit_rms(q, self.cfg.norm_eps), unit_rms(k, self.cfg.norm_eps)
+        if not a.rotates(local) and a.temperature_floor:
+            q = (q * temperature(self.cfg, positions)).astype(q.dtype)
+        scalar = a.query_pre_attn_scalar
         if scalar and scalar != q.shape[-1]:
             q = q * jnp.asarray(math.sqrt(q.shape[-1] / scalar), q.dtype)
         return q, k, v
@@ -122,14 +162,15 @@ class Attention(_SelfAttention):
             out, cache = window_cache.attend(cache, q, k, v, positions, self.cfg.attention.window, self._sinks())
             return self._output(x, out), cache
         cache = {"k": write_cache(cache["k"], k, positions), "v": write_cache(cache["v"], v, positions)}
-        window = self.cfg.attention.window if local else 0
-        return self._output(x, cached_attention(q, cache["k"], cache["v"], positions, window, self._sinks())), cache
+        window, chunk = (self.cfg.attention.window, self.cfg.attention.chunk) if local else (0, 0)
+        out = cached_attention(q, cache["k"], cache["v"], positions, window, self._sinks(), chunk)
+        return self._output(x, out), cache
 
     def empty_cache(self, batch: int, length: int, dtype, local: bool = False) -> dict[str, jax.Array]:
         """Zero keys and values for ``length`` positions; a local layer's for no more than its window."""
         shape = (batch, length, self.cfg.attention.num_kv_heads, self.cfg.resolved_head_dim)
         window = self.cfg.attention.window
-        if local and window < length:
+        if local and window and window < length:
             return window_cache.empty(shape, window, dtype)
         return {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)}
 

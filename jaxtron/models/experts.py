@@ -88,6 +88,7 @@ class ExpertRun:
     chunks: int = 1  # each device's tokens run through the experts in this many chunks (``chunk_rows``)
     node_shards: int = 0  # dropless: expert shards a node, rows sent once per node (``_exchange_nodes``); 0: one hop
     activation: GatedActivation = dataclasses.field(default_factory=GatedActivation)  # ``model.activation``
+    scale_input: bool = False  # the router weights scale the rows going in, not the hidden values (Llama 4)
 
 
 def _packed(rows: jax.Array, weights: jax.Array) -> jax.Array:
@@ -109,16 +110,21 @@ class ExpertWeights(NamedTuple):
 
 
 def _weighted_swiglu(packed: jax.Array, d: int, project: Callable[[jax.Array, str], jax.Array],
-                     activation: GatedActivation, biases: tuple[jax.Array, jax.Array] | None) -> jax.Array:
+                     activation: GatedActivation, biases: tuple[jax.Array, jax.Array] | None,
+                     scale_input: bool = False) -> jax.Array:
     """``_packed`` rows [..., d + pad] -> gated outputs [..., d] weighted by their router weights: ``project(x,
     matrix)`` with 'gate', 'up', 'down', the gate's and up's ``biases`` (None, or broadcast to their outputs) added,
     then ``activation``. The weights scale the hidden values ahead of the (linear) down projection, which gives the
     same product: the router's gradient is then each row's hidden values against their gradient, so the backward
-    pass needs no expert output and remat runs neither the down projection nor the way home again."""
+    pass needs no expert output and remat runs neither the down projection nor the way home again. With
+    ``scale_input`` the weights scale the rows before the gate and up projections instead (Llama 4)."""
     rows, weights = packed[..., :d], packed[..., d:d + 1]
+    if scale_input:
+        rows = rows * weights
     add = (lambda y, i: y + biases[i].astype(y.dtype)) if biases is not None else (lambda y, i: y)
     gated = activation.gated(add(project(rows, "gate"), 0))
-    return project(activation.combine(gated, add(project(rows, "up"), 1)) * weights, "down")
+    hidden = activation.combine(gated, add(project(rows, "up"), 1))
+    return project(hidden if scale_input else hidden * weights, "down")
 
 
 def _swiglu_grouped(packed: jax.Array, w: ExpertWeights, group_sizes: jax.Array, run: ExpertRun) -> jax.Array:
@@ -133,7 +139,7 @@ def _swiglu_grouped(packed: jax.Array, w: ExpertWeights, group_sizes: jax.Array,
         biases = (w.gate_bias[expert], w.up_bias[expert])
     return _weighted_swiglu(packed, w.gate.shape[1], lambda x, name: (
         grouped_fp8.matmul if run.fp8 else grouped.matmul)(x, matrices[name], group_sizes, run.gemm), run.activation,
-        biases)
+        biases, run.scale_input)
 
 
 def _swiglu_batched(slots: jax.Array, w: ExpertWeights, run: ExpertRun) -> jax.Array:
@@ -144,7 +150,7 @@ def _swiglu_batched(slots: jax.Array, w: ExpertWeights, run: ExpertRun) -> jax.A
     matrices = {"gate": (w.gate, "emd,edf->emf"), "up": (w.up, "emd,edf->emf"), "down": (w.down, "emf,efd->emd")}
     biases = None if w.gate_bias is None else (w.gate_bias[:, None, :], w.up_bias[:, None, :])
     return _weighted_swiglu(slots, w.gate.shape[1], lambda x, name: einsum(matrices[name][1], x, matrices[name][0]),
-                            run.activation, biases)
+                            run.activation, biases, run.scale_input)
 
 
 def experts_local(x: jax.Array, ids: jax.Array, weights: jax.Array, w: ExpertWeights, num_experts: int,

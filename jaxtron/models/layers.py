@@ -128,11 +128,14 @@ def rope_frequencies(cfg: ModelConfig, dim: int | None = None, local: bool = Fal
     wavelen = 2 * math.pi / inv_freq
     low_freq_wavelen = cfg.rope.original_max_len / cfg.rope.low_freq_factor
     high_freq_wavelen = cfg.rope.original_max_len / cfg.rope.high_freq_factor
-    # Long wavelengths are divided by the factor, short ones kept, the band between interpolated.
+    # Long wavelengths are divided by the factor, short ones kept, the band between interpolated (none where the two
+    # factors are equal: Llama 4 Scout's).
+    scaled = jnp.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    if cfg.rope.high_freq_factor == cfg.rope.low_freq_factor:
+        return scaled
     smooth = (cfg.rope.original_max_len / wavelen - cfg.rope.low_freq_factor) / (
         cfg.rope.high_freq_factor - cfg.rope.low_freq_factor)
     interpolated = (1 - smooth) * inv_freq / factor + smooth * inv_freq
-    scaled = jnp.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
     middle = (wavelen <= low_freq_wavelen) & (wavelen >= high_freq_wavelen)
     return jnp.where(middle, interpolated, scaled)
 

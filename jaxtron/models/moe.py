@@ -159,7 +159,7 @@ class MoE(nnx.Module):
         self.cfg, self.execution = cfg, execution
         self.router = param(rngs, (d, e), ("embed", None), cfg.init_std)
         self.router_bias = nnx.Param(jnp.zeros((e,), jnp.float32), out_sharding=("bias",)) \
-            if cfg.moe.router == "sigmoid" else None
+            if cfg.moe.router == "sigmoid" and cfg.moe.balance_bias else None
         # gpt-oss: a learned bias on the router's logits, and biases on each expert's projections
         self.router_logit_bias = nnx.Param(jnp.zeros((e,), jnp.float32), out_sharding=("bias",)) \
             if cfg.moe.router_logit_bias else None
@@ -212,7 +212,7 @@ class MoE(nnx.Module):
                         exchange.resolve(execution.moe_exchange, execution.moe_receive_factor,
                                          execution.moe_node_shards),
                         execution.moe_receive_factor, fp8, execution.moe_chunks, execution.moe_node_shards,
-                        GatedActivation.of(cfg))
+                        GatedActivation.of(cfg), cfg.moe.scale_input)
         if jax.sharding.get_abstract_mesh().empty:
             return experts_local(x, ids, weights, ExpertWeights(*matrices, *biases), cfg.moe.num_experts,
                                  row_capacity, None, run)

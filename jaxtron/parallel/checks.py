@@ -58,9 +58,9 @@ def check_devices(cfg: Config, num_devices: int) -> dict[str, int]:
            "set it to 0 or use mesh.sequence=1")
     # the load-balanced layout gives each sequence shard two chunks of a row; between blocks the residual stream is
     # split further (over the tensor group: activation_residual_length)
-    _check(sp == 1 or cfg.execution.attention != "cudnn" or not (m.attention.window or m.attention.sinks),
+    _check(sp == 1 or cfg.execution.attention != "cudnn" or not (m.attention.local or m.attention.sinks),
            "execution.attention", f"is 'cudnn' on a sequence split {sp} ways, which runs cuDNN by chunks without "
-           "windows or sinks", "use 'auto', which runs the blockwise kernel there")
+           "windows, attention chunks or sinks", "use 'auto', which runs the blockwise kernel there")
     chunks = 2 * sp if sp > 1 else 1
     _check(n % chunks == 0, "data.seq_len", f"({n}) is not divisible by 2 x mesh.sequence ({chunks}), the "
            "chunks of the load-balanced layout", f"use a multiple of {chunks}")
