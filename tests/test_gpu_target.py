@@ -276,6 +276,30 @@ def test_qwen3_5_compiles_for_the_h100_and_its_flops_are_the_ones_counted():
 
 @needs_plugin
 @pytest.mark.slow
+@pytest.mark.parametrize("chunk", [8192, 4096])
+def test_llama4_scout_compiles_for_the_h100_with_cudnn_in_every_attention_layer(chunk, tmp_path):
+    """Llama 4 Scout, 4 blocks (3 chunked, 1 NoPE) at 8192 tokens on fsdp=8: every layer's attention runs cuDNN
+    forward and backward, with no [heads, length, length] scores; with chunks of 4096 too (as segments of the
+    packed kernel). The planner's peak is within 10% of the compiled one. At the published chunk (the whole row)
+    the compiled matmul FLOPs are the counted ones; with shorter chunks the compile counts the kernel over the
+    whole row, which the model count does not."""
+    from jaxtron import cli
+
+    out, hlo = tmp_path / "plan.json", tmp_path / "step.hlo"
+    assert cli.run("plan", [f"--config={REPO}/configs/llama4.py:scout", "--gpus=8", "--gpu=h100",
+                            "--compile=fsdp=8", "--config.model.num_layers=4", "--config.data.seq_len=8192",
+                            "--config.train.global_batch_size=8", "--config.execution.attention=cudnn",
+                            f"--config.model.attention.chunk={chunk}", f"--json={out}", f"--hlo={hlo}"]) == 0
+    compiled = json.loads(out.read_text())["dry_run"]
+    assert compiled["kernels"]["__cudnn$fmhaSoftmax"] == 4 and compiled["kernels"]["__cudnn$fmhaSoftmaxBackward"] == 4
+    assert ",40,8192,8192]" not in hlo.read_text()
+    assert abs(compiled["estimated_peak"] / compiled["compiled_peak"] - 1) < 0.10, compiled
+    ratio = compiled["flops"] / compiled["model_flops"]
+    assert abs(ratio - 1) < 0.01 if chunk == 8192 else 1.0 < ratio < 1.05, ratio
+
+
+@needs_plugin
+@pytest.mark.slow
 def test_with_fp8_every_block_projection_gemm_takes_float8_operands_on_the_h100():
     """The default model's 7 projections a block (q, k, v, o; gate, up, down), forward and both backward: 21 GEMMs
     with float8 operands (ops/fp8.py: operands kept in FP8 and dequantized at the GEMM, and the compiler options
