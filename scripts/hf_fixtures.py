@@ -2,9 +2,11 @@
 
     pip install torch transformers && python scripts/hf_fixtures.py [NAME ...]   # all, or only those models
     python scripts/hf_fixtures.py --greedy [NAME ...]   # only greedy.npy, from the models already saved
+    python scripts/hf_fixtures.py --logits [NAME ...]   # only logits.npy, from the models already saved
 
 Tests only read the files this writes (CI needs neither torch nor transformers). Each model is tiny and
-random, saved by transformers itself, with the float32 logits its own forward pass gives on tokens.npy. The
+random, saved by transformers itself, with the logits its own forward pass gives on tokens.npy in float64,
+rounded to float32 (the exact value, against which jaxtron's float32 pass is compared). The
 fixtures are those the families declare (``Family.fixtures`` in jaxtron/families/): each names its
 transformers config's arguments, its seed, its shard size and whether config.json is rewritten in the
 transformers 4.x form. tests/test_families.py checks that each config.json holds what its declaration says.
@@ -72,10 +74,22 @@ def greedy(name: str) -> None:
     print(name, "greedy", continuation.tolist())
 
 
+def reference_logits(name: str) -> None:
+    """logits.npy of a saved fixture: transformers' forward pass in float64 (experts run eagerly, which float64
+    needs), rounded to float32. transformers' own float32 pass is off the exact value by up to 6.4e-5 on Qwen3.5's
+    chunked rule, most of the parity tests' 1e-4."""
+    directory = os.path.join(OUT, name)
+    model = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float64,
+                                                              experts_implementation="eager").eval()
+    with torch.no_grad():
+        logits = model(torch.from_numpy(tokens_of(FIXTURES[name][1])).long()).logits.numpy()
+    np.save(os.path.join(directory, "logits.npy"), logits.astype(np.float32))
+    print(name, "logits", logits.shape)
+
+
 def write(name: str) -> None:
     """One fixture: the model saved as declared, its logits on its tokens and its greedy continuation."""
     family, fixture = FIXTURES[name]
-    tokens = tokens_of(fixture)
     torch.manual_seed(fixture.seed)
     model = build(family.model_type, dict(fixture.config))
     for p in model.parameters():  # larger than the default 0.02 so that logits differ visibly
@@ -90,17 +104,15 @@ def write(name: str) -> None:
     model.save_pretrained(directory, safe_serialization=True, **kwargs)
     if fixture.v4:
         to_v4(os.path.join(directory, "config.json"))
-    with torch.no_grad():
-        logits = model(torch.from_numpy(tokens).long()).logits.float().numpy()
-    np.save(os.path.join(directory, "logits.npy"), logits)
-    print(name, "logits", logits.shape, "files", sorted(os.listdir(directory)))
+    print(name, "files", sorted(os.listdir(directory)))
+    reference_logits(name)
     greedy(name)
 
 
 def main(names: list[str]) -> None:
-    if names[:1] == ["--greedy"]:
+    if names[:1] in (["--greedy"], ["--logits"]):
         for name in names[1:] or FIXTURES:
-            greedy(name)
+            (greedy if names[0] == "--greedy" else reference_logits)(name)
         return
     unknown = sorted(set(names) - set(FIXTURES))
     if unknown:

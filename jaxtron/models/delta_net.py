@@ -20,7 +20,6 @@ import math
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
@@ -28,8 +27,8 @@ from jaxtron.config.schema import ExecutionConfig, ModelConfig
 from jaxtron.models.layers import Norm, compute_dtype
 from jaxtron.models.projection import Projection
 from jaxtron.ops import attention as attention_ops
-from jaxtron.ops import delta_rule
-from jaxtron.parallel.sharding import sequence_order, shard_count
+from jaxtron.ops import delta_context, delta_rule
+from jaxtron.parallel.sharding import shard_count
 
 L2_EPS = 1e-6  # inside the square root of the queries' and keys' L2 norms, as the published kernels use
 
@@ -83,17 +82,17 @@ class GatedDeltaNet(nnx.Module):
         self.cfg, self.dtype = cfg, compute_dtype(execution)
 
     def _mix(self, x: jax.Array, q: jax.Array, k: jax.Array, v: jax.Array) -> tuple[jax.Array, ...]:
-        """From the convolved projections: the rule's inputs (q and k normalised and spread over the value heads,
-        v, g and beta in float32)."""
-        groups = self.cfg.linear.value_heads // self.cfg.linear.key_heads
-        q = l2_normalize(jax.nn.silu(q)) * self.cfg.linear.key_head_dim ** -0.5
-        k = l2_normalize(jax.nn.silu(k))
-        if groups > 1:
-            q, k = jnp.repeat(q, groups, axis=2), jnp.repeat(k, groups, axis=2)
+        """From the convolved projections: the rule's inputs (q, k, v as ``_qkv``; g and beta as ``_gates``)."""
+        return (*_qkv(self.cfg, q, k, v), *self._gates(x))
+
+    def _gates(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """The log-decay g and the write strength beta [b, t, value_heads], float32."""
         beta = jax.nn.sigmoid(self.wb(x).astype(jnp.float32))
         step = jax.nn.softplus(self.wa(x).astype(jnp.float32) + self.dt_bias[...])
-        g = -jnp.exp(self.a_log[...]) * step
-        return q, k, jax.nn.silu(v).astype(jnp.float32), g, beta
+        return -jnp.exp(self.a_log[...]) * step, beta
+
+    def _convs(self) -> tuple[jax.Array, jax.Array, jax.Array]:
+        return tuple(c[...].astype(self.dtype) for c in (self.conv_q, self.conv_k, self.conv_v))
 
     def _output(self, x: jax.Array, out: jax.Array) -> jax.Array:
         """The rule's output [b, t, value_heads, dv], normed, gated by SiLU(x W_z) and projected to the width."""
@@ -104,19 +103,20 @@ class GatedDeltaNet(nnx.Module):
     def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array | None,
                  local: bool = False) -> jax.Array:
         """x [b, t, d] -> [b, t, d]; each document (``segment_ids``) starts from a zero state. On a sequence split
-        over devices, the columns hold the tokens in the load-balanced order (``sharding.sequence_order``): the
-        block runs in token order and hands its output back in the columns' order."""
-        order = _column_tokens(x.shape[1])
-        if order is not None:
-            columns = np.argsort(order)  # the column that holds each token
-            x = jnp.take(x, columns, axis=1)
-            segment_ids = None if segment_ids is None else jnp.take(segment_ids, columns, axis=1)
-        q, k, v = (causal_conv(w(x), c[...].astype(self.dtype), segment_ids) for w, c in
-                   ((self.wq, self.conv_q), (self.wk, self.conv_k), (self.wv, self.conv_v)))
+        over devices each runs the rule on its own columns, handed the state of the pieces before
+        (``ops/delta_context.py``)."""
+        if delta_context_applies():
+            def prepare(q, k, v, convs, segments):
+                return _qkv(self.cfg, *(causal_conv(a, c, segments) for a, c in zip((q, k, v), convs, strict=True)))
+
+            out = delta_context.over_sequence(prepare, self.wq(x), self.wk(x), self.wv(x), self._convs(),
+                                              *self._gates(x), segment_ids)
+            return self._output(x, checkpoint_name(out, attention_ops.OUTPUT_NAME))
+        q, k, v = (causal_conv(w(x), c, segment_ids) for w, c in zip((self.wq, self.wk, self.wv), self._convs(),
+                                                                      strict=True))
         out, _ = delta_rule.chunked(*self._mix(x, q, k, v), segments=segment_ids)
         # named as attention's output: a remat policy that keeps it (save_attention) does not run the rule again
-        y = self._output(x, checkpoint_name(out, attention_ops.OUTPUT_NAME))
-        return y if order is None else jnp.take(y, order, axis=1)
+        return self._output(x, checkpoint_name(out, attention_ops.OUTPUT_NAME))
 
     def decode(self, x: jax.Array, positions: jax.Array, cache: dict[str, jax.Array],
                local: bool = False) -> tuple[jax.Array, dict[str, jax.Array]]:
@@ -145,12 +145,22 @@ class GatedDeltaNet(nnx.Module):
                 "state": jnp.zeros((batch, lin.value_heads, lin.key_head_dim, lin.value_head_dim), jnp.float32)}
 
 
-def _column_tokens(length: int) -> np.ndarray | None:
-    """Which token each column of a row holds on the current mesh (None: each its own, in order)."""
+def _qkv(cfg: ModelConfig, q: jax.Array, k: jax.Array, v: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """From the convolved projections, float32: q and k SiLU'd, L2-normalised and spread over the value heads (the
+    queries scaled by key_head_dim^-1/2), v SiLU'd."""
+    groups = cfg.linear.value_heads // cfg.linear.key_heads
+    q = l2_normalize(jax.nn.silu(q)) * cfg.linear.key_head_dim ** -0.5
+    k = l2_normalize(jax.nn.silu(k))
+    if groups > 1:
+        q, k = jnp.repeat(q, groups, axis=2), jnp.repeat(k, groups, axis=2)
+    return q, k, jax.nn.silu(v).astype(jnp.float32)
+
+
+def delta_context_applies() -> bool:
+    """Whether the sequence is split over devices: each then runs the rule on its own columns
+    (``ops/delta_context.py``)."""
     mesh = jax.sharding.get_abstract_mesh()
-    shards = 1 if mesh.empty else shard_count(dict(mesh.shape), "activation_length")
-    order = sequence_order(length, shards)
-    return None if np.array_equal(order, np.arange(length)) else order
+    return not mesh.empty and shard_count(dict(mesh.shape), "activation_length") > 1
 
 
 def _window_after(joined: jax.Array, valid: jax.Array, taps: int) -> jax.Array:
