@@ -40,7 +40,7 @@ def _published_layout(name: str, directory: str) -> str:
     return directory
 
 
-@pytest.mark.parametrize("name", ["qwen3_5", "qwen3_5_moe"])
+@pytest.mark.parametrize("name", ["qwen3_5", pytest.param("qwen3_5_moe", marks=pytest.mark.extended)])
 def test_a_published_multimodal_checkpoint_imports_its_text_model(name, tmp_path, caplog):
     source = _published_layout(name, str(tmp_path / "published"))
     with caplog.at_level(logging.INFO, logger="jaxtron.interop.convert"):
