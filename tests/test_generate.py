@@ -90,7 +90,7 @@ def _naive_greedy(model, prompt: list[int], steps: int) -> list[int]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", ["llama", "gemma3"])
+@pytest.mark.parametrize("family", ["llama", pytest.param("gemma3", marks=pytest.mark.extended)])
 def test_greedy_generation_of_a_batch_equals_the_full_forward_token_by_token(family):
     """Two prompts of different lengths in one batch (right-padded, each row at its own position): each row's
     greedy tokens are those of re-running the whole forward for every token; top-k 1 and a tiny top-p are greedy
