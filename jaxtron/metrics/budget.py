@@ -93,6 +93,17 @@ def _split(rest: str) -> tuple[str, str, str]:
     return type_text, opcode.strip(), tail
 
 
+def _tuple_parts(type_text: str) -> list[str]:
+    """The top-level parts of a tuple type '(A, (B, C), D)'."""
+    parts, depth, start = [], 0, 1
+    for i, ch in enumerate(type_text):
+        depth += (ch in "({[") - (ch in ")}]")
+        if (ch == "," and depth == 1) or (ch == ")" and depth == 0):
+            parts.append(type_text[start:i].strip())
+            start = i + 1
+    return parts
+
+
 def _operand_names(tail: str) -> list[str]:
     """The operands of an instruction: the names inside its first parentheses."""
     depth, end = 1, len(tail)
@@ -344,6 +355,8 @@ def kernels(hlo_text: str | _Program, ceilings: Ceilings) -> list[Kernel]:
         if opcode in _FREE or opcode.endswith("-done") or any(opcode.startswith(c) for c in COLLECTIVES):
             continue
         operands = _operand_names(tail)
+        if opcode == "fusion-start":  # an asynchronous fusion (XLA 0.11): ((operands), result, context), priced alike
+            opcode, type_text = "fusion", _tuple_parts(type_text)[1]
         if opcode == "custom-call":  # a library call's byte results are its workspace, not data it writes
             type_text = re.sub(r"[su]8\[[\d,]*\](\{[^}]*\})?", "", type_text)
         moved = float(sum(program.operand_bytes(o) for o in operands) + type_bytes(type_text))
