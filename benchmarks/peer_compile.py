@@ -86,6 +86,15 @@ CASES = {
                     "configs/mixtral_8x7b.py", ("model.num_layers=4", "data.seq_len=4096",
                                                 "train.global_batch_size=16"),
                     "expert=8"),
+    # the same with jaxtron in capacity mode at MaxText's recipe's factor (1.0): like for like
+    "mixtral_capacity": Case("mixtral_8x7b 4/32 layers, 8 H100, experts over 8, capacity 1.0", "h100", 8,
+                             "gpu/models/mixtral_8x7b.yml",
+                             {"base_num_decoder_layers": 4, "max_target_length": 4096, "ici_expert_parallelism": 8,
+                              "ici_fsdp_parallelism": 1},
+                             "configs/mixtral_8x7b.py", ("model.num_layers=4", "data.seq_len=4096",
+                                                         "train.global_batch_size=16", "execution.moe_mode=capacity",
+                                                         "execution.capacity_factor=1.0"),
+                             "expert=8"),
 }
 
 
