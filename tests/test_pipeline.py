@@ -465,6 +465,7 @@ def test_a_checkpoint_resumes_on_other_pipeline_degrees(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.extended  # uneven splits train as one device in the first tier (the schedules' cases); here also resume
 def test_an_uneven_split_trains_and_resumes_like_one_device(tmp_path):
     """3 layers on 2 stages (the last filled with an identity layer) train as one device does; checkpoints move
     between runs with and without the identity layer, and export never sees it."""
