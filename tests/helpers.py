@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
+import shutil
+from collections.abc import Callable
 
 import numpy as np
 
@@ -85,3 +89,31 @@ def metrics_lines(workdir) -> list[dict]:
 def losses(summary) -> np.ndarray:
     """The losses a run logged (``RunSummary.history``), in step order."""
     return np.array([h["loss"] for h in summary.history])
+
+
+def published_layout(fixture: str, directory: str, config: Callable[[dict], dict], rename: Callable[[str], str],
+                     extra: dict[str, tuple[int, ...]]) -> str:
+    """A parity fixture copied to ``directory`` as its family publishes it: config.json as ``config`` rewrites it,
+    each tensor under the name ``rename`` gives it, and random float32 ``extra`` tensors (name -> shape) beside
+    them (a vision encoder the import leaves out)."""
+    shutil.copytree(fixture, directory)
+    path = os.path.join(directory, "config.json")
+    with open(path) as f:
+        published = config(json.load(f))
+    with open(path, "w") as f:
+        json.dump(published, f)
+    rng = np.random.default_rng(0)
+    rewrite_tensors(directory, rename, {n: rng.standard_normal(shape, np.float32) for n, shape in extra.items()})
+    return directory
+
+
+def rewrite_tensors(directory: str, rename: Callable[[str], str] = lambda n: n,
+                    extra: dict[str, np.ndarray] | None = None) -> None:
+    """The checkpoint in ``directory`` written again as one safetensors file: tensors renamed, ``extra`` added."""
+    from jaxtron.interop.hf import safetensors as st
+
+    files = st.ModelFiles(directory)
+    tensors = {rename(n): files.read(n) for n in files.names()} | (extra or {})
+    os.remove(os.path.join(directory, st.SINGLE))
+    st.write(os.path.join(directory, st.SINGLE), [(n, v.shape, v.dtype) for n, v in tensors.items()],
+             tensors.__getitem__)

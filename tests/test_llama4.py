@@ -4,18 +4,17 @@ attention against a dense mask on packed rows, and its tiny size learning."""
 import json
 import logging
 import os
-import shutil
 
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import REPO
+from helpers import published_layout
 
 from jaxtron import families
 from jaxtron.config.checks import ConfigError
 from jaxtron.config.model import ModelConfig
 from jaxtron.interop import convert, score
-from jaxtron.interop.hf import safetensors as st
 from jaxtron.models.attention import chunk_segments
 from jaxtron.ops import attention as attention_ops
 from jaxtron.ops import dense
@@ -23,26 +22,19 @@ from jaxtron.ops import dense
 FIXTURES = os.path.join(REPO, "tests", "fixtures", "hf")
 
 
-def _published_layout(name: str, directory: str) -> str:
-    """The fixture ``name`` as Meta publishes it: config.json nested in ``text_config``, the text model's tensors
-    under ``language_model.``, a vision encoder and projector beside them."""
-    shutil.copytree(os.path.join(FIXTURES, name), directory)
-    with open(os.path.join(directory, "config.json")) as f:
-        text = json.load(f)
+def _published(text: dict) -> dict:
+    """Meta's config.json: the text model's keys in ``text_config``, a vision encoder's beside them."""
     text.pop("architectures")
-    published = {"architectures": ["Llama4ForConditionalGeneration"], "model_type": "llama4", "text_config": text,
-                 "vision_config": {"hidden_size": 16, "num_hidden_layers": 2}}
-    with open(os.path.join(directory, "config.json"), "w") as f:
-        json.dump(published, f)
-    files = st.ModelFiles(directory)
-    tensors = {"language_model." + n: files.read(n) for n in files.names()}
-    rng = np.random.default_rng(0)
-    tensors["vision_model.patch_embedding.linear.weight"] = rng.standard_normal((16, 48), np.float32)
-    tensors["multi_modal_projector.linear_1.weight"] = rng.standard_normal((32, 16), np.float32)
-    os.remove(os.path.join(directory, st.SINGLE))
-    st.write(os.path.join(directory, st.SINGLE), [(n, v.shape, v.dtype) for n, v in tensors.items()],
-             tensors.__getitem__)
-    return directory
+    return {"architectures": ["Llama4ForConditionalGeneration"], "model_type": "llama4", "text_config": text,
+            "vision_config": {"hidden_size": 16, "num_hidden_layers": 2}}
+
+
+def _published_layout(name: str, directory: str) -> str:
+    """The fixture ``name`` as Meta publishes it: the text model's tensors under ``language_model.``, a vision
+    encoder and projector beside them."""
+    return published_layout(os.path.join(FIXTURES, name), directory, _published, lambda n: "language_model." + n,
+                            {"vision_model.patch_embedding.linear.weight": (16, 48),
+                             "multi_modal_projector.linear_1.weight": (32, 16)})
 
 
 def test_a_published_multimodal_checkpoint_imports_its_text_model(tmp_path, caplog):

@@ -2,14 +2,13 @@
 the text model's tensors under ``model.language_model.``, beside a vision encoder and a multi-token prediction
 layer, which the import leaves out and names."""
 
-import json
 import logging
 import os
-import shutil
 
 import numpy as np
 import pytest
 from conftest import REPO
+from helpers import published_layout, rewrite_tensors
 
 from jaxtron.interop import convert, score
 from jaxtron.interop.hf import safetensors as st
@@ -17,27 +16,19 @@ from jaxtron.interop.hf import safetensors as st
 FIXTURES = os.path.join(REPO, "tests", "fixtures", "hf")
 
 
+def _published(text: dict) -> dict:
+    """A published Qwen3.5 config.json: the text model's keys nested, a vision encoder's beside them."""
+    architecture = text.pop("architectures")[0].replace("ForCausalLM", "ForConditionalGeneration")
+    return {"architectures": [architecture], "model_type": text["model_type"].removesuffix("_text"),
+            "text_config": text, "vision_config": {"depth": 2, "hidden_size": 16},
+            "tie_word_embeddings": text["tie_word_embeddings"]}
+
+
 def _published_layout(name: str, directory: str) -> str:
     """The fixture ``name`` rewritten as a published checkpoint: nested config, prefixed tensors, extra parts."""
-    shutil.copytree(os.path.join(FIXTURES, name), directory)
-    with open(os.path.join(directory, "config.json")) as f:
-        text = json.load(f)
-    architecture = text.pop("architectures")[0].replace("ForCausalLM", "ForConditionalGeneration")
-    published = {"architectures": [architecture], "model_type": text["model_type"].removesuffix("_text"),
-                 "text_config": text, "vision_config": {"depth": 2, "hidden_size": 16},
-                 "tie_word_embeddings": text["tie_word_embeddings"]}
-    with open(os.path.join(directory, "config.json"), "w") as f:
-        json.dump(published, f)
-    files = st.ModelFiles(directory)
-    tensors = {("model.language_model." + n[6:] if n.startswith("model.") else n): files.read(n)
-               for n in files.names()}
-    rng = np.random.default_rng(0)
-    tensors["model.visual.blocks.0.attn.qkv.weight"] = rng.standard_normal((48, 16), np.float32)
-    tensors["mtp.fc.weight"] = rng.standard_normal((48, 96), np.float32)
-    os.remove(os.path.join(directory, st.SINGLE))
-    st.write(os.path.join(directory, st.SINGLE), [(n, v.shape, v.dtype) for n, v in tensors.items()],
-             tensors.__getitem__)
-    return directory
+    return published_layout(os.path.join(FIXTURES, name), directory, _published,
+                            lambda n: "model.language_model." + n[6:] if n.startswith("model.") else n,
+                            {"model.visual.blocks.0.attn.qkv.weight": (48, 16), "mtp.fc.weight": (48, 96)})
 
 
 @pytest.mark.parametrize("name", ["qwen3_5", pytest.param("qwen3_5_moe", marks=pytest.mark.extended)])
@@ -53,12 +44,7 @@ def test_a_published_multimodal_checkpoint_imports_its_text_model(name, tmp_path
 
 def test_a_tensor_outside_the_text_model_and_the_parts_left_out_is_refused(tmp_path):
     source = _published_layout("qwen3_5", str(tmp_path / "published"))
-    files = st.ModelFiles(source)
-    tensors = {n: files.read(n) for n in files.names()}
-    tensors["model.audio.proj.weight"] = np.zeros((4, 4), np.float32)
-    os.remove(os.path.join(source, st.SINGLE))
-    st.write(os.path.join(source, st.SINGLE), [(n, v.shape, v.dtype) for n, v in tensors.items()],
-             tensors.__getitem__)
+    rewrite_tensors(source, extra={"model.audio.proj.weight": np.zeros((4, 4), np.float32)})
     with pytest.raises(st.FormatError, match="model.audio.proj.weight"):
         convert.from_hf(source, str(tmp_path / "converted"))
     assert not os.path.exists(tmp_path / "converted")

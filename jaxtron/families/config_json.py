@@ -102,6 +102,13 @@ def router_loss_fields(hf: dict) -> dict[str, float]:
     return {"router_aux_loss": float(hf.get("router_aux_loss_coef", 0.0)), "router_z_loss": 0.0}
 
 
+def last_of_every(marked: list[bool]) -> int | None:
+    """k where the marked layers are the last of every k (0: none is marked); None for another pattern."""
+    first = next((i for i, m in enumerate(marked) if m), None)
+    every = 0 if first is None else first + 1
+    return every if list(marked) == [bool(every) and (i + 1) % every == 0 for i in range(len(marked))] else None
+
+
 def local_layers(hf: dict) -> dict[str, int]:
     """``model.attention``'s window fields from config.json's ``sliding_window`` and ``layer_types`` (or
     ``sliding_window_pattern``): each run of local layers ends in a global one. FormatError for another pattern."""
@@ -111,10 +118,8 @@ def local_layers(hf: dict) -> dict[str, int]:
         ["full_attention" if every and (i + 1) % every == 0 else "sliding_attention" for i in range(layers)])
     if hf.get("sliding_window") is None or "sliding_attention" not in types:
         return {"window": 0, "global_every": 0}
-    full = [i for i, kind in enumerate(types) if kind == "full_attention"]
-    every = full[0] + 1 if full else 0
-    pattern = ["full_attention" if every and (i + 1) % every == 0 else "sliding_attention" for i in range(layers)]
-    if list(types) != pattern or any(kind not in ("full_attention", "sliding_attention") for kind in types):
+    every = last_of_every([kind == "full_attention" for kind in types])
+    if every is None or any(kind not in ("full_attention", "sliding_attention") for kind in types):
         raise FormatError(f"config.json's layer_types ({types[:8]}...) is not runs of local layers each ended by a "
                           "global one, the pattern jaxtron's model.attention.global_every describes.")
     return {"window": int(hf["sliding_window"]), "global_every": every}

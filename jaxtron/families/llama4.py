@@ -33,12 +33,11 @@ def _text(hf: dict) -> dict:
     return {**hf, **hf["text_config"]} if isinstance(hf.get("text_config"), dict) else hf
 
 
-def _every(kinds: list[bool], what: str) -> int:
+def _every(marked: list[bool], what: str) -> int:
     """The period of a layer pattern where the last of every k layers is marked (0: none is); FormatError for
     another pattern."""
-    marked = [i for i, m in enumerate(kinds) if m]
-    every = marked[0] + 1 if marked else 0
-    if kinds != [bool(every) and (i + 1) % every == 0 for i in range(len(kinds))]:
+    every = config_json.last_of_every(marked)
+    if every is None:
         raise FormatError(f"config.json's {what} are not the last of every k layers, the pattern jaxtron describes.")
     return every
 

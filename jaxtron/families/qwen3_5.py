@@ -37,10 +37,8 @@ def _model_fields(hf: dict, tensor_names) -> dict[str, Any]:
     layers, every = fields["num_layers"], int(hf.get("full_attention_interval", 4))
     types = hf.get("layer_types") or ["full_attention" if (i + 1) % every == 0 else "linear_attention"
                                       for i in range(layers)]
-    full = [i for i, kind in enumerate(types) if kind == "full_attention"]
-    every = full[0] + 1 if full else 0
-    if not every or list(types) != ["full_attention" if (i + 1) % every == 0 else "linear_attention"
-                                    for i in range(layers)]:
+    every = config_json.last_of_every([kind == "full_attention" for kind in types])
+    if not every or any(kind not in ("full_attention", "linear_attention") for kind in types):
         raise FormatError(f"config.json's layer_types ({list(types)[:8]}...) is not runs of Gated DeltaNet layers "
                           "each ended by a full-attention one, the pattern model.linear.every describes.")
     params = hf.get("rope_parameters") or {}
