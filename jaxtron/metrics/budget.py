@@ -74,6 +74,10 @@ _LINE = re.compile(r"^\s*(?:ROOT\s+)?(%[\w.\-]+) = (.*)$")
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
 _FUSION_KIND = re.compile(r'"kind":"(__[a-z_$]+)"')
 _CALLS = re.compile(r"\bcalls=(%[\w.\-]+)")
+_IN_PLACE = ("dynamic-update-slice", "scatter")  # fusion roots that update their first operand in place
+_TARGET = re.compile(r'custom_call_target="([^"]+)"')
+# library calls that launch no kernel: XLA's uninitialized buffer, where a loop overwrites every slot of a stack
+_FREE_TARGETS = {"AllocateBuffer"}
 _TO_APPLY = re.compile(r"\bto_apply=(%[\w.\-]+)")
 _NESTED = re.compile(r"\b(?:body|condition|true_computation|false_computation)=(%[\w.\-]+)"
                      r"|branch_computations=\{([^}]*)\}")
@@ -266,7 +270,8 @@ class _Program:
 
     def fusion_bytes(self, fused: str, operands: list[str], result_type: str) -> float:
         """Bytes a fusion reads and writes: an operand that the fused computation only slices counts as its
-        slices; a buffer updated in place (dynamic-update-slice at the root) as the update written, not read."""
+        slices; a buffer updated in place (dynamic-update-slice or scatter at the root) as the update written,
+        not read."""
         lines = self.comps.get(fused, [])
         params: dict[str, int] = {}  # fused parameter name -> operand index
         users: dict[str, list[tuple[str, str, list[str]]]] = {}  # name -> [(user, opcode, operands)]
@@ -288,13 +293,18 @@ class _Program:
         outputs = [root] if root else []
         if root and defs[root][1] == "tuple":
             outputs = defs[root][2]
-        in_place = {defs[o][2][0] for o in outputs if o in defs and defs[o][1] == "dynamic-update-slice"}
+        in_place = {defs[o][2][0] for o in outputs if o in defs and defs[o][1] in _IN_PLACE}
         written = 0.0
         for o in outputs:
             if o not in defs:
                 continue
             type_text, opcode, ops = defs[o]
-            written += type_bytes(defs[ops[1]][0]) if opcode == "dynamic-update-slice" else type_bytes(type_text)
+            if opcode == "dynamic-update-slice":
+                written += type_bytes(defs[ops[1]][0])
+            elif opcode == "scatter":  # the rows it adds into, read and written (a combiner reads its target)
+                written += 2 * type_bytes(defs[ops[2]][0]) if len(ops) > 2 and ops[2] in defs else 0
+            else:
+                written += type_bytes(type_text)
         if not outputs:
             written = type_bytes(result_type)
         read = 0.0
@@ -315,7 +325,7 @@ class _Program:
                 total += self._read(user, whole, users, defs, in_place)
             elif opcode in ("dynamic-slice", "slice", "gather") and ops and ops[0] == name:
                 total += type_bytes(defs[user][0])
-            elif opcode == "dynamic-update-slice" and ops and ops[0] == name and user in in_place:
+            elif opcode in _IN_PLACE and ops and ops[0] == name and user in in_place:
                 continue
             else:
                 return float(whole)
@@ -323,6 +333,15 @@ class _Program:
 
     def called_dot(self, fused: str) -> str | None:
         """The dot instruction inside a GEMM fusion (nested fusions searched too)."""
+        return self._called(fused, lambda line: " dot(" in line)
+
+    def called_library_gemm(self, fused: str) -> str | None:
+        """The library GEMM call inside a fusion: XLA's dynamic-slice fusion wraps a cuBLAS call that reads a
+        slice or writes into one in place."""
+        return self._called(fused, lambda line: _TARGET.search(line) is not None
+                            and _TARGET.search(line).group(1) in GEMM_TARGETS)
+
+    def _called(self, fused: str, matches) -> str | None:
         stack, seen = [fused], set()
         while stack:
             name = stack.pop()
@@ -330,10 +349,14 @@ class _Program:
                 continue
             seen.add(name)
             for line in self.comps.get(name, []):
-                if " dot(" in line:
+                if matches(line):
                     return line
                 stack += [c.lstrip("%") for c in _CALLS.findall(line)]
         return None
+
+
+def _without_workspace(type_text: str) -> str:
+    return re.sub(r"[su]8\[[\d,]*\](\{[^}]*\})?", "", type_text)
 
 
 def _gemm_category(operand_types: list[str]) -> str:
@@ -354,22 +377,32 @@ def kernels(hlo_text: str | _Program, ceilings: Ceilings) -> list[Kernel]:
     for _, runs, line, name, type_text, opcode, tail in program.instructions():
         if opcode in _FREE or opcode.endswith("-done") or any(opcode.startswith(c) for c in COLLECTIVES):
             continue
+        if opcode == "custom-call" and (_TARGET.search(line) or [None, ""])[1] in _FREE_TARGETS:
+            continue
         operands = _operand_names(tail)
         if opcode == "fusion-start":  # an asynchronous fusion (XLA 0.11): ((operands), result, context), priced alike
             opcode, type_text = "fusion", _tuple_parts(type_text)[1]
         if opcode == "custom-call":  # a library call's byte results are its workspace, not data it writes
-            type_text = re.sub(r"[su]8\[[\d,]*\](\{[^}]*\})?", "", type_text)
+            type_text = _without_workspace(type_text)
         moved = float(sum(program.operand_bytes(o) for o in operands) + type_bytes(type_text))
-        flops, category = 0.0, "memory-bound"
+        flops, category, named = 0.0, "memory-bound", line
         if opcode == "fusion":
             kind = _FUSION_KIND.search(line)
             kind = kind.group(1) if kind else ""
             fused = _CALLS.search(line).group(1).lstrip("%")
             dot = program.called_dot(fused) if "gemm" in kind or "cudnn" in kind else None
+            library = program.called_library_gemm(fused) if dot is None and "custom" in kind else None
             if dot is not None:
                 flops = gemm_flops(dot, program.shapes, None)
                 dot_ops = _operand_names(_split(_LINE.match(dot).group(2))[2])
                 category = _gemm_category([program.shapes.get(o, ("?", ()))[0] for o in dot_ops])
+            elif library is not None:  # a GEMM that reads or writes a slice of a stack in place
+                flops = gemm_flops(library, program.shapes, backend_config(library))
+                gemm_ops = _operand_names(_split(_LINE.match(library).group(2))[2])
+                category = _gemm_category([program.shapes.get(o, ("?", ()))[0] for o in gemm_ops[:2]])
+                named = library  # the wrapper has no op name of its own
+                workspace = type_bytes(type_text) - type_bytes(_without_workspace(type_text))
+                moved = program.fusion_bytes(fused, operands, type_text) - workspace
             else:
                 moved = program.fusion_bytes(fused, operands, type_text)
         elif opcode == "custom-call":
@@ -390,7 +423,7 @@ def kernels(hlo_text: str | _Program, ceilings: Ceilings) -> list[Kernel]:
         seconds = moved / ceilings.copy_bytes
         if category != "memory-bound":
             seconds = max(flops / rates[category], seconds)
-        out.append(Kernel(name, category, label(line), runs, flops, moved, seconds))
+        out.append(Kernel(name, category, label(named), runs, flops, moved, seconds))
     return out
 
 

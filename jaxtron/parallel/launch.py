@@ -258,6 +258,9 @@ class PeerMonitor:
             log.warning("process %d: the other processes did not all finish within %g s (%s); leaving without them",
                         self.process_id, self.finish_timeout_s, str(e).splitlines()[0][:200])
         self._leaving.set()
+        if self.process_id != 0 and self._thread is not None:
+            # a call of the monitor still in flight would race the client's shutdown below
+            self._thread.join(self.finish_timeout_s)
         if self.process_id == 0 and together:
             waiter = threading.Thread(target=self._wait_for_others, daemon=True)
             waiter.start()
