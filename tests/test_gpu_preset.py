@@ -19,8 +19,12 @@ def test_the_installed_jaxlib_takes_the_preset_and_names_a_flag_it_does_not_know
 
 def test_the_program_options_named_as_evidence_are_the_ones_the_code_sets():
     from jaxtron.gpu import target
-    from jaxtron.models import moe
+    from jaxtron.models import moe, stack
     from jaxtron.ops import fp8
+
+    stack_options, _ = next(v for k, v in gpu_preset.PROGRAM_OPTIONS.items()
+                            if k.startswith("jaxtron/models/stack.py"))
+    assert stack_options == ", ".join(f"{k}={v}" for k, v in stack.COMPILER_OPTIONS.items())
 
     fp8_options, _ = next(v for k, v in gpu_preset.PROGRAM_OPTIONS.items() if k.startswith("jaxtron/ops/fp8.py"))
     assert fp8_options == ", ".join(f"{k}={v}" for k, v in fp8.COMPILER_OPTIONS.items())

@@ -37,6 +37,12 @@ from jaxtron.ops import cudnn as cudnn_ops
 from jaxtron.ops import sinks as sink_ops
 from jaxtron.parallel.state_sharding import gathering_for_use
 
+# The XLA options of a program that runs its layers in a loop. Evidence: Llama-3 8B (8 layers, sequence 4096, batch
+# 4) compiled for the H200 target, jax 0.10.2: XLA fills each stack the loop writes (the saved activations forward,
+# the weights' gradients backward) with zeros first, 13.4 + 7.0 GB. This option gives the loop an uninitialized
+# buffer where XLA proves every slot is written before it is read: budget 439.5 -> 432.2 ms, the loss unchanged.
+COMPILER_OPTIONS = {"xla_gpu_enable_dus_accumulator_zero_init_elimination": True}
+
 Stats = dict[str, jax.Array]
 FP8_RECIPE = "tensorwise"  # what an FP8 span's projections and expert GEMMs compute with (ops/fp8.py)
 # body(hidden [b, T, D], one period's parameters, extras) -> (hidden, that period's routing stats)
@@ -73,6 +79,11 @@ def remat_policy(name: str) -> Callable | None:
     if name not in _POLICIES and name != "none":  # 'auto' is resolved before a model is built
         raise ValueError(f"execution.remat={name!r} names no policy; 'auto' is resolved by jaxtron.planning.remat")
     return _POLICIES.get(name)
+
+
+def compiler_options(execution: ExecutionConfig) -> dict[str, object]:
+    """The XLA options of a program whose blocks run as ``execution`` says: ``COMPILER_OPTIONS`` for a loop."""
+    return dict(COMPILER_OPTIONS) if execution.scan_layers else {}
 
 
 def remat_names() -> tuple[str, ...]:

@@ -43,9 +43,27 @@ def _unslice(a: jax.Array) -> jax.Array:
     return a.reshape(a.shape[0], a.shape[1] * a.shape[2], *a.shape[3:])
 
 
+def _max_and_scaled_sum(a, b):
+    """Merges two (maximum, sum of exp(x - maximum)) pairs of disjoint parts of a row."""
+    (m_a, s_a), (m_b, s_b) = a, b
+    m = jnp.maximum(m_a, m_b)
+    # a part whose maximum is the merged one keeps its sum as is (also where both are -inf: no exp(nan))
+    return m, jnp.where(m_a == m, s_a, s_a * jnp.exp(m_a - m)) + jnp.where(m_b == m, s_b, s_b * jnp.exp(m_b - m))
+
+
+def log_partition(logits: jax.Array) -> jax.Array:
+    """log sum exp over the last axis in one pass over the logits: a reduction of (maximum, scaled sum) pairs.
+    ``jax.nn.logsumexp`` reads them twice (the maximum, then the sum): Llama-3 8B's float32 logits at sequence
+    4096 x 4 are 8.4 GB, 2.9 ms a read on an H200. A vocabulary split over devices reduces each part locally and
+    gathers the parts' pairs."""
+    init = (jnp.array(-jnp.inf, logits.dtype), jnp.array(0, logits.dtype))
+    m, s = jax.lax.reduce((logits, jnp.ones_like(logits)), init, _max_and_scaled_sum, (logits.ndim - 1,))
+    return m + jnp.log(s)
+
+
 def _sums(logits: jax.Array, targets: jax.Array, weights: jax.Array):
     """(cross-entropy sum, squared log-partition sum, log-partition [batch, length], one-hot targets)."""
-    log_z = jax.nn.logsumexp(logits, axis=-1)
+    log_z = log_partition(logits)
     # a one-hot product instead of a gather keeps the vocabulary axis sharded
     one_hot = jax.nn.one_hot(targets, logits.shape[-1], dtype=logits.dtype)
     target_logit = jnp.sum(logits * one_hot, -1)

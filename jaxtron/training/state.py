@@ -12,7 +12,7 @@ from flax import nnx, struct
 from jax.sharding import Mesh
 
 from jaxtron.config.schema import ONE_F_ONE_B, Config, ConfigError, TrainConfig
-from jaxtron.models import build_model, lora, moe
+from jaxtron.models import build_model, lora, moe, stack
 from jaxtron.models.stack import remat_policy
 from jaxtron.ops import fp8 as fp8_ops
 from jaxtron.parallel.sharding import shard_count
@@ -129,7 +129,8 @@ def setup(cfg: Config, attention_impl: str, sizes: dict[str, int] | None = None)
     return Setup(graphdef=holder["graphdef"], tx=holder["tx"], abstract_state=state,
                  learning_rate=learning_rate_schedule(cfg.optimizer, cfg.train.steps), train=cfg.train,
                  stack_runner=pipeline_schedule(cfg, stages), layer_order=layer_order(cfg, stages),
-                 compiler_options=tuple({**fp8_ops.compiler_options(cfg.execution.fp8),
+                 compiler_options=tuple({**stack.compiler_options(cfg.execution),
+                                         **fp8_ops.compiler_options(cfg.execution.fp8),
                                          **moe.compiler_options(cfg.model, expert_shards(cfg, sizes),
                                                                  cfg.execution.moe_chunks)}.items()),
                  budget_schedule=moe.budget_schedule(cfg.model, expert_shards(cfg, sizes), cfg.execution.moe_schedule),
