@@ -182,13 +182,16 @@ def test_remat_policies_change_memory_not_results():
             np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
-def test_layers_in_line_compute_what_the_layer_loop_does():
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_layers_in_line_compute_what_the_layer_loop_does(dtype):
     """execution.scan_layers=False runs every block in line (no loop, no per-layer stacking of what the backward
-    pass keeps): the same loss and gradients, and a program without a while loop."""
+    pass keeps): the same loss and gradients, and a program without a while loop. In line, the recomputed forward
+    sits behind a barrier (merged with the first, it kept what the policy drops: Llama-3 8B on 8 H100s peaked at
+    165 GB where the loop's step took 83), and each weight is cast to the compute dtype once, not again there."""
     batch = {k: jnp.asarray(v) for k, v in SyntheticSource(256, 64, 0).rows(np.arange(8)).items()}
     results = {}
     for scan in (True, False):
-        cfg = tiny_config(model=dict(num_layers=3), execution=dict(remat="save_dots", scan_layers=scan),
+        cfg = tiny_config(model=dict(num_layers=3), execution=dict(remat="save_dots", scan_layers=scan, dtype=dtype),
                           data=dict(seq_len=64))
         setup = state_lib.setup(cfg, "xla")
         params = state_lib.init_state(cfg, "xla", None).params
@@ -196,11 +199,20 @@ def test_layers_in_line_compute_what_the_layer_loop_does():
         # a scan's loop says so in its op name (XLA:CPU runs the embedding gradient's scatter in a loop too)
         text = fn.lower(params).compile().as_text()
         assert bool(re.search(r' while\(.*op_name="[^"]*/while"', text)) == scan
+        if not scan:
+            assert "optimization_barrier" in fn.lower(params).as_text()
+            if dtype == "bfloat16":  # the gate and up weights [embed, mlp]: one cast each in the block's program
+                shape = f"bf16[{cfg.model.embed_dim},{cfg.model.mlp_dim}]"
+                jaxpr = str(jax.make_jaxpr(jax.value_and_grad(
+                    lambda p, setup=setup: loss_sums(p, setup.graphdef, batch)[0]))(params))
+                casts = re.findall(re.escape(shape) + r" = convert_element_type\[[^]]*new_dtype=bfloat16", jaxpr)
+                assert len(casts) == 2, len(casts)  # 4 when the backward casts them again
         loss, grads = fn(params)
         results[scan] = (float(loss), jax.tree.leaves(nnx.to_pure_dict(grads)))
-    assert results[False][0] == pytest.approx(results[True][0], rel=1e-6)
+    tolerance = dict(rtol=1e-5, atol=1e-6) if dtype == "float32" else dict(rtol=2e-2, atol=2e-3)
+    assert results[False][0] == pytest.approx(results[True][0], rel=tolerance["rtol"] / 10)
     for a, b in zip(results[False][1], results[True][1], strict=True):
-        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(np.float32(a), np.float32(b), **tolerance)
 
 
 def test_bf16_compute_keeps_fp32_parameters():
