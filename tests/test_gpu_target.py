@@ -246,6 +246,36 @@ def test_the_planners_gpu_memory_is_within_10_percent_of_an_h100_compile_it_was_
 
 @needs_plugin
 @pytest.mark.slow
+def test_the_step_fills_no_layer_stack_with_zeros_and_reads_its_logits_twice_on_the_h100(tmp_path):
+    """Llama-3 8B at 2 layers, as configured (save_dots_attention, the layers in a loop): each stack the loop
+    writes (the saved activations, the weights' gradients) is an uninitialized buffer, not a zero fill (20.4 GB
+    of writes at 8 layers), and the loss reads its float32 logits in two passes, the log-partition's and the
+    gradient's (a separate maximum was a third: 2.9 ms on an H200)."""
+    import math
+    import re
+
+    from jaxtron import cli
+
+    hlo = tmp_path / "step.hlo"
+    assert cli.run("plan", [f"--config={REPO}/configs/llama3_8b.py", "--gpus=1", "--gpu=h100", "--compile=fsdp=1",
+                            "--config.model.num_layers=2", "--config.data.seq_len=1024",
+                            "--config.train.global_batch_size=2", "--config.execution.remat=save_dots_attention",
+                            f"--hlo={hlo}"]) == 0
+    text = hlo.read_text()
+    assert text.count('custom_call_target="AllocateBuffer"') >= 10
+    zero_fills = re.findall(r"= \(?(\w+\[2,[\d,]+\])[^=]*? fusion\(\), kind=kLoop", text)
+    assert not zero_fills, zero_fills  # a fusion of no operand writing [layers, ...]: a fill of a stack
+    logits = 2 * 1024 * 128256  # not the embedding table's 4096 x 128256: its update reads that
+    readers = set()
+    for name, body in re.findall(r"^(%[\w.-]+) \(([^)]*)\) ->", text, re.MULTILINE):
+        for dims in re.findall(r"f32\[([\d,]+)\]", body):
+            if math.prod(int(d) for d in dims.split(",")) == logits:
+                readers.add(name)
+    assert len(readers) == 2, readers
+
+
+@needs_plugin
+@pytest.mark.slow
 def test_deepseek_v3_heads_run_in_cudnn_on_the_h100():
     """DeepSeek-V3's query and key heads are 192 wide (128 + 64 rotary): Hopper's cuDNN takes heads up to 256, so a
     GPU run picks cuDNN for them; its MoE blocks sort (routing's top-k) under the deviceless flags. (Capacity mode
