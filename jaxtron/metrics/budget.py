@@ -16,7 +16,6 @@ measured step to its bound says how much of that there is; ``benchmarks/step_bud
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import re
 
 from jaxtron.metrics.collectives import COLLECTIVES, collectives
@@ -26,13 +25,11 @@ from jaxtron.metrics.hlo import (
     GEMM_TARGETS,
     attention_flops,
     backend_config,
-    computations,
-    definitions,
     gemm_flops,
     grouped_gemm_flops,
-    runs_per_execution,
     type_bytes,
 )
+from jaxtron.metrics.hlo_program import CALLS, LINE, TARGET, Program, operand_names, split_instruction, tuple_parts
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,54 +67,12 @@ CATEGORIES = ("GEMM bf16", "GEMM fp8", "GEMM f32", "grouped GEMM", "attention", 
 _FREE = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "while", "conditional", "call",
          "after-all", "partition-id", "replica-id", "opt-barrier", "add-dependency", "domain", "copy-done",
          "async-done", "async-update", "send-done", "recv-done", "get-dimension-size"}
-_LINE = re.compile(r"^\s*(?:ROOT\s+)?(%[\w.\-]+) = (.*)$")
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
 _FUSION_KIND = re.compile(r'"kind":"(__[a-z_$]+)"')
-_CALLS = re.compile(r"\bcalls=(%[\w.\-]+)")
-_IN_PLACE = ("dynamic-update-slice", "scatter")  # fusion roots that update their first operand in place
-_TARGET = re.compile(r'custom_call_target="([^"]+)"')
 # library calls that launch no kernel: XLA's uninitialized buffer, where a loop overwrites every slot of a stack
 _FREE_TARGETS = {"AllocateBuffer"}
-_TO_APPLY = re.compile(r"\bto_apply=(%[\w.\-]+)")
-_NESTED = re.compile(r"\b(?:body|condition|true_computation|false_computation)=(%[\w.\-]+)"
-                     r"|branch_computations=\{([^}]*)\}")
 # named scopes the code opens (jax.named_scope) that name what a kernel does, innermost first when several match
 SCOPES = ("norm", "rope", "activation", "attention", "weight_cast", "loss", "optimizer", "router", "experts")
-
-
-def _split(rest: str) -> tuple[str, str, str]:
-    """'TYPE opcode(operands), attributes' -> (TYPE, opcode, the text from the operands on)."""
-    if rest.startswith("("):  # a tuple type: skip to its closing parenthesis
-        depths = itertools.accumulate((ch == "(") - (ch == ")") for ch in rest)
-        end = next(i for i, depth in enumerate(depths) if depth == 0)
-        type_text, rest = rest[:end + 1], rest[end + 1:].lstrip()
-    else:
-        type_text, _, rest = rest.partition(" ")
-    opcode, _, tail = rest.partition("(")
-    return type_text, opcode.strip(), tail
-
-
-def _tuple_parts(type_text: str) -> list[str]:
-    """The top-level parts of a tuple type '(A, (B, C), D)'."""
-    parts, depth, start = [], 0, 1
-    for i, ch in enumerate(type_text):
-        depth += (ch in "({[") - (ch in ")}]")
-        if (ch == "," and depth == 1) or (ch == ")" and depth == 0):
-            parts.append(type_text[start:i].strip())
-            start = i + 1
-    return parts
-
-
-def _operand_names(tail: str) -> list[str]:
-    """The operands of an instruction: the names inside its first parentheses."""
-    depth, end = 1, len(tail)
-    for i, ch in enumerate(tail):
-        depth += ch == "("
-        depth -= ch == ")"
-        if depth == 0:
-            end = i
-            break
-    return re.findall(r"%[\w.\-]+", tail[:end])
 
 
 @dataclasses.dataclass
@@ -219,142 +174,6 @@ def label(line: str) -> str:
     return f"{phase} {what}"
 
 
-class _Program:
-    """The optimized HLO text, indexed: computations, their runs per execution, every instruction's type."""
-
-    def __init__(self, hlo_text: str):
-        self.comps, self.runs = runs_per_execution(hlo_text)
-        _, self.entry = computations(hlo_text)
-        self.shapes = definitions(hlo_text)
-        self.types: dict[str, str] = {}  # instruction name -> its type text (tuples too)
-        for lines in self.comps.values():
-            for line in lines:
-                m = _LINE.match(line)
-                if m:
-                    self.types[m.group(1)] = _split(m.group(2))[0]
-
-    def kernel_level(self) -> list[str]:
-        """The computations whose instructions are kernels: the entry, loop bodies and conditions, conditional
-        branches, called and asynchronous computations (not fused computations, reducers or comparators)."""
-        out, stack = [], [self.entry] if self.entry else []
-        while stack:
-            name = stack.pop()
-            if name in out or name not in self.comps:
-                continue
-            out.append(name)
-            for line in self.comps[name]:
-                for one, several in _NESTED.findall(line):
-                    stack += [c.strip().lstrip("%") for c in (one or several).split(",")]
-                m = _LINE.match(line)
-                opcode = _split(m.group(2))[1] if m else ""
-                if opcode == "call":
-                    stack += [c.lstrip("%") for c in _TO_APPLY.findall(line)]
-                elif opcode == "async-start":
-                    stack += [c.lstrip("%") for c in _CALLS.findall(line)]
-        return out
-
-    def instructions(self):
-        """(computation, its runs per execution, line, name, type text, opcode, the text from the operands on) of
-        each instruction of the kernel-level computations that run, in each computation's (scheduled) order."""
-        for comp in self.kernel_level():
-            runs = self.runs.get(comp, 0)
-            if not runs:
-                continue
-            for line in self.comps[comp]:
-                m = _LINE.match(line)
-                if m:
-                    yield (comp, runs, line, m.group(1), *_split(m.group(2)))
-
-    def operand_bytes(self, name: str) -> int:
-        return type_bytes(self.types.get(name, ""))
-
-    def fusion_bytes(self, fused: str, operands: list[str], result_type: str) -> float:
-        """Bytes a fusion reads and writes: an operand that the fused computation only slices counts as its
-        slices; a buffer updated in place (dynamic-update-slice or scatter at the root) as the update written,
-        not read."""
-        lines = self.comps.get(fused, [])
-        params: dict[str, int] = {}  # fused parameter name -> operand index
-        users: dict[str, list[tuple[str, str, list[str]]]] = {}  # name -> [(user, opcode, operands)]
-        defs: dict[str, tuple[str, str, list[str]]] = {}
-        root = None
-        for line in lines:
-            m = _LINE.match(line)
-            if not m:
-                continue
-            type_text, opcode, tail = _split(m.group(2))
-            ops = _operand_names(tail)
-            defs[m.group(1)] = (type_text, opcode, ops)
-            if opcode == "parameter":
-                params[m.group(1)] = int(re.match(r"\s*(\d+)", tail).group(1))
-            for o in ops:
-                users.setdefault(o, []).append((m.group(1), opcode, ops))
-            if line.lstrip().startswith("ROOT"):
-                root = m.group(1)
-        outputs = [root] if root else []
-        if root and defs[root][1] == "tuple":
-            outputs = defs[root][2]
-        in_place = {defs[o][2][0] for o in outputs if o in defs and defs[o][1] in _IN_PLACE}
-        written = 0.0
-        for o in outputs:
-            if o not in defs:
-                continue
-            type_text, opcode, ops = defs[o]
-            if opcode == "dynamic-update-slice":
-                written += type_bytes(defs[ops[1]][0])
-            elif opcode == "scatter":  # the rows it adds into, read and written (a combiner reads its target)
-                written += 2 * type_bytes(defs[ops[2]][0]) if len(ops) > 2 and ops[2] in defs else 0
-            else:
-                written += type_bytes(type_text)
-        if not outputs:
-            written = type_bytes(result_type)
-        read = 0.0
-        for param, index in params.items():
-            if index >= len(operands):
-                continue
-            whole = self.operand_bytes(operands[index])
-            read += self._read(param, whole, users, defs, in_place)
-        return read + written
-
-    def _read(self, name: str, whole: int, users, defs, in_place: set[str]) -> float:
-        """Bytes of value ``name`` (of ``whole`` bytes) that its users in a fused computation read."""
-        if name in in_place:
-            return 0.0
-        total = 0.0
-        for user, opcode, ops in users.get(name, []):
-            if opcode == "bitcast":
-                total += self._read(user, whole, users, defs, in_place)
-            elif opcode in ("dynamic-slice", "slice", "gather") and ops and ops[0] == name:
-                total += type_bytes(defs[user][0])
-            elif opcode in _IN_PLACE and ops and ops[0] == name and user in in_place:
-                continue
-            else:
-                return float(whole)
-        return min(total, float(whole))
-
-    def called_dot(self, fused: str) -> str | None:
-        """The dot instruction inside a GEMM fusion (nested fusions searched too)."""
-        return self._called(fused, lambda line: " dot(" in line)
-
-    def called_library_gemm(self, fused: str) -> str | None:
-        """The library GEMM call inside a fusion: XLA's dynamic-slice fusion wraps a cuBLAS call that reads a
-        slice or writes into one in place."""
-        return self._called(fused, lambda line: _TARGET.search(line) is not None
-                            and _TARGET.search(line).group(1) in GEMM_TARGETS)
-
-    def _called(self, fused: str, matches) -> str | None:
-        stack, seen = [fused], set()
-        while stack:
-            name = stack.pop()
-            if name in seen:
-                continue
-            seen.add(name)
-            for line in self.comps.get(name, []):
-                if matches(line):
-                    return line
-                stack += [c.lstrip("%") for c in _CALLS.findall(line)]
-        return None
-
-
 def _without_workspace(type_text: str) -> str:
     return re.sub(r"[su]8\[[\d,]*\](\{[^}]*\})?", "", type_text)
 
@@ -367,21 +186,21 @@ def _gemm_category(operand_types: list[str]) -> str:
     return "GEMM bf16"
 
 
-def kernels(hlo_text: str | _Program, ceilings: Ceilings) -> list[Kernel]:
+def kernels(hlo_text: str | Program, ceilings: Ceilings) -> list[Kernel]:
     """Every kernel one execution of the program (its text, or the text already indexed) launches, priced (see the
     module's docstring)."""
-    program = hlo_text if isinstance(hlo_text, _Program) else _Program(hlo_text)
+    program = hlo_text if isinstance(hlo_text, Program) else Program(hlo_text)
     rates = {"GEMM bf16": ceilings.bf16_flops, "GEMM fp8": ceilings.fp8_flops, "GEMM f32": ceilings.bf16_flops / 2,
              "grouped GEMM": ceilings.grouped_flops or ceilings.bf16_flops, "attention": ceilings.attention_flops}
     out = []
     for _, runs, line, name, type_text, opcode, tail in program.instructions():
         if opcode in _FREE or opcode.endswith("-done") or any(opcode.startswith(c) for c in COLLECTIVES):
             continue
-        if opcode == "custom-call" and (_TARGET.search(line) or [None, ""])[1] in _FREE_TARGETS:
+        if opcode == "custom-call" and (TARGET.search(line) or [None, ""])[1] in _FREE_TARGETS:
             continue
-        operands = _operand_names(tail)
+        operands = operand_names(tail)
         if opcode == "fusion-start":  # an asynchronous fusion (XLA 0.11): ((operands), result, context), priced alike
-            opcode, type_text = "fusion", _tuple_parts(type_text)[1]
+            opcode, type_text = "fusion", tuple_parts(type_text)[1]
         if opcode == "custom-call":  # a library call's byte results are its workspace, not data it writes
             type_text = _without_workspace(type_text)
         moved = float(sum(program.operand_bytes(o) for o in operands) + type_bytes(type_text))
@@ -389,16 +208,16 @@ def kernels(hlo_text: str | _Program, ceilings: Ceilings) -> list[Kernel]:
         if opcode == "fusion":
             kind = _FUSION_KIND.search(line)
             kind = kind.group(1) if kind else ""
-            fused = _CALLS.search(line).group(1).lstrip("%")
+            fused = CALLS.search(line).group(1).lstrip("%")
             dot = program.called_dot(fused) if "gemm" in kind or "cudnn" in kind else None
             library = program.called_library_gemm(fused) if dot is None and "custom" in kind else None
             if dot is not None:
                 flops = gemm_flops(dot, program.shapes, None)
-                dot_ops = _operand_names(_split(_LINE.match(dot).group(2))[2])
+                dot_ops = operand_names(split_instruction(LINE.match(dot).group(2))[2])
                 category = _gemm_category([program.shapes.get(o, ("?", ()))[0] for o in dot_ops])
             elif library is not None:  # a GEMM that reads or writes a slice of a stack in place
                 flops = gemm_flops(library, program.shapes, backend_config(library))
-                gemm_ops = _operand_names(_split(_LINE.match(library).group(2))[2])
+                gemm_ops = operand_names(split_instruction(LINE.match(library).group(2))[2])
                 category = _gemm_category([program.shapes.get(o, ("?", ()))[0] for o in gemm_ops[:2]])
                 named = library  # the wrapper has no op name of its own
                 workspace = type_bytes(type_text) - type_bytes(_without_workspace(type_text))

@@ -12,8 +12,9 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 
-from jaxtron.metrics.budget import _LINE, _NESTED, _TO_APPLY, Ceilings, _operand_names, _Program, _split, kernels
+from jaxtron.metrics.budget import Ceilings, kernels
 from jaxtron.metrics.collectives import _kind, collective_bytes
+from jaxtron.metrics.hlo_program import LINE, NESTED, TO_APPLY, Program, operand_names, split_instruction
 
 # the exchanges of MoE blocks: what travels with the rows (the all-to-alls of their counts are a few bytes)
 EXCHANGES = ("all-to-all", "ragged-all-to-all")
@@ -37,10 +38,10 @@ class Window:
         return 1.0 if transfer <= 0 else min(1.0, self.compute_s / transfer)
 
 
-def windows(hlo_text: str | _Program, ceilings: Ceilings) -> list[Window]:
+def windows(hlo_text: str | Program, ceilings: Ceilings) -> list[Window]:
     """Every asynchronous collective of the program's kernel-level computations (its text, or the text already
     indexed), with its window's compute."""
-    program = hlo_text if isinstance(hlo_text, _Program) else _Program(hlo_text)
+    program = hlo_text if isinstance(hlo_text, Program) else Program(hlo_text)
     priced = {k.name: k for k in kernels(program, ceilings)}
     nested = _nested_seconds(program, priced)
     defined = program.shapes
@@ -55,7 +56,7 @@ def windows(hlo_text: str | _Program, ceilings: Ceilings) -> list[Window]:
             open_[name] = [kind, collective_bytes(line, defined), 0.0, 0]
             continue
         if opcode.endswith("-done"):
-            start = next(iter(_operand_names(tail)), "")
+            start = next(iter(operand_names(tail)), "")
             if start in open_:
                 kind, moved, seconds, gemms = open_.pop(start)
                 out.append(Window(kind, start, moved, runs, seconds, gemms))
@@ -78,14 +79,14 @@ def windows(hlo_text: str | _Program, ceilings: Ceilings) -> list[Window]:
 
 def _callees(line: str, opcode: str) -> list[str]:
     names = []
-    for one, several in _NESTED.findall(line):
+    for one, several in NESTED.findall(line):
         names += [c.strip().lstrip("%") for c in (one or several).split(",")]
     if opcode == "call":
-        names += [c.lstrip("%") for c in _TO_APPLY.findall(line)]
+        names += [c.lstrip("%") for c in TO_APPLY.findall(line)]
     return names
 
 
-def _nested_seconds(program: _Program, priced: dict) -> dict[str, tuple[float, int]]:
+def _nested_seconds(program: Program, priced: dict) -> dict[str, tuple[float, int]]:
     """Computation -> (seconds per step of the kernels in it and in what it calls, how many GEMM-class kernels)."""
     memo: dict[str, tuple[float, int]] = {}
 
@@ -94,7 +95,7 @@ def _nested_seconds(program: _Program, priced: dict) -> dict[str, tuple[float, i
             return memo[comp]
         seconds, gemms = 0.0, 0
         for line in program.comps.get(comp, []):
-            m = _LINE.match(line)
+            m = LINE.match(line)
             if not m:
                 continue
             name = m.group(1)
@@ -102,7 +103,7 @@ def _nested_seconds(program: _Program, priced: dict) -> dict[str, tuple[float, i
                 k = priced[name]
                 seconds += k.runs * k.seconds
                 gemms += k.category != "memory-bound"
-            for callee in _callees(line, _split(m.group(2))[1]):
+            for callee in _callees(line, split_instruction(m.group(2))[1]):
                 if callee not in seen:
                     s, g = total(callee, seen | {comp})
                     seconds, gemms = seconds + s, gemms + g

@@ -25,8 +25,9 @@ from typing import Any
 from jaxtron.gpu import links
 from jaxtron.metrics import budget as budget_lib
 from jaxtron.metrics import overlap
-from jaxtron.metrics.budget import _FREE, Ceilings, _Program
+from jaxtron.metrics.budget import _FREE, Ceilings
 from jaxtron.metrics.collectives import _kind, collective_bytes, group_devices
+from jaxtron.metrics.hlo_program import Program
 
 PROFILE_OPTION = "xla_gpu_pgle_profile_file_or_directory_path"
 # what starting a collective adds to its transfer: NCCL's launch and its first round trip, seconds
@@ -75,12 +76,12 @@ def link_bandwidth(line: str, costs: Costs) -> float:
     return min(costs.nvlink_bandwidth, len(ids) // nodes * costs.network_bandwidth)
 
 
-def profile(hlo_text: str | _Program, costs: Costs) -> str:
+def profile(hlo_text: str | Program, costs: Costs) -> str:
     """The scheduler's profile of a compiled program (``ProfiledInstructionsProto`` as text): each kernel's
     budgeted seconds plus a launch, each loop or call the seconds of what it runs, each collective's start its
     bytes over its link's bandwidth plus ``COLLECTIVE_LATENCY_S``, all in microseconds. Empty when the program
     has no asynchronous collective (nothing to schedule around)."""
-    program = hlo_text if isinstance(hlo_text, _Program) else _Program(hlo_text)
+    program = hlo_text if isinstance(hlo_text, Program) else Program(hlo_text)
     priced = {k.name: k for k in budget_lib.kernels(program, costs.ceilings)}
     nested = overlap._nested_seconds(program, priced)
     lines, collectives = [], 0
@@ -98,17 +99,17 @@ def profile(hlo_text: str | _Program, costs: Costs) -> str:
     return "\n".join(lines) + "\n" if collectives else ""
 
 
-def start_links(hlo_text: str | _Program, costs: Costs) -> dict[str, float]:
+def start_links(hlo_text: str | Program, costs: Costs) -> dict[str, float]:
     """Each asynchronous collective's start (by name) -> the bandwidth of its links (``link_bandwidth``)."""
-    program = hlo_text if isinstance(hlo_text, _Program) else _Program(hlo_text)
+    program = hlo_text if isinstance(hlo_text, Program) else Program(hlo_text)
     return {name: link_bandwidth(line, costs) for _, _, line, name, _, opcode, _ in program.instructions()
             if opcode.endswith("-start")}
 
 
-def exposed_seconds(hlo_text: str | _Program, costs: Costs) -> float:
+def exposed_seconds(hlo_text: str | Program, costs: Costs) -> float:
     """Seconds per step that the program's asynchronous collectives take beyond the kernels scheduled between their
     starts and dones (``jaxtron.metrics.overlap``), each at the bandwidth of its links: what the step waits for."""
-    program = hlo_text if isinstance(hlo_text, _Program) else _Program(hlo_text)
+    program = hlo_text if isinstance(hlo_text, Program) else Program(hlo_text)
     links = start_links(program, costs)
     total = 0.0
     for window in overlap.windows(program, costs.ceilings):
@@ -124,7 +125,7 @@ def compile_scheduled(lowered: Any, options: dict[str, object], costs: Costs | N
     serve some programs better: its 5000 units an exchange made it put several GEMMs beside each short exchange
     inside a node, where exact costs put just enough by its estimate and a little less by the budget's."""
     compiled = lowered.compile(compiler_options=options)
-    first = _Program(compiled.as_text()) if costs is not None else None
+    first = Program(compiled.as_text()) if costs is not None else None
     text = profile(first, costs) if first is not None else ""
     if not text:
         return compiled
