@@ -55,10 +55,11 @@ def log_partition(logits: jax.Array) -> jax.Array:
     """log sum exp over the last axis in one pass over the logits: a reduction of (maximum, scaled sum) pairs.
     ``jax.nn.logsumexp`` reads them twice (the maximum, then the sum): Llama-3 8B's float32 logits at sequence
     4096 x 4 are 8.4 GB, 2.9 ms a read on an H200. A vocabulary split over devices reduces each part locally and
-    gathers the parts' pairs."""
+    gathers the parts' pairs: one float32 gather of two floats a row and part (the named scope finds it)."""
     init = (jnp.array(-jnp.inf, logits.dtype), jnp.array(0, logits.dtype))
-    m, s = jax.lax.reduce((logits, jnp.ones_like(logits)), init, _max_and_scaled_sum, (logits.ndim - 1,))
-    return m + jnp.log(s)
+    with jax.named_scope("log_partition"):
+        m, s = jax.lax.reduce((logits, jnp.ones_like(logits)), init, _max_and_scaled_sum, (logits.ndim - 1,))
+        return m + jnp.log(s)
 
 
 def _sums(logits: jax.Array, targets: jax.Array, weights: jax.Array):
