@@ -201,8 +201,8 @@ def _compile_on_target(*overrides: str, gpus: int = 1, config: str = "configs/de
         "print(json.dumps(dict(peak=result.peak_bytes, kernels=kernels(text), f8=float8_operands(text), gemms=gemms,\n"
         "                      collectives={k: v['count'] for k, v in result.collectives.items()},\n"
         "                      collective_bytes={k: v['bytes'] for k, v in result.collectives.items()},\n"
-        "                      f32_gather_bytes=f32_gathers,\n"
-        "                      partition_gather_bytes=partition_gathers, gather_groups=gather_groups, flops=result.flops,\n"
+        "                      f32_gather_bytes=f32_gathers, partition_gather_bytes=partition_gathers,\n"
+        "                      gather_groups=gather_groups, flops=result.flops,\n"
         "                      exchanges=exchanges, exposed=exposed, loop_bytes=big,\n"
         "                      memory_bytes=memory, expert_row_bytes=rows, entry_transposes=entry_transposes)))\n")
     out = subprocess.run([sys.executable, "-c", code, f"{REPO}/{config}", str(gpus), *overrides], cwd=REPO,
