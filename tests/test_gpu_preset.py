@@ -19,7 +19,7 @@ def test_the_installed_jaxlib_takes_the_preset_and_names_a_flag_it_does_not_know
 
 def test_the_program_options_named_as_evidence_are_the_ones_the_code_sets():
     from jaxtron.gpu import target
-    from jaxtron.models import moe, stack
+    from jaxtron.models import moe, stack, tensor_chunks
     from jaxtron.ops import fp8
 
     stack_options, _ = next(v for k, v in gpu_preset.PROGRAM_OPTIONS.items()
@@ -34,6 +34,10 @@ def test_the_program_options_named_as_evidence_are_the_ones_the_code_sets():
     chunked, _ = next(v for k, v in gpu_preset.PROGRAM_OPTIONS.items()
                       if k.startswith("jaxtron/models/moe.py CHUNKED_OPTIONS"))
     assert chunked == ", ".join(f"{k}={v}" for k, v in moe.CHUNKED_OPTIONS.items())
+    tensor, _ = next(v for k, v in gpu_preset.PROGRAM_OPTIONS.items() if k.startswith("jaxtron/models/tensor_chunks"))
+    assert tensor == ", ".join(f"{k}={v}" for k, v in tensor_chunks.COMPILER_OPTIONS.items())
+    assert tensor_chunks.compiler_options(2, 8) == tensor_chunks.COMPILER_OPTIONS
+    assert tensor_chunks.compiler_options(1, 8) == tensor_chunks.compiler_options(2, 1) == {}
     cub, _ = next(v for k, v in gpu_preset.PROGRAM_OPTIONS.items() if k.startswith("jaxtron/gpu/target.py"))
     assert cub == " ".join(f"{k}={v}" for k, v in target.DEVICELESS_FLAGS.items())
 

@@ -42,6 +42,10 @@ PROGRAM_OPTIONS: dict[str, tuple[str, str]] = {
         "xla_gpu_enable_dus_accumulator_zero_init_elimination=True",
         ("Llama-3 8B (8 layers, H200 target): the zero fills of the loop's stacks, 20.4 GB, are gone; budget 439.5 "
          "-> 432.2 ms (benchmarks/step_budget.md)")),
+    "jaxtron/models/tensor_chunks.py COMPILER_OPTIONS, with execution.tensor_chunks > 1 on a tensor group": (
+        "xla_gpu_reduce_scatter_combine_threshold_bytes=1",
+        ("Llama-3 70B (2 layers, tensor=8, 2 chunks): the chunks' reduce-scatters stay apart, 10 of 18 beside "
+         "GEMMs; combined, 2 of 10 (tests/test_gpu_tensor_overlap.py)")),
     "jaxtron/ops/fp8.py COMPILER_OPTIONS, with execution.fp8": (
         "xla_gpu_enable_triton_gemm=False, xla_disable_hlo_passes=dot-merger",
         "the default model's 21 block GEMMs take float8 operands on the H100 target with them, none without"),

@@ -118,20 +118,25 @@ class Attention(_SelfAttention):
                  local: bool = False) -> jax.Array:
         """``local``: a local layer, which sees the ``attention.window`` latest positions, or its own
         ``attention.chunk``."""
-        q, k, v = self._project(x, positions, local)
+        q, k, v = self.project(x, positions, local)
+        return self.output(x, self.attend(q, k, v, positions, segment_ids, local))
+
+    def attend(self, q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array, segment_ids: jax.Array | None,
+               local: bool = False) -> jax.Array:
+        """The heads' output [b, t, heads, head_dim] of ``project``'s queries, keys and values."""
         window, chunk = (self.cfg.attention.window, self.cfg.attention.chunk) if local else (0, 0)
-        return self._output(x, self._attend(q, k, v, positions, segment_ids, window, self._sinks(), chunk))
+        return self._attend(q, k, v, positions, segment_ids, window, self._sinks(), chunk)
 
     def _sinks(self) -> jax.Array | None:
         return None if self.sinks is None else self.sinks[...]
 
-    def _output(self, x: jax.Array, out: jax.Array) -> jax.Array:
+    def output(self, x: jax.Array, out: jax.Array) -> jax.Array:
         """The heads' output [b, t, heads, head_dim], gated (``attention.output_gate``) and projected."""
         if self.wg is not None:
             out = out * jax.nn.sigmoid(self.wg(x))
         return self.wo(out)
 
-    def _project(self, x: jax.Array, positions: jax.Array,
+    def project(self, x: jax.Array, positions: jax.Array,
                  local: bool = False) -> tuple[jax.Array, jax.Array, jax.Array]:
         """Queries, keys and values [b, t, heads, head_dim], rotated (but in NoPE layers); the queries carry the
         softmax scale's departure from 1/sqrt(head_dim) (Gemma's query_pre_attn_scalar), since the kernels scale by
@@ -157,14 +162,14 @@ class Attention(_SelfAttention):
         """The tokens ``x`` [b, t, d] at ``positions`` with the earlier ones' keys and values from ``cache``
         (``empty_cache``): -> (the output, the cache with these tokens' written in). A local layer's cache is a
         ring of ``attention.window`` slots (``models/window_cache.py``)."""
-        q, k, v = self._project(x, positions, local)
+        q, k, v = self.project(x, positions, local)
         if local and "slot_positions" in cache:
             out, cache = window_cache.attend(cache, q, k, v, positions, self.cfg.attention.window, self._sinks())
-            return self._output(x, out), cache
+            return self.output(x, out), cache
         cache = {"k": write_cache(cache["k"], k, positions), "v": write_cache(cache["v"], v, positions)}
         window, chunk = (self.cfg.attention.window, self.cfg.attention.chunk) if local else (0, 0)
         out = cached_attention(q, cache["k"], cache["v"], positions, window, self._sinks(), chunk)
-        return self._output(x, out), cache
+        return self.output(x, out), cache
 
     def empty_cache(self, batch: int, length: int, dtype, local: bool = False) -> dict[str, jax.Array]:
         """Zero keys and values for ``length`` positions; a local layer's for no more than its window."""

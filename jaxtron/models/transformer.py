@@ -15,6 +15,7 @@ from flax import nnx
 
 from jaxtron.config.model import STACKS
 from jaxtron.config.schema import ExecutionConfig, ModelConfig
+from jaxtron.models import tensor_chunks
 from jaxtron.models.attention import Attention, LatentAttention
 from jaxtron.models.delta_net import GatedDeltaNet
 from jaxtron.models.layers import Norm, compute_dtype, embed_lookup, param
@@ -55,15 +56,40 @@ class Block(nnx.Module):
         self.mlp_norm = Norm(cfg, execution)
         self.mlp = MoE(cfg, execution, rngs) if moe else MLP(cfg, execution, rngs)
         self.mlp_post_norm = Norm(cfg, execution) if cfg.post_norms else None
+        self.tensor_chunks = execution.tensor_chunks
 
     def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array | None,
                  local: bool = False) -> tuple[jax.Array, Stats]:
         """-> (output, routing stats of an MoE block, empty for a dense one). ``local``: the block's attention sees
         only its window (``model.attention.window``)."""
-        a = self.attn(block_input(self.attn_norm, x), positions, segment_ids, local)
-        x = constrain(x + gathered_cotangent(_post(self.attn_post_norm, a), BLOCK_INPUT_AXES), EMBED_AXES)
+        dropout = any(getattr(node, "lora_dropout", 0.0) for _, node in nnx.iter_graph(self))
+        chunks = tensor_chunks.usable(self.tensor_chunks, x.shape[1], whole_rows=dropout)
+        if chunks > 1 and isinstance(self.attn, Attention):
+            x = constrain(x + self._chunked_attention(x, positions, segment_ids, local, chunks), EMBED_AXES)
+        else:
+            a = self.attn(block_input(self.attn_norm, x), positions, segment_ids, local)
+            x = constrain(x + gathered_cotangent(_post(self.attn_post_norm, a), BLOCK_INPUT_AXES), EMBED_AXES)
+        if chunks > 1 and isinstance(self.mlp, MLP):
+            return constrain(x + tensor_chunks.over_chunks(self._mlp_chunk, chunks, x), EMBED_AXES), {}
         y, stats = self.mlp(block_input(self.mlp_norm, x))
         return constrain(x + gathered_cotangent(_post(self.mlp_post_norm, y), BLOCK_INPUT_AXES), EMBED_AXES), stats
+
+    def _mlp_chunk(self, x: jax.Array) -> jax.Array:
+        """The feed-forward part of one chunk of rows held as the residual stream, its output split as that is."""
+        return _scattered(self.mlp_post_norm, self.mlp(block_input(self.mlp_norm, x))[0])
+
+    def _chunked_attention(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array | None, local: bool,
+                           chunks: int) -> jax.Array:
+        """The attention part with its projections run in ``chunks`` of the rows (``models/tensor_chunks.py``):
+        each chunk's gather and reduce-scatter beside another chunk's GEMMs; the attention itself whole."""
+        normed = constrain(self.attn_norm(x), EMBED_AXES)  # cast while split, as block_input does
+        q, k, v = tensor_chunks.over_chunks(
+            lambda rows, where: self.attn.project(constrain(rows, BLOCK_INPUT_AXES), where, local), chunks,
+            normed, positions)
+        out = self.attn.attend(q, k, v, positions, segment_ids, local)
+        return tensor_chunks.over_chunks(
+            lambda rows, heads: _scattered(self.attn_post_norm, self.attn.output(constrain(rows, BLOCK_INPUT_AXES),
+                                                                                  heads)), chunks, normed, out)
 
     def decode(self, x: jax.Array, positions: jax.Array, cache: dict[str, jax.Array],
                local: bool = False) -> tuple[jax.Array, dict[str, jax.Array]]:
@@ -78,6 +104,12 @@ class Block(nnx.Module):
 def _post(norm: nnx.Module | None, y: jax.Array) -> jax.Array:
     """A part's output, normed again with ``model.post_norms``."""
     return y if norm is None else norm(y)
+
+
+def _scattered(post_norm: nnx.Module | None, out: jax.Array) -> jax.Array:
+    """A part's output (post-normed, with ``model.post_norms``) split as the residual stream: reduce-scattered
+    over the tensor group, its cotangent gathered once for both transposed matmuls."""
+    return constrain(gathered_cotangent(_post(post_norm, out), BLOCK_INPUT_AXES), EMBED_AXES)
 
 
 class MTPModule(nnx.Module):

@@ -12,7 +12,7 @@ from flax import nnx, struct
 from jax.sharding import Mesh
 
 from jaxtron.config.schema import ONE_F_ONE_B, Config, ConfigError, TrainConfig
-from jaxtron.models import build_model, lora, moe, stack
+from jaxtron.models import build_model, lora, moe, stack, tensor_chunks
 from jaxtron.models.stack import remat_policy
 from jaxtron.ops import fp8 as fp8_ops
 from jaxtron.parallel.sharding import shard_count
@@ -113,6 +113,12 @@ def expert_shards(cfg: Config, sizes: dict[str, int] | None) -> int:
     return shard_count(sizes, "experts") if sizes is not None else max(cfg.mesh.expert, 1)
 
 
+def tensor_count(cfg: Config, sizes: dict[str, int] | None) -> int:
+    """Devices in the tensor group on a mesh of ``sizes`` (default as ``stage_count``, else ``mesh.tensor``)."""
+    sizes = _mesh_sizes(sizes)
+    return sizes.get("tensor", 1) if sizes is not None else max(cfg.mesh.tensor, 1)
+
+
 def setup(cfg: Config, attention_impl: str, sizes: dict[str, int] | None = None) -> Setup:
     """Graph definition, optimizer and abstract state, with no parameter memory allocated; ``sizes`` are the
     mesh's (see ``stage_count``)."""
@@ -130,6 +136,8 @@ def setup(cfg: Config, attention_impl: str, sizes: dict[str, int] | None = None)
                  learning_rate=learning_rate_schedule(cfg.optimizer, cfg.train.steps), train=cfg.train,
                  stack_runner=pipeline_schedule(cfg, stages), layer_order=layer_order(cfg, stages),
                  compiler_options=tuple({**stack.compiler_options(cfg.execution),
+                                         **tensor_chunks.compiler_options(cfg.execution.tensor_chunks,
+                                                                          tensor_count(cfg, sizes)),
                                          **fp8_ops.compiler_options(cfg.execution.fp8),
                                          **moe.compiler_options(cfg.model, expert_shards(cfg, sizes),
                                                                  cfg.execution.moe_chunks)}.items()),
