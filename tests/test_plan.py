@@ -323,6 +323,28 @@ def test_the_share_of_the_exchanges_beside_gemms_follows_the_schedulers_costs_an
     assert total > 0 and got.time["expert_comm"] == pytest.approx(total - share * min(total, gemms), rel=1e-9)
 
 
+@pytest.mark.parametrize("name, extra, share", [
+    ("llama3_70b", {}, 1.0), ("mixtral_8x7b", {}, 0.5), ("llama3_70b", {"execution.fp8": "true"}, 0.0),
+    ("deepseek_v3", {}, None)])
+def test_the_tensor_collectives_beside_gemms_are_the_chunked_parts_share(name, extra, share):
+    """With execution.tensor_chunks=2 the planner puts TENSOR_HIDDEN of the chunked parts' tensor collectives beside
+    the GEMMs: all of a dense model's, the attention's half of a Mixtral block's, none under FP8 (its scales read
+    whole rows), and for DeepSeek-V3 (latent attention) only its first dense blocks' MLPs. One chunk: all exposed."""
+    from jaxtron.planning.step_time import TENSOR_HIDDEN, chunked_share
+
+    sizes = dict(pipeline=1, data=1, fsdp=8, sequence=1, expert=1, tensor=8)
+    whole = estimate(_config(name, **extra), sizes, H100)
+    chunked = estimate(_config(name, **{**extra, "execution.tensor_chunks": "2"}), sizes, H100)
+    total = whole.time["tensor_comm"]
+    assert total > 0 and whole.time["tensor_comm_hidden"] == 0.0
+    if share is None:
+        share = chunked_share(chunked.config.model)
+        assert 0 < share < 0.1
+    assert chunked.time["tensor_comm_hidden"] == pytest.approx(TENSOR_HIDDEN[2] * share * total, rel=1e-9)
+    assert chunked.time["tensor_comm"] + chunked.time["tensor_comm_hidden"] == pytest.approx(total, rel=1e-9)
+    assert (chunked.step_s < whole.step_s) == (share > 0)
+
+
 def test_expert_exchanges_that_leave_the_node_are_priced_at_the_network_rate():
     """DeepSeek-V3 on 1024 H100s: its own expert=64 (and the published TP2 PP16 layout with experts over 32 x 2
     GPUs) are candidates that fit with receive buffers of 2x (configs/deepseek_v3.py); an expert group of 64 spans

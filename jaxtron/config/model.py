@@ -290,7 +290,7 @@ class ExecutionConfig:
     moe_schedule: str = "budget"
     # with a tensor group: each block's projections run in this many chunks of the rows, so that one chunk's
     # gathers and reduce-scatters run beside another's GEMMs (models/tensor_chunks.py); 1 runs them whole. Off
-    # until a GPU times it: on the H100 target it hides 81% of the gathers and 71% of the reduce-scatters
+    # until a GPU times it: on the H100 target the blocks' collectives go from 51% (gathers) and 13% hidden to 84%
     tensor_chunks: int = 1
 
     def __post_init__(self):

@@ -53,8 +53,8 @@ def shards() -> int:
 
 def usable(chunks: int, length: int, whole_rows: bool = False) -> int:
     """The chunks to run for a sequence of ``length``: ``chunks`` where a tensor group exists and every shard's rows
-    divide evenly, else 1. ``whole_rows``: the work draws random masks over all rows (LoRA's dropout), so runs
-    them whole."""
+    divide evenly, else 1. ``whole_rows``: the work reads all of the rows at once (FP8's per-tensor scales,
+    LoRA's dropout masks), so runs them whole."""
     parts = shards()
     if chunks <= 1 or whole_rows or tensor_size() == 1 or length % (parts * chunks):
         return 1

@@ -21,7 +21,7 @@ from jaxtron.models.delta_net import GatedDeltaNet
 from jaxtron.models.layers import Norm, compute_dtype, embed_lookup, param
 from jaxtron.models.mlp import MLP
 from jaxtron.models.moe import MoE
-from jaxtron.models.projection import Projection
+from jaxtron.models.projection import Projection, fp8_enabled
 from jaxtron.models.stack import Cache, StackRunner, Stats, decode_stack, run_stack, stacked
 from jaxtron.ops.cross_entropy import logits_of
 from jaxtron.parallel.sharding import constrain
@@ -62,8 +62,9 @@ class Block(nnx.Module):
                  local: bool = False) -> tuple[jax.Array, Stats]:
         """-> (output, routing stats of an MoE block, empty for a dense one). ``local``: the block's attention sees
         only its window (``model.attention.window``)."""
-        dropout = any(getattr(node, "lora_dropout", 0.0) for _, node in nnx.iter_graph(self))
-        chunks = tensor_chunks.usable(self.tensor_chunks, x.shape[1], whole_rows=dropout)
+        # FP8's scales and LoRA's dropout masks are drawn over all of the rows: those blocks run them whole
+        whole = fp8_enabled() or any(getattr(node, "lora_dropout", 0.0) for _, node in nnx.iter_graph(self))
+        chunks = tensor_chunks.usable(self.tensor_chunks, x.shape[1], whole_rows=whole)
         if chunks > 1 and isinstance(self.attn, Attention):
             x = constrain(x + self._chunked_attention(x, positions, segment_ids, local, chunks), EMBED_AXES)
         else:

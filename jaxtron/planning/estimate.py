@@ -29,6 +29,7 @@ from jaxtron.planning.step_time import (
     mfu_peak,
     model_flops,
     step_seconds,
+    tensor_overlap,
 )
 
 
@@ -101,6 +102,7 @@ def estimate(cfg: Config, sizes: dict[str, int], gpu: GPU, microbatches: int | N
     comm, collectives = communication_time(cfg, shape, block, params, gpu)
     time.update(comm)
     time.update(expert_overlap(cfg, shape, time, gpu))
+    time.update(tensor_overlap(cfg, time))
     step = step_seconds(time, gpu.comm_overlap, gpu.comm_interference)
     return Estimate(mesh=dict(shape.mesh), microbatches=shape.microbatches,
                     pipeline_microbatches=shape.in_flight if shape.pipelined else 0, schedule=shape.schedule,

@@ -28,8 +28,14 @@ COMPUTE_TERMS = ("matmul", "attention", "elementwise", "weights", "expert_rows",
 OVERLAPPED = ("fsdp_comm", "data_comm")
 EXPOSED = ("matmul", "attention", "elementwise", "weights", "expert_rows", "pipeline_bubble", "optimizer",
            "tensor_comm", "sequence_comm", "expert_comm", "pipeline_comm", "optimizer_comm")
-# the MoE exchanges that run beside the experts' GEMMs: they cost only their interference with them (``expert_overlap``)
-HIDDEN = ("expert_comm_hidden",)
+# the MoE exchanges that run beside the experts' GEMMs, and the tensor group's collectives that run beside the
+# projections' GEMMs: they cost only their interference with them (``expert_overlap``, ``tensor_overlap``)
+HIDDEN = ("expert_comm_hidden", "tensor_comm_hidden")
+# The share of a chunked part's tensor collectives that run beside GEMMs, by execution.tensor_chunks (one, or two and
+# more; models/tensor_chunks.py): the least share of the blocks' gathered and reduce-scattered bytes that the kernels
+# in their windows can hide on the H100 target at NVLink's rate, rounded down to 5%. Llama-3 70B at 2 layers,
+# tensor=8: 84% of both (13% and 51% whole, which the planner takes as exposed); tests/test_gpu_tensor_overlap.py.
+TENSOR_HIDDEN = {1: 0.0, 2: 0.80}
 # The share of the MoE exchanges' time that XLA's latency-hiding scheduler (models/moe.py COMPILER_OPTIONS) runs beside
 # compute, by what the scheduler weighs the program with (execution.moe_schedule) and the token chunks
 # (execution.moe_chunks: one, or two and more): the least of the H100-target programs of Mixtral 8x7B (2 layers,
@@ -207,6 +213,24 @@ def expert_gemm_seconds(cfg: Config, shape: StepShape, gpu: GPU) -> float:
     execution, hardware = _step_hardware(cfg, shape)
     return (hardware.get("experts", 0.0) * _expert_scale(execution, gpu) * shape.step_tokens / shape.devices
             / _matmul_rate(execution, shape, gpu))
+
+
+def chunked_share(model) -> float:
+    """The share of a block's tensor collectives that ``execution.tensor_chunks`` runs in chunks: those of grouped-query
+    attention and of a dense MLP, each half of a block's (latent attention, Gated DeltaNet and MoE run whole)."""
+    kinds = [model.block_kind(i) for i in range(model.num_layers)]
+    attention = 0.0 if model.latent_attention else sum(not k.linear for k in kinds)
+    return (attention + sum(not k.moe for k in kinds)) / (2 * len(kinds))
+
+
+def tensor_overlap(cfg: Config, time: dict[str, float]) -> dict[str, float]:
+    """``time``'s tensor collectives split into those the step waits for ('tensor_comm') and those that run beside
+    the projections' GEMMs ('tensor_comm_hidden', ``TENSOR_HIDDEN`` of the chunked parts'), up to the GEMMs' time."""
+    total = time.get("tensor_comm", 0.0)
+    # FP8's per-tensor scales read all of a block's rows, so its projections run whole (models/transformer.py)
+    share = 0.0 if cfg.execution.fp8 else TENSOR_HIDDEN[min(cfg.execution.tensor_chunks, 2)]
+    hidden = min(share * chunked_share(cfg.model) * total, time["matmul"]) if share and total else 0.0
+    return {"tensor_comm": total - hidden, "tensor_comm_hidden": hidden}
 
 
 def expert_overlap(cfg: Config, shape: StepShape, time: dict[str, float], gpu: GPU) -> dict[str, float]:
