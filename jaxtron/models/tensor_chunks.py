@@ -14,14 +14,13 @@ token-wise, so the chunks compute what the whole would, row for row.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
-from jaxtron.parallel.sharding import logical_to_spec, spec_axes
+from jaxtron.parallel.sharding import shard_count
 
 # XLA's reduce-scatter combiner merges independent reduce-scatters into one: the chunks' would run as one again, after
 # the last chunk's GEMM (Llama-3 70B at tensor=8: 10 reduce-scatters a step with it, 14 without; 2 and 6 of them
@@ -29,6 +28,7 @@ from jaxtron.parallel.sharding import logical_to_spec, spec_axes
 COMPILER_OPTIONS = {"xla_gpu_reduce_scatter_combine_threshold_bytes": 1}
 
 RESIDUAL_LENGTH = "activation_residual_length"
+GROUP = "mlp"  # the tensor group: the devices that split a projection's outputs
 
 
 def compiler_options(chunks: int, tensor: int) -> dict[str, object]:
@@ -37,18 +37,15 @@ def compiler_options(chunks: int, tensor: int) -> dict[str, object]:
 
 
 def tensor_size() -> int:
-    """Devices in the tensor group of the mesh being traced (1 without a mesh)."""
+    """Devices in the tensor group of the mesh being traced (those that split the MLP's width; 1 without a mesh)."""
     mesh = jax.sharding.get_abstract_mesh()
-    return 1 if mesh.empty else dict(mesh.shape).get("tensor", 1)
+    return 1 if mesh.empty else shard_count(dict(mesh.shape), GROUP)
 
 
 def shards() -> int:
     """How many parts the residual stream's sequence is split into on the mesh being traced."""
     mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty:
-        return 1
-    sizes = dict(mesh.shape)
-    return math.prod(sizes.get(a, 1) for a in spec_axes(logical_to_spec((RESIDUAL_LENGTH,)), 0))
+    return 1 if mesh.empty else shard_count(dict(mesh.shape), RESIDUAL_LENGTH)
 
 
 def usable(chunks: int, length: int, whole_rows: bool = False) -> int:
