@@ -28,7 +28,7 @@ from jaxtron.parallel.sharding import shard_count
 COMPILER_OPTIONS = {"xla_gpu_reduce_scatter_combine_threshold_bytes": 1}
 
 RESIDUAL_LENGTH = "activation_residual_length"
-GROUP = "mlp"  # the tensor group: the devices that split a projection's outputs
+SPLIT_AXIS = "mlp"  # the logical axis whose devices split a projection's outputs
 
 
 def compiler_options(chunks: int, tensor: int) -> dict[str, object]:
@@ -39,7 +39,7 @@ def compiler_options(chunks: int, tensor: int) -> dict[str, object]:
 def tensor_size() -> int:
     """Devices in the tensor group of the mesh being traced (those that split the MLP's width; 1 without a mesh)."""
     mesh = jax.sharding.get_abstract_mesh()
-    return 1 if mesh.empty else shard_count(dict(mesh.shape), GROUP)
+    return 1 if mesh.empty else shard_count(dict(mesh.shape), SPLIT_AXIS)
 
 
 def shards() -> int:

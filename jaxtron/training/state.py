@@ -116,7 +116,7 @@ def expert_shards(cfg: Config, sizes: dict[str, int] | None) -> int:
 def tensor_count(cfg: Config, sizes: dict[str, int] | None) -> int:
     """Devices in the tensor group on a mesh of ``sizes`` (default as ``stage_count``, else ``mesh.tensor``)."""
     sizes = _mesh_sizes(sizes)
-    return shard_count(sizes, tensor_chunks.GROUP) if sizes is not None else max(cfg.mesh.tensor, 1)
+    return shard_count(sizes, tensor_chunks.SPLIT_AXIS) if sizes is not None else max(cfg.mesh.tensor, 1)
 
 
 def setup(cfg: Config, attention_impl: str, sizes: dict[str, int] | None = None) -> Setup:
