@@ -89,7 +89,7 @@ def test_bfloat16_inputs_run_in_float32_and_return_their_dtype():
     np.testing.assert_allclose(out.astype(jnp.float32), want.astype(jnp.bfloat16).astype(jnp.float32), atol=2e-2)
 
 
-@pytest.mark.parametrize("chunk", [16, 64])
+@pytest.mark.parametrize("chunk", [pytest.param(16, marks=pytest.mark.extended), 64])  # chunks of 16: extended
 def test_packed_documents_start_from_zero_state(chunk):
     """Segments that change within a chunk and at a chunk's edge: each document equals it run alone from zero,
     in both forms (the first continues the given start state)."""

@@ -56,8 +56,9 @@ ATOL = 3e-5
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", [f if f != "llama4" else pytest.param(f, marks=pytest.mark.extended)
-                                    for f in FAMILIES])  # Llama 4's in the extended tier: the first tier's time
+# Llama 4's and Gemma 3's in the extended tier (the first tier's time): gpt-oss's checks the window's ring too
+@pytest.mark.parametrize("family", [f if f not in ("llama4", "gemma3") else pytest.param(f, marks=pytest.mark.extended)
+                                    for f in FAMILIES])
 def test_decoding_with_the_cache_equals_the_full_forward_at_every_step(family):
     """A prompt's prefill (5 tokens) and then one token at a time: each step's float32 logits equal the full
     forward's at the same positions (ATOL), with rows at different positions (the second row a step behind)."""

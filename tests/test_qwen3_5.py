@@ -31,7 +31,8 @@ def _published_layout(name: str, directory: str) -> str:
                             {"model.visual.blocks.0.attn.qkv.weight": (48, 16), "mtp.fc.weight": (48, 96)})
 
 
-@pytest.mark.parametrize("name", ["qwen3_5", pytest.param("qwen3_5_moe", marks=pytest.mark.extended)])
+# the extended tier: the first tier imports Llama 4's published layout, the same kind of text-model selection
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.extended) for n in ("qwen3_5", "qwen3_5_moe")])
 def test_a_published_multimodal_checkpoint_imports_its_text_model(name, tmp_path, caplog):
     source = _published_layout(name, str(tmp_path / "published"))
     with caplog.at_level(logging.INFO, logger="jaxtron.interop.convert"):
