@@ -355,7 +355,8 @@ def deepseek_one_device(tmp_path_factory):
 # and the interleaved MoE case what the interleaved dense case and the plain MoE case check apart, and plain 1F1B on
 # pipeline2_sequence2_tensor2 what its interleaved twin on the same mesh checks, and 1F1B's MoE case what the
 # experts-in-stages check and the dense 1F1B cases check apart: the extended tier (.ci/run), not the README's
-EXTENDED = ("moe_pipeline2_fsdp2_expert2", "deepseek_pipeline2_fsdp2_expert2_uneven", "interleaved_deepseek_pipeline2_data2_expert2_uneven",
+EXTENDED = ("moe_pipeline2_fsdp2_expert2", "deepseek_pipeline2_fsdp2_expert2_uneven",
+            "interleaved_deepseek_pipeline2_data2_expert2_uneven",
             "interleaved_moe_pipeline2_fsdp2_expert2_uneven", "pipeline2_sequence2_tensor2")
 
 

@@ -826,7 +826,8 @@ def test_rows_sent_once_per_node_are_priced_by_the_nodes_a_token_reaches():
 @pytest.mark.slow
 @pytest.mark.parametrize("config,gpus", [("gemma3.py:12b", 16), *(
     pytest.param(config, gpus, marks=pytest.mark.extended) for config, gpus in (
-        ("gpt_oss.py:20b", 16), ("gemma3.py:1b", 8), ("gemma3.py:4b", 8), ("gemma3.py:27b", 32), ("gpt_oss.py:120b", 64)))])
+        ("gpt_oss.py:20b", 16), ("gemma3.py:1b", 8), ("gemma3.py:4b", 8), ("gemma3.py:27b", 32),
+        ("gpt_oss.py:120b", 64)))])
 def test_every_gemma3_and_gpt_oss_size_gets_ranked_rows(config, gpus, tmp_path):
     """The planner ranks meshes for each published size, with its windows and experts counted (the local layers'
     band in the attention term)."""
