@@ -21,6 +21,7 @@ def test_each_window_holds_the_kernels_scheduled_between_start_and_done():
     loop = sum(k.runs * k.seconds for k in budget(PROGRAM, CEILINGS).kernels if k.name in ("%row", "%g", "%lt"))
     assert found["%send"].compute_s == pytest.approx(loop) and found["%send"].gemms == 1
     assert found["%send"].bytes == ROWS and found["%send"].kind == "all-to-all"
+    assert found["%send"].devices == tuple(range(8))  # its first replica group
     copy = 2 * ROWS / 1e12  # read and written
     assert found["%counts"].compute_s == pytest.approx(copy) and found["%counts"].gemms == 0
     assert found["%home"].compute_s == 0 and found["%home"].kind == "ragged-all-to-all"

@@ -13,7 +13,7 @@ import dataclasses
 from collections.abc import Mapping
 
 from jaxtron.metrics.budget import Ceilings, kernels
-from jaxtron.metrics.collectives import _kind, collective_bytes
+from jaxtron.metrics.collectives import _kind, collective_bytes, group_devices
 from jaxtron.metrics.hlo_program import LINE, NESTED, TO_APPLY, Program, operand_names, split_instruction
 
 # the exchanges of MoE blocks: what travels with the rows (the all-to-alls of their counts are a few bytes)
@@ -24,13 +24,15 @@ ROW_BYTES = 64 * 1024  # an exchange smaller than this carries counts or offsets
 @dataclasses.dataclass(frozen=True)
 class Window:
     """One asynchronous collective: its kind and start instruction, bytes per run, how often it runs per step, and
-    the budget's seconds of the kernels scheduled between its start and done (per run), the GEMMs among them."""
+    the budget's seconds of the kernels scheduled between its start and done (per run), the GEMMs among them, and
+    the devices of its first replica group (empty where the line names none)."""
     kind: str
     name: str
     bytes: float
     runs: int
     compute_s: float
     gemms: int
+    devices: tuple[int, ...] = ()
 
     def hidden(self, bandwidth: float) -> float:
         """The share of the transfer (at ``bandwidth`` bytes/s) the kernels in its window can hide, 0 to 1."""
@@ -53,13 +55,13 @@ def windows(hlo_text: str | Program, ceilings: Ceilings) -> list[Window]:
             current, open_ = comp, {}
         kind = _kind(line)
         if kind and opcode.endswith("-start"):
-            open_[name] = [kind, collective_bytes(line, defined), 0.0, 0]
+            open_[name] = [kind, collective_bytes(line, defined), 0.0, 0, tuple(group_devices(line) or ())]
             continue
         if opcode.endswith("-done"):
             start = next(iter(operand_names(tail)), "")
             if start in open_:
-                kind, moved, seconds, gemms = open_.pop(start)
-                out.append(Window(kind, start, moved, runs, seconds, gemms))
+                kind, moved, seconds, gemms, devices = open_.pop(start)
+                out.append(Window(kind, start, moved, runs, seconds, gemms, devices))
             continue
         if not open_:
             continue

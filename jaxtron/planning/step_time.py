@@ -36,6 +36,11 @@ HIDDEN = ("expert_comm_hidden", "tensor_comm_hidden")
 # in their windows can hide on the H100 target at NVLink's rate, rounded down to 5%. Llama-3 70B at 2 layers,
 # tensor=8: 84% of both (13% and 51% whole, which the planner takes as exposed); tests/test_gpu_tensor_overlap.py.
 TENSOR_HIDDEN = {1: 0.0, 2: 0.80}
+# Each chunk beyond the first adds its own weight gradient into the sum: one more pass over the chunked projections'
+# weights each time a microbatch passes them, in bytes an element. GPT-3 175B's published layout cut to 16 layers on
+# the H100 target: 2 chunks cost 62.3 ms of the budget (1019.5 -> 1081.8 ms, the backward's adds 6.3 -> 72.9 ms) for
+# 7.25G such element passes at the budget's copy rate, 17.7 bytes each; tests/test_gpu_tensor_overlap.py.
+TENSOR_CHUNK_PASS_BYTES = 18.0
 # The share of the MoE exchanges' time that XLA's latency-hiding scheduler (models/moe.py COMPILER_OPTIONS) runs beside
 # compute, by what the scheduler weighs the program with (execution.moe_schedule) and the token chunks
 # (execution.moe_chunks: one, or two and more): the least of the H100-target programs of Mixtral 8x7B (2 layers,
@@ -112,7 +117,8 @@ def compute_time(cfg: Config, shape: StepShape, block: BlockValues, gpu: GPU,
     grouped = execution.moe_mode == "dropless" and not execution.fp8
     transposed = GROUPED_TRANSPOSE_BYTES if grouped and gpu.weight_pass_bytes else 0.0
     time["weights"] = (weight_passes(shape, params) * gpu.weight_pass_bytes
-                       + weight_passes(shape, params, experts_only=True) * transposed) / gpu.hbm_bandwidth
+                       + weight_passes(shape, params, experts_only=True) * transposed
+                       + chunk_passes(cfg, shape, params) * TENSOR_CHUNK_PASS_BYTES) / gpu.hbm_bandwidth
     time["expert_rows"] = expert_row_bytes(cfg, shape, block) / gpu.hbm_bandwidth
     # the stages idle through the fill and drain: the bubble's share of the schedule's iterations (in each of which
     # a stage passes over its weights too)
@@ -137,6 +143,18 @@ def weight_passes(shape: StepShape, params: tuple[Param, ...], experts_only: boo
         return (staged + rest) * (shape.microbatches - 1)
     # the weights outside the schedule (embedding, head, a dense prefix) pass once an accumulation microbatch
     return staged * (shape.microbatches * shape.in_flight - 1) + rest * (shape.microbatches - 1)
+
+
+def chunk_passes(cfg: Config, shape: StepShape, params: tuple[Param, ...]) -> float:
+    """Weight elements a device passes over to add the gradients of ``execution.tensor_chunks`` beyond the first
+    (``TENSOR_CHUNK_PASS_BYTES``): the block projections' weights, at the chunked parts' share, each microbatch."""
+    chunks = cfg.execution.tensor_chunks
+    if chunks <= 1 or shape.tensor <= 1 or cfg.execution.fp8:  # FP8 blocks run whole (models/transformer.py)
+        return 0.0
+    staged = sum(p.gathered_elements(shape.mesh) for p in params if p.projection and p.staged)
+    rest = sum(p.gathered_elements(shape.mesh) for p in params if p.projection and not p.staged)
+    staged_runs = shape.microbatches * (shape.in_flight if shape.pipelined else 1)
+    return (chunks - 1) * chunked_share(cfg.model) * (staged * staged_runs + rest * shape.microbatches)
 
 
 def expert_row_bytes(cfg: Config, shape: StepShape, block: BlockValues) -> float:
