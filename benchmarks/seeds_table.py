@@ -68,8 +68,10 @@ def planned(name: str) -> dict:
     # the same layout if jaxtron's tensor parallelism cost what KempnerForge's does (benchmarks/plan_calibration.md)
     kempnerforge_tp = search.best_for_mesh(cfg, sizes, dataclasses.replace(
         h100, tensor_efficiency=STACK_TENSOR_EFFICIENCY["KempnerForge"]))
+    # the same layout with each block's projections in 2 chunks beside the tensor collectives (models/tensor_chunks.py)
+    chunked = search.best_for_mesh(load(config, [("execution.tensor_chunks", "2")]), sizes, h100)
     return dict(published=_row(published), best=_row(best), published_kf_tp=_row(kempnerforge_tp),
-                plan_s=time.perf_counter() - start)
+                published_chunks=_row(chunked), plan_s=time.perf_counter() - start)
 
 
 def _row(row) -> dict:
@@ -175,6 +177,10 @@ def _how(p: dict) -> str:
     return ", ".join(parts)
 
 
+def _mfu(row: dict | None) -> str:
+    return "—" if row is None else f"{100 * row['mfu']:.1f}%"
+
+
 def write(path: str, rows: dict) -> None:
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT,
                             check=False).stdout.strip()
@@ -189,12 +195,14 @@ def write(path: str, rows: dict) -> None:
         "and the planner's best mesh of the same GPU count. MFU is model FLOPs over the dense bf16 peak (FP8's for",
         "DeepSeek-V3's published figure). The planner's constants are those fitted on KempnerForge's runs; its",
         "tensor parallelism costs the bytes of its collectives, not overlapped, with the GEMMs at their plain rate",
-        "(Megatron's runs fit that, `benchmarks/plan_calibration.md`). Beside it, the published layout were",
-        "jaxtron's tensor parallelism to cost what KempnerForge's does, 30% of the GEMM rate besides.",
+        "(Megatron's runs fit that, `benchmarks/plan_calibration.md`). Beside it, the published layout with",
+        "`execution.tensor_chunks=2` (80% of the chunked parts' tensor collectives beside GEMMs, and the chunks'",
+        "extra weight-gradient pass each microbatch), and were jaxtron's tensor parallelism to cost what",
+        "KempnerForge's does, 30% of the GEMM rate besides.",
         "",
-        ("| run | GPUs | published | planner, published layout | est. MFU | est. MFU, KempnerForge's TP cost | "
-         "est. GiB | compiled GiB | planner's best | its est. MFU |"),
-        "|---|---|---|---|---|---|---|---|---|---|",
+        ("| run | GPUs | published | planner, published layout | est. MFU | est. MFU, 2 tensor chunks | "
+         "est. MFU, KempnerForge's TP cost | est. GiB | compiled GiB | planner's best | its est. MFU |"),
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, row in rows.items():
         config, gpus, _, mfu, _ = ROWS[name]
@@ -208,7 +216,8 @@ def write(path: str, rows: dict) -> None:
             comp = f"{c['peak_gib']:.1f} ({c['compile_s']:.0f} s)"
         fits = "" if pub["fits"] else " (does not fit)"
         lines.append(f"| {config} | {gpus} | {f'{100 * mfu:.0f}%' if mfu else '—'} | {_how(pub)}{fits} | "
-                     f"{100 * pub['mfu']:.1f}% | {100 * row['plan']['published_kf_tp']['mfu']:.1f}% | "
+                     f"{100 * pub['mfu']:.1f}% | {_mfu(row['plan'].get('published_chunks'))} | "
+                     f"{100 * row['plan']['published_kf_tp']['mfu']:.1f}% | "
                      f"{pub['memory_gib']:.1f} | {comp} | {_how(best)} | "
                      f"{100 * best['mfu']:.1f}% |")
     lines += ["", "Sources of the published figures:", ""]
