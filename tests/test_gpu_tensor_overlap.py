@@ -90,5 +90,5 @@ def test_the_published_gpt3_layout_runs_each_tensor_gather_and_reduce_scatter_be
         assert tensor["count"] > 0 and tensor["beside_compute"] == tensor["count"], (kind, tensor)
         assert tensor["beside_gemms"] >= tensor["count"] / 2, (kind, tensor)
     assert all(kind == "all-reduce" and "loss" in scope for kind, _, scope in got["bare"]), got["bare"]
-    blocks = got["tensor"]["all-gather"]["bytes"]
-    assert got["tensor"]["reduce-scatter"]["bytes"] <= 1.01 * blocks, got["tensor"]
+    gathered = got["tensor"]["all-gather"]["bytes"]
+    assert got["tensor"]["reduce-scatter"]["bytes"] <= 1.01 * gathered, got["tensor"]

@@ -345,6 +345,28 @@ def test_the_tensor_collectives_beside_gemms_are_the_chunked_parts_share(name, e
     assert (chunked.step_s < whole.step_s) == (share > 0)
 
 
+def test_each_extra_tensor_chunk_passes_the_projections_weights_once_more_each_microbatch():
+    """A second chunk adds its own weight gradient into the sum, so the planner charges a pass over the chunked
+    projections' weights each time a microbatch passes them (TENSOR_CHUNK_PASS_BYTES): twice as much for two
+    accumulation microbatches, nothing for one chunk or without a tensor group."""
+    from jaxtron.planning.step_time import TENSOR_CHUNK_PASS_BYTES
+
+    sizes = dict(pipeline=1, data=1, fsdp=8, sequence=1, expert=1, tensor=8)
+    extra = {}
+    for microbatches in (1, 2):
+        overrides = {"train.microbatches": str(microbatches)}
+        whole = estimate(_config("llama3_70b", **overrides), sizes, H100)
+        chunked = estimate(_config("llama3_70b", **overrides, **{"execution.tensor_chunks": "2"}), sizes, H100)
+        extra[microbatches] = chunked.time["weights"] - whole.time["weights"]
+    elements = sum(p.gathered_elements(sizes) for p in parameters(whole.config.model) if p.projection)
+    assert extra[1] > 0 and extra[1] == pytest.approx(elements * TENSOR_CHUNK_PASS_BYTES / H100.hbm_bandwidth,
+                                                      rel=1e-6)
+    assert extra[2] == pytest.approx(2 * extra[1], rel=1e-6)
+    untensored = dict(sizes, fsdp=64, tensor=1)
+    assert (estimate(_config("llama3_70b", **{"execution.tensor_chunks": "2"}), untensored, H100).time["weights"]
+            == estimate(_config("llama3_70b"), untensored, H100).time["weights"])
+
+
 def test_expert_exchanges_that_leave_the_node_are_priced_at_the_network_rate():
     """DeepSeek-V3 on 1024 H100s: its own expert=64 (and the published TP2 PP16 layout with experts over 32 x 2
     GPUs) are candidates that fit with receive buffers of 2x (configs/deepseek_v3.py); an expert group of 64 spans
