@@ -193,8 +193,7 @@ class OneFOneB:
             dy, acc = carry
             dw, dx = when(active, vjp, dy, p)
             at = v * pc + p
-            acc = jax.tree.map(lambda a, d: jax.lax.dynamic_update_index_in_dim(
-                a, jax.lax.dynamic_index_in_dim(a, at, 0, False) + d.astype(a.dtype), at, 0), acc, dw)
+            acc = jax.tree.map(lambda a, d: a.at[at].add(d.astype(a.dtype), mode="promise_in_bounds"), acc, dw)
             return (dx, acc), None
         (dx, acc), _ = jax.lax.scan(one, (dy * valid.astype(dy.dtype), acc), jnp.arange(pc), reverse=True)
         return acc, dx
