@@ -6,7 +6,8 @@ dimension that the rules table shards over the pipeline axis, as ``pipeline.py``
 
 - the forward of microbatch t - s: stage 0 embeds microbatch t (and runs the dense prefix), the others take what
   stage s - 1 sent; the stage keeps each of its periods' inputs, nothing else;
-- on the last stage, the head and the loss of the microbatch it just finished, with their gradient;
+- the head and the loss of the microbatch the last stage just finished, with their gradient, each stage on
+  every S-th of its tokens (``head_pieces``);
 - the backward of microbatch t - 2(S - 1) + s, period by period from the last: the period's forward recomputed
   from the input it kept and its vector-Jacobian product taken at once, with the gradient stage s + 1 sent (the
   last stage: the loss's). The blocks run without their checkpoints here (``models/stack.without_remat``): each
@@ -44,7 +45,7 @@ import numpy as np
 
 from jaxtron.models.transformer import EMBED_AXES
 from jaxtron.parallel import timetable
-from jaxtron.parallel.sharding import constrain, constrain_in_flight, stage_axes
+from jaxtron.parallel.sharding import constrain, constrain_in_flight, replica_map, shard_count, stage_axes
 from jaxtron.parallel.stages import PAD, identity_slots, storage_order
 from jaxtron.parallel.state_sharding import optimizer_spec
 from jaxtron.training.loss import moe_metrics
@@ -72,7 +73,7 @@ class Carry(NamedTuple):
     back: jax.Array  # [S, ...]: each stage's next backward input (the gradient of its output)
     stash: tuple  # (period inputs [S, K, pc, ...], extras [S, K, ...]): the inputs kept for the backward
     grad_stack: list  # the staged weights' gradient sums [S, R, P, ...], float32, one per replica
-    grad_rest: list  # the other parameters' [R, ...] (a zero [R] for each staged one)
+    grad_rest: list  # the other parameters' [S, R, ...] (a zero [S, R] for each staged one)
     sums: tuple  # (cross-entropy sum, token count)
     stats_sum: dict  # each period's routing stats summed over the microbatches [S, V pc, ...]
     mtp_sum: tuple  # the prediction modules' (cross-entropy sums, routing stats), summed over the microbatches
@@ -84,11 +85,29 @@ class Forward(NamedTuple):
     extras: Any  # [S, ...] the extras its input came with
     stats: dict  # [S, pc, ...] each period's routing stats
     period_inputs: jax.Array  # [S, pc, ...] each period's input, kept for the backward
-    d_post: list  # the head's and loss's gradients of the parameters outside the stack, [R, ...]
+    d_post: list  # the head's and loss's gradients of the parameters outside the stack, [S, R, ...]
     d_h: jax.Array  # the loss's gradient of the last stage's output
     ce: jax.Array  # the finished microbatch's cross-entropy sum (zero if none finished)
     n: jax.Array  # and its token count
     mtp: tuple  # and its prediction modules' (cross-entropy sums, routing stats)
+
+
+def head_pieces(stages: int, tokens: int, depth: int) -> int:
+    """How many pieces the head's tokens split into, one a stage: ``stages`` where each stage's piece keeps whole
+    shards of the tokens' own split (sequence, tensor), else 1 (every stage runs the whole head). The prediction
+    modules (``depth``) read the tokens beside each one, so their heads run whole."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or stages == 1 or depth:
+        return 1
+    if tokens % (stages * shard_count(dict(mesh.shape), EMBED_AXES[1])):
+        return 1
+    return stages
+
+
+def _at_stage(grads: list, stage: int, stages: int) -> list:
+    """Gradients as the stages' sums take them, [S, ...]: ``grads`` at ``stage``, zeros at the others."""
+    at = jnp.arange(stages) == stage
+    return [jnp.where(at.reshape(-1, *(1,) * g.ndim), g[None], 0.0) for g in grads]
 
 
 def _zeros(shape, lead):
@@ -126,6 +145,7 @@ class OneFOneB:
         self.spmd = stage_axes()
         self.rows = ScheduleReplicas(params, self.periods_0, schedule, mesh, bool(self.stats_shape))
         self.keep = timetable.kept(self.s_, self.v_)  # units whose inputs a stage holds from forward to backward
+        self.head_pieces = head_pieces(self.s_, self.x_shape.shape[1], model.depth)
 
     def _stack_of(self, p):
         """The stack's periods of the parameters ``p``; notes the body and the stack input's shapes."""
@@ -233,11 +253,29 @@ class OneFOneB:
         # every iteration, masked where the last stage finished no microbatch (interleaved: V - 1 of V): behind a
         # condition, GPT-3 175B's step held 12 GiB more per device (compiled for H100s, 32 layers on
         # pipeline=8 data=4 tensor=4), for a head of 0.4% of its FLOPs
-        d_post, d_h, ce, n, mtp = self.rows.map(lambda h, mb: self.head(h, mb, valid_h), (0, 0), out[s_ - 1],
+        d_post, d_h, ce, n, mtp = self.rows.map(lambda h, mb: self.spread_head(h, mb, valid_h), (0, 0), out[s_ - 1],
                                                 self.model.pick(m_head))
         d_h = d_h.reshape(self.x_shape.shape)  # the replicas' rows back in place
+        d_post = [jnp.moveaxis(g, 1, 0) for g in d_post]  # [S, R, ...], as the accumulators
         return Forward(out, inputs[1], stats, self.on_stages(period_inputs), d_post, d_h, jnp.sum(ce), jnp.sum(n),
                        jax.tree.map(lambda a: jnp.sum(a, axis=0), mtp))
+
+    def spread_head(self, h, mb, valid_h):
+        """``head`` of one replica's rows with its tokens split over the stages (``head_pieces``): each stage runs
+        the head and the loss of every S-th token, where a stage once ran all of them for the last stage's output.
+        -> ``head``'s results, the rest's gradients per stage [S, ...] and ``h``'s joined back in token order."""
+        s_ = self.head_pieces
+        if s_ == 1:  # on every stage (a stage's gradient sum at S - 1, the zeros elsewhere are the others')
+            d_rest, d_h, ce, n, mtp = self.head(h, mb, valid_h)
+            return _at_stage(d_rest, self.s_ - 1, self.s_), d_h, ce, n, mtp
+
+        def split(a):  # [b, T, ...] -> [S, b, T / S, ...]: piece j holds tokens j, S + j, 2S + j, ...
+            return jnp.moveaxis(a.reshape(a.shape[0], a.shape[1] // s_, s_, *a.shape[2:]), 2, 0)
+
+        pieces = replica_map(lambda h, mb: self.head(h, mb, valid_h), self.spmd)(split(h), jax.tree.map(split, mb))
+        d_rest, d_h, ce, n, mtp = pieces
+        d_h = jnp.moveaxis(d_h, 0, 2).reshape(h.shape)
+        return d_rest, d_h, jnp.sum(ce), jnp.sum(n), jax.tree.map(lambda a: jnp.sum(a, axis=0), mtp)
 
     def backward_phase(self, t, back, d_h, stash, grad_stack):
         """Every stage's backward (the last stage's gradient from the loss, ``d_h``) into its accumulator, and stage
@@ -267,7 +305,7 @@ class OneFOneB:
 
         d_pre = when(valid_0, lambda dx0, mb: rows.map(embedding_backward, (0, 0), dx0, mb),
                      dx[0] * valid_0.astype(dx.dtype), self.model.pick(m_first))
-        return self.on_stages(jnp.roll(dx, -1, axis=0)), grad_stack, d_pre
+        return self.on_stages(jnp.roll(dx, -1, axis=0)), grad_stack, _at_stage(d_pre, 0, s_)
 
     def iteration(self, carry: Carry, t) -> tuple[Carry, None]:
         """The forward phase while microbatches enter (t < M + S - 1), the backward phase once the first one
@@ -308,7 +346,7 @@ class OneFOneB:
             stash=self.on_stages((_zeros(x_shape, (s_, self.keep, self.pc)), _zeros(ex_shape, (s_, self.keep)))),
             grad_stack=rows.stack_sharded([jnp.zeros((s_, r_, *a.shape[1:]), jnp.float32)
                                            for a in jax.tree.leaves(self.staged)]),
-            grad_rest=rows.rest_sharded([jnp.zeros((r_,) if staged else (r_, *a.shape), jnp.float32)
+            grad_rest=rows.rest_sharded([jnp.zeros((s_, r_) if staged else (s_, r_, *a.shape), jnp.float32)
                                          for a, staged in zip(rows.param_leaves, rows.in_stack, strict=True)]),
             sums=(jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32)),
             stats_sum=jax.tree.map(lambda a: jnp.zeros((s_, self.v_ * a.shape[0], *a.shape[1:]), jnp.float32),
@@ -336,7 +374,7 @@ class OneFOneB:
         (d_from_stack,) = self.to_params(jax.tree.map(lambda g, a: g.reshape(a.shape).astype(a.dtype), grad_stack,
                                                       self.periods_0))
         return jax.tree.unflatten(rows.params_def, [
-            (a.astype(jnp.float32) + (0.0 if staged else jnp.sum(b, axis=0))).astype(p.dtype)
+            (a.astype(jnp.float32) + (0.0 if staged else jnp.sum(b, axis=(0, 1)))).astype(p.dtype)
             for a, b, p, staged in zip(jax.tree.leaves(d_from_stack), grad_rest, rows.param_leaves, rows.in_stack,
                                        strict=True)])
 

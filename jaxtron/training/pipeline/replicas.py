@@ -90,8 +90,9 @@ class ScheduleReplicas(Replicas):
         return [constrain(g, n) if any(gathered_axes(n, sizes)) else g for g, n in zip(grads, names, strict=True)]
 
     def rest_sharded(self, leaves):
-        """The rest's accumulators [R, ...], one per replica (their sum over the replicas waits for the end)."""
-        return [a if staged else self.constrain([a], [names])[0]
+        """The rest's accumulators [S, R, ...], one per stage and replica (their sum over both waits for the
+        end): stage 0 adds the embedding's gradients, each stage those of its piece of the head's tokens."""
+        return [a if staged else self.constrain([a], [names], staged=True)[0]
                 for a, names, staged in zip(leaves, self.param_names, self.in_stack, strict=True)]
 
     def stack_sharded(self, leaves):
