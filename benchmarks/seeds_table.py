@@ -118,6 +118,7 @@ def compiled(name: str, plan: dict, timeout_s: float) -> dict:
         est = estimate(cfg, found["mesh"], gpu("h100"))
         return dict(depth=cfg.model.num_layers, scaled=False, peak_gib=found["peak_bytes"] / GIB,
                     compile_s=time.perf_counter() - start, flops=found["flops"], kernels=found["kernels"],
+                    budget_s=found["budget"]["seconds"],
                     estimated_gib=(est.memory_bytes - est.unseen_on_target_bytes) / GIB)
     stages = cfg.mesh.pipeline
     small = [stages * k + cfg.model.prefix_layers for k in (1, 2)]
@@ -198,11 +199,14 @@ def write(path: str, rows: dict) -> None:
         "(Megatron's runs fit that, `benchmarks/plan_calibration.md`). Beside it, the published layout with",
         "`execution.tensor_chunks=2` (80% of the chunked parts' tensor collectives beside GEMMs, and the chunks'",
         "extra weight-gradient pass each microbatch), and were jaxtron's tensor parallelism to cost what",
-        "KempnerForge's does, 30% of the GEMM rate besides.",
+        "KempnerForge's does, 30% of the GEMM rate besides. The compiled program's budget",
+        "(`jaxtron/metrics/budget.py`: its kernels priced at the H200's measured ceilings, copies at the H100's",
+        "bandwidth, collectives left out) and the MFU bound it sets beside it.",
         "",
         ("| run | GPUs | published | planner, published layout | est. MFU | est. MFU, 2 tensor chunks | "
-         "est. MFU, KempnerForge's TP cost | est. GiB | compiled GiB | planner's best | its est. MFU |"),
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+         "est. MFU, KempnerForge's TP cost | est. GiB | compiled GiB | compiled budget s (MFU bound) | "
+         "planner's best | its est. MFU |"),
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, row in rows.items():
         config, gpus, _, mfu, _ = ROWS[name]
@@ -214,11 +218,13 @@ def write(path: str, rows: dict) -> None:
             comp = f"{c['peak_gib']:.1f} (from {c['depth'][0]} and {c['depth'][1]} layers)"
         else:
             comp = f"{c['peak_gib']:.1f} ({c['compile_s']:.0f} s)"
+        budget = "—" if c is None or "budget_s" not in c else \
+            f"{c['budget_s']:.1f} ({100 * pub['mfu'] * pub['step_s'] / c['budget_s']:.1f}%)"
         fits = "" if pub["fits"] else " (does not fit)"
         lines.append(f"| {config} | {gpus} | {f'{100 * mfu:.0f}%' if mfu else '—'} | {_how(pub)}{fits} | "
                      f"{100 * pub['mfu']:.1f}% | {_mfu(row['plan'].get('published_chunks'))} | "
                      f"{100 * row['plan']['published_kf_tp']['mfu']:.1f}% | "
-                     f"{pub['memory_gib']:.1f} | {comp} | {_how(best)} | "
+                     f"{pub['memory_gib']:.1f} | {comp} | {budget} | {_how(best)} | "
                      f"{100 * best['mfu']:.1f}% |")
     lines += ["", "Sources of the published figures:", ""]
     lines += [f"- {ROWS[name][0]}: {ROWS[name][4]}" for name in rows]
