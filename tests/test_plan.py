@@ -550,16 +550,30 @@ def test_dominant_term_follows_the_bottleneck():
     assert sharded_sequence.attention == "blockwise"  # 'auto' on a sharded sequence: the blockwise XLA kernel
 
 
+def test_the_planner_runs_a_split_sequence_by_cudnn_chunks_where_they_are_faster():
+    """On a split sequence the planner weighs the blockwise kernel that 'auto' runs (at its compiled programs'
+    rate) against cuDNN by chunks, and picks the faster; a model with windows keeps 'auto'."""
+    cfg = _config("llama3_8b", **{"data.seq_len": "8192", "train.global_batch_size": "16"})
+    sizes = dict(data=1, fsdp=8, sequence=2, expert=1, tensor=1)
+    row = search.best_for_mesh(cfg, sizes, H100)
+    assert row.estimate.attention == "cudnn" and row.estimate.config.execution.attention == "cudnn"
+    blockwise = estimate(cfg, sizes, H100)
+    assert blockwise.attention == "blockwise" and blockwise.step_s > row.estimate.step_s
+    assert blockwise.time["attention"] > 10 * row.estimate.time["attention"]
+    local = _config("gemma3", **{"data.seq_len": "8192", "train.global_batch_size": "16"})
+    assert search.best_for_mesh(local, sizes, H100).estimate.config.execution.attention == "auto"
+
+
 def test_cudnn_by_chunks_is_estimated_at_the_cudnn_rate_with_the_same_gathers():
     """'cudnn' on a sharded sequence (ops/chunked.py): attention at cuDNN's rate on the causal FLOPs plus the
-    duplicated head (1 / (2 x sequence)), with the blockwise kernel's key and value traffic."""
+    duplicated head (1 / (2 x sequence)), the blockwise kernel at its own, with the same key and value traffic."""
     base = _config("llama3_1b", **{"data.seq_len": "32768", "model.max_seq_len": "32768",
                                    "train.logit_chunks": "8", "train.global_batch_size": "8"})
     sizes = dict(data=1, fsdp=4, sequence=2, expert=1, tensor=1)
     cudnn = dataclasses.replace(base, execution=dataclasses.replace(base.execution, attention="cudnn"))
     chunks, blocks = estimate(cudnn, sizes, H100), estimate(base, sizes, H100)
     assert (chunks.attention, blocks.attention) == ("cudnn", "blockwise")
-    rate = H100.attention_efficiency / H100.xla_attention_efficiency
+    rate = H100.attention_efficiency / H100.blockwise_attention_efficiency
     assert chunks.time["attention"] == pytest.approx(blocks.time["attention"] / rate * (1 + 1 / 4))
     assert chunks.time["sequence_comm"] == pytest.approx(blocks.time["sequence_comm"])
     assert chunks.collectives == blocks.collectives

@@ -19,6 +19,8 @@ Rates are what one GPU sustains:
   backward together (assumed 0.5: published flash-attention forward kernels on H100 reach 60-75% of peak at
   head_dim 128, backward kernels 40-55%). XLA's attention materialises the score matrix and is assumed to
   reach a quarter of the peak.
+- ``blockwise_attention_efficiency``: the same for the blockwise XLA kernel that ``auto`` runs on a split sequence
+  (``ops/blockwise.py``; read from H100-target compiles: 0.02, ``BLOCKWISE_ATTENTION_EFFICIENCY``).
 - ``grouped_gemm_efficiency``: fraction of the dense peak that dropless MoE's grouped expert GEMM reaches forward
   and backward (tokamax's Mosaic GPU kernel on an H200, 2026-11-26: 253 and 234 TFLOP/s on Mixtral's and
   DeepSeek-V3's expert shapes, 179 on Qwen3-30B-A3B's narrow one; ``benchmarks/gpu_h200_2026-11-26.md``). Capacity
@@ -54,6 +56,7 @@ class GPU:
     nvlink_bandwidth: float  # bytes/s, bus bandwidth inside a node
     network_bandwidth: float  # bytes/s per GPU, bus bandwidth across nodes
     grouped_gemm_efficiency: float = 240 / 989.4
+    blockwise_attention_efficiency: float = 0.02
     # the share of the compute that the gathers and gradient reductions over fsdp and data hide behind
     # (planning/step_time.py); 1 hides them all as long as they take no longer than the compute
     comm_overlap: float = 1.0
@@ -108,18 +111,24 @@ FP8_SPEEDUP = 1.38
 # compile. The published stacks keep 16-bit weight copies and accumulate their gradients inside the GEMMs
 # (Megatron's gradient-accumulation fusion), or cast as they gather: none of this traffic (their runs fitted the rest).
 WEIGHT_PASS_BYTES = 22.0
+# Read from H100-target compiles priced by the step budget: Llama-3 8B at 2 layers, 8192 tokens on sequence=2, runs
+# 234.4 ms with the blockwise kernel and 85.4 with cuDNN by chunks (13.0 of it attention). Its blocks of 512 x 512
+# are 162 ms at the budget's prices, which counts every block; causality skips 47% of them here, so about 86 ms
+# for 1.7 ms of attention FLOPs at the dense peak: 2% of it. Its float32 scores, their elementwise work and 17k
+# kernel launches make the cost (tests/test_gpu_target.py checks the ratio).
+BLOCKWISE_ATTENTION_EFFICIENCY = 0.02
 STACK_WEIGHT_PASS_BYTES = {"KempnerForge": 0.0, "Megatron": 0.0}
 GPUS: dict[str, GPU] = {
     # 80 GB HBM3 (81,559 MiB reported), 3.35 TB/s datasheet, of which 85% is assumed reachable
     "h100": GPU("H100 SXM 80GB", 81_559 * _MIB, _peaks("H100 SXM"), attention_efficiency=0.5,
                 xla_attention_efficiency=0.25, hbm_bandwidth=0.85 * 3.35e12, nvlink_bandwidth=links.NVLINK_BANDWIDTH,
                 network_bandwidth=links.NETWORK_BANDWIDTH, fp8_speedup=FP8_SPEEDUP, weight_pass_bytes=WEIGHT_PASS_BYTES,
-                **_CALIBRATED),
+                blockwise_attention_efficiency=BLOCKWISE_ATTENTION_EFFICIENCY, **_CALIBRATED),
     # 141 GB HBM3e (143,771 MiB reported), 4.8 TB/s datasheet, 4.3 TB/s measured device-to-device copy
     "h200": GPU("H200 SXM 141GB", 143_771 * _MIB, _peaks("H200 SXM"), attention_efficiency=0.5,
                 xla_attention_efficiency=0.25, hbm_bandwidth=4.3e12, nvlink_bandwidth=links.NVLINK_BANDWIDTH,
                 network_bandwidth=links.NETWORK_BANDWIDTH, fp8_speedup=FP8_SPEEDUP, weight_pass_bytes=WEIGHT_PASS_BYTES,
-                **_CALIBRATED),
+                blockwise_attention_efficiency=BLOCKWISE_ATTENTION_EFFICIENCY, **_CALIBRATED),
 }
 
 

@@ -6,6 +6,7 @@ import dataclasses
 import math
 
 from jaxtron.config.schema import MESH_AXES, Config, ConfigError, MeshConfig
+from jaxtron.ops.attention import HOPPER, cudnn_unsupported
 from jaxtron.parallel.checks import check_devices
 from jaxtron.parallel.mesh import full_sizes, split_over_nodes
 from jaxtron.parallel.sharding import shard_count
@@ -155,6 +156,18 @@ def _exchange_options(cfg: Config, sizes: dict[str, int], gpu: GPU) -> list[Conf
     return [cfg, dataclasses.replace(cfg, execution=dataclasses.replace(x, moe_node_shards=sizes["expert"] // across))]
 
 
+def _attention_options(cfg: Config, sizes: dict[str, int]) -> list[Config]:
+    """``cfg``, and where 'auto' would run the blockwise kernel on a split sequence ``cfg`` with cuDNN by chunks
+    (``ops/chunked.py``) where that can run: no windows, attention chunks or sinks, a head cuDNN takes on Hopper.
+    The planner prices the blockwise kernel at its compiled programs' rate (``GPU.blockwise_attention_efficiency``)."""
+    x, m = cfg.execution, cfg.model
+    parts = shard_count(sizes, "activation_length")
+    if x.attention != "auto" or parts == 1 or m.attention.local or m.attention.sinks \
+            or cudnn_unsupported(x.dtype, m.qk_head_dim, parts, "gpu", HOPPER):
+        return [cfg]
+    return [cfg, dataclasses.replace(cfg, execution=dataclasses.replace(x, attention="cudnn"))]
+
+
 def best_for_mesh(cfg: Config, sizes: dict[str, int], gpu: GPU) -> Row:
     """With execution.remat='auto': the fastest row of the policies of ``AUTO_ORDER`` that fits (the earlier
     policy on a tie), else the leanest's. Otherwise: the mesh with the fewest microbatches that fit (more
@@ -169,7 +182,8 @@ def best_for_mesh(cfg: Config, sizes: dict[str, int], gpu: GPU) -> Row:
         return min(fitting, key=lambda r: round(r.estimate.step_s, 3 - _digits(r.estimate.step_s))) if fitting \
             else rows[-1]
     est = None
-    variants = [v for c in _exchange_options(cfg, sizes, gpu) for v in _optimizer_options(c, sizes)]
+    variants = [v for a in _attention_options(cfg, sizes) for c in _exchange_options(a, sizes, gpu)
+                for v in _optimizer_options(c, sizes)]
     options = _microbatch_options(cfg, sizes)
     params = parameters(cfg.model)
     # the float32 weights, their gradients and the leanest moments alone outgrow the GPU: no option can fit

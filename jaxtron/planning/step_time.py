@@ -88,7 +88,8 @@ def compute_time(cfg: Config, shape: StepShape, block: BlockValues, gpu: GPU,
     # by chunks, a chunk's first document is computed twice on its own keys (once merged with its earlier keys):
     # at most a diagonal block per chunk, 1 / (2 x sequence) of a device's causal work
     scores_flops = hardware["attention_scores"] * (1 + 1 / (2 * shape.sequence) if shape.chunks else 1)
-    attention_eff = gpu.attention_efficiency if shape.attention == "cudnn" else gpu.xla_attention_efficiency
+    attention_eff = {"cudnn": gpu.attention_efficiency, "blockwise": gpu.blockwise_attention_efficiency}.get(
+        shape.attention, gpu.xla_attention_efficiency)
     tensor, stages, spread = shape.tensor, shape.stages, shape.spread
     # bytes per device: a tensor group of T devices shares its tokens and splits all of the work, the
     # residual-width values along the sequence and the head and MLP widths across
