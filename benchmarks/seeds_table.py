@@ -92,9 +92,12 @@ def as_run(name: str, plan: dict, layers: int | None = None):
     cfg = search.with_mesh(load(config), {k: v for k, v in p["mesh"].items()})
     pipeline = dataclasses.replace(cfg.pipeline, schedule=p["schedule"], virtual_stages=p.get("virtual_stages", 1),
                                    microbatches=p["pipeline_microbatches"] or cfg.pipeline.microbatches)
+    # the planner's pick on a split sequence: cuDNN by chunks where it prices them faster than the blockwise kernel
+    attention = "cudnn" if p["attention"] == "cudnn" else cfg.execution.attention
     cfg = dataclasses.replace(
         cfg, pipeline=pipeline, train=dataclasses.replace(cfg.train, microbatches=p["microbatches"]),
-        optimizer=dataclasses.replace(cfg.optimizer, distributed=p["distributed_optimizer"]))
+        optimizer=dataclasses.replace(cfg.optimizer, distributed=p["distributed_optimizer"]),
+        execution=dataclasses.replace(cfg.execution, attention=attention))
     if layers is not None:
         cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, num_layers=layers))
     return cfg
@@ -173,6 +176,8 @@ def _how(p: dict) -> str:
         parts.append(f"{p['schedule'].replace('_', '-')} x{p['pipeline_microbatches']}{virtual}")
     if p["microbatches"] > 1:
         parts.append(f"{p['microbatches']} accumulation microbatches")
+    if p["attention"] == "cudnn" and p["mesh"].get("sequence", 1) > 1:
+        parts.append("cuDNN by chunks")
     if p["distributed_optimizer"]:
         parts.append("dopt")
     return ", ".join(parts)
