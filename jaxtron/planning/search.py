@@ -113,7 +113,7 @@ def _one_f_one_b(cfg: Config, sizes: dict[str, int]) -> list[Config]:
                                                                  fsdp_gather="iteration"),
                                train=dataclasses.replace(cfg.train, microbatches=1))
     virtual = max(cfg.pipeline.virtual_stages, 2)
-    if cfg.model.stack_periods % (stages * virtual):
+    if cfg.model.stack_periods < stages * virtual:  # fewer periods than chunks; others are filled up (uneven)
         return [base]
     return [base, dataclasses.replace(base, pipeline=dataclasses.replace(base.pipeline, schedule="interleaved",
                                                                          virtual_stages=virtual))]
