@@ -223,7 +223,7 @@ def kernels(hlo_text: str | Program, ceilings: Ceilings) -> list[Kernel]:
                 workspace = type_bytes(type_text) - type_bytes(_without_workspace(type_text))
                 moved = program.fusion_bytes(fused, operands, type_text) - workspace
             else:
-                moved = program.fusion_bytes(fused, operands, type_text, loop="kind=kLoop" in line)
+                moved = program.fusion_bytes(fused, operands, type_text)
         elif opcode == "custom-call":
             target = re.search(r'custom_call_target="([^"]+)"', line)
             target = target.group(1) if target else ""

@@ -24,12 +24,6 @@ def type_bytes(type_text: str) -> int:
                for dtype, dims in SHAPE.findall(type_text))
 
 
-def type_elements(type_text: str) -> int:
-    """Elements of the arrays an HLO type names (a tuple's parts summed)."""
-    return sum(math.prod(int(d) for d in dims.split(",") if d) for dtype, dims in SHAPE.findall(type_text)
-               if dtype in DTYPE_BYTES)
-
-
 _COMPUTATION = re.compile(r"^(?:ENTRY )?%?([\w.\-]+) \(")
 _CALLS = re.compile(r"(?:body|condition|calls|to_apply|true_computation|false_computation)=%?([\w.\-]+)"
                     r"|branch_computations=\{([^}]*)\}")

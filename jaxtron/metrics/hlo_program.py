@@ -6,20 +6,11 @@ from __future__ import annotations
 import itertools
 import re
 
-from jaxtron.metrics.hlo import (
-    GEMM_TARGETS,
-    computations,
-    definitions,
-    runs_per_execution,
-    type_bytes,
-    type_elements,
-)
+from jaxtron.metrics.hlo import GEMM_TARGETS, computations, definitions, runs_per_execution, type_bytes
 
 LINE = re.compile(r"^\s*(?:ROOT\s+)?(%[\w.\-]+) = (.*)$")
 CALLS = re.compile(r"\bcalls=(%[\w.\-]+)")
 _IN_PLACE = ("dynamic-update-slice", "scatter")  # fusion roots that update their first operand in place
-# ops after which a loop fusion's element no longer reads one element of each operand
-_NOT_ELEMENTWISE = ("reduce", "reduce-window", "scatter", "sort", "dot", "convolution", "fusion", "while", "call")
 TARGET = re.compile(r'custom_call_target="([^"]+)"')
 TO_APPLY = re.compile(r"\bto_apply=(%[\w.\-]+)")
 NESTED = re.compile(r"\b(?:body|condition|true_computation|false_computation)=(%[\w.\-]+)"
@@ -110,11 +101,10 @@ class Program:
     def operand_bytes(self, name: str) -> int:
         return type_bytes(self.types.get(name, ""))
 
-    def fusion_bytes(self, fused: str, operands: list[str], result_type: str, loop: bool = False) -> float:
+    def fusion_bytes(self, fused: str, operands: list[str], result_type: str) -> float:
         """Bytes a fusion reads and writes: an operand that the fused computation only slices counts as its
         slices; a buffer updated in place (dynamic-update-slice or scatter at the root) as the update written,
-        not read. ``loop``: an elementwise (kLoop) fusion, which reads at most one element of each operand for each
-        element it writes (a select over a whole stack before its slice reads the slice's elements only)."""
+        not read."""
         lines = self.comps.get(fused, [])
         params: dict[str, int] = {}  # fused parameter name -> operand index
         users: dict[str, list[tuple[str, str, list[str]]]] = {}  # name -> [(user, opcode, operands)]
@@ -137,33 +127,25 @@ class Program:
         if root and defs[root][1] == "tuple":
             outputs = defs[root][2]
         in_place = {defs[o][2][0] for o in outputs if o in defs and defs[o][1] in _IN_PLACE}
-        written, elements = 0.0, 0
+        written = 0.0
         for o in outputs:
             if o not in defs:
                 continue
             type_text, opcode, ops = defs[o]
             if opcode == "dynamic-update-slice":
                 written += type_bytes(defs[ops[1]][0])
-                elements += type_elements(defs[ops[1]][0])
             elif opcode == "scatter":  # the rows it adds into, read and written (a combiner reads its target)
                 written += 2 * type_bytes(defs[ops[2]][0]) if len(ops) > 2 and ops[2] in defs else 0
-                loop = False
             else:
                 written += type_bytes(type_text)
-                elements += type_elements(type_text)
         if not outputs:
-            written, elements = type_bytes(result_type), type_elements(result_type)
-        loop = loop and not any(d[1] in _NOT_ELEMENTWISE for d in defs.values())
+            written = type_bytes(result_type)
         read = 0.0
         for param, index in params.items():
             if index >= len(operands):
                 continue
             whole = self.operand_bytes(operands[index])
-            bytes_read = self._read(param, whole, users, defs, in_place)
-            if loop and type_elements(self.types.get(operands[index], "")):
-                size = whole / type_elements(self.types.get(operands[index], ""))
-                bytes_read = min(bytes_read, elements * size)
-            read += bytes_read
+            read += self._read(param, whole, users, defs, in_place)
         return read + written
 
     def _read(self, name: str, whole: int, users, defs, in_place: set[str]) -> float:
