@@ -3,26 +3,13 @@ program on the H100 target, priced by the step budget (``jaxtron.metrics.budget`
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-
-import pytest
 from conftest import REPO
+from helpers import on_target, target_marks
 
-from jaxtron.gpu import target
-
-pytestmark = [pytest.mark.integration, pytest.mark.slow,
-              pytest.mark.skipif(not target.plugin_installed(),
-                                 reason=f"jax's CUDA plugin is not installed ({target.INSTALL})")]
+pytestmark = target_marks()
 
 CODE = """
-import json, sys
-from jaxtron.config.loader import load_config
-from jaxtron.planning.dry_run import dry_run_on_target
 from jaxtron.metrics import budget
-cfg = load_config(sys.argv[1], [tuple(a.split('=', 1)) for a in sys.argv[3:]])
-result, text = dry_run_on_target(cfg, 'h100', int(sys.argv[2]))
 priced = budget.budget(text, budget.H100)
 print(json.dumps(dict(seconds=priced.seconds, attention=priced.by_category()['attention'])))
 """
@@ -34,10 +21,7 @@ BLOCK = 512  # the blockwise kernel's queries and keys a block (ops/blockwise.py
 
 
 def _priced(*overrides: str) -> dict:
-    out = subprocess.run([sys.executable, "-c", CODE, f"{REPO}/configs/llama3_8b.py", "2", *CUT, *overrides],
-                         cwd=REPO, env=target.environment(), capture_output=True, text=True, timeout=600, check=False)
-    assert out.returncode == 0, out.stderr[-3000:]
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    return on_target(CODE, "configs/llama3_8b.py", 2, *CUT, *overrides)
 
 
 def computed_share(length: int, shards: int) -> float:

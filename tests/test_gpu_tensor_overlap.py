@@ -6,27 +6,13 @@ reads the kernels XLA scheduled between each collective's start and done.
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
+from helpers import on_target, target_marks
 
-import pytest
-from conftest import REPO
-
-from jaxtron.gpu import target
-
-pytestmark = [pytest.mark.integration, pytest.mark.slow,
-              pytest.mark.skipif(not target.plugin_installed(),
-                                 reason=f"jax's CUDA plugin is not installed ({target.INSTALL})")]
+pytestmark = target_marks()
 
 CODE = """
-import json, re, sys
-from jaxtron.config.loader import load_config
-from jaxtron.planning.dry_run import dry_run_on_target
 from jaxtron.metrics import budget, overlap
 from jaxtron.planning.gpus import GPUS
-cfg = load_config(sys.argv[1], [tuple(a.split('=', 1)) for a in sys.argv[3:]])
-result, text = dry_run_on_target(cfg, 'h100', int(sys.argv[2]))
 found = overlap.windows(text, budget.H100)
 inside = [w for w in found if w.runs > 1]  # the layer loop's: the blocks' collectives
 group = tuple(range(cfg.mesh.tensor))  # device 0's tensor group: the mesh's last axis
@@ -52,11 +38,7 @@ GPT3_LAYOUT = ["mesh.pipeline=8", "mesh.data=4", "mesh.tensor=4", "mesh.fsdp=1",
 
 
 def _overlap(chunks: int, config: str = "llama3_70b", gpus: int = 8, overrides: list[str] = CUT) -> dict:
-    out = subprocess.run([sys.executable, "-c", CODE, f"{REPO}/configs/{config}.py", str(gpus), *overrides,
-                          f"execution.tensor_chunks={chunks}"], cwd=REPO, env=target.environment(),
-                         capture_output=True, text=True, timeout=600, check=False)
-    assert out.returncode == 0, out.stderr[-3000:]
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    return on_target(CODE, f"configs/{config}.py", gpus, *overrides, f"execution.tensor_chunks={chunks}", timeout=600)
 
 
 def test_chunked_projections_run_the_tensor_groups_collectives_beside_gemms_on_the_h100():

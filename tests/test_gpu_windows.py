@@ -8,26 +8,16 @@ The compiles need jax's CUDA plugin (`python -m pip install -e ".[gpu-target]"`)
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 from conftest import REPO
+from helpers import on_target, target_marks
 
-from jaxtron.gpu import target
-
-pytestmark = [pytest.mark.integration, pytest.mark.slow,
-              pytest.mark.skipif(not target.plugin_installed(),
-                                 reason=f"jax's CUDA plugin is not installed ({target.INSTALL})")]
+pytestmark = target_marks()
 
 # each cuDNN attention call of the compiled step, times the runs of its computation: (backward?, its window)
 CENSUS = """
-import json, re, sys
-from jaxtron.config.loader import load_config
 from jaxtron.metrics.hlo import runs_per_execution
-from jaxtron.planning.dry_run import dry_run_on_target
-cfg = load_config(sys.argv[1], [tuple(a.split('=', 1)) for a in sys.argv[3:]])
-result, text = dry_run_on_target(cfg, 'h100', int(sys.argv[2]))
 comps, runs = runs_per_execution(text)
 calls = []
 for name, lines in comps.items():
@@ -41,10 +31,7 @@ print(json.dumps(dict(calls=calls, square=square, peak=result.peak_bytes)))
 
 
 def _census(config: str, gpus: int, *overrides: str) -> dict:
-    out = subprocess.run([sys.executable, "-c", CENSUS, f"{REPO}/{config}", str(gpus), *overrides], cwd=REPO,
-                         env=target.environment(), capture_output=True, text=True, timeout=900, check=False)
-    assert out.returncode == 0, out.stderr[-3000:]
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    return on_target(CENSUS, config, gpus, *overrides)
 
 
 @pytest.mark.parametrize("config,layers,window,local", [("configs/gemma3.py:12b", 6, 1024, 5),

@@ -115,7 +115,7 @@ WEIGHT_PASS_BYTES = 22.0
 # 234.4 ms with the blockwise kernel and 85.4 with cuDNN by chunks (13.0 of it attention). Its blocks of 512 x 512
 # are 162 ms at the budget's prices, which counts every block; causality skips 47% of them here, so about 86 ms
 # for 1.7 ms of attention FLOPs at the dense peak: 2% of it. Its float32 scores, their elementwise work and 17k
-# kernel launches make the cost (tests/test_gpu_target.py checks the ratio).
+# kernel launches make the cost (tests/test_gpu_attention_rate.py checks the ratio).
 BLOCKWISE_ATTENTION_EFFICIENCY = 0.02
 STACK_WEIGHT_PASS_BYTES = {"KempnerForge": 0.0, "Megatron": 0.0}
 GPUS: dict[str, GPU] = {
