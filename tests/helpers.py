@@ -130,28 +130,28 @@ def target_marks() -> list:
                                reason=f"jax's CUDA plugin is not installed ({target.INSTALL})")]
 
 
-# What a script run by ``on_target`` starts with: ``cfg`` (the config with its overrides) compiled for the H100 target
-# on ``sys.argv[2]`` GPUs, ``result`` (the dry run) and ``text`` (the optimized HLO) in scope.
+# What a script run by ``on_target`` starts with: ``cfg`` (the config with its overrides) compiled for the target
+# ``sys.argv[3]`` on ``sys.argv[2]`` GPUs, ``result`` (the dry run) and ``text`` (the optimized HLO) in scope.
 TARGET_PRELUDE = """
 import json, re, sys
 from jaxtron.config.loader import load_config
 from jaxtron.planning.dry_run import dry_run_on_target
-cfg = load_config(sys.argv[1], [tuple(a.split('=', 1)) for a in sys.argv[3:]])
-result, text = dry_run_on_target(cfg, 'h100', int(sys.argv[2]))
+cfg = load_config(sys.argv[1], [tuple(a.split('=', 1)) for a in sys.argv[4:]])
+result, text = dry_run_on_target(cfg, sys.argv[3], int(sys.argv[2]))
 """
 
 
-def on_target(code: str, config: str, gpus: int, *overrides: str, timeout: float = 900) -> dict:
+def on_target(code: str, config: str, gpus: int, *overrides: str, timeout: float = 900, gpu: str = "h100") -> dict:
     """``TARGET_PRELUDE`` then ``code`` in a subprocess started as the compile-only target needs (an XLA abort ends
-    that process, not the tests'), for ``config`` (a path from the repository's root) on ``gpus`` H100s: the JSON
-    its last line prints."""
+    that process, not the tests'), for ``config`` (a path from the repository's root) on ``gpus`` of the target
+    ``gpu``: the JSON its last line prints."""
     import subprocess
     import sys
 
     from jaxtron.gpu import target
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    out = subprocess.run([sys.executable, "-c", TARGET_PRELUDE + code, os.path.join(root, config), str(gpus),
+    out = subprocess.run([sys.executable, "-c", TARGET_PRELUDE + code, os.path.join(root, config), str(gpus), gpu,
                           *overrides], cwd=root, env=target.environment(), capture_output=True, text=True,
                          timeout=timeout, check=False)
     assert out.returncode == 0, out.stderr[-3000:]

@@ -149,6 +149,9 @@ def test_h200_published_llama3_8b_mfu():
     ("NVIDIA A100-PCIE-40GB", "float16", 312e12),
     ("NVIDIA B200", "bfloat16", 2250e12),
     ("NVIDIA B200", "fp8", 4500e12),
+    ("NVIDIA B200", "fp4", 9000e12),
+    ("NVIDIA GB200", "bfloat16", 2500e12),
+    ("NVIDIA GB200", "float4_e2m1fn", 10000e12),
 ])
 def test_peak_flops_known(kind, dtype, expected):
     peak, note = hardware.peak_flops(kind, dtype)
@@ -159,7 +162,8 @@ def test_peak_flops_known(kind, dtype, expected):
 @pytest.mark.parametrize("kind,dtype", [
     ("cpu", "bfloat16"), ("TFRT_CPU_0", "float32"), ("NVIDIA GeForce RTX 4090", "bfloat16"),
     ("NVIDIA H200 NVL", "bfloat16"), ("NVIDIA H100 NVL", "bfloat16"), ("NVIDIA GH200 480GB", "bfloat16"),
-    ("NVIDIA GB200", "bfloat16"), ("NVIDIA A100-SXM4-80GB", "fp8"), ("NVIDIA H100 80GB HBM3", "int8"),
+    ("NVIDIA GB300", "bfloat16"), ("NVIDIA A100-SXM4-80GB", "fp8"), ("NVIDIA H100 80GB HBM3", "fp4"),
+    ("NVIDIA H100 80GB HBM3", "int8"),
 ])
 def test_peak_flops_unknown(kind, dtype):
     peak, note = hardware.peak_flops(kind, dtype)

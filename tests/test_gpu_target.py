@@ -26,11 +26,13 @@ needs_plugin = pytest.mark.skipif(not target.plugin_installed(),
                                   reason=f"jax's CUDA plugin is not installed ({target.INSTALL})")
 
 
-def test_targets_are_named_and_laid_out_in_nodes_of_eight():
+def test_targets_are_named_and_laid_out_on_their_hosts():
     assert target.topology(1) == "1x1x1" and target.topology(8) == "1x1x8" and target.topology(64) == "1x8x8"
-    with pytest.raises(ConfigError, match=r"^12 GPUs do not fill nodes of 8; use 1 to 8 GPUs or a multiple of 8\.$"):
+    with pytest.raises(ConfigError, match=r"^12 GPUs do not fill hosts of 8; use 1 to 8 GPUs or a multiple of 8\.$"):
         target.topology(12)
-    with pytest.raises(ConfigError, match=r"^GPU target 'a100' is not known; use one of h100, h200\.$"):
+    # a GB200 compute tray holds 4 GPUs (its NVLink domain is the rack's, which the planner knows)
+    assert target.topology(72, target.target("gb200").gpus_per_host) == "1x18x4"
+    with pytest.raises(ConfigError, match=r"^GPU target 'a100' is not known; use one of h100, h200, b200, gb200\.$"):
         target.devices("a100", 8)
 
 

@@ -1,10 +1,11 @@
-"""Compile-only H100 and H200 devices: XLA compiles jaxtron's programs for these GPUs without one present
-("deviceless" compilation), so the program a GPU would run (its kernels, memory and collectives) can be read on any
-machine that has jax's CUDA plugin installed (``python -m pip install -e ".[gpu-target]"``).
+"""Compile-only H100, H200, B200 and GB200 devices: XLA compiles jaxtron's programs for these GPUs without one
+present ("deviceless" compilation), so the program a GPU would run (its kernels, memory and collectives) can be read on any
+machine that has jax's CUDA plugin installed (``python -m pip install -e ".[gpu-target]"``). jax 0.10.2's plugin
+compiles for Blackwell (sm_100a) too: its CUDA 12.9 compiler knows it.
 
 The devices come from ``jax.experimental.topologies.get_topology_desc`` and a target spec that ships with jaxtron
-(``specs/``: the device facts, each file saying where they come from). N GPUs are laid out in nodes of 8, as on an
-HGX machine. What such a compile cannot see: autotuning (GEMMs stay XLA's untuned defaults), cuDNN's workspace
+(``specs/``: the device facts, each file saying where they come from). N GPUs are laid out on hosts of 8, as on an
+HGX machine, or of 4, a GB200 compute tray. What such a compile cannot see: autotuning (GEMMs stay XLA's untuned defaults), cuDNN's workspace
 (cuDNN's own compiler passes need a device), and any timing.
 
 A process that compiles for the target starts jax on the CPU with the flags a deviceless compile needs
@@ -38,9 +39,11 @@ class Target:
     name: str  # as --gpu names it
     spec_file: str  # in specs/
     compute_capability: tuple[int, int]
+    gpus_per_host: int = GPUS_PER_NODE  # an HGX node's 8; a GB200 compute tray's 4
 
 
-TARGETS = {"h100": Target("h100", "h100_sxm.txtpb", (9, 0)), "h200": Target("h200", "h200_sxm.txtpb", (9, 0))}
+TARGETS = {"h100": Target("h100", "h100_sxm.txtpb", (9, 0)), "h200": Target("h200", "h200_sxm.txtpb", (9, 0)),
+           "b200": Target("b200", "b200.txtpb", (10, 0)), "gb200": Target("gb200", "gb200.txtpb", (10, 0), 4)}
 
 
 def target(name: str) -> Target:
@@ -94,20 +97,21 @@ def environment(base: dict[str, str] | None = None, preset_flags: str = "") -> d
     return env
 
 
-def topology(count: int) -> str:
-    """``count`` GPUs in nodes of ``GPUS_PER_NODE`` as jax writes a topology: '1x<nodes>x<GPUs per node>'."""
-    if count < 1 or (count > GPUS_PER_NODE and count % GPUS_PER_NODE):
-        raise ConfigError(f"{count} GPUs do not fill nodes of {GPUS_PER_NODE}; use 1 to {GPUS_PER_NODE} GPUs or a "
-                          f"multiple of {GPUS_PER_NODE}.")
-    per_node = min(count, GPUS_PER_NODE)
+def topology(count: int, per_host: int = GPUS_PER_NODE) -> str:
+    """``count`` GPUs on hosts of ``per_host`` as jax writes a topology: '1x<hosts>x<GPUs per host>'."""
+    if count < 1 or (count > per_host and count % per_host):
+        raise ConfigError(f"{count} GPUs do not fill hosts of {per_host}; use 1 to {per_host} GPUs or a "
+                          f"multiple of {per_host}.")
+    per_node = min(count, per_host)
     return f"1x{count // per_node}x{per_node}"
 
 
 def devices(name: str, count: int) -> list[Any]:
-    """``count`` compile-only devices of the target ``name`` (in nodes of 8). Needs the CUDA plugin."""
-    target(name)
+    """``count`` compile-only devices of the target ``name`` (on hosts of its ``gpus_per_host``). Needs the CUDA
+    plugin."""
+    per_host = target(name).gpus_per_host
     require_plugin(name)
     from jax.experimental import topologies
 
-    layout = topology(count)
+    layout = topology(count, per_host)
     return list(topologies.get_topology_desc(platform="cuda", topology=layout, target_config=spec(name)).devices)

@@ -22,9 +22,11 @@ from jaxtron.metrics.collectives import COLLECTIVES, collectives
 from jaxtron.metrics.hlo import (
     ATTENTION_BACKWARD,
     ATTENTION_FORWARD,
+    BLOCK_SCALED_GEMM,
     GEMM_TARGETS,
     attention_flops,
     backend_config,
+    block_scaled_flops,
     gemm_flops,
     grouped_gemm_flops,
     type_bytes,
@@ -42,9 +44,11 @@ class Ceilings:
     launch_s: float  # what each kernel launch adds, seconds
     grouped_flops: float | None = None  # a grouped expert GEMM (tokamax / jaxtron's kernel); None: bf16_flops
     source: str = ""
+    fp4_flops: float | None = None  # a large block-scaled FP4 GEMM (NVFP4, Blackwell); None: no such GEMM
 
     def describe(self) -> str:
-        return (f"bf16 GEMM {self.bf16_flops / 1e12:.0f} TFLOP/s, FP8 GEMM {self.fp8_flops / 1e12:.0f}, attention "
+        fp4 = f", FP4 GEMM {self.fp4_flops / 1e12:.0f}" if self.fp4_flops else ""
+        return (f"bf16 GEMM {self.bf16_flops / 1e12:.0f} TFLOP/s, FP8 GEMM {self.fp8_flops / 1e12:.0f}{fp4}, attention "
                 f"{self.attention_flops / 1e12:.0f}, grouped GEMM {(self.grouped_flops or self.bf16_flops) / 1e12:.0f}"
                 f", copy {self.copy_bytes / 1e12:.2f} TB/s, {self.launch_s * 1e6:.1f} us a launch")
 
@@ -58,9 +62,27 @@ H200 = Ceilings(729e12, 1165e12, 465e12, 2.95e12, 2e-6, grouped_flops=253e12,
                 source="measured on one H200 (benchmarks/gpu_h200_2026-11-26_run2.md); launch cost assumed")
 H100 = dataclasses.replace(H200, copy_bytes=2.95e12 * 3.35 / 4.8,
                            source="the H200's measured rates, copy scaled to the H100's bandwidth; launch assumed")
-CEILINGS = {"h100": H100, "h200": H200}
 
-CATEGORIES = ("GEMM bf16", "GEMM fp8", "GEMM f32", "grouped GEMM", "attention", "memory-bound", "launches")
+
+def from_datasheet(bf16: float, fp8: float, fp4: float, bandwidth: float, name: str) -> Ceilings:
+    """Ceilings of a GPU no run has measured: the H200's measured share of each of its own datasheet figures
+    (bf16 GEMM 729 of 989.4 TFLOP/s, FP8 1165 of 1978.9, attention 465 of 989.4, grouped 253 of 989.4, copy
+    2.95 of 4.8 TB/s), applied to this GPU's (``bf16``, ``fp8``, ``fp4`` dense FLOP/s; ``bandwidth`` bytes/s).
+    FP4 GEMMs get FP8's share. An estimate until a GPU run measures them."""
+    dense, fp8_peak, hbm = 989.4e12, 1978.9e12, 4.8e12
+    return Ceilings(bf16 * H200.bf16_flops / dense, fp8 * H200.fp8_flops / fp8_peak,
+                    bf16 * H200.attention_flops / dense, bandwidth * H200.copy_bytes / hbm, H200.launch_s,
+                    grouped_flops=bf16 * H200.grouped_flops / dense, fp4_flops=fp4 * H200.fp8_flops / fp8_peak,
+                    source=f"{name}'s datasheet at the H200's measured share of its own; launch assumed")
+
+
+# datasheet: HGX B200 2250 / 4500 / 9000 dense TFLOP/s (bf16 / FP8 / FP4), GB200 2500 / 5000 / 10000; 8 TB/s each
+B200 = from_datasheet(2250e12, 4500e12, 9000e12, 8.0e12, "the B200")
+GB200 = from_datasheet(2500e12, 5000e12, 10000e12, 8.0e12, "the GB200")
+CEILINGS = {"h100": H100, "h200": H200, "b200": B200, "gb200": GB200}
+
+COMPUTE_CATEGORIES = ("GEMM bf16", "GEMM fp8", "GEMM fp4", "GEMM f32", "grouped GEMM", "attention")
+CATEGORIES = (*COMPUTE_CATEGORIES, "memory-bound", "launches")
 
 # instructions that launch nothing: bookkeeping, control flow (its bodies are counted on their own), and the
 # asynchronous halves that only wait
@@ -127,7 +149,7 @@ class Budget:
         """The budget as plain numbers (JSON; ``text`` prints it): seconds in all and by category, FLOPs by GEMM
         category, bytes of the memory-bound kernels, launches, the ``top`` largest memory-bound items by label."""
         return {"seconds": self.seconds, "by_category": self.by_category(), "launches": self.launches,
-                "flops": {c: self.flops(c) for c in CATEGORIES[:5]}, "memory_bytes": self.bytes(),
+                "flops": {c: self.flops(c) for c in COMPUTE_CATEGORIES}, "memory_bytes": self.bytes(),
                 "memory_by_label": dict(list(self.by_label("memory-bound").items())[:top]),
                 "collective_bytes": self.collectives, "ceilings": dataclasses.asdict(self.ceilings)}
 
@@ -179,6 +201,8 @@ def _without_workspace(type_text: str) -> str:
 
 
 def _gemm_category(operand_types: list[str]) -> str:
+    if any(t.startswith("f4") for t in operand_types):
+        return "GEMM fp4"
     if any(t.startswith("f8") for t in operand_types):
         return "GEMM fp8"
     if any(t == "f32" for t in operand_types):
@@ -191,6 +215,7 @@ def kernels(hlo_text: str | Program, ceilings: Ceilings) -> list[Kernel]:
     module's docstring)."""
     program = hlo_text if isinstance(hlo_text, Program) else Program(hlo_text)
     rates = {"GEMM bf16": ceilings.bf16_flops, "GEMM fp8": ceilings.fp8_flops, "GEMM f32": ceilings.bf16_flops / 2,
+             "GEMM fp4": ceilings.fp4_flops or ceilings.fp8_flops,
              "grouped GEMM": ceilings.grouped_flops or ceilings.bf16_flops, "attention": ceilings.attention_flops}
     out = []
     for _, runs, line, name, type_text, opcode, tail in program.instructions():
@@ -231,6 +256,9 @@ def kernels(hlo_text: str | Program, ceilings: Ceilings) -> list[Kernel]:
                 flops, category = grouped_gemm_flops(line, program.shapes), "grouped GEMM"
             elif target in GEMM_TARGETS:
                 flops = gemm_flops(line, program.shapes, backend_config(line))
+                category = _gemm_category([program.shapes.get(o, ("?", ()))[0] for o in operands[:2]])
+            elif target == BLOCK_SCALED_GEMM:
+                flops = block_scaled_flops(line, program.shapes)
                 category = _gemm_category([program.shapes.get(o, ("?", ()))[0] for o in operands[:2]])
             elif target in ATTENTION_FORWARD + ATTENTION_BACKWARD:
                 flops, category = attention_flops(line, "Backward" in target), "attention"

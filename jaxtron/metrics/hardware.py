@@ -19,7 +19,10 @@ DENSE_PEAK_TFLOPS: dict[str, dict[str, float | None]] = {
     "H200 SXM": {"bfloat16": 989.4, "float16": 989.4, "fp8": 1978.9, "float32": None},
     "H100 PCIe": {"bfloat16": 756.0, "float16": 756.0, "fp8": 1513.0, "float32": None},
     "A100": {"bfloat16": 312.0, "float16": 312.0, "fp8": None, "float32": None},
-    "B200": {"bfloat16": 2250.0, "float16": 2250.0, "fp8": 4500.0, "float32": None},
+    # Blackwell: HGX B200 (1000 W) and a GPU of GB200 NVL72 (1200 W); fp4 is NVFP4's dense rate, which MXFP8 does
+    # not reach (it runs at the fp8 one)
+    "B200": {"bfloat16": 2250.0, "float16": 2250.0, "fp8": 4500.0, "fp4": 9000.0, "float32": None},
+    "GB200": {"bfloat16": 2500.0, "float16": 2500.0, "fp8": 5000.0, "fp4": 10000.0, "float32": None},
 }
 
 _DTYPE_ALIASES = {
@@ -27,6 +30,7 @@ _DTYPE_ALIASES = {
     "bfloat16": "bfloat16", "bf16": "bfloat16",
     "float16": "float16", "fp16": "float16", "f16": "float16", "half": "float16",
     "fp8": "fp8", "float8": "fp8", "float8_e4m3fn": "fp8", "float8_e5m2": "fp8",
+    "fp4": "fp4", "float4": "fp4", "float4_e2m1fn": "fp4",
 }
 
 
@@ -37,8 +41,8 @@ def _word(name: str, text: str) -> bool:
 def device_model(device_kind: str) -> str | None:
     """Maps a jax ``device.device_kind`` (e.g. 'NVIDIA H100 80GB HBM3') to a key of the peak table.
 
-    Variants with different clocks or power and no checked number here (H100/H200 NVL, GH200, GB200,
-    H800, A800, ...) map to None rather than to their nearest relative.
+    Variants with different clocks or power and no checked number here (H100/H200 NVL, GH200, H800, A800, ...)
+    map to None rather than to their nearest relative.
     """
     kind = device_kind.strip().lower()
     if _word("nvl", kind):
@@ -51,11 +55,13 @@ def device_model(device_kind: str) -> str | None:
         return "A100"
     if _word("b200", kind):  # 'gb200' does not match
         return "B200"
+    if _word("gb200", kind):
+        return "GB200"
     return None
 
 
 def peak_flops(device_kind: str, dtype: str) -> tuple[float | None, str]:
-    """Dense peak FLOP/s of one device at ``dtype`` ('float32', 'bfloat16', 'float16', 'fp8').
+    """Dense peak FLOP/s of one device at ``dtype`` ('float32', 'bfloat16', 'float16', 'fp8', 'fp4').
 
     Returns (peak or None, a one-line note saying where the number came from or why there is none).
     """
@@ -63,7 +69,7 @@ def peak_flops(device_kind: str, dtype: str) -> tuple[float | None, str]:
     model = device_model(device_kind)
     if precision is None or model is None:
         return None, f"no dense peak known for device {device_kind!r} at {dtype}; mfu is null"
-    tflops = DENSE_PEAK_TFLOPS[model][precision]
+    tflops = DENSE_PEAK_TFLOPS[model].get(precision)
     if tflops is None and precision == "float32":
         return None, (f"no single dense peak for float32 on {model} (TF32 or CUDA-core FP32 depending on the "
                       "matmul precision); mfu is null")

@@ -106,6 +106,8 @@ _OPERANDS = re.compile(r"\b(?:dot|custom-call|fusion)\((.*?)\)")
 _CONTRACTING = re.compile(r"lhs_contracting_dims=\{([\d,]*)\}")
 _LAYOUT_CONSTRAINTS = re.compile(r"operand_layout_constraints=\{(.*?\})\}")  # shapes with their layouts
 GEMM_TARGETS = ("__cublas$gemm", "__cublas$lt$matmul", "__cublas$lt$matmul$f8")
+# cuDNN's block-scaled GEMM on Blackwell (MXFP8, NVFP4): [B, M, K] x [B, N, K] -> [B, M, N], scales beside
+BLOCK_SCALED_GEMM = "__cudnn$blockScaledDot"
 ATTENTION_FORWARD = ("__cudnn$fmhaSoftmax", "__cudnn$fmhaSoftmaxDropout")
 ATTENTION_BACKWARD = ("__cudnn$fmhaSoftmaxBackward", "__cudnn$fmhaSoftmaxDropoutBackward")
 _TARGET = re.compile(r'custom_call_target="([^"]+)"')
@@ -129,6 +131,13 @@ def gemm_flops(line: str, shapes: dict, config: dict | None) -> float:
     if not lhs or any(d >= len(lhs) for d in contracting):
         return 0.0
     return 2.0 * math.prod(result_shape(line)) * math.prod(lhs[d] for d in contracting)
+
+
+def block_scaled_flops(line: str, shapes: dict) -> float:
+    """2 x output elements x K of cuDNN's block-scaled GEMM, whose operands hold K last ([B, M, K], [B, N, K])."""
+    operands = _operands(line)
+    lhs = shapes.get(operands[0], (None, ()))[1] if operands else ()
+    return 2.0 * math.prod(result_shape(line)) * lhs[-1] if lhs else 0.0
 
 
 def _call_operands(line: str, dtypes: tuple[str, ...] | None = None,
@@ -205,7 +214,7 @@ def backend_config(line: str) -> dict:
 
 def matmul_flops(hlo_text: str) -> dict[str, float]:
     """FLOPs of the matmuls one execution of a compiled program runs, per device, by kind: ``dot`` (XLA dots,
-    inside fusions too: Triton GEMMs, XLA:CPU's), ``gemm`` (cuBLAS calls), ``attention`` (cuDNN flash
+    inside fusions too: Triton GEMMs, XLA:CPU's), ``gemm`` (cuBLAS and cuDNN's block-scaled calls), ``attention`` (cuDNN flash
     attention, forward and backward) and ``grouped_gemm`` (a grouped expert GEMM kernel, such as tokamax's
     ``ragged_dot``, by its op name), each loop body once per iteration and each branch of a conditional as if it
     were taken. Elementwise work is not counted."""
@@ -227,6 +236,8 @@ def matmul_flops(hlo_text: str) -> dict[str, float]:
                 out["grouped_gemm"] += times * grouped_gemm_flops(line, shapes)
             elif target.group(1) in GEMM_TARGETS:
                 out["gemm"] += times * gemm_flops(line, shapes, backend_config(line))
+            elif target.group(1) == BLOCK_SCALED_GEMM:
+                out["gemm"] += times * block_scaled_flops(line, shapes)
             elif target.group(1) in ATTENTION_FORWARD + ATTENTION_BACKWARD:
                 out["attention"] += times * attention_flops(line, target.group(1) in ATTENTION_BACKWARD)
     return out

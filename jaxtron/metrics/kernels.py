@@ -7,7 +7,7 @@ from __future__ import annotations
 import collections
 import re
 
-from jaxtron.metrics.hlo import definitions
+from jaxtron.metrics.hlo import BLOCK_SCALED_GEMM, definitions
 
 _CUSTOM_CALL = re.compile(r'custom-call\(.*?custom_call_target="([^"]+)"')
 _FUSION_KIND = re.compile(r'\bfusion\(.*?"kind":"(__[a-z_]+)"')
@@ -25,13 +25,13 @@ def kernels(hlo_text: str) -> dict[str, int]:
 
 
 def float8_operands(hlo_text: str) -> int:
-    """How many GEMM calls (cuBLAS custom calls and GEMM fusions) take a float8 operand. The text names operands
-    without their types, so each operand's type is read where it is defined (instruction names are unique in a
-    module)."""
+    """How many GEMM calls (cuBLAS and cuDNN's block-scaled custom calls, GEMM fusions) take a float8 operand. The
+    text names operands without their types, so each operand's type is read where it is defined (instruction names
+    are unique in a module)."""
     element_type = {name: dtype for name, (dtype, _) in definitions(hlo_text).items()}
     calls = 0
     for line in hlo_text.splitlines():
-        if "__cublas$" not in line and not re.search(r'"kind":"__\w*gemm', line):
+        if "__cublas$" not in line and BLOCK_SCALED_GEMM not in line and not re.search(r'"kind":"__\w*gemm', line):
             continue
         operands = re.search(r"\b(?:custom-call|fusion)\((.*?)\)", line)
         names = re.findall(r"%[\w.\-]+", operands.group(1)) if operands else []
@@ -43,7 +43,7 @@ def float8_operands(hlo_text: str) -> int:
 # kernel name -> how people call it
 _NAMES = {"__cudnn$fmhaSoftmax": "cuDNN attention forward", "__cudnn$fmhaSoftmaxBackward": "cuDNN attention backward",
           "__cublas$lt$matmul$f8": "cuBLASLt FP8 GEMM", "__cublas$lt$matmul": "cuBLASLt GEMM",
-          "__cublas$gemm": "cuBLAS GEMM", "__triton_nested_gemm_fusion": "Triton GEMM", "__triton_gemm": "Triton GEMM",
+          "__cublas$gemm": "cuBLAS GEMM", "__cudnn$blockScaledDot": "cuDNN block-scaled GEMM", "__triton_nested_gemm_fusion": "Triton GEMM", "__triton_gemm": "Triton GEMM",
           # Pallas kernels (tokamax's grouped expert GEMM, for one): Mosaic GPU and Triton
           "mosaic_gpu_v2": "Mosaic GPU kernel", "__gpu$xla.gpu.triton": "Pallas Triton kernel",
           "__triton": "Triton fusion", "__custom_fusion": "custom fusion"}

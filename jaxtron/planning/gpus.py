@@ -129,6 +129,21 @@ GPUS: dict[str, GPU] = {
                 xla_attention_efficiency=0.25, hbm_bandwidth=4.3e12, nvlink_bandwidth=links.NVLINK_BANDWIDTH,
                 network_bandwidth=links.NETWORK_BANDWIDTH, fp8_speedup=FP8_SPEEDUP, weight_pass_bytes=WEIGHT_PASS_BYTES,
                 blockwise_attention_efficiency=BLOCKWISE_ATTENTION_EFFICIENCY, **_CALIBRATED),
+    # Blackwell, no run measured: the H100's fitted and assumed shares of the peak on the datasheet figures.
+    # HGX B200: 180 GB HBM3e (182,640 MiB in XLA's target spec), 8 TB/s (85% assumed reached), NVLink 5 in a node
+    # of 8, a 400 Gb/s NIC a GPU
+    "b200": GPU("B200 HGX 180GB", 182_640 * _MIB, _peaks("B200"), attention_efficiency=0.5,
+                xla_attention_efficiency=0.25, hbm_bandwidth=0.85 * 8.0e12, nvlink_bandwidth=links.NVLINK5_BANDWIDTH,
+                network_bandwidth=links.NETWORK_BANDWIDTH, fp8_speedup=FP8_SPEEDUP, weight_pass_bytes=WEIGHT_PASS_BYTES,
+                blockwise_attention_efficiency=BLOCKWISE_ATTENTION_EFFICIENCY, **_CALIBRATED),
+    # GB200 NVL72: 186 GB HBM3e (188,729 MiB), 8 TB/s, 72 GPUs a rack in one NVLink domain. A job of powers of two
+    # runs 64 of them (16 of the rack's 18 compute trays), so a "node" here is 64 GPUs; --gpus-per-node=72 plans
+    # whole racks. Between racks, a 400 Gb/s NIC a GPU
+    "gb200": GPU("GB200 NVL72 186GB", 188_729 * _MIB, _peaks("GB200"), attention_efficiency=0.5,
+                 xla_attention_efficiency=0.25, hbm_bandwidth=0.85 * 8.0e12, nvlink_bandwidth=links.NVLINK5_BANDWIDTH,
+                 network_bandwidth=links.NETWORK_BANDWIDTH, fp8_speedup=FP8_SPEEDUP,
+                 weight_pass_bytes=WEIGHT_PASS_BYTES, blockwise_attention_efficiency=BLOCKWISE_ATTENTION_EFFICIENCY,
+                 gpus_per_node=64, **_CALIBRATED),
 }
 
 
