@@ -21,6 +21,7 @@ COMPUTE_DTYPES = ("float32", "bfloat16")  # float16 would need loss scaling, whi
 # 'auto': the fastest policy whose step fits the device by the planner's estimate (jaxtron/planning/remat.py)
 GATED = ("swiglu", "geglu", "clamped_swiglu")  # the activations with a gate projection (3 matrices)
 REMAT_CHOICES = ("none", "full", "save_dots", "save_attention", "save_dots_attention", "auto")
+FP8_RECIPES = ("tensorwise", "mxfp8")  # execution.fp8_recipe
 
 
 def _not_architecture(default: Any) -> Any:
@@ -268,7 +269,10 @@ class ExecutionConfig:
     # activations into per-layer buffers (copies a loop needs), for more compile time and memory (docs/model.md)
     scan_layers: bool = True
     attention_max_segments: int = 64  # cuDNN: most documents a packed row may hold (a batch with more is refused)
-    fp8: bool = False  # FP8 matmuls (current scaling) in every projection of the blocks; see jaxtron/ops/fp8.py
+    fp8: bool = False  # low-precision matmuls in every projection of the blocks, by ``fp8_recipe``
+    # with fp8, how the operands are scaled: tensorwise (one current scale a tensor, ops/fp8.py), mxfp8 (32-element
+    # blocks with power-of-two scales, Blackwell's block-scaled GEMMs; ops/block_scaled.py)
+    fp8_recipe: str = "tensorwise"
     fp8_skip_layers: int = 0  # with fp8: the first and the last this many blocks keep 16-bit matmuls
     moe_mode: str = "dropless"  # dropless (grouped GEMM over all routed tokens) | capacity (per-row expert capacity)
     capacity_factor: float = 1.25  # capacity mode: slots per expert and row = ceil(factor * length * k / experts)
@@ -298,6 +302,7 @@ class ExecutionConfig:
         _choice(self.remat, "execution.remat", REMAT_CHOICES)
         _choice(self.attention, "execution.attention", ("auto", "xla", "cudnn", "blockwise"))
         _positive(self.attention_max_segments, "execution.attention_max_segments")
+        _choice(self.fp8_recipe, "execution.fp8_recipe", FP8_RECIPES)
         _non_negative(self.fp8_skip_layers, "execution.fp8_skip_layers")
         _choice(self.moe_mode, "execution.moe_mode", ("dropless", "capacity"))
         _positive(self.capacity_factor, "execution.capacity_factor")

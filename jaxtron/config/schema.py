@@ -15,6 +15,7 @@ from typing import Any
 
 from jaxtron.config.checks import ConfigError, _check, _choice, _non_negative, _positive
 from jaxtron.config.model import ExecutionConfig, ModelConfig, replace  # noqa: F401 (re-exported)
+from jaxtron.config.recipes import check_block_recipe
 
 # outermost to innermost device order: pipeline stages span nodes, tensor groups stay inside one
 MESH_AXES = ("pipeline", "data", "fsdp", "sequence", "expert", "tensor")
@@ -51,12 +52,10 @@ class MeshConfig:
                    f"is -1 but the other axes multiply to {fixed}, which does not divide the {num_devices} devices",
                    "choose axis sizes whose product divides the device count")
             sizes[rest[0]] = num_devices // fixed
-        else:
-            if fixed != num_devices:
-                axes = ", ".join(f"{n}={v}" for n, v in sizes.items())
-                raise ConfigError(f"config fields 'mesh.*' ({axes}) multiply to {fixed} but there are {num_devices} "
-                                  "devices; make pipeline*data*fsdp*sequence*expert*tensor equal the device count "
-                                  "or set one axis to -1.")
+        elif fixed != num_devices:
+            raise ConfigError(f"config fields 'mesh.*' ({', '.join(f'{n}={v}' for n, v in sizes.items())}) multiply "
+                              f"to {fixed} but there are {num_devices} devices; make pipeline*data*fsdp*sequence*"
+                              "expert*tensor equal the device count or set one axis to -1.")
         return sizes
 
 
@@ -367,6 +366,7 @@ class Config:
         _check(not (x.fp8 and m.moe.num_experts) or x.fp8_skip_layers % m.moe.every == 0, "execution.fp8_skip_layers",
                f"({x.fp8_skip_layers}) must be a multiple of model.moe.every ({m.moe.every})",
                "round it to a multiple")
+        check_block_recipe(m, x, d.seq_len)
         _check(d.seq_len <= m.max_seq_len, "data.seq_len",
                f"({d.seq_len}) exceeds model.max_seq_len ({m.max_seq_len})",
                "shorten the sequence or raise model.max_seq_len")

@@ -4,8 +4,9 @@ A ``Projection`` maps ``x [..., *inputs]`` to ``[..., *outputs]`` with a float32
 that carries one logical name per dimension. It owns:
 
 - the compute cast: the weight in ``execution.dtype`` (under the ``weight_cast`` scope the step's budget reads);
-- the low-precision recipe: FP8 with current scaling (``ops/fp8.py``) inside ``fp8_recipe("tensorwise")``, which
-  the layer stack opens around the blocks of an FP8 layer span;
+- the low-precision recipe (``execution.fp8_recipe``): FP8 with current scaling (``ops/fp8.py``) inside
+  ``fp8_recipe("tensorwise")``, MXFP8 blocks (``ops/block_scaled.py``) inside ``fp8_recipe("mxfp8")``; the layer
+  stack opens it around the blocks of an FP8 layer span;
 - the FSDP gather layout (``state_sharding.weight_layout``): a weight split over fsdp is gathered for use;
 - its LoRA adapters (``lora_a``, ``lora_b``, ``models/lora.py`` adds them), their scale and dropout;
 - with ``bias``, a bias over its outputs (gpt-oss's attention).
@@ -27,11 +28,13 @@ from flax import nnx
 
 from jaxtron.common.trace_state import FP8_RECIPE, LORA_DROPOUT_KEY
 from jaxtron.models.layers import param
+from jaxtron.ops import block_scaled
 from jaxtron.ops import fp8 as fp8_ops
 from jaxtron.parallel.sharding import logical_names
 from jaxtron.parallel.state_sharding import gathered_einsum, weight_layout
 
-RECIPES = ("tensorwise",)  # FP8 recipes a projection computes (ops/fp8.py: per-tensor current scaling)
+# the FP8 recipes a projection computes (execution.fp8_recipe) and the einsum of each, (equation, x, w, layout)
+RECIPES = {"tensorwise": fp8_ops.einsum, "mxfp8": block_scaled.einsum}
 
 
 class Adapter(nnx.Param):
@@ -47,7 +50,7 @@ def fp8_recipe(recipe: str | None) -> Iterator[None]:
     """Within this block (while tracing) projections and expert GEMMs compute with the FP8 ``recipe`` (None:
     in the compute dtype)."""
     if recipe is not None and recipe not in RECIPES:
-        raise ValueError(f"fp8_recipe takes one of {RECIPES} or None, not {recipe!r}")
+        raise ValueError(f"fp8_recipe takes one of {tuple(RECIPES)} or None, not {recipe!r}")
     with FP8_RECIPE.bound(recipe):
         yield
 
@@ -92,7 +95,7 @@ class Projection(nnx.Module):
             w = self.weight[...].astype(self.dtype)
         layout = weight_layout(logical_names(self.weight), w.ndim)
         eq = equation(x.ndim, self.inputs, self.outputs)
-        y = (fp8_ops.einsum if fp8_enabled() else gathered_einsum)(eq, x, w, layout)
+        y = RECIPES.get(FP8_RECIPE.get(), gathered_einsum)(eq, x, w, layout)
         if self.bias is not None:
             y = y + self.bias[...].astype(self.dtype)
         if self.lora_a is None:

@@ -45,7 +45,6 @@ from jaxtron.parallel.state_sharding import gathering_for_use
 COMPILER_OPTIONS = {"xla_gpu_enable_dus_accumulator_zero_init_elimination": True}
 
 Stats = dict[str, jax.Array]
-FP8_RECIPE = "tensorwise"  # what an FP8 span's projections and expert GEMMs compute with (ops/fp8.py)
 # body(hidden [b, T, D], one period's parameters, extras) -> (hidden, that period's routing stats)
 Body = Callable[[jax.Array, Any, tuple], tuple[jax.Array, Stats]]
 # runner(body, hidden, the periods' parameters stacked [periods, ...], extras) -> (hidden, stats [periods, ...])
@@ -97,7 +96,7 @@ class LayerSpan:
     """A span of blocks ``first`` .. ``end`` - 1 that is scanned together."""
     first: int
     end: int
-    fp8: bool  # its projections and expert GEMMs use FP8 matmuls
+    fp8: str | None  # the FP8 recipe of its projections and expert GEMMs (execution.fp8_recipe), or None
     prefix: bool  # it is (part of) the dense prefix: a plain scan, never staged
 
 
@@ -106,7 +105,8 @@ def layer_spans(cfg: ModelConfig, execution: ExecutionConfig) -> list[LayerSpan]
     the 16-bit first and last blocks meet the FP8 ones."""
     n, skip = cfg.num_layers, execution.fp8_skip_layers if execution.fp8 else 0
     cuts = sorted({0, n, cfg.prefix_layers, skip, n - skip})
-    return [LayerSpan(a, b, execution.fp8 and skip <= a < n - skip, b <= cfg.prefix_layers)
+    recipe = execution.fp8_recipe if execution.fp8 else None
+    return [LayerSpan(a, b, recipe if skip <= a < n - skip else None, b <= cfg.prefix_layers)
             for a, b in itertools.pairwise(cuts)]
 
 
@@ -139,9 +139,10 @@ def without_remat() -> Iterator[None]:
         yield
 
 
-def _block_fn(graphdef: Any, fp8: bool, remat: str, local: bool = False, in_loop: bool = True) -> Callable | None:
+def _block_fn(graphdef: Any, fp8: str | None, remat: str, local: bool = False,
+              in_loop: bool = True) -> Callable | None:
     """(hidden, one block's parameters, positions[, segment ids]) -> (hidden, stats) for blocks of ``graphdef``,
-    rematerialised per ``remat`` (not within ``without_remat``); ``local``: blocks whose attention is windowed;
+    their projections by the FP8 recipe ``fp8`` (None: in the compute dtype), rematerialised per ``remat`` (not within ``without_remat``); ``local``: blocks whose attention is windowed;
     ``in_loop``: the blocks run in a loop's body, not in line."""
     if graphdef is None:
         return None
@@ -153,7 +154,7 @@ def _block_fn(graphdef: Any, fp8: bool, remat: str, local: bool = False, in_loop
     gather = "keep" if policy is not None or unrematerialized else "regather"
 
     def apply(h, block, positions, segment_ids=None):
-        with gathering_for_use(gather), fp8_recipe(FP8_RECIPE if fp8 else None):
+        with gathering_for_use(gather), fp8_recipe(fp8):
             return nnx.merge(graphdef, block)(h, positions, segment_ids, local=local)
 
     if policy is None:
@@ -320,7 +321,7 @@ def decode_stack(cfg: ModelConfig, execution: ExecutionConfig, stacks: tuple[nnx
 
     def block_fn(graphdef, fp8, local):
         def apply(h, block, c):
-            with fp8_recipe(FP8_RECIPE if fp8 else None):
+            with fp8_recipe(fp8):
                 return nnx.merge(graphdef, block).decode(h, positions, c, local=local)
         return apply
 

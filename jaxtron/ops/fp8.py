@@ -158,7 +158,7 @@ COMPILER_OPTIONS = {
 
 
 def compiler_options(fp8: bool) -> dict[str, object]:
-    """The XLA options of a program with (``fp8``) or without FP8 projections."""
+    """The XLA options of a program with (``fp8``) or without this recipe's FP8 projections."""
     return dict(COMPILER_OPTIONS) if fp8 else {}
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 
 from jaxtron.config.checks import _check
+from jaxtron.config.recipes import RECIPE_BLOCKS, block_scaled_widths
 from jaxtron.config.schema import ONE_F_ONE_B, Config
 from jaxtron.parallel.sharding import logical_to_spec, shard_count, spec_axes
 
@@ -67,7 +68,24 @@ def check_devices(cfg: Config, num_devices: int) -> dict[str, int]:
     residual = shard_count(sizes, "activation_residual_length")
     _check(n % residual == 0, "data.seq_len", f"({n}) is not divisible by {mesh_axes('activation_residual_length')} "
            f"({residual}), over which the residual stream is split", f"use a multiple of {math.lcm(chunks, residual)}")
+    _check_blocks(cfg, sizes, chunks)
     return sizes
+
+
+def _check_blocks(cfg: Config, sizes: dict[str, int], chunks: int) -> None:
+    """A block-scaled recipe's blocks lie within each device's share of every contracted dimension (a block across
+    two devices would be quantized otherwise than on one: ``ops/block_scaled.py``). A row's tokens on a split
+    sequence come in ``chunks`` pieces (the load-balanced layout), each of whole blocks."""
+    x = cfg.execution
+    block = RECIPE_BLOCKS.get(x.fp8_recipe) if x.fp8 else None
+    for field, size, logical in block_scaled_widths(cfg.model, cfg.data.seq_len) if block else ():
+        if logical is None:
+            continue
+        ways = chunks if logical == "activation_length" else shard_count(sizes, logical)
+        _check(size % (ways * block) == 0, "execution.fp8_recipe",
+               f"is '{x.fp8_recipe}', whose {block}-element blocks would straddle devices: {field} ({size}) splits "
+               f"into {ways} pieces of {size // ways} over {mesh_axes(logical, sizes=sizes)}",
+               "choose a split that leaves each device whole blocks, or another recipe")
 
 
 def _check_pipeline(cfg: Config, stages: int, batch: int, dp: int) -> None:

@@ -11,7 +11,7 @@ import contextlib
 import dataclasses
 import functools
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -234,35 +234,37 @@ def weight_layout(names: Sequence[str | None], ndim: int) -> WeightLayout | None
     return None if use == own else WeightLayout(use, own, regather=mode == "regather")
 
 
-def gathered_einsum(equation: str, x: jax.Array, w: jax.Array, layout: WeightLayout | None = None) -> jax.Array:
-    """``jnp.einsum(equation, x, w)`` of a projection (activation ``x``, weight ``w`` in the compute dtype) with
-    the weight gathered for use as ``layout`` says (None: left to XLA).
+def gathered_einsum(equation: str, x: jax.Array, w: jax.Array, layout: WeightLayout | None = None,
+                    matmul: Callable[[str, jax.Array, jax.Array], jax.Array] = jnp.einsum) -> jax.Array:
+    """``matmul(equation, x, w)`` (default ``jnp.einsum``) of a projection (activation ``x``, weight ``w`` in the
+    compute dtype) with the weight gathered for use as ``layout`` says (None: left to XLA). ``matmul``: a
+    module-level function (a block-scaled recipe's, ``ops/block_scaled.py``), the same each call.
 
     Kept (``layout.regather`` false, a block under a checkpoint policy): only the weight's layout is constrained,
     so the policy sees the matmul. Gathered again: the matmul's backward keeps the weight's own shard and gathers
     it for the two transposed matmuls, as FSDP does (with the gathered copy kept, a block without a checkpoint
     would hold every layer's whole weights from its forward to its backward pass)."""
     if layout is None:
-        return jnp.einsum(equation, x, w)
+        return matmul(equation, x, w)
     if not layout.regather:
-        return jnp.einsum(equation, x, _resharded(w, layout.use, layout.own))
-    return _regathered_einsum(equation, x, w, layout)
+        return matmul(equation, x, _resharded(w, layout.use, layout.own))
+    return _regathered_einsum(equation, x, w, layout, matmul)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 3))
-def _regathered_einsum(equation: str, x: jax.Array, w: jax.Array, layout: WeightLayout) -> jax.Array:
-    return jnp.einsum(equation, x, layout.gathered(w))
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 3, 4))
+def _regathered_einsum(equation: str, x: jax.Array, w: jax.Array, layout: WeightLayout, matmul) -> jax.Array:
+    return matmul(equation, x, layout.gathered(w))
 
 
-def _regathered_fwd(equation, x, w, layout):
+def _regathered_fwd(equation, x, w, layout, matmul):
     # the shard kept for the backward pass held as the weight is (left to propagation, XLA:CPU's fill-drain
     # pipeline kept it whole in every iteration)
-    return _regathered_einsum(equation, x, w, layout), (x, layout.scattered(w))
+    return _regathered_einsum(equation, x, w, layout, matmul), (x, layout.scattered(w))
 
 
-def _regathered_bwd(equation, layout, res, grad):
+def _regathered_bwd(equation, layout, matmul, res, grad):
     x, w = res
-    _, pullback = jax.vjp(lambda a, b: jnp.einsum(equation, a, b), x, layout.gathered(w))
+    _, pullback = jax.vjp(lambda a, b: matmul(equation, a, b), x, layout.gathered(w))
     dx, dw = pullback(grad)
     return dx, layout.scattered(dw)
 

@@ -132,13 +132,14 @@ def setup(cfg: Config, attention_impl: str, sizes: dict[str, int] | None = None)
         return state
 
     state = jax.eval_shape(abstract)
+    tensorwise = cfg.execution.fp8 and cfg.execution.fp8_recipe == "tensorwise"  # ops/fp8.py's GEMM options
     return Setup(graphdef=holder["graphdef"], tx=holder["tx"], abstract_state=state,
                  learning_rate=learning_rate_schedule(cfg.optimizer, cfg.train.steps), train=cfg.train,
                  stack_runner=pipeline_schedule(cfg, stages), layer_order=layer_order(cfg, stages),
                  compiler_options=tuple({**stack.compiler_options(cfg.execution),
                                          **tensor_chunks.compiler_options(cfg.execution.tensor_chunks,
                                                                           tensor_count(cfg, sizes)),
-                                         **fp8_ops.compiler_options(cfg.execution.fp8),
+                                         **fp8_ops.compiler_options(tensorwise),
                                          **moe.compiler_options(cfg.model, expert_shards(cfg, sizes),
                                                                  cfg.execution.moe_chunks)}.items()),
                  budget_schedule=moe.budget_schedule(cfg.model, expert_shards(cfg, sizes), cfg.execution.moe_schedule),

@@ -1,0 +1,125 @@
+"""Block-scaled matmuls: MXFP8, the OCP microscaling format Blackwell's tensor cores take (``execution.fp8_recipe
+='mxfp8'``).
+
+Each operand of a GEMM is quantized in blocks of 32 consecutive elements along the dimension that GEMM contracts.
+A block's scale is a power of two (e8m0): its absolute maximum over 448, rounded up to the next power of two, so no
+element clips. Its elements are e4m3. Every GEMM of a projection quantizes its own operands along its own
+contracted dimension, as Transformer Engine's MXFP8 recipe does:
+
+- forward, ``x @ w``: ``x`` and ``w`` in blocks along the input features;
+- input gradient, ``dy @ w^T``: ``dy`` and ``w`` in blocks along the output features;
+- weight gradient, ``x^T @ dy``: ``x`` and ``dy`` in blocks along the tokens.
+
+The backward keeps the 16-bit ``x`` and ``w`` and quantizes them again along the new contracted dimensions. On a
+GPU each GEMM is ``jax.nn.scaled_matmul``, which XLA compiles into cuDNN's block-scaled GEMM on Blackwell
+(``__cudnn$blockScaledDot``). On the CPU, which has no such kernel, the same quantized operands are dequantized
+and multiplied in float32: the numbers the CPU tests check (``jax.lax.platform_dependent`` picks the form).
+
+Blocks and shards. A block must lie on one device, or a mesh would quantize other groups of elements than one
+device does. It does when each device's share of every contracted dimension is a multiple of 32: the input
+features (whole where used, or split over ``tensor`` for the output projections), the output features (split
+over ``tensor`` for the others), and the tokens (each row's ``seq_len / sequence`` of them, rows never mixed).
+``config/schema.py`` and ``parallel/checks.py`` refuse a model or a mesh that breaks this.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+
+from jaxtron.parallel.state_sharding import WeightLayout, gathered_einsum
+
+BLOCK = 32  # MXFP8's elements a scale: OCP MX v1.0
+E4M3_MAX = 448.0
+MIN_EXPONENT = -126  # the smallest scale kept, 2^-126 (float32's smallest normal): an all-zero block's
+
+
+def dimension_numbers(equation: str) -> tuple[int, int]:
+    """(``x``'s kept dimensions, the contracted ones) of a projection's einsum ``equation``: ``x``'s trailing
+    dimensions contracted with ``w``'s leading ones, the output ``x``'s kept then ``w``'s; a ValueError else."""
+    inputs, out = equation.split("->")
+    lhs, rhs = inputs.split(",")
+    shared = "".join(c for c in lhs if c in rhs)
+    kept = lhs[:len(lhs) - len(shared)]
+    if not (lhs.endswith(shared) and rhs.startswith(shared) and out == kept + rhs[len(shared):]):
+        raise ValueError(f"{equation!r} is not a projection's einsum (x's last dimensions with w's first ones)")
+    return len(kept), len(shared)
+
+
+def block_scales(x: jax.Array) -> jax.Array:
+    """One power-of-two scale per block of ``BLOCK`` along ``x``'s last axis [..., K / BLOCK], float32: the
+    block's absolute maximum over 448 rounded up (exactly, by its float exponent)."""
+    blocks = x.astype(jnp.float32).reshape(*x.shape[:-1], x.shape[-1] // BLOCK, BLOCK)
+    ratio = jnp.max(jnp.abs(blocks), axis=-1) / E4M3_MAX
+    mantissa, exponent = jnp.frexp(ratio)  # ratio = mantissa 2^exponent, mantissa in [0.5, 1)
+    exponent = jnp.where(mantissa == 0.5, exponent - 1, exponent)  # an exact power of two is its own scale
+    # 2^exponent built from its bits (XLA's exp2 is not exact on every backend)
+    biased = (jnp.maximum(exponent, MIN_EXPONENT) + 127).astype(jnp.uint32) << 23
+    return jax.lax.bitcast_convert_type(biased, jnp.float32)
+
+
+def quantized(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(``x`` in e4m3, ``block_scales``) of ``x`` along its last axis."""
+    scale = block_scales(x)
+    blocks = x.astype(jnp.float32).reshape(*x.shape[:-1], x.shape[-1] // BLOCK, BLOCK)
+    return (blocks / scale[..., None]).astype(jnp.float8_e4m3fn).reshape(x.shape), scale
+
+
+def dequantized(q: jax.Array, scale: jax.Array) -> jax.Array:
+    """``quantized``'s inverse in float32: each block's elements times its scale."""
+    blocks = q.astype(jnp.float32).reshape(*q.shape[:-1], q.shape[-1] // BLOCK, BLOCK)
+    return (blocks * scale[..., None]).reshape(q.shape)
+
+
+def gemm(a: jax.Array, b: jax.Array, dtype) -> jax.Array:
+    """``a [M, K] @ b [N, K]^T`` in ``dtype``, both operands quantized in blocks along K."""
+    (qa, sa), (qb, sb) = quantized(a), quantized(b)
+
+    def on_gpu(qa, sa, qb, sb):
+        scales = (s.astype(jnp.float8_e8m0fnu)[None] for s in (sa, sb))
+        return jax.nn.scaled_matmul(qa[None], qb[None], *scales, preferred_element_type=dtype)[0]
+
+    def emulated(qa, sa, qb, sb):
+        out = jnp.dot(dequantized(qa, sa), dequantized(qb, sb).T, preferred_element_type=jnp.float32)
+        return out.astype(dtype)
+
+    return jax.lax.platform_dependent(qa, sa, qb, sb, cuda=on_gpu, default=emulated)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def scaled_einsum(equation: str, x: jax.Array, w: jax.Array) -> jax.Array:
+    """``jnp.einsum(equation, x, w)`` of a projection with MXFP8 operands in the forward and both gradients, in
+    ``x``'s dtype."""
+    return _forward(equation, x, w)[0]
+
+
+def _as_matrices(equation, x, w):
+    kept, contracted = dimension_numbers(equation)
+    k = math.prod(x.shape[kept:])
+    return x.reshape(-1, k), w.astype(x.dtype).reshape(k, -1), x.shape[:kept], w.shape[contracted:]
+
+
+def _forward(equation, x, w):
+    x2, w2, lead, tail = _as_matrices(equation, x, w)
+    return gemm(x2, w2.T, x.dtype).reshape(*lead, *tail), (x, w)
+
+
+def _backward(equation, res, g):
+    x, w = res
+    x2, w2, _, _ = _as_matrices(equation, x, w)
+    g2 = g.reshape(x2.shape[0], w2.shape[1])
+    dx = gemm(g2, w2, x.dtype)  # [M, N] x [K, N]^T: blocks along the output features
+    dw = gemm(x2.T, g2.T, jnp.float32)  # [K, M] x [N, M]^T: blocks along the tokens
+    return dx.reshape(x.shape), dw.reshape(w.shape).astype(w.dtype)
+
+
+scaled_einsum.defvjp(_forward, _backward)
+
+
+def einsum(equation: str, x: jax.Array, w: jax.Array, layout: WeightLayout | None = None) -> jax.Array:
+    """A projection's ``jnp.einsum(equation, x, w)`` as MXFP8 GEMMs (``scaled_einsum``), the weight gathered for
+    use as ``layout`` says (``state_sharding.gathered_einsum``): in 16 bits, quantized where it is used."""
+    return gathered_einsum(equation, x, w, layout, matmul=scaled_einsum)

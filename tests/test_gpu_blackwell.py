@@ -1,0 +1,53 @@
+"""The Blackwell targets (B200, GB200): jaxtron's step compiled for them without the GPU, their kernels, MXFP8's
+block-scaled GEMMs, and the planner's memory against the compiled peak."""
+
+import json
+
+import pytest
+from conftest import REPO
+from helpers import target_marks
+
+pytestmark = target_marks()
+
+
+def _plan(tmp_path, gpus: int, mesh: str, *overrides: str, gpu: str = "b200") -> dict:
+    """``jaxtron plan --compile`` of Llama-3 8B at 4 layers, sequence 4096, 4 rows a GPU: its dry run."""
+    from jaxtron import cli
+
+    out = tmp_path / f"{gpu}-{gpus}-{mesh}.json"
+    assert cli.run("plan", [f"--config={REPO}/configs/llama3_8b.py", f"--gpus={gpus}", f"--gpu={gpu}",
+                            f"--compile={mesh}", "--config.model.num_layers=4", "--config.data.seq_len=4096",
+                            f"--config.train.global_batch_size={4 * gpus}", f"--json={out}", *overrides]) == 0
+    return json.loads(out.read_text())["dry_run"]
+
+
+def test_llama3_8b_compiles_for_one_b200_with_cudnn_attention_both_ways(tmp_path):
+    compiled = _plan(tmp_path, 1, "fsdp=1")
+    assert compiled["target"] == "b200"
+    assert compiled["kernels"]["__cudnn$fmhaSoftmax"] >= 1 and compiled["kernels"]["__cudnn$fmhaSoftmaxBackward"] == 1
+    assert "__cudnn$blockScaledDot" not in compiled["kernels"] and 0.99 < compiled["flops"] / compiled["model_flops"] < 1.05, compiled
+
+
+def test_mxfp8_makes_every_projection_gemm_a_block_scaled_fp8_one_on_the_b200(tmp_path):
+    """7 projections a block (q, k, v, o, gate, up, down), each a forward and two gradient GEMMs, in the layers'
+    one loop body: 21 calls of cuDNN's block-scaled GEMM, each on e4m3 operands; the head stays 16-bit."""
+    compiled = _plan(tmp_path, 1, "fsdp=1", "--config.execution.fp8=True", "--config.execution.fp8_recipe=mxfp8")
+    assert compiled["kernels"]["__cudnn$blockScaledDot"] == 21, compiled["kernels"]
+    # exactly the projections' FLOPs: 6 x 16384 tokens x 4 blocks' q, k, v, o, gate, up and down weights
+    block = 2 * 4096 * 4096 + 2 * 4096 * 1024 + 3 * 4096 * 14336
+    assert compiled["budget"]["flops"]["GEMM fp8"] == pytest.approx(6 * 4 * 4096 * 4 * block, rel=1e-6)
+    # the block-scaled GEMMs counted at their shapes: the program's matmuls are the model's
+    assert 0.99 < compiled["flops"] / compiled["model_flops"] < 1.05, compiled
+
+
+@pytest.mark.parametrize("mesh", ["fsdp=8", "fsdp=4,tensor=2"])
+def test_the_planners_memory_is_within_10_percent_of_eight_b200s_compiled(tmp_path, mesh):
+    compiled = _plan(tmp_path, 8, mesh)
+    assert abs(compiled["estimated_peak"] / compiled["compiled_peak"] - 1) < 0.10, compiled
+
+
+def test_a_gb200_compiles_on_its_compute_trays(tmp_path):
+    """A GB200's host holds 4 GPUs: 8 of them are 2 trays in the compile's topology, one NVLink domain."""
+    compiled = _plan(tmp_path, 8, "fsdp=8", gpu="gb200")
+    assert compiled["target"] == "gb200" and compiled["kernels"]["__cudnn$fmhaSoftmaxBackward"] == 1
+    assert compiled["collectives"]["all-gather"]["count"] > 0
