@@ -46,6 +46,9 @@ ROWS = {
 }
 
 
+GB200_GPUS = 1024
+
+
 def load(config: str, overrides: list[str] = ()):
     from jaxtron.config.loader import load_config
 
@@ -72,6 +75,17 @@ def planned(name: str) -> dict:
     chunked = search.best_for_mesh(load(config, [("execution.tensor_chunks", "2")]), sizes, h100)
     return dict(published=_row(published), best=_row(best), published_kf_tp=_row(kempnerforge_tp),
                 published_chunks=_row(chunked), plan_s=time.perf_counter() - start)
+
+
+def planned_on_gb200(name: str) -> dict:
+    """The planner's best mesh for a row's model on ``GB200_GPUS`` GB200s (NVL72: 64 GPUs an NVLink domain)."""
+    from jaxtron.planning import search
+    from jaxtron.planning.gpus import gpu
+
+    start = time.perf_counter()
+    rows = search.plan(load(ROWS[name][0]), GB200_GPUS, gpu("gb200"))
+    best = next((r for r in rows if r.fits), rows[0])
+    return dict(best=_row(best), plan_s=time.perf_counter() - start)
 
 
 def _row(row) -> dict:
@@ -137,6 +151,8 @@ def arguments() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", default=",".join(ROWS), help=f"comma-separated, of {', '.join(ROWS)}")
     parser.add_argument("--no-compile", action="store_true", help="the planner's columns only")
+    parser.add_argument("--gb200-only", action="store_true",
+                        help=f"re-plan the rows on {GB200_GPUS} GB200s only, keeping their H100 results")
     parser.add_argument("--compile-timeout", type=float, default=600.0)
     parser.add_argument("--output", default=os.path.join(ROOT, "benchmarks", "seeds_table"))
     args = parser.parse_args()
@@ -153,8 +169,11 @@ def main() -> int:
         with open(args.output + ".json") as f:
             results = json.load(f)["rows"]
     for name in args.rows.split(","):
+        if args.gb200_only and name in results:
+            results[name]["gb200"] = planned_on_gb200(name)
+            continue
         plan = planned(name)
-        row = dict(plan=plan)
+        row = dict(plan=plan, gb200=planned_on_gb200(name))
         if not args.no_compile:
             row["compiled"] = compiled(name, plan, args.compile_timeout)
         results[name] = row
@@ -231,10 +250,35 @@ def write(path: str, rows: dict) -> None:
                      f"{100 * row['plan']['published_kf_tp']['mfu']:.1f}% | "
                      f"{pub['memory_gib']:.1f} | {comp} | {budget} | {_how(best)} | "
                      f"{100 * best['mfu']:.1f}% |")
+    lines += _gb200_table(rows)
     lines += ["", "Sources of the published figures:", ""]
     lines += [f"- {ROWS[name][0]}: {ROWS[name][4]}" for name in rows]
     with open(path + ".md", "w") as f:
         f.write("\n".join(lines) + "\n")
+
+
+def _gb200_table(rows: dict) -> list[str]:
+    """The rows re-planned on GB200s beside their H100 plans: the best mesh of each, its estimate and its tokens
+    per second and GPU."""
+    rows = {k: v for k, v in rows.items() if "gb200" in v}
+    if not rows:
+        return []
+    lines = ["", f"## The same models planned on {GB200_GPUS} GB200s", "",
+             "The planner's best mesh on GB200 NVL72 racks (`planning/gpus.py`: 64 GPUs of each rack's 72 in one",
+             "NVLink domain, NVLink 5 at 720 GB/s, a 400 Gb/s NIC a GPU between racks; the H100's fitted efficiencies",
+             "on the GB200's datasheet peaks: no Blackwell run has measured them). MFU against the GB200's dense",
+             "bf16 peak, 2500 TFLOP/s. An estimate, not a measurement.", "",
+             "| run | H100s: planner's best | est. MFU | tokens/s a GPU | GB200s: planner's best | est. MFU | "
+             "step s | est. GiB | tokens/s a GPU | per GPU vs H100 |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for name, row in rows.items():
+        gpus = ROWS[name][1]
+        h100, gb200 = row["plan"]["best"], row["gb200"]["best"]
+        per_h100, per_gb200 = h100["tokens_per_s"] / gpus, gb200["tokens_per_s"] / GB200_GPUS
+        lines.append(f"| {ROWS[name][0]} | {gpus}: {_how(h100)} | {100 * h100['mfu']:.1f}% | {per_h100:.0f} | "
+                     f"{_how(gb200)} | {100 * gb200['mfu']:.1f}% | {gb200['step_s']:.2f} | "
+                     f"{gb200['memory_gib']:.1f} | {per_gb200:.0f} | {per_gb200 / per_h100:.2f}x |")
+    return lines
 
 
 if __name__ == "__main__":

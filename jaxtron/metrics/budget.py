@@ -23,6 +23,7 @@ from jaxtron.metrics.hlo import (
     ATTENTION_BACKWARD,
     ATTENTION_FORWARD,
     BLOCK_SCALED_GEMM,
+    BLOCKWISE_FP8_KERNEL,
     GEMM_TARGETS,
     attention_flops,
     backend_config,
@@ -257,7 +258,7 @@ def kernels(hlo_text: str | Program, ceilings: Ceilings) -> list[Kernel]:
             elif target in GEMM_TARGETS:
                 flops = gemm_flops(line, program.shapes, backend_config(line))
                 category = _gemm_category([program.shapes.get(o, ("?", ()))[0] for o in operands[:2]])
-            elif target == BLOCK_SCALED_GEMM:
+            elif target == BLOCK_SCALED_GEMM or BLOCKWISE_FP8_KERNEL in line:
                 flops = block_scaled_flops(line, program.shapes)
                 category = _gemm_category([program.shapes.get(o, ("?", ()))[0] for o in operands[:2]])
             elif target in ATTENTION_FORWARD + ATTENTION_BACKWARD:

@@ -108,6 +108,8 @@ _LAYOUT_CONSTRAINTS = re.compile(r"operand_layout_constraints=\{(.*?\})\}")  # s
 GEMM_TARGETS = ("__cublas$gemm", "__cublas$lt$matmul", "__cublas$lt$matmul$f8")
 # cuDNN's block-scaled GEMM on Blackwell (MXFP8, NVFP4): [B, M, K] x [B, N, K] -> [B, M, N], scales beside
 BLOCK_SCALED_GEMM = "__cudnn$blockScaledDot"
+# jaxtron's blockwise FP8 GEMM (ops/blockwise_fp8.py's KERNEL_NAME, a Pallas call): [M, K] x [N, K] -> [M, N]
+BLOCKWISE_FP8_KERNEL = "jaxtron_blockwise_fp8_gemm"
 ATTENTION_FORWARD = ("__cudnn$fmhaSoftmax", "__cudnn$fmhaSoftmaxDropout")
 ATTENTION_BACKWARD = ("__cudnn$fmhaSoftmaxBackward", "__cudnn$fmhaSoftmaxDropoutBackward")
 _TARGET = re.compile(r'custom_call_target="([^"]+)"')
@@ -134,10 +136,10 @@ def gemm_flops(line: str, shapes: dict, config: dict | None) -> float:
 
 
 def block_scaled_flops(line: str, shapes: dict) -> float:
-    """2 x output elements x K of cuDNN's block-scaled GEMM, whose operands hold K last ([B, M, K], [B, N, K])."""
-    operands = _operands(line)
-    lhs = shapes.get(operands[0], (None, ()))[1] if operands else ()
-    return 2.0 * math.prod(result_shape(line)) * lhs[-1] if lhs else 0.0
+    """2 x output elements x K of a block-scaled GEMM whose first operand holds K last (cuDNN's [B, M, K] x
+    [B, N, K]; jaxtron's blockwise kernel's [M, K] x [N, K])."""
+    operands = _call_operands(line, None, shapes)
+    return 2.0 * math.prod(result_shape(line)) * operands[0][-1] if operands and operands[0] else 0.0
 
 
 def _call_operands(line: str, dtypes: tuple[str, ...] | None = None,
@@ -234,6 +236,8 @@ def matmul_flops(hlo_text: str) -> dict[str, float]:
                 continue
             if "RaggedDot" in line:  # tokamax's op name in the kernel call's metadata, or a jaxtron kernel's name
                 out["grouped_gemm"] += times * grouped_gemm_flops(line, shapes)
+            elif BLOCKWISE_FP8_KERNEL in line:
+                out["gemm"] += times * block_scaled_flops(line, shapes)
             elif target.group(1) in GEMM_TARGETS:
                 out["gemm"] += times * gemm_flops(line, shapes, backend_config(line))
             elif target.group(1) == BLOCK_SCALED_GEMM:

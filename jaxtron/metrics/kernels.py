@@ -7,7 +7,7 @@ from __future__ import annotations
 import collections
 import re
 
-from jaxtron.metrics.hlo import BLOCK_SCALED_GEMM, definitions
+from jaxtron.metrics.hlo import BLOCK_SCALED_GEMM, BLOCKWISE_FP8_KERNEL, definitions
 
 _CUSTOM_CALL = re.compile(r'custom-call\(.*?custom_call_target="([^"]+)"')
 _FUSION_KIND = re.compile(r'\bfusion\(.*?"kind":"(__[a-z_]+)"')
@@ -25,13 +25,14 @@ def kernels(hlo_text: str) -> dict[str, int]:
 
 
 def float8_operands(hlo_text: str) -> int:
-    """How many GEMM calls (cuBLAS and cuDNN's block-scaled custom calls, GEMM fusions) take a float8 operand. The
-    text names operands without their types, so each operand's type is read where it is defined (instruction names
-    are unique in a module)."""
+    """How many GEMM calls (cuBLAS, cuDNN's block-scaled and jaxtron's blockwise kernel's custom calls, GEMM
+    fusions) take a float8 operand. The text names operands without their types, so each operand's type is read
+    where it is defined (instruction names are unique in a module)."""
     element_type = {name: dtype for name, (dtype, _) in definitions(hlo_text).items()}
     calls = 0
     for line in hlo_text.splitlines():
-        if "__cublas$" not in line and BLOCK_SCALED_GEMM not in line and not re.search(r'"kind":"__\w*gemm', line):
+        gemm = "__cublas$" in line or BLOCK_SCALED_GEMM in line or BLOCKWISE_FP8_KERNEL in line
+        if not gemm and not re.search(r'"kind":"__\w*gemm', line):
             continue
         operands = re.search(r"\b(?:custom-call|fusion)\((.*?)\)", line)
         names = re.findall(r"%[\w.\-]+", operands.group(1)) if operands else []

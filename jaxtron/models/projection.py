@@ -25,16 +25,18 @@ from collections.abc import Iterator, Sequence
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 from jaxtron.common.trace_state import FP8_RECIPE, LORA_DROPOUT_KEY
 from jaxtron.models.layers import param
-from jaxtron.ops import block_scaled
+from jaxtron.ops import block_scaled, blockwise_fp8
 from jaxtron.ops import fp8 as fp8_ops
 from jaxtron.parallel.sharding import logical_names
 from jaxtron.parallel.state_sharding import gathered_einsum, weight_layout
 
 # the FP8 recipes a projection computes (execution.fp8_recipe) and the einsum of each, (equation, x, w, layout)
-RECIPES = {"tensorwise": fp8_ops.einsum, "mxfp8": block_scaled.einsum}
+PROJECTION_OUTPUT = "projection_output"  # a recipe's output, which the checkpoint policies that keep dots keep
+RECIPES = {"tensorwise": fp8_ops.einsum, "blockwise": blockwise_fp8.einsum, "mxfp8": block_scaled.einsum}
 
 
 class Adapter(nnx.Param):
@@ -95,7 +97,9 @@ class Projection(nnx.Module):
             w = self.weight[...].astype(self.dtype)
         layout = weight_layout(logical_names(self.weight), w.ndim)
         eq = equation(x.ndim, self.inputs, self.outputs)
-        y = RECIPES.get(FP8_RECIPE.get(), gathered_einsum)(eq, x, w, layout)
+        recipe = FP8_RECIPE.get()
+        y = gathered_einsum(eq, x, w, layout) if recipe is None else checkpoint_name(
+            RECIPES[recipe](eq, x, w, layout), PROJECTION_OUTPUT)
         if self.bias is not None:
             y = y + self.bias[...].astype(self.dtype)
         if self.lora_a is None:

@@ -1,5 +1,5 @@
-"""The Blackwell targets (B200, GB200): jaxtron's step compiled for them without the GPU, their kernels, MXFP8's
-block-scaled GEMMs, and the planner's memory against the compiled peak."""
+"""The FP8 recipes' GEMMs and the Blackwell targets (B200, GB200), compiled without the GPU: their kernels, MXFP8's
+block-scaled GEMMs on the B200, blockwise FP8's on the H100, and the planner's memory against the compiled peak."""
 
 import json
 
@@ -8,6 +8,9 @@ from conftest import REPO
 from helpers import target_marks
 
 pytestmark = target_marks()
+
+# 6 x 16384 tokens x 4 blocks' q, k, v, o, gate, up and down weights: the projections' FLOPs
+PROJECTION_FLOPS = 6 * 4 * 4096 * 4 * (2 * 4096 * 4096 + 2 * 4096 * 1024 + 3 * 4096 * 14336)
 
 
 def _plan(tmp_path, gpus: int, mesh: str, *overrides: str, gpu: str = "b200") -> dict:
@@ -33,10 +36,18 @@ def test_mxfp8_makes_every_projection_gemm_a_block_scaled_fp8_one_on_the_b200(tm
     one loop body: 21 calls of cuDNN's block-scaled GEMM, each on e4m3 operands; the head stays 16-bit."""
     compiled = _plan(tmp_path, 1, "fsdp=1", "--config.execution.fp8=True", "--config.execution.fp8_recipe=mxfp8")
     assert compiled["kernels"]["__cudnn$blockScaledDot"] == 21, compiled["kernels"]
-    # exactly the projections' FLOPs: 6 x 16384 tokens x 4 blocks' q, k, v, o, gate, up and down weights
-    block = 2 * 4096 * 4096 + 2 * 4096 * 1024 + 3 * 4096 * 14336
-    assert compiled["budget"]["flops"]["GEMM fp8"] == pytest.approx(6 * 4 * 4096 * 4 * block, rel=1e-6)
+    assert compiled["budget"]["flops"]["GEMM fp8"] == pytest.approx(PROJECTION_FLOPS, rel=1e-6)
     # the block-scaled GEMMs counted at their shapes: the program's matmuls are the model's
+    assert 0.99 < compiled["flops"] / compiled["model_flops"] < 1.05, compiled
+
+
+def test_blockwise_makes_every_projection_gemm_an_fp8_kernel_on_the_h100(tmp_path):
+    """Blockwise FP8's Pallas GEMM on the H100: 21 calls on e4m3 operands, forward and both gradients, each
+    projection's forward once (the checkpoint policy keeps the kernel's output as it keeps a dot's)."""
+    compiled = _plan(tmp_path, 1, "fsdp=1", "--config.execution.fp8=True", "--config.execution.fp8_recipe=blockwise",
+                     gpu="h100")
+    assert compiled["kernels"]["__gpu$xla.gpu.triton"] == 21, compiled["kernels"]
+    assert compiled["budget"]["flops"]["GEMM fp8"] == pytest.approx(PROJECTION_FLOPS, rel=1e-6)
     assert 0.99 < compiled["flops"] / compiled["model_flops"] < 1.05, compiled
 
 

@@ -1,0 +1,196 @@
+"""Blockwise FP8 (``execution.fp8_recipe='blockwise'``): DeepSeek-V3's recipe on Hopper's FP8 tensor cores.
+
+Every operand is e4m3 with float32 scales (its absolute maximum over 448) on small groups of elements:
+
+- activations and gradients in 1 x 128 tiles: each row's 128 consecutive elements along the dimension the GEMM
+  contracts share a scale;
+- weights in 128 x 128 blocks: one scale a block, the same blocks for the forward and the input gradient, which
+  reads the weight transposed.
+
+So the forward ``x @ w`` takes ``x`` in tiles along the input features, the input gradient ``dy @ w^T`` takes
+``dy`` in tiles along the output features, and the weight gradient ``x^T @ dy`` takes both in tiles along the
+tokens (DeepSeek's 128 x 1 tiles of ``x``). The backward keeps the 16-bit operands and quantizes them again.
+
+The GEMM is jaxtron's Pallas kernel (Triton, ``gemm``): each 128 x 128 output tile sums the contracted dimension
+in steps of 128, each step one FP8 tensor-core dot promoted to float32 and scaled by its two operands' scales, as
+DeepSeek-V3 promotes every 128 products. On the CPU the same quantized operands are dequantized and multiplied in
+float32 (``jax.lax.platform_dependent``); the tests check the kernel against that in Pallas' interpreter.
+
+A mesh splits the GEMM as XLA splits a matmul (``custom_partitioning``): rows and columns stay split, and a split
+contracted dimension is summed over its devices after the kernel. Tiles and blocks must lie on one device:
+``config/recipes.py`` and ``parallel/checks.py`` ask each device's share of a contracted dimension to be whole
+blocks of 128.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.custom_partitioning import custom_partitioning
+from jax.experimental.pallas import triton as plt
+from jax.sharding import NamedSharding, PartitionSpec
+
+from jaxtron.ops.block_scaled import dimension_numbers
+from jaxtron.ops.triton_lowering import fp8_tensor_cores
+from jaxtron.parallel.state_sharding import WeightLayout, gathered_einsum
+
+BLOCK = 128  # a tile's elements along the contracted dimension; a weight block's side
+E4M3_MAX = 448.0
+WARPS, STAGES = 8, 3  # Triton's launch shape for 128 x 128 x 128 FP8 tiles on Hopper
+KERNEL_NAME = "jaxtron_blockwise_fp8_gemm"  # metrics/hlo.py prices a call of this name as an FP8 GEMM
+
+
+def _scale(amax: jax.Array) -> jax.Array:
+    return jnp.where(amax > 0, amax / E4M3_MAX, 1.0)
+
+
+def tiles(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """``x`` [R, K] in e4m3 and its scales [R, K / 128] float32, one per 1 x 128 tile along K."""
+    t = x.astype(jnp.float32).reshape(x.shape[0], -1, BLOCK)
+    scale = _scale(jnp.max(jnp.abs(t), axis=-1))
+    return (t / scale[..., None]).astype(jnp.float8_e4m3fn).reshape(x.shape), scale
+
+
+def blocks(w: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """``w`` [R, C] in e4m3 and its scales [R / 128, C / 128] float32, one per 128 x 128 block."""
+    r, c = w.shape
+    b = w.astype(jnp.float32).reshape(r // BLOCK, BLOCK, c // BLOCK, BLOCK)
+    scale = _scale(jnp.max(jnp.abs(b), axis=(1, 3)))
+    return (b / scale[:, None, :, None]).astype(jnp.float8_e4m3fn).reshape(r, c), scale
+
+
+def row_scales(block_scales: jax.Array) -> jax.Array:
+    """A weight's block scales [R / 128, C / 128] as per-row tile scales [R, C / 128] (each row its block's)."""
+    return jnp.repeat(block_scales, BLOCK, axis=0)
+
+
+def dequantized(q: jax.Array, scale: jax.Array) -> jax.Array:
+    """[R, K] e4m3 with per-row tile scales [R, K / 128] -> float32."""
+    return (q.astype(jnp.float32).reshape(q.shape[0], -1, BLOCK) * scale[..., None]).reshape(q.shape)
+
+
+def _kernel(a_ref, sa_ref, b_ref, sb_ref, out_ref, *, steps: int):
+    """Program (i, j): output tile (i, j) of a [M, K] b [N, K]^T, scales transposed [K / 128, M] and [K / 128, N]."""
+    i, j = pl.program_id(0), pl.program_id(1)
+
+    def step(s, acc):
+        a = a_ref[pl.ds(i * BLOCK, BLOCK), pl.ds(s * BLOCK, BLOCK)]
+        b = b_ref[pl.ds(j * BLOCK, BLOCK), pl.ds(s * BLOCK, BLOCK)]
+        product = jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+        sa, sb = sa_ref[s, pl.ds(i * BLOCK, BLOCK)], sb_ref[s, pl.ds(j * BLOCK, BLOCK)]
+        return acc + product * sa[:, None] * sb[None, :]
+
+    acc = jax.lax.fori_loop(0, steps, step, jnp.zeros((BLOCK, BLOCK), jnp.float32))
+    out_ref[pl.ds(i * BLOCK, BLOCK), pl.ds(j * BLOCK, BLOCK)] = acc.astype(out_ref.dtype)
+
+
+def kernel_gemm(qa, sa, qb, sb, out_dtype, interpret: bool = False) -> jax.Array:
+    """The Pallas kernel: qa [M, K] and qb [N, K] e4m3, per-row tile scales sa [M, K / 128] and sb [N, K / 128]
+    -> qa qb^T [M, N] in ``out_dtype`` (every size a multiple of 128)."""
+    if not interpret:
+        fp8_tensor_cores()
+    (m, k), n = qa.shape, qb.shape[0]
+    return pl.pallas_call(
+        functools.partial(_kernel, steps=k // BLOCK), out_shape=jax.ShapeDtypeStruct((m, n), out_dtype),
+        grid=(m // BLOCK, n // BLOCK), interpret=interpret, name=KERNEL_NAME,
+        compiler_params=plt.CompilerParams(num_warps=WARPS, num_stages=STAGES),
+    )(qa, sa.T, qb, sb.T)
+
+
+def emulated_gemm(qa, sa, qb, sb, out_dtype) -> jax.Array:
+    """``kernel_gemm``'s numbers in XLA: the dequantized operands multiplied in float32."""
+    return jnp.dot(dequantized(qa, sa), dequantized(qb, sb).T, preferred_element_type=jnp.float32).astype(out_dtype)
+
+
+def _local_gemm(qa, sa, qb, sb, out_dtype):
+    return jax.lax.platform_dependent(qa, sa, qb, sb, cuda=functools.partial(kernel_gemm, out_dtype=out_dtype),
+                                      default=functools.partial(emulated_gemm, out_dtype=out_dtype))
+
+
+def _axes(entry) -> set:
+    return set() if entry is None else {entry} if isinstance(entry, str) else set(entry)
+
+
+def _specs(shapes):
+    """(rows', contracted, columns') mesh axes of the GEMM's operands; the columns' dropped where they share an
+    axis with the rows' (the result cannot be split twice over one axis)."""
+    def two(shape):
+        spec = (*tuple(shape.sharding.spec), None, None)
+        return spec[0], spec[1]
+
+    (m, k), (n, _) = two(shapes[0]), two(shapes[2])
+    return m, k, None if _axes(m) & _axes(n) else n
+
+
+def _infer(out_dtype, mesh, shapes, result_shape):
+    m, _, n = _specs(shapes)
+    return NamedSharding(mesh, PartitionSpec(m, n))
+
+
+def _partition(out_dtype, mesh, shapes, result_shape):
+    m, k, n = _specs(shapes)
+    rows, cols = NamedSharding(mesh, PartitionSpec(m, k)), NamedSharding(mesh, PartitionSpec(n, k))
+
+    def local(qa, sa, qb, sb):
+        out = _local_gemm(qa, sa, qb, sb, out_dtype)
+        return out if k is None else jax.lax.psum(out, k)
+
+    return mesh, local, NamedSharding(mesh, PartitionSpec(m, n)), (rows, rows, cols, cols)
+
+
+_partitioned = custom_partitioning(_local_gemm, static_argnums=(4,))
+_partitioned.def_partition(infer_sharding_from_operands=_infer, partition=_partition,
+                           sharding_rule="m k, m k, n k, n k -> m n")
+
+
+def gemm(a: jax.Array, b: jax.Array, dtype, weight: str | None = None) -> jax.Array:
+    """``a [M, K] @ b [N, K]^T`` in ``dtype``: ``a`` in 1 x 128 tiles along K; ``b`` likewise, or with ``weight``
+    ('rows' or 'columns') in 128 x 128 blocks of the weight it is, laid out as is or transposed."""
+    qa, sa = tiles(a)
+    if weight is None:
+        qb, sb = tiles(b)
+    else:
+        stored = b if weight == "rows" else b.T  # the weight as the projection holds it, [K, N] -> blocks
+        qs, ss = blocks(stored)
+        qb, sb = (qs, row_scales(ss)) if weight == "rows" else (qs.T, row_scales(ss.T))
+    return _partitioned(qa, sa, qb, sb, dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def scaled_einsum(equation: str, x: jax.Array, w: jax.Array) -> jax.Array:
+    """``jnp.einsum(equation, x, w)`` of a projection in blockwise FP8, forward and both gradients, in ``x``'s
+    dtype."""
+    return _forward(equation, x, w)[0]
+
+
+def _as_matrices(equation, x, w):
+    kept, contracted = dimension_numbers(equation)
+    k = math.prod(x.shape[kept:])
+    return x.reshape(-1, k), w.astype(x.dtype).reshape(k, -1), x.shape[:kept], w.shape[contracted:]
+
+
+def _forward(equation, x, w):
+    x2, w2, lead, tail = _as_matrices(equation, x, w)
+    return gemm(x2, w2.T, x.dtype, weight="columns").reshape(*lead, *tail), (x, w)
+
+
+def _backward(equation, res, g):
+    x, w = res
+    x2, w2, _, _ = _as_matrices(equation, x, w)
+    g2 = g.reshape(x2.shape[0], w2.shape[1])
+    dx = gemm(g2, w2, x.dtype, weight="rows")  # [M, N] x [K, N]^T: the weight's blocks read transposed
+    dw = gemm(x2.T, g2.T, jnp.float32)  # [K, M] x [N, M]^T: tiles along the tokens
+    return dx.reshape(x.shape), dw.reshape(w.shape).astype(w.dtype)
+
+
+scaled_einsum.defvjp(_forward, _backward)
+
+
+def einsum(equation: str, x: jax.Array, w: jax.Array, layout: WeightLayout | None = None) -> jax.Array:
+    """A projection's ``jnp.einsum(equation, x, w)`` in blockwise FP8 (``scaled_einsum``), the weight gathered for
+    use as ``layout`` says (``state_sharding.gathered_einsum``): in 16 bits, quantized where it is used."""
+    return gathered_einsum(equation, x, w, layout, matmul=scaled_einsum)
