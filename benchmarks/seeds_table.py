@@ -164,10 +164,11 @@ def arguments() -> argparse.Namespace:
 
 def main() -> int:
     args = arguments()
-    results = {}
+    results, commits = {}, {}
     if os.path.exists(args.output + ".json"):  # rows not asked for keep their last results
         with open(args.output + ".json") as f:
-            results = json.load(f)["rows"]
+            last = json.load(f)
+        results, commits = last["rows"], last.get("commits", {"h100": last["commit"], "gb200": last["commit"]})
     for name in args.rows.split(","):
         if args.gb200_only and name in results:
             results[name]["gb200"] = planned_on_gb200(name)
@@ -178,7 +179,9 @@ def main() -> int:
             row["compiled"] = compiled(name, plan, args.compile_timeout)
         results[name] = row
         print(name, json.dumps(row)[:400], flush=True)
-    write(args.output, results)
+    head = _commit()
+    commits = {"h100": commits.get("h100", head) if args.gb200_only else head, "gb200": head}
+    write(args.output, results, commits)
     return 0
 
 
@@ -206,11 +209,16 @@ def _mfu(row: dict | None) -> str:
     return "—" if row is None else f"{100 * row['mfu']:.1f}%"
 
 
-def write(path: str, rows: dict) -> None:
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT,
-                            check=False).stdout.strip()
+def _commit() -> str:
+    return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT,
+                          check=False).stdout.strip()
+
+
+def write(path: str, rows: dict, commits: dict[str, str]) -> None:
+    """The JSON and the markdown tables; ``commits``: the commit of the H100 rows' and the GB200 rows' runs."""
+    commit = commits["h100"]
     with open(path + ".json", "w") as f:
-        json.dump(dict(commit=commit, rows=rows), f, indent=1)
+        json.dump(dict(commit=commit, commits=commits, rows=rows), f, indent=1)
     lines = [
         "# The reference tables' runs, planned and compiled for H100s",
         "",
@@ -250,20 +258,21 @@ def write(path: str, rows: dict) -> None:
                      f"{100 * row['plan']['published_kf_tp']['mfu']:.1f}% | "
                      f"{pub['memory_gib']:.1f} | {comp} | {budget} | {_how(best)} | "
                      f"{100 * best['mfu']:.1f}% |")
-    lines += _gb200_table(rows)
+    lines += _gb200_table(rows, commits["gb200"])
     lines += ["", "Sources of the published figures:", ""]
     lines += [f"- {ROWS[name][0]}: {ROWS[name][4]}" for name in rows]
     with open(path + ".md", "w") as f:
         f.write("\n".join(lines) + "\n")
 
 
-def _gb200_table(rows: dict) -> list[str]:
+def _gb200_table(rows: dict, commit: str) -> list[str]:
     """The rows re-planned on GB200s beside their H100 plans: the best mesh of each, its estimate and its tokens
     per second and GPU."""
     rows = {k: v for k, v in rows.items() if "gb200" in v}
     if not rows:
         return []
     lines = ["", f"## The same models planned on {GB200_GPUS} GB200s", "",
+             f"`python benchmarks/seeds_table.py --gb200-only` at commit {commit}.",
              "The planner's best mesh on GB200 NVL72 racks (`planning/gpus.py`: 64 GPUs of each rack's 72 in one",
              "NVLink domain, NVLink 5 at 720 GB/s, a 400 Gb/s NIC a GPU between racks; the H100's fitted efficiencies",
              "on the GB200's datasheet peaks: no Blackwell run has measured them). MFU against the GB200's dense",

@@ -875,3 +875,27 @@ def test_every_gemma3_and_gpt_oss_size_gets_ranked_rows(config, gpus, tmp_path):
     rows = json.loads(out.read_text())["rows"]
     assert len(rows) >= 5 and rows[0]["fits"] and 0.05 < rows[0]["mfu"] < 0.7
     assert rows[0]["time"]["attention"] > 0
+
+
+@pytest.mark.slow
+@pytest.mark.extended
+def test_1024_gb200s_are_ranked_in_nvlink_domains_of_64(tmp_path, capsys):
+    """GB200 NVL72: a job of powers of two runs 64 GPUs of each rack's 72 in one NVLink domain, NVLink 5 inside
+    it. A tensor group fits in a domain and the best mesh in the GB200's memory (Llama-3.1 405B: 90 s here;
+    DeepSeek-V3's search, 5 minutes, is in benchmarks/seeds_table.md)."""
+    import json
+
+    from jaxtron.planning.gpus import GPUS
+    out = tmp_path / "plan.json"
+    config = "llama3_405b.py"
+    assert cli.run("plan", [f"--config={REPO}/configs/{config}", "--gpus=1024", "--gpu=gb200", "--top=5",
+                            f"--json={out}"]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    best = rows[0]
+    assert best["fits"] and math.prod(best["mesh"].values()) == 1024
+    assert all(r["mesh"].get("tensor", 1) <= 64 for r in rows)
+    assert sum(best["memory"].values()) <= GPUS["gb200"].usable_bytes and GPUS["gb200"].gpus_per_node == 64
+    assert 0.05 < best["mfu"] < 0.7
+    capsys.readouterr()
+    assert cli.run("plan", [f"--config={REPO}/configs/{config}", "--gpus=1000", "--gpu=gb200"]) == 2
+    assert "--gpus=1000 is not a whole number of 64-GPU nodes" in capsys.readouterr().err

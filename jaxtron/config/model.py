@@ -21,7 +21,7 @@ COMPUTE_DTYPES = ("float32", "bfloat16")  # float16 would need loss scaling, whi
 # 'auto': the fastest policy whose step fits the device by the planner's estimate (jaxtron/planning/remat.py)
 GATED = ("swiglu", "geglu", "clamped_swiglu")  # the activations with a gate projection (3 matrices)
 REMAT_CHOICES = ("none", "full", "save_dots", "save_attention", "save_dots_attention", "auto")
-FP8_RECIPES = ("tensorwise", "blockwise", "mxfp8")  # execution.fp8_recipe
+FP8_RECIPES = ("tensorwise", "blockwise", "mxfp8", "nvfp4")  # execution.fp8_recipe
 
 
 def _not_architecture(default: Any) -> Any:
@@ -272,7 +272,8 @@ class ExecutionConfig:
     fp8: bool = False  # low-precision matmuls in every projection of the blocks, by ``fp8_recipe``
     # with fp8, how the operands are scaled: tensorwise (one current scale a tensor, ops/fp8.py), blockwise
     # (DeepSeek-V3's 1 x 128 tiles and 128 x 128 weight blocks on Hopper; ops/blockwise_fp8.py), mxfp8 (32-element
-    # blocks with power-of-two scales, Blackwell's block-scaled GEMMs; ops/block_scaled.py)
+    # blocks with power-of-two scales, Blackwell's block-scaled GEMMs; ops/block_scaled.py), nvfp4 (4-bit
+    # elements in 16-element blocks, Blackwell only; ops/nvfp4.py)
     fp8_recipe: str = "tensorwise"
     fp8_skip_layers: int = 0  # with fp8: the first and the last this many blocks keep 16-bit matmuls
     moe_mode: str = "dropless"  # dropless (grouped GEMM over all routed tokens) | capacity (per-row expert capacity)

@@ -7,7 +7,7 @@ from jaxtron.config.checks import _check
 from jaxtron.config.model import ExecutionConfig, ModelConfig
 
 # execution.fp8_recipe -> the elements of its blocks along a contracted dimension (ops/block_scaled.py)
-RECIPE_BLOCKS = {"mxfp8": 32, "blockwise": 128}
+RECIPE_BLOCKS = {"mxfp8": 32, "blockwise": 128, "nvfp4": 16}
 
 
 def block_scaled_widths(m: ModelConfig, seq_len: int) -> list[tuple[str, int, str | None]]:

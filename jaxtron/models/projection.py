@@ -5,8 +5,8 @@ that carries one logical name per dimension. It owns:
 
 - the compute cast: the weight in ``execution.dtype`` (under the ``weight_cast`` scope the step's budget reads);
 - the low-precision recipe (``execution.fp8_recipe``): FP8 with current scaling (``ops/fp8.py``) inside
-  ``fp8_recipe("tensorwise")``, MXFP8 blocks (``ops/block_scaled.py``) inside ``fp8_recipe("mxfp8")``; the layer
-  stack opens it around the blocks of an FP8 layer span;
+  ``fp8_recipe("tensorwise")``, DeepSeek-V3's tiles (``ops/blockwise_fp8.py``), MXFP8 (``ops/block_scaled.py``) or
+  NVFP4 (``ops/nvfp4.py``) blocks inside theirs; the layer stack opens it around the blocks of an FP8 layer span;
 - the FSDP gather layout (``state_sharding.weight_layout``): a weight split over fsdp is gathered for use;
 - its LoRA adapters (``lora_a``, ``lora_b``, ``models/lora.py`` adds them), their scale and dropout;
 - with ``bias``, a bias over its outputs (gpt-oss's attention).
@@ -29,14 +29,15 @@ from jax.ad_checkpoint import checkpoint_name
 
 from jaxtron.common.trace_state import FP8_RECIPE, LORA_DROPOUT_KEY
 from jaxtron.models.layers import param
-from jaxtron.ops import block_scaled, blockwise_fp8
+from jaxtron.ops import block_scaled, blockwise_fp8, nvfp4
 from jaxtron.ops import fp8 as fp8_ops
 from jaxtron.parallel.sharding import logical_names
 from jaxtron.parallel.state_sharding import gathered_einsum, weight_layout
 
 # the FP8 recipes a projection computes (execution.fp8_recipe) and the einsum of each, (equation, x, w, layout)
 PROJECTION_OUTPUT = "projection_output"  # a recipe's output, which the checkpoint policies that keep dots keep
-RECIPES = {"tensorwise": fp8_ops.einsum, "blockwise": blockwise_fp8.einsum, "mxfp8": block_scaled.einsum}
+RECIPES = {"tensorwise": fp8_ops.einsum, "blockwise": blockwise_fp8.einsum, "mxfp8": block_scaled.einsum,
+           "nvfp4": nvfp4.einsum}
 
 
 class Adapter(nnx.Param):
