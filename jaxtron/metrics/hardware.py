@@ -92,23 +92,25 @@ def weighted_peak(fp8_flops: float, total_flops: float, fp8_peak: float, rest_pe
     return total_flops / (fp8_flops / fp8_peak + (total_flops - fp8_flops) / rest_peak)
 
 
-def flop_weighted_peak(device_kind: str, dtype: str, fp8_flops: float, total_flops: float) -> tuple[float | None, str]:
-    """Dense peak FLOP/s of one device for a step whose ``fp8_flops`` of ``total_flops`` are FP8 matmuls and the
-    rest run at ``dtype``: total / (fp8 / fp8 peak + rest / ``dtype`` peak), the rate of a step in which every
-    FLOP runs at the dense peak of its own precision. Without FP8 FLOPs this is ``peak_flops(device_kind, dtype)``.
+def flop_weighted_peak(device_kind: str, dtype: str, fp8_flops: float, total_flops: float,
+                       low: str = "fp8") -> tuple[float | None, str]:
+    """Dense peak FLOP/s of one device for a step whose ``fp8_flops`` of ``total_flops`` are low-precision
+    matmuls (``low``: 'fp8', or 'fp4' for NVFP4's) and the rest run at ``dtype``: total / (low / low peak + rest /
+    ``dtype`` peak), the rate of a step in which every FLOP runs at the dense peak of its own precision. Without
+    such FLOPs this is ``peak_flops(device_kind, dtype)``.
 
-    Returns (peak or None, a one-line note naming both peaks and the FP8 share).
+    Returns (peak or None, a one-line note naming both peaks and the low-precision share).
     """
     if fp8_flops <= 0:
         return peak_flops(device_kind, dtype)
     share = fp8_flops / total_flops
-    fp8_peak, fp8_note = peak_flops(device_kind, "fp8")
+    fp8_peak, fp8_note = peak_flops(device_kind, low)
     rest_peak, rest_note = peak_flops(device_kind, dtype)
     if fp8_peak is None or rest_peak is None:
-        return None, f"{rest_note if rest_peak is None else fp8_note} (FP8 matmuls are {share:.1%} of the FLOPs)"
+        return None, f"{rest_note if rest_peak is None else fp8_note} ({low.upper()} matmuls are {share:.1%} of the FLOPs)"
     peak = weighted_peak(fp8_flops, total_flops, fp8_peak, rest_peak)
     precision = _DTYPE_ALIASES[dtype.strip().lower()]
-    note = (f"{device_model(device_kind)} FLOP-weighted dense peak {peak / 1e12:.5g} TFLOP/s per device: FP8 matmuls "
-            f"are {share:.1%} of the FLOPs, counted at the fp8 peak {fp8_peak / 1e12:g}, the rest at the {precision} "
+    note = (f"{device_model(device_kind)} FLOP-weighted dense peak {peak / 1e12:.5g} TFLOP/s per device: {low.upper()} "
+            f"matmuls are {share:.1%} of the FLOPs, counted at the {low} peak {fp8_peak / 1e12:g}, the rest at the {precision} "
             f"peak {rest_peak / 1e12:g}")
     return peak, note

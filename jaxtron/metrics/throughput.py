@@ -30,9 +30,10 @@ class Throughput:
         fp8 = flops_lib.fp8_flops_per_token(m, execution, seq) * tokens
         fp8_hardware = flops_lib.fp8_flops_per_token(m, execution, seq, hardware=True, attention=attention) * tokens
         self.fp8_share = fp8 / self.model_flops  # of the model FLOPs
-        self.peak, note = hardware.flop_weighted_peak(device_kind, execution.dtype, fp8, self.model_flops)
+        low = "fp4" if execution.fp8_recipe == "nvfp4" else "fp8"  # NVFP4's GEMMs against the FP4 peak
+        self.peak, note = hardware.flop_weighted_peak(device_kind, execution.dtype, fp8, self.model_flops, low)
         self.hardware_peak, _ = hardware.flop_weighted_peak(device_kind, execution.dtype, fp8_hardware,
-                                                            self.hardware_flops)
+                                                            self.hardware_flops, low)
         self.peak_note = f"MFU against the {note}" if self.peak is not None else note
 
     def __call__(self, seconds: float, steps: int) -> dict[str, Any]:

@@ -75,6 +75,7 @@ class GPU:
     weight_pass_bytes: float = 0.0
     gpus_per_node: int = 8
     usable_memory_fraction: float = 0.90
+    block_scaled: bool = False  # tensor cores that take MXFP8's and NVFP4's block scales (Blackwell)
 
     @property
     def usable_bytes(self) -> float:
@@ -135,7 +136,7 @@ GPUS: dict[str, GPU] = {
     "b200": GPU("B200 HGX 180GB", 182_640 * _MIB, _peaks("B200"), attention_efficiency=0.5,
                 xla_attention_efficiency=0.25, hbm_bandwidth=0.85 * 8.0e12, nvlink_bandwidth=links.NVLINK5_BANDWIDTH,
                 network_bandwidth=links.NETWORK_BANDWIDTH, fp8_speedup=FP8_SPEEDUP, weight_pass_bytes=WEIGHT_PASS_BYTES,
-                blockwise_attention_efficiency=BLOCKWISE_ATTENTION_EFFICIENCY, **_CALIBRATED),
+                blockwise_attention_efficiency=BLOCKWISE_ATTENTION_EFFICIENCY, block_scaled=True, **_CALIBRATED),
     # GB200 NVL72: 186 GB HBM3e (188,729 MiB), 8 TB/s, 72 GPUs a rack in one NVLink domain. A job of powers of two
     # runs 64 of them (16 of the rack's 18 compute trays), so a "node" here is 64 GPUs; --gpus-per-node=72 plans
     # whole racks. Between racks, a 400 Gb/s NIC a GPU
@@ -143,8 +144,17 @@ GPUS: dict[str, GPU] = {
                  xla_attention_efficiency=0.25, hbm_bandwidth=0.85 * 8.0e12, nvlink_bandwidth=links.NVLINK5_BANDWIDTH,
                  network_bandwidth=links.NETWORK_BANDWIDTH, fp8_speedup=FP8_SPEEDUP,
                  weight_pass_bytes=WEIGHT_PASS_BYTES, blockwise_attention_efficiency=BLOCKWISE_ATTENTION_EFFICIENCY,
-                 gpus_per_node=64, **_CALIBRATED),
+                 gpus_per_node=64, block_scaled=True, **_CALIBRATED),
 }
+
+
+def check_recipe(execution, gpu: GPU) -> None:
+    """A ConfigError where ``gpu`` has no tensor cores for ``execution``'s FP8 recipe: MXFP8 and NVFP4 take
+    Blackwell's block-scaled ones (elsewhere XLA would run them dequantized, at the 16-bit rate or below)."""
+    if execution.fp8 and execution.fp8_recipe in ("mxfp8", "nvfp4") and not gpu.block_scaled:
+        raise ConfigError(f"execution.fp8_recipe='{execution.fp8_recipe}' needs Blackwell's block-scaled tensor cores, "
+                          f"which the {gpu.name} lacks; plan it with --gpu=b200 or gb200, or use 'tensorwise' or "
+                          "'blockwise'.")
 
 
 def gpu(name: str) -> GPU:

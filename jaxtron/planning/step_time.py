@@ -14,7 +14,7 @@ from jaxtron.config.schema import ONE_F_ONE_B, Config, ExecutionConfig, replace
 from jaxtron.metrics.flops import flops_breakdown, fp8_flop_share, fp8_flops_per_token, hardware_flops_breakdown
 from jaxtron.metrics.hardware import weighted_peak
 from jaxtron.planning import muon
-from jaxtron.planning.gpus import GPU
+from jaxtron.planning.gpus import GPU, check_recipe
 from jaxtron.planning.params import Param
 from jaxtron.planning.shape import BlockValues, StepShape
 
@@ -106,9 +106,9 @@ def compute_time(cfg: Config, shape: StepShape, block: BlockValues, gpu: GPU,
         repeated = {k: v - (inner[k] if k != "logits" else 0.0) for k, v in hardware.items()}
         matmul += sum(v for k, v in repeated.items() if k != "attention_scores") * (stages - 1)
         scores_flops += repeated["attention_scores"] * (stages - 1)
-    # the FP8 projections' GEMMs (and their recompute) run ``fp8_speedup`` times faster
+    # the FP8 projections' GEMMs (and their recompute) run ``low_precision_speedup`` times faster
     fp8 = fp8_flops_per_token(shape.model, execution, shape.seq_len, hardware=True, attention=shape.attention)
-    matmul -= fp8 * (1.0 - 1.0 / gpu.fp8_speedup)
+    matmul -= fp8 * (1.0 - 1.0 / low_precision_speedup(execution, gpu)) if fp8 else 0.0
     peak = _peak(execution, gpu)
     time = {"matmul": matmul * shape.step_tokens / shape.devices / _matmul_rate(execution, shape, gpu),
             "attention": scores_flops * shape.step_tokens / shape.devices / (peak * attention_eff),
@@ -191,9 +191,25 @@ def mfu_peak(cfg: Config, shape: StepShape, gpu: GPU) -> float:
     FLOP-weighted peak of the FP8 and the 16-bit model FLOPs (``jaxtron.metrics.hardware.flop_weighted_peak``)."""
     bf16 = gpu.peak_flops["bfloat16"]
     share = fp8_flop_share(cfg.model, cfg.execution, shape.seq_len)
-    if not share or "fp8" not in gpu.peak_flops:
+    low = low_precision(cfg.execution)
+    if not share or low not in gpu.peak_flops:
         return bf16
-    return weighted_peak(share, 1.0, gpu.peak_flops["fp8"], bf16)
+    return weighted_peak(share, 1.0, gpu.peak_flops[low], bf16)
+
+
+def low_precision(execution: ExecutionConfig) -> str:
+    """The peak an FP8 recipe's projections run against: 'fp4' for NVFP4's, 'fp8' for the others'."""
+    return "fp4" if execution.fp8_recipe == "nvfp4" else "fp8"
+
+
+def low_precision_speedup(execution: ExecutionConfig, gpu: GPU) -> float:
+    """How many times faster than 16-bit ones a recipe's projection GEMMs run: the FP8 speedup fitted on
+    tensorwise steps (``GPU.fp8_speedup``), times the FP4 peak over the FP8 one for NVFP4 (assumed: no run has
+    measured it)."""
+    check_recipe(execution, gpu)
+    if low_precision(execution) == "fp4":
+        return gpu.fp8_speedup * gpu.peak_flops["fp4"] / gpu.peak_flops["fp8"]
+    return gpu.fp8_speedup
 
 
 def _step_hardware(cfg: Config, shape: StepShape) -> tuple[ExecutionConfig, dict[str, float]]:
