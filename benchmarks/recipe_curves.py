@@ -43,10 +43,10 @@ def markdown(runs: dict, steps: int, commit: str) -> str:
     marks = sorted(base["losses"], key=int)
     shown = [s for s in marks if int(s) % max(1, steps // 6) == 0 or s == marks[-1]]
     lines = ["# The default job with each FP8 recipe", "",
-             f"`python benchmarks/recipe_curves.py --steps {steps}` at commit {commit}, on a 2-core CPU (the recipes "
-             "emulated: the quantized numbers a GPU computes, not its speed). Widths of whole 128-element tiles "
-             "(embed 256, 8 query and 4 key heads of 32), bfloat16. The training loss at some logged steps, the "
-             "validation loss at the end, and its difference from the run without FP8.", "",
+             (f"`python benchmarks/recipe_curves.py --steps {steps}` at commit {commit}, on a 2-core CPU (the recipes "
+              "emulated: the quantized numbers a GPU computes, not its speed). Widths of whole 128-element tiles "
+              "(embed 256, 8 query and 4 key heads of 32), bfloat16. The training loss at some logged steps, the "
+              "validation loss at the end, and its difference from the run without FP8."), "",
              "| run | " + " | ".join(f"step {s}" for s in shown) + " | validation | vs bf16 |",
              "|---|" + "---|" * (len(shown) + 2)]
     for name, run in runs.items():

@@ -277,8 +277,8 @@ def _gb200_table(rows: dict, commit: str) -> list[str]:
              "NVLink domain, NVLink 5 at 720 GB/s, a 400 Gb/s NIC a GPU between racks; the H100's fitted efficiencies",
              "on the GB200's datasheet peaks: no Blackwell run has measured them). MFU against the GB200's dense",
              "bf16 peak, 2500 TFLOP/s. An estimate, not a measurement.", "",
-             "| run | H100s: planner's best | est. MFU | tokens/s a GPU | GB200s: planner's best | est. MFU | "
-             "step s | est. GiB | tokens/s a GPU | per GPU vs H100 |",
+             ("| run | H100s: planner's best | est. MFU | tokens/s a GPU | GB200s: planner's best | est. MFU | "
+              "step s | est. GiB | tokens/s a GPU | per GPU vs H100 |"),
              "|---|---|---|---|---|---|---|---|---|---|"]
     for name, row in rows.items():
         gpus = ROWS[name][1]

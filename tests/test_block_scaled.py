@@ -126,3 +126,15 @@ def test_an_unknown_recipe_exits_2_with_the_names_and_writes_nothing(tmp_path, c
     err = capsys.readouterr().err
     assert "'execution.fp8_recipe' is 'mx', which is not one of 'tensorwise', 'mxfp8'" in err
     assert err.count("\n") == 1 and not workdir.exists()
+
+
+def test_skipped_layers_keep_16_bits_under_every_recipe():
+    """``execution.fp8_skip_layers`` cuts the stack into spans; the middle one runs the recipe, the ends none."""
+    from helpers import tiny_config
+
+    from jaxtron.models.stack import layer_spans
+    for recipe in ("tensorwise", "blockwise", "mxfp8", "nvfp4"):
+        cfg = tiny_config(model=dict(num_layers=4, embed_dim=256, mlp_dim=512, max_seq_len=128),
+                          data=dict(seq_len=128), execution=dict(fp8=True, fp8_recipe=recipe, fp8_skip_layers=1))
+        spans = [(s.first, s.end, s.fp8) for s in layer_spans(cfg.model, cfg.execution)]
+        assert spans == [(0, 1, None), (1, 3, recipe), (3, 4, None)], spans

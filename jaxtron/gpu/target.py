@@ -1,12 +1,12 @@
 """Compile-only H100, H200, B200 and GB200 devices: XLA compiles jaxtron's programs for these GPUs without one
-present ("deviceless" compilation), so the program a GPU would run (its kernels, memory and collectives) can be read on any
-machine that has jax's CUDA plugin installed (``python -m pip install -e ".[gpu-target]"``). jax 0.10.2's plugin
-compiles for Blackwell (sm_100a) too: its CUDA 12.9 compiler knows it.
+present ("deviceless" compilation), so the program a GPU would run (its kernels, memory and collectives) can be read
+on any machine that has jax's CUDA plugin installed (``python -m pip install -e ".[gpu-target]"``). jax 0.10.2's
+plugin compiles for Blackwell (sm_100a) too: its CUDA 12.9 compiler knows it.
 
 The devices come from ``jax.experimental.topologies.get_topology_desc`` and a target spec that ships with jaxtron
 (``specs/``: the device facts, each file saying where they come from). N GPUs are laid out on hosts of 8, as on an
-HGX machine, or of 4, a GB200 compute tray. What such a compile cannot see: autotuning (GEMMs stay XLA's untuned defaults), cuDNN's workspace
-(cuDNN's own compiler passes need a device), and any timing.
+HGX machine, or of 4, a GB200 compute tray. What such a compile cannot see: autotuning (GEMMs stay XLA's untuned
+defaults), cuDNN's workspace (cuDNN's own compiler passes need a device), and any timing.
 
 A process that compiles for the target starts jax on the CPU with the flags a deviceless compile needs
 (``environment``), and one whose compile aborts XLA must not be the caller's: run it in a subprocess.

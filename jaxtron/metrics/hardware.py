@@ -107,10 +107,11 @@ def flop_weighted_peak(device_kind: str, dtype: str, fp8_flops: float, total_flo
     fp8_peak, fp8_note = peak_flops(device_kind, low)
     rest_peak, rest_note = peak_flops(device_kind, dtype)
     if fp8_peak is None or rest_peak is None:
-        return None, f"{rest_note if rest_peak is None else fp8_note} ({low.upper()} matmuls are {share:.1%} of the FLOPs)"
+        missing = rest_note if rest_peak is None else fp8_note
+        return None, f"{missing} ({low.upper()} matmuls are {share:.1%} of the FLOPs)"
     peak = weighted_peak(fp8_flops, total_flops, fp8_peak, rest_peak)
     precision = _DTYPE_ALIASES[dtype.strip().lower()]
-    note = (f"{device_model(device_kind)} FLOP-weighted dense peak {peak / 1e12:.5g} TFLOP/s per device: {low.upper()} "
-            f"matmuls are {share:.1%} of the FLOPs, counted at the {low} peak {fp8_peak / 1e12:g}, the rest at the {precision} "
-            f"peak {rest_peak / 1e12:g}")
+    note = (f"{device_model(device_kind)} FLOP-weighted dense peak {peak / 1e12:.5g} TFLOP/s per device: "
+            f"{low.upper()} matmuls are {share:.1%} of the FLOPs, counted at the {low} peak {fp8_peak / 1e12:g}, the "
+            f"rest at the {precision} peak {rest_peak / 1e12:g}")
     return peak, note

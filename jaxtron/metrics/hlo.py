@@ -216,10 +216,10 @@ def backend_config(line: str) -> dict:
 
 def matmul_flops(hlo_text: str) -> dict[str, float]:
     """FLOPs of the matmuls one execution of a compiled program runs, per device, by kind: ``dot`` (XLA dots,
-    inside fusions too: Triton GEMMs, XLA:CPU's), ``gemm`` (cuBLAS and cuDNN's block-scaled calls), ``attention`` (cuDNN flash
-    attention, forward and backward) and ``grouped_gemm`` (a grouped expert GEMM kernel, such as tokamax's
-    ``ragged_dot``, by its op name), each loop body once per iteration and each branch of a conditional as if it
-    were taken. Elementwise work is not counted."""
+    inside fusions too: Triton GEMMs, XLA:CPU's), ``gemm`` (cuBLAS calls, cuDNN's block-scaled ones, jaxtron's
+    blockwise FP8 kernel), ``attention`` (cuDNN flash attention, forward and backward) and ``grouped_gemm`` (a
+    grouped expert GEMM kernel, such as tokamax's ``ragged_dot``, by its op name), each loop body once per
+    iteration and each branch of a conditional as if it were taken. Elementwise work is not counted."""
     comps, runs = runs_per_execution(hlo_text)
     shapes = definitions(hlo_text)
     out = {"dot": 0.0, "gemm": 0.0, "attention": 0.0, "grouped_gemm": 0.0}

@@ -44,7 +44,8 @@ def float8_operands(hlo_text: str) -> int:
 # kernel name -> how people call it
 _NAMES = {"__cudnn$fmhaSoftmax": "cuDNN attention forward", "__cudnn$fmhaSoftmaxBackward": "cuDNN attention backward",
           "__cublas$lt$matmul$f8": "cuBLASLt FP8 GEMM", "__cublas$lt$matmul": "cuBLASLt GEMM",
-          "__cublas$gemm": "cuBLAS GEMM", "__cudnn$blockScaledDot": "cuDNN block-scaled GEMM", "__triton_nested_gemm_fusion": "Triton GEMM", "__triton_gemm": "Triton GEMM",
+          "__cublas$gemm": "cuBLAS GEMM", "__cudnn$blockScaledDot": "cuDNN block-scaled GEMM",
+          "__triton_nested_gemm_fusion": "Triton GEMM", "__triton_gemm": "Triton GEMM",
           # Pallas kernels (tokamax's grouped expert GEMM, for one): Mosaic GPU and Triton
           "mosaic_gpu_v2": "Mosaic GPU kernel", "__gpu$xla.gpu.triton": "Pallas Triton kernel",
           "__triton": "Triton fusion", "__custom_fusion": "custom fusion"}

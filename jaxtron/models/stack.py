@@ -146,8 +146,9 @@ def without_remat() -> Iterator[None]:
 def _block_fn(graphdef: Any, fp8: str | None, remat: str, local: bool = False,
               in_loop: bool = True) -> Callable | None:
     """(hidden, one block's parameters, positions[, segment ids]) -> (hidden, stats) for blocks of ``graphdef``,
-    their projections by the FP8 recipe ``fp8`` (None: in the compute dtype), rematerialised per ``remat`` (not within ``without_remat``); ``local``: blocks whose attention is windowed;
-    ``in_loop``: the blocks run in a loop's body, not in line."""
+    their projections by the FP8 recipe ``fp8`` (None: in the compute dtype), rematerialised per ``remat`` (not
+    within ``without_remat``); ``local``: blocks whose attention is windowed; ``in_loop``: the blocks run in a
+    loop's body, not in line."""
     if graphdef is None:
         return None
 

@@ -96,20 +96,22 @@ def scaled_einsum(equation: str, x: jax.Array, w: jax.Array) -> jax.Array:
     return _forward(equation, x, w)[0]
 
 
-def _as_matrices(equation, x, w):
+def as_matrices(equation: str, x: jax.Array, w: jax.Array) -> tuple:
+    """A projection's operands as matrices: (``x`` [M, K], ``w`` [K, N] in ``x``'s dtype, ``x``'s kept shape,
+    ``w``'s output shape)."""
     kept, contracted = dimension_numbers(equation)
     k = math.prod(x.shape[kept:])
     return x.reshape(-1, k), w.astype(x.dtype).reshape(k, -1), x.shape[:kept], w.shape[contracted:]
 
 
 def _forward(equation, x, w):
-    x2, w2, lead, tail = _as_matrices(equation, x, w)
+    x2, w2, lead, tail = as_matrices(equation, x, w)
     return gemm(x2, w2.T, x.dtype).reshape(*lead, *tail), (x, w)
 
 
 def _backward(equation, res, g):
     x, w = res
-    x2, w2, _, _ = _as_matrices(equation, x, w)
+    x2, w2, _, _ = as_matrices(equation, x, w)
     g2 = g.reshape(x2.shape[0], w2.shape[1])
     dx = gemm(g2, w2, x.dtype)  # [M, N] x [K, N]^T: blocks along the output features
     dw = gemm(x2.T, g2.T, jnp.float32)  # [K, M] x [N, M]^T: blocks along the tokens

@@ -25,7 +25,6 @@ blocks of 128.
 from __future__ import annotations
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -34,7 +33,7 @@ from jax.experimental.custom_partitioning import custom_partitioning
 from jax.experimental.pallas import triton as plt
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jaxtron.ops.block_scaled import dimension_numbers
+from jaxtron.ops.block_scaled import as_matrices
 from jaxtron.ops.triton_lowering import fp8_tensor_cores
 from jaxtron.parallel.state_sharding import WeightLayout, gathered_einsum
 
@@ -167,20 +166,14 @@ def scaled_einsum(equation: str, x: jax.Array, w: jax.Array) -> jax.Array:
     return _forward(equation, x, w)[0]
 
 
-def _as_matrices(equation, x, w):
-    kept, contracted = dimension_numbers(equation)
-    k = math.prod(x.shape[kept:])
-    return x.reshape(-1, k), w.astype(x.dtype).reshape(k, -1), x.shape[:kept], w.shape[contracted:]
-
-
 def _forward(equation, x, w):
-    x2, w2, lead, tail = _as_matrices(equation, x, w)
+    x2, w2, lead, tail = as_matrices(equation, x, w)
     return gemm(x2, w2.T, x.dtype, weight="columns").reshape(*lead, *tail), (x, w)
 
 
 def _backward(equation, res, g):
     x, w = res
-    x2, w2, _, _ = _as_matrices(equation, x, w)
+    x2, w2, _, _ = as_matrices(equation, x, w)
     g2 = g.reshape(x2.shape[0], w2.shape[1])
     dx = gemm(g2, w2, x.dtype, weight="rows")  # [M, N] x [K, N]^T: the weight's blocks read transposed
     dw = gemm(x2.T, g2.T, jnp.float32)  # [K, M] x [N, M]^T: tiles along the tokens

@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxtron.ops.block_scaled import dimension_numbers
+from jaxtron.ops.block_scaled import as_matrices
 from jaxtron.parallel.state_sharding import WeightLayout, gathered_einsum
 
 BLOCK = 16
@@ -146,20 +146,14 @@ def scaled_einsum(equation: str, x: jax.Array, w: jax.Array) -> jax.Array:
     return _forward(equation, x, w)[0]
 
 
-def _as_matrices(equation, x, w):
-    kept, contracted = dimension_numbers(equation)
-    k = math.prod(x.shape[kept:])
-    return x.reshape(-1, k), w.astype(x.dtype).reshape(k, -1), x.shape[:kept], w.shape[contracted:]
-
-
 def _forward(equation, x, w):
-    x2, w2, lead, tail = _as_matrices(equation, x, w)
+    x2, w2, lead, tail = as_matrices(equation, x, w)
     return gemm(x2, w2.T, x.dtype, weight="columns").reshape(*lead, *tail), (x, w)
 
 
 def _backward(equation, res, g):
     x, w = res
-    x2, w2, _, _ = _as_matrices(equation, x, w)
+    x2, w2, _, _ = as_matrices(equation, x, w)
     g2 = g.reshape(x2.shape[0], w2.shape[1])
     dx = gemm(g2, w2, x.dtype, a_rounding=True, weight="rows")  # the weight's 16 x 16 blocks, read transposed
     # along the tokens: both operands through the same transform, the gradient rounded stochastically

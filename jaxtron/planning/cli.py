@@ -45,7 +45,8 @@ def parse_mesh(text: str) -> dict[str, int]:
 def _define(values) -> None:
     from absl import flags
     flags.DEFINE_integer("gpus", None, "number of GPUs (whole nodes beyond one node)", flag_values=values)
-    flags.DEFINE_string("gpu", "h100", "GPU type from jaxtron/planning/gpus.py (h100, h200, b200, gb200)", flag_values=values)
+    flags.DEFINE_string("gpu", "h100", "GPU type from jaxtron/planning/gpus.py (h100, h200, b200, gb200)",
+                        flag_values=values)
     flags.DEFINE_integer("gpus-per-node", None, "GPUs in a node, joined by NVLink (default 8; 4 on many H200 "
                          "clusters): tensor groups stay inside one, and what crosses nodes goes at the network's "
                          "rate", flag_values=values)
