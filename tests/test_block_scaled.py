@@ -76,12 +76,13 @@ def test_a_block_recipe_refuses_what_it_cannot_run():
 
     from jaxtron.parallel.checks import check_devices
     with pytest.raises(ConfigError, match=r"execution.fp8_recipe' is 'nvfp8', which is not one of 'tensorwise', "
-                                          r"'mxfp8'"):
+                                          r"'blockwise', 'mxfp8', 'nvfp4'"):
         tiny_config(execution=dict(fp8=True, fp8_recipe="nvfp8"))
     with pytest.raises(ConfigError, match=r"'model.mlp_dim' \(100\) is not a multiple of the 32-element blocks"):
         tiny_config(model=dict(mlp_dim=100), execution=dict(fp8=True, fp8_recipe="mxfp8"))
-    with pytest.raises(ConfigError, match="has no form for the experts' grouped GEMMs"):
+    with pytest.raises(ConfigError, match="has no form for dropless mode's grouped expert GEMM"):
         tiny_config(model=dict(moe=dict(num_experts=4)), execution=dict(fp8=True, fp8_recipe="mxfp8"))
+    tiny_config(model=dict(moe=dict(num_experts=4)), execution=dict(fp8=True, fp8_recipe="mxfp8", moe_mode="capacity"))
     tiny_config(model=dict(mlp_dim=100), execution=dict(fp8_recipe="mxfp8"))  # without fp8 the recipe is idle
     # tensor=2 leaves each device 16 of the 2 key heads' 32 features: half a block
     cfg = tiny_config(dict(fsdp=4, tensor=2), execution=dict(fp8=True, fp8_recipe="mxfp8"))
@@ -124,7 +125,7 @@ def test_an_unknown_recipe_exits_2_with_the_names_and_writes_nothing(tmp_path, c
     assert cli.main(["train", f"--config={REPO}/configs/default.py", f"--workdir={workdir}",
                      "--config.execution.fp8=True", "--config.execution.fp8_recipe=mx"]) == 2
     err = capsys.readouterr().err
-    assert "'execution.fp8_recipe' is 'mx', which is not one of 'tensorwise', 'mxfp8'" in err
+    assert "'execution.fp8_recipe' is 'mx', which is not one of 'tensorwise', 'blockwise', 'mxfp8', 'nvfp4'" in err
     assert err.count("\n") == 1 and not workdir.exists()
 
 
@@ -138,3 +139,21 @@ def test_skipped_layers_keep_16_bits_under_every_recipe():
                           data=dict(seq_len=128), execution=dict(fp8=True, fp8_recipe=recipe, fp8_skip_layers=1))
         spans = [(s.first, s.end, s.fp8) for s in layer_spans(cfg.model, cfg.execution)]
         assert spans == [(0, 1, None), (1, 3, recipe), (3, 4, None)], spans
+
+
+def test_capacity_modes_experts_run_each_experts_gemms_by_the_recipe():
+    """Capacity mode's batched expert GEMMs, each expert's by MXFP8 or NVFP4 (``ops/expert_recipes.py``): the
+    slots padded to whole blocks give the unpadded GEMM's numbers, each expert on its own blocks."""
+    from jaxtron.ops import nvfp4
+    from jaxtron.ops.expert_recipes import expert_einsum
+    x = jnp.asarray(RNG.standard_normal((3, 40, 64)), jnp.float32)  # 40 slots: padded to 64 and to 48
+    w = jnp.asarray(RNG.standard_normal((3, 64, 96)) * 0.1, jnp.float32)
+    exact = jnp.einsum("emd,edf->emf", x, w)
+    for recipe, one in (("mxfp8", block_scaled.scaled_einsum), ("nvfp4", nvfp4.scaled_einsum)):
+        got, pullback = jax.vjp(lambda a, b, r=recipe: expert_einsum(r, "emd,edf->emf", a, b), x, w)
+        for e in range(3):
+            want = one("md,df->mf", x[e], w[e])
+            np.testing.assert_allclose(np.asarray(got[e]), np.asarray(want), rtol=1e-6, atol=1e-6, err_msg=recipe)
+        assert 0 < float(jnp.abs(got - exact).max()) < 0.3 * float(jnp.abs(exact).max()), recipe
+        dx, dw = pullback(jnp.ones_like(got))
+        assert dx.shape == x.shape and dw.shape == w.shape and bool(jnp.all(jnp.isfinite(dw)))

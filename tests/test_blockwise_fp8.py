@@ -144,3 +144,21 @@ def test_blockwise_steps_on_fsdp_sequence_and_tensor_equal_one_devices(tmp_path)
     np.testing.assert_allclose(losses["mesh"][0], losses["one"][0], rtol=1e-5)
     np.testing.assert_allclose(norms["mesh"], norms["one"], rtol=1e-4)
     np.testing.assert_allclose(losses["mesh"], losses["one"], rtol=1e-3)
+
+
+def test_blockwise_refuses_a_pipeline_and_experts():
+    """Its kernel's partitioning rule has no batching rule (a pipeline's stages are a vmap) and runs one GEMM, not a
+    batch of experts: both refused in one sentence."""
+    from helpers import tiny_config
+
+    from jaxtron.config.schema import ConfigError
+    from jaxtron.parallel.checks import check_devices
+    wide = dict(embed_dim=256, mlp_dim=512, max_seq_len=128, attention=dict(num_heads=4, num_kv_heads=4))
+    recipe = dict(fp8=True, fp8_recipe="blockwise")
+    cfg = tiny_config(dict(pipeline=2, fsdp=4), model=dict(wide, num_layers=2), data=dict(seq_len=128),
+                      execution=recipe, pipeline=dict(microbatches=2))
+    with pytest.raises(ConfigError, match="has no rule for the stages' vmap of mesh.pipeline=2"):
+        check_devices(cfg, 8)
+    with pytest.raises(ConfigError, match="whose kernel runs one GEMM, not a batch of experts"):
+        tiny_config(model=dict(wide, moe=dict(num_experts=4)), data=dict(seq_len=128),
+                    execution=dict(recipe, moe_mode="capacity"))

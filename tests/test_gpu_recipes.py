@@ -63,3 +63,20 @@ def test_a_gb200_compiles_on_its_compute_trays(tmp_path):
     compiled = _plan(tmp_path, 8, "fsdp=8", gpu="gb200")
     assert compiled["target"] == "gb200" and compiled["kernels"]["__cudnn$fmhaSoftmaxBackward"] == 1
     assert compiled["collectives"]["all-gather"]["count"] > 0
+
+
+def test_capacity_modes_experts_take_the_block_scales_on_the_b200(tmp_path):
+    """Mixtral 8x7B at 1 layer in capacity mode with mxfp8: the attention's 4 projections and the experts' 3
+    matrices, each forward and two gradients, are block-scaled GEMMs; only the head (and the router) stay 16-bit."""
+    from jaxtron import cli
+
+    out = tmp_path / "mixtral.json"
+    assert cli.run("plan", [f"--config={REPO}/configs/mixtral_8x7b.py", "--gpus=1", "--gpu=b200", "--compile=fsdp=1",
+                            "--config.model.num_layers=1", "--config.data.seq_len=4096",
+                            "--config.train.global_batch_size=2", "--config.execution.fp8=True",
+                            "--config.execution.fp8_recipe=mxfp8", "--config.execution.moe_mode=capacity",
+                            f"--json={out}"]) == 0
+    compiled = json.loads(out.read_text())["dry_run"]
+    assert compiled["kernels"]["__cudnn$blockScaledDot"] >= 7 * 3, compiled["kernels"]
+    flops = compiled["budget"]["flops"]
+    assert flops["GEMM fp8"] > 4 * flops["GEMM bf16"] > 0, flops

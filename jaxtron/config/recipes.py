@@ -1,5 +1,5 @@
 """What a block-scaled FP8 recipe (``execution.fp8_recipe``, ``ops/block_scaled.py``) needs of a model: whole
-blocks along every dimension its GEMMs contract, and no experts (no grouped GEMM takes its scales)."""
+blocks along every dimension its GEMMs contract, and experts only in capacity mode (no grouped GEMM takes scales)."""
 
 from __future__ import annotations
 
@@ -15,21 +15,25 @@ def block_scaled_widths(m: ModelConfig, seq_len: int) -> list[tuple[str, int, st
     contract: the projections' input and output features, and a row's tokens (the weight gradients'). The
     residual width is whole where it is contracted (the activations and weights gathered for use): None."""
     head_dim = m.attention.head_dim or m.embed_dim // m.attention.num_heads
-    return [("model.embed_dim", m.embed_dim, None), ("model.mlp_dim", m.mlp_dim, "mlp"),
+    experts = [("model.moe.expert_dim", m.resolved_expert_dim, "mlp")] if m.moe.num_experts else []
+    return [*experts, ("model.embed_dim", m.embed_dim, None), ("model.mlp_dim", m.mlp_dim, "mlp"),
             ("model.attention.num_heads x head_dim", m.attention.num_heads * head_dim, "heads"),
             ("model.attention.num_kv_heads x head_dim", m.attention.num_kv_heads * head_dim, "kv_heads"),
             ("data.seq_len", seq_len, "activation_length")]
 
 
 def check_block_recipe(m: ModelConfig, x: ExecutionConfig, seq_len: int) -> None:
-    """With FP8 on, a block-scaled recipe's blocks fit every contracted dimension; the experts' grouped GEMMs have
-    none."""
+    """With FP8 on, a block-scaled recipe's blocks fit every contracted dimension; experts run in capacity mode
+    (dropless mode's grouped GEMM takes no scales), and not under blockwise (its kernel takes no batch)."""
     block = RECIPE_BLOCKS.get(x.fp8_recipe) if x.fp8 else None
     if block is None:
         return
-    _check(not m.moe.num_experts, "execution.fp8_recipe", f"is '{x.fp8_recipe}', which has no form for the experts' "
-           "grouped GEMMs: no block-scaled grouped GEMM compiles for them (XLA's ragged dot takes no scales)",
-           "use 'tensorwise' for a MoE model")
+    experts = bool(m.moe.num_experts)
+    _check(not experts or x.moe_mode == "capacity", "execution.fp8_recipe", f"is '{x.fp8_recipe}', which has no form "
+           "for dropless mode's grouped expert GEMM (XLA's ragged dot takes no scales)",
+           "use execution.moe_mode='capacity' (its batched expert GEMMs take mxfp8 and nvfp4) or 'tensorwise'")
+    _check(not experts or x.fp8_recipe != "blockwise", "execution.fp8_recipe", "is 'blockwise', whose kernel runs "
+           "one GEMM, not a batch of experts", "use 'tensorwise' for a MoE model on Hopper")
     for field, size, _ in block_scaled_widths(m, seq_len):
         _check(size % block == 0, field, f"({size}) is not a multiple of the {block}-element blocks of "
                f"execution.fp8_recipe='{x.fp8_recipe}'", f"use a multiple of {block} or another recipe")

@@ -27,6 +27,7 @@ grouped kernel, which 'auto' takes on Hopper GPUs.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Callable
 from typing import NamedTuple
@@ -38,6 +39,7 @@ from jaxtron.models.expert_chunks import Stages, chunk_rows, overlapped, summed
 from jaxtron.models.layers import GatedActivation
 from jaxtron.ops import exchange, grouped, grouped_fp8
 from jaxtron.ops import fp8 as fp8_ops
+from jaxtron.ops.expert_recipes import expert_einsum
 from jaxtron.parallel.sharding import logical_to_spec, spec_axes
 
 TOKEN_AXES = ("activation_batch", "activation_length", "activation_embed")
@@ -89,6 +91,7 @@ class ExpertRun:
     node_shards: int = 0  # dropless: expert shards a node, rows sent once per node (``_exchange_nodes``); 0: one hop
     activation: GatedActivation = dataclasses.field(default_factory=GatedActivation)  # ``model.activation``
     scale_input: bool = False  # the router weights scale the rows going in, not the hidden values (Llama 4)
+    recipe: str = "tensorwise"  # with fp8, execution.fp8_recipe: capacity mode takes mxfp8 and nvfp4 too
 
 
 def _packed(rows: jax.Array, weights: jax.Array) -> jax.Array:
@@ -145,8 +148,10 @@ def _swiglu_grouped(packed: jax.Array, w: ExpertWeights, group_sizes: jax.Array,
 def _swiglu_batched(slots: jax.Array, w: ExpertWeights, run: ExpertRun) -> jax.Array:
     """Fixed slots of each expert, ``_packed`` [E, m, d + pad] -> weighted outputs [E, m, d]: one batched GEMM per
     matrix. With ``run.fp8`` each is a batched FP8 GEMM with current scaling, one scale for all slots and one per
-    expert for the weights (``ops/fp8.py``, ``batched_einsum``)."""
-    einsum = fp8_ops.batched_einsum if run.fp8 else jnp.einsum
+    expert for the weights (``ops/fp8.py``, ``batched_einsum``), or each expert's GEMMs by a block-scaled
+    ``run.recipe`` (``expert_einsum``)."""
+    einsum = jnp.einsum if not run.fp8 else fp8_ops.batched_einsum if run.recipe == "tensorwise" else \
+        functools.partial(expert_einsum, run.recipe)
     matrices = {"gate": (w.gate, "emd,edf->emf"), "up": (w.up, "emd,edf->emf"), "down": (w.down, "emf,efd->emd")}
     biases = None if w.gate_bias is None else (w.gate_bias[:, None, :], w.up_bias[:, None, :])
     return _weighted_swiglu(slots, w.gate.shape[1], lambda x, name: einsum(matrices[name][1], x, matrices[name][0]),

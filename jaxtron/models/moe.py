@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxtron.common.trace_state import FP8_RECIPE
 from jaxtron.config.schema import ExecutionConfig, ModelConfig
 from jaxtron.models.experts import (
     DOWN_AXES,
@@ -27,7 +28,6 @@ from jaxtron.models.experts import (
 )
 from jaxtron.models.layers import GatedActivation, compute_dtype, param
 from jaxtron.models.mlp import MLP
-from jaxtron.models.projection import fp8_enabled
 from jaxtron.ops import exchange, grouped
 from jaxtron.parallel.sharding import constrain, logical_to_spec, spec_axes
 
@@ -185,7 +185,7 @@ class MoE(nnx.Module):
             bias = self.router_bias[...] if self.router_bias is not None else None
             ids, weights, stats = route(cfg, logits, row_capacity, bias)
         with jax.named_scope("experts"):
-            y, dropped = self._routed(constrain(x, TOKEN_AXES), ids, weights, row_capacity, fp8_enabled())
+            y, dropped = self._routed(constrain(x, TOKEN_AXES), ids, weights, row_capacity, FP8_RECIPE.get())
         if not capacity_mode:  # assignments that found no room in a receive buffer
             stats["dropped"] = dropped / ids.size
         if self.wo_bias is not None:  # each expert's output bias, weighted as its output is (none where dropped)
@@ -200,8 +200,10 @@ class MoE(nnx.Module):
         return y, stats
 
     def _routed(self, x: jax.Array, ids: jax.Array, weights: jax.Array, row_capacity: int | None,
-                fp8: bool) -> tuple[jax.Array, jax.Array]:
-        """-> (outputs, assignments a receive buffer dropped, over all devices)."""
+                recipe: str | None) -> tuple[jax.Array, jax.Array]:
+        """-> (outputs, assignments a receive buffer dropped, over all devices); ``recipe``: the FP8 recipe of the
+        expert GEMMs, or None."""
+        fp8 = recipe is not None
         cfg, dt = self.cfg, compute_dtype(self.execution)
         ids, weights = constrain(ids, ROUTE_AXES), constrain(weights, ROUTE_AXES)
         matrices = [w[...].astype(dt) for w in (self.wi_gate, self.wi_up, self.wo)]
@@ -212,7 +214,7 @@ class MoE(nnx.Module):
                         exchange.resolve(execution.moe_exchange, execution.moe_receive_factor,
                                          execution.moe_node_shards),
                         execution.moe_receive_factor, fp8, execution.moe_chunks, execution.moe_node_shards,
-                        GatedActivation.of(cfg), cfg.moe.scale_input)
+                        GatedActivation.of(cfg), cfg.moe.scale_input, recipe or "tensorwise")
         if jax.sharding.get_abstract_mesh().empty:
             return experts_local(x, ids, weights, ExpertWeights(*matrices, *biases), cfg.moe.num_experts,
                                  row_capacity, None, run)

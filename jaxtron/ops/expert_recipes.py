@@ -1,0 +1,25 @@
+"""Capacity mode's expert GEMMs under a block-scaled FP8 recipe (``execution.fp8_recipe`` 'mxfp8' or 'nvfp4'):
+each expert's slots times its matrix, as the recipe computes a projection (forward and both gradients), the experts
+batched by ``jax.vmap``. Dropless mode's grouped GEMM has no such form: XLA's ragged dot takes no scales.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jaxtron.config.recipes import RECIPE_BLOCKS
+from jaxtron.ops import block_scaled, nvfp4
+
+# a block-scaled recipe's GEMM of one expert
+EXPERT_RECIPES = {"mxfp8": block_scaled.scaled_einsum, "nvfp4": nvfp4.scaled_einsum}
+
+
+def expert_einsum(recipe: str, equation: str, x: jax.Array, w: jax.Array) -> jax.Array:
+    """Capacity mode's batched GEMM ``equation`` ("emd,edf->emf": experts lead) as each expert's GEMM by the
+    block-scaled ``recipe``. The slots are padded with zero rows to whole blocks: the weight gradient contracts
+    over them, and zeros change no block's maximum."""
+    per_expert = equation.replace("e", "")
+    m = x.shape[1]
+    x = jnp.pad(x, ((0, 0), (0, -m % RECIPE_BLOCKS[recipe]), (0, 0)))
+    return jax.vmap(lambda a, b: EXPERT_RECIPES[recipe](per_expert, a, b))(x, w)[:, :m]
