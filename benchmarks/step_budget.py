@@ -67,9 +67,10 @@ def model_flops_and_peak(config: str, overrides, gpu: str) -> tuple[float, float
     cfg = load_config(os.path.join(REPO, config), list(overrides))
     tokens = cfg.train.global_batch_size * cfg.data.seq_len
     flops = flops_per_token(cfg.model, cfg.data.seq_len) * tokens
-    peaks = DENSE_PEAK_TFLOPS["H200 SXM" if gpu == "h200" else "H100 SXM"]
+    peaks = DENSE_PEAK_TFLOPS[{"h200": "H200 SXM", "b200": "B200", "gb200": "GB200"}.get(gpu, "H100 SXM")]
     share = fp8_flop_share(cfg.model, cfg.execution, cfg.data.seq_len)
-    peak = weighted_peak(share, 1.0, peaks["fp8"] * 1e12, peaks["bfloat16"] * 1e12) if share else \
+    low = "fp4" if cfg.execution.fp8_recipe == "nvfp4" else "fp8"  # NVFP4's GEMMs against the FP4 peak
+    peak = weighted_peak(share, 1.0, peaks[low] * 1e12, peaks["bfloat16"] * 1e12) if share else \
         peaks["bfloat16"] * 1e12
     return flops, peak
 
