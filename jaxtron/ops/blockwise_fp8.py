@@ -90,9 +90,11 @@ def _kernel(a_ref, sa_ref, b_ref, sb_ref, out_ref, *, steps: int):
 def kernel_gemm(qa, sa, qb, sb, out_dtype, interpret: bool = False) -> jax.Array:
     """The Pallas kernel: qa [M, K] and qb [N, K] e4m3, per-row tile scales sa [M, K / 128] and sb [N, K / 128]
     -> qa qb^T [M, N] in ``out_dtype`` (every size a multiple of 128)."""
+    (m, k), n = qa.shape, qb.shape[0]
+    if m % BLOCK or n % BLOCK or k % BLOCK:  # the checks refuse such widths; a tail would go uncomputed
+        raise ValueError(f"the blockwise kernel takes multiples of {BLOCK}, not [{m}, {k}] x [{n}, {k}]")
     if not interpret:
         fp8_tensor_cores()
-    (m, k), n = qa.shape, qb.shape[0]
     return pl.pallas_call(
         functools.partial(_kernel, steps=k // BLOCK), out_shape=jax.ShapeDtypeStruct((m, n), out_dtype),
         grid=(m // BLOCK, n // BLOCK), interpret=interpret, name=KERNEL_NAME,
