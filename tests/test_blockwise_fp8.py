@@ -121,7 +121,7 @@ def test_a_split_gemm_quantizes_what_one_device_does():
 
     mesh = jax.make_mesh((2, 4), ("rows", "cols"), axis_types=(AxisType.Auto,) * 2)  # as jaxtron's meshes are
     a = jnp.asarray(RNG.standard_normal((256, 512)), jnp.float32)
-    b = jnp.asarray(RNG.standard_normal((256, 512)), jnp.float32)
+    b = jnp.asarray(RNG.standard_normal((512, 512)), jnp.float32)  # 128 columns a device over "cols"
     one = jax.jit(lambda a, b: blockwise_fp8.gemm(a, b, jnp.float32))(a, b)
     for a_spec, b_spec in ((("rows", None), ("cols", None)), ((None, "cols"), (None, "cols")),
                            (("rows", "cols"), (None, "cols"))):

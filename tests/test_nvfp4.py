@@ -70,6 +70,7 @@ def test_the_hadamard_transform_leaves_a_product_over_the_tokens_alone():
     np.testing.assert_allclose(np.abs(np.asarray(nvfp4.transformed(spike))), 4.0, rtol=1e-6)
 
 
+@pytest.mark.slow
 def test_each_gemm_takes_its_blocks_and_rounding():
     """Forward: activations in 1 x 16 blocks, the weight in 16 x 16 ones; input gradient: the same weight blocks
     read transposed, the gradient rounded stochastically; weight gradient: both operands transformed along the
