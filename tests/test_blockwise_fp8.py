@@ -108,8 +108,9 @@ def test_the_kernel_computes_the_emulations_numbers():
     b = RNG.standard_normal((128, 384)).astype(np.float32)
     qa, sa = blockwise_fp8.tiles(jnp.asarray(a))
     qb, sb = blockwise_fp8.tiles(jnp.asarray(b))
-    want = blockwise_fp8.emulated_gemm(qa, sa, qb, sb, jnp.float32)
-    got = blockwise_fp8.kernel_gemm(qa, sa, qb, sb, jnp.float32, interpret=True)
+    operands = [v[None] for v in (qa, sa, qb, sb)]  # a batch of one GEMM
+    want = blockwise_fp8.emulated_gemm(*operands, jnp.float32)
+    got = blockwise_fp8.kernel_gemm(*operands, jnp.float32, interpret=True)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5 * float(jnp.abs(want).max()))
 
 
@@ -165,19 +166,49 @@ def test_blockwise_steps_on_fsdp_sequence_and_tensor_equal_one_devices(tmp_path)
     np.testing.assert_allclose(losses["mesh"], losses["one"], rtol=1e-3)
 
 
-def test_blockwise_refuses_a_pipeline_and_experts():
-    """Its kernel's partitioning rule has no batching rule (a pipeline's stages are a vmap) and runs one GEMM, not a
-    batch of experts: both refused in one sentence."""
+def test_a_vmap_of_the_gemm_batches_the_kernel():
+    """A pipeline's stages are a vmap: it (and a vmap inside it) becomes the kernel's batch of GEMMs, each one's
+    numbers those of the GEMM alone."""
+    x = jnp.asarray(RNG.standard_normal((2, 2, 128, 256)), jnp.float32)
+    w = jnp.asarray(RNG.standard_normal((2, 2, 256, 128)), jnp.float32)
+    one = jax.jit(lambda a, b: blockwise_fp8.scaled_einsum("md,df->mf", a, b))
+    both = jax.jit(jax.vmap(jax.vmap(lambda a, b: blockwise_fp8.scaled_einsum("md,df->mf", a, b))))(x, w)
+    for i in range(2):
+        for j in range(2):
+            np.testing.assert_array_equal(np.asarray(both[i, j]), np.asarray(one(x[i, j], w[i, j])))
+
+
+def test_blockwise_refuses_experts():
+    """Its kernel runs GEMMs of one weight each, not a grouped one: a MoE model is refused in one sentence."""
     from helpers import tiny_config
 
     from jaxtron.config.schema import ConfigError
-    from jaxtron.parallel.checks import check_devices
     wide = dict(embed_dim=256, mlp_dim=512, max_seq_len=128, attention=dict(num_heads=4, num_kv_heads=4))
     recipe = dict(fp8=True, fp8_recipe="blockwise")
-    cfg = tiny_config(dict(pipeline=2, fsdp=4), model=dict(wide, num_layers=2), data=dict(seq_len=128),
-                      execution=recipe, pipeline=dict(microbatches=2))
-    with pytest.raises(ConfigError, match="has no rule for the stages' vmap of mesh.pipeline=2"):
-        check_devices(cfg, 8)
     with pytest.raises(ConfigError, match="whose kernel runs one GEMM, not a batch of experts"):
         tiny_config(model=dict(wide, moe=dict(num_experts=4)), data=dict(seq_len=128),
                     execution=dict(recipe, moe_mode="capacity"))
+
+
+@pytest.mark.slow
+@pytest.mark.extended
+def test_blockwise_steps_on_a_1f1b_pipeline_equal_one_devices(tmp_path):
+    """pipeline=2 x fsdp=4 under the 1F1B schedule (its stages a vmap: the kernel's batch of GEMMs): the first
+    step as on one device but for float32's sums (the loss to 1e-5)."""
+    from helpers import tiny_config
+
+    from jaxtron.training.loop import run
+
+    def config(mesh, pipeline):
+        return tiny_config(mesh, model=dict(embed_dim=256, mlp_dim=512, max_seq_len=128, num_layers=4,
+                                            attention=dict(num_heads=4, num_kv_heads=4)),
+                           data=dict(seq_len=128), execution=dict(fp8=True, fp8_recipe="blockwise"),
+                           pipeline=pipeline)
+
+    runs = {name: run(config(mesh, pipeline), str(tmp_path / name), use_tqdm=False, devices=devices)
+            for name, mesh, pipeline, devices in (
+                ("one", dict(fsdp=1), {}, jax.devices()[:1]),
+                ("pipeline", dict(pipeline=2, fsdp=4), dict(schedule="1f1b", microbatches=2), None))}
+    losses = {k: np.array([h["loss"] for h in v.history]) for k, v in runs.items()}
+    np.testing.assert_allclose(losses["pipeline"][0], losses["one"][0], rtol=1e-5)
+    np.testing.assert_allclose(losses["pipeline"], losses["one"], rtol=1e-2)

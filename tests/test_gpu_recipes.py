@@ -80,3 +80,13 @@ def test_capacity_modes_experts_take_the_block_scales_on_the_b200(tmp_path):
     assert compiled["kernels"]["__cudnn$blockScaledDot"] >= 7 * 3, compiled["kernels"]
     flops = compiled["budget"]["flops"]
     assert flops["GEMM fp8"] > 4 * flops["GEMM bf16"] > 0, flops
+
+
+def test_blockwise_compiles_in_a_1f1b_pipeline_on_h100s(tmp_path):
+    """The 1F1B schedule vmaps its stages: the blockwise kernel takes them as its batch of GEMMs (a vmap of the
+    partitioned call has no rule). Every projection GEMM of the schedule stays an FP8 kernel."""
+    compiled = _plan(tmp_path, 2, "pipeline=2", "--config.execution.fp8=True",
+                     "--config.execution.fp8_recipe=blockwise", "--config.pipeline.schedule=1f1b",
+                     "--config.pipeline.microbatches=2", gpu="h100")
+    assert compiled["kernels"]["__gpu$xla.gpu.triton"] >= 21, compiled["kernels"]
+    assert compiled["budget"]["flops"]["GEMM fp8"] > 2 * compiled["budget"]["flops"]["GEMM bf16"] > 0

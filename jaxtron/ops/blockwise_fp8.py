@@ -17,9 +17,10 @@ DeepSeek-V3 promotes every 128 products. On the CPU the same quantized operands 
 float32 (``jax.lax.platform_dependent``); the tests check the kernel against that in Pallas' interpreter.
 
 A mesh splits the GEMM as XLA splits a matmul (``custom_partitioning``): rows and columns stay split, and a split
-contracted dimension is summed over its devices after the kernel. Tiles and blocks must lie on one device:
-``config/recipes.py`` and ``parallel/checks.py`` ask each device's share of a contracted dimension to be whole
-blocks of 128.
+contracted dimension is summed over its devices after the kernel. The kernel runs a batch of GEMMs: a ``jax.vmap``
+(a pipeline's stages) adds to the batch (``custom_vmap``), since the partitioned call has no batching rule. Tiles
+and blocks must lie on one device: ``config/recipes.py`` and ``parallel/checks.py`` ask each device's share of a
+contracted dimension to be whole blocks of 128.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax.custom_batching import custom_vmap
 from jax.experimental import pallas as pl
 from jax.experimental.custom_partitioning import custom_partitioning
 from jax.experimental.pallas import triton as plt
@@ -73,38 +75,40 @@ def dequantized(q: jax.Array, scale: jax.Array) -> jax.Array:
 
 
 def _kernel(a_ref, sa_ref, b_ref, sb_ref, out_ref, *, steps: int):
-    """Program (i, j): output tile (i, j) of a [M, K] b [N, K]^T, scales transposed [K / 128, M] and [K / 128, N]."""
-    i, j = pl.program_id(0), pl.program_id(1)
+    """Program (g, i, j): output tile (i, j) of GEMM g, a [G, M, K] b [G, N, K]^T, scales transposed [G, K / 128,
+    M] and [G, K / 128, N]."""
+    g, i, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
 
     def step(s, acc):
-        a = a_ref[pl.ds(i * BLOCK, BLOCK), pl.ds(s * BLOCK, BLOCK)]
-        b = b_ref[pl.ds(j * BLOCK, BLOCK), pl.ds(s * BLOCK, BLOCK)]
+        a = a_ref[g, pl.ds(i * BLOCK, BLOCK), pl.ds(s * BLOCK, BLOCK)]
+        b = b_ref[g, pl.ds(j * BLOCK, BLOCK), pl.ds(s * BLOCK, BLOCK)]
         product = jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
-        sa, sb = sa_ref[s, pl.ds(i * BLOCK, BLOCK)], sb_ref[s, pl.ds(j * BLOCK, BLOCK)]
+        sa, sb = sa_ref[g, s, pl.ds(i * BLOCK, BLOCK)], sb_ref[g, s, pl.ds(j * BLOCK, BLOCK)]
         return acc + product * sa[:, None] * sb[None, :]
 
     acc = jax.lax.fori_loop(0, steps, step, jnp.zeros((BLOCK, BLOCK), jnp.float32))
-    out_ref[pl.ds(i * BLOCK, BLOCK), pl.ds(j * BLOCK, BLOCK)] = acc.astype(out_ref.dtype)
+    out_ref[g, pl.ds(i * BLOCK, BLOCK), pl.ds(j * BLOCK, BLOCK)] = acc.astype(out_ref.dtype)
 
 
 def kernel_gemm(qa, sa, qb, sb, out_dtype, interpret: bool = False) -> jax.Array:
-    """The Pallas kernel: qa [M, K] and qb [N, K] e4m3, per-row tile scales sa [M, K / 128] and sb [N, K / 128]
-    -> qa qb^T [M, N] in ``out_dtype`` (every size a multiple of 128)."""
-    (m, k), n = qa.shape, qb.shape[0]
+    """The Pallas kernel: G GEMMs, qa [G, M, K] and qb [G, N, K] e4m3 with per-row tile scales sa [G, M, K / 128]
+    and sb [G, N, K / 128] -> qa qb^T [G, M, N] in ``out_dtype`` (every size a multiple of 128)."""
+    (groups, m, k), n = qa.shape, qb.shape[1]
     if m % BLOCK or n % BLOCK or k % BLOCK:  # the checks refuse such widths; a tail would go uncomputed
         raise ValueError(f"the blockwise kernel takes multiples of {BLOCK}, not [{m}, {k}] x [{n}, {k}]")
     if not interpret:
         fp8_tensor_cores()
     return pl.pallas_call(
-        functools.partial(_kernel, steps=k // BLOCK), out_shape=jax.ShapeDtypeStruct((m, n), out_dtype),
-        grid=(m // BLOCK, n // BLOCK), interpret=interpret, name=KERNEL_NAME,
+        functools.partial(_kernel, steps=k // BLOCK), out_shape=jax.ShapeDtypeStruct((groups, m, n), out_dtype),
+        grid=(groups, m // BLOCK, n // BLOCK), interpret=interpret, name=KERNEL_NAME,
         compiler_params=plt.CompilerParams(num_warps=WARPS, num_stages=STAGES),
-    )(qa, sa.T, qb, sb.T)
+    )(qa, jnp.swapaxes(sa, 1, 2), qb, jnp.swapaxes(sb, 1, 2))
 
 
 def emulated_gemm(qa, sa, qb, sb, out_dtype) -> jax.Array:
     """``kernel_gemm``'s numbers in XLA: the dequantized operands multiplied in float32."""
-    return jnp.dot(dequantized(qa, sa), dequantized(qb, sb).T, preferred_element_type=jnp.float32).astype(out_dtype)
+    a, b = (jax.vmap(dequantized)(q, scale) for q, scale in ((qa, sa), (qb, sb)))
+    return jnp.einsum("gmk,gnk->gmn", a, b, preferred_element_type=jnp.float32).astype(out_dtype)
 
 
 def _local_gemm(qa, sa, qb, sb, out_dtype):
@@ -117,35 +121,55 @@ def _axes(entry) -> set:
 
 
 def _specs(shapes):
-    """(rows', contracted, columns') mesh axes of the GEMM's operands; the columns' dropped where they share an
-    axis with the rows' (the result cannot be split twice over one axis)."""
-    def two(shape):
-        spec = (*tuple(shape.sharding.spec), None, None)
-        return spec[0], spec[1]
+    """(batch, rows', contracted, columns') mesh axes of the GEMMs' operands; the columns' dropped where they share
+    an axis with the others (the result cannot be split twice over one axis)."""
+    def three(shape):
+        spec = (*tuple(shape.sharding.spec), None, None, None)
+        return spec[0], spec[1], spec[2]
 
-    (m, k), (n, _) = two(shapes[0]), two(shapes[2])
-    return m, k, None if _axes(m) & _axes(n) else n
+    (g, m, k), (_, n, _) = three(shapes[0]), three(shapes[2])
+    return g, m, k, None if (_axes(m) | _axes(g)) & _axes(n) else n
 
 
 def _infer(out_dtype, mesh, shapes, result_shape):
-    m, _, n = _specs(shapes)
-    return NamedSharding(mesh, PartitionSpec(m, n))
+    g, m, _, n = _specs(shapes)
+    return NamedSharding(mesh, PartitionSpec(g, m, n))
 
 
 def _partition(out_dtype, mesh, shapes, result_shape):
-    m, k, n = _specs(shapes)
-    rows, cols = NamedSharding(mesh, PartitionSpec(m, k)), NamedSharding(mesh, PartitionSpec(n, k))
+    g, m, k, n = _specs(shapes)
+    rows, cols = NamedSharding(mesh, PartitionSpec(g, m, k)), NamedSharding(mesh, PartitionSpec(g, n, k))
 
     def local(qa, sa, qb, sb):
         out = _local_gemm(qa, sa, qb, sb, out_dtype)
         return out if k is None else jax.lax.psum(out, k)
 
-    return mesh, local, NamedSharding(mesh, PartitionSpec(m, n)), (rows, rows, cols, cols)
+    return mesh, local, NamedSharding(mesh, PartitionSpec(g, m, n)), (rows, rows, cols, cols)
 
 
 _partitioned = custom_partitioning(_local_gemm, static_argnums=(4,))
 _partitioned.def_partition(infer_sharding_from_operands=_infer, partition=_partition,
-                           sharding_rule="m k, m k, n k, n k -> m n")
+                           sharding_rule="g m k, g m k, g n k, g n k -> g m n")
+
+
+@functools.cache  # one function per output dtype: custom_vmap takes no static argument
+def _gemms(out_dtype):
+    """``_partitioned`` on operands with any leading batch dimensions ([..., M, K] and so on), folded into its one
+    batch dimension. A ``jax.vmap`` of it (a pipeline's stages) adds a batch dimension rather than vmap the
+    partitioned call, for which ``custom_partitioning`` has no batching rule."""
+    @custom_vmap
+    def call(qa, sa, qb, sb):
+        lead = qa.shape[:-2]
+        folded = [x.reshape(-1, *x.shape[-2:]) for x in (qa, sa, qb, sb)]
+        return _partitioned(*folded, out_dtype).reshape(*lead, qa.shape[-2], qb.shape[-2])
+
+    @call.def_vmap
+    def _(axis_size, in_batched, *operands):
+        operands = [x if batched else jnp.broadcast_to(x, (axis_size, *x.shape))
+                    for x, batched in zip(operands, in_batched, strict=True)]
+        return call(*operands), True
+
+    return call
 
 
 def gemm(a: jax.Array, b: jax.Array, dtype, weight: str | None = None) -> jax.Array:
@@ -158,7 +182,7 @@ def gemm(a: jax.Array, b: jax.Array, dtype, weight: str | None = None) -> jax.Ar
         stored = b if weight == "rows" else b.T  # the weight as the projection holds it, [K, N] -> blocks
         qs, ss = blocks(stored)
         qb, sb = (qs, row_scales(ss)) if weight == "rows" else (qs.T, row_scales(ss.T))
-    return _partitioned(qa, sa, qb, sb, dtype)
+    return _gemms(jnp.dtype(dtype))(qa, sa, qb, sb)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))

@@ -78,10 +78,6 @@ def _check_blocks(cfg: Config, sizes: dict[str, int], chunks: int) -> None:
     sequence come in ``chunks`` pieces (the load-balanced layout), each of whole blocks."""
     x = cfg.execution
     block = RECIPE_BLOCKS.get(x.fp8_recipe) if x.fp8 else None
-    stages = shard_count(sizes, "layers")
-    _check(not block or x.fp8_recipe != "blockwise" or stages == 1, "execution.fp8_recipe",
-           f"is 'blockwise', whose kernel's partitioning has no rule for the stages' vmap of mesh.pipeline={stages}",
-           "use 'tensorwise' with a pipeline")
     for field, size, logical in block_scaled_widths(cfg.model, cfg.data.seq_len) if block else ():
         if logical is None:
             continue
