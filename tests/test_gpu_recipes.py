@@ -90,3 +90,20 @@ def test_blockwise_compiles_in_a_1f1b_pipeline_on_h100s(tmp_path):
                      "--config.pipeline.microbatches=2", gpu="h100")
     assert compiled["kernels"]["__gpu$xla.gpu.triton"] >= 21, compiled["kernels"]
     assert compiled["budget"]["flops"]["GEMM fp8"] > 2 * compiled["budget"]["flops"]["GEMM bf16"] > 0
+
+
+def test_blockwise_dropless_experts_run_the_grouped_fp8_kernels_on_the_h100(tmp_path):
+    """Mixtral 8x7B at 1 layer, dropless, blockwise: the experts' 3 matrices run jaxtron's grouped blockwise
+    kernels (forward, input and weight gradients), the attention's projections the blockwise GEMM."""
+    from jaxtron import cli
+
+    out, hlo = tmp_path / "mixtral.json", tmp_path / "mixtral.hlo"
+    assert cli.run("plan", [f"--config={REPO}/configs/mixtral_8x7b.py", "--gpus=1", "--gpu=h100", "--compile=fsdp=1",
+                            "--config.model.num_layers=1", "--config.data.seq_len=4096",
+                            "--config.train.global_batch_size=2", "--config.execution.fp8=True",
+                            "--config.execution.fp8_recipe=blockwise", f"--json={out}", f"--hlo={hlo}"]) == 0
+    calls = [line for line in hlo.read_text().splitlines() if 'custom_call_target="__gpu$xla.gpu.triton"' in line]
+    grouped = [line for line in calls if "jaxtron_blockwise_fp8_RaggedDot" in line]
+    assert len(grouped) >= 9 and all("f8e4m3fn[" in line for line in grouped), len(grouped)
+    flops = json.loads(out.read_text())["dry_run"]["budget"]["flops"]
+    assert flops["grouped GEMM"] > flops["GEMM bf16"] > 0 and flops["GEMM fp8"] > 0, flops

@@ -1,5 +1,5 @@
 """What a block-scaled FP8 recipe (``execution.fp8_recipe``, ``ops/block_scaled.py``) needs of a model: whole
-blocks along every dimension its GEMMs contract, and experts only in capacity mode (no grouped GEMM takes scales)."""
+blocks along every dimension its GEMMs contract, and dropless experts under blockwise alone."""
 
 from __future__ import annotations
 
@@ -23,17 +23,16 @@ def block_scaled_widths(m: ModelConfig, seq_len: int) -> list[tuple[str, int, st
 
 
 def check_block_recipe(m: ModelConfig, x: ExecutionConfig, seq_len: int) -> None:
-    """With FP8 on, a block-scaled recipe's blocks fit every contracted dimension; experts run in capacity mode
-    (dropless mode's grouped GEMM takes no scales), and not under blockwise (its kernel takes no batch)."""
+    """With FP8 on, a block-scaled recipe's blocks fit every contracted dimension; dropless experts take blockwise
+    alone (jaxtron's grouped kernel; XLA's ragged dot takes no scales)."""
     block = RECIPE_BLOCKS.get(x.fp8_recipe) if x.fp8 else None
     if block is None:
         return
-    experts = bool(m.moe.num_experts)
-    _check(not experts or x.moe_mode == "capacity", "execution.fp8_recipe", f"is '{x.fp8_recipe}', which has no form "
-           "for dropless mode's grouped expert GEMM (XLA's ragged dot takes no scales)",
-           "use execution.moe_mode='capacity' (its batched expert GEMMs take mxfp8 and nvfp4) or 'tensorwise'")
-    _check(not experts or x.fp8_recipe != "blockwise", "execution.fp8_recipe", "is 'blockwise', whose kernel runs "
-           "one GEMM, not a batch of experts", "use 'tensorwise' for a MoE model on Hopper")
+    dropless = bool(m.moe.num_experts) and x.moe_mode == "dropless"
+    _check(not dropless or x.fp8_recipe == "blockwise", "execution.fp8_recipe", f"is '{x.fp8_recipe}', which has no "
+           "form for dropless mode's grouped expert GEMM (XLA's ragged dot takes no scales)",
+           "use execution.moe_mode='capacity' (its batched expert GEMMs take every recipe), 'blockwise' or "
+           "'tensorwise'")
     for field, size, _ in block_scaled_widths(m, seq_len):
         _check(size % block == 0, field, f"({size}) is not a multiple of the {block}-element blocks of "
                f"execution.fp8_recipe='{x.fp8_recipe}'", f"use a multiple of {block} or another recipe")

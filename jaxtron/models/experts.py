@@ -37,7 +37,7 @@ import jax.numpy as jnp
 
 from jaxtron.models.expert_chunks import Stages, chunk_rows, overlapped, summed
 from jaxtron.models.layers import GatedActivation
-from jaxtron.ops import exchange, grouped, grouped_fp8
+from jaxtron.ops import exchange, grouped, grouped_blockwise, grouped_fp8
 from jaxtron.ops import fp8 as fp8_ops
 from jaxtron.ops.expert_recipes import expert_einsum
 from jaxtron.parallel.sharding import logical_to_spec, spec_axes
@@ -91,7 +91,7 @@ class ExpertRun:
     node_shards: int = 0  # dropless: expert shards a node, rows sent once per node (``_exchange_nodes``); 0: one hop
     activation: GatedActivation = dataclasses.field(default_factory=GatedActivation)  # ``model.activation``
     scale_input: bool = False  # the router weights scale the rows going in, not the hidden values (Llama 4)
-    recipe: str = "tensorwise"  # with fp8, execution.fp8_recipe: capacity mode takes mxfp8 and nvfp4 too
+    recipe: str = "tensorwise"  # with fp8, execution.fp8_recipe (ops/expert_recipes.py, ops/grouped_blockwise.py)
 
 
 def _packed(rows: jax.Array, weights: jax.Array) -> jax.Array:
@@ -132,17 +132,17 @@ def _weighted_swiglu(packed: jax.Array, d: int, project: Callable[[jax.Array, st
 
 def _swiglu_grouped(packed: jax.Array, w: ExpertWeights, group_sizes: jax.Array, run: ExpertRun) -> jax.Array:
     """``_packed`` rows sorted by expert [m, d + pad] -> weighted expert outputs [m, d]; rows past sum(group_sizes)
-    give zeros (their router weight is zero). ``run``: the grouped GEMM's implementation and precision
-    (``ops/grouped.py``) and the activation."""
+    give zeros (zero router weight). ``run``: the grouped GEMM (``ops/grouped.py``), its precision, the activation."""
     matrices = {"gate": w.gate, "up": w.up, "down": w.down}
     biases = None
     if w.gate_bias is not None:  # each row's expert, from the groups' sizes
-        expert = jnp.searchsorted(jnp.cumsum(group_sizes), jnp.arange(packed.shape[0]), side="right")
-        expert = jnp.minimum(expert, w.gate.shape[0] - 1)
+        expert = jnp.minimum(jnp.searchsorted(jnp.cumsum(group_sizes), jnp.arange(packed.shape[0]), side="right"),
+                             w.gate.shape[0] - 1)
         biases = (w.gate_bias[expert], w.up_bias[expert])
-    return _weighted_swiglu(packed, w.gate.shape[1], lambda x, name: (
-        grouped_fp8.matmul if run.fp8 else grouped.matmul)(x, matrices[name], group_sizes, run.gemm), run.activation,
-        biases, run.scale_input)
+    gemm = grouped_blockwise.matmul if run.fp8 and run.recipe == "blockwise" else \
+        grouped_fp8.matmul if run.fp8 else grouped.matmul
+    return _weighted_swiglu(packed, w.gate.shape[1], lambda x, name: gemm(x, matrices[name], group_sizes, run.gemm),
+                            run.activation, biases, run.scale_input)
 
 
 def _swiglu_batched(slots: jax.Array, w: ExpertWeights, run: ExpertRun) -> jax.Array:

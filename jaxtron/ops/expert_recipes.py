@@ -1,6 +1,7 @@
-"""Capacity mode's expert GEMMs under a block-scaled FP8 recipe (``execution.fp8_recipe`` 'mxfp8' or 'nvfp4'):
-each expert's slots times its matrix, as the recipe computes a projection (forward and both gradients), the experts
-batched by ``jax.vmap``. Dropless mode's grouped GEMM has no such form: XLA's ragged dot takes no scales.
+"""Capacity mode's expert GEMMs under a block-scaled FP8 recipe (``execution.fp8_recipe`` 'blockwise', 'mxfp8' or
+'nvfp4'): each expert's slots times its matrix, as the recipe computes a projection (forward and both gradients),
+the experts batched by ``jax.vmap``. Dropless mode's grouped GEMM takes blockwise only (``ops/grouped_blockwise.py``):
+XLA's ragged dot takes no scales.
 """
 
 from __future__ import annotations
@@ -9,10 +10,11 @@ import jax
 import jax.numpy as jnp
 
 from jaxtron.config.recipes import RECIPE_BLOCKS
-from jaxtron.ops import block_scaled, nvfp4
+from jaxtron.ops import block_scaled, blockwise_fp8, nvfp4
 
 # a block-scaled recipe's GEMM of one expert
-EXPERT_RECIPES = {"mxfp8": block_scaled.scaled_einsum, "nvfp4": nvfp4.scaled_einsum}
+EXPERT_RECIPES = {"blockwise": blockwise_fp8.scaled_einsum, "mxfp8": block_scaled.scaled_einsum,
+                  "nvfp4": nvfp4.scaled_einsum}
 
 
 def expert_einsum(recipe: str, equation: str, x: jax.Array, w: jax.Array) -> jax.Array:
