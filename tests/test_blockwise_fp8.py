@@ -178,6 +178,20 @@ def test_a_vmap_of_the_gemm_batches_the_kernel():
             np.testing.assert_array_equal(np.asarray(both[i, j]), np.asarray(one(x[i, j], w[i, j])))
 
 
+def test_capacity_modes_experts_batch_the_kernel():
+    """Capacity mode's batched expert GEMM (``ops/expert_recipes.py``): 100 slots padded to a tile, each expert's
+    numbers those of its GEMM alone."""
+    from jaxtron.ops.expert_recipes import expert_einsum
+    x = jnp.asarray(RNG.standard_normal((2, 100, 128)), jnp.float32)
+    w = jnp.asarray(RNG.standard_normal((2, 128, 256)), jnp.float32)
+    got = jax.jit(lambda a, b: expert_einsum("blockwise", "emd,edf->emf", a, b))(x, w)
+    single = jax.jit(lambda a, b: blockwise_fp8.scaled_einsum("md,df->mf", a, b))
+    for e in range(2):
+        want = single(jnp.pad(x[e], ((0, 28), (0, 0))), w[e])[:100]
+        np.testing.assert_allclose(np.asarray(got[e]), np.asarray(want), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.slow
 def test_the_grouped_gemm_quantizes_each_expert_as_its_own_gemm():
     """Dropless experts (``ops/grouped_blockwise.py``): each expert's rows, forward and both gradients, give the
     numbers of the blockwise GEMM of that expert alone, its weight gradient's token tiles counted from its first
