@@ -26,11 +26,12 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 
-from jaxtron.parallel.state_sharding import WeightLayout, gathered_einsum
+from jaxtron.parallel.state_sharding import gathered_einsum
 
 BLOCK = 32  # MXFP8's elements a scale: OCP MX v1.0
 E4M3_MAX = 448.0
@@ -89,13 +90,6 @@ def gemm(a: jax.Array, b: jax.Array, dtype) -> jax.Array:
     return jax.lax.platform_dependent(qa, sa, qb, sb, cuda=on_gpu, default=emulated)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def scaled_einsum(equation: str, x: jax.Array, w: jax.Array) -> jax.Array:
-    """``jnp.einsum(equation, x, w)`` of a projection with MXFP8 operands in the forward and both gradients, in
-    ``x``'s dtype."""
-    return _forward(equation, x, w)[0]
-
-
 def as_matrices(equation: str, x: jax.Array, w: jax.Array) -> tuple:
     """A projection's operands as matrices: (``x`` [M, K], ``w`` [K, N] in ``x``'s dtype, ``x``'s kept shape,
     ``w``'s output shape)."""
@@ -104,24 +98,37 @@ def as_matrices(equation: str, x: jax.Array, w: jax.Array) -> tuple:
     return x.reshape(-1, k), w.astype(x.dtype).reshape(k, -1), x.shape[:kept], w.shape[contracted:]
 
 
-def _forward(equation, x, w):
-    x2, w2, lead, tail = as_matrices(equation, x, w)
-    return gemm(x2, w2.T, x.dtype).reshape(*lead, *tail), (x, w)
+def projection(forward: Callable, input_gradient: Callable, weight_gradient: Callable) -> Callable:
+    """``scaled_einsum(equation, x, w)``: a projection's einsum whose three GEMMs are a recipe's, each ``(a [M, K],
+    b [N, K], dtype) -> a b^T`` quantizing along K: ``forward(x, w^T)``, ``input_gradient(dy, w)`` and
+    ``weight_gradient(x^T, dy^T)`` (float32). The backward keeps the 16-bit ``x`` and ``w``; the result has
+    ``x``'s dtype."""
+    @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+    def scaled_einsum(equation: str, x: jax.Array, w: jax.Array) -> jax.Array:
+        return _forward(equation, x, w)[0]
+
+    def _forward(equation, x, w):
+        x2, w2, lead, tail = as_matrices(equation, x, w)
+        return forward(x2, w2.T, x.dtype).reshape(*lead, *tail), (x, w)
+
+    def _backward(equation, res, g):
+        x, w = res
+        x2, w2, _, _ = as_matrices(equation, x, w)
+        g2 = g.reshape(x2.shape[0], w2.shape[1])
+        dx = input_gradient(g2, w2, x.dtype)  # [M, N] x [K, N]^T: along the output features
+        dw = weight_gradient(x2.T, g2.T, jnp.float32)  # [K, M] x [N, M]^T: along the tokens
+        return dx.reshape(x.shape), dw.reshape(w.shape).astype(w.dtype)
+
+    scaled_einsum.defvjp(_forward, _backward)
+    return scaled_einsum
 
 
-def _backward(equation, res, g):
-    x, w = res
-    x2, w2, _, _ = as_matrices(equation, x, w)
-    g2 = g.reshape(x2.shape[0], w2.shape[1])
-    dx = gemm(g2, w2, x.dtype)  # [M, N] x [K, N]^T: blocks along the output features
-    dw = gemm(x2.T, g2.T, jnp.float32)  # [K, M] x [N, M]^T: blocks along the tokens
-    return dx.reshape(x.shape), dw.reshape(w.shape).astype(w.dtype)
+def recipe_einsum(scaled_einsum: Callable) -> Callable:
+    """A projection's ``einsum(equation, x, w, layout)`` by ``scaled_einsum``, the weight gathered for use as
+    ``layout`` says (``state_sharding.gathered_einsum``): in 16 bits, quantized where it is used."""
+    return functools.partial(gathered_einsum, matmul=scaled_einsum)
 
 
-scaled_einsum.defvjp(_forward, _backward)
-
-
-def einsum(equation: str, x: jax.Array, w: jax.Array, layout: WeightLayout | None = None) -> jax.Array:
-    """A projection's ``jnp.einsum(equation, x, w)`` as MXFP8 GEMMs (``scaled_einsum``), the weight gathered for
-    use as ``layout`` says (``state_sharding.gathered_einsum``): in 16 bits, quantized where it is used."""
-    return gathered_einsum(equation, x, w, layout, matmul=scaled_einsum)
+# MXFP8: every GEMM's operands in 32-element blocks along its contraction
+scaled_einsum = projection(gemm, gemm, gemm)
+einsum = recipe_einsum(scaled_einsum)

@@ -33,11 +33,10 @@ from jax.custom_batching import custom_vmap
 from jax.experimental import pallas as pl
 from jax.experimental.custom_partitioning import custom_partitioning
 from jax.experimental.pallas import triton as plt
-from jax.sharding import NamedSharding, PartitionSpec
 
-from jaxtron.ops.block_scaled import as_matrices
+from jaxtron.ops.block_scaled import projection, recipe_einsum
 from jaxtron.ops.triton_lowering import fp8_tensor_cores
-from jaxtron.parallel.state_sharding import WeightLayout, gathered_einsum
+from jaxtron.parallel.sharding import split_over
 
 BLOCK = 128  # a tile's elements along the contracted dimension; a weight block's side
 E4M3_MAX = 448.0
@@ -133,18 +132,18 @@ def _specs(shapes):
 
 def _infer(out_dtype, mesh, shapes, result_shape):
     g, m, _, n = _specs(shapes)
-    return NamedSharding(mesh, PartitionSpec(g, m, n))
+    return split_over(mesh, g, m, n)
 
 
 def _partition(out_dtype, mesh, shapes, result_shape):
     g, m, k, n = _specs(shapes)
-    rows, cols = NamedSharding(mesh, PartitionSpec(g, m, k)), NamedSharding(mesh, PartitionSpec(g, n, k))
+    rows, cols = split_over(mesh, g, m, k), split_over(mesh, g, n, k)
 
     def local(qa, sa, qb, sb):
         out = _local_gemm(qa, sa, qb, sb, out_dtype)
         return out if k is None else jax.lax.psum(out, k)
 
-    return mesh, local, NamedSharding(mesh, PartitionSpec(g, m, n)), (rows, rows, cols, cols)
+    return mesh, local, split_over(mesh, g, m, n), (rows, rows, cols, cols)
 
 
 _partitioned = custom_partitioning(_local_gemm, static_argnums=(4,))
@@ -185,31 +184,7 @@ def gemm(a: jax.Array, b: jax.Array, dtype, weight: str | None = None) -> jax.Ar
     return _gemms(jnp.dtype(dtype))(qa, sa, qb, sb)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def scaled_einsum(equation: str, x: jax.Array, w: jax.Array) -> jax.Array:
-    """``jnp.einsum(equation, x, w)`` of a projection in blockwise FP8, forward and both gradients, in ``x``'s
-    dtype."""
-    return _forward(equation, x, w)[0]
-
-
-def _forward(equation, x, w):
-    x2, w2, lead, tail = as_matrices(equation, x, w)
-    return gemm(x2, w2.T, x.dtype, weight="columns").reshape(*lead, *tail), (x, w)
-
-
-def _backward(equation, res, g):
-    x, w = res
-    x2, w2, _, _ = as_matrices(equation, x, w)
-    g2 = g.reshape(x2.shape[0], w2.shape[1])
-    dx = gemm(g2, w2, x.dtype, weight="rows")  # [M, N] x [K, N]^T: the weight's blocks read transposed
-    dw = gemm(x2.T, g2.T, jnp.float32)  # [K, M] x [N, M]^T: tiles along the tokens
-    return dx.reshape(x.shape), dw.reshape(w.shape).astype(w.dtype)
-
-
-scaled_einsum.defvjp(_forward, _backward)
-
-
-def einsum(equation: str, x: jax.Array, w: jax.Array, layout: WeightLayout | None = None) -> jax.Array:
-    """A projection's ``jnp.einsum(equation, x, w)`` in blockwise FP8 (``scaled_einsum``), the weight gathered for
-    use as ``layout`` says (``state_sharding.gathered_einsum``): in 16 bits, quantized where it is used."""
-    return gathered_einsum(equation, x, w, layout, matmul=scaled_einsum)
+# the forward reads the weight's 128 x 128 blocks as stored, the input gradient transposed; the weight gradient
+# takes both operands in tiles along the tokens
+scaled_einsum = projection(functools.partial(gemm, weight="columns"), functools.partial(gemm, weight="rows"), gemm)
+einsum = recipe_einsum(scaled_einsum)

@@ -32,8 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxtron.ops.block_scaled import as_matrices
-from jaxtron.parallel.state_sharding import WeightLayout, gathered_einsum
+from jaxtron.ops.block_scaled import projection, recipe_einsum
 
 BLOCK = 16
 E2M1_MAX, E4M3_MAX = 6.0, 448.0
@@ -140,31 +139,12 @@ def transformed(a: jax.Array) -> jax.Array:
                       jnp.asarray(hadamard())).reshape(r, m)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def scaled_einsum(equation: str, x: jax.Array, w: jax.Array) -> jax.Array:
-    """``jnp.einsum(equation, x, w)`` of a projection in NVFP4, forward and both gradients, in ``x``'s dtype."""
-    return _forward(equation, x, w)[0]
+def _weight_gradient(xt: jax.Array, gt: jax.Array, dtype) -> jax.Array:
+    """Both operands through the same transform along the tokens, the gradient rounded stochastically."""
+    return gemm(transformed(xt), transformed(gt), dtype, b_rounding=True)
 
 
-def _forward(equation, x, w):
-    x2, w2, lead, tail = as_matrices(equation, x, w)
-    return gemm(x2, w2.T, x.dtype, weight="columns").reshape(*lead, *tail), (x, w)
-
-
-def _backward(equation, res, g):
-    x, w = res
-    x2, w2, _, _ = as_matrices(equation, x, w)
-    g2 = g.reshape(x2.shape[0], w2.shape[1])
-    dx = gemm(g2, w2, x.dtype, a_rounding=True, weight="rows")  # the weight's 16 x 16 blocks, read transposed
-    # along the tokens: both operands through the same transform, the gradient rounded stochastically
-    dw = gemm(transformed(x2.T), transformed(g2.T), jnp.float32, b_rounding=True)
-    return dx.reshape(x.shape), dw.reshape(w.shape).astype(w.dtype)
-
-
-scaled_einsum.defvjp(_forward, _backward)
-
-
-def einsum(equation: str, x: jax.Array, w: jax.Array, layout: WeightLayout | None = None) -> jax.Array:
-    """A projection's ``jnp.einsum(equation, x, w)`` in NVFP4 (``scaled_einsum``), the weight gathered for use
-    as ``layout`` says (``state_sharding.gathered_einsum``): in 16 bits, quantized where it is used."""
-    return gathered_einsum(equation, x, w, layout, matmul=scaled_einsum)
+# the weight's 16 x 16 blocks read as stored, then transposed; the gradients rounded stochastically
+scaled_einsum = projection(functools.partial(gemm, weight="columns"),
+                           functools.partial(gemm, a_rounding=True, weight="rows"), _weight_gradient)
+einsum = recipe_einsum(scaled_einsum)

@@ -292,6 +292,12 @@ def batch_sharding(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, logical_to_spec(BATCH_AXES))
 
 
+def split_over(mesh: Mesh, *axes) -> NamedSharding:
+    """A sharding of ``mesh`` that splits each dimension over the mesh axes given for it (None: whole), as a custom
+    partitioning rule hands them on (``ops/blockwise_fp8.py``)."""
+    return NamedSharding(mesh, PartitionSpec(*axes))
+
+
 def per_device_sharding(mesh: Mesh) -> NamedSharding:
     """Sharding of a [mesh.size] array with one element on each device (per-device flags)."""
     return NamedSharding(mesh, PartitionSpec(mesh.axis_names))
