@@ -15,6 +15,7 @@ from typing import Any
 
 from jaxtron.config.checks import ConfigError, _check, _choice, _non_negative, _positive
 from jaxtron.config.model import ExecutionConfig, ModelConfig, replace  # noqa: F401 (re-exported)
+from jaxtron.config.post_training import OBJECTIVES, DpoConfig, LoraConfig, check_post_training
 from jaxtron.config.recipes import check_block_recipe
 
 # outermost to innermost device order: pipeline stages span nodes, tensor groups stay inside one
@@ -136,6 +137,8 @@ class TrainConfig:
     eval_tasks_limit: int = 0
     wandb_project: str = ""  # Weights & Biases project of the run's metrics ("": off; jaxtron.metrics.wandb_sink)
     wandb_name: str = ""  # the W&B run's name ("": the workdir's name)
+    # what the step minimizes: the next token's cross-entropy, or DPO's loss on chosen/rejected pairs (dpo section)
+    objective: str = "language_model"
 
     def __post_init__(self):
         for name in ("steps", "global_batch_size", "microbatches", "log_every", "logit_chunks"):
@@ -148,6 +151,7 @@ class TrainConfig:
                "train.eval_tasks_path", f"('{self.eval_tasks_path}') is not a directory",
                "point it at a directory of lm-eval task YAMLs whose data are local files")
         _non_negative(self.max_nonfinite_in_row, "train.max_nonfinite_in_row")
+        _choice(self.objective, "train.objective", OBJECTIVES)
         _check(self.watchdog_factor == 0 or self.watchdog_factor > 1, "train.watchdog_factor",
                f"is {self.watchdog_factor}", "use 0 to turn the watchdog off or a factor above 1, e.g. 5")
         _check(self.global_batch_size % self.microbatches == 0, "train.microbatches",
@@ -310,38 +314,10 @@ class ProfileConfig:
         return text == "all" or process_index in {int(p) for p in text.split(",")}
 
 
-@dataclasses.dataclass(frozen=True)
-class LoraConfig:
-    """Low-rank adapters (LoRA): each target projection W computes x W + (alpha / rank) (drop(x) A) B, with A
-    [inputs, rank] and B [rank, outputs] (B starts at zero) the only trained parameters; the base model, loaded
-    from ``train.init_from``, stays frozen and holds no optimizer state, and checkpoints hold the adapters alone
-    (``jaxtron.models.lora``)."""
-
-    rank: int = 0  # 0: no adapters (full fine-tuning or pretraining)
-    alpha: float = 16.0
-    # projections by name: q, k, v, o (attention), gate, up, down (the MLP), q_a, q_b, kv_a, kv_b (latent
-    # attention); Hugging Face's q_proj, ..., down_proj name the same ones
-    targets: str = "q,k,v,o"
-    dropout: float = 0.0  # dropout on each adapter's input (training steps only)
-
-    def __post_init__(self):
-        _non_negative(self.rank, "lora.rank")
-        _check(0 <= self.dropout < 1, "lora.dropout", f"must lie in [0, 1) (got {self.dropout})",
-               "use e.g. 0.05, or 0 for none")
-        _check(self.alpha > 0, "lora.alpha", f"must be positive (got {self.alpha})", "use e.g. 16 or 2 * lora.rank")
-        _check(not self.rank or bool(self.targets.strip()), "lora.targets", "is empty",
-               "name projections, e.g. 'q,k,v,o'")
-        defaults = LoraConfig.__dataclass_fields__
-        changed = [name for name in ("targets", "alpha", "dropout") if getattr(self, name) != defaults[name].default]
-        _check(self.rank or not changed, f"lora.{changed[0] if changed else ''}",
-               "is set while lora.rank is 0, which trains no adapters (a full fine-tune)",
-               "set --config.lora.rank (e.g. 8) for LoRA, or leave the lora section out")
-
-
 SECTIONS = {"model": ModelConfig, "execution": ExecutionConfig, "mesh": MeshConfig, "pipeline": PipelineConfig,
             "train": TrainConfig,
             "optimizer": OptimizerConfig, "data": DataConfig, "checkpoint": CheckpointConfig,
-            "distributed": DistributedConfig, "profile": ProfileConfig, "lora": LoraConfig}
+            "distributed": DistributedConfig, "profile": ProfileConfig, "lora": LoraConfig, "dpo": DpoConfig}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -357,6 +333,7 @@ class Config:
     distributed: DistributedConfig = dataclasses.field(default_factory=DistributedConfig)
     profile: ProfileConfig = dataclasses.field(default_factory=ProfileConfig)
     lora: LoraConfig = dataclasses.field(default_factory=LoraConfig)
+    dpo: DpoConfig = dataclasses.field(default_factory=DpoConfig)
 
     def __post_init__(self):
         m, d, x = self.model, self.data, self.execution
@@ -386,12 +363,7 @@ class Config:
                "needs a tokenizer, but data.source is not 'store'", "train on a token store or leave it empty")
         _check(not self.train.eval_tasks.strip() or self.mesh.pipeline == 1, "train.eval_tasks",
                f"cannot run on a pipeline of {self.mesh.pipeline} stages yet", "leave it empty under mesh.pipeline")
-        _check(not self.lora.rank or self.pipeline.schedule not in ONE_F_ONE_B, "lora.rank",
-               f"({self.lora.rank}) cannot be used with pipeline.schedule={self.pipeline.schedule!r}, whose stages "
-               "compute every parameter's gradient themselves", "use pipeline.schedule='fill_drain' for LoRA")
-        _check(not self.lora.rank or bool(self.train.init_from), "train.init_from",
-               f"is empty but lora.rank is {self.lora.rank}: adapters train on top of a model",
-               "point it at a run or a converted model to adapt")
+        check_post_training(self)
         _check(d.seq_len % self.train.logit_chunks == 0, "train.logit_chunks",
                f"({self.train.logit_chunks}) must divide data.seq_len ({d.seq_len})", "choose a divisor of it")
 

@@ -208,12 +208,15 @@ def conversation(record: Any, where: str) -> list[dict]:
     return messages
 
 
-def encode_conversation(tokenizer, template: ChatTemplate, messages: Sequence[dict]) -> tuple[np.ndarray, np.ndarray]:
-    """Token ids of the rendered conversation and a uint8 mask: 1 on the tokens the assistant wrote.
+def encode_conversation(tokenizer, template: ChatTemplate, messages: Sequence[dict],
+                        last_only: bool = False) -> tuple[np.ndarray, np.ndarray]:
+    """Token ids of the rendered conversation and a uint8 mask: 1 on the tokens the assistant wrote (with
+    ``last_only``: in its last message alone, a preference pair's response).
 
     A tokenizer with character offsets (Hugging Face) encodes the whole text once, as transformers does, and
     a token counts as the assistant's if it begins inside an assistant span; others encode span by span."""
     text, spans = template.assistant_spans(messages)
+    spans = spans[-1:] if last_only else spans
     offsets = getattr(tokenizer, "encode_offsets", None)
     if offsets is not None:
         ids, starts = offsets(text)

@@ -182,7 +182,17 @@ def global_batch(source: Source, step: int, mesh: Mesh, batch_size: int,
     return {k: jax.make_array_from_process_local_data(sharding, v, shape) for k, v in local(step).items()}
 
 
+def _pair_split(cfg: Config, stores: list, split: str, seed: int) -> Source:
+    """A preference objective's source: one pair store's rows, two a pair (``jaxtron.data.pairs``)."""
+    from jaxtron.data.pairs import PairSplit
+    if len(stores) != 1:
+        raise DataError(f"data.path names {len(stores)} stores but train.objective={cfg.train.objective!r} reads one "
+                        "pair store; name one.")
+    return PairSplit(stores[0], cfg.data.seq_len, split, cfg.data.validation_fraction, seed)
+
+
 def _open_split(cfg: Config, split: str) -> tuple[Source, list]:
+    from jaxtron.config.post_training import PREFERENCE
     from jaxtron.data.packing import Mixture, PackedSplit
     from jaxtron.data.store import TokenStore
     d = cfg.data
@@ -199,6 +209,12 @@ def _open_split(cfg: Config, split: str) -> tuple[Source, list]:
                             f"model.vocab_size is {cfg.model.vocab_size}; use a model vocabulary of at least "
                             f"{store.vocab_size} or a store made with the model's tokenizer.")
     seed = cfg.train.seed if split == "train" else cfg.train.seed + 1
+    if cfg.train.objective in PREFERENCE:
+        return _pair_split(cfg, stores, split, seed), stores
+    for store in stores:
+        if store.manifest.get("pairs"):
+            raise DataError(f"store '{store.path}' holds chosen/rejected pairs, which train.objective="
+                            f"{cfg.train.objective!r} does not read; set train.objective='dpo'.")
     parts = [PackedSplit(s, d.seq_len, split, d.validation_fraction, seed + i) for i, s in enumerate(stores)]
     if len(parts) == 1:
         return parts[0], stores
@@ -223,7 +239,8 @@ def make_sources(cfg: Config) -> tuple[Source, Source | None, dict[str, float]]:
     train, stores = _open_split(cfg, "train")
     validation = _open_split(cfg, "validation")[0] if d.validation_fraction > 0 and t.eval_batches else None
     facts: dict[str, Any] = {"train_tokens": float(sum(s.num_tokens for s in stores))}
-    if len(stores) == 1 and stores[0].vocab_size <= 1 << 16:  # the loss a context-free model would reach
+    # the loss a context-free model would reach (pretraining and conversation stores)
+    if len(stores) == 1 and stores[0].vocab_size <= 1 << 16 and hasattr(train, "token_parts"):
         from jaxtron.data.corpus import unigram_entropy
 
         # 16M tokens from across the store: the estimate's bias, (vocab - 1) / (2 * tokens), stays below 0.002

@@ -2,7 +2,7 @@
 
     jaxtron prepare --input 'corpus/**/*.parquet' [--input more/ ...] [--dataset DIR_OR_BUILDER ...] \\
         --tokenizer byte|tokenizer.json|sp.model|MODEL_DIR --output DIR [--text-field a.b | --template T] \\
-        [--workers N] [--eos TOKEN | --no-eos] [--overwrite] [--chat [--chat-template FILE]]
+        [--workers N] [--eos TOKEN | --no-eos] [--overwrite] [--chat | --pairs] [--chat-template FILE]
 
 jaxtron.data.sources says which files are read and in what order. A text file is one document; a record
 (a JSON line, a Parquet or Arrow row, a dataset's row) is one document, from --text-field or --template.
@@ -17,6 +17,7 @@ fed by a reading thread). Memory stays flat: at most a few batches are in flight
 --chat prepares conversations for supervised fine-tuning: each record holds ``messages``, rendered with the
 tokenizer's chat template (or --chat-template's) as jaxtron.data.chat describes, and the store keeps a loss mask
 that is 1 on the assistant's tokens only; the template goes into the manifest for generating in the same format.
+--pairs prepares chosen/rejected pairs for DPO the same way, two documents a record (jaxtron.data.pairs).
 """
 
 from __future__ import annotations
@@ -27,9 +28,7 @@ import json
 import logging
 import multiprocessing
 import os
-import queue
 import sys
-import threading
 from collections.abc import Iterator, Sequence
 
 import numpy as np
@@ -39,8 +38,17 @@ from jaxtron.data import tables
 from jaxtron.data.chat import ChatTemplate, conversation, encode_conversation, load_template
 from jaxtron.data.errors import DataError
 from jaxtron.data.hf_datasets import DatasetInput, dataset_batches
+from jaxtron.data.pairs import encode_pair
 from jaxtron.data.records import RecordText
-from jaxtron.data.sources import TEXT_SUFFIXES, Source, expand_inputs, read_bytes, read_lines, suffixes
+from jaxtron.data.sources import (
+    TEXT_SUFFIXES,
+    Source,
+    expand_inputs,
+    prefetched,
+    read_bytes,
+    read_lines,
+    suffixes,
+)
 from jaxtron.data.store import StoreWriter, check_output
 from jaxtron.data.tokenizers import AUTO, Tokenizer, load_tokenizer
 
@@ -48,11 +56,11 @@ log = logging.getLogger(__name__)
 
 LINES_PER_UNIT = 1024
 FILES_PER_UNIT = 32
-PREFETCH = 4  # units read ahead of the tokenizer by a thread when one process tokenizes
 
 _worker_tokenizer: Tokenizer | None = None
 _worker_chat: ChatTemplate | None = None
 _worker_text: RecordText | None = None
+_worker_pairs = False
 
 # A unit of work: (kind, input's path, index of its first item, items, input bytes). Kinds: "files" (text
 # Sources), "lines" (raw JSON lines; index = line number), "records" (dicts), "texts" (strings or None).
@@ -72,10 +80,11 @@ class Where:
 
 
 def _units(sources: list[Source], datasets: Sequence[DatasetInput], text: RecordText,
-           chat: bool) -> Iterator[Unit]:
-    """The work units of every input, in input order, then row order."""
-    columns = ("messages",) if chat else text.columns
-    flat = text.flat and not chat
+           records: tuple[str, ...] | None) -> Iterator[Unit]:
+    """The work units of every input, in input order, then row order; ``records``: the columns of a conversation
+    or pair record (None: text from ``text``)."""
+    columns = records or text.columns
+    flat = text.flat and not records
     files: list[Source] = []
     size = 0
     for source in sources:
@@ -143,14 +152,15 @@ def _table_units(source: Source, columns: Sequence[str], flat: bool) -> Iterator
         row += batch.num_rows
 
 
-def check_tables(sources: list[Source], text: RecordText, chat: bool) -> None:
+def check_tables(sources: list[Source], text: RecordText, records: tuple[str, ...] | None) -> None:
     """Opens every Parquet and Arrow input's schema: a damaged file or a missing column is refused up front."""
     for source in sources:
         if source.kind not in ("parquet", "arrow"):
             continue
         schema = tables.schema(source)
-        if chat:
-            tables.check_columns(source, schema, ("messages",), "--chat")
+        for column in records or ():
+            tables.check_columns(source, schema, (column,), "--pairs" if len(records) > 1 else "--chat")
+        if records:
             continue
         for column in text.columns if text.template else [text.path]:
             path = (column,) if isinstance(column, str) else column
@@ -159,9 +169,10 @@ def check_tables(sources: list[Source], text: RecordText, chat: bool) -> None:
             tables.check_text_type(source, schema, text.path[0])
 
 
-def _init_worker(tokenizer: Tokenizer, chat: ChatTemplate | None = None, text: RecordText | None = None) -> None:
-    global _worker_tokenizer, _worker_chat, _worker_text
-    _worker_tokenizer, _worker_chat, _worker_text = tokenizer, chat, text or RecordText()
+def _init_worker(tokenizer: Tokenizer, chat: ChatTemplate | None = None, text: RecordText | None = None,
+                 pairs: bool = False) -> None:
+    global _worker_tokenizer, _worker_chat, _worker_text, _worker_pairs
+    _worker_tokenizer, _worker_chat, _worker_text, _worker_pairs = tokenizer, chat, text or RecordText(), pairs
 
 
 def _decode(data: bytes, where: str) -> str:
@@ -212,6 +223,9 @@ def _conversations(records: Iterator[tuple[Where, object]]) -> list[tuple[np.nda
     docs = []
     eos = _worker_tokenizer.eos_id
     for where, record in records:
+        if _worker_pairs:
+            docs += encode_pair(_worker_tokenizer, _worker_chat, record, str(where))
+            continue
         messages = conversation(record, str(where))
         ids, mask = encode_conversation(_worker_tokenizer, _worker_chat, messages)
         if eos is not None:  # the document's end is not the assistant's to predict: the template's marker is
@@ -220,49 +234,18 @@ def _conversations(records: Iterator[tuple[Where, object]]) -> list[tuple[np.nda
     return docs
 
 
-def _prefetched(units: Iterator[Unit], depth: int = PREFETCH) -> Iterator[Unit]:
-    """``units`` read ahead by a thread: reading and decompressing overlap the tokenizer's threads."""
-    done = object()
-    ready: queue.Queue = queue.Queue(depth)
-    stop = threading.Event()
-
-    def read():
-        try:
-            for unit in units:
-                while not stop.is_set():
-                    try:
-                        ready.put(unit, timeout=0.1)
-                        break
-                    except queue.Full:
-                        continue
-                if stop.is_set():
-                    return
-            ready.put(done)
-        except BaseException as e:  # noqa: BLE001 - handed to the consumer, which raises it
-            ready.put(e)
-
-    thread = threading.Thread(target=read, name="prepare-reader", daemon=True)
-    thread.start()
-    try:
-        while (item := ready.get()) is not done:
-            if isinstance(item, BaseException):
-                raise item
-            yield item
-    finally:
-        stop.set()
-        thread.join()
-
-
 def prepare(inputs: Sequence[str], tokenizer: Tokenizer | str, output: str, text_field: str = "text",
             workers: int | None = None, progress: bool = False, shard_tokens: int = 1 << 28,
             dtype: str = "auto", eos: str | None = AUTO, overwrite: bool = False,
             chat: ChatTemplate | None = None, template: str | None = None, split: str | None = None,
-            text_suffixes: Sequence[str] = TEXT_SUFFIXES, datasets: Sequence[DatasetInput] = ()) -> dict:
+            text_suffixes: Sequence[str] = TEXT_SUFFIXES, datasets: Sequence[DatasetInput] = (),
+            pairs: bool = False) -> dict:
     """Builds the store in ``output`` and returns its manifest.
 
     ``eos``: "auto" (the tokenizer's own end-of-document token), a token, or None for none; used only when
     ``tokenizer`` is given by name. ``overwrite``: replace an existing, non-empty ``output``. ``chat``: read
     conversations (``messages``), render them with this template and keep a loss mask on the assistant's tokens.
+    ``pairs``: with ``chat``, read chosen/rejected pairs (``jaxtron.data.pairs``), two documents a record.
     ``template``: jinja2 joining a record's fields, instead of ``text_field``. ``datasets``: inputs read through
     ``datasets.load_dataset``, after the files.
     """
@@ -275,7 +258,8 @@ def prepare(inputs: Sequence[str], tokenizer: Tokenizer | str, output: str, text
             if source.kind == "text":
                 raise DataError(f"--chat reads conversations from records (JSON, Parquet, Arrow, datasets), and "
                                 f"'{source.path}' is plain text; pass files of {{\"messages\": [...]}} records.")
-    check_tables(files, text, chat is not None)
+    records = None if chat is None else ("prompt", "chosen", "rejected") if pairs else ("messages",)
+    check_tables(files, text, records)
     total = sum(os.path.getsize(s.path) for s in files)
     writer = StoreWriter(output, tokenizer.vocab_size, shard_tokens, dtype, overwrite)
     if workers is None:  # byte tokens cost nothing and tokenizers' Rust batch encoder already uses every core
@@ -285,13 +269,14 @@ def prepare(inputs: Sequence[str], tokenizer: Tokenizer | str, output: str, text
         from tqdm import tqdm
         bar = tqdm(total=total, unit="B", unit_scale=True, desc="tokenizing")
     try:
-        units = _units(files, datasets, text, chat is not None)
+        units = _units(files, datasets, text, records)
         if workers == 1:
-            _init_worker(tokenizer, chat, text)
-            for unit in _prefetched(units):
+            _init_worker(tokenizer, chat, text, pairs)
+            for unit in prefetched(units):
                 _write(writer, _tokenize_unit(unit), unit[4], bar)
         else:
-            with multiprocessing.get_context("spawn").Pool(workers, _init_worker, (tokenizer, chat, text)) as pool:
+            start = (tokenizer, chat, text, pairs)
+            with multiprocessing.get_context("spawn").Pool(workers, _init_worker, start) as pool:
                 pending: collections.deque = collections.deque()
                 for unit in units:  # keep at most 2 units per worker in flight: memory stays flat
                     pending.append((pool.apply_async(_tokenize_unit, (unit,)), unit[4]))
@@ -304,6 +289,7 @@ def prepare(inputs: Sequence[str], tokenizer: Tokenizer | str, output: str, text
         sources = [{"path": s.path, "bytes": os.path.getsize(s.path)} for s in files]
         sources += [spec.describe() for spec in datasets]
         extra = {"chat_template": chat.describe()} if chat is not None else {}
+        extra.update({"pairs": True} if pairs else {})
         return writer.finish(tokenizer.describe(), sources, tokenizer.eos_id, **extra)
     except BaseException:
         writer.abort()
@@ -353,8 +339,10 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--overwrite", action="store_true", help="replace an existing --output (atomically)")
     parser.add_argument("--chat", action="store_true", help="conversations ('messages'), rendered with the chat "
                                                             "template, loss on the assistant's tokens only")
-    parser.add_argument("--chat-template", help="with --chat: a .jinja file or tokenizer_config.json to use instead "
-                                                "of the tokenizer's own template")
+    parser.add_argument("--pairs", action="store_true", help="chosen/rejected pairs for DPO ('prompt', 'chosen', "
+                                                             "'rejected'), rendered like --chat")
+    parser.add_argument("--chat-template", help="with --chat or --pairs: a .jinja file or tokenizer_config.json to "
+                                                "use instead of the tokenizer's own template")
     return parser
 
 
@@ -368,11 +356,13 @@ def main(argv: Sequence[str]) -> int:
         raise DataError("jaxtron prepare needs --input or --dataset; name the data to tokenize.")
     if (args.data_files or args.subset) and not args.dataset:
         raise DataError("--data-files and --subset go with --dataset; add --dataset or leave them out.")
-    if args.chat_template and not args.chat:
-        raise DataError("--chat-template is used only with --chat; add --chat or leave it out.")
-    if args.template and args.chat:
-        raise DataError("--template and --chat both say how a record becomes text; pass one of them.")
-    chat = load_template(args.tokenizer, args.chat_template) if args.chat else None
+    if args.chat and args.pairs:
+        raise DataError("--chat and --pairs are two kinds of store; pass one of them.")
+    if args.chat_template and not (args.chat or args.pairs):
+        raise DataError("--chat-template is used only with --chat or --pairs; add one or leave it out.")
+    if args.template and (args.chat or args.pairs):
+        raise DataError("--template and --chat (or --pairs) both say how a record becomes text; pass one of them.")
+    chat = load_template(args.tokenizer, args.chat_template) if args.chat or args.pairs else None
     if args.workers is not None and args.workers < 1:
         raise DataError("--workers must be at least 1; pass a positive count.")
     suffixes = (*TEXT_SUFFIXES, *(s if s.startswith(".") else f".{s}" for s in args.text_suffix))
@@ -382,7 +372,7 @@ def main(argv: Sequence[str]) -> int:
     manifest = prepare(args.input, args.tokenizer, args.output, args.text_field, args.workers,
                        progress=sys.stderr.isatty(), shard_tokens=args.shard_tokens, dtype=args.dtype,
                        eos=args.eos, overwrite=args.overwrite, chat=chat, template=args.template, split=args.split,
-                       text_suffixes=suffixes, datasets=datasets)
+                       text_suffixes=suffixes, datasets=datasets, pairs=args.pairs)
     log.info("wrote %s: %d documents, %d tokens (%s, vocabulary %d, end-of-document id %s) in %d shard(s)",
              args.output, manifest["num_documents"], manifest["num_tokens"], manifest["dtype"],
              manifest["vocab_size"], manifest["eos_id"], len(manifest["shards"]))

@@ -24,7 +24,9 @@ import json
 import logging
 import lzma
 import os
-from collections.abc import Iterable, Sequence
+import queue
+import threading
+from collections.abc import Iterable, Iterator, Sequence
 
 from jaxtron.data.errors import DataError
 
@@ -201,3 +203,36 @@ def read_lines(source: Source) -> Iterable[bytes]:
     except decompression_errors() as e:
         raise DataError(f"'{source.path}' is not valid {source.compression or 'file'} data or is cut short ({e}); "
                         "replace the file.") from None
+
+
+def prefetched(units: Iterator, depth: int = 4) -> Iterator:
+    """``units`` (a prepare's work) read ahead by a thread: reading and decompressing overlap the tokenizer."""
+    done = object()
+    ready: queue.Queue = queue.Queue(depth)
+    stop = threading.Event()
+
+    def read():
+        try:
+            for unit in units:
+                while not stop.is_set():
+                    try:
+                        ready.put(unit, timeout=0.1)
+                        break
+                    except queue.Full:
+                        continue
+                if stop.is_set():
+                    return
+            ready.put(done)
+        except BaseException as e:  # noqa: BLE001 - handed to the consumer, which raises it
+            ready.put(e)
+
+    thread = threading.Thread(target=read, name="prepare-reader", daemon=True)
+    thread.start()
+    try:
+        while (item := ready.get()) is not done:
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+    finally:
+        stop.set()
+        thread.join()

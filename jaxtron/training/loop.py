@@ -51,7 +51,7 @@ def save_checkpoint(checkpointer: Checkpointer, step: int, state, cfg: Config, d
     if layer_order is not None:
         config[LAYER_ORDER] = list(layer_order)
     # a LoRA run saves its adapters alone: the frozen base is train.init_from's, read again on resume
-    checkpointer.save(step, lora.saved_part(state), data_state or {"step": step}, config)
+    checkpointer.save(step, state_lib.saved_part(state), data_state or {"step": step}, config)
 
 
 def batch_limits(cfg: Config, implementation: str) -> BatchLimits:
@@ -61,16 +61,18 @@ def batch_limits(cfg: Config, implementation: str) -> BatchLimits:
                        max_segments=cfg.execution.attention_max_segments if implementation == "cudnn" else None)
 
 
-def evaluate(cfg: Config, eval_fn, params, source, mesh, implementation: str = "xla") -> float | None:
-    """Mean cross-entropy over the same ``train.eval_batches`` validation batches every time."""
+def evaluate(cfg: Config, eval_fn, params, source, mesh, implementation: str = "xla") -> dict[str, float]:
+    """Each of ``eval_fn``'s metrics (``step.eval_step``: ``eval/loss``, the mean cross-entropy, or DPO's) over the
+    same ``train.eval_batches`` validation batches every time; empty without validation."""
     if source is None or cfg.train.eval_batches == 0:
-        return None
-    total, count = 0.0, 0.0
+        return {}
+    sums: dict[str, float] = {}
     for i in range(cfg.train.eval_batches):
         batch = global_batch(source, i, mesh, cfg.train.global_batch_size, batch_limits(cfg, implementation))
-        out = jax.device_get(eval_fn(params, batch))
-        total, count = total + float(out["ce_sum"]), count + float(out["count"])
-    return total / count
+        for name, value in jax.device_get(eval_fn(params, batch)).items():
+            sums[name] = sums.get(name, 0.0) + float(value)
+    count = sums.pop("count")
+    return {name: value / count for name, value in sums.items()}
 
 
 def run(cfg: Config, workdir: str, *, use_tqdm: bool | None = None, devices: list[jax.Device] | None = None,
@@ -204,8 +206,9 @@ class Trainer:
             write_json(os.path.join(self.workdir, "collectives.json"), collectives(hlo))  # for jaxtron report
         if schedule and parts.profile.enabled:  # what the report needs to find each stage's idle iterations
             parts.profile.write_pipeline_layout(self.mesh, schedule, hlo)
-        self.eval_fn = jax.jit(functools.partial(eval_step, self.setup),
-                               in_shardings=(self.shardings.params, batch_sharding(self.mesh)))
+        evaluate_fn = jax.jit(functools.partial(eval_step, self.setup), in_shardings=(
+            self.shardings.params, batch_sharding(self.mesh), self.shardings.reference))
+        self.eval_fn = lambda params, batch: evaluate_fn(params, batch, self.state.reference)
         self.meter = Meter(throughput, {"pipeline_bubble": schedule.bubble} if schedule else None)
         for hook in self.given_hooks:
             if hook.start is not None:
@@ -276,8 +279,8 @@ class Trainer:
         abstract = self.setup.abstract_state
         init_from = functools.partial(state_lib.init_from_params, cfg, abstract.params, self.shardings.params,
                                       self.setup.layer_order)
-        restored = self.checkpointer.restore_latest(lora.saved_part(abstract), lora.saved_part(self.shardings,
-                                                                                               abstract),
+        restored = self.checkpointer.restore_latest(state_lib.saved_part(abstract),
+                                                    state_lib.saved_part(self.shardings, abstract),
                                                     cfg, check_data, self.setup.layer_order)
         if restored is not None:
             position = resumed["position"]
@@ -285,11 +288,15 @@ class Trainer:
             state = restored[0]
             if cfg.lora.rank:  # the checkpoint holds the adapters; the frozen base is train.init_from's
                 state = state.replace(params=lora.join(state.params, init_from()))
+            if abstract.reference is not None:  # DPO's reference, train.init_from's parameters, is never saved
+                state = state.replace(reference=init_from())
             return state, position
         state = state_lib.init_state(cfg, self.implementation, self.shardings)
         if cfg.train.init_from:  # fine-tuning start: these parameters, a fresh optimizer and step 0
             base = init_from()
             state = state.replace(params=lora.join(lora.own(state.params), base) if cfg.lora.rank else base)
+            if state.reference is not None:  # a copy: the step donates the parameters, never the reference
+                state = state.replace(reference=jax.tree.map(jax.numpy.copy, base))
             log.info("parameters from %s; %s", cfg.train.init_from,
                      f"LoRA adapters of rank {cfg.lora.rank} fresh, the base frozen" if cfg.lora.rank
                      else "optimizer state fresh")
@@ -324,8 +331,7 @@ class Trainer:
 
     def _validation(self) -> dict[str, float]:
         """The validation loss of the state now (none without validation batches)."""
-        loss = evaluate(self.cfg, self.eval_fn, self.state.params, self.validation, self.mesh, self.implementation)
-        return {"eval/loss": loss} if loss is not None else {}
+        return evaluate(self.cfg, self.eval_fn, self.state.params, self.validation, self.mesh, self.implementation)
 
     def _save(self, done: int) -> None:
         """Checkpoints the state after ``done`` steps (once: the save hook and a stop may both ask)."""

@@ -11,7 +11,8 @@ import optax
 from flax import nnx, struct
 from jax.sharding import Mesh
 
-from jaxtron.config.schema import ONE_F_ONE_B, Config, ConfigError, TrainConfig
+from jaxtron.config.post_training import PREFERENCE
+from jaxtron.config.schema import ONE_F_ONE_B, Config, ConfigError, DpoConfig, TrainConfig
 from jaxtron.models import build_model, lora, moe, stack, tensor_chunks
 from jaxtron.models.stack import remat_policy
 from jaxtron.ops import fp8 as fp8_ops
@@ -29,6 +30,9 @@ class TrainState:
     params: Any  # nnx.State of Params (each carries its logical axis names)
     opt_state: Any
     nonfinite: jax.Array  # int32 [total skipped steps, skipped in a row, first step that hit the limit or -1]
+    # DPO's frozen reference model (a full fine-tune's: train.init_from's parameters; None otherwise). Never saved:
+    # a resumed run reads it again from train.init_from, as a LoRA run reads its base
+    reference: Any = None
 
 
 @struct.dataclass
@@ -53,6 +57,7 @@ class Setup:
     budget_schedule: bool = struct.field(pytree_node=False, default=False)
     # the distributed optimizer (``optimizer.distributed``): moments sharded as ``state_sharding.optimizer_spec`` says
     distributed_optimizer: bool = struct.field(pytree_node=False, default=False)
+    dpo: DpoConfig = struct.field(pytree_node=False, default=DpoConfig())  # train.objective='dpo': beta and smoothing
 
 
 def pipeline_schedule(cfg: Config, stages: int) -> Schedule | None:
@@ -85,9 +90,12 @@ def _init_fn(cfg: Config, attention_impl: str, stages: int | None = None):
         params = reorder(params, None, order)  # each layer initialised as without a pipeline, stored stage-major
         trainable, _ = lora.split(params)  # a LoRA run's optimizer sees (and holds state for) the adapters alone
         tx = make_optimizer(cfg.optimizer, cfg.train.steps, trainable)
+        reference = None  # DPO's reference: a copy here, train.init_from's parameters once the run starts
+        if cfg.train.objective in PREFERENCE and not cfg.lora.rank:
+            reference = jax.tree.map(jax.numpy.copy, params)
         return graphdef, tx, TrainState(step=jax.numpy.zeros((), jax.numpy.int32), params=params,
                                         opt_state=tx.init(trainable),
-                                        nonfinite=jax.numpy.array([0, 0, -1], jax.numpy.int32))
+                                        nonfinite=jax.numpy.array([0, 0, -1], jax.numpy.int32), reference=reference)
     return init
 
 
@@ -143,7 +151,13 @@ def setup(cfg: Config, attention_impl: str, sizes: dict[str, int] | None = None)
                                          **moe.compiler_options(cfg.model, expert_shards(cfg, sizes),
                                                                  cfg.execution.moe_chunks)}.items()),
                  budget_schedule=moe.budget_schedule(cfg.model, expert_shards(cfg, sizes), cfg.execution.moe_schedule),
-                 distributed_optimizer=cfg.optimizer.distributed)
+                 distributed_optimizer=cfg.optimizer.distributed, dpo=cfg.dpo)
+
+
+def saved_part(state: TrainState, like: TrainState | None = None) -> TrainState:
+    """What a checkpoint holds of a train state (or of a tree shaped like one, ``lora.saved_part`` says how):
+    all but the reference model, and only the adapters of a LoRA run's parameters."""
+    return lora.saved_part(state.replace(reference=None), None if like is None else like.replace(reference=None))
 
 
 def state_shardings(mesh: Mesh, abstract_state: TrainState, distributed_optimizer: bool = False) -> TrainState:

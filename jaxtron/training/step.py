@@ -22,6 +22,7 @@ from jaxtron.parallel.sharding import (
     replica_axes,
 )
 from jaxtron.parallel.state_sharding import constrain_variables
+from jaxtron.training import preference
 from jaxtron.training.loss import Objective, loss_sums
 from jaxtron.training.optimizer import schedule_count
 from jaxtron.training.pipeline.fill_drain import split_rows
@@ -54,22 +55,36 @@ def balance_router_bias(params: Any, block_load: jax.Array, rate: float,
     return params, jnp.mean(jnp.concatenate(spreads))
 
 
-def split_microbatches(batch: Batch, k: int) -> Batch:
-    """[B, ...] -> [k, B/k, ...]; microbatch j takes rows j, j+k, ... so no data crosses devices."""
-    return jax.tree.map(lambda x: split_rows(x, k), batch)
+def split_microbatches(batch: Batch, k: int, pairs: bool = False) -> Batch:
+    """[B, ...] -> [k, B/k, ...]; microbatch j takes rows j, j+k, ... so no data crosses devices; with ``pairs``,
+    pairs of rows j, j+k, ... so that each pair's two rows stay together (``preference.pair_rows``)."""
+    if not pairs:
+        return jax.tree.map(lambda x: split_rows(x, k), batch)
+    split = jax.tree.map(lambda x: split_rows(x, k), preference.pair_rows(batch))
+    return jax.tree.map(lambda x: x.reshape(k, -1, *x.shape[3:]), split)
 
 
-def gradients(setup: Setup, params: Any, batch: Batch):
-    """(summed gradients, cross-entropy sum, token count, MoE metrics) of the whole batch; gradients and sums are
-    accumulated over microbatches in float32, the MoE metrics averaged over them."""
+def objective(setup: Setup, reference: Any = None):
+    """The step's loss function, ``f(params, batch=...) -> (objective sum, (loss sum, count, metrics))``:
+    the language model's over tokens, or DPO's over pairs against ``reference`` (None: the adapters off)."""
+    if setup.train.objective == "dpo":
+        return functools.partial(preference.dpo_sums, graphdef=setup.graphdef, dpo=setup.dpo, reference=reference,
+                                 stack_runner=setup.stack_runner)
+    return functools.partial(loss_sums, graphdef=setup.graphdef, objective=Objective.training(setup.train),
+                             stack_runner=setup.stack_runner)
+
+
+def gradients(setup: Setup, params: Any, batch: Batch, reference: Any = None):
+    """(summed gradients, loss sum, count, metrics) of the whole batch: the cross-entropy over tokens with the MoE
+    metrics, or DPO's loss over pairs with its own (``objective``). Gradients and sums are accumulated over
+    microbatches in float32, the metrics averaged over them."""
     # a pipeline schedule that runs its own backward pass computes them (``Schedule.gradients``: the 1F1B ones); the
     # others are differentiated through
     own = None if setup.stack_runner is None else setup.stack_runner.gradients(setup, params, batch)
     if own is not None:
         return own
     microbatches = setup.train.microbatches
-    loss_fn = functools.partial(loss_sums, graphdef=setup.graphdef, objective=Objective.training(setup.train),
-                                stack_runner=setup.stack_runner)
+    loss_fn = objective(setup, reference)
     params, frozen = lora.split(params)
     if frozen is not None:  # LoRA: gradients of the adapters alone; the base is a constant, with no gradient work
         loss_fn = functools.partial(lambda trainable, batch, f: f(lora.join(trainable, frozen), batch=batch),
@@ -79,7 +94,7 @@ def gradients(setup: Setup, params: Any, batch: Batch):
         (_, (ce_sum, count, moe)), grads = grad_fn(params, batch=batch)
         return grads, ce_sum, count, moe
 
-    micro_batches = split_microbatches(batch, microbatches)
+    micro_batches = split_microbatches(batch, microbatches, setup.train.objective == "dpo")
     first = jax.tree.map(lambda a: a[0], micro_batches)
     (_, sums), grads = jax.eval_shape(lambda: grad_fn(params, batch=first))
     mesh = jax.sharding.get_abstract_mesh()
@@ -155,7 +170,8 @@ def train_step(setup: Setup, state: TrainState, batch: Batch,
     buffers and then into the donated ones (15 ms and 7.8 GiB on Llama-3 8B's 8-layer step on one H200).
     """
     with lora.dropout(jax.random.fold_in(jax.random.key(setup.train.seed), state.step)):  # used by LoRA's dropout only
-        grads, ce_sum, count, moe = gradients(setup, state.params, batch)  # of the adapters alone in a LoRA run
+        # of the adapters alone in a LoRA run
+        grads, ce_sum, count, moe = gradients(setup, state.params, batch, state.reference)
     trainable, frozen = lora.split(state.params)
     if setup.distributed_optimizer:  # each device reduces, then updates, only its shard of the moments
         grads = constrain_variables(grads, optimizer=True)
@@ -195,14 +211,18 @@ def train_step(setup: Setup, state: TrainState, batch: Batch,
     if bias_spread is not None:
         metrics["moe_bias_spread"] = bias_spread
     nonfinite = jnp.stack([total, in_row, stopped]).astype(jnp.int32)
-    return TrainState(step=state.step + 1, params=params, opt_state=opt_state, nonfinite=nonfinite), metrics
+    return TrainState(step=state.step + 1, params=params, opt_state=opt_state, nonfinite=nonfinite,
+                      reference=state.reference), metrics
 
 
-def eval_step(setup: Setup, params: Any, batch: Batch) -> dict[str, jax.Array]:
-    """Summed cross-entropy and token count of a batch (no gradients)."""
+def eval_step(setup: Setup, params: Any, batch: Batch, reference: Any = None) -> dict[str, jax.Array]:
+    """A batch's metric sums and their ``count`` (no gradients): the summed cross-entropy over tokens
+    (``eval/loss``), or DPO's sums over pairs (``preference.dpo_eval_sums``)."""
+    if setup.train.objective == "dpo":
+        return preference.dpo_eval_sums(params, setup.graphdef, batch, setup.dpo, reference, setup.stack_runner)
     _, (ce_sum, count, _) = loss_sums(params, setup.graphdef, batch, Objective.training(setup.train).cross_entropy(),
                                       stack_runner=setup.stack_runner)
-    return {"ce_sum": ce_sum, "count": count}
+    return {"eval/loss": ce_sum, "count": count}
 
 
 def compile_train_step(setup: Setup, shardings: TrainState, batch_sharding, state: TrainState, batch: Batch,

@@ -1,0 +1,119 @@
+"""Preference pairs: a chosen and a rejected response to one prompt, for DPO.
+
+A pair record is a JSON object with the prompt, as text (``prompt``) or as messages (``prompt`` or ``messages``),
+and two responses, ``chosen`` and ``rejected``: each a text, an assistant message, or a list of messages ending
+with the assistant's. Each side is rendered as a conversation with the chat template (``jaxtron.data.chat``) and
+its loss mask is 1 on the final assistant message alone: the response and the template's end-of-turn marker.
+
+A pair store is a conversation store whose documents come in twos, chosen then rejected, with ``"pairs": true``
+in its manifest. ``PairSplit`` reads it as rows: sample ``2 p`` is pair ``p``'s chosen side and ``2 p + 1`` its
+rejected side, each its own row from the row's start, cut at ``seq_len + 1`` tokens and padded after. A batch of
+``2 P`` rows holds ``P`` whole pairs, and every data shard whole pairs when its row count is even.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+from jaxtron.data.chat import ChatTemplate, encode_conversation
+from jaxtron.data.errors import DataError
+from jaxtron.data.shuffle import EpochPermutation
+from jaxtron.data.store import TokenStore
+
+SIDES = ("chosen", "rejected")
+
+
+def _prompt(record: dict, where: str) -> list[dict]:
+    prompt = record.get("prompt", record.get("messages"))
+    if isinstance(prompt, str):
+        return [{"role": "user", "content": prompt}]
+    if isinstance(prompt, list) and prompt and all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+            for m in prompt):
+        return prompt
+    raise DataError(f"{where} has no 'prompt' (a text, or a list of {{\"role\": ..., \"content\": ...}} messages); "
+                    "fix the record.")
+
+
+def _response(record: dict, side: str, where: str) -> list[dict]:
+    if side not in record:
+        raise DataError(f"{where} has no '{side}' response; every pair needs 'chosen' and 'rejected'.")
+    value = record[side]
+    messages = [value] if isinstance(value, dict) else value
+    if isinstance(value, str):
+        messages = [{"role": "assistant", "content": value}]
+    if not (isinstance(messages, list) and messages and all(
+            isinstance(m, dict) and isinstance(m.get("content"), str) for m in messages)
+            and messages[-1].get("role", "assistant") == "assistant"):
+        raise DataError(f"{where}'s '{side}' is not a text, an assistant message or a list of messages ending with "
+                        "the assistant's; fix the record.")
+    return [{"role": "assistant", **m} if "role" not in m else m for m in messages]
+
+
+def preference_pair(record: Any, where: str) -> tuple[list[dict], list[dict]]:
+    """The chosen and the rejected conversation of one pair record, checked: DataError naming ``where``."""
+    if not isinstance(record, dict):
+        raise DataError(f"{where} is not a JSON object with 'prompt', 'chosen' and 'rejected'; fix the record.")
+    prompt = _prompt(record, where)
+    return tuple(prompt + _response(record, side, where) for side in SIDES)
+
+
+def encode_pair(tokenizer, template: ChatTemplate, record: Any, where: str) -> list[tuple[np.ndarray, np.ndarray]]:
+    """A pair record's two documents, chosen then rejected: (token ids, loss mask on the final response), each
+    ending with the tokenizer's end-of-document token (not a target) if it has one."""
+    docs = []
+    for messages in preference_pair(record, where):
+        ids, mask = encode_conversation(tokenizer, template, messages, last_only=True)
+        if tokenizer.eos_id is not None:
+            ids, mask = np.append(ids, np.uint32(tokenizer.eos_id)), np.append(mask, np.uint8(0))
+        docs.append((ids, mask))
+    return docs
+
+
+def split_pairs(num_pairs: int, split: str, validation_fraction: float, where: str) -> np.ndarray:
+    """The pair indices of ``split``: ceil(fraction * pairs) held out for validation, evenly spaced through the
+    store (so from all of its inputs); the rest train."""
+    held = math.ceil(num_pairs * validation_fraction) if validation_fraction > 0 else 0
+    if held >= num_pairs:
+        raise DataError(f"pair store '{where}' has {num_pairs} pair(s), too few to hold out "
+                        f"{validation_fraction:.0%} for validation; lower data.validation_fraction.")
+    validation = np.unique((np.arange(held) * num_pairs + num_pairs // 2) // max(held, 1)).astype(np.int64)
+    if split == "validation":
+        return validation
+    return np.setdiff1d(np.arange(num_pairs, dtype=np.int64), validation)
+
+
+class PairSplit:
+    """The rows of one split of a pair store (see the module's docstring); pairs in a seeded order per epoch."""
+
+    def __init__(self, store: TokenStore, seq_len: int, split: str, validation_fraction: float, seed: int):
+        if not store.manifest.get("pairs") or store.num_documents % 2:
+            raise DataError(f"store '{store.path}' holds no chosen/rejected pairs; prepare one with "
+                            "jaxtron prepare --pairs.")
+        self.store, self.seq_len = store, seq_len
+        self.pairs = split_pairs(store.num_documents // 2, split, validation_fraction, store.path)
+        if not len(self.pairs):
+            raise DataError(f"the {split} split of pair store '{store.path}' holds no pair; use more pairs.")
+        self._order = EpochPermutation(len(self.pairs), seed)
+
+    def documents(self, samples: np.ndarray) -> np.ndarray:
+        """The store document of each global sample: its pair's chosen (even sample) or rejected side."""
+        samples = np.asarray(samples, np.int64)
+        return 2 * self.pairs[self._order(samples // 2)] + samples % 2
+
+    def rows(self, samples: np.ndarray) -> dict[str, np.ndarray]:
+        length = self.seq_len + 1
+        docs = self.documents(samples)
+        begin, end = self.store.doc_start(docs), self.store.doc_start(docs + 1)
+        count = np.minimum(end - begin, length)  # a longer side keeps its start: the end of its response is cut
+        where = begin[:, None] + np.minimum(np.arange(length), count[:, None] - 1)
+        real = np.arange(length) < count[:, None]
+        tokens = np.where(real, self.store.take(where), 0).astype(np.int32)
+        mask = real[:, 1:] & self.store.take_mask(where[:, 1:]).astype(bool)
+        ones = np.ones((len(docs), self.seq_len), np.int32)  # one document a row; its padding comes after it
+        return {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "segment_ids": ones,
+                "positions": np.broadcast_to(np.arange(self.seq_len, dtype=np.int32), ones.shape).copy(),
+                "loss_mask": mask.astype(np.int32)}
