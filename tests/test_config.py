@@ -388,7 +388,7 @@ OVERRIDES = [("model.rope.theta", "1e4", 1e4), ("execution.remat", "full", "full
              ("checkpoint.keep", "5", 5), ("distributed.heartbeat_timeout_s", "30", 30),
              ("profile.processes", "all", "all"), ("pipeline.virtual_stages", "2", 2), ("lora.rank", "8", 8),
              ("train.init_from", "/models/base", "/models/base"),
-             ("lora.alpha", "32", 32.0), ("dpo.beta", "0.5", 0.5)]
+             ("lora.alpha", "32", 32.0), ("dpo.beta", "0.5", 0.5), ("rl.group_size", "4", 4)]
 
 
 def test_a_field_the_file_does_not_set_can_be_overridden_in_every_section(tmp_path):

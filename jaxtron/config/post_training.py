@@ -1,5 +1,5 @@
-"""The sections of training after pretraining: LoRA's adapters and DPO's preference loss, and what each needs of
-the rest of a config (``check_post_training``)."""
+"""The sections of training after pretraining: LoRA's adapters, DPO's preference loss and GRPO's rollouts and
+update, and what each needs of the rest of a config (``check_post_training``)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,9 @@ from typing import Any
 
 from jaxtron.config.checks import _check, _non_negative
 
-OBJECTIVES = ("language_model", "dpo")  # train.objective's choices
+OBJECTIVES = ("language_model", "dpo", "grpo")  # train.objective's choices
 PREFERENCE = ("dpo",)  # the objectives that read chosen/rejected pairs: two rows a pair
+REFERENCED = ("dpo", "grpo")  # the objectives that start from train.init_from and may compare with it
 ONE_F_ONE_B = ("1f1b", "interleaved")  # the schedules that run each stage's backward themselves
 
 
@@ -57,6 +58,43 @@ class DpoConfig:
                f"must lie in [0, 0.5) (got {self.label_smoothing})", "use 0, or e.g. 0.1 for noisy labels")
 
 
+@dataclasses.dataclass(frozen=True)
+class RlConfig:
+    """GRPO (``train.objective='grpo'``): each step samples ``group_size`` completions of each prompt from the
+    parameters being trained, scores them with ``reward``, normalizes the rewards within each group into
+    advantages, and makes ``updates`` optimizer updates on those samples with the clipped importance ratio and
+    a KL penalty to the reference (the k3 estimator), as ``jaxtron.training.rollouts`` describes."""
+
+    reward: str = ""  # "module:function" or "path/to/file.py:function": f(prompt, completion, record) -> float
+    group_size: int = 8  # completions of each prompt; train.global_batch_size counts them all
+    max_new_tokens: int = 64  # a completion's length at most; data.seq_len holds the prompt and it
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    updates: int = 1  # optimizer updates on each batch of samples (the importance ratio is 1 in the first)
+    clip: float = 0.2  # the ratio is clipped to [1 - clip, 1 + clip]
+    kl: float = 0.04  # the KL penalty's weight (0: none, and no reference is kept)
+    length_normalization: bool = True  # a completion's loss is its tokens' mean, else their sum / max_new_tokens
+    scale_rewards: bool = True  # advantages divided by the group's standard deviation, else centred only
+
+    def __post_init__(self):
+        for name in ("max_new_tokens", "updates"):
+            _check(getattr(self, name) >= 1, f"rl.{name}", f"must be at least 1 (got {getattr(self, name)})",
+                   "use a positive count")
+        for name in ("temperature", "top_k", "clip", "kl"):
+            _non_negative(getattr(self, name), f"rl.{name}")
+        _check(0 < self.top_p <= 1, "rl.top_p", f"must lie in (0, 1] (got {self.top_p})", "use 1 to keep all tokens")
+        _check(not self.reward or (":" in self.reward and all(self.reward.rpartition(":")[::2])), "rl.reward",
+               f"('{self.reward}') is not 'module:function'", "name it as my_rewards:score or rewards.py:score")
+
+
+def keeps_reference(cfg: Any) -> bool:
+    """Whether the train state holds a copy of the reference model: DPO, or GRPO with a KL penalty, when the whole
+    model trains (under LoRA the reference is the base with its adapters off)."""
+    uses = cfg.train.objective == "dpo" or (cfg.train.objective == "grpo" and cfg.rl.kl > 0)
+    return uses and not cfg.lora.rank
+
+
 def check_post_training(cfg: Any) -> None:
     """What LoRA and the preference objectives need of a whole config; ConfigError otherwise."""
     t, schedule = cfg.train, cfg.pipeline.schedule
@@ -66,7 +104,9 @@ def check_post_training(cfg: Any) -> None:
     _check(not cfg.lora.rank or bool(t.init_from), "train.init_from",
            f"is empty but lora.rank is {cfg.lora.rank}: adapters train on top of a model",
            "point it at a run or a converted model to adapt")
-    if t.objective not in PREFERENCE:
+    if t.objective == "grpo":
+        _check_rl(cfg)
+    if t.objective not in REFERENCED:
         return
     _check(bool(t.init_from), "train.init_from", f"is empty but train.objective is {t.objective!r}, whose reference "
            "model is the starting one", "point it at a run or a converted model (an SFT run, say)")
@@ -74,6 +114,19 @@ def check_post_training(cfg: Any) -> None:
            "reads chosen/rejected pairs", "prepare a pair store (jaxtron prepare --pairs) and set data.source='store'")
     _check(cfg.mesh.pipeline == 1, "mesh.pipeline", f"is {cfg.mesh.pipeline} but train.objective={t.objective!r} "
            "does not run under a pipeline yet", "use the data, fsdp, sequence and tensor axes")
-    _check(t.global_batch_size % (2 * t.microbatches) == 0, "train.global_batch_size",
+    _check(t.objective != "dpo" or t.global_batch_size % (2 * t.microbatches) == 0, "train.global_batch_size",
            f"({t.global_batch_size}) counts sequences, two a pair, so it must be an even multiple of "
            f"train.microbatches ({t.microbatches})", "use an even number of rows in each microbatch")
+
+
+def _check_rl(cfg: Any) -> None:
+    rl, t = cfg.rl, cfg.train
+    _check(bool(rl.reward), "rl.reward", "is empty but train.objective is 'grpo'",
+           "name the reward function as module:function (it gets the prompt, the completion and the record)")
+    _check(rl.group_size >= 2, "rl.group_size", f"is {rl.group_size}, but advantages compare the completions of "
+           "one prompt, so a group needs at least 2", "use e.g. 8")
+    _check(t.global_batch_size % (rl.group_size * t.microbatches) == 0, "train.global_batch_size",
+           f"({t.global_batch_size}) counts completions, rl.group_size ({rl.group_size}) a prompt, so it must be a "
+           f"multiple of rl.group_size x train.microbatches ({t.microbatches})", "use whole groups in each microbatch")
+    _check(rl.max_new_tokens < cfg.data.seq_len, "rl.max_new_tokens", f"({rl.max_new_tokens}) leaves no room for "
+           f"a prompt in data.seq_len ({cfg.data.seq_len})", "lower it or raise data.seq_len")

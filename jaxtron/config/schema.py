@@ -15,7 +15,7 @@ from typing import Any
 
 from jaxtron.config.checks import ConfigError, _check, _choice, _non_negative, _positive
 from jaxtron.config.model import ExecutionConfig, ModelConfig, replace  # noqa: F401 (re-exported)
-from jaxtron.config.post_training import OBJECTIVES, DpoConfig, LoraConfig, check_post_training
+from jaxtron.config.post_training import OBJECTIVES, DpoConfig, LoraConfig, RlConfig, check_post_training
 from jaxtron.config.recipes import check_block_recipe
 
 # outermost to innermost device order: pipeline stages span nodes, tensor groups stay inside one
@@ -137,7 +137,8 @@ class TrainConfig:
     eval_tasks_limit: int = 0
     wandb_project: str = ""  # Weights & Biases project of the run's metrics ("": off; jaxtron.metrics.wandb_sink)
     wandb_name: str = ""  # the W&B run's name ("": the workdir's name)
-    # what the step minimizes: the next token's cross-entropy, or DPO's loss on chosen/rejected pairs (dpo section)
+    # what the step minimizes: the next token's cross-entropy, DPO's loss on chosen/rejected pairs (dpo section), or
+    # GRPO's on sampled completions (rl section)
     objective: str = "language_model"
 
     def __post_init__(self):
@@ -212,7 +213,8 @@ class DataConfig:
     source: str = "synthetic"  # store (prepared token stores) | synthetic (random tokens, no I/O)
     path: str = ""  # store directory; several comma-separated directories make a mixture
     weights: str = ""  # comma-separated mixture weights, one per path ('' = equal)
-    prepare: str = ""  # a built-in corpus ('stdlib'; 'stdlib-chat': conversations) prepared into data.path once
+    # a built-in corpus prepared into data.path once: stdlib (source), stdlib-chat (conversations), stdlib-pairs (DPO)
+    prepare: str = ""
     seq_len: int = 256
     validation_fraction: float = 0.05  # documents held out: the last ones of each of 100 stripes of a store
     verify: bool = False  # hash every shard before training (processes split them); sizes are always checked
@@ -224,7 +226,7 @@ class DataConfig:
         _positive(self.seq_len, "data.seq_len")
         _check(self.source != "store" or bool(self.path.strip()), "data.path",
                "is empty but data.source is 'store'", "set it to a prepared store's directory")
-        _choice(self.prepare, "data.prepare", ("", "stdlib", "stdlib-chat"))
+        _choice(self.prepare, "data.prepare", ("", "stdlib", "stdlib-chat", "stdlib-pairs"))
         _check(0 <= self.validation_fraction < 1, "data.validation_fraction",
                f"must lie in [0, 1) (got {self.validation_fraction})", "set it inside that range")
         _non_negative(self.workers, "data.workers")
@@ -317,7 +319,8 @@ class ProfileConfig:
 SECTIONS = {"model": ModelConfig, "execution": ExecutionConfig, "mesh": MeshConfig, "pipeline": PipelineConfig,
             "train": TrainConfig,
             "optimizer": OptimizerConfig, "data": DataConfig, "checkpoint": CheckpointConfig,
-            "distributed": DistributedConfig, "profile": ProfileConfig, "lora": LoraConfig, "dpo": DpoConfig}
+            "distributed": DistributedConfig, "profile": ProfileConfig, "lora": LoraConfig, "dpo": DpoConfig,
+            "rl": RlConfig}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -334,6 +337,7 @@ class Config:
     profile: ProfileConfig = dataclasses.field(default_factory=ProfileConfig)
     lora: LoraConfig = dataclasses.field(default_factory=LoraConfig)
     dpo: DpoConfig = dataclasses.field(default_factory=DpoConfig)
+    rl: RlConfig = dataclasses.field(default_factory=RlConfig)
 
     def __post_init__(self):
         m, d, x = self.model, self.data, self.execution

@@ -3,7 +3,9 @@
 ``stdlib``: the standard library's Python source as byte tokens, for pretraining. ``stdlib-chat``: conversations
 made from the same source for supervised fine-tuning: a user asks what a documented public function does, and the
 assistant answers with its signature in backticks and the first sentence of its docstring, rendered with the plain
-byte-level chat template (jaxtron.data.chat.PLAIN_TEMPLATE).
+byte-level chat template (jaxtron.data.chat.PLAIN_TEMPLATE). ``stdlib-pairs``: preference pairs for DPO from the
+same questions: the chosen answer is the function's own, the rejected one the same answer with two words of its
+sentence swapped, in the same template.
 """
 
 from __future__ import annotations
@@ -46,7 +48,7 @@ def _is_utf8(path: str) -> bool:
         return False
 
 
-BUILTIN = ("stdlib", "stdlib-chat")
+BUILTIN = ("stdlib", "stdlib-chat", "stdlib-pairs")
 
 
 def function_questions(path: str, module: str) -> list[dict]:
@@ -85,27 +87,51 @@ def stdlib_conversations(root: str | None = None) -> list[dict]:
     return conversations
 
 
+def stdlib_pairs(root: str | None = None) -> list[dict]:
+    """The ``stdlib-pairs`` records: each question with its function's answer chosen and, rejected, the same answer
+    with two neighbouring words of its sentence swapped (the middle ones). Each rejected text is its own pair's
+    chosen one made ungrammatical, never another pair's answer, so held-out pairs cannot be won by remembering
+    the training pairs' texts; sentences of fewer than four words are left out."""
+    pairs = []
+    for conversation in stdlib_conversations(root):
+        question, answer = (m["content"] for m in conversation["messages"])
+        signature, sentence = answer.split("`: ", 1)
+        words = sentence.split(" ")
+        middle = len(words) // 2
+        if len(words) >= 4 and words[middle - 1] != words[middle]:
+            words[middle - 1], words[middle] = words[middle], words[middle - 1]
+            pairs.append({"prompt": question, "chosen": answer, "rejected": f"{signature}`: {' '.join(words)}"})
+    return pairs
+
+
+def _prepare_records(name: str, path: str, records: list[dict], **options) -> None:
+    """``records`` written as JSON lines and prepared with the plain template into ``path``."""
+    from jaxtron.data.chat import PLAIN_TEMPLATE, ChatTemplate
+    from jaxtron.data.prepare import prepare
+    with tempfile.TemporaryDirectory() as tmp:
+        jsonl = os.path.join(tmp, f"{name}.jsonl")
+        with open(jsonl, "w", encoding="utf-8") as f:
+            f.writelines(json.dumps(r) + "\n" for r in records)
+        prepare([jsonl], "byte", path, chat=ChatTemplate(PLAIN_TEMPLATE, origin="jaxtron's plain template"), **options)
+
+
 def ensure_builtin(name: str, path: str) -> None:
     """Prepares built-in corpus ``name`` into ``path`` unless a complete store is already there."""
     if os.path.isfile(os.path.join(path, MANIFEST)):
         return
     if name not in BUILTIN:
-        raise DataError(f"built-in corpus '{name}' does not exist; use data.prepare='stdlib', 'stdlib-chat' or ''.")
+        raise DataError(f"built-in corpus '{name}' does not exist; use data.prepare='stdlib', 'stdlib-chat', "
+                        "'stdlib-pairs' or ''.")
     if os.path.isdir(path) and os.listdir(path) or os.path.isfile(path):
         raise DataError(f"data.path '{path}' exists but holds no token store; point data.path at an empty or "
                         "missing directory for data.prepare, or remove it.")
     from jaxtron.data.prepare import prepare
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    if name == "stdlib-chat":
-        from jaxtron.data.chat import PLAIN_TEMPLATE, ChatTemplate
-        conversations = stdlib_conversations()
-        log.info("preparing %d conversations about the standard library's functions into %s (once)",
-                 len(conversations), path)
-        with tempfile.TemporaryDirectory() as tmp:
-            jsonl = os.path.join(tmp, "stdlib-chat.jsonl")
-            with open(jsonl, "w", encoding="utf-8") as f:
-                f.writelines(json.dumps(c) + "\n" for c in conversations)
-            prepare([jsonl], "byte", path, chat=ChatTemplate(PLAIN_TEMPLATE, origin="jaxtron's plain template"))
+    if name in ("stdlib-chat", "stdlib-pairs"):
+        records = stdlib_conversations() if name == "stdlib-chat" else stdlib_pairs()
+        log.info("preparing %d %s about the standard library's functions into %s (once)", len(records),
+                 "conversations" if name == "stdlib-chat" else "preference pairs", path)
+        _prepare_records(name, path, records, kind="pairs" if name == "stdlib-pairs" else "")
         return
     files = stdlib_files()
     if not files:

@@ -50,8 +50,9 @@ def _load(spec: DatasetInput):
     return loaded
 
 
-def dataset_batches(spec: DatasetInput, columns: Sequence[str]) -> Iterator[dict[str, list]]:
-    """Batches of the dataset's rows as {column: values}; DataError if a needed column is missing."""
+def dataset_batches(spec: DatasetInput, columns: Sequence[str], every: bool = False) -> Iterator[dict[str, list]]:
+    """Batches of the dataset's rows as {column: values} (of ``columns``, or with ``every`` of all of them);
+    DataError if a needed column is missing."""
     loaded = _load(spec)
     try:
         for batch in loaded.iter(batch_size=ROWS):
@@ -59,7 +60,7 @@ def dataset_batches(spec: DatasetInput, columns: Sequence[str]) -> Iterator[dict
             if missing:
                 raise DataError(f"dataset '{spec.path}' has no column '{missing[0]}'; its columns are: "
                                 f"{', '.join(sorted(batch)) or 'none'}.")
-            yield {c: batch[c] for c in columns}
+            yield dict(batch) if every else {c: batch[c] for c in columns}
     except DataError:
         raise
     except Exception as e:  # noqa: BLE001 - a damaged file surfaces as the reading library's own error type

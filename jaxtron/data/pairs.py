@@ -26,7 +26,8 @@ from jaxtron.data.store import TokenStore
 SIDES = ("chosen", "rejected")
 
 
-def _prompt(record: dict, where: str) -> list[dict]:
+def prompt_messages(record: dict, where: str) -> list[dict]:
+    """A record's prompt as messages: ``prompt`` (a text, the user's message, or messages) or ``messages``."""
     prompt = record.get("prompt", record.get("messages"))
     if isinstance(prompt, str):
         return [{"role": "user", "content": prompt}]
@@ -57,7 +58,7 @@ def preference_pair(record: Any, where: str) -> tuple[list[dict], list[dict]]:
     """The chosen and the rejected conversation of one pair record, checked: DataError naming ``where``."""
     if not isinstance(record, dict):
         raise DataError(f"{where} is not a JSON object with 'prompt', 'chosen' and 'rejected'; fix the record.")
-    prompt = _prompt(record, where)
+    prompt = prompt_messages(record, where)
     return tuple(prompt + _response(record, side, where) for side in SIDES)
 
 
@@ -73,17 +74,17 @@ def encode_pair(tokenizer, template: ChatTemplate, record: Any, where: str) -> l
     return docs
 
 
-def split_pairs(num_pairs: int, split: str, validation_fraction: float, where: str) -> np.ndarray:
-    """The pair indices of ``split``: ceil(fraction * pairs) held out for validation, evenly spaced through the
-    store (so from all of its inputs); the rest train."""
-    held = math.ceil(num_pairs * validation_fraction) if validation_fraction > 0 else 0
-    if held >= num_pairs:
-        raise DataError(f"pair store '{where}' has {num_pairs} pair(s), too few to hold out "
-                        f"{validation_fraction:.0%} for validation; lower data.validation_fraction.")
-    validation = np.unique((np.arange(held) * num_pairs + num_pairs // 2) // max(held, 1)).astype(np.int64)
+def split_items(count: int, split: str, validation_fraction: float, what: str) -> np.ndarray:
+    """The indices of ``split`` among ``count`` pairs or prompts (``what`` names them): ceil(fraction * count) held
+    out for validation, evenly spaced through the store (so from all of its inputs); the rest train."""
+    held = math.ceil(count * validation_fraction) if validation_fraction > 0 else 0
+    if held >= count:
+        raise DataError(f"{what} holds {count}, too few to hold out {validation_fraction:.0%} for validation; lower "
+                        "data.validation_fraction.")
+    validation = np.unique((np.arange(held) * count + count // 2) // max(held, 1)).astype(np.int64)
     if split == "validation":
         return validation
-    return np.setdiff1d(np.arange(num_pairs, dtype=np.int64), validation)
+    return np.setdiff1d(np.arange(count, dtype=np.int64), validation)
 
 
 class PairSplit:
@@ -94,7 +95,8 @@ class PairSplit:
             raise DataError(f"store '{store.path}' holds no chosen/rejected pairs; prepare one with "
                             "jaxtron prepare --pairs.")
         self.store, self.seq_len = store, seq_len
-        self.pairs = split_pairs(store.num_documents // 2, split, validation_fraction, store.path)
+        self.pairs = split_items(store.num_documents // 2, split, validation_fraction,
+                                 f"the pairs of store '{store.path}'")
         if not len(self.pairs):
             raise DataError(f"the {split} split of pair store '{store.path}' holds no pair; use more pairs.")
         self._order = EpochPermutation(len(self.pairs), seed)

@@ -2,7 +2,7 @@
 
     jaxtron prepare --input 'corpus/**/*.parquet' [--input more/ ...] [--dataset DIR_OR_BUILDER ...] \\
         --tokenizer byte|tokenizer.json|sp.model|MODEL_DIR --output DIR [--text-field a.b | --template T] \\
-        [--workers N] [--eos TOKEN | --no-eos] [--overwrite] [--chat | --pairs] [--chat-template FILE]
+        [--workers N] [--eos TOKEN | --no-eos] [--overwrite] [--chat | --pairs | --prompts] [--chat-template F]
 
 jaxtron.data.sources says which files are read and in what order. A text file is one document; a record
 (a JSON line, a Parquet or Arrow row, a dataset's row) is one document, from --text-field or --template.
@@ -17,7 +17,8 @@ fed by a reading thread). Memory stays flat: at most a few batches are in flight
 --chat prepares conversations for supervised fine-tuning: each record holds ``messages``, rendered with the
 tokenizer's chat template (or --chat-template's) as jaxtron.data.chat describes, and the store keeps a loss mask
 that is 1 on the assistant's tokens only; the template goes into the manifest for generating in the same format.
---pairs prepares chosen/rejected pairs for DPO the same way, two documents a record (jaxtron.data.pairs).
+--pairs prepares chosen/rejected pairs for DPO the same way, two documents a record (jaxtron.data.pairs);
+--prompts, RL's prompts with their records for the reward function (jaxtron.data.prompts).
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from jaxtron.data.chat import ChatTemplate, conversation, encode_conversation, l
 from jaxtron.data.errors import DataError
 from jaxtron.data.hf_datasets import DatasetInput, dataset_batches
 from jaxtron.data.pairs import encode_pair
+from jaxtron.data.prompts import encode_prompt
 from jaxtron.data.records import RecordText
 from jaxtron.data.sources import (
     TEXT_SUFFIXES,
@@ -60,7 +62,10 @@ FILES_PER_UNIT = 32
 _worker_tokenizer: Tokenizer | None = None
 _worker_chat: ChatTemplate | None = None
 _worker_text: RecordText | None = None
-_worker_pairs = False
+_worker_kind = ""  # records: "chat" (conversations), "pairs" (DPO) or "prompts" (RL); "": text
+PROMPT_COLUMNS = ("prompt",)
+RECORD_COLUMNS = {"chat": ("messages",), "pairs": ("prompt", "chosen", "rejected"), "prompts": PROMPT_COLUMNS}
+RECORD_FLAGS = {columns: f"--{kind}" for kind, columns in RECORD_COLUMNS.items()}
 
 # A unit of work: (kind, input's path, index of its first item, items, input bytes). Kinds: "files" (text
 # Sources), "lines" (raw JSON lines; index = line number), "records" (dicts), "texts" (strings or None).
@@ -85,6 +90,7 @@ def _units(sources: list[Source], datasets: Sequence[DatasetInput], text: Record
     or pair record (None: text from ``text``)."""
     columns = records or text.columns
     flat = text.flat and not records
+    every = records == PROMPT_COLUMNS  # a prompt's record reaches the reward function whole: every column
     files: list[Source] = []
     size = 0
     for source in sources:
@@ -101,12 +107,12 @@ def _units(sources: list[Source], datasets: Sequence[DatasetInput], text: Record
         if source.kind == "json":
             yield from _json_units(source)
         else:
-            yield from _table_units(source, columns, flat)
+            yield from _table_units(source, None if every else columns, flat)
     if files:
         yield "files", "", 0, files, size
     for spec in datasets:
         row = 0
-        for batch in dataset_batches(spec, columns):
+        for batch in dataset_batches(spec, columns, every):
             count = len(batch[columns[0]])
             items = batch[columns[0]] if flat else [dict(zip(batch, values, strict=True))
                                                     for values in zip(*batch.values(), strict=True)]
@@ -144,7 +150,7 @@ def _json_array(source: Source, first_line: bytes) -> Iterator[Unit]:
         yield "records", f"'{source.path}'", start + 1, records[start:start + LINES_PER_UNIT], 0
 
 
-def _table_units(source: Source, columns: Sequence[str], flat: bool) -> Iterator[Unit]:
+def _table_units(source: Source, columns: Sequence[str] | None, flat: bool) -> Iterator[Unit]:
     row = 1
     for batch, nbytes in tables.batches(source, columns):
         items = batch.column(0).to_pylist() if flat else batch.to_pylist()
@@ -159,7 +165,7 @@ def check_tables(sources: list[Source], text: RecordText, records: tuple[str, ..
             continue
         schema = tables.schema(source)
         for column in records or ():
-            tables.check_columns(source, schema, (column,), "--pairs" if len(records) > 1 else "--chat")
+            tables.check_columns(source, schema, (column,), RECORD_FLAGS[records])
         if records:
             continue
         for column in text.columns if text.template else [text.path]:
@@ -170,9 +176,9 @@ def check_tables(sources: list[Source], text: RecordText, records: tuple[str, ..
 
 
 def _init_worker(tokenizer: Tokenizer, chat: ChatTemplate | None = None, text: RecordText | None = None,
-                 pairs: bool = False) -> None:
-    global _worker_tokenizer, _worker_chat, _worker_text, _worker_pairs
-    _worker_tokenizer, _worker_chat, _worker_text, _worker_pairs = tokenizer, chat, text or RecordText(), pairs
+                 kind: str = "") -> None:
+    global _worker_tokenizer, _worker_chat, _worker_text, _worker_kind
+    _worker_tokenizer, _worker_chat, _worker_text, _worker_kind = tokenizer, chat, text or RecordText(), kind
 
 
 def _decode(data: bytes, where: str) -> str:
@@ -223,8 +229,12 @@ def _conversations(records: Iterator[tuple[Where, object]]) -> list[tuple[np.nda
     docs = []
     eos = _worker_tokenizer.eos_id
     for where, record in records:
-        if _worker_pairs:
+        if _worker_kind == "pairs":
             docs += encode_pair(_worker_tokenizer, _worker_chat, record, str(where))
+            continue
+        if _worker_kind == "prompts":
+            ids, line = encode_prompt(_worker_tokenizer, _worker_chat, record, str(where))
+            docs.append((ids, None, line))
             continue
         messages = conversation(record, str(where))
         ids, mask = encode_conversation(_worker_tokenizer, _worker_chat, messages)
@@ -239,13 +249,14 @@ def prepare(inputs: Sequence[str], tokenizer: Tokenizer | str, output: str, text
             dtype: str = "auto", eos: str | None = AUTO, overwrite: bool = False,
             chat: ChatTemplate | None = None, template: str | None = None, split: str | None = None,
             text_suffixes: Sequence[str] = TEXT_SUFFIXES, datasets: Sequence[DatasetInput] = (),
-            pairs: bool = False) -> dict:
+            kind: str = "") -> dict:
     """Builds the store in ``output`` and returns its manifest.
 
     ``eos``: "auto" (the tokenizer's own end-of-document token), a token, or None for none; used only when
     ``tokenizer`` is given by name. ``overwrite``: replace an existing, non-empty ``output``. ``chat``: read
     conversations (``messages``), render them with this template and keep a loss mask on the assistant's tokens.
-    ``pairs``: with ``chat``, read chosen/rejected pairs (``jaxtron.data.pairs``), two documents a record.
+    ``kind``: with ``chat``, "pairs" reads chosen/rejected pairs (``jaxtron.data.pairs``), two documents a record;
+    "prompts" reads RL's prompts and keeps their records (``jaxtron.data.prompts``).
     ``template``: jinja2 joining a record's fields, instead of ``text_field``. ``datasets``: inputs read through
     ``datasets.load_dataset``, after the files.
     """
@@ -258,7 +269,7 @@ def prepare(inputs: Sequence[str], tokenizer: Tokenizer | str, output: str, text
             if source.kind == "text":
                 raise DataError(f"--chat reads conversations from records (JSON, Parquet, Arrow, datasets), and "
                                 f"'{source.path}' is plain text; pass files of {{\"messages\": [...]}} records.")
-    records = None if chat is None else ("prompt", "chosen", "rejected") if pairs else ("messages",)
+    records = None if chat is None else RECORD_COLUMNS[kind or "chat"]
     check_tables(files, text, records)
     total = sum(os.path.getsize(s.path) for s in files)
     writer = StoreWriter(output, tokenizer.vocab_size, shard_tokens, dtype, overwrite)
@@ -271,11 +282,11 @@ def prepare(inputs: Sequence[str], tokenizer: Tokenizer | str, output: str, text
     try:
         units = _units(files, datasets, text, records)
         if workers == 1:
-            _init_worker(tokenizer, chat, text, pairs)
+            _init_worker(tokenizer, chat, text, kind)
             for unit in prefetched(units):
                 _write(writer, _tokenize_unit(unit), unit[4], bar)
         else:
-            start = (tokenizer, chat, text, pairs)
+            start = (tokenizer, chat, text, kind)
             with multiprocessing.get_context("spawn").Pool(workers, _init_worker, start) as pool:
                 pending: collections.deque = collections.deque()
                 for unit in units:  # keep at most 2 units per worker in flight: memory stays flat
@@ -289,7 +300,7 @@ def prepare(inputs: Sequence[str], tokenizer: Tokenizer | str, output: str, text
         sources = [{"path": s.path, "bytes": os.path.getsize(s.path)} for s in files]
         sources += [spec.describe() for spec in datasets]
         extra = {"chat_template": chat.describe()} if chat is not None else {}
-        extra.update({"pairs": True} if pairs else {})
+        extra.update({kind: True} if kind else {})
         return writer.finish(tokenizer.describe(), sources, tokenizer.eos_id, **extra)
     except BaseException:
         writer.abort()
@@ -300,8 +311,8 @@ def prepare(inputs: Sequence[str], tokenizer: Tokenizer | str, output: str, text
 
 
 def _write(writer: StoreWriter, docs: list, size: int, bar) -> None:
-    for doc, mask in docs:
-        writer.add(doc, mask)
+    for doc in docs:
+        writer.add(*doc)
     if bar:
         bar.update(size)
 
@@ -341,7 +352,10 @@ def _parser() -> argparse.ArgumentParser:
                                                             "template, loss on the assistant's tokens only")
     parser.add_argument("--pairs", action="store_true", help="chosen/rejected pairs for DPO ('prompt', 'chosen', "
                                                              "'rejected'), rendered like --chat")
-    parser.add_argument("--chat-template", help="with --chat or --pairs: a .jinja file or tokenizer_config.json to "
+    parser.add_argument("--prompts", action="store_true", help="prompts for RL ('prompt' and any other fields, "
+                                                               "kept for the reward function)")
+    parser.add_argument("--chat-template", help="with --chat, --pairs or --prompts: a .jinja file or "
+                                                "tokenizer_config.json to "
                                                 "use instead of the tokenizer's own template")
     return parser
 
@@ -356,13 +370,14 @@ def main(argv: Sequence[str]) -> int:
         raise DataError("jaxtron prepare needs --input or --dataset; name the data to tokenize.")
     if (args.data_files or args.subset) and not args.dataset:
         raise DataError("--data-files and --subset go with --dataset; add --dataset or leave them out.")
-    if args.chat and args.pairs:
-        raise DataError("--chat and --pairs are two kinds of store; pass one of them.")
-    if args.chat_template and not (args.chat or args.pairs):
-        raise DataError("--chat-template is used only with --chat or --pairs; add one or leave it out.")
-    if args.template and (args.chat or args.pairs):
-        raise DataError("--template and --chat (or --pairs) both say how a record becomes text; pass one of them.")
-    chat = load_template(args.tokenizer, args.chat_template) if args.chat or args.pairs else None
+    kinds = [kind for kind in ("chat", "pairs", "prompts") if getattr(args, kind)]
+    if len(kinds) > 1:
+        raise DataError(f"--{kinds[0]} and --{kinds[1]} are two kinds of store; pass one of them.")
+    if args.chat_template and not kinds:
+        raise DataError("--chat-template is used only with --chat, --pairs or --prompts; add one or leave it out.")
+    if args.template and kinds:
+        raise DataError(f"--template and --{kinds[0]} both say how a record becomes text; pass one of them.")
+    chat = load_template(args.tokenizer, args.chat_template) if kinds else None
     if args.workers is not None and args.workers < 1:
         raise DataError("--workers must be at least 1; pass a positive count.")
     suffixes = (*TEXT_SUFFIXES, *(s if s.startswith(".") else f".{s}" for s in args.text_suffix))
@@ -372,7 +387,7 @@ def main(argv: Sequence[str]) -> int:
     manifest = prepare(args.input, args.tokenizer, args.output, args.text_field, args.workers,
                        progress=sys.stderr.isatty(), shard_tokens=args.shard_tokens, dtype=args.dtype,
                        eos=args.eos, overwrite=args.overwrite, chat=chat, template=args.template, split=args.split,
-                       text_suffixes=suffixes, datasets=datasets, pairs=args.pairs)
+                       text_suffixes=suffixes, datasets=datasets, kind="" if args.chat else "".join(kinds))
     log.info("wrote %s: %d documents, %d tokens (%s, vocabulary %d, end-of-document id %s) in %d shard(s)",
              args.output, manifest["num_documents"], manifest["num_tokens"], manifest["dtype"],
              manifest["vocab_size"], manifest["eos_id"], len(manifest["shards"]))

@@ -6,6 +6,7 @@ Layout of a store directory:
   docs-00000.bin          uint64 start offsets of the shard's documents (plus the end), relative to the shard
   mask-00000.bin          (format 3, conversations) uint8 per token: 1 where the token is a target that carries
                           loss (what the assistant wrote), 0 elsewhere
+  records.jsonl           (prompt stores, for RL) the record each document was made from, one JSON line each
 Format 2 ends every document with the tokenizer's end-of-document token (``eos_id``; null for the byte
 tokenizer, which has none). Format 1 stores (no ``eos_id``, no end-of-document tokens) still load.
 The manifest is written last, into a directory that is renamed into place, so a store is either
@@ -35,6 +36,7 @@ from jaxtron.data.errors import DataError
 log = logging.getLogger(__name__)
 
 MANIFEST = "manifest.json"
+RECORDS = "records.jsonl"
 FORMAT = 3  # the newest format read; stores without a loss mask are written as format 2, which older readers take
 DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
 
@@ -95,6 +97,7 @@ class StoreWriter:
         os.makedirs(self.tmp)
         self.shards: list[dict[str, Any]] = []
         self.masked: bool | None = None  # whether documents come with loss masks: all of them or none
+        self._records, self._records_digest, self._record_count = None, hashlib.sha256(), 0
         self._open_shard()
 
     def _open_shard(self) -> None:
@@ -119,11 +122,19 @@ class StoreWriter:
             shard.update(mask=self._mask_name, mask_sha256=self._mask_digest.hexdigest())
         self.shards.append(shard)
 
-    def add(self, tokens: np.ndarray, mask: np.ndarray | None = None) -> None:
+    def add(self, tokens: np.ndarray, mask: np.ndarray | None = None, record: str | None = None) -> None:
         """One document (empty ones are skipped), with its loss mask (1 on tokens that are trained on) if the
-        store has them: every document of a store has one, or none does."""
+        store has them: every document of a store has one, or none does. ``record``: the JSON text it was made
+        from, kept in ``records.jsonl`` (a prompt store's, for the reward function)."""
         if tokens.size == 0:
             return
+        if record is not None:
+            if self._records is None:
+                self._records = open(os.path.join(self.tmp, RECORDS), "wb")  # noqa: SIM115 (open while adding)
+            line = (record + "\n").encode()
+            self._records.write(line)
+            self._records_digest.update(line)
+            self._record_count += 1
         if self.masked is None:
             self.masked = mask is not None
         if self.masked != (mask is not None) or mask is not None and mask.shape != tokens.shape:
@@ -148,6 +159,10 @@ class StoreWriter:
     def finish(self, tokenizer: dict, sources: list[str], eos_id: int | None = None, **extra: Any) -> dict:
         """Publishes the store; ``extra`` goes into the manifest too (a conversation store's chat template)."""
         self._close_shard()
+        if self._records is not None:
+            self._records.close()
+            extra["records"] = {"file": RECORDS, "sha256": self._records_digest.hexdigest(),
+                                "count": self._record_count}
         shards = [s for s in self.shards if s["num_documents"] > 0]
         manifest = {"format": FORMAT if self.masked else 2, "tokenizer": tokenizer, "vocab_size": self.vocab_size,
                     "dtype": self.dtype, "eos_id": eos_id, "num_documents": sum(s["num_documents"] for s in shards),
@@ -175,6 +190,8 @@ class StoreWriter:
 
     def abort(self) -> None:
         self._tokens.close()
+        if self._records is not None:
+            self._records.close()
         if self._mask is not None:
             self._mask.close()
         shutil.rmtree(self.tmp, ignore_errors=True)
@@ -252,6 +269,10 @@ class TokenStore:
                 if file_sha256(file) != shard[key]:
                     raise DataError(f"shard file '{file}' does not match its checksum in the manifest; "
                                     "the store is corrupted, prepare it again.")
+        records = self.manifest.get("records")
+        if records and shards is None and file_sha256(os.path.join(self.path, records["file"])) != records["sha256"]:
+            raise DataError(f"the records of store '{self.path}' do not match their checksum in the manifest; the "
+                            "store is corrupted, prepare it again.")
 
     def _by_shard(self, index: np.ndarray, bounds: np.ndarray, dtype, read) -> np.ndarray:
         """``read(shard, local index)`` for the entries of ``index`` in each shard, assembled in ``index``'s shape.

@@ -72,8 +72,8 @@ def check_text_type(source: Source, table_schema, column: str) -> None:
                         "strings, or a --template.")
 
 
-def batches(source: Source, columns: Sequence[str]) -> Iterator[tuple[object, int]]:
-    """(record batch of ``columns``, approximate file bytes it came from), in row order."""
+def batches(source: Source, columns: Sequence[str] | None) -> Iterator[tuple[object, int]]:
+    """(record batch of ``columns`` (None: all), approximate file bytes it came from), in row order."""
     import pyarrow as pa
     import pyarrow.parquet as pq
     size = os.path.getsize(source.path)
@@ -84,14 +84,15 @@ def batches(source: Source, columns: Sequence[str]) -> Iterator[tuple[object, in
             file = pq.ParquetFile(source.path, page_checksum_verification=True)
             rows = max(file.metadata.num_rows, 1)
             for group in range(file.num_row_groups):
-                for batch in file.read_row_group(group, columns=list(columns), use_threads=False).to_batches(ROWS):
+                for batch in file.read_row_group(group, columns=None if columns is None else list(columns),
+                                                   use_threads=False).to_batches(ROWS):
                     yield batch, size * batch.num_rows // rows
             return
         reader = _arrow_reader(source.path)
         parts = (reader.get_batch(i) for i in range(reader.num_record_batches)) \
             if isinstance(reader, pa.ipc.RecordBatchFileReader) else reader
         for part in parts:
-            part = part.select(list(columns))
+            part = part if columns is None else part.select(list(columns))
             for start in range(0, part.num_rows, ROWS):
                 piece = part.slice(start, ROWS)
                 yield piece, min(piece.nbytes, size)

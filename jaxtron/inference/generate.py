@@ -33,47 +33,9 @@ import numpy as np
 from jaxtron.common.files import user_path
 from jaxtron.config.checks import jsonl_records
 from jaxtron.config.schema import ConfigError
+from jaxtron.models.sampling import Sampling, next_tokens
 
 log = logging.getLogger(__name__)
-
-
-@dataclasses.dataclass(frozen=True)
-class Sampling:
-    """How the next token is drawn: greedy at temperature 0, else from the softmax of logits / temperature, kept
-    to the ``top_k`` most likely tokens (0: all) and the fewest whose probabilities sum to ``top_p`` (1: all)."""
-
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
-    seed: int = 0
-
-    def __post_init__(self):
-        if self.temperature < 0:
-            raise ConfigError(f"--temperature must be 0 (greedy) or positive, not {self.temperature}.")
-        if self.top_k < 0:
-            raise ConfigError(f"--top-k must be 0 (all tokens) or positive, not {self.top_k}.")
-        if not 0 < self.top_p <= 1:
-            raise ConfigError(f"--top-p must be in (0, 1], not {self.top_p}.")
-
-
-def next_tokens(logits, key, sampling: Sampling):
-    """The next token of each row from its float32 logits [b, vocab]."""
-    import jax
-    import jax.numpy as jnp
-
-    if sampling.temperature == 0:
-        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    logits = logits / sampling.temperature
-    if sampling.top_k:
-        kth = jax.lax.top_k(logits, min(sampling.top_k, logits.shape[-1]))[0][:, -1:]
-        logits = jnp.where(logits < kth, -jnp.inf, logits)
-    if sampling.top_p < 1:
-        ordered = jnp.sort(logits, axis=-1)[:, ::-1]
-        probs = jax.nn.softmax(ordered, axis=-1)
-        before = jnp.cumsum(probs, axis=-1) - probs  # the mass of the likelier tokens
-        kept = jnp.where(before < sampling.top_p, ordered, jnp.inf)  # the first is always kept
-        logits = jnp.where(logits < jnp.min(kept, axis=-1, keepdims=True), -jnp.inf, logits)
-    return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
 
 
 def bucket(n: int, least: int = 16) -> int:
@@ -134,7 +96,7 @@ class Generator:
         key, sub = jax.random.split(key)
         return next_tokens(logits[:, 0], sub, sampling), cache, key
 
-    def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, sampling: Sampling = Sampling(),
+    def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, sampling: Sampling | None = None,
                  eos_id: int | None = None, stop: Callable[[int, list[int]], bool] | None = None,
                  on_token: Callable[[int, list[int]], None] | None = None, cache_dtype: str = "float32") -> Result:
         """Continues each prompt (token ids) by up to ``max_new_tokens``; a row also ends at ``eos_id`` or where
@@ -142,6 +104,7 @@ class Generator:
         import jax
         import jax.numpy as jnp
 
+        sampling = sampling or Sampling()
         if not prompts or any(len(p) == 0 for p in prompts):
             raise ConfigError("every prompt must hold at least one token; an empty prompt has nothing to continue.")
         if max_new_tokens < 1:

@@ -11,7 +11,7 @@ import optax
 from flax import nnx, struct
 from jax.sharding import Mesh
 
-from jaxtron.config.post_training import PREFERENCE
+from jaxtron.config.post_training import keeps_reference
 from jaxtron.config.schema import ONE_F_ONE_B, Config, ConfigError, DpoConfig, TrainConfig
 from jaxtron.models import build_model, lora, moe, stack, tensor_chunks
 from jaxtron.models.stack import remat_policy
@@ -91,7 +91,7 @@ def _init_fn(cfg: Config, attention_impl: str, stages: int | None = None):
         trainable, _ = lora.split(params)  # a LoRA run's optimizer sees (and holds state for) the adapters alone
         tx = make_optimizer(cfg.optimizer, cfg.train.steps, trainable)
         reference = None  # DPO's reference: a copy here, train.init_from's parameters once the run starts
-        if cfg.train.objective in PREFERENCE and not cfg.lora.rank:
+        if keeps_reference(cfg):
             reference = jax.tree.map(jax.numpy.copy, params)
         return graphdef, tx, TrainState(step=jax.numpy.zeros((), jax.numpy.int32), params=params,
                                         opt_state=tx.init(trainable),
