@@ -182,17 +182,30 @@ def global_batch(source: Source, step: int, mesh: Mesh, batch_size: int,
     return {k: jax.make_array_from_process_local_data(sharding, v, shape) for k, v in local(step).items()}
 
 
-def _pair_split(cfg: Config, stores: list, split: str, seed: int) -> Source:
-    """A preference objective's source: one pair store's rows, two a pair (``jaxtron.data.pairs``)."""
+def _record_split(cfg: Config, stores: list, split: str, seed: int) -> Any:
+    """A post-training objective's source: one pair store's rows, two a pair (DPO, ``jaxtron.data.pairs``), or
+    one prompt store's prompts with their records (GRPO, ``jaxtron.data.prompts``)."""
     from jaxtron.data.pairs import PairSplit
+    from jaxtron.data.prompts import PromptSplit
+    kind = "pair" if cfg.train.objective == "dpo" else "prompt"
     if len(stores) != 1:
         raise DataError(f"data.path names {len(stores)} stores but train.objective={cfg.train.objective!r} reads one "
-                        "pair store; name one.")
-    return PairSplit(stores[0], cfg.data.seq_len, split, cfg.data.validation_fraction, seed)
+                        f"{kind} store; name one.")
+    split_class = PairSplit if kind == "pair" else PromptSplit
+    return split_class(stores[0], cfg.data.seq_len, split, cfg.data.validation_fraction, seed)
+
+
+def place_rows(rows: dict[str, np.ndarray], mesh: Mesh) -> dict[str, jax.Array]:
+    """Global arrays from whole [batch, seq_len] rows that every process holds (RL's rollouts): each process
+    places its devices' rows and tokens, the columns in the rules table's order, as ``global_batch`` does."""
+    sharding = batch_sharding(mesh)
+    shape = next(iter(rows.values())).shape
+    local_rows, columns = _local_indices(sharding, shape, 0), _local_columns(sharding, shape)
+    return {k: jax.make_array_from_process_local_data(sharding, np.ascontiguousarray(v[local_rows][:, columns]),
+                                                      shape) for k, v in rows.items()}
 
 
 def _open_split(cfg: Config, split: str) -> tuple[Source, list]:
-    from jaxtron.config.post_training import PREFERENCE
     from jaxtron.data.packing import Mixture, PackedSplit
     from jaxtron.data.store import TokenStore
     d = cfg.data
@@ -209,12 +222,13 @@ def _open_split(cfg: Config, split: str) -> tuple[Source, list]:
                             f"model.vocab_size is {cfg.model.vocab_size}; use a model vocabulary of at least "
                             f"{store.vocab_size} or a store made with the model's tokenizer.")
     seed = cfg.train.seed if split == "train" else cfg.train.seed + 1
-    if cfg.train.objective in PREFERENCE:
-        return _pair_split(cfg, stores, split, seed), stores
+    if cfg.train.objective != "language_model":
+        return _record_split(cfg, stores, split, seed), stores
     for store in stores:
-        if store.manifest.get("pairs"):
-            raise DataError(f"store '{store.path}' holds chosen/rejected pairs, which train.objective="
-                            f"{cfg.train.objective!r} does not read; set train.objective='dpo'.")
+        for kind, what, objective in (("pairs", "chosen/rejected pairs", "dpo"), ("prompts", "RL prompts", "grpo")):
+            if store.manifest.get(kind):
+                raise DataError(f"store '{store.path}' holds {what}, which train.objective={cfg.train.objective!r} "
+                                f"does not read; set train.objective='{objective}'.")
     parts = [PackedSplit(s, d.seq_len, split, d.validation_fraction, seed + i) for i, s in enumerate(stores)]
     if len(parts) == 1:
         return parts[0], stores
@@ -237,7 +251,9 @@ def make_sources(cfg: Config) -> tuple[Source, Source | None, dict[str, float]]:
             from jax.experimental import multihost_utils
             multihost_utils.sync_global_devices("token store prepared")
     train, stores = _open_split(cfg, "train")
-    validation = _open_split(cfg, "validation")[0] if d.validation_fraction > 0 and t.eval_batches else None
+    # GRPO evaluates no held-out loss: its measure is the reward of what it samples
+    evaluated = d.validation_fraction > 0 and t.eval_batches and t.objective != "grpo"
+    validation = _open_split(cfg, "validation")[0] if evaluated else None
     facts: dict[str, Any] = {"train_tokens": float(sum(s.num_tokens for s in stores))}
     # the loss a context-free model would reach (pretraining and conversation stores)
     if len(stores) == 1 and stores[0].vocab_size <= 1 << 16 and hasattr(train, "token_parts"):

@@ -292,6 +292,12 @@ def batch_sharding(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, logical_to_spec(BATCH_AXES))
 
 
+def rows_sharding(mesh: Mesh) -> NamedSharding:
+    """Sharding of an array of whole rows ([batch, ...]): its rows over data/fsdp/expert, the rest whole (a
+    generation's prompts and completions)."""
+    return NamedSharding(mesh, logical_to_spec(("activation_batch",)))
+
+
 def split_over(mesh: Mesh, *axes) -> NamedSharding:
     """A sharding of ``mesh`` that splits each dimension over the mesh axes given for it (None: whole), as a custom
     partitioning rule hands them on (``ops/blockwise_fp8.py``)."""

@@ -31,6 +31,8 @@ from jaxtron.training.hooks import Hook, RunParts
 from jaxtron.training.placement import place
 from jaxtron.training.preemption import PREEMPTED_EXIT_CODE, PreemptionWatcher, StopVotes
 from jaxtron.training.profiling import Meter, ProfileWindow
+from jaxtron.training.rewards import load_reward
+from jaxtron.training.rollouts import Rollouts
 from jaxtron.training.run_summary import RunSummary, summary_line
 from jaxtron.training.step import compile_train_step, eval_step, state_finite
 from jaxtron.training.step_flags import NonFiniteError, NonFiniteStreak, StepFlags, scalar_metrics
@@ -153,6 +155,8 @@ class Trainer:
         stack.push(lambda kind, error, _: self._refused(error, before))  # runs before the lock is given back
         cfg, c = self.cfg, self.cfg.checkpoint
         self.train_source, self.validation, self.facts = make_sources(cfg)
+        # GRPO's reward function, loaded before anything is written: one that cannot be is refused like bad data
+        self.reward = load_reward(cfg.rl.reward) if cfg.train.objective == "grpo" else None
         self._log_start()
         self.checkpointer = stack.enter_context(contextlib.closing(
             Checkpointer(self.workdir, c.keep, c.keep_every, c.async_save)))  # waits for a save in flight
@@ -173,9 +177,13 @@ class Trainer:
     def _open_parts(self, stack: contextlib.ExitStack) -> RunParts:
         """The loader at the resumed position and its first batch, then what runs beside the steps."""
         cfg, t, mesh = self.cfg, self.cfg.train, self.mesh
-        batches = stack.enter_context(contextlib.closing(BatchIterator(
-            self.train_source, mesh, t.global_batch_size, step=self.start, workers=cfg.data.workers,
-            limits=batch_limits(cfg, self.implementation), sample_offset=self.position.offset)))
+        if self.reward is not None:  # GRPO: each batch sampled from the state of its time
+            batches = Rollouts(cfg, self.train_source, mesh, self.setup.graphdef, self.shardings.params,
+                               lambda: self.state, self.start, self.reward)
+        else:
+            batches = stack.enter_context(contextlib.closing(BatchIterator(
+                self.train_source, mesh, t.global_batch_size, step=self.start, workers=cfg.data.workers,
+                limits=batch_limits(cfg, self.implementation), sample_offset=self.position.offset)))
         self.batch = next(batches)
         writer = stack.enter_context(contextlib.closing(MetricsWriter(
             self.workdir, t.steps, use_tqdm=self.use_tqdm, sinks=self._sinks()))) if self.is_main else None
@@ -315,13 +323,17 @@ class Trainer:
     def _next_batch(self, done: int) -> None:
         """The next batch, loaded ahead by the iterator while the device works on this step."""
         waited = time.perf_counter()
-        with self.parts.watchdog.input(done + 1):
+        # GRPO's batches are its sampling, the step's own work: the watchdog times them as a step, not as input
+        rollouts = isinstance(self.parts.batches, Rollouts)
+        with contextlib.nullcontext() if rollouts else self.parts.watchdog.input(done + 1):
             self.batch = next(self.parts.batches)
         self.meter.data_wait += time.perf_counter() - waited
 
     def _log(self, done: int, metrics: dict[str, Any]) -> None:
         values = self.meter.values(metrics)
         values["consumed_tokens"] = self.position.at(done).consumed_tokens
+        if isinstance(self.parts.batches, Rollouts):
+            values.update(self.parts.batches.log_values(values))
         if not self.history:
             values["compile_time_s"] = self.compile_s
         if self.parts.writer:

@@ -1,5 +1,6 @@
-"""DPO's objective: the policy's and the reference's summed log-probabilities of each pair's two responses,
-and the loss ``-log sigmoid(beta * margin)`` over pairs (``config.post_training.DpoConfig``).
+"""DPO's objective, and the log-probabilities RL shares: the policy's and the reference's summed log-probabilities
+of each pair's two responses, and the loss ``-log sigmoid(beta * margin)`` over pairs
+(``config.post_training.DpoConfig``).
 
 A batch holds pairs as neighbouring rows (``jaxtron.data.pairs``): row 2p is pair p's chosen response, row 2p + 1
 its rejected one. Sums over pairs, like the language model's sums over tokens, so that microbatches of whole
@@ -20,14 +21,19 @@ from jaxtron.training.loss import token_weights
 Batch = dict[str, jax.Array]
 
 
-def sequence_logps(params: Any, graphdef: Any, batch: Batch, stack_runner: Any = None) -> jax.Array:
-    """[rows] float32: each row's summed log-probability of its targets where ``loss_mask`` is 1."""
+def token_logps(params: Any, graphdef: Any, batch: Batch, stack_runner: Any = None) -> jax.Array:
+    """[rows, length] float32: each target's log-probability under the model (every position, masked or not)."""
     model = nnx.merge(graphdef, params)
     out = model(batch["inputs"], batch.get("positions"), batch.get("segment_ids"), stack_runner=stack_runner)
     logits = out.logits()
     picked = jnp.take_along_axis(logits, batch["targets"][..., None], axis=-1)[..., 0]
     # logsumexp, not ops/cross_entropy's one-pass log_partition: jax cannot differentiate that variadic reduce
-    return jnp.sum((picked - jax.nn.logsumexp(logits, axis=-1)) * token_weights(batch), axis=-1)
+    return picked - jax.nn.logsumexp(logits, axis=-1)
+
+
+def sequence_logps(params: Any, graphdef: Any, batch: Batch, stack_runner: Any = None) -> jax.Array:
+    """[rows] float32: each row's summed log-probability of its targets where ``loss_mask`` is 1."""
+    return jnp.sum(token_logps(params, graphdef, batch, stack_runner) * token_weights(batch), axis=-1)
 
 
 def pair_rows(batch: Batch) -> Batch:

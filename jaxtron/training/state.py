@@ -12,7 +12,7 @@ from flax import nnx, struct
 from jax.sharding import Mesh
 
 from jaxtron.config.post_training import keeps_reference
-from jaxtron.config.schema import ONE_F_ONE_B, Config, ConfigError, DpoConfig, TrainConfig
+from jaxtron.config.schema import ONE_F_ONE_B, Config, ConfigError, DpoConfig, RlConfig, TrainConfig
 from jaxtron.models import build_model, lora, moe, stack, tensor_chunks
 from jaxtron.models.stack import remat_policy
 from jaxtron.ops import fp8 as fp8_ops
@@ -58,6 +58,7 @@ class Setup:
     # the distributed optimizer (``optimizer.distributed``): moments sharded as ``state_sharding.optimizer_spec`` says
     distributed_optimizer: bool = struct.field(pytree_node=False, default=False)
     dpo: DpoConfig = struct.field(pytree_node=False, default=DpoConfig())  # train.objective='dpo': beta and smoothing
+    rl: RlConfig = struct.field(pytree_node=False, default=RlConfig())  # train.objective='grpo': the update's terms
 
 
 def pipeline_schedule(cfg: Config, stages: int) -> Schedule | None:
@@ -151,7 +152,8 @@ def setup(cfg: Config, attention_impl: str, sizes: dict[str, int] | None = None)
                                          **moe.compiler_options(cfg.model, expert_shards(cfg, sizes),
                                                                  cfg.execution.moe_chunks)}.items()),
                  budget_schedule=moe.budget_schedule(cfg.model, expert_shards(cfg, sizes), cfg.execution.moe_schedule),
-                 distributed_optimizer=cfg.optimizer.distributed, dpo=cfg.dpo)
+                 distributed_optimizer=cfg.optimizer.distributed, dpo=cfg.dpo,
+                 rl=cfg.rl)
 
 
 def saved_part(state: TrainState, like: TrainState | None = None) -> TrainState:

@@ -22,7 +22,7 @@ from jaxtron.parallel.sharding import (
     replica_axes,
 )
 from jaxtron.parallel.state_sharding import constrain_variables
-from jaxtron.training import preference
+from jaxtron.training import grpo, preference
 from jaxtron.training.loss import Objective, loss_sums
 from jaxtron.training.optimizer import schedule_count
 from jaxtron.training.pipeline.fill_drain import split_rows
@@ -70,6 +70,8 @@ def objective(setup: Setup, reference: Any = None):
     if setup.train.objective == "dpo":
         return functools.partial(preference.dpo_sums, graphdef=setup.graphdef, dpo=setup.dpo, reference=reference,
                                  stack_runner=setup.stack_runner)
+    if setup.train.objective == "grpo":
+        return functools.partial(grpo.grpo_sums, graphdef=setup.graphdef, rl=setup.rl, stack_runner=setup.stack_runner)
     return functools.partial(loss_sums, graphdef=setup.graphdef, objective=Objective.training(setup.train),
                              stack_runner=setup.stack_runner)
 
@@ -215,6 +217,21 @@ def train_step(setup: Setup, state: TrainState, batch: Batch,
                       reference=state.reference), metrics
 
 
+def rollout_step(setup: Setup, state: TrainState, batch: Batch,
+                 stop_votes: jax.Array | None = None) -> tuple[TrainState, dict[str, jax.Array]]:
+    """GRPO's step on a batch of sampled completions (``grpo.py``): the sampling parameters' and the reference's
+    log-probabilities once, then ``rl.updates`` optimizer updates (``train_step`` each); one step of the run. The
+    metrics are the updates' means where ``grpo.MEANS`` says so, the last update's otherwise."""
+    batch = grpo.with_policy_logps(state.params, state.reference, setup.graphdef, batch, setup.rl,
+                                   setup.stack_runner)
+    start, updates = state.step, []
+    for _ in range(setup.rl.updates):  # unrolled: a few updates, each the whole batch
+        state, metrics = train_step(setup, state, batch, stop_votes)
+        updates.append(metrics)
+    metrics = {**updates[-1], **{k: sum(m[k] for m in updates) / len(updates) for k in grpo.MEANS}}
+    return state.replace(step=start + 1), {**metrics, **grpo.rollout_metrics(batch)}
+
+
 def eval_step(setup: Setup, params: Any, batch: Batch, reference: Any = None) -> dict[str, jax.Array]:
     """A batch's metric sums and their ``count`` (no gradients): the summed cross-entropy over tokens
     (``eval/loss``), or DPO's sums over pairs (``preference.dpo_eval_sums``)."""
@@ -228,7 +245,8 @@ def eval_step(setup: Setup, params: Any, batch: Batch, reference: Any = None) ->
 def compile_train_step(setup: Setup, shardings: TrainState, batch_sharding, state: TrainState, batch: Batch,
                        stop_votes: jax.Array):
     """Ahead-of-time compiled ``train_step`` (state donated); returns (compiled, seconds spent compiling)."""
-    step_fn = jax.jit(functools.partial(train_step, setup), in_shardings=(shardings, batch_sharding,
+    step = rollout_step if setup.train.objective == "grpo" else train_step
+    step_fn = jax.jit(functools.partial(step, setup), in_shardings=(shardings, batch_sharding,
                                                                           stop_votes.sharding),
                       out_shardings=(shardings, None), donate_argnums=0)
     start = time.perf_counter()
