@@ -18,6 +18,8 @@ from jaxtron.config.model import ExecutionConfig, ModelConfig, replace  # noqa: 
 from jaxtron.config.post_training import OBJECTIVES, DpoConfig, LoraConfig, RlConfig, check_post_training
 from jaxtron.config.recipes import check_block_recipe
 
+# the corpora data.prepare builds (data/corpus.py)
+BUILTIN_CORPORA = ("stdlib", "stdlib-chat", "stdlib-pairs", "arithmetic-chat", "arithmetic-prompts")
 # outermost to innermost device order: pipeline stages span nodes, tensor groups stay inside one
 MESH_AXES = ("pipeline", "data", "fsdp", "sequence", "expert", "tensor")
 
@@ -213,10 +215,13 @@ class DataConfig:
     source: str = "synthetic"  # store (prepared token stores) | synthetic (random tokens, no I/O)
     path: str = ""  # store directory; several comma-separated directories make a mixture
     weights: str = ""  # comma-separated mixture weights, one per path ('' = equal)
-    # a built-in corpus prepared into data.path once: stdlib (source), stdlib-chat (conversations), stdlib-pairs (DPO)
+    # a built-in corpus prepared into data.path once (data/corpus.py): stdlib (source), stdlib-chat (conversations),
+    # stdlib-pairs (DPO), arithmetic-chat and arithmetic-prompts (SFT, then GRPO)
     prepare: str = ""
     seq_len: int = 256
     validation_fraction: float = 0.05  # documents held out: the last ones of each of 100 stripes of a store
+    # False: one document a row, padded (short conversations then keep their question with their answer)
+    packing: bool = True
     verify: bool = False  # hash every shard before training (processes split them); sizes are always checked
     workers: int = 0  # loader processes; 0 loads in a background thread of the training process
     resume_from_tokens: bool = False  # accept a data setup changed since the checkpoint: go on from its token count
@@ -226,7 +231,7 @@ class DataConfig:
         _positive(self.seq_len, "data.seq_len")
         _check(self.source != "store" or bool(self.path.strip()), "data.path",
                "is empty but data.source is 'store'", "set it to a prepared store's directory")
-        _choice(self.prepare, "data.prepare", ("", "stdlib", "stdlib-chat", "stdlib-pairs"))
+        _choice(self.prepare, "data.prepare", ("", *BUILTIN_CORPORA))
         _check(0 <= self.validation_fraction < 1, "data.validation_fraction",
                f"must lie in [0, 1) (got {self.validation_fraction})", "set it inside that range")
         _non_negative(self.workers, "data.workers")

@@ -19,6 +19,7 @@ import tempfile
 
 import numpy as np
 
+from jaxtron.config.schema import BUILTIN_CORPORA as BUILTIN
 from jaxtron.data.errors import DataError
 from jaxtron.data.store import MANIFEST
 
@@ -48,7 +49,6 @@ def _is_utf8(path: str) -> bool:
         return False
 
 
-BUILTIN = ("stdlib", "stdlib-chat", "stdlib-pairs")
 
 
 def function_questions(path: str, module: str) -> list[dict]:
@@ -120,13 +120,19 @@ def ensure_builtin(name: str, path: str) -> None:
     if os.path.isfile(os.path.join(path, MANIFEST)):
         return
     if name not in BUILTIN:
-        raise DataError(f"built-in corpus '{name}' does not exist; use data.prepare='stdlib', 'stdlib-chat', "
-                        "'stdlib-pairs' or ''.")
+        raise DataError(f"built-in corpus '{name}' does not exist; use data.prepare={' or '.join(map(repr, BUILTIN))} "
+                        "or ''.")
     if os.path.isdir(path) and os.listdir(path) or os.path.isfile(path):
         raise DataError(f"data.path '{path}' exists but holds no token store; point data.path at an empty or "
                         "missing directory for data.prepare, or remove it.")
     from jaxtron.data.prepare import prepare
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    if name.startswith("arithmetic-"):
+        from jaxtron.data import arithmetic
+        records = arithmetic.conversations() if name == "arithmetic-chat" else arithmetic.prompts()
+        log.info("preparing %d sums as %s into %s (once)", len(records), name.split("-")[1], path)
+        _prepare_records(name, path, records, kind="" if name == "arithmetic-chat" else "prompts")
+        return
     if name in ("stdlib-chat", "stdlib-pairs"):
         records = stdlib_conversations() if name == "stdlib-chat" else stdlib_pairs()
         log.info("preparing %d %s about the standard library's functions into %s (once)", len(records),

@@ -229,6 +229,11 @@ def _open_split(cfg: Config, split: str) -> tuple[Source, list]:
             if store.manifest.get(kind):
                 raise DataError(f"store '{store.path}' holds {what}, which train.objective={cfg.train.objective!r} "
                                 f"does not read; set train.objective='{objective}'.")
+    if not d.packing:  # one document a row: whole conversations, however short
+        from jaxtron.data.pairs import DocumentRows
+        if len(stores) != 1:
+            raise DataError(f"data.packing=False reads one store, but data.path names {len(stores)}; name one.")
+        return DocumentRows(stores[0], d.seq_len, split, d.validation_fraction, seed), stores
     parts = [PackedSplit(s, d.seq_len, split, d.validation_fraction, seed + i) for i, s in enumerate(stores)]
     if len(parts) == 1:
         return parts[0], stores

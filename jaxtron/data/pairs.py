@@ -87,30 +87,30 @@ def split_items(count: int, split: str, validation_fraction: float, what: str) -
     return np.setdiff1d(np.arange(count, dtype=np.int64), validation)
 
 
-class PairSplit:
-    """The rows of one split of a pair store (see the module's docstring); pairs in a seeded order per epoch."""
+class DocumentRows:
+    """One document a row, from the row's start, cut at ``seq_len + 1`` tokens and padded after: items of
+    ``per_item`` neighbouring documents (a pair's two, or one) in a seeded order per epoch, sample ``per_item * i
+    + j`` being document j of item i. Unpacked supervised fine-tuning (``data.packing=False``) reads a store so."""
 
-    def __init__(self, store: TokenStore, seq_len: int, split: str, validation_fraction: float, seed: int):
-        if not store.manifest.get("pairs") or store.num_documents % 2:
-            raise DataError(f"store '{store.path}' holds no chosen/rejected pairs; prepare one with "
-                            "jaxtron prepare --pairs.")
-        self.store, self.seq_len = store, seq_len
-        self.pairs = split_items(store.num_documents // 2, split, validation_fraction,
-                                 f"the pairs of store '{store.path}'")
-        if not len(self.pairs):
-            raise DataError(f"the {split} split of pair store '{store.path}' holds no pair; use more pairs.")
-        self._order = EpochPermutation(len(self.pairs), seed)
+    def __init__(self, store: TokenStore, seq_len: int, split: str, validation_fraction: float, seed: int,
+                 per_item: int = 1, what: str = "documents"):
+        self.store, self.seq_len, self.per_item = store, seq_len, per_item
+        self.items = split_items(store.num_documents // per_item, split, validation_fraction,
+                                 f"the {what} of store '{store.path}'")
+        if not len(self.items):
+            raise DataError(f"the {split} split of store '{store.path}' holds none of its {what}; use more.")
+        self._order = EpochPermutation(len(self.items), seed)
 
     def documents(self, samples: np.ndarray) -> np.ndarray:
-        """The store document of each global sample: its pair's chosen (even sample) or rejected side."""
+        """The store document of each global sample (a pair's chosen side at even samples, rejected at odd)."""
         samples = np.asarray(samples, np.int64)
-        return 2 * self.pairs[self._order(samples // 2)] + samples % 2
+        return self.per_item * self.items[self._order(samples // self.per_item)] + samples % self.per_item
 
     def rows(self, samples: np.ndarray) -> dict[str, np.ndarray]:
         length = self.seq_len + 1
         docs = self.documents(samples)
         begin, end = self.store.doc_start(docs), self.store.doc_start(docs + 1)
-        count = np.minimum(end - begin, length)  # a longer side keeps its start: the end of its response is cut
+        count = np.minimum(end - begin, length)  # a longer document keeps its start: the end of its response is cut
         where = begin[:, None] + np.minimum(np.arange(length), count[:, None] - 1)
         real = np.arange(length) < count[:, None]
         tokens = np.where(real, self.store.take(where), 0).astype(np.int32)
@@ -119,3 +119,13 @@ class PairSplit:
         return {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "segment_ids": ones,
                 "positions": np.broadcast_to(np.arange(self.seq_len, dtype=np.int32), ones.shape).copy(),
                 "loss_mask": mask.astype(np.int32)}
+
+
+class PairSplit(DocumentRows):
+    """The rows of one split of a pair store (see the module's docstring): two a pair, in a seeded order."""
+
+    def __init__(self, store: TokenStore, seq_len: int, split: str, validation_fraction: float, seed: int):
+        if not store.manifest.get("pairs") or store.num_documents % 2:
+            raise DataError(f"store '{store.path}' holds no chosen/rejected pairs; prepare one with "
+                            "jaxtron prepare --pairs.")
+        super().__init__(store, seq_len, split, validation_fraction, seed, per_item=2, what="pairs")

@@ -333,7 +333,7 @@ class Trainer:
         values = self.meter.values(metrics)
         values["consumed_tokens"] = self.position.at(done).consumed_tokens
         if isinstance(self.parts.batches, Rollouts):
-            values.update(self.parts.batches.log_values(values))
+            values.update(self.parts.batches.log_values(done, values))
         if not self.history:
             values["compile_time_s"] = self.compile_s
         if self.parts.writer:

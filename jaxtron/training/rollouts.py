@@ -110,7 +110,7 @@ class Rollouts:
         self.reset()
 
     def reset(self) -> None:
-        self.seconds, self.tokens, self.rows = 0.0, 0, 0
+        self.made: dict[int, tuple[float, float, int, int]] = {}  # step -> (sampling s, scoring s, tokens, rows)
 
     def __next__(self) -> dict[str, jax.Array]:
         batch = self.batch(self.step)
@@ -132,14 +132,18 @@ class Rollouts:
             tokens[row, :len(ids)] = ids
         lengths = np.asarray([len(ids) for ids in prompts], np.int32)
         key = jax.random.fold_in(jax.random.fold_in(jax.random.key(self.cfg.train.seed), step), ROLLOUT_TAG)
+        params = jax.block_until_ready(self.state_fn().params)  # the update before: not generation's time
         start = time.perf_counter()
         with jax.set_mesh(self.mesh):
             sharding = rows_sharding(self.mesh)
             placed = [jax.device_put(a, sharding) for a in (tokens, lengths)]
-            completions = _host(self._sample(self.state_fn().params, *placed, key))
-        self.seconds += time.perf_counter() - start
+            completions = _host(self._sample(params, *placed, key))
+        scored = time.perf_counter()
         records = [record for _, record in picked for _ in range(self.group)]
-        return place_rows(self._rows(prompts, completions, records), self.mesh)
+        rows = self._rows(prompts, completions, records)
+        kept = int(rows["loss_mask"].sum())
+        self.made[step] = (scored - start, time.perf_counter() - scored, kept, len(prompts))
+        return place_rows(rows, self.mesh)
 
     def _rows(self, prompts: list[np.ndarray], completions: np.ndarray, records: list[dict]) -> dict[str, np.ndarray]:
         """The update's rows: each prompt and its kept completion, the loss on the completion, the advantages."""
@@ -156,8 +160,6 @@ class Rollouts:
             n = len(sequence) - 1
             out["inputs"][row, :n], out["targets"][row, :n] = sequence[:-1], sequence[1:]
             out["loss_mask"][row, len(prompt) - 1:n] = 1
-            self.tokens += len(kept)
-        self.rows += rows
         advantage, spread = advantages(rewards, self.group, self.cfg.rl.scale_rewards)
         widen = lambda values: np.repeat(values[:, None], length, axis=1)  # per token: sharded like the tokens
         out.update(positions=np.broadcast_to(np.arange(length, dtype=np.int32), (rows, length)).copy(),
@@ -165,17 +167,18 @@ class Rollouts:
                    rewards=widen(rewards), group_stds=widen(spread))
         return out
 
-    def log_values(self, values: dict[str, float]) -> dict[str, float]:
-        """Generation's share of the interval ``values`` logged (the meter's): its seconds a step, tokens a second,
-        the mean completion length, and the update's tokens a second with generation left out."""
-        steps = max(values.get("interval_steps", 1), 1)
-        generation = self.seconds / steps
-        update = max(values.get("step_time_s", 0.0) - values.get("data_wait_s", 0.0), 1e-9)
-        out = {"grpo/generation_s": generation, "grpo/generation_tokens_per_s": self.tokens / max(self.seconds, 1e-9),
-               "grpo/completion_tokens": self.tokens / max(self.rows, 1),
-               "grpo/train_tokens_per_s": self.cfg.train.global_batch_size * self.cfg.data.seq_len / update}
-        self.reset()
-        return out
+    def log_values(self, done: int, values: dict[str, float]) -> dict[str, float]:
+        """Generation's share of the steps up to ``done`` since the last log (``values``, the meter's): sampling's
+        seconds a step and tokens a second, the mean completion length, the reward function's seconds a step,
+        and the update's tokens a second with those two left out."""
+        logged = [self.made.pop(step) for step in sorted(self.made) if step < done]
+        steps = max(len(logged), 1)
+        sampling, scoring, tokens, rows = (sum(x) for x in zip(*logged, strict=True)) if logged else (0, 0, 0, 0)
+        update = max(values.get("step_time_s", 0.0) - (sampling + scoring) / steps, 1e-9)
+        return {"grpo/generation_s": sampling / steps, "grpo/scoring_s": scoring / steps,
+                "grpo/generation_tokens_per_s": tokens / max(sampling, 1e-9),
+                "grpo/completion_tokens": tokens / max(rows, 1),
+                "grpo/train_tokens_per_s": self.cfg.train.global_batch_size * self.cfg.data.seq_len / update}
 
 
 def _host(array: jax.Array) -> np.ndarray:
