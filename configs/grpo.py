@@ -24,7 +24,7 @@ def get_config(stage: str = "grpo"):
     c.execution = dict(dtype="float32")
     c.mesh = dict(data=1, fsdp=-1, tensor=1, sequence=1, expert=1)
     if stage == "sft":
-        c.train = dict(steps=300, seed=0, global_batch_size=32, log_every=20, eval_every=100, eval_batches=4)
+        c.train = dict(steps=400, seed=0, global_batch_size=32, log_every=20, eval_every=100, eval_batches=4)
         c.optimizer = dict(learning_rate=3e-3, warmup_steps=30, weight_decay=0.1, min_lr_ratio=0.1)
         c.data = dict(source="store", prepare="arithmetic-chat", path=f"~/.cache/jaxtron/arithmetic-chat-py{version}",
                       seq_len=64, validation_fraction=0.05, packing=False)

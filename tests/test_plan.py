@@ -899,3 +899,29 @@ def test_1024_gb200s_are_ranked_in_nvlink_domains_of_64(tmp_path, capsys):
     capsys.readouterr()
     assert cli.run("plan", [f"--config={REPO}/configs/{config}", "--gpus=1000", "--gpu=gb200"]) == 2
     assert "--gpus=1000 is not a whole number of 64-GPU nodes" in capsys.readouterr().err
+
+
+def test_grpo_and_dpo_steps_carry_their_own_terms():
+    """GRPO's estimate is rl.updates updates plus the log-probabilities and generation, which grows with the
+    completions' length; DPO's adds the reference's forward; both hold a reference copy when the whole model
+    trains (and none under LoRA)."""
+    from jaxtron.planning.estimate import estimate
+    from jaxtron.planning.gpus import GPUS
+
+    sizes, gpu = dict(data=2, fsdp=2, tensor=2), GPUS["h100"]
+    common = dict(train=dict(init_from="x", global_batch_size=16), data=dict(source="store", path="x", seq_len=64))
+    plain = estimate(tiny_config(sizes, **common), sizes, gpu)
+    grpo = dict(common, train=dict(common["train"], objective="grpo"))
+    one = estimate(tiny_config(sizes, **grpo, rl=dict(reward="m:f", max_new_tokens=16, updates=1)), sizes, gpu)
+    two = estimate(tiny_config(sizes, **grpo, rl=dict(reward="m:f", max_new_tokens=32, updates=2)), sizes, gpu)
+    assert one.time["matmul"] == pytest.approx(plain.time["matmul"])
+    assert two.time["matmul"] == pytest.approx(2 * plain.time["matmul"])
+    assert one.time["logprobs"] == pytest.approx(2 * (plain.time["matmul"] + plain.time["attention"]) / 3)
+    assert 1.5 < two.time["generation"] / one.time["generation"] < 2.5  # twice the decoding steps
+    assert one.step_s > plain.step_s + one.time["generation"] * 0.99
+    assert one.memory["reference"] == one.memory["parameters"] and "reference" not in plain.memory
+    dpo = estimate(tiny_config(sizes, **dict(common, train=dict(common["train"], objective="dpo"))), sizes, gpu)
+    assert dpo.time["logprobs"] == pytest.approx((plain.time["matmul"] + plain.time["attention"]) / 3)
+    lora = estimate(tiny_config(sizes, **grpo, rl=dict(reward="m:f", max_new_tokens=16), lora=dict(rank=4)), sizes,
+                    gpu)
+    assert "reference" not in lora.memory

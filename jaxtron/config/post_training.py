@@ -110,8 +110,10 @@ def check_post_training(cfg: Any) -> None:
         return
     _check(bool(t.init_from), "train.init_from", f"is empty but train.objective is {t.objective!r}, whose reference "
            "model is the starting one", "point it at a run or a converted model (an SFT run, say)")
+    kind = "pairs" if t.objective == "dpo" else "prompts"
     _check(cfg.data.source == "store", "data.source", f"is {cfg.data.source!r} but train.objective={t.objective!r} "
-           "reads chosen/rejected pairs", "prepare a pair store (jaxtron prepare --pairs) and set data.source='store'")
+           f"reads {'chosen/rejected pairs' if kind == 'pairs' else 'prompts'} from a store",
+           f"prepare one (jaxtron prepare --{kind}) and set data.source='store'")
     _check(cfg.mesh.pipeline == 1, "mesh.pipeline", f"is {cfg.mesh.pipeline} but train.objective={t.objective!r} "
            "does not run under a pipeline yet", "use the data, fsdp, sequence and tensor axes")
     _check(t.objective != "dpo" or t.global_batch_size % (2 * t.microbatches) == 0, "train.global_batch_size",
@@ -125,8 +127,9 @@ def _check_rl(cfg: Any) -> None:
            "name the reward function as module:function (it gets the prompt, the completion and the record)")
     _check(rl.group_size >= 2, "rl.group_size", f"is {rl.group_size}, but advantages compare the completions of "
            "one prompt, so a group needs at least 2", "use e.g. 8")
-    _check(t.global_batch_size % (rl.group_size * t.microbatches) == 0, "train.global_batch_size",
+    # the advantages are made before the rows split into microbatches: a row's loss needs no other row
+    _check(t.global_batch_size % rl.group_size == 0, "train.global_batch_size",
            f"({t.global_batch_size}) counts completions, rl.group_size ({rl.group_size}) a prompt, so it must be a "
-           f"multiple of rl.group_size x train.microbatches ({t.microbatches})", "use whole groups in each microbatch")
+           "multiple of rl.group_size", "use whole groups")
     _check(rl.max_new_tokens < cfg.data.seq_len, "rl.max_new_tokens", f"({rl.max_new_tokens}) leaves no room for "
            f"a prompt in data.seq_len ({cfg.data.seq_len})", "lower it or raise data.seq_len")

@@ -14,11 +14,13 @@ from __future__ import annotations
 
 import dataclasses
 
+from jaxtron.config.post_training import keeps_reference
 from jaxtron.config.schema import Config, MeshConfig, replace
 from jaxtron.planning.collectives import communication_time
 from jaxtron.planning.gpus import GPU
 from jaxtron.planning.memory import UNSEEN_ON_TARGET, memory
 from jaxtron.planning.params import parameters
+from jaxtron.planning.rollouts import rollout_flops, with_rollouts
 from jaxtron.planning.shape import block_values, step_shape
 from jaxtron.planning.step_time import (
     COMPUTE_TERMS,
@@ -103,15 +105,19 @@ def estimate(cfg: Config, sizes: dict[str, int], gpu: GPU, microbatches: int | N
     time.update(comm)
     time.update(expert_overlap(cfg, shape, time, gpu))
     time.update(tensor_overlap(cfg, time))
+    time = with_rollouts(cfg, shape, block, gpu, params, time)  # GRPO: its updates, log-probabilities, generation
     step = step_seconds(time, gpu.comm_overlap, gpu.comm_interference)
+    held = memory(cfg, shape, block, params)
+    if keeps_reference(cfg):  # DPO's and GRPO's frozen reference: a copy of the parameters, sharded as they are
+        held["reference"] = held["parameters"]
     return Estimate(mesh=dict(shape.mesh), microbatches=shape.microbatches,
                     pipeline_microbatches=shape.in_flight if shape.pipelined else 0, schedule=shape.schedule,
                     virtual_stages=shape.virtual_stages if shape.pipelined else 1,
                     bubble=shape.bubble, distributed_optimizer=cfg.optimizer.distributed,
                     gather_once=shape.gather_once,
                     identity_layers=shape.identity_layers, attention=shape.attention, remat=cfg.execution.remat,
-                    memory=memory(cfg, shape, block, params), time=time, exposed=EXPOSED, overlapped=OVERLAPPED,
-                    step_s=step, mfu=model_flops(cfg, shape) / step / mfu_peak(cfg, shape, gpu),
+                    memory=held, time=time, exposed=EXPOSED, overlapped=OVERLAPPED,
+                    step_s=step, mfu=rollout_flops(cfg, model_flops(cfg, shape)) / step / mfu_peak(cfg, shape, gpu),
                     tokens_per_s=shape.step_tokens / step, collectives=collectives, config=as_run(cfg, sizes, shape))
 
 

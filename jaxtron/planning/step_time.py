@@ -22,12 +22,13 @@ from jaxtron.planning.shape import BlockValues, StepShape
 # activation function and casts, forward only (the backward moves about twice as much)
 ELEMENTWISE_PASSES = 6.0
 
-COMPUTE_TERMS = ("matmul", "attention", "elementwise", "weights", "expert_rows", "pipeline_bubble", "optimizer")
+COMPUTE_TERMS = ("matmul", "attention", "elementwise", "weights", "expert_rows", "pipeline_bubble", "optimizer",
+                 "logprobs", "generation")  # the last two: GRPO's (planning/rollouts.py), 0 otherwise
 # gathers and gradient reductions over fsdp/data (and sequence) overlap with compute (XLA's latency-hiding
 # scheduler); the other collectives sit between dependent computations (see jaxtron.planning.collectives)
 OVERLAPPED = ("fsdp_comm", "data_comm")
 EXPOSED = ("matmul", "attention", "elementwise", "weights", "expert_rows", "pipeline_bubble", "optimizer",
-           "tensor_comm", "sequence_comm", "expert_comm", "pipeline_comm", "optimizer_comm")
+           "logprobs", "generation", "tensor_comm", "sequence_comm", "expert_comm", "pipeline_comm", "optimizer_comm")
 # the MoE exchanges that run beside the experts' GEMMs, and the tensor group's collectives that run beside the
 # projections' GEMMs: they cost only their interference with them (``expert_overlap``, ``tensor_overlap``)
 HIDDEN = ("expert_comm_hidden", "tensor_comm_hidden")
@@ -125,6 +126,7 @@ def compute_time(cfg: Config, shape: StepShape, block: BlockValues, gpu: GPU,
     # a stage passes over its weights too)
     time["pipeline_bubble"] = sum(time.values()) * shape.bubble / (1 - shape.bubble)
     time["optimizer"] = muon.optimizer_time(cfg, params, shape.mesh, gpu)
+    time["logprobs"] = time["generation"] = 0.0  # GRPO's, added by planning/rollouts.py
     return time
 
 

@@ -162,6 +162,10 @@ class Trainer:
             Checkpointer(self.workdir, c.keep, c.keep_every, c.async_save)))  # waits for a save in flight
         self.state, self.position = self._restore_or_init()
         self.start = self.done = self.position.step
+        if self.reward is not None and self.start < cfg.train.steps:  # GRPO: its first batch scored before any write
+            self.rollouts = Rollouts(cfg, self.train_source, self.mesh, self.setup.graphdef, self.shardings.params,
+                                     lambda: self.state, self.start, self.reward)
+            self.batch = next(self.rollouts)
         self.accepted = True
         if self.is_main:  # only now the run's files change (a damaged metrics.jsonl is refused before any)
             workdir_lib.drop_metrics_after(self.workdir, self.start)
@@ -177,14 +181,13 @@ class Trainer:
     def _open_parts(self, stack: contextlib.ExitStack) -> RunParts:
         """The loader at the resumed position and its first batch, then what runs beside the steps."""
         cfg, t, mesh = self.cfg, self.cfg.train, self.mesh
-        if self.reward is not None:  # GRPO: each batch sampled from the state of its time
-            batches = Rollouts(cfg, self.train_source, mesh, self.setup.graphdef, self.shardings.params,
-                               lambda: self.state, self.start, self.reward)
+        if self.reward is not None:  # GRPO: each batch sampled from the state of its time, the first one already
+            batches = self.rollouts
         else:
             batches = stack.enter_context(contextlib.closing(BatchIterator(
                 self.train_source, mesh, t.global_batch_size, step=self.start, workers=cfg.data.workers,
                 limits=batch_limits(cfg, self.implementation), sample_offset=self.position.offset)))
-        self.batch = next(batches)
+            self.batch = next(batches)
         writer = stack.enter_context(contextlib.closing(MetricsWriter(
             self.workdir, t.steps, use_tqdm=self.use_tqdm, sinks=self._sinks()))) if self.is_main else None
         profile = ProfileWindow(cfg.profile, self.workdir, self.start)

@@ -245,8 +245,10 @@ def eval_step(setup: Setup, params: Any, batch: Batch, reference: Any = None) ->
 def compile_train_step(setup: Setup, shardings: TrainState, batch_sharding, state: TrainState, batch: Batch,
                        stop_votes: jax.Array):
     """Ahead-of-time compiled ``train_step`` (state donated); returns (compiled, seconds spent compiling)."""
-    step = rollout_step if setup.train.objective == "grpo" else train_step
-    step_fn = jax.jit(functools.partial(step, setup), in_shardings=(shardings, batch_sharding,
+    step = functools.partial(train_step, setup)
+    if setup.train.objective == "grpo":  # GRPO's step: the log-probabilities, then train_step rl.updates times
+        step = functools.partial(rollout_step, setup)
+    step_fn = jax.jit(step, in_shardings=(shardings, batch_sharding,
                                                                           stop_votes.sharding),
                       out_shardings=(shardings, None), donate_argnums=0)
     start = time.perf_counter()
