@@ -315,7 +315,7 @@ def _compiled(cfg, sizes, n: int, gpu_name: str, gpu, hlo_path: str | None, on_t
     if on_target:
         print(f"\ndry run of {what} compiled for {n} x {gpu.name} (compile-only devices, no GPU):")
         found = on_target_in_subprocess(cfg, gpu_name, n, hlo_path)
-        result = DryRun(**{f.name: found[f.name] for f in dataclasses.fields(DryRun)})
+        result = DryRun(**{f.name: found[f.name] for f in dataclasses.fields(DryRun) if f.name in found})
     else:
         from jaxtron.ops.attention import cpu_implementation
         attention = cpu_implementation(cfg.execution.attention, cfg.execution.dtype, cfg.model.qk_head_dim,
@@ -333,6 +333,9 @@ def _compiled(cfg, sizes, n: int, gpu_name: str, gpu, hlo_path: str | None, on_t
         from jaxtron.metrics.overlap import text as overlap_text
         from jaxtron.planning.step_time import exchanges_hidden
         print(budget_text(found["budget"]))
+        if found.get("generation_budget"):  # GRPO: the sampler that makes each step's batch, its own program
+            print("generation (the sampler's program, beside the step above):\n" +
+                  budget_text(found["generation_budget"]))
         print(overlap_text(found["overlap"], exchanges_hidden(cfg.execution)))
     return result, found
 

@@ -28,14 +28,16 @@ from jaxtron.metrics.hlo import matmul_flops
 from jaxtron.ops.attention import cpu_implementation
 from jaxtron.parallel.checks import check_devices
 from jaxtron.parallel.mesh import make_mesh
-from jaxtron.parallel.sharding import batch_sharding, per_device_sharding, shard_count
+from jaxtron.parallel.sharding import batch_sharding, per_device_sharding, rows_sharding, shard_count
 from jaxtron.planning.estimate import choose_remat
 from jaxtron.planning.gpus import GPUS
 from jaxtron.planning.remat import resolve_for_devices
 from jaxtron.training import state as state_lib
-from jaxtron.training.step import train_step
+from jaxtron.training.rollouts import sampler
+from jaxtron.training.step import rollout_step, train_step
 
 BATCH_KEYS = ("inputs", "targets", "segment_ids", "positions", "loss_mask")
+ROLLOUT_KEYS = ("advantages", "rewards", "group_stds")  # GRPO's batch: float32 per token beside the tokens
 
 
 @dataclasses.dataclass
@@ -50,6 +52,8 @@ class DryRun:
     # matmul FLOPs per device and step, recompute included, read from the partitioned program
     # (jaxtron.metrics.hlo.matmul_flops: dots, cuBLAS GEMMs and cuDNN attention counted from their shapes)
     flops: float
+    # GRPO: the optimized HLO of the sampler that makes the step's batch (training/rollouts.py), priced apart
+    generation_text: str = dataclasses.field(default="", repr=False)
 
     @property
     def peak_bytes(self) -> int:
@@ -60,7 +64,25 @@ class DryRun:
 def abstract_batch(cfg: Config, mesh) -> dict[str, jax.ShapeDtypeStruct]:
     shape = (cfg.train.global_batch_size, cfg.data.seq_len)
     sharding = batch_sharding(mesh)
-    return {k: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=sharding) for k in BATCH_KEYS}
+    batch = {k: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=sharding) for k in BATCH_KEYS}
+    if cfg.train.objective == "grpo":
+        batch.update({k: jax.ShapeDtypeStruct(shape, jnp.float32, sharding=sharding) for k in ROLLOUT_KEYS})
+    return batch
+
+
+def _sampler_text(cfg: Config, setup, shardings, mesh) -> str:
+    """GRPO's sampler compiled for ``mesh`` from abstract inputs: its optimized HLO text."""
+    if cfg.train.objective != "grpo":
+        return ""
+    rows, width = cfg.train.global_batch_size, cfg.data.seq_len - cfg.rl.max_new_tokens
+    placed = rows_sharding(mesh)
+    prompts = jax.ShapeDtypeStruct((rows, width), jnp.int32, sharding=placed)
+    lengths = jax.ShapeDtypeStruct((rows,), jnp.int32, sharding=placed)
+    program = jax.jit(sampler(setup.graphdef, cfg), in_shardings=(shardings.params, placed, placed, None),
+                      out_shardings=placed)
+    key = jax.eval_shape(lambda: jax.random.key(0))
+    return program.lower(abstract_with_shardings(setup.abstract_state, shardings).params, prompts, lengths,
+                         key).compile().as_text()
 
 
 def dry_run(cfg: Config, devices: list | None = None, implementation: str | None = None) -> DryRun:
@@ -86,7 +108,8 @@ def _compile(cfg: Config, devices: list, implementation: str, gpu: str | None = 
         state = abstract_with_shardings(setup.abstract_state, shardings)
         votes = jax.ShapeDtypeStruct((mesh.size,), jnp.int32, sharding=per_device_sharding(mesh))
         batch = abstract_batch(cfg, mesh)
-        step = jax.jit(lambda s, b, v: train_step(setup, s, b, v),
+        one_step = rollout_step if cfg.train.objective == "grpo" else train_step
+        step = jax.jit(lambda s, b, v: one_step(setup, s, b, v),
                        in_shardings=(shardings, batch_sharding(mesh), votes.sharding),
                        out_shardings=(shardings, None), donate_argnums=0)
         start = time.perf_counter()
@@ -95,11 +118,13 @@ def _compile(cfg: Config, devices: list, implementation: str, gpu: str | None = 
             costs = gpu_schedule.for_gpu(gpu) if gpu else gpu_schedule.for_devices(devices)
         compiled = gpu_schedule.compile_scheduled(step.lower(state, batch, votes), dict(setup.compiler_options), costs)
         compile_s = time.perf_counter() - start
+        generation = _sampler_text(cfg, setup, shardings, mesh)
     memory, text = compiled.memory_analysis(), compiled.as_text()
     result = DryRun(mesh=dict(mesh.shape), compile_s=compile_s,
                     argument_bytes=int(memory.argument_size_in_bytes), output_bytes=int(memory.output_size_in_bytes),
                     alias_bytes=int(memory.alias_size_in_bytes), temp_bytes=int(memory.temp_size_in_bytes),
-                    collectives=collectives(text), flops=sum(matmul_flops(text).values()))
+                    collectives=collectives(text), flops=sum(matmul_flops(text).values()),
+                    generation_text=generation)
     return result, text
 
 
@@ -176,7 +201,10 @@ def target_main(argv: list[str]) -> int:
         return 2
     if hlo_path:
         write_atomic(hlo_path, text)
-    print(json.dumps({**dataclasses.asdict(result), "peak_bytes": result.peak_bytes, "kernels": kernels(text),
+    fields = dataclasses.asdict(result)
+    generation = fields.pop("generation_text")
+    fields["generation_budget"] = budget(generation, CEILINGS[gpu]).summary() if generation else None
+    print(json.dumps({**fields, "peak_bytes": result.peak_bytes, "kernels": kernels(text),
                       "float8_gemms": float8_operands(text), "budget": budget(text, CEILINGS[gpu]).summary(),
                       "overlap": overlap.report(text, CEILINGS[gpu], {"NVLink": GPUS[gpu].nvlink_bandwidth,
                                                                       "the network": GPUS[gpu].network_bandwidth})}))
