@@ -7,9 +7,9 @@ completions on the training mesh (``jaxtron.training.rollouts``).
   its size).
 - 'generation': the prefill, every row's prompt (``data.seq_len - rl.max_new_tokens`` tokens, padding included)
   at the forward's rate; then ``rl.max_new_tokens`` decoding steps. A decoding step reads every weight a device
-  multiplies with (its tensor shard, gathered over fsdp first, as the sampler's program does) and the keys and
-  values cached so far, at HBM bandwidth, or does its matmuls, whichever takes longer; the fsdp gather crosses
-  NVLink each step.
+  multiplies with (its tensor shard, gathered over fsdp first, as the sampler's program does; the layer loop's
+  copies too, ``DECODE_WEIGHT_PASSES``) and the keys and values cached so far, at HBM bandwidth, or does its
+  matmuls, whichever takes longer; the fsdp gather crosses NVLink each step.
 """
 
 from __future__ import annotations
@@ -22,6 +22,10 @@ from jaxtron.planning.params import Param
 from jaxtron.planning.shape import BlockValues, StepShape
 
 TERMS = ("logprobs", "generation")
+# Each decoding step reads every weight for its GEMMs, and the layer loop first slices each layer's weights out of
+# the stack into a copy: 1.33 passes more, from the compiled sampler of Llama-3 8B at 4 layers on the H200 target
+# (its dynamic slices 700 ms beside the GEMMs' 528 ms of weight reads; benchmarks/grpo_generation.md)
+DECODE_WEIGHT_PASSES = 1 + 700 / 528
 
 
 def rollout_time(cfg: Config, shape: StepShape, block: BlockValues, gpu: GPU, params: tuple[Param, ...],
@@ -39,7 +43,7 @@ def rollout_time(cfg: Config, shape: StepShape, block: BlockValues, gpu: GPU, pa
     context = width + rl.max_new_tokens / 2  # the mean cached length over the decoding steps
     cache = rows * context * layers * 2 * block.kv_width * shape.value_bytes
     step_compute = forward / shape.seq_len  # one token a row
-    decode = max((weights + cache) / gpu.hbm_bandwidth, step_compute)
+    decode = max((DECODE_WEIGHT_PASSES * weights + cache) / gpu.hbm_bandwidth, step_compute)
     gather = weights * (fsdp - 1) / fsdp / gpu.nvlink_bandwidth if fsdp > 1 else 0.0
     return {"logprobs": passes * forward, "generation": prefill + rl.max_new_tokens * (decode + gather)}
 
