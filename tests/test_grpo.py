@@ -95,7 +95,8 @@ def test_the_grpo_loss_is_its_definition():
     tokens = rng.integers(0, 256, (rows, length + 1))
     mask = (np.arange(length)[None] >= np.array([[3], [5], [8], [2]])) & (np.arange(length)[None] < 12)
     batch = {"inputs": jnp.asarray(tokens[:, :-1], jnp.int32), "targets": jnp.asarray(tokens[:, 1:], jnp.int32),
-             "positions": jnp.broadcast_to(jnp.arange(length), (rows, length)), "loss_mask": jnp.asarray(mask, jnp.int32),
+             "positions": jnp.broadcast_to(jnp.arange(length), (rows, length)),
+             "loss_mask": jnp.asarray(mask, jnp.int32),
              "advantages": jnp.asarray(np.repeat([[1.0], [-1.0], [0.5], [-0.3]], length, 1), jnp.float32)}
     new = np.asarray(token_logps(params, graphdef, batch), np.float64)
     old, ref = new + rng.normal(0, 0.3, new.shape), new + rng.normal(0, 0.2, new.shape)
@@ -115,6 +116,7 @@ def test_the_grpo_loss_is_its_definition():
         assert 0 < float(metrics["grpo/clip_fraction"]) < 1
 
 
+@pytest.mark.slow
 def test_the_sampler_at_temperature_zero_writes_what_generate_writes(grpo_data):
     """The rollouts' one-program sampler (prefill, then a scanned decode) against `jaxtron generate`'s loop."""
     import jax.numpy as jnp
