@@ -167,7 +167,7 @@ def test_prepare_counts_contents_and_determinism(corpus, tokenizer_files, tmp_pa
     assert _files(tmp_path / "a") == reference
     assert cli.run("prepare", _prepare_args(corpus, hf, tmp_path / "b", "--workers", "2")) == 0
     assert _files(tmp_path / "b") == reference
-    assert not os.path.exists(str(tmp_path / "a") + ".tmp")
+    assert not [name for name in os.listdir(tmp_path) if ".tmp-" in name]
 
 
 def test_small_shards_read_across_boundaries(corpus, tmp_path):
@@ -264,7 +264,8 @@ def test_bad_inputs_are_one_line_errors(tmp_path, capsys, big_vocab_tokenizer):
         assert cli.run("prepare", ["--input", path, "--tokenizer", "byte", "--output", out + "_j",
                                    "--workers", "1"]) == 2
         assert _error_line(capsys) == message
-        assert not os.path.exists(out + "_j") and not os.path.exists(out + "_j.tmp")  # nothing half-written
+        assert not os.path.exists(out + "_j")  # nothing half-written
+        assert not [name for name in os.listdir(os.path.dirname(out)) if ".tmp-" in name]
     latin1 = _write(tmp_path / "latin1.txt", "caf\xe9".encode("latin-1"), "wb")
     assert cli.run("prepare", ["--input", latin1, "--tokenizer", "byte", "--output", out + "_l",
                                "--workers", "1"]) == 2
@@ -282,7 +283,7 @@ def test_cli_exits_2_without_traceback_when_a_worker_fails(tmp_path):
     assert good and out.returncode == 2, out.stderr
     assert "Traceback" not in out.stderr
     assert out.stderr.strip().splitlines() == [f"error: line 2 of '{bad}' is not valid JSON; fix or remove it."]
-    assert not os.path.exists(tmp_path / "out") and not os.path.exists(str(tmp_path / "out") + ".tmp")
+    assert not os.path.exists(tmp_path / "out") and not [name for name in os.listdir(tmp_path) if ".tmp-" in name]
 
 
 @pytest.fixture()
@@ -711,3 +712,38 @@ def test_the_builtin_corpus_prepares_the_standard_librarys_sources(tmp_path):
     store = TokenStore(str(tmp_path / "stdlib"))
     nonempty = [f for f in stdlib_files() if os.path.getsize(f)]
     assert store.manifest["num_documents"] == len(nonempty) > 100
+
+
+def test_writers_at_one_output_never_share_a_directory(tmp_path):
+    """A built-in corpus prepared while another writer is open at the same path: each fills its own directory, the
+    first to finish publishes, the other is refused with one sentence and leaves nothing behind."""
+    from jaxtron.data.corpus import ensure_builtin
+    out = str(tmp_path / "prompts")
+    live = StoreWriter(out, 256)
+    live.add(np.arange(5, dtype=np.uint16))
+    ensure_builtin("arithmetic-prompts", out)
+    published = TokenStore(out, verify=True)
+    with pytest.raises(DataError, match="already exists"):
+        live.finish({"kind": "byte"}, [])
+    assert TokenStore(out, verify=True).manifest == published.manifest
+    assert sorted(os.listdir(tmp_path)) == ["prompts"]
+    ensure_builtin("arithmetic-prompts", out)  # a second run finds the store and keeps it
+    assert TokenStore(out).manifest == published.manifest
+
+
+def test_a_killed_writers_directory_goes_at_the_next_claim_and_a_live_ones_stays(tmp_path):
+    """The lock inside a writer's directory tells a killed writer (nobody holds it) from a live one."""
+    import fcntl
+
+    from jaxtron.data.staging import WRITER_LOCK, claim_writer_dir
+    out = str(tmp_path / "store")
+    dead, live = tmp_path / "store.tmp-dead", tmp_path / "store.tmp-live"
+    for folder in (dead, live):
+        folder.mkdir()
+        (folder / WRITER_LOCK).touch()
+        (folder / "tokens-00000.bin").write_bytes(b"\0" * 8)
+    with open(live / WRITER_LOCK) as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        tmp, lock = claim_writer_dir(out)
+        assert not dead.exists() and live.is_dir() and os.path.isdir(tmp) and tmp.startswith(out + ".tmp-")
+    lock.close()

@@ -125,6 +125,15 @@ def ensure_builtin(name: str, path: str) -> None:
     if os.path.isdir(path) and os.listdir(path) or os.path.isfile(path):
         raise DataError(f"data.path '{path}' exists but holds no token store; point data.path at an empty or "
                         "missing directory for data.prepare, or remove it.")
+    try:
+        _prepare_builtin(name, path)
+    except DataError:
+        if not os.path.isfile(os.path.join(path, MANIFEST)):
+            raise
+        log.info("another process prepared %s into %s meanwhile; using it", name, path)
+
+
+def _prepare_builtin(name: str, path: str) -> None:
     from jaxtron.data.prepare import prepare
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     if name.startswith("arithmetic-"):

@@ -32,6 +32,7 @@ from typing import Any
 import numpy as np
 
 from jaxtron.data.errors import DataError
+from jaxtron.data.staging import WRITER_LOCK, claim_writer_dir
 
 log = logging.getLogger(__name__)
 
@@ -92,9 +93,7 @@ class StoreWriter:
         self.vocab_size = vocab_size
         self.shard_tokens = shard_tokens
         self.overwrite = overwrite
-        self.tmp = self.output + ".tmp"
-        shutil.rmtree(self.tmp, ignore_errors=True)
-        os.makedirs(self.tmp)
+        self.tmp, self._lock = claim_writer_dir(self.output)
         self.shards: list[dict[str, Any]] = []
         self.masked: bool | None = None  # whether documents come with loss masks: all of them or none
         self._records, self._records_digest, self._record_count = None, hashlib.sha256(), 0
@@ -169,11 +168,16 @@ class StoreWriter:
                     "num_tokens": sum(s["num_tokens"] for s in shards), "sources": sources, "shards": shards,
                     "loss_mask": bool(self.masked), **extra}
         if manifest["num_tokens"] == 0:
-            shutil.rmtree(self.tmp, ignore_errors=True)
+            self._release()
             raise DataError("the inputs hold no text (every document is empty); check --input and --text-field.")
         with open(os.path.join(self.tmp, MANIFEST), "w") as f:
             json.dump(manifest, f, indent=2, sort_keys=True)
-        check_output(self.output, self.overwrite)  # another writer may have published here meanwhile
+        os.remove(os.path.join(self.tmp, WRITER_LOCK))  # not part of the store; the lock is held until the rename
+        try:
+            check_output(self.output, self.overwrite)  # another writer may have published here meanwhile
+        except DataError:
+            self._release()
+            raise
         if os.path.lexists(self.output):
             # rename the old store aside first: the path always holds a complete store, old or new
             old = self.output + ".old"
@@ -186,6 +190,7 @@ class StoreWriter:
                 os.remove(old)
         else:
             os.rename(self.tmp, self.output)
+        self._lock.close()
         return manifest
 
     def abort(self) -> None:
@@ -194,7 +199,11 @@ class StoreWriter:
             self._records.close()
         if self._mask is not None:
             self._mask.close()
+        self._release()
+
+    def _release(self) -> None:
         shutil.rmtree(self.tmp, ignore_errors=True)
+        self._lock.close()
 
 
 class TokenStore:
