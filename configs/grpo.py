@@ -1,9 +1,11 @@
 """RL with a verifiable reward (GRPO): a small byte-level model learns to add two numbers.
 
-Two runs. First the base: supervised fine-tuning of a fresh model on 5,000 sums asked as questions
-(configs/grpo.py:sft, data.prepare='arithmetic-chat'). Then GRPO from it on the other 5,000 questions
+Two runs. First the base: supervised fine-tuning of a fresh model on the 400 sums of two numbers
+below 20, asked as questions (configs/grpo.py:sft, data.prepare='arithmetic-chat'). One answer in four is
+the number alone; the others add the terms, "7 (3 + 4)". Then GRPO from it on the same questions
 (data.prepare='arithmetic-prompts'): each step samples rl.group_size answers to each prompt, and
-jaxtron.data.arithmetic's reward gives 1 to the right sum, 0 otherwise.
+jaxtron.data.arithmetic's reward gives 1 to the right sum written alone, 0 otherwise. RL so learns
+the form the checker takes, and the sums the base still gets wrong.
     python train.py --config=configs/grpo.py:sft --workdir=runs/arithmetic_sft
     python train.py --config=configs/grpo.py --workdir=runs/grpo
 """

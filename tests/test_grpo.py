@@ -196,6 +196,20 @@ def test_bad_rl_input_is_one_sentence_exit_2_and_leaves_no_workdir(grpo_data, tm
     assert not workdir.exists()
 
 
+def test_the_arithmetic_task_asks_every_sum_and_rewards_the_bare_number_alone():
+    """The example's task: every sum below LIMIT asked once, one answer in four bare; the reward wants the number."""
+    from jaxtron.data import arithmetic
+    chats, prompts = arithmetic.conversations(), arithmetic.prompts()
+    pairs = {(r["a"], r["b"]) for r in prompts}
+    assert len(chats) == len(prompts) == len(pairs) == arithmetic.LIMIT ** 2
+    answers = [chat["messages"][1]["content"] for chat in chats]
+    assert sum(a.isdigit() for a in answers) == len(answers) // 4
+    record = prompts[0]
+    total = str(record["a"] + record["b"])
+    assert [arithmetic.reward("", text, record) for text in (f" {total}\n", f"{total} ({record['a']} + {record['b']})",
+                                                               str(int(total) + 1), "")] == [1.0, 0.0, 0.0, 0.0]
+
+
 @pytest.mark.integration
 @pytest.mark.slow
 def test_the_grpo_example_raises_its_reward(tmp_path):
