@@ -296,7 +296,7 @@ class Trainer:
         if restored is not None:
             position = resumed["position"]
             log.info("resumed from the checkpoint of step %d in %s", position.step, self.checkpointer.directory)
-            state = restored[0]
+            state = restored[0].train_state()
             if cfg.lora.rank:  # the checkpoint holds the adapters; the frozen base is train.init_from's
                 state = state.replace(params=lora.join(state.params, init_from()))
             if abstract.reference is not None:  # DPO's reference, train.init_from's parameters, is never saved

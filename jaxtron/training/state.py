@@ -156,10 +156,27 @@ def setup(cfg: Config, attention_impl: str, sizes: dict[str, int] | None = None)
                  rl=cfg.rl)
 
 
-def saved_part(state: TrainState, like: TrainState | None = None) -> TrainState:
+@struct.dataclass
+class SavedState:
+    """What a checkpoint holds: a train state without its reference. Its own class, not a TrainState with the
+    reference None, since orbax would record that None and refuse checkpoints written before it existed."""
+
+    step: jax.Array
+    params: Any
+    opt_state: Any
+    nonfinite: jax.Array
+
+    def train_state(self) -> TrainState:
+        """The train state this was saved from, its reference to be read again (from ``train.init_from``)."""
+        return TrainState(step=self.step, params=self.params, opt_state=self.opt_state, nonfinite=self.nonfinite)
+
+
+def saved_part(state: TrainState, like: TrainState | None = None) -> SavedState:
     """What a checkpoint holds of a train state (or of a tree shaped like one, ``lora.saved_part`` says how):
     all but the reference model, and only the adapters of a LoRA run's parameters."""
-    return lora.saved_part(state.replace(reference=None), None if like is None else like.replace(reference=None))
+    def saved(tree: TrainState) -> SavedState:
+        return SavedState(step=tree.step, params=tree.params, opt_state=tree.opt_state, nonfinite=tree.nonfinite)
+    return lora.saved_part(saved(state), None if like is None else saved(like))
 
 
 def state_shardings(mesh: Mesh, abstract_state: TrainState, distributed_optimizer: bool = False) -> TrainState:
