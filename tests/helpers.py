@@ -72,6 +72,15 @@ def learning_run(config: str, workdir, devices: int, *args: str):
                           check=False)
 
 
+def refused(capsys, argv: list[str]) -> str:
+    """The one error line of a `jaxtron` command refused with exit code 2."""
+    from jaxtron import cli
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ") and "Traceback" not in err[0], err
+    return err[0]
+
+
 def logged_entropy(log: str) -> float:
     """The unigram entropy of the training text that a run logs."""
     import re

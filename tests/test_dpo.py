@@ -8,7 +8,7 @@ import os
 import jax
 import numpy as np
 import pytest
-from helpers import tiny_config
+from helpers import refused, tiny_config
 
 from jaxtron import cli
 from jaxtron.data.chat import PLAIN_TEMPLATE
@@ -179,13 +179,6 @@ def test_lora_dpo_takes_the_base_without_adapters_as_its_reference(dpo_data, tmp
     assert all(0 <= line["dpo/accuracy"] <= 1 and "eval/dpo_margin" in line for line in lines)
 
 
-def _refused(capsys, argv) -> str:
-    assert cli.main(argv) == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith("error: ") and "Traceback" not in err[0], err
-    return err[0]
-
-
 @pytest.mark.parametrize("record, message", [
     ({"prompt": "Say yes.", "chosen": "Yes."}, "has no 'rejected' response"),
     ({"prompt": "Say yes.", "chosen": 3, "rejected": "No."}, "'chosen' is not a text"),
@@ -197,7 +190,7 @@ def test_bad_pair_records_are_one_sentence_and_exit_2(tmp_path, capsys, record, 
     template = tmp_path / "plain.jinja"
     template.write_text(PLAIN_TEMPLATE)
     data = _write(tmp_path / "pairs.jsonl", [{"prompt": "Hi", "chosen": "Hello.", "rejected": "Go."}, record])
-    err = _refused(capsys, ["prepare", "--input", data, "--tokenizer", "byte", "--output", str(tmp_path / "out"),
+    err = refused(capsys, ["prepare", "--input", data, "--tokenizer", "byte", "--output", str(tmp_path / "out"),
                             "--pairs", "--chat-template", str(template)])
     assert message in err and "line 2" in err, err
     assert not os.path.exists(tmp_path / "out")
@@ -208,18 +201,18 @@ def test_a_pair_store_and_the_objective_must_agree(dpo_data, tmp_path, capsys):
     common = ["train", "--config=configs/default.py", f"--config.train.init_from={base}", "--config.train.steps=1",
               "--config.model.embed_dim=64", "--config.model.num_layers=2", "--config.model.mlp_dim=128",
               "--config.model.attention.num_heads=4", "--config.data.seq_len=96", "--config.data.prepare="]
-    err = _refused(capsys, [*common, f"--workdir={tmp_path / 'lm'}", f"--config.data.path={store}"])
+    err = refused(capsys, [*common, f"--workdir={tmp_path / 'lm'}", f"--config.data.path={store}"])
     assert "holds chosen/rejected pairs" in err and "train.objective='dpo'" in err
     assert not os.path.exists(tmp_path / "lm")
     plain = str(tmp_path / "plain")
     (tmp_path / "a.txt").write_text("some text " * 200)
     assert cli.main(["prepare", "--input", str(tmp_path / "a.txt"), "--tokenizer", "byte", "--output", plain]) == 0
-    err = _refused(capsys, [*common, f"--workdir={tmp_path / 'dpo'}", f"--config.data.path={plain}",
+    err = refused(capsys, [*common, f"--workdir={tmp_path / 'dpo'}", f"--config.data.path={plain}",
                             "--config.train.objective=dpo"])
     assert "holds no chosen/rejected pairs" in err and "--pairs" in err
-    err = _refused(capsys, [*common[:2], "--config.train.objective=dpo", f"--workdir={tmp_path / 'x'}"])
+    err = refused(capsys, [*common[:2], "--config.train.objective=dpo", f"--workdir={tmp_path / 'x'}"])
     assert "train.init_from" in err
-    err = _refused(capsys, [*common, f"--workdir={tmp_path / 'odd'}", f"--config.data.path={store}",
+    err = refused(capsys, [*common, f"--workdir={tmp_path / 'odd'}", f"--config.data.path={store}",
                             "--config.train.objective=dpo", "--config.train.global_batch_size=6",
                             "--config.train.microbatches=2"])
     assert "two a pair" in err

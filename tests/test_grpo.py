@@ -9,7 +9,7 @@ import os
 import jax
 import numpy as np
 import pytest
-from helpers import tiny_config
+from helpers import refused, tiny_config
 
 from jaxtron import cli
 from jaxtron.data.chat import PLAIN_TEMPLATE
@@ -168,13 +168,6 @@ def test_grpo_on_a_tensor_mesh_equals_one_device(grpo_data, tmp_path):
                                    atol=1e-5, err_msg=key)
 
 
-def _refused(capsys, argv) -> str:
-    assert cli.main(argv) == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith("error: ") and "Traceback" not in err[0], err
-    return err[0]
-
-
 @pytest.mark.parametrize("override, message", [
     ("--config.rl.group_size=1", "a group needs at least 2"),
     ("--config.rl.reward=no_such_module_anywhere:score", "cannot be imported"),
@@ -192,7 +185,7 @@ def test_bad_rl_input_is_one_sentence_exit_2_and_leaves_no_workdir(grpo_data, tm
             "--config.train.objective=grpo", "--config.train.global_batch_size=8", "--config.train.steps=2",
             "--config.rl.group_size=4", "--config.rl.max_new_tokens=8", f"--config.rl.reward={rewards}:score",
             override.format(rewards=rewards)]
-    assert message in _refused(capsys, argv)
+    assert message in refused(capsys, argv)
     assert not workdir.exists()
 
 
