@@ -72,8 +72,13 @@ def test_decoding_with_the_cache_equals_the_full_forward_at_every_step(family):
         assert not window or c["k"].shape[2] == (window if kind.local else 16)
     step = jax.jit(lambda m, t, p, c: m.decode(t, p, c))
     positions = jnp.broadcast_to(jnp.arange(5, dtype=jnp.int32), (2, 5))
+    fresh = cache
     logits, cache = step(model, tokens[:, :5], positions, cache)
     np.testing.assert_allclose(np.asarray(logits), want[:, :5], rtol=1e-5, atol=ATOL)
+    # a prefill's logits at one column a row (the prompts' last), as generation and GRPO's sampler take them
+    last, _ = jax.jit(lambda m, t, p, c, at: m.decode(t, p, c, last=at))(model, tokens[:, :5], positions, fresh,
+                                                                         jnp.asarray([4, 2], jnp.int32))
+    np.testing.assert_allclose(np.asarray(last)[:, 0], want[[0, 1], [4, 2]], rtol=1e-5, atol=ATOL)
     for t in range(5, 12):  # the first row at t, the second at t - 1 (its own position)
         at = jnp.asarray([[t], [t - 1]], jnp.int32)
         logits, cache = step(model, jnp.take_along_axis(tokens, at, axis=1), at, cache)

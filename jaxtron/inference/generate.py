@@ -84,8 +84,8 @@ class Generator:
 
         columns = jnp.arange(tokens.shape[1], dtype=jnp.int32)[None, :]
         positions = jnp.where(columns < lengths[:, None], columns, -1)
-        logits, cache = self._model(state).decode(tokens, positions, cache)
-        last = jnp.take_along_axis(logits, (lengths - 1)[:, None, None], axis=1)[:, 0]
+        logits, cache = self._model(state).decode(tokens, positions, cache, last=lengths - 1)
+        last = logits[:, 0]
         key, sub = jax.random.split(key)
         return next_tokens(last, sub, sampling), cache, key
 

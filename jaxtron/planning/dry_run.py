@@ -54,6 +54,9 @@ class DryRun:
     flops: float
     # GRPO: the optimized HLO of the sampler that makes the step's batch (training/rollouts.py), priced apart
     generation_text: str = dataclasses.field(default="", repr=False)
+    # GRPO: what the sampler allocates beside the parameters it reads (its temporaries and outputs): the cast
+    # weights, the KV cache, the prefill's working space. The rest of the state stays resident meanwhile.
+    generation_bytes: int = 0
 
     @property
     def peak_bytes(self) -> int:
@@ -70,10 +73,11 @@ def abstract_batch(cfg: Config, mesh) -> dict[str, jax.ShapeDtypeStruct]:
     return batch
 
 
-def _sampler_text(cfg: Config, setup, shardings, mesh) -> str:
-    """GRPO's sampler compiled for ``mesh`` from abstract inputs: its optimized HLO text."""
+def _sampler(cfg: Config, setup, shardings, mesh) -> tuple[str, int]:
+    """GRPO's sampler compiled for ``mesh`` from abstract inputs: (its optimized HLO text, the bytes of its
+    temporaries and outputs)."""
     if cfg.train.objective != "grpo":
-        return ""
+        return "", 0
     rows, width = cfg.train.global_batch_size, cfg.data.seq_len - cfg.rl.max_new_tokens
     placed = rows_sharding(mesh)
     prompts = jax.ShapeDtypeStruct((rows, width), jnp.int32, sharding=placed)
@@ -81,8 +85,10 @@ def _sampler_text(cfg: Config, setup, shardings, mesh) -> str:
     program = jax.jit(sampler(setup.graphdef, cfg), in_shardings=(shardings.params, placed, placed, None),
                       out_shardings=placed)
     key = jax.eval_shape(lambda: jax.random.key(0))
-    return program.lower(abstract_with_shardings(setup.abstract_state, shardings).params, prompts, lengths,
-                         key).compile().as_text()
+    compiled = program.lower(abstract_with_shardings(setup.abstract_state, shardings).params, prompts, lengths,
+                             key).compile()
+    memory = compiled.memory_analysis()
+    return compiled.as_text(), int(memory.temp_size_in_bytes + memory.output_size_in_bytes)
 
 
 def dry_run(cfg: Config, devices: list | None = None, implementation: str | None = None) -> DryRun:
@@ -118,13 +124,13 @@ def _compile(cfg: Config, devices: list, implementation: str, gpu: str | None = 
             costs = gpu_schedule.for_gpu(gpu) if gpu else gpu_schedule.for_devices(devices)
         compiled = gpu_schedule.compile_scheduled(step.lower(state, batch, votes), dict(setup.compiler_options), costs)
         compile_s = time.perf_counter() - start
-        generation = _sampler_text(cfg, setup, shardings, mesh)
+        generation, generation_bytes = _sampler(cfg, setup, shardings, mesh)
     memory, text = compiled.memory_analysis(), compiled.as_text()
     result = DryRun(mesh=dict(mesh.shape), compile_s=compile_s,
                     argument_bytes=int(memory.argument_size_in_bytes), output_bytes=int(memory.output_size_in_bytes),
                     alias_bytes=int(memory.alias_size_in_bytes), temp_bytes=int(memory.temp_size_in_bytes),
                     collectives=collectives(text), flops=sum(matmul_flops(text).values()),
-                    generation_text=generation)
+                    generation_text=generation, generation_bytes=generation_bytes)
     return result, text
 
 
@@ -219,6 +225,9 @@ def dry_run_text(result: DryRun) -> str:
               f"({result.alias_bytes / gib:.2f} GiB in place of donated inputs); peak {result.peak_bytes / gib:.2f} "
               "GiB"),
              "collectives per step and device (loop bodies counted once per iteration):"]
+    if result.generation_bytes:  # GRPO's sampler: its own program, run while the rest of the state is resident
+        lines.insert(2, f"generation: the sampler allocates {result.generation_bytes / gib:.2f} GiB beside the "
+                        "parameters it reads (cast weights, KV cache, working space)")
     for kind, c in result.collectives.items():
         if c["count"]:
             lines.append(f"  {kind:<20} {c['count']:>4}  {c['bytes'] / 2**20:10.1f} MiB")

@@ -40,8 +40,8 @@ def sampler(graphdef: Any, cfg: Config):
         cache = model.empty_cache(prompts.shape[0], prompts.shape[1] + steps, jnp.dtype(cfg.execution.dtype))
         columns = jnp.arange(prompts.shape[1], dtype=jnp.int32)[None, :]
         positions = jnp.where(columns < lengths[:, None], columns, -1)  # padding writes no cache slot
-        logits, cache = model.decode(prompts, positions, cache)
-        last = jnp.take_along_axis(logits, (lengths - 1)[:, None, None], axis=1)[:, 0]
+        logits, cache = model.decode(prompts, positions, cache, last=lengths - 1)
+        last = logits[:, 0]
 
         def body(carry, i):
             logits, cache, position = carry
