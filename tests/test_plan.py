@@ -925,3 +925,27 @@ def test_grpo_and_dpo_steps_carry_their_own_terms():
     lora = estimate(tiny_config(sizes, **grpo, rl=dict(reward="m:f", max_new_tokens=16), lora=dict(rank=4)), sizes,
                     gpu)
     assert "reference" not in lora.memory
+
+
+def test_grpo_memory_is_the_larger_of_the_step_and_the_sampler():
+    """The sampler runs all of a device's rows at once while the state stays resident. With few rows the step's
+    transients are larger and 'generation' is 0; with 512 rows in 16 microbatches the sampler sets the peak: the
+    estimate is then the resident state plus the sampler's allocation."""
+    from jaxtron.planning.estimate import estimate
+    from jaxtron.planning.gpus import GPUS
+
+    sizes, gpu = dict(data=2, fsdp=2, tensor=2), GPUS["h100"]
+
+    def grpo(rows: int, microbatches: int):
+        return estimate(tiny_config(sizes, train=dict(init_from="x", global_batch_size=rows, objective="grpo",
+                                                       microbatches=microbatches),
+                                    data=dict(source="store", path="x", seq_len=64),
+                                    rl=dict(reward="m:f", max_new_tokens=32)), sizes, gpu)
+
+    few, many = grpo(16, 1), grpo(512, 16)
+    resident = ("parameters", "optimizer", "reference")
+    assert few.memory["generation"] == 0 and few.sampler_bytes > 0
+    assert few.memory_bytes - sum(few.memory[k] for k in resident) > few.sampler_bytes
+    assert many.memory["generation"] > 0
+    assert many.memory_bytes == pytest.approx(sum(many.memory[k] for k in resident) + many.sampler_bytes)
+    assert many.sampler_bytes > 16 * few.sampler_bytes  # 32 times the rows: the cache and prefill grow with them

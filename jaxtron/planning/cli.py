@@ -346,6 +346,7 @@ def _compared(cfg, sizes, n: int, target_name: str, est, result, found, row_esti
 
     state = est.memory["parameters"] + est.memory["optimizer"] + est.memory["batch"]
     unseen = est.unseen_on_target_bytes if target_name != "cpu" else 0.0
+    unseen += est.memory.get("generation", 0.0)  # GRPO's sampler: its own program, compared below
     error = (est.memory_bytes - unseen) / result.peak_bytes - 1
     if row_estimate is not None:
         print(f"row {rank} as the table estimated it: {row_estimate.memory_bytes / GIB:.2f} GiB a device "
@@ -356,6 +357,11 @@ def _compared(cfg, sizes, n: int, target_name: str, est, result, found, row_esti
           f"{(est.memory_bytes - state - unseen) / GIB:.2f} GiB"
           + (f"; besides, cuDNN's workspace, which a compile without the GPU cannot see: {unseen / GIB:.2f} GiB"
              if unseen else ""))
+    if result.generation_bytes:
+        off = est.sampler_bytes / result.generation_bytes - 1
+        print(f"generation: the sampler's allocation estimated at {est.sampler_bytes / GIB:.2f} GiB against the "
+              f"compiled {result.generation_bytes / GIB:.2f} GiB ({100 * off:+.1f}%); it adds "
+              f"{est.memory.get('generation', 0.0) / GIB:.2f} GiB to the step's peak")
     print("estimated collective bytes per step and device: " +
           ", ".join(f"{k} {v / 2**20:.0f} MiB" for k, v in est.collectives.items() if v))
     tokens = cfg.train.global_batch_size * cfg.data.seq_len
@@ -367,7 +373,8 @@ def _compared(cfg, sizes, n: int, target_name: str, est, result, found, row_esti
                 compiled_temp=result.temp_bytes, estimated_peak=est.memory_bytes - unseen, estimated_unseen=unseen,
                 compile_s=result.compile_s, collectives=result.collectives, estimated_collectives=est.collectives,
                 target=target_name, kernels=found["kernels"], flops=result.flops, model_flops=model_flops,
-                budget=found["budget"],
+                budget=found["budget"], generation_bytes=result.generation_bytes,
+                estimated_generation_bytes=est.sampler_bytes,
                 row_estimated_peak=row_estimate.memory_bytes if row_estimate is not None else None)
 
 

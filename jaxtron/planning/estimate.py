@@ -20,7 +20,7 @@ from jaxtron.planning.collectives import communication_time
 from jaxtron.planning.gpus import GPU
 from jaxtron.planning.memory import UNSEEN_ON_TARGET, memory
 from jaxtron.planning.params import parameters
-from jaxtron.planning.rollouts import rollout_flops, with_rollouts
+from jaxtron.planning.rollouts import rollout_flops, sampler_excess, sampler_memory, with_rollouts
 from jaxtron.planning.shape import block_values, step_shape
 from jaxtron.planning.step_time import (
     COMPUTE_TERMS,
@@ -57,6 +57,7 @@ class Estimate:
     tokens_per_s: float
     collectives: dict[str, float]  # bytes per step and device, by collective kind
     config: Config  # the config that runs this program (``as_run``): `jaxtron train` and --compile take it
+    sampler_bytes: float = 0.0  # GRPO: what the sampler allocates beside the parameters (``sampler_memory``)
 
     @property
     def memory_bytes(self) -> float:
@@ -107,9 +108,12 @@ def estimate(cfg: Config, sizes: dict[str, int], gpu: GPU, microbatches: int | N
     time.update(tensor_overlap(cfg, time))
     time = with_rollouts(cfg, shape, block, gpu, params, time)  # GRPO: its updates, log-probabilities, generation
     step = step_seconds(time, gpu.comm_overlap, gpu.comm_interference)
-    held = memory(cfg, shape, block, params)
+    held, sampler_bytes = memory(cfg, shape, block, params), 0.0
     if keeps_reference(cfg):  # DPO's and GRPO's frozen reference: a copy of the parameters, sharded as they are
         held["reference"] = held["parameters"]
+    if cfg.train.objective == "grpo":  # the sampler runs between steps, while the state stays resident
+        sampler_bytes = sampler_memory(cfg, shape, block, params)
+        held["generation"] = sampler_excess(sampler_bytes, held)
     return Estimate(mesh=dict(shape.mesh), microbatches=shape.microbatches,
                     pipeline_microbatches=shape.in_flight if shape.pipelined else 0, schedule=shape.schedule,
                     virtual_stages=shape.virtual_stages if shape.pipelined else 1,
@@ -118,7 +122,8 @@ def estimate(cfg: Config, sizes: dict[str, int], gpu: GPU, microbatches: int | N
                     identity_layers=shape.identity_layers, attention=shape.attention, remat=cfg.execution.remat,
                     memory=held, time=time, exposed=EXPOSED, overlapped=OVERLAPPED,
                     step_s=step, mfu=rollout_flops(cfg, model_flops(cfg, shape)) / step / mfu_peak(cfg, shape, gpu),
-                    tokens_per_s=shape.step_tokens / step, collectives=collectives, config=as_run(cfg, sizes, shape))
+                    tokens_per_s=shape.step_tokens / step, collectives=collectives, config=as_run(cfg, sizes, shape),
+                    sampler_bytes=sampler_bytes)
 
 
 def as_run(cfg: Config, sizes: dict[str, int], shape) -> Config:

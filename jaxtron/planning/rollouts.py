@@ -22,6 +22,16 @@ from jaxtron.planning.params import Param
 from jaxtron.planning.shape import BlockValues, StepShape
 
 TERMS = ("logprobs", "generation")
+# The prefill's working space, in bytes per prompt token: per element of the residual stream (whole on every
+# device of a tensor group; float32 copies around the norms) and per element of the values split over it (query,
+# attention output, keys and values, the MLP's three). Fitted to two compiled samplers of Llama-3 8B at 4 layers:
+# one H200 with 16 rows of 512-token prompts (1.21 GiB), and tensor=8 on 8 H100s with 64 rows of 1792 (7.94 GiB)
+PREFILL_RESIDUAL_BYTES = 15.2
+PREFILL_SPLIT_BYTES = 1.81
+# The prefill's attention runs in XLA (the cache's layout), its float32 scores and their transpose live at once:
+# 3.2 GB each for Llama-3.2 1B, 16 rows of 1536-token prompts, tensor=2, where they set the sampler's peak
+SCORE_BYTES = 8
+LOGIT_COPIES = 4  # a decoding step's float32 logits, their softmax, and top-k/top-p's sorted values and indices
 # Each decoding step reads every weight for its GEMMs, and the layer loop first slices each layer's weights out of
 # the stack into a copy: 1.33 passes more, from the compiled sampler of Llama-3 8B at 4 layers on the H200 target
 # (its dynamic slices 700 ms beside the GEMMs' 528 ms of weight reads; benchmarks/grpo_generation.md)
@@ -46,6 +56,37 @@ def rollout_time(cfg: Config, shape: StepShape, block: BlockValues, gpu: GPU, pa
     decode = max((DECODE_WEIGHT_PASSES * weights + cache) / gpu.hbm_bandwidth, step_compute)
     gather = weights * (fsdp - 1) / fsdp / gpu.nvlink_bandwidth if fsdp > 1 else 0.0
     return {"logprobs": passes * forward, "generation": prefill + rl.max_new_tokens * (decode + gather)}
+
+
+def sampler_memory(cfg: Config, shape: StepShape, block: BlockValues, params: tuple[Param, ...]) -> float:
+    """Bytes GRPO's sampler allocates on a device beside the parameters it reads: their copy in the compute dtype
+    (``rollouts.cast_once``), the KV cache of every row the device samples, the prefill's
+    working space and a decoding step's logits. Every layer's cache is counted whole: a local layer's window or a
+    latent cache would be smaller."""
+    rl, m = cfg.rl, shape.model
+    weights = 0.0  # the cast copy, gathered over fsdp out of the decoding loop; the embedding too without tensor
+    if shape.value_bytes < 4:  # parallelism (with it, the compiled lookups read their shard)
+        weights = shape.value_bytes * sum(
+            p.shard_elements(shape.mesh) if p.path.startswith("embedding") and shape.tensor > 1
+            else p.gathered_elements(shape.mesh) for p in params)
+    rows = cfg.train.global_batch_size / shape.data_parallel  # the sampler runs them all at once: no microbatches
+    width = shape.seq_len - rl.max_new_tokens
+    cache = rows * shape.seq_len * m.num_layers * 2 * block.kv_width * shape.value_bytes
+    split = 2 * block.q_width + 2 * block.kv_width + 3 * block.mlp_width
+    scores = SCORE_BYTES * rows * block.heads * width * shape.seq_len
+    prefill = max(rows * width * (PREFILL_RESIDUAL_BYTES * block.embed + PREFILL_SPLIT_BYTES * split), scores)
+    return weights + cache + prefill + LOGIT_COPIES * rows * block.vocab * 4.0
+
+
+RESIDENT = ("parameters", "optimizer", "reference", "cudnn_workspace")  # memory terms held while the sampler runs
+
+
+def sampler_excess(sampler_bytes: float, held: dict[str, float]) -> float:
+    """The memory term 'generation': what the sampler's allocation adds to the device's peak beyond the step's own
+    transients (``held`` less the resident state). It is 0 unless sampling sets the peak: many rows at once (the
+    step may take them in microbatches, the sampler does not), long sequences, a small step."""
+    transients = sum(v for k, v in held.items() if k not in RESIDENT)
+    return max(0.0, sampler_bytes - transients)
 
 
 def with_rollouts(cfg: Config, shape: StepShape, block: BlockValues, gpu: GPU, params: tuple[Param, ...],
