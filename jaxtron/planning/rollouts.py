@@ -10,6 +10,7 @@ completions on the training mesh (``jaxtron.training.rollouts``).
   multiplies with (its tensor shard, gathered over fsdp first, as the sampler's program does; the layer loop's
   copies too, ``DECODE_WEIGHT_PASSES``) and the keys and values cached so far, at HBM bandwidth, or does its
   matmuls, whichever takes longer; the fsdp gather crosses NVLink each step.
+- memory 'generation': what the sampler allocates (``sampler_memory``) beyond the step's own transients.
 """
 
 from __future__ import annotations
