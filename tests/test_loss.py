@@ -9,7 +9,7 @@ import pytest
 from flax import nnx
 from helpers import tiny_config
 
-from jaxtron.ops.cross_entropy import log_partition, logits_of, token_sums
+from jaxtron.ops.cross_entropy import log_partition, logits_of, target_log_probs, token_sums
 
 
 def reference(x, head, targets, weights, z_loss):
@@ -46,6 +46,19 @@ def test_the_loss_and_its_gradients_equal_the_plain_formulas(chunks, z_loss):
     # masked positions get no gradient
     d_x = grad(x, head)[0]
     assert not np.any(np.asarray(d_x)[np.asarray(weights) == 0])
+
+
+@pytest.mark.parametrize("chunks", [1, 4])
+def test_per_token_log_probs_and_their_gradients_equal_the_log_softmax(chunks):
+    """DPO's and GRPO's per-token log-probabilities, whole or by slices of the sequence (each recomputed in the
+    backward pass): the log-softmax at each target, and the gradients of a weighted sum of them."""
+    x, head, targets, weights = inputs()
+    want = lambda x, h: jnp.take_along_axis(jax.nn.log_softmax(logits_of(x, h)), targets[..., None], -1)[..., 0]
+    np.testing.assert_allclose(target_log_probs(x, head, targets, chunks), want(x, head), rtol=1e-6, atol=1e-6)
+    grad = jax.grad(lambda x, h: jnp.sum(target_log_probs(x, h, targets, chunks) * weights), argnums=(0, 1))
+    expected = jax.grad(lambda x, h: jnp.sum(want(x, h) * weights), argnums=(0, 1))
+    for a, b in zip(grad(x, head), expected(x, head), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6 * float(jnp.abs(b).max()))
 
 
 def test_in_bf16_the_gradients_are_within_rounding_of_float32():

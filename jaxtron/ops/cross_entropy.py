@@ -138,3 +138,22 @@ def _backward(z_loss, chunks, residuals, cotangents):
 
 
 token_sums.defvjp(_forward, _backward)
+
+
+def target_log_probs(x: jax.Array, head: jax.Array, targets: jax.Array, chunks: int = 1) -> jax.Array:
+    """[batch, length] float32: each target's log-probability from hidden states ``x`` under ``head``, per token
+    (DPO's and GRPO's terms need them apart). With ``chunks`` > 1 the logits are made that many slices of the
+    sequence at a time, and made again in the backward pass, so no slice's logits are kept. GRPO's step of
+    Llama-3 8B at 4 layers (64 rows of 2048 tokens, tensor=8 H100s): whole, three float32 copies of the logits
+    peak at 35.19 GiB a device; in 8 slices, 20.58 GiB, for 34 ms more of the head's GEMM (563.0 -> 597.4 ms)."""
+
+    def one(x_part: jax.Array, targets_part: jax.Array) -> jax.Array:
+        logits = logits_of(x_part, head)
+        picked = jnp.take_along_axis(logits, targets_part[..., None], axis=-1)[..., 0]
+        # logsumexp, not the one-pass log_partition above: jax cannot differentiate that variadic reduce
+        return picked - jax.nn.logsumexp(logits, axis=-1)
+
+    if chunks == 1:
+        return one(x, targets)  # the logits kept for the backward: no second GEMM
+    one = jax.checkpoint(one)
+    return _unslice(jax.lax.map(lambda part: one(*part), (_slices(x, chunks), _slices(targets, chunks))))

@@ -27,9 +27,9 @@ MEANS = ("grpo/kl", "grpo/clip_fraction", "grpo/ratio", "loss", "grad_norm")  # 
 
 
 def grpo_sums(params: Any, graphdef: Any, batch: Batch, rl: RlConfig,
-              stack_runner: Any = None) -> tuple[jax.Array, tuple]:
+              stack_runner: Any = None, chunks: int = 1) -> tuple[jax.Array, tuple]:
     """(the loss summed over rows, (that sum, the row count, the rows' token-mean metrics))."""
-    new = token_logps(params, graphdef, batch, stack_runner)
+    new = token_logps(params, graphdef, batch, stack_runner, chunks)
     weights = token_weights(batch)
     ratio = jnp.exp(new - batch["old_logps"])
     advantages = batch["advantages"]
@@ -52,14 +52,15 @@ def grpo_sums(params: Any, graphdef: Any, batch: Batch, rl: RlConfig,
 
 
 def with_policy_logps(params: Any, reference: Any, graphdef: Any, batch: Batch, rl: RlConfig,
-                      stack_runner: Any = None) -> Batch:
+                      stack_runner: Any = None, chunks: int = 1) -> Batch:
     """The batch with the sampling parameters' log-probabilities (``old_logps``) and, with a KL penalty, the
     reference's (``reference``; None: the adapters off), computed once before a step's updates."""
     batch = dict(batch)
-    batch["old_logps"] = jax.lax.stop_gradient(token_logps(params, graphdef, batch, stack_runner))
+    batch["old_logps"] = jax.lax.stop_gradient(token_logps(params, graphdef, batch, stack_runner, chunks))
     if rl.kl:
         frozen = adapters_off(params) if reference is None else reference
-        batch["reference_logps"] = jax.lax.stop_gradient(token_logps(frozen, graphdef, batch, stack_runner))
+        batch["reference_logps"] = jax.lax.stop_gradient(token_logps(frozen, graphdef, batch, stack_runner,
+                                                                         chunks))
     return batch
 
 

@@ -16,24 +16,23 @@ from flax import nnx
 
 from jaxtron.config.post_training import DpoConfig
 from jaxtron.models import lora
+from jaxtron.ops.cross_entropy import target_log_probs
 from jaxtron.training.loss import token_weights
 
 Batch = dict[str, jax.Array]
 
 
-def token_logps(params: Any, graphdef: Any, batch: Batch, stack_runner: Any = None) -> jax.Array:
-    """[rows, length] float32: each target's log-probability under the model (every position, masked or not)."""
+def token_logps(params: Any, graphdef: Any, batch: Batch, stack_runner: Any = None, chunks: int = 1) -> jax.Array:
+    """[rows, length] float32: each target's log-probability under the model (every position, masked or not), the
+    logits made ``chunks`` (train.logit_chunks) slices of the sequence at a time."""
     model = nnx.merge(graphdef, params)
     out = model(batch["inputs"], batch.get("positions"), batch.get("segment_ids"), stack_runner=stack_runner)
-    logits = out.logits()
-    picked = jnp.take_along_axis(logits, batch["targets"][..., None], axis=-1)[..., 0]
-    # logsumexp, not ops/cross_entropy's one-pass log_partition: jax cannot differentiate that variadic reduce
-    return picked - jax.nn.logsumexp(logits, axis=-1)
+    return target_log_probs(out.hidden, out.head, batch["targets"], chunks)
 
 
-def sequence_logps(params: Any, graphdef: Any, batch: Batch, stack_runner: Any = None) -> jax.Array:
+def sequence_logps(params: Any, graphdef: Any, batch: Batch, stack_runner: Any = None, chunks: int = 1) -> jax.Array:
     """[rows] float32: each row's summed log-probability of its targets where ``loss_mask`` is 1."""
-    return jnp.sum(token_logps(params, graphdef, batch, stack_runner) * token_weights(batch), axis=-1)
+    return jnp.sum(token_logps(params, graphdef, batch, stack_runner, chunks) * token_weights(batch), axis=-1)
 
 
 def pair_rows(batch: Batch) -> Batch:
@@ -53,12 +52,12 @@ def adapters_off(params: Any) -> Any:
 
 
 def dpo_sums(params: Any, graphdef: Any, batch: Batch, dpo: DpoConfig, reference: Any,
-             stack_runner: Any = None) -> tuple[jax.Array, tuple]:
+             stack_runner: Any = None, chunks: int = 1) -> tuple[jax.Array, tuple]:
     """(the loss summed over pairs, (that sum, the pair count, the pairs' mean metrics)); ``reference``: the
     reference model's parameters (None: ``params`` with their adapters off)."""
-    policy = sequence_logps(params, graphdef, batch, stack_runner).reshape(-1, 2)
+    policy = sequence_logps(params, graphdef, batch, stack_runner, chunks).reshape(-1, 2)
     frozen = adapters_off(params) if reference is None else reference
-    base = jax.lax.stop_gradient(sequence_logps(frozen, graphdef, batch, stack_runner)).reshape(-1, 2)
+    base = jax.lax.stop_gradient(sequence_logps(frozen, graphdef, batch, stack_runner, chunks)).reshape(-1, 2)
     rewards = dpo.beta * (policy - base)  # DPO's implicit rewards, [pairs, (chosen, rejected)]
     logits = rewards[:, 0] - rewards[:, 1]
     e = dpo.label_smoothing
@@ -71,8 +70,8 @@ def dpo_sums(params: Any, graphdef: Any, batch: Batch, dpo: DpoConfig, reference
 
 
 def dpo_eval_sums(params: Any, graphdef: Any, batch: Batch, dpo: DpoConfig, reference: Any,
-                  stack_runner: Any = None) -> dict[str, jax.Array]:
+                  stack_runner: Any = None, chunks: int = 1) -> dict[str, jax.Array]:
     """Held-out pairs' sums: the loss, pairs ranked right (``dpo/accuracy``), the margin; and their count."""
-    total, (_, pairs, metrics) = dpo_sums(params, graphdef, batch, dpo, reference, stack_runner)
+    total, (_, pairs, metrics) = dpo_sums(params, graphdef, batch, dpo, reference, stack_runner, chunks)
     return {"eval/loss": total, "dpo/accuracy": metrics["dpo/train_accuracy"] * pairs,
             "eval/dpo_margin": metrics["dpo/margin"] * pairs, "count": pairs}

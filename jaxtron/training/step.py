@@ -69,9 +69,10 @@ def objective(setup: Setup, reference: Any = None):
     the language model's over tokens, or DPO's over pairs against ``reference`` (None: the adapters off)."""
     if setup.train.objective == "dpo":
         return functools.partial(preference.dpo_sums, graphdef=setup.graphdef, dpo=setup.dpo, reference=reference,
-                                 stack_runner=setup.stack_runner)
+                                 stack_runner=setup.stack_runner, chunks=setup.train.logit_chunks)
     if setup.train.objective == "grpo":
-        return functools.partial(grpo.grpo_sums, graphdef=setup.graphdef, rl=setup.rl, stack_runner=setup.stack_runner)
+        return functools.partial(grpo.grpo_sums, graphdef=setup.graphdef, rl=setup.rl, stack_runner=setup.stack_runner,
+                                 chunks=setup.train.logit_chunks)
     return functools.partial(loss_sums, graphdef=setup.graphdef, objective=Objective.training(setup.train),
                              stack_runner=setup.stack_runner)
 
@@ -223,7 +224,7 @@ def rollout_step(setup: Setup, state: TrainState, batch: Batch,
     log-probabilities once, then ``rl.updates`` optimizer updates (``train_step`` each); one step of the run. The
     metrics are the updates' means where ``grpo.MEANS`` says so, the last update's otherwise."""
     batch = grpo.with_policy_logps(state.params, state.reference, setup.graphdef, batch, setup.rl,
-                                   setup.stack_runner)
+                                   setup.stack_runner, setup.train.logit_chunks)
     start, updates = state.step, []
     for _ in range(setup.rl.updates):  # unrolled: a few updates, each the whole batch
         state, metrics = train_step(setup, state, batch, stop_votes)
@@ -236,7 +237,8 @@ def eval_step(setup: Setup, params: Any, batch: Batch, reference: Any = None) ->
     """A batch's metric sums and their ``count`` (no gradients): the summed cross-entropy over tokens
     (``eval/loss``), or DPO's sums over pairs (``preference.dpo_eval_sums``)."""
     if setup.train.objective == "dpo":
-        return preference.dpo_eval_sums(params, setup.graphdef, batch, setup.dpo, reference, setup.stack_runner)
+        return preference.dpo_eval_sums(params, setup.graphdef, batch, setup.dpo, reference, setup.stack_runner,
+                                        setup.train.logit_chunks)
     _, (ce_sum, count, _) = loss_sums(params, setup.graphdef, batch, Objective.training(setup.train).cross_entropy(),
                                       stack_runner=setup.stack_runner)
     return {"eval/loss": ce_sum, "count": count}

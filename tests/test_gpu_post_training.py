@@ -1,6 +1,6 @@
-"""GRPO's sampler on the compile-only H100 target: the planner's estimate of what it allocates (cast weights, KV
-cache, the prefill's working space) against the compiled program's, and a prefill that computes no logits but
-each row's last.
+"""DPO and GRPO on the compile-only H100 target: the planner's memory of their steps, whose per-token
+log-probabilities keep more float32 logits than the language model's loss, and of GRPO's sampler (cast weights, KV
+cache, the prefill's working space); and a prefill that computes no logits but each row's last.
 
 The compiles need jax's CUDA plugin (`python -m pip install -e ".[gpu-target]"`); each runs in a subprocess.
 """
@@ -39,3 +39,24 @@ def test_the_planner_prices_the_samplers_memory(config, mesh, layers, rows, seq_
                     f"data.seq_len={seq_len}", f"rl.max_new_tokens={new_tokens}", *GRPO)
     assert -0.05 <= got["estimated"] / got["compiled"] - 1 <= 0.20, got
     assert got["prompt_logits"] == 0, got
+
+
+STEP = """
+from jaxtron.planning.estimate import estimate
+from jaxtron.planning.gpus import GPUS
+est = estimate(cfg, result.mesh, GPUS['h100'])
+# the step's program: without cuDNN's workspace (unseen) and GRPO's sampler (its own program)
+print(json.dumps(dict(compiled=result.peak_bytes, estimated=est.memory_bytes - est.unseen_on_target_bytes
+                      - est.memory.get('generation', 0.0))))
+"""
+
+
+@pytest.mark.parametrize("objective,rows,chunks", [("grpo", 64, 1), ("grpo", 64, 8), ("dpo", 32, 1)])
+def test_the_planner_prices_the_post_training_steps_memory_within_10_percent(objective, rows, chunks):
+    """Llama-3 8B at 4 layers, sequence 2048, tensor=8 on 8 H100s: whole, GRPO's logits are three float32 copies
+    (23.5 GiB a device), DPO's two; in 8 slices, none is whole."""
+    reward = ("rl.reward=m:f", "rl.max_new_tokens=256") if objective == "grpo" else ()
+    got = on_target(STEP, "configs/llama3_8b.py", 8, "mesh.tensor=8", "mesh.fsdp=1", "model.num_layers=4",
+                    f"train.objective={objective}", "train.init_from=x", f"train.global_batch_size={rows}",
+                    f"train.logit_chunks={chunks}", "data.seq_len=2048", "data.source=store", "data.path=x", *reward)
+    assert abs(got["estimated"] / got["compiled"] - 1) <= 0.10, got
