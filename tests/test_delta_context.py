@@ -53,6 +53,7 @@ def _loss(out, weights=WEIGHTS):
 SEGMENTS = jnp.asarray(np.stack([np.repeat([1, 2, 3], [16, 7, 41]), np.ones(LENGTH, int)]), jnp.int32)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mesh_shape,packed", [
     (dict(fsdp=2, sequence=2, tensor=2), True),
     # the first tier's time is close to its limit: more shards, and rows of one document, in the extended tier

@@ -45,7 +45,9 @@ def _leaves(state):
 def _abstract():
     mesh = make_mesh(check_devices(CFG, 1), jax.devices()[:1])
     setup = state_lib.setup(CFG, "xla")
-    return setup.abstract_state, state_lib.state_shardings(mesh, setup.abstract_state)
+    shardings = state_lib.state_shardings(mesh, setup.abstract_state)
+    # what a checkpoint holds: the state without its reference model
+    return state_lib.saved_part(setup.abstract_state), state_lib.saved_part(shardings, setup.abstract_state)
 
 
 @pytest.fixture(scope="session")  # once per test process (tests/conftest.py)
