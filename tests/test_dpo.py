@@ -150,6 +150,7 @@ def test_dpo_resumes_bit_exactly_and_keeps_its_reference_out_of_checkpoints(dpo_
 
 
 @pytest.mark.slow
+@pytest.mark.extended  # a mesh: the extended tier's (the first tier's time); the first keeps the resume
 def test_dpo_on_a_data_fsdp_tensor_mesh_equals_one_device(dpo_data, tmp_path):
     from jaxtron.training.loop import run
     cfg = dict(train=dict(microbatches=2))

@@ -158,6 +158,7 @@ def test_grpo_resumes_bit_exactly(grpo_data, tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.extended  # a mesh: the extended tier's (the first tier's time); the first keeps the resume
 def test_grpo_on_a_tensor_mesh_equals_one_device(grpo_data, tmp_path):
     from jaxtron.training.loop import run
     one = run(_grpo_cfg(grpo_data, steps=3), str(tmp_path / "one"), use_tqdm=False, devices=jax.devices()[:1])
