@@ -32,7 +32,7 @@ PREFILL_SPLIT_BYTES = 1.81
 # The prefill's attention runs in XLA (the cache's layout), its float32 scores and their transpose live at once:
 # 3.2 GB each for Llama-3.2 1B, 16 rows of 1536-token prompts, tensor=2, where they set the sampler's peak
 SCORE_BYTES = 8
-LOGIT_COPIES = 4  # a decoding step's float32 logits, their softmax, and top-k/top-p's sorted values and indices
+DECODE_LOGIT_COPIES = 4  # a decoding step's float32 logits, their softmax, and top-k/top-p's sorted values and indices
 # Each decoding step reads every weight for its GEMMs, and the layer loop first slices each layer's weights out of
 # the stack into a copy: 1.33 passes more, from the compiled sampler of Llama-3 8B at 4 layers on the H200 target
 # (its dynamic slices 700 ms beside the GEMMs' 528 ms of weight reads; benchmarks/grpo_generation.md)
@@ -76,7 +76,7 @@ def sampler_memory(cfg: Config, shape: StepShape, block: BlockValues, params: tu
     split = 2 * block.q_width + 2 * block.kv_width + 3 * block.mlp_width
     scores = SCORE_BYTES * rows * block.heads * width * shape.seq_len
     prefill = max(rows * width * (PREFILL_RESIDUAL_BYTES * block.embed + PREFILL_SPLIT_BYTES * split), scores)
-    return weights + cache + prefill + LOGIT_COPIES * rows * block.vocab * 4.0
+    return weights + cache + prefill + DECODE_LOGIT_COPIES * rows * block.vocab * 4.0
 
 
 RESIDENT = ("parameters", "optimizer", "reference", "cudnn_workspace")  # memory terms held while the sampler runs
