@@ -157,7 +157,8 @@ def test_state_bytes_per_device_follow_the_shardings():
 def test_microbatches_on_a_sharded_mesh_with_the_distributed_optimizer(single_device_run, tmp_path):
     """2 accumulation microbatches (each device's rows accumulating apart, summed over data once a step) and
     optimizer.distributed on data=2 x fsdp=2 x tensor=2: the moments split over data where fsdp splits them,
-    besides tensor (the norms' over data and fsdp), the weights as their rules place them, and the run equal to one
+    besides tensor (the norms' over data and fsdp), the float32 weights (masters) split as the moments are, and the
+    run equal to one
     device's (losses to 1e-5; parameters to 1% of the largest update AdamW could have made over the run, but for
     one in a thousand whose gradient near zero rounding can flip: those within twice that update)."""
     import optax
@@ -179,9 +180,11 @@ def test_microbatches_on_a_sharded_mesh_with_the_distributed_optimizer(single_de
     mu = optax.tree_utils.tree_get(summary.state.opt_state, "mu")
     wq = summary.state.params["layers"]["attn"]["wq"]["weight"].get_value()
     wq_mu = mu["layers"]["attn"]["wq"]["weight"].get_value()
-    assert wq.sharding.shard_shape(wq.shape) == (2, 32, 2, 16)  # [layers, embed / fsdp, heads / tensor, head_dim]
-    # and embed over data too, beside fsdp: one reduce-scatter sums the gradient onto the moments' shard
+    # [layers, embed / (fsdp data), heads / tensor, head_dim]: embed over data too, beside fsdp, so one
+    # reduce-scatter sums the gradient onto the moments' shard; the masters are split as the moments are (each
+    # step gathers its working copy over data, training/working_copy.py)
     assert wq_mu.sharding.shard_shape(wq.shape) == (2, 16, 2, 16)
+    assert wq.sharding.shard_shape(wq.shape) == (2, 16, 2, 16)
     norm_mu = mu["final_norm"]["scale"].get_value()
     assert norm_mu.sharding.shard_shape(norm_mu.shape) == (16,)  # 64 over data x fsdp
     setup = state_lib.setup(cfg, "xla")
@@ -189,7 +192,8 @@ def test_microbatches_on_a_sharded_mesh_with_the_distributed_optimizer(single_de
     plain, distributed = (state_lib.state_bytes_per_device(
         setup.abstract_state, state_lib.state_shardings(mesh, setup.abstract_state, d)) for d in (False, True))
     params = sum(x.size for x in jax.tree.leaves(setup.abstract_state.params))
-    assert plain - distributed == pytest.approx(2 * 4 * params / 4 / 2, rel=0.05)  # half of both moments (/ 4 before)
+    # half of both moments and of the masters (/ 4 before): 3 float32 copies of a device's share, halved
+    assert plain - distributed == pytest.approx(3 * 4 * params / 4 / 2, rel=0.05)
 
 
 def test_learning_rate_schedule_hits_peak_and_floor_exactly():

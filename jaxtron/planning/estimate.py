@@ -19,7 +19,7 @@ from jaxtron.config.schema import Config, MeshConfig, replace
 from jaxtron.planning.collectives import communication_time
 from jaxtron.planning.gpus import GPU
 from jaxtron.planning.memory import UNSEEN_ON_TARGET, memory
-from jaxtron.planning.params import parameters
+from jaxtron.planning.params import parameters, state_elements
 from jaxtron.planning.rollouts import rollout_flops, sampler_excess, sampler_memory, with_rollouts
 from jaxtron.planning.shape import block_values, step_shape
 from jaxtron.planning.step_time import (
@@ -109,8 +109,8 @@ def estimate(cfg: Config, sizes: dict[str, int], gpu: GPU, microbatches: int | N
     time = with_rollouts(cfg, shape, block, gpu, params, time)  # GRPO: its updates, log-probabilities, generation
     step = step_seconds(time, gpu.comm_overlap, gpu.comm_interference)
     held, sampler_bytes = memory(cfg, shape, block, params), 0.0
-    if keeps_reference(cfg):  # DPO's and GRPO's frozen reference: a copy of the parameters, sharded as they are
-        held["reference"] = held["parameters"]
+    if keeps_reference(cfg):  # DPO's and GRPO's frozen reference: float32 parameters, sharded as their rules say
+        held["reference"] = 4.0 * state_elements(params, shape.mesh)
     if cfg.train.objective == "grpo":  # the sampler runs between steps, while the state stays resident
         sampler_bytes = sampler_memory(cfg, shape, block, params)
         held["generation"] = sampler_excess(sampler_bytes, held)

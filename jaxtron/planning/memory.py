@@ -27,6 +27,7 @@ from jaxtron.config.schema import ONE_F_ONE_B, Config
 from jaxtron.ops.blockwise import block_size
 from jaxtron.planning.params import Param, optimizer_elements, state_elements
 from jaxtron.planning.shape import BlockValues, StepShape
+from jaxtron.planning.working_copy import working_copy_bytes
 from jaxtron.training.optimizer import matrix_dimensions
 
 # live copies at the peak, per kind of buffer (see the module docstring)
@@ -97,11 +98,14 @@ UNSEEN_ON_TARGET = ("cudnn_workspace",)  # terms a compile without the GPU canno
 def state_memory(cfg: Config, shape: StepShape, params: tuple[Param, ...]) -> dict[str, float]:
     """Bytes of the train state and the batch: float32 parameters, two AdamW moments (one momentum for Muon's
     matrices), gradients (+ the microbatch accumulator), and the step's five int32 batch arrays. Under the
-    distributed optimizer the moments and the accumulator hold their shard over the batch's axes
-    (``state_sharding.optimizer_spec``)."""
+    distributed optimizer the parameters (masters), the moments and the accumulator hold their shard over the
+    batch's axes (``state_sharding.optimizer_spec``), and the step holds its working copy (``working_copy.py``)."""
     shard = state_elements(params, shape.mesh)
     moments = optimizer_elements(params, shape.mesh, cfg.optimizer.distributed)
-    return {"parameters": 4.0 * shard, "optimizer": 4.0 * (2 * moments - muon_momenta(cfg, shape, params)),
+    distributed = cfg.optimizer.distributed  # float32 masters split as the moments, and the step's working copy
+    return {"parameters": 4.0 * (moments if distributed else shard),
+            "working_copy": working_copy_bytes(params, shape.mesh, shape.value_bytes) if distributed else 0.0,
+            "optimizer": 4.0 * (2 * moments - muon_momenta(cfg, shape, params)),
             "gradients": 4.0 * shard + (4.0 * moments if shape.microbatches > 1 else 0.0),
             "batch": 5 * 4.0 * shape.rows * shape.microbatches * shape.local_len}
 

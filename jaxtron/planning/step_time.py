@@ -17,6 +17,7 @@ from jaxtron.planning import muon
 from jaxtron.planning.gpus import GPU, check_recipe
 from jaxtron.planning.params import Param
 from jaxtron.planning.shape import BlockValues, StepShape
+from jaxtron.planning.working_copy import WORKING_COPY_PASS_BYTES, reads_working_copy
 
 # elementwise traffic of one block per token, in units of (h + q + 2k + f): norms, rotary, residual adds,
 # activation function and casts, forward only (the backward moves about twice as much)
@@ -118,7 +119,12 @@ def compute_time(cfg: Config, shape: StepShape, block: BlockValues, gpu: GPU,
     # weight-pass bytes prices a published stack, which makes no such copies
     grouped = execution.moe_mode == "dropless" and not execution.fp8
     transposed = GROUPED_TRANSPOSE_BYTES if grouped and gpu.weight_pass_bytes else 0.0
-    time["weights"] = (weight_passes(shape, params) * gpu.weight_pass_bytes
+    # under the distributed optimizer the projections' passes read the step's working copy, not the masters
+    copied = tuple(p for p in params
+                   if cfg.optimizer.distributed and reads_working_copy(p, shape.mesh, shape.value_bytes))
+    others = tuple(p for p in params if p not in copied)
+    time["weights"] = (weight_passes(shape, others) * gpu.weight_pass_bytes
+                       + weight_passes(shape, copied) * min(gpu.weight_pass_bytes, WORKING_COPY_PASS_BYTES)
                        + weight_passes(shape, params, experts_only=True) * transposed
                        + chunk_passes(cfg, shape, params) * TENSOR_CHUNK_PASS_BYTES) / gpu.hbm_bandwidth
     time["expert_rows"] = expert_row_bytes(cfg, shape, block) / gpu.hbm_bandwidth

@@ -180,11 +180,14 @@ def saved_part(state: TrainState, like: TrainState | None = None) -> SavedState:
 
 
 def state_shardings(mesh: Mesh, abstract_state: TrainState, distributed_optimizer: bool = False) -> TrainState:
-    """Params and optimizer moments follow the parameters' logical names (the moments also split over the
-    batch's axes under the distributed optimizer: ``state_sharding.optimizer_spec``); scalars are replicated."""
+    """Params and optimizer moments follow the parameters' logical names; under the distributed optimizer both also
+    split over the batch's axes (``state_sharding.optimizer_spec``: the params are float32 masters, and a step
+    gathers its working copy, ``working_copy.py``); the DPO reference stays as its rule places it. Scalars are
+    replicated."""
     shardings = tree_shardings(mesh, abstract_state)
     if distributed_optimizer:
-        shardings = shardings.replace(opt_state=tree_shardings(mesh, abstract_state.opt_state, optimizer=True))
+        shardings = shardings.replace(opt_state=tree_shardings(mesh, abstract_state.opt_state, optimizer=True),
+                                      params=tree_shardings(mesh, abstract_state.params, optimizer=True))
     return shardings
 
 

@@ -28,6 +28,7 @@ from jaxtron.training.optimizer import schedule_count
 from jaxtron.training.pipeline.fill_drain import split_rows
 from jaxtron.training.pipeline.replicas import Replicas
 from jaxtron.training.state import Setup, TrainState
+from jaxtron.training.working_copy import as_masters, master_shapes, working_copy
 
 Batch = dict[str, jax.Array]
 
@@ -81,11 +82,21 @@ def gradients(setup: Setup, params: Any, batch: Batch, reference: Any = None):
     """(summed gradients, loss sum, count, metrics) of the whole batch: the cross-entropy over tokens with the MoE
     metrics, or DPO's loss over pairs with its own (``objective``). Gradients and sums are accumulated over
     microbatches in float32, the metrics averaged over them."""
+    masters = params
+    if setup.distributed_optimizer:  # the masters gathered once, in the compute dtype (``working_copy.py``)
+        params = working_copy(setup.graphdef, masters)
     # a pipeline schedule that runs its own backward pass computes them (``Schedule.gradients``: the 1F1B ones); the
     # others are differentiated through
     own = None if setup.stack_runner is None else setup.stack_runner.gradients(setup, params, batch)
     if own is not None:
-        return own
+        return as_masters(own[0], masters), *own[1:]
+    grads, ce_sum, count, moe = _differentiated(setup, params, masters, batch, reference)
+    return as_masters(grads, masters), ce_sum, count, moe
+
+
+def _differentiated(setup: Setup, params: Any, masters: Any, batch: Batch, reference: Any):
+    """``gradients`` differentiated through the objective, of ``params`` (the masters or their working copy),
+    accumulated over the microbatches in the masters' dtypes."""
     microbatches = setup.train.microbatches
     loss_fn = objective(setup, reference)
     params, frozen = lora.split(params)
@@ -100,6 +111,7 @@ def gradients(setup: Setup, params: Any, batch: Batch, reference: Any = None):
     micro_batches = split_microbatches(batch, microbatches, setup.train.objective == "dpo")
     first = jax.tree.map(lambda a: a[0], micro_batches)
     (_, sums), grads = jax.eval_shape(lambda: grad_fn(params, batch=first))
+    grads = master_shapes(grads, masters)
     mesh = jax.sharding.get_abstract_mesh()
     # a dense model without a pipeline sums its gradients over the replicas once a step: each replica's rows run
     # apart (a vmap over the replicas, spmd over the mesh axes that split the rows and no weight), each
@@ -113,7 +125,7 @@ def gradients(setup: Setup, params: Any, batch: Batch, reference: Any = None):
     def body(carry, micro):
         micro = {k: constrain(v, BATCH_AXES) for k, v in micro.items()}
         (_, sums), grads = grad_fn(params, batch=micro)
-        return jax.tree.map(jnp.add, carry, (shard(grads), *sums)), None
+        return jax.tree.map(jnp.add, carry, (shard(as_masters(grads, masters)), *sums)), None
 
     init = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), (grads, *sums))
     init = (shard(init[0]), *init[1:])
@@ -185,8 +197,8 @@ def train_step(setup: Setup, state: TrainState, batch: Batch,
     with jax.named_scope("optimizer"):
         updates, opt_state = setup.tx.update(grads, state.opt_state, trainable)
         params = lora.join(optax.apply_updates(trainable, updates), frozen)
-    if setup.distributed_optimizer:  # the updated weights gathered once, as their rule places them
-        params = constrain_variables(params)
+    if setup.distributed_optimizer:  # the updated masters stay split; the next step gathers its working copy
+        params = constrain_variables(params, optimizer=True)
     bias_spread = None
     if setup.train.router_bias_rate:  # outside the gradients: the router bias gets none, and no optimizer update
         params, bias_spread = balance_router_bias(params, block_load, setup.train.router_bias_rate,
@@ -223,7 +235,8 @@ def rollout_step(setup: Setup, state: TrainState, batch: Batch,
     """GRPO's step on a batch of sampled completions (``grpo.py``): the sampling parameters' and the reference's
     log-probabilities once, then ``rl.updates`` optimizer updates (``train_step`` each); one step of the run. The
     metrics are the updates' means where ``grpo.MEANS`` says so, the last update's otherwise."""
-    batch = grpo.with_policy_logps(state.params, state.reference, setup.graphdef, batch, setup.rl,
+    policy = working_copy(setup.graphdef, state.params) if setup.distributed_optimizer else state.params
+    batch = grpo.with_policy_logps(policy, state.reference, setup.graphdef, batch, setup.rl,
                                    setup.stack_runner, setup.train.logit_chunks)
     start, updates = state.step, []
     for _ in range(setup.rl.updates):  # unrolled: a few updates, each the whole batch

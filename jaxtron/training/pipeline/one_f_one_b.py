@@ -127,7 +127,11 @@ class OneFOneB:
         self.v_ = schedule.virtual_stages if schedule.kind == "interleaved" else 1
         self.model = model = CutModel(setup, params, batch)
         self.first = model.pick(0)
-        self.periods_0, self.to_params = jax.vjp(self._stack_of, params)  # the periods, and back to the parameters
+        # the periods' float32 gradient sums back to the parameters: the working copy's periods are in the compute
+        # dtype (``training/working_copy.py``), and a vjp of theirs would round the sums to it
+        _, self.to_params = jax.vjp(self._stack_of, jax.tree.map(
+            lambda a: a.astype(jnp.promote_types(a.dtype, jnp.float32)), params))
+        self.periods_0 = self._stack_of(params)
         self.stack_size = jax.tree.leaves(self.periods_0)[0].shape[0]
         self._check()
         self.per = self.stack_size // self.s_  # periods of a stage: its chunks' pc each, chunk v's at v * pc
@@ -366,17 +370,15 @@ class OneFOneB:
 
     def _parameter_gradients(self, grad_stack, grad_rest):
         """The replicas' sums, reduce-scattered onto the distributed optimizer's shards where it runs, in the
-        parameters' layout and dtypes."""
+        parameters' layout, float32 (the step casts them to the masters' dtypes)."""
         rows = self.rows
         grad_stack = jax.tree.unflatten(self.stack_def, [
             self._summed_layout(jnp.sum(g, axis=1), ("stages", "layers", *names))
             for g, names in zip(grad_stack, rows.stack_names, strict=True)])
-        (d_from_stack,) = self.to_params(jax.tree.map(lambda g, a: g.reshape(a.shape).astype(a.dtype), grad_stack,
-                                                      self.periods_0))
+        (d_from_stack,) = self.to_params(jax.tree.map(lambda g, a: g.reshape(a.shape), grad_stack, self.periods_0))
         return jax.tree.unflatten(rows.params_def, [
-            (a.astype(jnp.float32) + (0.0 if staged else jnp.sum(b, axis=(0, 1)))).astype(p.dtype)
-            for a, b, p, staged in zip(jax.tree.leaves(d_from_stack), grad_rest, rows.param_leaves, rows.in_stack,
-                                       strict=True)])
+            a + (0.0 if staged else jnp.sum(b, axis=(0, 1)))
+            for a, b, staged in zip(jax.tree.leaves(d_from_stack), grad_rest, rows.in_stack, strict=True)])
 
     def _summed_layout(self, grad, names):
         """A staged weight's gradient summed over the replicas, held in its parameter's layout or the distributed
