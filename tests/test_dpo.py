@@ -52,7 +52,8 @@ def _dpo_cfg(data, mesh=None, steps=4, **sections):
     train = dict(steps=steps, global_batch_size=8, log_every=1, init_from=base, objective="dpo", eval_batches=0)
     # the schedule's length fixed (optimizer.decay_steps), so that a resumed run may raise train.steps
     return tiny_config(mesh, train={**train, **sections.pop("train", {})}, model=dict(max_seq_len=128),
-                       optimizer=dict(learning_rate=3e-3, warmup_steps=1, decay_steps=8),
+                       optimizer=dict(learning_rate=3e-3, warmup_steps=1, decay_steps=8,
+                                      **sections.pop("optimizer", {})),
                        data=dict(source="store", path=store, seq_len=96, validation_fraction=0.1),
                        **{"checkpoint": dict(every=0), **sections})
 
@@ -155,7 +156,9 @@ def test_dpo_on_a_data_fsdp_tensor_mesh_equals_one_device(dpo_data, tmp_path):
     from jaxtron.training.loop import run
     cfg = dict(train=dict(microbatches=2))
     one = run(_dpo_cfg(dpo_data, **cfg), str(tmp_path / "one"), use_tqdm=False, devices=jax.devices()[:1])
-    mesh = run(_dpo_cfg(dpo_data, dict(data=2, fsdp=2, tensor=2), **cfg), str(tmp_path / "mesh"), use_tqdm=False)
+    # the mesh's masters split over data (the distributed optimizer); its reference placed as its rules say
+    mesh = run(_dpo_cfg(dpo_data, dict(data=2, fsdp=2, tensor=2), optimizer=dict(distributed=True), **cfg),
+               str(tmp_path / "mesh"), use_tqdm=False)
     # every step's loss, gradient norm and metrics: the parameters after each update agree as well
     for key in ("loss", "grad_norm", "dpo/margin", "dpo/chosen_logp", "dpo/rejected_logp"):
         np.testing.assert_allclose([h[key] for h in mesh.history], [h[key] for h in one.history], rtol=1e-5,

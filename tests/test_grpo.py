@@ -49,7 +49,8 @@ def _grpo_cfg(data, mesh=None, steps=4, **sections):
     train = dict(steps=steps, global_batch_size=16, log_every=1, init_from=base, objective="grpo", eval_batches=0)
     rl = dict(reward=f"{rewards}:score", group_size=4, max_new_tokens=16, updates=2, kl=0.1)
     return tiny_config(mesh, train={**train, **sections.pop("train", {})}, model=dict(max_seq_len=128),
-                       optimizer=dict(learning_rate=3e-3, warmup_steps=1, decay_steps=8),
+                       optimizer=dict(learning_rate=3e-3, warmup_steps=1, decay_steps=8,
+                                      **sections.pop("optimizer", {})),
                        data=dict(source="store", path=store, seq_len=64, validation_fraction=0.0),
                        rl={**rl, **sections.pop("rl", {})}, **{"checkpoint": dict(every=0), **sections})
 
@@ -162,9 +163,10 @@ def test_grpo_resumes_bit_exactly(grpo_data, tmp_path):
 def test_grpo_on_a_tensor_mesh_equals_one_device(grpo_data, tmp_path):
     from jaxtron.training.loop import run
     one = run(_grpo_cfg(grpo_data, steps=3), str(tmp_path / "one"), use_tqdm=False, devices=jax.devices()[:1])
-    # the mesh's logits in 4 slices of the sequence, one device's whole: the same log-probabilities
-    mesh = run(_grpo_cfg(grpo_data, dict(data=2, fsdp=2, tensor=2), steps=3, train=dict(logit_chunks=4)),
-               str(tmp_path / "mesh"), use_tqdm=False)
+    # the mesh's logits in 4 slices of the sequence, one device's whole: the same log-probabilities; the mesh's
+    # masters split over data (the distributed optimizer), the sampler reading their working copy
+    mesh = run(_grpo_cfg(grpo_data, dict(data=2, fsdp=2, tensor=2), steps=3, train=dict(logit_chunks=4),
+                         optimizer=dict(distributed=True)), str(tmp_path / "mesh"), use_tqdm=False)
     for key in ("loss", "grad_norm", "grpo/reward", "grpo/kl", "grpo/ratio"):
         np.testing.assert_allclose([h[key] for h in mesh.history], [h[key] for h in one.history], rtol=1e-5,
                                    atol=1e-5, err_msg=key)

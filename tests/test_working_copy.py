@@ -33,6 +33,7 @@ def test_the_working_copy_casts_the_projections_and_leaves_the_masters_as_they_w
 
 
 @pytest.mark.slow
+@pytest.mark.extended  # meshes: the extended tier's (the first tier's time); the first keeps the unit check
 @pytest.mark.parametrize("mesh,schedule", [(dict(data=2, fsdp=2, tensor=2), None),
                                            (dict(pipeline=2, data=2, tensor=2), "1f1b")])
 def test_a_bfloat16_run_with_the_distributed_optimizer_keeps_float32_masters(mesh, schedule, tmp_path):

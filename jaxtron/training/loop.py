@@ -300,14 +300,16 @@ class Trainer:
             if cfg.lora.rank:  # the checkpoint holds the adapters; the frozen base is train.init_from's
                 state = state.replace(params=lora.join(state.params, init_from()))
             if abstract.reference is not None:  # DPO's reference, train.init_from's parameters, is never saved
-                state = state.replace(reference=init_from())
+                state = state.replace(reference=jax.device_put(init_from(), self.shardings.reference))
             return state, position
         state = state_lib.init_state(cfg, self.implementation, self.shardings)
         if cfg.train.init_from:  # fine-tuning start: these parameters, a fresh optimizer and step 0
             base = init_from()
             state = state.replace(params=lora.join(lora.own(state.params), base) if cfg.lora.rank else base)
-            if state.reference is not None:  # a copy: the step donates the parameters, never the reference
-                state = state.replace(reference=jax.tree.map(jax.numpy.copy, base))
+            if state.reference is not None:  # a copy: the step donates the parameters, never the reference (placed
+                # as its rules say: the distributed optimizer splits the parameters over data, not the reference)
+                state = state.replace(reference=jax.device_put(jax.tree.map(jax.numpy.copy, base),
+                                                               self.shardings.reference))
             log.info("parameters from %s; %s", cfg.train.init_from,
                      f"LoRA adapters of rank {cfg.lora.rank} fresh, the base frozen" if cfg.lora.rank
                      else "optimizer state fresh")

@@ -24,8 +24,8 @@ from jaxtron.data.loader import place_rows
 from jaxtron.models.projection import Projection
 from jaxtron.models.sampling import Sampling, next_tokens
 from jaxtron.parallel.sharding import rows_sharding
-from jaxtron.parallel.state_sharding import constrain_variables
 from jaxtron.training.rewards import Reward, score
+from jaxtron.training.working_copy import working_copy
 
 ROLLOUT_TAG = 0x524F4C4C  # folded into the step's key, so that rollouts draw apart from LoRA's dropout
 
@@ -38,7 +38,7 @@ def sampler(graphdef: Any, cfg: Config):
 
     def sample(params, prompts, lengths, key):
         if cfg.optimizer.distributed:  # the masters gathered once, not in every decoding step
-            params = constrain_variables(params)
+            params = working_copy(graphdef, params)
         model = cast_once(nnx.merge(graphdef, params), jnp.dtype(cfg.execution.dtype))
         cache = model.empty_cache(prompts.shape[0], prompts.shape[1] + steps, jnp.dtype(cfg.execution.dtype))
         columns = jnp.arange(prompts.shape[1], dtype=jnp.int32)[None, :]
