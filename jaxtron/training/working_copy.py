@@ -26,7 +26,10 @@ def working_copy(graphdef: Any, masters: Any) -> Any:
     (``stack.compute_weights``), everything held in its parameter's layout (gathered over the batch's axes). A
     weight split over the batch's axes for use (fsdp) keeps its dtype: the model casts it where it gathers it."""
     with jax.named_scope("working_copy"):
-        return constrain_variables(compute_weights(graphdef, masters))
+        # cast where the masters lie, then gathered: left to XLA, Llama-3.1 405B's layout (the masters split over
+        # data x sequence) gathered part of each stage weight in float32 before the cast
+        cast = constrain_variables(compute_weights(graphdef, masters), optimizer=True)
+        return constrain_variables(cast)
 
 
 def as_masters(grads: Any, masters: Any) -> Any:
