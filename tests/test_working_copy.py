@@ -52,3 +52,22 @@ def test_a_bfloat16_run_with_the_distributed_optimizer_keeps_float32_masters(mes
     whole = plain.state.params["layers"]["mlp"]["wo"]["weight"].get_value()
     # [layers, mlp / tensor, embed]: the masters' embed also over data, where the plain run's is whole over it
     assert wo.sharding.shard_shape(wo.shape)[-1] * 2 == whole.sharding.shard_shape(whole.shape)[-1]
+
+
+@pytest.mark.slow
+@pytest.mark.extended  # a mesh: the extended tier's
+def test_a_lora_run_with_the_distributed_optimizer_equals_one_without(tmp_path):
+    """LoRA on data=2 fsdp=2 with 2 microbatches: the gradients of the adapters alone come back in their masters'
+    dtypes (``as_masters`` takes the trainable part), and the losses equal the run without it to 1e-5."""
+    base = str(tmp_path / "base")
+    run(tiny_config(train=dict(steps=2), checkpoint=dict(every=0)), base, use_tqdm=False, devices=jax.devices()[:1])
+
+    def lora_run(name: str, distributed: bool):
+        cfg = tiny_config(dict(data=2, fsdp=2), train=dict(steps=3, init_from=base, microbatches=2),
+                          checkpoint=dict(every=0), lora=dict(rank=4, alpha=8.0, targets="q,v,o,down"),
+                          optimizer=dict(distributed=distributed))
+        return run(cfg, str(tmp_path / name), use_tqdm=False, devices=jax.devices()[:4])
+
+    plain, split = lora_run("plain", False), lora_run("split", True)
+    np.testing.assert_allclose(losses(split), losses(plain), rtol=1e-5)
+    assert losses(split)[-1] != losses(split)[0]
