@@ -126,6 +126,10 @@ def dot_product_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, implement
                 (order[:, None, None, :] <= order[:, None, :, None])
         out = jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=segment_ids is None,
                                            implementation=implementation)
+    if implementation == "cudnn" and sinks is None and not chunks:
+        # the kernel's own output is already kept for its backward; a second name made remat keep it twice. Llama-3
+        # 8B, 8 layers, one H200 target: budget 429.3 -> 427.8 ms, peak -0.9 GiB (a stack copy and a slice gone)
+        return constrain(out, Q_AXES)
     return checkpoint_name(constrain(out, Q_AXES), OUTPUT_NAME)
 
 
