@@ -142,12 +142,23 @@ def compile_maxtext(case: Case, interpreter: str, venv: str, folder: str) -> dic
                 "per_device_batch_size": batch, **case.maxtext}
     argv = [interpreter, os.path.abspath(__file__), "--maxtext-child", spec, str(case.gpus), hlo,
             f"src/maxtext/configs/{case.maxtext_config}", *(f"{k}={v}" for k, v in settings.items())]
-    out = subprocess.run(argv, env=_environment(venv, peer_maxtext.MAXTEXT_XLA_FLAGS), capture_output=True,
-                         text=True, timeout=3600, check=False)
+    memory = _maxtext_compile(argv, venv, peer_maxtext.MAXTEXT_XLA_FLAGS, hlo)
+    # the memory limit a GPU run gives XLA, as jaxtron's compile gets it (``target.memory_limit_options``): its
+    # inputs and outputs are known once compiled, so it compiles again with it
+    limit = target.memory_limit_options(case.gpu, memory["arguments"] + memory["outputs"] - memory["aliased"])
+    if limit:
+        flags = " ".join([peer_maxtext.MAXTEXT_XLA_FLAGS, *(f"--{k}={v}" for k, v in limit.items())])
+        memory = _maxtext_compile(argv, venv, flags, hlo)
+    return {"hlo": hlo, "peak": memory["arguments"] + memory["temporaries"] + memory["outputs"] - memory["aliased"]}
+
+
+def _maxtext_compile(argv: list[str], venv: str, flags: str, hlo: str) -> dict:
+    out = subprocess.run(argv, env=_environment(venv, flags), capture_output=True, text=True, timeout=3600,
+                         check=False)
     if out.returncode or not os.path.exists(hlo):
         raise RuntimeError(f"MaxText's compile failed: {out.stderr.strip()[-3000:]}")
-    memory = json.loads(out.stdout.strip().splitlines()[-1])
-    return {"hlo": hlo, "peak": memory["arguments"] + memory["temporaries"] + memory["outputs"] - memory["aliased"]}
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
 
 
 def compile_jaxtron(case: Case, interpreter: str, venv: str, folder: str) -> dict:

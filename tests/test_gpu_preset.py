@@ -74,3 +74,20 @@ def test_env_sh_exports_the_preset_and_keeps_what_was_set_before():
     mem, nccl, flags = out.stdout.strip().split("|")
     assert (mem, nccl) == ("0.5", gpu_preset.ENV["NCCL_DEBUG"][0])
     assert flags.endswith("--xla_dump_to=/tmp/somewhere") and flags.startswith(gpu_preset.xla_flags())
+
+
+@pytest.mark.parametrize("gpu", ["h100", "h200"])
+def test_a_target_compile_gets_the_memory_limit_of_a_run_under_the_preset(gpu):
+    """XLA's scheduler and rematerialization limit is (base - inputs and outputs) x slop: a deviceless compile's base
+    is 80% of the spec's memory, a GPU run's the allocator's (the preset's fraction of it)."""
+    from jaxtron.gpu import target
+
+    memory = target.device_memory(gpu)
+    fraction = float(gpu_preset.ENV["XLA_PYTHON_CLIENT_MEM_FRACTION"][0])
+    for io in (0, 11.22 * 2 ** 30, 40 * 2 ** 30):
+        slop = target.memory_limit_options(gpu, io)["xla_gpu_memory_limit_slop_factor"]
+        assert slop > target.XLA_SLOP_PERCENT
+        compiled = target.deviceless_limit(gpu, io) * slop / target.XLA_SLOP_PERCENT
+        run = (fraction * memory - io) * target.XLA_SLOP_PERCENT / 100
+        assert run * 0.99 <= compiled <= run, (io, slop)
+    assert target.memory_limit_options(gpu, 0.85 * memory) == {}  # no factor maps a negative limit

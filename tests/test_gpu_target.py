@@ -288,6 +288,24 @@ def test_the_step_fills_no_layer_stack_with_zeros_and_reads_its_logits_twice_on_
 
 @needs_plugin
 @pytest.mark.slow
+def test_a_step_near_the_memory_limit_is_not_rematerialized_where_a_gpu_run_would_not_be(tmp_path):
+    """Llama-3 8B, the plan's data=4 tensor=2 row on 8 H100s (69 GiB). At a deviceless compile's own memory limit
+    XLA recomputed GEMMs to 1.16x the model's FLOPs and kept 3% of the collectives beside kernels; at the limit of a
+    run under the preset (``target.memory_limit_options``), none, and 34-43%."""
+    from jaxtron import cli
+
+    out = tmp_path / "plan.json"
+    assert cli.run("plan", [f"--config={REPO}/configs/llama3_8b.py", "--gpus=8", "--gpu=h100",
+                            "--compile=data=4,tensor=2", "--config.execution.remat=save_dots_attention",
+                            "--config.train.microbatches=8", "--config.optimizer.distributed=true",
+                            f"--json={out}"]) == 0
+    compiled = json.loads(out.read_text())["dry_run"]
+    assert compiled["compiled_peak"] > 60 * 2 ** 30, compiled["compiled_peak"]  # near the limit, as planned
+    assert compiled["flops"] / compiled["model_flops"] < 1.01, compiled
+
+
+@needs_plugin
+@pytest.mark.slow
 def test_deepseek_v3_heads_run_in_cudnn_on_the_h100():
     """DeepSeek-V3's query and key heads are 192 wide (128 + 64 rotary): Hopper's cuDNN takes heads up to 256, so a
     GPU run picks cuDNN for them; its MoE blocks sort (routing's top-k) under the deviceless flags. (Capacity mode

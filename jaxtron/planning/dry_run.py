@@ -11,6 +11,7 @@ compiles the program a GPU runs, for compile-only H100s or H200s (``jaxtron.gpu.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import re
 import time
@@ -91,6 +92,12 @@ def _sampler(cfg: Config, setup, shardings, mesh) -> tuple[str, int]:
     return compiled.as_text(), int(memory.temp_size_in_bytes + memory.output_size_in_bytes)
 
 
+def device_bytes(tree: Any) -> int:
+    """Bytes one device holds of the abstract arrays ``tree`` (each split as its sharding says): a step's inputs,
+    which its donated outputs alias."""
+    return sum(math.prod(a.sharding.shard_shape(a.shape)) * a.dtype.itemsize for a in jax.tree.leaves(tree))
+
+
 def dry_run(cfg: Config, devices: list | None = None, implementation: str | None = None) -> DryRun:
     """Compiles ``cfg``'s train step on its mesh over ``devices`` (default: all) without allocating it, with the
     attention ``implementation`` (default: what the config's resolves to on the CPU; 'cudnn' as 'auto')."""
@@ -122,7 +129,11 @@ def _compile(cfg: Config, devices: list, implementation: str, gpu: str | None = 
         costs = None
         if setup.budget_schedule:
             costs = gpu_schedule.for_gpu(gpu) if gpu else gpu_schedule.for_devices(devices)
-        compiled = gpu_schedule.compile_scheduled(step.lower(state, batch, votes), dict(setup.compiler_options), costs)
+        options = dict(setup.compiler_options)
+        if gpu:  # the memory a GPU run gives XLA's scheduler and rematerialization, not a deviceless compile's
+            from jaxtron.gpu import target
+            options.update(target.memory_limit_options(gpu, device_bytes((state, batch, votes))))
+        compiled = gpu_schedule.compile_scheduled(step.lower(state, batch, votes), options, costs)
         compile_s = time.perf_counter() - start
         generation, generation_bytes = _sampler(cfg, setup, shardings, mesh)
     memory, text = compiled.memory_analysis(), compiled.as_text()
