@@ -48,10 +48,15 @@ from jaxtron.metrics import budget
 
 VENV = os.path.expanduser("~/.cache/jaxtron/peer312")
 # what MaxText's train_compile path and jaxtron's plan import, pinned where MaxText 0.2.5 needs a version
-PACKAGES = ("jax[cuda12]==0.11.2", "flax", "optax", "orbax-checkpoint", "chex", "tensorstore", "pyyaml", "protobuf",
-            "absl-py", "etils", "tensorboard", "pillow", "psutil", "tokamax", "qwix", "einshape", "immutabledict",
-            "pydantic", "grain", "ml-collections", "aqtp==0.9.0", "omegaconf", "jinja2", "drjax", "pathwaysutils",
-            "fastapi", "uvicorn", "requests", "xxhash", "safetensors", "tokenizers", "zstandard", "pyarrow")
+# every package pinned: a venv resolved anew on 2026-12-07 moved MaxText's 8B budget from 489.7 ms (2026-12-06's
+# resolution, versions not recorded) to 538.1 with jax and MaxText the same
+PACKAGES = ("jax[cuda12]==0.11.2", "flax==0.12.12", "optax==0.2.8", "orbax-checkpoint==0.12.8", "chex==0.1.92",
+            "tensorstore==0.1.86", "pyyaml==6.0.4", "protobuf==7.36.2", "absl-py==2.5.1", "etils==1.15.0",
+            "tensorboard==2.21.0", "pillow==13.0.0", "psutil==7.2.2", "tokamax==0.0.17", "qwix==0.1.8",
+            "einshape==1.0", "immutabledict==4.3.1", "pydantic==2.14.4", "grain==0.2.18", "ml-collections==1.1.0",
+            "aqtp==0.9.0", "omegaconf==2.4.0", "jinja2==3.1.6", "drjax==0.2.1", "pathwaysutils==0.1.13",
+            "fastapi==0.165.0", "uvicorn==0.55.0", "requests==2.34.2", "xxhash==4.1.0", "safetensors==0.8.0",
+            "tokenizers==0.23.3", "zstandard==0.25.0", "pyarrow==26.0.1")
 MAXTEXT = "maxtext==0.2.5"
 MAXTEXT_COMMON = {"hardware": "gpu", "skip_jax_distributed_system": True, "override_model_config": True,
                   "dataset_type": "synthetic", "enable_checkpointing": False, "enable_goodput_recording": False,
