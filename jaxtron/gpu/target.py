@@ -110,13 +110,12 @@ def deviceless_limit(name: str, io_bytes: float) -> float:
 def memory_limit_options(name: str, io_bytes: float) -> dict[str, int]:
     """The XLA option that gives a compile for target ``name`` the memory limit a GPU run under the preset has, for
     a program whose inputs and outputs (not counted twice where aliased) take ``io_bytes`` per device."""
-    memory = device_memory(name)
-    run_base = memory * float(preset.ENV["XLA_PYTHON_CLIENT_MEM_FRACTION"][0])
-    deviceless_base = memory * DEVICELESS_BASE
-    if deviceless_base - io_bytes <= 0 or run_base - io_bytes <= 0:
+    run = (device_memory(name) * float(preset.ENV["XLA_PYTHON_CLIENT_MEM_FRACTION"][0]) - io_bytes) * \
+        XLA_SLOP_PERCENT / 100
+    deviceless = deviceless_limit(name, io_bytes)
+    if deviceless <= 0 or run <= 0:
         return {}  # no slop factor maps one limit to the other: XLA's own is kept
-    slop = XLA_SLOP_PERCENT * (run_base - io_bytes) / (deviceless_base - io_bytes)
-    return {"xla_gpu_memory_limit_slop_factor": int(slop)}
+    return {"xla_gpu_memory_limit_slop_factor": int(XLA_SLOP_PERCENT * run / deviceless)}
 
 
 def environment(base: dict[str, str] | None = None, preset_flags: str = "") -> dict[str, str]:
