@@ -112,7 +112,7 @@ def step_shape(cfg: Config, sizes: dict[str, int], microbatches: int | None = No
     # the work outside the schedule (embedding, those blocks, head, loss) splits its rows over the stages too
     # where they divide (jaxtron.training.pipeline.fill_drain.Schedule.outside); else every stage runs all of its rows.
     # 1F1B runs the head inside its loop, a microbatch's tokens split over the stages where they divide
-    # (one_f_one_b.head_pieces), and the embedding on every stage
+    # (training/pipeline/head_pieces.py), and the embedding on every stage
     if pipelined and cfg.pipeline.schedule in ONE_F_ONE_B:
         split = shard_count(sizes, "activation_residual_length")
         spread = stages if stages > 1 and not m.mtp.depth and cfg.data.seq_len % (stages * split) == 0 else 1

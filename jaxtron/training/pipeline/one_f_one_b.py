@@ -45,11 +45,12 @@ import numpy as np
 
 from jaxtron.models.transformer import EMBED_AXES
 from jaxtron.parallel import timetable
-from jaxtron.parallel.sharding import constrain, constrain_in_flight, replica_map, shard_count, stage_axes
+from jaxtron.parallel.sharding import constrain, constrain_in_flight, replica_map, stage_axes
 from jaxtron.parallel.stages import PAD, identity_slots, storage_order
 from jaxtron.parallel.state_sharding import optimizer_spec
 from jaxtron.training.loss import moe_metrics
 from jaxtron.training.pipeline.fill_drain import SCOPE, Schedule, check_schedule
+from jaxtron.training.pipeline.head_pieces import at_stage, head_pieces, to_last, to_stages, token_pieces
 from jaxtron.training.pipeline.replicas import ScheduleReplicas, when
 from jaxtron.training.pipeline.stack_cut import Batch, CutModel
 
@@ -86,28 +87,10 @@ class Forward(NamedTuple):
     stats: dict  # [S, pc, ...] each period's routing stats
     period_inputs: jax.Array  # [S, pc, ...] each period's input, kept for the backward
     d_post: list  # the head's and loss's gradients of the parameters outside the stack, [S, R, ...]
-    d_h: jax.Array  # the loss's gradient of the last stage's output
+    d_h: jax.Array  # [S, ...]: the loss's gradient of the last stage's output, on the last stage
     ce: jax.Array  # the finished microbatch's cross-entropy sum (zero if none finished)
     n: jax.Array  # and its token count
     mtp: tuple  # and its prediction modules' (cross-entropy sums, routing stats)
-
-
-def head_pieces(stages: int, tokens: int, depth: int) -> int:
-    """How many pieces the head's tokens split into, one a stage: ``stages`` where each stage's piece keeps whole
-    shards of the tokens' own split (sequence, tensor), else 1 (every stage runs the whole head). The prediction
-    modules (``depth``) read the tokens beside each one, so their heads run whole."""
-    mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty or stages == 1 or depth:
-        return 1
-    if tokens % (stages * shard_count(dict(mesh.shape), EMBED_AXES[1])):
-        return 1
-    return stages
-
-
-def _at_stage(grads: list, stage: int, stages: int) -> list:
-    """Gradients as the stages' sums take them, [S, ...]: ``grads`` at ``stage``, zeros at the others."""
-    at = jnp.arange(stages) == stage
-    return [jnp.where(at.reshape(-1, *(1,) * g.ndim), g[None], 0.0) for g in grads]
 
 
 def _zeros(shape, lead):
@@ -245,10 +228,17 @@ class OneFOneB:
         # stage s runs its forward unit t - s: stage 0 embeds a microbatch for chunk 0, or takes what stage S - 1
         # handed on for a later chunk
         _, m_in, v_in = self.unit(timetable.forward_unit(t, 0))
-        x0, ex0, _, _ = self.model.pre(self.params, self.model.pick(m_in))
-        fresh = v_in == 0
-        inputs = self.on_stages((moving[0].at[0].set(jnp.where(fresh, x0, moving[0][0])),
-                                 jax.tree.map(lambda a, b: a.at[0].set(jnp.where(fresh, b, a[0])), moving[1], ex0)))
+        mb = self.model.pick(m_in)
+
+        def stage_input(x_s, ex_s, s):
+            # every stage embeds the microbatch on its own devices and stage 0 keeps it: computed once for all
+            # stages, XLA split the lookup over them and summed the result over the pipeline (75 MB an iteration,
+            # GPT-3 175B's published layout)
+            x0, ex0, _, _ = self.model.pre(self.params, mb)
+            fresh = (v_in == 0) & (s == 0)
+            return jnp.where(fresh, x0, x_s), jax.tree.map(lambda a, b: jnp.where(fresh, b, a), ex_s, ex0)
+
+        inputs = self.on_stages(jax.vmap(stage_input, spmd_axis_name=self.spmd)(*moving, self.stage_ids))
         _, _, chunks = self.unit(timetable.forward_unit(t, self.stage_ids))
         forward_all = jax.vmap(self.stage_forward, spmd_axis_name=self.spmd)
         out, stats, period_inputs = forward_all(self.staged, inputs[0], inputs[1], self.stage_ids, chunks)
@@ -257,28 +247,28 @@ class OneFOneB:
         # every iteration, masked where the last stage finished no microbatch (interleaved: V - 1 of V): behind a
         # condition, GPT-3 175B's step held 12 GiB more per device (compiled for H100s, 32 layers on
         # pipeline=8 data=4 tensor=4), for a head of 0.4% of its FLOPs
-        d_post, d_h, ce, n, mtp = self.rows.map(lambda h, mb: self.spread_head(h, mb, valid_h), (0, 0), out[s_ - 1],
-                                                self.model.pick(m_head))
-        d_h = d_h.reshape(self.x_shape.shape)  # the replicas' rows back in place
+        spread = self.head_pieces > 1  # the head's input: each stage's piece of the tokens, else the whole
+        d_post, d_h, ce, n, mtp = self.rows.map(lambda h, mb: self.spread_head(h, mb, valid_h), (int(spread), 0),
+                                                to_stages(out) if spread else out[s_ - 1], self.model.pick(m_head))
+        if spread:  # [R, S, ...] -> [S, b, T / S, D] -> joined on the last stage
+            d_h = to_last(jnp.moveaxis(d_h, 0, 1).reshape(s_, -1, *d_h.shape[3:]))
+        else:  # the same on every stage
+            d_h = jnp.broadcast_to(d_h.reshape(self.x_shape.shape), (s_, *self.x_shape.shape))
         d_post = [jnp.moveaxis(g, 1, 0) for g in d_post]  # [S, R, ...], as the accumulators
         return Forward(out, inputs[1], stats, self.on_stages(period_inputs), d_post, d_h, jnp.sum(ce), jnp.sum(n),
                        jax.tree.map(lambda a: jnp.sum(a, axis=0), mtp))
 
     def spread_head(self, h, mb, valid_h):
-        """``head`` of one replica's rows with its tokens split over the stages (``head_pieces``): each stage runs
-        the head and the loss of every S-th token, where a stage once ran all of them for the last stage's output.
-        -> ``head``'s results, the rest's gradients per stage [S, ...] and ``h``'s joined back in token order."""
-        s_ = self.head_pieces
-        if s_ == 1:  # on every stage (a stage's gradient sum at S - 1, the zeros elsewhere are the others')
+        """``head`` of one replica's rows. With the tokens split over the stages (``head_pieces``), ``h`` [S, b, T / S,
+        D] holds each stage's piece (``head_pieces.to_stages``) and each stage runs the head and the loss of its own;
+        else ``h`` [b, T, D] is the whole, which every stage runs. -> ``head``'s results, the rest's gradients per stage
+        [S, ...] and ``h``'s gradient in ``h``'s shape."""
+        if self.head_pieces == 1:  # on every stage (the gradient sum at S - 1, the zeros elsewhere the others')
             d_rest, d_h, ce, n, mtp = self.head(h, mb, valid_h)
-            return _at_stage(d_rest, self.s_ - 1, self.s_), d_h, ce, n, mtp
-
-        def split(a):  # [b, T, ...] -> [S, b, T / S, ...]: piece j holds tokens j, S + j, 2S + j, ...
-            return jnp.moveaxis(a.reshape(a.shape[0], a.shape[1] // s_, s_, *a.shape[2:]), 2, 0)
-
-        pieces = replica_map(lambda h, mb: self.head(h, mb, valid_h), self.spmd)(split(h), jax.tree.map(split, mb))
+            return at_stage(d_rest, self.s_ - 1, self.s_), d_h, ce, n, mtp
+        pieces = replica_map(lambda h, mb: self.head(h, mb, valid_h), self.spmd)(
+            h, jax.tree.map(lambda a: token_pieces(a, self.head_pieces), mb))
         d_rest, d_h, ce, n, mtp = pieces
-        d_h = jnp.moveaxis(d_h, 0, 2).reshape(h.shape)
         return d_rest, d_h, jnp.sum(ce), jnp.sum(n), jax.tree.map(lambda a: jnp.sum(a, axis=0), mtp)
 
     def backward_phase(self, t, back, d_h, stash, grad_stack):
@@ -294,7 +284,8 @@ class OneFOneB:
         slot_b = timetable.forward_unit_of_backward(j, s_, v_) % self.keep  # where its chunk's inputs are
         saved = self.on_stages(jax.vmap(lambda st, i: jax.tree.map(
             lambda a: jax.lax.dynamic_index_in_dim(a, i, 0, False), st))(stash, slot_b))
-        dy = self.on_stages(back.at[s_ - 1].set(jnp.where(chunks[s_ - 1] == v_ - 1, d_h, back[s_ - 1])))
+        last = (self.stage_ids == s_ - 1) & (chunks == v_ - 1)  # the last stage's gradient from the loss
+        dy = self.on_stages(jnp.where(last.reshape(-1, *(1,) * (back.ndim - 1)), d_h, back))
         backward_all = jax.vmap(self.stage_backward_per_replica, in_axes=(None, 0, 0, 0, 0, 0, 0, 0, 0),
                                 spmd_axis_name=self.spmd)
         grad_stack, dx = backward_all(active, self.staged, jax.tree.unflatten(self.stack_def, grad_stack), saved[0],
@@ -307,9 +298,17 @@ class OneFOneB:
             _, pre_pullback = jax.vjp(lambda r: self.model.pre(rows.with_rest(r), mb)[0], rows.rest_leaves)
             return rows.rest_of(pre_pullback(dx0)[0])
 
-        d_pre = when(valid_0, lambda dx0, mb: rows.map(embedding_backward, (0, 0), dx0, mb),
-                     dx[0] * valid_0.astype(dx.dtype), self.model.pick(m_first))
-        return self.on_stages(jnp.roll(dx, -1, axis=0)), grad_stack, _at_stage(d_pre, 0, s_)
+        def stage_embedding_backward(dx_s, s, mb):
+            # on every stage, stage 0's input gradient and zeros elsewhere: the stage dimension stays on its
+            # devices. Computed once for all stages, XLA split the scatter over them and summed a float32 vocabulary
+            # shard over the pipeline every iteration (618 MB a microbatch, GPT-3 175B's published layout)
+            keep = (valid_0 & (s == 0)).astype(dx_s.dtype)
+            return rows.map(embedding_backward, (0, 0), dx_s * keep, mb)
+
+        d_pre = when(valid_0, lambda dx, mb: jax.vmap(stage_embedding_backward, in_axes=(0, 0, None),
+                                                      spmd_axis_name=self.spmd)(dx, self.stage_ids, mb),
+                     dx, self.model.pick(m_first))
+        return self.on_stages(jnp.roll(self.on_stages(dx), -1, axis=0)), grad_stack, d_pre
 
     def iteration(self, carry: Carry, t) -> tuple[Carry, None]:
         """The forward phase while microbatches enter (t < M + S - 1), the backward phase once the first one
