@@ -6,7 +6,13 @@ reads the kernels XLA scheduled between each collective's start and done.
 
 from __future__ import annotations
 
+import pytest
 from helpers import on_target, target_marks
+
+from jaxtron.config.loader import load_config
+from jaxtron.parallel.checks import check_devices
+from jaxtron.planning.estimate import estimate
+from jaxtron.planning.gpus import gpu
 
 pytestmark = target_marks()
 
@@ -85,6 +91,12 @@ def test_the_published_gpt3_layout_runs_each_tensor_gather_and_reduce_scatter_be
     iterations = max(runs for _, _, runs, _ in got["over_stages"])
     crossing = sum(size * runs for _, size, runs, _ in got["over_stages"]) / iterations / boundary
     assert 5 <= crossing <= 6.5, (crossing, got["over_stages"])
+    # the planner prices the permutes and the head's all-to-alls as compiled (planning/collectives.py)
+    cfg = load_config("configs/gpt3_175b.py", [tuple(o.split("=", 1)) for o in GPT3_LAYOUT]
+                      + [("execution.tensor_chunks", "2")])
+    planned = estimate(cfg, check_devices(cfg, 128), gpu("h100")).collectives
+    compiled = sum(size * runs for kind, size, runs, _ in got["over_stages"] if kind != "all-reduce")
+    assert planned["collective-permute"] + planned["all-to-all"] == pytest.approx(compiled, rel=0.1)
     bare_kinds = {(kind, "loss" in scope) for kind, _, scope, _ in got["bare"]}
     assert bare_kinds <= {("all-reduce", True), ("all-gather", True)}, got["bare"]
     loss_gathers = [(size, runs) for kind, size, _, runs in got["bare"] if kind == "all-gather"]

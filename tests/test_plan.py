@@ -154,6 +154,19 @@ def test_pipelined_collectives_are_estimated_iteration_by_iteration(mesh, schedu
     assert est["collective-permute"] == pytest.approx(compiled["collective-permute"], rel=0.15)
 
 
+def test_the_1f1b_exchanges_are_estimated_as_compiled():
+    """The 1F1B loop hands the head its pieces of the tokens and takes their gradients back by an all-to-all over
+    the stages each iteration, and shifts the activations both ways (with the lookup's sum on a tensor group, in
+    permutes): the estimate's bytes of both kinds are the compiled program's."""
+    cfg = tiny_config(dict(pipeline=4, tensor=2), model=dict(embed_dim=256, mlp_dim=512, num_layers=8),
+                      train=dict(global_batch_size=16), pipeline=dict(microbatches=4, schedule="1f1b"),
+                      data=dict(seq_len=64))
+    compiled = {k: v["bytes"] for k, v in dry_run(cfg).collectives.items()}
+    est = estimate(cfg, check_devices(cfg, 8), H100, cpu_program=True).collectives
+    assert compiled["all-to-all"] > 0 and est["all-to-all"] == pytest.approx(compiled["all-to-all"], rel=0.05)
+    assert est["collective-permute"] == pytest.approx(compiled["collective-permute"], rel=0.1)
+
+
 # --- the analytic estimate, the mesh search and the CLI ---
 
 import dataclasses

@@ -15,6 +15,7 @@ import math
 from jaxtron.config.model import MoEConfig
 from jaxtron.config.schema import ONE_F_ONE_B, Config
 from jaxtron.parallel.mesh import split_over_nodes
+from jaxtron.parallel.timetable import iterations
 from jaxtron.planning import muon
 from jaxtron.planning.gpus import GPU
 from jaxtron.planning.params import Param
@@ -267,26 +268,38 @@ def nodes_reached(moe: MoEConfig, nodes: int) -> float:
 
 def pipeline_time(shape: StepShape, block: BlockValues, coll: Collectives) -> float:
     """The pipeline stages' exchanges of activations."""
-    # each schedule iteration moves one microbatch's activations a stage on (the residual stream between blocks,
-    # split over the tensor group): a permute forward, and in the backward pass the shift back and the wrap-around
-    # from the first stage to the last as two (as compiled on pipeline=2 x fsdp=4 and pipeline=4 x fsdp=2;
-    # tests/test_plan.py). The finished microbatches reach the rest once per accumulation
-    # microbatch: under 1F1B by permutes from the last stage, forward and backward; under fill-drain, whose first
-    # stage keeps them, by a sum over the stages and, in the backward pass, a gather of their gradient
-    boundary = block.residual_split * shape.work_bytes
+    boundary = block.residual_split * shape.work_bytes  # a microbatch's stream between stages, one device's share
     collected = shape.rows * shape.local_len * block.embed // shape.tensor * shape.work_bytes
+    if shape.stages > 1 and shape.schedule in ONE_F_ONE_B:
+        return one_f_one_b_exchanges(shape, boundary, collected, coll)
     seconds = 0.0
     if shape.stages > 1:
-        hops = 3.0 * shape.iterations * boundary
-        if shape.schedule in ONE_F_ONE_B:
-            seconds = coll.permute("pipeline", (hops + 2.0 * collected) * shape.microbatches)
-        else:
-            seconds = (coll.permute("pipeline", hops * shape.microbatches)
-                       + coll.ring("all-reduce", "pipeline", collected, shape.microbatches)
-                       + coll.ring("all-gather", "pipeline", collected, shape.microbatches))
+        # each iteration moves one microbatch's activations a stage on: a permute forward, and in the backward pass
+        # the shift back and the wrap-around from the first stage to the last as two (as compiled on pipeline=2 x
+        # fsdp=4 and pipeline=4 x fsdp=2; tests/test_plan.py). The first stage keeps the finished microbatches: a
+        # sum over the stages once per accumulation microbatch and, in the backward pass, a gather of their gradient
+        seconds = (coll.permute("pipeline", 3.0 * shape.iterations * boundary * shape.microbatches)
+                   + coll.ring("all-reduce", "pipeline", collected, shape.microbatches)
+                   + coll.ring("all-gather", "pipeline", collected, shape.microbatches))
     if shape.spread > 1:  # the rows come together for the schedule and part after it: an all-gather each way
         seconds += coll.ring("all-gather", "pipeline", collected, 2 * shape.microbatches)
     return seconds
+
+
+def one_f_one_b_exchanges(shape: StepShape, boundary: float, collected: float, coll: Collectives) -> float:
+    """Seconds of the 1F1B loop's exchanges between stages. Every iteration (``timetable.iterations``, the fill and
+    drain included) moves 6 boundaries' bytes on the H100 target (tests/test_gpu_tensor_overlap.py, GPT-3 175B's
+    published layout): the shift forward and the shift back with its wrap-around (two permutes), the head's pieces
+    out and back (two all-to-alls, ``training/pipeline/head_pieces.py``), and, on a tensor group, the embedding
+    lookup's sum over it, which XLA runs in another device order (a permute and an all-reduce across stages)."""
+    runs = iterations(shape.stages, shape.in_flight, shape.virtual_stages) * shape.microbatches
+    lookup = 1.0 if shape.tensor > 1 else 0.0
+    # the head whole on every stage instead: the finished microbatches reach the rest by permutes from the last
+    # stage, forward and backward
+    whole = 0.0 if shape.spread > 1 else 2.0 * collected * shape.microbatches
+    seconds = coll.permute("pipeline", (2.0 + lookup) * runs * boundary + whole)
+    seconds += coll.ring("all-reduce", "pipeline", boundary, lookup * runs)
+    return seconds + (coll.all_to_all("pipeline", boundary, 2 * runs) if shape.spread > 1 else 0.0)
 
 
 def communication_time(cfg: Config, shape: StepShape, block: BlockValues, params: tuple[Param, ...],
