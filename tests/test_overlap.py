@@ -57,3 +57,15 @@ def test_the_report_prints_each_kind_and_the_exchanges_at_each_bandwidth():
     assert lines[0].startswith("collectives beside compute") and "NVLink's 100 GB/s" in lines[0]
     assert lines[-1].startswith("  MoE exchanges of rows: 1 of 2 beside GEMMs; hidden ")
     assert "at the network's 10 GB/s" in lines[-1] and lines[-1].endswith("(the planner takes 30% as hidden)")
+
+
+def test_a_named_mesh_group_is_read_in_its_device_order():
+    """A group over named mesh axes lists its devices through ``device_ids`` (XLA:GPU names a pipelined layout's
+    tensor groups so): over axis_0 of a 4 x 1 x 32 mesh laid out as the [32, 4] iota transposed, device 0's group
+    is the 4 devices beside it, not every 32nd."""
+    from jaxtron.metrics.collectives import group_devices
+
+    named = "replica_groups=mesh['axis_0'=4,'axis_1'=1,'axis_2'=32], device_ids=([32,4]T(1,0)) {'axis_0'}, use"
+    assert group_devices(named) == [0, 1, 2, 3]
+    assert group_devices(named.replace("{'axis_0'}", "{'axis_2'}")) == list(range(0, 128, 4))
+    assert group_devices("replica_groups=mesh['axis_0'=2,'axis_1'=4] {'axis_0'}, to") == [0, 4]

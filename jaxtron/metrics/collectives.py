@@ -69,7 +69,8 @@ def _result_bytes(line: str) -> int:
 
 _LISTED_GROUPS = re.compile(r"replica_groups=\{\{([\d,]*)\}")
 _IOTA_GROUPS = re.compile(r"replica_groups=\[(\d+),(\d+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?")
-_MESH_GROUPS = re.compile(r"replica_groups=mesh\[([^\]]*)\](?:, device_ids=\S+)? \{([^}]*)\}")
+_MESH_GROUPS = re.compile(r"replica_groups=mesh\[([^\]]*)\](?:, device_ids=(\S+))? \{([^}]*)\}")
+_DEVICE_IDS = re.compile(r"\(\[([\d,]+)\](?:T\(([\d,]+)\))?\)")
 
 
 def group_devices(line: str) -> list[int] | None:
@@ -87,10 +88,23 @@ def group_devices(line: str) -> list[int] | None:
     mesh = _MESH_GROUPS.search(line)
     if mesh:
         names = re.findall(r"'(\w+)'=(\d+)", mesh.group(1))
-        over = set(re.findall(r"'(\w+)'", mesh.group(2)))
+        over = set(re.findall(r"'(\w+)'", mesh.group(3)))
         dims = [int(size) for _, size in names]
-        return sorted(_strided(dims, [i for i, (axis, _) in enumerate(names) if axis in over]))
+        places = _strided(dims, [i for i, (axis, _) in enumerate(names) if axis in over])
+        return sorted(_device_order(mesh.group(2), math.prod(dims))[p] for p in places)
     return None
+
+
+def _device_order(device_ids: str | None, count: int) -> list[int]:
+    """The device at each row-major place of a named mesh: ``device_ids=([dims]T(perm))`` lays them out as the iota
+    of ``dims`` transposed by ``perm`` (XLA:GPU's pipelined layouts name their tensor groups so); without it, in
+    order."""
+    ids = _DEVICE_IDS.fullmatch(device_ids) if device_ids else None
+    if not ids:
+        return list(range(count))
+    dims = [int(d) for d in ids.group(1).split(",")]
+    perm = [int(p) for p in ids.group(2).split(",")] if ids.group(2) else list(range(len(dims)))
+    return _strided(dims, perm)
 
 
 def _strided(dims: list[int], axes: list[int]) -> list[int]:
