@@ -103,10 +103,12 @@ class MegatronRun:
         rows = self.batch // ranks
         schedule = [("pipeline.schedule", "1f1b"), ("pipeline.microbatches", str(rows)),
                     ("pipeline.uneven_stages", "true")] if pipelined else [("train.microbatches", str(rows))]
+        # on a split sequence Megatron runs cuDNN's kernel under its context parallelism: cuDNN by chunks here
+        attention = [("execution.attention", "cudnn")] if self.sizes["sequence"] > 1 else []
         return load_config(os.path.join(REPO, "configs", f"{self.base}.py"), [
             *self.shape, ("data.seq_len", str(self.seq_len)), ("model.max_seq_len", str(max(self.seq_len, 2048))),
             ("execution.dtype", "bfloat16"), ("execution.remat", "full" if pipelined else "save_dots"),
-            ("train.global_batch_size", str(self.batch)), ("optimizer.distributed", "true"), *schedule])
+            ("train.global_batch_size", str(self.batch)), ("optimizer.distributed", "true"), *schedule, *attention])
 
     @property
     def tokens_per_s(self) -> float:
