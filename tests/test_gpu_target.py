@@ -712,8 +712,9 @@ def test_each_accumulation_microbatch_passes_over_the_weights_as_the_planner_pri
 def test_each_1f1b_microbatch_reads_the_working_copy_as_the_planner_prices_it_on_the_h100():
     """Llama-3 8B at 8 layers (vocabulary 32000) on pipeline=2 tensor=4 under 1F1B and the distributed optimizer, 8
     rows in 4 and then 8 pipeline microbatches: the 4 more passes over a stage's block weights read the working
-    copy (``training/working_copy.py``), 15.8 bytes an element where casts from the float32 masters moved 27.7,
-    as the planner's 'weights' term prices them (``WORKING_COPY_PASS_BYTES``), within 15%."""
+    copy (``training/working_copy.py``) in place, 3.98 bytes an element (15.8 with the stack indexed per stage, as
+    the interleaved schedule does; casts from the float32 masters 15.95), as the planner's 'weights' term prices
+    them (``WORKING_COPY_PASS_BYTES`` less ``IN_PLACE_PASS_SAVING``), within 15%."""
     from jaxtron.config.loader import load_config
     from jaxtron.planning.estimate import estimate
     from jaxtron.planning.gpus import GPUS
@@ -732,8 +733,33 @@ def test_each_1f1b_microbatch_reads_the_working_copy_as_the_planner_prices_it_on
         est = estimate(cfg, dict(pipeline=2, tensor=4), h100)
         planned.append(est.time["weights"] * h100.hbm_bandwidth / (1 - est.bubble))
     per_pass = (moved[1] - moved[0]) / (4 * stage)
-    assert per_pass < 20, per_pass  # casting from the masters again: 27.7
+    assert per_pass < 6, per_pass  # slices copied by a per-stage index: 15.8; casting from the masters: 27.7
     assert planned[1] - planned[0] == pytest.approx(moved[1] - moved[0], rel=0.15), (planned, moved)
+
+
+@needs_plugin
+@pytest.mark.slow
+def test_1f1b_adds_each_periods_gradient_in_place_on_the_h100():
+    """With one chunk a stage the 1F1B stack's index is the period's on every stage (``OneFOneB.slot``), so each
+    period's weight gradient is added into its float32 accumulator in place. Indexed per stage, as the interleaved
+    schedule must, the slices are gathers and the add a scatter that copy each slice apart: 12.0 more bytes a
+    stage's block weight and iteration (the planner's ``IN_PLACE_PASS_SAVING``). Llama-3 8B at 8 layers on
+    pipeline=2 tensor=4, 4 microbatches (6 iterations)."""
+    from helpers import on_target
+
+    code = (
+        "from jaxtron.metrics import budget\n"
+        "from jaxtron.training.pipeline.one_f_one_b import OneFOneB\n"
+        "moved = [budget.budget(text, budget.H100).bytes()]\n"
+        "OneFOneB.slot = lambda self, v, p: v * self.pc + p\n"
+        "moved.append(budget.budget(dry_run_on_target(cfg, sys.argv[3], int(sys.argv[2]))[1], budget.H100).bytes())\n"
+        "print(json.dumps(moved))\n")
+    moved = on_target(code, "configs/llama3_8b.py", 8, "model.num_layers=8", "model.vocab_size=32000",
+                      "train.global_batch_size=8", "mesh.fsdp=1", "mesh.pipeline=2", "mesh.tensor=4",
+                      "pipeline.microbatches=4", "pipeline.schedule=1f1b", "data.seq_len=2048")
+    stage = 4 * (2 * 4096 * 4096 + 2 * 4096 * 1024 + 3 * 4096 * 14336) // 4  # a stage's block weights a device
+    saved = (moved[1] - moved[0]) / (6 * stage)
+    assert saved >= 10, (saved, moved)
 
 
 @needs_plugin

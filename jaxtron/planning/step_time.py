@@ -43,6 +43,12 @@ TENSOR_HIDDEN = {1: 0.0, 2: 0.80}
 # the H100 target: 2 chunks cost 62.3 ms of the budget (1019.5 -> 1081.8 ms, the backward's adds 6.3 -> 72.9 ms) for
 # 7.25G such element passes at the budget's copy rate, 17.7 bytes each; tests/test_gpu_tensor_overlap.py.
 TENSOR_CHUNK_PASS_BYTES = 18.0
+# With one chunk a stage (pipeline.schedule='1f1b') the stack's index is the period's on every stage
+# (training/pipeline/one_f_one_b.py OneFOneB.slot): XLA slices the weights and adds the gradients in place, where an
+# index per stage made gathers and a scatter that copied each slice. Llama-3 8B at 8 layers on pipeline=2 tensor=4,
+# 4 and 8 pipeline microbatches, H100 target: a further pass moved 3.98 bytes an element from the working copy
+# (15.8 with the index per stage) and 15.95 from the float32 masters (27.7); tests/test_gpu_target.py.
+IN_PLACE_PASS_SAVING = 12.0
 # The share of the MoE exchanges' time that XLA's latency-hiding scheduler (models/moe.py COMPILER_OPTIONS) runs beside
 # compute, by what the scheduler weighs the program with (execution.moe_schedule) and the token chunks
 # (execution.moe_chunks: one, or two and more): the least of the H100-target programs of Mixtral 8x7B (2 layers,
@@ -123,8 +129,10 @@ def compute_time(cfg: Config, shape: StepShape, block: BlockValues, gpu: GPU,
     copied = tuple(p for p in params
                    if cfg.optimizer.distributed and reads_working_copy(p, shape.mesh, shape.value_bytes))
     others = tuple(p for p in params if p not in copied)
-    time["weights"] = (weight_passes(shape, others) * gpu.weight_pass_bytes
-                       + weight_passes(shape, copied) * min(gpu.weight_pass_bytes, WORKING_COPY_PASS_BYTES)
+    # a stage that runs one chunk of the stack slices its weights and adds their gradients in place
+    in_place = IN_PLACE_PASS_SAVING if shape.pipelined and shape.schedule == "1f1b" else 0.0
+    time["weights"] = (pass_bytes(shape, others, gpu.weight_pass_bytes, in_place)
+                       + pass_bytes(shape, copied, min(gpu.weight_pass_bytes, WORKING_COPY_PASS_BYTES), in_place)
                        + weight_passes(shape, params, experts_only=True) * transposed
                        + chunk_passes(cfg, shape, params) * TENSOR_CHUNK_PASS_BYTES) / gpu.hbm_bandwidth
     time["expert_rows"] = expert_row_bytes(cfg, shape, block) / gpu.hbm_bandwidth
@@ -152,6 +160,14 @@ def weight_passes(shape: StepShape, params: tuple[Param, ...], experts_only: boo
         return (staged + rest) * (shape.microbatches - 1)
     # the weights outside the schedule (embedding, head, a dense prefix) pass once an accumulation microbatch
     return staged * (shape.microbatches * shape.in_flight - 1) + rest * (shape.microbatches - 1)
+
+
+def pass_bytes(shape: StepShape, params: tuple[Param, ...], per_element: float, in_place: float) -> float:
+    """Bytes of the passes over ``params`` beyond one a step (``weight_passes``) at ``per_element`` bytes, the staged
+    weights' ``in_place`` fewer (never below none)."""
+    staged = tuple(p for p in params if p.staged)
+    return (weight_passes(shape, params) * per_element
+            - weight_passes(shape, staged) * min(per_element, in_place))
 
 
 def chunk_passes(cfg: Config, shape: StepShape, params: tuple[Param, ...]) -> float:
