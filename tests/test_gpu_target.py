@@ -22,6 +22,9 @@ from jaxtron.ops import grouped
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]  # crosses a process boundary: .ci/run's tier
 
+# Llama-3 8B's 4 blocks of a stage on pipeline=2 tensor=4: the weight elements a device holds
+LLAMA8B_STAGE = 4 * (2 * 4096 * 4096 + 2 * 4096 * 1024 + 3 * 4096 * 14336) // 4
+
 needs_plugin = pytest.mark.skipif(not target.plugin_installed(),
                                   reason=f"jax's CUDA plugin is not installed ({target.INSTALL})")
 
@@ -720,7 +723,7 @@ def test_each_1f1b_microbatch_reads_the_working_copy_as_the_planner_prices_it_on
     from jaxtron.planning.gpus import GPUS
 
     h100 = GPUS["h100"]
-    stage = 4 * (2 * 4096 * 4096 + 2 * 4096 * 1024 + 3 * 4096 * 14336) // 4  # a stage's block weights a device
+    stage = LLAMA8B_STAGE
     moved, planned = [], []
     for microbatches in (4, 8):
         overrides = ["model.num_layers=8", "model.vocab_size=32000", "train.global_batch_size=8", "mesh.fsdp=1",
@@ -757,7 +760,7 @@ def test_1f1b_adds_each_periods_gradient_in_place_on_the_h100():
     moved = on_target(code, "configs/llama3_8b.py", 8, "model.num_layers=8", "model.vocab_size=32000",
                       "train.global_batch_size=8", "mesh.fsdp=1", "mesh.pipeline=2", "mesh.tensor=4",
                       "pipeline.microbatches=4", "pipeline.schedule=1f1b", "data.seq_len=2048")
-    stage = 4 * (2 * 4096 * 4096 + 2 * 4096 * 1024 + 3 * 4096 * 14336) // 4  # a stage's block weights a device
+    stage = LLAMA8B_STAGE
     saved = (moved[1] - moved[0]) / (6 * stage)
     assert saved >= 10, (saved, moved)
 

@@ -130,7 +130,8 @@ def compute_time(cfg: Config, shape: StepShape, block: BlockValues, gpu: GPU,
                    if cfg.optimizer.distributed and reads_working_copy(p, shape.mesh, shape.value_bytes))
     others = tuple(p for p in params if p not in copied)
     # a stage that runs one chunk of the stack slices its weights and adds their gradients in place
-    in_place = IN_PLACE_PASS_SAVING if shape.pipelined and shape.schedule == "1f1b" else 0.0
+    one_chunk = shape.pipelined and shape.schedule in ONE_F_ONE_B and shape.virtual_stages == 1
+    in_place = IN_PLACE_PASS_SAVING if one_chunk else 0.0
     time["weights"] = (pass_bytes(shape, others, gpu.weight_pass_bytes, in_place)
                        + pass_bytes(shape, copied, min(gpu.weight_pass_bytes, WORKING_COPY_PASS_BYTES), in_place)
                        + weight_passes(shape, params, experts_only=True) * transposed
