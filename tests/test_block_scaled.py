@@ -100,6 +100,42 @@ def _mesh_config(mesh: dict):
                        execution=dict(fp8=True, fp8_recipe="mxfp8"))
 
 
+# each recipe's smallest whole blocks on data=2 sequence=2: a row's tokens and the key heads' features
+RECIPE_SIZES = {"mxfp8": (128, 128, 2), "nvfp4": (128, 128, 2), "blockwise": (256, 512, 4)}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("recipe", sorted(RECIPE_SIZES))
+def test_a_recipes_gemms_keep_each_devices_tokens_on_a_sequence_mesh(recipe):
+    """A projection's GEMM merges the batch and the length into rows. Split over data and sequence, the merge has
+    no tiled layout unless the length's pieces go outermost (``block_scaled.as_rows``): without that, XLA gathered
+    every token onto every device before each GEMM (sequence=2: 19 all-gathers against the 16-bit step's 4, each
+    GEMM over the whole sequence). The recipe's step gathers no more than the 16-bit one's, and its GEMMs take
+    the device's rows (nvfp4's 16-wide Hadamard products aside)."""
+    import re
+
+    from helpers import tiny_config
+
+    from jaxtron.planning.dry_run import _compile
+
+    width, length, kv_heads = RECIPE_SIZES[recipe]
+
+    def compiled(execution):
+        cfg = tiny_config(dict(data=2, fsdp=1, sequence=2), data=dict(seq_len=length), execution=execution,
+                          model=dict(embed_dim=width, mlp_dim=2 * width, max_seq_len=length,
+                                     attention=dict(num_heads=4, num_kv_heads=kv_heads)))
+        result, text = _compile(cfg, jax.devices()[:4], "blockwise")
+        return result.collectives["all-gather"]["bytes"], text
+
+    plain, _ = compiled({})
+    gathered, text = compiled(dict(fp8=True, fp8_recipe=recipe))
+    assert gathered <= plain, (gathered, plain)
+    shapes = [(int(m), int(n)) for m, n in re.findall(r"f32\[(\d+),(\d+)\]\{1,0\} dot\(", text)]
+    rows = [m for m, n in shapes if n > 16]
+    local_tokens = 8 * length // 4  # the batch's 8 rows over data=2 and sequence=2
+    assert rows and max(rows) == local_tokens, sorted(set(rows))
+
+
 @pytest.mark.slow
 @pytest.mark.extended
 def test_mxfp8_steps_on_fsdp_sequence_and_tensor_equal_one_devices(tmp_path):

@@ -31,6 +31,7 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
+from jaxtron.parallel.sharding import shard_count
 from jaxtron.parallel.state_sharding import gathered_einsum
 
 BLOCK = 32  # MXFP8's elements a scale: OCP MX v1.0
@@ -90,12 +91,45 @@ def gemm(a: jax.Array, b: jax.Array, dtype) -> jax.Array:
     return jax.lax.platform_dependent(qa, sa, qb, sb, cuda=on_gpu, default=emulated)
 
 
+def row_pieces(lead: tuple[int, ...]) -> int:
+    """Into how many pieces the mesh in context cuts a row's tokens (``activation_length``), for kept dimensions
+    ``lead`` = [batch, length, ...]; 1 without a mesh, or where the length does not divide."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or len(lead) < 2:
+        return 1
+    pieces = shard_count(dict(mesh.shape), "activation_length")
+    return pieces if lead[1] % pieces == 0 else 1
+
+
+def as_rows(x: jax.Array, kept: int) -> jax.Array:
+    """``x``'s kept dimensions [batch, length, ...] as one of rows, the length's pieces outermost.
+
+    Merging a batch split over data with a length split over sequence has no tiled layout: XLA would gather every
+    token onto every device (a whole-sequence GEMM on each, measured on sequence=2). With the pieces outermost,
+    each device's rows are one contiguous block. A piece keeps its tokens in order, so tiles along the tokens
+    group what one device's do."""
+    lead, pieces = x.shape[:kept], row_pieces(x.shape[:kept])
+    if pieces > 1:
+        x = jnp.swapaxes(x.reshape(lead[0], pieces, lead[1] // pieces, *x.shape[2:]), 0, 1)
+    return x.reshape(math.prod(lead), *x.shape[kept + (pieces > 1):])
+
+
+def from_rows(y: jax.Array, lead: tuple[int, ...]) -> jax.Array:
+    """``as_rows``' inverse: rows [M, ...] back to ``lead`` [batch, length, ...]."""
+    pieces = row_pieces(lead)
+    if pieces == 1:
+        return y.reshape(*lead, *y.shape[1:])
+    y = y.reshape(pieces, lead[0], lead[1] // pieces, *lead[2:], *y.shape[1:])
+    return jnp.swapaxes(y, 0, 1).reshape(*lead, *y.shape[3 + len(lead) - 2:])
+
+
 def as_matrices(equation: str, x: jax.Array, w: jax.Array) -> tuple:
-    """A projection's operands as matrices: (``x`` [M, K], ``w`` [K, N] in ``x``'s dtype, ``x``'s kept shape,
-    ``w``'s output shape)."""
+    """A projection's operands as matrices: (``x`` [M, K] in ``as_rows``' order, ``w`` [K, N] in ``x``'s dtype,
+    ``x``'s kept shape, ``w``'s output shape)."""
     kept, contracted = dimension_numbers(equation)
     k = math.prod(x.shape[kept:])
-    return x.reshape(-1, k), w.astype(x.dtype).reshape(k, -1), x.shape[:kept], w.shape[contracted:]
+    rows = as_rows(x, kept)
+    return rows.reshape(rows.shape[0], k), w.astype(x.dtype).reshape(k, -1), x.shape[:kept], w.shape[contracted:]
 
 
 def projection(forward: Callable, input_gradient: Callable, weight_gradient: Callable) -> Callable:
@@ -109,15 +143,16 @@ def projection(forward: Callable, input_gradient: Callable, weight_gradient: Cal
 
     def _forward(equation, x, w):
         x2, w2, lead, tail = as_matrices(equation, x, w)
-        return forward(x2, w2.T, x.dtype).reshape(*lead, *tail), (x, w)
+        y = forward(x2, w2.T, x.dtype)
+        return from_rows(y.reshape(y.shape[0], *tail), lead), (x, w)
 
     def _backward(equation, res, g):
         x, w = res
-        x2, w2, _, _ = as_matrices(equation, x, w)
-        g2 = g.reshape(x2.shape[0], w2.shape[1])
+        x2, w2, lead, _ = as_matrices(equation, x, w)
+        g2 = as_rows(g, len(lead)).reshape(x2.shape[0], w2.shape[1])
         dx = input_gradient(g2, w2, x.dtype)  # [M, N] x [K, N]^T: along the output features
         dw = weight_gradient(x2.T, g2.T, jnp.float32)  # [K, M] x [N, M]^T: along the tokens
-        return dx.reshape(x.shape), dw.reshape(w.shape).astype(w.dtype)
+        return from_rows(dx, lead).reshape(x.shape), dw.reshape(w.shape).astype(w.dtype)
 
     scaled_einsum.defvjp(_forward, _backward)
     return scaled_einsum
