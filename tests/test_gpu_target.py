@@ -767,6 +767,40 @@ def test_1f1b_adds_each_periods_gradient_in_place_on_the_h100():
 
 @needs_plugin
 @pytest.mark.slow
+@pytest.mark.parametrize("schedule", ["1f1b", "interleaved"])
+def test_1f1b_sums_over_data_after_its_loop_beside_no_gemm_on_the_h100(schedule):
+    """A dense model's 1F1B loop adds each microbatch's gradients into accumulators and sums them over data once,
+    after the loop; the distributed optimizer's working copy is gathered before it. No GEMM runs beside those sums,
+    only the optimizer's update (Llama-3 8B at 8 layers, pipeline=2 data=4: 22% of the reduce-scatters' and 52% of
+    the gathers' time at NVLink's rate, a few ms). So the planner adds them to the step
+    (``collectives.sums_after_the_loop``), where it once took them as overlapped."""
+    from helpers import on_target
+
+    from jaxtron.config.loader import load_config
+    from jaxtron.parallel.checks import check_devices
+    from jaxtron.planning.estimate import estimate
+    from jaxtron.planning.gpus import gpu
+
+    code = (
+        "from jaxtron.metrics import budget, overlap\n"
+        "found = [w for w in overlap.windows(text, budget.H100) if w.devices == (0, 1, 2, 3)]\n"
+        "print(json.dumps(dict(inside=sum(w.runs > 1 for w in found), outside=overlap.summary(\n"
+        "    [w for w in found if w.runs == 1], 360e9))))\n")
+    overrides = ["model.num_layers=8", "model.vocab_size=32000", "train.global_batch_size=16", "mesh.fsdp=1",
+                 "mesh.pipeline=2", "mesh.data=4", "mesh.tensor=1", "pipeline.microbatches=4",
+                 f"pipeline.schedule={schedule}", f"pipeline.virtual_stages={1 + (schedule == 'interleaved')}",
+                 "data.seq_len=2048", "optimizer.distributed=true"]
+    got = on_target(code, "configs/llama3_8b.py", 8, *overrides)
+    assert got["inside"] == 0, got  # the data group's collectives: none in the loop
+    for kind in ("reduce-scatter", "all-gather"):
+        assert got["outside"][kind]["bytes"] > 1e9 and got["outside"][kind]["beside_gemms"] == 0, got["outside"]
+    cfg = load_config("configs/llama3_8b.py", [tuple(o.split("=", 1)) for o in overrides])
+    planned = estimate(cfg, check_devices(cfg, 8), gpu("h100")).time
+    assert planned["data_comm"] == 0 and planned["data_comm_after_loop"] > 0, planned
+
+
+@needs_plugin
+@pytest.mark.slow
 @pytest.mark.parametrize("distributed", [False, True])
 def test_fill_drain_sums_the_stage_gradients_over_data_once_a_step_on_the_h100(distributed):
     """The fill-drain schedule's backward pass adds each period's weight gradient into one accumulator, out of which

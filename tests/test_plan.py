@@ -167,6 +167,25 @@ def test_the_1f1b_exchanges_are_estimated_as_compiled():
     assert est["collective-permute"] == pytest.approx(compiled["collective-permute"], rel=0.1)
 
 
+def test_a_dense_1f1b_step_pays_its_data_sums_after_the_loop():
+    """A dense model's 1F1B loop sums its gradients over data once, after the loop, where no compute runs beside
+    them (``collectives.sums_after_the_loop``): the estimate adds that sum to the step. Fill-drain's stays among
+    the sums that overlap."""
+    cfg = tiny_config(dict(pipeline=2, data=4), model=dict(embed_dim=256, mlp_dim=512, num_layers=4),
+                      train=dict(global_batch_size=16), pipeline=dict(microbatches=4, schedule="1f1b"),
+                      data=dict(seq_len=64))
+    sizes = check_devices(cfg, 8)
+    one_f_one_b = estimate(cfg, sizes, H100)
+    assert one_f_one_b.time["data_comm"] == 0 and one_f_one_b.time["data_comm_after_loop"] > 0
+    assert "data_comm_after_loop" in one_f_one_b.exposed
+    fill_drain = estimate(dataclasses.replace(cfg, pipeline=dataclasses.replace(cfg.pipeline, schedule="fill_drain")),
+                          sizes, H100)
+    assert fill_drain.time["data_comm_after_loop"] == 0 and fill_drain.time["data_comm"] > 0
+    overlapped = dataclasses.replace(cfg, mesh=dataclasses.replace(cfg.mesh, pipeline=1, data=8),
+                                     pipeline=dataclasses.replace(cfg.pipeline, microbatches=0))
+    assert estimate(overlapped, check_devices(overlapped, 8), H100).time["data_comm_after_loop"] == 0
+
+
 # --- the analytic estimate, the mesh search and the CLI ---
 
 import dataclasses

@@ -26,10 +26,12 @@ ELEMENTWISE_PASSES = 6.0
 COMPUTE_TERMS = ("matmul", "attention", "elementwise", "weights", "expert_rows", "pipeline_bubble", "optimizer",
                  "logprobs", "generation")  # the last two: GRPO's (planning/rollouts.py), 0 otherwise
 # gathers and gradient reductions over fsdp/data (and sequence) overlap with compute (XLA's latency-hiding
-# scheduler); the other collectives sit between dependent computations (see jaxtron.planning.collectives)
+# scheduler), but for the sums a 1F1B loop leaves after it (``collectives.sums_after_the_loop``); the other
+# collectives sit between dependent computations (see jaxtron.planning.collectives)
 OVERLAPPED = ("fsdp_comm", "data_comm")
 EXPOSED = ("matmul", "attention", "elementwise", "weights", "expert_rows", "pipeline_bubble", "optimizer",
-           "logprobs", "generation", "tensor_comm", "sequence_comm", "expert_comm", "pipeline_comm", "optimizer_comm")
+           "logprobs", "generation", "tensor_comm", "sequence_comm", "expert_comm", "pipeline_comm", "optimizer_comm",
+           "data_comm_after_loop")
 # the MoE exchanges that run beside the experts' GEMMs, and the tensor group's collectives that run beside the
 # projections' GEMMs: they cost only their interference with them (``expert_overlap``, ``tensor_overlap``)
 HIDDEN = ("expert_comm_hidden", "tensor_comm_hidden")
