@@ -19,7 +19,7 @@ HLO = """HloModule m
 %body (p: (s32[], f32[8])) -> (s32[], f32[8]) {
   %ag = f32[8]{0} all-gather(f32[2]{0} %x), dimensions={0}
   %ar = f32[8]{0} all-reduce(f32[8]{0} %ag), to_apply=%sum
-  %k = f32[8]{0} conditional(pred[] %c, f32[8]{0} %ar, f32[8]{0} %ar), true_computation=%shift, false_computation=%keep, metadata={op_name="jit(f)/while/body/once_in_3/cond"}
+  %k = f32[8]{0} conditional(pred[] %c, f32[8]{0} %ar, f32[8]{0} %ar), true_computation=%shift, false_computation=%keep, metadata={op_name="jit(f)/while/body/taken_2_of_3/cond"}
 }
 
 %shift (a: f32[8]) -> f32[8] {
@@ -109,8 +109,8 @@ def test_collectives_count_loop_iterations_and_the_bytes_each_works_on():
     assert got["all-reduce"] == {"count": 3 + 1, "bytes": 3 * 8 * 4 + 2 * 4}
     assert got["reduce-scatter"] == {"count": 1, "bytes": 4 * 4 * 2}  # what it reduces: its result x 4 devices
     assert got["all-to-all"]["count"] == 1  # an async pair is one collective
-    # in a conditional of the loop body that does its work once in 3 runs (jaxtron.metrics.hlo.once_in)
-    assert got["collective-permute"] == {"count": 1, "bytes": 8 * 4}
+    # in a conditional of the loop body that does its work in 2 of every 3 runs (jaxtron.metrics.hlo.taken)
+    assert got["collective-permute"] == {"count": 2, "bytes": 2 * 8 * 4}
 
 
 @pytest.mark.slow

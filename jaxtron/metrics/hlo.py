@@ -28,15 +28,20 @@ _COMPUTATION = re.compile(r"^(?:ENTRY )?%?([\w.\-]+) \(")
 _CALLS = re.compile(r"(?:body|condition|calls|to_apply|true_computation|false_computation)=%?([\w.\-]+)"
                     r"|branch_computations=\{([^}]*)\}")
 TRIPS = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
-# a conditional built under jax.named_scope(once_in(n)) takes its branch with work in one of every n runs
-_ONCE_IN = re.compile(r'op_name="[^"]*/once_in_(\d+)/')
+# a conditional built under jax.named_scope(taken(k, n)) takes its branch with work in k of every n runs
+_TAKEN = re.compile(r'op_name="[^"]*/taken_(\d+)_of_(\d+)/')
+
+
+def taken(k: int, n: int) -> str:
+    """The named scope that tells ``runs_per_execution`` a conditional inside it does its work (the branch that
+    has any) in ``k`` of every ``n`` runs: the 1F1B loop runs its backward phase in all but its fill's
+    iterations, say."""
+    return f"taken_{k}_of_{n}"
 
 
 def once_in(n: int) -> str:
-    """The named scope that tells ``runs_per_execution`` a conditional inside it does its work (the branch that
-    has any) in one of every ``n`` runs: a loop over a pipeline stage's periods shifts the activations in its
-    last period only, say."""
-    return f"once_in_{n}"
+    """``taken(1, n)``: a loop over a pipeline stage's periods shifts the activations in its last period only."""
+    return taken(1, n)
 
 # "%name = f8e4m3fn[64,32]{1,0} ..." -> (%name, f8e4m3fn, "64,32"): every instruction with an array result
 _DEFINITION = re.compile(r"^\s*(?:ROOT\s+)?(%[\w.\-]+) = ([a-z][a-z0-9]*)\[([\d,]*)\]", re.MULTILINE)
@@ -64,7 +69,7 @@ def runs_per_execution(hlo_text: str) -> tuple[dict[str, list[str]], dict[str, i
     """(the computations, how many times each runs per execution): a while body runs its known trip count times,
     everything it calls as often, each branch of a conditional as often as the conditional (an upper bound: a
     kernel that skips blocks by a condition, such as causal blockwise attention, is counted as if it skipped none)
-    unless the conditional says how often it does its work (``once_in``); a computation nothing reaches runs 0
+    unless the conditional says how often it does its work (``taken``); a computation nothing reaches runs 0
     times."""
     comps, entry = computations(hlo_text)
     if entry is None:
@@ -75,14 +80,14 @@ def runs_per_execution(hlo_text: str) -> tuple[dict[str, list[str]], dict[str, i
         name = stack.pop()
         for line in comps.get(name, []):
             trips = TRIPS.search(line)
-            rare = _ONCE_IN.search(line) if " conditional(" in line else None
+            share = _TAKEN.search(line) if " conditional(" in line else None
             for one, several in _CALLS.findall(line):
                 for callee in (c.strip().lstrip("%") for c in (one or several).split(",")):
                     if callee not in comps:
                         continue
                     times = runs[name] * (int(trips.group(1)) if trips and " while(" in line else 1)
-                    if rare:
-                        times = -(-times // int(rare.group(1)))
+                    if share:
+                        times = -(-times * int(share.group(1)) // int(share.group(2)))
                     if runs.get(callee, 0) < times:
                         runs[callee] = times
                         stack.append(callee)

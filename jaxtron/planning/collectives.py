@@ -15,7 +15,7 @@ import math
 from jaxtron.config.model import MoEConfig
 from jaxtron.config.schema import ONE_F_ONE_B, Config
 from jaxtron.parallel.mesh import split_over_nodes
-from jaxtron.parallel.timetable import iterations
+from jaxtron.parallel.timetable import forward_iterations, iterations
 from jaxtron.planning import muon
 from jaxtron.planning.gpus import GPU
 from jaxtron.planning.params import Param
@@ -287,20 +287,23 @@ def pipeline_time(shape: StepShape, block: BlockValues, coll: Collectives) -> fl
 
 
 def one_f_one_b_exchanges(shape: StepShape, boundary: float, collected: float, coll: Collectives) -> float:
-    """Seconds of the 1F1B loop's exchanges between stages. Every iteration (``timetable.iterations``, the fill and
-    drain included) moves 5 boundaries' bytes between stages on the H100 target (tests/test_gpu_tensor_overlap.py,
-    GPT-3 175B's published layout): the shift forward and the shift back with its wrap-around (two permutes), the
-    head's pieces out and back (two all-to-alls, ``training/pipeline/head_pieces.py``), and, on a tensor group, the
-    embedding lookup's sum, which XLA runs in another device order (a permute there and back across stages, the
-    all-reduce over the tensor group)."""
-    runs = iterations(shape.stages, shape.in_flight, shape.virtual_stages) * shape.microbatches
-    lookup = 1.0 if shape.tensor > 1 else 0.0
+    """Seconds of the 1F1B loop's exchanges between stages, 5 boundaries' bytes an iteration on the H100 target
+    (tests/test_gpu_tensor_overlap.py, GPT-3 175B's published layout). Every iteration (``timetable.iterations``,
+    the fill and drain included) shifts forward and back, the wrap-around with it (two permutes). The iterations
+    that run the forward phase (``timetable.forward_iterations``: the drain's run none) also send the head its
+    pieces and take their gradients back (two all-to-alls, ``training/pipeline/head_pieces.py``) and, on a tensor
+    group, sum the embedding lookup, which XLA runs in another device order (a permute there and back across
+    stages, the all-reduce over the tensor group)."""
+    stages, in_flight, virtual = shape.stages, shape.in_flight, shape.virtual_stages
+    runs = iterations(stages, in_flight, virtual) * shape.microbatches
+    forward = forward_iterations(stages, in_flight, virtual) * shape.microbatches
+    lookup = forward if shape.tensor > 1 else 0.0
     # the head whole on every stage instead: the finished microbatches reach the rest by permutes from the last
     # stage, forward and backward
     whole = 0.0 if shape.spread > 1 else 2.0 * collected * shape.microbatches
-    seconds = coll.permute("pipeline", (2.0 + lookup) * runs * boundary + whole)
-    seconds += coll.ring("all-reduce", "tensor", boundary, lookup * runs)
-    return seconds + (coll.all_to_all("pipeline", boundary, 2 * runs) if shape.spread > 1 else 0.0)
+    seconds = coll.permute("pipeline", (2.0 * runs + lookup) * boundary + whole)
+    seconds += coll.ring("all-reduce", "tensor", boundary, lookup)
+    return seconds + (coll.all_to_all("pipeline", boundary, 2 * forward) if shape.spread > 1 else 0.0)
 
 
 def sums_after_the_loop(shape: StepShape) -> bool:

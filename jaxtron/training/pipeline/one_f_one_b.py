@@ -43,6 +43,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxtron.metrics.hlo import taken
 from jaxtron.models.transformer import EMBED_AXES
 from jaxtron.parallel import timetable
 from jaxtron.parallel.sharding import constrain, constrain_in_flight, replica_map, stage_axes
@@ -139,6 +140,12 @@ class OneFOneB:
         chunk index per stage makes a gather and a scatter that read the slice apart (18 bytes against 10)."""
         return p if self.v_ == 1 else v * self.pc + p
 
+    @property
+    def backward_share(self) -> str:
+        """``hlo.taken`` of the backward phase: it runs from iteration V S - 1 on, the fill's none."""
+        total = timetable.iterations(self.s_, self.m_, self.v_)
+        return taken(total - timetable.first_backward(self.s_, self.v_), total)
+
     @staticmethod
     def weights_of(stack_s, p):
         return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, p, 0, False), stack_s)
@@ -178,7 +185,8 @@ class OneFOneB:
 
         def one(carry, p):
             dy, acc = carry
-            dw, dx = when(active, vjp, dy, p)
+            with jax.named_scope(self.backward_share):  # the budget counts the iterations that run it
+                dw, dx = when(active, vjp, dy, p)
             at = self.slot(v, p)
             acc = jax.tree.map(lambda a, d: a.at[at].add(d.astype(a.dtype), mode="promise_in_bounds"), acc, dw)
             return (dx, acc), None
@@ -285,18 +293,21 @@ class OneFOneB:
             keep = (valid_0 & (s == 0)).astype(dx_s.dtype)
             return rows.map(embedding_backward, (0, 0), dx_s * keep, mb)
 
-        d_pre = when(valid_0, lambda dx, mb: jax.vmap(stage_embedding_backward, in_axes=(0, 0, None),
-                                                      spmd_axis_name=self.spmd)(dx, self.stage_ids, mb),
-                     dx, self.model.pick(m_first))
+        with jax.named_scope(taken(self.m_, timetable.iterations(s_, self.m_, v_))):  # once a microbatch
+            d_pre = when(valid_0, lambda dx, mb: jax.vmap(stage_embedding_backward, in_axes=(0, 0, None),
+                                                          spmd_axis_name=self.spmd)(dx, self.stage_ids, mb),
+                         dx, self.model.pick(m_first))
         return self.on_stages(jnp.roll(self.on_stages(dx), -1, axis=0)), grad_stack, d_pre
 
     def iteration(self, carry: Carry, t) -> tuple[Carry, None]:
         """The forward phase while microbatches enter (t < M + S - 1), the backward phase once the first one
         reached the loss (t >= S - 1): the same branch on every device, so the fill carries no backward and the
         drain no forward."""
-        with jax.named_scope(FORWARD_PHASE):  # the trace times the phases by these names (metrics/bubble.py)
-            f = when(t < timetable.forward_iterations(self.s_, self.m_, self.v_), self.forward_phase, t,
-                     carry.moving)
+        runs = timetable.forward_iterations(self.s_, self.m_, self.v_)
+        with jax.named_scope(FORWARD_PHASE), jax.named_scope(taken(runs, timetable.iterations(self.s_, self.m_,
+                                                                                              self.v_))):
+            # the trace times the phases by these names (metrics/bubble.py); the budget counts the forward's runs
+            f = when(t < runs, self.forward_phase, t, carry.moving)
         valid_f, _, chunks = self.unit(timetable.forward_unit(t, self.stage_ids))
         slot_f = timetable.forward_unit(t, self.stage_ids) % self.keep
         stash = self.on_stages(jax.vmap(lambda st, x, i, v: jax.tree.map(
