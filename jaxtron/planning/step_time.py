@@ -45,12 +45,16 @@ TENSOR_HIDDEN = {1: 0.0, 2: 0.80}
 # the H100 target: 2 chunks cost 62.3 ms of the budget (1019.5 -> 1081.8 ms, the backward's adds 6.3 -> 72.9 ms) for
 # 7.25G such element passes at the budget's copy rate, 17.7 bytes each; tests/test_gpu_tensor_overlap.py.
 TENSOR_CHUNK_PASS_BYTES = 18.0
-# With one chunk a stage (pipeline.schedule='1f1b') the stack's index is the period's on every stage
-# (training/pipeline/one_f_one_b.py OneFOneB.slot): XLA slices the weights and adds the gradients in place, where an
-# index per stage made gathers and a scatter that copied each slice. Llama-3 8B at 8 layers on pipeline=2 tensor=4,
-# 4 and 8 pipeline microbatches, H100 target: a further pass moved 3.98 bytes an element from the working copy
-# (15.8 with the index per stage) and 15.95 from the float32 masters (27.7); tests/test_gpu_target.py.
-IN_PLACE_PASS_SAVING = 12.0
+# A further pass over a stage's block weights in a 1F1B loop with one chunk a stage, by the budget's kernels of each
+# phase (Llama-3 8B at 8 layers on pipeline=2 tensor=4, 8 pipeline microbatches, H100 target): from the working
+# copy, its bfloat16 slices forward and backward (8.0) and the float32 gradient sum (6.0, every iteration); from the
+# float32 masters, the casts (9.6) and the sum (8.0). tests/test_gpu_target.py. (An earlier reading, 3.98 and
+# 15.95, took the difference of 4 and 8 microbatches, and so of the fill's and drain's activation work too.)
+IN_PLACE_PASS_BYTES = {"working copy": 14.0, "masters": 18.0}
+# With more chunks a stage (the interleaved schedule) each stage picks its chunk at an index of its own
+# (training/pipeline/one_f_one_b.py OneFOneB.slot): the slices become gathers and the sum a scatter that copy each
+# slice apart, 12 bytes an element more (the difference of the two programs; tests/test_gpu_target.py).
+STAGE_INDEX_PASS_BYTES = 12.0
 # The share of the MoE exchanges' time that XLA's latency-hiding scheduler (models/moe.py COMPILER_OPTIONS) runs beside
 # compute, by what the scheduler weighs the program with (execution.moe_schedule) and the token chunks
 # (execution.moe_chunks: one, or two and more): the least of the H100-target programs of Mixtral 8x7B (2 layers,
@@ -131,11 +135,13 @@ def compute_time(cfg: Config, shape: StepShape, block: BlockValues, gpu: GPU,
     copied = tuple(p for p in params
                    if cfg.optimizer.distributed and reads_working_copy(p, shape.mesh, shape.value_bytes))
     others = tuple(p for p in params if p not in copied)
-    # a stage that runs one chunk of the stack slices its weights and adds their gradients in place
-    one_chunk = shape.pipelined and shape.schedule in ONE_F_ONE_B and shape.virtual_stages == 1
-    in_place = IN_PLACE_PASS_SAVING if one_chunk else 0.0
-    time["weights"] = (pass_bytes(shape, others, gpu.weight_pass_bytes, in_place)
-                       + pass_bytes(shape, copied, min(gpu.weight_pass_bytes, WORKING_COPY_PASS_BYTES), in_place)
+    copy_bytes = min(gpu.weight_pass_bytes, WORKING_COPY_PASS_BYTES)
+    staged_bytes = {"masters": gpu.weight_pass_bytes, "working copy": copy_bytes}
+    if shape.pipelined and shape.schedule in ONE_F_ONE_B and gpu.weight_pass_bytes:  # as compiled, by phase
+        extra = 0.0 if shape.virtual_stages == 1 else STAGE_INDEX_PASS_BYTES
+        staged_bytes = {k: v + extra for k, v in IN_PLACE_PASS_BYTES.items()}
+    time["weights"] = (pass_bytes(shape, others, gpu.weight_pass_bytes, staged_bytes["masters"])
+                       + pass_bytes(shape, copied, copy_bytes, staged_bytes["working copy"])
                        + weight_passes(shape, params, experts_only=True) * transposed
                        + chunk_passes(cfg, shape, params) * TENSOR_CHUNK_PASS_BYTES) / gpu.hbm_bandwidth
     time["expert_rows"] = expert_row_bytes(cfg, shape, block) / gpu.hbm_bandwidth
@@ -165,12 +171,11 @@ def weight_passes(shape: StepShape, params: tuple[Param, ...], experts_only: boo
     return staged * (shape.microbatches * shape.in_flight - 1) + rest * (shape.microbatches - 1)
 
 
-def pass_bytes(shape: StepShape, params: tuple[Param, ...], per_element: float, in_place: float) -> float:
-    """Bytes of the passes over ``params`` beyond one a step (``weight_passes``) at ``per_element`` bytes, the staged
-    weights' ``in_place`` fewer (never below none)."""
-    staged = tuple(p for p in params if p.staged)
-    return (weight_passes(shape, params) * per_element
-            - weight_passes(shape, staged) * min(per_element, in_place))
+def pass_bytes(shape: StepShape, params: tuple[Param, ...], per_element: float, staged_per_element: float) -> float:
+    """Bytes of the passes over ``params`` beyond one a step (``weight_passes``): the staged weights' at
+    ``staged_per_element`` bytes an element, the others' at ``per_element``."""
+    staged = weight_passes(shape, tuple(p for p in params if p.staged))
+    return (weight_passes(shape, params) - staged) * per_element + staged * staged_per_element
 
 
 def chunk_passes(cfg: Config, shape: StepShape, params: tuple[Param, ...]) -> float:

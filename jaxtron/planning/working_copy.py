@@ -17,7 +17,7 @@ from jaxtron.planning.params import Param
 # stage's block weights moved 27.7 bytes an element from float32 masters (GPU.weight_pass_bytes: 22 priced) and
 # 15.8 from the working copy: its bfloat16 slices, forward and recompute, the transposed layouts and the float32
 # gradient sum, without the casts. That was with the stack indexed per stage, as the interleaved schedule still is;
-# 1F1B's single chunk now slices in place (planning/step_time.py IN_PLACE_PASS_SAVING: 3.98 and 15.95).
+# 1F1B's single chunk now slices in place (planning/step_time.py IN_PLACE_PASS_BYTES).
 WORKING_COPY_PASS_BYTES = 16.0
 
 
