@@ -320,7 +320,9 @@ def communication_time(cfg: Config, shape: StepShape, block: BlockValues, params
     """(seconds per step by communication term, bytes per step and device by collective kind)."""
     coll = Collectives(shape.mesh, gpu)
     data = data_time(cfg, shape, params, coll)
-    after = data if sums_after_the_loop(shape) else 0.0
+    # a table entry without weight-pass bytes prices a published stack: Megatron overlaps its gradient sums with
+    # the last microbatches' backward (planning/step_time.py)
+    after = data if sums_after_the_loop(shape) and gpu.weight_pass_bytes else 0.0
     time = {"fsdp_comm": fsdp_time(shape, params, coll),
             "data_comm": data - after,
             "data_comm_after_loop": after,
