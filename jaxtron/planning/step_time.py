@@ -45,6 +45,10 @@ TENSOR_HIDDEN = {1: 0.0, 2: 0.80}
 # the H100 target: 2 chunks cost 62.3 ms of the budget (1019.5 -> 1081.8 ms, the backward's adds 6.3 -> 72.9 ms) for
 # 7.25G such element passes at the budget's copy rate, 17.7 bytes each; tests/test_gpu_tensor_overlap.py.
 TENSOR_CHUNK_PASS_BYTES = 18.0
+# Under 1F1B with one chunk a stage the chunks' gradients are summed in the backward phase and added in place: the
+# same cut as 1F1B with 8 microbatches, phases counted where they run, 2 chunks cost 49.1 ms (530.0 -> 579.1 ms),
+# which the planner's terms give at 10.3 bytes an element; tests/test_gpu_tensor_overlap.py.
+IN_PLACE_CHUNK_PASS_BYTES = 10.0
 # A further pass over a stage's block weights in a 1F1B loop with one chunk a stage, by the budget's kernels of each
 # phase (Llama-3 8B at 8 layers on pipeline=2 tensor=4, 8 pipeline microbatches, H100 target): from the working
 # copy, its bfloat16 slices forward and backward (8.0) and the float32 gradient sum (6.0, every iteration); from the
@@ -137,13 +141,15 @@ def compute_time(cfg: Config, shape: StepShape, block: BlockValues, gpu: GPU,
     others = tuple(p for p in params if p not in copied)
     copy_bytes = min(gpu.weight_pass_bytes, WORKING_COPY_PASS_BYTES)
     staged_bytes = {"masters": gpu.weight_pass_bytes, "working copy": copy_bytes}
+    one_chunk = shape.pipelined and shape.schedule in ONE_F_ONE_B and shape.virtual_stages == 1
+    chunk_bytes = IN_PLACE_CHUNK_PASS_BYTES if one_chunk else TENSOR_CHUNK_PASS_BYTES
     if shape.pipelined and shape.schedule in ONE_F_ONE_B and gpu.weight_pass_bytes:  # as compiled, by phase
         extra = 0.0 if shape.virtual_stages == 1 else STAGE_INDEX_PASS_BYTES
         staged_bytes = {k: v + extra for k, v in IN_PLACE_PASS_BYTES.items()}
     time["weights"] = (pass_bytes(shape, others, gpu.weight_pass_bytes, staged_bytes["masters"])
                        + pass_bytes(shape, copied, copy_bytes, staged_bytes["working copy"])
                        + weight_passes(shape, params, experts_only=True) * transposed
-                       + chunk_passes(cfg, shape, params) * TENSOR_CHUNK_PASS_BYTES) / gpu.hbm_bandwidth
+                       + chunk_passes(cfg, shape, params) * chunk_bytes) / gpu.hbm_bandwidth
     time["expert_rows"] = expert_row_bytes(cfg, shape, block) / gpu.hbm_bandwidth
     # the stages idle through the fill and drain: the bubble's share of the schedule's iterations (in each of which
     # a stage passes over its weights too)
