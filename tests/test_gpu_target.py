@@ -793,9 +793,10 @@ def test_1f1b_sums_over_data_after_its_loop_beside_no_gemm_on_the_h100(schedule)
 
     code = (
         "from jaxtron.metrics import budget, overlap\n"
+        "from jaxtron.planning.gpus import GPUS\n"
         "found = [w for w in overlap.windows(text, budget.H100) if w.devices == (0, 1, 2, 3)]\n"
         "print(json.dumps(dict(inside=sum(w.runs > 1 for w in found), outside=overlap.summary(\n"
-        "    [w for w in found if w.runs == 1], 360e9))))\n")
+        "    [w for w in found if w.runs == 1], GPUS['h100'].nvlink_bandwidth))))\n")
     overrides = ["model.num_layers=8", "model.vocab_size=32000", "train.global_batch_size=16", "mesh.fsdp=1",
                  "mesh.pipeline=2", "mesh.data=4", "mesh.tensor=1", "pipeline.microbatches=4",
                  f"pipeline.schedule={schedule}", f"pipeline.virtual_stages={1 + (schedule == 'interleaved')}",

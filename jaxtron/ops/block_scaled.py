@@ -119,8 +119,9 @@ def from_rows(y: jax.Array, lead: tuple[int, ...]) -> jax.Array:
     pieces = row_pieces(lead)
     if pieces == 1:
         return y.reshape(*lead, *y.shape[1:])
-    y = y.reshape(pieces, lead[0], lead[1] // pieces, *lead[2:], *y.shape[1:])
-    return jnp.swapaxes(y, 0, 1).reshape(*lead, *y.shape[3 + len(lead) - 2:])
+    rest = y.shape[1:]
+    y = y.reshape(pieces, lead[0], lead[1] // pieces, *lead[2:], *rest)
+    return jnp.swapaxes(y, 0, 1).reshape(*lead, *rest)
 
 
 def as_matrices(equation: str, x: jax.Array, w: jax.Array) -> tuple:

@@ -310,7 +310,7 @@ def sums_after_the_loop(shape: StepShape) -> bool:
     """Whether the gradient sums over data run outside a pipeline's loop, nothing beside them: a dense model's 1F1B
     step sums once, after its loop, and gathers the distributed optimizer's working copy before it. GPT-3 175B's
     published layout on the H100 target: the 21.7 GB reduce-scatter had 0.018 s of kernels in its window, the
-    11.6 GB gather 0.032 s (tests/test_gpu_tensor_overlap.py)."""
+    11.6 GB gather 0.032 s (the overlap counter; tests/test_gpu_target.py checks a cut of Llama-3 8B)."""
     dense = not (shape.moe_layers or shape.outside_moe_layers)
     return dense and shape.pipelined and shape.schedule in ONE_F_ONE_B
 
@@ -320,9 +320,7 @@ def communication_time(cfg: Config, shape: StepShape, block: BlockValues, params
     """(seconds per step by communication term, bytes per step and device by collective kind)."""
     coll = Collectives(shape.mesh, gpu)
     data = data_time(cfg, shape, params, coll)
-    # a table entry without weight-pass bytes prices a published stack: Megatron overlaps its gradient sums with
-    # the last microbatches' backward (planning/step_time.py)
-    after = data if sums_after_the_loop(shape) and gpu.weight_pass_bytes else 0.0
+    after = data if sums_after_the_loop(shape) and gpu.prices_jaxtron else 0.0  # Megatron overlaps them
     time = {"fsdp_comm": fsdp_time(shape, params, coll),
             "data_comm": data - after,
             "data_comm_after_loop": after,

@@ -81,6 +81,12 @@ class GPU:
     def usable_bytes(self) -> float:
         return self.memory_bytes * self.usable_memory_fraction
 
+    @property
+    def prices_jaxtron(self) -> bool:
+        """Whether this entry prices jaxtron's programs: a published stack's (``STACK_WEIGHT_PASS_BYTES``) makes no
+        weight-pass copies, and overlaps its gradient sums with its backward."""
+        return self.weight_pass_bytes > 0
+
 
 def _peaks(model: str) -> dict[str, float]:
     return {k: v * 1e12 for k, v in DENSE_PEAK_TFLOPS[model].items() if v}

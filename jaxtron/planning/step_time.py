@@ -134,17 +134,18 @@ def compute_time(cfg: Config, shape: StepShape, block: BlockValues, gpu: GPU,
     # dropless 16-bit experts run the grouped kernel (as ``_expert_scale`` prices them); a table entry without
     # weight-pass bytes prices a published stack, which makes no such copies
     grouped = execution.moe_mode == "dropless" and not execution.fp8
-    transposed = GROUPED_TRANSPOSE_BYTES if grouped and gpu.weight_pass_bytes else 0.0
+    transposed = GROUPED_TRANSPOSE_BYTES if grouped and gpu.prices_jaxtron else 0.0
     # under the distributed optimizer the projections' passes read the step's working copy, not the masters
     copied = tuple(p for p in params
                    if cfg.optimizer.distributed and reads_working_copy(p, shape.mesh, shape.value_bytes))
     others = tuple(p for p in params if p not in copied)
     copy_bytes = min(gpu.weight_pass_bytes, WORKING_COPY_PASS_BYTES)
     staged_bytes = {"masters": gpu.weight_pass_bytes, "working copy": copy_bytes}
-    one_chunk = shape.pipelined and shape.schedule in ONE_F_ONE_B and shape.virtual_stages == 1
+    one_f_one_b = shape.pipelined and shape.schedule in ONE_F_ONE_B
+    one_chunk = one_f_one_b and shape.virtual_stages == 1
     chunk_bytes = IN_PLACE_CHUNK_PASS_BYTES if one_chunk else TENSOR_CHUNK_PASS_BYTES
-    if shape.pipelined and shape.schedule in ONE_F_ONE_B and gpu.weight_pass_bytes:  # as compiled, by phase
-        extra = 0.0 if shape.virtual_stages == 1 else STAGE_INDEX_PASS_BYTES
+    if one_f_one_b and gpu.prices_jaxtron:  # as compiled, by phase
+        extra = 0.0 if one_chunk else STAGE_INDEX_PASS_BYTES
         staged_bytes = {k: v + extra for k, v in IN_PLACE_PASS_BYTES.items()}
     time["weights"] = (pass_bytes(shape, others, gpu.weight_pass_bytes, staged_bytes["masters"])
                        + pass_bytes(shape, copied, copy_bytes, staged_bytes["working copy"])

@@ -137,14 +137,17 @@ class OneFOneB:
     def slot(self, v, p):
         """Where period ``p`` of chunk ``v`` sits in a stage's stack. With one chunk a stage, the same index on
         every stage, so XLA slices and adds in place (GPT-3 175B's layout as 1F1B: 67.77 -> 65.29 s of budget); a
-        chunk index per stage makes a gather and a scatter that read the slice apart (18 bytes against 10)."""
+        chunk index per stage makes a gather and a scatter that read the slice apart (12 bytes an element more)."""
         return p if self.v_ == 1 else v * self.pc + p
+
+    @property
+    def iterations(self) -> int:
+        return timetable.iterations(self.s_, self.m_, self.v_)
 
     @property
     def backward_share(self) -> str:
         """``hlo.taken`` of the backward phase: it runs from iteration V S - 1 on, the fill's none."""
-        total = timetable.iterations(self.s_, self.m_, self.v_)
-        return taken(total - timetable.first_backward(self.s_, self.v_), total)
+        return taken(self.iterations - timetable.first_backward(self.s_, self.v_), self.iterations)
 
     @staticmethod
     def weights_of(stack_s, p):
@@ -293,7 +296,7 @@ class OneFOneB:
             keep = (valid_0 & (s == 0)).astype(dx_s.dtype)
             return rows.map(embedding_backward, (0, 0), dx_s * keep, mb)
 
-        with jax.named_scope(taken(self.m_, timetable.iterations(s_, self.m_, v_))):  # once a microbatch
+        with jax.named_scope(taken(self.m_, self.iterations)):  # once a microbatch
             d_pre = when(valid_0, lambda dx, mb: jax.vmap(stage_embedding_backward, in_axes=(0, 0, None),
                                                           spmd_axis_name=self.spmd)(dx, self.stage_ids, mb),
                          dx, self.model.pick(m_first))
@@ -304,8 +307,7 @@ class OneFOneB:
         reached the loss (t >= S - 1): the same branch on every device, so the fill carries no backward and the
         drain no forward."""
         runs = timetable.forward_iterations(self.s_, self.m_, self.v_)
-        with jax.named_scope(FORWARD_PHASE), jax.named_scope(taken(runs, timetable.iterations(self.s_, self.m_,
-                                                                                              self.v_))):
+        with jax.named_scope(FORWARD_PHASE), jax.named_scope(taken(runs, self.iterations)):
             # the trace times the phases by these names (metrics/bubble.py); the budget counts the forward's runs
             f = when(t < runs, self.forward_phase, t, carry.moving)
         valid_f, _, chunks = self.unit(timetable.forward_unit(t, self.stage_ids))
@@ -350,8 +352,7 @@ class OneFOneB:
     def gradients(self) -> tuple[Any, jax.Array, jax.Array, dict]:
         """The loop, then the replicas' sums and the gradients in the parameters' layout (``OneFOneBSchedule``)."""
         with jax.named_scope(SCOPE):  # the loop's HLO ops carry the name (profiles find its iterations by it)
-            end, _ = jax.lax.scan(self.iteration, self.start(),
-                                  jnp.arange(timetable.iterations(self.s_, self.m_, self.v_)))
+            end, _ = jax.lax.scan(self.iteration, self.start(), jnp.arange(self.iterations))
         grads = self._parameter_gradients(end.grad_stack, end.grad_rest)
         metrics = moe_metrics(self._block_stats(end.stats_sum, end.mtp_sum[1]))
         if self.model.depth:  # the modules' loss as the fill-drain step reports it: the mean over depths of each
